@@ -1,0 +1,41 @@
+# The two commands (see README):  make lab   and   make test
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# No NVIDIA driver here: run the demo on the simulated 4-GPU fleet.
+HAVE_DRIVER := $(shell (ldconfig -p 2>/dev/null | grep -q 'libnvidia-ml.so.1') && echo 1)
+
+.PHONY: setup lab test test-fast lint gpu-check bench clean
+
+setup:
+	@scripts/setup.sh
+
+lab: setup
+ifeq ($(HAVE_DRIVER),1)
+	$(VENV)/bin/jupyter lab notebooks/quickstart.ipynb
+else
+	@echo "No NVIDIA driver found: starting on the SIMULATED fleet demo-4x (AUTOGPU_SIMULATE=demo-4x)."
+	AUTOGPU_SIMULATE=$${AUTOGPU_SIMULATE:-demo-4x} AUTOGPU_REGISTRY_DIR=$${AUTOGPU_REGISTRY_DIR:-/var/tmp/autogpu-demo} \
+		$(VENV)/bin/jupyter lab notebooks/quickstart.ipynb
+endif
+
+test: setup
+	@scripts/test.sh
+
+lint:
+	$(VENV)/bin/ruff check autogpu_jupyter autogpu tests benchmarks
+	$(VENV)/bin/mypy autogpu_jupyter/core
+
+gpu-check: setup
+	@scripts/gpu-check.sh
+
+bench: setup
+	$(PY) benchmarks/import_time.py
+	$(PY) benchmarks/snapshot.py
+	$(PY) benchmarks/pick_latency.py
+	$(PY) benchmarks/herd.py
+	$(PY) benchmarks/placement.py
+	$(PY) benchmarks/sampler.py
+	$(PY) benchmarks/server.py
+
+clean:
+	rm -rf $(VENV) .venv-ipk6 build dist tests/fakenvml/build tests/fakecuda/build labextension/node_modules labextension/lib autogpu_jupyter/labextension

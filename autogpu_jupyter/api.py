@@ -1,0 +1,402 @@
+"""The Python API: the seed's ``get_min_load_gpu`` / ``set_cuda_visible_devices`` /
+``get_gpu_status``, done right.
+
+>>> import autogpu_jupyter as ag
+>>> ag.pick(min_free="10G")            # before importing torch / jax
+>>> ag.status()                        # a pandas DataFrame
+>>> ag.release()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from autogpu_jupyter.config import AutoGPU
+from autogpu_jupyter.core import session
+from autogpu_jupyter.core.picker import Holder, PickResult
+from autogpu_jupyter.core.picker import pick as _pick
+from autogpu_jupyter.core.policy import Constraints, matches_id
+from autogpu_jupyter.core.units import parse_duration
+from autogpu_jupyter.errors import UsageErrorBase
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+    from autogpu_jupyter.core.leases import Registry
+
+__all__ = [
+    "current",
+    "pick",
+    "pick_result",
+    "release",
+    "set_visible_devices",
+    "status",
+    "status_frame",
+    "holder_for_this_process",
+    "registry_for",
+    "read_snapshot",
+]
+
+log = logging.getLogger(__name__)
+
+_KERNEL_FILE = re.compile(r"kernel-([0-9a-fA-F-]{8,})\.json$")
+
+
+def holder_for_this_process(kind: str = "api") -> Holder:
+    """Who we are, for a lease: pid, and the kernel id / notebook path inside a Jupyter kernel."""
+    kernel_id = None
+    for arg in sys.argv:
+        m = _KERNEL_FILE.search(arg)
+        if m:
+            kernel_id = m.group(1)
+            kind = "kernel"
+            break
+    notebook = os.environ.get("JPY_SESSION_NAME") or None
+    return Holder(
+        pid=os.getpid(),
+        kernel_id=kernel_id,
+        notebook_path=notebook,
+        kind=kind,
+        command=" ".join(sys.argv)[:500] or None,
+    )
+
+
+def registry_for(settings: AutoGPU) -> Registry | None:
+    """The lease registry the settings name, or ``None`` when leases are off."""
+    if not settings.use_leases or not settings.registry_dir:
+        return None
+    from autogpu_jupyter.core.leases import Registry
+
+    return Registry(settings.registry_dir, max_devices_per_user=settings.max_devices_per_user)
+
+
+def _running_sampler() -> Any:
+    """The process's sampler if one runs (never starts one: a pick must not start a thread)."""
+    from autogpu_jupyter.core import sampler as _sampler
+
+    s = _sampler.current_sampler()
+    return s if s is not None and s.running else None
+
+
+def _smoothed_util() -> dict[str, float | None] | None:
+    s = _running_sampler()
+    return None if s is None else s.smoothed_util(30.0)
+
+
+# The settings the magics registered with the shell (so that ``%config AutoGPU.x = ...`` also
+# reaches the Python API in that kernel); ``None`` outside IPython: a fresh ``AutoGPU()``.
+_default_settings: AutoGPU | None = None
+
+
+def set_default_settings(settings: AutoGPU | None) -> None:
+    """Make ``settings`` what API calls without explicit settings use (the magics call this)."""
+    global _default_settings  # noqa: PLW0603 - one per process, like the session
+    _default_settings = settings
+
+
+def default_settings() -> AutoGPU:
+    """The shell's ``AutoGPU`` when the extension is loaded, else a fresh one (env defaults)."""
+    return _default_settings if _default_settings is not None else AutoGPU()
+
+
+def constraints_for(
+    settings: AutoGPU,
+    min_free: object = None,
+    max_util: object = None,
+    count: object = None,
+    exclude: object = None,
+    exclusive: bool | None = None,
+) -> Constraints:
+    """The constraints of a pick: explicit options, else the ``AutoGPU`` settings (validated)."""
+    return Constraints.parse(
+        min_free=settings.min_free if min_free is None else min_free,
+        max_util=settings.max_util if max_util is None else max_util,
+        count=settings.count if count is None else count,
+        exclude=exclude,
+        exclusive=settings.exclusive if exclusive is None else exclusive,
+    )
+
+
+def pick_result(
+    min_free: object = None,
+    max_util: object = None,
+    count: object = None,
+    exclude: object = None,
+    exclusive: bool | None = None,
+    wait: object = None,
+    dry_run: bool = False,
+    force: bool = False,
+    settings: AutoGPU | None = None,
+    on_progress: Callable[[str], None] | None = None,
+    source: str = "api",
+) -> tuple[PickResult, str | None]:
+    """Pick and (unless ``dry_run``) apply; returns the result and a warning (``--force``) if any.
+
+    Options left ``None`` take the ``AutoGPU`` settings (config file, ``%config``, env vars).
+    """
+    settings = settings or default_settings()
+    constraints = constraints_for(settings, min_free, max_util, count, exclude, exclusive)
+    wait_text = settings.wait if wait is None else wait
+    wait_s = 0.0 if wait_text in ("", None) else parse_duration(wait_text)
+    warning = None
+    if not dry_run:
+        warning = session.check_not_too_late(force or not settings.refuse_when_initialized)
+    registry = registry_for(settings)
+    mine = session.current()
+    if registry is not None and mine is not None and mine.lease_id:
+        # A re-pick replaces this process's lease (session.apply releases it on success), so that
+        # lease must not book memory or hold "exclusive" against the new pick.
+        registry = _RepickView(registry, mine.lease_id)  # type: ignore[assignment]
+    result = _pick(
+        constraints,
+        environ=session.original_environ(),
+        registry=registry,
+        holder=holder_for_this_process(source if source != "magic" else "kernel"),
+        dry_run=dry_run,
+        wait_s=wait_s,
+        on_progress=on_progress,
+        smoothed_util=_smoothed_util(),
+    )
+    if not dry_run:
+        session.apply(result, source=source, forced=warning is not None)
+    return result, warning
+
+
+class _RepickView:
+    """The registry as a re-pick sees it: every live lease except ``own_lease_id``.
+
+    A re-pick replaces this process's lease (``session.apply`` releases it once the new pick
+    succeeds), so that lease must not book memory, count towards ``max_devices_per_user`` or
+    hold "exclusive" against the new pick. Both the rankings' bookings and ``txn.create``'s own
+    checks read ``txn.live_leases()``; this view filters it for the duration of the lock.
+    (Lead: a ``replacing_lease_id=`` parameter of ``picker.pick`` would make this unnecessary.)
+    """
+
+    def __init__(self, registry: Registry, own_lease_id: str) -> None:
+        self._registry = registry
+        self._own = own_lease_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._registry, name)
+
+    def _without_own(self, leases: Sequence[Any]) -> list[Any]:
+        return [r for r in leases if r.lease_id != self._own]
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[Any]:
+        with self._registry.locked() as txn:
+            if txn is not None:
+                real = txn.live_leases
+                txn.live_leases = lambda: self._without_own(real())  # type: ignore[method-assign]
+            yield txn
+
+    def bookings(self, devices: Sequence[DeviceSnapshot], txn: Any = None) -> Any:
+        from autogpu_jupyter.core.leases import bookings_for
+        from autogpu_jupyter.errors import RegistryError
+
+        if txn is not None:
+            return self._registry.bookings(devices, txn)  # txn.live_leases is already filtered
+        try:
+            leases = self._registry.list_leases()
+        except RegistryError as err:
+            log.debug("bookings without registry: %s", err)
+            leases = []
+        return bookings_for(devices, self._without_own(leases))
+
+
+def pick(
+    min_free: object = None,
+    max_util: object = None,
+    count: int | None = None,
+    exclude: object = None,
+    exclusive: bool | None = None,
+    wait: object = None,
+    dry_run: bool = False,
+    force: bool = False,
+) -> list[DeviceSnapshot]:
+    """Pick the best device(s) that fit, take a lease, set ``CUDA_VISIBLE_DEVICES``.
+
+    Call it before anything initialises CUDA (``import torch`` is fine, ``torch.cuda.*`` is not).
+
+    Parameters
+    ----------
+    min_free
+        Free memory wanted per device: ``"10G"`` (binary), ``"16GB"`` (decimal), ``"25%"``.
+    max_util
+        Drop devices busier than this percentage.
+    count
+        How many devices.
+    exclude
+        NVML indices or UUIDs to avoid: ``"0,2"`` or ``["GPU-5a1b"]``.
+    exclusive
+        Take devices no other lease holds, and keep others off them.
+    wait
+        Wait in line up to this long (``"10m"``) for a device to fit.
+    dry_run
+        Only rank; change nothing.
+    force
+        Set the variables even though CUDA is already initialised (they will have no effect
+        until the kernel restarts).
+
+    Returns
+    -------
+    list of DeviceSnapshot
+        The chosen devices, best first.
+
+    Raises
+    ------
+    AutoGPUError
+        ``TooLateError``, ``NoDeviceFitsError``, ``NoDeviceGrantedError``, ``NVMLUnavailableError``
+        or ``UsageErrorBase`` for bad input.
+    """
+    result, warning = pick_result(
+        min_free, max_util, count, exclude, exclusive, wait, dry_run, force
+    )
+    if warning:
+        log.warning("%s", warning)
+    return list(result.chosen)
+
+
+def current() -> session.Choice | None:
+    """This process's choice (device UUIDs, lease), or ``None``."""
+    return session.current()
+
+
+def release() -> session.Choice | None:
+    """Drop this process's choice and lease and restore the variables as they were.
+
+    CUDA, if already initialised, keeps using its device until the process restarts.
+    """
+    return session.release()
+
+
+def read_snapshot() -> FleetSnapshot:
+    """The freshest snapshot: the running sampler's if there is one, else one read."""
+    from autogpu_jupyter.core.backends import get_backend
+
+    s = _running_sampler()
+    snap = s.latest() if s is not None else None
+    return snap if snap is not None else get_backend().snapshot()
+
+
+def set_visible_devices(ids: Sequence[str | int] | str | int, force: bool = False) -> list[str]:
+    """Make exactly these devices visible (indices or UUIDs), validated, as full UUIDs.
+
+    No lease is taken. Returns the UUIDs written to ``CUDA_VISIBLE_DEVICES``.
+    """
+    from autogpu_jupyter.core.visibility import current_allocation, visible_env
+
+    given = ids  # as typed, for the message
+    if isinstance(ids, (str, int)):
+        ids = list(str(ids).split(","))
+    wanted = [str(i).strip() for i in ids]
+    if not wanted or any(not w for w in wanted):
+        raise UsageErrorBase(
+            f"invalid device list {given!r}: expected NVML indices or UUIDs, "
+            "e.g. [0, 2] or 'GPU-5a1b'"
+        )
+    snap = read_snapshot()
+    allocation = current_allocation(snap.devices, session.original_environ())
+    chosen: list[DeviceSnapshot] = []
+    for w in wanted:
+        matches = [d for d in snap.devices if matches_id(d, w)]
+        if len(matches) != 1:
+            known = ", ".join(str(d.index) for d in snap.devices if not d.is_mig)
+            raise UsageErrorBase(
+                f"unknown device id {w!r}: expected an NVML index ({known}) or a (unique) UUID"
+            )
+        if not allocation.allows(matches[0]):
+            raise UsageErrorBase(
+                f"{matches[0].label} is outside this process's allocation ({allocation.describe()})"
+            )
+        if matches[0] not in chosen:
+            chosen.append(matches[0])
+    if sum(d.is_mig for d in chosen) > 1:
+        raise UsageErrorBase("a process can use only one MIG device")
+    session.check_not_too_late(force)
+    from autogpu_jupyter.core.picker import PickResult as _PR
+
+    result = _PR(
+        chosen=tuple(chosen),
+        candidates=(),
+        constraints=Constraints(count=len(chosen)),
+        env=visible_env([d.uuid for d in chosen]),
+        allocation=allocation,
+        snapshot=snap,
+    )
+    session.apply(result, source="api", forced=force)
+    return [d.uuid for d in chosen]
+
+
+def status(snapshot: FleetSnapshot | None = None, settings: AutoGPU | None = None) -> pd.DataFrame:
+    """All devices as a DataFrame: this process's device marked, load, memory, holders.
+
+    ``df.attrs["simulated"]`` is True on a simulated fleet (``AUTOGPU_SIMULATE``).
+    """
+    snap = snapshot or read_snapshot()
+    return status_frame(snap, session.current(), _live_leases(settings))
+
+
+def _live_leases(settings: AutoGPU | None = None) -> list[Any]:
+    settings = settings or default_settings()
+    reg = registry_for(settings)
+    if reg is None:
+        return []
+    try:
+        return list(reg.list_leases())
+    except Exception as err:
+        log.debug("registry unreadable: %s", err)
+        return []
+
+
+def status_frame(
+    snap: FleetSnapshot, choice: session.Choice | None, leases: Sequence[Any]
+) -> pd.DataFrame:
+    """The status table (pure): one row per device."""
+    import pandas as pd
+
+    from autogpu_jupyter.core.units import format_bytes
+
+    mine = set(choice.uuids) if choice else set()
+    rows = []
+    for d in snap.devices:
+        holders = []
+        for lease in leases:
+            rec = getattr(lease, "record", lease)
+            if d.uuid in rec.device_uuids:
+                where = rec.notebook_path or (
+                    f"kernel {rec.kernel_id[:8]}" if rec.kernel_id else f"pid {rec.pid}"
+                )
+                booked = format_bytes(rec.requested_bytes) if rec.requested_bytes else "-"
+                holders.append(f"{rec.user}: {where} ({booked})")
+        rows.append(
+            {
+                "": "▶" if d.uuid in mine else "",
+                "gpu": d.label,
+                "name": d.name,
+                "uuid": d.short_uuid,
+                "util %": d.utilization_pct,
+                "mem used": format_bytes(d.memory_used_bytes),
+                "mem total": format_bytes(d.memory_total_bytes),
+                "mem free": format_bytes(d.memory_free_bytes),
+                "temp °C": d.temperature_c,
+                "power W": d.power_w,
+                "procs": None if d.processes is None else len(d.processes),
+                "holders": ", ".join(holders),
+                "state": "ok" if d.available else f"unavailable: {d.error}",
+            }
+        )
+    df = pd.DataFrame(rows)
+    # Whole numbers stay whole when a lost device makes a column partly unknown (<NA>, not NaN).
+    for col in ("temp °C", "procs"):
+        if col in df:
+            df[col] = pd.to_numeric(df[col]).round().astype("Int64")
+    df.attrs["simulated"] = snap.simulated
+    return df

@@ -1,0 +1,297 @@
+"""The ``autogpu`` command: the same engine as the magics, for shells and scripts.
+
+Exit codes: 0 ok, 2 usage error, 3 no device fits / no GPU granted, 4 no NVIDIA driver,
+5 too late (CUDA initialised), 1 anything else. ``autogpu run`` exits with the command's own code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from autogpu_jupyter._version import __version__
+from autogpu_jupyter.config import AutoGPU
+from autogpu_jupyter.errors import AutoGPUError
+
+__all__ = ["main", "build_parser"]
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NO_DEVICE, EXIT_NO_DRIVER = 0, 1, 2, 3, 4
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"autogpu: error: {message}\n")
+
+
+def _add_pick_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--min-free", metavar="SIZE",
+                   help="free memory wanted per device: 10G / 10GiB (binary), 16GB (decimal), 25%%")
+    p.add_argument("--max-util", metavar="PCT", help="drop devices busier than PCT percent (0-100)")
+    p.add_argument("--count", metavar="N", default=None, help="number of devices (default 1)")
+    p.add_argument("--exclude", metavar="IDS", help="NVML indices or UUIDs to avoid, e.g. 0,2")
+    p.add_argument("--exclusive", action="store_true", default=None,
+                   help="take devices no other lease holds, and keep others off them")
+    p.add_argument("--wait", metavar="DURATION", help="wait in line up to DURATION (e.g. 10m)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="autogpu",
+        description="Pick the least-loaded NVIDIA GPU that fits, with leases so that simultaneous "
+        "jobs never pile onto one card. Set AUTOGPU_SIMULATE=demo-4x to try it without a GPU.",
+        epilog="exit codes: 0 ok, 2 usage, 3 no device fits / no GPU granted, 4 no NVIDIA driver",
+    )
+    parser.add_argument("--version", action="version", version=f"autogpu {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p_list = sub.add_parser("list", help="every device, its load and holders")
+    p_list.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p_pick = sub.add_parser(
+        "pick",
+        help="print the best device(s) for the constraints",
+        description="Print the best device(s). No lease outlives this command: use "
+        "`autogpu run -- CMD` to hold one for CMD's lifetime. --export prints shell "
+        "assignments for eval: eval \"$(autogpu pick --min-free 10G --export)\".",
+    )
+    _add_pick_options(p_pick)
+    fmt = p_pick.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="machine-readable output")
+    fmt.add_argument("--export", action="store_true",
+                     help="print `export CUDA_DEVICE_ORDER=... CUDA_VISIBLE_DEVICES=...` for eval "
+                     "(holds no lease)")
+
+    p_run = sub.add_parser(
+        "run",
+        help="run a command on the best device, holding a lease while it runs",
+        description="Pick, take a lease, run CMD with CUDA_VISIBLE_DEVICES set; the lease lasts "
+        "exactly as long as CMD runs. Exits with CMD's exit code.",
+    )
+    _add_pick_options(p_run)
+    p_run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
+                       help="the command to run")
+
+    p_leases = sub.add_parser("leases", help="list the live leases on this host")
+    p_leases.add_argument("--json", action="store_true", help="machine-readable output")
+    p_leases.add_argument("--prune", action="store_true", help="remove your own dead lease files")
+    p_leases.add_argument("--all", action="store_true",
+                          help="with --prune, as root: remove every user's dead lease files")
+    p_leases.add_argument("--show-commands", action="store_true",
+                          help="show other users' command lines (root only)")
+
+    try:
+        from autogpu_jupyter import kernelspec as _ks
+
+        _ks.add_cli(sub)
+    except ImportError:  # pragma: no cover - the kernelspec module ships with the package
+        pass
+    return parser
+
+
+def _settings() -> AutoGPU:
+    return AutoGPU()
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from autogpu_jupyter.api import status_frame
+    from autogpu_jupyter.core.backends import get_backend
+    from autogpu_jupyter.core.session import current
+
+    snap = get_backend().snapshot()
+    leases = _leases_or_empty()
+    if args.json:
+        data = snap.to_dict()
+        data["leases"] = [lease.to_dict(redact_command=not _is_root()) for lease in leases]
+        print(json.dumps(data, indent=2))
+        return EXIT_OK
+    df = status_frame(snap, current(), leases)
+    title = f"{len(snap.devices)} device(s) via {snap.backend}"
+    if snap.simulated:
+        title += " — SIMULATED fleet (AUTOGPU_SIMULATE), not real GPUs"
+    print(title)
+    print(df.drop(columns=[""]).to_string(index=False) if len(df) else "(no devices)")
+    for err in snap.errors:
+        print(f"note: {err}")
+    return EXIT_OK
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _leases_or_empty() -> list[Any]:
+    from autogpu_jupyter.api import registry_for
+
+    reg = registry_for(_settings())
+    if reg is None:
+        return []
+    try:
+        return list(reg.list_leases())
+    except AutoGPUError as err:
+        print(f"note: lease registry not readable: {err}", file=sys.stderr)
+        return []
+
+
+def _pick(args: argparse.Namespace, *, take_lease: bool) -> Any:
+    from autogpu_jupyter.api import holder_for_this_process, registry_for
+    from autogpu_jupyter.core.picker import pick
+    from autogpu_jupyter.core.policy import Constraints
+    from autogpu_jupyter.core.units import parse_duration
+
+    settings = _settings()
+    constraints = Constraints.parse(
+        min_free=settings.min_free if args.min_free is None else args.min_free,
+        max_util=settings.max_util if args.max_util is None else args.max_util,
+        count=settings.count if args.count is None else args.count,
+        exclude=args.exclude,
+        exclusive=settings.exclusive if args.exclusive is None else args.exclusive,
+    )
+    wait = settings.wait if args.wait is None else args.wait
+    wait_s = parse_duration(wait) if wait else 0.0
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    holder = holder_for_this_process("cli")
+    if take_lease and args.cmd:
+        holder = type(holder)(pid=holder.pid, kind="cli", command=shlex.join(args.cmd)[:500])
+    return pick(constraints, registry=registry_for(settings), holder=holder,
+                dry_run=not take_lease, wait_s=wait_s, on_progress=progress)
+
+
+def _summary(result: Any) -> str:
+    from autogpu_jupyter.core.units import format_bytes
+
+    lines = []
+    for d in result.chosen:
+        util = "?" if d.utilization_pct is None else f"{d.utilization_pct:.0f}%"
+        lines.append(f"{d.label} {d.name} {d.uuid}: {format_bytes(d.memory_free_bytes)} free, "
+                     f"util {util}")
+    lines.append(f"constraints: {result.constraints.describe()}")
+    ru = result.runner_up
+    if ru is not None:
+        lines.append(f"runner-up: {ru.device.label} ({format_bytes(ru.effective_free_bytes)} free)")
+    if result.snapshot.simulated:
+        lines.append("note: SIMULATED fleet (AUTOGPU_SIMULATE)")
+    return "\n".join(lines)
+
+
+def _cmd_pick(args: argparse.Namespace) -> int:
+    from autogpu_jupyter.core.visibility import visible_env
+
+    result = _pick(args, take_lease=False)
+    env = visible_env([d.uuid for d in result.chosen])
+    if args.export:
+        print(" ".join(f"export {k}={shlex.quote(v)};" for k, v in env.items()))
+        return EXIT_OK
+    if args.json:
+        data = result.to_dict()
+        data["env"] = env
+        print(json.dumps(data, indent=2))
+        return EXIT_OK
+    print(_summary(result))
+    print("set: " + " ".join(f"{k}={v}" for k, v in env.items()))
+    return EXIT_OK
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("autogpu: error: run needs a command: autogpu run [options] -- CMD ARGS", file=sys.stderr)
+        return EXIT_USAGE
+    args.cmd = cmd
+    result = _pick(args, take_lease=True)
+    env = dict(os.environ)
+    env.update(result.env)
+    if result.lease is not None:
+        env["AUTOGPU_LEASE_ID"] = result.lease.record.lease_id
+    env["AUTOGPU_PICKED"] = ",".join(d.uuid for d in result.chosen)
+    print(_summary(result), file=sys.stderr)
+    if result.lease_note:
+        print(f"note: {result.lease_note}", file=sys.stderr)
+    # The lease's file descriptor is passed to CMD, so the flock lives exactly as long as CMD
+    # (and we) hold it: if this wrapper is killed, CMD still holds its lease.
+    pass_fds = () if result.lease is None else (result.lease.fileno(),)
+    try:
+        proc = subprocess.Popen(cmd, env=env, pass_fds=pass_fds)
+    except FileNotFoundError:
+        print(f"autogpu: error: command not found: {cmd[0]!r}", file=sys.stderr)
+        return 127
+    forward = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum)) for s in forward}
+    try:
+        code = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if result.lease is not None:
+            result.lease.release()
+    return code if code >= 0 else 128 - code
+
+
+def _cmd_leases(args: argparse.Namespace) -> int:
+    from autogpu_jupyter.api import registry_for
+    from autogpu_jupyter.core.units import format_bytes
+
+    reg = registry_for(_settings())
+    if reg is None:
+        print("leases are off (AutoGPU.use_leases = False or no registry_dir)")
+        return EXIT_OK
+    if args.all and not args.prune:
+        print("autogpu: error: --all goes with --prune", file=sys.stderr)
+        return EXIT_USAGE
+    if args.prune:
+        if args.all and not _is_root():
+            print("autogpu: error: --prune --all needs root", file=sys.stderr)
+            return EXIT_USAGE
+        removed = reg.prune(all_users=args.all)
+        print(f"removed {removed} dead lease file(s)")
+        return EXIT_OK
+    leases = list(reg.list_leases())
+    show_cmd = args.show_commands and _is_root()
+    if args.json:
+        print(json.dumps([lease.to_dict(redact_command=not show_cmd) for lease in leases], indent=2))
+        return EXIT_OK
+    if not leases:
+        print(f"no live leases in {reg.path}")
+        return EXIT_OK
+    for lease in leases:
+        d = lease.to_dict(redact_command=not show_cmd)
+        where = d.get("notebook_path") or (f"kernel {d['kernel_id']}" if d.get("kernel_id") else "")
+        booked = format_bytes(d["requested_bytes"]) if d.get("requested_bytes") else "-"
+        print(f"{d['user']:<12} pid {d['pid']:<8} {','.join(d['device_uuids'])} booked {booked}"
+              f"{' exclusive' if d.get('exclusive') else ''} {where}".rstrip())
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``autogpu``; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    handlers = {"list": _cmd_list, "pick": _cmd_pick, "run": _cmd_run, "leases": _cmd_leases}
+    handler = handlers.get(args.command) or getattr(args, "handler", None)
+    try:
+        return int(handler(args))  # type: ignore[misc]
+    except AutoGPUError as err:
+        print(f"autogpu: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("autogpu: cancelled", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""User and admin configuration: ``c.AutoGPU.*`` traits, seeded by ``AUTOGPU_*`` env vars.
+
+Precedence (design decision 9): magic flag > ``%config`` / config file > env var > default.
+The env vars only provide the defaults (``@default``), so a config file always wins over them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from traitlets import Bool, Float, Int, Unicode, default
+from traitlets.config import Configurable
+
+__all__ = ["AutoGPU", "default_registry_dir"]
+
+
+def default_registry_dir() -> str:
+    """``$AUTOGPU_REGISTRY_DIR``, else ``/var/tmp/autogpu`` (shared by all users; not a private /tmp)."""
+    return os.environ.get("AUTOGPU_REGISTRY_DIR") or "/var/tmp/autogpu"
+
+
+def _env(name: str, fallback: str = "") -> str:
+    return os.environ.get(f"AUTOGPU_{name}", fallback)
+
+
+class AutoGPU(Configurable):
+    """Settings of the picker, the leases and the sampler.
+
+    Set them in ``ipython_config.py`` / ``jupyter_server_config.py`` as ``c.AutoGPU.min_free = "10G"``,
+    in a notebook with ``%config AutoGPU.min_free = "10G"``, or through ``AUTOGPU_MIN_FREE`` etc.
+    """
+
+    min_free = Unicode(
+        "", help="Default --min-free for a pick: a size like 10G / 16GB or a share like 25%. Empty: no minimum."
+    ).tag(config=True)
+    max_util = Unicode(
+        "", help="Default --max-util: drop devices busier than this percentage (0-100). Empty: no limit."
+    ).tag(config=True)
+    count = Int(1, help="Default number of devices a pick takes.").tag(config=True)
+    wait = Unicode(
+        "", help="Default --wait: how long a pick waits in line for a device (e.g. 10m). Empty: no wait."
+    ).tag(config=True)
+    exclusive = Bool(
+        False, help="Default --exclusive: take a device no other lease holds, and keep others off it."
+    ).tag(config=True)
+    refuse_when_initialized = Bool(
+        True,
+        help="Refuse a pick when CUDA is already initialised in the kernel (it would have no effect). "
+        "False: set the variables anyway, with a warning, as --force does.",
+    ).tag(config=True)
+    pick_on_load = Bool(
+        False,
+        help="Pick a device (with the defaults above) as soon as the extension loads, so a profile "
+        "with c.InteractiveShellApp.extensions = ['autogpu'] makes every kernel pick.",
+    ).tag(config=True)
+    registry_dir = Unicode(
+        help="Directory of the per-host lease registry, shared by every user of the host. The admin "
+        "may create it (mode 1777, owned by root); autogpu creates it so when missing. "
+        "Empty string disables leases."
+    ).tag(config=True)
+    use_leases = Bool(True, help="Take a lease on each pick (herd safety). False: no registry at all.").tag(
+        config=True
+    )
+    max_devices_per_user = Int(
+        0, help="Admin limit: the most devices one user may hold leases on at once (0: no limit)."
+    ).tag(config=True)
+    sample_interval_s = Float(1.0, help="Seconds between NVML samples of the background sampler (>= 0.1).").tag(
+        config=True
+    )
+    history_s = Float(900.0, help="Seconds of sampler history kept in memory (a bounded ring buffer).").tag(
+        config=True
+    )
+    overload_util_pct = Float(
+        90.0, help="The panel warns when this kernel's GPU stays above this utilisation (because of others)."
+    ).tag(config=True)
+    overload_window_s = Float(
+        30.0, help="How long the load must last (seconds) before the overload warning shows."
+    ).tag(config=True)
+    overload_memory_pct = Float(
+        95.0, help="The panel warns when this kernel's GPU memory is fuller than this percentage."
+    ).tag(config=True)
+
+    @default("min_free")
+    def _default_min_free(self) -> str:
+        return _env("MIN_FREE")
+
+    @default("max_util")
+    def _default_max_util(self) -> str:
+        return _env("MAX_UTIL")
+
+    @default("count")
+    def _default_count(self) -> int:
+        return _int_env("COUNT", 1)
+
+    @default("wait")
+    def _default_wait(self) -> str:
+        return _env("WAIT")
+
+    @default("exclusive")
+    def _default_exclusive(self) -> bool:
+        return _bool_env("EXCLUSIVE", False)
+
+    @default("pick_on_load")
+    def _default_pick_on_load(self) -> bool:
+        return _bool_env("PICK_ON_LOAD", False)
+
+    @default("registry_dir")
+    def _default_registry_dir(self) -> str:
+        return default_registry_dir()
+
+    @default("use_leases")
+    def _default_use_leases(self) -> bool:
+        return _bool_env("USE_LEASES", True)
+
+    @default("max_devices_per_user")
+    def _default_max_devices(self) -> int:
+        return _int_env("MAX_DEVICES_PER_USER", 0)
+
+    @default("sample_interval_s")
+    def _default_interval(self) -> float:
+        try:
+            return max(0.1, float(_env("SAMPLE_INTERVAL", "1.0")))
+        except ValueError:
+            return 1.0
+
+
+def _bool_env(name: str, fallback: bool) -> bool:
+    value = _env(name).strip().lower()
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off"}:
+        return False
+    return fallback
+
+
+def _int_env(name: str, fallback: int) -> int:
+    try:
+        return int(_env(name, str(fallback)))
+    except ValueError:
+        return fallback
+
+
+def settings(**overrides: Any) -> AutoGPU:
+    """An :class:`AutoGPU` with the current env defaults and ``overrides`` applied (for scripts)."""
+    return AutoGPU(**overrides)

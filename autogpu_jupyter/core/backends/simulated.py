@@ -1,0 +1,193 @@
+"""A simulated fleet: the same snapshots as NVML, from a JSON fleet file or a built-in fleet.
+
+Used for demos on machines without an NVIDIA driver (``AUTOGPU_SIMULATE=demo-4x``) and clearly
+labelled ``simulated`` on every surface. The fleet file is re-read whenever it changes, so a demo
+or a test can move load while kernels run. The schema is documented in the README
+("Fleet file format").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
+from autogpu_jupyter.core.units import parse_size
+from autogpu_jupyter.errors import UsageErrorBase
+
+__all__ = ["SimulatedBackend", "BUILTIN_FLEETS", "builtin_fleet"]
+
+GiB = 1024**3
+
+
+def _demo(n_a100: int, n_l4: int) -> dict[str, Any]:
+    devices: list[dict[str, Any]] = []
+    for i in range(n_a100 + n_l4):
+        a100 = i < n_a100
+        devices.append(
+            {
+                "name": "NVIDIA A100-SXM4-80GB" if a100 else "NVIDIA L4",
+                "uuid": f"GPU-5{i:07d}-d3mo-4x{i:02d}-a{i}00-{i:012x}",
+                "pci_bus_id": f"00000000:{0x07 + 0x10 * i:02X}:00.0",
+                "memory_total": 80 * GiB if a100 else 24 * GiB,
+                "power_limit_w": 400.0 if a100 else 72.0,
+                "load": {
+                    "period_s": 90.0 + 37.0 * i,
+                    "phase": i * 1.7,
+                    "utilization_pct": [[5, 35], [60, 98], [0, 10], [20, 70]][i % 4],
+                    "memory_used_fraction": [[0.05, 0.2], [0.55, 0.9], [0.0, 0.05], [0.2, 0.5]][
+                        i % 4
+                    ],
+                },
+                "processes": [] if i % 4 == 2 else [
+                    {"pid": 41000 + i, "user": ["alice", "bob", "carol", "dave"][i % 4],
+                     "command": "python train.py", "memory_share": 1.0}
+                ],
+            }
+        )
+    return {"driver_version": "550.54.15 (simulated)", "devices": devices}
+
+
+#: Built-in fleets, by name.
+BUILTIN_FLEETS: dict[str, dict[str, Any]] = {
+    "demo-4x": _demo(2, 2),
+    "demo-8x": _demo(4, 4),
+}
+
+
+def builtin_fleet(name: str) -> dict[str, Any]:
+    """The fleet description of a built-in fleet (a deep copy you may change)."""
+    return json.loads(json.dumps(BUILTIN_FLEETS[name]))
+
+
+def _bytes(value: Any, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    return parse_size(value).resolve(None)
+
+
+class SimulatedBackend:
+    """Snapshots from a fleet description; moving load where the fleet defines ``load``."""
+
+    simulated = True
+
+    def __init__(self, source: str, clock: Any = time.time) -> None:
+        self.source = source
+        self.name = "simulated"
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._mtime: float | None = None
+        self._fleet: dict[str, Any] | None = None
+        if source in BUILTIN_FLEETS:
+            self._fleet = builtin_fleet(source)
+        elif not Path(source).is_file():
+            raise UsageErrorBase(
+                f"AUTOGPU_SIMULATE={source!r}: not a fleet file and not a built-in fleet; "
+                f"expected a path to a JSON fleet file or one of {', '.join(sorted(BUILTIN_FLEETS))}"
+            )
+
+    def _load(self) -> dict[str, Any]:
+        if self.source in BUILTIN_FLEETS:
+            assert self._fleet is not None
+            return self._fleet
+        with self._lock:
+            try:
+                mtime = os.stat(self.source).st_mtime_ns
+            except FileNotFoundError:
+                if self._fleet is not None:
+                    return self._fleet
+                raise
+            if self._fleet is None or mtime != self._mtime:
+                with open(self.source, encoding="utf-8") as fh:
+                    text = fh.read()
+                try:
+                    fleet = json.loads(text)
+                except json.JSONDecodeError:
+                    if self._fleet is not None:  # a writer is mid-write: keep the last good one
+                        return self._fleet
+                    raise UsageErrorBase(f"fleet file {self.source!r} is not valid JSON") from None
+                self._fleet, self._mtime = fleet, mtime
+            return self._fleet
+
+    def snapshot(self) -> FleetSnapshot:
+        fleet = self._load()
+        now = float(self._clock())
+        devices: list[DeviceSnapshot] = []
+        for index, spec in enumerate(fleet.get("devices", [])):
+            devices.extend(self._device(index, spec, now))
+        return FleetSnapshot(
+            devices=tuple(devices),
+            timestamp_s=now,
+            backend="simulated",
+            simulated=True,
+            driver_version=fleet.get("driver_version", "simulated"),
+        )
+
+    def _device(self, index: int, spec: dict[str, Any], now: float) -> list[DeviceSnapshot]:
+        uuid = str(spec["uuid"])
+        name = str(spec.get("name", "Simulated GPU"))
+        if spec.get("lost"):
+            return [
+                DeviceSnapshot(index=index, uuid=uuid, name=name, pci_bus_id=spec.get("pci_bus_id"),
+                               available=False, error=str(spec.get("error", "GPU is lost")),
+                               processes=None, timestamp_s=now)
+            ]
+        total = _bytes(spec.get("memory_total"), "memory_total")
+        used = _bytes(spec.get("memory_used"), "memory_used")
+        util = spec.get("utilization_pct")
+        load = spec.get("load")
+        if load:
+            period = float(load.get("period_s", 120.0))
+            wave = 0.5 + 0.5 * math.sin(2 * math.pi * now / period + float(load.get("phase", 0.0)))
+            lo, hi = load.get("utilization_pct", [util or 0, util or 0])
+            util = round(lo + (hi - lo) * wave, 1)
+            if total is not None and "memory_used_fraction" in load:
+                flo, fhi = load["memory_used_fraction"]
+                used = int(total * (flo + (fhi - flo) * wave))
+        if used is None and total is not None:
+            used = sum(_bytes(p.get("used_memory"), "used_memory") or 0
+                       for p in spec.get("processes", []))
+        free = None if total is None or used is None else max(total - used, 0)
+        procs = []
+        for p in spec.get("processes", []):
+            pm = _bytes(p.get("used_memory"), "used_memory")
+            if pm is None and "memory_share" in p and used is not None:
+                pm = int(used * float(p["memory_share"]))
+            procs.append(ProcessSnapshot(pid=int(p["pid"]), used_memory_bytes=pm,
+                                         user=p.get("user"), command=p.get("command")))
+        power_limit = spec.get("power_limit_w")
+        power = spec.get("power_w")
+        if power is None and power_limit is not None and util is not None:
+            power = round(float(power_limit) * (0.15 + 0.8 * float(util) / 100.0), 1)
+        temp = spec.get("temperature_c")
+        if temp is None and util is not None:
+            temp = round(32 + 0.45 * float(util))
+        mig = spec.get("mig_devices") or []
+        parent = DeviceSnapshot(
+            index=index, uuid=uuid, name=name, pci_bus_id=spec.get("pci_bus_id"),
+            memory_total_bytes=total, memory_used_bytes=used, memory_free_bytes=free,
+            utilization_pct=None if util is None or mig else float(util),
+            memory_utilization_pct=spec.get("memory_utilization_pct"),
+            temperature_c=temp, power_w=power, power_limit_w=power_limit,
+            compute_mode=spec.get("compute_mode", "DEFAULT"),
+            mig_enabled=bool(mig), processes=tuple(procs), timestamp_s=now,
+        )
+        out = [parent]
+        for mi, m in enumerate(mig):
+            mt = _bytes(m.get("memory_total"), "memory_total")
+            mu = _bytes(m.get("memory_used"), "memory_used") or 0
+            out.append(DeviceSnapshot(
+                index=index, uuid=str(m["uuid"]), name=f"{name} MIG {m.get('profile', '')}".strip(),
+                pci_bus_id=spec.get("pci_bus_id"), memory_total_bytes=mt, memory_used_bytes=mu,
+                memory_free_bytes=None if mt is None else max(mt - mu, 0), utilization_pct=None,
+                compute_mode=parent.compute_mode, mig_enabled=True, is_mig=True, parent_uuid=uuid,
+                mig_index=mi, processes=(), timestamp_s=now,
+            ))
+        return out

@@ -1,0 +1,307 @@
+"""One pick, end to end: lock the registry, read the devices and live leases, rank, lease, unlock.
+
+:func:`pick` never touches ``os.environ``: it returns what to set (``PickResult.env``) and the
+caller applies it after its own checks (see :mod:`autogpu_jupyter.core.session`).
+
+What the picker needs of a lease registry (:class:`autogpu_jupyter.core.leases.Registry`):
+``registry.locked()`` (context manager: the registry-wide lock, yields a transaction ``txn``, or
+``None`` when the registry is unusable, with ``registry.unusable_reason`` set), ``registry.bookings(
+devices, txn)`` (``txn`` may be ``None``: read without the lock), ``txn.create(devices=...,
+requested_bytes=..., exclusive=..., holder=...) -> Lease``, and for waiting in line
+``registry.take_ticket(holder=..., constraints=..., allowed_uuids=...) -> Ticket | None``,
+``registry.reserved_bookings(txn, devices, bookings, ticket=...)`` (the devices older waiters would
+take now, booked for them: FIFO) and ``ticket.release()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from autogpu_jupyter.core.policy import Booking, Candidate, Constraints, matches_id, rank, select
+from autogpu_jupyter.core.units import format_duration
+from autogpu_jupyter.core.visibility import Allocation, current_allocation, visible_env
+from autogpu_jupyter.errors import (
+    NoDeviceFitsError,
+    NoDeviceGrantedError,
+    RegistryError,
+    UsageErrorBase,
+)
+
+if TYPE_CHECKING:
+    from autogpu_jupyter.core.backends import Backend
+    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+    from autogpu_jupyter.core.leases import Lease, Registry
+
+__all__ = ["Holder", "PickResult", "pick", "explain_drops", "POLL_INTERVAL_S"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two tries of a waiting pick (NVML utilisation is a ~1 s average anyway).
+POLL_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who a lease is for: shown to other users next to the device they hold."""
+
+    pid: int = field(default_factory=os.getpid)
+    kernel_id: str | None = None
+    notebook_path: str | None = None
+    command: str | None = None
+    kind: str = "process"  # "kernel", "cli", "provisioner", "api"
+
+
+@dataclass(frozen=True)
+class PickResult:
+    """What a pick chose, why, and what to set."""
+
+    chosen: tuple[DeviceSnapshot, ...]
+    candidates: tuple[Candidate, ...]
+    constraints: Constraints
+    env: dict[str, str]
+    allocation: Allocation
+    snapshot: FleetSnapshot
+    lease: Lease | None = None
+    lease_note: str | None = None
+    dry_run: bool = False
+    waited_s: float = 0.0
+
+    @property
+    def runner_up(self) -> Candidate | None:
+        """The best eligible candidate that was not chosen."""
+        chosen = {d.uuid for d in self.chosen}
+        for c in self.candidates:
+            if c.eligible and c.device.uuid not in chosen:
+                return c
+        return None
+
+    def candidate(self, uuid: str) -> Candidate | None:
+        for c in self.candidates:
+            if c.device.uuid == uuid:
+                return c
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chosen": [d.to_dict() for d in self.chosen],
+            "candidates": [c.to_dict() for c in self.candidates],
+            "constraints": self.constraints.to_json(),
+            "constraints_text": self.constraints.describe(),
+            "env": dict(self.env),
+            "allocation": self.allocation.describe(),
+            "simulated": self.snapshot.simulated,
+            "lease": None if self.lease is None else self.lease.record.to_dict(redact_command=False),
+            "lease_note": self.lease_note,
+            "dry_run": self.dry_run,
+        }
+
+
+def explain_drops(candidates: tuple[Candidate, ...] | list[Candidate]) -> str:
+    """One line per device: why it was dropped (or that it fits)."""
+    lines = []
+    for c in candidates:
+        status = "fits" if c.eligible else "dropped"
+        lines.append(f"  {c.device.label} ({c.device.name}): {status}: {'; '.join(c.reasons) or 'ok'}")
+    return "\n".join(lines)
+
+
+def _check_ids(devices: tuple[DeviceSnapshot, ...], constraints: Constraints) -> None:
+    for ident in constraints.exclude:
+        if not ident.strip():
+            raise UsageErrorBase(
+                "invalid --exclude: empty device id; expected NVML indices or UUIDs, e.g. 0,2 or GPU-5a1"
+            )
+        if not any(matches_id(d, ident) for d in devices):
+            known = ", ".join(d.label.replace("GPU ", "") if not d.is_mig else f"{d.index}:{d.mig_index}"
+                              for d in devices)
+            raise UsageErrorBase(
+                f"unknown device id {ident!r} in --exclude; expected an NVML index ({known}) or a UUID"
+            )
+    if constraints.count < 1:
+        raise UsageErrorBase(f"invalid count {constraints.count!r}: expected a whole number >= 1")
+
+
+def _no_fit_message(result_candidates: list[Candidate], constraints: Constraints, allocation: Allocation,
+                    waited_s: float) -> str:
+    eligible = sum(1 for c in result_candidates if c.eligible)
+    head = (
+        f"no device fits ({constraints.describe()})"
+        if eligible == 0
+        else f"only {eligible} device(s) fit, {constraints.count} wanted ({constraints.describe()})"
+    )
+    if waited_s > 0:
+        head += f" after waiting {format_duration(waited_s)}"
+    return f"{head}:\n{explain_drops(result_candidates)}"
+
+
+def _create_lease(
+    txn: Any, chosen: list[Candidate], constraints: Constraints, holder: Holder
+) -> tuple[Lease | None, str | None]:
+    """Write the lease; a registry that refuses the write means no lease, said once (a note)."""
+    try:
+        lease = txn.create(
+            devices=[c.device for c in chosen],
+            requested_bytes=[
+                constraints.min_free.resolve(c.device.memory_total_bytes)
+                if constraints.min_free is not None else None
+                for c in chosen
+            ],
+            exclusive=constraints.exclusive,
+            holder=holder,
+        )
+    except RegistryError as err:
+        log.warning("no lease: %s", err)
+        return None, f"{err}: picked without a lease"
+    return lease, None
+
+
+@contextlib.contextmanager
+def _no_registry() -> Iterator[None]:
+    yield None
+
+
+def pick(
+    constraints: Constraints,
+    *,
+    backend: Backend | None = None,
+    environ: Mapping[str, str] | None = None,
+    registry: Registry | None = None,
+    holder: Holder | None = None,
+    dry_run: bool = False,
+    wait_s: float = 0.0,
+    on_progress: Callable[[str], None] | None = None,
+    smoothed_util: Mapping[str, float | None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> PickResult:
+    """Choose device(s) for ``constraints`` and, unless ``dry_run``, take a lease on them.
+
+    Parameters
+    ----------
+    constraints
+        The parsed request.
+    backend
+        Where snapshots come from (default: :func:`get_backend`).
+    environ
+        The environment whose allocation bounds the choice (default ``os.environ``); it is read,
+        never written.
+    registry
+        The lease registry; ``None`` picks without leases.
+    holder
+        Who the lease is for.
+    dry_run
+        Rank only: no lease, nothing to apply.
+    wait_s
+        How long to wait in line for a device to fit (0: fail at once). Interrupt cancels.
+    on_progress
+        Called with a one-line status while waiting.
+    smoothed_util
+        The sampler's mean utilisation per UUID, when a sampler runs.
+
+    Returns
+    -------
+    PickResult
+
+    Raises
+    ------
+    NoDeviceGrantedError
+        The inherited allocation grants no GPU.
+    NoDeviceFitsError
+        Nothing fits (after waiting ``wait_s``).
+    UsageErrorBase
+        An unknown device id in ``exclude``, a bad count.
+    NVMLUnavailableError
+        No NVIDIA driver.
+    """
+    if backend is None:
+        from autogpu_jupyter.core.backends import get_backend
+
+        backend = get_backend()
+    env = os.environ if environ is None else environ
+    holder = holder or Holder()
+    start = time.monotonic()
+    deadline = start + max(wait_s, 0.0)
+    ticket = None
+    if registry is not None and not dry_run:
+        # Pay NVML's one-time start-up (library load, init, first handles) before taking the
+        # registry lock, so that other pickers do not queue behind it.
+        warm_up = getattr(backend, "warm_up", None)
+        if warm_up is not None:
+            warm_up()
+    try:
+        while True:
+            lease_note: str | None = None
+            lock_cm: Any = _no_registry()
+            if registry is not None and not dry_run:
+                lock_cm = registry.locked()
+            with lock_cm as txn:
+                snap = backend.snapshot()
+                allocation = current_allocation(snap.devices, env)
+                if allocation.empty:
+                    raise NoDeviceGrantedError(
+                        f"no GPU granted to this process: {allocation.describe()}"
+                    )
+                _check_ids(snap.devices, constraints)
+                bookings: dict[str, Booking] = {}
+                if registry is not None:
+                    bookings = registry.bookings(snap.devices, txn)
+                    if not dry_run:
+                        # FIFO: older waiters are served first, from what is free now.
+                        bookings = registry.reserved_bookings(
+                            txn, snap.devices, bookings, ticket=ticket, smoothed_util=smoothed_util
+                        )
+                ranked = rank(
+                    snap.devices, constraints, allocation=allocation, bookings=bookings,
+                    smoothed_util=smoothed_util, self_pids=(holder.pid,),
+                )
+                chosen = select(ranked, constraints.count)
+                lease = None
+                if chosen and not dry_run and registry is not None and txn is not None:
+                    lease, lease_note = _create_lease(txn, chosen, constraints, holder)
+                if chosen and ticket is not None:
+                    ticket.release()  # under the lock: nobody sees both our ticket and lease
+                    ticket = None
+            if registry is not None and not dry_run and getattr(registry, "unusable_reason", None):
+                lease_note = registry.unusable_reason
+            if chosen:
+                uuids = [c.device.uuid for c in chosen]
+                return PickResult(
+                    chosen=tuple(c.device for c in chosen),
+                    candidates=tuple(ranked),
+                    constraints=constraints,
+                    env={} if dry_run else visible_env(uuids),
+                    allocation=allocation,
+                    snapshot=snap,
+                    lease=lease,
+                    lease_note=lease_note,
+                    dry_run=dry_run,
+                    waited_s=time.monotonic() - start,
+                )
+            now = time.monotonic()
+            if now >= deadline:
+                raise NoDeviceFitsError(
+                    _no_fit_message(ranked, constraints, allocation, now - start if wait_s else 0.0),
+                    candidates=tuple(ranked),
+                )
+            if registry is not None and ticket is None:
+                ticket = registry.take_ticket(
+                    holder=holder, constraints=constraints, allowed_uuids=allocation.uuids
+                )
+            if on_progress is not None:
+                best = next((c for c in ranked), None)
+                why = f"{best.device.label}: {'; '.join(best.reasons)}" if best else "no devices"
+                on_progress(
+                    f"waiting for a device ({constraints.describe()}), "
+                    f"{format_duration(now - start)} of {format_duration(wait_s)}; best now {why}"
+                )
+            sleep(min(POLL_INTERVAL_S, max(deadline - now, 0.0)))
+    finally:
+        if ticket is not None:
+            ticket.release()
+
+

@@ -1,0 +1,345 @@
+"""Ranking devices: a pure function from snapshots and constraints to ranked candidates.
+
+Hard filters (a device failing one is dropped, with the reason in words):
+
+* it is available (not lost, readable);
+* it is inside the allocation this process already has (CUDA_VISIBLE_DEVICES, Slurm, ...);
+* it is not excluded by the user;
+* its compute mode is not PROHIBITED, and not EXCLUSIVE_PROCESS while a process already uses it;
+* a GPU in MIG mode is used through its MIG devices, not directly;
+* its effective free memory (free memory minus memory booked by live leases) fits ``min_free``;
+* its utilisation is at most ``max_util``;
+* for ``exclusive``: no other live lease holds it; and nobody holds it exclusively.
+
+A value that is unknown (``None``, e.g. utilisation on MIG devices) neither passes nor fails a
+filter silently: a ``max_util`` filter keeps such a device and says "utilisation unknown", a
+``min_free`` filter drops a device whose free memory is unknown and says so.
+
+Ranking key of the eligible devices, best first (deterministic; never "index 0 first"):
+
+1. most effective free memory, in steps of 1 GiB (so that noise of a few MiB does not outrank
+   a real difference in load);
+2. lowest smoothed utilisation (the sampler's mean over its window when available, else the
+   instantaneous reading), in steps of 5 %; unknown utilisation ranks as if it were 50 %;
+3. fewest live leases (so that simultaneous pickers spread out);
+4. UUID, ascending (ties are broken by identity, not by index).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from autogpu_jupyter.core.units import Size, format_bytes, parse_percent, parse_size
+from autogpu_jupyter.errors import UsageErrorBase
+
+if TYPE_CHECKING:
+    from autogpu_jupyter.core.devices import DeviceSnapshot
+    from autogpu_jupyter.core.visibility import Allocation
+
+__all__ = ["Booking", "Candidate", "Constraints", "rank", "select", "matches_id"]
+
+_GIB = 1024**3
+_UTIL_STEP = 5.0
+_UNKNOWN_UTIL_RANK = 50.0
+
+
+@dataclass(frozen=True, slots=True)
+class Constraints:
+    """What a pick asks for. Build it from user input with ``units.parse_*`` first."""
+
+    min_free: Size | None = None
+    max_util_pct: float | None = None
+    count: int = 1
+    exclude: tuple[str, ...] = ()
+    exclusive: bool = False
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        min_free: object = None,
+        max_util: object = None,
+        count: object = 1,
+        exclude: object = None,
+        exclusive: bool = False,
+    ) -> Constraints:
+        """Build constraints from user input (strings or numbers), validating each value.
+
+        Raises
+        ------
+        UsageErrorBase
+            Naming the bad value and the accepted forms.
+        """
+        size = None if min_free in (None, "") else parse_size(min_free)
+        util = None if max_util in (None, "") else parse_percent(max_util, "--max-util")
+        try:
+            n = int(str(count).strip()) if not isinstance(count, bool) else -1
+        except ValueError:
+            n = -1
+        if n < 1 or (isinstance(count, float) and count != n):
+            raise UsageErrorBase(f"invalid --count {count!r}: expected a whole number >= 1, e.g. 2")
+        ids: tuple[str, ...] = ()
+        if exclude is not None:
+            parts = exclude.split(",") if isinstance(exclude, str) else [str(x) for x in exclude]  # type: ignore[attr-defined]
+            ids = tuple(p.strip() for p in parts)
+            if not ids or any(not p for p in ids):
+                raise UsageErrorBase(
+                    f"invalid --exclude {exclude!r}: empty device id; expected NVML indices or "
+                    "UUIDs separated by commas, e.g. 0,2 or GPU-5a1b"
+                )
+        return cls(min_free=size, max_util_pct=util, count=n, exclude=ids, exclusive=bool(exclusive))
+
+    def describe(self) -> str:
+        """The parsed constraints in words, e.g. ``min free 10.0 GiB, max util 50%``."""
+        parts = []
+        if self.min_free is not None:
+            parts.append(f"min free {self.min_free.describe()}")
+        if self.max_util_pct is not None:
+            parts.append(f"max util {self.max_util_pct:g}%")
+        if self.count != 1:
+            parts.append(f"{self.count} devices")
+        if self.exclude:
+            parts.append(f"excluding {', '.join(self.exclude)}")
+        if self.exclusive:
+            parts.append("exclusive")
+        return ", ".join(parts) if parts else "no constraints"
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "min_free": None if self.min_free is None else self.min_free.to_json(),
+            "max_util_pct": self.max_util_pct,
+            "count": self.count,
+            "exclude": list(self.exclude),
+            "exclusive": self.exclusive,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Booking:
+    """What live leases say about one device."""
+
+    uuid: str
+    lease_count: int = 0
+    booked_bytes: int = 0
+    exclusive: bool = False
+    holders: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One device as the policy sees it, with the reasons it was kept or dropped."""
+
+    device: DeviceSnapshot
+    eligible: bool
+    reasons: tuple[str, ...]
+    effective_free_bytes: int | None
+    smoothed_util_pct: float | None
+    lease_count: int = 0
+    booked_bytes: int = 0
+    key: tuple[float, float, int, str] = field(default=(0.0, 0.0, 0, ""), compare=False)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "uuid": self.device.uuid,
+            "label": self.device.label,
+            "name": self.device.name,
+            "index": self.device.index,
+            "eligible": self.eligible,
+            "reasons": list(self.reasons),
+            "effective_free_bytes": self.effective_free_bytes,
+            "smoothed_util_pct": self.smoothed_util_pct,
+            "lease_count": self.lease_count,
+            "booked_bytes": self.booked_bytes,
+        }
+
+
+def matches_id(device: DeviceSnapshot, ident: str) -> bool:
+    """Whether a user-given id names ``device``: NVML index ``"3"``, ``"3:1"`` for MIG 1 of GPU 3,
+    a label (``GPU 3``), or a full UUID / unique-looking UUID prefix (``GPU-5a1``)."""
+    ident = ident.strip()
+    if not ident:
+        return False
+    if ident.isdigit():
+        return not device.is_mig and device.index == int(ident)
+    if ":" in ident and all(p.isdigit() for p in ident.split(":", 1)):
+        gi, mi = (int(p) for p in ident.split(":", 1))
+        return device.is_mig and device.index == gi and device.mig_index == mi
+    if ident.upper() == device.label.upper():
+        return True
+    return device.uuid == ident or (len(ident) >= 6 and device.uuid.startswith(ident))
+
+
+def rank(
+    devices: Sequence[DeviceSnapshot],
+    constraints: Constraints,
+    *,
+    allocation: Allocation | None = None,
+    bookings: Mapping[str, Booking] | None = None,
+    smoothed_util: Mapping[str, float | None] | None = None,
+    self_pids: Iterable[int] = (),
+) -> list[Candidate]:
+    """Rank ``devices`` for ``constraints``: eligible candidates first, best first.
+
+    Parameters
+    ----------
+    devices
+        Snapshots (MIG devices are their own entries).
+    constraints
+        The parsed request.
+    allocation
+        What this process may use; ``None`` = every device.
+    bookings
+        Live leases per device UUID (see :mod:`autogpu_jupyter.core.leases`).
+    smoothed_util
+        Mean utilisation per UUID over the sampler's window; falls back to the snapshot's reading.
+    self_pids
+        PIDs that are "us" (an EXCLUSIVE_PROCESS GPU we already use is not "occupied by others").
+
+    Returns
+    -------
+    list of Candidate
+        Every device, eligible ones first in ranking order, then the dropped ones by index.
+    """
+    bookings = bookings or {}
+    smoothed_util = smoothed_util or {}
+    mine = set(self_pids)
+    migs_by_parent: dict[str, int] = {}
+    for d in devices:
+        if d.is_mig and d.parent_uuid:
+            migs_by_parent[d.parent_uuid] = migs_by_parent.get(d.parent_uuid, 0) + 1
+
+    out: list[Candidate] = []
+    for dev in devices:
+        reasons: list[str] = []
+        ok = True
+        booking = bookings.get(dev.uuid, Booking(dev.uuid))
+        # A MIG device's parent bookings do not apply to it, and vice versa: separate memory.
+        util = smoothed_util.get(dev.uuid, dev.utilization_pct)
+        if dev.uuid not in smoothed_util:
+            util = dev.utilization_pct
+        eff_free: int | None = None
+        if dev.memory_free_bytes is not None:
+            eff_free = max(dev.memory_free_bytes - booking.booked_bytes, 0)
+
+        if not dev.available:
+            ok = False
+            reasons.append(f"unavailable: {dev.error or 'unknown error'}")
+        if allocation is not None and not allocation.allows(dev):
+            ok = False
+            reasons.append(f"outside this process's allocation ({allocation.describe()})")
+        for ident in constraints.exclude:
+            if matches_id(dev, ident) or (dev.parent_uuid and _parent_excluded(dev, ident, devices)):
+                ok = False
+                reasons.append(f"excluded by --exclude {ident}")
+                break
+        if dev.compute_mode == "PROHIBITED":
+            ok = False
+            reasons.append("compute mode PROHIBITED: no CUDA context allowed")
+        elif dev.compute_mode in ("EXCLUSIVE_PROCESS", "EXCLUSIVE_THREAD"):
+            others = [p for p in (dev.processes or ()) if p.pid not in mine]
+            if others:
+                ok = False
+                reasons.append(
+                    f"compute mode {dev.compute_mode} and already used by {len(others)} process(es)"
+                )
+        if not dev.is_mig and migs_by_parent.get(dev.uuid):
+            ok = False
+            reasons.append(
+                f"MIG mode is on: use one of its {migs_by_parent[dev.uuid]} MIG devices instead"
+            )
+        elif not dev.is_mig and dev.mig_enabled:
+            ok = False
+            reasons.append("MIG mode is on but it has no MIG devices")
+        if dev.is_mig and constraints.count > 1:
+            ok = False
+            reasons.append(
+                f"a process can use only one MIG device; {constraints.count} devices were asked for"
+            )
+
+        if dev.available:
+            if constraints.min_free is not None:
+                need = constraints.min_free.resolve(dev.memory_total_bytes)
+                if eff_free is None or need is None:
+                    ok = False
+                    reasons.append(
+                        f"free memory unknown: cannot check min free {constraints.min_free.describe()}"
+                    )
+                elif eff_free < need:
+                    ok = False
+                    reasons.append(
+                        f"only {format_bytes(eff_free)} free"
+                        + (f" after {format_bytes(booking.booked_bytes)} booked by leases"
+                           if booking.booked_bytes else "")
+                        + f" < {format_bytes(need)} wanted"
+                    )
+                else:
+                    reasons.append(f"{format_bytes(eff_free)} free >= {format_bytes(need)} wanted")
+            elif eff_free is None:
+                reasons.append("free memory unknown: ranked last on memory")
+            if constraints.max_util_pct is not None:
+                if util is None:
+                    reasons.append("utilisation unknown (not supported here): not filtered on it")
+                elif util > constraints.max_util_pct:
+                    ok = False
+                    reasons.append(f"utilisation {util:.0f}% > max {constraints.max_util_pct:g}%")
+            if util is None and constraints.max_util_pct is None:
+                reasons.append("utilisation unknown: ranked by memory and leases")
+            if constraints.exclusive and booking.lease_count:
+                ok = False
+                reasons.append(f"exclusive wanted but {booking.lease_count} lease(s) hold it")
+            elif booking.exclusive:
+                ok = False
+                reasons.append("held exclusively by another lease")
+            if booking.lease_count and ok:
+                reasons.append(f"{booking.lease_count} live lease(s)")
+
+        key = (
+            -float(math.floor((eff_free if eff_free is not None else -_GIB) / _GIB)),
+            float(
+                math.floor((util if util is not None else _UNKNOWN_UTIL_RANK) / _UTIL_STEP)
+            ),
+            booking.lease_count,
+            dev.uuid,
+        )
+        out.append(
+            Candidate(
+                device=dev,
+                eligible=ok,
+                reasons=tuple(reasons),
+                effective_free_bytes=eff_free,
+                smoothed_util_pct=util,
+                lease_count=booking.lease_count,
+                booked_bytes=booking.booked_bytes,
+                key=key,
+            )
+        )
+    eligible = sorted((c for c in out if c.eligible), key=lambda c: c.key)
+    dropped = sorted(
+        (c for c in out if not c.eligible),
+        key=lambda c: (c.device.index, c.device.mig_index if c.device.mig_index is not None else -1),
+    )
+    return eligible + dropped
+
+
+def _parent_excluded(dev: DeviceSnapshot, ident: str, devices: Sequence[DeviceSnapshot]) -> bool:
+    for d in devices:
+        if d.uuid == dev.parent_uuid:
+            return matches_id(d, ident)
+    return False
+
+
+def select(candidates: Sequence[Candidate], count: int) -> list[Candidate]:
+    """The best ``count`` eligible candidates (at most one MIG device), or ``[]`` if too few fit."""
+    chosen: list[Candidate] = []
+    for cand in candidates:
+        if not cand.eligible:
+            continue
+        if cand.device.is_mig and (count > 1 or any(c.device.is_mig for c in chosen)):
+            continue
+        chosen.append(cand)
+        if len(chosen) == count:
+            return chosen
+    return []

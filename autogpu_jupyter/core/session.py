@@ -1,0 +1,139 @@
+"""This process's choice: which device(s) it picked, its lease, and the environment it changed.
+
+Shared by the Python API, the magics and the panel. A kernel started by the autogpu kernel
+provisioner finds the provisioner's choice in ``AUTOGPU_PICKED`` (UUIDs) and ``AUTOGPU_LEASE_ID``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from autogpu_jupyter.core.cudastate import cuda_state, too_late_message
+from autogpu_jupyter.errors import TooLateError
+
+if TYPE_CHECKING:
+    from autogpu_jupyter.core.devices import DeviceSnapshot
+    from autogpu_jupyter.core.leases import Lease
+    from autogpu_jupyter.core.picker import PickResult
+
+__all__ = ["Choice", "current", "apply", "release", "original_environ", "MANAGED_VARS",
+           "PICKED_ENV", "LEASE_ENV"]
+
+MANAGED_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+PICKED_ENV = "AUTOGPU_PICKED"
+LEASE_ENV = "AUTOGPU_LEASE_ID"
+
+
+@dataclass
+class Choice:
+    """The device(s) this process uses, as far as autogpu knows."""
+
+    uuids: tuple[str, ...]
+    devices: tuple[DeviceSnapshot, ...] = ()
+    lease: Lease | None = None
+    lease_id: str | None = None
+    source: str = "magic"  # "magic", "api", "provisioner"
+    constraints_text: str = ""
+    picked_at_s: float = field(default_factory=time.time)
+    forced: bool = False
+    note: str | None = None
+
+
+_lock = threading.RLock()
+_current: Choice | None = None
+# The values of MANAGED_VARS before our first change: the allocation we narrow within.
+_original: dict[str, str | None] | None = None
+
+
+def original_environ(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of the environment as it was before autogpu changed it in this process."""
+    env = dict(os.environ if environ is None else environ)
+    with _lock:
+        if _original is not None:
+            for k, v in _original.items():
+                if v is None:
+                    env.pop(k, None)
+                else:
+                    env[k] = v
+    return env
+
+
+def current() -> Choice | None:
+    """This process's choice, or the provisioner's (from the environment), or ``None``."""
+    with _lock:
+        if _current is not None:
+            return _current
+    picked = os.environ.get(PICKED_ENV, "").strip()
+    if picked:
+        return Choice(
+            uuids=tuple(u for u in picked.split(",") if u),
+            lease_id=os.environ.get(LEASE_ENV) or None,
+            source="provisioner",
+            note=os.environ.get("AUTOGPU_PICK_NOTE") or None,
+        )
+    return None
+
+
+def check_not_too_late(force: bool) -> str | None:
+    """Raise :class:`TooLateError` if CUDA is initialised here (unless ``force``: then a warning)."""
+    state = cuda_state()
+    if not state.initialized:
+        return None
+    message = too_late_message(state)
+    if not force:
+        raise TooLateError(message)
+    return "--force: " + message
+
+
+def apply(
+    result: PickResult,
+    *,
+    source: str = "magic",
+    forced: bool = False,
+    environ: MutableMapping[str, str] | None = None,
+) -> Choice:
+    """Make ``result`` this process's choice: set the variables, keep the lease, drop the old one."""
+    global _current, _original
+    env = os.environ if environ is None else environ
+    with _lock:
+        if _original is None:
+            _original = {k: env.get(k) for k in MANAGED_VARS}
+        old = _current
+        env.update(result.env)
+        _current = Choice(
+            uuids=tuple(d.uuid for d in result.chosen),
+            devices=result.chosen,
+            lease=result.lease,
+            lease_id=None if result.lease is None else result.lease.record.lease_id,
+            source=source,
+            constraints_text=result.constraints.describe(),
+            forced=forced,
+            note=result.lease_note,
+        )
+        if old is not None and old.lease is not None and old.lease is not result.lease:
+            old.lease.release()
+        return _current
+
+
+def release(environ: MutableMapping[str, str] | None = None) -> Choice | None:
+    """Drop this process's choice and lease; restore the variables as they were before the pick."""
+    global _current, _original
+    env = os.environ if environ is None else environ
+    with _lock:
+        old = _current
+        _current = None
+        if old is not None and old.lease is not None:
+            old.lease.release()
+        if _original is not None:
+            for k, v in _original.items():
+                if v is None:
+                    env.pop(k, None)
+                else:
+                    env[k] = v
+            _original = None
+        return old

@@ -1,0 +1,69 @@
+"""The one error family of autogpu.
+
+Every error a user can cause or meet derives from :class:`AutoGPUError`. Each surface translates
+it at its boundary: the magics into ``UsageError`` (one line, no traceback), the server into an
+HTTP error with a JSON ``message``, the CLI into a message and an exit code (``exit_code``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AutoGPUError",
+    "UsageErrorBase",
+    "NVMLUnavailableError",
+    "NoDeviceGrantedError",
+    "NoDeviceFitsError",
+    "TooLateError",
+    "RegistryError",
+    "LeaseLimitError",
+]
+
+
+class AutoGPUError(Exception):
+    """Base of every autogpu error. ``exit_code`` is what the CLI exits with."""
+
+    exit_code: int = 1
+
+
+class UsageErrorBase(AutoGPUError, ValueError):
+    """Bad input from the user: a size, a percentage, a device id, an option value."""
+
+    exit_code = 2
+
+
+class NVMLUnavailableError(AutoGPUError):
+    """NVML cannot be used on this host (no library, driver not loaded, no permission)."""
+
+    exit_code = 4
+
+
+class NoDeviceGrantedError(AutoGPUError):
+    """The allocation this process inherited (CUDA_VISIBLE_DEVICES, ...) grants no GPU."""
+
+    exit_code = 3
+
+
+class NoDeviceFitsError(AutoGPUError):
+    """No device satisfies the constraints. ``candidates`` holds the ranking with reasons."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, candidates: object = ()) -> None:
+        super().__init__(message)
+        self.candidates = candidates
+
+
+class TooLateError(AutoGPUError):
+    """CUDA is already initialised in this process: CUDA_VISIBLE_DEVICES would do nothing."""
+
+    exit_code = 5
+
+
+class RegistryError(AutoGPUError):
+    """The lease registry cannot be used safely (permissions, ownership, no flock)."""
+
+
+class LeaseLimitError(AutoGPUError):
+    """The user already holds as many devices as the admin allows (``max_devices_per_user``)."""
+
+    exit_code = 3

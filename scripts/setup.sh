@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One-time (idempotent) set-up for a fresh machine: a virtual environment with autogpu and its
+# test tools, Debian's Chromium for the browser tests, and the built JupyterLab extension.
+# Called by `make lab` and `make test`; safe to run again (it skips what is already done).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+stamp="$VENV/.autogpu-setup"
+
+need_py=1
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt labextension/package.json ]; then
+  need_py=0
+fi
+
+if ! command -v node >/dev/null 2>&1; then
+  echo "setup: installing Node.js (needed to build the JupyterLab extension from source)"
+  if [ "$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm; else
+    echo "setup: please install Node.js >= 18 (apt-get install nodejs npm)" >&2; exit 1; fi
+fi
+
+if [ "$need_py" = 1 ]; then
+  echo "setup: creating $VENV and installing autogpu-jupyter (editable) with test tools"
+  [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  # The editable install builds the JupyterLab extension through hatch-jupyter-builder (jlpm).
+  "$VENV/bin/python" -m pip install -q -e ".[test,bench,dev]"
+  touch "$stamp"
+fi
+
+if [ "${AUTOGPU_SKIP_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "setup: installing Debian's chromium for the browser tests"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "setup: chromium is missing (sudo apt-get install chromium); browser tests will fail" >&2
+  fi
+fi
+
+# A second environment with ipykernel 6, for the panel tests (issue 4 asks for ipykernel 6 and 7).
+if [ "${AUTOGPU_SKIP_IPK6:-0}" != 1 ] && { [ ! -f .venv-ipk6/.stamp ] || [ pyproject.toml -nt .venv-ipk6/.stamp ]; }; then
+  echo "setup: creating .venv-ipk6 (ipykernel 6) for the panel tests"
+  [ -x .venv-ipk6/bin/python ] || "$PYTHON" -m venv .venv-ipk6
+  .venv-ipk6/bin/python -m pip install -q --upgrade pip
+  .venv-ipk6/bin/python -m pip install -q "ipykernel>=6.29,<7" ipywidgets pandas traitlets nvidia-ml-py
+  .venv-ipk6/bin/python -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null \
+    || .venv-ipk6/bin/python -m pip install -q --no-deps -e .
+  touch .venv-ipk6/.stamp
+fi

@@ -1,0 +1,41 @@
+"""Shared fixtures. Fixtures of one test module belong in that module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fakenvml import FakeNvml, build_fake_nvml, preload_fake_nvml
+
+
+@pytest.fixture(scope="session")
+def fake_nvml_library() -> Path:
+    """The fake ``libnvidia-ml.so.1``, built once per session and loaded into this process."""
+    path = build_fake_nvml()
+    for variant in ("old", "ancient"):
+        build_fake_nvml(variant)
+    preload_fake_nvml()
+    return path
+
+
+@pytest.fixture
+def fake_nvml(
+    fake_nvml_library: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[FakeNvml]:
+    """A fake NVIDIA host seen through the real pynvml binding, in this process and subprocesses.
+
+    ``.write(fleet)`` takes the simulated fleet schema; ``.env`` is what a subprocess needs.
+    Starts with no devices. Shared backends are dropped before and after, so no test sees
+    another test's cached GPUs.
+    """
+    from autogpu_jupyter.core import backends
+
+    fake = FakeNvml(tmp_path / "fake-nvml")
+    fake.write({"devices": []})
+    monkeypatch.setenv("FAKE_NVML_SCENARIO", str(fake.scenario_path))
+    monkeypatch.delenv("AUTOGPU_SIMULATE", raising=False)
+    backends._cache.clear()
+    yield fake
+    backends._cache.clear()

@@ -1,0 +1,183 @@
+"""The pure ranking: filters with reasons, a deterministic key, MIG and lease rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from autogpu_jupyter.core.devices import DeviceSnapshot, ProcessSnapshot
+from autogpu_jupyter.core.policy import Booking, Constraints, rank, select
+from autogpu_jupyter.core.units import parse_size
+from autogpu_jupyter.errors import UsageErrorBase
+
+GiB = 1024**3
+
+
+def dev(index: int, free_gib: float, util: float | None = 0.0, *, uuid: str | None = None,
+        total_gib: float = 80, **kw: object) -> DeviceSnapshot:
+    total = int(total_gib * GiB)
+    free = int(free_gib * GiB)
+    return DeviceSnapshot(
+        index=index, uuid=uuid or f"GPU-{index:08d}-0000-0000-0000-000000000000", name="A100",
+        memory_total_bytes=total, memory_used_bytes=total - free, memory_free_bytes=free,
+        utilization_pct=util, compute_mode="DEFAULT", **kw,  # type: ignore[arg-type]
+    )
+
+
+def labels(cands: list) -> list[str]:
+    return [c.device.label for c in cands if c.eligible]
+
+
+def test_most_free_memory_first_then_utilisation() -> None:
+    devices = [dev(0, 10, 0), dev(1, 70, 50), dev(2, 70, 10), dev(3, 40, 0)]
+    ranked = rank(devices, Constraints())
+    assert labels(ranked) == ["GPU 2", "GPU 1", "GPU 3", "GPU 0"]
+
+
+def test_noise_of_a_few_mib_does_not_outrank_utilisation() -> None:
+    # 3 MiB more free on the busy GPU must not beat the idle one.
+    busy = DeviceSnapshot(index=0, uuid="GPU-a", name="x", memory_total_bytes=80 * GiB,
+                          memory_free_bytes=70 * GiB + 3 * 1024**2, utilization_pct=95.0)
+    idle = DeviceSnapshot(index=1, uuid="GPU-b", name="x", memory_total_bytes=80 * GiB,
+                          memory_free_bytes=70 * GiB, utilization_pct=2.0)
+    assert labels(rank([busy, idle], Constraints())) == ["GPU 1", "GPU 0"]
+
+
+def test_ties_are_broken_by_uuid_not_index() -> None:
+    devices = [dev(0, 80, uuid="GPU-ffff"), dev(1, 80, uuid="GPU-0000"), dev(2, 80, uuid="GPU-8888")]
+    assert labels(rank(devices, Constraints())) == ["GPU 1", "GPU 2", "GPU 0"]
+    # Deterministic: the same input gives the same order whatever the input order.
+    assert labels(rank(list(reversed(devices)), Constraints())) == ["GPU 1", "GPU 2", "GPU 0"]
+
+
+def test_min_free_drops_with_reason_and_accepts_percent() -> None:
+    devices = [dev(0, 5), dev(1, 30)]
+    ranked = rank(devices, Constraints(min_free=parse_size("10G")))
+    assert labels(ranked) == ["GPU 1"]
+    dropped = ranked[1]
+    assert dropped.device.label == "GPU 0"
+    assert dropped.reasons == ("only 5.0 GiB free < 10.0 GiB wanted",)
+    assert ranked[0].reasons == ("30.0 GiB free >= 10.0 GiB wanted",)
+    # 25% of 80 GiB is 20 GiB
+    assert labels(rank(devices, Constraints(min_free=parse_size("25%")))) == ["GPU 1"]
+    assert labels(rank(devices, Constraints(min_free=parse_size("40%")))) == []
+
+
+def test_unknown_values_are_explained_not_silently_passed() -> None:
+    unknown_mem = DeviceSnapshot(index=0, uuid="GPU-a", name="x", utilization_pct=0.0)
+    unknown_util = dev(1, 50, None)
+    ranked = rank([unknown_mem, unknown_util], Constraints(min_free=parse_size("1G"), max_util_pct=50))
+    assert labels(ranked) == ["GPU 1"]
+    by = {c.device.label: c for c in ranked}
+    assert by["GPU 0"].reasons == ("free memory unknown: cannot check min free 1.0 GiB",)
+    assert "utilisation unknown (not supported here): not filtered on it" in by["GPU 1"].reasons
+
+
+def test_max_util() -> None:
+    ranked = rank([dev(0, 80, 60), dev(1, 10, 20)], Constraints(max_util_pct=50))
+    assert labels(ranked) == ["GPU 1"]
+    assert ranked[1].reasons == ("utilisation 60% > max 50%",)
+
+
+def test_lost_prohibited_and_occupied_exclusive_are_never_chosen() -> None:
+    lost = DeviceSnapshot(index=0, uuid="GPU-a", name="x", available=False, error="GPU is lost")
+    prohibited = DeviceSnapshot(index=1, uuid="GPU-b", name="x", memory_free_bytes=80 * GiB,
+                                memory_total_bytes=80 * GiB, compute_mode="PROHIBITED")
+    excl_busy = DeviceSnapshot(index=2, uuid="GPU-c", name="x", memory_free_bytes=80 * GiB,
+                               memory_total_bytes=80 * GiB, compute_mode="EXCLUSIVE_PROCESS",
+                               processes=(ProcessSnapshot(pid=999999),))
+    excl_free = DeviceSnapshot(index=3, uuid="GPU-d", name="x", memory_free_bytes=1 * GiB,
+                               memory_total_bytes=80 * GiB, compute_mode="EXCLUSIVE_PROCESS")
+    ranked = rank([lost, prohibited, excl_busy, excl_free], Constraints())
+    assert labels(ranked) == ["GPU 3"]
+    reasons = {c.device.label: c.reasons[0] for c in ranked if not c.eligible}
+    assert reasons == {
+        "GPU 0": "unavailable: GPU is lost",
+        "GPU 1": "compute mode PROHIBITED: no CUDA context allowed",
+        "GPU 2": "compute mode EXCLUSIVE_PROCESS and already used by 1 process(es)",
+    }
+    # Our own process on an exclusive GPU does not make it "occupied".
+    assert labels(rank([excl_busy], Constraints(), self_pids=[999999])) == ["GPU 2"]
+
+
+def test_mig_devices_are_candidates_parent_is_not_and_one_per_pick() -> None:
+    parent = dev(0, 80, None, uuid="GPU-parent", mig_enabled=True)
+    mig_a = dev(0, 10, None, uuid="MIG-aaaa", total_gib=10, is_mig=True, parent_uuid="GPU-parent",
+                mig_index=0, mig_enabled=True)
+    mig_b = dev(0, 20, None, uuid="MIG-bbbb", total_gib=20, is_mig=True, parent_uuid="GPU-parent",
+                mig_index=1, mig_enabled=True)
+    plain = dev(1, 5, 0)
+    ranked = rank([parent, mig_a, mig_b, plain], Constraints())
+    assert labels(ranked) == ["GPU 0 MIG 1", "GPU 0 MIG 0", "GPU 1"]
+    assert [c.device.label for c in select(ranked, 1)] == ["GPU 0 MIG 1"]
+    parent_c = next(c for c in ranked if c.device.uuid == "GPU-parent")
+    assert parent_c.reasons[0] == "MIG mode is on: use one of its 2 MIG devices instead"
+    # Two devices wanted: MIG devices cannot be combined.
+    ranked2 = rank([parent, mig_a, mig_b, plain, dev(2, 4, 0)], Constraints(count=2))
+    assert [c.device.label for c in select(ranked2, 2)] == ["GPU 1", "GPU 2"]
+
+
+def test_bookings_lower_effective_free_and_spread_pickers() -> None:
+    devices = [dev(i, 80) for i in range(4)]
+    bookings: dict[str, Booking] = {}
+    counts = {d.uuid: 0 for d in devices}
+    for _ in range(32):
+        best = select(rank(devices, Constraints(min_free=parse_size("2G")), bookings=bookings), 1)[0]
+        u = best.device.uuid
+        counts[u] += 1
+        b = bookings.get(u, Booking(u))
+        bookings[u] = Booking(u, b.lease_count + 1, b.booked_bytes + 2 * GiB)
+    assert sorted(counts.values()) == [8, 8, 8, 8]
+
+
+def test_lease_count_spreads_when_nothing_is_booked() -> None:
+    devices = [dev(i, 80) for i in range(2)]
+    b = {devices[0].uuid: Booking(devices[0].uuid, lease_count=1)}
+    assert labels(rank(devices, Constraints(), bookings=b)) == ["GPU 1", "GPU 0"]
+
+
+def test_exclusive() -> None:
+    devices = [dev(0, 80), dev(1, 80)]
+    b = {devices[0].uuid: Booking(devices[0].uuid, lease_count=1)}
+    ranked = rank(devices, Constraints(exclusive=True), bookings=b)
+    assert labels(ranked) == ["GPU 1"]
+    assert ranked[1].reasons[-1] == "exclusive wanted but 1 lease(s) hold it"
+    held = {devices[1].uuid: Booking(devices[1].uuid, lease_count=1, exclusive=True)}
+    ranked = rank(devices, Constraints(), bookings=held)
+    assert labels(ranked) == ["GPU 0"]
+    assert ranked[1].reasons[-1] == "held exclusively by another lease"
+
+
+def test_exclude_by_index_uuid_prefix_and_label() -> None:
+    devices = [dev(0, 80, uuid="GPU-11111111"), dev(1, 80, uuid="GPU-22222222"), dev(2, 80, uuid="GPU-33333333")]
+    assert labels(rank(devices, Constraints(exclude=("0", "GPU-222222")))) == ["GPU 2"]
+    assert labels(rank(devices, Constraints(exclude=("gpu 2",)))) == ["GPU 0", "GPU 1"]
+
+
+def test_select_needs_enough_devices() -> None:
+    devices = [dev(0, 80), dev(1, 1)]
+    ranked = rank(devices, Constraints(min_free=parse_size("10G"), count=2))
+    assert select(ranked, 2) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"count": "-1"}, "invalid --count '-1': expected a whole number >= 1, e.g. 2"),
+        ({"count": 0}, "invalid --count 0: expected a whole number >= 1, e.g. 2"),
+        ({"count": "two"}, "invalid --count 'two': expected a whole number >= 1, e.g. 2"),
+        ({"exclude": ""}, "invalid --exclude '': empty device id; expected NVML indices or UUIDs "
+                          "separated by commas, e.g. 0,2 or GPU-5a1b"),
+        ({"exclude": "0,,1"}, "invalid --exclude '0,,1': empty device id; expected NVML indices or "
+                              "UUIDs separated by commas, e.g. 0,2 or GPU-5a1b"),
+    ],
+)
+def test_constraints_parse_rejects(kwargs: dict, message: str) -> None:
+    with pytest.raises(UsageErrorBase) as info:
+        Constraints.parse(**kwargs)
+    assert str(info.value) == message
+
+
+def test_constraints_describe() -> None:
+    c = Constraints.parse(min_free="10G", max_util="50", count=2, exclude="0,3", exclusive=True)
+    assert c.describe() == "min free 10.0 GiB, max util 50%, 2 devices, excluding 0, 3, exclusive"
+    assert Constraints().describe() == "no constraints"

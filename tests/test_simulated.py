@@ -1,0 +1,113 @@
+"""The simulated backend: fleet files, built-in fleets, moving load, labelled simulated."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from autogpu_jupyter.core.backends import get_backend
+from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+from autogpu_jupyter.errors import UsageErrorBase
+
+GiB = 1024**3
+
+FLEET = {
+    "driver_version": "550.54.15",
+    "devices": [
+        {
+            "name": "NVIDIA A100-SXM4-80GB", "uuid": "GPU-aaaaaaaa-0000-0000-0000-000000000000",
+            "pci_bus_id": "00000000:07:00.0", "memory_total": "80GiB", "memory_used": "20GiB",
+            "utilization_pct": 35, "temperature_c": 51, "power_w": 180.5, "power_limit_w": 400,
+            "processes": [{"pid": 4242, "used_memory": "20GiB", "user": "alice", "command": "python t.py"}],
+        },
+        {"name": "NVIDIA L4", "uuid": "GPU-bbbbbbbb-0000-0000-0000-000000000000", "lost": True},
+        {
+            "name": "NVIDIA A100-SXM4-40GB", "uuid": "GPU-cccccccc-0000-0000-0000-000000000000",
+            "memory_total": 42949672960, "memory_used": 0, "compute_mode": "PROHIBITED",
+            "mig_devices": [{"uuid": "MIG-dddddddd", "memory_total": "10GiB", "memory_used": "1GiB",
+                             "profile": "1g.10gb"}],
+        },
+    ],
+}
+
+
+def write(path: Path, fleet: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(fleet))
+    os.replace(tmp, path)
+
+
+def test_fleet_file_exact_values(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.json"
+    write(path, FLEET)
+    snap = SimulatedBackend(str(path), clock=lambda: 1000.0).snapshot()
+    assert snap.simulated is True
+    assert snap.backend == "simulated"
+    assert snap.driver_version == "550.54.15"
+    assert [d.label for d in snap.devices] == ["GPU 0", "GPU 1", "GPU 2", "GPU 2 MIG 0"]
+    a = snap.devices[0]
+    assert (a.memory_total_bytes, a.memory_used_bytes, a.memory_free_bytes) == (80 * GiB, 20 * GiB, 60 * GiB)
+    assert (a.utilization_pct, a.temperature_c, a.power_w, a.power_limit_w) == (35.0, 51, 180.5, 400)
+    assert a.processes[0].pid == 4242 and a.processes[0].user == "alice"
+    assert a.processes[0].used_memory_bytes == 20 * GiB
+    lost = snap.devices[1]
+    assert (lost.available, lost.error, lost.processes) == (False, "GPU is lost", None)
+    parent, mig = snap.devices[2], snap.devices[3]
+    assert parent.mig_enabled is True and parent.utilization_pct is None
+    assert parent.compute_mode == "PROHIBITED"
+    assert (mig.is_mig, mig.parent_uuid, mig.mig_index) == (True, parent.uuid, 0)
+    assert mig.memory_free_bytes == 9 * GiB
+    assert mig.name == "NVIDIA A100-SXM4-40GB MIG 1g.10gb"
+    assert mig.timestamp_s == 1000.0
+
+
+def test_file_is_reread_when_it_changes(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.json"
+    write(path, FLEET)
+    backend = SimulatedBackend(str(path))
+    assert backend.snapshot().devices[0].utilization_pct == 35.0
+    fleet = json.loads(json.dumps(FLEET))
+    fleet["devices"][0]["utilization_pct"] = 99
+    write(path, fleet)
+    os.utime(path, ns=(1, 10**18))  # make sure the mtime differs even on coarse clocks
+    assert backend.snapshot().devices[0].utilization_pct == 99.0
+
+
+def test_builtin_demo_moves_over_time() -> None:
+    backend = get_backend("demo-4x")
+    assert backend.simulated
+    a = SimulatedBackend("demo-4x", clock=lambda: 0.0).snapshot()
+    b = SimulatedBackend("demo-4x", clock=lambda: 40.0).snapshot()
+    assert [d.name for d in a.devices] == ["NVIDIA A100-SXM4-80GB"] * 2 + ["NVIDIA L4"] * 2
+    assert [d.utilization_pct for d in a.devices] != [d.utilization_pct for d in b.devices]
+    assert len({d.uuid for d in a.devices}) == 4
+
+
+def test_snapshot_to_json_and_dataframe() -> None:
+    snap = SimulatedBackend("demo-4x", clock=lambda: 5.0).snapshot()
+    data = json.loads(snap.to_json())
+    assert data["simulated"] is True
+    assert [d["label"] for d in data["devices"]] == ["GPU 0", "GPU 1", "GPU 2", "GPU 3"]
+    from autogpu_jupyter.core.devices import FleetSnapshot
+
+    assert FleetSnapshot.from_dict(data) == snap
+    df = snap.to_dataframe()
+    assert list(df["label"]) == ["GPU 0", "GPU 1", "GPU 2", "GPU 3"]
+    assert df.attrs["simulated"] is True
+    assert int(df.iloc[0]["memory_total_bytes"]) == 80 * GiB
+
+
+def test_bad_simulate_value_is_one_clear_message(tmp_path: Path) -> None:
+    with pytest.raises(UsageErrorBase) as info:
+        SimulatedBackend("demo-99x")
+    assert str(info.value) == (
+        "AUTOGPU_SIMULATE='demo-99x': not a fleet file and not a built-in fleet; expected a path "
+        "to a JSON fleet file or one of demo-4x, demo-8x"
+    )
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    with pytest.raises(UsageErrorBase, match="is not valid JSON"):
+        SimulatedBackend(str(bad)).snapshot()
