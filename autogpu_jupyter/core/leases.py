@@ -1,0 +1,1300 @@
+"""The per-host lease registry: herd safety across processes and users (design decision 5).
+
+Layout (``c.AutoGPU.registry_dir`` / ``$AUTOGPU_REGISTRY_DIR``, default ``/var/tmp/autogpu``)::
+
+    /var/tmp/autogpu/            mode 1777 (sticky), owned by root (or by the user who created it)
+        <uid>/                   one per user: mode 0755, owned by that uid (others read, to rank)
+            <id>.lease           a lease: JSON record, mode 0644, held with flock(LOCK_EX)
+            <id>.ticket          a place in the waiting line, held the same way
+
+A pick runs as one transaction under the registry-wide lock, an ``flock(LOCK_EX)`` on the
+registry directory itself (an ``O_RDONLY`` directory fd: nothing to create, nothing another user
+could replace)::
+
+    with registry.locked() as txn:          # txn is None when the registry is unusable
+        bookings = registry.bookings(snapshot.devices, txn)
+        ...rank, select...
+        lease = txn.create(devices=..., requested_bytes=..., exclusive=..., holder=...)
+
+Liveness is the ``flock`` itself: the holder keeps the lease file open with ``LOCK_EX`` for its
+whole life (the descriptor is not inherited across ``exec``); a reader tries ``LOCK_SH|LOCK_NB``:
+refused means live, granted means the holder is gone (a SIGKILLed kernel frees its lease with no
+cleanup step, and PIDs never have to be trusted). Dead files are ignored and removed by their
+owner's next pick or by :meth:`Registry.prune`.
+
+Security on a shared host: the top directory must be sticky when others can write it and owned
+by root or by the caller; each user's directory must be owned by the uid it is named after;
+files are created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` relative to a directory fd and checked with
+``fstat``; another user's file is untrusted input (size cap, strict JSON schema, owner uid ==
+directory uid == the uid in the record, else ignored as forged) and is never put in a shell.
+A registry that cannot be used safely makes :meth:`Registry.locked` yield ``None`` with
+:attr:`Registry.unusable_reason` set, so the pick goes on without a lease and says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import math
+import os
+import pwd
+import re
+import secrets
+import socket
+import stat
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from autogpu_jupyter.core.policy import Booking, Constraints, rank, select
+from autogpu_jupyter.core.units import Size
+from autogpu_jupyter.errors import AutoGPUError, LeaseLimitError, NoDeviceFitsError, RegistryError
+
+if TYPE_CHECKING:
+    from autogpu_jupyter.core.devices import DeviceSnapshot
+    from autogpu_jupyter.core.picker import Holder
+
+__all__ = [
+    "LEASE_SUFFIX",
+    "MAX_RECORD_BYTES",
+    "TICKET_SUFFIX",
+    "Lease",
+    "LeaseRecord",
+    "Registry",
+    "ScanResult",
+    "Ticket",
+    "Transaction",
+    "bookings_for",
+]
+
+log = logging.getLogger(__name__)
+
+LEASE_SUFFIX = ".lease"
+TICKET_SUFFIX = ".ticket"
+#: Records larger than this are ignored unread (another user's file is untrusted input).
+MAX_RECORD_BYTES = 64 * 1024
+#: Most entries read from one user's directory per scan (a flood of files cannot stall a pick).
+MAX_FILES_PER_USER = 4096
+SCHEMA_VERSION = 1
+
+_ID_RE = re.compile(r"^[0-9a-f]{16,64}$")
+_UUID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+_MAX_STR = 4096
+_MAX_DEVICES = 64
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    """One lease or ticket as read from the registry (validated; fields of others are untrusted).
+
+    ``requested_bytes`` is what the lease books on each device (``None``: nothing asked);
+    ``device_requested_bytes`` gives it per device, in the order of ``device_uuids``.
+    ``live`` says whether its holder still holds the ``flock``.
+    """
+
+    lease_id: str
+    kind: str  # "lease" or "ticket"
+    device_uuids: tuple[str, ...]
+    device_requested_bytes: tuple[int | None, ...]
+    exclusive: bool
+    user: str
+    uid: int
+    host: str
+    pid: int
+    created_s: float
+    kernel_id: str | None = None
+    notebook_path: str | None = None
+    command: str | None = None
+    holder_kind: str = "process"
+    seq: int | None = None
+    constraints: Mapping[str, Any] | None = None
+    live: bool = True
+    path: str = ""
+
+    @property
+    def requested_bytes(self) -> int | None:
+        """The most this lease books on any one of its devices (``None``: nothing asked)."""
+        known = [b for b in self.device_requested_bytes if b is not None]
+        return max(known) if known else None
+
+    def requested_on(self, uuid: str) -> int | None:
+        """Bytes booked on device ``uuid`` (``None`` if not asked or not one of its devices)."""
+        for u, b in zip(self.device_uuids, self.device_requested_bytes, strict=False):
+            if u == uuid:
+                return b
+        return None
+
+    def holder_text(self) -> str:
+        """Who holds it, in words: ``alice: analysis.ipynb`` or ``bob: kernel 1a2b3c4d``."""
+        where = self.notebook_path or (
+            f"kernel {self.kernel_id[:8]}" if self.kernel_id else f"pid {self.pid}"
+        )
+        return f"{self.user}: {where}"
+
+    def to_dict(self, redact_command: bool = True) -> dict[str, Any]:
+        """JSON-ready dict. ``redact_command`` hides the command line (other users' by default)."""
+        return {
+            "lease_id": self.lease_id,
+            "kind": self.kind,
+            "device_uuids": list(self.device_uuids),
+            "device_requested_bytes": list(self.device_requested_bytes),
+            "requested_bytes": self.requested_bytes,
+            "exclusive": self.exclusive,
+            "user": self.user,
+            "uid": self.uid,
+            "host": self.host,
+            "pid": self.pid,
+            "created_s": self.created_s,
+            "kernel_id": self.kernel_id,
+            "notebook_path": self.notebook_path,
+            "command": None if redact_command else self.command,
+            "holder_kind": self.holder_kind,
+            "seq": self.seq,
+            "live": self.live,
+            "path": self.path,
+        }
+
+    def _payload(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "version": SCHEMA_VERSION,
+            "kind": self.kind,
+            "lease_id": self.lease_id,
+            "device_uuids": list(self.device_uuids),
+            "device_requested_bytes": list(self.device_requested_bytes),
+            "exclusive": self.exclusive,
+            "user": self.user,
+            "uid": self.uid,
+            "host": self.host,
+            "pid": self.pid,
+            "created_s": self.created_s,
+            "kernel_id": self.kernel_id,
+            "notebook_path": self.notebook_path,
+            "command": self.command,
+            "holder_kind": self.holder_kind,
+        }
+        if self.kind == "ticket":
+            d["seq"] = self.seq
+            d["constraints"] = dict(self.constraints or {})
+        return d
+
+
+class _Invalid(Exception):
+    """A record that fails the schema (the message says why; it is logged, never shown raw)."""
+
+
+def _no_dupes(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Invalid(f"duplicate key {k[:40]!r}")
+        out[k] = v
+    return out
+
+
+def _bad_constant(name: str) -> Any:
+    raise _Invalid(f"non-finite number {name}")
+
+
+def _str(
+    d: Mapping[str, Any], key: str, *, optional: bool = False, control_ok: bool = False
+) -> Any:
+    v = d.get(key)
+    if v is None and optional:
+        return None
+    if not isinstance(v, str) or len(v) > _MAX_STR:
+        raise _Invalid(f"{key}: expected a string of at most {_MAX_STR} characters")
+    if not control_ok and _CONTROL_RE.search(v):
+        raise _Invalid(f"{key}: control characters")
+    return v
+
+
+def _int(d: Mapping[str, Any], key: str, *, optional: bool = False, lo: int = 0) -> Any:
+    v = d.get(key)
+    if v is None and optional:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < 2**63:
+        raise _Invalid(f"{key}: expected an integer >= {lo}")
+    return v
+
+
+_LEASE_KEYS = {
+    "version", "kind", "lease_id", "device_uuids", "device_requested_bytes", "exclusive", "user",
+    "uid", "host", "pid", "created_s", "kernel_id", "notebook_path", "command", "holder_kind",
+}
+_TICKET_KEYS = _LEASE_KEYS | {"seq", "constraints"}
+_CONSTRAINT_KEYS = {
+    "min_free_bytes", "min_free_fraction", "max_util_pct", "count", "exclude", "exclusive",
+    "allowed_uuids",
+}
+
+
+def _parse_record(data: bytes, *, kind: str, path: str, live: bool) -> LeaseRecord:
+    """Strictly parse one record. Raises :class:`_Invalid` on anything unexpected."""
+    try:
+        text = data.decode("utf-8")
+        d = json.loads(text, object_pairs_hook=_no_dupes, parse_constant=_bad_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise _Invalid(f"not valid JSON ({type(err).__name__})") from None
+    if not isinstance(d, dict):
+        raise _Invalid("not a JSON object")
+    allowed = _TICKET_KEYS if kind == "ticket" else _LEASE_KEYS
+    extra = set(d) - allowed
+    if extra:
+        raise _Invalid(f"unexpected keys {sorted(extra)[:5]}")
+    missing = (allowed - {"kernel_id", "notebook_path", "command"}) - set(d)
+    if missing:
+        raise _Invalid(f"missing keys {sorted(missing)}")
+    if d["version"] != SCHEMA_VERSION:
+        raise _Invalid(f"unknown version {str(d['version'])[:20]}")
+    if d["kind"] != kind:
+        raise _Invalid(f"kind {str(d['kind'])[:20]!r} in a {kind} file")
+    lease_id = _str(d, "lease_id")
+    if not _ID_RE.match(lease_id):
+        raise _Invalid("lease_id: expected 16-64 lowercase hex digits")
+    uuids = d["device_uuids"]
+    if (
+        not isinstance(uuids, list)
+        or len(uuids) > _MAX_DEVICES
+        or (kind == "lease" and not uuids)
+        or not all(isinstance(u, str) and _UUID_RE.match(u) for u in uuids)
+        or len(set(uuids)) != len(uuids)
+    ):
+        raise _Invalid("device_uuids: expected a list of distinct device UUIDs")
+    booked = d["device_requested_bytes"]
+    if not isinstance(booked, list) or len(booked) != len(uuids):
+        raise _Invalid("device_requested_bytes: expected one entry per device")
+    for b in booked:
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < 2**62):
+            raise _Invalid("device_requested_bytes: expected byte counts or null")
+    if not isinstance(d["exclusive"], bool):
+        raise _Invalid("exclusive: expected true or false")
+    created = d["created_s"]
+    if not isinstance(created, (int, float)) or isinstance(created, bool) or not math.isfinite(
+        created
+    ):
+        raise _Invalid("created_s: expected a number")
+    holder_kind = _str(d, "holder_kind")
+    if len(holder_kind) > 32:
+        raise _Invalid("holder_kind: too long")
+    command = _str(d, "command", optional=True, control_ok=True)
+    if command is not None:
+        command = _CONTROL_RE.sub("?", command)
+    seq = None
+    constraints = None
+    if kind == "ticket":
+        seq = _int(d, "seq")
+        constraints = _parse_constraints(d["constraints"])
+    return LeaseRecord(
+        lease_id=lease_id,
+        kind=kind,
+        device_uuids=tuple(uuids),
+        device_requested_bytes=tuple(booked),
+        exclusive=d["exclusive"],
+        user=_str(d, "user"),
+        uid=_int(d, "uid"),
+        host=_str(d, "host"),
+        pid=_int(d, "pid", lo=1),
+        created_s=float(created),
+        kernel_id=_str(d, "kernel_id", optional=True),
+        notebook_path=_str(d, "notebook_path", optional=True),
+        command=command,
+        holder_kind=holder_kind,
+        seq=seq,
+        constraints=constraints,
+        live=live,
+        path=path,
+    )
+
+
+def _parse_constraints(c: Any) -> dict[str, Any]:
+    if not isinstance(c, dict) or set(c) != _CONSTRAINT_KEYS:
+        raise _Invalid(f"constraints: expected exactly the keys {sorted(_CONSTRAINT_KEYS)}")
+    _int(c, "min_free_bytes", optional=True)
+    frac = c["min_free_fraction"]
+    if frac is not None and (
+        not isinstance(frac, (int, float)) or isinstance(frac, bool) or not 0 <= frac <= 1
+    ):
+        raise _Invalid("constraints.min_free_fraction: expected a number in [0, 1] or null")
+    util = c["max_util_pct"]
+    if util is not None and (
+        not isinstance(util, (int, float)) or isinstance(util, bool) or not 0 <= util <= 100
+    ):
+        raise _Invalid("constraints.max_util_pct: expected a number in [0, 100] or null")
+    count = _int(c, "count", lo=1)
+    if count > _MAX_DEVICES:
+        raise _Invalid("constraints.count: too large")
+    if not isinstance(c["exclusive"], bool):
+        raise _Invalid("constraints.exclusive: expected true or false")
+    for key in ("exclude", "allowed_uuids"):
+        v = c[key]
+        if v is None and key == "allowed_uuids":
+            continue
+        if not isinstance(v, list) or len(v) > _MAX_DEVICES or not all(
+            isinstance(x, str) and len(x) <= 128 and not _CONTROL_RE.search(x) for x in v
+        ):
+            raise _Invalid(f"constraints.{key}: expected a short list of device ids")
+    return dict(c)
+
+
+# --------------------------------------------------------------------------------------------
+# Bookings
+
+
+def bookings_for(
+    devices: Sequence[DeviceSnapshot], leases: Sequence[LeaseRecord]
+) -> dict[str, Booking]:
+    """Fold live leases into one :class:`~autogpu_jupyter.core.policy.Booking` per device.
+
+    A lease books its requested memory on a device until NVML lists the lease's pid on that
+    device with a known memory use: from then on the real use (already in the device's free
+    memory) counts, not both. ``processes is None`` (unknown) keeps the booking.
+
+    Returns
+    -------
+    dict
+        UUID -> Booking, for every device in ``devices`` (unleased ones with zero counts).
+    """
+    out: dict[str, Booking] = {}
+    for dev in devices:
+        count = 0
+        booked = 0
+        exclusive = False
+        holders: list[str] = []
+        pids_using = {
+            p.pid for p in (dev.processes or ()) if p.used_memory_bytes is not None
+        }
+        for rec in leases:
+            if not rec.live or rec.kind != "lease" or dev.uuid not in rec.device_uuids:
+                continue
+            count += 1
+            exclusive = exclusive or rec.exclusive
+            holders.append(rec.holder_text())
+            req = rec.requested_on(dev.uuid)
+            if req and rec.pid not in pids_using:
+                booked += req
+        out[dev.uuid] = Booking(
+            uuid=dev.uuid,
+            lease_count=count,
+            booked_bytes=booked,
+            exclusive=exclusive,
+            holders=tuple(holders),
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Held files
+
+
+class Lease:
+    """A lease this process holds: an open, ``flock``-ed file in our user directory.
+
+    Keep the object (or the process) alive for as long as the device is used: closing the
+    descriptor (``release()``, garbage collection, process exit, SIGKILL) ends the lease.
+    """
+
+    suffix = LEASE_SUFFIX
+
+    def __init__(self, record: LeaseRecord, fd: int, registry: Registry, name: str) -> None:
+        self.record = record
+        self._fd: int | None = fd
+        self._registry = registry
+        self._name = name
+        self._owner_pid = os.getpid()
+
+    @property
+    def path(self) -> str:
+        return self.record.path
+
+    @property
+    def held(self) -> bool:
+        """Whether this object still holds the lease."""
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Remove the file and drop the lock. Idempotent; in a forked child it only closes."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if os.getpid() == self._owner_pid:
+                self._registry._unlink_own(self._name, fd)
+        finally:
+            os.close(fd)
+
+    def fileno(self) -> int:
+        """The held descriptor (e.g. for ``pass_fds``: a child that inherits it holds the lease)."""
+        if self._fd is None:
+            raise ValueError(f"lease {self.record.lease_id} was released")
+        return self._fd
+
+    def detach(self) -> None:
+        """Close this process's descriptor without removing the file or unlocking it.
+
+        For a process that handed the descriptor to a child (``pass_fds``): the child's copy of
+        the open file description keeps the ``flock``, so the lease lives as long as the child.
+        """
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def set_pid(self, pid: int) -> None:
+        """Record ``pid`` as the holder (the kernel a provisioner started), under the lock.
+
+        The booking ends when NVML shows this pid on the device, so it must be the process
+        that creates the CUDA context. Rewritten in place: the inode (and its flock) stays.
+        """
+        if self._fd is None:
+            raise ValueError(f"lease {self.record.lease_id} was released")
+        record = replace(self.record, pid=int(pid))
+        data = json.dumps(record._payload(), separators=(",", ":")).encode()
+        with self._registry.locked() as txn:
+            if txn is None:
+                return
+            os.pwrite(self._fd, data, 0)
+            os.ftruncate(self._fd, len(data))
+        self.record = record
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __repr__(self) -> str:
+        state = "held" if self.held else "released"
+        devices = ",".join(self.record.device_uuids)
+        return f"<{type(self).__name__} {self.record.lease_id} {devices} {state}>"
+
+
+_L = TypeVar("_L", bound=Lease)
+
+
+class Ticket(Lease):
+    """A place in the waiting line (FIFO across processes and users), held like a lease."""
+
+    suffix = TICKET_SUFFIX
+
+
+@dataclass
+class ScanResult:
+    """Everything one scan of the registry saw."""
+
+    live: list[LeaseRecord] = field(default_factory=list)
+    dead: list[LeaseRecord] = field(default_factory=list)
+    ignored: list[tuple[str, str]] = field(default_factory=list)  # (path, why)
+
+
+# --------------------------------------------------------------------------------------------
+# The registry
+
+
+def _held(fd: int) -> bool:
+    """Whether another open file description holds an ``flock`` on the file of ``fd``."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError as err:  # ENOLCK and friends: cannot tell, so count it (conservative)
+        log.debug("cannot test lease liveness: %s", err)
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _describe_owner(uid: int) -> str:
+    return f"{_user_name(uid)} (uid {uid})"
+
+
+class Transaction:
+    """What a pick may do while it holds the registry lock (see :meth:`Registry.locked`)."""
+
+    def __init__(self, registry: Registry, top_fd: int) -> None:
+        self.registry = registry
+        self._top_fd = top_fd
+        self._scan: ScanResult | None = None
+
+    def scan(self) -> ScanResult:
+        """Every user's leases and tickets (read once per transaction; our dead ones removed)."""
+        if self._scan is None:
+            self._scan = self.registry._scan_fd(self._top_fd, prune_own=True)
+        return self._scan
+
+    def live_leases(self) -> list[LeaseRecord]:
+        """Live leases of every user."""
+        return [r for r in self.scan().live if r.kind == "lease"]
+
+    def live_tickets(self) -> list[LeaseRecord]:
+        """Live tickets of every user, oldest (lowest ``seq``) first."""
+        tickets = [r for r in self.scan().live if r.kind == "ticket"]
+        return sorted(tickets, key=lambda r: (r.seq or 0, r.created_s, r.lease_id))
+
+    def create(
+        self,
+        *,
+        devices: Sequence[DeviceSnapshot | str],
+        requested_bytes: int | Sequence[int | None] | None = None,
+        exclusive: bool = False,
+        holder: Holder | None = None,
+    ) -> Lease:
+        """Write and hold a lease on ``devices``.
+
+        Parameters
+        ----------
+        devices
+            The chosen devices (snapshots or UUIDs).
+        requested_bytes
+            Memory booked on each device: one value for all, or one per device; ``None``: nothing.
+        exclusive
+            Keep every other lease off these devices.
+        holder
+            Who the lease is for (:class:`~autogpu_jupyter.core.picker.Holder`).
+
+        Raises
+        ------
+        LeaseLimitError
+            Past the admin's ``max_devices_per_user``.
+        NoDeviceFitsError
+            A device is held exclusively, or ``exclusive`` was asked and another lease holds it.
+        RegistryError
+            The file cannot be written.
+        """
+        uuids = [d if isinstance(d, str) else d.uuid for d in devices]
+        if not uuids:
+            raise ValueError("a lease needs at least one device")
+        if requested_bytes is None or isinstance(requested_bytes, int):
+            booked: list[int | None] = [requested_bytes] * len(uuids)
+        else:
+            booked = list(requested_bytes)
+            if len(booked) != len(uuids):
+                raise ValueError("requested_bytes: one value per device expected")
+        live = self.live_leases()
+        for u in uuids:
+            holders = [r for r in live if u in r.device_uuids]
+            if any(r.exclusive for r in holders):
+                who = ", ".join(r.holder_text() for r in holders if r.exclusive)
+                raise NoDeviceFitsError(f"no device free: {u} is held exclusively by {who}")
+            if exclusive and holders:
+                raise NoDeviceFitsError(
+                    f"no device free: exclusive wanted but {u} is held by "
+                    + ", ".join(r.holder_text() for r in holders)
+                )
+        limit = self.registry.max_devices_per_user
+        if limit > 0:
+            mine = {u for r in live if r.uid == self.registry.uid for u in r.device_uuids}
+            total = mine | set(uuids)
+            if len(total) > limit:
+                raise LeaseLimitError(
+                    f"{self.registry.user} already holds leases on {len(mine)} device(s) "
+                    f"({', '.join(sorted(mine)) or 'none'}); taking {len(set(uuids) - mine)} more "
+                    f"would exceed max_devices_per_user = {limit} set by the admin. Release one "
+                    "first (%gpu release, or end the kernel / autogpu run holding it)."
+                )
+        lease = self.registry._write_held(
+            Lease, kind="lease", uuids=uuids, booked=booked, exclusive=exclusive, holder=holder,
+            top_fd=self._top_fd,
+        )
+        if self._scan is not None:
+            self._scan.live.append(lease.record)
+        return lease
+
+    def create_ticket(
+        self,
+        *,
+        constraints: Constraints | None = None,
+        holder: Holder | None = None,
+        allowed_uuids: Sequence[str] | None = None,
+    ) -> Ticket:
+        """Join the waiting line: a ticket whose ``seq`` is after every live ticket's."""
+        tickets = self.live_tickets()
+        seq = max((r.seq or 0 for r in tickets), default=0) + 1
+        ticket = self.registry._write_held(
+            Ticket,
+            kind="ticket",
+            uuids=[],
+            booked=[],
+            exclusive=bool(constraints is not None and constraints.exclusive),
+            holder=holder,
+            top_fd=self._top_fd,
+            seq=seq,
+            constraints=_constraints_payload(constraints, allowed_uuids),
+        )
+        if self._scan is not None:
+            self._scan.live.append(ticket.record)
+        return ticket
+
+
+def _constraints_payload(
+    constraints: Constraints | None, allowed_uuids: Sequence[str] | None
+) -> dict[str, Any]:
+    mf = None if constraints is None else constraints.min_free
+    return {
+        "min_free_bytes": None if mf is None else mf.bytes,
+        "min_free_fraction": None if mf is None else mf.fraction,
+        "max_util_pct": None if constraints is None else constraints.max_util_pct,
+        "count": 1 if constraints is None else constraints.count,
+        "exclude": [] if constraints is None else list(constraints.exclude),
+        "exclusive": bool(constraints is not None and constraints.exclusive),
+        "allowed_uuids": None if allowed_uuids is None else list(allowed_uuids),
+    }
+
+
+class Registry:
+    """The lease registry in directory ``path`` (shared by every user of the host).
+
+    Parameters
+    ----------
+    path
+        The registry directory; created (mode 1777) when missing, if its parent exists.
+    max_devices_per_user
+        Admin limit on the distinct devices one user may hold leases on (0: none).
+    lock_timeout_s
+        How long a pick waits for the registry lock before going on without a lease (another
+        process holding it that long is stuck or hostile).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_devices_per_user: int = 0,
+        lock_timeout_s: float = 10.0,
+    ) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.max_devices_per_user = max(int(max_devices_per_user), 0)
+        self.lock_timeout_s = lock_timeout_s
+        self.uid = os.geteuid()
+        self.user = _user_name(self.uid)
+        self.host = socket.gethostname()
+        #: Why the last :meth:`locked` yielded ``None`` (``None`` when the registry worked).
+        self.unusable_reason: str | None = None
+
+    def __repr__(self) -> str:
+        return f"Registry({self.path!r})"
+
+    # -- opening, with the safety checks ------------------------------------------------------
+
+    def _open_top(self, create: bool = True) -> int:
+        """Open the top directory (creating it 1777 when missing) and check it is safe."""
+        try:
+            fd = os.open(self.path, _O_DIR)
+        except FileNotFoundError:
+            if not create:
+                raise RegistryError(f"lease registry {self.path} does not exist") from None
+            try:
+                os.mkdir(self.path, 0o700)  # tightened before anyone else can use it
+                fd = os.open(self.path, _O_DIR)
+                st = os.fstat(fd)
+                if st.st_uid == self.uid and stat.S_IMODE(st.st_mode) == 0o700:
+                    os.fchmod(fd, 0o1777)
+                    log.info("created lease registry %s (mode 1777)", self.path)
+            except FileExistsError:
+                fd = self._open_existing_top()
+            except OSError as err:
+                raise RegistryError(
+                    f"cannot create lease registry {self.path}: {err.strerror}; ask the admin to "
+                    f"create it (install -d -m 1777 -o root {self.path}) or set "
+                    "AUTOGPU_REGISTRY_DIR / c.AutoGPU.registry_dir"
+                ) from None
+        except OSError as err:
+            raise self._open_error(err) from None
+        try:
+            self._check_top(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_existing_top(self) -> int:
+        try:
+            return os.open(self.path, _O_DIR)
+        except OSError as err:
+            raise self._open_error(err) from None
+
+    def _open_error(self, err: OSError) -> RegistryError:
+        final_is_odd = os.path.islink(self.path) or (
+            os.path.lexists(self.path) and not os.path.isdir(self.path)
+        )
+        if err.errno in (errno.ELOOP, errno.ENOTDIR) and final_is_odd:
+            what = "a symlink" if os.path.islink(self.path) else "not a directory"
+            return RegistryError(
+                f"lease registry {self.path} is {what}: refused (another user could redirect "
+                "leases elsewhere); the admin should make it a real directory, mode 1777"
+            )
+        return RegistryError(
+            f"cannot use lease registry {self.path}: {err.strerror}; ask the admin to create it "
+            f"(install -d -m 1777 -o root {self.path}) or set AUTOGPU_REGISTRY_DIR / "
+            "c.AutoGPU.registry_dir"
+        )
+
+    def _check_top(self, fd: int) -> None:
+        st = os.fstat(fd)
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid not in (0, self.uid):
+            raise RegistryError(
+                f"lease registry {self.path} is owned by {_describe_owner(st.st_uid)}, not by root "
+                f"or you: its owner could hide or replace other users' leases, so it is refused. "
+                f"Ask the admin to create it as root (install -d -m 1777 -o root {self.path}), "
+                "or set AUTOGPU_REGISTRY_DIR to another directory"
+            )
+        if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+            raise RegistryError(
+                f"lease registry {self.path} is writable by others without the sticky bit "
+                f"(mode {mode:04o}): any user could delete or replace other users' leases, so it "
+                f"is refused. Fix: chmod 1777 {self.path}"
+            )
+
+    def _open_user_dir(self, top_fd: int, create: bool) -> int | None:
+        """Our directory ``<top>/<uid>`` (ours, 0755); ``None`` if missing and not ``create``."""
+        name = str(self.uid)
+        where = os.path.join(self.path, name)
+        try:
+            fd = os.open(name, _O_DIR, dir_fd=top_fd)
+        except FileNotFoundError:
+            if not create:
+                return None
+            try:
+                os.mkdir(name, 0o755, dir_fd=top_fd)
+            except FileExistsError:
+                pass
+            except OSError as err:
+                raise RegistryError(
+                    f"cannot create {where} in the lease registry: {err.strerror}"
+                ) from None
+            try:
+                fd = os.open(name, _O_DIR, dir_fd=top_fd)
+            except OSError as err:
+                raise self._user_dir_error(where, err) from None
+        except OSError as err:
+            raise self._user_dir_error(where, err) from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != self.uid:
+                raise RegistryError(
+                    f"{where} is owned by {_describe_owner(st.st_uid)}, not by you: someone "
+                    "created your lease directory before you did, so it is refused. Ask the admin "
+                    f"to remove it (rm -r {where})"
+                )
+            if stat.S_IMODE(st.st_mode) != 0o755:
+                os.fchmod(fd, 0o755)  # umask, or a chmod of ours: others must read, not write
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _user_dir_error(self, where: str, err: OSError) -> RegistryError:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):
+            return RegistryError(
+                f"{where} is a symlink or not a directory (planted by another user?): refused; "
+                "nothing was written. Ask the admin to remove it"
+            )
+        return RegistryError(f"cannot open {where}: {err.strerror}")
+
+    # -- the lock -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[Transaction | None]:
+        """Hold the registry-wide lock for one pick; yields ``None`` when the registry is unusable.
+
+        When it yields ``None``, :attr:`unusable_reason` says why (the pick goes on without a
+        lease and reports it). Errors raised inside the block propagate unchanged (a
+        :class:`RegistryError` from :meth:`Transaction.create` means "no lease" to the picker).
+        """
+        try:
+            top_fd = self._open_top(create=True)
+        except RegistryError as err:
+            self.unusable_reason = f"{err}: picked without a lease"
+            log.warning("%s", self.unusable_reason)
+            yield None
+            return
+        try:
+            try:
+                self._acquire(top_fd)
+            except RegistryError as err:
+                self.unusable_reason = f"{err}: picked without a lease"
+                log.warning("%s", self.unusable_reason)
+                yield None
+                return
+            try:
+                # Our own directory must be usable before a pick relies on a lease there.
+                ufd = self._open_user_dir(top_fd, create=True)
+                if ufd is not None:
+                    os.close(ufd)
+            except RegistryError as err:
+                self.unusable_reason = f"{err}: picked without a lease"
+                log.warning("%s", self.unusable_reason)
+                yield None
+                return
+            self.unusable_reason = None
+            yield Transaction(self, top_fd)
+        finally:
+            os.close(top_fd)  # also drops the flock
+
+    def _acquire(self, top_fd: int) -> None:
+        deadline = time.monotonic() + self.lock_timeout_s
+        delay = 0.0005
+        while True:
+            try:
+                fcntl.flock(top_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            except OSError as err:
+                raise RegistryError(
+                    f"cannot lock lease registry {self.path}: {err.strerror} (a filesystem "
+                    "without flock, e.g. some NFS mounts? Use a local AUTOGPU_REGISTRY_DIR)"
+                ) from None
+            if time.monotonic() >= deadline:
+                raise RegistryError(
+                    f"lease registry {self.path} stayed locked by another process for more than "
+                    f"{self.lock_timeout_s:g} s"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def _write_held(
+        self,
+        cls: type[_L],
+        *,
+        kind: str,
+        uuids: Sequence[str],
+        booked: Sequence[int | None],
+        exclusive: bool,
+        holder: Holder | None,
+        top_fd: int,
+        seq: int | None = None,
+        constraints: Mapping[str, Any] | None = None,
+    ) -> _L:
+        ufd = self._open_user_dir(top_fd, create=True)
+        assert ufd is not None
+        try:
+            lease_id = secrets.token_hex(16)
+            name = lease_id + cls.suffix
+            tmp = f".{lease_id}.tmp"
+            pid = os.getpid() if holder is None else holder.pid
+            record = LeaseRecord(
+                lease_id=lease_id,
+                kind=kind,
+                device_uuids=tuple(uuids),
+                device_requested_bytes=tuple(booked),
+                exclusive=exclusive,
+                user=self.user,
+                uid=self.uid,
+                host=self.host,
+                pid=pid,
+                created_s=time.time(),
+                kernel_id=None if holder is None else holder.kernel_id,
+                notebook_path=None if holder is None else holder.notebook_path,
+                command=None if holder is None else holder.command,
+                holder_kind="process" if holder is None else holder.kind,
+                seq=seq,
+                constraints=constraints,
+                live=True,
+                path=os.path.join(self.path, str(self.uid), name),
+            )
+            data = json.dumps(record._payload(), separators=(",", ":")).encode()
+            if len(data) > MAX_RECORD_BYTES:
+                raise RegistryError("lease record too large (a very long command or path?)")
+            try:
+                fd = os.open(
+                    tmp,
+                    os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC,
+                    0o644,
+                    dir_fd=ufd,
+                )
+            except OSError as err:
+                raise RegistryError(
+                    f"cannot write a lease in {os.path.join(self.path, str(self.uid))}: "
+                    f"{err.strerror}"
+                ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                st = os.fstat(fd)
+                if st.st_uid != self.uid or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    raise RegistryError(f"lease file {record.path} is not ours after creation")
+                os.fchmod(fd, 0o644)
+                os.write(fd, data)
+                # Rename keeps the inode and its flock: readers see whole records only.
+                os.rename(tmp, name, src_dir_fd=ufd, dst_dir_fd=ufd)
+            except OSError as err:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=ufd)
+                os.close(fd)
+                raise RegistryError(f"cannot write lease {record.path}: {err.strerror}") from None
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=ufd)
+                os.close(fd)
+                raise
+            return cls(record, fd, self, name)
+        finally:
+            os.close(ufd)
+
+    def _unlink_own(self, name: str, fd: int) -> None:
+        """Remove our file ``name`` if it is still the inode ``fd`` holds."""
+        try:
+            top = os.open(self.path, _O_DIR)
+        except OSError as err:
+            log.debug("cannot reopen registry to remove %s: %s", name, err)
+            return
+        try:
+            ufd = self._open_user_dir(top, create=False)
+            if ufd is None:
+                return
+            try:
+                st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
+                mine = os.fstat(fd)
+                if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                    os.unlink(name, dir_fd=ufd)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(ufd)
+        except (OSError, RegistryError) as err:
+            log.debug("cannot remove lease %s: %s", name, err)
+        finally:
+            os.close(top)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _scan_fd(
+        self, top_fd: int, *, prune_own: bool = False, prune_all: bool = False
+    ) -> ScanResult:
+        result = ScanResult()
+        try:
+            names = os.listdir(top_fd)
+        except OSError as err:
+            raise RegistryError(f"cannot list lease registry {self.path}: {err.strerror}") from None
+        for uname in sorted(names):
+            upath = os.path.join(self.path, uname)
+            if not uname.isdigit() or len(uname) > 10:
+                result.ignored.append((upath, "not a user directory (name is not a uid)"))
+                continue
+            dir_uid = int(uname)
+            try:
+                ufd = os.open(uname, _O_DIR | os.O_NONBLOCK, dir_fd=top_fd)
+            except OSError as err:
+                why = (
+                    "a symlink or not a directory"
+                    if err.errno in (errno.ELOOP, errno.ENOTDIR)
+                    else err.strerror
+                )
+                result.ignored.append((upath, f"unreadable user directory: {why}"))
+                continue
+            try:
+                st = os.fstat(ufd)
+                if st.st_uid != dir_uid:
+                    result.ignored.append(
+                        (upath, f"forged: owned by uid {st.st_uid}, named for uid {dir_uid}")
+                    )
+                    continue
+                if stat.S_IMODE(st.st_mode) & (stat.S_IWGRP | stat.S_IWOTH):
+                    result.ignored.append((upath, "writable by others: its leases are untrusted"))
+                    continue
+                prune = (prune_own and dir_uid == self.uid) or prune_all
+                self._scan_user(ufd, upath, dir_uid, result, prune=prune)
+            finally:
+                os.close(ufd)
+        return result
+
+    def _scan_user(
+        self, ufd: int, upath: str, dir_uid: int, result: ScanResult, *, prune: bool
+    ) -> None:
+        try:
+            names = os.listdir(ufd)
+        except OSError as err:
+            result.ignored.append((upath, f"cannot list: {err.strerror}"))
+            return
+        if len(names) > MAX_FILES_PER_USER:
+            result.ignored.append((upath, f"more than {MAX_FILES_PER_USER} entries; rest skipped"))
+            names = sorted(names)[:MAX_FILES_PER_USER]
+        for name in names:
+            path = os.path.join(upath, name)
+            if name.endswith(LEASE_SUFFIX):
+                kind = "lease"
+            elif name.endswith(TICKET_SUFFIX):
+                kind = "ticket"
+            elif name.startswith(".") and name.endswith(".tmp"):
+                if prune:
+                    self._prune_tmp(ufd, name)
+                continue
+            else:
+                result.ignored.append((path, "not a lease or ticket file"))
+                continue
+            rec, why = self._read_one(ufd, name, path, dir_uid, kind)
+            if rec is None:
+                result.ignored.append((path, why))
+                continue
+            if rec.live:
+                result.live.append(rec)
+            else:
+                result.dead.append(rec)
+                if prune:
+                    self._remove_dead(ufd, name)
+
+    def _read_one(
+        self, ufd: int, name: str, path: str, dir_uid: int, kind: str
+    ) -> tuple[LeaseRecord | None, str]:
+        try:
+            fd = os.open(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ufd
+            )
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                return None, "a symlink"
+            return None, f"unreadable: {err.strerror}"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None, "not a regular file"
+            if st.st_uid != dir_uid:
+                return None, f"forged: owned by uid {st.st_uid} in the directory of uid {dir_uid}"
+            if st.st_size > MAX_RECORD_BYTES:
+                return None, f"larger than {MAX_RECORD_BYTES} bytes"
+            data = os.read(fd, MAX_RECORD_BYTES + 1)
+            if len(data) > MAX_RECORD_BYTES:
+                return None, f"larger than {MAX_RECORD_BYTES} bytes"
+            live = _held(fd)
+            try:
+                rec = _parse_record(data, kind=kind, path=path, live=live)
+            except _Invalid as err:
+                return None, f"malformed: {err}"
+            if rec.uid != dir_uid:
+                return None, f"forged: record says uid {rec.uid}, file owned by uid {dir_uid}"
+            if not name.startswith(rec.lease_id + "."):
+                return None, "forged: file name does not match its lease id"
+            real_user = _user_name(dir_uid)
+            if real_user != str(dir_uid) and rec.user != real_user:
+                return None, (
+                    f"forged: record says user {rec.user[:40]!r}, uid {dir_uid} is {real_user}"
+                )
+            return rec, ""
+        except OSError as err:
+            return None, f"unreadable: {err.strerror}"
+        finally:
+            os.close(fd)
+
+    def _remove_dead(self, ufd: int, name: str) -> None:
+        """Unlink a file whose holder is gone, re-checking under its own lock (race-free)."""
+        try:
+            fd = os.open(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ufd
+            )
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
+            mine = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(name, dir_fd=ufd)
+        except OSError as err:
+            log.debug("not removing %s: %s", name, err)
+        finally:
+            os.close(fd)
+
+    def _prune_tmp(self, ufd: int, name: str) -> None:
+        try:
+            st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
+        except OSError:
+            return
+        if time.time() - st.st_mtime > 60:  # a writer crashed between create and rename
+            self._remove_dead(ufd, name)
+
+    def scan(self) -> ScanResult:
+        """Read the registry without the lock: live, dead and ignored entries (for diagnostics).
+
+        Raises
+        ------
+        RegistryError
+            The registry is missing or unsafe.
+        """
+        top = self._open_top(create=False)
+        try:
+            return self._scan_fd(top)
+        finally:
+            os.close(top)
+
+    def check(self) -> None:
+        """Raise :class:`RegistryError` if the registry cannot be used (creating it if missing)."""
+        top = self._open_top(create=True)
+        try:
+            fcntl.flock(top, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass
+        except OSError as err:
+            raise RegistryError(f"cannot lock lease registry {self.path}: {err.strerror}") from None
+        finally:
+            os.close(top)
+
+    def list_leases(self, *, include_tickets: bool = False) -> list[LeaseRecord]:
+        """Live leases of every user, oldest first (no lock taken; for status surfaces).
+
+        A missing registry lists nothing. Raises :class:`RegistryError` when it is unsafe.
+        """
+        try:
+            top = self._open_top(create=False)
+        except RegistryError:
+            if not os.path.lexists(self.path):
+                return []
+            raise
+        try:
+            live = self._scan_fd(top).live
+        finally:
+            os.close(top)
+        if not include_tickets:
+            live = [r for r in live if r.kind == "lease"]
+        return sorted(live, key=lambda r: (r.created_s, r.lease_id))
+
+    def bookings(
+        self, devices: Sequence[DeviceSnapshot], txn: Transaction | None = None
+    ) -> dict[str, Booking]:
+        """Live leases folded per device (:func:`bookings_for`); ``txn=None`` reads without lock.
+
+        An unreadable registry books nothing (the pick already says it has no lease).
+        """
+        if txn is not None:
+            leases = txn.live_leases()
+        else:
+            try:
+                leases = self.list_leases()
+            except RegistryError as err:
+                log.debug("bookings without registry: %s", err)
+                leases = []
+        return bookings_for(devices, leases)
+
+    def prune(self, all_users: bool = False) -> list[str]:
+        """Remove dead lease and ticket files: the caller's own, or every user's (root only).
+
+        Returns
+        -------
+        list of str
+            Paths removed.
+
+        Raises
+        ------
+        RegistryError
+            Unsafe or missing registry, or ``all_users`` without root.
+        """
+        if all_users and self.uid != 0:
+            raise RegistryError("pruning every user's dead leases needs root (--all)")
+        top = self._open_top(create=False)
+        try:
+            self._acquire(top)
+            before = self._scan_fd(top)
+            self._scan_fd(top, prune_own=True, prune_all=all_users)
+            after = self._scan_fd(top)
+        finally:
+            os.close(top)
+        gone = {r.path for r in after.dead}
+        return sorted(
+            r.path for r in before.dead
+            if r.path not in gone and (all_users or r.uid == self.uid)
+        )
+
+    # -- waiting in line ----------------------------------------------------------------------
+
+    def take_ticket(
+        self,
+        *,
+        holder: Holder | None = None,
+        constraints: Constraints | None = None,
+        allowed_uuids: Sequence[str] | None = None,
+    ) -> Ticket | None:
+        """Join the waiting line (under the lock). ``None`` when the registry is unusable."""
+        with self.locked() as txn:
+            if txn is None:
+                return None
+            ticket: Ticket = txn.create_ticket(
+                constraints=constraints, holder=holder, allowed_uuids=allowed_uuids
+            )
+            return ticket
+
+    def reserved_bookings(
+        self,
+        txn: Transaction | None,
+        devices: Sequence[DeviceSnapshot],
+        bookings: Mapping[str, Booking],
+        *,
+        ticket: Ticket | None = None,
+        smoothed_util: Mapping[str, float | None] | None = None,
+    ) -> dict[str, Booking]:
+        """Bookings with the devices that older waiters would take now reserved for them.
+
+        Fairness rule (FIFO): live tickets are served in arrival order (``seq``). Each ticket
+        older than ours (all of them when ``ticket`` is ``None``: a pick that does not wait
+        yet arrived last) is given, in turn, the device(s) its own constraints would pick from
+        what is left; those are booked for it as if it held an (exclusive if it asked so) lease.
+        We then rank against what remains. So a waiter takes a device only if no older live
+        waiter could take it, and nobody is passed over by someone who polled first.
+        """
+        if txn is None:
+            return dict(bookings)
+        out = dict(bookings)
+        my_id = None if ticket is None else ticket.record.lease_id
+        my_seq = None if ticket is None else ticket.record.seq
+        for t in txn.live_tickets():
+            if t.lease_id == my_id or (my_seq is not None and (t.seq or 0) >= my_seq):
+                continue
+            c = t.constraints or {}
+            size = None
+            if c.get("min_free_bytes") is not None:
+                size = Size(bytes=int(c["min_free_bytes"]))
+            elif c.get("min_free_fraction") is not None:
+                size = Size(fraction=float(c["min_free_fraction"]))
+            cons = Constraints(
+                min_free=size,
+                max_util_pct=c.get("max_util_pct"),
+                count=int(c.get("count", 1)),
+                exclude=tuple(c.get("exclude", ())),
+                exclusive=bool(c.get("exclusive", False)),
+            )
+            allowed = c.get("allowed_uuids")
+            pool = [
+                d for d in devices
+                if allowed is None or d.uuid in allowed or (d.parent_uuid in allowed)
+            ]
+            try:
+                ranked = rank(pool, cons, bookings=out, smoothed_util=smoothed_util)
+                chosen = select(ranked, cons.count)
+            except AutoGPUError as err:  # another user's ticket must not break our pick
+                log.debug("ignoring ticket %s: %s", t.lease_id, err)
+                continue
+            for cand in chosen:
+                b = out.get(cand.device.uuid)
+                if b is None:
+                    continue
+                need = 0 if size is None else (size.resolve(cand.device.memory_total_bytes) or 0)
+                out[cand.device.uuid] = replace(
+                    b,
+                    lease_count=b.lease_count + 1,
+                    booked_bytes=b.booked_bytes + need,
+                    exclusive=b.exclusive or cons.exclusive,
+                    holders=(*b.holders, f"{t.user}: waiting (ticket {t.seq})"),
+                )
+        return out

@@ -1,0 +1,378 @@
+"""Helpers for the lease tests: fleets, a start gate, and a picker process.
+
+Run as a script, this is one real picker process (what a kernel does when it runs ``%gpu pick``)::
+
+    python tests/leasehelpers.py --registry DIR [--gate FILE] [--exclusive] [--min-free 10G]
+        [--wait 30] [--poll 0.5] [--hold]
+
+It prints one JSON line per event on stdout: ``{"event": "ready"}`` once imported (then it
+blocks on the gate, a shared ``flock`` the test holds exclusively: releasing it lets every
+picker go at the same instant), ``{"event": "waiting"}`` when it joined the waiting line,
+``{"event": "picked", ...}`` or ``{"event": "error", ...}``. With ``--hold`` it keeps its lease
+until its stdin closes (the test ends it), like a kernel that keeps running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parent.parent
+GiB = 1024**3
+
+
+def fleet(n: int, total: str = "80G", used_bytes: int = 0) -> dict[str, Any]:
+    """``n`` identical idle GPUs, in the fleet file format (simulated backend and fake NVML)."""
+    return {
+        "driver_version": "550.54.15",
+        "devices": [
+            {
+                "uuid": f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}",
+                "name": "NVIDIA A100-SXM4-80GB",
+                "pci_bus_id": f"00000000:{0x10 + i:02X}:00.0",
+                "memory_total": total,
+                "memory_used": used_bytes,
+                "utilization_pct": 0,
+                "processes": [],
+            }
+            for i in range(n)
+        ],
+    }
+
+
+def uuid_of(i: int) -> str:
+    return f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}"
+
+
+class Gate:
+    """A start gate for processes: they block on ``LOCK_SH`` while the test holds ``LOCK_EX``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def open(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class Picker:
+    """One picker process (``python tests/leasehelpers.py ...``) and its JSON events."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+            cwd=str(ROOT),
+        )
+        self.events: list[dict[str, Any]] = []
+
+    def next_event(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise AssertionError(f"picker {self.proc.pid} ended without an event: {err[-2000:]}")
+        event: dict[str, Any] = json.loads(line)
+        self.events.append(event)
+        return event
+
+    def expect(self, name: str) -> dict[str, Any]:
+        event = self.next_event()
+        assert event["event"] == name, event
+        return event
+
+    def result(self) -> dict[str, Any]:
+        """The pick's outcome event (``picked`` or ``error``)."""
+        while True:
+            event = self.next_event()
+            if event["event"] in ("picked", "error"):
+                return event
+
+    def finish(self, timeout: float = 30) -> int:
+        """Let a holding picker exit (closing its stdin ends its lease) and reap it."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        rc = self.proc.wait(timeout)
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
+        return rc
+
+
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AUTOGPU_", "CUDA_"))}
+    env.update(extra)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def start_pickers(n: int, args: Sequence[str], env: dict[str, str]) -> list[Picker]:
+    pickers = [Picker(args, env) for _ in range(n)]
+    for p in pickers:
+        p.expect("ready")
+    return pickers
+
+
+def finish_all(pickers: Sequence[Picker]) -> None:
+    for p in pickers:
+        if p.proc.poll() is None and p.proc.stdin is not None:
+            p.proc.stdin.close()
+    for p in pickers:
+        p.finish()
+
+
+def lease_files(registry: Path) -> Iterator[Path]:
+    yield from sorted(registry.glob("*/*.lease"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The picker process
+
+
+def _emit(out: IO[str], **event: Any) -> None:
+    out.write(json.dumps(event) + "\n")
+    out.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--registry", required=True)
+    ap.add_argument("--gate")
+    ap.add_argument("--exclusive", action="store_true")
+    ap.add_argument("--min-free")
+    ap.add_argument("--wait", type=float, default=0.0)
+    ap.add_argument("--poll", type=float)
+    ap.add_argument("--hold", action="store_true")
+    ap.add_argument("--kernel-id")
+    a = ap.parse_args(argv)
+
+    from autogpu_jupyter.core import picker
+    from autogpu_jupyter.core.leases import Registry
+    from autogpu_jupyter.core.policy import Constraints
+    from autogpu_jupyter.errors import AutoGPUError
+
+    if a.poll is not None:
+        picker.POLL_INTERVAL_S = a.poll
+    out = sys.stdout
+    registry = Registry(a.registry)
+    constraints = Constraints.parse(min_free=a.min_free, exclusive=a.exclusive)
+    _emit(out, event="ready", pid=os.getpid())
+    if a.gate:
+        fd = os.open(a.gate, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # blocks until the test opens the gate
+        os.close(fd)
+    waiting = []
+
+    def progress(msg: str) -> None:
+        if not waiting:
+            waiting.append(msg)
+            _emit(out, event="waiting", message=msg)
+
+    start = time.perf_counter()
+    try:
+        result = picker.pick(
+            constraints,
+            registry=registry,
+            holder=picker.Holder(kernel_id=a.kernel_id, kind="kernel" if a.kernel_id else "cli"),
+            wait_s=a.wait,
+            on_progress=progress,
+        )
+    except AutoGPUError as err:
+        _emit(out, event="error", type=type(err).__name__, message=str(err))
+        return 0
+    latency = time.perf_counter() - start
+    _emit(
+        out,
+        event="picked",
+        uuid=result.chosen[0].uuid,
+        uuids=[d.uuid for d in result.chosen],
+        lease_id=None if result.lease is None else result.lease.record.lease_id,
+        lease_path=None if result.lease is None else result.lease.path,
+        lease_note=result.lease_note,
+        latency_s=latency,
+    )
+    if a.hold:
+        sys.stdin.read()  # until the test closes our stdin (or kills us)
+    if result.lease is not None:
+        result.lease.release()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    raise SystemExit(main())
+
+
+# ----------------------------------------------------------------------------------------------
+# Where the pickers read their GPUs from
+
+
+class FleetEnv:
+    """A fleet the picker processes read: the fake ``libnvidia-ml.so.1`` when the ``fake_nvml``
+    fixture and the NVML backend exist, else the simulated backend (``AUTOGPU_SIMULATE``)."""
+
+    def __init__(self, tmp_path: Path, fake_nvml: Any = None) -> None:
+        self.fake = fake_nvml
+        self.kind = "fake-nvml" if fake_nvml is not None else "simulated"
+        self._file = tmp_path / "fleet.json"
+
+    def write(self, spec: dict[str, Any]) -> None:
+        if self.fake is not None:
+            self.fake.write(spec)
+        else:
+            tmp = self._file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(spec))
+            os.replace(tmp, self._file)
+
+    @property
+    def env(self) -> dict[str, str]:
+        if self.fake is not None:
+            return child_env(dict(self.fake.env))
+        return child_env({"AUTOGPU_SIMULATE": str(self._file)})
+
+    def backend(self) -> Any:
+        """A backend for in-process picks (a fresh one: the process-wide cache is not used)."""
+        if self.fake is not None:
+            from autogpu_jupyter.core.backends.nvml import NvmlBackend
+
+            return NvmlBackend()
+        from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+
+        return SimulatedBackend(str(self._file))
+
+
+# ----------------------------------------------------------------------------------------------
+# Real Unix users (the tests run as root: CI does)
+
+
+def ensure_user(name: str) -> tuple[int, int]:
+    """Create system user ``name`` (no home, no login shell) unless it exists; (uid, gid)."""
+    import pwd
+
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+             "--user-group", name],
+            check=True, capture_output=True,
+        )
+        pw = pwd.getpwnam(name)
+    return pw.pw_uid, pw.pw_gid
+
+
+class AsUser:
+    """Run ``fn(*args)`` in a forked child that dropped to ``uid``/``gid`` (setgroups, setgid,
+    setuid: a real other user, not root with a different name).
+
+    Forking (not ``runuser python ...``) because the interpreter of this venv lives under
+    ``/root`` (mode 0700), which another user cannot execute; the forked child already has
+    every module it needs loaded. ``result()`` is ``fn``'s return value, or ``("raised", type
+    name, message)``. With ``hold=True`` the child stays alive (holding what ``fn`` returned,
+    e.g. a lease) until ``stop()``.
+    """
+
+    def __init__(self, uid: int, gid: int, fn: Any, *args: Any, hold: bool = False) -> None:
+        import pickle
+
+        r_out, w_out = os.pipe()
+        r_ctl, w_ctl = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never return into pytest
+            code = 0
+            try:
+                os.close(r_out)
+                os.close(w_ctl)
+                os.setgroups([])
+                os.setgid(gid)
+                os.setuid(uid)
+                value = None
+                try:
+                    value = fn(*args)
+                    out: Any = _summary(value)
+                except Exception as err:
+                    out = ("raised", type(err).__name__, str(err))
+                payload = pickle.dumps(out)
+                os.write(w_out, len(payload).to_bytes(8, "big") + payload)
+                os.close(w_out)
+                if hold:
+                    while os.read(r_ctl, 1):
+                        pass
+                del value
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(w_out)
+        os.close(r_ctl)
+        self.pid = pid
+        self._r = r_out
+        self._ctl = w_ctl
+        self._result: Any = None
+        self._have = False
+
+    def result(self) -> Any:
+        import pickle
+
+        if not self._have:
+            head = _read_exact(self._r, 8)
+            self._result = pickle.loads(_read_exact(self._r, int.from_bytes(head, "big")))
+            self._have = True
+        return self._result
+
+    def stop(self) -> int:
+        self.result()
+        os.close(self._ctl)
+        os.close(self._r)
+        _, status = os.waitpid(self.pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+
+def _summary(value: Any) -> Any:
+    """What crosses back from a user's child: a pick result or lease as a plain dict."""
+    if hasattr(value, "chosen") and hasattr(value, "lease_note"):  # a PickResult
+        lease = value.lease
+        return {
+            "uuid": value.chosen[0].uuid,
+            "lease_id": None if lease is None else lease.record.lease_id,
+            "path": None if lease is None else lease.path,
+            "lease_note": value.lease_note,
+        }
+    rec = getattr(value, "record", None)
+    if rec is not None:
+        return {"lease_id": rec.lease_id, "path": rec.path}
+    return value
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise AssertionError("the child ended without a result")
+        buf += chunk
+    return buf
+
+
+def as_user(uid: int, gid: int, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` run as ``uid``; its (picklable) return value."""
+    child = AsUser(uid, gid, fn, *args)
+    value = child.result()
+    child.stop()
+    return value
