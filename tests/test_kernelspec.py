@@ -1,0 +1,116 @@
+"""``autogpu kernelspec install | list | remove`` through the real CLI entry point."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from autogpu_jupyter.cli import main
+
+
+@pytest.fixture
+def prefix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share" / "jupyter"))
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "user-data"))
+    return tmp_path
+
+
+def test_install_writes_the_provisioner_and_options(
+    prefix: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["kernelspec", "install", "--prefix", str(prefix), "--min-free", "10G",
+                 "--max-util", "50", "--count", "2", "--exclusive", "--wait", "10m",
+                 "--on-no-device", "fail"])
+    out = capsys.readouterr().out
+    assert code == 0
+    dest = prefix / "share/jupyter/kernels/python3-autogpu"
+    assert out.splitlines() == [
+        f"installed kernelspec 'python3-autogpu' (Python 3 (autogpu)) in {dest}",
+        "pick options: min_free=10G, max_util=50, count=2, exclusive=True, wait=10m, "
+        "on_no_device=fail",
+    ]
+    spec = json.loads((dest / "kernel.json").read_text())
+    assert spec == {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
+                 "--ext=autogpu"],
+        "display_name": "Python 3 (autogpu)",
+        "language": "python",
+        "interrupt_mode": "signal",
+        "metadata": {
+            "debugger": True,
+            "kernel_provisioner": {
+                "provisioner_name": "autogpu-provisioner",
+                "config": {"min_free": "10G", "max_util": "50", "count": 2, "exclusive": True,
+                           "wait": "10m", "on_no_device": "fail"},
+            },
+        },
+    }
+    assert (dest / "logo-64x64.png").exists()
+
+
+def test_user_install_list_and_remove(prefix: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["kernelspec", "install", "--user", "--name", "gpu-big", "--display-name",
+                 "Python 3 (big GPU)", "--min-free", "40G", "--no-extension"]) == 0
+    capsys.readouterr()
+    dest = prefix / "user-data/kernels/gpu-big"
+    spec = json.loads((dest / "kernel.json").read_text())
+    assert spec["argv"][-1] == "{connection_file}"
+    assert main(["kernelspec", "list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed == [{"name": "gpu-big", "display_name": "Python 3 (big GPU)",
+                       "resource_dir": str(dest), "options": {"min_free": "40G"}}]
+    assert main(["kernelspec", "list"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.split() == ["gpu-big", "Python", "3", "(big", "GPU)", "min_free=40G", str(dest)]
+    assert main(["kernelspec", "remove", "gpu-big"]) == 0
+    assert capsys.readouterr().out == f"removed kernelspec 'gpu-big' ({dest})\n"
+    assert not dest.exists()
+    assert main(["kernelspec", "list"]) == 0
+    assert capsys.readouterr().out == (
+        "no autogpu kernelspecs installed (autogpu kernelspec install --user)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--min-free", "ten"], "min_free='ten': invalid size 'ten'"),
+        (["--max-util", "150"], "max_util='150': "),
+        (["--count", "two"], "invalid --count 'two': expected a whole number >= 1, e.g. 2"),
+        (["--wait", "soon"], "wait='soon': "),
+        (["--name", "bad name"], "invalid kernelspec name 'bad name': expected letters, digits"),
+    ],
+)
+def test_bad_install_options_exit_2_with_one_message(
+    prefix: Path, capsys: pytest.CaptureFixture[str], args: list[str], expected: str
+) -> None:
+    code = main(["kernelspec", "install", "--prefix", str(prefix), *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("autogpu: ")
+    assert expected in err
+    assert "Traceback" not in err
+    assert not (prefix / "share/jupyter/kernels/python3-autogpu").exists()
+
+
+def test_remove_refuses_unknown_and_foreign_kernelspecs(
+    prefix: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = prefix / "share/jupyter/kernels/plain"
+    other.mkdir(parents=True)
+    (other / "kernel.json").write_text(json.dumps(
+        {"argv": ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+         "display_name": "Plain", "language": "python"}))
+    assert main(["kernelspec", "remove", "nope"]) == 2
+    assert capsys.readouterr().err == (
+        "autogpu: no kernelspec named 'nope' (autogpu kernelspecs: none installed)\n"
+    )
+    assert main(["kernelspec", "remove", "plain"]) == 2
+    assert capsys.readouterr().err == (
+        "autogpu: kernelspec 'plain' does not use the autogpu provisioner; remove it with "
+        "`jupyter kernelspec remove plain`\n"
+    )
+    assert other.exists()
