@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.fakenvml import FakeNvml, build_fake_nvml, preload_fake_nvml
+
+pytest_plugins = ["pytest_jupyter.jupyter_server"]
+
+_REAL_PARTS = ("browser", "multiuser")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """In CI (``CI=true``) a browser or multi-user test may not skip: CI installs Chromium and
+    runs as root, so a skip there means a broken set-up, and it fails instead of hiding."""
+    outcome = yield
+    report = outcome.get_result()
+    if (
+        report.skipped
+        and os.environ.get("CI", "").lower() in ("1", "true", "yes")
+        and any(item.get_closest_marker(m) for m in _REAL_PARTS)
+    ):
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI, where it must run: {report.longrepr}"
 
 
 @pytest.fixture(scope="session")

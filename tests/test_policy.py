@@ -181,3 +181,27 @@ def test_constraints_describe() -> None:
     c = Constraints.parse(min_free="10G", max_util="50", count=2, exclude="0,3", exclusive=True)
     assert c.describe() == "min free 10.0 GiB, max util 50%, 2 devices, excluding 0, 3, exclusive"
     assert Constraints().describe() == "no constraints"
+
+
+def test_load_is_the_busiest_resource() -> None:
+    # Nearly full memory at 0 % utilisation is more loaded than 25 % memory at 40 %.
+    full_idle = dev(0, 4, 0.0)
+    half_busy = dev(1, 60, 40.0)
+    ranked = rank([full_idle, half_busy], Constraints())
+    assert labels(ranked) == ["GPU 1", "GPU 0"]
+
+
+def test_leases_rank_before_free_memory_at_equal_load() -> None:
+    a = dev(0, 79, 0.0)  # one lease, a bit more memory
+    b = dev(1, 77, 0.0)
+    ranked = rank([a, b], Constraints(), bookings={a.uuid: Booking(a.uuid, lease_count=1)})
+    assert labels(ranked) == ["GPU 1", "GPU 0"]
+
+
+def test_unknown_utilisation_ranks_by_memory_and_says_so() -> None:
+    mig = dev(0, 9, None, uuid="MIG-1", total_gib=10, is_mig=True, parent_uuid="GPU-p", mig_index=0)
+    plain = dev(1, 40, 30.0)
+    ranked = rank([mig, plain], Constraints())
+    # MIG: 10 % of memory in use, utilisation unknown -> load 10 %; plain GPU: 50 % memory.
+    assert labels(ranked) == ["GPU 0 MIG 0", "GPU 1"]
+    assert ranked[0].reasons == ("utilisation unknown: ranked by memory and leases",)

@@ -75,13 +75,15 @@ def mapped_libcuda(maps_path: str = "/proc/self/maps") -> list[str] | None:
     ``libcuda…`` look-alikes do not count: only the driver library itself initialises CUDA.
     """
     try:
-        with open(maps_path, encoding="utf-8", errors="replace") as fh:
-            lines = fh.readlines()
+        with open(maps_path, "rb") as fh:
+            raw = fh.read()
     except OSError as err:
         log.debug("cannot read %s: %s", maps_path, err)
         return None
     paths: list[str] = []
-    for line in lines:
+    if b"libcuda.so" not in raw:  # the common case, answered without splitting thousands of lines
+        return paths
+    for line in raw.decode("utf-8", errors="replace").splitlines():
         fields = line.split(None, 5)
         if len(fields) < 6:
             continue

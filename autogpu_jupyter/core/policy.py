@@ -17,12 +17,18 @@ filter silently: a ``max_util`` filter keeps such a device and says "utilisation
 
 Ranking key of the eligible devices, best first (deterministic; never "index 0 first"):
 
-1. most effective free memory, in steps of 1 GiB (so that noise of a few MiB does not outrank
-   a real difference in load);
-2. lowest smoothed utilisation (the sampler's mean over its window when available, else the
-   instantaneous reading), in steps of 5 %; unknown utilisation ranks as if it were 50 %;
-3. fewest live leases (so that simultaneous pickers spread out);
+1. lowest load, in steps of 5 %: load = the larger of the smoothed utilisation (the sampler's
+   mean over its window when available, else the instantaneous reading) and the share of memory
+   in use or booked (1 - effective free / total). A device is as loaded as its busiest resource:
+   an idle GPU with full memory is not free, nor is a GPU with empty memory at 100 % utilisation.
+   Where one of the two is unknown (utilisation on MIG devices) the other alone decides, and the
+   reasons say so;
+2. fewest live leases (so that simultaneous pickers spread out, also when they book nothing);
+3. most effective free memory, in steps of 1 GiB (headroom for the job to grow);
 4. UUID, ascending (ties are broken by identity, not by index).
+
+The 5 % and 1 GiB steps keep a few MiB or percent of noise from deciding between two devices
+that are, for practical purposes, equally loaded.
 """
 
 from __future__ import annotations
@@ -43,7 +49,6 @@ __all__ = ["Booking", "Candidate", "Constraints", "rank", "select", "matches_id"
 
 _GIB = 1024**3
 _UTIL_STEP = 5.0
-_UNKNOWN_UTIL_RANK = 50.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +144,7 @@ class Candidate:
     smoothed_util_pct: float | None
     lease_count: int = 0
     booked_bytes: int = 0
-    key: tuple[float, float, int, str] = field(default=(0.0, 0.0, 0, ""), compare=False)
+    key: tuple[float, float, float, str] = field(default=(0.0, 0.0, 0.0, ""), compare=False)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -297,11 +302,9 @@ def rank(
                 reasons.append(f"{booking.lease_count} live lease(s)")
 
         key = (
+            float(_load_step(util, eff_free, dev.memory_total_bytes)),
+            float(booking.lease_count),
             -float(math.floor((eff_free if eff_free is not None else -_GIB) / _GIB)),
-            float(
-                math.floor((util if util is not None else _UNKNOWN_UTIL_RANK) / _UTIL_STEP)
-            ),
-            booking.lease_count,
             dev.uuid,
         )
         out.append(
@@ -322,6 +325,16 @@ def rank(
         key=lambda c: (c.device.index, c.device.mig_index if c.device.mig_index is not None else -1),
     )
     return eligible + dropped
+
+
+def _load_step(util: float | None, eff_free: int | None, total: int | None) -> int:
+    """The load of a device in 5 % steps (see the module docstring); 100 % when nothing is known."""
+    shares = []
+    if util is not None:
+        shares.append(float(util))
+    if eff_free is not None and total:
+        shares.append(100.0 * (1.0 - eff_free / total))
+    return math.floor(max(shares) / _UTIL_STEP) if shares else math.floor(100.0 / _UTIL_STEP)
 
 
 def _parent_excluded(dev: DeviceSnapshot, ident: str, devices: Sequence[DeviceSnapshot]) -> bool:

@@ -1,0 +1,46 @@
+"""Jupyter server extension: every GPU of the host, live, and who holds it, as REST endpoints.
+
+Enabled on install by ``jupyter-config/server-config/autogpu_jupyter.json``. Endpoints, all
+authenticated, under ``{base_url}/autogpu/``:
+
+``GET devices``
+    The shared sampler's latest snapshot (``FleetSnapshot.to_dict()``), ``simulated``, ``errors``.
+``GET history?since=<timestamp_s>``
+    Per-device utilisation and memory series since a timestamp, bounded by ``max_history_points``.
+``GET holders``
+    Live leases and NVML processes per device, joined with this server's kernels and sessions.
+``GET|POST select``
+    A dry-run pick with the same policy as ``%gpu pick`` (``core.picker.pick(dry_run=True)``).
+
+Configure with ``c.AutoGPUServer.*`` in ``jupyter_server_config.py`` (see :class:`AutoGPUServer`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["_jupyter_server_extension_points", "_load_jupyter_server_extension"]
+
+
+def _jupyter_server_extension_points() -> list[dict[str, str]]:
+    return [{"module": "autogpu_jupyter.server"}]
+
+
+def _load_jupyter_server_extension(server_app: Any) -> None:
+    """Create the shared state (one sampler per server process) and register the handlers."""
+    # Imported here so that listing the extension point stays cheap (no tornado, no pynvml).
+    from autogpu_jupyter.server.handlers import setup_handlers  # noqa: PLC0415
+    from autogpu_jupyter.server.state import AutoGPUServer  # noqa: PLC0415
+
+    state = AutoGPUServer(parent=server_app)
+    state.start()
+    setup_handlers(server_app.web_app, state)
+    server_app.log.info(
+        "autogpu server extension loaded: %sautogpu/ (sampling every %.1f s)",
+        server_app.web_app.settings.get("base_url", "/"),
+        state.interval_s,
+    )
+
+
+# Jupyter Server < 2 looked for this name.
+load_jupyter_server_extension = _load_jupyter_server_extension

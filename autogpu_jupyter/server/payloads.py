@@ -1,0 +1,395 @@
+"""The JSON the endpoints answer, built from the shared sampler, the registry and the kernels.
+
+Everything here except :func:`kernel_sessions` is blocking and runs on the state's executor.
+Field names carry units (``memory_used_bytes``, ``timestamp_s``); ``None`` is unknown.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from autogpu_jupyter.core.picker import pick
+from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.core.units import parse_percent, parse_size
+from autogpu_jupyter.errors import (
+    AutoGPUError,
+    NoDeviceFitsError,
+    NoDeviceGrantedError,
+    NVMLUnavailableError,
+    UsageErrorBase,
+)
+from autogpu_jupyter.server.state import kernel_pid_map, owning_kernel, redact
+
+if TYPE_CHECKING:
+    from autogpu_jupyter.core.devices import FleetSnapshot
+    from autogpu_jupyter.server.state import AutoGPUServer
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "devices_payload",
+    "history_payload",
+    "holders_payload",
+    "select_payload",
+    "parse_constraints",
+    "kernel_sessions",
+]
+
+#: How long a request waits for the sampler's first sweep after the server starts.
+FIRST_SAMPLE_WAIT_S = 10.0
+
+
+class _LatestBackend:
+    """A backend whose ``snapshot()`` is the sampler's latest sweep: a select costs no NVML call."""
+
+    def __init__(self, snapshot: FleetSnapshot) -> None:
+        self._snapshot = snapshot
+        self.name = snapshot.backend
+        self.simulated = snapshot.simulated
+
+    def snapshot(self) -> FleetSnapshot:
+        return self._snapshot
+
+
+def latest_snapshot(state: AutoGPUServer) -> FleetSnapshot | None:
+    """The sampler's latest snapshot, waiting (on the executor) for its first sweep."""
+    sampler = state.sampler()
+    if sampler is None:
+        return None
+    deadline = time.monotonic() + FIRST_SAMPLE_WAIT_S
+    snap: FleetSnapshot | None = sampler.latest()
+    while snap is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+        snap = sampler.latest()
+    return snap
+
+
+def _sampler_errors(state: AutoGPUServer) -> list[str]:
+    errors: list[str] = []
+    if state.sampler_error:
+        errors.append(state.sampler_error)
+    sampler = state.sampler()
+    if sampler is None or not sampler.errors:
+        return errors
+    last = sampler.errors[-1]
+    latest = sampler.latest()
+    # Only a failure newer than the newest good sweep is current; older ones healed.
+    if latest is None or last.timestamp_s >= latest.timestamp_s:
+        errors.append(last.message)
+    return errors
+
+
+def devices_payload(state: AutoGPUServer) -> dict[str, Any]:
+    """``GET devices``: ``FleetSnapshot.to_dict()`` plus the sampling interval.
+
+    Other users' process command lines are ``null`` unless ``expose_commands``.
+    """
+    snap = latest_snapshot(state)
+    errors = _sampler_errors(state)
+    if snap is None:
+        return {
+            "timestamp_s": time.time(),
+            "backend": None,
+            "simulated": False,
+            "driver_version": None,
+            "errors": errors or ["no sample yet"],
+            "devices": [],
+            "interval_s": state.interval_s,
+        }
+    payload = snap.to_dict()
+    for dev in payload["devices"]:
+        for proc in dev.get("processes") or ():
+            proc["command"] = redact(proc.get("user"), proc.get("command"), state.user,
+                                     state.expose_commands)
+    payload["errors"] = list(payload["errors"]) + [e for e in errors if e not in payload["errors"]]
+    payload["interval_s"] = state.interval_s
+    return payload
+
+
+def _finite(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _int_or_none(value: Any) -> int | None:
+    f = _finite(value)
+    return None if f is None else int(f)
+
+
+def history_payload(state: AutoGPUServer, since_s: float | None) -> dict[str, Any]:
+    """``GET history``: one series per device (oldest first), newer than ``since_s``.
+
+    Each series holds at most ``max_history_points`` samples (the newest).
+    """
+    sampler = state.sampler()
+    out: dict[str, Any] = {
+        "interval_s": state.interval_s,
+        "history_s": state.history_s,
+        "since_s": since_s,
+        "until_s": since_s,
+        "series": [],
+        "errors": _sampler_errors(state),
+    }
+    if sampler is None:
+        return out
+    latest = sampler.latest()
+    window_s = None
+    if since_s is not None and latest is not None:
+        # history_frame takes a window relative to the newest sample; ``since`` is absolute.
+        window_s = max(latest.timestamp_s - since_s, 0.0) + state.interval_s
+    frame = sampler.history_frame(since_s=window_s)
+    if len(frame) == 0:
+        return out
+    if since_s is not None:  # ``since`` is exclusive: the client passes its last timestamp
+        frame = frame[frame["timestamp_s"] > since_s]
+    cap = max(1, state.max_history_points)
+    series = []
+    until = since_s
+    for uuid, rows in frame.groupby("uuid", sort=False):
+        group = rows.sort_values("timestamp_s").tail(cap)
+        ts = [float(t) for t in group["timestamp_s"]]
+        total = group["memory_total_bytes"].dropna()
+        series.append({
+            "uuid": str(uuid),
+            "timestamp_s": ts,
+            "utilization_pct": [_finite(v) for v in group["utilization_pct"]],
+            "memory_used_bytes": [_int_or_none(v) for v in group["memory_used_bytes"]],
+            "memory_total_bytes": _int_or_none(total.iloc[-1]) if len(total) else None,
+        })
+        if ts and (until is None or ts[-1] > until):
+            until = ts[-1]
+    out["series"] = series
+    out["until_s"] = until
+    return out
+
+
+async def kernel_sessions(session_manager: Any) -> dict[str, dict[str, Any]]:
+    """Kernel id -> ``{"path", "name", "type"}`` of this server's sessions (notebooks, consoles)."""
+    out: dict[str, dict[str, Any]] = {}
+    if session_manager is None:
+        return out
+    for session in await session_manager.list_sessions():
+        kernel = session.get("kernel") or {}
+        kid = kernel.get("id")
+        if kid:
+            out[kid] = {
+                "path": session.get("path"),
+                "name": session.get("name"),
+                "type": session.get("type"),
+            }
+    return out
+
+
+def _lease_records(state: AutoGPUServer) -> tuple[list[Any], list[str]]:
+    try:
+        registry = state.registry()
+        if registry is None:
+            return [], []
+        return registry.list_leases(), []
+    except AutoGPUError as err:
+        return [], [f"lease registry: {err}"]
+    except OSError as err:
+        return [], [f"lease registry {state.registry_dir!r}: {err.strerror or err}"]
+
+
+def holders_payload(
+    state: AutoGPUServer, kernel_manager: Any, sessions: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """``GET holders``: per device, who holds it.
+
+    Two kinds of holder: ``lease`` (a live lease in the registry, with the memory it books) and
+    ``process`` (a compute process NVML reports, with the memory it uses). Each is joined with
+    this server's kernels: a lease names its kernel id; a process PID is matched against the
+    kernels' PIDs and their descendants. ``notebook_path`` comes from this server's sessions.
+    """
+    snap = latest_snapshot(state)
+    errors = _sampler_errors(state)
+    kernel_pids = kernel_pid_map(kernel_manager) if kernel_manager is not None else {}
+    our_kernels = set(kernel_pids.values())
+    if kernel_manager is not None:
+        our_kernels.update(kernel_manager.list_kernel_ids())
+
+    def session_of(kid: str | None) -> Mapping[str, Any]:
+        return sessions.get(kid, {}) if kid else {}
+
+    labels = {d.uuid: d.label for d in snap.devices} if snap is not None else {}
+    holders: list[dict[str, Any]] = []
+    records, lease_errors = _lease_records(state)
+    errors.extend(lease_errors)
+    for rec in records:
+        kid = rec.kernel_id
+        ours = kid in our_kernels if kid else False
+        for uuid, booked in zip(rec.device_uuids, rec.device_requested_bytes, strict=False):
+            holders.append({
+                "kind": "lease",
+                "uuid": uuid,
+                "label": labels.get(uuid),
+                "user": rec.user,
+                "pid": rec.pid,
+                "kernel_id": kid,
+                "this_server": ours,
+                "notebook_path": session_of(kid).get("path") or rec.notebook_path
+                if ours else rec.notebook_path,
+                "booked_bytes": booked,
+                "used_memory_bytes": None,
+                "exclusive": rec.exclusive,
+                "created_s": rec.created_s,
+                "command": redact(rec.user, rec.command, state.user, state.expose_commands),
+            })
+    if snap is not None:
+        for dev in snap.devices:
+            for proc in dev.processes or ():
+                kid = owning_kernel(proc.pid, kernel_pids)
+                holders.append({
+                    "kind": "process",
+                    "uuid": dev.uuid,
+                    "label": dev.label,
+                    "user": proc.user,
+                    "pid": proc.pid,
+                    "kernel_id": kid,
+                    "this_server": kid is not None,
+                    "notebook_path": session_of(kid).get("path"),
+                    "booked_bytes": None,
+                    "used_memory_bytes": proc.used_memory_bytes,
+                    "exclusive": False,
+                    "created_s": None,
+                    "command": redact(proc.user, proc.command, state.user, state.expose_commands),
+                })
+    return {
+        "timestamp_s": snap.timestamp_s if snap is not None else time.time(),
+        "simulated": snap.simulated if snap is not None else False,
+        "user": state.user,
+        "holders": holders,
+        "errors": errors,
+    }
+
+
+def _text(params: Mapping[str, Any], key: str) -> str | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "min_free":
+        return str(value)
+    if not isinstance(value, str):
+        raise UsageErrorBase(f"invalid {key}={value!r}: expected a string")
+    value = value.strip()
+    return value or None
+
+
+_KNOWN = {"min_free", "max_util", "count", "exclude", "exclusive"}
+
+
+def parse_constraints(params: Mapping[str, Any]) -> Constraints:
+    """Constraints from query arguments or a JSON body, with the magic's units and messages.
+
+    Accepted keys: ``min_free`` ("10G", "25%"), ``max_util`` ("50" or "50%"), ``count`` (>= 1),
+    ``exclude`` ("0,2" or a list), ``exclusive`` (true/false).
+    """
+    unknown = sorted(set(params) - _KNOWN)
+    if unknown:
+        raise UsageErrorBase(
+            f"unknown parameter {unknown[0]!r}; accepted: {', '.join(sorted(_KNOWN))}"
+        )
+    min_free_text = _text(params, "min_free")
+    max_util_text = _text(params, "max_util")
+    count_raw = params.get("count", 1)
+    try:
+        count = int(count_raw)
+        if isinstance(count_raw, float) or count < 1:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise UsageErrorBase(f"invalid count {count_raw!r}: expected a whole number >= 1") from None
+    exclude_raw = params.get("exclude") or []
+    if isinstance(exclude_raw, str):
+        exclude = tuple(x.strip() for x in exclude_raw.split(",") if x.strip())
+    elif isinstance(exclude_raw, list) and all(isinstance(x, (str, int)) for x in exclude_raw):
+        exclude = tuple(str(x) for x in exclude_raw)
+    else:
+        raise UsageErrorBase(
+            f"invalid exclude {exclude_raw!r}: expected ids like \"0,2\" or a list"
+        )
+    exclusive_raw = params.get("exclusive", False)
+    if isinstance(exclusive_raw, bool):
+        exclusive = exclusive_raw
+    elif str(exclusive_raw).lower() in {"1", "true", "yes", "on"}:
+        exclusive = True
+    elif str(exclusive_raw).lower() in {"0", "false", "no", "off", ""}:
+        exclusive = False
+    else:
+        raise UsageErrorBase(f"invalid exclusive {exclusive_raw!r}: expected true or false")
+    return Constraints(
+        min_free=parse_size(min_free_text) if min_free_text else None,
+        max_util_pct=parse_percent(max_util_text, "max_util") if max_util_text else None,
+        count=count,
+        exclude=exclude,
+        exclusive=exclusive,
+    )
+
+
+def _candidate_json(c: Any) -> dict[str, Any]:
+    return {
+        "uuid": c.device.uuid,
+        "label": c.device.label,
+        "name": c.device.name,
+        "eligible": c.eligible,
+        "reasons": list(c.reasons),
+        "effective_free_bytes": c.effective_free_bytes,
+        "smoothed_util_pct": c.smoothed_util_pct,
+        "lease_count": c.lease_count,
+    }
+
+
+def select_payload(state: AutoGPUServer, constraints: Constraints) -> dict[str, Any]:
+    """``select``: ``core.picker.pick(constraints, dry_run=True)`` over the sampler's latest sweep.
+
+    A request nothing fits is a normal answer (``chosen`` empty, ``message`` says why), not an
+    HTTP error. The registry is read for bookings, never written.
+    """
+    snap = latest_snapshot(state)
+    backend = _LatestBackend(snap) if snap is not None else None
+    if backend is None:
+        raise NVMLUnavailableError(
+            "no GPU data: " + ("; ".join(_sampler_errors(state)) or "the sampler has no sample yet")
+        )
+    sampler = state.sampler()
+    smoothed = None
+    if sampler is not None and hasattr(sampler, "smoothed_util"):
+        smoothed = sampler.smoothed_util(state.smoothing_window_s)
+    registry = None
+    notes: list[str] = []
+    try:
+        registry = state.registry()
+    except (AutoGPUError, OSError) as err:
+        notes.append(f"lease registry unusable, bookings not counted: {err}")
+    base: dict[str, Any] = {
+        "constraints": constraints.to_json(),
+        "constraints_text": constraints.describe(),
+        "simulated": snap.simulated if snap is not None else False,
+        "timestamp_s": snap.timestamp_s if snap is not None else None,
+        "notes": notes,
+    }
+    try:
+        result = pick(constraints, backend=backend, registry=registry, dry_run=True,
+                      smoothed_util=smoothed)
+    except NoDeviceFitsError as err:
+        candidates = err.candidates if isinstance(err.candidates, tuple) else ()
+        return {**base, "chosen": [], "candidates": [_candidate_json(c) for c in candidates],
+                "message": str(err).splitlines()[0]}
+    except NoDeviceGrantedError as err:  # the server's own allocation grants no GPU
+        return {**base, "chosen": [], "candidates": [], "message": str(err)}
+    return {
+        **base,
+        "chosen": [{"uuid": d.uuid, "label": d.label, "name": d.name} for d in result.chosen],
+        "candidates": [_candidate_json(c) for c in result.candidates],
+        "allocation": result.allocation.describe(),
+        "message": None,
+    }

@@ -1,0 +1,200 @@
+"""The server extension's shared state: configuration, the one sampler, the executor.
+
+Every blocking call (NVML through the sampler's backend, the lease registry, ``/proc``) runs on
+:attr:`AutoGPUServer.executor`, never on the IOLoop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from traitlets import Bool, Float, Int, Unicode, default
+from traitlets.config import Configurable
+
+from autogpu_jupyter.config import AutoGPU, default_registry_dir
+from autogpu_jupyter.core import sampler as sampler_mod
+from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.errors import AutoGPUError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AutoGPUServer", "current_user"]
+
+T = TypeVar("T")
+
+
+def current_user() -> str:
+    """The Unix user this server runs as (the owner of "our" leases and processes)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+class AutoGPUServer(Configurable):
+    """Settings of the JupyterLab sidebar's server side (``c.AutoGPUServer.*``).
+
+    One instance per server process, created by ``_load_jupyter_server_extension``; it owns the
+    executor that runs every NVML and registry call off the IOLoop.
+    """
+
+    interval_s = Float(
+        1.0,
+        help="Seconds between two NVML sweeps of the server's shared sampler (>= 0.1). NVML's "
+        "utilisation is a 1/6-1 s average, so faster adds nothing. However many browser tabs poll, "
+        "the server reads NVML at this rate only.",
+    ).tag(config=True)
+    history_s = Float(
+        900.0,
+        help="Seconds of per-device history the sampler keeps in memory (a bounded ring buffer).",
+    ).tag(config=True)
+    max_history_points = Int(
+        900,
+        help="Most samples per device one /autogpu/history answer contains (the newest are kept).",
+    ).tag(config=True)
+    smoothing_window_s = Float(
+        30.0,
+        help="Window (seconds) of the mean utilisation that the dry-run select ranks by, as the "
+        "magic does when a sampler runs.",
+    ).tag(config=True)
+    expose_commands = Bool(
+        False,
+        help="Show other users' command lines (of their GPU processes and leases) in the "
+        "sidebar. Off by default: command lines can contain secrets. The server user's own are "
+        "always shown.",
+    ).tag(config=True)
+    registry_dir = Unicode(
+        help="Lease registry to show holders from; defaults to c.AutoGPU.registry_dir / "
+        "$AUTOGPU_REGISTRY_DIR / /var/tmp/autogpu. Empty string: show no leases."
+    ).tag(config=True)
+    executor_threads = Int(
+        4, help="Threads that run NVML, registry and /proc reads off the IOLoop."
+    ).tag(config=True)
+
+    @default("registry_dir")
+    def _default_registry_dir(self) -> str:
+        try:
+            return AutoGPU(parent=self.parent).registry_dir
+        except Exception:
+            return default_registry_dir()
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.user = current_user()
+        self.executor = ThreadPoolExecutor(
+            max_workers=max(1, self.executor_threads), thread_name_prefix="autogpu-server"
+        )
+        self._sampler: Any = None
+        self._sampler_error: str | None = None
+        self._lock = threading.Lock()
+        self._registry: Any = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start (or join) the process's one sampler; errors are kept and reported, not raised."""
+        self.sampler()
+
+    def sampler(self) -> Any:
+        """The process-wide sampler (``core.sampler.get_sampler()``), ``None`` if it cannot run."""
+        with self._lock:
+            if self._sampler is None:
+                try:
+                    self._sampler = sampler_mod.get_sampler(
+                        interval_s=max(0.1, self.interval_s), history_s=max(1.0, self.history_s)
+                    )
+                except AutoGPUError as err:
+                    self._sampler_error = str(err)
+                    log.warning("autogpu: sampler unavailable: %s", err)
+            return self._sampler
+
+    @property
+    def sampler_error(self) -> str | None:
+        return self._sampler_error
+
+    def registry(self) -> Any:
+        """The lease registry (read-only use here), or ``None`` when leases are disabled."""
+        if not self.registry_dir:
+            return None
+        with self._lock:
+            if self._registry is None:
+                self._registry = Registry(self.registry_dir)
+            return self._registry
+
+    async def run(self, func: Callable[..., T], *args: Any) -> T:
+        """Run a blocking call on the executor."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, func, *args)
+
+    def stop(self) -> None:
+        self.executor.shutdown(wait=False)
+
+
+def redact(user: str | None, command: str | None, me: str, expose: bool) -> str | None:
+    """``command`` unless it belongs to another user and the admin did not expose commands."""
+    if command is None:
+        return None
+    if expose or (user is not None and user == me):
+        return command
+    return None
+
+
+def now_s() -> float:
+    return time.time()
+
+
+def kernel_pid_map(kernel_manager: Any) -> dict[int, str]:
+    """PID of each of this server's running kernels -> kernel id (from their provisioners)."""
+    pids: dict[int, str] = {}
+    for kid in list(kernel_manager.list_kernel_ids()):
+        try:
+            km = kernel_manager.get_kernel(kid)
+        except KeyError:
+            continue
+        provisioner = getattr(km, "provisioner", None)
+        pid = getattr(provisioner, "pid", None)
+        if pid is None:  # older jupyter_client: the Popen object
+            proc = getattr(provisioner, "process", None) or getattr(km, "kernel", None)
+            pid = getattr(proc, "pid", None)
+        if isinstance(pid, int):
+            pids[pid] = kid
+    return pids
+
+
+def _ppid(pid: int, proc_root: str) -> int | None:
+    try:
+        path = os.path.join(proc_root, str(pid), "stat")
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    rest = stat.rpartition(")")[2].split()
+    try:
+        return int(rest[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def owning_kernel(pid: int, kernel_pids: Mapping[int, str], proc_root: str = "/proc",
+                  max_depth: int = 64) -> str | None:
+    """The kernel id whose process is ``pid`` or one of its ancestors (``None`` if none is).
+
+    NVML reports host PIDs; inside a container they do not resolve here and map to ``None``.
+    """
+    seen = 0
+    current: int | None = pid
+    while current is not None and current > 1 and seen < max_depth:
+        if current in kernel_pids:
+            return kernel_pids[current]
+        current = _ppid(current, proc_root)
+        seen += 1
+    return None

@@ -1,0 +1,320 @@
+import {
+  IHolder,
+  IHistory,
+  ISeries,
+  formatBytes,
+  formatMemory,
+  formatPct,
+  formatThermals,
+  holdersFor,
+  mergeHistory,
+  parseDevice,
+  parseFleet,
+  parseHistory,
+  parseHolders,
+  parseSelection,
+  recommendationText,
+  sparklinePath,
+  unsupportedNote
+} from '../model';
+
+const GiB = 1024 ** 3;
+
+/** The devices answer of tests/test_server.py's fleet, as the server sends it. */
+const fleetJson = {
+  timestamp_s: 1718000000.5,
+  backend: 'simulated',
+  simulated: true,
+  driver_version: '550.54.15',
+  errors: [],
+  interval_s: 1.0,
+  devices: [
+    {
+      index: 0,
+      uuid: 'GPU-0a0a',
+      name: 'NVIDIA A100-SXM4-80GB',
+      pci_bus_id: '00000000:07:00.0',
+      memory_total_bytes: 80 * GiB,
+      memory_used_bytes: 20 * GiB,
+      memory_free_bytes: 60 * GiB,
+      utilization_pct: 35.0,
+      memory_utilization_pct: null,
+      temperature_c: 51,
+      power_w: 210.5,
+      power_limit_w: 400.0,
+      compute_mode: 'DEFAULT',
+      mig_enabled: false,
+      is_mig: false,
+      parent_uuid: null,
+      mig_index: null,
+      processes: [
+        { pid: 4242, used_memory_bytes: 20 * GiB, user: 'alice', command: null }
+      ],
+      available: true,
+      error: null,
+      timestamp_s: 1718000000.5,
+      label: 'GPU 0'
+    },
+    {
+      index: 2,
+      uuid: 'GPU-2c2c',
+      name: 'NVIDIA L4',
+      pci_bus_id: null,
+      memory_total_bytes: null,
+      memory_used_bytes: null,
+      memory_free_bytes: null,
+      utilization_pct: null,
+      temperature_c: null,
+      power_w: null,
+      power_limit_w: null,
+      compute_mode: null,
+      mig_enabled: null,
+      is_mig: false,
+      processes: null,
+      available: false,
+      error: 'GPU is lost',
+      timestamp_s: 1718000000.5,
+      label: 'GPU 2'
+    }
+  ]
+};
+
+describe('parseFleet', () => {
+  it('keeps the values and the simulated flag', () => {
+    const fleet = parseFleet(fleetJson);
+    expect(fleet.simulated).toBe(true);
+    expect(fleet.devices.map(d => d.label)).toEqual(['GPU 0', 'GPU 2']);
+    expect(fleet.devices[0].memory_free_bytes).toBe(60 * GiB);
+    expect(fleet.devices[0].processes).toEqual([
+      { pid: 4242, used_memory_bytes: 20 * GiB, user: 'alice', command: null }
+    ]);
+    expect(fleet.devices[1].available).toBe(false);
+    expect(fleet.devices[1].processes).toBeNull();
+  });
+
+  it('names the bad part of a malformed answer', () => {
+    expect(() => parseFleet({ devices: 'none' })).toThrow(
+      'unexpected devices answer from the server: {"devices":"none"}'
+    );
+    expect(() => parseFleet({ devices: [{ name: 'x' }] })).toThrow(
+      'unexpected device from the server: {"name":"x"}'
+    );
+  });
+
+  it('turns non-numbers into unknown', () => {
+    const d = parseDevice({ index: 1, uuid: 'GPU-x', utilization_pct: 'N/A' });
+    expect(d.utilization_pct).toBeNull();
+    expect(d.label).toBe('GPU 1');
+    expect(d.available).toBe(true);
+  });
+});
+
+describe('formatting', () => {
+  it('formats bytes in binary units', () => {
+    expect(formatBytes(null)).toBe('–');
+    expect(formatBytes(512)).toBe('512 B');
+    expect(formatBytes(1536 * 1024 ** 2)).toBe('1.5 GiB');
+    expect(formatBytes(80 * GiB)).toBe('80.0 GiB');
+  });
+
+  it('formats percentages, memory and thermals', () => {
+    const [a100, lost] = parseFleet(fleetJson).devices;
+    expect(formatPct(35.4)).toBe('35%');
+    expect(formatPct(null)).toBe('n/a');
+    expect(formatMemory(a100)).toBe('20.0 GiB / 80.0 GiB');
+    expect(formatThermals(a100)).toBe('51 °C · 211 W / 400 W');
+    expect(formatThermals(lost)).toBe('');
+  });
+
+  it('says which readings a device does not support', () => {
+    const mig = parseDevice({
+      index: 0,
+      uuid: 'MIG-1',
+      is_mig: true,
+      memory_total_bytes: 10 * GiB,
+      utilization_pct: null
+    });
+    expect(unsupportedNote(mig)).toBe('utilisation not supported');
+    expect(unsupportedNote(parseFleet(fleetJson).devices[0])).toBeNull();
+    expect(unsupportedNote(parseFleet(fleetJson).devices[1])).toBeNull();
+  });
+});
+
+describe('sparklinePath', () => {
+  it('maps values into the box, newest at the right edge', () => {
+    expect(sparklinePath([0, 50, 100], 100, 20, 100)).toBe(
+      'M0,20 L50,10 L100,0'
+    );
+  });
+
+  it('clamps and breaks the line at unknown values', () => {
+    expect(sparklinePath([10, null, 150, 75], 30, 10, 100)).toBe(
+      'M0,9 M20,0 L30,2.5'
+    );
+  });
+
+  it('right-aligns a short series in a fixed number of slots', () => {
+    expect(sparklinePath([100, 0], 40, 10, 100, 5)).toBe('M30,0 L40,10');
+  });
+
+  it('draws nothing without a scale', () => {
+    expect(sparklinePath([1, 2], 40, 10, 0)).toBe('');
+    expect(sparklinePath([], 40, 10, 100)).toBe('');
+  });
+});
+
+describe('history', () => {
+  const first: IHistory = parseHistory({
+    interval_s: 1,
+    history_s: 900,
+    since_s: null,
+    until_s: 3,
+    series: [
+      {
+        uuid: 'GPU-0a0a',
+        timestamp_s: [1, 2, 3],
+        utilization_pct: [10, null, 30],
+        memory_used_bytes: [1, 2, 3],
+        memory_total_bytes: 80
+      }
+    ],
+    errors: []
+  });
+
+  it('merges new samples and keeps the newest', () => {
+    let kept = mergeHistory(new Map<string, ISeries>(), first, 4);
+    kept = mergeHistory(
+      kept,
+      {
+        ...first,
+        since_s: 3,
+        until_s: 5,
+        series: [
+          {
+            uuid: 'GPU-0a0a',
+            timestamp_s: [4, 5],
+            utilization_pct: [40, 50],
+            memory_used_bytes: [4, 5],
+            memory_total_bytes: null
+          }
+        ]
+      },
+      4
+    );
+    expect(kept.get('GPU-0a0a')).toEqual({
+      uuid: 'GPU-0a0a',
+      timestamp_s: [2, 3, 4, 5],
+      utilization_pct: [null, 30, 40, 50],
+      memory_used_bytes: [2, 3, 4, 5],
+      memory_total_bytes: 80
+    });
+  });
+});
+
+describe('holders', () => {
+  const base: IHolder = {
+    kind: 'lease',
+    uuid: 'GPU-1',
+    label: 'GPU 1',
+    user: 'me',
+    pid: 100,
+    kernel_id: 'abcdef0123456789',
+    this_server: true,
+    notebook_path: 'work/train.ipynb',
+    booked_bytes: 10 * GiB,
+    used_memory_bytes: null,
+    exclusive: false,
+    created_s: 1,
+    command: null
+  };
+  const holders: IHolder[] = parseHolders({
+    timestamp_s: 1,
+    simulated: true,
+    user: 'me',
+    errors: [],
+    holders: [
+      {
+        ...base,
+        kind: 'process',
+        uuid: 'GPU-1',
+        user: 'alice',
+        pid: 7,
+        kernel_id: null,
+        this_server: false,
+        notebook_path: null,
+        booked_bytes: null,
+        used_memory_bytes: 2 * GiB
+      },
+      base,
+      {
+        ...base,
+        kind: 'process',
+        booked_bytes: null,
+        used_memory_bytes: 3 * GiB
+      },
+      { ...base, uuid: 'GPU-9' }
+    ]
+  }).holders;
+
+  it('lists one line per holder, the lease with its process memory', () => {
+    expect(holdersFor(holders, 'GPU-1', null)).toEqual([
+      {
+        who: 'alice',
+        what: 'pid 7',
+        memory: '2.0 GiB used',
+        current: false,
+        exclusive: false
+      },
+      {
+        who: 'me',
+        what: 'work/train.ipynb',
+        memory: '10.0 GiB booked, 3.0 GiB used',
+        current: false,
+        exclusive: false
+      }
+    ]);
+  });
+
+  it('puts the active notebook kernel first, highlighted', () => {
+    const views = holdersFor(holders, 'GPU-1', 'abcdef0123456789');
+    expect(views.map(v => [v.what, v.current])).toEqual([
+      ['work/train.ipynb', true],
+      ['pid 7', false]
+    ]);
+  });
+
+  it('names a kernel without a notebook by its short id', () => {
+    const views = holdersFor([{ ...base, notebook_path: null }], 'GPU-1', null);
+    expect(views[0].what).toBe('kernel abcdef01');
+  });
+});
+
+describe('recommendationText', () => {
+  it('says which device is best for the request', () => {
+    const sel = parseSelection({
+      chosen: [{ uuid: 'GPU-3', label: 'GPU 3', name: 'NVIDIA L4' }],
+      constraints_text: 'min free 10.0 GiB',
+      message: null,
+      simulated: false
+    });
+    expect(recommendationText(sel)).toBe('best device for 10.0 GiB: GPU 3');
+  });
+
+  it('says best device now without constraints', () => {
+    const sel = parseSelection({
+      chosen: [{ uuid: 'GPU-0', label: 'GPU 0', name: 'A100' }],
+      constraints_text: 'no constraints',
+      message: null
+    });
+    expect(recommendationText(sel)).toBe('best device now: GPU 0');
+  });
+
+  it('passes the server reason when nothing fits', () => {
+    const sel = parseSelection({
+      chosen: [],
+      constraints_text: 'min free 70.0 GiB',
+      message: 'no device fits (min free 70.0 GiB):'
+    });
+    expect(recommendationText(sel)).toBe('no device fits (min free 70.0 GiB):');
+  });
+});

@@ -1,0 +1,85 @@
+/**
+ * autogpu's JupyterLab sidebar: every GPU on the server, live, who holds it, and which one the
+ * active notebook should pick. The data comes from the server extension (`{base_url}/autogpu/`).
+ */
+import {
+  ILabShell,
+  JupyterFrontEnd,
+  JupyterFrontEndPlugin
+} from '@jupyterlab/application';
+import { INotebookTracker } from '@jupyterlab/notebook';
+import { ISettingRegistry } from '@jupyterlab/settingregistry';
+import { LabIcon } from '@jupyterlab/ui-components';
+
+import gpuSvg from '../style/icons/gpu.svg';
+import { GPUPanel, IActiveNotebook, IPanelSettings } from './panel';
+
+/** The sidebar's icon. */
+export const gpuIcon = new LabIcon({ name: 'autogpu:gpu', svgstr: gpuSvg });
+
+const PLUGIN_ID = 'autogpu-jupyter:plugin';
+
+function readSettings(settings: ISettingRegistry.ISettings): IPanelSettings {
+  const get = <T>(key: string, fallback: T): T => {
+    const value = settings.get(key).composite;
+    return value === undefined || value === null ? fallback : (value as T);
+  };
+  return {
+    refreshInterval: get<number>('refreshInterval', 2),
+    recommendMinFree: get<string>('recommendMinFree', '10G'),
+    historyPoints: get<number>('historyPoints', 120)
+  };
+}
+
+const plugin: JupyterFrontEndPlugin<void> = {
+  id: PLUGIN_ID,
+  description:
+    'A left-sidebar panel with every GPU on the server, its holders and a recommendation.',
+  autoStart: true,
+  requires: [ILabShell],
+  optional: [ISettingRegistry, INotebookTracker],
+  activate: (
+    app: JupyterFrontEnd,
+    labShell: ILabShell,
+    settingRegistry: ISettingRegistry | null,
+    tracker: INotebookTracker | null
+  ) => {
+    const activeNotebook = (): IActiveNotebook | null => {
+      const current = tracker?.currentWidget ?? null;
+      if (current === null) {
+        return null;
+      }
+      return {
+        path: current.context.path,
+        kernelId: current.sessionContext.session?.kernel?.id ?? null
+      };
+    };
+    const panel = new GPUPanel({
+      serverSettings: app.serviceManager.serverSettings,
+      activeNotebook
+    });
+    panel.title.icon = gpuIcon;
+    panel.title.caption = 'GPUs (autogpu)';
+    labShell.add(panel, 'left', { rank: 850 });
+    tracker?.currentChanged.connect(() => {
+      if (panel.isVisible) {
+        void panel.poll.refresh();
+      }
+    });
+    if (settingRegistry) {
+      settingRegistry
+        .load(PLUGIN_ID)
+        .then(settings => {
+          panel.updateSettings(readSettings(settings));
+          settings.changed.connect(() =>
+            panel.updateSettings(readSettings(settings))
+          );
+        })
+        .catch(reason => {
+          console.error('autogpu: could not load the sidebar settings', reason);
+        });
+    }
+  }
+};
+
+export default plugin;

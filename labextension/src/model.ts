@@ -1,0 +1,507 @@
+/**
+ * Data shaping for the sidebar: parsing the server's JSON, formatting numbers for people,
+ * sparkline paths and holder matching. Pure functions, no DOM, no JupyterLab: tested with jest.
+ *
+ * Field names follow the Python side (units in names, `null` = unknown). The ranking policy is
+ * never re-implemented here: recommendations come from the server's dry-run `select`.
+ */
+
+/** A compute process on a device (`command` is null unless the admin exposes it). */
+export interface IProcess {
+  pid: number;
+  used_memory_bytes: number | null;
+  user: string | null;
+  command: string | null;
+}
+
+/** One device at one moment (`DeviceSnapshot.to_dict()`). */
+export interface IDevice {
+  index: number;
+  uuid: string;
+  name: string;
+  label: string;
+  pci_bus_id: string | null;
+  memory_total_bytes: number | null;
+  memory_used_bytes: number | null;
+  memory_free_bytes: number | null;
+  utilization_pct: number | null;
+  temperature_c: number | null;
+  power_w: number | null;
+  power_limit_w: number | null;
+  compute_mode: string | null;
+  is_mig: boolean;
+  mig_enabled: boolean | null;
+  processes: IProcess[] | null;
+  available: boolean;
+  error: string | null;
+  timestamp_s: number;
+}
+
+/** `GET /autogpu/devices`. */
+export interface IFleet {
+  timestamp_s: number;
+  backend: string | null;
+  simulated: boolean;
+  driver_version: string | null;
+  errors: string[];
+  devices: IDevice[];
+  interval_s: number;
+}
+
+/** One device's series in `GET /autogpu/history` (oldest first). */
+export interface ISeries {
+  uuid: string;
+  timestamp_s: number[];
+  utilization_pct: (number | null)[];
+  memory_used_bytes: (number | null)[];
+  memory_total_bytes: number | null;
+}
+
+/** `GET /autogpu/history?since=<ts>`. */
+export interface IHistory {
+  interval_s: number;
+  history_s: number;
+  since_s: number | null;
+  until_s: number | null;
+  series: ISeries[];
+  errors: string[];
+}
+
+/** A lease or a GPU process, joined with the server's kernels (`GET /autogpu/holders`). */
+export interface IHolder {
+  kind: 'lease' | 'process';
+  uuid: string;
+  label: string | null;
+  user: string | null;
+  pid: number | null;
+  kernel_id: string | null;
+  this_server: boolean;
+  notebook_path: string | null;
+  booked_bytes: number | null;
+  used_memory_bytes: number | null;
+  exclusive: boolean;
+  created_s: number | null;
+  command: string | null;
+}
+
+/** `GET /autogpu/holders`. */
+export interface IHolders {
+  timestamp_s: number;
+  simulated: boolean;
+  user: string;
+  holders: IHolder[];
+  errors: string[];
+}
+
+/** A chosen device in a dry-run answer. */
+export interface IChosen {
+  uuid: string;
+  label: string;
+  name: string;
+}
+
+/** `GET|POST /autogpu/select` (dry run). */
+export interface ISelection {
+  chosen: IChosen[];
+  constraints_text: string;
+  message: string | null;
+  simulated: boolean;
+}
+
+/** A holder as the card shows it. */
+export interface IHolderView {
+  who: string;
+  what: string;
+  memory: string;
+  current: boolean;
+  exclusive: boolean;
+}
+
+const UNKNOWN = '–';
+
+function fail(what: string, value: unknown): never {
+  throw new Error(
+    `unexpected ${what} from the server: ${JSON.stringify(value)}`
+  );
+}
+
+function isObject(value: unknown): value is Record<string, unknown> {
+  return typeof value === 'object' && value !== null && !Array.isArray(value);
+}
+
+function numOrNull(value: unknown): number | null {
+  return typeof value === 'number' && Number.isFinite(value) ? value : null;
+}
+
+function strOrNull(value: unknown): string | null {
+  return typeof value === 'string' ? value : null;
+}
+
+function parseProcess(raw: unknown): IProcess {
+  if (!isObject(raw) || typeof raw.pid !== 'number') {
+    return fail('process', raw);
+  }
+  return {
+    pid: raw.pid,
+    used_memory_bytes: numOrNull(raw.used_memory_bytes),
+    user: strOrNull(raw.user),
+    command: strOrNull(raw.command)
+  };
+}
+
+/** Validate one device; unknown or missing fields become `null`. */
+export function parseDevice(raw: unknown): IDevice {
+  if (
+    !isObject(raw) ||
+    typeof raw.uuid !== 'string' ||
+    typeof raw.index !== 'number'
+  ) {
+    return fail('device', raw);
+  }
+  const procs = Array.isArray(raw.processes)
+    ? raw.processes.map(parseProcess)
+    : null;
+  return {
+    index: raw.index,
+    uuid: raw.uuid,
+    name: typeof raw.name === 'string' ? raw.name : 'GPU',
+    label: typeof raw.label === 'string' ? raw.label : `GPU ${raw.index}`,
+    pci_bus_id: strOrNull(raw.pci_bus_id),
+    memory_total_bytes: numOrNull(raw.memory_total_bytes),
+    memory_used_bytes: numOrNull(raw.memory_used_bytes),
+    memory_free_bytes: numOrNull(raw.memory_free_bytes),
+    utilization_pct: numOrNull(raw.utilization_pct),
+    temperature_c: numOrNull(raw.temperature_c),
+    power_w: numOrNull(raw.power_w),
+    power_limit_w: numOrNull(raw.power_limit_w),
+    compute_mode: strOrNull(raw.compute_mode),
+    is_mig: raw.is_mig === true,
+    mig_enabled: typeof raw.mig_enabled === 'boolean' ? raw.mig_enabled : null,
+    processes: procs,
+    available: raw.available !== false,
+    error: strOrNull(raw.error),
+    timestamp_s: numOrNull(raw.timestamp_s) ?? 0
+  };
+}
+
+function stringList(value: unknown): string[] {
+  return Array.isArray(value)
+    ? value.filter((v): v is string => typeof v === 'string')
+    : [];
+}
+
+/** Validate `GET devices`. Throws an `Error` naming the bad part. */
+export function parseFleet(raw: unknown): IFleet {
+  if (!isObject(raw) || !Array.isArray(raw.devices)) {
+    return fail('devices answer', raw);
+  }
+  return {
+    timestamp_s: numOrNull(raw.timestamp_s) ?? 0,
+    backend: strOrNull(raw.backend),
+    simulated: raw.simulated === true,
+    driver_version: strOrNull(raw.driver_version),
+    errors: stringList(raw.errors),
+    devices: raw.devices.map(parseDevice),
+    interval_s: numOrNull(raw.interval_s) ?? 1
+  };
+}
+
+/** Bytes for people, binary units as the rest of autogpu: `12.5 GiB`; null gives `–`. */
+export function formatBytes(n: number | null): string {
+  if (n === null || !Number.isFinite(n)) {
+    return UNKNOWN;
+  }
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
+  let value = n;
+  let i = 0;
+  while (Math.abs(value) >= 1024 && i < units.length - 1) {
+    value /= 1024;
+    i += 1;
+  }
+  return i === 0 ? `${value} B` : `${value.toFixed(1)} ${units[i]}`;
+}
+
+/** `35%`; null (NOT_SUPPORTED, e.g. MIG) gives `n/a`. */
+export function formatPct(value: number | null): string {
+  return value === null ? 'n/a' : `${Math.round(value)}%`;
+}
+
+/** `51 °C · 210 W / 400 W`, leaving out what the device does not report; '' when nothing. */
+export function formatThermals(device: IDevice): string {
+  const parts: string[] = [];
+  if (device.temperature_c !== null) {
+    parts.push(`${Math.round(device.temperature_c)} °C`);
+  }
+  if (device.power_w !== null) {
+    const limit =
+      device.power_limit_w !== null
+        ? ` / ${Math.round(device.power_limit_w)} W`
+        : '';
+    parts.push(`${Math.round(device.power_w)} W${limit}`);
+  }
+  return parts.join(' · ');
+}
+
+/** `20.0 GiB / 80.0 GiB`, or `–` parts when unknown. */
+export function formatMemory(device: IDevice): string {
+  return `${formatBytes(device.memory_used_bytes)} / ${formatBytes(
+    device.memory_total_bytes
+  )}`;
+}
+
+/** The state of a card: `lost` (fell off the bus / unreadable) or `ok`. */
+export function deviceState(device: IDevice): 'ok' | 'lost' {
+  return device.available ? 'ok' : 'lost';
+}
+
+/** What the card says about unknown readings, e.g. `utilisation not supported`. */
+export function unsupportedNote(device: IDevice): string | null {
+  if (!device.available) {
+    return null;
+  }
+  const missing: string[] = [];
+  if (device.utilization_pct === null) {
+    missing.push('utilisation');
+  }
+  if (device.memory_total_bytes === null) {
+    missing.push('memory');
+  }
+  if (missing.length === 0) {
+    return null;
+  }
+  return `${missing.join(' and ')} not supported`;
+}
+
+/**
+ * An SVG path (`M x,y L x,y ...`) through `values` in a `width` x `height` box, 0 at the bottom
+ * and `max` at the top. `null` values break the line (a new `M` after the gap). The newest value
+ * sits at the right edge; `slots` fixes the horizontal scale (default: the number of values).
+ */
+export function sparklinePath(
+  values: (number | null)[],
+  width: number,
+  height: number,
+  max: number,
+  slots?: number
+): string {
+  const n = Math.max(slots ?? values.length, 2);
+  const step = width / (n - 1);
+  const offset = n - values.length;
+  const parts: string[] = [];
+  let drawing = false;
+  values.forEach((v, i) => {
+    if (v === null || !Number.isFinite(v) || max <= 0) {
+      drawing = false;
+      return;
+    }
+    const clamped = Math.min(Math.max(v, 0), max);
+    const x = round2((offset + i) * step);
+    const y = round2(height - (clamped / max) * height);
+    parts.push(`${drawing ? 'L' : 'M'}${x},${y}`);
+    drawing = true;
+  });
+  return parts.join(' ');
+}
+
+function round2(v: number): number {
+  return Math.round(v * 100) / 100;
+}
+
+/**
+ * Merge a `history?since=` answer into the series kept so far, keeping the newest `maxPoints`
+ * per device; devices absent from `incoming` keep their series.
+ */
+export function mergeHistory(
+  kept: Map<string, ISeries>,
+  incoming: IHistory,
+  maxPoints: number
+): Map<string, ISeries> {
+  const out = new Map(kept);
+  for (const s of incoming.series) {
+    const prev = out.get(s.uuid);
+    const ts = (prev ? prev.timestamp_s : []).concat(s.timestamp_s);
+    const util = (prev ? prev.utilization_pct : []).concat(s.utilization_pct);
+    const mem = (prev ? prev.memory_used_bytes : []).concat(
+      s.memory_used_bytes
+    );
+    const drop = Math.max(ts.length - maxPoints, 0);
+    out.set(s.uuid, {
+      uuid: s.uuid,
+      timestamp_s: ts.slice(drop),
+      utilization_pct: util.slice(drop),
+      memory_used_bytes: mem.slice(drop),
+      memory_total_bytes:
+        s.memory_total_bytes ?? (prev ? prev.memory_total_bytes : null)
+    });
+  }
+  return out;
+}
+
+/** Validate `GET history`. */
+export function parseHistory(raw: unknown): IHistory {
+  if (!isObject(raw) || !Array.isArray(raw.series)) {
+    return fail('history answer', raw);
+  }
+  const series = raw.series.map((s: unknown): ISeries => {
+    if (
+      !isObject(s) ||
+      typeof s.uuid !== 'string' ||
+      !Array.isArray(s.timestamp_s)
+    ) {
+      return fail('history series', s);
+    }
+    const nums = (v: unknown): (number | null)[] =>
+      Array.isArray(v) ? v.map(numOrNull) : [];
+    return {
+      uuid: s.uuid,
+      timestamp_s: s.timestamp_s.map(t => numOrNull(t) ?? 0),
+      utilization_pct: nums(s.utilization_pct),
+      memory_used_bytes: nums(s.memory_used_bytes),
+      memory_total_bytes: numOrNull(s.memory_total_bytes)
+    };
+  });
+  return {
+    interval_s: numOrNull(raw.interval_s) ?? 1,
+    history_s: numOrNull(raw.history_s) ?? 0,
+    since_s: numOrNull(raw.since_s),
+    until_s: numOrNull(raw.until_s),
+    series,
+    errors: stringList(raw.errors)
+  };
+}
+
+/** Validate `GET holders`. */
+export function parseHolders(raw: unknown): IHolders {
+  if (!isObject(raw) || !Array.isArray(raw.holders)) {
+    return fail('holders answer', raw);
+  }
+  const holders = raw.holders.map((h: unknown): IHolder => {
+    if (!isObject(h) || typeof h.uuid !== 'string') {
+      return fail('holder', h);
+    }
+    return {
+      kind: h.kind === 'lease' ? 'lease' : 'process',
+      uuid: h.uuid,
+      label: strOrNull(h.label),
+      user: strOrNull(h.user),
+      pid: numOrNull(h.pid),
+      kernel_id: strOrNull(h.kernel_id),
+      this_server: h.this_server === true,
+      notebook_path: strOrNull(h.notebook_path),
+      booked_bytes: numOrNull(h.booked_bytes),
+      used_memory_bytes: numOrNull(h.used_memory_bytes),
+      exclusive: h.exclusive === true,
+      created_s: numOrNull(h.created_s),
+      command: strOrNull(h.command)
+    };
+  });
+  return {
+    timestamp_s: numOrNull(raw.timestamp_s) ?? 0,
+    simulated: raw.simulated === true,
+    user: typeof raw.user === 'string' ? raw.user : '',
+    holders,
+    errors: stringList(raw.errors)
+  };
+}
+
+/** Validate `select`. */
+export function parseSelection(raw: unknown): ISelection {
+  if (!isObject(raw) || !Array.isArray(raw.chosen)) {
+    return fail('select answer', raw);
+  }
+  return {
+    chosen: raw.chosen.map((c: unknown): IChosen => {
+      if (!isObject(c) || typeof c.uuid !== 'string') {
+        return fail('chosen device', c);
+      }
+      return {
+        uuid: c.uuid,
+        label: typeof c.label === 'string' ? c.label : c.uuid,
+        name: typeof c.name === 'string' ? c.name : ''
+      };
+    }),
+    constraints_text:
+      typeof raw.constraints_text === 'string' ? raw.constraints_text : '',
+    message: strOrNull(raw.message),
+    simulated: raw.simulated === true
+  };
+}
+
+/**
+ * The holders of device `uuid`, as the card lists them. A kernel that holds a lease and also
+ * shows as an NVML process is listed once (the lease, with the used memory added). The holder
+ * whose kernel is `currentKernelId` (the active notebook's) is marked `current` and comes first.
+ */
+export function holdersFor(
+  holders: IHolder[],
+  uuid: string,
+  currentKernelId: string | null
+): IHolderView[] {
+  const mine = holders.filter(h => h.uuid === uuid);
+  const leasedKernels = new Set(
+    mine
+      .filter(h => h.kind === 'lease' && h.kernel_id !== null)
+      .map(h => h.kernel_id)
+  );
+  const used = new Map<string, number>();
+  for (const h of mine) {
+    if (
+      h.kind === 'process' &&
+      h.kernel_id !== null &&
+      h.used_memory_bytes !== null
+    ) {
+      used.set(h.kernel_id, (used.get(h.kernel_id) ?? 0) + h.used_memory_bytes);
+    }
+  }
+  const views: IHolderView[] = [];
+  for (const h of mine) {
+    if (
+      h.kind === 'process' &&
+      h.kernel_id !== null &&
+      leasedKernels.has(h.kernel_id)
+    ) {
+      continue;
+    }
+    const who = h.user ?? 'unknown user';
+    const what =
+      h.notebook_path ??
+      (h.kernel_id ? `kernel ${h.kernel_id.slice(0, 8)}` : null) ??
+      h.command ??
+      (h.pid !== null ? `pid ${h.pid}` : 'unknown');
+    const memParts: string[] = [];
+    if (h.booked_bytes !== null) {
+      memParts.push(`${formatBytes(h.booked_bytes)} booked`);
+    }
+    const usedBytes =
+      h.kind === 'lease' && h.kernel_id !== null
+        ? (used.get(h.kernel_id) ?? null)
+        : h.used_memory_bytes;
+    if (usedBytes !== null) {
+      memParts.push(`${formatBytes(usedBytes)} used`);
+    }
+    views.push({
+      who,
+      what,
+      memory: memParts.join(', '),
+      current: currentKernelId !== null && h.kernel_id === currentKernelId,
+      exclusive: h.exclusive
+    });
+  }
+  return views.sort((a, b) => Number(b.current) - Number(a.current));
+}
+
+/** `best device for 10.0 GiB: GPU 3`, or why none fits. */
+export function recommendationText(selection: ISelection): string {
+  const wanted = selection.constraints_text.replace(/^min free /, '');
+  const forWhat =
+    selection.constraints_text === 'no constraints' ||
+    selection.constraints_text === ''
+      ? 'best device now'
+      : `best device for ${wanted}`;
+  if (selection.chosen.length === 0) {
+    return (
+      selection.message ?? `no device fits (${selection.constraints_text})`
+    );
+  }
+  return `${forWhat}: ${selection.chosen.map(c => c.label).join(', ')}`;
+}

@@ -1,0 +1,386 @@
+/**
+ * The sidebar widget: one card per device, its holders, and a recommendation for the active
+ * notebook. It polls the server extension with backoff while visible and stops when hidden;
+ * every failure is shown in the panel, never thrown at the user.
+ *
+ * All text from the server (device names, other users' names and notebook paths) is inserted
+ * with `textContent`, never as HTML.
+ */
+import { ServerConnection } from '@jupyterlab/services';
+import { Poll } from '@lumino/polling';
+import { Message } from '@lumino/messaging';
+import { Widget } from '@lumino/widgets';
+
+import {
+  IFleet,
+  IHolders,
+  ISelection,
+  ISeries,
+  deviceState,
+  formatMemory,
+  formatPct,
+  formatThermals,
+  holdersFor,
+  mergeHistory,
+  parseFleet,
+  parseHistory,
+  parseHolders,
+  parseSelection,
+  recommendationText,
+  sparklinePath,
+  unsupportedNote
+} from './model';
+import { requestAPI } from './request';
+
+/** What the panel needs to know about the active notebook. */
+export interface IActiveNotebook {
+  path: string;
+  kernelId: string | null;
+}
+
+/** Options of {@link GPUPanel}. */
+export interface IGPUPanelOptions {
+  serverSettings?: ServerConnection.ISettings;
+  /** The active notebook, asked at each render (null: none). */
+  activeNotebook: () => IActiveNotebook | null;
+}
+
+/** Settings from the settings registry (`schema/plugin.json`). */
+export interface IPanelSettings {
+  refreshInterval: number;
+  recommendMinFree: string;
+  historyPoints: number;
+}
+
+const SVG_NS = 'http://www.w3.org/2000/svg';
+const SPARK_W = 120;
+const SPARK_H = 24;
+const MAX_BACKOFF_MS = 60000;
+
+function el<K extends keyof HTMLElementTagNameMap>(
+  tag: K,
+  className: string,
+  text?: string
+): HTMLElementTagNameMap[K] {
+  const node = document.createElement(tag);
+  node.className = className;
+  if (text !== undefined) {
+    node.textContent = text;
+  }
+  return node;
+}
+
+function errorText(reason: unknown): string {
+  if (reason instanceof ServerConnection.ResponseError) {
+    return `server answered ${reason.response.status}: ${reason.message}`;
+  }
+  if (reason instanceof Error) {
+    return reason.message;
+  }
+  return String(reason);
+}
+
+/** The GPU sidebar. */
+export class GPUPanel extends Widget {
+  constructor(options: IGPUPanelOptions) {
+    super();
+    this.id = 'jp-AutoGPU-panel';
+    this.addClass('jp-AutoGPU-panel');
+    this._serverSettings =
+      options.serverSettings ?? ServerConnection.makeSettings();
+    this._activeNotebook = options.activeNotebook;
+    this._poll = new Poll({
+      auto: false,
+      factory: () => this.refresh(),
+      frequency: {
+        interval: this._settings.refreshInterval * 1000,
+        backoff: true,
+        max: MAX_BACKOFF_MS
+      },
+      name: 'autogpu:sidebar',
+      standby: 'when-hidden'
+    });
+    this._status = el('div', 'jp-AutoGPU-status', 'loading…');
+    this._errors = el('div', 'jp-AutoGPU-errors');
+    this._recommendation = el('div', 'jp-AutoGPU-recommendation');
+    this._cards = el('div', 'jp-AutoGPU-cards');
+    const header = el('div', 'jp-AutoGPU-header');
+    header.appendChild(el('h2', 'jp-AutoGPU-title', 'GPUs'));
+    header.appendChild(this._status);
+    this.node.append(header, this._errors, this._recommendation, this._cards);
+  }
+
+  /** Apply settings; a new interval takes effect at the next tick. */
+  updateSettings(settings: IPanelSettings): void {
+    this._settings = settings;
+    this._poll.frequency = {
+      interval: Math.max(settings.refreshInterval, 0.5) * 1000,
+      backoff: true,
+      max: MAX_BACKOFF_MS
+    };
+    if (this.isVisible) {
+      void this._poll.refresh();
+    }
+  }
+
+  /** Fetch everything once and render. Rejects (so that the poll backs off) on failure. */
+  async refresh(): Promise<void> {
+    const since = this._until === null ? '' : `?since=${this._until}`;
+    const active = this._activeNotebook();
+    const minFree = this._settings.recommendMinFree.trim();
+    const selectQuery = minFree
+      ? `select?min_free=${encodeURIComponent(minFree)}`
+      : 'select';
+    const errors: string[] = [];
+    try {
+      const [fleetRaw, historyRaw, holdersRaw] = await Promise.all([
+        requestAPI<unknown>('devices', this._serverSettings),
+        requestAPI<unknown>(`history${since}`, this._serverSettings),
+        requestAPI<unknown>('holders', this._serverSettings)
+      ]);
+      this._fleet = parseFleet(fleetRaw);
+      const history = parseHistory(historyRaw);
+      this._series = mergeHistory(
+        this._series,
+        history,
+        this._settings.historyPoints
+      );
+      this._until = history.until_s ?? this._until;
+      this._holders = parseHolders(holdersRaw);
+      errors.push(...this._fleet.errors, ...this._holders.errors);
+    } catch (reason) {
+      this._failure = errorText(reason);
+      this._render(errors);
+      throw reason;
+    }
+    try {
+      this._selection = parseSelection(
+        await requestAPI<unknown>(selectQuery, this._serverSettings)
+      );
+      this._selectionError = null;
+    } catch (reason) {
+      this._selection = null;
+      this._selectionError = errorText(reason);
+    }
+    this._failure = null;
+    this._render(errors, active);
+  }
+
+  protected onAfterShow(msg: Message): void {
+    super.onAfterShow(msg);
+    void this._poll.start();
+    void this._poll.refresh();
+  }
+
+  protected onAfterHide(msg: Message): void {
+    super.onAfterHide(msg);
+    void this._poll.stop();
+  }
+
+  dispose(): void {
+    if (this.isDisposed) {
+      return;
+    }
+    this._poll.dispose();
+    super.dispose();
+  }
+
+  /** The poll (for tests and the plugin). */
+  get poll(): Poll {
+    return this._poll;
+  }
+
+  private _render(
+    errors: string[],
+    active: IActiveNotebook | null = this._activeNotebook()
+  ): void {
+    this._errors.replaceChildren();
+    const all = this._failure ? [this._failure, ...errors] : errors;
+    for (const message of all) {
+      this._errors.appendChild(el('div', 'jp-AutoGPU-error', message));
+    }
+    const fleet = this._fleet;
+    if (fleet === null) {
+      this._status.textContent = this._failure ? 'unavailable' : 'loading…';
+      return;
+    }
+    this._status.replaceChildren();
+    if (fleet.simulated) {
+      this._status.appendChild(
+        el('span', 'jp-AutoGPU-badge jp-AutoGPU-simulated', 'simulated')
+      );
+    }
+    const stamp = new Date(fleet.timestamp_s * 1000).toLocaleTimeString();
+    this._status.appendChild(
+      el(
+        'span',
+        'jp-AutoGPU-stamp',
+        this._failure ? `stale, last ${stamp}` : `updated ${stamp}`
+      )
+    );
+    this._renderRecommendation(active);
+    this._renderCards(fleet, active);
+  }
+
+  private _renderRecommendation(active: IActiveNotebook | null): void {
+    this._recommendation.replaceChildren();
+    if (this._selection === null && this._selectionError === null) {
+      return;
+    }
+    if (active !== null) {
+      this._recommendation.appendChild(
+        el('div', 'jp-AutoGPU-notebook', active.path)
+      );
+    }
+    const text =
+      this._selection !== null
+        ? recommendationText(this._selection)
+        : `no recommendation: ${this._selectionError}`;
+    this._recommendation.appendChild(el('div', 'jp-AutoGPU-advice', text));
+  }
+
+  private _renderCards(fleet: IFleet, active: IActiveNotebook | null): void {
+    this._cards.replaceChildren();
+    if (fleet.devices.length === 0) {
+      this._cards.appendChild(
+        el('div', 'jp-AutoGPU-empty', 'No GPU visible to the server.')
+      );
+      return;
+    }
+    const holders: IHolders = this._holders ?? {
+      timestamp_s: 0,
+      simulated: false,
+      user: '',
+      holders: [],
+      errors: []
+    };
+    const kernelId = active?.kernelId ?? null;
+    for (const device of fleet.devices) {
+      const state = deviceState(device);
+      const card = el('div', `jp-AutoGPU-card jp-AutoGPU-${state}`);
+      card.dataset.uuid = device.uuid;
+      const title = el('div', 'jp-AutoGPU-cardTitle');
+      title.append(
+        el('span', 'jp-AutoGPU-label', device.label),
+        el('span', 'jp-AutoGPU-name', device.name)
+      );
+      if (this._selection?.chosen.some(c => c.uuid === device.uuid)) {
+        title.appendChild(
+          el('span', 'jp-AutoGPU-badge jp-AutoGPU-best', 'best')
+        );
+      }
+      card.appendChild(title);
+      if (state === 'lost') {
+        card.appendChild(
+          el(
+            'div',
+            'jp-AutoGPU-lostNote',
+            `lost: ${device.error ?? 'not readable'}`
+          )
+        );
+        this._cards.appendChild(card);
+        continue;
+      }
+      const series = this._series.get(device.uuid);
+      card.appendChild(
+        this._metric(
+          'util',
+          'Util',
+          formatPct(device.utilization_pct),
+          series ? series.utilization_pct : [],
+          100
+        )
+      );
+      const memSeries = series ? series.memory_used_bytes : [];
+      card.appendChild(
+        this._metric(
+          'mem',
+          'Mem',
+          formatMemory(device),
+          memSeries,
+          device.memory_total_bytes ?? series?.memory_total_bytes ?? 0
+        )
+      );
+      const thermals = formatThermals(device);
+      if (thermals) {
+        card.appendChild(el('div', 'jp-AutoGPU-thermals', thermals));
+      }
+      const note = unsupportedNote(device);
+      if (note) {
+        card.appendChild(el('div', 'jp-AutoGPU-unsupported', note));
+      }
+      const views = holdersFor(holders.holders, device.uuid, kernelId);
+      const list = el('ul', 'jp-AutoGPU-holders');
+      for (const view of views) {
+        const item = el(
+          'li',
+          view.current
+            ? 'jp-AutoGPU-holder jp-AutoGPU-holder-current'
+            : 'jp-AutoGPU-holder'
+        );
+        item.append(
+          el('span', 'jp-AutoGPU-who', view.who),
+          el('span', 'jp-AutoGPU-what', view.what)
+        );
+        if (view.memory) {
+          item.appendChild(el('span', 'jp-AutoGPU-holderMem', view.memory));
+        }
+        if (view.exclusive) {
+          item.appendChild(
+            el('span', 'jp-AutoGPU-badge jp-AutoGPU-exclusive', 'exclusive')
+          );
+        }
+        list.appendChild(item);
+      }
+      if (views.length === 0) {
+        list.appendChild(el('li', 'jp-AutoGPU-holder jp-AutoGPU-free', 'free'));
+      }
+      card.appendChild(list);
+      this._cards.appendChild(card);
+    }
+  }
+
+  private _metric(
+    key: string,
+    label: string,
+    value: string,
+    values: (number | null)[],
+    max: number
+  ): HTMLElement {
+    const row = el('div', `jp-AutoGPU-metric jp-AutoGPU-${key}`);
+    row.appendChild(el('span', 'jp-AutoGPU-metricLabel', label));
+    const svg = document.createElementNS(SVG_NS, 'svg');
+    svg.setAttribute('class', 'jp-AutoGPU-spark');
+    svg.setAttribute('viewBox', `0 0 ${SPARK_W} ${SPARK_H}`);
+    svg.setAttribute('preserveAspectRatio', 'none');
+    const path = document.createElementNS(SVG_NS, 'path');
+    path.setAttribute(
+      'd',
+      sparklinePath(values, SPARK_W, SPARK_H, max, this._settings.historyPoints)
+    );
+    svg.appendChild(path);
+    row.appendChild(svg);
+    row.appendChild(el('span', 'jp-AutoGPU-metricValue', value));
+    return row;
+  }
+
+  private _serverSettings: ServerConnection.ISettings;
+  private _activeNotebook: () => IActiveNotebook | null;
+  private _poll: Poll;
+  private _settings: IPanelSettings = {
+    refreshInterval: 2,
+    recommendMinFree: '10G',
+    historyPoints: 120
+  };
+  private _status: HTMLElement;
+  private _errors: HTMLElement;
+  private _recommendation: HTMLElement;
+  private _cards: HTMLElement;
+  private _fleet: IFleet | null = null;
+  private _holders: IHolders | null = null;
+  private _selection: ISelection | null = null;
+  private _selectionError: string | null = null;
+  private _series = new Map<string, ISeries>();
+  private _until: number | null = null;
+  private _failure: string | null = null;
+}
