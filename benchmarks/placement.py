@@ -10,16 +10,27 @@ A discrete-time simulation (step ``DT``), deterministic for a given ``--seed``:
   context some time after the pick). When it shows up and does not fit, the job fails (OOM) and
   is retried ``RETRY_AFTER`` later, placed again by the same policy.
 
-Policies:
+Policies (none of them may look into the future; each sees only what its tool would see):
 
 * ``gpu0``          – always GPU 0 (what a notebook without any selection does);
 * ``random``        – a uniformly random GPU;
-* ``least-loaded``  – most free memory as NVML shows it now, then fewest processes (what
-  nvitop / GPUtil / setGPU-style pickers do; no leases, so simultaneous starters herd);
-* ``autogpu``       – the autogpu policy with leases: effective free memory = free minus what
-  live leases booked and NVML does not show yet; only devices where the job fits; ranked by
-  effective free memory (1 GiB steps), then live lease count, then UUID; when nothing fits, the
-  job waits in line (FIFO) instead of failing.
+* ``gputil``        – GPUtil's ``getAvailable(order='memory', limit=1)`` rule with its load and
+  memory caps off: the lowest used/total memory as NVML shows it now, first index on ties;
+* ``least-loaded``  – ``nvitop.select_devices(min_count=1, max_count=1, min_free_memory=job)``
+  exactly: keep devices whose NVML free memory fits the job, then sort by free memory
+  (descending), used memory (descending), GPU utilisation, memory utilisation (ascending),
+  highest index first; when none fits, the job waits and asks again (no failed start: the
+  strongest lease-less baseline). No leases, so starters herd onto memory that is about to go;
+* ``autogpu``       – the real policy: ``core.policy.rank`` + ``select`` with
+  ``Constraints(min_free=Size(bytes=job memory))`` over :class:`DeviceSnapshot` s of the
+  simulated host and the :class:`Booking` s that ``core.leases.bookings_for`` folds from one
+  live lease per placed job (booked until "NVML" lists the job's pid, then its real use counts);
+  when nothing fits, the job waits in line (FIFO, arrival order, as ``--wait`` does).
+
+What "NVML" shows of a simulated GPU: memory used = the memory of the jobs whose context exists
+(``CONTEXT_LAG`` after their start), their pids in the process list; utilisation = 100 % x
+min(1, running jobs), since jobs that share a GPU's time keep it busy (the model has no idle
+time inside a job); memory-bandwidth utilisation = the same.
 
 Reported: makespan, mean job completion time (finish - arrival), failed starts, and the lower
 bound max(total work / GPUs, latest arrival + its work).
@@ -27,14 +38,23 @@ bound max(total work / GPUs, latest arrival + its work).
 Run::
 
     .venv/bin/python benchmarks/placement.py [--seed 1] [--jobs 240]
+    .venv/bin/python benchmarks/placement.py --seeds 1,2,3,4,5 --markdown
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import random
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from autogpu_jupyter.core.devices import DeviceSnapshot, ProcessSnapshot
+from autogpu_jupyter.core.leases import LeaseRecord, bookings_for
+from autogpu_jupyter.core.policy import Constraints, rank, select
+from autogpu_jupyter.core.units import Size
 
 GIB = 1024**3
 GPUS = 4
@@ -42,6 +62,8 @@ TOTAL = 80 * GIB
 DT = 0.05
 CONTEXT_LAG = 0.5
 RETRY_AFTER = 2.0
+UUIDS = [f"GPU-{g:08x}-sim0-sim0-sim0-{g:012x}" for g in range(GPUS)]
+POLICIES = ("gpu0", "random", "gputil", "least-loaded", "autogpu")
 KINDS = {  # name: (memory bytes, work units, share of jobs)
     "image": (4 * GIB, 2.0, 0.5),
     "analysis": (10 * GIB, 6.0, 0.35),
@@ -68,12 +90,48 @@ class Job:
 @dataclass
 class Host:
     jobs: list[list[Job]] = field(default_factory=lambda: [[] for _ in range(GPUS)])
+    version: int = 0  # bumped on every change a picker could see
+    _cache: tuple[int, tuple[DeviceSnapshot, ...], dict] | None = None
 
     def visible_used(self, g: int) -> int:
         return sum(j.mem for j in self.jobs[g] if j.visible)
 
-    def booked(self, g: int) -> int:
-        return sum(j.mem for j in self.jobs[g] if not j.visible)
+    def running(self, g: int) -> int:
+        return sum(1 for j in self.jobs[g] if j.visible)
+
+    def util_pct(self, g: int) -> float:
+        return 100.0 * min(1, self.running(g))
+
+    def nvml_view(self) -> tuple[tuple[DeviceSnapshot, ...], dict]:
+        """What NVML shows now (snapshots) and the live leases folded per device (bookings)."""
+        if self._cache is not None and self._cache[0] == self.version:
+            return self._cache[1], self._cache[2]
+        devices = []
+        leases = []
+        for g in range(GPUS):
+            used = self.visible_used(g)
+            util = self.util_pct(g)
+            devices.append(DeviceSnapshot(
+                index=g, uuid=UUIDS[g], name="NVIDIA A100-SXM4-80GB",
+                memory_total_bytes=TOTAL, memory_used_bytes=used, memory_free_bytes=TOTAL - used,
+                utilization_pct=util, memory_utilization_pct=util, compute_mode="DEFAULT",
+                mig_enabled=False,
+                processes=tuple(ProcessSnapshot(pid=_pid(j), used_memory_bytes=j.mem)
+                                for j in self.jobs[g] if j.visible),
+            ))
+            leases.extend(LeaseRecord(
+                lease_id=f"{j.jid:032x}", kind="lease", device_uuids=(UUIDS[g],),
+                device_requested_bytes=(j.mem,), exclusive=False, user="sim", uid=1000,
+                host="sim", pid=_pid(j), created_s=j.started or 0.0,
+            ) for j in self.jobs[g])
+        snaps = tuple(devices)
+        bookings = bookings_for(snaps, leases)
+        self._cache = (self.version, snaps, bookings)
+        return snaps, bookings
+
+
+def _pid(job: Job) -> int:
+    return 10_000 + job.jid
 
 
 def workload(n: int, seed: int) -> list[Job]:
@@ -98,20 +156,22 @@ def _job(jid: int, kind: str, t: float) -> Job:
 
 
 def place(policy: str, job: Job, host: Host, rng: random.Random) -> int | None:
+    """The GPU ``policy`` picks for ``job`` now, or ``None``: nothing fits, wait and ask again."""
     if policy == "gpu0":
         return 0
     if policy == "random":
         return rng.randrange(GPUS)
+    if policy == "gputil":
+        return min(range(GPUS), key=lambda g: (host.visible_used(g) / TOTAL, g))
     if policy == "least-loaded":
-        return min(range(GPUS), key=lambda g: (host.visible_used(g),
-                                               sum(1 for j in host.jobs[g] if j.visible), g))
-    # autogpu: filter on effective free memory, rank by it, then by lease count, then identity.
-    fits = []
-    for g in range(GPUS):
-        eff_free = TOTAL - host.visible_used(g) - host.booked(g)
-        if eff_free >= job.mem:
-            fits.append((-math.floor(eff_free / GIB), len(host.jobs[g]), g))
-    return min(fits)[2] if fits else None
+        fits = [g for g in range(GPUS) if TOTAL - host.visible_used(g) >= job.mem]
+        if not fits:
+            return None
+        return min(fits, key=lambda g: (-(TOTAL - host.visible_used(g)), -host.visible_used(g),
+                                         host.util_pct(g), host.util_pct(g), -g))
+    devices, bookings = host.nvml_view()
+    chosen = select(rank(devices, Constraints(min_free=Size(bytes=job.mem)), bookings=bookings), 1)
+    return chosen[0].device.index if chosen else None
 
 
 def simulate(policy: str, jobs_in: list[Job], seed: int) -> dict[str, float]:
@@ -120,6 +180,7 @@ def simulate(policy: str, jobs_in: list[Job], seed: int) -> dict[str, float]:
             for j in jobs_in]
     host = Host()
     pending = sorted(jobs, key=lambda j: (j.ready_at, j.jid))  # arrival order = FIFO order
+    asked: dict[int, int] = {}  # job id -> host version when nothing fitted (same answer again)
     failed = 0
     t = 0.0
     done = 0
@@ -127,15 +188,17 @@ def simulate(policy: str, jobs_in: list[Job], seed: int) -> dict[str, float]:
         # 1. placements (in arrival order; the autogpu line waits when nothing fits)
         still = []
         for j in pending:
-            if j.ready_at > t + 1e-9:
+            if j.ready_at > t + 1e-9 or asked.get(j.jid) == host.version:
                 still.append(j)
                 continue
             g = place(policy, j, host, rng)
             if g is None:
+                asked[j.jid] = host.version
                 still.append(j)
                 continue
             j.gpu, j.started, j.visible = g, t, False
             host.jobs[g].append(j)
+            host.version += 1
         pending = still
         # 2. contexts appear; a job that does not fit fails and retries later
         for g in range(GPUS):
@@ -150,6 +213,7 @@ def simulate(policy: str, jobs_in: list[Job], seed: int) -> dict[str, float]:
                         pending.append(j)
                     else:
                         j.visible = True
+                    host.version += 1
         pending.sort(key=lambda j: (j.ready_at, j.arrival, j.jid))
         # 3. processor sharing among the running (visible) jobs of each GPU
         for g in range(GPUS):
@@ -159,6 +223,7 @@ def simulate(policy: str, jobs_in: list[Job], seed: int) -> dict[str, float]:
                 if j.left <= 1e-9:
                     j.finish = t + DT
                     host.jobs[g].remove(j)
+                    host.version += 1
                     done += 1
         t += DT
     makespan = max(j.finish or 0.0 for j in jobs)
@@ -169,26 +234,50 @@ def simulate(policy: str, jobs_in: list[Job], seed: int) -> dict[str, float]:
         "mean_jct": sum((j.finish or 0.0) - j.arrival for j in jobs) / len(jobs),
         "failed_starts": failed,
         "lower_bound": lower,
+        "jct_by_kind": {
+            k: sum((j.finish or 0.0) - j.arrival for j in jobs if j.kind == k)
+            / max(1, sum(1 for j in jobs if j.kind == k))
+            for k in KINDS
+        },
     }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=None, help="one seed (default 1)")
+    ap.add_argument("--seeds", default=None, help="several seeds, e.g. 1,2,3")
     ap.add_argument("--jobs", type=int, default=240)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--markdown", action="store_true", help="also print a Markdown table")
     a = ap.parse_args()
-    jobs = workload(a.jobs, a.seed)
-    work = sum(j.work for j in jobs)
-    mix = ", ".join(f"{k}: {sum(1 for j in jobs if j.kind == k)}" for k in KINDS)
-    print(f"{len(jobs)} jobs on {GPUS} GPUs ({mix}), total work {work:.0f} units, seed {a.seed}")
-    print(f"{'policy':<14}{'makespan':>10}{'vs bound':>10}{'mean JCT':>10}{'failed':>8}")
-    lower = None
-    for policy in ("gpu0", "random", "least-loaded", "autogpu"):
-        r = simulate(policy, jobs, a.seed)
-        lower = r["lower_bound"]
-        print(f"{policy:<14}{r['makespan']:>10.1f}{r['makespan'] / lower:>9.2f}x"
-              f"{r['mean_jct']:>10.1f}{r['failed_starts']:>8d}")
-    print(f"{'lower bound':<14}{lower:>10.1f}{1.0:>9.2f}x")
+    seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else [a.seed or 1]
+    policies = a.policies.split(",")
+    unknown = set(policies) - set(POLICIES)
+    if unknown:
+        ap.error(f"unknown policy(ies) {sorted(unknown)}: expected some of {', '.join(POLICIES)}")
+    md = ["| seed | policy | makespan | vs bound | mean JCT | failed starts "
+          "| mean JCT image / analysis / training |", "|---|---|---|---|---|---|---|"]
+    for seed in seeds:
+        jobs = workload(a.jobs, seed)
+        work = sum(j.work for j in jobs)
+        mix = ", ".join(f"{k}: {sum(1 for j in jobs if j.kind == k)}" for k in KINDS)
+        print(f"{len(jobs)} jobs on {GPUS} GPUs ({mix}), total work {work:.0f} units, seed {seed}")
+        print(f"{'policy':<14}{'makespan':>10}{'vs bound':>10}{'mean JCT':>10}{'failed':>8}"
+              f"   mean JCT by kind ({', '.join(KINDS)})")
+        lower = None
+        for policy in policies:
+            r = simulate(policy, jobs, seed)
+            lower = r["lower_bound"]
+            print(f"{policy:<14}{r['makespan']:>10.1f}{r['makespan'] / lower:>9.3f}x"
+                  f"{r['mean_jct']:>10.1f}{r['failed_starts']:>8d}   "
+                  + " / ".join(f"{v:.1f}" for v in r["jct_by_kind"].values()), flush=True)
+            md.append(f"| {seed} | {policy} | {r['makespan']:.1f} | {r['makespan'] / lower:.3f}× | "
+                      f"{r['mean_jct']:.1f} | {r['failed_starts']} | "
+                      + " / ".join(f"{v:.1f}" for v in r["jct_by_kind"].values()) + " |")
+        print(f"{'lower bound':<14}{lower:>10.1f}{1.0:>9.3f}x")
+        md.append(f"| {seed} | *lower bound* | {lower:.1f} | 1× | | | |")
+    if a.markdown:
+        print("\n".join(md))
     return 0
 
 

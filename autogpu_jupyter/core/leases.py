@@ -45,6 +45,7 @@ import re
 import secrets
 import socket
 import stat
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -236,6 +237,43 @@ _CONSTRAINT_KEYS = {
     "min_free_bytes", "min_free_fraction", "max_util_pct", "count", "exclude", "exclusive",
     "allowed_uuids",
 }
+
+
+#: Validated records by their exact bytes and where they were found (see :func:`_parse_cached`).
+_RECORD_CACHE: dict[tuple[bytes, str, str, int, str], LeaseRecord] = {}
+_RECORD_CACHE_MAX = 4096
+_RECORD_CACHE_ENTRY_MAX = 4096  # bytes
+
+
+def _parse_cached(
+    data: bytes, *, kind: str, name: str, path: str, dir_uid: int, real_user: str, live: bool
+) -> LeaseRecord:
+    """:func:`_parse_record` plus the ownership checks, memoised on the file's exact bytes.
+
+    The key is the content itself (with kind, file name, directory uid and that uid's user
+    name, the only other inputs of the checks), so a hit is exactly the record a fresh parse
+    would give: nothing stale, nothing another user could steer. ``live`` and ``path`` are
+    filled in per read. Raises :class:`_Invalid` for a record that fails (never cached).
+    """
+    key = (data, kind, name, dir_uid, real_user)
+    rec = _RECORD_CACHE.get(key)
+    if rec is None:
+        rec = _parse_record(data, kind=kind, path=path, live=live)
+        if rec.uid != dir_uid:
+            raise _Invalid(f"forged: record says uid {rec.uid}, file owned by uid {dir_uid}")
+        if not name.startswith(rec.lease_id + "."):
+            raise _Invalid("forged: file name does not match its lease id")
+        if real_user != str(dir_uid) and rec.user != real_user:
+            raise _Invalid(
+                f"forged: record says user {rec.user[:40]!r}, uid {dir_uid} is {real_user}"
+            )
+        if len(data) <= _RECORD_CACHE_ENTRY_MAX:  # bounded memory: big records are re-parsed
+            if len(_RECORD_CACHE) >= _RECORD_CACHE_MAX:
+                _RECORD_CACHE.clear()
+            _RECORD_CACHE[key] = rec
+    if rec.live != live or rec.path != path:
+        rec = replace(rec, live=live, path=path)
+    return rec
 
 
 def _parse_record(data: bytes, *, kind: str, path: str, live: bool) -> LeaseRecord:
@@ -518,6 +556,44 @@ def _held(fd: int) -> bool:
     return False
 
 
+def _flock_wait(fd: int, timeout_s: float) -> bool:
+    """Block in ``flock(fd, LOCK_EX)`` for at most ``timeout_s``; True when the lock is ours.
+
+    A helper thread blocks on a duplicate of ``fd`` (the same open file description, so the lock
+    it gets is the one ``fd`` holds) while the caller waits on an event with the timeout; no
+    signals, so it works in any thread. A thread that gets the lock after the caller gave up
+    drops it at once. Raises the ``OSError`` of the ``flock`` call (``ENOLCK``, ...).
+    """
+    dup = os.dup(fd)
+    done = threading.Event()
+    guard = threading.Lock()
+    state: dict[str, Any] = {"abandoned": False, "got": False, "error": None}
+
+    def wait() -> None:
+        try:
+            fcntl.flock(dup, fcntl.LOCK_EX)
+        except OSError as err:
+            state["error"] = err
+        with guard:
+            if state["error"] is None:
+                if state["abandoned"]:
+                    with contextlib.suppress(OSError):
+                        fcntl.flock(dup, fcntl.LOCK_UN)
+                else:
+                    state["got"] = True
+        os.close(dup)
+        done.set()
+
+    threading.Thread(target=wait, name="autogpu-registry-lock", daemon=True).start()
+    done.wait(max(timeout_s, 0.0))
+    with guard:
+        if not state["got"]:
+            state["abandoned"] = True
+    if state["error"] is not None:
+        raise state["error"]
+    return bool(state["got"])
+
+
 def _user_name(uid: int) -> str:
     try:
         return pwd.getpwuid(uid).pw_name
@@ -532,9 +608,10 @@ def _describe_owner(uid: int) -> str:
 class Transaction:
     """What a pick may do while it holds the registry lock (see :meth:`Registry.locked`)."""
 
-    def __init__(self, registry: Registry, top_fd: int) -> None:
+    def __init__(self, registry: Registry, top_fd: int, user_fd: int | None = None) -> None:
         self.registry = registry
         self._top_fd = top_fd
+        self._user_fd = user_fd  # our own user directory, opened and checked by locked()
         self._scan: ScanResult | None = None
 
     def scan(self) -> ScanResult:
@@ -616,6 +693,7 @@ class Transaction:
         lease = self.registry._write_held(
             Lease, kind="lease", uuids=uuids, booked=booked, exclusive=exclusive, holder=holder,
             top_fd=self._top_fd,
+            user_fd=self._user_fd,
         )
         if self._scan is not None:
             self._scan.live.append(lease.record)
@@ -639,6 +717,7 @@ class Transaction:
             exclusive=bool(constraints is not None and constraints.exclusive),
             holder=holder,
             top_fd=self._top_fd,
+            user_fd=self._user_fd,
             seq=seq,
             constraints=_constraints_payload(constraints, allowed_uuids),
         )
@@ -839,41 +918,52 @@ class Registry:
                 yield None
                 return
             try:
-                # Our own directory must be usable before a pick relies on a lease there.
+                # Our own directory must be usable before a pick relies on a lease there; it
+                # stays open for the transaction (the lease is written there).
                 ufd = self._open_user_dir(top_fd, create=True)
-                if ufd is not None:
-                    os.close(ufd)
             except RegistryError as err:
                 self.unusable_reason = f"{err}: picked without a lease"
                 log.warning("%s", self.unusable_reason)
                 yield None
                 return
-            self.unusable_reason = None
-            yield Transaction(self, top_fd)
+            try:
+                self.unusable_reason = None
+                yield Transaction(self, top_fd, ufd)
+            finally:
+                if ufd is not None:
+                    os.close(ufd)
         finally:
             os.close(top_fd)  # also drops the flock
 
     def _acquire(self, top_fd: int) -> None:
-        deadline = time.monotonic() + self.lock_timeout_s
-        delay = 0.0005
-        while True:
-            try:
-                fcntl.flock(top_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                pass
-            except OSError as err:
-                raise RegistryError(
-                    f"cannot lock lease registry {self.path}: {err.strerror} (a filesystem "
-                    "without flock, e.g. some NFS mounts? Use a local AUTOGPU_REGISTRY_DIR)"
-                ) from None
-            if time.monotonic() >= deadline:
-                raise RegistryError(
-                    f"lease registry {self.path} stayed locked by another process for more than "
-                    f"{self.lock_timeout_s:g} s"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
+        """Take the registry-wide ``flock``, waiting at most :attr:`lock_timeout_s`.
+
+        The uncontended case is one non-blocking ``flock``. Otherwise a helper thread blocks in
+        ``flock(LOCK_EX)`` (the kernel wakes it the moment the holder unlocks: no polling
+        interval adds to the wait) while this thread waits for it with the timeout.
+        """
+        try:
+            fcntl.flock(top_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        except OSError as err:
+            raise self._lock_error(err) from None
+        try:
+            acquired = _flock_wait(top_fd, self.lock_timeout_s)
+        except OSError as err:
+            raise self._lock_error(err) from None
+        if not acquired:
+            raise RegistryError(
+                f"lease registry {self.path} stayed locked by another process for more than "
+                f"{self.lock_timeout_s:g} s"
+            )
+
+    def _lock_error(self, err: OSError) -> RegistryError:
+        return RegistryError(
+            f"cannot lock lease registry {self.path}: {err.strerror} (a filesystem "
+            "without flock, e.g. some NFS mounts? Use a local AUTOGPU_REGISTRY_DIR)"
+        )
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -887,10 +977,11 @@ class Registry:
         exclusive: bool,
         holder: Holder | None,
         top_fd: int,
+        user_fd: int | None = None,
         seq: int | None = None,
         constraints: Mapping[str, Any] | None = None,
     ) -> _L:
-        ufd = self._open_user_dir(top_fd, create=True)
+        ufd = user_fd if user_fd is not None else self._open_user_dir(top_fd, create=True)
         assert ufd is not None
         try:
             lease_id = secrets.token_hex(16)
@@ -953,7 +1044,8 @@ class Registry:
                 raise
             return cls(record, fd, self, name)
         finally:
-            os.close(ufd)
+            if user_fd is None:
+                os.close(ufd)
 
     def _unlink_own(self, name: str, fd: int) -> None:
         """Remove our file ``name`` if it is still the inode ``fd`` holds."""
@@ -986,6 +1078,7 @@ class Registry:
         self, top_fd: int, *, prune_own: bool = False, prune_all: bool = False
     ) -> ScanResult:
         result = ScanResult()
+        user_names: dict[int, str] = {}  # uid -> name, looked up once per scan
         try:
             names = os.listdir(top_fd)
         except OSError as err:
@@ -1017,13 +1110,22 @@ class Registry:
                     result.ignored.append((upath, "writable by others: its leases are untrusted"))
                     continue
                 prune = (prune_own and dir_uid == self.uid) or prune_all
-                self._scan_user(ufd, upath, dir_uid, result, prune=prune)
+                self._scan_user(
+                    ufd, upath, dir_uid, result, prune=prune, user_names=user_names
+                )
             finally:
                 os.close(ufd)
         return result
 
     def _scan_user(
-        self, ufd: int, upath: str, dir_uid: int, result: ScanResult, *, prune: bool
+        self,
+        ufd: int,
+        upath: str,
+        dir_uid: int,
+        result: ScanResult,
+        *,
+        prune: bool,
+        user_names: dict[int, str] | None = None,
     ) -> None:
         try:
             names = os.listdir(ufd)
@@ -1046,7 +1148,7 @@ class Registry:
             else:
                 result.ignored.append((path, "not a lease or ticket file"))
                 continue
-            rec, why = self._read_one(ufd, name, path, dir_uid, kind)
+            rec, why = self._read_one(ufd, name, path, dir_uid, kind, user_names)
             if rec is None:
                 result.ignored.append((path, why))
                 continue
@@ -1058,7 +1160,13 @@ class Registry:
                     self._remove_dead(ufd, name)
 
     def _read_one(
-        self, ufd: int, name: str, path: str, dir_uid: int, kind: str
+        self,
+        ufd: int,
+        name: str,
+        path: str,
+        dir_uid: int,
+        kind: str,
+        user_names: dict[int, str] | None = None,
     ) -> tuple[LeaseRecord | None, str]:
         try:
             fd = os.open(
@@ -1080,19 +1188,19 @@ class Registry:
             if len(data) > MAX_RECORD_BYTES:
                 return None, f"larger than {MAX_RECORD_BYTES} bytes"
             live = _held(fd)
+            real_user = user_names.get(dir_uid) if user_names is not None else None
+            if real_user is None:
+                real_user = _user_name(dir_uid)
+                if user_names is not None:
+                    user_names[dir_uid] = real_user
             try:
-                rec = _parse_record(data, kind=kind, path=path, live=live)
-            except _Invalid as err:
-                return None, f"malformed: {err}"
-            if rec.uid != dir_uid:
-                return None, f"forged: record says uid {rec.uid}, file owned by uid {dir_uid}"
-            if not name.startswith(rec.lease_id + "."):
-                return None, "forged: file name does not match its lease id"
-            real_user = _user_name(dir_uid)
-            if real_user != str(dir_uid) and rec.user != real_user:
-                return None, (
-                    f"forged: record says user {rec.user[:40]!r}, uid {dir_uid} is {real_user}"
+                rec = _parse_cached(
+                    data, kind=kind, name=name, path=path, dir_uid=dir_uid, real_user=real_user,
+                    live=live,
                 )
+            except _Invalid as err:
+                why = str(err)
+                return None, why if why.startswith("forged: ") else f"malformed: {why}"
             return rec, ""
         except OSError as err:
             return None, f"unreadable: {err.strerror}"
