@@ -515,3 +515,13 @@ def test_snapshots_from_threads_while_the_load_moves(fake_nvml: FakeNvml) -> Non
         t.join(timeout=10)
     assert failures == []
     assert all({10.0, 20.0, 30.0, 40.0} <= s <= {0.0, 10.0, 20.0, 30.0, 40.0} for s in seen)
+
+
+def test_works_after_gpustat_replaced_the_memory_call(fake_nvml: FakeNvml) -> None:
+    """gpustat replaces ``pynvml.nvmlDeviceGetMemoryInfo`` at import with a function that takes
+    no ``version``; a kernel that imports gpustat must still read memory."""
+    pytest.importorskip("gpustat")
+    fake_nvml.write(fleet_4x())
+    out = run_python("import gpustat\n" + textwrap.dedent(SNAPSHOT_OR_ERROR), fake_nvml.subprocess_env())
+    assert len(out["devices"]) == 4
+    assert out["devices"][0]["memory_total_bytes"] == 80 * GiB

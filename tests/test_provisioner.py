@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,16 @@ REPO = Path(__file__).resolve().parent.parent
 GiB = 1024**3
 
 
-def proc_env(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(e.decode().split("=", 1) for e in raw if b"=" in e)
+def proc_env(pid: int, timeout_s: float = 10.0) -> dict[str, str]:
+    """The kernel process's environment, read once it has exec'd: between fork and exec,
+    /proc/<pid>/environ still shows the parent's (the server's) environment."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        env = dict(e.decode().split("=", 1) for e in raw if b"=" in e)
+        if "AUTOGPU_PROVISIONED" in env or time.monotonic() > deadline:
+            return env
+        time.sleep(0.01)
 
 
 class Setup:

@@ -25,6 +25,7 @@ snapshot, so importing autogpu stays cheap. Decisions it follows (docs/design.md
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -89,18 +90,23 @@ def binding_problem(nv: ModuleType) -> str | None:
     The ``pynvml`` distribution (gpuopenanalytics) is deprecated; its old releases install a
     ``pynvml/`` package that shadows nvidia-ml-py's ``pynvml.py`` (pitfall 26).
     """
-    import importlib.metadata  # noqa: PLC0415 (only at NVML init; costs milliseconds)
-
     where = getattr(nv, "__file__", None) or "?"
     found: list[str] = []
+    site = os.path.dirname(where)
     if os.path.basename(where) == "__init__.py":
-        found.append(f"'import pynvml' loads the package {os.path.dirname(where)}")
+        found.append(f"'import pynvml' loads the package {site}")
+        site = os.path.dirname(site)
+    # The distribution's metadata sits next to the module it installed; one directory listing is
+    # much cheaper than importlib.metadata's scan of every sys.path entry (paid once per process).
     try:
-        dist = importlib.metadata.distribution("pynvml")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    else:
-        found.append(f"the deprecated 'pynvml' distribution {dist.version} is installed")
+        names = os.listdir(site)
+    except OSError:
+        names = []
+    for name in names:
+        if name.lower().startswith("pynvml-") and name.endswith((".dist-info", ".egg-info")):
+            version = name[len("pynvml-") :].rsplit(".", 1)[0].removesuffix(".dist")
+            found.append(f"the deprecated 'pynvml' distribution {version} is installed")
+            break
     if not found:
         return None
     return (
@@ -118,7 +124,7 @@ def _init() -> Any:
         if _state.module is not None:
             return _state.module
         try:
-            import pynvml  # noqa: PLC0415 (lazy: importing autogpu must stay cheap)
+            import pynvml
         except ImportError as err:
             raise NVMLUnavailableError(
                 f"cannot import pynvml ({err}); install nvidia-ml-py: pip install nvidia-ml-py"
@@ -222,10 +228,8 @@ class NvmlBackend:
     def warm_up(self) -> None:
         """Initialise NVML and open the device handles now (the picker calls this before it takes
         the registry lock, so that NVML's one-time start-up does not hold up other pickers)."""
-        try:
+        with contextlib.suppress(NVMLUnavailableError):  # the locked snapshot reports it
             self.snapshot()
-        except NVMLUnavailableError:
-            pass  # the snapshot taken under the lock reports it
 
     def snapshot(self) -> FleetSnapshot:
         """Read every device now.
@@ -423,6 +427,11 @@ class NvmlBackend:
                     self._memory_v2 = False
                 except nv.NVMLError_NotSupported:
                     return None
+                except TypeError:
+                    # Another library replaced pynvml's function by one without ``version``
+                    # (gpustat does, at import): use what it offers, the v1 call signature.
+                    logger.debug("pynvml.nvmlDeviceGetMemoryInfo was replaced: using its v1 form")
+                    self._memory_v2 = False
                 else:
                     self._memory_v2 = True
                     return int(mem.total), int(mem.used), int(mem.free)
