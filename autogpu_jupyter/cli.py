@@ -32,13 +32,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_pick_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--min-free", metavar="SIZE",
-                   help="free memory wanted per device: 10G / 10GiB (binary), 16GB (decimal), 25%%")
+    p.add_argument(
+        "--min-free",
+        metavar="SIZE",
+        help="free memory wanted per device: 10G / 10GiB (binary), 16GB (decimal), 25%%",
+    )
     p.add_argument("--max-util", metavar="PCT", help="drop devices busier than PCT percent (0-100)")
     p.add_argument("--count", metavar="N", default=None, help="number of devices (default 1)")
     p.add_argument("--exclude", metavar="IDS", help="NVML indices or UUIDs to avoid, e.g. 0,2")
-    p.add_argument("--exclusive", action="store_true", default=None,
-                   help="take devices no other lease holds, and keep others off them")
+    p.add_argument(
+        "--exclusive",
+        action="store_true",
+        default=None,
+        help="take devices no other lease holds, and keep others off them",
+    )
     p.add_argument("--wait", metavar="DURATION", help="wait in line up to DURATION (e.g. 10m)")
 
 
@@ -60,14 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the best device(s) for the constraints",
         description="Print the best device(s). No lease outlives this command: use "
         "`autogpu run -- CMD` to hold one for CMD's lifetime. --export prints shell "
-        "assignments for eval: eval \"$(autogpu pick --min-free 10G --export)\".",
+        'assignments for eval: eval "$(autogpu pick --min-free 10G --export)".',
     )
     _add_pick_options(p_pick)
     fmt = p_pick.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="machine-readable output")
-    fmt.add_argument("--export", action="store_true",
-                     help="print `export CUDA_DEVICE_ORDER=... CUDA_VISIBLE_DEVICES=...` for eval "
-                     "(holds no lease)")
+    fmt.add_argument(
+        "--export",
+        action="store_true",
+        help="print `export CUDA_DEVICE_ORDER=... CUDA_VISIBLE_DEVICES=...` for eval "
+        "(holds no lease)",
+    )
 
     p_run = sub.add_parser(
         "run",
@@ -76,16 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
         "exactly as long as CMD runs. Exits with CMD's exit code.",
     )
     _add_pick_options(p_run)
-    p_run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
-                       help="the command to run")
+    p_run.add_argument(
+        "cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run"
+    )
 
     p_leases = sub.add_parser("leases", help="list the live leases on this host")
     p_leases.add_argument("--json", action="store_true", help="machine-readable output")
     p_leases.add_argument("--prune", action="store_true", help="remove your own dead lease files")
-    p_leases.add_argument("--all", action="store_true",
-                          help="with --prune, as root: remove every user's dead lease files")
-    p_leases.add_argument("--show-commands", action="store_true",
-                          help="show other users' command lines (root only)")
+    p_leases.add_argument(
+        "--all",
+        action="store_true",
+        help="with --prune, as root: remove every user's dead lease files",
+    )
+    p_leases.add_argument(
+        "--show-commands", action="store_true", help="show other users' command lines (root only)"
+    )
 
     try:
         from autogpu_jupyter import kernelspec as _ks
@@ -163,8 +178,14 @@ def _pick(args: argparse.Namespace, *, take_lease: bool) -> Any:
     holder = holder_for_this_process("cli")
     if take_lease and args.cmd:
         holder = type(holder)(pid=holder.pid, kind="cli", command=shlex.join(args.cmd)[:500])
-    return pick(constraints, registry=registry_for(settings), holder=holder,
-                dry_run=not take_lease, wait_s=wait_s, on_progress=progress)
+    return pick(
+        constraints,
+        registry=registry_for(settings),
+        holder=holder,
+        dry_run=not take_lease,
+        wait_s=wait_s,
+        on_progress=progress,
+    )
 
 
 def _summary(result: Any) -> str:
@@ -173,8 +194,9 @@ def _summary(result: Any) -> str:
     lines = []
     for d in result.chosen:
         util = "?" if d.utilization_pct is None else f"{d.utilization_pct:.0f}%"
-        lines.append(f"{d.label} {d.name} {d.uuid}: {format_bytes(d.memory_free_bytes)} free, "
-                     f"util {util}")
+        lines.append(
+            f"{d.label} {d.name} {d.uuid}: {format_bytes(d.memory_free_bytes)} free, util {util}"
+        )
     lines.append(f"constraints: {result.constraints.describe()}")
     ru = result.runner_up
     if ru is not None:
@@ -207,7 +229,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        print("autogpu: error: run needs a command: autogpu run [options] -- CMD ARGS", file=sys.stderr)
+        print(
+            "autogpu: error: run needs a command: autogpu run [options] -- CMD ARGS",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     args.cmd = cmd
     result = _pick(args, take_lease=True)
@@ -260,7 +285,9 @@ def _cmd_leases(args: argparse.Namespace) -> int:
     leases = list(reg.list_leases())
     show_cmd = args.show_commands and _is_root()
     if args.json:
-        print(json.dumps([lease.to_dict(redact_command=not show_cmd) for lease in leases], indent=2))
+        print(
+            json.dumps([lease.to_dict(redact_command=not show_cmd) for lease in leases], indent=2)
+        )
         return EXIT_OK
     if not leases:
         print(f"no live leases in {reg.path}")
@@ -269,8 +296,10 @@ def _cmd_leases(args: argparse.Namespace) -> int:
         d = lease.to_dict(redact_command=not show_cmd)
         where = d.get("notebook_path") or (f"kernel {d['kernel_id']}" if d.get("kernel_id") else "")
         booked = format_bytes(d["requested_bytes"]) if d.get("requested_bytes") else "-"
-        print(f"{d['user']:<12} pid {d['pid']:<8} {','.join(d['device_uuids'])} booked {booked}"
-              f"{' exclusive' if d.get('exclusive') else ''} {where}".rstrip())
+        print(
+            f"{d['user']:<12} pid {d['pid']:<8} {','.join(d['device_uuids'])} booked {booked}"
+            f"{' exclusive' if d.get('exclusive') else ''} {where}".rstrip()
+        )
     return EXIT_OK
 
 

@@ -16,8 +16,9 @@ __all__ = ["AutoGPU", "default_registry_dir"]
 
 
 def default_registry_dir() -> str:
-    """``$AUTOGPU_REGISTRY_DIR``, else ``/var/tmp/autogpu`` (shared by all users; not a private /tmp)."""
-    return os.environ.get("AUTOGPU_REGISTRY_DIR") or "/var/tmp/autogpu"
+    """``$AUTOGPU_REGISTRY_DIR``, else ``/var/tmp/autogpu``: shared by all users of the host, and
+    not under ``/tmp``, which systemd's ``PrivateTmp=`` makes private per service."""
+    return os.environ.get("AUTOGPU_REGISTRY_DIR") or "/var/tmp/autogpu"  # noqa: S108
 
 
 def _env(name: str, fallback: str = "") -> str:
@@ -27,26 +28,35 @@ def _env(name: str, fallback: str = "") -> str:
 class AutoGPU(Configurable):
     """Settings of the picker, the leases and the sampler.
 
-    Set them in ``ipython_config.py`` / ``jupyter_server_config.py`` as ``c.AutoGPU.min_free = "10G"``,
+    Set them in ``ipython_config.py`` / ``jupyter_server_config.py`` as
+    ``c.AutoGPU.min_free = "10G"``,
     in a notebook with ``%config AutoGPU.min_free = "10G"``, or through ``AUTOGPU_MIN_FREE`` etc.
     """
 
     min_free = Unicode(
-        "", help="Default --min-free for a pick: a size like 10G / 16GB or a share like 25%. Empty: no minimum."
+        "",
+        help="Default --min-free for a pick: a size like 10G / 16GB or a share like 25%. "
+        "Empty: no minimum.",
     ).tag(config=True)
     max_util = Unicode(
-        "", help="Default --max-util: drop devices busier than this percentage (0-100). Empty: no limit."
+        "",
+        help="Default --max-util: drop devices busier than this percentage (0-100). "
+        "Empty: no limit.",
     ).tag(config=True)
     count = Int(1, help="Default number of devices a pick takes.").tag(config=True)
     wait = Unicode(
-        "", help="Default --wait: how long a pick waits in line for a device (e.g. 10m). Empty: no wait."
+        "",
+        help="Default --wait: how long a pick waits in line for a device (e.g. 10m). "
+        "Empty: no wait.",
     ).tag(config=True)
     exclusive = Bool(
-        False, help="Default --exclusive: take a device no other lease holds, and keep others off it."
+        False,
+        help="Default --exclusive: take a device no other lease holds, and keep others off it.",
     ).tag(config=True)
     refuse_when_initialized = Bool(
         True,
-        help="Refuse a pick when CUDA is already initialised in the kernel (it would have no effect). "
+        help="Refuse a pick when CUDA is already initialised in the kernel (it would have no "
+        "effect). "
         "False: set the variables anyway, with a warning, as --force does.",
     ).tag(config=True)
     pick_on_load = Bool(
@@ -55,24 +65,27 @@ class AutoGPU(Configurable):
         "with c.InteractiveShellApp.extensions = ['autogpu'] makes every kernel pick.",
     ).tag(config=True)
     registry_dir = Unicode(
-        help="Directory of the per-host lease registry, shared by every user of the host. The admin "
+        help="Directory of the per-host lease registry, shared by every user of the host. "
+        "The admin "
         "may create it (mode 1777, owned by root); autogpu creates it so when missing. "
         "Empty string disables leases."
     ).tag(config=True)
-    use_leases = Bool(True, help="Take a lease on each pick (herd safety). False: no registry at all.").tag(
-        config=True
-    )
+    use_leases = Bool(
+        True, help="Take a lease on each pick (herd safety). False: no registry at all."
+    ).tag(config=True)
     max_devices_per_user = Int(
         0, help="Admin limit: the most devices one user may hold leases on at once (0: no limit)."
     ).tag(config=True)
-    sample_interval_s = Float(1.0, help="Seconds between NVML samples of the background sampler (>= 0.1).").tag(
-        config=True
-    )
-    history_s = Float(900.0, help="Seconds of sampler history kept in memory (a bounded ring buffer).").tag(
-        config=True
-    )
+    sample_interval_s = Float(
+        1.0, help="Seconds between NVML samples of the background sampler (>= 0.1)."
+    ).tag(config=True)
+    history_s = Float(
+        900.0, help="Seconds of sampler history kept in memory (a bounded ring buffer)."
+    ).tag(config=True)
     overload_util_pct = Float(
-        90.0, help="The panel warns when this kernel's GPU stays above this utilisation (because of others)."
+        90.0,
+        help="The panel warns when this kernel's GPU stays above this utilisation (because of "
+        "others).",
     ).tag(config=True)
     overload_window_s = Float(
         30.0, help="How long the load must last (seconds) before the overload warning shows."

@@ -7,8 +7,11 @@ VENV=${VENV:-.venv}
 mkdir -p test-artifacts
 status=0
 "$VENV/bin/ruff" check autogpu_jupyter autogpu || status=1
-if [ -d labextension/node_modules ]; then
-  (cd labextension && PATH="$PWD/../$VENV/bin:$PATH" jlpm -s test) || status=1
-fi
+"$VENV/bin/mypy" autogpu_jupyter/core || status=1
+(
+  cd labextension && export PATH="$PWD/../$VENV/bin:$PATH"
+  [ -d node_modules ] || jlpm install
+  jlpm test
+) || status=1
 "$VENV/bin/python" -m pytest "$@" || status=1
 exit $status

@@ -80,9 +80,7 @@ class DeviceSnapshot:
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "processes"}
-        d["processes"] = (
-            None if self.processes is None else [p.to_dict() for p in self.processes]
-        )
+        d["processes"] = None if self.processes is None else [p.to_dict() for p in self.processes]
         d["label"] = self.label
         return d
 

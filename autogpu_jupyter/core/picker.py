@@ -96,7 +96,9 @@ class PickResult:
             "env": dict(self.env),
             "allocation": self.allocation.describe(),
             "simulated": self.snapshot.simulated,
-            "lease": None if self.lease is None else self.lease.record.to_dict(redact_command=False),
+            "lease": None
+            if self.lease is None
+            else self.lease.record.to_dict(redact_command=False),
             "lease_note": self.lease_note,
             "dry_run": self.dry_run,
         }
@@ -107,7 +109,9 @@ def explain_drops(candidates: tuple[Candidate, ...] | list[Candidate]) -> str:
     lines = []
     for c in candidates:
         status = "fits" if c.eligible else "dropped"
-        lines.append(f"  {c.device.label} ({c.device.name}): {status}: {'; '.join(c.reasons) or 'ok'}")
+        lines.append(
+            f"  {c.device.label} ({c.device.name}): {status}: {'; '.join(c.reasons) or 'ok'}"
+        )
     return "\n".join(lines)
 
 
@@ -115,20 +119,28 @@ def _check_ids(devices: tuple[DeviceSnapshot, ...], constraints: Constraints) ->
     for ident in constraints.exclude:
         if not ident.strip():
             raise UsageErrorBase(
-                "invalid --exclude: empty device id; expected NVML indices or UUIDs, e.g. 0,2 or GPU-5a1"
+                "invalid --exclude: empty device id; expected NVML indices or UUIDs, "
+                "e.g. 0,2 or GPU-5a1"
             )
         if not any(matches_id(d, ident) for d in devices):
-            known = ", ".join(d.label.replace("GPU ", "") if not d.is_mig else f"{d.index}:{d.mig_index}"
-                              for d in devices)
+            known = ", ".join(
+                d.label.replace("GPU ", "") if not d.is_mig else f"{d.index}:{d.mig_index}"
+                for d in devices
+            )
             raise UsageErrorBase(
-                f"unknown device id {ident!r} in --exclude; expected an NVML index ({known}) or a UUID"
+                f"unknown device id {ident!r} in --exclude; expected an NVML index ({known}) "
+                "or a UUID"
             )
     if constraints.count < 1:
         raise UsageErrorBase(f"invalid count {constraints.count!r}: expected a whole number >= 1")
 
 
-def _no_fit_message(result_candidates: list[Candidate], constraints: Constraints, allocation: Allocation,
-                    waited_s: float) -> str:
+def _no_fit_message(
+    result_candidates: list[Candidate],
+    constraints: Constraints,
+    allocation: Allocation,
+    waited_s: float,
+) -> str:
     eligible = sum(1 for c in result_candidates if c.eligible)
     head = (
         f"no device fits ({constraints.describe()})"
@@ -149,7 +161,8 @@ def _create_lease(
             devices=[c.device for c in chosen],
             requested_bytes=[
                 constraints.min_free.resolve(c.device.memory_total_bytes)
-                if constraints.min_free is not None else None
+                if constraints.min_free is not None
+                else None
                 for c in chosen
             ],
             exclusive=constraints.exclusive,
@@ -256,8 +269,12 @@ def pick(
                             txn, snap.devices, bookings, ticket=ticket, smoothed_util=smoothed_util
                         )
                 ranked = rank(
-                    snap.devices, constraints, allocation=allocation, bookings=bookings,
-                    smoothed_util=smoothed_util, self_pids=(holder.pid,),
+                    snap.devices,
+                    constraints,
+                    allocation=allocation,
+                    bookings=bookings,
+                    smoothed_util=smoothed_util,
+                    self_pids=(holder.pid,),
                 )
                 chosen = select(ranked, constraints.count)
                 lease = None
@@ -285,7 +302,9 @@ def pick(
             now = time.monotonic()
             if now >= deadline:
                 raise NoDeviceFitsError(
-                    _no_fit_message(ranked, constraints, allocation, now - start if wait_s else 0.0),
+                    _no_fit_message(
+                        ranked, constraints, allocation, now - start if wait_s else 0.0
+                    ),
                     candidates=tuple(ranked),
                 )
             if registry is not None and ticket is None:
@@ -303,5 +322,3 @@ def pick(
     finally:
         if ticket is not None:
             ticket.release()
-
-

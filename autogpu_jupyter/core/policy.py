@@ -95,7 +95,9 @@ class Constraints:
                     f"invalid --exclude {exclude!r}: empty device id; expected NVML indices or "
                     "UUIDs separated by commas, e.g. 0,2 or GPU-5a1b"
                 )
-        return cls(min_free=size, max_util_pct=util, count=n, exclude=ids, exclusive=bool(exclusive))
+        return cls(
+            min_free=size, max_util_pct=util, count=n, exclude=ids, exclusive=bool(exclusive)
+        )
 
     def describe(self) -> str:
         """The parsed constraints in words, e.g. ``min free 10.0 GiB, max util 50%``."""
@@ -236,7 +238,9 @@ def rank(
             ok = False
             reasons.append(f"outside this process's allocation ({allocation.describe()})")
         for ident in constraints.exclude:
-            if matches_id(dev, ident) or (dev.parent_uuid and _parent_excluded(dev, ident, devices)):
+            if matches_id(dev, ident) or (
+                dev.parent_uuid and _parent_excluded(dev, ident, devices)
+            ):
                 ok = False
                 reasons.append(f"excluded by --exclude {ident}")
                 break
@@ -270,14 +274,18 @@ def rank(
                 if eff_free is None or need is None:
                     ok = False
                     reasons.append(
-                        f"free memory unknown: cannot check min free {constraints.min_free.describe()}"
+                        "free memory unknown: cannot check min free "
+                        f"{constraints.min_free.describe()}"
                     )
                 elif eff_free < need:
                     ok = False
                     reasons.append(
                         f"only {format_bytes(eff_free)} free"
-                        + (f" after {format_bytes(booking.booked_bytes)} booked by leases"
-                           if booking.booked_bytes else "")
+                        + (
+                            f" after {format_bytes(booking.booked_bytes)} booked by leases"
+                            if booking.booked_bytes
+                            else ""
+                        )
                         + f" < {format_bytes(need)} wanted"
                     )
                 else:
@@ -322,7 +330,10 @@ def rank(
     eligible = sorted((c for c in out if c.eligible), key=lambda c: c.key)
     dropped = sorted(
         (c for c in out if not c.eligible),
-        key=lambda c: (c.device.index, c.device.mig_index if c.device.mig_index is not None else -1),
+        key=lambda c: (
+            c.device.index,
+            c.device.mig_index if c.device.mig_index is not None else -1,
+        ),
     )
     return eligible + dropped
 

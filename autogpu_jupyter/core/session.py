@@ -21,8 +21,16 @@ if TYPE_CHECKING:
     from autogpu_jupyter.core.leases import Lease
     from autogpu_jupyter.core.picker import PickResult
 
-__all__ = ["Choice", "current", "apply", "release", "original_environ", "MANAGED_VARS",
-           "PICKED_ENV", "LEASE_ENV"]
+__all__ = [
+    "Choice",
+    "current",
+    "apply",
+    "release",
+    "original_environ",
+    "MANAGED_VARS",
+    "PICKED_ENV",
+    "LEASE_ENV",
+]
 
 MANAGED_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 PICKED_ENV = "AUTOGPU_PICKED"
@@ -80,7 +88,8 @@ def current() -> Choice | None:
 
 
 def check_not_too_late(force: bool) -> str | None:
-    """Raise :class:`TooLateError` if CUDA is initialised here (unless ``force``: then a warning)."""
+    """Raise :class:`TooLateError` if CUDA is initialised here; with ``force``, return the
+    warning instead (``None`` when it is not too late)."""
     state = cuda_state()
     if not state.initialized:
         return None
@@ -97,7 +106,8 @@ def apply(
     forced: bool = False,
     environ: MutableMapping[str, str] | None = None,
 ) -> Choice:
-    """Make ``result`` this process's choice: set the variables, keep the lease, drop the old one."""
+    """Make ``result`` this process's choice: set the variables, keep its lease, drop the old
+    lease."""
     global _current, _original
     env = os.environ if environ is None else environ
     with _lock:

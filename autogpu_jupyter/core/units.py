@@ -25,7 +25,10 @@ __all__ = [
     "SIZE_FORMS",
 ]
 
-SIZE_FORMS = "a number with a unit, e.g. 10G, 10GiB, 512M, 0.5T, 16GB (decimal), or a share of the device like 25%"
+SIZE_FORMS = (
+    "a number with a unit, e.g. 10G, 10GiB, 512M, 0.5T, 16GB (decimal), "
+    "or a share of the device like 25%"
+)
 
 _MULT: dict[str, int] = {"B": 1}
 for _i, _p in enumerate("KMGT", start=1):
@@ -88,7 +91,9 @@ def parse_size(text: object) -> Size:
         raise UsageErrorBase(f"invalid size {text!r}: expected {SIZE_FORMS}")
     if isinstance(text, int):
         if text < 0:
-            raise UsageErrorBase(f"invalid size {text!r}: must not be negative; expected {SIZE_FORMS}")
+            raise UsageErrorBase(
+                f"invalid size {text!r}: must not be negative; expected {SIZE_FORMS}"
+            )
         return Size(bytes=text, text=f"{text}B")
     if isinstance(text, Size):
         return text
@@ -102,7 +107,9 @@ def parse_size(text: object) -> Size:
     unit = m.group("unit")
     if unit == "%":
         if not 0 <= num <= 100:
-            raise UsageErrorBase(f"invalid size {text!r}: a share must be 0-100%; expected {SIZE_FORMS}")
+            raise UsageErrorBase(
+                f"invalid size {text!r}: a share must be 0-100%; expected {SIZE_FORMS}"
+            )
         return Size(fraction=num / 100.0, text=text.strip())
     if unit == "":
         raise UsageErrorBase(
@@ -111,7 +118,7 @@ def parse_size(text: object) -> Size:
     mult = _MULT.get(unit.upper())
     if mult is None:
         raise UsageErrorBase(f"invalid size {text!r}: unknown unit {unit!r}; expected {SIZE_FORMS}")
-    return Size(bytes=int(round(num * mult)), text=text.strip())
+    return Size(bytes=round(num * mult), text=text.strip())
 
 
 PERCENT_FORMS = "a number from 0 to 100, optionally followed by %, e.g. 50 or 50%"
@@ -185,7 +192,7 @@ def format_duration(seconds: float) -> str:
     """``600`` -> ``"10m"``; ``90`` -> ``"1m30s"``; ``5.25`` -> ``"5.2s"``."""
     if seconds < 60:
         return f"{seconds:.1f}s" if seconds != int(seconds) else f"{int(seconds)}s"
-    minutes, secs = divmod(int(round(seconds)), 60)
+    minutes, secs = divmod(round(seconds), 60)
     if minutes < 60:
         return f"{minutes}m{secs}s" if secs else f"{minutes}m"
     hours, minutes = divmod(minutes, 60)

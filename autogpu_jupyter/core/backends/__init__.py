@@ -40,7 +40,8 @@ def get_backend(simulate: str | None = None) -> Backend:
     Parameters
     ----------
     simulate
-        A fleet file path or built-in fleet name; defaults to ``$AUTOGPU_SIMULATE``. Empty means NVML.
+        A fleet file path or built-in fleet name; defaults to ``$AUTOGPU_SIMULATE``.
+        Empty means NVML.
     """
     if simulate is None:
         simulate = os.environ.get(SIMULATE_ENV, "")

@@ -44,9 +44,15 @@ def _demo(n_a100: int, n_l4: int) -> dict[str, Any]:
                         i % 4
                     ],
                 },
-                "processes": [] if i % 4 == 2 else [
-                    {"pid": 41000 + i, "user": ["alice", "bob", "carol", "dave"][i % 4],
-                     "command": "python train.py", "memory_share": 1.0}
+                "processes": []
+                if i % 4 == 2
+                else [
+                    {
+                        "pid": 41000 + i,
+                        "user": ["alice", "bob", "carol", "dave"][i % 4],
+                        "command": "python train.py",
+                        "memory_share": 1.0,
+                    }
                 ],
             }
         )
@@ -62,7 +68,8 @@ BUILTIN_FLEETS: dict[str, dict[str, Any]] = {
 
 def builtin_fleet(name: str) -> dict[str, Any]:
     """The fleet description of a built-in fleet (a deep copy you may change)."""
-    return json.loads(json.dumps(BUILTIN_FLEETS[name]))
+    fleet: dict[str, Any] = json.loads(json.dumps(BUILTIN_FLEETS[name]))
+    return fleet
 
 
 def _bytes(value: Any, what: str) -> int | None:
@@ -90,7 +97,8 @@ class SimulatedBackend:
         elif not Path(source).is_file():
             raise UsageErrorBase(
                 f"AUTOGPU_SIMULATE={source!r}: not a fleet file and not a built-in fleet; "
-                f"expected a path to a JSON fleet file or one of {', '.join(sorted(BUILTIN_FLEETS))}"
+                "expected a path to a JSON fleet file or one of "
+                f"{', '.join(sorted(BUILTIN_FLEETS))}"
             )
 
     def _load(self) -> dict[str, Any]:
@@ -135,9 +143,16 @@ class SimulatedBackend:
         name = str(spec.get("name", "Simulated GPU"))
         if spec.get("lost"):
             return [
-                DeviceSnapshot(index=index, uuid=uuid, name=name, pci_bus_id=spec.get("pci_bus_id"),
-                               available=False, error=str(spec.get("error", "GPU is lost")),
-                               processes=None, timestamp_s=now)
+                DeviceSnapshot(
+                    index=index,
+                    uuid=uuid,
+                    name=name,
+                    pci_bus_id=spec.get("pci_bus_id"),
+                    available=False,
+                    error=str(spec.get("error", "GPU is lost")),
+                    processes=None,
+                    timestamp_s=now,
+                )
             ]
         total = _bytes(spec.get("memory_total"), "memory_total")
         used = _bytes(spec.get("memory_used"), "memory_used")
@@ -152,16 +167,23 @@ class SimulatedBackend:
                 flo, fhi = load["memory_used_fraction"]
                 used = int(total * (flo + (fhi - flo) * wave))
         if used is None and total is not None:
-            used = sum(_bytes(p.get("used_memory"), "used_memory") or 0
-                       for p in spec.get("processes", []))
+            used = sum(
+                _bytes(p.get("used_memory"), "used_memory") or 0 for p in spec.get("processes", [])
+            )
         free = None if total is None or used is None else max(total - used, 0)
         procs = []
         for p in spec.get("processes", []):
             pm = _bytes(p.get("used_memory"), "used_memory")
             if pm is None and "memory_share" in p and used is not None:
                 pm = int(used * float(p["memory_share"]))
-            procs.append(ProcessSnapshot(pid=int(p["pid"]), used_memory_bytes=pm,
-                                         user=p.get("user"), command=p.get("command")))
+            procs.append(
+                ProcessSnapshot(
+                    pid=int(p["pid"]),
+                    used_memory_bytes=pm,
+                    user=p.get("user"),
+                    command=p.get("command"),
+                )
+            )
         power_limit = spec.get("power_limit_w")
         power = spec.get("power_w")
         if power is None and power_limit is not None and util is not None:
@@ -171,23 +193,44 @@ class SimulatedBackend:
             temp = round(32 + 0.45 * float(util))
         mig = spec.get("mig_devices") or []
         parent = DeviceSnapshot(
-            index=index, uuid=uuid, name=name, pci_bus_id=spec.get("pci_bus_id"),
-            memory_total_bytes=total, memory_used_bytes=used, memory_free_bytes=free,
+            index=index,
+            uuid=uuid,
+            name=name,
+            pci_bus_id=spec.get("pci_bus_id"),
+            memory_total_bytes=total,
+            memory_used_bytes=used,
+            memory_free_bytes=free,
             utilization_pct=None if util is None or mig else float(util),
             memory_utilization_pct=spec.get("memory_utilization_pct"),
-            temperature_c=temp, power_w=power, power_limit_w=power_limit,
+            temperature_c=temp,
+            power_w=power,
+            power_limit_w=power_limit,
             compute_mode=spec.get("compute_mode", "DEFAULT"),
-            mig_enabled=bool(mig), processes=tuple(procs), timestamp_s=now,
+            mig_enabled=bool(mig),
+            processes=tuple(procs),
+            timestamp_s=now,
         )
         out = [parent]
         for mi, m in enumerate(mig):
             mt = _bytes(m.get("memory_total"), "memory_total")
             mu = _bytes(m.get("memory_used"), "memory_used") or 0
-            out.append(DeviceSnapshot(
-                index=index, uuid=str(m["uuid"]), name=f"{name} MIG {m.get('profile', '')}".strip(),
-                pci_bus_id=spec.get("pci_bus_id"), memory_total_bytes=mt, memory_used_bytes=mu,
-                memory_free_bytes=None if mt is None else max(mt - mu, 0), utilization_pct=None,
-                compute_mode=parent.compute_mode, mig_enabled=True, is_mig=True, parent_uuid=uuid,
-                mig_index=mi, processes=(), timestamp_s=now,
-            ))
+            out.append(
+                DeviceSnapshot(
+                    index=index,
+                    uuid=str(m["uuid"]),
+                    name=f"{name} MIG {m.get('profile', '')}".strip(),
+                    pci_bus_id=spec.get("pci_bus_id"),
+                    memory_total_bytes=mt,
+                    memory_used_bytes=mu,
+                    memory_free_bytes=None if mt is None else max(mt - mu, 0),
+                    utilization_pct=None,
+                    compute_mode=parent.compute_mode,
+                    mig_enabled=True,
+                    is_mig=True,
+                    parent_uuid=uuid,
+                    mig_index=mi,
+                    processes=(),
+                    timestamp_s=now,
+                )
+            )
         return out
