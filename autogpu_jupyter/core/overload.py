@@ -1,0 +1,345 @@
+"""Is this kernel's GPU overloaded by *other* processes? Pure detection, plus a once-only notice.
+
+:func:`detect` is a pure function of the sampler's history (a DataFrame from
+:meth:`~autogpu_jupyter.core.sampler.Sampler.history_frame`), the newest snapshot, this kernel's
+device UUIDs and PIDs, and the thresholds (``AutoGPU.overload_util_pct``,
+``overload_window_s``, ``overload_memory_pct``). The panel draws its banner from it.
+
+For users without the panel, :func:`pending_warning` returns the warning text once, when it first
+appears (and again only after it cleared and came back). Nothing here prints: printing from the
+sampler thread is forbidden, so the magics register an IPython hook that prints what it returns::
+
+    def _post_run_cell(result):
+        text = overload.pending_warning()
+        if text:
+            print(text)
+    ip.events.register("post_run_cell", _post_run_cell)
+
+This module imports no ipywidgets or IPython.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from autogpu_jupyter.core.units import format_bytes, format_duration
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+    from autogpu_jupyter.core.sampler import Sampler
+
+__all__ = [
+    "Alternative",
+    "Overload",
+    "Thresholds",
+    "detect",
+    "best_alternative",
+    "kernel_device_uuids",
+    "pending_warning",
+    "reset_pending",
+    "set_move_hint",
+    "move_hint",
+]
+
+_DEFAULT_MOVE_HINT = "restart the kernel and run %gpu pick"
+_move_hint = _DEFAULT_MOVE_HINT
+
+
+def set_move_hint(text: str | None) -> None:
+    """How the warning tells people to move (the magics set ``"run %gpu move"`` once it exists).
+    ``None`` restores the default, "restart the kernel and run %gpu pick"."""
+    global _move_hint
+    _move_hint = text or _DEFAULT_MOVE_HINT
+
+
+def move_hint() -> str:
+    return _move_hint
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """When a device counts as overloaded (defaults = the ``AutoGPU`` config defaults)."""
+
+    util_pct: float = 90.0
+    window_s: float = 30.0
+    memory_pct: float = 95.0
+
+    @classmethod
+    def from_config(cls, config: Any | None = None) -> Thresholds:
+        """From an ``AutoGPU`` configurable (default: a fresh one, env defaults applied)."""
+        if config is None:
+            from autogpu_jupyter.config import AutoGPU
+
+            config = AutoGPU()
+        return cls(
+            util_pct=float(config.overload_util_pct),
+            window_s=float(config.overload_window_s),
+            memory_pct=float(config.overload_memory_pct),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    """The best other device to move to."""
+
+    uuid: str
+    label: str
+    memory_free_bytes: int | None
+    utilization_pct: float | None
+
+    def describe(self) -> str:
+        util = "?" if self.utilization_pct is None else f"{self.utilization_pct:.0f}%"
+        return f"{self.label} ({format_bytes(self.memory_free_bytes)} free, {util} busy)"
+
+
+@dataclass(frozen=True, slots=True)
+class Overload:
+    """This kernel's device ``uuid`` is overloaded by other processes."""
+
+    uuid: str
+    label: str
+    causes: tuple[str, ...]  # "utilisation 97% for 45s (over 90%)", "memory 97% full (over 95%)"
+    other_process_count: int
+    other_memory_bytes: int | None
+    users: tuple[str, ...]
+    alternative: Alternative | None
+    move: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What identifies "the same warning" for the once-only notice: device and cause kinds."""
+        kinds = ",".join(sorted(c.split(" ", 1)[0] for c in self.causes))
+        return (self.uuid, kinds)
+
+    def others_text(self) -> str:
+        n = self.other_process_count
+        text = f"{n} other process{'es' if n != 1 else ''}"
+        if self.other_memory_bytes is not None:
+            text += f" holding {format_bytes(self.other_memory_bytes)}"
+        if self.users:
+            text += f" (user{'s' if len(self.users) != 1 else ''} {', '.join(self.users)})"
+        return text
+
+    def message(self) -> str:
+        """One line for the cell output and the banner."""
+        where = (
+            f"move to {self.alternative.describe()}: {self.move}"
+            if self.alternative is not None
+            else "no better device right now"
+        )
+        return (
+            f"autogpu: {self.label} (this kernel's GPU) is overloaded: {'; '.join(self.causes)}, "
+            f"caused by {self.others_text()}. Best alternative: {where}."
+        )
+
+
+def kernel_device_uuids(
+    devices: Sequence[DeviceSnapshot], environ: dict[str, str] | None = None
+) -> tuple[str, ...]:
+    """The UUIDs of this kernel's device(s): the autogpu choice (:func:`core.session.current`),
+    else the devices ``CUDA_VISIBLE_DEVICES`` names (full UUIDs, unique prefixes or indices);
+    ``()`` when nothing was picked (an unset variable means "no choice yet", not "all")."""
+    from autogpu_jupyter.core import session
+
+    choice = session.current()
+    if choice is not None and choice.uuids:
+        return tuple(choice.uuids)
+    env = os.environ if environ is None else environ
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    if not raw:
+        return ()
+    out: list[str] = []
+    for entry in (e.strip() for e in raw.split(",")):
+        found = None
+        if entry.isdigit():
+            found = next((d for d in devices if not d.is_mig and d.index == int(entry)), None)
+        elif entry[:4] in ("GPU-", "MIG-"):
+            matches = [d for d in devices if d.uuid == entry or d.uuid.startswith(entry)]
+            found = matches[0] if len(matches) == 1 else None
+        if found is None:
+            break  # CUDA stops at the first entry it cannot use
+        out.append(found.uuid)
+    return tuple(out)
+
+
+def best_alternative(
+    snapshot: FleetSnapshot,
+    exclude: Iterable[str],
+    smoothed_util: dict[str, float | None] | None = None,
+) -> Alternative | None:
+    """The best device outside ``exclude`` by the picker's policy (:func:`core.policy.rank`)."""
+    from autogpu_jupyter.core.policy import Constraints, rank
+
+    skip = set(exclude)
+    devices = [
+        d for d in snapshot.devices if d.uuid not in skip and (d.parent_uuid or "") not in skip
+    ]
+    for cand in rank(devices, Constraints(), smoothed_util=smoothed_util):
+        if cand.eligible:
+            dev = cand.device
+            util = cand.smoothed_util_pct
+            if util is None:
+                util = dev.utilization_pct
+            return Alternative(dev.uuid, dev.label, cand.effective_free_bytes, util)
+    return None
+
+
+def _busy_for_s(frame: pd.DataFrame, uuid: str, util_pct: float) -> tuple[float, float | None]:
+    """How long ``uuid`` has been above ``util_pct`` up to its newest sample, and the mean
+    utilisation over that stretch. ``(0.0, None)`` when the newest sample is not above."""
+    rows = frame[frame["uuid"] == uuid]
+    if rows.empty:
+        return 0.0, None
+    ts = rows["timestamp_s"].to_numpy()
+    util = rows["utilization_pct"].to_numpy()
+    over = util > util_pct  # NaN (unknown, lost) compares False: unknown is never "busy"
+    if not over[-1]:
+        return 0.0, None
+    below = [i for i in range(len(over)) if not over[i]]
+    start = below[-1] + 1 if below else 0
+    return float(ts[-1] - ts[start]), float(util[start:].mean())
+
+
+def detect(
+    frame: pd.DataFrame,
+    snapshot: FleetSnapshot | None,
+    kernel_uuids: Sequence[str],
+    own_pids: Iterable[int],
+    thresholds: Thresholds,
+    *,
+    smoothed_util: dict[str, float | None] | None = None,
+    move: str | None = None,
+) -> list[Overload]:
+    """The overload warnings for this kernel's devices (empty when none).
+
+    A device is overloaded when its utilisation has stayed above ``thresholds.util_pct`` for at
+    least ``thresholds.window_s`` seconds (every sample of that stretch above; unknown breaks the
+    stretch), or its memory is fuller than ``thresholds.memory_pct`` — and, in either case,
+    because of others: at least one process on it is not this kernel's, and for memory, the
+    others hold more than this kernel does.
+
+    Parameters
+    ----------
+    frame
+        The sampler's history (:meth:`Sampler.history_frame`) covering at least the window.
+    snapshot
+        The newest snapshot (processes, users); ``None``: nothing to say.
+    kernel_uuids
+        This kernel's device UUIDs.
+    own_pids
+        PIDs that are this kernel or its children.
+    thresholds
+        Utilisation / window / memory thresholds.
+    smoothed_util
+        Per-UUID mean utilisation, to rank the alternative.
+    move
+        How to move (default :func:`move_hint`).
+    """
+    if snapshot is None:
+        return []
+    ours = set(own_pids)
+    out: list[Overload] = []
+    for uuid in kernel_uuids:
+        dev = snapshot.by_uuid(uuid)
+        if dev is None or not dev.available or not dev.processes:
+            continue
+        others = [p for p in dev.processes if p.pid not in ours]
+        if not others:
+            continue
+        other_mem_known = [p.used_memory_bytes for p in others if p.used_memory_bytes is not None]
+        other_mem = sum(other_mem_known) if other_mem_known else None
+        own_mem = sum(p.used_memory_bytes or 0 for p in dev.processes if p.pid in ours)
+        causes: list[str] = []
+        busy_s, mean_util = _busy_for_s(frame, uuid, thresholds.util_pct)
+        if mean_util is not None and busy_s >= thresholds.window_s:
+            causes.append(
+                f"utilisation {mean_util:.0f}% for {format_duration(round(busy_s))} "
+                f"(over {thresholds.util_pct:g}%)"
+            )
+        if dev.memory_used_bytes is not None and dev.memory_total_bytes:
+            mem_pct = 100.0 * dev.memory_used_bytes / dev.memory_total_bytes
+            others_hold_more = other_mem is None or other_mem > own_mem
+            if mem_pct > thresholds.memory_pct and others_hold_more:
+                causes.append(f"memory {mem_pct:.0f}% full (over {thresholds.memory_pct:g}%)")
+        if not causes:
+            continue
+        users = tuple(sorted({p.user for p in others if p.user}))
+        out.append(
+            Overload(
+                uuid=uuid,
+                label=dev.label,
+                causes=tuple(causes),
+                other_process_count=len(others),
+                other_memory_bytes=other_mem,
+                users=users,
+                alternative=best_alternative(snapshot, kernel_uuids, smoothed_util),
+                move=move or _move_hint,
+            )
+        )
+    return out
+
+
+def detect_from_sampler(
+    sampler: Sampler, thresholds: Thresholds, kernel_uuids: Sequence[str] | None = None
+) -> list[Overload]:
+    """:func:`detect` on ``sampler``'s data (history over the window plus a margin)."""
+    snapshot = sampler.latest()
+    if snapshot is None:
+        return []
+    if kernel_uuids is None:
+        kernel_uuids = kernel_device_uuids(snapshot.devices)
+    if not kernel_uuids:
+        return []
+    since = thresholds.window_s + 3 * sampler.interval_s
+    return detect(
+        sampler.history_frame(since_s=max(since, 1.0)),
+        snapshot,
+        kernel_uuids,
+        sampler.latest_own_pids(),
+        thresholds,
+        smoothed_util=sampler.smoothed_util(60.0),
+    )
+
+
+_pending_lock = threading.Lock()
+_announced: set[tuple[str, str]] = set()
+
+
+def pending_warning(thresholds: Thresholds | None = None) -> str | None:
+    """The overload warning to print now, once: text when a warning appeared since the last
+    call, else ``None``. A warning that clears is announced again when it comes back.
+
+    Never starts the sampler (no thread from a hook): it reads the running one, if any.
+    Call it from the main thread (an IPython ``post_run_cell`` hook) and print the result.
+    """
+    from autogpu_jupyter.core.sampler import current_sampler
+
+    sampler = current_sampler()
+    if sampler is None:
+        return None
+    warnings = detect_from_sampler(sampler, thresholds or Thresholds.from_config())
+    with _pending_lock:
+        active = {w.key for w in warnings}
+        new = [w for w in warnings if w.key not in _announced]
+        _announced.intersection_update(active)
+        _announced.update(active)
+    if not new:
+        return None
+    return "\n".join(w.message() for w in new)
+
+
+def reset_pending() -> None:
+    """Forget which warnings were announced (unload / tests)."""
+    with _pending_lock:
+        _announced.clear()
+
+
+def _finite(x: float | None) -> float | None:
+    return None if x is None or math.isnan(x) else x

@@ -1,0 +1,279 @@
+"""The live GPU panel (``%gpu panel`` or ``autogpu_jupyter.Panel()``), built from ipywidgets only.
+
+Threading rule (design decision 8): the sampler thread calls :meth:`Panel._on_sample`, which only
+sets trait values (``HTML.value``); it never displays, prints or uses ``with output:``. Those
+value changes reach the frontend as comm messages, also while another cell is busy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import ipywidgets as w
+
+from autogpu_jupyter.core.overload import (
+    Overload,
+    Thresholds,
+    detect,
+    kernel_device_uuids,
+)
+from autogpu_jupyter.core.sampler import Sampler, get_sampler
+from autogpu_jupyter.widgets import chart
+
+if TYPE_CHECKING:
+    from autogpu_jupyter.core.devices import FleetSnapshot
+
+__all__ = ["Panel"]
+
+log = logging.getLogger(__name__)
+
+_INTERVALS = (0.5, 1.0, 2.0, 5.0)
+_WINDOWS = (60.0, 300.0, 900.0)
+
+
+def _config() -> Any:
+    """The ``AutoGPU`` configurable of this kernel (the one ``%config AutoGPU...`` changes)."""
+    from autogpu_jupyter.config import AutoGPU
+
+    try:
+        from IPython import get_ipython
+
+        ip = get_ipython()
+    except ImportError:
+        ip = None
+    if ip is not None:
+        for c in getattr(ip, "configurables", ()):
+            if isinstance(c, AutoGPU):
+                return c
+        return AutoGPU(parent=ip)
+    return AutoGPU()
+
+
+def _options(values: Sequence[float], current: float, fmt: Any) -> list[tuple[str, float]]:
+    vals = sorted({*values, float(current)})
+    return [(fmt(v), v) for v in vals]
+
+
+def _interval_label(v: float) -> str:
+    return f"{v:g} s"
+
+
+def _window_label(v: float) -> str:
+    return f"{v / 60:g} min" if v >= 60 else f"{v:g} s"
+
+
+class Panel(w.VBox):  # type: ignore[misc]
+    """Every GPU of this host, live: a chart per device, a table, controls, overload warnings.
+
+    Parameters
+    ----------
+    window_s
+        Seconds of history each chart shows (default 300).
+    interval_s
+        Sampler interval; default the running sampler's (``AutoGPU.sample_interval_s``).
+        The sampler is shared by the whole kernel, so this changes it for every panel.
+    thresholds
+        Overload thresholds; default from ``AutoGPU.overload_*``.
+    sampler
+        Default: the process's sampler (:func:`autogpu_jupyter.core.sampler.get_sampler`).
+
+    Attributes
+    ----------
+    header, banner, charts, table, status : ipywidgets.HTML
+        The parts, whose ``value`` the sampler thread updates.
+    warnings : list[Overload]
+        The overload warnings shown now.
+    update_count : int
+        How many times the panel redrew.
+    """
+
+    def __init__(
+        self,
+        window_s: float = 300.0,
+        interval_s: float | None = None,
+        thresholds: Thresholds | None = None,
+        sampler: Sampler | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._sampler = sampler if sampler is not None else get_sampler(interval_s)
+        if sampler is not None and interval_s is not None:
+            sampler.set_interval(interval_s)
+        if window_s > self._sampler.history_s:
+            self._sampler.set_history(window_s)
+        self.thresholds = thresholds or Thresholds.from_config(_config())
+        self.window_s = float(window_s)
+        self.warnings: list[Overload] = []
+        self.update_count = 0
+        self._lock = threading.Lock()
+        self._paused = False
+
+        self.header = w.HTML()
+        self.banner = w.HTML(layout=w.Layout(display="none"))
+        self.charts = w.HTML()
+        self.table = w.HTML()
+        self.status = w.HTML()
+        self.interval = w.Dropdown(
+            options=_options(_INTERVALS, self._sampler.interval_s, _interval_label),
+            value=self._sampler.interval_s,
+            description="interval",
+            layout=w.Layout(width="150px"),
+            style={"description_width": "52px"},
+        )
+        self.window = w.Dropdown(
+            options=_options(_WINDOWS, self.window_s, _window_label),
+            value=self.window_s,
+            description="window",
+            layout=w.Layout(width="150px"),
+            style={"description_width": "52px"},
+        )
+        self.pause = w.ToggleButton(
+            value=False,
+            description="pause",
+            icon="pause",
+            layout=w.Layout(width="90px"),
+            tooltip="Freeze this panel (the sampler keeps running for the others)",
+        )
+        self.interval.observe(self._on_interval, names="value")
+        self.window.observe(self._on_window, names="value")
+        self.pause.observe(self._on_pause, names="value")
+        controls = w.HBox([self.interval, self.window, self.pause, self.status])
+        super().__init__(
+            children=[self.header, self.banner, self.charts, self.table, controls], **kwargs
+        )
+        self.add_class("autogpu-panel")
+        if self._sampler.latest() is None:
+            self._sampler.sample_now()  # draw something at once, from this (main) thread
+        self.refresh()
+        self._listener = _weak_listener(self)
+        self._sampler.subscribe(self._listener)
+
+    # -- controls (run in the kernel's main thread, from comm messages) -----------------------
+    def _on_interval(self, change: dict[str, Any]) -> None:
+        self._sampler.set_interval(float(change["new"]))
+        self.refresh()
+
+    def _on_window(self, change: dict[str, Any]) -> None:
+        self.window_s = float(change["new"])
+        if self.window_s > self._sampler.history_s:
+            self._sampler.set_history(self.window_s)
+        self.refresh()
+
+    def _on_pause(self, change: dict[str, Any]) -> None:
+        self._paused = bool(change["new"])
+        self.pause.description = "resume" if self._paused else "pause"
+        self.pause.icon = "play" if self._paused else "pause"
+        if not self._paused:
+            self.refresh()
+        else:
+            self.status.value = self._status_text(self._sampler.latest())
+
+    @property
+    def sampler(self) -> Sampler:
+        return self._sampler
+
+    # -- drawing -------------------------------------------------------------------------------
+    def _on_sample(self, sampler: Sampler, snapshot: FleetSnapshot | None) -> None:
+        if not self._paused:
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Redraw every part from the sampler's data (sets ``value`` traits only)."""
+        with self._lock:
+            self._refresh()
+
+    def _refresh(self) -> None:
+        s = self._sampler
+        snapshot = s.latest()
+        if snapshot is None:
+            self.header.value = chart.render_header((), ())
+            self.charts.value = ""
+            self.table.value = ""
+            self.status.value = self._status_text(None)
+            return
+        kernel = kernel_device_uuids(snapshot.devices)
+        since = max(self.window_s, self.thresholds.window_s + 3 * s.interval_s)
+        frame = s.history_frame(since_s=since)
+        smoothed = s.smoothed_util(60.0)
+        own = s.latest_own_pids()
+        warnings = detect(frame, snapshot, kernel, own, self.thresholds, smoothed_util=smoothed)
+        self.header.value = chart.render_header(
+            snapshot.devices, kernel, lease_text=_lease_text(), simulated=snapshot.simulated
+        )
+        self.charts.value = chart.render_charts(
+            frame,
+            snapshot.devices,
+            window_s=self.window_s,
+            now_s=snapshot.timestamp_s,
+            highlight=kernel,
+        )
+        self.table.value = chart.render_table(snapshot, highlight=kernel, own_pids=own)
+        self.warnings = warnings
+        banner = chart.render_banner(warnings)
+        self.banner.value = banner
+        self.banner.layout.display = "block" if banner else "none"
+        self.update_count += 1
+        self.status.value = self._status_text(snapshot)
+
+    def _status_text(self, snapshot: FleetSnapshot | None) -> str:
+        s = self._sampler
+        parts = []
+        if snapshot is not None:
+            parts.append(
+                "sampled " + time.strftime("%H:%M:%S", time.localtime(snapshot.timestamp_s))
+            )
+        parts.append(f"{s.sample_count} samples")
+        if self._paused:
+            parts.append("paused")
+        errors = s.errors
+        if errors and (snapshot is None or errors[-1].timestamp_s >= snapshot.timestamp_s):
+            parts.append(f"last read failed: {errors[-1].message}")
+        text = " · ".join(parts)
+        return (
+            f'<span style="color:{chart.FG2};font-size:11px;font-family:{chart.FONT}">'
+            f"{chart._e(text)}</span>"
+        )
+
+    def close(self) -> None:
+        """Stop updating and close the widgets."""
+        self._sampler.unsubscribe(self._listener)
+        for child in (
+            self.header,
+            self.banner,
+            self.charts,
+            self.table,
+            self.status,
+            self.interval,
+            self.window,
+            self.pause,
+        ):
+            child.close()
+        super().close()
+
+
+def _weak_listener(panel: Panel) -> Any:
+    ref = weakref.ref(panel)
+
+    def listener(sampler: Sampler, snapshot: FleetSnapshot | None) -> None:
+        p = ref()
+        if p is None:
+            sampler.unsubscribe(listener)
+            return
+        p._on_sample(sampler, snapshot)
+
+    return listener
+
+
+def _lease_text() -> str | None:
+    from autogpu_jupyter.core import session
+
+    choice = session.current()
+    if choice is None:
+        return None
+    if choice.lease_id:
+        return str(choice.lease_id)
+    return None

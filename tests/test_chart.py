@@ -1,0 +1,146 @@
+"""Pure rendering and overload detection: DataFrame / snapshots in, exact text out."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
+from autogpu_jupyter.core.sampler import METRICS
+from autogpu_jupyter.widgets import chart
+from autogpu_jupyter.core.overload import Thresholds, detect
+
+GiB = 1024**3
+A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
+B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
+C = "GPU-cccccccc-0000-0000-0000-000000000000"
+
+
+def _snapshot(util_a: float = 97.0, mem_a_gib: int = 60, *, mine: bool = False) -> FleetSnapshot:
+    procs = (ProcessSnapshot(pid=4242, used_memory_bytes=mem_a_gib * GiB, user="bob"),)
+    if mine:
+        procs = (ProcessSnapshot(pid=77, used_memory_bytes=mem_a_gib * GiB),)
+    a = DeviceSnapshot(
+        index=0,
+        uuid=A,
+        name="A100",
+        memory_total_bytes=80 * GiB,
+        memory_used_bytes=mem_a_gib * GiB,
+        memory_free_bytes=(80 - mem_a_gib) * GiB,
+        utilization_pct=util_a,
+        temperature_c=60,
+        power_w=300.0,
+        processes=procs,
+    )
+    b = DeviceSnapshot(
+        index=1,
+        uuid=B,
+        name="A100",
+        memory_total_bytes=80 * GiB,
+        memory_used_bytes=1 * GiB,
+        memory_free_bytes=79 * GiB,
+        utilization_pct=2.0,
+        processes=(),
+    )
+    c = DeviceSnapshot(
+        index=2, uuid=C, name="A100", available=False, error="GPU is lost", processes=None
+    )
+    return FleetSnapshot(devices=(a, b, c), timestamp_s=100.0, backend="simulated", simulated=True)
+
+
+def _frame(utils_a: list[float], mem_a_gib: int = 60) -> pd.DataFrame:
+    rows = []
+    for i, u in enumerate(utils_a):
+        t = 100.0 - (len(utils_a) - 1 - i) * 10
+        for uuid, util, used in ((A, u, mem_a_gib * GiB), (B, 2.0, GiB)):
+            rows.append(
+                {
+                    "timestamp_s": t,
+                    "uuid": uuid,
+                    "label": "",
+                    "utilization_pct": util,
+                    "memory_used_bytes": float(used),
+                    "memory_total_bytes": float(80 * GiB),
+                }
+            )
+        rows.append({"timestamp_s": t, "uuid": C, "label": "GPU 2", "available": 0.0})
+    df = pd.DataFrame(rows)
+    for m in METRICS:
+        if m not in df:
+            df[m] = float("nan")
+    return df
+
+
+def test_chart_per_device_with_kernel_highlight_and_lost() -> None:
+    snap = _snapshot()
+    html = chart.render_charts(_frame([50, 97]), snap.devices, window_s=60, highlight=[A])
+    assert html.count("<svg") == 3
+    assert f'data-uuid="{A}" data-kernel="1"' in html
+    assert f'data-uuid="{B}" data-kernel="0"' in html
+    assert "this kernel</span>" in html
+    assert "lost: GPU is lost" in html
+    assert "util 97%" in html and "mem 75%" in html
+    assert "var(--jp-ui-font-color1, #1f1f1f)" in html
+    assert 'fill="' not in html  # colours through style= so CSS variables resolve
+    # utilisation 50 at t=90 (x = 30 + 264 * (1 - 10/60) = 250), 97 at t=100 (x = 294)
+    assert 'class="autogpu-util" d="M250.0,44.0 L294.0,10.2"' in html
+
+
+def test_unknown_values_break_the_line() -> None:
+    html = chart.render_device_chart(
+        _frame([50, float("nan"), 70])[lambda d: d["uuid"] == A],
+        label="GPU 0",
+        uuid=A,
+        window_s=60,
+        now_s=100.0,
+    )
+    assert 'class="autogpu-util" d="M206.0,44.0 M294.0,29.6"' in html
+    assert "util 70%" in html
+
+
+def test_table_and_header() -> None:
+    snap = _snapshot()
+    table = chart.render_table(snap, highlight=[A])
+    assert "GPU 0 (this kernel)" in table
+    assert '<td style="padding:1px 8px;text-align:left;border-bottom:1px solid ' in table
+    assert "97%" in table and "60.0 GiB / 80.0 GiB" in table and "bob 60.0 GiB" in table
+    assert "lost: GPU is lost" in table
+    header = chart.render_header(snap.devices, [A], lease_text="lease-1", simulated=True)
+    assert "This kernel: GPU 0 · A100 · GPU-aaaaaaaa — lease lease-1" in header
+    assert ">simulated</span>" in header
+    none = chart.render_header(snap.devices, [])
+    assert "No GPU picked yet — run <code>%gpu pick --min-free 10G</code>" in none
+    assert "simulated" not in none
+
+
+def test_sustained_load_by_others_warns_with_alternative() -> None:
+    th = Thresholds(util_pct=90, window_s=20, memory_pct=95)
+    warnings = detect(_frame([50, 95, 96, 97]), _snapshot(), [A], own_pids=[77], thresholds=th)
+    assert [w.message() for w in warnings] == [
+        "autogpu: GPU 0 (this kernel's GPU) is overloaded: utilisation 96% for 20s (over 90%), "
+        "caused by 1 other process holding 60.0 GiB (user bob). Best alternative: move to GPU 1 "
+        "(79.0 GiB free, 2% busy): restart the kernel and run %gpu pick."
+    ]
+    banner = chart.render_banner(warnings)
+    assert "<b>GPU 1 (79.0 GiB free, 2% busy)</b>" in banner
+    assert "<code>restart the kernel and run %gpu pick</code>" in banner
+
+
+def test_short_load_own_load_and_unknown_do_not_warn() -> None:
+    th = Thresholds(util_pct=90, window_s=20, memory_pct=95)
+    # above for only 10 s
+    assert detect(_frame([50, 50, 96, 97]), _snapshot(), [A], [77], th) == []
+    # a gap of unknown utilisation breaks the stretch
+    assert detect(_frame([95, float("nan"), 96, 97]), _snapshot(), [A], [77], th) == []
+    # the load is this kernel's own
+    assert detect(_frame([95, 96, 97, 97]), _snapshot(mine=True), [A], [77], th) == []
+    # no device picked
+    assert detect(_frame([95, 96, 97, 97]), _snapshot(), [], [77], th) == []
+    assert chart.render_banner([]) == ""
+
+
+def test_memory_nearly_full_by_others_warns_at_once() -> None:
+    th = Thresholds(util_pct=90, window_s=30, memory_pct=95)
+    w = detect(_frame([5], 78), _snapshot(5.0, 78), [A], [77], th)
+    assert len(w) == 1
+    assert w[0].causes == ("memory 98% full (over 95%)",)
+    assert w[0].others_text() == "1 other process holding 78.0 GiB (user bob)"
