@@ -97,7 +97,7 @@ _default_settings: AutoGPU | None = None
 
 def set_default_settings(settings: AutoGPU | None) -> None:
     """Make ``settings`` what API calls without explicit settings use (the magics call this)."""
-    global _default_settings  # noqa: PLW0603 - one per process, like the session
+    global _default_settings
     _default_settings = settings
 
 
@@ -162,7 +162,7 @@ def pick_result(
         dry_run=dry_run,
         wait_s=wait_s,
         on_progress=on_progress,
-        smoothed_util=_smoothed_util(),
+        smoothed_util=_smoothed_util,
     )
     if not dry_run:
         session.apply(result, source=source, forced=warning is not None)

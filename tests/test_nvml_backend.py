@@ -14,6 +14,7 @@ import pwd
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,11 @@ SNAPSHOT_OR_ERROR = """
 def sleeper() -> Any:
     """A real process with a known command line, to stand in the fake driver's process list."""
     proc = subprocess.Popen(["sleep", "60"])
+    # Hand it over once it has exec'd: before that, /proc shows our own command line.
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    deadline = time.monotonic() + 10
+    while cmdline.read_bytes() != b"sleep\x0060\x00" and time.monotonic() < deadline:
+        time.sleep(0.005)
     yield proc
     proc.kill()
     proc.wait()

@@ -189,7 +189,9 @@ def pick(
     dry_run: bool = False,
     wait_s: float = 0.0,
     on_progress: Callable[[str], None] | None = None,
-    smoothed_util: Mapping[str, float | None] | None = None,
+    smoothed_util: (
+        Mapping[str, float | None] | Callable[[], Mapping[str, float | None] | None] | None
+    ) = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> PickResult:
     """Choose device(s) for ``constraints`` and, unless ``dry_run``, take a lease on them.
@@ -214,7 +216,9 @@ def pick(
     on_progress
         Called with a one-line status while waiting.
     smoothed_util
-        The sampler's mean utilisation per UUID, when a sampler runs.
+        The sampler's mean utilisation per UUID, when a sampler runs; or a function returning
+        it, called at each try, so that a waiting pick ranks on the load of now, not of the
+        moment it started waiting.
 
     Returns
     -------
@@ -254,6 +258,7 @@ def pick(
                 lock_cm = registry.locked()
             with lock_cm as txn:
                 snap = backend.snapshot()
+                util_now = smoothed_util() if callable(smoothed_util) else smoothed_util
                 allocation = current_allocation(snap.devices, env)
                 if allocation.empty:
                     raise NoDeviceGrantedError(
@@ -266,14 +271,14 @@ def pick(
                     if not dry_run:
                         # FIFO: older waiters are served first, from what is free now.
                         bookings = registry.reserved_bookings(
-                            txn, snap.devices, bookings, ticket=ticket, smoothed_util=smoothed_util
+                            txn, snap.devices, bookings, ticket=ticket, smoothed_util=util_now
                         )
                 ranked = rank(
                     snap.devices,
                     constraints,
                     allocation=allocation,
                     bookings=bookings,
-                    smoothed_util=smoothed_util,
+                    smoothed_util=util_now,
                     self_pids=(holder.pid,),
                 )
                 chosen = select(ranked, constraints.count)

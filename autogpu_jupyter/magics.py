@@ -1,0 +1,750 @@
+"""The ``%gpu`` line magic and the ``%%gpu`` cell magic (the only IPython code of autogpu).
+
+``%load_ext autogpu`` registers them (:func:`load_ipython_extension`); loading is cheap: no NVML,
+pandas or ipywidgets import until a magic runs. Every :class:`~autogpu_jupyter.errors.AutoGPUError`
+and every bad option becomes an IPython ``UsageError``: one clear line (or, when nothing fits, one
+line per device saying why it was dropped), never a traceback, and ``os.environ`` unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, construct_parser, magic_arguments
+from IPython.utils.text import dedent
+
+from autogpu_jupyter.config import AutoGPU
+from autogpu_jupyter.errors import AutoGPUError
+
+if TYPE_CHECKING:
+    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+    from autogpu_jupyter.core.picker import PickResult
+    from autogpu_jupyter.core.policy import Candidate, Constraints
+    from autogpu_jupyter.core.sampler import Sampler
+
+__all__ = ["GPUMagics", "load_ipython_extension", "unload_ipython_extension"]
+
+log = logging.getLogger(__name__)
+
+SUBCOMMANDS = ("pick", "status", "release", "panel", "move")
+PICK_OPTIONS = (
+    "--min-free SIZE, --max-util PCT, --count N, --exclude IDS, --exclusive, --wait DURATION, "
+    "--dry-run, --force"
+)
+
+
+# --------------------------------------------------------------------------- option parsing
+
+
+@magic_arguments()
+@argument(
+    "--min-free",
+    metavar="SIZE",
+    default=None,
+    help="Free memory wanted per device: 10G / 10GiB (binary), 16GB (decimal) or 25%% of "
+    "the device. Default: AutoGPU.min_free.",
+)
+@argument(
+    "--max-util",
+    metavar="PCT",
+    default=None,
+    help="Drop devices busier than this utilisation, 0-100. Default: AutoGPU.max_util.",
+)
+@argument(
+    "--count",
+    metavar="N",
+    default=None,
+    help="How many devices (default 1; at most one MIG device).",
+)
+@argument(
+    "--exclude",
+    metavar="IDS",
+    default=None,
+    help="NVML indices or UUIDs to avoid, comma separated: 0,2 or GPU-5a1b.",
+)
+@argument(
+    "--exclusive",
+    action="store_true",
+    default=None,
+    help="Take devices no other lease holds, and keep others off them.",
+)
+@argument(
+    "--wait",
+    metavar="DURATION",
+    default=None,
+    help="Wait in line up to this long for a device to fit: 30s, 10m, 1h. "
+    "Interrupt the kernel to cancel.",
+)
+@argument(
+    "--dry-run",
+    action="store_true",
+    default=False,
+    help="Only show the ranking with the reasons; change nothing.",
+)
+@argument(
+    "--force",
+    action="store_true",
+    default=False,
+    help="Set the variables even though CUDA is already initialised (no effect until the "
+    "kernel restarts).",
+)
+def _pick_options(line: str) -> None:
+    """Pick the best GPU(s) that fit and make them the only ones CUDA sees in this kernel."""
+
+
+_PICK_PARSER = construct_parser(_pick_options)
+_PICK_PARSER.prog = "%gpu pick"
+
+
+def _parse_pick(argv: Sequence[str], where: str = "%gpu pick") -> argparse.Namespace:
+    """Parse pick options; any problem is one line of ``UsageError`` (argparse never exits)."""
+    try:
+        return _PICK_PARSER.parse_args(list(argv))
+    except UsageError as err:
+        raise UsageError(f"{where}: {err}; accepted options: {PICK_OPTIONS} (see %gpu?)") from None
+    except SystemExit:  # argparse paths that call exit() directly: never leave the kernel
+        raise UsageError(
+            f"{where}: invalid options {' '.join(argv)!r}; accepted options: "
+            f"{PICK_OPTIONS} (see %gpu?)"
+        ) from None
+
+
+def _split(line: str) -> list[str]:
+    from IPython.utils.process import arg_split
+
+    try:
+        # posix=True: quotes are removed, so --exclude "" is an empty value (rejected by name).
+        return list(arg_split(line, posix=True, strict=True))
+    except ValueError as err:  # unbalanced quotes
+        raise UsageError(f"%gpu: cannot read {line!r}: {err}") from None
+
+
+def _one_line(err: BaseException) -> str:
+    return str(err).strip() or type(err).__name__
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _pct(value: float | None) -> str:
+    return "util unknown" if value is None else f"util {value:.0f}%"
+
+
+def _free(c: Candidate) -> str:
+    from autogpu_jupyter.core.units import format_bytes
+
+    return f"{format_bytes(c.effective_free_bytes)} free"
+
+
+def _device_line(d: DeviceSnapshot, c: Candidate | None) -> str:
+    from autogpu_jupyter.core.units import format_bytes
+
+    free = c.effective_free_bytes if c is not None else d.memory_free_bytes
+    util = c.smoothed_util_pct if c is not None else d.utilization_pct
+    booked = (
+        f" after {format_bytes(c.booked_bytes)} booked" if c is not None and c.booked_bytes else ""
+    )
+    return (
+        f"{d.label} · {d.name} · {d.short_uuid}: {format_bytes(free)} free of "
+        f"{format_bytes(d.memory_total_bytes)}{booked}, {_pct(util)}"
+    )
+
+
+def format_pick(result: PickResult, warning: str | None = None) -> str:
+    """The short, friendly summary of a pick (what ``%gpu pick`` prints)."""
+    from autogpu_jupyter.core.units import format_duration
+
+    sim = " [SIMULATED]" if result.snapshot.simulated else ""
+    lines = []
+    head = "picked" if len(result.chosen) == 1 else f"picked {len(result.chosen)} devices:"
+    if len(result.chosen) == 1:
+        d = result.chosen[0]
+        lines.append(f"autogpu{sim}: {head} {_device_line(d, result.candidate(d.uuid))}")
+    else:
+        lines.append(f"autogpu{sim}: {head}")
+        lines.extend(f"  {_device_line(d, result.candidate(d.uuid))}" for d in result.chosen)
+    ru = result.runner_up
+    runner = (
+        f"runner-up {ru.device.label} ({_free(ru)}, {_pct(ru.smoothed_util_pct)})"
+        if ru is not None
+        else "no runner-up (nothing else fits)"
+    )
+    lines.append(f"  asked: {result.constraints.describe()} · {runner}")
+    if result.waited_s >= 1.0:
+        lines.append(f"  waited {format_duration(round(result.waited_s, 1))} in line")
+    if result.lease is not None:
+        lines.append(
+            f"  lease {result.lease.record.lease_id} held until this kernel exits or %gpu release"
+        )
+    elif result.lease_note:
+        lines.append(f"  no lease: {result.lease_note}")
+    lines.append(f"  CUDA_VISIBLE_DEVICES={result.env.get('CUDA_VISIBLE_DEVICES', '')}")
+    if warning:
+        lines.append(f"  WARNING {warning}")
+    return "\n".join(lines)
+
+
+def format_ranking(result: PickResult) -> str:
+    """The ranking table of ``--dry-run``: every device, its rank or why it was dropped."""
+    from autogpu_jupyter.core.units import format_bytes
+
+    sim = " [SIMULATED]" if result.snapshot.simulated else ""
+    chosen = {d.uuid for d in result.chosen}
+    rows = [("rank", "device", "name", "free", "util", "leases", "verdict")]
+    n = 0
+    for c in result.candidates:
+        if c.eligible:
+            n += 1
+            verdict = "would pick" if c.device.uuid in chosen else "fits"
+        else:
+            verdict = "dropped"
+        rows.append(
+            (
+                str(n) if c.eligible else "-",
+                c.device.label,
+                c.device.name,
+                format_bytes(c.effective_free_bytes),
+                "?" if c.smoothed_util_pct is None else f"{c.smoothed_util_pct:.0f}%",
+                str(c.lease_count),
+                f"{verdict}: {'; '.join(c.reasons) or 'ok'}",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    out = [f"autogpu{sim} dry run ({result.constraints.describe()}): nothing changed"]
+    out.extend(
+        "  " + "  ".join(v.ljust(w) for v, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1]
+        for r in rows
+    )
+    if not result.chosen:
+        out.append("  no device fits: a real pick would fail now")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- the cell report
+
+
+@dataclass
+class _CellStats:
+    """What the sampler saw while a ``%%gpu`` cell ran (filled from the sampler thread)."""
+
+    uuids: tuple[str, ...]
+    start_s: float
+    util_sum: float = 0.0
+    util_n: int = 0
+    peak_own_bytes: int | None = None
+    samples: int = 0
+    seen: set[float] = field(default_factory=set)
+
+    def add(self, sampler: Sampler, snap: FleetSnapshot | None) -> None:
+        # Runs in the sampler thread: only updates numbers (never prints or displays).
+        if snap is None or snap.timestamp_s < self.start_s or snap.timestamp_s in self.seen:
+            return
+        self.seen.add(snap.timestamp_s)
+        self.samples += 1
+        ours = sampler.latest_own_pids() if sampler.latest() is snap else None
+        if ours is None:
+            from autogpu_jupyter.core.sampler import own_pids
+
+            ours = own_pids(p.pid for d in snap.devices for p in (d.processes or ()))
+        own: int | None = 0
+        for d in snap.devices:
+            if d.processes is None:
+                if d.uuid in self.uuids:
+                    own = None
+                continue
+            if own is not None:
+                own += sum(p.used_memory_bytes or 0 for p in d.processes if p.pid in ours)
+            if d.uuid in self.uuids and d.utilization_pct is not None:
+                self.util_sum += d.utilization_pct
+                self.util_n += 1
+        if own is not None:
+            self.peak_own_bytes = max(self.peak_own_bytes or 0, own)
+
+    def report(self, wall_s: float, labels: str, simulated: bool) -> str:
+        from autogpu_jupyter.core.units import format_bytes, format_duration
+
+        util = (
+            "unknown (not reported for this device)"
+            if self.util_n == 0
+            else f"{self.util_sum / self.util_n:.0f}%"
+        )
+        peak = "unknown" if self.peak_own_bytes is None else format_bytes(self.peak_own_bytes)
+        sim = " [SIMULATED]" if simulated else ""
+        return (
+            f"autogpu{sim} %%gpu on {labels}: wall {format_duration(round(wall_s, 2))} · "
+            f"peak GPU memory of this kernel {peak} · mean utilisation {util} "
+            f"({self.samples} sample{'s' if self.samples != 1 else ''})"
+        )
+
+
+# --------------------------------------------------------------------------- the magics
+
+
+@magics_class
+class GPUMagics(Magics):
+    """Pick a GPU from a notebook: ``%gpu pick``, ``%gpu status``, ``%gpu release``, ``%%gpu``.
+
+    Examples
+    --------
+    Run these before anything initialises CUDA (``import torch`` is fine, ``torch.cuda`` is not)::
+
+        %load_ext autogpu
+        %gpu                              # status: every GPU, yours marked
+        %gpu pick --min-free 10G          # the best GPU with 10 GiB free
+        %gpu pick --min-free 25% --max-util 50 --count 2
+        %gpu pick --exclude 0,3           # avoid GPU 0 and 3
+        %gpu pick --min-free 40G --wait 10m   # wait in line (interrupt the kernel to cancel)
+        %gpu pick --dry-run               # show the ranking and why; change nothing
+        %gpu release                      # give the GPU back
+        %gpu panel                        # live load chart of every GPU
+
+    A cell magic picks if needed, runs the cell, then reports what it did on its GPU::
+
+        %%gpu --min-free 10G
+        model.fit(...)
+
+    Defaults come from ``%config AutoGPU.min_free = "10G"`` (or ``ipython_config.py``, or
+    ``AUTOGPU_MIN_FREE``); a flag on the magic wins.
+    """
+
+    def __init__(self, shell: Any, settings: AutoGPU) -> None:
+        super().__init__(shell)
+        self.settings = settings
+
+    # -- dispatch ------------------------------------------------------------------------
+    @line_cell_magic
+    def gpu(self, line: str, cell: str | None = None) -> None:
+        if cell is not None:
+            return self._cell(line, cell)
+        argv = _split(line)
+        sub = argv[0] if argv else "status"
+        rest = argv[1:]
+        if sub == "pick":
+            return self._pick(_parse_pick(rest))
+        if sub in ("status", "release", "panel") and rest:
+            raise UsageError(f"%gpu {sub} takes no options, got {' '.join(rest)!r}")
+        if sub == "status":
+            return self._status()
+        if sub == "release":
+            return self._release()
+        if sub == "panel":
+            return self._panel()
+        if sub == "move":
+            return self._move(rest)
+        hint = f"; did you mean %gpu pick {line.strip()}?" if sub.startswith("-") else ""
+        raise UsageError(
+            f"%gpu: unknown subcommand {sub!r}; expected one of "
+            f"{', '.join(SUBCOMMANDS)} (see %gpu?){hint}"
+        )
+
+    # -- pick ----------------------------------------------------------------------------
+    def _run_pick(self, args: argparse.Namespace) -> tuple[PickResult, str | None]:
+        from autogpu_jupyter import api
+
+        with _Progress(self._in_kernel()) as progress:
+            try:
+                return api.pick_result(
+                    min_free=args.min_free,
+                    max_util=args.max_util,
+                    count=args.count,
+                    exclude=args.exclude,
+                    exclusive=args.exclusive,
+                    wait=args.wait,
+                    dry_run=args.dry_run,
+                    force=args.force,
+                    settings=self.settings,
+                    on_progress=progress.update,
+                    source="magic",
+                )
+            except KeyboardInterrupt:
+                progress.done("cancelled")
+                raise UsageError(
+                    "pick cancelled (interrupted): no device picked, no lease "
+                    "kept, environment unchanged"
+                ) from None
+            except AutoGPUError as err:
+                progress.done("gave up")
+                raise UsageError(_one_line(err)) from None
+
+    def _pick(self, args: argparse.Namespace) -> None:
+        result, warning = self._run_pick(args)
+        print(format_ranking(result) if args.dry_run else format_pick(result, warning))
+        if not args.dry_run:
+            _watch()
+
+    # -- status --------------------------------------------------------------------------
+    def _status(self) -> None:
+        from autogpu_jupyter import api
+        from autogpu_jupyter.core import session
+
+        try:
+            df = api.status(settings=self.settings)
+        except AutoGPUError as err:
+            raise UsageError(_one_line(err)) from None
+        simulated = bool(df.attrs.get("simulated"))
+        title = "GPUs on this host"
+        if simulated:
+            title += (
+                f" — SIMULATED fleet (AUTOGPU_SIMULATE={os.environ.get('AUTOGPU_SIMULATE', '')})"
+            )
+        choice = session.current()
+        if choice is None:
+            mine = "this kernel: no GPU picked yet (%gpu pick)"
+        else:
+            labels = ", ".join(df.loc[df[""] == "▶", "gpu"]) or ", ".join(choice.uuids)
+            mine = f"this kernel: ▶ {labels} ({choice.source}"
+            mine += f", {choice.constraints_text})" if choice.constraints_text else ")"
+        if self._in_kernel():
+            from IPython.display import display
+
+            def _mark(row: Any) -> list[str]:
+                style = "background-color: #fff3cd; font-weight: bold" if row[""] == "▶" else ""
+                return [style] * len(row)
+
+            styler = (
+                df.style.apply(_mark, axis=1)
+                .hide(axis="index")
+                .format(na_rep="?", precision=0)
+                .set_caption(f"{title} · {mine}")
+            )
+            display(styler)
+        else:
+            print(title)
+            print(df.astype(object).where(df.notna(), "?").to_string(index=False))
+            print(mine)
+
+    # -- release -------------------------------------------------------------------------
+    def _release(self) -> None:
+        from autogpu_jupyter.core import session
+        from autogpu_jupyter.core.cudastate import cuda_state
+
+        before = session.current()
+        old = session.release()
+        if old is None:
+            if before is not None:  # the provisioner's choice, from the environment
+                print(
+                    "this kernel's GPU was picked by the autogpu kernelspec before it started: "
+                    "its lease ends when the kernel stops (or restart it with another kernel)"
+                )
+                return
+            print("autogpu: nothing to release (no GPU picked in this kernel)")
+            return
+        what = ", ".join(d.label for d in old.devices) or ", ".join(old.uuids)
+        cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+        restored = (
+            "CUDA_VISIBLE_DEVICES is unset again"
+            if cvd is None
+            else f"CUDA_VISIBLE_DEVICES restored to {cvd!r}"
+        )
+        lease = " and its lease" if old.lease is not None else ""
+        print(f"autogpu: released {what}{lease}; {restored}")
+        state = cuda_state()
+        if state.initialized:
+            print(
+                f"  CUDA is already initialised in this kernel: it keeps using {what} until "
+                "you restart the kernel"
+            )
+
+    # -- panel / move --------------------------------------------------------------------
+    def _panel(self) -> None:
+        from IPython.display import display
+
+        from autogpu_jupyter.widgets import Panel
+
+        display(Panel())
+
+    def _move(self, argv: Sequence[str]) -> None:
+        """``%gpu move [DEVICE|--best]``: ask the autogpu kernel provisioner to restart this
+        kernel on another GPU (the target must fit now); the user then restarts the kernel."""
+        from autogpu_jupyter import api
+        from autogpu_jupyter.core import moves
+
+        if len(argv) != 1:
+            raise UsageError(
+                f"%gpu move takes one target, got {' '.join(argv) or 'none'!r}; expected a device "
+                "(an NVML index like 2, or a UUID) or --best, e.g. %gpu move --best"
+            )
+        target = "best" if argv[0] in ("--best", "best") else argv[0]
+        if target.startswith("-"):
+            raise UsageError(f"%gpu move: unknown option {target!r}; expected a device or --best")
+        try:
+            plan = moves.request_move_from_kernel(target, registry=api.registry_for(self.settings))
+        except AutoGPUError as err:
+            raise UsageError(_one_line(err)) from None
+        print(plan.message)
+
+    # -- %%gpu ---------------------------------------------------------------------------
+    def _cell(self, line: str, cell: str) -> None:
+        from autogpu_jupyter.core import session
+
+        args = _parse_pick(_split(line), where="%%gpu")
+        if args.dry_run:
+            raise UsageError("%%gpu: --dry-run is for %gpu pick (a dry run would not run the cell)")
+        choice = session.current()
+        if choice is None:
+            result, warning = self._run_pick(args)
+            print(format_pick(result, warning))
+            choice = session.current()
+        else:
+            note = self._violations(choice.uuids, args)
+            if note:
+                print(note)
+        uuids = choice.uuids if choice is not None else ()
+        stats, sampler, simulated, labels = self._start_stats(uuids)
+        t0 = time.perf_counter()
+        try:
+            assert self.shell is not None
+            res = self.shell.run_cell(cell, store_history=False)
+        finally:
+            wall = time.perf_counter() - t0
+            if sampler is not None:
+                sampler.sample_now()  # the last reading covers the end of the cell
+                sampler.unsubscribe(stats.add)
+            print(
+                stats.report(wall, labels, simulated)
+                if sampler is not None
+                else f"autogpu %%gpu: wall {wall:.2f}s · GPU not readable (no sampler)"
+            )
+        err = res.error_before_exec or res.error_in_exec
+        if err is not None:
+            # The inner run_cell already showed the traceback; fail this cell too (so "Run all"
+            # stops) with the same exception, without printing its traceback a second time.
+            with contextlib.suppress(AttributeError):  # exceptions without a __dict__
+                err._render_traceback_ = lambda: [
+                    f"{type(err).__name__}: {err} (in the %%gpu cell; traceback above)"
+                ]
+            raise err
+
+    def _start_stats(self, uuids: tuple[str, ...]) -> tuple[_CellStats, Sampler | None, bool, str]:
+        from autogpu_jupyter.core import sampler as _sampler
+
+        stats = _CellStats(uuids=uuids, start_s=time.time())
+        try:
+            s = _sampler.get_sampler()
+        except AutoGPUError as err:
+            log.debug("no sampler for %%%%gpu: %s", err)
+            return stats, None, False, ", ".join(uuids)
+        latest = s.latest() or s.sample_now()
+        # Samples from now on belong to the cell (the reading above is the state before it).
+        stats.start_s = time.time()
+        labels = (
+            ", ".join((d.label if (d := latest.by_uuid(u)) is not None else u) for u in uuids)
+            if latest is not None
+            else ", ".join(uuids)
+        )
+        s.subscribe(stats.add)
+        return stats, s, bool(latest is not None and latest.simulated), labels or "no GPU"
+
+    def _violations(self, uuids: Sequence[str], args: argparse.Namespace) -> str | None:
+        """Say so when the device this kernel already has violates the cell's options."""
+        from autogpu_jupyter import api
+        from autogpu_jupyter.core.policy import rank
+
+        try:
+            constraints: Constraints = api.constraints_for(
+                self.settings,
+                args.min_free,
+                args.max_util,
+                args.count,
+                args.exclude,
+                args.exclusive,
+            )
+            snap = api.read_snapshot()
+        except AutoGPUError as err:
+            raise UsageError(_one_line(err)) from None
+        lines = []
+        if constraints.count > len(uuids):
+            lines.append(f"  it has {len(uuids)} device(s), {constraints.count} asked for")
+        for c in rank(snap.devices, constraints):
+            if c.device.uuid in uuids and not c.eligible:
+                lines.append(f"  {c.device.label}: {'; '.join(c.reasons)}")
+        if not lines:
+            return None
+        return (
+            "autogpu: this kernel already has a GPU that does not meet "
+            f"{constraints.describe()} (kept; to change: %gpu release, restart the kernel, "
+            "%gpu pick):\n" + "\n".join(lines)
+        )
+
+    # -- helpers -------------------------------------------------------------------------
+    def _in_kernel(self) -> bool:
+        return getattr(self.shell, "kernel", None) is not None
+
+
+# The docstring of the magic is what ``%gpu?`` shows: written for notebook users.
+GPUMagics.gpu.__doc__ = dedent(GPUMagics.__doc__ or "") + "\n" + _PICK_PARSER.format_help()
+
+
+class _Progress:
+    """One updating line while a pick waits (main thread only: the wait loop runs there)."""
+
+    def __init__(self, in_kernel: bool) -> None:
+        self.in_kernel = in_kernel
+        self.handle: Any = None
+        self.shown = False
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.shown and not self.in_kernel:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+    def update(self, text: str) -> None:
+        if self.in_kernel:
+            from IPython.display import DisplayHandle
+
+            data = {"text/plain": text}
+            if self.handle is None:
+                # The handle exists before its first display, so an interrupt arriving during
+                # that display still finds it and can mark the line "cancelled".
+                self.handle = DisplayHandle()
+                self.handle.display(data, raw=True)
+            else:
+                self.handle.update(data, raw=True)
+        else:
+            sys.stdout.write("\r" + text)
+            sys.stdout.flush()
+        self.shown = True
+
+    def done(self, word: str) -> None:
+        if self.shown and self.in_kernel and self.handle is not None:
+            self.handle.update({"text/plain": f"waiting for a device: {word}"}, raw=True)
+
+
+# --------------------------------------------------------------------------- load / unload
+
+
+@dataclass
+class _Loaded:
+    magics: GPUMagics
+    settings: AutoGPU
+    hook: Callable[..., None]
+
+
+_loaded: dict[int, _Loaded] = {}
+
+
+_note_shown = False
+
+
+def _watch() -> None:
+    """Start the kernel's one sampler once it has a device, so that the overload warning
+    reaches users without the panel too (the cell hook reads it; it never starts a thread)."""
+    from autogpu_jupyter.core.sampler import get_sampler
+
+    try:
+        get_sampler()
+    except AutoGPUError as err:  # no driver: nothing to watch
+        log.debug("sampler not started: %s", err)
+
+
+def _pick_note_once() -> None:
+    """Show the kernel provisioner's note (e.g. "started CPU-only because ...") once: what a
+    kernel prints while it starts never reaches the notebook, so the first cell carries it."""
+    global _note_shown
+    note = os.environ.get("AUTOGPU_PICK_NOTE", "").strip()
+    if note and not _note_shown:
+        _note_shown = True
+        print(f"autogpu: {note}")
+
+
+def _overload_hook(*_args: Any) -> None:
+    """``post_run_cell``: print the provisioner's note once and a pending overload warning (main
+    thread; never from a thread)."""
+    _pick_note_once()
+    try:
+        from autogpu_jupyter.core.overload import pending_warning
+    except ImportError:  # the widgets package is optional at this layer
+        return
+    try:
+        text = pending_warning()
+    except AutoGPUError as err:
+        log.debug("overload check failed: %s", err)
+        return
+    if text:
+        print(text)
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Register ``%gpu`` / ``%%gpu`` and the ``AutoGPU`` config (``%load_ext autogpu``).
+
+    Loading twice (also as ``autogpu`` and ``autogpu_jupyter``) is a no-op. With
+    ``c.AutoGPU.pick_on_load = True`` it picks at once, with the configured defaults.
+    """
+    if id(ipython) in _loaded:
+        return
+    from autogpu_jupyter import api
+
+    settings = AutoGPU(parent=ipython)
+    ipython.configurables.append(settings)
+    magics = GPUMagics(ipython, settings)
+    ipython.register_magics(magics)
+    ipython.events.register("post_run_cell", _overload_hook)
+    _loaded[id(ipython)] = _Loaded(magics, settings, _overload_hook)
+    api.set_default_settings(settings)
+    if os.environ.get("AUTOGPU_PROVISIONED") == "1":
+        with _suppress(ImportError):
+            from autogpu_jupyter.core.overload import set_move_hint
+
+            set_move_hint("run %gpu move --best, then restart the kernel (its state is lost)")
+    from autogpu_jupyter.core import session as _session
+
+    if _session.current() is not None:  # e.g. picked by the kernel provisioner
+        _watch()
+    if settings.pick_on_load:
+        from autogpu_jupyter.core import session
+
+        if session.current() is None:
+            try:
+                result, warning = magics._run_pick(_parse_pick([]))
+                print(format_pick(result, warning))
+                _watch()
+            except UsageError as err:
+                print(f"autogpu: pick_on_load did not pick: {err}", file=sys.stderr)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Unregister the magics, the hook and the config; stop the sampler thread.
+
+    The pick itself stays (the variables keep their values); ``%gpu release`` drops it.
+    """
+    state = _loaded.pop(id(ipython), None)
+    if state is None:
+        return
+    from autogpu_jupyter import api
+    from autogpu_jupyter.core.sampler import stop_sampler
+
+    mm = ipython.magics_manager
+    for kind in ("line", "cell"):
+        if mm.magics[kind].get("gpu") is not None and _owned(mm.magics[kind]["gpu"], state.magics):
+            del mm.magics[kind]["gpu"]
+    mm.registry.pop(type(state.magics).__name__, None)
+    with _suppress(ValueError):
+        ipython.events.unregister("post_run_cell", state.hook)
+    with _suppress(ValueError):
+        ipython.configurables.remove(state.settings)
+    api.set_default_settings(None)
+    stop_sampler()
+    with _suppress(ImportError):
+        from autogpu_jupyter.core.overload import reset_pending
+
+        reset_pending()
+
+
+def _owned(func: Any, magics: GPUMagics) -> bool:
+    return getattr(func, "__self__", None) is magics
+
+
+_suppress = contextlib.suppress

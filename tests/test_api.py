@@ -1,0 +1,112 @@
+"""The Python API (``autogpu_jupyter.pick / status / set_visible_devices / release``) in this
+process, over the fake ``libnvidia-ml.so.1`` through the real pynvml binding."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import autogpu_jupyter as ag
+from autogpu_jupyter.core import session
+from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.errors import NoDeviceFitsError, UsageErrorBase
+from tests.fakenvml import FakeNvml, fleet_4x, fleet_mig
+
+GiB = 1024**3
+U = [d["uuid"] for d in fleet_4x()["devices"]]
+
+
+@pytest.fixture
+def host(fake_nvml: FakeNvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    fake_nvml.write(fleet_4x())
+    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "AUTOGPU_PICKED"):
+        monkeypatch.delenv(name, raising=False)
+    registry = tmp_path / "registry"
+    monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(registry))
+    yield registry
+    session.release()
+
+
+def test_pick_returns_devices_and_sets_env(host: Path) -> None:
+    # least loaded first: GPU 0 (3 % util) then GPU 2 (the L4 at 12 %), not GPU 1 (97 % util)
+    chosen = ag.pick(min_free="10G", count=2)
+    assert [d.uuid for d in chosen] == [U[0], U[2]]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == f"{U[0]},{U[2]}"
+    assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert ag.current().uuids == (U[0], U[2])  # type: ignore[union-attr]
+    (lease,) = Registry(str(host)).list_leases()
+    assert lease.device_uuids == (U[0], U[2]) and lease.pid == os.getpid()
+
+
+def test_repick_replaces_own_lease_and_does_not_count_it(host: Path) -> None:
+    ag.pick(min_free="70G")
+    # 77.5 GiB free on GPU 0; our own 70 GiB booking must not make it look like 7.5 GiB
+    assert [d.uuid for d in ag.pick(min_free="70G", exclusive=True)] == [U[0]]
+    (lease,) = Registry(str(host)).list_leases()
+    assert lease.exclusive and lease.device_uuids == (U[0],)
+
+
+def test_failed_pick_keeps_previous_choice_and_env(host: Path) -> None:
+    ag.pick(exclude="0")
+    with pytest.raises(NoDeviceFitsError) as info:
+        ag.pick(min_free="200G")
+    assert str(info.value).splitlines()[0] == "no device fits (min free 200.0 GiB):"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == U[2]
+    assert len(Registry(str(host)).list_leases()) == 1
+
+
+def test_dry_run_changes_nothing(host: Path) -> None:
+    assert [d.uuid for d in ag.pick(dry_run=True)] == [U[0]]
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    assert ag.current() is None
+    assert Registry(str(host)).list_leases() == []
+
+
+def test_set_visible_devices_validates_and_writes_uuids(host: Path) -> None:
+    assert ag.set_visible_devices([2, "GPU-a1000001"]) == [U[2], U[1]]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == f"{U[2]},{U[1]}"
+    assert ag.set_visible_devices("3") == [U[3]]
+    with pytest.raises(UsageErrorBase) as info:
+        ag.set_visible_devices([7])
+    assert str(info.value) == (
+        "unknown device id '7': expected an NVML index (0, 1, 2, 3) or a (unique) UUID"
+    )
+    with pytest.raises(UsageErrorBase) as info:
+        ag.set_visible_devices("0,,1")
+    assert str(info.value).startswith("invalid device list '0,,1': expected NVML indices or UUIDs")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == U[3]
+
+
+def test_set_visible_devices_one_mig_only(host: Path, fake_nvml: FakeNvml) -> None:
+    fake_nvml.write(fleet_mig())
+    with pytest.raises(UsageErrorBase) as info:
+        ag.set_visible_devices(["0:0", "0:1"])
+    assert str(info.value) == "a process can use only one MIG device"
+    assert ag.set_visible_devices(["0:1"]) == ["MIG-22222222-aaaa-5bbb-8ccc-000000000002"]
+
+
+def test_status_frame_marks_this_process(host: Path) -> None:
+    ag.pick(exclude="0")  # GPU 2 (12 % util) is the least loaded of GPUs 1-3
+    df = ag.status()
+    assert list(df["gpu"]) == ["GPU 0", "GPU 1", "GPU 2", "GPU 3"]
+    assert list(df[""]) == ["", "", "▶", ""]
+    assert list(df["mem free"]) == ["77.5 GiB", "39.5 GiB", "21.1 GiB", "10.1 GiB"]
+    assert list(df["util %"]) == [3.0, 97.0, 12.0, 80.0]
+    assert df.loc[2, "holders"].startswith(f"{Registry(str(host)).user}: ")
+    assert list(df["holders"])[:2] == ["", ""]
+    assert df.attrs["simulated"] is False
+
+
+def test_release_restores_env(host: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    ag.pick()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == U[2]
+    old = ag.release()
+    assert old is not None and old.uuids == (U[2],)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert "CUDA_DEVICE_ORDER" not in os.environ
+    assert Registry(str(host)).list_leases() == []
+    assert ag.release() is None

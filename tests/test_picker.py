@@ -1,0 +1,50 @@
+"""The pick orchestration: waiting, and what a wait ranks on."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+from autogpu_jupyter.core.picker import pick
+from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.core.units import parse_size
+
+A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
+B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
+
+
+def write(path: Path, used_gib: int) -> None:
+    fleet = {"devices": [
+        {"name": "NVIDIA A100-SXM4-80GB", "uuid": u, "memory_total": "80GiB",
+         "memory_used": f"{used_gib}GiB", "utilization_pct": 0} for u in (A, B)
+    ]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(fleet))
+    os.replace(tmp, path)
+    os.utime(path, ns=(1, os.stat(path).st_mtime_ns + 10**9))
+
+
+def test_a_wait_ranks_on_the_load_of_now_not_of_when_it_started(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.json"
+    write(path, used_gib=70)  # nothing fits 70 GiB yet
+    current = {A: 97.0, B: 0.0}
+    progress: list[str] = []
+
+    def sampler_mean() -> dict[str, float | None]:
+        return dict(current)
+
+    def sleep(_s: float) -> None:
+        # While the pick waits, the load swaps and memory frees on both GPUs.
+        current.update({A: 0.0, B: 95.0})
+        write(path, used_gib=0)
+
+    result = pick(
+        Constraints(min_free=parse_size("70G")), backend=SimulatedBackend(str(path)),
+        environ={}, wait_s=30, sleep=sleep, smoothed_util=sampler_mean,
+        on_progress=progress.append,
+    )
+    assert [d.uuid for d in result.chosen] == [A]
+    assert result.candidate(A).smoothed_util_pct == 0.0  # type: ignore[union-attr]
+    assert len(progress) == 1 and progress[0].startswith("waiting for a device (min free 70.0 GiB)")
