@@ -29,8 +29,8 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
 def _load_jupyter_server_extension(server_app: Any) -> None:
     """Create the shared state (one sampler per server process) and register the handlers."""
     # Imported here so that listing the extension point stays cheap (no tornado, no pynvml).
-    from autogpu_jupyter.server.handlers import setup_handlers  # noqa: PLC0415
-    from autogpu_jupyter.server.state import AutoGPUServer  # noqa: PLC0415
+    from autogpu_jupyter.server.handlers import setup_handlers
+    from autogpu_jupyter.server.state import AutoGPUServer
 
     state = AutoGPUServer(parent=server_app)
     state.start()

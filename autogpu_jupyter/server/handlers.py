@@ -1,4 +1,4 @@
-"""REST handlers under ``{base_url}/autogpu/``: devices, history, holders, select.
+"""REST handlers under ``{base_url}/autogpu/``: devices, history, holders, select, move.
 
 Every verb is ``@tornado.web.authenticated`` (``tests/test_server.py`` walks the registered
 handlers to check); POST goes through Jupyter's XSRF check. Blocking work runs on the state's
@@ -17,8 +17,8 @@ import tornado.web
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
-from autogpu_jupyter.errors import AutoGPUError, UsageErrorBase
-from autogpu_jupyter.server import payloads
+from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBase
+from autogpu_jupyter.server import moving, payloads
 from autogpu_jupyter.server.state import AutoGPUServer
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,15 @@ class _BaseHandler(APIHandler):
     def _http_error(self, err: AutoGPUError) -> tornado.web.HTTPError:
         code = 400 if isinstance(err, UsageErrorBase) else 503
         return tornado.web.HTTPError(code, str(err).replace("%", "%%"))
+
+
+def _one_paragraph(err: BaseException) -> str:
+    """A multi-line explanation (first line, then one line per dropped device) as one line."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    head = lines[0].rstrip(":")
+    return head + (": " + ". ".join(lines[1:]) if len(lines) > 1 else "")
 
 
 class DevicesHandler(_BaseHandler):
@@ -93,7 +102,10 @@ class SelectHandler(_BaseHandler):
     async def _select(self, params: dict[str, Any]) -> None:
         try:
             constraints = payloads.parse_constraints(params)
-            payload = await self.state.run(payloads.select_payload, self.state, constraints)
+            kernel_id = payloads.parse_kernel_id(params.get("kernel_id"))
+            payload = await self.state.run(
+                payloads.select_payload, self.state, constraints, kernel_id
+            )
         except AutoGPUError as err:
             raise self._http_error(err) from err
         self._finish_json(payload)
@@ -119,12 +131,72 @@ class SelectHandler(_BaseHandler):
         await self._select(params)
 
 
+class MoveHandler(_BaseHandler):
+    """``POST kernels/<kernel_id>/move``: restart an autogpu kernel on another GPU.
+
+    Body: ``{"target": "best" | "<NVML index>" | "<UUID>", "dry_run": false}``. A dry run only
+    plans (the sidebar's confirmation dialog shows its ``message``); otherwise the request is
+    recorded and the kernel restarted, and the answer says where it runs now. Errors: 404 unknown
+    kernel, 400 not an autogpu kernel / bad body / target that does not fit, 409 a move of this
+    kernel already running, 500 the restart failed.
+    """
+
+    @tornado.web.authenticated
+    async def post(self, kernel_id: str) -> None:
+        try:
+            body = moving.parse_move_body(self.request.body)
+        except UsageErrorBase as err:
+            raise self._http_error(err) from err
+        if kernel_id not in self.kernel_manager:
+            raise tornado.web.HTTPError(
+                404, f"no kernel {kernel_id!r} on this server".replace("%", "%%")
+            )
+        km = self.kernel_manager.get_kernel(kernel_id)
+        prov = getattr(km, "provisioner", None)
+        if not moving.is_movable(prov):
+            raise tornado.web.HTTPError(
+                400,
+                "this kernel was not started with the autogpu kernelspec, so no restart would "
+                "move it; choose \"Python 3 (autogpu)\" as the notebook's kernel (install it with "
+                "`autogpu kernelspec install`)",
+            )
+        if kernel_id in self.state.moving:
+            raise tornado.web.HTTPError(409, "a move of this kernel is already in progress")
+        self.state.moving.add(kernel_id)
+        try:
+            payload = await self._move(kernel_id, prov, body)
+        finally:
+            self.state.moving.discard(kernel_id)
+        self._finish_json(payload)
+
+    async def _move(self, kernel_id: str, prov: Any, body: moving.MoveBody) -> dict[str, Any]:
+        try:
+            plan = await self.state.run(moving.plan_or_request, self.state, prov, kernel_id, body)
+        except (UsageErrorBase, NoDeviceFitsError) as err:
+            raise tornado.web.HTTPError(400, _one_paragraph(err).replace("%", "%%")) from err
+        except AutoGPUError as err:
+            raise self._http_error(err) from err
+        if not body.dry_run:
+            kernel_manager: Any = self.kernel_manager  # jupyter_server's is untyped
+            try:
+                await kernel_manager.restart_kernel(kernel_id)
+            except Exception as err:  # the kernel could not restart: say why, keep serving
+                log.exception("autogpu: restarting kernel %s for a move failed", kernel_id)
+                await self.state.run(moving.cancel, prov)
+                raise tornado.web.HTTPError(
+                    500, f"the kernel could not restart: {err}".replace("%", "%%")
+                ) from err
+            prov = getattr(kernel_manager.get_kernel(kernel_id), "provisioner", prov)
+        return moving.result_payload(plan, prov, body.dry_run, self.state.labels())
+
+
 #: (path under the namespace, handler class)
 HANDLERS: list[tuple[str, type[_BaseHandler]]] = [
     ("devices", DevicesHandler),
     ("history", HistoryHandler),
     ("holders", HoldersHandler),
     ("select", SelectHandler),
+    (r"kernels/(?P<kernel_id>[^/]+)/move", MoveHandler),
 ]
 
 

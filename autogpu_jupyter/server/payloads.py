@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from autogpu_jupyter.core.leases import bookings_for
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.units import parse_percent, parse_size
@@ -25,7 +28,8 @@ from autogpu_jupyter.errors import (
 from autogpu_jupyter.server.state import kernel_pid_map, owning_kernel, redact
 
 if TYPE_CHECKING:
-    from autogpu_jupyter.core.devices import FleetSnapshot
+    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+    from autogpu_jupyter.core.policy import Booking
     from autogpu_jupyter.server.state import AutoGPUServer
 
 log = logging.getLogger(__name__)
@@ -36,7 +40,9 @@ __all__ = [
     "holders_payload",
     "select_payload",
     "parse_constraints",
+    "parse_kernel_id",
     "kernel_sessions",
+    "kernel_infos",
 ]
 
 #: How long a request waits for the sampler's first sweep after the server starts.
@@ -269,8 +275,39 @@ def holders_payload(
         "simulated": snap.simulated if snap is not None else False,
         "user": state.user,
         "holders": holders,
+        "kernels": kernel_infos(kernel_manager, sessions) if kernel_manager is not None else [],
         "errors": errors,
     }
+
+
+def kernel_infos(
+    kernel_manager: Any, sessions: Mapping[str, Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """This server's kernels: which can be moved (started by the autogpu provisioner) and where.
+
+    ``movable`` is true for a kernel whose provisioner records move requests
+    (``autogpu_move_file``); ``picked_uuids`` is the provisioner's choice at the last (re)start
+    (empty: CPU-only, or not an autogpu kernel); ``note`` its message, if any.
+    """
+    out: list[dict[str, Any]] = []
+    for kid in list(kernel_manager.list_kernel_ids()):
+        try:
+            km = kernel_manager.get_kernel(kid)
+        except KeyError:
+            continue
+        prov = getattr(km, "provisioner", None)
+        movable = getattr(prov, "autogpu_move_file", None) is not None
+        picked = getattr(prov, "autogpu_picked", None) or ()
+        constraints = getattr(prov, "autogpu_constraints", None)
+        out.append({
+            "kernel_id": kid,
+            "notebook_path": (sessions.get(kid) or {}).get("path"),
+            "movable": movable,
+            "picked_uuids": [str(u) for u in picked] if movable else [],
+            "constraints_text": constraints.describe() if movable and constraints else None,
+            "note": getattr(prov, "autogpu_note", None) if movable else None,
+        })
+    return out
 
 
 def _text(params: Mapping[str, Any], key: str) -> str | None:
@@ -286,18 +323,22 @@ def _text(params: Mapping[str, Any], key: str) -> str | None:
 
 
 _KNOWN = {"min_free", "max_util", "count", "exclude", "exclusive"}
+#: Accepted by ``select`` besides the constraints.
+_SELECT_EXTRA = {"kernel_id"}
 
 
 def parse_constraints(params: Mapping[str, Any]) -> Constraints:
     """Constraints from query arguments or a JSON body, with the magic's units and messages.
 
     Accepted keys: ``min_free`` ("10G", "25%"), ``max_util`` ("50" or "50%"), ``count`` (>= 1),
-    ``exclude`` ("0,2" or a list), ``exclusive`` (true/false).
+    ``exclude`` ("0,2" or a list), ``exclusive`` (true/false). ``kernel_id`` is accepted and
+    left to :func:`parse_kernel_id`.
     """
-    unknown = sorted(set(params) - _KNOWN)
+    accepted = _KNOWN | _SELECT_EXTRA
+    unknown = sorted(set(params) - accepted)
     if unknown:
         raise UsageErrorBase(
-            f"unknown parameter {unknown[0]!r}; accepted: {', '.join(sorted(_KNOWN))}"
+            f"unknown parameter {unknown[0]!r}; accepted: {', '.join(sorted(accepted))}"
         )
     min_free_text = _text(params, "min_free")
     max_util_text = _text(params, "max_util")
@@ -348,11 +389,53 @@ def _candidate_json(c: Any) -> dict[str, Any]:
     }
 
 
-def select_payload(state: AutoGPUServer, constraints: Constraints) -> dict[str, Any]:
+#: Kernel ids as Jupyter makes them (UUIDs), and as the move-request files accept them.
+_KERNEL_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+def parse_kernel_id(value: Any) -> str | None:
+    """The ``kernel_id`` parameter of ``select``: ``None`` when absent, else a safe id."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or not _KERNEL_ID.match(value):
+        raise UsageErrorBase(
+            f"invalid kernel_id {value!r}: expected a kernel id such as "
+            "'5e6f7a8b-1c2d-4e5f-8a9b-0c1d2e3f4a5b'"
+        )
+    return value
+
+
+class _IgnoringRegistry:
+    """The registry as a dry run sees it, without the leases of one of this user's kernels.
+
+    A notebook asking "which GPU is best for me?" must not count its own lease against the
+    device it already holds. Only :meth:`bookings` is used by a dry-run ``pick``.
+    """
+
+    def __init__(self, registry: Any, kernel_id: str, uid: int) -> None:
+        self._registry = registry
+        self._kernel_id = kernel_id
+        self._uid = uid
+
+    def bookings(self, devices: Sequence[DeviceSnapshot], txn: Any = None) -> dict[str, Booking]:
+        try:
+            leases = self._registry.list_leases()
+        except AutoGPUError as err:  # an unreadable registry books nothing, as in Registry
+            log.debug("bookings without registry: %s", err)
+            leases = []
+        kept = [r for r in leases if not (r.kernel_id == self._kernel_id and r.uid == self._uid)]
+        return bookings_for(devices, kept)
+
+
+def select_payload(
+    state: AutoGPUServer, constraints: Constraints, ignore_kernel_id: str | None = None
+) -> dict[str, Any]:
     """``select``: ``core.picker.pick(constraints, dry_run=True)`` over the sampler's latest sweep.
 
     A request nothing fits is a normal answer (``chosen`` empty, ``message`` says why), not an
-    HTTP error. The registry is read for bookings, never written.
+    HTTP error. The registry is read for bookings, never written. ``ignore_kernel_id``: the
+    leases of that kernel (of this server's user) are left out of the bookings, so that a
+    notebook's recommendation does not count its own lease against the device it holds.
     """
     snap = latest_snapshot(state)
     backend = _LatestBackend(snap) if snap is not None else None
@@ -377,6 +460,8 @@ def select_payload(state: AutoGPUServer, constraints: Constraints) -> dict[str, 
         "timestamp_s": snap.timestamp_s if snap is not None else None,
         "notes": notes,
     }
+    if registry is not None and ignore_kernel_id is not None:
+        registry = _IgnoringRegistry(registry, ignore_kernel_id, os.geteuid())
     try:
         result = pick(constraints, backend=backend, registry=registry, dry_run=True,
                       smoothed_util=smoothed)

@@ -96,6 +96,8 @@ class AutoGPUServer(Configurable):
         self._sampler_error: str | None = None
         self._lock = threading.Lock()
         self._registry: Any = None
+        #: Kernels with a move in progress (touched on the IOLoop only): a second one is refused.
+        self.moving: set[str] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -128,6 +130,12 @@ class AutoGPUServer(Configurable):
             if self._registry is None:
                 self._registry = Registry(self.registry_dir)
             return self._registry
+
+    def labels(self) -> dict[str, str]:
+        """UUID -> label ("GPU 2") from the sampler's latest sweep (no NVML call)."""
+        sampler = self._sampler
+        snap = sampler.latest() if sampler is not None else None
+        return {d.uuid: d.label for d in snap.devices} if snap is not None else {}
 
     async def run(self, func: Callable[..., T], *args: Any) -> T:
         """Run a blocking call on the executor."""

@@ -84,13 +84,47 @@ export interface IHolder {
   command: string | null;
 }
 
+/** One of this server's kernels: can it be moved (autogpu kernelspec), and where is it. */
+export interface IKernelInfo {
+  kernel_id: string;
+  notebook_path: string | null;
+  movable: boolean;
+  /** The provisioner's pick at the last (re)start; empty: CPU-only or not an autogpu kernel. */
+  picked_uuids: string[];
+  constraints_text: string | null;
+  note: string | null;
+}
+
 /** `GET /autogpu/holders`. */
 export interface IHolders {
   timestamp_s: number;
   simulated: boolean;
   user: string;
   holders: IHolder[];
+  kernels: IKernelInfo[];
   errors: string[];
+}
+
+/** `POST /autogpu/kernels/<id>/move` (also its dry run, for the confirmation dialog). */
+export interface IMoveResult {
+  dry_run: boolean;
+  /** What the move will do / did, in words, for the panel or the dialog. */
+  message: string;
+  plan: string;
+  target: string[];
+  target_labels: string[];
+  /** Where the restarted kernel runs (null for a dry run). */
+  picked: string[] | null;
+  note: string | null;
+}
+
+/** A move button on a card: `best` on the kernel's own device, `here` on the others. */
+export interface IMoveAction {
+  kind: 'best' | 'here';
+  /** The endpoint's `target`: `best` or the device's UUID. */
+  target: string;
+  label: string;
+  title: string;
 }
 
 /** A chosen device in a dry-run answer. */
@@ -395,13 +429,113 @@ export function parseHolders(raw: unknown): IHolders {
       command: strOrNull(h.command)
     };
   });
+  const kernels = Array.isArray(raw.kernels)
+    ? raw.kernels.map((k: unknown): IKernelInfo => {
+        if (!isObject(k) || typeof k.kernel_id !== 'string') {
+          return fail('kernel', k);
+        }
+        return {
+          kernel_id: k.kernel_id,
+          notebook_path: strOrNull(k.notebook_path),
+          movable: k.movable === true,
+          picked_uuids: stringList(k.picked_uuids),
+          constraints_text: strOrNull(k.constraints_text),
+          note: strOrNull(k.note)
+        };
+      })
+    : [];
   return {
     timestamp_s: numOrNull(raw.timestamp_s) ?? 0,
     simulated: raw.simulated === true,
     user: typeof raw.user === 'string' ? raw.user : '',
     holders,
+    kernels,
     errors: stringList(raw.errors)
   };
+}
+
+/** The kernel `kernelId` among this server's kernels, or null. */
+export function kernelInfoFor(
+  holders: IHolders | null,
+  kernelId: string | null
+): IKernelInfo | null {
+  if (holders === null || kernelId === null) {
+    return null;
+  }
+  return holders.kernels.find(k => k.kernel_id === kernelId) ?? null;
+}
+
+/**
+ * The move button a card shows for the active notebook's kernel, or null. Only a kernel
+ * started by the autogpu kernelspec can move (its provisioner picks again at the restart);
+ * lost devices offer nothing; a kernel on several GPUs offers only "best" (a move names as
+ * many devices as it uses).
+ */
+export function moveActionFor(
+  device: IDevice,
+  kernel: IKernelInfo | null
+): IMoveAction | null {
+  if (kernel === null || !kernel.movable || !device.available) {
+    return null;
+  }
+  if (kernel.picked_uuids.includes(device.uuid)) {
+    return {
+      kind: 'best',
+      target: 'best',
+      label: 'Move to best GPU',
+      title:
+        "Restart this notebook's kernel on the best other GPU (its variables are lost)"
+    };
+  }
+  if (kernel.picked_uuids.length > 1) {
+    return null;
+  }
+  return {
+    kind: 'here',
+    target: device.uuid,
+    label: 'Move here',
+    title: `Restart this notebook's kernel on ${device.label} (its variables are lost)`
+  };
+}
+
+/** Validate a move answer. */
+export function parseMoveResult(raw: unknown): IMoveResult {
+  if (!isObject(raw) || typeof raw.message !== 'string') {
+    return fail('move answer', raw);
+  }
+  return {
+    dry_run: raw.dry_run === true,
+    message: raw.message,
+    plan: typeof raw.plan === 'string' ? raw.plan : raw.message,
+    target: stringList(raw.target),
+    target_labels: stringList(raw.target_labels),
+    picked: Array.isArray(raw.picked) ? stringList(raw.picked) : null,
+    note: strOrNull(raw.note)
+  };
+}
+
+/** The confirm button of the move dialog: `Restart on GPU 2`. */
+export function confirmLabel(plan: IMoveResult): string {
+  const where = plan.target_labels.length
+    ? plan.target_labels.join(', ')
+    : 'the new GPU';
+  return `Restart on ${where}`;
+}
+
+/**
+ * The dry-run `select` path for the recommendation: the sidebar's min free, and the active
+ * notebook's kernel so that its own lease does not count against the device it holds.
+ */
+export function selectPath(minFree: string, kernelId: string | null): string {
+  const params: string[] = [];
+  const wanted = minFree.trim();
+  if (wanted) {
+    params.push(`min_free=${encodeURIComponent(wanted)}`);
+  }
+  if (kernelId) {
+    params.push(`kernel_id=${encodeURIComponent(kernelId)}`);
+  }
+  return params.length ? `select?${params.join('&')}` : 'select';
 }
 
 /** Validate `select`. */

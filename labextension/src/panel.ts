@@ -3,9 +3,15 @@
  * notebook. It polls the server extension with backoff while visible and stops when hidden;
  * every failure is shown in the panel, never thrown at the user.
  *
+ * For a notebook whose kernel was started by the autogpu kernelspec, the card of the device
+ * it holds has a "Move to best GPU" button and the other cards a "Move here" button: after a
+ * confirmation dialog (the plan from the server's dry run: the kernel restarts and loses its
+ * state) the server records the move and restarts the kernel; the panel shows the outcome.
+ *
  * All text from the server (device names, other users' names and notebook paths) is inserted
  * with `textContent`, never as HTML.
  */
+import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { ServerConnection } from '@jupyterlab/services';
 import { Poll } from '@lumino/polling';
 import { Message } from '@lumino/messaging';
@@ -14,19 +20,26 @@ import { Widget } from '@lumino/widgets';
 import {
   IFleet,
   IHolders,
+  IKernelInfo,
+  IMoveAction,
   ISelection,
   ISeries,
+  confirmLabel,
   deviceState,
   formatMemory,
   formatPct,
   formatThermals,
   holdersFor,
+  kernelInfoFor,
   mergeHistory,
+  moveActionFor,
   parseFleet,
   parseHistory,
   parseHolders,
+  parseMoveResult,
   parseSelection,
   recommendationText,
+  selectPath,
   sparklinePath,
   unsupportedNote
 } from './model';
@@ -80,6 +93,22 @@ function errorText(reason: unknown): string {
   return String(reason);
 }
 
+/** The last move of a kernel, shown while that kernel's notebook is active. */
+interface IMoveStatus {
+  kernelId: string;
+  text: string;
+  failed: boolean;
+  busy: boolean;
+}
+
+/** The server's message alone (it is written for people), else the generic text. */
+function moveErrorText(reason: unknown): string {
+  if (reason instanceof ServerConnection.ResponseError) {
+    return reason.message;
+  }
+  return errorText(reason);
+}
+
 /** The GPU sidebar. */
 export class GPUPanel extends Widget {
   constructor(options: IGPUPanelOptions) {
@@ -103,11 +132,19 @@ export class GPUPanel extends Widget {
     this._status = el('div', 'jp-AutoGPU-status', 'loading…');
     this._errors = el('div', 'jp-AutoGPU-errors');
     this._recommendation = el('div', 'jp-AutoGPU-recommendation');
+    this._moveStatus = el('div', 'jp-AutoGPU-moveStatus');
+    this._moveStatus.setAttribute('role', 'status');
     this._cards = el('div', 'jp-AutoGPU-cards');
     const header = el('div', 'jp-AutoGPU-header');
     header.appendChild(el('h2', 'jp-AutoGPU-title', 'GPUs'));
     header.appendChild(this._status);
-    this.node.append(header, this._errors, this._recommendation, this._cards);
+    this.node.append(
+      header,
+      this._errors,
+      this._recommendation,
+      this._moveStatus,
+      this._cards
+    );
   }
 
   /** Apply settings; a new interval takes effect at the next tick. */
@@ -127,10 +164,11 @@ export class GPUPanel extends Widget {
   async refresh(): Promise<void> {
     const since = this._until === null ? '' : `?since=${this._until}`;
     const active = this._activeNotebook();
-    const minFree = this._settings.recommendMinFree.trim();
-    const selectQuery = minFree
-      ? `select?min_free=${encodeURIComponent(minFree)}`
-      : 'select';
+    // The active notebook's own lease must not count against the device it holds.
+    const selectQuery = selectPath(
+      this._settings.recommendMinFree,
+      active?.kernelId ?? null
+    );
     const errors: string[] = [];
     try {
       const [fleetRaw, historyRaw, holdersRaw] = await Promise.all([
@@ -219,7 +257,107 @@ export class GPUPanel extends Widget {
       )
     );
     this._renderRecommendation(active);
+    this._renderMoveStatus(active);
     this._renderCards(fleet, active);
+  }
+
+  private _renderMoveStatus(active: IActiveNotebook | null): void {
+    const status = this._move;
+    this._moveStatus.replaceChildren();
+    if (status === null || active?.kernelId !== status.kernelId) {
+      return;
+    }
+    this._moveStatus.appendChild(
+      el(
+        'div',
+        status.failed
+          ? 'jp-AutoGPU-moveMessage jp-AutoGPU-moveFailed'
+          : 'jp-AutoGPU-moveMessage',
+        status.text
+      )
+    );
+  }
+
+  private _setMoveStatus(
+    kernelId: string,
+    text: string,
+    failed = false,
+    busy = false
+  ): void {
+    this._move = { kernelId, text, failed, busy };
+    this._renderMoveStatus(this._activeNotebook());
+    this._cards.querySelectorAll('button').forEach(button => {
+      button.disabled = busy;
+    });
+  }
+
+  /**
+   * Ask the server for the plan (dry run), confirm with the user, then move: the server records
+   * the request and restarts the kernel, which comes back on the new device.
+   */
+  private async _onMove(
+    kernel: IKernelInfo,
+    action: IMoveAction
+  ): Promise<void> {
+    const kernelId = kernel.kernel_id;
+    const url = `kernels/${encodeURIComponent(kernelId)}/move`;
+    const post = (dryRun: boolean) =>
+      requestAPI<unknown>(url, this._serverSettings, {
+        method: 'POST',
+        body: JSON.stringify({ target: action.target, dry_run: dryRun })
+      });
+    this._setMoveStatus(kernelId, 'checking the move…', false, true);
+    let plan;
+    try {
+      plan = parseMoveResult(await post(true));
+    } catch (reason) {
+      this._setMoveStatus(
+        kernelId,
+        `cannot move: ${moveErrorText(reason)}`,
+        true
+      );
+      return;
+    }
+    const body = el('div', 'jp-AutoGPU-moveDialog');
+    body.append(
+      el('p', 'jp-AutoGPU-movePlan', plan.message),
+      el(
+        'p',
+        'jp-AutoGPU-moveWarning',
+        `Variables, imports and data in memory of ${
+          kernel.notebook_path ?? 'this notebook'
+        } are lost; the outputs already in the notebook stay.`
+      )
+    );
+    const answer = await showDialog({
+      title: 'Restart the kernel on another GPU?',
+      body: new Widget({ node: body }),
+      buttons: [
+        Dialog.cancelButton(),
+        Dialog.warnButton({ label: confirmLabel(plan) })
+      ]
+    });
+    if (!answer.button.accept) {
+      this._setMoveStatus(kernelId, 'move cancelled: nothing changed');
+      return;
+    }
+    this._setMoveStatus(
+      kernelId,
+      `restarting the kernel on ${plan.target_labels.join(', ')}…`,
+      false,
+      true
+    );
+    try {
+      const result = parseMoveResult(await post(false));
+      this._setMoveStatus(kernelId, result.message);
+    } catch (reason) {
+      this._setMoveStatus(
+        kernelId,
+        `move failed: ${moveErrorText(reason)}`,
+        true
+      );
+    }
+    void this._poll.refresh();
   }
 
   private _renderRecommendation(active: IActiveNotebook | null): void {
@@ -252,9 +390,12 @@ export class GPUPanel extends Widget {
       simulated: false,
       user: '',
       holders: [],
+      kernels: [],
       errors: []
     };
     const kernelId = active?.kernelId ?? null;
+    const kernel = kernelInfoFor(holders, kernelId);
+    const busy = this._move?.busy === true;
     for (const device of fleet.devices) {
       const state = deviceState(device);
       const card = el('div', `jp-AutoGPU-card jp-AutoGPU-${state}`);
@@ -336,6 +477,21 @@ export class GPUPanel extends Widget {
         list.appendChild(el('li', 'jp-AutoGPU-holder jp-AutoGPU-free', 'free'));
       }
       card.appendChild(list);
+      const action = moveActionFor(device, kernel);
+      if (action !== null && kernel !== null) {
+        const button = el(
+          'button',
+          `jp-AutoGPU-move jp-AutoGPU-move-${action.kind}`,
+          action.label
+        );
+        button.type = 'button';
+        button.title = action.title;
+        button.disabled = busy;
+        button.addEventListener('click', () => {
+          void this._onMove(kernel, action);
+        });
+        card.appendChild(button);
+      }
       this._cards.appendChild(card);
     }
   }
@@ -375,6 +531,8 @@ export class GPUPanel extends Widget {
   private _status: HTMLElement;
   private _errors: HTMLElement;
   private _recommendation: HTMLElement;
+  private _moveStatus: HTMLElement;
+  private _move: IMoveStatus | null = null;
   private _cards: HTMLElement;
   private _fleet: IFleet | null = null;
   private _holders: IHolders | null = null;

@@ -1,0 +1,167 @@
+"""``POST kernels/<kernel_id>/move``: restart one of this server's kernels on another GPU.
+
+The sidebar's "Move to best GPU" / "Move here" buttons call it. What happens
+(:mod:`autogpu_jupyter.core.moves` has the mechanism):
+
+1. the kernel must have been started by the autogpu kernel provisioner (its provisioner object
+   carries ``autogpu_move_file``); the server reads the provisioner's attributes with ``getattr``
+   and never imports :mod:`autogpu_jupyter.provisioner`;
+2. :func:`~autogpu_jupyter.core.moves.request_move` checks the target against the devices now
+   (the kernel's own pick options, the server's grant, other holders' leases) and records the
+   request; ``dry_run`` only plans, which the sidebar shows in its confirmation dialog;
+3. the handler restarts the kernel; the provisioner honours the request in ``pre_launch``, with
+   the old kernel's lease gone with its process. The kernel's state is lost.
+
+Everything here is blocking (NVML, the registry, the request file) and runs on the state's
+executor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from autogpu_jupyter.core import moves
+from autogpu_jupyter.errors import UsageErrorBase
+
+if TYPE_CHECKING:
+    from autogpu_jupyter.server.state import AutoGPUServer
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "MoveBody", "cancel", "is_movable", "parse_move_body", "plan_or_request", "result_payload",
+]
+
+_ACCEPTED = ("target", "dry_run")
+_EXAMPLE = '{"target": "best"} or {"target": "2"}'
+
+
+class MoveBody:
+    """A parsed request body: ``target`` (``"best"``, an NVML index or a UUID) and ``dry_run``."""
+
+    __slots__ = ("dry_run", "target")
+
+    def __init__(self, target: str, dry_run: bool) -> None:
+        self.target = target
+        self.dry_run = dry_run
+
+
+def parse_move_body(body: bytes) -> MoveBody:
+    """Validate the JSON body of a move request.
+
+    Raises
+    ------
+    UsageErrorBase
+        Not JSON, not an object, an unknown key, or a missing / malformed ``target``; the message
+        names the bad value and the accepted forms.
+    """
+    try:
+        data = json.loads(body or b"{}")
+    except ValueError:
+        raise UsageErrorBase(f"request body is not JSON; expected {_EXAMPLE}") from None
+    if not isinstance(data, dict):
+        raise UsageErrorBase(f"expected a JSON object such as {_EXAMPLE}, got {data!r}")
+    unknown = sorted(set(data) - set(_ACCEPTED))
+    if unknown:
+        raise UsageErrorBase(
+            f"unknown parameter {unknown[0]!r}; accepted: {', '.join(_ACCEPTED)}"
+        )
+    raw = data.get("target")
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
+        target = str(raw)
+    elif isinstance(raw, str) and raw.strip():
+        target = raw.strip()
+    else:
+        raise UsageErrorBase(
+            f"invalid target {raw!r}: expected \"best\", an NVML index such as \"2\", or a GPU "
+            "UUID"
+        )
+    if target.lower() == "--best":
+        target = moves.BEST
+    dry_run = data.get("dry_run", False)
+    if not isinstance(dry_run, bool):
+        raise UsageErrorBase(f"invalid dry_run {dry_run!r}: expected true or false")
+    return MoveBody(target, dry_run)
+
+
+def is_movable(provisioner: Any) -> bool:
+    """Whether the kernel was started by the autogpu provisioner (which honours move requests)."""
+    return getattr(provisioner, "autogpu_move_file", None) is not None
+
+
+def plan_or_request(
+    state: AutoGPUServer, provisioner: Any, kernel_id: str, body: MoveBody
+) -> moves.MovePlan:
+    """Plan the move (``dry_run``) or plan and record it for the kernel's next restart.
+
+    The server's own environment bounds the target (its ``CUDA_VISIBLE_DEVICES`` grant, as the
+    provisioner's pick); the registry the sidebar shows gives the other holders' bookings.
+
+    Raises
+    ------
+    UsageErrorBase
+        Unknown device, outside the grant, already there, or the target does not fit.
+    NoDeviceFitsError
+        ``best`` and no other device fits.
+    """
+    registry = state.registry()
+    kwargs: dict[str, Any] = {
+        "current_uuids": tuple(getattr(provisioner, "autogpu_picked", None) or ()),
+        "constraints": provisioner.autogpu_constraints,
+        "kernel_id": kernel_id,
+        "registry": registry,
+        "source": "server",
+    }
+    if body.dry_run:
+        return moves.plan_move(body.target, **kwargs)
+    return moves.request_move(provisioner.autogpu_move_file, body.target, **kwargs)
+
+
+def cancel(provisioner: Any) -> None:
+    """Drop a recorded request (the restart failed: no later restart should move by surprise)."""
+    path = getattr(provisioner, "autogpu_move_file", None)
+    if path:
+        moves.cancel_move(path)
+
+
+def _labels(uuids: tuple[str, ...], known: Mapping[str, str]) -> str:
+    return ", ".join(known.get(u, u) for u in uuids) or "no GPU"
+
+
+def result_payload(
+    plan: moves.MovePlan, provisioner: Any, dry_run: bool,
+    labels: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The endpoint's answer, with the message the sidebar shows.
+
+    ``target`` is where the plan meant to go; ``picked`` is where the restarted kernel is now
+    (the provisioner's pick, which differs from the plan only if the devices changed in between:
+    ``note`` then says why).
+    """
+    planned = tuple(d.uuid for d in plan.target)
+    known = {**(labels or {}), **{d.uuid: d.label for d in plan.target}}
+    out: dict[str, Any] = {
+        "dry_run": dry_run,
+        "plan": plan.message,
+        "target": list(planned),
+        "target_labels": [d.label for d in plan.target],
+    }
+    if dry_run:
+        return {**out, "message": plan.message, "picked": None, "note": None}
+    picked = tuple(getattr(provisioner, "autogpu_picked", None) or ())
+    note = getattr(provisioner, "autogpu_note", None)
+    if picked == planned:
+        message = (
+            f"The kernel restarted on {_labels(picked, known)}; its state (variables) was lost."
+        )
+    else:
+        message = (
+            f"The kernel restarted on {_labels(picked, known)}, not on "
+            f"{_labels(planned, known)} as planned"
+            + (f": {note}" if note else "")
+            + ". Its state (variables) was lost."
+        )
+    return {**out, "message": message, "picked": list(picked), "note": note}

@@ -1,0 +1,179 @@
+import {
+  IDevice,
+  confirmLabel,
+  kernelInfoFor,
+  moveActionFor,
+  parseDevice,
+  parseHolders,
+  parseMoveResult,
+  selectPath
+} from '../model';
+
+const GiB = 1024 ** 3;
+
+function device(index: number, extra: Record<string, unknown> = {}): IDevice {
+  return parseDevice({
+    index,
+    uuid: `GPU-${index}`,
+    name: 'NVIDIA L4',
+    label: `GPU ${index}`,
+    memory_total_bytes: 24 * GiB,
+    memory_used_bytes: GiB,
+    available: true,
+    ...extra
+  });
+}
+
+/** The holders answer of tests/test_move.py: one autogpu kernel on GPU 0, one plain kernel. */
+const holdersJson = {
+  timestamp_s: 1,
+  simulated: false,
+  user: 'me',
+  errors: [],
+  holders: [],
+  kernels: [
+    {
+      kernel_id: 'k-autogpu',
+      notebook_path: 'work/train.ipynb',
+      movable: true,
+      picked_uuids: ['GPU-0'],
+      constraints_text: 'min free 10.0 GiB',
+      note: null
+    },
+    {
+      kernel_id: 'k-plain',
+      notebook_path: 'plain.ipynb',
+      movable: false,
+      picked_uuids: [],
+      constraints_text: null,
+      note: null
+    }
+  ]
+};
+
+describe('kernelInfoFor', () => {
+  const holders = parseHolders(holdersJson);
+
+  it('finds the active notebook kernel among the server kernels', () => {
+    expect(kernelInfoFor(holders, 'k-autogpu')).toEqual({
+      kernel_id: 'k-autogpu',
+      notebook_path: 'work/train.ipynb',
+      movable: true,
+      picked_uuids: ['GPU-0'],
+      constraints_text: 'min free 10.0 GiB',
+      note: null
+    });
+    expect(kernelInfoFor(holders, 'k-other')).toBeNull();
+    expect(kernelInfoFor(holders, null)).toBeNull();
+    expect(kernelInfoFor(null, 'k-autogpu')).toBeNull();
+  });
+
+  it('reads an older server without the kernels list as no kernels', () => {
+    const old: Record<string, unknown> = { ...holdersJson };
+    delete old.kernels;
+    expect(parseHolders(old).kernels).toEqual([]);
+  });
+
+  it('rejects a kernel entry without an id', () => {
+    expect(() =>
+      parseHolders({ ...holdersJson, kernels: [{ movable: true }] })
+    ).toThrow('unexpected kernel from the server: {"movable":true}');
+  });
+});
+
+describe('moveActionFor', () => {
+  const holders = parseHolders(holdersJson);
+  const mine = kernelInfoFor(holders, 'k-autogpu');
+  const plain = kernelInfoFor(holders, 'k-plain');
+
+  it('offers "Move to best GPU" on the card of the device the kernel holds', () => {
+    expect(moveActionFor(device(0), mine)).toEqual({
+      kind: 'best',
+      target: 'best',
+      label: 'Move to best GPU',
+      title:
+        "Restart this notebook's kernel on the best other GPU (its variables are lost)"
+    });
+  });
+
+  it('offers "Move here" on the other cards, by UUID', () => {
+    expect(moveActionFor(device(2), mine)).toEqual({
+      kind: 'here',
+      target: 'GPU-2',
+      label: 'Move here',
+      title: "Restart this notebook's kernel on GPU 2 (its variables are lost)"
+    });
+  });
+
+  it('offers nothing for a kernel not started by the autogpu kernelspec', () => {
+    expect(moveActionFor(device(0), plain)).toBeNull();
+    expect(moveActionFor(device(1), plain)).toBeNull();
+    expect(moveActionFor(device(1), null)).toBeNull();
+  });
+
+  it('offers nothing on a lost device', () => {
+    expect(
+      moveActionFor(device(3, { available: false, error: 'GPU is lost' }), mine)
+    ).toBeNull();
+  });
+
+  it('offers only "best" to a kernel on two GPUs', () => {
+    const two = { ...mine!, picked_uuids: ['GPU-0', 'GPU-1'] };
+    expect(moveActionFor(device(1), two)?.kind).toBe('best');
+    expect(moveActionFor(device(2), two)).toBeNull();
+  });
+
+  it('lets a CPU-only autogpu kernel move to any device', () => {
+    const cpu = { ...mine!, picked_uuids: [] };
+    expect(moveActionFor(device(0), cpu)?.target).toBe('GPU-0');
+  });
+});
+
+describe('parseMoveResult and confirmLabel', () => {
+  it('reads the dry run the dialog shows', () => {
+    const plan = parseMoveResult({
+      dry_run: true,
+      plan: 'The kernel will restart on GPU 1 (NVIDIA L4, 23.0 GiB free), ...',
+      message:
+        'The kernel will restart on GPU 1 (NVIDIA L4, 23.0 GiB free), ...',
+      target: ['GPU-1'],
+      target_labels: ['GPU 1'],
+      picked: null,
+      note: null
+    });
+    expect(plan.dry_run).toBe(true);
+    expect(plan.picked).toBeNull();
+    expect(confirmLabel(plan)).toBe('Restart on GPU 1');
+  });
+
+  it('reads the result of a move', () => {
+    const result = parseMoveResult({
+      dry_run: false,
+      plan: 'p',
+      message: 'The kernel restarted on GPU 2; its state (variables) was lost.',
+      target: ['GPU-2'],
+      target_labels: ['GPU 2'],
+      picked: ['GPU-2'],
+      note: "moved at your request: the kernel's state was lost"
+    });
+    expect(result.picked).toEqual(['GPU-2']);
+    expect(result.message).toBe(
+      'The kernel restarted on GPU 2; its state (variables) was lost.'
+    );
+  });
+
+  it('rejects an answer without a message', () => {
+    expect(() => parseMoveResult({ target: [] })).toThrow(
+      'unexpected move answer from the server: {"target":[]}'
+    );
+  });
+});
+
+describe('selectPath', () => {
+  it('asks for the sidebar min free, for the active kernel', () => {
+    expect(selectPath('10G', 'k-1')).toBe('select?min_free=10G&kernel_id=k-1');
+    expect(selectPath(' 25% ', null)).toBe('select?min_free=25%25');
+    expect(selectPath('', 'k-1')).toBe('select?kernel_id=k-1');
+    expect(selectPath('', null)).toBe('select');
+  });
+});
