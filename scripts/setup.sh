@@ -27,7 +27,7 @@ if [ "$need_py" = 1 ]; then
   "$VENV/bin/python" -m pip install -q -e ".[test,bench,dev]"
   # Link (not copy) the built extension into the venv, as the extension template does, so that
   # a later `jlpm build` in labextension/ reaches `make lab` without reinstalling.
-  PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/jupyter" labextension develop --overwrite . >/dev/null
+  PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/jupyter-builder" develop --overwrite . >/dev/null
   touch "$stamp"
 fi
 
