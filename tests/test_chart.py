@@ -1,13 +1,19 @@
-"""Pure rendering and overload detection: DataFrame / snapshots in, exact text out."""
+"""Pure rendering and overload detection: history (arrays or DataFrame) / snapshots in, exact
+text out; and the panel redraws only when what it draws from changed."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import pandas as pd
+import pytest
 
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
-from autogpu_jupyter.core.sampler import METRICS
-from autogpu_jupyter.widgets import chart
 from autogpu_jupyter.core.overload import Thresholds, detect
+from autogpu_jupyter.core.sampler import METRICS, series_from_frame
+from autogpu_jupyter.widgets import chart
 
 GiB = 1024**3
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
@@ -144,3 +150,100 @@ def test_memory_nearly_full_by_others_warns_at_once() -> None:
     assert len(w) == 1
     assert w[0].causes == ("memory 98% full (over 95%)",)
     assert w[0].others_text() == "1 other process holding 78.0 GiB (user bob)"
+
+
+def test_charts_from_arrays_equal_charts_from_the_frame() -> None:
+    snap = _snapshot()
+    frame = _frame([50, float("nan"), 95, 97])
+    series = series_from_frame(frame)
+    assert set(series) == {A, B, C}
+    from_arrays = chart.render_charts(series, snap.devices, window_s=60, highlight=[A])
+    assert from_arrays == chart.render_charts(frame, snap.devices, window_s=60, highlight=[A])
+    # utilisation 50 at t=70 (x = 162), unknown at t=80, 95 and 97 at t=90 and t=100
+    assert 'class="autogpu-util" d="M162.0,44.0 M250.0,11.6 L294.0,10.2"' in from_arrays
+    # memory 75% all along: a flat line keeps its ends only
+    assert 'class="autogpu-mem" d="M162.0,26.0 L294.0,26.0"' in from_arrays
+    # GPU 1: 2% utilisation, memory 1 of 80 GiB
+    assert 'class="autogpu-util" d="M162.0,78.6 L294.0,78.6"' in from_arrays
+    assert "mem 1%" in from_arrays
+
+
+def test_samples_outside_the_window_are_left_out() -> None:
+    series = series_from_frame(_frame([10, 20, 30, 40]))[A]
+    html = chart.render_device_chart(series, label="GPU 0", uuid=A, window_s=15, now_s=100.0)
+    # t=70 and t=80 are older than 15 s: the line starts at t=90 (x = 30 + 264 * (1 - 10/15))
+    assert 'class="autogpu-util" d="M118.0,58.4 L294.0,51.2"' in html
+    assert ">-15 s</text>" in html
+
+
+def _panel_fleet(util_a: float, *, broken: bool = False) -> dict[str, Any]:
+    return {
+        "devices": [
+            {
+                "uuid": A,
+                "name": "A100",
+                "memory_total": "lots" if broken else 80 * GiB,
+                "utilization_pct": util_a,
+                "memory_used": 60 * GiB,
+                "processes": [{"pid": 4242, "user": "bob", "used_memory": 60 * GiB}],
+            },
+            {"uuid": B, "name": "A100", "memory_total": 80 * GiB, "utilization_pct": 2},
+        ]
+    }
+
+
+def test_panel_redraws_only_when_its_inputs_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+    from autogpu_jupyter.core.sampler import Sampler
+    from autogpu_jupyter.widgets.panel import Panel
+
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", A)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(_panel_fleet(97)))
+    now = [1_000_000.0]
+    clock = lambda: now[0]  # noqa: E731
+    s = Sampler(SimulatedBackend(str(path), clock=clock), history_s=900.0, clock=clock)
+    panel = Panel(window_s=60, sampler=s, thresholds=Thresholds(90, 2, 95))
+    try:
+        assert panel.update_count == 1  # drawn at once, from its first sample
+        assert panel.charts.value.count("<svg") == 2
+        assert f'data-uuid="{A}" data-kernel="1"' in panel.charts.value
+        charts = panel.charts.value
+        panel.refresh()  # the same inputs: nothing is redrawn
+        assert panel.update_count == 1
+        # a failed read changes the status line only
+        path.write_text(json.dumps(_panel_fleet(97, broken=True)))
+        assert s.sample_now() is None
+        assert panel.update_count == 1 and panel.charts.value == charts
+        assert "last read failed: invalid size &#x27;lots&#x27;" in panel.status.value
+        # new samples redraw; 97% for 2 s warns
+        path.write_text(json.dumps(_panel_fleet(97)))
+        for _ in range(2):
+            now[0] += 1
+            s.sample_now()
+        assert panel.update_count == 3
+        assert panel.charts.value != charts
+        # three samples of 97% over the last 2 s of 60: one flat line, its middle point left out
+        assert 'class="autogpu-util" d="M285.2,10.2 L294.0,10.2"' in panel.charts.value
+        assert [w.causes for w in panel.warnings] == [("utilisation 97% for 2s (over 90%)",)]
+        assert "<b>GPU 0 (this kernel's GPU) is overloaded</b>" in panel.banner.value
+        # paused: samples go on, the panel stays as it is
+        panel.pause.value = True
+        now[0] += 1
+        path.write_text(json.dumps(_panel_fleet(10)))
+        s.sample_now()
+        assert panel.update_count == 3 and "paused" in panel.status.value
+        assert panel.warnings != []
+        panel.pause.value = False  # resuming draws the newest sample at once
+        assert panel.update_count == 4 and panel.warnings == []
+        assert panel.banner.value == "" and panel.banner.layout.display == "none"
+        panel.window.value = 300.0
+        assert panel.update_count == 5 and ">-5 min</text>" in panel.charts.value
+        panel.window.value = 300.0  # unchanged: no redraw
+        assert panel.update_count == 5
+    finally:
+        panel.close()
+    assert s.listener_count == 0

@@ -101,6 +101,33 @@ def test_history_frame_holds_exact_values(clocked: tuple[Sampler, Clock]) -> Non
     assert len(s.history_frame(since_s=0.5)) == 2
 
 
+def test_history_series_matches_the_frame(clocked: tuple[Sampler, Clock], fleet_file: Any) -> None:
+    s, clock = clocked
+    for util in (20, 40):
+        fleet_file(_fleet(util))
+        s.sample_now()
+        clock.now += 1
+    fleet_file({"devices": [_fleet(90)["devices"][0]]})  # GPU B leaves the list
+    s.sample_now()
+    series = s.history_series()
+    assert list(series) == [A, B]
+    a, b = series[A], series[B]
+    assert a.timestamps_s.tolist() == [1_000_000.0, 1_000_001.0, 1_000_002.0]
+    assert a.column("utilization_pct").tolist() == [20.0, 40.0, 90.0]
+    assert a.column("own_memory_bytes").tolist() == [8 * GiB] * 3
+    assert b.timestamps_s.tolist() == [1_000_000.0, 1_000_001.0]
+    assert b.column("memory_used_bytes").tolist() == [2 * GiB] * 2
+    assert a.values.shape == (3, len(METRICS))
+    last = s.history_series(since_s=1)
+    assert last[A].column("utilization_pct").tolist() == [40.0, 90.0]
+    assert len(last[B]) == 1
+    frame = sampler_mod.series_from_frame(s.history_frame())
+    assert list(frame) == [A, B]
+    assert frame[A].values.tolist() == a.values.tolist()
+    assert frame[B].timestamps_s.tolist() == b.timestamps_s.tolist()
+    assert s.smoothed_util(10) == {A: 50.0}
+
+
 def test_ring_buffer_is_bounded(clocked: tuple[Sampler, Clock]) -> None:
     s, clock = clocked
     assert s.capacity == 11

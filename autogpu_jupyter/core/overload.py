@@ -1,6 +1,7 @@
 """Is this kernel's GPU overloaded by *other* processes? Pure detection, plus a once-only notice.
 
-:func:`detect` is a pure function of the sampler's history (a DataFrame from
+:func:`detect` is a pure function of the sampler's history (per-device arrays from
+:meth:`~autogpu_jupyter.core.sampler.Sampler.history_series`, or the DataFrame of
 :meth:`~autogpu_jupyter.core.sampler.Sampler.history_frame`), the newest snapshot, this kernel's
 device UUIDs and PIDs, and the thresholds (``AutoGPU.overload_util_pct``,
 ``overload_window_s``, ``overload_memory_pct``). The panel draws its banner from it.
@@ -23,9 +24,11 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from autogpu_jupyter.core.units import format_bytes, format_duration
 
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.sampler import Sampler
+    from autogpu_jupyter.core.sampler import DeviceSeries, Sampler
 
 __all__ = [
     "Alternative",
@@ -191,24 +194,33 @@ def best_alternative(
     return None
 
 
-def _busy_for_s(frame: pd.DataFrame, uuid: str, util_pct: float) -> tuple[float, float | None]:
+def _busy_for_s(
+    history: Mapping[str, DeviceSeries] | pd.DataFrame, uuid: str, util_pct: float
+) -> tuple[float, float | None]:
     """How long ``uuid`` has been above ``util_pct`` up to its newest sample, and the mean
     utilisation over that stretch. ``(0.0, None)`` when the newest sample is not above."""
-    rows = frame[frame["uuid"] == uuid]
-    if rows.empty:
-        return 0.0, None
-    ts = rows["timestamp_s"].to_numpy()
-    util = rows["utilization_pct"].to_numpy()
+    if isinstance(history, Mapping):
+        series = history.get(uuid)
+        if series is None or not len(series):
+            return 0.0, None
+        ts = series.timestamps_s
+        util = series.column("utilization_pct")
+    else:
+        rows = history[history["uuid"] == uuid]
+        if rows.empty:
+            return 0.0, None
+        ts = rows["timestamp_s"].to_numpy(dtype=float)
+        util = rows["utilization_pct"].to_numpy(dtype=float)
     over = util > util_pct  # NaN (unknown, lost) compares False: unknown is never "busy"
     if not over[-1]:
         return 0.0, None
-    below = [i for i in range(len(over)) if not over[i]]
-    start = below[-1] + 1 if below else 0
+    below = np.flatnonzero(~over)
+    start = int(below[-1]) + 1 if len(below) else 0
     return float(ts[-1] - ts[start]), float(util[start:].mean())
 
 
 def detect(
-    frame: pd.DataFrame,
+    frame: Mapping[str, DeviceSeries] | pd.DataFrame,
     snapshot: FleetSnapshot | None,
     kernel_uuids: Sequence[str],
     own_pids: Iterable[int],
@@ -228,7 +240,8 @@ def detect(
     Parameters
     ----------
     frame
-        The sampler's history (:meth:`Sampler.history_frame`) covering at least the window.
+        The sampler's history covering at least the window: per-UUID arrays
+        (:meth:`Sampler.history_series`) or the long table (:meth:`Sampler.history_frame`).
     snapshot
         The newest snapshot (processes, users); ``None``: nothing to say.
     kernel_uuids
@@ -299,7 +312,7 @@ def detect_from_sampler(
         return []
     since = thresholds.window_s + 3 * sampler.interval_s
     return detect(
-        sampler.history_frame(since_s=max(since, 1.0)),
+        sampler.history_series(since_s=max(since, 1.0)),
         snapshot,
         kernel_uuids,
         sampler.latest_own_pids(),

@@ -43,12 +43,15 @@ if TYPE_CHECKING:
 __all__ = [
     "METRICS",
     "THREAD_NAME",
+    "DeviceSeries",
     "SampleError",
     "Sampler",
     "get_sampler",
     "stop_sampler",
     "current_sampler",
     "own_pids",
+    "mean_util",
+    "series_from_frame",
 ]
 
 log = logging.getLogger(__name__)
@@ -85,6 +88,48 @@ class SampleError:
 
     timestamp_s: float
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSeries:
+    """One device's history as numpy arrays (what the panel draws; no pandas per redraw).
+
+    ``timestamps_s`` has shape ``(n,)``; ``values`` has shape ``(n, len(METRICS))``, columns in
+    :data:`METRICS` order (``NaN`` = unknown). Treat both as read-only.
+    """
+
+    uuid: str
+    timestamps_s: np.ndarray
+    values: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.timestamps_s.shape[0])
+
+    def column(self, metric: str) -> np.ndarray:
+        """The values of one metric of :data:`METRICS` (e.g. ``"utilization_pct"``)."""
+        return self.values[:, _COL[metric]]
+
+    @classmethod
+    def empty(cls, uuid: str) -> DeviceSeries:
+        return cls(uuid, np.empty(0), np.empty((0, len(METRICS))))
+
+
+def series_from_frame(frame: pd.DataFrame) -> dict[str, DeviceSeries]:
+    """:class:`DeviceSeries` per UUID from a long table like :meth:`Sampler.history_frame`
+    (metric columns it lacks read as unknown), in order of first appearance."""
+    if not len(frame):
+        return {}
+    ts_all = frame["timestamp_s"].to_numpy(dtype=float)
+    values_all = np.full((len(frame), len(METRICS)), np.nan)
+    for i, name in enumerate(METRICS):
+        if name in frame:
+            values_all[:, i] = frame[name].to_numpy(dtype=float)
+    uuids = frame["uuid"].to_numpy(dtype=object)
+    out: dict[str, DeviceSeries] = {}
+    for uuid in dict.fromkeys(uuids.tolist()):
+        mask = uuids == uuid
+        out[str(uuid)] = DeviceSeries(str(uuid), ts_all[mask], values_all[mask])
+    return out
 
 
 def _ppid(pid: int) -> int | None:
@@ -423,12 +468,9 @@ class Sampler:
         """
         import pandas as pd
 
+        samples = self._window(since_s)
         with self._lock:
-            samples = list(self._buffer)
             labels = dict(self._labels)
-        if samples and since_s is not None:
-            cutoff = samples[-1][0] - float(since_s)
-            samples = [s for s in samples if s[0] >= cutoff]
         columns = ["timestamp_s", "time", "uuid", "label", *METRICS]
         if not samples:
             df = pd.DataFrame({c: pd.Series(dtype="float64") for c in columns})
@@ -449,30 +491,89 @@ class Sampler:
             data[name] = values[:, i]
         return pd.DataFrame(data, columns=columns)
 
+    def _window(self, since_s: float | None) -> list[tuple[float, tuple[str, ...], np.ndarray]]:
+        with self._lock:
+            buf = self._buffer
+            if not buf:
+                return []
+            if since_s is None:
+                return list(buf)
+            cutoff = buf[-1][0] - float(since_s)
+            # the buffer is in time order: walk back from the newest sample only as far as needed
+            n = 0
+            for t, _, _ in reversed(buf):
+                if t < cutoff:
+                    break
+                n += 1
+            return list(buf)[len(buf) - n :]
+
+    def history_series(self, since_s: float | None = None) -> dict[str, DeviceSeries]:
+        """The history per device as numpy arrays (cheap: what the panel redraws from).
+
+        Parameters
+        ----------
+        since_s
+            Only the last ``since_s`` seconds (relative to the newest sample); ``None`` = all.
+
+        Returns
+        -------
+        dict[str, DeviceSeries]
+            By UUID, devices in order of first appearance; each series in time order.
+        """
+        return _series(self._window(since_s))
+
     def smoothed_util(self, window_s: float = 60.0) -> dict[str, float | None]:
         """Mean utilisation per device UUID over the last ``window_s`` seconds.
 
         ``None`` where no sample in the window knows the utilisation (NOT_SUPPORTED, lost).
         Devices of the newest sample only.
         """
-        with self._lock:
-            samples = list(self._buffer)
+        samples = self._window(window_s)
         if not samples:
             return {}
-        cutoff = samples[-1][0] - float(window_s)
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        for t, uuids, values in samples:
-            if t < cutoff:
-                continue
-            col = values[:, _COL["utilization_pct"]]
-            for uuid, v in zip(uuids, col, strict=True):
-                if not math.isnan(v):
-                    sums[uuid] = sums.get(uuid, 0.0) + float(v)
-                    counts[uuid] = counts.get(uuid, 0) + 1
-        return {
-            u: (round(sums[u] / counts[u], 3) if counts.get(u) else None) for u in samples[-1][1]
-        }
+        return mean_util(_series(samples), samples[-1][1])
+
+
+def _series(
+    samples: list[tuple[float, tuple[str, ...], np.ndarray]],
+) -> dict[str, DeviceSeries]:
+    """Group samples into per-device arrays: one ``np.stack`` per run of samples that share
+    their device list (usually the whole window)."""
+    parts: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+    i = 0
+    while i < len(samples):
+        uuids = samples[i][1]
+        j = i + 1
+        while j < len(samples) and (samples[j][1] is uuids or samples[j][1] == uuids):
+            j += 1
+        run = samples[i:j]
+        ts = np.fromiter((t for t, _, _ in run), dtype=float, count=len(run))
+        block = np.stack([v for _, _, v in run])  # (samples, devices, metrics)
+        for k, uuid in enumerate(uuids):
+            tl, vl = parts.setdefault(uuid, ([], []))
+            tl.append(ts)
+            vl.append(block[:, k, :])
+        i = j
+    return {
+        u: DeviceSeries(
+            u,
+            tl[0] if len(tl) == 1 else np.concatenate(tl),
+            vl[0] if len(vl) == 1 else np.concatenate(vl),
+        )
+        for u, (tl, vl) in parts.items()
+    }
+
+
+def mean_util(series: dict[str, DeviceSeries], uuids: Iterable[str]) -> dict[str, float | None]:
+    """Mean known utilisation of each of ``uuids`` over ``series`` (rounded to 3 decimals;
+    ``None`` where no sample knows it)."""
+    out: dict[str, float | None] = {}
+    for u in uuids:
+        s = series.get(u)
+        col = s.column("utilization_pct") if s is not None else np.empty(0)
+        known = col[~np.isnan(col)]
+        out[u] = round(float(known.sum()) / len(known), 3) if len(known) else None
+    return out
 
 
 _global_lock = threading.Lock()

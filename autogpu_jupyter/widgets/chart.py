@@ -1,4 +1,4 @@
-"""Pure rendering: the sampler's DataFrame and snapshot -> HTML with inline SVG.
+"""Pure rendering: the sampler's history arrays and snapshot -> HTML with inline SVG.
 
 No widgets and no state here, so every picture the panel shows can be tested as a string.
 Colours come from JupyterLab's CSS variables (``var(--jp-ui-font-color1, #222)``) with fallbacks,
@@ -8,11 +8,15 @@ in light and dark themes, in Notebook 7 and VS Code too.
 
 from __future__ import annotations
 
+import functools
 import html
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from autogpu_jupyter.core.sampler import METRICS
 from autogpu_jupyter.core.units import format_bytes
 
 if TYPE_CHECKING:
@@ -20,6 +24,7 @@ if TYPE_CHECKING:
 
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
     from autogpu_jupyter.core.overload import Overload
+    from autogpu_jupyter.core.sampler import DeviceSeries
 
 __all__ = [
     "render_charts",
@@ -46,6 +51,9 @@ WIDTH = 300
 HEIGHT = 96
 _PAD_L, _PAD_R, _PAD_T, _PAD_B = 30, 6, 8, 16
 MAX_POINTS = 300
+_COL_UTIL = METRICS.index("utilization_pct")
+_COL_USED = METRICS.index("memory_used_bytes")
+_COL_TOTAL = METRICS.index("memory_total_bytes")
 
 
 def _e(text: object) -> str:
@@ -56,21 +64,57 @@ def _pct(x: float | None) -> str:
     return "?" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.0f}%"
 
 
-def _path(xs: Sequence[float], ys: Sequence[float]) -> str:
-    """An SVG path through the points; NaN values break the line (unknown is not zero)."""
-    parts: list[str] = []
-    pen_down = False
-    for x, y in zip(xs, ys, strict=True):
-        if math.isnan(y):
-            pen_down = False
-            continue
-        parts.append(f"{'L' if pen_down else 'M'}{x:.1f},{y:.1f}")
-        pen_down = True
-    return " ".join(parts)
+# "12.3" for every tenth of a pixel in the picture: path points are table look-ups, not formatting
+_TENTHS: list[str] = [f"{i / 10:.1f}" for i in range(10 * max(WIDTH, HEIGHT) + 1)]
+_MAX_TENTH = len(_TENTHS) - 1
+
+
+def _as_series(rows: DeviceSeries | pd.DataFrame, uuid: str) -> DeviceSeries:
+    from autogpu_jupyter.core.sampler import DeviceSeries, series_from_frame
+
+    if isinstance(rows, DeviceSeries):
+        return rows
+    return series_from_frame(rows).get(uuid) or DeviceSeries.empty(uuid)
+
+
+def _tenths(v: np.ndarray) -> np.ndarray:
+    """Pixel coordinates in tenths, as table indices (NaN -> -1)."""
+    out = np.full(v.shape, -1, dtype=np.intp)
+    known = ~np.isnan(v)
+    out[known] = np.clip(np.rint(v[known] * 10), 0, _MAX_TENTH).astype(np.intp)
+    return out
+
+
+def _path(x10: np.ndarray, y10: np.ndarray) -> str:
+    """An SVG path through the points (tenths of a pixel; ``-1`` = unknown, which breaks the
+    line: unknown is not zero). The inner points of a horizontal run are left out (the same
+    picture, fewer bytes)."""
+    n = len(y10)
+    if n == 0:
+        return ""
+    known = y10 >= 0
+    prev_known = np.zeros(n, dtype=bool)
+    prev_known[1:] = known[:-1]
+    keep = known.copy()
+    if n > 2:
+        flat = (
+            known[1:-1] & known[:-2] & known[2:] & (y10[1:-1] == y10[:-2]) & (y10[1:-1] == y10[2:])
+        )
+        keep[1:-1] &= ~flat
+    idx = np.flatnonzero(keep)
+    t = _TENTHS
+    return " ".join(
+        [
+            ("L" if pen else "M") + t[x] + "," + t[y]
+            for pen, x, y in zip(
+                prev_known[idx].tolist(), x10[idx].tolist(), y10[idx].tolist(), strict=True
+            )
+        ]
+    )
 
 
 def render_device_chart(
-    rows: pd.DataFrame,
+    rows: DeviceSeries | pd.DataFrame,
     *,
     label: str,
     uuid: str,
@@ -82,9 +126,12 @@ def render_device_chart(
 ) -> str:
     """One device's chart: utilisation (%) and memory used (% of total) over ``window_s``.
 
-    ``rows`` are that device's rows of :meth:`Sampler.history_frame`. Returns an HTML ``<div>``
-    holding an ``<svg>`` with ``data-uuid`` set; the kernel's device gets ``data-kernel="1"`` and
-    an accent border; a lost device shows its reason instead of stale lines.
+    ``rows`` is that device's history: a :class:`~autogpu_jupyter.core.sampler.DeviceSeries`
+    (:meth:`Sampler.history_series`, what the panel passes) or its rows of
+    :meth:`Sampler.history_frame`. Samples older than ``window_s`` before ``now_s`` are left
+    out. Returns an HTML ``<div>`` holding an ``<svg>`` with ``data-uuid`` set; the kernel's
+    device gets ``data-kernel="1"`` and an accent border; a lost device shows its reason
+    instead of stale lines.
     """
     inner_w = WIDTH - _PAD_L - _PAD_R
     inner_h = HEIGHT - _PAD_T - _PAD_B
@@ -100,6 +147,71 @@ def render_device_chart(
         f'aria-label="{_e(label)} utilisation and memory" '
         f'style="display:block;font-family:{FONT};font-size:10px">'
     )
+    grid = _grid(window_s)
+    body: list[str] = []
+    if lost_reason is not None:
+        body.append(
+            f'<text x="{_PAD_L + inner_w / 2:.1f}" y="{_PAD_T + inner_h / 2 + 4:.1f}" '
+            f'text-anchor="middle" style="fill:{ERROR_COLOR};font-size:12px;font-weight:600">'
+            f"lost: {_e(lost_reason)}</text>"
+        )
+        legend = f'<span style="color:{ERROR_COLOR}">lost</span>'
+    else:
+        series = _as_series(rows, uuid)
+        ts = series.timestamps_s
+        values = series.values
+        if len(ts) and (ts[:-1] <= ts[1:]).all():  # in time order (always, from the sampler)
+            first = int(np.searchsorted(ts, now_s - window_s, side="left"))
+            ts, values = ts[first:], values[first:]
+        elif len(ts):
+            inside = ts >= now_s - window_s
+            ts, values = ts[inside], values[inside]
+        ts, values = ts[-MAX_POINTS * 4 :], values[-MAX_POINTS * 4 :]
+        if len(ts) > MAX_POINTS:
+            step = math.ceil(len(ts) / MAX_POINTS)
+            ts, values = ts[::step], values[::step]
+        util = values[:, _COL_UTIL]
+        total = values[:, _COL_TOTAL]
+        used = values[:, _COL_USED]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mem = np.where(total > 0, 100.0 * used / total, np.nan)
+        age = np.clip(now_s - ts, 0.0, window_s)
+        x10 = _tenths(_PAD_L + inner_w * (1 - age / window_s))
+
+        def y10_of(v: np.ndarray) -> np.ndarray:
+            return _tenths(_PAD_T + inner_h * (1 - np.clip(v, 0.0, 100.0) / 100))
+
+        mem_path = _path(x10, y10_of(mem))
+        util_path = _path(x10, y10_of(util))
+        if mem_path:
+            body.append(
+                f'<path class="autogpu-mem" d="{mem_path}" '
+                f'style="fill:none;stroke:{MEM_COLOR};stroke-width:1.5;stroke-dasharray:4 2"/>'
+            )
+        if util_path:
+            body.append(
+                f'<path class="autogpu-util" d="{util_path}" '
+                f'style="fill:none;stroke:{UTIL_COLOR};stroke-width:2"/>'
+            )
+        last_util = float(util[-1]) if len(util) else math.nan
+        last_mem = float(mem[-1]) if len(mem) else math.nan
+        legend = (
+            f'<span style="color:{UTIL_COLOR}">&#9644; util {_pct(last_util)}</span> '
+            f'<span style="color:{MEM_COLOR}">&#9476; mem {_pct(last_mem)}</span>'
+        )
+    return (
+        f'<div class="autogpu-device" data-uuid="{_e(uuid)}" style="border:{border};'
+        f"border-radius:4px;padding:4px 6px;margin:3px;background:{BG};color:{FG};"
+        f'font-family:{FONT};font-size:12px">{title}{svg_open}{grid}{"".join(body)}'
+        f'</svg><div style="font-size:11px">{legend}</div></div>'
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _grid(window_s: float) -> str:
+    """The frame, the y labels and the x labels of a chart (the same for every device)."""
+    inner_w = WIDTH - _PAD_L - _PAD_R
+    inner_h = HEIGHT - _PAD_T - _PAD_B
     grid = [
         f'<rect x="{_PAD_L}" y="{_PAD_T}" width="{inner_w}" height="{inner_h}" '
         f'style="fill:none;stroke:{BORDER}"/>'
@@ -116,60 +228,7 @@ def render_device_chart(
         f'<text x="{WIDTH - _PAD_R}" y="{HEIGHT - 3}" text-anchor="end" '
         f'style="fill:{FG2}">now</text>'
     )
-    body: list[str] = []
-    if lost_reason is not None:
-        body.append(
-            f'<text x="{_PAD_L + inner_w / 2:.1f}" y="{_PAD_T + inner_h / 2 + 4:.1f}" '
-            f'text-anchor="middle" style="fill:{ERROR_COLOR};font-size:12px;font-weight:600">'
-            f"lost: {_e(lost_reason)}</text>"
-        )
-        legend = f'<span style="color:{ERROR_COLOR}">lost</span>'
-    else:
-        rows = rows.tail(MAX_POINTS * 4)
-        if len(rows) > MAX_POINTS:
-            rows = rows.iloc[:: math.ceil(len(rows) / MAX_POINTS)]
-        ts = rows["timestamp_s"].to_numpy(dtype=float)
-        xs = [_PAD_L + inner_w * (1 - min(max(now_s - t, 0.0), window_s) / window_s) for t in ts]
-        util = rows["utilization_pct"].to_numpy(dtype=float)
-        total = rows["memory_total_bytes"].to_numpy(dtype=float)
-        used = rows["memory_used_bytes"].to_numpy(dtype=float)
-        with_total = total > 0
-        mem = [
-            100.0 * u / t if ok else math.nan
-            for u, t, ok in zip(used, total, with_total, strict=True)
-        ]
-
-        def y_of(v: float) -> float:
-            return (
-                math.nan
-                if math.isnan(v)
-                else _PAD_T + inner_h * (1 - min(max(v, 0.0), 100.0) / 100)
-            )
-
-        mem_path = _path(xs, [y_of(v) for v in mem])
-        util_path = _path(xs, [y_of(float(v)) for v in util])
-        if mem_path:
-            body.append(
-                f'<path class="autogpu-mem" d="{mem_path}" '
-                f'style="fill:none;stroke:{MEM_COLOR};stroke-width:1.5;stroke-dasharray:4 2"/>'
-            )
-        if util_path:
-            body.append(
-                f'<path class="autogpu-util" d="{util_path}" '
-                f'style="fill:none;stroke:{UTIL_COLOR};stroke-width:2"/>'
-            )
-        last_util = float(util[-1]) if len(util) else math.nan
-        last_mem = mem[-1] if mem else math.nan
-        legend = (
-            f'<span style="color:{UTIL_COLOR}">&#9644; util {_pct(last_util)}</span> '
-            f'<span style="color:{MEM_COLOR}">&#9476; mem {_pct(last_mem)}</span>'
-        )
-    return (
-        f'<div class="autogpu-device" data-uuid="{_e(uuid)}" style="border:{border};'
-        f"border-radius:4px;padding:4px 6px;margin:3px;background:{BG};color:{FG};"
-        f'font-family:{FONT};font-size:12px">{title}{svg_open}{"".join(grid)}{"".join(body)}'
-        f'</svg><div style="font-size:11px">{legend}</div></div>'
-    )
+    return "".join(grid)
 
 
 def _window_text(window_s: float) -> str:
@@ -179,7 +238,7 @@ def _window_text(window_s: float) -> str:
 
 
 def render_charts(
-    frame: pd.DataFrame,
+    history: Mapping[str, DeviceSeries] | pd.DataFrame,
     devices: Sequence[DeviceSnapshot],
     *,
     window_s: float,
@@ -190,8 +249,9 @@ def render_charts(
 
     Parameters
     ----------
-    frame
-        :meth:`Sampler.history_frame` (long form).
+    history
+        Per-UUID arrays (:meth:`Sampler.history_series`, what the panel passes: no pandas per
+        redraw) or the long table of :meth:`Sampler.history_frame`.
     devices
         The newest snapshot's devices: their order, labels and lost state.
     window_s
@@ -199,20 +259,17 @@ def render_charts(
     highlight
         UUIDs of this kernel's devices.
     """
+    from autogpu_jupyter.core.sampler import DeviceSeries, series_from_frame
+
     marked = set(highlight)
+    series = history if isinstance(history, Mapping) else series_from_frame(history)
     if now_s is None:
-        now_s = float(frame["timestamp_s"].max()) if len(frame) else 0.0
-    if len(frame):
-        frame = frame[frame["timestamp_s"] >= now_s - window_s]
-    groups = dict(tuple(frame.groupby("uuid", sort=False))) if len(frame) else {}
+        now_s = max((float(s.timestamps_s.max()) for s in series.values() if len(s)), default=0.0)
     charts = []
     for dev in devices:
-        rows = groups.get(dev.uuid)
-        if rows is None:
-            rows = frame.iloc[0:0]
         charts.append(
             render_device_chart(
-                rows,
+                series.get(dev.uuid) or DeviceSeries.empty(dev.uuid),
                 label=dev.label,
                 uuid=dev.uuid,
                 name=dev.name,

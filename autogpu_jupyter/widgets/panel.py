@@ -111,6 +111,7 @@ class Panel(w.VBox):  # type: ignore[misc]
         self.update_count = 0
         self._lock = threading.Lock()
         self._paused = False
+        self._drawn: tuple[Any, ...] | None = None  # the inputs of the last drawing
 
         self.header = w.HTML()
         self.banner = w.HTML(layout=w.Layout(display="none"))
@@ -190,34 +191,51 @@ class Panel(w.VBox):  # type: ignore[misc]
         s = self._sampler
         snapshot = s.latest()
         if snapshot is None:
+            self._drawn = None
             self.header.value = chart.render_header((), ())
             self.charts.value = ""
             self.table.value = ""
             self.status.value = self._status_text(None)
             return
         kernel = kernel_device_uuids(snapshot.devices)
+        lease = _lease_text()
+        # Everything drawn below is a function of these: the same inputs (a failed read, a
+        # second refresh for the same sample) redraw nothing.
+        key = (snapshot, kernel, lease, self.window_s, self.thresholds, s.interval_s)
+        if key != self._drawn:
+            self._draw(snapshot, kernel, lease)
+            self._drawn = key
+        self.status.value = self._status_text(snapshot)
+
+    def _draw(self, snapshot: FleetSnapshot, kernel: tuple[str, ...], lease: str | None) -> None:
+        s = self._sampler
         since = max(self.window_s, self.thresholds.window_s + 3 * s.interval_s)
-        frame = s.history_frame(since_s=since)
-        smoothed = s.smoothed_util(60.0)
+        history = s.history_series(since_s=since)  # numpy arrays, no DataFrame per redraw
         own = s.latest_own_pids()
-        warnings = detect(frame, snapshot, kernel, own, self.thresholds, smoothed_util=smoothed)
+        warnings = (
+            detect(
+                history, snapshot, kernel, own, self.thresholds, smoothed_util=s.smoothed_util(60.0)
+            )
+            if kernel
+            else []
+        )
         self.header.value = chart.render_header(
-            snapshot.devices, kernel, lease_text=_lease_text(), simulated=snapshot.simulated
+            snapshot.devices, kernel, lease_text=lease, simulated=snapshot.simulated
         )
         self.charts.value = chart.render_charts(
-            frame,
+            history,
             snapshot.devices,
             window_s=self.window_s,
             now_s=snapshot.timestamp_s,
             highlight=kernel,
         )
         self.table.value = chart.render_table(snapshot, highlight=kernel, own_pids=own)
-        self.warnings = warnings
         banner = chart.render_banner(warnings)
         self.banner.value = banner
         self.banner.layout.display = "block" if banner else "none"
+        # last: whoever sees the new warnings (another thread) sees the banner that shows them
+        self.warnings = warnings
         self.update_count += 1
-        self.status.value = self._status_text(snapshot)
 
     def _status_text(self, snapshot: FleetSnapshot | None) -> str:
         s = self._sampler
