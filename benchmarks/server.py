@@ -9,7 +9,7 @@ the sidebar's one request per 2 s) for ``--seconds`` (default 30; ``--quick`` is
 
 Reports requests/s, p50/p99 latency, NVML sweeps/s versus the sampler's rate, and the same load
 as a jupyterlab-nvdashboard-style server would cost (its GPU websocket handlers read NVML per
-connection per tick: 1 sweep per second per open chart, see docs/benchmarks-server.md).
+connection per tick: 1 sweep per second per open chart, see docs/benchmarks.md).
 
 Run:  .venv/bin/python benchmarks/server.py [--clients 50] [--seconds 30] [--quick]
 """

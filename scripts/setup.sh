@@ -25,9 +25,11 @@ if [ "$need_py" = 1 ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # The editable install builds the JupyterLab extension through hatch-jupyter-builder (jlpm).
   "$VENV/bin/python" -m pip install -q -e ".[test,bench,dev]"
-  # Link (not copy) the built extension into the venv, as the extension template does, so that
-  # a later `jlpm build` in labextension/ reaches `make lab` without reinstalling.
-  PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/jupyter-builder" develop --overwrite . >/dev/null
+  # Link (not copy) the built extension into the venv, so that a later `jlpm build` in
+  # labextension/ reaches `make lab` without reinstalling. (Not `jupyter labextension develop`:
+  # it writes an install.json into the build output, which then collides in the wheel.)
+  rm -rf "$VENV/share/jupyter/labextensions/autogpu-jupyter"
+  ln -s "$PWD/autogpu_jupyter/labextension" "$VENV/share/jupyter/labextensions/autogpu-jupyter"
   touch "$stamp"
 fi
 

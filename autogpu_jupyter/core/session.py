@@ -58,16 +58,20 @@ _current: Choice | None = None
 _original: dict[str, str | None] | None = None
 
 
+def _restore(env: MutableMapping[str, str], saved: dict[str, str | None]) -> None:
+    for k, v in saved.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+
+
 def original_environ(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """A copy of the environment as it was before autogpu changed it in this process."""
     env = dict(os.environ if environ is None else environ)
     with _lock:
         if _original is not None:
-            for k, v in _original.items():
-                if v is None:
-                    env.pop(k, None)
-                else:
-                    env[k] = v
+            _restore(env, _original)
     return env
 
 
@@ -140,10 +144,6 @@ def release(environ: MutableMapping[str, str] | None = None) -> Choice | None:
         if old is not None and old.lease is not None:
             old.lease.release()
         if _original is not None:
-            for k, v in _original.items():
-                if v is None:
-                    env.pop(k, None)
-                else:
-                    env[k] = v
+            _restore(env, _original)
             _original = None
         return old
