@@ -8,13 +8,6 @@ it or without Chromium (in CI a skip fails: see ``tests/conftest.py``).
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +16,7 @@ import pytest
 
 from autogpu_jupyter import kernelspec
 from autogpu_jupyter.core.leases import Registry
-from tests.test_sidebar_browser import ARTIFACTS, BUILT, CHROMIUM, CHROMIUM_ARGS, ROOT, _free_port
+from tests import browser
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -60,124 +53,36 @@ NOTEBOOK = {
 }
 
 
-def _artifacts() -> Path:
-    ARTIFACTS.mkdir(exist_ok=True)
-    return ARTIFACTS
-
-
 def proc_env(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(e.decode().split("=", 1) for e in raw if b"=" in e)
 
 
 @pytest.fixture
-def lab(fake_nvml: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
+def lab(fake_nvml: Any, tmp_path: Path) -> Iterator[browser.Lab]:
     """``jupyter lab`` with the autogpu kernelspec (min free 10G) on the fake fleet."""
-    if not (BUILT / "package.json").is_file():
-        pytest.skip("lab extension not built: run `jlpm build` in labextension/")
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no Chromium at {CHROMIUM}")
-    fake_nvml.write(FLEET)
-    root = tmp_path / "root"
-    root.mkdir()
-    (root / "train.ipynb").write_text(json.dumps(NOTEBOOK))
-    data = tmp_path / "data"
-    (data / "labextensions").mkdir(parents=True)
-    (data / "labextensions" / "autogpu-jupyter").symlink_to(BUILT)
-    spec_dir = data / "kernels" / SPEC
-    spec_dir.mkdir(parents=True)
-    spec = kernelspec.spec_dict("Python 3 (autogpu)", {"min_free": "10G"})
-    (spec_dir / "kernel.json").write_text(json.dumps(spec))
-    settings = tmp_path / "app-settings"
-    settings.mkdir()
-    (settings / "overrides.json").write_text(
-        json.dumps({"autogpu-jupyter:plugin": {"refreshInterval": 1},
-                    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}})
-    )
-    runtime = tmp_path / "runtime"
-    runtime.mkdir(mode=0o700)
-    registry = tmp_path / "registry"
-    port = _free_port()
-    token = "autogpu-move-test"
-    env = {
-        **os.environ, **fake_nvml.env,
-        "AUTOGPU_REGISTRY_DIR": str(registry),
-        "JUPYTER_PATH": str(data),
-        "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
-        "JUPYTER_RUNTIME_DIR": str(runtime),
-        "IPYTHONDIR": str(tmp_path / "ipython"),
-        "PYTHONPATH": str(ROOT),
-    }
-    for var in ("AUTOGPU_SIMULATE", "CUDA_VISIBLE_DEVICES", "AUTOGPU_PICKED", "AUTOGPU_MIN_FREE"):
-        env.pop(var, None)
-    log = open(tmp_path / "lab.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
-         "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={root}", f"--LabApp.app_settings_dir={settings}",
-         "--ServerApp.jpserver_extensions={'autogpu_jupyter': True}",
-         "--AutoGPUServer.interval_s=0.5", "--LabApp.news_url=None",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-         *(["--allow-root"] if os.geteuid() == 0 else [])],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.flush()
-                    pytest.fail("jupyter lab did not start:\n"
-                                + (tmp_path / "lab.log").read_text()[-3000:])
-                time.sleep(0.3)
-        yield {"url": url, "token": token, "registry": Registry(str(registry))}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        shutil.copy(tmp_path / "lab.log", _artifacts() / "move-lab.log")
+    with browser.autogpu_lab(
+        tmp_path, fake_nvml, FLEET, NOTEBOOK, token="autogpu-move-test",
+        log_artifact="move-lab.log",
+        kernelspecs={SPEC: kernelspec.spec_dict("Python 3 (autogpu)", {"min_free": "10G"})},
+        unset=("AUTOGPU_SIMULATE", "CUDA_VISIBLE_DEVICES", "AUTOGPU_PICKED", "AUTOGPU_MIN_FREE"),
+    ) as server:
+        yield server
 
 
-def _card(page: Any, label: str) -> Any:
-    return page.locator(".jp-AutoGPU-card", has=page.locator(".jp-AutoGPU-label",
-                                                            has_text=label))
+def test_move_button_restarts_the_notebook_kernel_on_another_gpu(lab: browser.Lab) -> None:
+    with browser.chromium_page() as page:
+        with browser.screenshot_on_failure(page, "move-failure.png"):
+            _drive(page, lab)
 
 
-def test_move_button_restarts_the_notebook_kernel_on_another_gpu(lab: dict[str, Any]) -> None:
-    playwright = pytest.importorskip("playwright.sync_api")
-    with playwright.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
-            try:
-                _drive(page, lab)
-            except Exception:
-                page.screenshot(path=str(_artifacts() / "move-failure.png"))
-                raise
-        finally:
-            browser.close()
-
-
-def _run_cell(page: Any) -> None:
-    page.locator(".jp-Notebook .jp-Cell").first.click()
-    page.keyboard.press("Shift+Enter")
-
-
-def _drive(page: Any, lab: dict[str, Any]) -> None:
+def _drive(page: Any, lab: browser.Lab) -> None:
     from playwright.sync_api import expect
 
-    page.goto(f"{lab['url']}/lab/tree/train.ipynb?token={lab['token']}")
+    lab.open(page, "train.ipynb")
     page.locator(".jp-Notebook").wait_for(timeout=60_000)
     page.locator('.lm-TabBar-tab[data-id="jp-AutoGPU-panel"]').click()
-    gpu0, gpu1 = _card(page, "GPU 0"), _card(page, "GPU 1")
+    gpu0, gpu1 = browser.card(page, "GPU 0"), browser.card(page, "GPU 1")
 
     # The provisioner put the notebook's kernel on GPU 0 (idle, most free): its card shows the
     # notebook as current holder and the "Move to best GPU" button; other live cards "Move here".
@@ -185,13 +90,13 @@ def _drive(page: Any, lab: dict[str, Any]) -> None:
         "train.ipynb", timeout=60_000)
     expect(gpu0.locator(".jp-AutoGPU-move")).to_have_text("Move to best GPU")
     expect(gpu1.locator(".jp-AutoGPU-move")).to_have_text("Move here")
-    assert _card(page, "GPU 3").locator(".jp-AutoGPU-move").count() == 0  # lost
+    assert browser.card(page, "GPU 3").locator(".jp-AutoGPU-move").count() == 0  # lost
     # The recommendation does not count the notebook's own lease: GPU 0 stays best for it.
     expect(page.locator(".jp-AutoGPU-advice")).to_have_text("best device for 10.0 GiB: GPU 0")
-    _run_cell(page)
+    browser.run_first_cell(page)
     output = page.locator(".jp-OutputArea-output").first
     expect(output).to_contain_text(UUID0, timeout=60_000)
-    page.screenshot(path=str(_artifacts() / "move-before.png"))
+    browser.screenshot(page, "move-before.png")
 
     # Click, read the plan in the dialog, accept.
     gpu0.locator(".jp-AutoGPU-move").click()
@@ -203,7 +108,7 @@ def _drive(page: Any, lab: dict[str, Any]) -> None:
     expect(dialog.locator(".jp-AutoGPU-moveWarning")).to_have_text(
         "Variables, imports and data in memory of train.ipynb are lost; the outputs already in "
         "the notebook stay.")
-    page.screenshot(path=str(_artifacts() / "move-dialog.png"))
+    browser.screenshot(page, "move-dialog.png")
     dialog.get_by_role("button", name="Restart on GPU 1").click()
 
     # The kernel restarted on GPU 1: the panel says so, and the notebook holds GPU 1 now.
@@ -214,11 +119,11 @@ def _drive(page: Any, lab: dict[str, Any]) -> None:
     expect(gpu0.locator(".jp-AutoGPU-holder-current")).to_have_count(0)
     expect(gpu1.locator(".jp-AutoGPU-move")).to_have_text("Move to best GPU")
     expect(gpu0.locator(".jp-AutoGPU-move")).to_have_text("Move here")
-    (lease,) = lab["registry"].list_leases()
+    (lease,) = Registry(str(lab.registry_dir)).list_leases()
     assert lease.device_uuids == (UUID1,)
     assert proc_env(lease.pid)["CUDA_VISIBLE_DEVICES"] == UUID1
     # Running the cell again in the restarted kernel shows the new device.
-    _run_cell(page)
+    browser.run_first_cell(page)
     expect(output).to_contain_text(UUID1, timeout=60_000)
-    page.screenshot(path=str(_artifacts() / "move-after.png"))
-    page.locator("#jp-AutoGPU-panel").screenshot(path=str(_artifacts() / "move-panel.png"))
+    browser.screenshot(page, "move-after.png")
+    browser.screenshot(page.locator("#jp-AutoGPU-panel"), "move-panel.png")

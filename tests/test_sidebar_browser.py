@@ -8,30 +8,15 @@ Needs the built lab extension (``autogpu_jupyter/labextension``, from ``jlpm bui
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+from tests import browser
 
-ROOT = Path(__file__).resolve().parent.parent
-BUILT = ROOT / "autogpu_jupyter" / "labextension"
-ARTIFACTS = ROOT / "test-artifacts"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
-]
-GiB = 1024**3
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 FLEET: dict[str, Any] = {
     "driver_version": "550.54.15",
@@ -62,161 +47,74 @@ NOTEBOOK = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
-def lab(fake_nvml: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """``jupyter lab`` as a subprocess on the fake fleet; yields its URL, token and root dir."""
-    if not (BUILT / "package.json").is_file():
-        pytest.skip("lab extension not built: run `jlpm build:prod` in labextension/")
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no Chromium at {CHROMIUM}")
-    fake_nvml.write(FLEET)
-    root = tmp_path / "root"
-    root.mkdir()
-    (root / "train.ipynb").write_text(json.dumps(NOTEBOOK))
-    data = tmp_path / "data"
-    (data / "labextensions").mkdir(parents=True)
-    (data / "labextensions" / "autogpu-jupyter").symlink_to(BUILT)
-    settings = tmp_path / "app-settings"
-    settings.mkdir()
-    (settings / "overrides.json").write_text(
-        json.dumps({"autogpu-jupyter:plugin": {"refreshInterval": 1},
-                    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}})
-    )
-    port = _free_port()
-    token = "autogpu-browser-test"
-    env = {
-        **os.environ, **fake_nvml.env,
-        "AUTOGPU_REGISTRY_DIR": str(tmp_path / "registry"),
-        "JUPYTER_PATH": str(data),
-        "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
-        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-        "IPYTHONDIR": str(tmp_path / "ipython"),
-        "PYTHONPATH": str(ROOT),
-    }
-    env.pop("AUTOGPU_SIMULATE", None)
-    log = open(tmp_path / "lab.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
-         "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={root}", f"--LabApp.app_settings_dir={settings}",
-         "--ServerApp.jpserver_extensions={'autogpu_jupyter': True}",
-         "--AutoGPUServer.interval_s=0.5", "--LabApp.news_url=None",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-         *(["--allow-root"] if os.geteuid() == 0 else [])],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.flush()
-                    pytest.fail("jupyter lab did not start:\n"
-                                + (tmp_path / "lab.log").read_text()[-3000:])
-                time.sleep(0.3)
-        yield {"url": url, "token": token, "root": root, "fake": fake_nvml,
-               "log": tmp_path / "lab.log"}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        shutil.copy(tmp_path / "lab.log", _artifacts() / "sidebar-lab.log")
+def lab(fake_nvml: Any, tmp_path: Path) -> Iterator[browser.Lab]:
+    """``jupyter lab`` as a subprocess on the fake fleet."""
+    with browser.autogpu_lab(
+        tmp_path, fake_nvml, FLEET, NOTEBOOK, token="autogpu-browser-test",
+        log_artifact="sidebar-lab.log",
+    ) as server:
+        yield server
 
 
-def _artifacts() -> Path:
-    ARTIFACTS.mkdir(exist_ok=True)
-    return ARTIFACTS
+def test_sidebar_shows_fleet_holder_and_updates(lab: browser.Lab, fake_nvml: Any) -> None:
+    with browser.chromium_page() as page:
+        with browser.screenshot_on_failure(page, "sidebar-failure.png"):
+            _drive(page, lab, fake_nvml)
 
 
-def _card(page: Any, label: str) -> Any:
-    return page.locator(".jp-AutoGPU-card", has=page.locator(".jp-AutoGPU-label",
-                                                            has_text=label))
-
-
-def test_sidebar_shows_fleet_holder_and_updates(lab: dict[str, Any]) -> None:
-    playwright = pytest.importorskip("playwright.sync_api")
-    with playwright.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
-            try:
-                _drive(page, lab)
-            except Exception:
-                page.screenshot(path=str(_artifacts() / "sidebar-failure.png"))
-                raise
-        finally:
-            browser.close()
-
-
-def _drive(page: Any, lab: dict[str, Any]) -> None:
+def _drive(page: Any, lab: browser.Lab, fake_nvml: Any) -> None:
     from playwright.sync_api import expect
 
-    if True:
-        if True:
-            page.goto(f"{lab['url']}/lab/tree/train.ipynb?token={lab['token']}")
-            page.locator(".jp-Notebook").wait_for(timeout=60_000)
-            page.locator('.lm-TabBar-tab[data-id="jp-AutoGPU-panel"]').click()
-            cards = page.locator(".jp-AutoGPU-card")
-            cards.nth(3).wait_for(timeout=30_000)
+    lab.open(page, "train.ipynb")
+    page.locator(".jp-Notebook").wait_for(timeout=60_000)
+    page.locator('.lm-TabBar-tab[data-id="jp-AutoGPU-panel"]').click()
+    cards = page.locator(".jp-AutoGPU-card")
+    cards.nth(3).wait_for(timeout=30_000)
 
-            # one card per device, with the names and numbers of the fleet
-            assert cards.count() == 4
-            assert page.locator(".jp-AutoGPU-label").all_inner_texts() == [
-                "GPU 0", "GPU 1", "GPU 2", "GPU 3"]
-            assert page.locator(".jp-AutoGPU-name").all_inner_texts() == [
-                "NVIDIA A100-SXM4-80GB", "NVIDIA L4", "NVIDIA H100 80GB HBM3", "unknown"]
-            gpu0 = _card(page, "GPU 0")
-            assert gpu0.locator(".jp-AutoGPU-util .jp-AutoGPU-metricValue").inner_text() == "35%"
-            assert gpu0.locator(".jp-AutoGPU-mem .jp-AutoGPU-metricValue").inner_text() == (
-                "20.0 GiB / 80.0 GiB")
-            assert gpu0.locator(".jp-AutoGPU-thermals").inner_text() == "51 °C · 210 W / 400 W"
-            assert _card(page, "GPU 3").locator(".jp-AutoGPU-lostNote").inner_text() == (
-                "lost: GPU is lost")
-            # the recommendation for the open notebook, from the server's dry run
-            page.locator(".jp-AutoGPU-advice", has_text="best device").wait_for()
-            assert page.locator(".jp-AutoGPU-advice").inner_text() == (
-                "best device for 10.0 GiB: GPU 0")
-            assert page.locator(".jp-AutoGPU-notebook").inner_text() == "train.ipynb"
-            page.screenshot(path=str(_artifacts() / "sidebar-fleet.png"))
+    # one card per device, with the names and numbers of the fleet
+    assert cards.count() == 4
+    assert page.locator(".jp-AutoGPU-label").all_inner_texts() == [
+        "GPU 0", "GPU 1", "GPU 2", "GPU 3"]
+    assert page.locator(".jp-AutoGPU-name").all_inner_texts() == [
+        "NVIDIA A100-SXM4-80GB", "NVIDIA L4", "NVIDIA H100 80GB HBM3", "unknown"]
+    gpu0 = browser.card(page, "GPU 0")
+    assert gpu0.locator(".jp-AutoGPU-util .jp-AutoGPU-metricValue").inner_text() == "35%"
+    assert gpu0.locator(".jp-AutoGPU-mem .jp-AutoGPU-metricValue").inner_text() == (
+        "20.0 GiB / 80.0 GiB")
+    assert gpu0.locator(".jp-AutoGPU-thermals").inner_text() == "51 °C · 210 W / 400 W"
+    assert browser.card(page, "GPU 3").locator(".jp-AutoGPU-lostNote").inner_text() == (
+        "lost: GPU is lost")
+    # the recommendation for the open notebook, from the server's dry run
+    page.locator(".jp-AutoGPU-advice", has_text="best device").wait_for()
+    assert page.locator(".jp-AutoGPU-advice").inner_text() == (
+        "best device for 10.0 GiB: GPU 0")
+    assert page.locator(".jp-AutoGPU-notebook").inner_text() == "train.ipynb"
+    browser.screenshot(page, "sidebar-fleet.png")
 
-            # %gpu pick in the notebook: the notebook shows as holder of the chosen GPU
-            page.locator(".jp-Notebook .jp-Cell").first.click()
-            page.keyboard.press("Shift+Enter")
-            output = page.locator(".jp-OutputArea-output").first
-            output.wait_for(timeout=60_000)
-            holder = page.locator(".jp-AutoGPU-holder-current")
-            holder.wait_for(timeout=30_000)
-            assert gpu0.locator(".jp-AutoGPU-holder-current .jp-AutoGPU-what").inner_text() == (
-                "train.ipynb")
-            assert "10.0 GiB booked" in gpu0.locator(
-                ".jp-AutoGPU-holder-current .jp-AutoGPU-holderMem").inner_text()
-            page.screenshot(path=str(_artifacts() / "sidebar-holder.png"))
+    # %gpu pick in the notebook: the notebook shows as holder of the chosen GPU
+    browser.run_first_cell(page)
+    output = page.locator(".jp-OutputArea-output").first
+    output.wait_for(timeout=60_000)
+    holder = page.locator(".jp-AutoGPU-holder-current")
+    holder.wait_for(timeout=30_000)
+    assert gpu0.locator(".jp-AutoGPU-holder-current .jp-AutoGPU-what").inner_text() == (
+        "train.ipynb")
+    assert "10.0 GiB booked" in gpu0.locator(
+        ".jp-AutoGPU-holder-current .jp-AutoGPU-holderMem").inner_text()
+    browser.screenshot(page, "sidebar-holder.png")
 
-            # load changes in the fake driver: the card follows
-            changed = json.loads(json.dumps(FLEET))
-            changed["devices"][1]["utilization_pct"] = 97
-            changed["devices"][1]["memory_used"] = "22G"
-            lab["fake"].write(changed)
-            gpu1 = _card(page, "GPU 1")
-            # cards are re-rendered on each refresh: expect() re-resolves the locator
-            expect(gpu1.locator(".jp-AutoGPU-util .jp-AutoGPU-metricValue")).to_have_text(
-                "97%", timeout=30_000)
-            expect(gpu1.locator(".jp-AutoGPU-mem .jp-AutoGPU-metricValue")).to_have_text(
-                "22.0 GiB / 24.0 GiB")
-            page.screenshot(path=str(_artifacts() / "sidebar-load-change.png"))
-            sidebar = page.locator("#jp-AutoGPU-panel")
-            sidebar.screenshot(path=str(_artifacts() / "sidebar-panel.png"))
+    # load changes in the fake driver: the card follows
+    changed = json.loads(json.dumps(FLEET))
+    changed["devices"][1]["utilization_pct"] = 97
+    changed["devices"][1]["memory_used"] = "22G"
+    fake_nvml.write(changed)
+    gpu1 = browser.card(page, "GPU 1")
+    # cards are re-rendered on each refresh: expect() re-resolves the locator
+    expect(gpu1.locator(".jp-AutoGPU-util .jp-AutoGPU-metricValue")).to_have_text(
+        "97%", timeout=30_000)
+    expect(gpu1.locator(".jp-AutoGPU-mem .jp-AutoGPU-metricValue")).to_have_text(
+        "22.0 GiB / 24.0 GiB")
+    browser.screenshot(page, "sidebar-load-change.png")
+    sidebar = page.locator("#jp-AutoGPU-panel")
+    browser.screenshot(sidebar, "sidebar-panel.png")
