@@ -24,13 +24,21 @@ if [ "$need_py" = 1 ]; then
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # The editable install builds the JupyterLab extension through hatch-jupyter-builder (jlpm).
+  # Drop our link first, so that pip writes its copy into the venv, never through the link.
+  link="$VENV/share/jupyter/labextensions/autogpu-jupyter"
+  if [ -L "$link" ]; then rm "$link"; fi
   "$VENV/bin/python" -m pip install -q -e ".[test,bench,dev]"
-  # Link (not copy) the built extension into the venv, so that a later `jlpm build` in
-  # labextension/ reaches `make lab` without reinstalling. (Not `jupyter labextension develop`:
-  # it writes an install.json into the build output, which then collides in the wheel.)
-  rm -rf "$VENV/share/jupyter/labextensions/autogpu-jupyter"
-  ln -s "$PWD/autogpu_jupyter/labextension" "$VENV/share/jupyter/labextensions/autogpu-jupyter"
+  # Link (not copy) the built extension into the venv, as `jupyter labextension develop` would,
+  # so that a later `jlpm build` in labextension/ reaches `make lab` without reinstalling.
+  rm -rf "$link"
+  ln -s "$PWD/autogpu_jupyter/labextension" "$link"
   touch "$stamp"
+fi
+
+# JupyterHub's proxy (npm) for the JupyterHub deployment test, inside the venv.
+if [ ! -x "$VENV/bin/configurable-http-proxy" ]; then
+  echo "setup: installing configurable-http-proxy (npm) for the JupyterHub test"
+  npm install -g --prefix "$VENV" configurable-http-proxy@5 >/dev/null 2>&1
 fi
 
 if [ "${AUTOGPU_SKIP_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null 2>&1; then
