@@ -9,12 +9,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.config import AutoGPU
@@ -153,7 +152,7 @@ def pick_result(
     if registry is not None and mine is not None and mine.lease_id:
         # A re-pick replaces this process's lease (session.apply releases it on success), so that
         # lease must not book memory or hold "exclusive" against the new pick.
-        registry = _RepickView(registry, mine.lease_id)  # type: ignore[assignment]
+        registry = registry.hiding(lease_ids=[mine.lease_id])
     result = _pick(
         constraints,
         environ=session.original_environ(),
@@ -167,48 +166,6 @@ def pick_result(
     if not dry_run:
         session.apply(result, source=source, forced=warning is not None)
     return result, warning
-
-
-class _RepickView:
-    """The registry as a re-pick sees it: every live lease except ``own_lease_id``.
-
-    A re-pick replaces this process's lease (``session.apply`` releases it once the new pick
-    succeeds), so that lease must not book memory, count towards ``max_devices_per_user`` or
-    hold "exclusive" against the new pick. Both the rankings' bookings and ``txn.create``'s own
-    checks read ``txn.live_leases()``; this view filters it for the duration of the lock.
-    (Lead: a ``replacing_lease_id=`` parameter of ``picker.pick`` would make this unnecessary.)
-    """
-
-    def __init__(self, registry: Registry, own_lease_id: str) -> None:
-        self._registry = registry
-        self._own = own_lease_id
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._registry, name)
-
-    def _without_own(self, leases: Sequence[Any]) -> list[Any]:
-        return [r for r in leases if r.lease_id != self._own]
-
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[Any]:
-        with self._registry.locked() as txn:
-            if txn is not None:
-                real = txn.live_leases
-                txn.live_leases = lambda: self._without_own(real())  # type: ignore[method-assign]
-            yield txn
-
-    def bookings(self, devices: Sequence[DeviceSnapshot], txn: Any = None) -> Any:
-        from autogpu_jupyter.core.leases import bookings_for
-        from autogpu_jupyter.errors import RegistryError
-
-        if txn is not None:
-            return self._registry.bookings(devices, txn)  # txn.live_leases is already filtered
-        try:
-            leases = self._registry.list_leases()
-        except RegistryError as err:
-            log.debug("bookings without registry: %s", err)
-            leases = []
-        return bookings_for(devices, self._without_own(leases))
 
 
 def pick(

@@ -6,6 +6,7 @@ reads NVML itself: bookings take the snapshot the picker read).
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -290,3 +291,33 @@ def test_set_pid_rewrites_the_holder_in_place_and_keeps_the_lock(tmp_path: Path)
     assert [r.pid for r in registry.scan().dead] == [424242]
     with pytest.raises(ValueError):
         lease.fileno()
+
+
+def test_a_hiding_view_leaves_out_only_the_callers_own_leases(
+    tmp_path: Path, backend: SimulatedBackend
+) -> None:
+    registry = Registry(tmp_path / "registry")
+    first = pick(Constraints.parse(min_free="30G", exclusive=True), backend=backend,
+                 registry=registry, holder=Holder(kernel_id="k-one"))
+    second = pick(Constraints.parse(min_free="30G"), backend=backend, registry=registry)
+    assert first.lease is not None and second.lease is not None
+    own = first.lease.record
+    view = registry.hiding(lease_ids=[own.lease_id])
+    assert [r.lease_id for r in view.list_leases()] == [second.lease.record.lease_id]
+    assert [r.lease_id for r in registry.hiding(kernel_id="k-one").list_leases()] == [
+        second.lease.record.lease_id
+    ]
+    snap = backend.snapshot()
+    assert view.bookings(snap.devices)[own.device_uuids[0]].lease_count == 0
+    # The exclusive lease no longer keeps this view's pick off its device...
+    again = pick(Constraints.parse(min_free="30G", exclude="1,2,3"), backend=backend,
+                 registry=view)
+    assert again.chosen[0].uuid == own.device_uuids[0]
+    # ...but the registry itself still sees it, and nobody else's lease is ever hidden.
+    with pytest.raises(NoDeviceFitsError):
+        pick(Constraints.parse(exclude="1,2,3"), backend=backend, registry=registry)
+    other = dataclasses.replace(own, uid=own.uid + 1, lease_id="f" * 32)
+    assert registry.hiding(lease_ids=["f" * 32], kernel_id="k-one")._visible([other]) == [other]
+    for r in (first, second, again):
+        assert r.lease is not None
+        r.lease.release()

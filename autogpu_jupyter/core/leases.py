@@ -34,6 +34,7 @@ A registry that cannot be used safely makes :meth:`Registry.locked` yield ``None
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import fcntl
 import json
@@ -47,7 +48,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -621,8 +622,8 @@ class Transaction:
         return self._scan
 
     def live_leases(self) -> list[LeaseRecord]:
-        """Live leases of every user."""
-        return [r for r in self.scan().live if r.kind == "lease"]
+        """Live leases of every user (less those the registry view hides)."""
+        return self.registry._visible(r for r in self.scan().live if r.kind == "lease")
 
     def live_tickets(self) -> list[LeaseRecord]:
         """Live tickets of every user, oldest (lowest ``seq``) first."""
@@ -770,6 +771,40 @@ class Registry:
         self.host = socket.gethostname()
         #: Why the last :meth:`locked` yielded ``None`` (``None`` when the registry worked).
         self.unusable_reason: str | None = None
+        # Own leases this view leaves out (see :meth:`hiding`).
+        self._hidden_ids: frozenset[str] = frozenset()
+        self._hidden_kernel: str | None = None
+
+    def hiding(
+        self, *, lease_ids: Iterable[str] = (), kernel_id: str | None = None
+    ) -> Registry:
+        """This registry as seen without some of the caller's OWN leases.
+
+        A re-pick replaces the process's lease, so that lease must not book memory, count
+        towards ``max_devices_per_user`` or hold "exclusive" against the new pick; a notebook
+        asking "which GPU is best for me?" must not count its own kernel's lease. Other users'
+        leases are never hidden. The view applies to :meth:`list_leases`, :meth:`bookings` and
+        a transaction's ``live_leases()`` (so to :meth:`Transaction.create`'s checks too).
+        """
+        view = copy.copy(self)
+        view._hidden_ids = frozenset(lease_ids)
+        view._hidden_kernel = kernel_id
+        return view
+
+    def _visible(self, records: Iterable[LeaseRecord]) -> list[LeaseRecord]:
+        if not self._hidden_ids and self._hidden_kernel is None:
+            return list(records)
+        return [
+            r
+            for r in records
+            if not (
+                r.uid == self.uid
+                and (
+                    r.lease_id in self._hidden_ids
+                    or (self._hidden_kernel is not None and r.kernel_id == self._hidden_kernel)
+                )
+            )
+        ]
 
     def __repr__(self) -> str:
         return f"Registry({self.path!r})"
@@ -1277,7 +1312,7 @@ class Registry:
             os.close(top)
         if not include_tickets:
             live = [r for r in live if r.kind == "lease"]
-        return sorted(live, key=lambda r: (r.created_s, r.lease_id))
+        return sorted(self._visible(live), key=lambda r: (r.created_s, r.lease_id))
 
     def bookings(
         self, devices: Sequence[DeviceSnapshot], txn: Transaction | None = None

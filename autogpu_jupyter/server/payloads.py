@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from autogpu_jupyter.core.leases import bookings_for
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.units import parse_percent, parse_size
@@ -28,8 +26,7 @@ from autogpu_jupyter.errors import (
 from autogpu_jupyter.server.state import kernel_pid_map, owning_kernel, redact
 
 if TYPE_CHECKING:
-    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.policy import Booking
+    from autogpu_jupyter.core.devices import FleetSnapshot
     from autogpu_jupyter.server.state import AutoGPUServer
 
 log = logging.getLogger(__name__)
@@ -405,28 +402,6 @@ def parse_kernel_id(value: Any) -> str | None:
     return value
 
 
-class _IgnoringRegistry:
-    """The registry as a dry run sees it, without the leases of one of this user's kernels.
-
-    A notebook asking "which GPU is best for me?" must not count its own lease against the
-    device it already holds. Only :meth:`bookings` is used by a dry-run ``pick``.
-    """
-
-    def __init__(self, registry: Any, kernel_id: str, uid: int) -> None:
-        self._registry = registry
-        self._kernel_id = kernel_id
-        self._uid = uid
-
-    def bookings(self, devices: Sequence[DeviceSnapshot], txn: Any = None) -> dict[str, Booking]:
-        try:
-            leases = self._registry.list_leases()
-        except AutoGPUError as err:  # an unreadable registry books nothing, as in Registry
-            log.debug("bookings without registry: %s", err)
-            leases = []
-        kept = [r for r in leases if not (r.kernel_id == self._kernel_id and r.uid == self._uid)]
-        return bookings_for(devices, kept)
-
-
 def select_payload(
     state: AutoGPUServer, constraints: Constraints, ignore_kernel_id: str | None = None
 ) -> dict[str, Any]:
@@ -461,7 +436,7 @@ def select_payload(
         "notes": notes,
     }
     if registry is not None and ignore_kernel_id is not None:
-        registry = _IgnoringRegistry(registry, ignore_kernel_id, os.geteuid())
+        registry = registry.hiding(kernel_id=ignore_kernel_id)
     try:
         result = pick(constraints, backend=backend, registry=registry, dry_run=True,
                       smoothed_util=smoothed)
