@@ -15,9 +15,13 @@ until its stdin closes (the test ends it), like a kernel that keeps running.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
+import secrets
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -376,3 +380,58 @@ def as_user(uid: int, gid: int, fn: Any, *args: Any) -> Any:
     value = child.result()
     child.stop()
     return value
+
+
+# ---- several users' processes on one host (servers, kernels, the CLI) -------------------------
+
+#: Other users cannot execute the venv's interpreter (it links into root's pyenv, under a 0700
+#: /root); Debian's python3 has the same ABI, so their processes run it with the venv's
+#: site-packages on PYTHONPATH.
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def system_python_problem() -> str | None:
+    """Why SYSTEM_PYTHON cannot stand in for this venv's interpreter, or ``None``."""
+    if not os.access(SYSTEM_PYTHON, os.X_OK):
+        return f"{SYSTEM_PYTHON} missing"
+    out = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info[:2])"],
+                         capture_output=True, text=True, check=False).stdout.strip()
+    if out != str(tuple(sys.version_info[:2])):
+        return f"{SYSTEM_PYTHON} is {out}, not this venv's {sys.version_info[:2]} (ABI differs)"
+    return None
+
+
+@contextlib.contextmanager
+def shared_area(prefix: str) -> Iterator[Path]:
+    """A directory every test user can read, with a registry made as docs/jupyterhub.md says
+    (``install -d -m 1777``); removed afterwards. Skips when SYSTEM_PYTHON cannot be used."""
+    import pytest
+
+    why = system_python_problem()
+    if why:
+        pytest.skip(why)
+    root = Path(f"/var/tmp/{prefix}-{secrets.token_hex(4)}")
+    root.mkdir(mode=0o755)
+    os.chmod(root, 0o755)
+    reg = root / "registry"
+    reg.mkdir()
+    os.chmod(reg, 0o1777)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def cli_as(user: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``autogpu ARGS`` run as ``user`` with exactly ``env``."""
+    return subprocess.run(
+        ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items()),
+         SYSTEM_PYTHON, "-m", "autogpu_jupyter.cli", *args],
+        capture_output=True, text=True, check=False, timeout=60,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -43,8 +43,15 @@ import pytest
 from autogpu_jupyter import kernelspec
 from autogpu_jupyter.core.leases import Registry
 from tests.fakenvml import FakeNvml
-from tests.leasehelpers import ensure_user, fleet, uuid_of
-from tests.test_multiuser_servers import SYSTEM_PYTHON, _cli, _system_python_ok, free_port
+from tests.leasehelpers import (
+    SYSTEM_PYTHON,
+    cli_as,
+    ensure_user,
+    fleet,
+    free_port,
+    shared_area,
+    uuid_of,
+)
 
 pytestmark = [
     pytest.mark.multiuser,
@@ -195,19 +202,8 @@ class Hub:
 @pytest.fixture
 def area() -> Iterator[Path]:
     pytest.importorskip("jupyterhub", reason="pip install jupyterhub (the test extra has it)")
-    why = _system_python_ok()
-    if why:
-        pytest.skip(why)
-    root = Path(f"/var/tmp/autogpu-hub-{secrets.token_hex(4)}")
-    root.mkdir(mode=0o755)
-    os.chmod(root, 0o755)
-    reg = root / "registry"
-    reg.mkdir()
-    os.chmod(reg, 0o1777)  # as docs/jupyterhub.md says: install -d -m 1777 -o root
-    try:
+    with shared_area("autogpu-hub") as root:
         yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
@@ -311,7 +307,7 @@ def test_jupyterhub_spawns_two_users_whose_kernels_share_the_registry(
         # Each user's `autogpu leases --json` shows both leases, the other's without a command.
         cli_env = dict(environment, HOME="/nonexistent")
         for me, other in ((USERS[0], USERS[1]), (USERS[1], USERS[0])):
-            out = _cli(me, cli_env, "leases", "--json")
+            out = cli_as(me, cli_env, "leases", "--json")
             assert out.returncode == 0, out.stderr
             listed = json.loads(out.stdout)
             assert sorted((d["user"], d["kernel_id"], d["device_uuids"]) for d in listed) == sorted(

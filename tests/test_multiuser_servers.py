@@ -19,9 +19,7 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import sysconfig
 import time
 import urllib.error
@@ -36,7 +34,15 @@ import pytest
 from autogpu_jupyter import kernelspec
 from autogpu_jupyter.core.leases import Registry
 from tests.fakenvml import FakeNvml
-from tests.leasehelpers import ensure_user, fleet, uuid_of
+from tests.leasehelpers import (
+    SYSTEM_PYTHON,
+    cli_as,
+    ensure_user,
+    fleet,
+    free_port,
+    shared_area,
+    uuid_of,
+)
 
 pytestmark = [
     pytest.mark.multiuser,
@@ -47,24 +53,7 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parent.parent
-SYSTEM_PYTHON = "/usr/bin/python3"
 USERS = ("agtest-alice", "agtest-bob")
-
-
-def _system_python_ok() -> str | None:
-    if not os.access(SYSTEM_PYTHON, os.X_OK):
-        return f"{SYSTEM_PYTHON} missing"
-    out = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info[:2])"],
-                         capture_output=True, text=True, check=False).stdout.strip()
-    if out != str(tuple(sys.version_info[:2])):
-        return f"{SYSTEM_PYTHON} is {out}, not this venv's {sys.version_info[:2]} (ABI differs)"
-    return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:
@@ -157,27 +146,8 @@ class Server:
 
 @pytest.fixture
 def area() -> Iterator[Path]:
-    why = _system_python_ok()
-    if why:
-        pytest.skip(why)
-    root = Path(f"/var/tmp/autogpu-mu-{secrets.token_hex(4)}")
-    root.mkdir(mode=0o755)
-    os.chmod(root, 0o755)
-    reg = root / "registry"
-    reg.mkdir()
-    os.chmod(reg, 0o1777)  # as docs/jupyterhub.md says: install -d -m 1777 -o root
-    try:
+    with shared_area("autogpu-mu") as root:
         yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _cli(user: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items()),
-         SYSTEM_PYTHON, "-m", "autogpu_jupyter.cli", *args],
-        capture_output=True, text=True, check=False, timeout=60,
-    )
 
 
 def test_two_users_two_servers_share_four_gpus_without_double_booking(
@@ -247,13 +217,13 @@ def test_two_users_two_servers_share_four_gpus_without_double_booking(
         # Each user sees the other's holders, without command lines.
         cli_env = dict(env, HOME="/nonexistent")
         for me, other in ((USERS[0], USERS[1]), (USERS[1], USERS[0])):
-            out = _cli(me, cli_env, "leases", "--json")
+            out = cli_as(me, cli_env, "leases", "--json")
             assert out.returncode == 0, out.stderr
             listed = json.loads(out.stdout)
             theirs = [d for d in listed if d["user"] == other]
             assert len(theirs) == 2
             assert all(d["command"] is None and d["kernel_id"] in kernel_ids for d in theirs)
-            text = _cli(me, cli_env, "leases")
+            text = cli_as(me, cli_env, "leases")
             assert sum(line.startswith(other) for line in text.stdout.splitlines()) == 2
         code, holders = alice.request("GET", "autogpu", "holders")
         if code == 200:
