@@ -59,3 +59,11 @@ def fake_nvml(
     backends._cache.clear()
     yield fake
     backends._cache.clear()
+
+
+@pytest.fixture
+def registry_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private lease registry for this test, named by ``AUTOGPU_REGISTRY_DIR``."""
+    path = tmp_path / "registry"
+    monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(path))
+    return path

@@ -125,3 +125,16 @@ class Kernel:
         )
         assert r.status == "ok", r
         return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def kernel_environ(pid: int, timeout_s: float = 10.0) -> dict[str, str]:
+    """The environment of a kernel the autogpu provisioner started, from /proc/<pid>/environ
+    (what it had before any user code). Read once the process has exec'd: between fork and
+    exec, /proc still shows the parent's (the server's) environment."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        env = dict(e.decode().split("=", 1) for e in raw if b"=" in e)
+        if "AUTOGPU_PROVISIONED" in env or time.monotonic() > deadline:
+            return env
+        time.sleep(0.01)

@@ -43,6 +43,7 @@ import pytest
 from autogpu_jupyter import kernelspec
 from autogpu_jupyter.core.leases import Registry
 from tests.fakenvml import FakeNvml
+from tests.kernelhelpers import kernel_environ
 from tests.leasehelpers import (
     SYSTEM_PYTHON,
     cli_as,
@@ -224,10 +225,6 @@ def users() -> Iterator[None]:
             shutil.rmtree(home, ignore_errors=True)
 
 
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    return dict(e.decode().split("=", 1) for e in raw.split(b"\0") if b"=" in e)
-
 
 def test_jupyterhub_spawns_two_users_whose_kernels_share_the_registry(
     area: Path, users: None, fake_nvml_library: Path
@@ -296,7 +293,7 @@ def test_jupyterhub_spawns_two_users_whose_kernels_share_the_registry(
             status = Path(f"/proc/{r.pid}/status").read_text()
             uid_line = next(line for line in status.splitlines() if line.startswith("Uid:"))
             assert uid_line.split()[1] == str(pwd.getpwnam(u).pw_uid)  # the kernel runs as u
-            kenv = _environ(r.pid)
+            kenv = kernel_environ(r.pid)
             assert kenv["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
             assert kenv["CUDA_VISIBLE_DEVICES"] in {uuid_of(i) for i in range(4)}
             assert (kenv["CUDA_VISIBLE_DEVICES"],) == r.device_uuids

@@ -23,6 +23,7 @@ from autogpu_jupyter import kernelspec
 from autogpu_jupyter.core import moves
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.leases import Registry
+from tests.kernelhelpers import kernel_environ
 from tests.leasehelpers import fleet, uuid_of
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
@@ -38,17 +39,6 @@ NOT_AUTOGPU = (
     "`autogpu kernelspec install`)"
 )
 
-
-def proc_env(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(e.decode().split("=", 1) for e in raw if b"=" in e)
-
-
-@pytest.fixture
-def registry_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "registry"
-    monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(path))
-    return path
 
 
 @pytest.fixture
@@ -122,7 +112,7 @@ async def test_move_restarts_the_kernel_on_the_target_with_the_lease_moved(
     try:
         old_pid = kernel_pid(jp_serverapp, kid)
         # Three identical idle GPUs: the provisioner took the first (UUID order).
-        assert proc_env(old_pid)["CUDA_VISIBLE_DEVICES"] == uuid_of(0)
+        assert kernel_environ(old_pid)["CUDA_VISIBLE_DEVICES"] == uuid_of(0)
         assert leases(registry_dir) == [(old_pid, (uuid_of(0),), kid)]
 
         # The sidebar learns that this notebook's kernel can move, and where it is.
@@ -161,7 +151,7 @@ async def test_move_restarts_the_kernel_on_the_target_with_the_lease_moved(
         new_pid = kernel_pid(jp_serverapp, kid)
         assert new_pid != old_pid
         assert proc_env_gone(old_pid)
-        env = proc_env(new_pid)
+        env = kernel_environ(new_pid)
         assert env["CUDA_VISIBLE_DEVICES"] == uuid_of(2)
         assert env["AUTOGPU_PICKED"] == uuid_of(2)
         assert env["AUTOGPU_PICK_NOTE"] == "moved at your request: the kernel's state was lost"
@@ -211,7 +201,7 @@ async def test_move_restarts_the_kernel_on_the_target_with_the_lease_moved(
 def proc_env_gone(pid: int) -> bool:
     """A zombie or a reused pid: not the old kernel any more."""
     try:
-        return "AUTOGPU_PICKED" not in proc_env(pid)
+        return "AUTOGPU_PICKED" not in kernel_environ(pid, timeout_s=0)
     except OSError:
         return True
 
@@ -292,13 +282,13 @@ async def test_move_needs_authentication_and_xsrf(
         assert without.code == 403
         assert b"XSRF" in without.body or b"_xsrf" in without.body
         assert kernel_pid(jp_serverapp, kid) == pid  # nothing happened
-        assert proc_env(pid)["CUDA_VISIBLE_DEVICES"] == uuid_of(0)
+        assert kernel_environ(pid)["CUDA_VISIBLE_DEVICES"] == uuid_of(0)
         # With it, the same request moves the kernel.
         with_xsrf = await http_server_client.fetch(
             url, method="POST", body=body, headers={"Cookie": cookie, "X-XSRFToken": xsrf},
             raise_error=False)
         assert with_xsrf.code == 200, with_xsrf.body
-        assert proc_env(kernel_pid(jp_serverapp, kid))["CUDA_VISIBLE_DEVICES"] == uuid_of(1)
+        assert kernel_environ(kernel_pid(jp_serverapp, kid))["CUDA_VISIBLE_DEVICES"] == uuid_of(1)
         # Two moves of one kernel at once (a double click): one runs, the other is refused.
         answers = await asyncio.gather(
             post_move(jp_fetch, kid, {"target": "0"}), post_move(jp_fetch, kid, {"target": "2"}),
@@ -311,7 +301,7 @@ async def test_move_needs_authentication_and_xsrf(
         assert json.loads(refused[0].response.body)["message"] == (
             "a move of this kernel is already in progress")
         winner = json.loads(done[0].body)["picked"]
-        assert [proc_env(kernel_pid(jp_serverapp, kid))["CUDA_VISIBLE_DEVICES"]] == winner
+        assert [kernel_environ(kernel_pid(jp_serverapp, kid))["CUDA_VISIBLE_DEVICES"]] == winner
     finally:
         await jp_fetch("api", "sessions", session["id"], method="DELETE")
 
@@ -362,7 +352,7 @@ def test_gpu_move_best_magic_then_restart(
         km = AsyncKernelManager(kernel_name=SPEC)
         await km.start_kernel(env=dict(os.environ), cwd=str(tmp_path))
         try:
-            assert proc_env(int(km.provisioner.pid))["CUDA_VISIBLE_DEVICES"] == uuid_of(0)
+            assert kernel_environ(int(km.provisioner.pid))["CUDA_VISIBLE_DEVICES"] == uuid_of(0)
             kc = km.client()
             kc.start_channels()
             try:
@@ -383,7 +373,7 @@ def test_gpu_move_best_magic_then_restart(
                 (), (uuid_of(0),), "magic")
             await km.restart_kernel()
             pid = int(km.provisioner.pid)
-            assert proc_env(pid)["CUDA_VISIBLE_DEVICES"] == uuid_of(1)
+            assert kernel_environ(pid)["CUDA_VISIBLE_DEVICES"] == uuid_of(1)
             kc = km.client()
             kc.start_channels()
             try:

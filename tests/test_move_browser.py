@@ -17,6 +17,7 @@ import pytest
 from autogpu_jupyter import kernelspec
 from autogpu_jupyter.core.leases import Registry
 from tests import browser
+from tests.kernelhelpers import kernel_environ
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -52,10 +53,6 @@ NOTEBOOK = {
     "nbformat": 4, "nbformat_minor": 5,
 }
 
-
-def proc_env(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(e.decode().split("=", 1) for e in raw if b"=" in e)
 
 
 @pytest.fixture
@@ -121,7 +118,7 @@ def _drive(page: Any, lab: browser.Lab) -> None:
     expect(gpu0.locator(".jp-AutoGPU-move")).to_have_text("Move here")
     (lease,) = Registry(str(lab.registry_dir)).list_leases()
     assert lease.device_uuids == (UUID1,)
-    assert proc_env(lease.pid)["CUDA_VISIBLE_DEVICES"] == UUID1
+    assert kernel_environ(lease.pid)["CUDA_VISIBLE_DEVICES"] == UUID1
     # Running the cell again in the restarted kernel shows the new device.
     browser.run_first_cell(page)
     expect(output).to_contain_text(UUID1, timeout=60_000)

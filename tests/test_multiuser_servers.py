@@ -34,6 +34,7 @@ import pytest
 from autogpu_jupyter import kernelspec
 from autogpu_jupyter.core.leases import Registry
 from tests.fakenvml import FakeNvml
+from tests.kernelhelpers import kernel_environ
 from tests.leasehelpers import (
     SYSTEM_PYTHON,
     cli_as,
@@ -195,8 +196,7 @@ def test_two_users_two_servers_share_four_gpus_without_double_booking(
         kernel_ids = {s["kernel"]["id"] for s in sessions}
         assert {r.kernel_id for r in leases} == kernel_ids
         for r in leases:
-            kenv = Path(f"/proc/{r.pid}/environ").read_bytes().split(b"\0")
-            assert f"CUDA_VISIBLE_DEVICES={r.device_uuids[0]}".encode() in kenv
+            assert kernel_environ(r.pid)["CUDA_VISIBLE_DEVICES"] == r.device_uuids[0]
             assert r.command is None
         # A fifth kernel: nothing is free any more, so it starts CPU-only and says why.
         fifth = alice.start_session("nb5")
@@ -205,12 +205,11 @@ def test_two_users_two_servers_share_four_gpus_without_double_booking(
         fifth_env = None
         for pid in pids:
             try:
-                raw = Path(f"/proc/{pid}/environ").read_bytes()
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
             if fifth["kernel"]["id"].encode() in cmdline:
-                fifth_env = dict(e.decode().split("=", 1) for e in raw.split(b"\0") if b"=" in e)
+                fifth_env = kernel_environ(pid)
         assert fifth_env is not None
         assert fifth_env["CUDA_VISIBLE_DEVICES"] == ""
         assert fifth_env["AUTOGPU_PICK_NOTE"].startswith("no device fits: kernel started CPU-only")

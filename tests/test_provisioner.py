@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +23,13 @@ from autogpu_jupyter import kernelspec
 from autogpu_jupyter.core import moves
 from autogpu_jupyter.core.leases import Registry
 from autogpu_jupyter.errors import NoDeviceFitsError, UsageErrorBase
+from tests.kernelhelpers import kernel_environ
 from tests.leasehelpers import fleet, uuid_of
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
 
 REPO = Path(__file__).resolve().parent.parent
 GiB = 1024**3
-
-
-def proc_env(pid: int, timeout_s: float = 10.0) -> dict[str, str]:
-    """The kernel process's environment, read once it has exec'd: between fork and exec,
-    /proc/<pid>/environ still shows the parent's (the server's) environment."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        env = dict(e.decode().split("=", 1) for e in raw if b"=" in e)
-        if "AUTOGPU_PROVISIONED" in env or time.monotonic() > deadline:
-            return env
-        time.sleep(0.01)
 
 
 class Setup:
@@ -131,7 +119,7 @@ def test_kernel_env_set_before_user_code_and_visible_to_the_kernel(setup: Setup)
     async def main() -> None:
         km = await start(setup, "agp")
         try:
-            env = proc_env(kernel_pid(km))
+            env = kernel_environ(kernel_pid(km))
             assert env["CUDA_VISIBLE_DEVICES"] == uuid_of(2)
             assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
             assert env["AUTOGPU_PICKED"] == uuid_of(2)
@@ -177,7 +165,7 @@ def test_sixteen_concurrent_kernels_spread_evenly(setup: Setup) -> None:
         try:
             counts: dict[str, int] = {}
             for km in kms:
-                env = proc_env(kernel_pid(km))
+                env = kernel_environ(kernel_pid(km))
                 counts[env["CUDA_VISIBLE_DEVICES"]] = counts.get(env["CUDA_VISIBLE_DEVICES"], 0) + 1
             assert len(setup.live()) == 16
             return counts
@@ -195,7 +183,7 @@ def test_exclusive_kernels_never_share_and_the_fifth_starts_cpu_only(setup: Setu
     async def main() -> None:
         kms = await asyncio.gather(*(start(setup, "agx") for _ in range(5)))
         try:
-            envs = [proc_env(kernel_pid(km)) for km in kms]
+            envs = [kernel_environ(kernel_pid(km)) for km in kms]
             gpus = sorted(e["CUDA_VISIBLE_DEVICES"] for e in envs if e["CUDA_VISIBLE_DEVICES"])
             assert gpus == [uuid_of(i) for i in range(4)]
             (cpu,) = [e for e in envs if e["CUDA_VISIBLE_DEVICES"] == ""]
@@ -215,14 +203,14 @@ def test_hundred_restarts_leak_no_lease_and_stay_on_the_same_gpu(setup: Setup) -
 
     async def main() -> None:
         km = await start(setup, "agp")
-        first = proc_env(kernel_pid(km))["CUDA_VISIBLE_DEVICES"]
+        first = kernel_environ(kernel_pid(km))["CUDA_VISIBLE_DEVICES"]
         seen_pids = {kernel_pid(km)}
         try:
             for _ in range(100):
                 await km.restart_kernel(now=True)
                 pid = kernel_pid(km)
                 seen_pids.add(pid)
-                assert proc_env(pid)["CUDA_VISIBLE_DEVICES"] == first
+                assert kernel_environ(pid)["CUDA_VISIBLE_DEVICES"] == first
                 live = setup.live()
                 assert [(r.pid, r.device_uuids) for r in live] == [(pid, (first,))]
             assert len(seen_pids) == 101
@@ -268,7 +256,7 @@ def test_pick_stays_inside_the_servers_grant(setup: Setup, monkeypatch: pytest.M
         env = setup.kernel_env()
         await km.start_kernel(env=env, cwd=str(setup.tmp))
         try:
-            kenv = proc_env(kernel_pid(km))
+            kenv = kernel_environ(kernel_pid(km))
             assert kenv["CUDA_VISIBLE_DEVICES"] == uuid_of(1)
             assert kenv["AUTOGPU_GRANT_CVD"] == f"{uuid_of(3)},{uuid_of(1)}"
         finally:
@@ -284,7 +272,7 @@ def test_wait_then_cpu_only_and_fail_give_the_reason(setup: Setup) -> None:
     async def main() -> None:
         km = await start(setup, "big-cpu")
         try:
-            env = proc_env(kernel_pid(km))
+            env = kernel_environ(kernel_pid(km))
             assert env["CUDA_VISIBLE_DEVICES"] == ""
             note = env["AUTOGPU_PICK_NOTE"]
             assert note.startswith("no device fits: kernel started CPU-only")
@@ -347,11 +335,11 @@ def test_move_to_a_named_gpu_and_to_the_best_at_restart(setup: Setup) -> None:
     async def main() -> None:
         km = await start(setup, "agp")
         try:
-            assert proc_env(kernel_pid(km))["CUDA_VISIBLE_DEVICES"] == uuid_of(0)
+            assert kernel_environ(kernel_pid(km))["CUDA_VISIBLE_DEVICES"] == uuid_of(0)
             prov = km.provisioner
             path = moves.move_file_for(setup.tmp / "runtime", km.kernel_id)
             assert prov.autogpu_move_file == str(path)
-            assert proc_env(kernel_pid(km))["AUTOGPU_MOVE_FILE"] == str(path)
+            assert kernel_environ(kernel_pid(km))["AUTOGPU_MOVE_FILE"] == str(path)
             plan = moves.request_move(
                 path, "2", current_uuids=prov.autogpu_picked,
                 constraints=prov.autogpu_constraints, kernel_id=km.kernel_id,
@@ -362,7 +350,7 @@ def test_move_to_a_named_gpu_and_to_the_best_at_restart(setup: Setup) -> None:
                 "requested device now. Restarting loses the kernel's state"
             )
             await km.restart_kernel(now=True)
-            env = proc_env(kernel_pid(km))
+            env = kernel_environ(kernel_pid(km))
             assert env["CUDA_VISIBLE_DEVICES"] == uuid_of(2)
             assert env["AUTOGPU_PICK_NOTE"] == "moved at your request: the kernel's state was lost"
             assert [r.device_uuids for r in setup.live()] == [(uuid_of(2),)]
@@ -373,10 +361,10 @@ def test_move_to_a_named_gpu_and_to_the_best_at_restart(setup: Setup) -> None:
                 constraints=km.provisioner.autogpu_constraints, registry=setup.registry(),
             )
             await km.restart_kernel(now=True)
-            assert proc_env(kernel_pid(km))["CUDA_VISIBLE_DEVICES"] == uuid_of(0)
+            assert kernel_environ(kernel_pid(km))["CUDA_VISIBLE_DEVICES"] == uuid_of(0)
             # A plain restart afterwards stays there (no request pending).
             await km.restart_kernel(now=True)
-            assert proc_env(kernel_pid(km))["CUDA_VISIBLE_DEVICES"] == uuid_of(0)
+            assert kernel_environ(kernel_pid(km))["CUDA_VISIBLE_DEVICES"] == uuid_of(0)
             assert len(setup.live()) == 1
         finally:
             await km.shutdown_kernel(now=True)
@@ -412,7 +400,7 @@ def test_magic_side_of_a_move_from_the_kernel_environment(setup: Setup) -> None:
     async def main() -> None:
         km = await start(setup, "agp")
         try:
-            env = proc_env(kernel_pid(km))
+            env = kernel_environ(kernel_pid(km))
             plan = moves.request_move_from_kernel("1", environ=env)
             assert plan.message.endswith(
                 "Restart the kernel now (Kernel > Restart Kernel) to move; until then nothing "
@@ -425,7 +413,7 @@ def test_magic_side_of_a_move_from_the_kernel_environment(setup: Setup) -> None:
             assert req.kernel_id == km.kernel_id
             assert req.source == "magic"
             await km.restart_kernel(now=True)
-            assert proc_env(kernel_pid(km))["CUDA_VISIBLE_DEVICES"] == uuid_of(1)
+            assert kernel_environ(kernel_pid(km))["CUDA_VISIBLE_DEVICES"] == uuid_of(1)
         finally:
             await km.shutdown_kernel(now=True)
         assert not Path(env["AUTOGPU_MOVE_FILE"]).exists()

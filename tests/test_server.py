@@ -77,13 +77,6 @@ class SimulatedFleet:
 
 
 @pytest.fixture
-def registry_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "registry"
-    monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(path))
-    return path
-
-
-@pytest.fixture
 def fleet(fake_nvml: Any, registry_dir: Path) -> Any:
     """The fake NVIDIA driver (real pynvml over the fake ``libnvidia-ml.so.1``) showing FLEET,
     with this test process as a compute process on GPU 0 next to a vanished PID."""
