@@ -162,6 +162,11 @@ def test_help_is_written_for_notebook_users(shell: InteractiveShell) -> None:
     assert "%gpu pick --min-free 10G          # the best GPU with 10 GiB free" in doc
     assert "%%gpu --min-free 10G" in doc
     assert "--wait DURATION" in doc and "Interrupt the kernel to cancel." in doc
+    # plain text, not reStructuredText: no ``literals``, no "::" blocks, one usage of %gpu pick
+    assert "``" not in doc and "::" not in doc
+    assert "(import torch is fine, torch.cuda is not):" in doc
+    assert doc.count("usage: %gpu pick [--min-free SIZE]") == 1 and "_pick_options" not in doc
+    assert "%gpu move --best" in doc
 
 
 def test_status_plain_text_in_a_terminal(

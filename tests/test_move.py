@@ -344,6 +344,8 @@ def test_gpu_move_best_magic_then_restart(
                     msg["content"]["text"])
             elif msg["msg_type"] == "error":
                 err.append(msg["content"]["evalue"])
+            elif msg["msg_type"] == "display_data":
+                out.append(msg["content"]["data"]["text/plain"])
 
         await kc.execute_interactive(code, timeout=60, output_hook=hook)
         return "".join(out), "".join(err)
@@ -358,8 +360,14 @@ def test_gpu_move_best_magic_then_restart(
             try:
                 await kc.wait_for_ready(timeout=60)
                 out, err = await run(kc, "%gpu move --best")
+                # until the restart, the kernel's status says the move is pending
+                status, _ = await run(kc, "%gpu status")
             finally:
                 kc.stop_channels()
+            assert status.splitlines()[-1].endswith(
+                " · move to the best device pending: restart the kernel (Kernel > Restart Kernel) "
+                "to move"
+            ), status
             assert err == ""
             assert out == (
                 "The kernel will restart on GPU 1 (NVIDIA A100-SXM4-80GB, 80.0 GiB free), the "
@@ -379,6 +387,7 @@ def test_gpu_move_best_magic_then_restart(
             try:
                 await kc.wait_for_ready(timeout=60)
                 out, err = await run(kc, "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])")
+                status, _ = await run(kc, "%gpu status")
             finally:
                 kc.stop_channels()
             # The first execution also shows the provisioner's note (the kernel loads autogpu).
@@ -386,6 +395,7 @@ def test_gpu_move_best_magic_then_restart(
                 uuid_of(1) + "\nautogpu: moved to the best other device at your request: the "
                 "kernel's state was lost\n", "")
             assert leases(registry_dir) == [(pid, (uuid_of(1),), km.kernel_id)]
+            assert "pending" not in status and "▶ GPU 1" in status
         finally:
             await km.shutdown_kernel(now=True)
         assert leases(registry_dir) == []
