@@ -47,6 +47,10 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
     state = AutoGPUServer(parent=server_app)
     state.start()
     setup_handlers(server_app.web_app, state)
+    if state.cull_idle_gpu_kernels_s > 0:
+        from autogpu_jupyter.server import culling
+
+        culling.install(state, server_app.kernel_manager)
     server_app.log.info(
         "autogpu server extension loaded: %sautogpu/ (sampling every %.1f s)",
         server_app.web_app.settings.get("base_url", "/"),

@@ -40,6 +40,8 @@ __all__ = [
     "parse_kernel_id",
     "kernel_sessions",
     "kernel_infos",
+    "kernel_activity",
+    "gpu_kernel_ids",
 ]
 
 #: How long a request waits for the sampler's first sweep after the server starts.
@@ -277,10 +279,23 @@ def holders_payload(
     }
 
 
+def kernel_activity(km: Any, now_s: float | None = None) -> tuple[str | None, float | None]:
+    """A kernel's ``execution_state`` and how long it has been idle, in seconds, from
+    jupyter_server's own bookkeeping (``last_activity``, the clock its idle culler uses).
+    ``idle_s`` is ``None`` unless the kernel is idle now (busy is not idle; unknown is unknown)."""
+    state = getattr(km, "execution_state", None)
+    last = getattr(km, "last_activity", None)
+    if state != "idle" or last is None or not hasattr(last, "timestamp"):
+        return (state if isinstance(state, str) else None), None
+    now = time.time() if now_s is None else now_s
+    return state, max(0.0, round(now - float(last.timestamp()), 1))
+
+
 def kernel_infos(
     kernel_manager: Any, sessions: Mapping[str, Mapping[str, Any]]
 ) -> list[dict[str, Any]]:
-    """This server's kernels: which can be moved (started by the autogpu provisioner) and where.
+    """This server's kernels: which can be moved (started by the autogpu provisioner) and where,
+    their ``execution_state`` and ``idle_s`` (see :func:`kernel_activity`).
 
     ``movable`` is true for a kernel whose provisioner records move requests
     (``autogpu_move_file``); ``picked_uuids`` is the provisioner's choice at the last (re)start
@@ -296,9 +311,12 @@ def kernel_infos(
         movable = getattr(prov, "autogpu_move_file", None) is not None
         picked = getattr(prov, "autogpu_picked", None) or ()
         constraints = getattr(prov, "autogpu_constraints", None)
+        state, idle_s = kernel_activity(km)
         out.append({
             "kernel_id": kid,
             "notebook_path": (sessions.get(kid) or {}).get("path"),
+            "execution_state": state,
+            "idle_s": idle_s,
             "movable": movable,
             "picked_uuids": [str(u) for u in picked] if movable else [],
             "constraints_text": constraints.describe() if movable and constraints else None,
@@ -453,3 +471,28 @@ def select_payload(
         "allocation": result.allocation.describe(),
         "message": None,
     }
+
+
+def gpu_kernel_ids(state: AutoGPUServer, kernel_manager: Any) -> set[str]:
+    """This server's kernels that hold a GPU: a live lease naming the kernel, a GPU process in
+    the kernel's process tree (NVML), or the autogpu provisioner's pick at its start."""
+    held: set[str] = set()
+    ours = set(kernel_manager.list_kernel_ids())
+    records, _ = _lease_records(state)
+    held.update(rec.kernel_id for rec in records if rec.kernel_id in ours)
+    snap = latest_snapshot(state)
+    if snap is not None:
+        pids = kernel_pid_map(kernel_manager)
+        for dev in snap.devices:
+            for proc in dev.processes or ():
+                kid = owning_kernel(proc.pid, pids)
+                if kid is not None:
+                    held.add(kid)
+    for kid in ours:
+        try:
+            prov = getattr(kernel_manager.get_kernel(kid), "provisioner", None)
+        except KeyError:
+            continue
+        if getattr(prov, "autogpu_picked", None):
+            held.add(kid)
+    return held
