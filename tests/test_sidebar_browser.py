@@ -7,6 +7,7 @@ Needs the built lab extension (``autogpu_jupyter/labextension``, from ``jlpm bui
 
 from __future__ import annotations
 
+import getpass
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,7 +89,7 @@ def _drive(page: Any, lab: browser.Lab, fake_nvml: Any) -> None:
     # the recommendation for the open notebook, from the server's dry run
     page.locator(".jp-AutoGPU-advice", has_text="best device").wait_for()
     assert page.locator(".jp-AutoGPU-advice").inner_text() == (
-        "best device for 10.0 GiB: GPU 0")
+        "best device for 10.0 GiB: GPU\u00a00")  # a no-break space: never "GPU" / "0"
     assert page.locator(".jp-AutoGPU-notebook").inner_text() == "train.ipynb"
     browser.screenshot(page, "sidebar-fleet.png")
 
@@ -118,3 +119,63 @@ def _drive(page: Any, lab: browser.Lab, fake_nvml: Any) -> None:
     browser.screenshot(page, "sidebar-load-change.png")
     sidebar = page.locator("#jp-AutoGPU-panel")
     browser.screenshot(sidebar, "sidebar-panel.png")
+
+    # at the sidebar's default width, in both themes: cards that read at a glance
+    page.wait_for_timeout(3000)  # a few samples of history in the sparklines
+    _check_layout(page)
+    browser.screenshot(sidebar, "sidebar-light.png")
+    browser.menu(page, "Settings", "Theme", "JupyterLab Dark")
+    page.wait_for_function("document.body.dataset.jpThemeLight === 'false'", timeout=30_000)
+    page.wait_for_timeout(1500)
+    _check_layout(page)
+    browser.screenshot(sidebar, "sidebar-dark.png")
+
+    # "only my GPUs": the card of the notebook's GPU, and the totals per user
+    page.locator(".jp-AutoGPU-onlyMine").check()
+    expect(page.locator(".jp-AutoGPU-card")).to_have_count(1)
+    assert page.locator(".jp-AutoGPU-label").all_inner_texts() == ["GPU 0"]
+    totals = page.locator(".jp-AutoGPU-total").all_inner_texts()
+    assert f"{getpass.getuser()}: 1 GPU, 10.0 GiB booked" in totals, totals
+    browser.screenshot(sidebar, "sidebar-dark-mine.png")
+    page.locator(".jp-AutoGPU-onlyMine").uncheck()
+    expect(page.locator(".jp-AutoGPU-card")).to_have_count(4)
+
+
+_CONTRAST = """(el) => {
+  const rgb = c => c.match(/[\\d.]+/g).slice(0, 3).map(Number);
+  const lum = ([r, g, b]) => {
+    const f = v => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+    return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+  };
+  let bg = getComputedStyle(el).backgroundColor;
+  for (let p = el; p && /rgba\\(0, 0, 0, 0\\)|transparent/.test(bg); p = p.parentElement) {
+    bg = getComputedStyle(p).backgroundColor;
+  }
+  const [a, b] = [lum(rgb(getComputedStyle(el).color)), lum(rgb(bg))];
+  return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+}"""
+
+
+def _check_layout(page: Any) -> None:
+    """What a user reads at a glance, whatever the theme (measured in the page)."""
+    # the active notebook's own holder line is readable (WCAG AA contrast, 4.5:1)
+    current = page.locator(".jp-AutoGPU-holder-current").first
+    assert current.evaluate(_CONTRAST) >= 4.5
+    # one line each: the recommendation's device label, the time stamp
+    advice = page.locator(".jp-AutoGPU-advice").inner_text()
+    assert advice.endswith("GPU\u00a00"), advice
+    stamp = page.locator(".jp-AutoGPU-stamp")
+    assert stamp.evaluate("e => e.getClientRects().length") == 1
+    for i in range(3):  # the live cards (the 4th is lost)
+        card = page.locator(".jp-AutoGPU-card").nth(i)
+        util = card.locator(".jp-AutoGPU-util svg").bounding_box()
+        mem = card.locator(".jp-AutoGPU-mem svg").bounding_box()
+        # equal-width sparklines, whatever the length of the value's text
+        assert util is not None and mem is not None
+        assert abs(util["width"] - mem["width"]) < 1 and util["width"] > 100
+        # a scale beside them
+        assert card.locator(".jp-AutoGPU-util .jp-AutoGPU-scaleTop").inner_text() == "100%"
+        # the model's name is shown whole, BEST badge or not
+        name = card.locator(".jp-AutoGPU-name")
+        assert name.evaluate("e => e.scrollWidth <= e.clientWidth"), name.inner_text()
+    assert page.locator(".jp-AutoGPU-card").nth(0).locator(".jp-AutoGPU-best").count() == 1

@@ -88,6 +88,10 @@ export interface IHolder {
 export interface IKernelInfo {
   kernel_id: string;
   notebook_path: string | null;
+  /** jupyter_server's `execution_state` (`idle`, `busy`, ...), null when unknown. */
+  execution_state: string | null;
+  /** Seconds since the kernel's last activity, while it is idle (null: busy or unknown). */
+  idle_s: number | null;
   movable: boolean;
   /** The provisioner's pick at the last (re)start; empty: CPU-only or not an autogpu kernel. */
   picked_uuids: string[];
@@ -147,8 +151,18 @@ export interface IHolderView {
   who: string;
   what: string;
   memory: string;
+  /** `idle 12 min` for a kernel of this server idle for a minute or more, else ''. */
+  idle: string;
   current: boolean;
   exclusive: boolean;
+}
+
+/** One user's share of the GPUs, for the totals line. */
+export interface IUserTotal {
+  user: string;
+  devices: number;
+  booked_bytes: number;
+  used_bytes: number;
 }
 
 const UNKNOWN = '–';
@@ -309,14 +323,16 @@ export function unsupportedNote(device: IDevice): string | null {
 /**
  * An SVG path (`M x,y L x,y ...`) through `values` in a `width` x `height` box, 0 at the bottom
  * and `max` at the top. `null` values break the line (a new `M` after the gap). The newest value
- * sits at the right edge; `slots` fixes the horizontal scale (default: the number of values).
+ * sits at the right edge; `slots` fixes the horizontal scale (default: the number of values);
+ * `pad` pixels are kept free above max and below 0.
  */
 export function sparklinePath(
   values: (number | null)[],
   width: number,
   height: number,
   max: number,
-  slots?: number
+  slots?: number,
+  pad = 0
 ): string {
   const n = Math.max(slots ?? values.length, 2);
   const step = width / (n - 1);
@@ -330,7 +346,8 @@ export function sparklinePath(
     }
     const clamped = Math.min(Math.max(v, 0), max);
     const x = round2((offset + i) * step);
-    const y = round2(height - (clamped / max) * height);
+    // `pad` keeps 0 and max inside the box, visible, instead of on its edge
+    const y = round2(height - pad - (clamped / max) * (height - 2 * pad));
     parts.push(`${drawing ? 'L' : 'M'}${x},${y}`);
     drawing = true;
   });
@@ -437,6 +454,8 @@ export function parseHolders(raw: unknown): IHolders {
         return {
           kernel_id: k.kernel_id,
           notebook_path: strOrNull(k.notebook_path),
+          execution_state: strOrNull(k.execution_state),
+          idle_s: numOrNull(k.idle_s),
           movable: k.movable === true,
           picked_uuids: stringList(k.picked_uuids),
           constraints_text: strOrNull(k.constraints_text),
@@ -569,8 +588,10 @@ export function parseSelection(raw: unknown): ISelection {
 export function holdersFor(
   holders: IHolder[],
   uuid: string,
-  currentKernelId: string | null
+  currentKernelId: string | null,
+  kernels: IKernelInfo[] = []
 ): IHolderView[] {
+  const idleOf = new Map(kernels.map(k => [k.kernel_id, k.idle_s]));
   const mine = holders.filter(h => h.uuid === uuid);
   const leasedKernels = new Set(
     mine
@@ -617,6 +638,9 @@ export function holdersFor(
       who,
       what,
       memory: memParts.join(', '),
+      idle: formatIdle(
+        h.kernel_id !== null ? (idleOf.get(h.kernel_id) ?? null) : null
+      ),
       current: currentKernelId !== null && h.kernel_id === currentKernelId,
       exclusive: h.exclusive
     });
@@ -637,5 +661,103 @@ export function recommendationText(selection: ISelection): string {
       selection.message ?? `no device fits (${selection.constraints_text})`
     );
   }
-  return `${forWhat}: ${selection.chosen.map(c => c.label).join(', ')}`;
+  // A label never breaks ("GPU" at the end of a line, "2" on the next): no-break spaces.
+  const labels = selection.chosen.map(c => c.label.replace(/ /g, '\u00a0'));
+  return `${forWhat}: ${labels.join(', ')}`;
+}
+
+/** `idle 12 min`, `idle 2 h 5 min`; '' under a minute or when unknown (not worth a word). */
+export function formatIdle(idleS: number | null): string {
+  if (idleS === null || !Number.isFinite(idleS) || idleS < 60) {
+    return '';
+  }
+  const minutes = Math.floor(idleS / 60);
+  if (minutes < 60) {
+    return `idle ${minutes} min`;
+  }
+  const hours = Math.floor(minutes / 60);
+  const rest = minutes % 60;
+  return rest ? `idle ${hours} h ${rest} min` : `idle ${hours} h`;
+}
+
+/**
+ * Per user: how many devices they hold (a lease or a process on it), the memory their leases
+ * book and their processes use. Sorted by memory, largest first; unknown users as `unknown`.
+ */
+export function userTotals(holders: IHolder[]): IUserTotal[] {
+  const byUser = new Map<
+    string,
+    { devices: Set<string>; booked: number; used: number }
+  >();
+  for (const h of holders) {
+    const user = h.user ?? 'unknown';
+    const entry = byUser.get(user) ?? {
+      devices: new Set<string>(),
+      booked: 0,
+      used: 0
+    };
+    entry.devices.add(h.uuid);
+    entry.booked += h.booked_bytes ?? 0;
+    entry.used += h.used_memory_bytes ?? 0;
+    byUser.set(user, entry);
+  }
+  return [...byUser.entries()]
+    .map(([user, e]) => ({
+      user,
+      devices: e.devices.size,
+      booked_bytes: e.booked,
+      used_bytes: e.used
+    }))
+    .sort(
+      (a, b) =>
+        Math.max(b.booked_bytes, b.used_bytes) -
+          Math.max(a.booked_bytes, a.used_bytes) || a.user.localeCompare(b.user)
+    );
+}
+
+/** `alice: 2 GPUs, 30.0 GiB booked, 12.0 GiB used`. */
+export function formatUserTotal(total: IUserTotal): string {
+  const parts = [`${total.devices} GPU${total.devices === 1 ? '' : 's'}`];
+  if (total.booked_bytes > 0) {
+    parts.push(`${formatBytes(total.booked_bytes)} booked`);
+  }
+  if (total.used_bytes > 0) {
+    parts.push(`${formatBytes(total.used_bytes)} used`);
+  }
+  return `${total.user}: ${parts.join(', ')}`;
+}
+
+/**
+ * The devices that are "mine": held by the server's user (`holders.user`, the one who runs
+ * this JupyterLab) or by the active notebook's kernel.
+ */
+export function myDevices(
+  holders: IHolders | null,
+  kernelId: string | null
+): Set<string> {
+  const mine = new Set<string>();
+  if (holders === null) {
+    return mine;
+  }
+  for (const h of holders.holders) {
+    if (
+      (holders.user !== '' && h.user === holders.user) ||
+      (kernelId !== null && h.kernel_id === kernelId)
+    ) {
+      mine.add(h.uuid);
+    }
+  }
+  return mine;
+}
+
+/** The label at the top of a sparkline's scale: `100%`, or the device's memory `80 GiB`. */
+export function sparkScaleTop(kind: 'util' | 'mem', max: number): string {
+  if (kind === 'util') {
+    return '100%';
+  }
+  if (!(max > 0)) {
+    return '';
+  }
+  const gib = max / 1024 ** 3;
+  return gib >= 1 ? `${Math.round(gib)} GiB` : formatBytes(max);
 }

@@ -29,10 +29,12 @@ import {
   formatMemory,
   formatPct,
   formatThermals,
+  formatUserTotal,
   holdersFor,
   kernelInfoFor,
   mergeHistory,
   moveActionFor,
+  myDevices,
   parseFleet,
   parseHistory,
   parseHolders,
@@ -40,8 +42,10 @@ import {
   parseSelection,
   recommendationText,
   selectPath,
+  sparkScaleTop,
   sparklinePath,
-  unsupportedNote
+  unsupportedNote,
+  userTotals
 } from './model';
 import { requestAPI } from './request';
 
@@ -68,6 +72,8 @@ export interface IPanelSettings {
 const SVG_NS = 'http://www.w3.org/2000/svg';
 const SPARK_W = 120;
 const SPARK_H = 24;
+/** Pixels kept free above 100 % and below 0, so a flat line at either end stays visible. */
+const SPARK_PAD = 2;
 const MAX_BACKOFF_MS = 60000;
 
 function el<K extends keyof HTMLElementTagNameMap>(
@@ -135,14 +141,24 @@ export class GPUPanel extends Widget {
     this._moveStatus = el('div', 'jp-AutoGPU-moveStatus');
     this._moveStatus.setAttribute('role', 'status');
     this._cards = el('div', 'jp-AutoGPU-cards');
+    this._totals = el('div', 'jp-AutoGPU-totals');
     const header = el('div', 'jp-AutoGPU-header');
     header.appendChild(el('h2', 'jp-AutoGPU-title', 'GPUs'));
     header.appendChild(this._status);
+    const filter = el('label', 'jp-AutoGPU-filter');
+    this._onlyMineBox = el('input', 'jp-AutoGPU-onlyMine');
+    this._onlyMineBox.type = 'checkbox';
+    this._onlyMineBox.addEventListener('change', () => {
+      this._render(this._lastErrors);
+    });
+    filter.append(this._onlyMineBox, document.createTextNode(' only my GPUs'));
     this.node.append(
       header,
       this._errors,
       this._recommendation,
       this._moveStatus,
+      filter,
+      this._totals,
       this._cards
     );
   }
@@ -232,6 +248,7 @@ export class GPUPanel extends Widget {
     errors: string[],
     active: IActiveNotebook | null = this._activeNotebook()
   ): void {
+    this._lastErrors = errors;
     this._errors.replaceChildren();
     const all = this._failure ? [this._failure, ...errors] : errors;
     for (const message of all) {
@@ -258,7 +275,21 @@ export class GPUPanel extends Widget {
     );
     this._renderRecommendation(active);
     this._renderMoveStatus(active);
+    this._renderTotals();
     this._renderCards(fleet, active);
+  }
+
+  /** One line per user: how many GPUs, how much memory booked and used. */
+  private _renderTotals(): void {
+    this._totals.replaceChildren();
+    const totals = userTotals(this._holders?.holders ?? []);
+    for (const total of totals) {
+      const line = el('div', 'jp-AutoGPU-total', formatUserTotal(total));
+      if (total.user === this._holders?.user) {
+        line.classList.add('jp-AutoGPU-total-mine');
+      }
+      this._totals.appendChild(line);
+    }
   }
 
   private _renderMoveStatus(active: IActiveNotebook | null): void {
@@ -321,12 +352,11 @@ export class GPUPanel extends Widget {
     const body = el('div', 'jp-AutoGPU-moveDialog');
     body.append(
       el('p', 'jp-AutoGPU-movePlan', plan.message),
+      // The plan already says that the kernel's state is lost: say only what stays.
       el(
         'p',
         'jp-AutoGPU-moveWarning',
-        `Variables, imports and data in memory of ${
-          kernel.notebook_path ?? 'this notebook'
-        } are lost; the outputs already in the notebook stay.`
+        `The outputs already in ${kernel.notebook_path ?? 'the notebook'} stay.`
       )
     );
     const answer = await showDialog({
@@ -396,20 +426,28 @@ export class GPUPanel extends Widget {
     const kernelId = active?.kernelId ?? null;
     const kernel = kernelInfoFor(holders, kernelId);
     const busy = this._move?.busy === true;
+    const mine = myDevices(holders, kernelId);
+    const onlyMine = this._onlyMineBox.checked;
+    let shown = 0;
     for (const device of fleet.devices) {
+      if (onlyMine && !mine.has(device.uuid)) {
+        continue;
+      }
+      shown += 1;
       const state = deviceState(device);
       const card = el('div', `jp-AutoGPU-card jp-AutoGPU-${state}`);
       card.dataset.uuid = device.uuid;
       const title = el('div', 'jp-AutoGPU-cardTitle');
-      title.append(
-        el('span', 'jp-AutoGPU-label', device.label),
-        el('span', 'jp-AutoGPU-name', device.name)
-      );
+      title.appendChild(el('span', 'jp-AutoGPU-label', device.label));
+      // The badge sits before the model's name, so it never squeezes the name into "NVIDIA…"
       if (this._selection?.chosen.some(c => c.uuid === device.uuid)) {
         title.appendChild(
           el('span', 'jp-AutoGPU-badge jp-AutoGPU-best', 'best')
         );
       }
+      const name = el('span', 'jp-AutoGPU-name', device.name);
+      name.title = device.name;
+      title.appendChild(name);
       card.appendChild(title);
       if (state === 'lost') {
         card.appendChild(
@@ -450,7 +488,12 @@ export class GPUPanel extends Widget {
       if (note) {
         card.appendChild(el('div', 'jp-AutoGPU-unsupported', note));
       }
-      const views = holdersFor(holders.holders, device.uuid, kernelId);
+      const views = holdersFor(
+        holders.holders,
+        device.uuid,
+        kernelId,
+        holders.kernels
+      );
       const list = el('ul', 'jp-AutoGPU-holders');
       for (const view of views) {
         const item = el(
@@ -465,6 +508,9 @@ export class GPUPanel extends Widget {
         );
         if (view.memory) {
           item.appendChild(el('span', 'jp-AutoGPU-holderMem', view.memory));
+        }
+        if (view.idle) {
+          item.appendChild(el('span', 'jp-AutoGPU-idle', view.idle));
         }
         if (view.exclusive) {
           item.appendChild(
@@ -494,6 +540,15 @@ export class GPUPanel extends Widget {
       }
       this._cards.appendChild(card);
     }
+    if (onlyMine && shown === 0) {
+      this._cards.appendChild(
+        el(
+          'div',
+          'jp-AutoGPU-empty',
+          'You hold no GPU here (untick "only my GPUs" to see all).'
+        )
+      );
+    }
   }
 
   private _metric(
@@ -503,20 +558,52 @@ export class GPUPanel extends Widget {
     values: (number | null)[],
     max: number
   ): HTMLElement {
+    // Label and value on one line, the sparkline below at the card's full width: every
+    // sparkline has the same width whatever its value's text, with its scale beside it.
     const row = el('div', `jp-AutoGPU-metric jp-AutoGPU-${key}`);
-    row.appendChild(el('span', 'jp-AutoGPU-metricLabel', label));
+    const head = el('div', 'jp-AutoGPU-metricHead');
+    head.append(
+      el('span', 'jp-AutoGPU-metricLabel', label),
+      el('span', 'jp-AutoGPU-metricValue', value)
+    );
+    row.appendChild(head);
+    const box = el('div', 'jp-AutoGPU-sparkBox');
     const svg = document.createElementNS(SVG_NS, 'svg');
     svg.setAttribute('class', 'jp-AutoGPU-spark');
     svg.setAttribute('viewBox', `0 0 ${SPARK_W} ${SPARK_H}`);
     svg.setAttribute('preserveAspectRatio', 'none');
+    const mid = document.createElementNS(SVG_NS, 'line');
+    mid.setAttribute('class', 'jp-AutoGPU-sparkGrid');
+    mid.setAttribute('x1', '0');
+    mid.setAttribute('x2', String(SPARK_W));
+    mid.setAttribute('y1', String(SPARK_H / 2));
+    mid.setAttribute('y2', String(SPARK_H / 2));
+    svg.appendChild(mid);
     const path = document.createElementNS(SVG_NS, 'path');
     path.setAttribute(
       'd',
-      sparklinePath(values, SPARK_W, SPARK_H, max, this._settings.historyPoints)
+      sparklinePath(
+        values,
+        SPARK_W,
+        SPARK_H,
+        max,
+        this._settings.historyPoints,
+        SPARK_PAD
+      )
     );
     svg.appendChild(path);
-    row.appendChild(svg);
-    row.appendChild(el('span', 'jp-AutoGPU-metricValue', value));
+    box.appendChild(svg);
+    const scale = el('div', 'jp-AutoGPU-scale');
+    scale.append(
+      el(
+        'span',
+        'jp-AutoGPU-scaleTop',
+        sparkScaleTop(key === 'util' ? 'util' : 'mem', max)
+      ),
+      el('span', 'jp-AutoGPU-scaleBottom', '0')
+    );
+    box.appendChild(scale);
+    row.appendChild(box);
     return row;
   }
 
@@ -534,6 +621,9 @@ export class GPUPanel extends Widget {
   private _moveStatus: HTMLElement;
   private _move: IMoveStatus | null = null;
   private _cards: HTMLElement;
+  private _totals: HTMLElement;
+  private _onlyMineBox: HTMLInputElement;
+  private _lastErrors: string[] = [];
   private _fleet: IFleet | null = null;
   private _holders: IHolders | null = null;
   private _selection: ISelection | null = null;

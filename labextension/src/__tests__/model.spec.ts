@@ -5,8 +5,11 @@ import {
   formatBytes,
   formatMemory,
   formatPct,
+  formatIdle,
   formatThermals,
+  formatUserTotal,
   holdersFor,
+  myDevices,
   mergeHistory,
   parseDevice,
   parseFleet,
@@ -14,8 +17,10 @@ import {
   parseHolders,
   parseSelection,
   recommendationText,
+  sparkScaleTop,
   sparklinePath,
-  unsupportedNote
+  unsupportedNote,
+  userTotals
 } from '../model';
 
 const GiB = 1024 ** 3;
@@ -157,6 +162,16 @@ describe('sparklinePath', () => {
     expect(sparklinePath([100, 0], 40, 10, 100, 5)).toBe('M30,0 L40,10');
   });
 
+  it('keeps 0 and the maximum inside the box by the padding', () => {
+    expect(sparklinePath([0, 100], 40, 24, 100, 2, 2)).toBe('M0,22 L40,2');
+  });
+
+  it('labels the top of the scale', () => {
+    expect(sparkScaleTop('util', 100)).toBe('100%');
+    expect(sparkScaleTop('mem', 80 * GiB)).toBe('80 GiB');
+    expect(sparkScaleTop('mem', 0)).toBe('');
+  });
+
   it('draws nothing without a scale', () => {
     expect(sparklinePath([1, 2], 40, 10, 0)).toBe('');
     expect(sparklinePath([], 40, 10, 100)).toBe('');
@@ -262,6 +277,7 @@ describe('holders', () => {
         who: 'alice',
         what: 'pid 7',
         memory: '2.0 GiB used',
+        idle: '',
         current: false,
         exclusive: false
       },
@@ -269,10 +285,65 @@ describe('holders', () => {
         who: 'me',
         what: 'work/train.ipynb',
         memory: '10.0 GiB booked, 3.0 GiB used',
+        idle: '',
         current: false,
         exclusive: false
       }
     ]);
+  });
+
+  it('says how long a kernel holding the GPU has been idle', () => {
+    const kernels = [
+      {
+        kernel_id: 'abcdef0123456789',
+        notebook_path: 'work/train.ipynb',
+        execution_state: 'idle',
+        idle_s: 43 * 60 + 5,
+        movable: false,
+        picked_uuids: [],
+        constraints_text: null,
+        note: null
+      }
+    ];
+    const views = holdersFor(holders, 'GPU-1', null, kernels);
+    expect(views.map(v => [v.what, v.idle])).toEqual([
+      ['pid 7', ''],
+      ['work/train.ipynb', 'idle 43 min']
+    ]);
+    expect(formatIdle(null)).toBe('');
+    expect(formatIdle(59)).toBe('');
+    expect(formatIdle(60)).toBe('idle 1 min');
+    expect(formatIdle(2 * 3600 + 5 * 60)).toBe('idle 2 h 5 min');
+    expect(formatIdle(3 * 3600)).toBe('idle 3 h');
+  });
+
+  it('totals per user: devices, booked and used memory, largest first', () => {
+    const totals = userTotals(holders);
+    expect(totals).toEqual([
+      { user: 'me', devices: 2, booked_bytes: 20 * GiB, used_bytes: 3 * GiB },
+      { user: 'alice', devices: 1, booked_bytes: 0, used_bytes: 2 * GiB }
+    ]);
+    expect(totals.map(formatUserTotal)).toEqual([
+      'me: 2 GPUs, 20.0 GiB booked, 3.0 GiB used',
+      'alice: 1 GPU, 2.0 GiB used'
+    ]);
+  });
+
+  it("knows my GPUs: the server user's and the active kernel's", () => {
+    const all = parseHolders({ user: 'me', holders, kernels: [], errors: [] });
+    expect([...myDevices(all, null)].sort()).toEqual(['GPU-1', 'GPU-9']);
+    const other = parseHolders({
+      user: 'bob',
+      holders,
+      kernels: [],
+      errors: []
+    });
+    expect([...myDevices(other, null)]).toEqual([]);
+    expect([...myDevices(other, 'abcdef0123456789')].sort()).toEqual([
+      'GPU-1',
+      'GPU-9'
+    ]);
+    expect([...myDevices(null, 'abcdef0123456789')]).toEqual([]);
   });
 
   it('puts the active notebook kernel first, highlighted', () => {
@@ -297,7 +368,10 @@ describe('recommendationText', () => {
       message: null,
       simulated: false
     });
-    expect(recommendationText(sel)).toBe('best device for 10.0 GiB: GPU 3');
+    // a no-break space: the label never wraps as "GPU" / "3"
+    expect(recommendationText(sel)).toBe(
+      'best device for 10.0 GiB: GPU\u00a03'
+    );
   });
 
   it('says best device now without constraints', () => {
@@ -306,7 +380,7 @@ describe('recommendationText', () => {
       constraints_text: 'no constraints',
       message: null
     });
-    expect(recommendationText(sel)).toBe('best device now: GPU 0');
+    expect(recommendationText(sel)).toBe('best device now: GPU\u00a00');
   });
 
   it('passes the server reason when nothing fits', () => {
