@@ -140,6 +140,23 @@ def _drive(page: Any, lab: browser.Lab, fake_nvml: Any) -> None:
     page.locator(".jp-AutoGPU-onlyMine").uncheck()
     expect(page.locator(".jp-AutoGPU-card")).to_have_count(4)
 
+    # another process fills the notebook's GPU 0: a JupyterLab notification says so, once
+    overloaded = json.loads(json.dumps(changed))
+    overloaded["devices"][0]["memory_used"] = "78G"
+    overloaded["devices"][0]["processes"] = [{"pid": 4242, "used_memory": "70G"}]
+    fake_nvml.write(overloaded)
+    toast = page.locator(".Toastify__toast", has_text="GPU 0 (this kernel's GPU) is overloaded")
+    toast.wait_for(timeout=30_000)
+    text = toast.inner_text()
+    assert text.startswith(
+        "GPU 0 (this kernel's GPU) is overloaded: memory 98% full, 1 other process. "
+        "Better now: GPU 2."), text  # GPU 1 is 97 % busy now, GPU 2 less
+    page.wait_for_timeout(1000)  # the toast slides in
+    browser.screenshot(page, "sidebar-overload-notification.png")
+    page.wait_for_timeout(3000)  # more refreshes: still one notification
+    assert page.locator(
+        ".Toastify__toast", has_text="GPU 0 (this kernel's GPU) is overloaded").count() == 1
+
 
 _CONTRAST = """(el) => {
   const rgb = c => c.match(/[\\d.]+/g).slice(0, 3).map(Number);

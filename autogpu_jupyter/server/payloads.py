@@ -269,14 +269,83 @@ def holders_payload(
                     "created_s": None,
                     "command": redact(proc.user, proc.command, state.user, state.expose_commands),
                 })
+    kernels = kernel_infos(kernel_manager, sessions) if kernel_manager is not None else []
+    overloads = kernel_overloads(state, kernels, holders, snap)
+    for info in kernels:
+        info["overload"] = overloads.get(info["kernel_id"])
     return {
         "timestamp_s": snap.timestamp_s if snap is not None else time.time(),
         "simulated": snap.simulated if snap is not None else False,
         "user": state.user,
         "holders": holders,
-        "kernels": kernel_infos(kernel_manager, sessions) if kernel_manager is not None else [],
+        "kernels": kernels,
         "errors": errors,
     }
+
+
+def kernel_overloads(
+    state: AutoGPUServer,
+    kernels: list[dict[str, Any]],
+    holders: list[dict[str, Any]],
+    snap: FleetSnapshot | None,
+) -> dict[str, str]:
+    """Kernel id -> the overload warning for the GPU(s) it holds (the panel's own words, from
+    :func:`core.overload.detect` over the server's sampler history), for this server's kernels
+    whose GPU other processes overload. The sidebar turns it into a JupyterLab notification."""
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.core.overload import Thresholds, detect
+
+    sampler = state.sampler()
+    if snap is None or sampler is None or not kernels:
+        return {}
+    held: dict[str, list[str]] = {}
+    own: dict[str, set[int]] = {}
+    for h in holders:
+        kid = h.get("kernel_id")
+        if not kid or not h.get("this_server"):
+            continue
+        if h["uuid"] not in held.setdefault(kid, []):
+            held[kid].append(h["uuid"])
+        if h["kind"] == "process" and h.get("pid") is not None:
+            own.setdefault(kid, set()).add(int(h["pid"]))
+    for info in kernels:
+        for uuid in info.get("picked_uuids") or ():
+            if uuid not in held.setdefault(info["kernel_id"], []):
+                held[info["kernel_id"]].append(uuid)
+    if not held:
+        return {}
+    try:
+        thresholds = Thresholds.from_config(AutoGPU(parent=state.parent))
+    except (ValueError, TypeError):  # a bad threshold in the config: the defaults
+        thresholds = Thresholds()
+    history = sampler.history_series(since_s=thresholds.window_s + 3 * state.interval_s)
+    smoothed = sampler.smoothed_util(60.0)
+    movable = {k["kernel_id"] for k in kernels if k.get("movable")}
+    out: dict[str, str] = {}
+    for kid, uuids in held.items():
+        move = (
+            "use Move to best GPU in the GPU sidebar"
+            if kid in movable
+            else "restart the kernel and run %gpu pick"
+        )
+        found = detect(history, snap, uuids, own.get(kid, set()), thresholds,
+                       smoothed_util=smoothed, move=move)
+        if found:
+            out[kid] = " ".join(_overload_summary(w) for w in found)
+    return out
+
+
+def _overload_summary(w: Any) -> str:
+    """The overload in one short sentence (JupyterLab notifications keep 140 characters):
+    "GPU 0 (this kernel's GPU) is overloaded: memory 98% full, 1 other process. Better: GPU 1."
+    """
+    cause = w.causes[0].split(" (over ")[0] if w.causes else "busy"
+    n = w.other_process_count
+    better = f" Better now: {w.alternative.label}." if w.alternative is not None else ""
+    return (
+        f"{w.label} (this kernel's GPU) is overloaded: {cause}, "
+        f"{n} other process{'es' if n != 1 else ''}.{better}"
+    )
 
 
 def kernel_activity(km: Any, now_s: float | None = None) -> tuple[str | None, float | None]:

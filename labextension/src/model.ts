@@ -97,6 +97,8 @@ export interface IKernelInfo {
   picked_uuids: string[];
   constraints_text: string | null;
   note: string | null;
+  /** The overload warning for the GPU this kernel holds (other processes overload it). */
+  overload: string | null;
 }
 
 /** `GET /autogpu/holders`. */
@@ -459,7 +461,8 @@ export function parseHolders(raw: unknown): IHolders {
           movable: k.movable === true,
           picked_uuids: stringList(k.picked_uuids),
           constraints_text: strOrNull(k.constraints_text),
-          note: strOrNull(k.note)
+          note: strOrNull(k.note),
+          overload: strOrNull(k.overload)
         };
       })
     : [];
@@ -760,4 +763,30 @@ export function sparkScaleTop(kind: 'util' | 'mem', max: number): string {
   }
   const gib = max / 1024 ** 3;
   return gib >= 1 ? `${Math.round(gib)} GiB` : formatBytes(max);
+}
+
+/**
+ * Which overload notifications to show now: the active kernel's warning when it is new (not
+ * shown for this kernel yet). `shown` maps kernel id to the warning's device part; a kernel
+ * whose overload cleared is forgotten, so that a new overload is announced again.
+ */
+export function overloadToNotify(
+  kernel: IKernelInfo | null,
+  shown: Map<string, string>
+): string | null {
+  if (kernel === null) {
+    return null;
+  }
+  if (kernel.overload === null) {
+    shown.delete(kernel.kernel_id);
+    return null;
+  }
+  // "autogpu: GPU 1 (this kernel's GPU) is overloaded: ..." -> "GPU 1": numbers move, the
+  // device does not
+  const key = kernel.overload.split(' (this kernel')[0];
+  if (shown.get(kernel.kernel_id) === key) {
+    return null;
+  }
+  shown.set(kernel.kernel_id, key);
+  return kernel.overload;
 }

@@ -11,7 +11,7 @@
  * All text from the server (device names, other users' names and notebook paths) is inserted
  * with `textContent`, never as HTML.
  */
-import { Dialog, showDialog } from '@jupyterlab/apputils';
+import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { ServerConnection } from '@jupyterlab/services';
 import { Poll } from '@lumino/polling';
 import { Message } from '@lumino/messaging';
@@ -35,6 +35,7 @@ import {
   mergeHistory,
   moveActionFor,
   myDevices,
+  overloadToNotify,
   parseFleet,
   parseHistory,
   parseHolders,
@@ -275,8 +276,21 @@ export class GPUPanel extends Widget {
     );
     this._renderRecommendation(active);
     this._renderMoveStatus(active);
+    this._notifyOverload(active);
     this._renderTotals();
     this._renderCards(fleet, active);
+  }
+
+  /**
+   * A JupyterLab notification (it stays until dismissed) when the active notebook's GPU gets
+   * overloaded by other processes, once per overload; the server's words, as in the panel.
+   */
+  private _notifyOverload(active: IActiveNotebook | null): void {
+    const kernel = kernelInfoFor(this._holders, active?.kernelId ?? null);
+    const text = overloadToNotify(kernel, this._overloadShown);
+    if (text !== null) {
+      Notification.warning(text, { autoClose: false });
+    }
   }
 
   /** One line per user: how many GPUs, how much memory booked and used. */
@@ -624,6 +638,7 @@ export class GPUPanel extends Widget {
   private _totals: HTMLElement;
   private _onlyMineBox: HTMLInputElement;
   private _lastErrors: string[] = [];
+  private _overloadShown = new Map<string, string>();
   private _fleet: IFleet | null = null;
   private _holders: IHolders | null = null;
   private _selection: ISelection | null = null;

@@ -10,6 +10,7 @@ import {
   formatUserTotal,
   holdersFor,
   myDevices,
+  overloadToNotify,
   mergeHistory,
   parseDevice,
   parseFleet,
@@ -302,7 +303,8 @@ describe('holders', () => {
         movable: false,
         picked_uuids: [],
         constraints_text: null,
-        note: null
+        note: null,
+        overload: null
       }
     ];
     const views = holdersFor(holders, 'GPU-1', null, kernels);
@@ -390,5 +392,39 @@ describe('recommendationText', () => {
       message: 'no device fits (min free 70.0 GiB):'
     });
     expect(recommendationText(sel)).toBe('no device fits (min free 70.0 GiB):');
+  });
+});
+
+describe('overloadToNotify', () => {
+  const kernel = {
+    kernel_id: 'k1',
+    notebook_path: 'a.ipynb',
+    execution_state: 'idle',
+    idle_s: null,
+    movable: false,
+    picked_uuids: [],
+    constraints_text: null,
+    note: null,
+    overload: null as string | null
+  };
+  const warning = (pct: number) =>
+    `autogpu: GPU 1 (this kernel's GPU) is overloaded: memory ${pct}% full (over 95%), ` +
+    'caused by 1 other process. Best alternative: move to GPU 2.';
+
+  it('announces an overload once, and again after it cleared', () => {
+    const shown = new Map<string, string>();
+    expect(overloadToNotify(null, shown)).toBeNull();
+    expect(overloadToNotify(kernel, shown)).toBeNull();
+    expect(overloadToNotify({ ...kernel, overload: warning(97) }, shown)).toBe(
+      warning(97)
+    );
+    // the numbers move, the overload is the same: no second notification
+    expect(
+      overloadToNotify({ ...kernel, overload: warning(98) }, shown)
+    ).toBeNull();
+    expect(overloadToNotify(kernel, shown)).toBeNull();
+    expect(overloadToNotify({ ...kernel, overload: warning(99) }, shown)).toBe(
+      warning(99)
+    );
   });
 });

@@ -63,7 +63,8 @@ describe('kernelInfoFor', () => {
       movable: true,
       picked_uuids: ['GPU-0'],
       constraints_text: 'min free 10.0 GiB',
-      note: null
+      note: null,
+      overload: null
     });
     expect(kernelInfoFor(holders, 'k-other')).toBeNull();
     expect(kernelInfoFor(holders, null)).toBeNull();
