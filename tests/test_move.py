@@ -123,6 +123,7 @@ async def test_move_restarts_the_kernel_on_the_target_with_the_lease_moved(
         idle_s = info.pop("idle_s")
         assert idle_s is None or 0 <= idle_s < 60
         assert info.pop("overload") is None  # three idle GPUs: nobody overloads GPU 0
+        assert info.pop("waiting") is False
         assert info == {
             "kernel_id": kid, "notebook_path": "work/train.ipynb", "movable": True,
             "picked_uuids": [uuid_of(0)], "constraints_text": "min free 10.0 GiB", "note": None,
@@ -258,6 +259,7 @@ async def test_move_of_a_kernel_not_started_by_autogpu_is_400(
         info.pop("execution_state")
         info.pop("idle_s")
         assert info.pop("overload") is None
+        assert info.pop("waiting") is False
         assert info == {
             "kernel_id": kid, "notebook_path": "plain.ipynb", "movable": False,
             "picked_uuids": [], "constraints_text": None, "note": None,

@@ -196,3 +196,46 @@ def _check_layout(page: Any) -> None:
         name = card.locator(".jp-AutoGPU-name")
         assert name.evaluate("e => e.scrollWidth <= e.clientWidth"), name.inner_text()
     assert page.locator(".jp-AutoGPU-card").nth(0).locator(".jp-AutoGPU-best").count() == 1
+
+
+WAITING_NOTEBOOK = {
+    **NOTEBOOK,
+    "cells": [{"cell_type": "code", "execution_count": None, "id": "c1", "metadata": {},
+               "outputs": [],
+               "source": ["%load_ext autogpu\n", "%gpu pick --min-free 70G --wait 2m"]}],
+}
+
+
+@pytest.fixture
+def waiting_lab(fake_nvml: Any, tmp_path: Path) -> Iterator[browser.Lab]:
+    """``jupyter lab`` where the notebook waits in line: no GPU has 70 GiB free yet."""
+    with browser.autogpu_lab(
+        tmp_path, fake_nvml, FLEET, WAITING_NOTEBOOK, token="autogpu-browser-test",
+        log_artifact="sidebar-wait-lab.log",
+    ) as server:
+        yield server
+
+
+def test_a_notification_says_when_a_waiting_pick_gets_its_gpu(
+    waiting_lab: browser.Lab, fake_nvml: Any
+) -> None:
+    with browser.chromium_page() as page, browser.screenshot_on_failure(
+        page, "sidebar-wait-failure.png"
+    ):
+        waiting_lab.open(page, "train.ipynb")
+        page.locator(".jp-Notebook").wait_for(timeout=60_000)
+        page.locator('.lm-TabBar-tab[data-id="jp-AutoGPU-panel"]').click()
+        page.locator(".jp-AutoGPU-card").nth(3).wait_for(timeout=30_000)
+        browser.run_first_cell(page)
+        page.locator(".jp-OutputArea-output", has_text="waiting").wait_for(timeout=60_000)
+        page.wait_for_timeout(3000)  # the sidebar has seen the notebook in line
+        freed = json.loads(json.dumps(FLEET))
+        freed["devices"][0]["memory_used"] = "1G"
+        freed["devices"][0]["processes"] = []
+        fake_nvml.write(freed)
+        toast = page.locator(".Toastify__toast", has_text="got its GPU")
+        toast.wait_for(timeout=60_000)
+        assert toast.inner_text().startswith(
+            "train.ipynb got its GPU: GPU 0 (it waited in line)"), toast.inner_text()
+        page.wait_for_timeout(1000)
+        browser.screenshot(page, "sidebar-wait-notification.png")

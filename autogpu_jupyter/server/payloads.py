@@ -194,12 +194,14 @@ async def kernel_sessions(session_manager: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _lease_records(state: AutoGPUServer) -> tuple[list[Any], list[str]]:
+def _lease_records(
+    state: AutoGPUServer, include_tickets: bool = False
+) -> tuple[list[Any], list[str]]:
     try:
         registry = state.registry()
         if registry is None:
             return [], []
-        return registry.list_leases(), []
+        return registry.list_leases(include_tickets=include_tickets), []
     except AutoGPUError as err:
         return [], [f"lease registry: {err}"]
     except OSError as err:
@@ -228,8 +230,11 @@ def holders_payload(
 
     labels = {d.uuid: d.label for d in snap.devices} if snap is not None else {}
     holders: list[dict[str, Any]] = []
-    records, lease_errors = _lease_records(state)
+    everything, lease_errors = _lease_records(state, include_tickets=True)
     errors.extend(lease_errors)
+    records = [r for r in everything if r.kind == "lease"]
+    # kernels in line for a GPU (a --wait pick): the sidebar tells when their wait ends
+    waiting = {r.kernel_id for r in everything if r.kind == "ticket" and r.kernel_id}
     for rec in records:
         kid = rec.kernel_id
         ours = kid in our_kernels if kid else False
@@ -273,6 +278,7 @@ def holders_payload(
     overloads = kernel_overloads(state, kernels, holders, snap)
     for info in kernels:
         info["overload"] = overloads.get(info["kernel_id"])
+        info["waiting"] = info["kernel_id"] in waiting
     return {
         "timestamp_s": snap.timestamp_s if snap is not None else time.time(),
         "simulated": snap.simulated if snap is not None else False,

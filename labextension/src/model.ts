@@ -99,6 +99,8 @@ export interface IKernelInfo {
   note: string | null;
   /** The overload warning for the GPU this kernel holds (other processes overload it). */
   overload: string | null;
+  /** The kernel waits in line for a GPU (`%gpu pick --wait`). */
+  waiting: boolean;
 }
 
 /** `GET /autogpu/holders`. */
@@ -462,7 +464,8 @@ export function parseHolders(raw: unknown): IHolders {
           picked_uuids: stringList(k.picked_uuids),
           constraints_text: strOrNull(k.constraints_text),
           note: strOrNull(k.note),
-          overload: strOrNull(k.overload)
+          overload: strOrNull(k.overload),
+          waiting: k.waiting === true
         };
       })
     : [];
@@ -789,4 +792,35 @@ export function overloadToNotify(
   }
   shown.set(kernel.kernel_id, key);
   return kernel.overload;
+}
+
+/**
+ * The kernels whose wait in line ended with a GPU since the last answer: waiting before
+ * (`waitingBefore`, updated in place to the kernels waiting now) and holding a lease now.
+ * Each as the notification says it: `train.ipynb got its GPU: GPU 2 (it waited in line)`.
+ */
+export function waitsEnded(
+  holders: IHolders,
+  waitingBefore: Set<string>
+): string[] {
+  const out: string[] = [];
+  for (const k of holders.kernels) {
+    if (k.waiting || !waitingBefore.has(k.kernel_id)) {
+      continue;
+    }
+    const labels = holders.holders
+      .filter(h => h.kind === 'lease' && h.kernel_id === k.kernel_id)
+      .map(h => h.label ?? h.uuid);
+    if (labels.length > 0) {
+      const who = k.notebook_path ?? `kernel ${k.kernel_id.slice(0, 8)}`;
+      out.push(`${who} got its GPU: ${labels.join(', ')} (it waited in line)`);
+    }
+  }
+  waitingBefore.clear();
+  for (const k of holders.kernels) {
+    if (k.waiting) {
+      waitingBefore.add(k.kernel_id);
+    }
+  }
+  return out;
 }

@@ -46,7 +46,8 @@ import {
   sparkScaleTop,
   sparklinePath,
   unsupportedNote,
-  userTotals
+  userTotals,
+  waitsEnded
 } from './model';
 import { requestAPI } from './request';
 
@@ -277,6 +278,11 @@ export class GPUPanel extends Widget {
     this._renderRecommendation(active);
     this._renderMoveStatus(active);
     this._notifyOverload(active);
+    if (this._holders !== null) {
+      for (const text of waitsEnded(this._holders, this._waiting)) {
+        Notification.success(text, { autoClose: false });
+      }
+    }
     this._renderTotals();
     this._renderCards(fleet, active);
   }
@@ -639,6 +645,7 @@ export class GPUPanel extends Widget {
   private _onlyMineBox: HTMLInputElement;
   private _lastErrors: string[] = [];
   private _overloadShown = new Map<string, string>();
+  private _waiting = new Set<string>();
   private _fleet: IFleet | null = null;
   private _holders: IHolders | null = null;
   private _selection: ISelection | null = null;

@@ -11,6 +11,7 @@ import {
   holdersFor,
   myDevices,
   overloadToNotify,
+  waitsEnded,
   mergeHistory,
   parseDevice,
   parseFleet,
@@ -304,7 +305,8 @@ describe('holders', () => {
         picked_uuids: [],
         constraints_text: null,
         note: null,
-        overload: null
+        overload: null,
+        waiting: false
       }
     ];
     const views = holdersFor(holders, 'GPU-1', null, kernels);
@@ -405,7 +407,8 @@ describe('overloadToNotify', () => {
     picked_uuids: [],
     constraints_text: null,
     note: null,
-    overload: null as string | null
+    overload: null as string | null,
+    waiting: false
   };
   const warning = (pct: number) =>
     `autogpu: GPU 1 (this kernel's GPU) is overloaded: memory ${pct}% full (over 95%), ` +
@@ -426,5 +429,49 @@ describe('overloadToNotify', () => {
     expect(overloadToNotify({ ...kernel, overload: warning(99) }, shown)).toBe(
       warning(99)
     );
+  });
+});
+
+describe('waitsEnded', () => {
+  const answer = (waiting: boolean, leased: boolean) =>
+    parseHolders({
+      user: 'me',
+      errors: [],
+      holders: leased
+        ? [
+            {
+              kind: 'lease',
+              uuid: 'GPU-2',
+              label: 'GPU 2',
+              user: 'me',
+              kernel_id: 'k1'
+            }
+          ]
+        : [],
+      kernels: [
+        {
+          kernel_id: 'k1',
+          notebook_path: 'train.ipynb',
+          waiting,
+          movable: false
+        }
+      ]
+    });
+
+  it('says once when a kernel that waited in line got its GPU', () => {
+    const waiting = new Set<string>();
+    expect(waitsEnded(answer(false, false), waiting)).toEqual([]);
+    expect(waitsEnded(answer(true, false), waiting)).toEqual([]);
+    expect([...waiting]).toEqual(['k1']);
+    expect(waitsEnded(answer(false, true), waiting)).toEqual([
+      'train.ipynb got its GPU: GPU 2 (it waited in line)'
+    ]);
+    expect(waitsEnded(answer(false, true), waiting)).toEqual([]);
+  });
+
+  it('says nothing when the wait ended without a GPU (cancelled)', () => {
+    const waiting = new Set<string>(['k1']);
+    expect(waitsEnded(answer(false, false), waiting)).toEqual([]);
+    expect(waiting.size).toBe(0);
   });
 });

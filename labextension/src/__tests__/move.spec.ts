@@ -64,7 +64,8 @@ describe('kernelInfoFor', () => {
       picked_uuids: ['GPU-0'],
       constraints_text: 'min free 10.0 GiB',
       note: null,
-      overload: null
+      overload: null,
+      waiting: false
     });
     expect(kernelInfoFor(holders, 'k-other')).toBeNull();
     expect(kernelInfoFor(holders, null)).toBeNull();
