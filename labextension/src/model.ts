@@ -824,3 +824,33 @@ export function waitsEnded(
   }
   return out;
 }
+
+/**
+ * The "Pick for this notebook" action of a card, or null: for the active notebook's plain
+ * kernel (not the autogpu kernelspec, which picks before it starts) that holds no GPU yet,
+ * on a live device. The pick runs *in that kernel* (`%gpu pick` with every other device
+ * excluded), so the variables are set in its process, with a lease, and refused there if CUDA
+ * already started.
+ */
+export function pickCodeFor(
+  device: IDevice,
+  fleet: IFleet,
+  kernel: IKernelInfo | null,
+  holders: IHolders | null,
+  kernelId: string | null
+): string | null {
+  if (kernelId === null || !device.available || device.is_mig) {
+    return null;
+  }
+  if (kernel !== null && kernel.movable) {
+    return null;
+  }
+  if (holders?.holders.some(h => h.kernel_id === kernelId)) {
+    return null;
+  }
+  const others = fleet.devices
+    .filter(d => d.uuid !== device.uuid && !d.is_mig)
+    .map(d => String(d.index));
+  const exclude = others.length ? ` --exclude ${others.join(',')}` : '';
+  return `%load_ext autogpu\n%gpu pick${exclude}`;
+}

@@ -36,6 +36,7 @@ import {
   moveActionFor,
   myDevices,
   overloadToNotify,
+  pickCodeFor,
   parseFleet,
   parseHistory,
   parseHolders,
@@ -55,6 +56,14 @@ import { requestAPI } from './request';
 export interface IActiveNotebook {
   path: string;
   kernelId: string | null;
+  /** Run code in the notebook's kernel; what it printed, and whether it failed. */
+  execute?: (code: string) => Promise<IExecuteResult>;
+}
+
+/** The outcome of code the panel ran in a notebook's kernel. */
+export interface IExecuteResult {
+  ok: boolean;
+  text: string;
 }
 
 /** Options of {@link GPUPanel}. */
@@ -410,6 +419,35 @@ export class GPUPanel extends Widget {
     void this._poll.refresh();
   }
 
+  /** `%gpu pick` in the notebook's own kernel, limited to one device; the outcome shown. */
+  private async _onPick(
+    kernelId: string,
+    label: string,
+    code: string,
+    execute: (code: string) => Promise<IExecuteResult>
+  ): Promise<void> {
+    this._setMoveStatus(
+      kernelId,
+      `picking ${label} in this notebook's kernel…`,
+      false,
+      true
+    );
+    try {
+      const result = await execute(code);
+      const text = result.text.trim();
+      // success: the summary's first line (the rest is in the kernel: %gpu status shows it);
+      // failure: all of it, it says why
+      this._setMoveStatus(
+        kernelId,
+        result.ok ? text.split('\n')[0] : text || 'the pick failed',
+        !result.ok
+      );
+    } catch (reason) {
+      this._setMoveStatus(kernelId, `pick failed: ${errorText(reason)}`, true);
+    }
+    void this._poll.refresh();
+  }
+
   private _renderRecommendation(active: IActiveNotebook | null): void {
     this._recommendation.replaceChildren();
     if (this._selection === null && this._selectionError === null) {
@@ -543,6 +581,28 @@ export class GPUPanel extends Widget {
         list.appendChild(el('li', 'jp-AutoGPU-holder jp-AutoGPU-free', 'free'));
       }
       card.appendChild(list);
+      const pickCode = pickCodeFor(
+        device,
+        fleet,
+        kernel,
+        this._holders,
+        kernelId
+      );
+      if (pickCode !== null && active?.execute && kernelId !== null) {
+        const button = el(
+          'button',
+          'jp-AutoGPU-move jp-AutoGPU-pick',
+          'Pick for this notebook'
+        );
+        button.type = 'button';
+        button.title = `Run %gpu pick in ${active.path}'s kernel, on ${device.label} only`;
+        button.disabled = busy;
+        const execute = active.execute;
+        button.addEventListener('click', () => {
+          void this._onPick(kernelId, device.label, pickCode, execute);
+        });
+        card.appendChild(button);
+      }
       const action = moveActionFor(device, kernel);
       if (action !== null && kernel !== null) {
         const button = el(

@@ -11,6 +11,7 @@ import {
   holdersFor,
   myDevices,
   overloadToNotify,
+  pickCodeFor,
   waitsEnded,
   mergeHistory,
   parseDevice,
@@ -473,5 +474,51 @@ describe('waitsEnded', () => {
     const waiting = new Set<string>(['k1']);
     expect(waitsEnded(answer(false, false), waiting)).toEqual([]);
     expect(waiting.size).toBe(0);
+  });
+});
+
+describe('pickCodeFor', () => {
+  const fleet = parseFleet(fleetJson);
+  const [gpu0, lost] = fleet.devices;
+  const plain = {
+    kernel_id: 'k1',
+    notebook_path: 'a.ipynb',
+    execution_state: 'idle',
+    idle_s: null,
+    movable: false,
+    picked_uuids: [],
+    constraints_text: null,
+    note: null,
+    overload: null,
+    waiting: false
+  };
+  const none = parseHolders({
+    user: 'me',
+    holders: [],
+    kernels: [],
+    errors: []
+  });
+
+  it('picks in the notebook kernel, every other device excluded', () => {
+    expect(pickCodeFor(gpu0, fleet, plain, none, 'k1')).toBe(
+      '%load_ext autogpu\n%gpu pick --exclude 2'
+    );
+  });
+
+  it('offers nothing where a pick makes no sense', () => {
+    // a lost card, no notebook, an autogpu kernel (it picks before starting)
+    expect(pickCodeFor(lost, fleet, plain, none, 'k1')).toBeNull();
+    expect(pickCodeFor(gpu0, fleet, plain, none, null)).toBeNull();
+    expect(
+      pickCodeFor(gpu0, fleet, { ...plain, movable: true }, none, 'k1')
+    ).toBeNull();
+    // the kernel already holds a GPU
+    const held = parseHolders({
+      user: 'me',
+      holders: [{ kind: 'lease', uuid: 'GPU-0a0a', kernel_id: 'k1' }],
+      kernels: [],
+      errors: []
+    });
+    expect(pickCodeFor(gpu0, fleet, plain, held, 'k1')).toBeNull();
   });
 });
