@@ -73,7 +73,12 @@ def registry_for(settings: AutoGPU) -> Registry | None:
         return None
     from autogpu_jupyter.core.leases import Registry
 
-    return Registry(settings.registry_dir, max_devices_per_user=settings.max_devices_per_user)
+    return Registry(
+        settings.registry_dir,
+        max_devices_per_user=settings.max_devices_per_user,
+        record_commands=settings.record_commands,
+        lock_timeout_s=settings.registry_lock_timeout_s,
+    )
 
 
 def _running_sampler() -> Any:
@@ -113,7 +118,16 @@ def constraints_for(
     exclude: object = None,
     exclusive: bool | None = None,
 ) -> Constraints:
-    """The constraints of a pick: explicit options, else the ``AutoGPU`` settings (validated)."""
+    """The constraints of a pick: explicit options, else the ``AutoGPU`` settings (validated).
+
+    An option given explicitly as ``''`` is refused (it is not "no limit").
+    """
+    from autogpu_jupyter.core.options import reject_empty
+    from autogpu_jupyter.core.units import PERCENT_FORMS, SIZE_FORMS
+
+    reject_empty(min_free, "--min-free", SIZE_FORMS)
+    reject_empty(max_util, "--max-util", PERCENT_FORMS)
+    reject_empty(count, "--count", "a whole number >= 1, e.g. 2")
     return Constraints.parse(
         min_free=settings.min_free if min_free is None else min_free,
         max_util=settings.max_util if max_util is None else max_util,
@@ -121,6 +135,16 @@ def constraints_for(
         exclude=exclude,
         exclusive=settings.exclusive if exclusive is None else exclusive,
     )
+
+
+def wait_seconds(settings: AutoGPU, wait: object = None) -> float:
+    """Seconds a pick may wait in line: the explicit ``wait``, else ``AutoGPU.wait``."""
+    from autogpu_jupyter.core.options import reject_empty
+    from autogpu_jupyter.core.units import DURATION_FORMS
+
+    reject_empty(wait, "--wait", DURATION_FORMS)
+    wait_text = settings.wait if wait is None else wait
+    return 0.0 if wait_text in ("", None) else parse_duration(wait_text)
 
 
 def pick_result(
@@ -142,8 +166,7 @@ def pick_result(
     """
     settings = settings or default_settings()
     constraints = constraints_for(settings, min_free, max_util, count, exclude, exclusive)
-    wait_text = settings.wait if wait is None else wait
-    wait_s = 0.0 if wait_text in ("", None) else parse_duration(wait_text)
+    wait_s = wait_seconds(settings, wait)
     warning = None
     if not dry_run:
         warning = session.check_not_too_late(force or not settings.refuse_when_initialized)
@@ -313,6 +336,12 @@ def _live_leases(settings: AutoGPU | None = None) -> list[Any]:
         return []
 
 
+_STATUS_COLUMNS = (
+    "", "gpu", "name", "uuid", "util %", "mem used", "mem total", "mem free", "temp °C",
+    "power W", "procs", "holders", "state",
+)
+
+
 def status_frame(
     snap: FleetSnapshot, choice: session.Choice | None, leases: Sequence[Any]
 ) -> pd.DataFrame:
@@ -350,7 +379,9 @@ def status_frame(
                 "state": "ok" if d.available else f"unavailable: {d.error}",
             }
         )
-    df = pd.DataFrame(rows)
+    # The columns are named even with no device (a host whose GPUs all vanished): callers
+    # select by column, and an empty table must still have them.
+    df = pd.DataFrame(rows, columns=_STATUS_COLUMNS)
     # Whole numbers stay whole when a lost device makes a column partly unknown (<NA>, not NaN).
     for col in ("temp °C", "procs"):
         if col in df:

@@ -42,11 +42,11 @@ import logging
 import math
 import os
 import pwd
+import random
 import re
 import secrets
 import socket
 import stat
-import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -82,6 +82,10 @@ MAX_RECORD_BYTES = 64 * 1024
 #: Most entries read from one user's directory per scan (a flood of files cannot stall a pick).
 MAX_FILES_PER_USER = 4096
 SCHEMA_VERSION = 1
+
+#: Ticket sequence numbers stay JSON-exact integers; a writer never goes past this (see
+#: :meth:`Transaction.create_ticket`), so another user's huge ``seq`` cannot make ours unreadable.
+MAX_SEQ = 2**53 - 1
 
 _ID_RE = re.compile(r"^[0-9a-f]{16,64}$")
 _UUID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
@@ -220,12 +224,14 @@ def _str(
     return v
 
 
-def _int(d: Mapping[str, Any], key: str, *, optional: bool = False, lo: int = 0) -> Any:
+def _int(
+    d: Mapping[str, Any], key: str, *, optional: bool = False, lo: int = 0, hi: int = 2**63 - 1
+) -> Any:
     v = d.get(key)
     if v is None and optional:
         return None
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < 2**63:
-        raise _Invalid(f"{key}: expected an integer >= {lo}")
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise _Invalid(f"{key}: expected an integer from {lo} to {hi}")
     return v
 
 
@@ -262,7 +268,7 @@ def _parse_cached(
         rec = _parse_record(data, kind=kind, path=path, live=live)
         if rec.uid != dir_uid:
             raise _Invalid(f"forged: record says uid {rec.uid}, file owned by uid {dir_uid}")
-        if not name.startswith(rec.lease_id + "."):
+        if name != rec.lease_id + (TICKET_SUFFIX if kind == "ticket" else LEASE_SUFFIX):
             raise _Invalid("forged: file name does not match its lease id")
         if real_user != str(dir_uid) and rec.user != real_user:
             raise _Invalid(
@@ -286,6 +292,11 @@ def _parse_record(data: bytes, *, kind: str, path: str, live: bool) -> LeaseReco
         raise _Invalid(f"not valid JSON ({type(err).__name__})") from None
     if not isinstance(d, dict):
         raise _Invalid("not a JSON object")
+    try:
+        # "\ud800" is valid JSON, but a lone surrogate cannot be printed or encoded anywhere.
+        json.dumps(d, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, RecursionError):
+        raise _Invalid("a lone surrogate (not valid Unicode text)") from None
     allowed = _TICKET_KEYS if kind == "ticket" else _LEASE_KEYS
     extra = set(d) - allowed
     if extra:
@@ -331,7 +342,7 @@ def _parse_record(data: bytes, *, kind: str, path: str, live: bool) -> LeaseReco
     seq = None
     constraints = None
     if kind == "ticket":
-        seq = _int(d, "seq")
+        seq = _int(d, "seq", hi=MAX_SEQ)
         constraints = _parse_constraints(d["constraints"])
     return LeaseRecord(
         lease_id=lease_id,
@@ -435,6 +446,35 @@ def bookings_for(
 # Held files
 
 
+def _field(value: str | None, limit: int = _MAX_STR) -> str | None:
+    """A string as our writer stores it: what every reader accepts (see :func:`_parse_record`).
+
+    Control characters (a TAB in a notebook name) become ``?``, text that is not valid Unicode
+    (a lone surrogate from an undecodable file name) is spelled out with backslashes, and the
+    length is capped: a value the readers would reject must never reach a lease file, or the
+    writer would believe it holds a lease that every reader ignores (silent double booking).
+    """
+    if value is None:
+        return None
+    text = str(value).encode("utf-8", "backslashreplace").decode("utf-8")
+    return _CONTROL_RE.sub("?", text)[:limit]
+
+
+def _write_all(fd: int, data: bytes, offset: int | None = None) -> None:
+    """Write every byte of ``data`` (a short write, e.g. on a nearly full disk, is continued;
+    no progress raises): a record is complete on disk or the write fails."""
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        if offset is None:
+            n = os.write(fd, view[done:])
+        else:
+            n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "no space left on device (short write)")
+        done += n
+
+
 class Lease:
     """A lease this process holds: an open, ``flock``-ed file in our user directory.
 
@@ -496,11 +536,13 @@ class Lease:
         if self._fd is None:
             raise ValueError(f"lease {self.record.lease_id} was released")
         record = replace(self.record, pid=int(pid))
-        data = json.dumps(record._payload(), separators=(",", ":")).encode()
+        data = self._registry._checked_bytes(record, self._name)
         with self._registry.locked() as txn:
             if txn is None:
                 return
-            os.pwrite(self._fd, data, 0)
+            # Same length or longer (a pid only grows in digits, rarely): write, then cut. A
+            # short write raises (ENOSPC, EFBIG) and leaves the old, still valid, record.
+            _write_all(self._fd, data, offset=0)
             os.ftruncate(self._fd, len(data))
         self.record = record
 
@@ -558,41 +600,81 @@ def _held(fd: int) -> bool:
 
 
 def _flock_wait(fd: int, timeout_s: float) -> bool:
-    """Block in ``flock(fd, LOCK_EX)`` for at most ``timeout_s``; True when the lock is ours.
+    """Try ``flock(fd, LOCK_EX | LOCK_NB)`` until it succeeds or ``timeout_s`` passes.
 
-    A helper thread blocks on a duplicate of ``fd`` (the same open file description, so the lock
-    it gets is the one ``fd`` holds) while the caller waits on an event with the timeout; no
-    signals, so it works in any thread. A thread that gets the lock after the caller gave up
-    drops it at once. Raises the ``OSError`` of the ``flock`` call (``ENOLCK``, ...).
+    Polled with a short, growing, jittered sleep (0.2 ms doubling up to 20 ms): no helper
+    thread and no extra descriptor, so a registry lock held by a stuck or hostile process costs
+    a timed-out pick nothing that outlives it (a thread blocked in ``flock`` could never be
+    cancelled: one thread and one fd would leak per attempt). Raises the ``OSError`` of the
+    ``flock`` call (``ENOLCK``, ...).
     """
-    dup = os.dup(fd)
-    done = threading.Event()
-    guard = threading.Lock()
-    state: dict[str, Any] = {"abandoned": False, "got": False, "error": None}
-
-    def wait() -> None:
+    deadline = time.monotonic() + max(timeout_s, 0.0)
+    delay = 0.0002
+    while True:
         try:
-            fcntl.flock(dup, fcntl.LOCK_EX)
-        except OSError as err:
-            state["error"] = err
-        with guard:
-            if state["error"] is None:
-                if state["abandoned"]:
-                    with contextlib.suppress(OSError):
-                        fcntl.flock(dup, fcntl.LOCK_UN)
-                else:
-                    state["got"] = True
-        os.close(dup)
-        done.set()
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(delay * (0.5 + random.random()), left))  # noqa: S311 (jitter only)
+        delay = min(delay * 2, 0.02)
 
-    threading.Thread(target=wait, name="autogpu-registry-lock", daemon=True).start()
-    done.wait(max(timeout_s, 0.0))
-    with guard:
-        if not state["got"]:
-            state["abandoned"] = True
-    if state["error"] is not None:
-        raise state["error"]
-    return bool(state["got"])
+
+def _shown(name: str) -> str:
+    """A directory entry's name as printable text (undecodable bytes spelled out), for the
+    paths a scan reports: another user picks these names."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _flock_holder_pids(st: os.stat_result, locks_path: str = "/proc/locks") -> list[int] | None:
+    """PIDs holding an ``flock`` on the file of ``st``, per ``/proc/locks``; ``None``: unknown.
+
+    A line reads ``1: FLOCK  ADVISORY  WRITE 4242 fe:00:2149016 0 EOF`` (device as hex
+    major:minor, then the inode); waiters are marked ``->`` and do not hold anything.
+    """
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open(locks_path, encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    pids = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == key:
+            try:
+                pids.append(int(parts[4]))
+            except ValueError:
+                return None
+    return pids
+
+
+def _pid_uids(pid: int) -> set[int] | None:
+    """Real, effective, saved and filesystem uids of ``pid`` (``None``: gone or hidden)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return {int(x) for x in line.split()[1:]}
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _held_only_by_others(st: os.stat_result, owner_uid: int) -> bool:
+    """True when the file's ``flock`` is held, and every holder runs as a uid other than
+    ``owner_uid`` (a lease kept looking alive by someone else). Unknown holders: False."""
+    pids = _flock_holder_pids(st)
+    if not pids:
+        return False
+    for pid in pids:
+        uids = None if pid <= 0 else _pid_uids(pid)
+        if uids is None or owner_uid in uids:
+            return False
+    return True
 
 
 def _user_name(uid: int) -> str:
@@ -709,7 +791,9 @@ class Transaction:
     ) -> Ticket:
         """Join the waiting line: a ticket whose ``seq`` is after every live ticket's."""
         tickets = self.live_tickets()
-        seq = max((r.seq or 0 for r in tickets), default=0) + 1
+        # Clamped: another user's ticket at MAX_SEQ must not push ours past what readers accept
+        # (ties are served by creation time).
+        seq = min(max((r.seq or 0 for r in tickets), default=0) + 1, MAX_SEQ)
         ticket = self.registry._write_held(
             Ticket,
             kind="ticket",
@@ -754,6 +838,9 @@ class Registry:
     lock_timeout_s
         How long a pick waits for the registry lock before going on without a lease (another
         process holding it that long is stuck or hostile).
+    record_commands
+        Store the holder's command line in its lease. Lease files are readable by every user of
+        the host, so this is off unless the admin opts in (``c.AutoGPU.record_commands``).
     """
 
     def __init__(
@@ -762,10 +849,12 @@ class Registry:
         *,
         max_devices_per_user: int = 0,
         lock_timeout_s: float = 10.0,
+        record_commands: bool = False,
     ) -> None:
         self.path = os.path.abspath(os.fspath(path))
         self.max_devices_per_user = max(int(max_devices_per_user), 0)
         self.lock_timeout_s = lock_timeout_s
+        self.record_commands = bool(record_commands)
         self.uid = os.geteuid()
         self.user = _user_name(self.uid)
         self.host = socket.gethostname()
@@ -940,16 +1029,16 @@ class Registry:
         try:
             top_fd = self._open_top(create=True)
         except RegistryError as err:
-            self.unusable_reason = f"{err}: picked without a lease"
-            log.warning("%s", self.unusable_reason)
+            self.unusable_reason = str(err)
+            log.info("lease registry unusable: %s", err)
             yield None
             return
         try:
             try:
                 self._acquire(top_fd)
             except RegistryError as err:
-                self.unusable_reason = f"{err}: picked without a lease"
-                log.warning("%s", self.unusable_reason)
+                self.unusable_reason = str(err)
+                log.info("lease registry unusable: %s", err)
                 yield None
                 return
             try:
@@ -957,8 +1046,8 @@ class Registry:
                 # stays open for the transaction (the lease is written there).
                 ufd = self._open_user_dir(top_fd, create=True)
             except RegistryError as err:
-                self.unusable_reason = f"{err}: picked without a lease"
-                log.warning("%s", self.unusable_reason)
+                self.unusable_reason = str(err)
+                log.info("lease registry unusable: %s", err)
                 yield None
                 return
             try:
@@ -991,7 +1080,8 @@ class Registry:
         if not acquired:
             raise RegistryError(
                 f"lease registry {self.path} stayed locked by another process for more than "
-                f"{self.lock_timeout_s:g} s"
+                f"{self.lock_timeout_s:g} s (the admin can find the holder with "
+                f"`lslocks | grep {self.path}` and stop it)"
             )
 
     def _lock_error(self, err: OSError) -> RegistryError:
@@ -1031,21 +1121,21 @@ class Registry:
                 exclusive=exclusive,
                 user=self.user,
                 uid=self.uid,
-                host=self.host,
+                host=_field(self.host) or "?",
                 pid=pid,
                 created_s=time.time(),
-                kernel_id=None if holder is None else holder.kernel_id,
-                notebook_path=None if holder is None else holder.notebook_path,
-                command=None if holder is None else holder.command,
-                holder_kind="process" if holder is None else holder.kind,
+                kernel_id=_field(None if holder is None else holder.kernel_id),
+                notebook_path=_field(None if holder is None else holder.notebook_path),
+                command=(
+                    _field(holder.command) if holder is not None and self.record_commands else None
+                ),
+                holder_kind=_field("process" if holder is None else holder.kind, 32) or "process",
                 seq=seq,
                 constraints=constraints,
                 live=True,
                 path=os.path.join(self.path, str(self.uid), name),
             )
-            data = json.dumps(record._payload(), separators=(",", ":")).encode()
-            if len(data) > MAX_RECORD_BYTES:
-                raise RegistryError("lease record too large (a very long command or path?)")
+            data = self._checked_bytes(record, name)
             try:
                 fd = os.open(
                     tmp,
@@ -1064,7 +1154,7 @@ class Registry:
                 if st.st_uid != self.uid or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
                     raise RegistryError(f"lease file {record.path} is not ours after creation")
                 os.fchmod(fd, 0o644)
-                os.write(fd, data)
+                _write_all(fd, data)
                 # Rename keeps the inode and its flock: readers see whole records only.
                 os.rename(tmp, name, src_dir_fd=ufd, dst_dir_fd=ufd)
             except OSError as err:
@@ -1081,6 +1171,24 @@ class Registry:
         finally:
             if user_fd is None:
                 os.close(ufd)
+
+    def _checked_bytes(self, record: LeaseRecord, name: str) -> bytes:
+        """The exact bytes of ``record``, after the readers' own parse accepted them.
+
+        Raises :class:`RegistryError` when a reader would reject the record: the lease is then
+        refused here, never reported held while every reader ignores it.
+        """
+        data = json.dumps(record._payload(), separators=(",", ":")).encode()
+        if len(data) > MAX_RECORD_BYTES:
+            raise RegistryError("lease record too large (a very long command or path?)")
+        try:
+            _parse_cached(
+                data, kind=record.kind, name=name, path=record.path, dir_uid=self.uid,
+                real_user=self.user, live=True,
+            )
+        except _Invalid as err:
+            raise RegistryError(f"lease record refused: readers would reject it ({err})") from None
+        return data
 
     def _unlink_own(self, name: str, fd: int) -> None:
         """Remove our file ``name`` if it is still the inode ``fd`` holds."""
@@ -1119,8 +1227,9 @@ class Registry:
         except OSError as err:
             raise RegistryError(f"cannot list lease registry {self.path}: {err.strerror}") from None
         for uname in sorted(names):
-            upath = os.path.join(self.path, uname)
-            if not uname.isdigit() or len(uname) > 10:
+            upath = os.path.join(self.path, _shown(uname))
+            # isdecimal() alone is true for '¹' or '٣' (int() then fails or differs): ASCII only.
+            if not (uname.isascii() and uname.isdecimal()) or len(uname) > 10:
                 result.ignored.append((upath, "not a user directory (name is not a uid)"))
                 continue
             dir_uid = int(uname)
@@ -1171,7 +1280,7 @@ class Registry:
             result.ignored.append((upath, f"more than {MAX_FILES_PER_USER} entries; rest skipped"))
             names = sorted(names)[:MAX_FILES_PER_USER]
         for name in names:
-            path = os.path.join(upath, name)
+            path = os.path.join(upath, _shown(name))
             if name.endswith(LEASE_SUFFIX):
                 kind = "lease"
             elif name.endswith(TICKET_SUFFIX):
@@ -1331,13 +1440,19 @@ class Registry:
                 leases = []
         return bookings_for(devices, leases)
 
-    def prune(self, all_users: bool = False) -> list[str]:
+    def prune(self, all_users: bool = False) -> list[LeaseRecord]:
         """Remove dead lease and ticket files: the caller's own, or every user's (root only).
+
+        Dead means its holder is gone. A file whose ``flock`` is held only by processes of
+        *other* users (one who opened a 0644 lease of ours and locked it, to keep a dead lease
+        looking alive) counts as dead too: per ``/proc/locks`` and ``/proc/<pid>/status``,
+        nobody of the lease's own uid holds it. Where that cannot be told (a holder pid hidden
+        by ``hidepid``, or gone), the lease is kept.
 
         Returns
         -------
-        list of str
-            Paths removed.
+        list of LeaseRecord
+            The records removed (their ``path``, devices and holders say what was freed).
 
         Raises
         ------
@@ -1351,14 +1466,42 @@ class Registry:
             self._acquire(top)
             before = self._scan_fd(top)
             self._scan_fd(top, prune_own=True, prune_all=all_users)
+            mine = [r for r in before.live if all_users or r.uid == self.uid]
+            kept_alive = [r for r in mine if self._remove_if_held_by_others(top, r)]
             after = self._scan_fd(top)
         finally:
             os.close(top)
-        gone = {r.path for r in after.dead}
-        return sorted(
-            r.path for r in before.dead
-            if r.path not in gone and (all_users or r.uid == self.uid)
-        )
+        still = {r.path for r in after.live} | {r.path for r in after.dead}
+        dead = [r for r in before.dead if all_users or r.uid == self.uid]
+        return [r for r in (*dead, *kept_alive) if r.path not in still]
+
+    def _remove_if_held_by_others(self, top_fd: int, rec: LeaseRecord) -> bool:
+        """Unlink ``rec``'s file if only other users' processes hold its ``flock``."""
+        name = rec.lease_id + (TICKET_SUFFIX if rec.kind == "ticket" else LEASE_SUFFIX)
+        try:
+            ufd = os.open(str(rec.uid), _O_DIR, dir_fd=top_fd)
+        except OSError:
+            return False
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=ufd)
+            try:
+                st = os.fstat(fd)
+                if st.st_uid != rec.uid or not _held_only_by_others(st, rec.uid):
+                    return False
+                now = os.stat(name, dir_fd=ufd, follow_symlinks=False)
+                if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                    return False
+                os.unlink(name, dir_fd=ufd)
+                log.info("removed %s: its lock is held only by other users' processes", rec.path)
+                return True
+            finally:
+                os.close(fd)
+        except OSError as err:
+            log.debug("not removing %s: %s", rec.path, err)
+            return False
+        finally:
+            os.close(ufd)
 
     # -- waiting in line ----------------------------------------------------------------------
 

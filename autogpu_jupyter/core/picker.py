@@ -30,6 +30,7 @@ from autogpu_jupyter.errors import (
     NoDeviceFitsError,
     NoDeviceGrantedError,
     RegistryError,
+    RegistryUntrustedError,
     UsageErrorBase,
 )
 
@@ -169,9 +170,34 @@ def _create_lease(
             holder=holder,
         )
     except RegistryError as err:
-        log.warning("no lease: %s", err)
-        return None, f"{err}: picked without a lease"
+        log.info("no lease: %s", err)
+        return None, str(err)
     return lease, None
+
+
+def _promises(constraints: Constraints, wait_s: float, registry: Registry | None) -> str | None:
+    """What this pick promised that only a working lease registry can keep (``None``: nothing).
+
+    An exclusive pick, a wait in line (FIFO tickets) and the admin's per-user quota all live in
+    the registry: without it they would silently not hold, so such a pick fails closed.
+    """
+    if registry is None:
+        return None
+    if constraints.exclusive:
+        return "an exclusive pick (--exclusive)"
+    if wait_s > 0:
+        return "a pick that waits in line (--wait)"
+    if getattr(registry, "max_devices_per_user", 0) > 0:
+        return "a pick under the admin's max_devices_per_user quota"
+    return None
+
+
+def _fail_closed(what: str, cause: str | None) -> RegistryUntrustedError:
+    return RegistryUntrustedError(
+        f"refused {what} without a lease: {cause or 'the lease registry cannot be used'}. "
+        "Nothing was picked and the environment is unchanged; a plain pick (without --exclusive "
+        "or --wait) still works, without a lease"
+    )
 
 
 @contextlib.contextmanager
@@ -244,6 +270,7 @@ def pick(
     start = time.monotonic()
     deadline = start + max(wait_s, 0.0)
     ticket = None
+    promised = None if dry_run else _promises(constraints, wait_s, registry)
     if registry is not None and not dry_run:
         # Pay NVML's one-time start-up (library load, init, first handles) before taking the
         # registry lock, so that other pickers do not queue behind it.
@@ -257,8 +284,16 @@ def pick(
             if registry is not None and not dry_run:
                 lock_cm = registry.locked()
             with lock_cm as txn:
+                if txn is None and promised is not None:
+                    raise _fail_closed(promised, getattr(registry, "unusable_reason", None))
                 snap = backend.snapshot()
                 util_now = smoothed_util() if callable(smoothed_util) else smoothed_util
+                if not snap.devices:
+                    why = "; ".join(snap.errors)
+                    raise NoDeviceGrantedError(
+                        f"no GPU on this host: {snap.backend} lists no devices"
+                        + (f" ({why})" if why else "")
+                    )
                 allocation = current_allocation(snap.devices, env)
                 if allocation.empty:
                     raise NoDeviceGrantedError(
@@ -285,11 +320,15 @@ def pick(
                 lease = None
                 if chosen and not dry_run and registry is not None and txn is not None:
                     lease, lease_note = _create_lease(txn, chosen, constraints, holder)
+                    if lease is None and promised is not None:
+                        raise _fail_closed(promised, lease_note)
                 if chosen and ticket is not None:
                     ticket.release()  # under the lock: nobody sees both our ticket and lease
                     ticket = None
             if registry is not None and not dry_run and getattr(registry, "unusable_reason", None):
                 lease_note = registry.unusable_reason
+            if lease_note:
+                lease_note = f"{lease_note}: picked without a lease"
             if chosen:
                 uuids = [c.device.uuid for c in chosen]
                 return PickResult(
