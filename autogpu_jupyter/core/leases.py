@@ -629,6 +629,35 @@ def _shown(name: str) -> str:
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+#: Entries a scan rejected, by (directory uid, name, inode), with the (size, mtime, ctime) they had
+#: and why: planted junk costs one ``stat`` per scan instead of open, read, parse and close. Any
+#: change to the file (its ctime cannot be set back by a user) makes it read afresh.
+_REJECTED: dict[tuple[int, str, int], tuple[int, int, int, str]] = {}
+_REJECTED_MAX = 16384
+
+
+def _remember_bad(key: tuple[int, str, int] | None, st: os.stat_result, why: str) -> str:
+    if key is not None and key[2] == st.st_ino:
+        if len(_REJECTED) >= _REJECTED_MAX:
+            _REJECTED.clear()
+        _REJECTED[key] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, why)
+    return why
+
+
+def _known_bad(ufd: int, name: str, key: tuple[int, str, int]) -> str | None:
+    """Why the entry was rejected before, if it is still exactly that file; else ``None``."""
+    hit = _REJECTED.get(key)
+    if hit is None:
+        return None
+    try:
+        st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
+    except OSError:
+        return None
+    if st.st_ino == key[2] and (st.st_size, st.st_mtime_ns, st.st_ctime_ns) == hit[:3]:
+        return hit[3]
+    return None
+
+
 def _flock_holder_pids(st: os.stat_result, locks_path: str = "/proc/locks") -> list[int] | None:
     """PIDs holding an ``flock`` on the file of ``st``, per ``/proc/locks``; ``None``: unknown.
 
@@ -1227,7 +1256,7 @@ class Registry:
         except OSError as err:
             raise RegistryError(f"cannot list lease registry {self.path}: {err.strerror}") from None
         for uname in sorted(names):
-            upath = os.path.join(self.path, _shown(uname))
+            upath = f"{self.path}/{uname if uname.isascii() else _shown(uname)}"
             # isdecimal() alone is true for '¹' or '٣' (int() then fails or differs): ASCII only.
             if not (uname.isascii() and uname.isdecimal()) or len(uname) > 10:
                 result.ignored.append((upath, "not a user directory (name is not a uid)"))
@@ -1272,15 +1301,18 @@ class Registry:
         user_names: dict[int, str] | None = None,
     ) -> None:
         try:
-            names = os.listdir(ufd)
+            with os.scandir(ufd) as it:
+                entries = {e.name: e.inode() for e in it}
         except OSError as err:
             result.ignored.append((upath, f"cannot list: {err.strerror}"))
             return
+        names = list(entries)
         if len(names) > MAX_FILES_PER_USER:
             result.ignored.append((upath, f"more than {MAX_FILES_PER_USER} entries; rest skipped"))
             names = sorted(names)[:MAX_FILES_PER_USER]
+        prefix = upath + "/"
         for name in names:
-            path = os.path.join(upath, _shown(name))
+            path = prefix + (name if name.isascii() else _shown(name))
             if name.endswith(LEASE_SUFFIX):
                 kind = "lease"
             elif name.endswith(TICKET_SUFFIX):
@@ -1292,7 +1324,12 @@ class Registry:
             else:
                 result.ignored.append((path, "not a lease or ticket file"))
                 continue
-            rec, why = self._read_one(ufd, name, path, dir_uid, kind, user_names)
+            key = (dir_uid, name, entries[name])
+            why = _known_bad(ufd, name, key)
+            if why is None:
+                rec, why = self._read_one(ufd, name, path, dir_uid, kind, user_names, key)
+            else:
+                rec = None
             if rec is None:
                 result.ignored.append((path, why))
                 continue
@@ -1311,6 +1348,7 @@ class Registry:
         dir_uid: int,
         kind: str,
         user_names: dict[int, str] | None = None,
+        key: tuple[int, str, int] | None = None,
     ) -> tuple[LeaseRecord | None, str]:
         try:
             fd = os.open(
@@ -1325,9 +1363,10 @@ class Registry:
             if not stat.S_ISREG(st.st_mode):
                 return None, "not a regular file"
             if st.st_uid != dir_uid:
-                return None, f"forged: owned by uid {st.st_uid} in the directory of uid {dir_uid}"
+                why = f"forged: owned by uid {st.st_uid} in the directory of uid {dir_uid}"
+                return None, _remember_bad(key, st, why)
             if st.st_size > MAX_RECORD_BYTES:
-                return None, f"larger than {MAX_RECORD_BYTES} bytes"
+                return None, _remember_bad(key, st, f"larger than {MAX_RECORD_BYTES} bytes")
             data = os.read(fd, MAX_RECORD_BYTES + 1)
             if len(data) > MAX_RECORD_BYTES:
                 return None, f"larger than {MAX_RECORD_BYTES} bytes"
@@ -1344,7 +1383,8 @@ class Registry:
                 )
             except _Invalid as err:
                 why = str(err)
-                return None, why if why.startswith("forged: ") else f"malformed: {why}"
+                why = why if why.startswith("forged: ") else f"malformed: {why}"
+                return None, _remember_bad(key, st, why) if len(data) == st.st_size else why
             return rec, ""
         except OSError as err:
             return None, f"unreadable: {err.strerror}"
