@@ -289,3 +289,35 @@ def test_registry_reader_and_writer_agree_whatever_the_registry_holds(
         assert len(live) == 1, (scan.ignored, lease)
         assert live[0].notebook_path == lease.record.notebook_path
         lease.release()
+
+
+def test_a_rejected_file_fixed_in_place_is_read_again(tmp_path: Path) -> None:
+    """Rejected entries are remembered by inode, size, mtime and ctime (junk costs one stat per
+    scan); a file changed in place, even to the same size, is read afresh."""
+    import fcntl
+    import secrets
+    import time as _time
+
+    registry = Registry(tmp_path / "registry")
+    registry.check()
+    d = tmp_path / "registry" / str(os.geteuid())
+    d.mkdir(mode=0o755)
+    lease_id = secrets.token_hex(16)
+    good = json.dumps({
+        "version": 1, "kind": "lease", "lease_id": lease_id, "device_uuids": [uuid_of(0)],
+        "device_requested_bytes": [None], "exclusive": False, "user": registry.user,
+        "uid": os.geteuid(), "host": "h", "pid": os.getpid(), "created_s": 1.0,
+        "kernel_id": None, "notebook_path": None, "command": None, "holder_kind": "process",
+    }).encode()
+    fd = os.open(d / f"{lease_id}.lease", os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        os.write(fd, b"x" * len(good))  # same size as the good record, not JSON
+        assert registry.scan().ignored[0][1].startswith("malformed: not valid JSON")
+        assert registry.scan().ignored[0][1].startswith("malformed: not valid JSON")  # cached
+        _time.sleep(0.01)
+        os.pwrite(fd, good, 0)
+        (rec,) = registry.scan().live
+        assert rec.lease_id == lease_id
+    finally:
+        os.close(fd)
