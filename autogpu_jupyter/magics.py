@@ -184,7 +184,26 @@ def format_pick(result: PickResult, warning: str | None = None) -> str:
         if ru is not None
         else "no runner-up (nothing else fits)"
     )
+    if result.kept:
+        d = result.chosen[0] if result.chosen else None
+        where = _device_line(d, result.candidate(d.uuid)) if d is not None else "its device"
+        return "\n".join(
+            [
+                f"autogpu{sim}: kept {where}",
+                f"  this kernel was started on it by the autogpu kernelspec and already holds its "
+                f"lease; it meets {result.constraints.describe()}, so nothing changed (no second "
+                "lease)",
+                f"  CUDA_VISIBLE_DEVICES={result.env.get('CUDA_VISIBLE_DEVICES', '')}",
+            ]
+        )
     lines.append(f"  asked: {result.constraints.describe()} · {runner}")
+    if result.previous is not None:
+        now = ", ".join(d.label for d in result.chosen)
+        lines.append(
+            f"  you had {result.previous}; now {now} (one lease: the old one was released)"
+            if result.previous != now
+            else f"  you had {now} already: kept it, with a new lease for these options"
+        )
     if result.waited_s >= 1.0:
         lines.append(f"  waited {format_duration(round(result.waited_s, 1))} in line")
     if result.lease is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from autogpu_jupyter.core import decision
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.leases import Registry, bookings_for
 from autogpu_jupyter.core.picker import Holder, pick
@@ -88,7 +89,7 @@ def test_bookings_hold_requested_memory_until_nvml_shows_the_holder(tmp_path: Pa
     chosen = [r.chosen[0].uuid for r in (first, second, third)]
     assert chosen == [uuid_of(0), uuid_of(1), uuid_of(0)]
     snap = backend.snapshot()
-    b = registry.bookings(snap.devices)
+    b = decision.gather(snap, registry=registry).bookings
     assert (b[uuid_of(0)].lease_count, b[uuid_of(0)].booked_bytes) == (2, 60 * GiB)
     assert (b[uuid_of(1)].lease_count, b[uuid_of(1)].booked_bytes) == (1, 30 * GiB)
 
@@ -309,7 +310,7 @@ def test_a_hiding_view_leaves_out_only_the_callers_own_leases(
         second.lease.record.lease_id
     ]
     snap = backend.snapshot()
-    assert view.bookings(snap.devices)[own.device_uuids[0]].lease_count == 0
+    assert decision.gather(snap, registry=view).bookings[own.device_uuids[0]].lease_count == 0
     # The exclusive lease no longer keeps this view's pick off its device...
     again = pick(Constraints.parse(min_free="30G", exclude="1,2,3"), backend=backend,
                  registry=view)

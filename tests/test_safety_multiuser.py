@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+from autogpu_jupyter.core.decision import ticket_constraints
 from autogpu_jupyter.core.leases import MAX_SEQ, Registry
 from autogpu_jupyter.core.picker import Holder, pick
 from autogpu_jupyter.core.policy import Constraints
@@ -313,8 +314,8 @@ def test_records_readers_reject_never_count_and_never_crash_status(area: Area, u
             assert str(h.result()).startswith(reg)
         # Two of A's tickets after B's: readable, in arrival order, B's MAX_SEQ one first.
         registry = Registry(reg)
-        first = registry.take_ticket()
-        second = registry.take_ticket()
+        first = registry.take_ticket(constraints=ticket_constraints(None, None))
+        second = registry.take_ticket(constraints=ticket_constraints(None, None))
         assert first is not None and second is not None
         tickets = [t for t in registry.scan().live if t.kind == "ticket"]
         order = sorted(tickets, key=lambda r: (r.seq or 0, r.created_s, r.lease_id))

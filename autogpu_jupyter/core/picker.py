@@ -3,14 +3,9 @@
 :func:`pick` never touches ``os.environ``: it returns what to set (``PickResult.env``) and the
 caller applies it after its own checks (see :mod:`autogpu_jupyter.core.session`).
 
-What the picker needs of a lease registry (:class:`autogpu_jupyter.core.leases.Registry`):
-``registry.locked()`` (context manager: the registry-wide lock, yields a transaction ``txn``, or
-``None`` when the registry is unusable, with ``registry.unusable_reason`` set), ``registry.bookings(
-devices, txn)`` (``txn`` may be ``None``: read without the lock), ``txn.create(devices=...,
-requested_bytes=..., exclusive=..., holder=...) -> Lease``, and for waiting in line
-``registry.take_ticket(holder=..., constraints=..., allowed_uuids=...) -> Ticket | None``,
-``registry.reserved_bookings(txn, devices, bookings, ticket=...)`` (the devices older waiters would
-take now, booked for them: FIFO) and ``ticket.release()``.
+The decision itself is :mod:`autogpu_jupyter.core.decision`'s (the one pipeline every view uses);
+the picker adds what only a real pick does: the registry lock around gather-decide-lease, the
+lease, waiting in line with a ticket, and failing closed when a promise needs the registry.
 """
 
 from __future__ import annotations
@@ -23,7 +18,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from autogpu_jupyter.core.policy import Booking, Candidate, Constraints, matches_id, rank, select
+from autogpu_jupyter.core import decision
+from autogpu_jupyter.core.policy import Candidate, Constraints, matches_id
 from autogpu_jupyter.core.units import format_duration
 from autogpu_jupyter.core.visibility import Allocation, current_allocation, visible_env
 from autogpu_jupyter.errors import (
@@ -37,7 +33,7 @@ from autogpu_jupyter.errors import (
 if TYPE_CHECKING:
     from autogpu_jupyter.core.backends import Backend
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.leases import Lease, Registry
+    from autogpu_jupyter.core.registry import Lease, Registry
 
 __all__ = ["Holder", "PickResult", "pick", "explain_drops", "POLL_INTERVAL_S"]
 
@@ -72,6 +68,11 @@ class PickResult:
     lease_note: str | None = None
     dry_run: bool = False
     waited_s: float = 0.0
+    #: This process already held a lease on ``chosen`` (a kernel the autogpu kernelspec started)
+    #: and kept it: nothing new was leased or set.
+    kept: bool = False
+    #: The device label(s) this process had before a re-pick (``"GPU 1"``), if any.
+    previous: str | None = None
 
     @property
     def runner_up(self) -> Candidate | None:
@@ -102,6 +103,7 @@ class PickResult:
             else self.lease.record.to_dict(redact_command=False),
             "lease_note": self.lease_note,
             "dry_run": self.dry_run,
+            "kept": self.kept,
         }
 
 
@@ -287,7 +289,6 @@ def pick(
                 if txn is None and promised is not None:
                     raise _fail_closed(promised, getattr(registry, "unusable_reason", None))
                 snap = backend.snapshot()
-                util_now = smoothed_util() if callable(smoothed_util) else smoothed_util
                 if not snap.devices:
                     why = "; ".join(snap.errors)
                     raise NoDeviceGrantedError(
@@ -300,23 +301,13 @@ def pick(
                         f"no GPU granted to this process: {allocation.describe()}"
                     )
                 _check_ids(snap.devices, constraints)
-                bookings: dict[str, Booking] = {}
-                if registry is not None:
-                    bookings = registry.bookings(snap.devices, txn)
-                    if not dry_run:
-                        # FIFO: older waiters are served first, from what is free now.
-                        bookings = registry.reserved_bookings(
-                            txn, snap.devices, bookings, ticket=ticket, smoothed_util=util_now
-                        )
-                ranked = rank(
-                    snap.devices,
-                    constraints,
-                    allocation=allocation,
-                    bookings=bookings,
-                    smoothed_util=util_now,
-                    self_pids=(holder.pid,),
+                # FIFO reservations included, in a dry run too: it answers what a pick would do.
+                context = decision.gather(
+                    snap, environ=env, registry=registry, txn=txn, ticket=ticket,
+                    smoothed_util=smoothed_util, self_pids=(holder.pid,),
                 )
-                chosen = select(ranked, constraints.count)
+                made = decision.decide(context, constraints)
+                ranked, chosen = list(made.ranked), list(made.chosen)
                 lease = None
                 if chosen and not dry_run and registry is not None and txn is not None:
                     lease, lease_note = _create_lease(txn, chosen, constraints, holder)
@@ -353,7 +344,9 @@ def pick(
                 )
             if registry is not None and ticket is None:
                 ticket = registry.take_ticket(
-                    holder=holder, constraints=constraints, allowed_uuids=allocation.uuids
+                    constraints=decision.ticket_constraints(constraints, allocation.uuids),
+                    exclusive=constraints.exclusive,
+                    holder=holder,
                 )
             if on_progress is not None:
                 best = next((c for c in ranked), None)

@@ -104,12 +104,18 @@ def plan_or_request(
         ``best`` and no other device fits.
     """
     registry = state.registry()
+    if registry is not None:  # the kernel's own lease does not count against its move
+        registry = registry.hiding(kernel_id=kernel_id)
+    sampler = state.sampler()
     kwargs: dict[str, Any] = {
         "current_uuids": tuple(getattr(provisioner, "autogpu_picked", None) or ()),
         "constraints": provisioner.autogpu_constraints,
         "kernel_id": kernel_id,
         "registry": registry,
         "source": "server",
+        "smoothed_util": None if sampler is None else sampler.smoothed_util(
+            state.smoothing_window_s
+        ),
     }
     if body.dry_run:
         return moves.plan_move(body.target, **kwargs)

@@ -371,7 +371,7 @@ def parse_json_object(body: bytes | None, example: str) -> dict[str, Any]:
         ) from None
     if not isinstance(value, dict):
         raise UsageErrorBase(
-            f"expected a JSON object such as {example}, got {type(value).__name__}"
+            f"expected a JSON object such as {example}, got {short_repr(value)}"
         )
     return value
 
@@ -471,7 +471,7 @@ def parse_kernel_id(value: Any) -> str | None:
 def select_payload(
     state: AutoGPUServer, constraints: Constraints, ignore_kernel_id: str | None = None
 ) -> dict[str, Any]:
-    """``select``: ``core.picker.pick(constraints, dry_run=True)`` over the sampler's latest sweep.
+    """``select``: :func:`select_answer` over the sampler's latest sweep and the registry.
 
     A request nothing fits is a normal answer (``chosen`` empty, ``message`` says why), not an
     HTTP error. The registry is read for bookings, never written. ``ignore_kernel_id``: the
@@ -479,8 +479,7 @@ def select_payload(
     notebook's recommendation does not count its own lease against the device it holds.
     """
     snap = latest_snapshot(state)
-    backend = _LatestBackend(snap) if snap is not None else None
-    if backend is None:
+    if snap is None:
         raise NVMLUnavailableError(
             "no GPU data: " + ("; ".join(_sampler_errors(state)) or "the sampler has no sample yet")
         )
@@ -494,18 +493,34 @@ def select_payload(
         registry = state.registry()
     except (AutoGPUError, OSError) as err:
         notes.append(f"lease registry unusable, bookings not counted: {err}")
+    return select_answer(snap, constraints, registry, smoothed, ignore_kernel_id, notes)
+
+
+def select_answer(
+    snap: FleetSnapshot,
+    constraints: Constraints,
+    registry: Any,
+    smoothed: Mapping[str, float | None] | None = None,
+    ignore_kernel_id: str | None = None,
+    notes: list[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The ``select`` answer for ``snap``: a dry-run pick through the one decision pipeline."""
+    backend = _LatestBackend(snap)
+    notes = [] if notes is None else notes
     base: dict[str, Any] = {
         "constraints": constraints.to_json(),
         "constraints_text": constraints.describe(),
-        "simulated": snap.simulated if snap is not None else False,
-        "timestamp_s": snap.timestamp_s if snap is not None else None,
+        "simulated": snap.simulated,
+        "timestamp_s": snap.timestamp_s,
         "notes": notes,
     }
     if registry is not None and ignore_kernel_id is not None:
         registry = registry.hiding(kernel_id=ignore_kernel_id)
     try:
         result = pick(
-            constraints, backend=backend, registry=registry, dry_run=True, smoothed_util=smoothed
+            constraints, backend=backend, registry=registry, dry_run=True, smoothed_util=smoothed,
+            environ=environ,
         )
     except NoDeviceFitsError as err:
         candidates = err.candidates if isinstance(err.candidates, tuple) else ()

@@ -21,7 +21,7 @@ from traitlets.config import Configurable
 
 from autogpu_jupyter.config import AutoGPU, default_registry_dir
 from autogpu_jupyter.core import sampler as sampler_mod
-from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.registry import Registry
 from autogpu_jupyter.core.text import redact_command
 from autogpu_jupyter.errors import AutoGPUError
 
