@@ -108,8 +108,10 @@ _PICK_PARSER.prog = "%gpu pick"
 
 def _parse_pick(argv: Sequence[str], where: str = "%gpu pick") -> argparse.Namespace:
     """Parse pick options; any problem is one line of ``UsageError`` (argparse never exits)."""
+    from autogpu_jupyter.core.options import join_negative_values
+
     try:
-        return _PICK_PARSER.parse_args(list(argv))
+        return _PICK_PARSER.parse_args(join_negative_values(argv))
     except UsageError as err:
         raise UsageError(f"{where}: {err}; accepted options: {PICK_OPTIONS} (see %gpu?)") from None
     except SystemExit:  # argparse paths that call exit() directly: never leave the kernel
@@ -130,7 +132,9 @@ def _split(line: str) -> list[str]:
 
 
 def _one_line(err: BaseException) -> str:
-    return str(err).strip() or type(err).__name__
+    from autogpu_jupyter.core.text import terminal_safe
+
+    return terminal_safe(str(err).strip() or type(err).__name__)
 
 
 def _no_fit(err: NoDeviceFitsError, args: argparse.Namespace, where: str) -> NoDeviceFitsError:
@@ -140,7 +144,10 @@ def _no_fit(err: NoDeviceFitsError, args: argparse.Namespace, where: str) -> NoD
     The cell still fails (so "Run All" stops before code that needs the GPU), through the
     exception's ``_render_traceback_``, which IPython shows instead of a traceback.
     """
-    lines = [f"autogpu: {line}" if i == 0 else line for i, line in enumerate(str(err).splitlines())]
+    from autogpu_jupyter.core.text import terminal_safe
+
+    text = terminal_safe(str(err))
+    lines = [f"autogpu: {line}" if i == 0 else line for i, line in enumerate(text.splitlines())]
     if args.wait:
         hint = f"nothing changed; a longer --wait than {args.wait} waits longer in line"
     else:
@@ -199,7 +206,26 @@ def format_pick(result: PickResult, warning: str | None = None) -> str:
         if ru is not None
         else "no runner-up (nothing else fits)"
     )
+    if result.kept:
+        d = result.chosen[0] if result.chosen else None
+        where = _device_line(d, result.candidate(d.uuid)) if d is not None else "its device"
+        return "\n".join(
+            [
+                f"autogpu{sim}: kept {where}",
+                f"  this kernel was started on it by the autogpu kernelspec and already holds its "
+                f"lease; it meets {result.constraints.describe()}, so nothing changed (no second "
+                "lease)",
+                f"  CUDA_VISIBLE_DEVICES={result.env.get('CUDA_VISIBLE_DEVICES', '')}",
+            ]
+        )
     lines.append(f"  asked: {_asked(result.constraints)} · {runner}")
+    if result.previous is not None:
+        now = ", ".join(d.label for d in result.chosen)
+        lines.append(
+            f"  you had {result.previous}; now {now} (one lease: the old one was released)"
+            if result.previous != now
+            else f"  you had {now} already: kept it, with a new lease for these options"
+        )
     if result.waited_s >= 1.0:
         lines.append(f"  waited {format_duration(round(result.waited_s, 1))} in line")
     if result.lease is not None:
@@ -485,7 +511,10 @@ class GPUMagics(Magics):
 
     def _pick(self, args: argparse.Namespace) -> None:
         result, warning = self._run_pick(args)
-        print(format_ranking(result) if args.dry_run else format_pick(result, warning))
+        from autogpu_jupyter.core.text import terminal_safe
+
+        text = format_ranking(result) if args.dry_run else format_pick(result, warning)
+        print(terminal_safe(text))
         if not args.dry_run:
             _watch()
 
@@ -508,11 +537,12 @@ class GPUMagics(Magics):
         if choice is None:
             mine = "this kernel: no GPU picked yet (%gpu pick)"
         else:
-            labels = ", ".join(df.loc[df[""] == "▶", "gpu"]) or ", ".join(choice.uuids)
+            marked = df.loc[df[""] == "▶", "gpu"] if len(df) else []
+            labels = ", ".join(marked) or ", ".join(choice.uuids)
             mine = f"this kernel: ▶ {labels} ({choice.source}"
             mine += f", {choice.constraints_text})" if choice.constraints_text else ")"
         pending = _pending_move_text()
-        if pending:
+        if pending and len(df):
             for short, label in zip(df["uuid"], df["gpu"], strict=True):
                 pending = pending.replace(str(short), str(label))
             mine += f" · {pending}"

@@ -21,36 +21,21 @@ from __future__ import annotations
 import html
 import re
 import textwrap
-import unicodedata
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from autogpu_jupyter.core.text import terminal_safe
+
 __all__ = ["Column", "visible", "to_text", "to_html"]
-
-#: Bidirectional formatting characters (Unicode TR9): embeddings, overrides, isolates, marks.
-_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-_NEEDS_ESCAPE = re.compile(
-    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029]"
-)
-
 
 _UNIT_GAP = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB|KB|MB|GB|TB|%|s|W|°C)\b")
 
 
 def visible(text: object) -> str:
-    """``text`` with control characters (C0, DEL, C1, line/paragraph separators) and bidi
-    controls replaced by visible escapes (``\\x1b``, ``\\u202e``); other text unchanged."""
-    s = str(text)
-    if not _NEEDS_ESCAPE.search(s):
-        return s
-    out = []
-    for ch in s:
-        code = ord(ch)
-        if ch in _BIDI or unicodedata.category(ch) in ("Cc", "Zl", "Zp"):
-            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
-        else:
-            out.append(ch)
-    return "".join(out)
+    """``text`` for one table cell of a terminal: :func:`core.text.terminal_safe` (C0/C1
+    controls, DEL, bidi controls, lone surrogates spelled out), and line breaks too."""
+    safe = terminal_safe(str(text))
+    return safe.replace("\n", "\\x0a").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
 
 
 @dataclass(frozen=True, slots=True)

@@ -809,7 +809,9 @@ export function waitsEnded(
       continue;
     }
     const labels = holders.holders
-      .filter(h => h.kind === 'lease' && h.kernel_id === k.kernel_id)
+      .filter(
+        h => h.kind === 'lease' && h.this_server && h.kernel_id === k.kernel_id
+      )
       .map(h => h.label ?? h.uuid);
     if (labels.length > 0) {
       const who = k.notebook_path ?? `kernel ${k.kernel_id.slice(0, 8)}`;

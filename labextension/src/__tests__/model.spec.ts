@@ -445,7 +445,8 @@ describe('waitsEnded', () => {
               uuid: 'GPU-2',
               label: 'GPU 2',
               user: 'me',
-              kernel_id: 'k1'
+              kernel_id: 'k1',
+              this_server: true
             }
           ]
         : [],
