@@ -26,6 +26,10 @@ if [ -n "${AUTOGPU_SIMULATE:-}" ] && [ -e "$AUTOGPU_SIMULATE" ]; then
   echo "Simulated fleet file: AUTOGPU_SIMULATE=$AUTOGPU_SIMULATE"
 fi
 
+# JupyterLab's terminals (File > New > Terminal) find `autogpu` and this environment's Python.
+PATH="$(cd "$VENV/bin" && pwd):$PATH"
+export PATH
+
 "$VENV/bin/autogpu" kernelspec install --sys-prefix >/dev/null
 echo "Kernel \"Python 3 (autogpu)\" installed in $VENV (it picks a GPU before the kernel starts)."
 

@@ -169,8 +169,10 @@ def test_make_lab_then_the_readme_cli_sees_the_notebooks_lease(
     kc.start_channels()
     try:
         kc.wait_for_ready(timeout=60)
-        out = _execute(kc, "%load_ext autogpu\n%gpu pick --min-free 10G\nimport os\n"
-                           "print('pid', os.getpid())")
+        out = _execute(kc, "%load_ext autogpu\n%gpu pick --min-free 10G\nimport os, shutil\n"
+                           "print('which', shutil.which('autogpu'))\nprint('pid', os.getpid())")
+        # what the server's children (kernels, JupyterLab's terminals) run as `autogpu`
+        assert f"which {VENV_BIN / 'autogpu'}\n" in out, out
         assert "autogpu [SIMULATED]: picked GPU " in out, out
         lease_id = re.search(r"lease (\S+) held until", out)
         assert lease_id is not None, out
