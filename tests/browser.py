@@ -99,8 +99,9 @@ def screenshot_on_failure(page: Any, name: str, *, full_page: bool = False) -> I
 
 
 @contextlib.contextmanager
-def chromium_page(width: int = 1400, height: int = 900) -> Iterator[Any]:
-    """A Playwright page of ``width`` x ``height`` pixels in Debian's Chromium, closed after.
+def chromium_page(width: int = 1400, height: int = 900, scale: float = 1) -> Iterator[Any]:
+    """A Playwright page of ``width`` x ``height`` pixels in Debian's Chromium, closed after;
+    ``scale`` is the device pixel ratio (2: a HiDPI screen).
 
     Skips where Playwright is not installed.
     """
@@ -108,7 +109,9 @@ def chromium_page(width: int = 1400, height: int = 900) -> Iterator[Any]:
     with playwright.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            yield browser.new_page(viewport={"width": width, "height": height})
+            yield browser.new_page(
+                viewport={"width": width, "height": height}, device_scale_factor=scale
+            )
         finally:
             browser.close()
 

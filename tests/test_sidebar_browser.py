@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,18 @@ def test_sidebar_shows_fleet_holder_and_updates(lab: browser.Lab, fake_nvml: Any
     with browser.chromium_page() as page:
         with browser.screenshot_on_failure(page, "sidebar-failure.png"):
             _drive(page, lab, fake_nvml)
+    # the same sidebar on a HiDPI screen (device pixel ratio 2): the same layout holds
+    with browser.chromium_page(scale=2) as page, browser.screenshot_on_failure(
+        page, "sidebar-2x-failure.png"
+    ):
+        lab.open(page, "train.ipynb")
+        page.locator(".jp-Notebook").wait_for(timeout=60_000)
+        if not page.locator("#jp-AutoGPU-panel").is_visible():
+            page.locator('.lm-TabBar-tab[data-id="jp-AutoGPU-panel"]').click()
+        page.locator(".jp-AutoGPU-holder-current").first.wait_for(timeout=30_000)
+        page.wait_for_timeout(2000)
+        _check_layout(page)
+        browser.screenshot(page.locator("#jp-AutoGPU-panel"), "sidebar-2x.png")
 
 
 def _drive(page: Any, lab: browser.Lab, fake_nvml: Any) -> None:
@@ -135,7 +148,10 @@ def _drive(page: Any, lab: browser.Lab, fake_nvml: Any) -> None:
     expect(page.locator(".jp-AutoGPU-card")).to_have_count(1)
     assert page.locator(".jp-AutoGPU-label").all_inner_texts() == ["GPU 0"]
     totals = page.locator(".jp-AutoGPU-total").all_inner_texts()
-    assert f"{getpass.getuser()}: 1 GPU, 10.0 GiB booked" in totals, totals
+    # (the fake driver's PIDs 4242/4343 may exist on this host, owned by someone: only our
+    # own line is certain)
+    (mine,) = [t for t in totals if t.startswith(f"{getpass.getuser()}: ")]
+    assert mine.startswith(f"{getpass.getuser()}: 1 GPU, 10.0 GiB booked"), totals
     browser.screenshot(sidebar, "sidebar-dark-mine.png")
     page.locator(".jp-AutoGPU-onlyMine").uncheck()
     expect(page.locator(".jp-AutoGPU-card")).to_have_count(4)
@@ -159,7 +175,7 @@ def _drive(page: Any, lab: browser.Lab, fake_nvml: Any) -> None:
 
 
 _CONTRAST = """(el) => {
-  const rgb = c => c.match(/[\\d.]+/g).slice(0, 3).map(Number);
+  const rgb = c => (c.match(/[\\d.]+/g) || []).slice(0, 3).map(Number);
   const lum = ([r, g, b]) => {
     const f = v => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
     return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
@@ -168,7 +184,11 @@ _CONTRAST = """(el) => {
   for (let p = el; p && /rgba\\(0, 0, 0, 0\\)|transparent/.test(bg); p = p.parentElement) {
     bg = getComputedStyle(p).backgroundColor;
   }
-  const [a, b] = [lum(rgb(getComputedStyle(el).color)), lum(rgb(bg))];
+  const [fg, back] = [rgb(getComputedStyle(el).color), rgb(bg)];
+  if (fg.length < 3 || back.length < 3) {
+    return null;  // not laid out at this instant (the cards are re-rendered each refresh)
+  }
+  const [a, b] = [lum(fg), lum(back)];
   return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
 }"""
 
@@ -177,10 +197,16 @@ def _check_layout(page: Any) -> None:
     """What a user reads at a glance, whatever the theme (measured in the page)."""
     # the active notebook's own holder line is readable (WCAG AA contrast, 4.5:1)
     current = page.locator(".jp-AutoGPU-holder-current").first
-    assert current.evaluate(_CONTRAST) >= 4.5
+    contrast = None
+    for _ in range(10):
+        contrast = current.evaluate(_CONTRAST)
+        if contrast is not None:
+            break
+        page.wait_for_timeout(200)
+    assert contrast is not None and contrast >= 4.5, contrast
     # one line each: the recommendation's device label, the time stamp
     advice = page.locator(".jp-AutoGPU-advice").inner_text()
-    assert advice.endswith("GPU\u00a00"), advice
+    assert re.search("GPU\u00a0\\d+$", advice), advice
     stamp = page.locator(".jp-AutoGPU-stamp")
     assert stamp.evaluate("e => e.getClientRects().length") == 1
     for i in range(3):  # the live cards (the 4th is lost)
@@ -195,7 +221,7 @@ def _check_layout(page: Any) -> None:
         # the model's name is shown whole, BEST badge or not
         name = card.locator(".jp-AutoGPU-name")
         assert name.evaluate("e => e.scrollWidth <= e.clientWidth"), name.inner_text()
-    assert page.locator(".jp-AutoGPU-card").nth(0).locator(".jp-AutoGPU-best").count() == 1
+    assert page.locator(".jp-AutoGPU-card .jp-AutoGPU-best").count() == 1
 
 
 WAITING_NOTEBOOK = {
