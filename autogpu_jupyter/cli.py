@@ -32,21 +32,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_pick_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--min-free",
-        metavar="SIZE",
-        help="free memory wanted per device: 10G / 10GiB (binary), 16GB (decimal), 25%%",
-    )
-    p.add_argument("--max-util", metavar="PCT", help="drop devices busier than PCT percent (0-100)")
-    p.add_argument("--count", metavar="N", default=None, help="number of devices (default 1)")
-    p.add_argument("--exclude", metavar="IDS", help="NVML indices or UUIDs to avoid, e.g. 0,2")
-    p.add_argument(
-        "--exclusive",
-        action="store_true",
-        default=None,
-        help="take devices no other lease holds, and keep others off them",
-    )
-    p.add_argument("--wait", metavar="DURATION", help="wait in line up to DURATION (e.g. 10m)")
+    from autogpu_jupyter.core.options import add_arguments
+
+    add_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,19 +161,13 @@ def _leases_or_empty() -> list[Any]:
 
 
 def _pick(args: argparse.Namespace, *, take_lease: bool) -> Any:
-    from autogpu_jupyter.api import (
-        constraints_for,
-        holder_for_this_process,
-        registry_for,
-        wait_seconds,
-    )
+    from autogpu_jupyter.api import holder_for_this_process, pick_options, registry_for
+    from autogpu_jupyter.core.options import from_namespace
     from autogpu_jupyter.core.picker import pick
 
     settings = _settings()
-    constraints = constraints_for(
-        settings, args.min_free, args.max_util, args.count, args.exclude, args.exclusive
-    )
-    wait_s = wait_seconds(settings, args.wait)
+    opts = pick_options(settings, from_namespace(args))
+    constraints, wait_s = opts.constraints, opts.wait_s
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -64,6 +64,15 @@ class AutoGPU(Configurable):
         help="Pick a device (with the defaults above) as soon as the extension loads, so a profile "
         "with c.InteractiveShellApp.extensions = ['autogpu'] makes every kernel pick.",
     ).tag(config=True)
+    model = Unicode(
+        help="Default model filter: only devices whose name contains one of these, comma "
+        "separated (e.g. 'A100'); empty: any model (env AUTOGPU_MODEL).",
+    ).tag(config=True)
+    prefer = Unicode(
+        help="Default model preference order, comma separated (e.g. 'L4,A100': L4s first, "
+        "A100s next, others last), applied before load; an admin's way to keep large cards "
+        "for large jobs. Empty: by load only (env AUTOGPU_PREFER).",
+    ).tag(config=True)
     registry_dir = Unicode(
         help="Directory of the per-host lease registry, shared by every user of the host. "
         "The admin "
@@ -129,6 +138,14 @@ class AutoGPU(Configurable):
     @default("pick_on_load")
     def _default_pick_on_load(self) -> bool:
         return _bool_env("PICK_ON_LOAD", False)
+
+    @default("model")
+    def _default_model(self) -> str:
+        return _env("MODEL")
+
+    @default("prefer")
+    def _default_prefer(self) -> str:
+        return _env("PREFER")
 
     @default("registry_dir")
     def _default_registry_dir(self) -> str:

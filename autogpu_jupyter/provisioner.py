@@ -40,11 +40,12 @@ from jupyter_core.paths import jupyter_runtime_dir
 from autogpu_jupyter.api import registry_for
 from autogpu_jupyter.config import AutoGPU
 from autogpu_jupyter.core import moves
+from autogpu_jupyter.core import options as pick_options
 from autogpu_jupyter.core.backends import get_backend
 from autogpu_jupyter.core.picker import Holder, PickResult, pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.session import LEASE_ENV, PICKED_ENV
-from autogpu_jupyter.core.units import format_duration, parse_duration, parse_percent, parse_size
+from autogpu_jupyter.core.units import format_duration
 from autogpu_jupyter.errors import (
     AutoGPUError,
     LeaseLimitError,
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 #: The entry-point name kernelspecs use in ``metadata.kernel_provisioner.provisioner_name``.
 PROVISIONER_NAME = "autogpu-provisioner"
 #: The options a kernelspec may set in ``metadata.kernel_provisioner.config``.
-OPTION_NAMES = ("min_free", "max_util", "count", "exclusive", "wait", "on_no_device")
+OPTION_NAMES = (*(o.key for o in pick_options.PICK_OPTIONS if o.key != "exclude"), "on_no_device")
 ON_NO_DEVICE = ("cpu", "fail")
 #: Also set in the kernel: the number of the inherited lease descriptor (the kernel may close it).
 LEASE_FD_ENV = "AUTOGPU_LEASE_FD"
@@ -110,40 +111,16 @@ def validate_options(
         v = raw.get(name)
         return fallback if v is None else v
 
-    min_free = get("min_free", settings.min_free)
-    max_util = get("max_util", settings.max_util)
-    count = get("count", settings.count)
-    exclusive = get("exclusive", settings.exclusive)
-    wait = get("wait", settings.wait)
     on_no = get("on_no_device", "cpu")
-    if not isinstance(exclusive, bool):
-        raise _bad("exclusive", exclusive, "expected true or false", spec)
-    if isinstance(count, bool) or not isinstance(count, (int, str)):
-        raise _bad("count", count, "expected a whole number >= 1, e.g. 2", spec)
-    for name, value in (("min_free", min_free), ("max_util", max_util)):
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise _bad(name, value, "expected a string such as \"10G\" / \"50\"", spec)
-    for name, value, check in (
-        ("min_free", min_free, parse_size),
-        ("max_util", max_util, lambda v: parse_percent(v, "max_util")),
-    ):
-        if value not in ("", None):
-            try:
-                check(value)
-            except UsageErrorBase as err:
-                raise _bad(name, value, str(err), spec) from None
     try:
-        constraints = Constraints.parse(
-            min_free=min_free, max_util=max_util, count=count, exclusive=exclusive
+        opts = pick_options.parse(
+            {k: v for k, v in raw.items() if k != "on_no_device"},
+            defaults=pick_options.defaults_from(settings),
+            style="key",
         )
-    except UsageErrorBase as err:
-        raise _bad("count", count, "expected a whole number >= 1, e.g. 2", spec) from err
-    if isinstance(wait, bool) or not isinstance(wait, (str, int, float)):
-        raise _bad("wait", wait, "expected a duration such as \"30s\", \"10m\" or \"1h\"", spec)
-    try:
-        wait_s = 0.0 if wait in ("", None, 0) else float(parse_duration(wait))
-    except UsageErrorBase as err:
-        raise _bad("wait", wait, str(err), spec) from None
+    except pick_options.OptionError as err:
+        raise _bad(err.option, err.value, str(err), spec) from None
+    constraints, wait_s = opts.constraints, opts.wait_s
     if not isinstance(on_no, str) or on_no.strip().lower() not in ON_NO_DEVICE:
         raise _bad(
             "on_no_device", on_no, "expected \"cpu\" (start without a GPU) or \"fail\"", spec

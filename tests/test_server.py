@@ -270,7 +270,7 @@ async def test_select_bad_input_is_400_with_message(jp_fetch: Any) -> None:
     assert err.value.code == 400
     assert json.loads(err.value.response.body)["message"] == (
         "unknown parameter 'gpus'; accepted: count, exclude, exclusive, kernel_id, max_util, "
-        "min_free"
+        "min_free, model, prefer"
     )
 
 

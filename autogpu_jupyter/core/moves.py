@@ -295,10 +295,13 @@ def kernel_constraints(environ: Mapping[str, str] | None = None) -> Constraints:
         opts = {}
     if not isinstance(opts, dict):
         opts = {}
-    return Constraints.parse(
-        min_free=opts.get("min_free"), max_util=opts.get("max_util"),
-        count=opts.get("count", 1), exclusive=bool(opts.get("exclusive", False)),
-    )
+    from autogpu_jupyter.core import options
+
+    known = {o.key for o in options.PICK_OPTIONS}
+    try:
+        return options.parse({k: v for k, v in opts.items() if k in known}, style="key").constraints
+    except UsageErrorBase:  # the provisioner validated them; a hand-edited variable picks plainly
+        return Constraints()
 
 
 def _resolve_target(target: str, devices: Sequence[DeviceSnapshot]) -> list[DeviceSnapshot]:

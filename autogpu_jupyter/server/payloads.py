@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
-from autogpu_jupyter.core.units import parse_percent, parse_size
 from autogpu_jupyter.errors import (
     AutoGPUError,
     NoDeviceFitsError,
@@ -324,21 +323,7 @@ def kernel_infos(
     return out
 
 
-def _text(params: Mapping[str, Any], key: str) -> str | None:
-    value = params.get(key)
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "min_free":
-        return str(value)
-    if not isinstance(value, str):
-        raise UsageErrorBase(f"invalid {key}={short_repr(value)}: expected a string")
-    value = value.strip()
-    return value or None
-
-
-_KNOWN = {"min_free", "max_util", "count", "exclude", "exclusive"}
-#: Accepted by ``select`` besides the constraints.
-_SELECT_EXTRA = {"kernel_id"}
+_SELECT_EXTRA = ("kernel_id",)
 
 
 #: The largest request body a handler reads (a pick's options fit in a few hundred bytes).
@@ -387,56 +372,13 @@ def short_repr(value: Any, limit: int = 60) -> str:
 
 
 def parse_constraints(params: Mapping[str, Any]) -> Constraints:
-    """Constraints from query arguments or a JSON body, with the magic's units and messages.
+    """Constraints from query arguments or a JSON body: the one options boundary
+    (:func:`autogpu_jupyter.core.options.parse`, JSON-style names), the magic's units and
+    messages. ``kernel_id`` is accepted and left to :func:`parse_kernel_id`."""
+    from autogpu_jupyter.core import options
 
-    Accepted keys: ``min_free`` ("10G", "25%"), ``max_util`` ("50" or "50%"), ``count`` (>= 1),
-    ``exclude`` ("0,2" or a list), ``exclusive`` (true/false). ``kernel_id`` is accepted and
-    left to :func:`parse_kernel_id`.
-    """
-    accepted = _KNOWN | _SELECT_EXTRA
-    unknown = sorted(set(params) - accepted)
-    if unknown:
-        raise UsageErrorBase(
-            f"unknown parameter {short_repr(unknown[0])}; accepted: {', '.join(sorted(accepted))}"
-        )
-    min_free_text = _text(params, "min_free")
-    max_util_text = _text(params, "max_util")
-    count_raw = params.get("count", 1)
-    try:
-        count = int(count_raw)
-        if isinstance(count_raw, float) or count < 1:
-            raise ValueError
-    except (TypeError, ValueError):
-        raise UsageErrorBase(
-            f"invalid count {short_repr(count_raw)}: expected a whole number >= 1"
-        ) from None
-    exclude_raw = params.get("exclude") or []
-    if isinstance(exclude_raw, str):
-        exclude = tuple(x.strip() for x in exclude_raw.split(",") if x.strip())
-    elif isinstance(exclude_raw, list) and all(isinstance(x, (str, int)) for x in exclude_raw):
-        exclude = tuple(str(x) for x in exclude_raw)
-    else:
-        raise UsageErrorBase(
-            f'invalid exclude {short_repr(exclude_raw)}: expected ids like "0,2" or a list'
-        )
-    exclusive_raw = params.get("exclusive", False)
-    if isinstance(exclusive_raw, bool):
-        exclusive = exclusive_raw
-    elif str(exclusive_raw).lower() in {"1", "true", "yes", "on"}:
-        exclusive = True
-    elif str(exclusive_raw).lower() in {"0", "false", "no", "off", ""}:
-        exclusive = False
-    else:
-        raise UsageErrorBase(
-            f"invalid exclusive {short_repr(exclusive_raw)}: expected true or false"
-        )
-    return Constraints(
-        min_free=parse_size(min_free_text) if min_free_text else None,
-        max_util_pct=parse_percent(max_util_text, "max_util") if max_util_text else None,
-        count=count,
-        exclude=exclude,
-        exclusive=exclusive,
-    )
+    accept = [o.key for o in options.PICK_OPTIONS if o.key != "wait"]  # a dry run never waits
+    return options.parse(params, style="key", ignore=_SELECT_EXTRA, accept=accept).constraints
 
 
 def _candidate_json(c: Any) -> dict[str, Any]:
