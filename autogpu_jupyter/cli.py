@@ -222,6 +222,8 @@ def _cmd_pick(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from autogpu_jupyter.core import contract
+
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -236,8 +238,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.update(result.env)
     if result.lease is not None:
-        env["AUTOGPU_LEASE_ID"] = result.lease.record.lease_id
-    env["AUTOGPU_PICKED"] = ",".join(d.uuid for d in result.chosen)
+        env[contract.LEASE_ENV] = result.lease.record.lease_id
+    env[contract.PICKED_ENV] = ",".join(d.uuid for d in result.chosen)
     print(_summary(result), file=sys.stderr)
     if result.lease_note:
         print(f"note: {result.lease_note}", file=sys.stderr)

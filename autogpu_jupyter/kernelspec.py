@@ -25,8 +25,8 @@ from typing import Any
 
 from jupyter_client.kernelspec import KernelSpecManager
 
+from autogpu_jupyter.core.contract import ON_NO_DEVICE, PROVISIONER_NAME
 from autogpu_jupyter.errors import UsageErrorBase
-from autogpu_jupyter.provisioner import ON_NO_DEVICE, PROVISIONER_NAME, validate_options
 
 __all__ = ["DEFAULT_NAME", "DEFAULT_DISPLAY_NAME", "add_cli", "install", "list_specs", "remove",
            "spec_dict"]
@@ -50,7 +50,7 @@ def spec_dict(
         A bad option, naming it and the accepted forms.
     """
     opts = {k: v for k, v in (options or {}).items() if v is not None}
-    validate_options(opts, spec=None)
+    _validate(opts)
     argv = [python or sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
     if load_extension:
         argv.append("--ext=autogpu")
@@ -68,6 +68,19 @@ def spec_dict(
 
 def _manager() -> Any:
     return KernelSpecManager()
+
+
+def _validate(opts: dict[str, Any]) -> None:
+    """The options a kernelspec gets, checked as the provisioner will read them (the one
+    options boundary, JSON names)."""
+    from autogpu_jupyter.core import options
+
+    on_no = opts.get("on_no_device", "cpu")
+    if on_no not in ON_NO_DEVICE:
+        raise UsageErrorBase(
+            f"invalid on_no_device {on_no!r}: expected \"cpu\" (start without a GPU) or \"fail\""
+        )
+    options.parse(opts, style="key", ignore=("on_no_device",))
 
 
 def install(

@@ -649,7 +649,9 @@ def _pick_note_once() -> None:
     """Show the kernel provisioner's note (e.g. "started CPU-only because ...") once: what a
     kernel prints while it starts never reaches the notebook, so the first cell carries it."""
     global _note_shown
-    note = os.environ.get("AUTOGPU_PICK_NOTE", "").strip()
+    from autogpu_jupyter.core.contract import KernelContract
+
+    note = KernelContract.read().note or ""
     if note and not _note_shown:
         _note_shown = True
         print(f"autogpu: {note}")
@@ -689,7 +691,9 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.events.register("post_run_cell", _overload_hook)
     _loaded[id(ipython)] = _Loaded(magics, settings, _overload_hook)
     api.set_default_settings(settings)
-    if os.environ.get("AUTOGPU_PROVISIONED") == "1":
+    from autogpu_jupyter.core.contract import PROVISIONED_ENV
+
+    if os.environ.get(PROVISIONED_ENV) == "1":
         with _suppress(ImportError):
             from autogpu_jupyter.core.overload import set_move_hint
 

@@ -42,9 +42,20 @@ from autogpu_jupyter.config import AutoGPU
 from autogpu_jupyter.core import moves
 from autogpu_jupyter.core import options as pick_options
 from autogpu_jupyter.core.backends import get_backend
+from autogpu_jupyter.core.contract import (
+    GRANT_ENV,
+    LEASE_ENV,
+    LEASE_FD_ENV,
+    MOVE_FILE_ENV,
+    NOTE_ENV,
+    ON_NO_DEVICE,
+    OPTIONS_ENV,
+    PICKED_ENV,
+    PROVISIONED_ENV,
+    PROVISIONER_NAME,
+)
 from autogpu_jupyter.core.picker import Holder, PickResult, pick
 from autogpu_jupyter.core.policy import Constraints
-from autogpu_jupyter.core.session import LEASE_ENV, PICKED_ENV
 from autogpu_jupyter.core.units import format_duration
 from autogpu_jupyter.errors import (
     AutoGPUError,
@@ -59,13 +70,8 @@ __all__ = ["AutoGPUProvisioner", "PROVISIONER_NAME", "OPTION_NAMES", "validate_o
 
 log = logging.getLogger(__name__)
 
-#: The entry-point name kernelspecs use in ``metadata.kernel_provisioner.provisioner_name``.
-PROVISIONER_NAME = "autogpu-provisioner"
 #: The options a kernelspec may set in ``metadata.kernel_provisioner.config``.
 OPTION_NAMES = (*(o.key for o in pick_options.PICK_OPTIONS if o.key != "exclude"), "on_no_device")
-ON_NO_DEVICE = ("cpu", "fail")
-#: Also set in the kernel: the number of the inherited lease descriptor (the kernel may close it).
-LEASE_FD_ENV = "AUTOGPU_LEASE_FD"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,19 +316,19 @@ class AutoGPUProvisioner(LocalProvisioner):
         lease = None if result is None else result.lease
         self._lease = lease
         env: dict[str, str] = kwargs["env"]
-        for var in (PICKED_ENV, LEASE_ENV, moves.NOTE_ENV, LEASE_FD_ENV, moves.GRANT_ENV):
+        for var in (PICKED_ENV, LEASE_ENV, NOTE_ENV, LEASE_FD_ENV, GRANT_ENV):
             env.pop(var, None)
         if "CUDA_VISIBLE_DEVICES" in base_env:
-            env[moves.GRANT_ENV] = base_env["CUDA_VISIBLE_DEVICES"]
-        env[moves.PROVISIONED_ENV] = "1"
-        env[moves.OPTIONS_ENV] = json.dumps({
+            env[GRANT_ENV] = base_env["CUDA_VISIBLE_DEVICES"]
+        env[PROVISIONED_ENV] = "1"
+        env[OPTIONS_ENV] = json.dumps({
             "min_free": options.raw.get("min_free", self._settings().min_free or None),
             "max_util": options.constraints.max_util_pct,
             "count": options.constraints.count,
             "exclusive": options.constraints.exclusive,
         })
         if move_file:
-            env[moves.MOVE_FILE_ENV] = move_file
+            env[MOVE_FILE_ENV] = move_file
         if result is not None:
             env.update(result.env)
             env[PICKED_ENV] = ",".join(d.uuid for d in result.chosen)
@@ -338,7 +344,7 @@ class AutoGPUProvisioner(LocalProvisioner):
             env[LEASE_FD_ENV] = str(fd)
             kwargs["pass_fds"] = (*tuple(kwargs.get("pass_fds", ())), fd)
         if note:
-            env[moves.NOTE_ENV] = note
+            env[NOTE_ENV] = note
         self.autogpu_picked = () if result is None else tuple(d.uuid for d in result.chosen)
         self.autogpu_constraints = options.constraints
         self.autogpu_note = note

@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from autogpu_jupyter.core.contract import ProvisionerState
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.errors import (
@@ -306,10 +307,11 @@ def kernel_infos(
             km = kernel_manager.get_kernel(kid)
         except KeyError:
             continue
-        prov = getattr(km, "provisioner", None)
-        movable = getattr(prov, "autogpu_move_file", None) is not None
-        picked = getattr(prov, "autogpu_picked", None) or ()
-        constraints = getattr(prov, "autogpu_constraints", None)
+        prov = getattr(km, "provisioner", None)  # jupyter_client's attribute
+        state = prov if isinstance(prov, ProvisionerState) else None
+        movable = state is not None and state.autogpu_move_file is not None
+        picked = state.autogpu_picked if state is not None else ()
+        constraints = state.autogpu_constraints if state is not None else None
         out.append(
             {
                 "kernel_id": kid,
@@ -317,7 +319,7 @@ def kernel_infos(
                 "movable": movable,
                 "picked_uuids": [str(u) for u in picked] if movable else [],
                 "constraints_text": constraints.describe() if movable and constraints else None,
-                "note": getattr(prov, "autogpu_note", None) if movable else None,
+                "note": state.autogpu_note if state is not None and movable else None,
             }
         )
     return out
