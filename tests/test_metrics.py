@@ -7,7 +7,12 @@ compared value by value.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +21,7 @@ import tornado.httpclient
 from prometheus_client.parser import text_string_to_metric_families
 
 from autogpu_jupyter.core import sampler as sampler_mod
+from tests.browser import free_port
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
 
@@ -240,3 +246,60 @@ class TestMetricsOff:
         finally:
             lease.release()
 
+
+# -- autogpu exporter -----------------------------------------------------------------------
+
+
+def test_exporter_serves_the_simulated_fleet(tmp_path: Path) -> None:
+    fleet_file = tmp_path / "fleet.json"
+    sim = json.loads(json.dumps(FLEET))
+    sim["devices"][0]["mig_devices"] = [
+        {"uuid": "MIG-aaaa0000-1111-2222-3333-444444444444", "profile": "3g.40gb",
+         "memory_total": "40G", "memory_used": "4G"}]
+    fleet_file.write_text(json.dumps(sim))
+    port = free_port()
+    env = {**os.environ, "AUTOGPU_SIMULATE": str(fleet_file),
+           "AUTOGPU_REGISTRY_DIR": str(tmp_path / "reg")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autogpu_jupyter.cli", "exporter", "--host", "127.0.0.3",
+         "--port", str(port), "--hostname", "batch-7", "--interval", "0.2"],
+        env=env, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        text = ""
+        deadline = time.monotonic() + 30
+        while "autogpu_gpu_available" not in text:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, text
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.3:{port}/metrics", timeout=2) as r:
+                    text = r.read().decode()
+            except OSError:
+                time.sleep(0.1)
+        got = series(text)
+        mig = tuple(sorted({"hostname": "batch-7",
+                            "uuid": "MIG-aaaa0000-1111-2222-3333-444444444444",
+                            "index": "0:0", "model": "NVIDIA A100-SXM4-80GB MIG 3g.40gb"}.items()))
+        parent = tuple(sorted({"hostname": "batch-7", "uuid": UUID0, "index": "0",
+                               "model": "NVIDIA A100-SXM4-80GB"}.items()))
+        assert got[("autogpu_gpu_memory_used_bytes", mig)] == 4 * GiB
+        assert got[("autogpu_gpu_memory_total_bytes", mig)] == 40 * GiB
+        assert got[("autogpu_gpu_memory_used_ratio", mig)] == 0.1
+        # MIG: utilisation is not supported, so there is no sample (never a made-up zero)
+        assert ("autogpu_gpu_utilization_ratio", mig) not in got
+        assert ("autogpu_gpu_utilization_ratio", parent) not in got
+        assert got[("autogpu_host_info", (("backend", "simulated"), ("hostname", "batch-7"),
+                                          ("simulated", "true"), ("version", "0.1.0")))] == 1.0
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
+
+
+def test_exporter_bad_port_says_what_is_accepted() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "autogpu_jupyter.cli", "exporter", "--port", "70000"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "AUTOGPU_SIMULATE": "demo-4x"},
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == "autogpu: invalid --port 70000: expected 1-65535, e.g. 9445"
