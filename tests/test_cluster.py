@@ -182,6 +182,20 @@ def test_hosts_cli_without_prometheus_says_how_to_set_it(cluster: Cluster) -> No
         "https://HOST/PATH, e.g. http://prometheus.example.org:9090")
 
 
+def test_grafana_dashboard_queries_run_on_prometheus(cluster: Cluster) -> None:
+    """Every query of docs/grafana-autogpu.json is valid PromQL and finds series here."""
+    dashboard = json.loads((Path(__file__).parent.parent / "docs" / "grafana-autogpu.json")
+                           .read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) == 12
+    for expr in exprs:
+        result = cluster.query(expr.replace("$hostname", ".*"))
+        assert result, expr
+    # the DCGM-only utilisation query shows the DCGM host's GPU, not autogpu's
+    dcgm = cluster.query(dashboard["panels"][0]["targets"][1]["expr"].replace("$hostname", ".*"))
+    assert [(r["metric"]["Hostname"], r["value"][1]) for r in dcgm] == [("dgx-d", "0.9")]
+
+
 async def test_stopped_exporter_is_marked_down_within_two_scrapes(
     jp_fetch: Any, cluster: Cluster
 ) -> None:
