@@ -6,6 +6,7 @@ read back by the server extension's ``GET /autogpu/cluster`` and by ``autogpu ho
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -180,6 +181,22 @@ def test_hosts_cli_without_prometheus_says_how_to_set_it(cluster: Cluster) -> No
     assert bad.stderr.strip() == (
         "autogpu: invalid Prometheus URL 'prometheus:9090': expected http://HOST:PORT or "
         "https://HOST/PATH, e.g. http://prometheus.example.org:9090")
+
+
+def test_hosts_without_recent_samples_are_stale(cluster: Cluster) -> None:
+    """Asked about a moment 30 s after the newest scrape (as when Prometheus stopped scraping
+    while ``up`` still says 1), every host is stale, none is ranked."""
+    from autogpu_jupyter.core.cluster import PrometheusClient, fetch_cluster, rank_hosts
+    from autogpu_jupyter.core.policy import Constraints
+
+    view = fetch_cluster(PrometheusClient(cluster.url), now_s=time.time() + 30)
+    assert {h.hostname: h.state for h in view.hosts} == {
+        "dgx-d": "stale", "gpu-a": "stale", "gpu-b": "stale", "gpu-c": "stale"}
+    for h in view.hosts:
+        assert h.note is not None
+        assert re.fullmatch(r"newest sample (29|30|31) s old \(> 2 scrape intervals\)", h.note)
+    choices = rank_hosts(view, Constraints.parse(min_free="10G"))
+    assert [c.fits for c in choices] == [False] * 4
 
 
 def test_grafana_dashboard_queries_run_on_prometheus(cluster: Cluster) -> None:
