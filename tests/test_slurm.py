@@ -10,6 +10,13 @@ confinement (``ConstrainDevices=yes`` needs cgroup v2 delegation and real NVIDIA
 ``TaskPlugin=task/none`` and NVML (simulated) still sees all four GPUs: exactly the case where
 autogpu must narrow to the grant and never widen past it.
 
+The last test runs docs/jupyterhub.md case (c) for real: a JupyterHub whose batchspawner
+``SlurmSpawner`` starts a user's server as a Slurm job (as that user), and the server's default
+autogpu kernel picks inside the job's GPUs. Differences from a production set-up, because of this
+machine: ``exec_prefix`` is ``runuser -m -u {username} --`` (no sudo here), the user's job runs
+Debian's ``/usr/bin/python3`` with the venv's site-packages on ``PYTHONPATH`` (the venv's
+interpreter is under ``/root``), and the server listens on 127.0.0.1 (single node = this host).
+
 Needs root and the Slurm binaries; skipped otherwise (a failure in CI: the ``slurm`` marker).
 """
 
@@ -22,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -80,11 +88,14 @@ def _pid(path: Path, deadline_s: float = 20) -> int:
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
+def slurm() -> Iterator[Slurm]:
     _require()
-    base = tmp_path_factory.mktemp("slurm")
+    # Readable by every user (not pytest's 0700 tmp): a job's user reads slurm.conf and talks
+    # to munged's socket, as on a real cluster.
+    base = Path(tempfile.mkdtemp(prefix="autogpu-slurm-", dir="/var/tmp"))
+    os.chmod(base, 0o755)
     for sub in ("state", "spool", "log", "munge"):
-        (base / sub).mkdir()
+        (base / sub).mkdir(mode=0o755)
     made: list[Path] = []
     for i in range(4):
         dev = Path(f"/dev/nvidia{i}")
@@ -165,6 +176,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
                 time.sleep(0.1)
         for dev in made:
             dev.unlink(missing_ok=True)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture
@@ -226,3 +238,198 @@ def test_whole_node_grant_picks_the_best(slurm: Slurm, fleet_env: dict[str, str]
     assert [d["uuid"] for d in data["chosen"]] == [FLEET["devices"][0]["uuid"]]
     assert sorted(c["index"] for c in data["candidates"] if c["eligible"]) == [0, 3]
 
+
+
+# -- batchspawner: a user's server as a Slurm job ---------------------------------------------
+
+BATCH_USER = "agtest-alice"
+SPEC = "python3-autogpu"
+
+HUB_CONFIG = '''\
+# The hub of tests/test_slurm.py: docs/jupyterhub.md case (c), batchspawner on Slurm.
+import batchspawner.api  # noqa: F401  (the endpoint a job reports its port to)
+c = get_config()  # noqa: F821
+c.JupyterHub.bind_url = "http://127.0.0.1:{proxy_port}"
+c.JupyterHub.hub_bind_url = "http://127.0.0.1:{hub_port}"
+c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{api_port}"
+c.ConfigurableHTTPProxy.command = [{chp!r}]
+c.JupyterHub.db_url = "sqlite:///{area}/jupyterhub.sqlite"
+c.JupyterHub.cookie_secret_file = "{area}/jupyterhub_cookie_secret"
+c.JupyterHub.authenticator_class = "shared-password"
+c.SharedPasswordAuthenticator.user_password = {password!r}
+c.Authenticator.allowed_users = {users!r}
+c.JupyterHub.services = [{{"name": "autogpu-test", "api_token": {token!r}}}]
+c.JupyterHub.load_roles = [{{
+    "name": "autogpu-test",
+    "scopes": ["admin:users", "admin:servers", "access:servers"],
+    "services": ["autogpu-test"],
+}}]
+# docs/jupyterhub.md case (c)
+c.JupyterHub.spawner_class = "batchspawner.SlurmSpawner"
+c.SlurmSpawner.req_options = "--gres=gpu:2"     # the job's GPUs; autogpu narrows inside them
+c.SlurmSpawner.req_runtime = "0:10:00"
+# sbatch, squeue and scancel as the user (no sudo on this machine: runuser, env kept)
+c.SlurmSpawner.exec_prefix = "/usr/sbin/runuser -m -u {{username}} --"
+# the user runs Debian's Python (the venv's is under /root, mode 0700)
+c.SlurmSpawner.batchspawner_singleuser_cmd = "{python} -m batchspawner.singleuser"
+c.SlurmSpawner.cmd = [{singleuser!r}]
+c.Spawner.start_timeout = 120
+c.Spawner.http_timeout = 120
+c.Spawner.environment = {environment!r}
+c.Spawner.default_url = "/lab"
+# batchspawner asks the server to listen on every address (0.0.0.0); the single node here is
+# this host (its name resolves to 127.0.0.1), and test servers listen on loopback only
+c.Spawner.args = ["--ServerApp.ip=127.0.0.1"]
+'''
+
+
+@pytest.fixture
+def batch_user() -> Iterator[str]:
+    import pwd
+
+    from tests.leasehelpers import ensure_user
+
+    uid, gid = ensure_user(BATCH_USER)
+    home = Path(pwd.getpwnam(BATCH_USER).pw_dir)
+    made = not home.exists()
+    if made:
+        home.mkdir(parents=True, mode=0o700)
+        os.chown(home, uid, gid)
+    try:
+        yield BATCH_USER
+    finally:
+        if made:
+            shutil.rmtree(home, ignore_errors=True)
+
+
+def test_batchspawner_server_is_a_slurm_job_whose_kernel_picks_inside_the_grant(
+    slurm: Slurm, batch_user: str, fake_nvml_library: Path
+) -> None:
+    """A real JupyterHub with batchspawner's SlurmSpawner (``--gres=gpu:2``) starts the user's
+    server as a Slurm job; another job holds GPU 0, so the grant is GPUs 1 and 2; the server's
+    default kernel (the autogpu kernelspec, ``--min-free 10G``) picks GPU 2, the less loaded of
+    the grant, although GPUs 0 and 3 are idle. Stopping the server cancels the job and frees
+    the kernel's lease."""
+    import pwd
+    import secrets
+    import sysconfig
+
+    from autogpu_jupyter import kernelspec
+    from autogpu_jupyter.core.leases import Registry
+    from tests.fakenvml import FakeNvml
+    from tests.kernelhelpers import kernel_environ
+    from tests.leasehelpers import SYSTEM_PYTHON, shared_area
+    from tests.test_jupyterhub import Hub, _chp
+
+    pytest.importorskip("batchspawner", reason="pip install batchspawner (the test extra has it)")
+    chp = _chp()
+    if chp is None:
+        pytest.skip("configurable-http-proxy missing (scripts/setup.sh installs it with npm)")
+    with shared_area("autogpu-bspawn") as area:
+        libdir = area / "lib"
+        libdir.mkdir()
+        shutil.copy(fake_nvml_library, libdir / "libnvidia-ml.so.1")
+        os.chmod(libdir / "libnvidia-ml.so.1", 0o755)
+        fake = FakeNvml(area / "fake")
+        fake.write(FLEET)
+        os.chmod(area / "fake", 0o755)
+        os.chmod(fake.scenario_path, 0o644)
+        prefix = area / "prefix"
+        kernelspec.install(SPEC, "Python 3 (autogpu)", {"min_free": "10G"},
+                           prefix=str(prefix), python=SYSTEM_PYTHON)
+        etc = area / "etc" / "jupyter"
+        etc.mkdir(parents=True)
+        (etc / "jupyter_server_config.py").write_text(
+            'c = get_config()  # noqa: F821\n'
+            f'c.MappingKernelManager.default_kernel_name = "{SPEC}"\n')
+        singleuser = area / "jupyterhub-singleuser"
+        singleuser.write_text(f"#!{SYSTEM_PYTHON}\nfrom jupyterhub.singleuser import main\n"
+                              "main()\n")
+        for p in [prefix, *prefix.rglob("*"), area / "etc", etc, *etc.iterdir(), singleuser]:
+            os.chmod(p, 0o755)
+        registry = area / "registry"
+        environment = {
+            "AUTOGPU_REGISTRY_DIR": str(registry),
+            "SLURM_CONF": str(slurm.conf),
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": f"{sysconfig.get_paths()['purelib']}:{ROOT}",
+            "LD_LIBRARY_PATH": str(libdir),
+            "FAKE_NVML_SCENARIO": str(fake.scenario_path),
+            "JUPYTER_PATH": str(prefix / "share" / "jupyter"),
+            "JUPYTER_CONFIG_PATH": str(etc),
+        }
+
+        class SlurmHub(Hub):
+            def __init__(self) -> None:  # the config above instead of the LocalProcess one
+                self.area = area
+                self.token = secrets.token_hex(16)
+                self.proxy_port = free_port()
+                self.hub_port = free_port()
+                config = area / "jupyterhub_config.py"
+                config.write_text(HUB_CONFIG.format(
+                    proxy_port=self.proxy_port, hub_port=self.hub_port, api_port=free_port(),
+                    chp=chp, area=area, password=secrets.token_hex(8), users={batch_user},
+                    token=self.token, python=SYSTEM_PYTHON, singleuser=str(singleuser),
+                    environment=environment,
+                ))
+                self.log_path = area / "jupyterhub.log"
+                self._log = open(self.log_path, "wb")  # closed in stop()
+                venv_bin = str(Path(sys.executable).parent)
+                env = {"PATH": f"{venv_bin}:/usr/bin:/bin", "HOME": str(area),
+                       "LANG": "C.UTF-8", "SLURM_CONF": str(slurm.conf)}
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "jupyterhub", "-f", str(config)], cwd=area,
+                    env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+
+        blocker = subprocess.Popen(["srun", "--gres=gpu:1", "--time=5", "sleep", "300"],
+                                   env=slurm.env, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        hub = SlurmHub()
+        try:
+            deadline = time.monotonic() + 60
+            while "R" not in slurm.run("squeue", "-h", "-o", "%t").stdout.split():
+                assert time.monotonic() < deadline, "the blocking job never started"
+                time.sleep(0.2)
+            hub.wait_up()
+            hub.start_server(batch_user, timeout_s=120)
+            jobs = slurm.run("squeue", "-h", "-u", batch_user, "-o", "%j %T %b").stdout.split()
+            assert jobs == ["spawner-jupyterhub", "RUNNING", "gres:gpu:2"], (jobs, hub.log())
+            code, model = hub.user_api(batch_user, "POST", "/kernels", {})
+            assert code == 201, (code, model, hub.log())
+            assert model["name"] == SPEC
+            leases = Registry(str(registry)).list_leases()
+            assert [r.kernel_id for r in leases] == [model["id"]]
+            lease = leases[0]
+            assert lease.user == batch_user
+            kenv = kernel_environ(lease.pid)
+            uuids = [d["uuid"] for d in FLEET["devices"]]
+            assert kenv["CUDA_VISIBLE_DEVICES"] == uuids[2]
+            assert lease.device_uuids == (uuids[2],)
+            assert kenv["SLURM_JOB_GPUS"] == "1,2"  # the kernel runs inside the job's grant
+            assert kenv["SLURM_JOB_ID"]
+            status = Path(f"/proc/{lease.pid}/status").read_text()
+            uid_line = next(line for line in status.splitlines() if line.startswith("Uid:"))
+            assert uid_line.split()[1] == str(pwd.getpwnam(batch_user).pw_uid)
+            # stopping the server cancels the job; the kernel's lease goes with it
+            code, body = hub.api("DELETE", f"/users/{batch_user}/server")
+            assert code in (202, 204), (code, body)
+            deadline = time.monotonic() + 60
+            while slurm.run("squeue", "-h", "-u", batch_user, "-o", "%i").stdout.strip():
+                assert time.monotonic() < deadline, "the server's job never ended"
+                time.sleep(0.3)
+            deadline = time.monotonic() + 30
+            while Registry(str(registry)).list_leases():
+                assert time.monotonic() < deadline, "the kernel's lease outlived the job"
+                time.sleep(0.3)
+        finally:
+            hub.stop()
+            blocker.terminate()
+            blocker.wait(30)
+            artifacts = ROOT / "test-artifacts"
+            artifacts.mkdir(exist_ok=True)
+            shutil.copy(hub.log_path, artifacts / "batchspawner-hub.log")
+            home = Path(pwd.getpwnam(batch_user).pw_dir)
+            for job_log in home.glob("jupyterhub_slurmspawner_*.log"):
+                shutil.copy(job_log, artifacts / "batchspawner-job.log")
