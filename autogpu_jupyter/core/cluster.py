@@ -36,8 +36,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from autogpu_jupyter.core.devices import DeviceSnapshot
@@ -552,7 +552,3 @@ def rank_hosts(view: ClusterView, constraints: Constraints) -> list[HostChoice]:
     rest.sort(key=lambda c: (order.get(c.host.state, 3), c.host.hostname))
     return [c for _, _, c in fitting] + rest
 
-
-def with_devices(host: ClusterHost, devices: Sequence[ClusterDevice]) -> ClusterHost:
-    """``host`` with other devices (tests and benchmarks build views this way)."""
-    return replace(host, devices=tuple(devices))
