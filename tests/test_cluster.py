@@ -183,6 +183,52 @@ def test_hosts_cli_without_prometheus_says_how_to_set_it(cluster: Cluster) -> No
         "https://HOST/PATH, e.g. http://prometheus.example.org:9090")
 
 
+async def test_cluster_history_from_range_queries(jp_fetch: Any, cluster: Cluster) -> None:
+    """The last two minutes, at 120 points: each host's mean utilisation and memory taken over
+    its GPUs, as Prometheus holds them (static loads, so every known point is the same)."""
+    response = await jp_fetch("autogpu", "cluster", "history", params={"seconds": "120"})
+    data = json.loads(response.body)
+    assert data["configured"] is True
+    assert data["errors"] == []
+    assert data["seconds"] == 120
+    assert data["step_s"] == 1.0
+    hosts = {h["hostname"]: h for h in data["hosts"]}
+    assert sorted(hosts) == ["dgx-d", "gpu-a", "gpu-b", "gpu-c"]
+    expected = {
+        # host: (source, mean util %, mean memory taken %)
+        "gpu-a": ("autogpu", (70 + 10) / 2, (60 / 80 + 75 / 80) / 2 * 100),
+        "gpu-b": ("autogpu", (50 + 5 + 30) / 3, (4 / 24 + 20 / 24 + 2 / 24) / 3 * 100),
+        # gpu-c's GPU 0 has 30 GiB booked by the lease: used + booked
+        "gpu-c": ("autogpu", (20 + 0) / 2, ((10 + 30) / 80 + 40 / 80) / 2 * 100),
+        # DCGM: GPU 0's GPU_UTIL 90 %, the MIG instance's GR_ENGINE_ACTIVE 0.5
+        "dgx-d": ("dcgm", (90 + 50) / 2,
+                  (70000 / 81920 + 1000 / 40000) / 2 * 100),
+    }
+    for name, (source, util, mem) in expected.items():
+        h = hosts[name]
+        assert h["source"] == source
+        assert len(h["timestamps_s"]) == len(h["utilization_pct"]) == 121
+        known = [(u, m) for u, m in zip(h["utilization_pct"], h["memory_used_pct"])
+                 if u is not None]
+        assert known, name
+        assert h["utilization_pct"][-1] is not None  # the newest step has data
+        for u, m in known:
+            assert u == pytest.approx(util), name
+            assert m == pytest.approx(mem), name
+
+
+async def test_cluster_history_bad_length_is_400(jp_fetch: Any) -> None:
+    with pytest.raises(tornado.httpclient.HTTPClientError) as err:
+        await jp_fetch("autogpu", "cluster", "history", params={"seconds": "1d"})
+    assert err.value.code == 400
+    assert json.loads(err.value.response.body)["message"] == (
+        "invalid history length '1d': expected seconds, more than 0 and at most 2592000 "
+        "(30 days), e.g. 86400 for a day")
+    with pytest.raises(tornado.httpclient.HTTPClientError) as err:
+        await jp_fetch("autogpu", "cluster", "history", headers={"Authorization": ""})
+    assert err.value.code == 403
+
+
 def test_hosts_without_recent_samples_are_stale(cluster: Cluster) -> None:
     """Asked about a moment 30 s after the newest scrape (as when Prometheus stopped scraping
     while ``up`` still says 1), every host is stale, none is ranked."""

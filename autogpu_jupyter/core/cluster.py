@@ -112,6 +112,14 @@ class Sample:
     timestamp_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class RangeSeries:
+    """One series of a range query: its labels and ``(timestamp_s, value)`` points."""
+
+    labels: Mapping[str, str]
+    points: tuple[tuple[float, float], ...]
+
+
 class PrometheusClient:
     """Instant queries against Prometheus's HTTP API (``/api/v1/query``), with a timeout.
 
@@ -163,6 +171,22 @@ class PrometheusClient:
         for item in data.get("result", []):
             ts, raw = item["value"]
             out.append(Sample(dict(item["metric"]), float(raw), float(ts)))
+        return out
+
+    def query_range(
+        self, expr: str, start_s: float, end_s: float, step_s: float
+    ) -> list[RangeSeries]:
+        """Evaluate ``expr`` every ``step_s`` from ``start_s`` to ``end_s`` (matrix results)."""
+        data = self._get("/api/v1/query_range", {
+            "query": expr, "start": f"{start_s:.3f}", "end": f"{end_s:.3f}",
+            "step": f"{step_s:.3f}",
+        })
+        if not isinstance(data, dict) or data.get("resultType") != "matrix":
+            raise ClusterError(f"Prometheus: {expr!r} did not give a range vector")
+        out: list[RangeSeries] = []
+        for item in data.get("result", []):
+            points = tuple((float(t), float(v)) for t, v in item["values"])
+            out.append(RangeSeries(dict(item["metric"]), points))
         return out
 
     def scrape_intervals(self) -> dict[str, float]:
@@ -552,3 +576,102 @@ def rank_hosts(view: ClusterView, constraints: Constraints) -> list[HostChoice]:
     rest.sort(key=lambda c: (order.get(c.host.state, 3), c.host.hostname))
     return [c for _, _, c in fitting] + rest
 
+
+#: Longest history one request may ask for (30 days).
+MAX_HISTORY_S = 30 * 86400.0
+
+_HISTORY_QUERIES = (
+    # autogpu hosts: mean utilisation and memory taken over the host's GPUs
+    ("autogpu", "avg by (hostname) (autogpu_gpu_utilization_ratio)",
+     "avg by (hostname) (autogpu_gpu_memory_used_ratio)"),
+    # DCGM hosts: GPU_UTIL (percent) or, on MIG, GR_ENGINE_ACTIVE (ratio); FB used / (used + free)
+    ("dcgm",
+     "avg by (Hostname) (DCGM_FI_DEV_GPU_UTIL / 100 or DCGM_FI_PROF_GR_ENGINE_ACTIVE)",
+     "avg by (Hostname) (DCGM_FI_DEV_FB_USED / (DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE))"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class HostHistory:
+    """A host's mean GPU load over time: utilisation and memory taken in percent (``None``:
+    no sample at that step)."""
+
+    hostname: str
+    source: str
+    timestamps_s: tuple[float, ...]
+    utilization_pct: tuple[float | None, ...]
+    memory_used_pct: tuple[float | None, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hostname": self.hostname,
+            "source": self.source,
+            "timestamps_s": list(self.timestamps_s),
+            "utilization_pct": list(self.utilization_pct),
+            "memory_used_pct": list(self.memory_used_pct),
+        }
+
+
+def check_history_s(value: object) -> float:
+    """A history length in seconds from user input (a number of seconds > 0, at most 30 days).
+
+    Raises
+    ------
+    UsageErrorBase
+        Naming the value and the accepted range.
+    """
+    try:
+        seconds = float(str(value))
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or not 0 < seconds <= MAX_HISTORY_S:
+        raise UsageErrorBase(
+            f"invalid history length {value!r}: expected seconds, more than 0 and at most "
+            f"{MAX_HISTORY_S:.0f} (30 days), e.g. 86400 for a day"
+        )
+    return seconds
+
+
+def fetch_history(
+    client: PrometheusClient, seconds: float, *, points: int = 120, now_s: float | None = None
+) -> tuple[float, list[HostHistory]]:
+    """Each host's mean GPU utilisation and memory taken over the last ``seconds``, from
+    Prometheus range queries at ``points`` steps (autogpu's series win over DCGM's per host).
+
+    Returns
+    -------
+    (step_s, histories)
+        The step of the series, and one :class:`HostHistory` per host, by hostname.
+    """
+    end = time.time() if now_s is None else now_s
+    # Prometheus answers at start + k * step, to the millisecond: build the same grid
+    step = round(max(seconds / max(points, 1), 1.0), 3)
+    start = round(end - seconds, 3)
+    grid = [start + i * step for i in range(int(seconds // step) + 1)]
+    found: dict[str, HostHistory] = {}
+    for source, util_expr, mem_expr in _HISTORY_QUERIES:
+        by_host: dict[str, dict[str, dict[float, float]]] = {}
+        for kind, expr in (("util", util_expr), ("mem", mem_expr)):
+            for series in client.query_range(expr, start, end, step):
+                host = _hostname(series.labels)
+                by_host.setdefault(host, {}).setdefault(kind, {}).update(
+                    {round(t, 3): v for t, v in series.points}
+                )
+        for host, kinds in by_host.items():
+            if host in found:
+                continue  # autogpu's series (asked first) win
+            util = kinds.get("util", {})
+            mem = kinds.get("mem", {})
+
+            def pct(values: Mapping[float, float], t: float) -> float | None:
+                v = values.get(round(t, 3))
+                return None if v is None or not math.isfinite(v) else round(100.0 * v, 6)
+
+            found[host] = HostHistory(
+                hostname=host,
+                source=source,
+                timestamps_s=tuple(grid),
+                utilization_pct=tuple(pct(util, t) for t in grid),
+                memory_used_pct=tuple(pct(mem, t) for t in grid),
+            )
+    return step, [found[h] for h in sorted(found)]

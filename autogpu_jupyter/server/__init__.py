@@ -14,6 +14,9 @@ authenticated, under ``{base_url}/autogpu/``:
 ``GET cluster?min_free=<size>``
     Every host of the cluster from ``c.AutoGPU.prometheus_url`` (``core.cluster``), hosts ranked
     for the constraints by the same policy; ``configured: false`` when no Prometheus is set.
+``GET cluster/history?seconds=<s>``
+    Each host's mean GPU utilisation and memory taken over the last ``seconds`` (default a day),
+    from Prometheus range queries.
 
 It also registers the ``autogpu_*`` gauges (``autogpu_jupyter.metrics``) on the Prometheus registry
 that jupyter_server serves at ``{base_url}/metrics``.

@@ -148,6 +148,21 @@ class ClusterHandler(_BaseHandler):
         self._finish_json(payload)
 
 
+class ClusterHistoryHandler(_BaseHandler):
+    """``GET cluster/history?seconds=<s>``: each host's mean load over time, from Prometheus."""
+
+    @tornado.web.authenticated
+    async def get(self) -> None:
+        from autogpu_jupyter.core.cluster import check_history_s
+
+        try:
+            seconds = check_history_s(self.get_argument("seconds", "86400"))
+        except AutoGPUError as err:
+            raise self._http_error(err) from err
+        payload = await self.state.run(payloads.cluster_history_payload, self.state, seconds)
+        self._finish_json(payload)
+
+
 class MoveHandler(_BaseHandler):
     """``POST kernels/<kernel_id>/move``: restart an autogpu kernel on another GPU.
 
@@ -214,6 +229,7 @@ HANDLERS: list[tuple[str, type[_BaseHandler]]] = [
     ("holders", HoldersHandler),
     ("select", SelectHandler),
     ("cluster", ClusterHandler),
+    ("cluster/history", ClusterHistoryHandler),
     (r"kernels/(?P<kernel_id>[^/]+)/move", MoveHandler),
 ]
 

@@ -502,3 +502,32 @@ def cluster_payload(state: AutoGPUServer, constraints: Constraints) -> dict[str,
     base["best"] = choices[0].host.hostname if choices and choices[0].fits else None
     return base
 
+
+def cluster_history_payload(state: AutoGPUServer, seconds: float) -> dict[str, Any]:
+    """``GET cluster/history?seconds=<s>``: each host's mean GPU utilisation and memory taken
+    over the last ``seconds`` from Prometheus range queries (``core.cluster.fetch_history``)."""
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.core.cluster import PrometheusClient, fetch_history
+
+    settings = AutoGPU(parent=state.parent)
+    url = settings.prometheus_url
+    base: dict[str, Any] = {
+        "configured": bool(url),
+        "prometheus_url": url or None,
+        "seconds": seconds,
+        "step_s": None,
+        "hosts": [],
+        "errors": [],
+    }
+    if not url:
+        return base
+    try:
+        step, histories = fetch_history(PrometheusClient(url, settings.prometheus_timeout_s),
+                                        seconds)
+    except AutoGPUError as err:
+        base["errors"] = [str(err)]
+        return base
+    base["step_s"] = step
+    base["hosts"] = [h.to_dict() for h in histories]
+    return base
+
