@@ -89,6 +89,11 @@ def _drive(page: Any, lab: browser.Lab, cluster: Cluster) -> None:
     assert dgx.locator(".jp-AutoGPU-source").all_inner_texts() == ["DCGM", "DCGM"] or (
         dgx.locator(".jp-AutoGPU-source").all_inner_texts() == ["dcgm", "dcgm"])
     assert dgx.locator(".jp-AutoGPU-label").all_inner_texts() == ["GPU 0", "GPU 1 MIG 1"]
+    # the last day from Prometheus range queries: mean utilisation of the host's GPUs
+    assert gpu_b.locator(".jp-AutoGPU-hostHistoryText").inner_text() == (
+        "last 24 h: util mean 28%, max 28%")
+    assert dgx.locator(".jp-AutoGPU-hostHistoryText").inner_text() == (
+        "last 24 h: util mean 70%, max 70%")
     browser.screenshot(section, "sidebar-cluster.png")
 
     # stop host gpu-a's exporter: the section marks it down (it refreshes every 5 s at most)

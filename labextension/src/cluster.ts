@@ -10,11 +10,27 @@
  */
 import { ServerConnection } from '@jupyterlab/services';
 
-import { clusterView, IClusterView, parseCluster } from './clustermodel';
+import {
+  clusterView,
+  ICluster,
+  IClusterHistory,
+  IClusterView,
+  parseCluster,
+  parseClusterHistory
+} from './clustermodel';
+import { sparklinePath } from './model';
 import { requestAPI } from './request';
 
 /** Least time between two `GET cluster` requests of one sidebar. */
 export const MIN_INTERVAL_MS = 5000;
+/** Least time between two `GET cluster/history` requests (range queries are dearer). */
+export const HISTORY_INTERVAL_MS = 60000;
+/** The history each host shows: the last day. */
+export const HISTORY_SECONDS = 86400;
+
+const SVG_NS = 'http://www.w3.org/2000/svg';
+const SPARK_W = 120;
+const SPARK_H = 18;
 
 function el(tag: string, className: string, text?: string): HTMLElement {
   const node = document.createElement(tag);
@@ -49,13 +65,36 @@ export class ClusterSection {
         `cluster${query}`,
         this._serverSettings
       );
-      this._render(clusterView(parseCluster(raw), Date.now() / 1000), null);
+      const cluster = parseCluster(raw);
+      await this._refreshHistory(cluster, now);
+      this._render(
+        clusterView(cluster, Date.now() / 1000, this._history),
+        null
+      );
     } catch (reason) {
       const text =
         reason instanceof Error ? reason.message : String(reason ?? '');
       this._render(null, `cluster view unavailable: ${text}`);
     } finally {
       this._busy = false;
+    }
+  }
+
+  /** The hosts' history, asked at most every HISTORY_INTERVAL_MS; kept when it fails. */
+  private async _refreshHistory(cluster: ICluster, now: number): Promise<void> {
+    if (!cluster.configured || now - this._historyMs < HISTORY_INTERVAL_MS) {
+      return;
+    }
+    this._historyMs = now;
+    try {
+      this._history = parseClusterHistory(
+        await requestAPI<unknown>(
+          `cluster/history?seconds=${HISTORY_SECONDS}`,
+          this._serverSettings
+        )
+      );
+    } catch {
+      // the snapshot still shows; the history comes back at the next try
     }
   }
 
@@ -108,6 +147,24 @@ export class ClusterSection {
       if (host.note) {
         box.appendChild(el('div', 'jp-AutoGPU-hostNote', host.note));
       }
+      if (host.history) {
+        const line = el('div', 'jp-AutoGPU-hostHistory');
+        const svg = document.createElementNS(SVG_NS, 'svg');
+        svg.setAttribute('class', 'jp-AutoGPU-spark jp-AutoGPU-hostSpark');
+        svg.setAttribute('viewBox', `0 0 ${SPARK_W} ${SPARK_H}`);
+        svg.setAttribute('preserveAspectRatio', 'none');
+        const path = document.createElementNS(SVG_NS, 'path');
+        path.setAttribute(
+          'd',
+          sparklinePath(host.history.values, SPARK_W, SPARK_H, 100)
+        );
+        svg.appendChild(path);
+        line.append(
+          svg,
+          el('span', 'jp-AutoGPU-hostHistoryText', host.history.label)
+        );
+        box.appendChild(line);
+      }
       const list = el('ul', 'jp-AutoGPU-hostGpus');
       for (const gpu of host.gpus) {
         const item = el(
@@ -142,6 +199,8 @@ export class ClusterSection {
 
   private _serverSettings: ServerConnection.ISettings;
   private _lastMs = 0;
+  private _historyMs = -HISTORY_INTERVAL_MS;
+  private _history: IClusterHistory | null = null;
   private _busy = false;
   private _shown: boolean | null = null;
 }

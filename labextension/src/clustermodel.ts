@@ -59,9 +59,29 @@ export interface IClusterGpuView {
   lost: boolean;
 }
 
+/** A host's mean GPU load over time (`GET cluster/history`), oldest first, null = no data. */
+export interface IHostHistory {
+  hostname: string;
+  utilization_pct: (number | null)[];
+  memory_used_pct: (number | null)[];
+}
+
+/** `GET cluster/history`: `hosts` by hostname. */
+export interface IClusterHistory {
+  seconds: number;
+  hosts: Map<string, IHostHistory>;
+}
+
+/** The history line of a host: a sparkline of the mean utilisation and its summary. */
+export interface IHostHistoryView {
+  label: string;
+  values: (number | null)[];
+}
+
 /** One host as the section shows it, best first. */
 export interface IClusterHostView {
   hostname: string;
+  history: IHostHistoryView | null;
   state: string;
   /** `down`, `stale` or '' for ok hosts. */
   badge: string;
@@ -167,6 +187,53 @@ export function parseCluster(raw: unknown): ICluster {
   };
 }
 
+function numList(value: unknown): (number | null)[] {
+  return Array.isArray(value) ? value.map(num) : [];
+}
+
+/** Validate `GET cluster/history`. Throws an `Error` naming the bad part. */
+export function parseClusterHistory(raw: unknown): IClusterHistory {
+  if (!isObject(raw) || !Array.isArray(raw.hosts)) {
+    return fail('cluster history', raw);
+  }
+  const hosts = new Map<string, IHostHistory>();
+  for (const h of raw.hosts) {
+    if (!isObject(h) || typeof h.hostname !== 'string') {
+      return fail('cluster history host', h);
+    }
+    hosts.set(h.hostname, {
+      hostname: h.hostname,
+      utilization_pct: numList(h.utilization_pct),
+      memory_used_pct: numList(h.memory_used_pct)
+    });
+  }
+  return { seconds: num(raw.seconds) ?? 0, hosts };
+}
+
+/** `24 h`, `90 min`, `7 d`: a history window for people. */
+export function windowText(seconds: number): string {
+  if (seconds >= 2 * 86400 && seconds % 86400 === 0) {
+    return `${seconds / 86400} d`;
+  }
+  if (seconds >= 3600 && seconds % 3600 === 0) {
+    return `${seconds / 3600} h`;
+  }
+  return `${Math.round(seconds / 60)} min`;
+}
+
+/** `last 24 h: util mean 28%, max 70%`, from the known points only. */
+export function historySummary(history: IHostHistory, seconds: number): string {
+  const known = history.utilization_pct.filter((v): v is number => v !== null);
+  const head = `last ${windowText(seconds)}`;
+  if (known.length === 0) {
+    return `${head}: no data`;
+  }
+  const mean = known.reduce((a, b) => a + b, 0) / known.length;
+  return `${head}: util mean ${Math.round(mean)}%, max ${Math.round(
+    Math.max(...known)
+  )}%`;
+}
+
 /** `12 s ago`, `5 min ago`, `3 h ago` (never negative: clocks differ a little). */
 export function ageText(ageS: number): string {
   const s = Math.max(0, Math.round(ageS));
@@ -205,11 +272,29 @@ function gpuView(device: IClusterDevice): IClusterGpuView {
   };
 }
 
+function hostHistory(
+  history: IClusterHistory | null,
+  hostname: string
+): IHostHistoryView | null {
+  const h = history?.hosts.get(hostname);
+  if (history === null || h === undefined) {
+    return null;
+  }
+  return {
+    label: historySummary(h, history.seconds),
+    values: h.utilization_pct
+  };
+}
+
 /**
  * What the Cluster section shows at `nowS` (Unix seconds): hosts in the server's ranking order
  * (best first; stale and down hosts last), each with its "as of" time and its GPUs.
  */
-export function clusterView(cluster: ICluster, nowS: number): IClusterView {
+export function clusterView(
+  cluster: ICluster,
+  nowS: number,
+  history: IClusterHistory | null = null
+): IClusterView {
   if (!cluster.configured) {
     return { visible: false, source: '', advice: '', errors: [], hosts: [] };
   }
@@ -239,6 +324,7 @@ export function clusterView(cluster: ICluster, nowS: number): IClusterView {
     errors: cluster.errors,
     hosts: hosts.map(h => ({
       hostname: h.hostname,
+      history: hostHistory(history, h.hostname),
       state: h.state,
       badge: h.state === 'ok' ? '' : h.state,
       best: h.hostname === cluster.best,

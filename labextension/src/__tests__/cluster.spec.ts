@@ -1,4 +1,11 @@
-import { ageText, clusterView, parseCluster } from '../clustermodel';
+import {
+  ageText,
+  clusterView,
+  historySummary,
+  parseCluster,
+  parseClusterHistory,
+  windowText
+} from '../clustermodel';
 
 const GiB = 1024 ** 3;
 const MiB = 1024 ** 2;
@@ -210,5 +217,61 @@ describe('clusterView', () => {
       ageText(600),
       ageText(3 * 3600)
     ]).toEqual(['0 s ago', '60 s ago', '10 min ago', '3 h ago']);
+  });
+});
+
+describe('cluster history', () => {
+  const raw = {
+    configured: true,
+    prometheus_url: 'http://127.0.0.1:9090',
+    seconds: 86400,
+    step_s: 720,
+    errors: [],
+    hosts: [
+      {
+        hostname: 'gpu-b',
+        source: 'autogpu',
+        timestamps_s: [1, 2, 3, 4],
+        utilization_pct: [null, 20, 36.6, 70],
+        memory_used_pct: [null, 10, 10, 12]
+      },
+      {
+        hostname: 'gpu-a',
+        source: 'autogpu',
+        timestamps_s: [1, 2, 3, 4],
+        utilization_pct: [null, null, null, null],
+        memory_used_pct: [null, null, null, null]
+      }
+    ]
+  };
+
+  it('summarises the known points of each host', () => {
+    const history = parseClusterHistory(raw);
+    expect(history.seconds).toBe(86400);
+    expect(historySummary(history.hosts.get('gpu-b')!, 86400)).toBe(
+      'last 24 h: util mean 42%, max 70%'
+    );
+    expect(historySummary(history.hosts.get('gpu-a')!, 86400)).toBe(
+      'last 24 h: no data'
+    );
+    const view = clusterView(parseCluster(answer), 1718000010, history);
+    const byName = new Map(view.hosts.map(h => [h.hostname, h.history]));
+    expect(byName.get('gpu-b')).toEqual({
+      label: 'last 24 h: util mean 42%, max 70%',
+      values: [null, 20, 36.6, 70]
+    });
+    expect(byName.get('dgx-d')).toBeNull(); // no history for it in this answer
+  });
+
+  it('words windows and rejects what is not a history answer', () => {
+    expect([
+      windowText(86400),
+      windowText(7 * 86400),
+      windowText(5400),
+      windowText(3600)
+    ]).toEqual(['24 h', '7 d', '90 min', '1 h']);
+    expect(() => parseClusterHistory({ hosts: [{ x: 1 }] })).toThrow(
+      'unexpected cluster history host from the server: {"x":1}'
+    );
   });
 });
