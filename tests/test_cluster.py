@@ -131,6 +131,49 @@ async def test_cluster_endpoint_lists_every_host_with_its_numbers(
     ]
 
 
+class TestPrometheusUnreachable:
+    @pytest.fixture
+    def jp_server_config(self, registry_dir: Path,
+                         monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+        from tests.browser import free_port
+
+        monkeypatch.setenv("AUTOGPU_SIMULATE", "demo-4x")
+        sampler_mod.stop_sampler()
+        self.url = f"http://127.0.0.1:{free_port()}"
+        yield {
+            "ServerApp": {"jpserver_extensions": {"autogpu_jupyter": True}},
+            "AutoGPU": {"prometheus_url": self.url, "prometheus_timeout_s": 2.0},
+        }
+        sampler_mod.stop_sampler()
+
+    async def test_the_answer_says_why(self, jp_fetch: Any) -> None:
+        data = await get_cluster(jp_fetch)
+        assert data["configured"] is True
+        assert data["hosts"] == [] and data["best"] is None
+        assert data["errors"] == [
+            f"cannot reach Prometheus at {self.url}: [Errno 111] Connection refused"]
+
+
+class TestNoPrometheus:
+    @pytest.fixture
+    def jp_server_config(self, registry_dir: Path,
+                         monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+        monkeypatch.setenv("AUTOGPU_SIMULATE", "demo-4x")
+        monkeypatch.delenv("AUTOGPU_PROMETHEUS_URL", raising=False)
+        sampler_mod.stop_sampler()
+        yield {"ServerApp": {"jpserver_extensions": {"autogpu_jupyter": True}}}
+        sampler_mod.stop_sampler()
+
+    async def test_not_configured_is_an_empty_answer(self, jp_fetch: Any) -> None:
+        data = await get_cluster(jp_fetch)
+        assert (data["configured"], data["prometheus_url"], data["hosts"], data["errors"]) == (
+            False, None, [], [])
+        response = await jp_fetch("autogpu", "cluster", "history")
+        history = json.loads(response.body)
+        assert (history["configured"], history["hosts"], history["seconds"]) == (
+            False, [], 86400)
+
+
 async def test_cluster_endpoint_needs_a_token(jp_fetch: Any) -> None:
     with pytest.raises(tornado.httpclient.HTTPClientError) as err:
         await jp_fetch("autogpu", "cluster", headers={"Authorization": ""})
@@ -176,6 +219,13 @@ def test_hosts_cli_without_prometheus_says_how_to_set_it(cluster: Cluster) -> No
     assert result.stderr.strip() == (
         "autogpu: no Prometheus to ask: pass --prometheus http://HOST:9090, or set "
         "c.AutoGPU.prometheus_url or $AUTOGPU_PROMETHEUS_URL")
+    from tests.browser import free_port
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    down = cluster.autogpu("gpu-a", "hosts", "--prometheus", closed)
+    assert down.returncode == 1
+    assert down.stderr.strip() == (
+        f"autogpu: cannot reach Prometheus at {closed}: [Errno 111] Connection refused")
     bad = cluster.autogpu("gpu-a", "hosts", "--prometheus", "prometheus:9090")
     assert bad.returncode == 2
     assert bad.stderr.strip() == (
