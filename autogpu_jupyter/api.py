@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.leases import Registry
+    from autogpu_jupyter.core.registry import Registry
 
 __all__ = [
     "current",
@@ -69,11 +70,9 @@ def holder_for_this_process(kind: str = "api") -> Holder:
 
 def registry_for(settings: AutoGPU) -> Registry | None:
     """The lease registry the settings name, or ``None`` when leases are off."""
-    if not settings.use_leases or not settings.registry_dir:
-        return None
-    from autogpu_jupyter.core.leases import Registry
+    from autogpu_jupyter.core.registry import from_settings
 
-    return Registry(settings.registry_dir, max_devices_per_user=settings.max_devices_per_user)
+    return from_settings(settings)
 
 
 def _running_sampler() -> Any:
@@ -113,7 +112,16 @@ def constraints_for(
     exclude: object = None,
     exclusive: bool | None = None,
 ) -> Constraints:
-    """The constraints of a pick: explicit options, else the ``AutoGPU`` settings (validated)."""
+    """The constraints of a pick: explicit options, else the ``AutoGPU`` settings (validated).
+
+    An option given explicitly as ``''`` is refused (it is not "no limit").
+    """
+    from autogpu_jupyter.core.options import reject_empty
+    from autogpu_jupyter.core.units import PERCENT_FORMS, SIZE_FORMS
+
+    reject_empty(min_free, "--min-free", SIZE_FORMS)
+    reject_empty(max_util, "--max-util", PERCENT_FORMS)
+    reject_empty(count, "--count", "a whole number >= 1, e.g. 2")
     return Constraints.parse(
         min_free=settings.min_free if min_free is None else min_free,
         max_util=settings.max_util if max_util is None else max_util,
@@ -121,6 +129,16 @@ def constraints_for(
         exclude=exclude,
         exclusive=settings.exclusive if exclusive is None else exclusive,
     )
+
+
+def wait_seconds(settings: AutoGPU, wait: object = None) -> float:
+    """Seconds a pick may wait in line: the explicit ``wait``, else ``AutoGPU.wait``."""
+    from autogpu_jupyter.core.options import reject_empty
+    from autogpu_jupyter.core.units import DURATION_FORMS
+
+    reject_empty(wait, "--wait", DURATION_FORMS)
+    wait_text = settings.wait if wait is None else wait
+    return 0.0 if wait_text in ("", None) else parse_duration(wait_text)
 
 
 def pick_result(
@@ -142,13 +160,16 @@ def pick_result(
     """
     settings = settings or default_settings()
     constraints = constraints_for(settings, min_free, max_util, count, exclude, exclusive)
-    wait_text = settings.wait if wait is None else wait
-    wait_s = 0.0 if wait_text in ("", None) else parse_duration(wait_text)
+    wait_s = wait_seconds(settings, wait)
     warning = None
+    mine = session.current()
+    if mine is not None and mine.source == "provisioner" and mine.uuids and not dry_run:
+        # Started by the autogpu kernelspec: this kernel holds a lease and its CUDA view was set
+        # before it started. It can keep that device, never take a second lease on it.
+        return _keep_provisioned(mine, constraints, settings), None
     if not dry_run:
         warning = session.check_not_too_late(force or not settings.refuse_when_initialized)
     registry = registry_for(settings)
-    mine = session.current()
     if registry is not None and mine is not None and mine.lease_id:
         # A re-pick replaces this process's lease (session.apply releases it on success), so that
         # lease must not book memory or hold "exclusive" against the new pick.
@@ -164,8 +185,67 @@ def pick_result(
         smoothed_util=_smoothed_util,
     )
     if not dry_run:
+        if mine is not None and mine.uuids:
+            labels = {d.uuid: d.label for d in result.snapshot.devices}
+            previous = ", ".join(labels.get(u, u) for u in mine.uuids)
+            result = dataclasses.replace(result, previous=previous)
         session.apply(result, source=source, forced=warning is not None)
     return result, warning
+
+
+def _keep_provisioned(
+    mine: session.Choice, constraints: Constraints, settings: AutoGPU
+) -> PickResult:
+    """``%gpu pick`` in a kernel the autogpu kernelspec started: keep its device and lease when
+    they meet ``constraints``; otherwise say which device would, and how to move there.
+
+    The check is the one decision pipeline's, over the server's grant (not the kernel's narrowed
+    ``CUDA_VISIBLE_DEVICES``) with this kernel's own lease hidden.
+    """
+    from autogpu_jupyter.core import decision
+    from autogpu_jupyter.core.moves import grant_environ
+    from autogpu_jupyter.errors import NoDeviceFitsError
+
+    snap = read_snapshot()
+    registry = registry_for(settings)
+    if registry is not None and mine.lease_id:
+        registry = registry.hiding(lease_ids=[mine.lease_id])
+    context = decision.gather(
+        snap, environ=grant_environ(session.original_environ()), registry=registry,
+        smoothed_util=_smoothed_util(), self_pids=(os.getpid(),),
+    )
+    made = decision.decide(context, constraints)
+    labels = {d.uuid: d.label for d in snap.devices}
+    here = ", ".join(labels.get(u, u) for u in mine.uuids)
+    failing = [
+        c for u in mine.uuids if (c := made.candidate(u)) is None or not c.eligible
+    ]
+    if not failing and len(mine.uuids) >= constraints.count:
+        return PickResult(
+            chosen=tuple(d for u in mine.uuids if (d := snap.by_uuid(u)) is not None),
+            candidates=made.ranked,
+            constraints=constraints,
+            env={k: os.environ[k] for k in session.MANAGED_VARS if k in os.environ},
+            allocation=context.allocation,
+            snapshot=snap,
+            kept=True,
+        )
+    why = "; ".join(f"{c.device.label}: {'; '.join(c.reasons)}" for c in failing) or (
+        f"it has {len(mine.uuids)} device(s), {constraints.count} asked for"
+    )
+    better = ", ".join(c.device.label for c in made.chosen if c.device.uuid not in mine.uuids)
+    hint = (
+        f"{better} would fit: move there with %gpu move {better.replace('GPU ', '')} "
+        "(restarts the kernel; its variables are lost)"
+        if better
+        else "no other device fits either right now (%gpu pick --dry-run shows why)"
+    )
+    raise NoDeviceFitsError(
+        f"this kernel was started on {here} by the autogpu kernelspec and can use only that "
+        f"(its CUDA_VISIBLE_DEVICES was set before it started), and {here} does not meet "
+        f"{constraints.describe()} ({why}); {hint}. No second lease was taken.",
+        candidates=made.ranked,
+    )
 
 
 def pick(
@@ -313,6 +393,12 @@ def _live_leases(settings: AutoGPU | None = None) -> list[Any]:
         return []
 
 
+_STATUS_COLUMNS = (
+    "", "gpu", "name", "uuid", "util %", "mem used", "mem total", "mem free", "temp °C",
+    "power W", "procs", "holders", "state",
+)
+
+
 def status_frame(
     snap: FleetSnapshot, choice: session.Choice | None, leases: Sequence[Any]
 ) -> pd.DataFrame:
@@ -350,7 +436,9 @@ def status_frame(
                 "state": "ok" if d.available else f"unavailable: {d.error}",
             }
         )
-    df = pd.DataFrame(rows)
+    # The columns are named even with no device (a host whose GPUs all vanished): callers
+    # select by column, and an empty table must still have them.
+    df = pd.DataFrame(rows, columns=_STATUS_COLUMNS)
     # Whole numbers stay whole when a lost device makes a column partly unknown (<NA>, not NaN).
     for col in ("temp °C", "procs"):
         if col in df:

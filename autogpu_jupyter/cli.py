@@ -164,8 +164,16 @@ def _cmd_list(args: argparse.Namespace) -> int:
     snap = get_backend().snapshot()
     leases = _leases_or_empty()
     if args.json:
+        from autogpu_jupyter.core.text import redact_command
+
         data = snap.to_dict()
-        data["leases"] = [lease.to_dict(redact_command=not _is_root()) for lease in leases]
+        me, root = _me(), _is_root()
+        for dev in data.get("devices", []):
+            for proc in dev.get("processes") or []:
+                proc["command"] = redact_command(proc.get("user"), proc.get("command"), me, root)
+        data["leases"] = [
+            lease.to_dict(redact_command=not (root or lease.user == me)) for lease in leases
+        ]
         print(json.dumps(data, indent=2))
         return EXIT_OK
     df = status_frame(snap, current(), leases)
@@ -183,6 +191,15 @@ def _is_root() -> bool:
     return os.geteuid() == 0
 
 
+def _me() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return str(os.geteuid())
+
+
 def _leases_or_empty() -> list[Any]:
     from autogpu_jupyter.api import registry_for
 
@@ -197,21 +214,19 @@ def _leases_or_empty() -> list[Any]:
 
 
 def _pick(args: argparse.Namespace, *, take_lease: bool) -> Any:
-    from autogpu_jupyter.api import holder_for_this_process, registry_for
+    from autogpu_jupyter.api import (
+        constraints_for,
+        holder_for_this_process,
+        registry_for,
+        wait_seconds,
+    )
     from autogpu_jupyter.core.picker import pick
-    from autogpu_jupyter.core.policy import Constraints
-    from autogpu_jupyter.core.units import parse_duration
 
     settings = _settings()
-    constraints = Constraints.parse(
-        min_free=settings.min_free if args.min_free is None else args.min_free,
-        max_util=settings.max_util if args.max_util is None else args.max_util,
-        count=settings.count if args.count is None else args.count,
-        exclude=args.exclude,
-        exclusive=settings.exclusive if args.exclusive is None else args.exclusive,
+    constraints = constraints_for(
+        settings, args.min_free, args.max_util, args.count, args.exclude, args.exclusive
     )
-    wait = settings.wait if args.wait is None else args.wait
-    wait_s = parse_duration(wait) if wait else 0.0
+    wait_s = wait_seconds(settings, args.wait)
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -321,7 +336,12 @@ def _cmd_leases(args: argparse.Namespace) -> int:
             print("autogpu: error: --prune --all needs root", file=sys.stderr)
             return EXIT_USAGE
         removed = reg.prune(all_users=args.all)
-        print(f"removed {removed} dead lease file(s)")
+        if not removed:
+            print(f"no dead lease files in {reg.path}")
+            return EXIT_OK
+        print(f"removed {len(removed)} dead lease file(s):")
+        for rec in removed:
+            print(f"  {','.join(rec.device_uuids) or rec.kind}  {rec.holder_text()}  ({rec.path})")
         return EXIT_OK
     leases = list(reg.list_leases())
     show_cmd = args.show_commands and _is_root()
@@ -444,8 +464,43 @@ def _cmd_exporter(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class _TerminalSafe:
+    """A text stream that spells out terminal-steering characters (C1, bidi, lone surrogates)
+    before they reach the terminal: lease records and process names are other users' text."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        from autogpu_jupyter.core.text import terminal_safe
+
+        self._stream.write(terminal_safe(text))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``autogpu``; returns the exit code."""
+    from autogpu_jupyter.core.options import join_negative_values
+
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _TerminalSafe(out), _TerminalSafe(err)
+    try:
+        return _main(join_negative_values(sys.argv[1:] if argv is None else list(argv)))
+    except BrokenPipeError:
+        # `autogpu leases | head`: the reader left. Point stdout at /dev/null so the final flush
+        # at exit does not raise again, and end quietly as other command-line tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, out.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

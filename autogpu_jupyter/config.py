@@ -76,6 +76,18 @@ class AutoGPU(Configurable):
     max_devices_per_user = Int(
         0, help="Admin limit: the most devices one user may hold leases on at once (0: no limit)."
     ).tag(config=True)
+    registry_lock_timeout_s = Float(
+        10.0,
+        help="Seconds a pick waits for the registry lock held by another process. Past it, a "
+        "plain pick goes on without a lease (and says so); an exclusive, waiting or quota-bound "
+        "pick fails (env AUTOGPU_REGISTRY_LOCK_TIMEOUT).",
+    ).tag(config=True)
+    record_commands = Bool(
+        False,
+        help="Store the holder's command line in its lease file. Lease files are readable by "
+        "every user of the host, so this is off unless the admin opts in "
+        "(env AUTOGPU_RECORD_COMMANDS=1).",
+    ).tag(config=True)
     sample_interval_s = Float(
         1.0, help="Seconds between NVML samples of the background sampler (>= 0.1)."
     ).tag(config=True)
@@ -142,6 +154,17 @@ class AutoGPU(Configurable):
     @default("max_devices_per_user")
     def _default_max_devices(self) -> int:
         return _int_env("MAX_DEVICES_PER_USER", 0)
+
+    @default("registry_lock_timeout_s")
+    def _default_lock_timeout(self) -> float:
+        try:
+            return min(max(0.0, float(_env("REGISTRY_LOCK_TIMEOUT", "10"))), 3600.0)
+        except ValueError:
+            return 10.0
+
+    @default("record_commands")
+    def _default_record_commands(self) -> bool:
+        return _bool_env("RECORD_COMMANDS", False)
 
     @default("sample_interval_s")
     def _default_interval(self) -> float:

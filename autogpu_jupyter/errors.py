@@ -16,6 +16,7 @@ __all__ = [
     "TooLateError",
     "RegistryError",
     "LeaseLimitError",
+    "RegistryUntrustedError",
 ]
 
 
@@ -65,5 +66,12 @@ class RegistryError(AutoGPUError):
 
 class LeaseLimitError(AutoGPUError):
     """The user already holds as many devices as the admin allows (``max_devices_per_user``)."""
+
+    exit_code = 3
+
+
+class RegistryUntrustedError(RegistryError):
+    """A pick that promised exclusivity, a wait in line or a quota, while the lease registry
+    cannot be used or trusted: it fails closed instead of going on without a lease."""
 
     exit_code = 3

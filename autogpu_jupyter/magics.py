@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import html
 import logging
 import os
 import sys
@@ -108,8 +109,10 @@ _PICK_PARSER.prog = "%gpu pick"
 
 def _parse_pick(argv: Sequence[str], where: str = "%gpu pick") -> argparse.Namespace:
     """Parse pick options; any problem is one line of ``UsageError`` (argparse never exits)."""
+    from autogpu_jupyter.core.options import join_negative_values
+
     try:
-        return _PICK_PARSER.parse_args(list(argv))
+        return _PICK_PARSER.parse_args(join_negative_values(argv))
     except UsageError as err:
         raise UsageError(f"{where}: {err}; accepted options: {PICK_OPTIONS} (see %gpu?)") from None
     except SystemExit:  # argparse paths that call exit() directly: never leave the kernel
@@ -130,7 +133,9 @@ def _split(line: str) -> list[str]:
 
 
 def _one_line(err: BaseException) -> str:
-    return str(err).strip() or type(err).__name__
+    from autogpu_jupyter.core.text import terminal_safe
+
+    return terminal_safe(str(err).strip() or type(err).__name__)
 
 
 # --------------------------------------------------------------------------- formatting
@@ -179,7 +184,26 @@ def format_pick(result: PickResult, warning: str | None = None) -> str:
         if ru is not None
         else "no runner-up (nothing else fits)"
     )
+    if result.kept:
+        d = result.chosen[0] if result.chosen else None
+        where = _device_line(d, result.candidate(d.uuid)) if d is not None else "its device"
+        return "\n".join(
+            [
+                f"autogpu{sim}: kept {where}",
+                f"  this kernel was started on it by the autogpu kernelspec and already holds its "
+                f"lease; it meets {result.constraints.describe()}, so nothing changed (no second "
+                "lease)",
+                f"  CUDA_VISIBLE_DEVICES={result.env.get('CUDA_VISIBLE_DEVICES', '')}",
+            ]
+        )
     lines.append(f"  asked: {result.constraints.describe()} · {runner}")
+    if result.previous is not None:
+        now = ", ".join(d.label for d in result.chosen)
+        lines.append(
+            f"  you had {result.previous}; now {now} (one lease: the old one was released)"
+            if result.previous != now
+            else f"  you had {now} already: kept it, with a new lease for these options"
+        )
     if result.waited_s >= 1.0:
         lines.append(f"  waited {format_duration(round(result.waited_s, 1))} in line")
     if result.lease is not None:
@@ -378,7 +402,10 @@ class GPUMagics(Magics):
 
     def _pick(self, args: argparse.Namespace) -> None:
         result, warning = self._run_pick(args)
-        print(format_ranking(result) if args.dry_run else format_pick(result, warning))
+        from autogpu_jupyter.core.text import terminal_safe
+
+        text = format_ranking(result) if args.dry_run else format_pick(result, warning)
+        print(terminal_safe(text))
         if not args.dry_run:
             _watch()
 
@@ -401,7 +428,8 @@ class GPUMagics(Magics):
         if choice is None:
             mine = "this kernel: no GPU picked yet (%gpu pick)"
         else:
-            labels = ", ".join(df.loc[df[""] == "▶", "gpu"]) or ", ".join(choice.uuids)
+            marked = df.loc[df[""] == "▶", "gpu"] if len(df) else []
+            labels = ", ".join(marked) or ", ".join(choice.uuids)
             mine = f"this kernel: ▶ {labels} ({choice.source}"
             mine += f", {choice.constraints_text})" if choice.constraints_text else ")"
         if self._in_kernel():
@@ -411,17 +439,20 @@ class GPUMagics(Magics):
                 style = "background-color: #fff3cd; font-weight: bold" if row[""] == "▶" else ""
                 return [style] * len(row)
 
+            # escape="html": holders, notebook paths and user names come from other users'
+            # lease records; a Styler renders cell text raw unless told (a script injection).
             styler = (
                 df.style.apply(_mark, axis=1)
                 .hide(axis="index")
-                .format(na_rep="?", precision=0)
-                .set_caption(f"{title} · {mine}")
+                .format(na_rep="?", precision=0, escape="html")
+                .set_caption(html.escape(f"{title} · {mine}"))
             )
             display(styler)
         else:
-            print(title)
-            print(df.astype(object).where(df.notna(), "?").to_string(index=False))
-            print(mine)
+            from autogpu_jupyter.core.text import terminal_safe
+
+            table = df.astype(object).where(df.notna(), "?").to_string(index=False)
+            print(terminal_safe(f"{title}\n{table}\n{mine}"))
 
     # -- release -------------------------------------------------------------------------
     def _release(self) -> None:

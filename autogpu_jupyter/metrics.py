@@ -41,12 +41,13 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from autogpu_jupyter._version import __version__
-from autogpu_jupyter.core.leases import bookings_for
+from autogpu_jupyter.core.decision import bookings_for
 from autogpu_jupyter.errors import AutoGPUError
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.leases import LeaseRecord, Registry
+    from autogpu_jupyter.core.records import LeaseRecord
+    from autogpu_jupyter.core.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +114,9 @@ class AutoGPUCollector(Collector):
             registry = self.source.registry()
             if registry is not None:
                 try:
-                    records = registry.list_leases(include_tickets=True)
+                    leases, tickets = registry.live_records()
                 except (AutoGPUError, OSError) as err:
                     log.debug("metrics without leases: %s", err)
-                    records = []
-                leases = [r for r in records if r.kind == "lease"]
-                tickets = [r for r in records if r.kind == "ticket"]
             self._cache_ts, self._cache = snap_ts, (leases, tickets)
             return self._cache
 

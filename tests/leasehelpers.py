@@ -292,6 +292,10 @@ class AsUser:
     e.g. a lease) until ``stop()``.
     """
 
+    #: The control pipes of children still holding: a later child must not inherit them, or the
+    #: earlier child would never see its pipe close (and never exit).
+    _held_ctl: set[int] = set()
+
     def __init__(self, uid: int, gid: int, fn: Any, *args: Any, hold: bool = False) -> None:
         import pickle
 
@@ -301,6 +305,8 @@ class AsUser:
         if pid == 0:  # the child: never return into pytest
             code = 0
             try:
+                for fd in AsUser._held_ctl:
+                    os.close(fd)
                 os.close(r_out)
                 os.close(w_ctl)
                 os.setgroups([])
@@ -325,6 +331,7 @@ class AsUser:
                 os._exit(code)
         os.close(w_out)
         os.close(r_ctl)
+        AsUser._held_ctl.add(w_ctl)
         self.pid = pid
         self._r = r_out
         self._ctl = w_ctl
@@ -342,6 +349,7 @@ class AsUser:
 
     def stop(self) -> int:
         self.result()
+        AsUser._held_ctl.discard(self._ctl)
         os.close(self._ctl)
         os.close(self._r)
         _, status = os.waitpid(self.pid, 0)

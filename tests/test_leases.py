@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from autogpu_jupyter.core import decision
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.leases import Registry, bookings_for
 from autogpu_jupyter.core.picker import Holder, pick
@@ -38,7 +39,7 @@ def test_pick_creates_registry_1777_user_dir_0755_and_a_held_lease_0644(
     tmp_path: Path, backend: SimulatedBackend
 ) -> None:
     reg_dir = tmp_path / "registry"
-    registry = Registry(reg_dir)
+    registry = Registry(reg_dir, record_commands=True)  # the admin opted in (off by default)
     holder = Holder(kernel_id="5f1c2d3e-aaaa", notebook_path="work/train.ipynb",
                     command="python -m x", kind="kernel")
     result = pick(Constraints.parse(min_free="10G"), backend=backend, registry=registry,
@@ -88,7 +89,7 @@ def test_bookings_hold_requested_memory_until_nvml_shows_the_holder(tmp_path: Pa
     chosen = [r.chosen[0].uuid for r in (first, second, third)]
     assert chosen == [uuid_of(0), uuid_of(1), uuid_of(0)]
     snap = backend.snapshot()
-    b = registry.bookings(snap.devices)
+    b = decision.gather(snap, registry=registry).bookings
     assert (b[uuid_of(0)].lease_count, b[uuid_of(0)].booked_bytes) == (2, 60 * GiB)
     assert (b[uuid_of(1)].lease_count, b[uuid_of(1)].booked_bytes) == (1, 30 * GiB)
 
@@ -228,8 +229,9 @@ def test_registry_lock_held_too_long_means_no_lease(
         os.close(fd)
     assert result.lease is None
     assert result.lease_note == (
-        f"lease registry {reg_dir} stayed locked by another process for more than 0.2 s: "
-        "picked without a lease"
+        f"lease registry {reg_dir} stayed locked by another process for more than 0.2 s (the "
+        f"admin can find the holder with `lslocks | grep {reg_dir}` and stop it): picked "
+        "without a lease"
     )
     again = pick(Constraints(), backend=backend, registry=registry)
     assert again.lease is not None and again.lease_note is None
@@ -245,7 +247,7 @@ def test_prune_removes_only_dead_files(tmp_path: Path, backend: SimulatedBackend
     os.close(dead.lease._fd)  # the holder is gone without cleaning up (like SIGKILL)
     dead.lease._fd = None
     assert [r.lease_id for r in registry.scan().dead] == [dead.lease.record.lease_id]
-    assert registry.prune() == [dead_path]
+    assert [r.path for r in registry.prune()] == [dead_path]
     assert not os.path.exists(dead_path)
     assert os.path.exists(live.lease.path)
     assert [r.lease_id for r in registry.list_leases()] == [live.lease.record.lease_id]
@@ -308,7 +310,7 @@ def test_a_hiding_view_leaves_out_only_the_callers_own_leases(
         second.lease.record.lease_id
     ]
     snap = backend.snapshot()
-    assert view.bookings(snap.devices)[own.device_uuids[0]].lease_count == 0
+    assert decision.gather(snap, registry=view).bookings[own.device_uuids[0]].lease_count == 0
     # The exclusive lease no longer keeps this view's pick off its device...
     again = pick(Constraints.parse(min_free="30G", exclude="1,2,3"), backend=backend,
                  registry=view)

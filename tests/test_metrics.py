@@ -30,9 +30,11 @@ UUID0 = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
 UUID1 = "GPU-1b1b1b1b-1111-2222-3333-444444444444"
 UUID2 = "GPU-2c2c2c2c-1111-2222-3333-444444444444"
 HOST = "node-a"
-#: A notebook path another user could choose: quotes, a backslash, non-ASCII. (A newline is
-#: refused by the lease registry's reader, so no lease record can carry one.)
-ODD_PATH = 'work/"quoted" \\ back{slash} é.ipynb'
+#: A notebook path another user could choose: quotes, a backslash, a newline, non-ASCII. The
+#: registry writes control characters as '?' (its records are checked by its reader), so the
+#: label carries ODD_LABEL.
+ODD_PATH = 'work/"quoted" \\ back{slash}\nline é.ipynb'
+ODD_LABEL = 'work/"quoted" \\ back{slash}?line é.ipynb'
 
 FLEET: dict[str, Any] = {
     "driver_version": "550.54.15",
@@ -152,7 +154,8 @@ async def test_metrics_exact_values_over_fake_nvml(jp_fetch: Any) -> None:
 
 async def test_lease_booking_and_odd_notebook_path_round_trip(jp_fetch: Any,
                                                              registry_dir: Path) -> None:
-    """A lease booking 30 GiB on GPU 0 for a notebook whose path has quotes and a backslash:
+    """A lease booking 30 GiB on GPU 0 for a notebook whose path has quotes, a backslash and a
+    newline:
     booked bytes, the ratio, the lease count, and the path read back exactly by a parser."""
     from autogpu_jupyter.core.leases import Registry
     from autogpu_jupyter.core.picker import Holder
@@ -172,7 +175,7 @@ async def test_lease_booking_and_odd_notebook_path_round_trip(jp_fetch: Any,
             time.sleep(0.1)
         # escaped as the exposition format says: \" and \\
         text = await scrape(jp_fetch)
-        assert 'notebook="work/\\"quoted\\" \\\\ back{slash} é.ipynb"' in text
+        assert 'notebook="work/\\"quoted\\" \\\\ back{slash}?line é.ipynb"' in text
         want = expected(booked0=30 * GiB, leases0=1)
         assert_gpu_series(got, want)
         import getpass
@@ -181,7 +184,7 @@ async def test_lease_booking_and_odd_notebook_path_round_trip(jp_fetch: Any,
         assert lease_series == {
             ("autogpu_lease_info", tuple(sorted({
                 "hostname": HOST, "uuid": UUID0, "index": "0", "model": "NVIDIA A100-SXM4-80GB",
-                "user": getpass.getuser(), "kernel": "k-1", "notebook": ODD_PATH}.items()))): 1.0
+                "user": getpass.getuser(), "kernel": "k-1", "notebook": ODD_LABEL}.items()))): 1.0
         }
     finally:
         lease.release()

@@ -20,8 +20,9 @@ know the leases). Hosts are grouped by the ``hostname`` label (DCGM: ``Hostname`
 Host state: ``down`` when every target of the host has ``up == 0``; ``stale`` when its newest
 sample is older than two scrape intervals; else ``ok``. Only ``ok`` hosts are ranked.
 
-:func:`rank_hosts` ranks hosts with the one local policy (:func:`core.policy.rank` and
-:func:`core.policy.select` over :class:`DeviceSnapshot` built from the series, bookings from
+:func:`rank_hosts` ranks hosts with the one decision pipeline (:func:`core.decision.decide`:
+the local pick's :func:`core.policy.rank` and :func:`core.policy.select`) over
+:class:`DeviceSnapshot` built from the series, bookings from
 ``autogpu_gpu_memory_booked_bytes`` and ``autogpu_gpu_leases``): the best host is the one whose
 chosen device(s) have the best policy key, so a local pick on that host chooses the same device
 (same data: the exporter's latest sweep).
@@ -40,8 +41,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from autogpu_jupyter.core.devices import DeviceSnapshot
-from autogpu_jupyter.core.policy import Booking, Candidate, Constraints, rank, select
+from autogpu_jupyter.core.decision import Context, decide
+from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+from autogpu_jupyter.core.policy import Booking, Candidate, Constraints
+from autogpu_jupyter.core.visibility import current_allocation
 from autogpu_jupyter.errors import AutoGPUError, UsageErrorBase
 
 __all__ = [
@@ -547,8 +550,8 @@ class HostChoice:
 def rank_hosts(view: ClusterView, constraints: Constraints) -> list[HostChoice]:
     """Hosts best first, by the policy a local pick uses (see the module docstring).
 
-    Each ``ok`` host's devices go through :func:`policy.rank` and :func:`policy.select` with the
-    bookings Prometheus holds; hosts whose selection fits come first, ordered by the policy key of
+    Each ``ok`` host's devices go through :func:`decision.decide` with the bookings Prometheus
+    holds; hosts whose selection fits come first, ordered by the policy key of
     the worst device they would give (for one device: its key), then by hostname; then hosts where
     nothing fits, stale and down hosts (never chosen), by hostname.
     """
@@ -558,15 +561,22 @@ def rank_hosts(view: ClusterView, constraints: Constraints) -> list[HostChoice]:
         if host.state != "ok":
             rest.append(HostChoice(host, (), ()))
             continue
-        snaps = [d.snapshot for d in host.devices]
+        snaps = tuple(d.snapshot for d in host.devices)
         bookings = {
             d.snapshot.uuid: Booking(d.snapshot.uuid, d.lease_count, d.booked_bytes,
                                      holders=d.holders)
             for d in host.devices
         }
-        ranked = rank(snaps, constraints, bookings=bookings)
-        chosen = select(ranked, constraints.count)
-        choice = HostChoice(host, tuple(chosen), tuple(ranked))
+        # The one decision pipeline over what Prometheus holds: no allocation bounds a host
+        # seen from outside (its scheduler grants inside it), the bookings are its exporter's.
+        context = Context(
+            snapshot=FleetSnapshot(snaps, view.timestamp_s, "prometheus"),
+            allocation=current_allocation(snaps, {}),
+            bookings=bookings,
+        )
+        decision = decide(context, constraints)
+        chosen = decision.chosen
+        choice = HostChoice(host, tuple(chosen), tuple(decision.ranked))
         if chosen:
             fitting.append((max(c.key for c in chosen), host.hostname, choice))
         else:

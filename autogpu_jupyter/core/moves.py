@@ -38,17 +38,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autogpu_jupyter.core import decision
 from autogpu_jupyter.core.backends import get_backend
 from autogpu_jupyter.core.picker import explain_drops
-from autogpu_jupyter.core.policy import Constraints, matches_id, rank, select
+from autogpu_jupyter.core.policy import Constraints, matches_id
 from autogpu_jupyter.core.units import format_bytes
-from autogpu_jupyter.core.visibility import current_allocation
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBase
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.backends import Backend
     from autogpu_jupyter.core.devices import DeviceSnapshot
-    from autogpu_jupyter.core.leases import Registry
+    from autogpu_jupyter.core.registry import Registry
 
 __all__ = [
     "BEST",
@@ -327,6 +327,7 @@ def plan_move(
     environ: Mapping[str, str] | None = None,
     registry: Registry | None = None,
     source: str = "magic",
+    smoothed_util: Mapping[str, float | None] | None = None,
 ) -> MovePlan:
     """Check a move against the devices now and say what it will do (records nothing).
 
@@ -356,17 +357,17 @@ def plan_move(
         backend = get_backend()
     snap = backend.snapshot()
     env = os.environ if environ is None else environ
-    allocation = current_allocation(snap.devices, env)
+    context = decision.gather(snap, environ=env, registry=registry, smoothed_util=smoothed_util)
+    allocation = context.allocation
     current = tuple(current_uuids)
-    bookings = {} if registry is None else registry.bookings(snap.devices)
     # Our own lease books memory on the current device(s); other devices are judged as they are.
     text = target.strip()
     best = text.lower() in (BEST, "--best")
     if best:
         avoid = tuple(u for u in current if snap.by_uuid(u) is not None)
         cons = replace(constraints, exclude=tuple(constraints.exclude) + avoid)
-        ranked = rank(snap.devices, cons, allocation=allocation, bookings=bookings)
-        chosen = select(ranked, cons.count)
+        made = decision.decide(context, cons)
+        ranked, chosen = list(made.ranked), list(made.chosen)
         if not chosen:
             raise NoDeviceFitsError(
                 f"no better device to move to ({constraints.describe()}; "
@@ -390,10 +391,7 @@ def plan_move(
                 )
         if current and {d.uuid for d in devs} == set(current):
             raise UsageErrorBase(f"the kernel already runs on {', '.join(d.label for d in devs)}")
-        ranked = rank(
-            snap.devices, replace(constraints, exclude=()), allocation=allocation,
-            bookings=bookings,
-        )
+        ranked = list(decision.decide(context, replace(constraints, exclude=())).ranked)
         by_uuid = {c.device.uuid: c for c in ranked}
         for d in devs:
             cand = by_uuid.get(d.uuid)
@@ -427,6 +425,7 @@ def request_move(
     environ: Mapping[str, str] | None = None,
     registry: Registry | None = None,
     source: str = "server",
+    smoothed_util: Mapping[str, float | None] | None = None,
 ) -> MovePlan:
     """Plan a move (:func:`plan_move`) and record it at ``path`` for the next (re)start.
 
@@ -436,6 +435,7 @@ def request_move(
     plan = plan_move(
         target, current_uuids=current_uuids, constraints=constraints, kernel_id=kernel_id,
         backend=backend, environ=environ, registry=registry, source=source,
+        smoothed_util=smoothed_util,
     )
     _write_private(Path(path), json.dumps(plan.request.to_dict()).encode())
     log.info("move requested for kernel %s: %s", kernel_id, plan.message)

@@ -26,7 +26,7 @@ import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+    from autogpu_jupyter.core.policy import Constraints
+    from autogpu_jupyter.core.registry import Registry
     from autogpu_jupyter.core.sampler import DeviceSeries, Sampler
 
 __all__ = [
@@ -176,22 +178,71 @@ def best_alternative(
     snapshot: FleetSnapshot,
     exclude: Iterable[str],
     smoothed_util: dict[str, float | None] | None = None,
+    *,
+    constraints: Constraints | None = None,
+    registry: Registry | Literal["config"] | None = "config",
+    environ: Mapping[str, str] | None = None,
 ) -> Alternative | None:
-    """The best device outside ``exclude`` by the picker's policy (:func:`core.policy.rank`)."""
-    from autogpu_jupyter.core.policy import Constraints, rank
+    """The best device outside ``exclude``, by the one decision pipeline (:mod:`core.decision`).
 
-    skip = set(exclude)
-    devices = [
-        d for d in snapshot.devices if d.uuid not in skip and (d.parent_uuid or "") not in skip
-    ]
-    for cand in rank(devices, Constraints(), smoothed_util=smoothed_util):
-        if cand.eligible:
-            dev = cand.device
-            util = cand.smoothed_util_pct
-            if util is None:
-                util = dev.utilization_pct
-            return Alternative(dev.uuid, dev.label, cand.effective_free_bytes, util)
-    return None
+    It is what ``%gpu pick --dry-run`` would choose with this kernel's own options when its
+    current device(s) are excluded: the same allocation (the environment before autogpu changed
+    it), the same registry (other holders' bookings and waiters; this kernel's own lease hidden),
+    the same smoothing.
+    """
+    from dataclasses import replace
+
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.core import decision, session
+    from autogpu_jupyter.core.policy import Constraints as _Constraints
+    from autogpu_jupyter.core.registry import from_settings
+
+    skip = tuple(exclude)
+    choice = session.current()
+    if constraints is None:
+        constraints = (choice.constraints if choice is not None else None) or _Constraints()
+    if registry == "config":
+        registry = from_settings(AutoGPU())
+        if registry is not None and choice is not None and choice.lease_id:
+            registry = registry.hiding(lease_ids=[choice.lease_id])
+    if environ is None:
+        environ = _grant(snapshot, skip)
+    context = decision.gather(
+        snapshot,
+        environ=environ,
+        registry=registry,
+        smoothed_util=smoothed_util, self_pids=(os.getpid(),),
+    )
+    parents = {d.parent_uuid for d in snapshot.devices if d.uuid in skip and d.parent_uuid}
+    avoid = tuple(
+        d.uuid for d in snapshot.devices
+        if d.uuid in skip or (d.parent_uuid or "") in skip or d.uuid in parents
+    )
+    made = decision.decide(context, replace(constraints, exclude=constraints.exclude + avoid))
+    best = made.best
+    if best is None:
+        return None
+    dev = best.device
+    util = best.smoothed_util_pct if best.smoothed_util_pct is not None else dev.utilization_pct
+    return Alternative(dev.uuid, dev.label, best.effective_free_bytes, util)
+
+
+def _grant(snapshot: FleetSnapshot, own: Sequence[str]) -> dict[str, str]:
+    """The environment a restarted kernel would pick within: the server's grant (a provisioned
+    kernel's ``AUTOGPU_GRANT_CVD``), else the environment before autogpu changed it; a
+    ``CUDA_VISIBLE_DEVICES`` that names only this kernel's own devices is the kernel's own
+    narrowing, not a scheduler's grant (``SLURM_*`` / ``NVIDIA_VISIBLE_DEVICES`` still bound)."""
+    from autogpu_jupyter.core import session
+    from autogpu_jupyter.core.moves import grant_environ
+    from autogpu_jupyter.core.visibility import parse_cuda_visible_devices
+
+    env = grant_environ(session.original_environ())
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    if raw:
+        granted, _ = parse_cuda_visible_devices(raw, snapshot.devices)
+        if granted and set(granted) <= set(own):
+            env.pop("CUDA_VISIBLE_DEVICES")
+    return env
 
 
 def _busy_for_s(

@@ -3,14 +3,9 @@
 :func:`pick` never touches ``os.environ``: it returns what to set (``PickResult.env``) and the
 caller applies it after its own checks (see :mod:`autogpu_jupyter.core.session`).
 
-What the picker needs of a lease registry (:class:`autogpu_jupyter.core.leases.Registry`):
-``registry.locked()`` (context manager: the registry-wide lock, yields a transaction ``txn``, or
-``None`` when the registry is unusable, with ``registry.unusable_reason`` set), ``registry.bookings(
-devices, txn)`` (``txn`` may be ``None``: read without the lock), ``txn.create(devices=...,
-requested_bytes=..., exclusive=..., holder=...) -> Lease``, and for waiting in line
-``registry.take_ticket(holder=..., constraints=..., allowed_uuids=...) -> Ticket | None``,
-``registry.reserved_bookings(txn, devices, bookings, ticket=...)`` (the devices older waiters would
-take now, booked for them: FIFO) and ``ticket.release()``.
+The decision itself is :mod:`autogpu_jupyter.core.decision`'s (the one pipeline every view uses);
+the picker adds what only a real pick does: the registry lock around gather-decide-lease, the
+lease, waiting in line with a ticket, and failing closed when a promise needs the registry.
 """
 
 from __future__ import annotations
@@ -23,20 +18,22 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from autogpu_jupyter.core.policy import Booking, Candidate, Constraints, matches_id, rank, select
+from autogpu_jupyter.core import decision
+from autogpu_jupyter.core.policy import Candidate, Constraints, matches_id
 from autogpu_jupyter.core.units import format_duration
 from autogpu_jupyter.core.visibility import Allocation, current_allocation, visible_env
 from autogpu_jupyter.errors import (
     NoDeviceFitsError,
     NoDeviceGrantedError,
     RegistryError,
+    RegistryUntrustedError,
     UsageErrorBase,
 )
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.backends import Backend
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.leases import Lease, Registry
+    from autogpu_jupyter.core.registry import Lease, Registry
 
 __all__ = ["Holder", "PickResult", "pick", "explain_drops", "POLL_INTERVAL_S"]
 
@@ -71,6 +68,11 @@ class PickResult:
     lease_note: str | None = None
     dry_run: bool = False
     waited_s: float = 0.0
+    #: This process already held a lease on ``chosen`` (a kernel the autogpu kernelspec started)
+    #: and kept it: nothing new was leased or set.
+    kept: bool = False
+    #: The device label(s) this process had before a re-pick (``"GPU 1"``), if any.
+    previous: str | None = None
 
     @property
     def runner_up(self) -> Candidate | None:
@@ -101,6 +103,7 @@ class PickResult:
             else self.lease.record.to_dict(redact_command=False),
             "lease_note": self.lease_note,
             "dry_run": self.dry_run,
+            "kept": self.kept,
         }
 
 
@@ -169,9 +172,34 @@ def _create_lease(
             holder=holder,
         )
     except RegistryError as err:
-        log.warning("no lease: %s", err)
-        return None, f"{err}: picked without a lease"
+        log.info("no lease: %s", err)
+        return None, str(err)
     return lease, None
+
+
+def _promises(constraints: Constraints, wait_s: float, registry: Registry | None) -> str | None:
+    """What this pick promised that only a working lease registry can keep (``None``: nothing).
+
+    An exclusive pick, a wait in line (FIFO tickets) and the admin's per-user quota all live in
+    the registry: without it they would silently not hold, so such a pick fails closed.
+    """
+    if registry is None:
+        return None
+    if constraints.exclusive:
+        return "an exclusive pick (--exclusive)"
+    if wait_s > 0:
+        return "a pick that waits in line (--wait)"
+    if getattr(registry, "max_devices_per_user", 0) > 0:
+        return "a pick under the admin's max_devices_per_user quota"
+    return None
+
+
+def _fail_closed(what: str, cause: str | None) -> RegistryUntrustedError:
+    return RegistryUntrustedError(
+        f"refused {what} without a lease: {cause or 'the lease registry cannot be used'}. "
+        "Nothing was picked and the environment is unchanged; a plain pick (without --exclusive "
+        "or --wait) still works, without a lease"
+    )
 
 
 @contextlib.contextmanager
@@ -244,6 +272,7 @@ def pick(
     start = time.monotonic()
     deadline = start + max(wait_s, 0.0)
     ticket = None
+    promised = None if dry_run else _promises(constraints, wait_s, registry)
     if registry is not None and not dry_run:
         # Pay NVML's one-time start-up (library load, init, first handles) before taking the
         # registry lock, so that other pickers do not queue behind it.
@@ -257,39 +286,40 @@ def pick(
             if registry is not None and not dry_run:
                 lock_cm = registry.locked()
             with lock_cm as txn:
+                if txn is None and promised is not None:
+                    raise _fail_closed(promised, getattr(registry, "unusable_reason", None))
                 snap = backend.snapshot()
-                util_now = smoothed_util() if callable(smoothed_util) else smoothed_util
+                if not snap.devices:
+                    why = "; ".join(snap.errors)
+                    raise NoDeviceGrantedError(
+                        f"no GPU on this host: {snap.backend} lists no devices"
+                        + (f" ({why})" if why else "")
+                    )
                 allocation = current_allocation(snap.devices, env)
                 if allocation.empty:
                     raise NoDeviceGrantedError(
                         f"no GPU granted to this process: {allocation.describe()}"
                     )
                 _check_ids(snap.devices, constraints)
-                bookings: dict[str, Booking] = {}
-                if registry is not None:
-                    bookings = registry.bookings(snap.devices, txn)
-                    if not dry_run:
-                        # FIFO: older waiters are served first, from what is free now.
-                        bookings = registry.reserved_bookings(
-                            txn, snap.devices, bookings, ticket=ticket, smoothed_util=util_now
-                        )
-                ranked = rank(
-                    snap.devices,
-                    constraints,
-                    allocation=allocation,
-                    bookings=bookings,
-                    smoothed_util=util_now,
-                    self_pids=(holder.pid,),
+                # FIFO reservations included, in a dry run too: it answers what a pick would do.
+                context = decision.gather(
+                    snap, environ=env, registry=registry, txn=txn, ticket=ticket,
+                    smoothed_util=smoothed_util, self_pids=(holder.pid,),
                 )
-                chosen = select(ranked, constraints.count)
+                made = decision.decide(context, constraints)
+                ranked, chosen = list(made.ranked), list(made.chosen)
                 lease = None
                 if chosen and not dry_run and registry is not None and txn is not None:
                     lease, lease_note = _create_lease(txn, chosen, constraints, holder)
+                    if lease is None and promised is not None:
+                        raise _fail_closed(promised, lease_note)
                 if chosen and ticket is not None:
                     ticket.release()  # under the lock: nobody sees both our ticket and lease
                     ticket = None
             if registry is not None and not dry_run and getattr(registry, "unusable_reason", None):
                 lease_note = registry.unusable_reason
+            if lease_note:
+                lease_note = f"{lease_note}: picked without a lease"
             if chosen:
                 uuids = [c.device.uuid for c in chosen]
                 return PickResult(
@@ -314,7 +344,9 @@ def pick(
                 )
             if registry is not None and ticket is None:
                 ticket = registry.take_ticket(
-                    holder=holder, constraints=constraints, allowed_uuids=allocation.uuids
+                    constraints=decision.ticket_constraints(constraints, allocation.uuids),
+                    exclusive=constraints.exclusive,
+                    holder=holder,
                 )
             if on_progress is not None:
                 best = next((c for c in ranked), None)

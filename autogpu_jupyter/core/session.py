@@ -18,8 +18,9 @@ from autogpu_jupyter.errors import TooLateError
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import DeviceSnapshot
-    from autogpu_jupyter.core.leases import Lease
     from autogpu_jupyter.core.picker import PickResult
+    from autogpu_jupyter.core.policy import Constraints
+    from autogpu_jupyter.core.registry import Lease
 
 __all__ = [
     "Choice",
@@ -47,6 +48,7 @@ class Choice:
     lease_id: str | None = None
     source: str = "magic"  # "magic", "api", "provisioner"
     constraints_text: str = ""
+    constraints: Constraints | None = None
     picked_at_s: float = field(default_factory=time.time)
     forced: bool = False
     note: str | None = None
@@ -126,6 +128,7 @@ def apply(
             lease_id=None if result.lease is None else result.lease.record.lease_id,
             source=source,
             constraints_text=result.constraints.describe(),
+            constraints=result.constraints,
             forced=forced,
             note=result.lease_note,
         )

@@ -37,6 +37,10 @@ for _i, _p in enumerate("KMGT", start=1):
     _MULT[_p + "IB"] = 1024**_i
     _MULT[_p + "B"] = 1000**_i
 
+#: The largest size accepted (1 EiB): far past any GPU, and well inside float and int64 range,
+#: so that no later arithmetic (bookings, JSON, formatting) can overflow.
+MAX_SIZE_BYTES = 2**60
+
 _SIZE_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[A-Za-z]*|%)\s*$")
 
 
@@ -94,6 +98,7 @@ def parse_size(text: object) -> Size:
             raise UsageErrorBase(
                 f"invalid size {text!r}: must not be negative; expected {SIZE_FORMS}"
             )
+        _check_size(text, text)
         return Size(bytes=text, text=f"{text}B")
     if isinstance(text, Size):
         return text
@@ -102,7 +107,7 @@ def parse_size(text: object) -> Size:
     m = _SIZE_RE.match(text)
     if m is None:
         why = "must not be negative" if text.strip().startswith("-") else "not understood"
-        raise UsageErrorBase(f"invalid size {text!r}: {why}; expected {SIZE_FORMS}")
+        raise UsageErrorBase(f"invalid size {_short(text)}: {why}; expected {SIZE_FORMS}")
     num = float(m.group("num"))
     unit = m.group("unit")
     if unit == "%":
@@ -118,7 +123,22 @@ def parse_size(text: object) -> Size:
     mult = _MULT.get(unit.upper())
     if mult is None:
         raise UsageErrorBase(f"invalid size {text!r}: unknown unit {unit!r}; expected {SIZE_FORMS}")
-    return Size(bytes=round(num * mult), text=text.strip())
+    value = num * mult
+    _check_size(value, text)
+    return Size(bytes=round(value), text=text.strip())
+
+
+def _check_size(value: float, text: object) -> None:
+    if not value <= MAX_SIZE_BYTES:  # also catches inf from "999...9G"
+        raise UsageErrorBase(
+            f"invalid size {_short(text)}: too large (at most 1 EiB); expected {SIZE_FORMS}"
+        )
+
+
+def _short(text: object) -> str:
+    """``repr`` of a user's value, cut to a readable length (a 400-digit number stays one line)."""
+    r = repr(text) if not isinstance(text, int) or text < 10**40 else f"{str(text)[:12]}…"
+    return r if len(r) <= 60 else r[:40] + "…" + r[-10:]
 
 
 PERCENT_FORMS = "a number from 0 to 100, optionally followed by %, e.g. 50 or 50%"
@@ -133,19 +153,23 @@ def parse_percent(text: object, what: str = "percentage") -> float:
         Outside 0-100 or not a number; the message names the value and the accepted forms.
     """
     if isinstance(text, bool):
-        raise UsageErrorBase(f"invalid {what} {text!r}: expected {PERCENT_FORMS}")
+        raise UsageErrorBase(f"invalid {what} {_short(text)}: expected {PERCENT_FORMS}")
     if isinstance(text, (int, float)):
-        value = float(text)
+        value = float(text) if -1e300 < text < 1e300 else math.inf
     elif isinstance(text, str):
         s = text.strip().removesuffix("%").strip()
         try:
             value = float(s)
         except ValueError:
-            raise UsageErrorBase(f"invalid {what} {text!r}: expected {PERCENT_FORMS}") from None
+            raise UsageErrorBase(
+                f"invalid {what} {_short(text)}: expected {PERCENT_FORMS}"
+            ) from None
     else:
-        raise UsageErrorBase(f"invalid {what} {text!r}: expected {PERCENT_FORMS}")
+        raise UsageErrorBase(f"invalid {what} {_short(text)}: expected {PERCENT_FORMS}")
     if not (0.0 <= value <= 100.0) or math.isnan(value):
-        raise UsageErrorBase(f"invalid {what} {text!r}: must be 0-100; expected {PERCENT_FORMS}")
+        raise UsageErrorBase(
+            f"invalid {what} {_short(text)}: must be 0-100; expected {PERCENT_FORMS}"
+        )
     return value
 
 
@@ -165,15 +189,27 @@ def parse_duration(text: object) -> float:
     if isinstance(text, bool):
         raise UsageErrorBase(f"invalid duration {text!r}: expected {DURATION_FORMS}")
     if isinstance(text, (int, float)):
-        if text < 0 or math.isnan(text):
-            raise UsageErrorBase(f"invalid duration {text!r}: expected {DURATION_FORMS}")
-        return float(text)
+        if text < 0 or (isinstance(text, float) and math.isnan(text)):
+            raise UsageErrorBase(f"invalid duration {_short(text)}: expected {DURATION_FORMS}")
+        return _check_duration(float(text) if text <= MAX_DURATION_S else math.inf, text)
     if not isinstance(text, str):
         raise UsageErrorBase(f"invalid duration {text!r}: expected {DURATION_FORMS}")
     m = _DUR_RE.match(text)
     if m is None or m.group("unit").lower() not in _DUR:
-        raise UsageErrorBase(f"invalid duration {text!r}: expected {DURATION_FORMS}")
-    return float(m.group("num")) * _DUR[m.group("unit").lower()]
+        raise UsageErrorBase(f"invalid duration {_short(text)}: expected {DURATION_FORMS}")
+    return _check_duration(float(m.group("num")) * _DUR[m.group("unit").lower()], text)
+
+
+#: The longest wait accepted: a year (timers and deadlines overflow on "inf").
+MAX_DURATION_S = 365 * 86400.0
+
+
+def _check_duration(seconds: float, text: object) -> float:
+    if not seconds <= MAX_DURATION_S:
+        raise UsageErrorBase(
+            f"invalid duration {_short(text)}: too long (at most 365d); expected {DURATION_FORMS}"
+        )
+    return seconds
 
 
 def format_bytes(n: int | float | None) -> str:

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 __all__ = ["setup_handlers", "HANDLERS", "NAMESPACE"]
 
 NAMESPACE = "autogpu"
+_AUTH_PARAMS = frozenset({"token", "_xsrf"})
 
 
 class _BaseHandler(APIHandler):
@@ -41,7 +42,27 @@ class _BaseHandler(APIHandler):
 
     def _http_error(self, err: AutoGPUError) -> tornado.web.HTTPError:
         code = 400 if isinstance(err, UsageErrorBase) else 503
-        return tornado.web.HTTPError(code, str(err).replace("%", "%%"))
+        return http_error(code, str(err))
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        """JSON ``{"message", "reason"}`` with the message as written: jupyter_server's own
+        ``write_error`` sends the unformatted ``log_message`` (``"%s"`` for :func:`http_error`)."""
+        exc = (kwargs.get("exc_info") or (None, None, None))[1]
+        if isinstance(exc, tornado.web.HTTPError) and exc.log_message:
+            try:
+                message = exc.log_message % exc.args
+            except (TypeError, ValueError):
+                message = exc.log_message
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps({"message": message, "reason": exc.reason}))
+            return
+        super().write_error(status_code, **kwargs)
+
+
+def http_error(code: int, message: str) -> tornado.web.HTTPError:
+    """An HTTP error whose message may hold any text (a ``%`` in "25%" included): tornado
+    %-formats ``log_message`` with ``args`` when it logs, so the text travels as an argument."""
+    return tornado.web.HTTPError(code, "%s", message)
 
 
 def _one_paragraph(err: BaseException) -> str:
@@ -75,10 +96,10 @@ class HistoryHandler(_BaseHandler):
             except ValueError:
                 since = math.nan
             if not math.isfinite(since):
-                raise tornado.web.HTTPError(
+                raise http_error(
                     400,
-                    f"invalid since={raw!r}: expected a Unix timestamp in seconds, "
-                    "e.g. 1718000000.5",
+                    f"invalid since={payloads.short_repr(raw)}: expected a Unix timestamp in "
+                    "seconds, e.g. 1718000000.5",
                 )
         payload = await self.state.run(payloads.history_payload, self.state, since)
         self._finish_json(payload)
@@ -112,22 +133,21 @@ class SelectHandler(_BaseHandler):
 
     @tornado.web.authenticated
     async def get(self) -> None:
-        # JupyterLab's ServerConnection appends a cache buster (``&1718000000123``) to GETs.
+        # JupyterLab's ServerConnection appends a cache buster (``&1718000000123``) to GETs;
+        # ``token`` and ``_xsrf`` are Jupyter's own authentication parameters, not options.
         params = {
-            k: self.get_argument(k) for k in self.request.arguments if not k.isdigit()
+            k: self.get_argument(k)
+            for k in self.request.arguments
+            if not (k.isascii() and k.isdigit()) and k not in _AUTH_PARAMS
         }
         await self._select(params)
 
     @tornado.web.authenticated
     async def post(self) -> None:
-        body = self.request.body or b"{}"
         try:
-            params = json.loads(body)
-        except ValueError:
-            raise tornado.web.HTTPError(400, "request body is not JSON; expected an object such as "
-                                             '{"min_free": "10G"}') from None
-        if not isinstance(params, dict):
-            raise tornado.web.HTTPError(400, 'expected a JSON object such as {"min_free": "10G"}')
+            params = payloads.parse_json_object(self.request.body, '{"min_free": "10G"}')
+        except UsageErrorBase as err:
+            raise self._http_error(err) from err
         await self._select(params)
 
 
@@ -180,9 +200,7 @@ class MoveHandler(_BaseHandler):
         except UsageErrorBase as err:
             raise self._http_error(err) from err
         if kernel_id not in self.kernel_manager:
-            raise tornado.web.HTTPError(
-                404, f"no kernel {kernel_id!r} on this server".replace("%", "%%")
-            )
+            raise http_error(404, f"no kernel {payloads.short_repr(kernel_id)} on this server")
         km = self.kernel_manager.get_kernel(kernel_id)
         prov = getattr(km, "provisioner", None)
         if not moving.is_movable(prov):
@@ -205,7 +223,7 @@ class MoveHandler(_BaseHandler):
         try:
             plan = await self.state.run(moving.plan_or_request, self.state, prov, kernel_id, body)
         except (UsageErrorBase, NoDeviceFitsError) as err:
-            raise tornado.web.HTTPError(400, _one_paragraph(err).replace("%", "%%")) from err
+            raise http_error(400, _one_paragraph(err)) from err
         except AutoGPUError as err:
             raise self._http_error(err) from err
         if not body.dry_run:
@@ -215,9 +233,7 @@ class MoveHandler(_BaseHandler):
             except Exception as err:  # the kernel could not restart: say why, keep serving
                 log.exception("autogpu: restarting kernel %s for a move failed", kernel_id)
                 await self.state.run(moving.cancel, prov)
-                raise tornado.web.HTTPError(
-                    500, f"the kernel could not restart: {err}".replace("%", "%%")
-                ) from err
+                raise http_error(500, f"the kernel could not restart: {err}") from err
             prov = getattr(kernel_manager.get_kernel(kernel_id), "provisioner", prov)
         return moving.result_payload(plan, prov, body.dry_run, self.state.labels())
 

@@ -18,7 +18,6 @@ executor.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -58,16 +57,13 @@ def parse_move_body(body: bytes) -> MoveBody:
         Not JSON, not an object, an unknown key, or a missing / malformed ``target``; the message
         names the bad value and the accepted forms.
     """
-    try:
-        data = json.loads(body or b"{}")
-    except ValueError:
-        raise UsageErrorBase(f"request body is not JSON; expected {_EXAMPLE}") from None
-    if not isinstance(data, dict):
-        raise UsageErrorBase(f"expected a JSON object such as {_EXAMPLE}, got {data!r}")
+    from autogpu_jupyter.server.payloads import parse_json_object, short_repr
+
+    data = parse_json_object(body, _EXAMPLE)
     unknown = sorted(set(data) - set(_ACCEPTED))
     if unknown:
         raise UsageErrorBase(
-            f"unknown parameter {unknown[0]!r}; accepted: {', '.join(_ACCEPTED)}"
+            f"unknown parameter {short_repr(unknown[0])}; accepted: {', '.join(_ACCEPTED)}"
         )
     raw = data.get("target")
     if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
@@ -76,8 +72,8 @@ def parse_move_body(body: bytes) -> MoveBody:
         target = raw.strip()
     else:
         raise UsageErrorBase(
-            f"invalid target {raw!r}: expected \"best\", an NVML index such as \"2\", or a GPU "
-            "UUID"
+            f"invalid target {short_repr(raw)}: expected \"best\", an NVML index such as \"2\", "
+            "or a GPU UUID"
         )
     if target.lower() == "--best":
         target = moves.BEST
@@ -108,12 +104,18 @@ def plan_or_request(
         ``best`` and no other device fits.
     """
     registry = state.registry()
+    if registry is not None:  # the kernel's own lease does not count against its move
+        registry = registry.hiding(kernel_id=kernel_id)
+    sampler = state.sampler()
     kwargs: dict[str, Any] = {
         "current_uuids": tuple(getattr(provisioner, "autogpu_picked", None) or ()),
         "constraints": provisioner.autogpu_constraints,
         "kernel_id": kernel_id,
         "registry": registry,
         "source": "server",
+        "smoothed_util": None if sampler is None else sampler.smoothed_util(
+            state.smoothing_window_s
+        ),
     }
     if body.dry_run:
         return moves.plan_move(body.target, **kwargs)

@@ -6,8 +6,10 @@ Field names carry units (``memory_used_bytes``, ``timestamp_s``); ``None`` is un
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import re
 import time
 from collections.abc import Mapping
@@ -106,8 +108,9 @@ def devices_payload(state: AutoGPUServer) -> dict[str, Any]:
     payload = snap.to_dict()
     for dev in payload["devices"]:
         for proc in dev.get("processes") or ():
-            proc["command"] = redact(proc.get("user"), proc.get("command"), state.user,
-                                     state.expose_commands)
+            proc["command"] = redact(
+                proc.get("user"), proc.get("command"), state.user, state.expose_commands
+            )
     payload["errors"] = list(payload["errors"]) + [e for e in errors if e not in payload["errors"]]
     payload["interval_s"] = state.interval_s
     return payload
@@ -161,13 +164,15 @@ def history_payload(state: AutoGPUServer, since_s: float | None) -> dict[str, An
         group = rows.sort_values("timestamp_s").tail(cap)
         ts = [float(t) for t in group["timestamp_s"]]
         total = group["memory_total_bytes"].dropna()
-        series.append({
-            "uuid": str(uuid),
-            "timestamp_s": ts,
-            "utilization_pct": [_finite(v) for v in group["utilization_pct"]],
-            "memory_used_bytes": [_int_or_none(v) for v in group["memory_used_bytes"]],
-            "memory_total_bytes": _int_or_none(total.iloc[-1]) if len(total) else None,
-        })
+        series.append(
+            {
+                "uuid": str(uuid),
+                "timestamp_s": ts,
+                "utilization_pct": [_finite(v) for v in group["utilization_pct"]],
+                "memory_used_bytes": [_int_or_none(v) for v in group["memory_used_bytes"]],
+                "memory_total_bytes": _int_or_none(total.iloc[-1]) if len(total) else None,
+            }
+        )
         if ts and (until is None or ts[-1] > until):
             until = ts[-1]
     out["series"] = series
@@ -227,46 +232,56 @@ def holders_payload(
     labels = {d.uuid: d.label for d in snap.devices} if snap is not None else {}
     holders: list[dict[str, Any]] = []
     records, lease_errors = _lease_records(state)
+    server_uid = os.geteuid()
     errors.extend(lease_errors)
     for rec in records:
         kid = rec.kernel_id
-        ours = kid in our_kernels if kid else False
+        # A lease's kernel id is what its writer claims: only a lease of this server's own uid
+        # can be one of this server's kernels (another user could copy our kernel ids).
+        ours = bool(kid) and kid in our_kernels and rec.uid == server_uid
         for uuid, booked in zip(rec.device_uuids, rec.device_requested_bytes, strict=False):
-            holders.append({
-                "kind": "lease",
-                "uuid": uuid,
-                "label": labels.get(uuid),
-                "user": rec.user,
-                "pid": rec.pid,
-                "kernel_id": kid,
-                "this_server": ours,
-                "notebook_path": session_of(kid).get("path") or rec.notebook_path
-                if ours else rec.notebook_path,
-                "booked_bytes": booked,
-                "used_memory_bytes": None,
-                "exclusive": rec.exclusive,
-                "created_s": rec.created_s,
-                "command": redact(rec.user, rec.command, state.user, state.expose_commands),
-            })
+            holders.append(
+                {
+                    "kind": "lease",
+                    "uuid": uuid,
+                    "label": labels.get(uuid),
+                    "user": rec.user,
+                    "pid": rec.pid,
+                    "kernel_id": kid,
+                    "this_server": ours,
+                    "notebook_path": session_of(kid).get("path") or rec.notebook_path
+                    if ours
+                    else rec.notebook_path,
+                    "booked_bytes": booked,
+                    "used_memory_bytes": None,
+                    "exclusive": rec.exclusive,
+                    "created_s": rec.created_s,
+                    "command": redact(rec.user, rec.command, state.user, state.expose_commands),
+                }
+            )
     if snap is not None:
         for dev in snap.devices:
             for proc in dev.processes or ():
                 kid = owning_kernel(proc.pid, kernel_pids)
-                holders.append({
-                    "kind": "process",
-                    "uuid": dev.uuid,
-                    "label": dev.label,
-                    "user": proc.user,
-                    "pid": proc.pid,
-                    "kernel_id": kid,
-                    "this_server": kid is not None,
-                    "notebook_path": session_of(kid).get("path"),
-                    "booked_bytes": None,
-                    "used_memory_bytes": proc.used_memory_bytes,
-                    "exclusive": False,
-                    "created_s": None,
-                    "command": redact(proc.user, proc.command, state.user, state.expose_commands),
-                })
+                holders.append(
+                    {
+                        "kind": "process",
+                        "uuid": dev.uuid,
+                        "label": dev.label,
+                        "user": proc.user,
+                        "pid": proc.pid,
+                        "kernel_id": kid,
+                        "this_server": kid is not None,
+                        "notebook_path": session_of(kid).get("path"),
+                        "booked_bytes": None,
+                        "used_memory_bytes": proc.used_memory_bytes,
+                        "exclusive": False,
+                        "created_s": None,
+                        "command": redact(
+                            proc.user, proc.command, state.user, state.expose_commands
+                        ),
+                    }
+                )
     return {
         "timestamp_s": snap.timestamp_s if snap is not None else time.time(),
         "simulated": snap.simulated if snap is not None else False,
@@ -296,14 +311,16 @@ def kernel_infos(
         movable = getattr(prov, "autogpu_move_file", None) is not None
         picked = getattr(prov, "autogpu_picked", None) or ()
         constraints = getattr(prov, "autogpu_constraints", None)
-        out.append({
-            "kernel_id": kid,
-            "notebook_path": (sessions.get(kid) or {}).get("path"),
-            "movable": movable,
-            "picked_uuids": [str(u) for u in picked] if movable else [],
-            "constraints_text": constraints.describe() if movable and constraints else None,
-            "note": getattr(prov, "autogpu_note", None) if movable else None,
-        })
+        out.append(
+            {
+                "kernel_id": kid,
+                "notebook_path": (sessions.get(kid) or {}).get("path"),
+                "movable": movable,
+                "picked_uuids": [str(u) for u in picked] if movable else [],
+                "constraints_text": constraints.describe() if movable and constraints else None,
+                "note": getattr(prov, "autogpu_note", None) if movable else None,
+            }
+        )
     return out
 
 
@@ -314,7 +331,7 @@ def _text(params: Mapping[str, Any], key: str) -> str | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "min_free":
         return str(value)
     if not isinstance(value, str):
-        raise UsageErrorBase(f"invalid {key}={value!r}: expected a string")
+        raise UsageErrorBase(f"invalid {key}={short_repr(value)}: expected a string")
     value = value.strip()
     return value or None
 
@@ -322,6 +339,51 @@ def _text(params: Mapping[str, Any], key: str) -> str | None:
 _KNOWN = {"min_free", "max_util", "count", "exclude", "exclusive"}
 #: Accepted by ``select`` besides the constraints.
 _SELECT_EXTRA = {"kernel_id"}
+
+
+#: The largest request body a handler reads (a pick's options fit in a few hundred bytes).
+MAX_BODY_BYTES = 64 * 1024
+
+
+def parse_json_object(body: bytes | None, example: str) -> dict[str, Any]:
+    """A request body as a JSON object, bounded in size and depth.
+
+    Raises
+    ------
+    UsageErrorBase
+        Too large, not JSON, nested too deeply, or not an object; the message shows ``example``.
+    """
+    data = body or b"{}"
+    if len(data) > MAX_BODY_BYTES:
+        raise UsageErrorBase(
+            f"request body too large ({len(data)} bytes, at most {MAX_BODY_BYTES}); expected a "
+            f"small JSON object such as {example}"
+        )
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise UsageErrorBase(
+            f"request body nested too deeply; expected a flat JSON object such as {example}"
+        ) from None
+    except ValueError:
+        raise UsageErrorBase(
+            f"request body is not JSON; expected an object such as {example}"
+        ) from None
+    if not isinstance(value, dict):
+        raise UsageErrorBase(
+            f"expected a JSON object such as {example}, got {short_repr(value)}"
+        )
+    return value
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a message must stay one readable line)."""
+    r = (
+        repr(value)
+        if not isinstance(value, (list, dict)) or len(value) < 20
+        else type(value).__name__
+    )
+    return r if len(r) <= limit else r[: limit - 12] + "…" + r[-10:]
 
 
 def parse_constraints(params: Mapping[str, Any]) -> Constraints:
@@ -335,7 +397,7 @@ def parse_constraints(params: Mapping[str, Any]) -> Constraints:
     unknown = sorted(set(params) - accepted)
     if unknown:
         raise UsageErrorBase(
-            f"unknown parameter {unknown[0]!r}; accepted: {', '.join(sorted(accepted))}"
+            f"unknown parameter {short_repr(unknown[0])}; accepted: {', '.join(sorted(accepted))}"
         )
     min_free_text = _text(params, "min_free")
     max_util_text = _text(params, "max_util")
@@ -345,7 +407,9 @@ def parse_constraints(params: Mapping[str, Any]) -> Constraints:
         if isinstance(count_raw, float) or count < 1:
             raise ValueError
     except (TypeError, ValueError):
-        raise UsageErrorBase(f"invalid count {count_raw!r}: expected a whole number >= 1") from None
+        raise UsageErrorBase(
+            f"invalid count {short_repr(count_raw)}: expected a whole number >= 1"
+        ) from None
     exclude_raw = params.get("exclude") or []
     if isinstance(exclude_raw, str):
         exclude = tuple(x.strip() for x in exclude_raw.split(",") if x.strip())
@@ -353,7 +417,7 @@ def parse_constraints(params: Mapping[str, Any]) -> Constraints:
         exclude = tuple(str(x) for x in exclude_raw)
     else:
         raise UsageErrorBase(
-            f"invalid exclude {exclude_raw!r}: expected ids like \"0,2\" or a list"
+            f'invalid exclude {short_repr(exclude_raw)}: expected ids like "0,2" or a list'
         )
     exclusive_raw = params.get("exclusive", False)
     if isinstance(exclusive_raw, bool):
@@ -363,7 +427,9 @@ def parse_constraints(params: Mapping[str, Any]) -> Constraints:
     elif str(exclusive_raw).lower() in {"0", "false", "no", "off", ""}:
         exclusive = False
     else:
-        raise UsageErrorBase(f"invalid exclusive {exclusive_raw!r}: expected true or false")
+        raise UsageErrorBase(
+            f"invalid exclusive {short_repr(exclusive_raw)}: expected true or false"
+        )
     return Constraints(
         min_free=parse_size(min_free_text) if min_free_text else None,
         max_util_pct=parse_percent(max_util_text, "max_util") if max_util_text else None,
@@ -405,7 +471,7 @@ def parse_kernel_id(value: Any) -> str | None:
 def select_payload(
     state: AutoGPUServer, constraints: Constraints, ignore_kernel_id: str | None = None
 ) -> dict[str, Any]:
-    """``select``: ``core.picker.pick(constraints, dry_run=True)`` over the sampler's latest sweep.
+    """``select``: :func:`select_answer` over the sampler's latest sweep and the registry.
 
     A request nothing fits is a normal answer (``chosen`` empty, ``message`` says why), not an
     HTTP error. The registry is read for bookings, never written. ``ignore_kernel_id``: the
@@ -413,8 +479,7 @@ def select_payload(
     notebook's recommendation does not count its own lease against the device it holds.
     """
     snap = latest_snapshot(state)
-    backend = _LatestBackend(snap) if snap is not None else None
-    if backend is None:
+    if snap is None:
         raise NVMLUnavailableError(
             "no GPU data: " + ("; ".join(_sampler_errors(state)) or "the sampler has no sample yet")
         )
@@ -428,22 +493,43 @@ def select_payload(
         registry = state.registry()
     except (AutoGPUError, OSError) as err:
         notes.append(f"lease registry unusable, bookings not counted: {err}")
+    return select_answer(snap, constraints, registry, smoothed, ignore_kernel_id, notes)
+
+
+def select_answer(
+    snap: FleetSnapshot,
+    constraints: Constraints,
+    registry: Any,
+    smoothed: Mapping[str, float | None] | None = None,
+    ignore_kernel_id: str | None = None,
+    notes: list[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The ``select`` answer for ``snap``: a dry-run pick through the one decision pipeline."""
+    backend = _LatestBackend(snap)
+    notes = [] if notes is None else notes
     base: dict[str, Any] = {
         "constraints": constraints.to_json(),
         "constraints_text": constraints.describe(),
-        "simulated": snap.simulated if snap is not None else False,
-        "timestamp_s": snap.timestamp_s if snap is not None else None,
+        "simulated": snap.simulated,
+        "timestamp_s": snap.timestamp_s,
         "notes": notes,
     }
     if registry is not None and ignore_kernel_id is not None:
         registry = registry.hiding(kernel_id=ignore_kernel_id)
     try:
-        result = pick(constraints, backend=backend, registry=registry, dry_run=True,
-                      smoothed_util=smoothed)
+        result = pick(
+            constraints, backend=backend, registry=registry, dry_run=True, smoothed_util=smoothed,
+            environ=environ,
+        )
     except NoDeviceFitsError as err:
         candidates = err.candidates if isinstance(err.candidates, tuple) else ()
-        return {**base, "chosen": [], "candidates": [_candidate_json(c) for c in candidates],
-                "message": str(err).splitlines()[0]}
+        return {
+            **base,
+            "chosen": [],
+            "candidates": [_candidate_json(c) for c in candidates],
+            "message": str(err).splitlines()[0],
+        }
     except NoDeviceGrantedError as err:  # the server's own allocation grants no GPU
         return {**base, "chosen": [], "candidates": [], "message": str(err)}
     return {

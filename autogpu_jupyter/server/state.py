@@ -21,7 +21,8 @@ from traitlets.config import Configurable
 
 from autogpu_jupyter.config import AutoGPU, default_registry_dir
 from autogpu_jupyter.core import sampler as sampler_mod
-from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.registry import Registry
+from autogpu_jupyter.core.text import redact_command
 from autogpu_jupyter.errors import AutoGPUError
 
 log = logging.getLogger(__name__)
@@ -164,11 +165,7 @@ class AutoGPUServer(Configurable):
 
 def redact(user: str | None, command: str | None, me: str, expose: bool) -> str | None:
     """``command`` unless it belongs to another user and the admin did not expose commands."""
-    if command is None:
-        return None
-    if expose or (user is not None and user == me):
-        return command
-    return None
+    return redact_command(user, command, me, expose)
 
 
 def now_s() -> float:

@@ -1,0 +1,1224 @@
+"""The per-host lease registry: herd safety across processes and users (design decision 5).
+
+Layout (``c.AutoGPU.registry_dir`` / ``$AUTOGPU_REGISTRY_DIR``, default ``/var/tmp/autogpu``)::
+
+    /var/tmp/autogpu/            mode 1777 (sticky), owned by root (or by the user who created it)
+        <uid>/                   one per user: mode 0755, owned by that uid (others read, to rank)
+            <id>.lease           a lease: JSON record, mode 0644, held with flock(LOCK_EX)
+            <id>.ticket          a place in the waiting line, held the same way
+
+A pick runs as one transaction under the registry-wide lock, an ``flock(LOCK_EX)`` on the
+registry directory itself (an ``O_RDONLY`` directory fd: nothing to create, nothing another user
+could replace)::
+
+    with registry.locked() as txn:          # txn is None when the registry is unusable
+        context = decision.gather(snapshot, registry=registry, txn=txn)   # reads txn's leases
+        chosen = decision.decide(context, constraints).chosen
+        lease = txn.create(devices=..., requested_bytes=..., exclusive=..., holder=...)
+
+The registry stores; it decides nothing: what a lease books and how waiters are served is
+:mod:`autogpu_jupyter.core.decision`'s, the record format :mod:`autogpu_jupyter.core.records`'.
+
+Liveness is the ``flock`` itself: the holder keeps the lease file open with ``LOCK_EX`` for its
+whole life (the descriptor is not inherited across ``exec``); a reader tries ``LOCK_SH|LOCK_NB``:
+refused means live, granted means the holder is gone (a SIGKILLed kernel frees its lease with no
+cleanup step, and PIDs never have to be trusted). Dead files are ignored and removed by their
+owner's next pick or by :meth:`Registry.prune`.
+
+Security on a shared host: the top directory must be sticky when others can write it and owned
+by root or by the caller; each user's directory must be owned by the uid it is named after;
+files are created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` relative to a directory fd and checked with
+``fstat``; another user's file is untrusted input (size cap, strict JSON schema, owner uid ==
+directory uid == the uid in the record, else ignored as forged) and is never put in a shell.
+A registry that cannot be used safely makes :meth:`Registry.locked` yield ``None`` with
+:attr:`Registry.unusable_reason` set, so the pick goes on without a lease and says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import fcntl
+import logging
+import os
+import pwd
+import random
+import secrets
+import socket
+import stat
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from autogpu_jupyter.core.records import (
+    LEASE_SUFFIX,
+    MAX_RECORD_BYTES,
+    MAX_SEQ,
+    TICKET_SUFFIX,
+    Invalid,
+    LeaseRecord,
+    encode,
+    field_text,
+    parse_checked,
+)
+from autogpu_jupyter.errors import LeaseLimitError, NoDeviceFitsError, RegistryError
+
+if TYPE_CHECKING:
+    from autogpu_jupyter.core.devices import DeviceSnapshot
+    from autogpu_jupyter.core.picker import Holder
+
+__all__ = [
+    "LEASE_SUFFIX",
+    "MAX_RECORD_BYTES",
+    "TICKET_SUFFIX",
+    "Lease",
+    "LeaseRecord",
+    "Registry",
+    "ScanResult",
+    "Ticket",
+    "Transaction",
+    "from_settings",
+]
+
+log = logging.getLogger(__name__)
+
+#: Most entries read from one user's directory per scan (a flood of files cannot stall a pick).
+MAX_FILES_PER_USER = 4096
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+# --------------------------------------------------------------------------------------------
+# Held files
+
+
+def _write_all(fd: int, data: bytes, offset: int | None = None) -> None:
+    """Write every byte of ``data`` (a short write, e.g. on a nearly full disk, is continued;
+    no progress raises): a record is complete on disk or the write fails."""
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        if offset is None:
+            n = os.write(fd, view[done:])
+        else:
+            n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "no space left on device (short write)")
+        done += n
+
+
+class Lease:
+    """A lease this process holds: an open, ``flock``-ed file in our user directory.
+
+    Keep the object (or the process) alive for as long as the device is used: closing the
+    descriptor (``release()``, garbage collection, process exit, SIGKILL) ends the lease.
+    """
+
+    suffix = LEASE_SUFFIX
+
+    def __init__(self, record: LeaseRecord, fd: int, registry: Registry, name: str) -> None:
+        self.record = record
+        self._fd: int | None = fd
+        self._registry = registry
+        self._name = name
+        self._owner_pid = os.getpid()
+
+    @property
+    def path(self) -> str:
+        return self.record.path
+
+    @property
+    def held(self) -> bool:
+        """Whether this object still holds the lease."""
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Remove the file and drop the lock. Idempotent; in a forked child it only closes."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if os.getpid() == self._owner_pid:
+                self._registry._unlink_own(self._name, fd)
+        finally:
+            os.close(fd)
+
+    def fileno(self) -> int:
+        """The held descriptor (e.g. for ``pass_fds``: a child that inherits it holds the lease)."""
+        if self._fd is None:
+            raise ValueError(f"lease {self.record.lease_id} was released")
+        return self._fd
+
+    def detach(self) -> None:
+        """Close this process's descriptor without removing the file or unlocking it.
+
+        For a process that handed the descriptor to a child (``pass_fds``): the child's copy of
+        the open file description keeps the ``flock``, so the lease lives as long as the child.
+        """
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def set_pid(self, pid: int) -> None:
+        """Record ``pid`` as the holder (the kernel a provisioner started), under the lock.
+
+        The booking ends when NVML shows this pid on the device, so it must be the process
+        that creates the CUDA context. Rewritten in place: the inode (and its flock) stays.
+        """
+        if self._fd is None:
+            raise ValueError(f"lease {self.record.lease_id} was released")
+        record = replace(self.record, pid=int(pid))
+        data = self._registry._checked_bytes(record, self._name)
+        with self._registry.locked() as txn:
+            if txn is None:
+                return
+            # Same length or longer (a pid only grows in digits, rarely): write, then cut. A
+            # short write raises (ENOSPC, EFBIG) and leaves the old, still valid, record.
+            _write_all(self._fd, data, offset=0)
+            os.ftruncate(self._fd, len(data))
+        self.record = record
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __repr__(self) -> str:
+        state = "held" if self.held else "released"
+        devices = ",".join(self.record.device_uuids)
+        return f"<{type(self).__name__} {self.record.lease_id} {devices} {state}>"
+
+
+_L = TypeVar("_L", bound=Lease)
+
+
+class Ticket(Lease):
+    """A place in the waiting line (FIFO across processes and users), held like a lease."""
+
+    suffix = TICKET_SUFFIX
+
+
+@dataclass
+class ScanResult:
+    """Everything one scan of the registry saw."""
+
+    live: list[LeaseRecord] = field(default_factory=list)
+    dead: list[LeaseRecord] = field(default_factory=list)
+    ignored: list[tuple[str, str]] = field(default_factory=list)  # (path, why)
+
+
+# --------------------------------------------------------------------------------------------
+# The registry
+
+
+def _held(fd: int) -> bool:
+    """Whether another open file description holds an ``flock`` on the file of ``fd``."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError as err:  # ENOLCK and friends: cannot tell, so count it (conservative)
+        log.debug("cannot test lease liveness: %s", err)
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _flock_wait(fd: int, timeout_s: float) -> bool:
+    """Try ``flock(fd, LOCK_EX | LOCK_NB)`` until it succeeds or ``timeout_s`` passes.
+
+    Polled with a short, growing, jittered sleep (0.2 ms doubling up to 20 ms): no helper
+    thread and no extra descriptor, so a registry lock held by a stuck or hostile process costs
+    a timed-out pick nothing that outlives it (a thread blocked in ``flock`` could never be
+    cancelled: one thread and one fd would leak per attempt). Raises the ``OSError`` of the
+    ``flock`` call (``ENOLCK``, ...).
+    """
+    deadline = time.monotonic() + max(timeout_s, 0.0)
+    delay = 0.0002
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(delay * (0.5 + random.random()), left))  # noqa: S311 (jitter only)
+        delay = min(delay * 2, 0.02)
+
+
+def _shown(name: str) -> str:
+    """A directory entry's name as printable text (undecodable bytes spelled out), for the
+    paths a scan reports: another user picks these names."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+#: Entries a scan rejected, by (directory uid, name, inode), with the (size, mtime, ctime) they had
+#: and why: planted junk costs one ``stat`` per scan instead of open, read, parse and close. Any
+#: change to the file (its ctime cannot be set back by a user) makes it read afresh.
+_REJECTED: dict[tuple[int, str, int], tuple[int, int, int, str]] = {}
+_REJECTED_MAX = 16384
+
+
+def _remember_bad(key: tuple[int, str, int] | None, st: os.stat_result, why: str) -> str:
+    if key is not None and key[2] == st.st_ino:
+        if len(_REJECTED) >= _REJECTED_MAX:
+            _REJECTED.clear()
+        _REJECTED[key] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, why)
+    return why
+
+
+def _known_bad(ufd: int, name: str, key: tuple[int, str, int]) -> str | None:
+    """Why the entry was rejected before, if it is still exactly that file; else ``None``."""
+    hit = _REJECTED.get(key)
+    if hit is None:
+        return None
+    try:
+        st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
+    except OSError:
+        return None
+    if st.st_ino == key[2] and (st.st_size, st.st_mtime_ns, st.st_ctime_ns) == hit[:3]:
+        return hit[3]
+    return None
+
+
+def _flock_holder_pids(st: os.stat_result, locks_path: str = "/proc/locks") -> list[int] | None:
+    """PIDs holding an ``flock`` on the file of ``st``, per ``/proc/locks``; ``None``: unknown.
+
+    A line reads ``1: FLOCK  ADVISORY  WRITE 4242 fe:00:2149016 0 EOF`` (device as hex
+    major:minor, then the inode); waiters are marked ``->`` and do not hold anything.
+    """
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open(locks_path, encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    pids = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == key:
+            try:
+                pids.append(int(parts[4]))
+            except ValueError:
+                return None
+    return pids
+
+
+def _pid_uids(pid: int) -> set[int] | None:
+    """Real, effective, saved and filesystem uids of ``pid`` (``None``: gone or hidden)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return {int(x) for x in line.split()[1:]}
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _held_only_by_others(st: os.stat_result, owner_uid: int) -> bool:
+    """True when the file's ``flock`` is held, and every holder runs as a uid other than
+    ``owner_uid`` (a lease kept looking alive by someone else). Unknown holders: False."""
+    pids = _flock_holder_pids(st)
+    if not pids:
+        return False
+    for pid in pids:
+        uids = None if pid <= 0 else _pid_uids(pid)
+        if uids is None or owner_uid in uids:
+            return False
+    return True
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _describe_owner(uid: int) -> str:
+    return f"{_user_name(uid)} (uid {uid})"
+
+
+def from_settings(settings: Any) -> Registry | None:
+    """The registry an ``AutoGPU`` configuration names, or ``None`` when leases are off."""
+    if not settings.use_leases or not settings.registry_dir:
+        return None
+    return Registry(
+        settings.registry_dir,
+        max_devices_per_user=settings.max_devices_per_user,
+        record_commands=settings.record_commands,
+        lock_timeout_s=settings.registry_lock_timeout_s,
+    )
+
+
+def _in_line(tickets: list[LeaseRecord]) -> list[LeaseRecord]:
+    """Tickets in serving order: arrival number, then creation time, then id."""
+    return sorted(tickets, key=lambda r: (r.seq or 0, r.created_s, r.lease_id))
+
+
+class Transaction:
+    """What a pick may do while it holds the registry lock (see :meth:`Registry.locked`)."""
+
+    def __init__(self, registry: Registry, top_fd: int, user_fd: int | None = None) -> None:
+        self.registry = registry
+        self._top_fd = top_fd
+        self._user_fd = user_fd  # our own user directory, opened and checked by locked()
+        self._scan: ScanResult | None = None
+
+    def scan(self) -> ScanResult:
+        """Every user's leases and tickets (read once per transaction; our dead ones removed)."""
+        if self._scan is None:
+            self._scan = self.registry._scan_fd(self._top_fd, prune_own=True)
+        return self._scan
+
+    def live_leases(self) -> list[LeaseRecord]:
+        """Live leases of every user (less those the registry view hides)."""
+        return self.registry._visible(r for r in self.scan().live if r.kind == "lease")
+
+    def live_tickets(self) -> list[LeaseRecord]:
+        """Live tickets of every user, oldest (lowest ``seq``) first."""
+        return _in_line([r for r in self.scan().live if r.kind == "ticket"])
+
+    def create(
+        self,
+        *,
+        devices: Sequence[DeviceSnapshot | str],
+        requested_bytes: int | Sequence[int | None] | None = None,
+        exclusive: bool = False,
+        holder: Holder | None = None,
+    ) -> Lease:
+        """Write and hold a lease on ``devices``.
+
+        Parameters
+        ----------
+        devices
+            The chosen devices (snapshots or UUIDs).
+        requested_bytes
+            Memory booked on each device: one value for all, or one per device; ``None``: nothing.
+        exclusive
+            Keep every other lease off these devices.
+        holder
+            Who the lease is for (:class:`~autogpu_jupyter.core.picker.Holder`).
+
+        Raises
+        ------
+        LeaseLimitError
+            Past the admin's ``max_devices_per_user``.
+        NoDeviceFitsError
+            A device is held exclusively, or ``exclusive`` was asked and another lease holds it.
+        RegistryError
+            The file cannot be written.
+        """
+        uuids = [d if isinstance(d, str) else d.uuid for d in devices]
+        if not uuids:
+            raise ValueError("a lease needs at least one device")
+        if requested_bytes is None or isinstance(requested_bytes, int):
+            booked: list[int | None] = [requested_bytes] * len(uuids)
+        else:
+            booked = list(requested_bytes)
+            if len(booked) != len(uuids):
+                raise ValueError("requested_bytes: one value per device expected")
+        live = self.live_leases()
+        for u in uuids:
+            holders = [r for r in live if u in r.device_uuids]
+            if any(r.exclusive for r in holders):
+                who = ", ".join(r.holder_text() for r in holders if r.exclusive)
+                raise NoDeviceFitsError(f"no device free: {u} is held exclusively by {who}")
+            if exclusive and holders:
+                raise NoDeviceFitsError(
+                    f"no device free: exclusive wanted but {u} is held by "
+                    + ", ".join(r.holder_text() for r in holders)
+                )
+        limit = self.registry.max_devices_per_user
+        if limit > 0:
+            mine = {u for r in live if r.uid == self.registry.uid for u in r.device_uuids}
+            total = mine | set(uuids)
+            if len(total) > limit:
+                raise LeaseLimitError(
+                    f"{self.registry.user} already holds leases on {len(mine)} device(s) "
+                    f"({', '.join(sorted(mine)) or 'none'}); taking {len(set(uuids) - mine)} more "
+                    f"would exceed max_devices_per_user = {limit} set by the admin. Release one "
+                    "first (%gpu release, or end the kernel / autogpu run holding it)."
+                )
+        lease = self.registry._write_held(
+            Lease,
+            kind="lease",
+            uuids=uuids,
+            booked=booked,
+            exclusive=exclusive,
+            holder=holder,
+            top_fd=self._top_fd,
+            user_fd=self._user_fd,
+        )
+        if self._scan is not None:
+            self._scan.live.append(lease.record)
+        return lease
+
+    def create_ticket(
+        self,
+        *,
+        constraints: Mapping[str, Any],
+        exclusive: bool = False,
+        holder: Holder | None = None,
+    ) -> Ticket:
+        """Join the waiting line: a ticket whose ``seq`` is after every live ticket's.
+
+        ``constraints`` is the waiter's request in the record's schema (see
+        :func:`autogpu_jupyter.core.decision.ticket_constraints`): storage keeps it, the decision
+        pipeline reads it back to serve waiters in order.
+        """
+        tickets = self.live_tickets()
+        # Clamped: another user's ticket at MAX_SEQ must not push ours past what readers accept
+        # (ties are served by creation time).
+        seq = min(max((r.seq or 0 for r in tickets), default=0) + 1, MAX_SEQ)
+        ticket = self.registry._write_held(
+            Ticket,
+            kind="ticket",
+            uuids=[],
+            booked=[],
+            exclusive=exclusive,
+            holder=holder,
+            top_fd=self._top_fd,
+            user_fd=self._user_fd,
+            seq=seq,
+            constraints=constraints,
+        )
+        if self._scan is not None:
+            self._scan.live.append(ticket.record)
+        return ticket
+
+
+class Registry:
+    """The lease registry in directory ``path`` (shared by every user of the host).
+
+    Parameters
+    ----------
+    path
+        The registry directory; created (mode 1777) when missing, if its parent exists.
+    max_devices_per_user
+        Admin limit on the distinct devices one user may hold leases on (0: none).
+    lock_timeout_s
+        How long a pick waits for the registry lock before going on without a lease (another
+        process holding it that long is stuck or hostile).
+    record_commands
+        Store the holder's command line in its lease. Lease files are readable by every user of
+        the host, so this is off unless the admin opts in (``c.AutoGPU.record_commands``).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_devices_per_user: int = 0,
+        lock_timeout_s: float = 10.0,
+        record_commands: bool = False,
+    ) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.max_devices_per_user = max(int(max_devices_per_user), 0)
+        self.lock_timeout_s = lock_timeout_s
+        self.record_commands = bool(record_commands)
+        self.uid = os.geteuid()
+        self.user = _user_name(self.uid)
+        self.host = socket.gethostname()
+        #: Why the last :meth:`locked` yielded ``None`` (``None`` when the registry worked).
+        self.unusable_reason: str | None = None
+        # Own leases this view leaves out (see :meth:`hiding`).
+        self._hidden_ids: frozenset[str] = frozenset()
+        self._hidden_kernel: str | None = None
+
+    def hiding(self, *, lease_ids: Iterable[str] = (), kernel_id: str | None = None) -> Registry:
+        """This registry as seen without some of the caller's OWN leases.
+
+        A re-pick replaces the process's lease, so that lease must not book memory, count
+        towards ``max_devices_per_user`` or hold "exclusive" against the new pick; a notebook
+        asking "which GPU is best for me?" must not count its own kernel's lease. Other users'
+        leases are never hidden. The view applies to :meth:`list_leases`, :meth:`bookings` and
+        a transaction's ``live_leases()`` (so to :meth:`Transaction.create`'s checks too).
+        """
+        view = copy.copy(self)
+        view._hidden_ids = frozenset(lease_ids)
+        view._hidden_kernel = kernel_id
+        return view
+
+    def _visible(self, records: Iterable[LeaseRecord]) -> list[LeaseRecord]:
+        if not self._hidden_ids and self._hidden_kernel is None:
+            return list(records)
+        return [
+            r
+            for r in records
+            if not (
+                r.uid == self.uid
+                and (
+                    r.lease_id in self._hidden_ids
+                    or (self._hidden_kernel is not None and r.kernel_id == self._hidden_kernel)
+                )
+            )
+        ]
+
+    def __repr__(self) -> str:
+        return f"Registry({self.path!r})"
+
+    # -- opening, with the safety checks ------------------------------------------------------
+
+    def _open_top(self, create: bool = True) -> int:
+        """Open the top directory (creating it 1777 when missing) and check it is safe."""
+        try:
+            fd = os.open(self.path, _O_DIR)
+        except FileNotFoundError:
+            if not create:
+                raise RegistryError(f"lease registry {self.path} does not exist") from None
+            try:
+                os.mkdir(self.path, 0o700)  # tightened before anyone else can use it
+                fd = os.open(self.path, _O_DIR)
+                st = os.fstat(fd)
+                if st.st_uid == self.uid and stat.S_IMODE(st.st_mode) == 0o700:
+                    os.fchmod(fd, 0o1777)
+                    log.info("created lease registry %s (mode 1777)", self.path)
+            except FileExistsError:
+                fd = self._open_existing_top()
+            except OSError as err:
+                raise RegistryError(
+                    f"cannot create lease registry {self.path}: {err.strerror}; ask the admin to "
+                    f"create it (install -d -m 1777 -o root {self.path}) or set "
+                    "AUTOGPU_REGISTRY_DIR / c.AutoGPU.registry_dir"
+                ) from None
+        except OSError as err:
+            raise self._open_error(err) from None
+        try:
+            self._check_top(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_existing_top(self) -> int:
+        try:
+            return os.open(self.path, _O_DIR)
+        except OSError as err:
+            raise self._open_error(err) from None
+
+    def _open_error(self, err: OSError) -> RegistryError:
+        final_is_odd = os.path.islink(self.path) or (
+            os.path.lexists(self.path) and not os.path.isdir(self.path)
+        )
+        if err.errno in (errno.ELOOP, errno.ENOTDIR) and final_is_odd:
+            what = "a symlink" if os.path.islink(self.path) else "not a directory"
+            return RegistryError(
+                f"lease registry {self.path} is {what}: refused (another user could redirect "
+                "leases elsewhere); the admin should make it a real directory, mode 1777"
+            )
+        return RegistryError(
+            f"cannot use lease registry {self.path}: {err.strerror}; ask the admin to create it "
+            f"(install -d -m 1777 -o root {self.path}) or set AUTOGPU_REGISTRY_DIR / "
+            "c.AutoGPU.registry_dir"
+        )
+
+    def _check_top(self, fd: int) -> None:
+        st = os.fstat(fd)
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid not in (0, self.uid):
+            raise RegistryError(
+                f"lease registry {self.path} is owned by {_describe_owner(st.st_uid)}, not by root "
+                f"or you: its owner could hide or replace other users' leases, so it is refused. "
+                f"Ask the admin to create it as root (install -d -m 1777 -o root {self.path}), "
+                "or set AUTOGPU_REGISTRY_DIR to another directory"
+            )
+        if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+            raise RegistryError(
+                f"lease registry {self.path} is writable by others without the sticky bit "
+                f"(mode {mode:04o}): any user could delete or replace other users' leases, so it "
+                f"is refused. Fix: chmod 1777 {self.path}"
+            )
+
+    def _open_user_dir(self, top_fd: int, create: bool) -> int | None:
+        """Our directory ``<top>/<uid>`` (ours, 0755); ``None`` if missing and not ``create``."""
+        name = str(self.uid)
+        where = os.path.join(self.path, name)
+        try:
+            fd = os.open(name, _O_DIR, dir_fd=top_fd)
+        except FileNotFoundError:
+            if not create:
+                return None
+            try:
+                os.mkdir(name, 0o755, dir_fd=top_fd)
+            except FileExistsError:
+                pass
+            except OSError as err:
+                raise RegistryError(
+                    f"cannot create {where} in the lease registry: {err.strerror}"
+                ) from None
+            try:
+                fd = os.open(name, _O_DIR, dir_fd=top_fd)
+            except OSError as err:
+                raise self._user_dir_error(where, err) from None
+        except OSError as err:
+            raise self._user_dir_error(where, err) from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != self.uid:
+                raise RegistryError(
+                    f"{where} is owned by {_describe_owner(st.st_uid)}, not by you: someone "
+                    "created your lease directory before you did, so it is refused. Ask the admin "
+                    f"to remove it (rm -r {where})"
+                )
+            if stat.S_IMODE(st.st_mode) != 0o755:
+                os.fchmod(fd, 0o755)  # umask, or a chmod of ours: others must read, not write
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _user_dir_error(self, where: str, err: OSError) -> RegistryError:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):
+            return RegistryError(
+                f"{where} is a symlink or not a directory (planted by another user?): refused; "
+                "nothing was written. Ask the admin to remove it"
+            )
+        return RegistryError(f"cannot open {where}: {err.strerror}")
+
+    # -- the lock -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[Transaction | None]:
+        """Hold the registry-wide lock for one pick; yields ``None`` when the registry is unusable.
+
+        When it yields ``None``, :attr:`unusable_reason` says why (the pick goes on without a
+        lease and reports it). Errors raised inside the block propagate unchanged (a
+        :class:`RegistryError` from :meth:`Transaction.create` means "no lease" to the picker).
+        """
+        try:
+            top_fd = self._open_top(create=True)
+        except RegistryError as err:
+            self.unusable_reason = str(err)
+            log.info("lease registry unusable: %s", err)
+            yield None
+            return
+        try:
+            try:
+                self._acquire(top_fd)
+            except RegistryError as err:
+                self.unusable_reason = str(err)
+                log.info("lease registry unusable: %s", err)
+                yield None
+                return
+            try:
+                # Our own directory must be usable before a pick relies on a lease there; it
+                # stays open for the transaction (the lease is written there).
+                ufd = self._open_user_dir(top_fd, create=True)
+            except RegistryError as err:
+                self.unusable_reason = str(err)
+                log.info("lease registry unusable: %s", err)
+                yield None
+                return
+            try:
+                self.unusable_reason = None
+                yield Transaction(self, top_fd, ufd)
+            finally:
+                if ufd is not None:
+                    os.close(ufd)
+        finally:
+            os.close(top_fd)  # also drops the flock
+
+    def _acquire(self, top_fd: int) -> None:
+        """Take the registry-wide ``flock``, waiting at most :attr:`lock_timeout_s`.
+
+        The uncontended case is one non-blocking ``flock``. Otherwise a helper thread blocks in
+        ``flock(LOCK_EX)`` (the kernel wakes it the moment the holder unlocks: no polling
+        interval adds to the wait) while this thread waits for it with the timeout.
+        """
+        try:
+            fcntl.flock(top_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        except OSError as err:
+            raise self._lock_error(err) from None
+        try:
+            acquired = _flock_wait(top_fd, self.lock_timeout_s)
+        except OSError as err:
+            raise self._lock_error(err) from None
+        if not acquired:
+            raise RegistryError(
+                f"lease registry {self.path} stayed locked by another process for more than "
+                f"{self.lock_timeout_s:g} s (the admin can find the holder with "
+                f"`lslocks | grep {self.path}` and stop it)"
+            )
+
+    def _lock_error(self, err: OSError) -> RegistryError:
+        return RegistryError(
+            f"cannot lock lease registry {self.path}: {err.strerror} (a filesystem "
+            "without flock, e.g. some NFS mounts? Use a local AUTOGPU_REGISTRY_DIR)"
+        )
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def _write_held(
+        self,
+        cls: type[_L],
+        *,
+        kind: str,
+        uuids: Sequence[str],
+        booked: Sequence[int | None],
+        exclusive: bool,
+        holder: Holder | None,
+        top_fd: int,
+        user_fd: int | None = None,
+        seq: int | None = None,
+        constraints: Mapping[str, Any] | None = None,
+    ) -> _L:
+        ufd = user_fd if user_fd is not None else self._open_user_dir(top_fd, create=True)
+        assert ufd is not None
+        try:
+            lease_id = secrets.token_hex(16)
+            name = lease_id + cls.suffix
+            tmp = f".{lease_id}.tmp"
+            pid = os.getpid() if holder is None else holder.pid
+            record = LeaseRecord(
+                lease_id=lease_id,
+                kind=kind,
+                device_uuids=tuple(uuids),
+                device_requested_bytes=tuple(booked),
+                exclusive=exclusive,
+                user=self.user,
+                uid=self.uid,
+                host=field_text(self.host) or "?",
+                pid=pid,
+                created_s=time.time(),
+                kernel_id=field_text(None if holder is None else holder.kernel_id),
+                notebook_path=field_text(None if holder is None else holder.notebook_path),
+                command=(
+                    field_text(holder.command)
+                    if holder is not None and self.record_commands
+                    else None
+                ),
+                holder_kind=field_text("process" if holder is None else holder.kind, 32)
+                or "process",
+                seq=seq,
+                constraints=constraints,
+                live=True,
+                path=os.path.join(self.path, str(self.uid), name),
+            )
+            data = self._checked_bytes(record, name)
+            try:
+                fd = os.open(
+                    tmp,
+                    os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC,
+                    0o644,
+                    dir_fd=ufd,
+                )
+            except OSError as err:
+                raise RegistryError(
+                    f"cannot write a lease in {os.path.join(self.path, str(self.uid))}: "
+                    f"{err.strerror}"
+                ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                st = os.fstat(fd)
+                if st.st_uid != self.uid or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    raise RegistryError(f"lease file {record.path} is not ours after creation")
+                os.fchmod(fd, 0o644)
+                _write_all(fd, data)
+                # Rename keeps the inode and its flock: readers see whole records only.
+                os.rename(tmp, name, src_dir_fd=ufd, dst_dir_fd=ufd)
+            except OSError as err:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=ufd)
+                os.close(fd)
+                raise RegistryError(f"cannot write lease {record.path}: {err.strerror}") from None
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=ufd)
+                os.close(fd)
+                raise
+            return cls(record, fd, self, name)
+        finally:
+            if user_fd is None:
+                os.close(ufd)
+
+    def _checked_bytes(self, record: LeaseRecord, name: str) -> bytes:
+        """The exact bytes of ``record``, after the readers' own parse accepted them.
+
+        Raises :class:`RegistryError` when a reader would reject the record: the lease is then
+        refused here, never reported held while every reader ignores it.
+        """
+        data = encode(record)
+        if len(data) > MAX_RECORD_BYTES:
+            raise RegistryError("lease record too large (a very long command or path?)")
+        try:
+            parse_checked(
+                data,
+                kind=record.kind,
+                name=name,
+                path=record.path,
+                dir_uid=self.uid,
+                real_user=self.user,
+                live=True,
+            )
+        except Invalid as err:
+            raise RegistryError(f"lease record refused: readers would reject it ({err})") from None
+        return data
+
+    def _unlink_own(self, name: str, fd: int) -> None:
+        """Remove our file ``name`` if it is still the inode ``fd`` holds."""
+        try:
+            top = os.open(self.path, _O_DIR)
+        except OSError as err:
+            log.debug("cannot reopen registry to remove %s: %s", name, err)
+            return
+        try:
+            ufd = self._open_user_dir(top, create=False)
+            if ufd is None:
+                return
+            try:
+                st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
+                mine = os.fstat(fd)
+                if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                    os.unlink(name, dir_fd=ufd)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(ufd)
+        except (OSError, RegistryError) as err:
+            log.debug("cannot remove lease %s: %s", name, err)
+        finally:
+            os.close(top)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _scan_fd(
+        self, top_fd: int, *, prune_own: bool = False, prune_all: bool = False
+    ) -> ScanResult:
+        result = ScanResult()
+        user_names: dict[int, str] = {}  # uid -> name, looked up once per scan
+        try:
+            names = os.listdir(top_fd)
+        except OSError as err:
+            raise RegistryError(f"cannot list lease registry {self.path}: {err.strerror}") from None
+        for uname in sorted(names):
+            upath = f"{self.path}/{uname if uname.isascii() else _shown(uname)}"
+            # isdecimal() alone is true for '¹' or '٣' (int() then fails or differs): ASCII only.
+            if not (uname.isascii() and uname.isdecimal()) or len(uname) > 10:
+                result.ignored.append((upath, "not a user directory (name is not a uid)"))
+                continue
+            dir_uid = int(uname)
+            try:
+                ufd = os.open(uname, _O_DIR | os.O_NONBLOCK, dir_fd=top_fd)
+            except OSError as err:
+                why = (
+                    "a symlink or not a directory"
+                    if err.errno in (errno.ELOOP, errno.ENOTDIR)
+                    else err.strerror
+                )
+                result.ignored.append((upath, f"unreadable user directory: {why}"))
+                continue
+            try:
+                st = os.fstat(ufd)
+                if st.st_uid != dir_uid:
+                    result.ignored.append(
+                        (upath, f"forged: owned by uid {st.st_uid}, named for uid {dir_uid}")
+                    )
+                    continue
+                if stat.S_IMODE(st.st_mode) & (stat.S_IWGRP | stat.S_IWOTH):
+                    result.ignored.append((upath, "writable by others: its leases are untrusted"))
+                    continue
+                prune = (prune_own and dir_uid == self.uid) or prune_all
+                self._scan_user(ufd, upath, dir_uid, result, prune=prune, user_names=user_names)
+            finally:
+                os.close(ufd)
+        return result
+
+    def _scan_user(
+        self,
+        ufd: int,
+        upath: str,
+        dir_uid: int,
+        result: ScanResult,
+        *,
+        prune: bool,
+        user_names: dict[int, str] | None = None,
+    ) -> None:
+        try:
+            with os.scandir(ufd) as it:
+                entries = {e.name: e.inode() for e in it}
+        except OSError as err:
+            result.ignored.append((upath, f"cannot list: {err.strerror}"))
+            return
+        names = list(entries)
+        if len(names) > MAX_FILES_PER_USER:
+            result.ignored.append((upath, f"more than {MAX_FILES_PER_USER} entries; rest skipped"))
+            names = sorted(names)[:MAX_FILES_PER_USER]
+        prefix = upath + "/"
+        for name in names:
+            path = prefix + (name if name.isascii() else _shown(name))
+            if name.endswith(LEASE_SUFFIX):
+                kind = "lease"
+            elif name.endswith(TICKET_SUFFIX):
+                kind = "ticket"
+            elif name.startswith(".") and name.endswith(".tmp"):
+                if prune:
+                    self._prune_tmp(ufd, name)
+                continue
+            else:
+                result.ignored.append((path, "not a lease or ticket file"))
+                continue
+            key = (dir_uid, name, entries[name])
+            why = _known_bad(ufd, name, key)
+            if why is None:
+                rec, why = self._read_one(ufd, name, path, dir_uid, kind, user_names, key)
+            else:
+                rec = None
+            if rec is None:
+                result.ignored.append((path, why))
+                continue
+            if rec.live:
+                result.live.append(rec)
+            else:
+                result.dead.append(rec)
+                if prune:
+                    self._remove_dead(ufd, name)
+
+    def _read_one(
+        self,
+        ufd: int,
+        name: str,
+        path: str,
+        dir_uid: int,
+        kind: str,
+        user_names: dict[int, str] | None = None,
+        key: tuple[int, str, int] | None = None,
+    ) -> tuple[LeaseRecord | None, str]:
+        try:
+            fd = os.open(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ufd
+            )
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                return None, "a symlink"
+            return None, f"unreadable: {err.strerror}"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None, "not a regular file"
+            if st.st_uid != dir_uid:
+                why = f"forged: owned by uid {st.st_uid} in the directory of uid {dir_uid}"
+                return None, _remember_bad(key, st, why)
+            if st.st_size > MAX_RECORD_BYTES:
+                return None, _remember_bad(key, st, f"larger than {MAX_RECORD_BYTES} bytes")
+            data = os.read(fd, MAX_RECORD_BYTES + 1)
+            if len(data) > MAX_RECORD_BYTES:
+                return None, f"larger than {MAX_RECORD_BYTES} bytes"
+            live = _held(fd)
+            real_user = user_names.get(dir_uid) if user_names is not None else None
+            if real_user is None:
+                real_user = _user_name(dir_uid)
+                if user_names is not None:
+                    user_names[dir_uid] = real_user
+            try:
+                rec = parse_checked(
+                    data,
+                    kind=kind,
+                    name=name,
+                    path=path,
+                    dir_uid=dir_uid,
+                    real_user=real_user,
+                    live=live,
+                )
+            except Invalid as err:
+                why = str(err)
+                why = why if why.startswith("forged: ") else f"malformed: {why}"
+                return None, _remember_bad(key, st, why) if len(data) == st.st_size else why
+            return rec, ""
+        except OSError as err:
+            return None, f"unreadable: {err.strerror}"
+        finally:
+            os.close(fd)
+
+    def _remove_dead(self, ufd: int, name: str) -> None:
+        """Unlink a file whose holder is gone, re-checking under its own lock (race-free)."""
+        try:
+            fd = os.open(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ufd
+            )
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
+            mine = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(name, dir_fd=ufd)
+        except OSError as err:
+            log.debug("not removing %s: %s", name, err)
+        finally:
+            os.close(fd)
+
+    def _prune_tmp(self, ufd: int, name: str) -> None:
+        try:
+            st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
+        except OSError:
+            return
+        if time.time() - st.st_mtime > 60:  # a writer crashed between create and rename
+            self._remove_dead(ufd, name)
+
+    def scan(self) -> ScanResult:
+        """Read the registry without the lock: live, dead and ignored entries (for diagnostics).
+
+        Raises
+        ------
+        RegistryError
+            The registry is missing or unsafe.
+        """
+        top = self._open_top(create=False)
+        try:
+            return self._scan_fd(top)
+        finally:
+            os.close(top)
+
+    def check(self) -> None:
+        """Raise :class:`RegistryError` if the registry cannot be used (creating it if missing)."""
+        top = self._open_top(create=True)
+        try:
+            fcntl.flock(top, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass
+        except OSError as err:
+            raise RegistryError(f"cannot lock lease registry {self.path}: {err.strerror}") from None
+        finally:
+            os.close(top)
+
+    def list_leases(self, *, include_tickets: bool = False) -> list[LeaseRecord]:
+        """Live leases of every user, oldest first (no lock taken; for status surfaces).
+
+        A missing registry lists nothing. Raises :class:`RegistryError` when it is unsafe.
+        """
+        try:
+            top = self._open_top(create=False)
+        except RegistryError:
+            if not os.path.lexists(self.path):
+                return []
+            raise
+        try:
+            live = self._scan_fd(top).live
+        finally:
+            os.close(top)
+        if not include_tickets:
+            live = [r for r in live if r.kind == "lease"]
+        return sorted(self._visible(live), key=lambda r: (r.created_s, r.lease_id))
+
+    def live_records(
+        self, txn: Transaction | None = None
+    ) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
+        """Live leases (less those this view hides) and live tickets (oldest first), for ranking.
+
+        With ``txn`` they are the transaction's (read under the lock); without, one unlocked
+        scan. An unusable registry gives nothing (the pick already says it has no lease).
+        """
+        if txn is not None:
+            return txn.live_leases(), txn.live_tickets()
+        try:
+            top = self._open_top(create=False)
+        except RegistryError as err:
+            log.debug("ranking without the registry: %s", err)
+            return [], []
+        try:
+            live = self._scan_fd(top).live
+        except RegistryError as err:
+            log.debug("ranking without the registry: %s", err)
+            return [], []
+        finally:
+            os.close(top)
+        leases = self._visible(r for r in live if r.kind == "lease")
+        return leases, _in_line([r for r in live if r.kind == "ticket"])
+
+    def prune(self, all_users: bool = False) -> list[LeaseRecord]:
+        """Remove dead lease and ticket files: the caller's own, or every user's (root only).
+
+        Dead means its holder is gone. A file whose ``flock`` is held only by processes of
+        *other* users (one who opened a 0644 lease of ours and locked it, to keep a dead lease
+        looking alive) counts as dead too: per ``/proc/locks`` and ``/proc/<pid>/status``,
+        nobody of the lease's own uid holds it. Where that cannot be told (a holder pid hidden
+        by ``hidepid``, or gone), the lease is kept.
+
+        Returns
+        -------
+        list of LeaseRecord
+            The records removed (their ``path``, devices and holders say what was freed).
+
+        Raises
+        ------
+        RegistryError
+            Unsafe or missing registry, or ``all_users`` without root.
+        """
+        if all_users and self.uid != 0:
+            raise RegistryError("pruning every user's dead leases needs root (--all)")
+        top = self._open_top(create=False)
+        try:
+            self._acquire(top)
+            before = self._scan_fd(top)
+            self._scan_fd(top, prune_own=True, prune_all=all_users)
+            mine = [r for r in before.live if all_users or r.uid == self.uid]
+            kept_alive = [r for r in mine if self._remove_if_held_by_others(top, r)]
+            after = self._scan_fd(top)
+        finally:
+            os.close(top)
+        still = {r.path for r in after.live} | {r.path for r in after.dead}
+        dead = [r for r in before.dead if all_users or r.uid == self.uid]
+        return [r for r in (*dead, *kept_alive) if r.path not in still]
+
+    def _remove_if_held_by_others(self, top_fd: int, rec: LeaseRecord) -> bool:
+        """Unlink ``rec``'s file if only other users' processes hold its ``flock``."""
+        name = rec.lease_id + (TICKET_SUFFIX if rec.kind == "ticket" else LEASE_SUFFIX)
+        try:
+            ufd = os.open(str(rec.uid), _O_DIR, dir_fd=top_fd)
+        except OSError:
+            return False
+        try:
+            fd = os.open(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ufd
+            )
+            try:
+                st = os.fstat(fd)
+                if st.st_uid != rec.uid or not _held_only_by_others(st, rec.uid):
+                    return False
+                now = os.stat(name, dir_fd=ufd, follow_symlinks=False)
+                if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                    return False
+                os.unlink(name, dir_fd=ufd)
+                log.info("removed %s: its lock is held only by other users' processes", rec.path)
+                return True
+            finally:
+                os.close(fd)
+        except OSError as err:
+            log.debug("not removing %s: %s", rec.path, err)
+            return False
+        finally:
+            os.close(ufd)
+
+    # -- waiting in line ----------------------------------------------------------------------
+
+    def take_ticket(
+        self,
+        *,
+        constraints: Mapping[str, Any],
+        exclusive: bool = False,
+        holder: Holder | None = None,
+    ) -> Ticket | None:
+        """Join the waiting line (under the lock). ``None`` when the registry is unusable."""
+        with self.locked() as txn:
+            if txn is None:
+                return None
+            ticket: Ticket = txn.create_ticket(
+                constraints=constraints, exclusive=exclusive, holder=holder
+            )
+            return ticket
