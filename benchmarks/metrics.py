@@ -54,8 +54,8 @@ def main() -> None:
     from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
     from autogpu_jupyter.core.backends import get_backend
-    from autogpu_jupyter.core.leases import Registry
     from autogpu_jupyter.core.picker import Holder
+    from autogpu_jupyter.core.registry import Registry
     from autogpu_jupyter.core.sampler import Sampler
     from autogpu_jupyter.metrics import AutoGPUCollector, MetricsSource
 
