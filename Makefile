@@ -38,6 +38,8 @@ bench: setup
 	$(PY) benchmarks/placement.py
 	$(PY) benchmarks/sampler.py
 	$(PY) benchmarks/server.py
+	$(PY) benchmarks/metrics.py
+	$(PY) benchmarks/cluster.py
 
 clean:
 	rm -rf $(VENV) .venv-ipk6 build dist tests/fakenvml/build tests/fakecuda/build labextension/node_modules labextension/lib autogpu_jupyter/labextension

@@ -114,6 +114,19 @@ class AutoGPU(Configurable):
     overload_memory_pct = Float(
         95.0, help="The panel warns when this kernel's GPU memory is fuller than this percentage."
     ).tag(config=True)
+    prometheus_url = Unicode(
+        help="Base URL of the Prometheus server that scrapes this cluster's autogpu and DCGM "
+        "exporter series (e.g. http://prometheus.example.org:9090). Set, it gives the sidebar's "
+        "Cluster section and `autogpu hosts` their data. Empty (default, or "
+        "$AUTOGPU_PROMETHEUS_URL): no cluster view.",
+    ).tag(config=True)
+    prometheus_timeout_s = Float(
+        5.0, help="Seconds one request to Prometheus may take before the cluster view says so."
+    ).tag(config=True)
+
+    @default("prometheus_url")
+    def _default_prometheus_url(self) -> str:
+        return _env("PROMETHEUS_URL")
 
     @default("min_free")
     def _default_min_free(self) -> str:

@@ -483,3 +483,81 @@ def select_answer(
         "allocation": result.allocation.describe(),
         "message": None,
     }
+
+
+def cluster_payload(state: AutoGPUServer, constraints: Constraints) -> dict[str, Any]:
+    """``GET cluster``: every host Prometheus holds (``core.cluster.fetch_cluster``), ranked for
+    ``constraints`` by the local pick's policy (``rank_hosts``).
+
+    ``configured`` is false when ``c.AutoGPU.prometheus_url`` is empty; a Prometheus that cannot
+    be asked gives no hosts and the reason in ``errors`` (the sidebar shows it).
+    """
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.core.cluster import PrometheusClient, fetch_cluster, rank_hosts
+
+    settings = AutoGPU(parent=state.parent)
+    url = settings.prometheus_url
+    base: dict[str, Any] = {
+        "configured": bool(url),
+        "prometheus_url": url or None,
+        "timestamp_s": time.time(),
+        "constraints": constraints.to_json(),
+        "constraints_text": constraints.describe(),
+        "hosts": [],
+        "ranking": [],
+        "best": None,
+        "errors": [],
+    }
+    if not url:
+        return base
+    try:
+        view = fetch_cluster(PrometheusClient(url, settings.prometheus_timeout_s))
+    except AutoGPUError as err:
+        base["errors"] = [str(err)]
+        return base
+    choices = rank_hosts(view, constraints)
+    base.update(view.to_dict())
+    base["ranking"] = [
+        {
+            "hostname": c.host.hostname,
+            "fits": c.fits,
+            "chosen": [
+                {"uuid": x.device.uuid, "label": x.device.label,
+                 "effective_free_bytes": x.effective_free_bytes}
+                for x in c.chosen
+            ],
+        }
+        for c in choices
+    ]
+    base["best"] = choices[0].host.hostname if choices and choices[0].fits else None
+    return base
+
+
+def cluster_history_payload(state: AutoGPUServer, seconds: float) -> dict[str, Any]:
+    """``GET cluster/history?seconds=<s>``: each host's mean GPU utilisation and memory taken
+    over the last ``seconds`` from Prometheus range queries (``core.cluster.fetch_history``)."""
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.core.cluster import PrometheusClient, fetch_history
+
+    settings = AutoGPU(parent=state.parent)
+    url = settings.prometheus_url
+    base: dict[str, Any] = {
+        "configured": bool(url),
+        "prometheus_url": url or None,
+        "seconds": seconds,
+        "step_s": None,
+        "hosts": [],
+        "errors": [],
+    }
+    if not url:
+        return base
+    try:
+        step, histories = fetch_history(PrometheusClient(url, settings.prometheus_timeout_s),
+                                        seconds)
+    except AutoGPUError as err:
+        base["errors"] = [str(err)]
+        return base
+    base["step_s"] = step
+    base["hosts"] = [h.to_dict() for h in histories]
+    return base
+

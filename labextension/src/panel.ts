@@ -44,6 +44,7 @@ import {
   unsupportedNote
 } from './model';
 import { requestAPI } from './request';
+import { ClusterSection } from './cluster';
 
 /** What the panel needs to know about the active notebook. */
 export interface IActiveNotebook {
@@ -145,6 +146,8 @@ export class GPUPanel extends Widget {
       this._moveStatus,
       this._cards
     );
+    this._cluster = new ClusterSection(this._serverSettings);
+    this.node.appendChild(this._cluster.node);
   }
 
   /** Apply settings; a new interval takes effect at the next tick. */
@@ -170,6 +173,7 @@ export class GPUPanel extends Widget {
       active?.kernelId ?? null
     );
     const errors: string[] = [];
+    void this._cluster.refresh(this._settings.recommendMinFree);
     try {
       const [fleetRaw, historyRaw, holdersRaw] = await Promise.all([
         requestAPI<unknown>('devices', this._serverSettings),
@@ -534,6 +538,7 @@ export class GPUPanel extends Widget {
   private _moveStatus: HTMLElement;
   private _move: IMoveStatus | null = null;
   private _cards: HTMLElement;
+  private _cluster: ClusterSection;
   private _fleet: IFleet | null = null;
   private _holders: IHolders | null = null;
   private _selection: ISelection | null = null;
