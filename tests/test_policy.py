@@ -27,7 +27,7 @@ def labels(cands: list) -> list[str]:
     return [c.device.label for c in cands if c.eligible]
 
 
-def test_most_free_memory_first_then_utilisation() -> None:
+def test_least_loaded_first_by_its_busiest_resource_then_most_free_memory() -> None:
     devices = [dev(0, 10, 0), dev(1, 70, 50), dev(2, 70, 10), dev(3, 40, 0)]
     ranked = rank(devices, Constraints())
     assert labels(ranked) == ["GPU 2", "GPU 1", "GPU 3", "GPU 0"]
