@@ -6,10 +6,14 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+from autogpu_jupyter.core.leases import Registry
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.units import parse_size
+from tests.leasehelpers import fleet, uuid_of
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
@@ -48,3 +52,23 @@ def test_a_wait_ranks_on_the_load_of_now_not_of_when_it_started(tmp_path: Path) 
     assert [d.uuid for d in result.chosen] == [A]
     assert result.candidate(A).smoothed_util_pct == 0.0  # type: ignore[union-attr]
     assert len(progress) == 1 and progress[0].startswith("waiting for a device (min free 70.0 GiB)")
+
+
+# ------------------------------------------------- a pick against a real lease registry
+
+
+@pytest.fixture
+def two_gpus(tmp_path: Path) -> SimulatedBackend:
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps(fleet(2)))
+    return SimulatedBackend(str(path))
+
+
+def test_a_dry_run_gives_nothing_to_apply_and_takes_no_lease(
+    two_gpus: SimulatedBackend, registry_dir: Path
+) -> None:
+    registry = Registry(registry_dir)
+    result = pick(Constraints(), backend=two_gpus, environ={}, registry=registry, dry_run=True)
+    assert [d.uuid for d in result.chosen] == [uuid_of(0)]
+    assert (result.env, result.lease, result.dry_run) == ({}, None, True)
+    assert registry.list_leases(include_tickets=True) == []

@@ -78,6 +78,12 @@ def test_max_util() -> None:
     assert ranked[1].reasons == ("utilisation 60% > max 50%",)
 
 
+def test_max_util_is_at_most_so_the_limit_itself_is_kept() -> None:
+    ranked = rank([dev(0, 80, 50.0), dev(1, 80, 51.0)], Constraints(max_util_pct=50))
+    assert labels(ranked) == ["GPU 0"]
+    assert ranked[1].reasons == ("utilisation 51% > max 50%",)
+
+
 def test_lost_prohibited_and_occupied_exclusive_are_never_chosen() -> None:
     lost = DeviceSnapshot(index=0, uuid="GPU-a", name="x", available=False, error="GPU is lost")
     prohibited = DeviceSnapshot(index=1, uuid="GPU-b", name="x", memory_free_bytes=80 * GiB,

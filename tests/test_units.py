@@ -111,3 +111,22 @@ def test_format() -> None:
     assert format_duration(90) == "1m30s"
     assert format_duration(5) == "5s"
     assert format_duration(3660) == "1h1m"
+
+
+@pytest.mark.parametrize("value", [-5, -1])
+def test_parse_size_refuses_a_negative_byte_count(value: int) -> None:
+    with pytest.raises(UsageErrorBase) as info:
+        parse_size(value)
+    assert str(info.value) == (
+        f"invalid size {value}: must not be negative; expected a number with a unit, e.g. 10G, "
+        "10GiB, 512M, 0.5T, 16GB (decimal), or a share of the device like 25%"
+    )
+
+
+@pytest.mark.parametrize(
+    ("share", "total", "expected"),
+    [("25%", 10**9 + 1, 250_000_001), ("50%", 81, 41), ("25%", 80 * GiB, 20 * GiB)],
+)
+def test_a_share_of_an_odd_byte_count_rounds_up(share: str, total: int, expected: int) -> None:
+    # Rounding down would accept a device one byte short of the share asked for.
+    assert parse_size(share).resolve(total) == expected
