@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup lab test test-fast lint gpu-check bench clean
+.PHONY: setup lab test test-fast lint gpu-check bench mutate clean
 
 setup:
 	@scripts/setup.sh
@@ -23,6 +23,16 @@ lint:
 gpu-check: setup
 	@scripts/gpu-check.sh
 
+# Mutation testing of core/ against the fast unit tests (issue 15; [tool.mutmut] in pyproject.toml).
+# Not part of `make test`: run before a release. MUTANTS narrows the run to some mutants by name,
+# e.g. make mutate MUTANTS='autogpu_jupyter.core.units*'; MUTATE_JOBS is the number of workers.
+# Results stay in mutants/ (`.venv/bin/mutmut browse` to read the survivors).
+MUTATE_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+MUTANTS ?=
+mutate: setup
+	$(VENV)/bin/mutmut run --max-children $(MUTATE_JOBS) $(MUTANTS)
+	$(VENV)/bin/mutmut export-cicd-stats && cat mutants/mutmut-cicd-stats.json && echo
+
 bench: setup
 	$(PY) benchmarks/import_time.py
 	$(PY) benchmarks/snapshot.py
@@ -31,6 +41,8 @@ bench: setup
 	$(PY) benchmarks/placement.py
 	$(PY) benchmarks/sampler.py
 	$(PY) benchmarks/server.py
+	$(PY) benchmarks/metrics.py
+	$(PY) benchmarks/cluster.py
 
 clean:
-	rm -rf $(VENV) .venv-ipk6 build dist tests/fakenvml/build tests/fakecuda/build labextension/node_modules labextension/lib autogpu_jupyter/labextension
+	rm -rf $(VENV) .venv-ipk6 mutants build dist tests/fakenvml/build tests/fakecuda/build labextension/node_modules labextension/lib autogpu_jupyter/labextension

@@ -14,7 +14,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.config import AutoGPU
@@ -22,13 +22,13 @@ from autogpu_jupyter.core import session
 from autogpu_jupyter.core.picker import Holder, PickResult
 from autogpu_jupyter.core.picker import pick as _pick
 from autogpu_jupyter.core.policy import Constraints, matches_id
-from autogpu_jupyter.core.units import parse_duration
 from autogpu_jupyter.errors import UsageErrorBase
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+    from autogpu_jupyter.core.options import PickOptions
     from autogpu_jupyter.core.registry import Registry
 
 __all__ = [
@@ -104,6 +104,14 @@ def default_settings() -> AutoGPU:
     return _default_settings if _default_settings is not None else AutoGPU()
 
 
+def pick_options(settings: AutoGPU, values: Mapping[str, Any]) -> PickOptions:
+    """The validated options of a pick: ``values`` as given (``None``: not given) over the
+    ``AutoGPU`` settings (config file, ``%config``, env vars): the one options boundary."""
+    from autogpu_jupyter.core import options
+
+    return options.parse(values, defaults=options.defaults_from(settings))
+
+
 def constraints_for(
     settings: AutoGPU,
     min_free: object = None,
@@ -112,33 +120,10 @@ def constraints_for(
     exclude: object = None,
     exclusive: bool | None = None,
 ) -> Constraints:
-    """The constraints of a pick: explicit options, else the ``AutoGPU`` settings (validated).
-
-    An option given explicitly as ``''`` is refused (it is not "no limit").
-    """
-    from autogpu_jupyter.core.options import reject_empty
-    from autogpu_jupyter.core.units import PERCENT_FORMS, SIZE_FORMS
-
-    reject_empty(min_free, "--min-free", SIZE_FORMS)
-    reject_empty(max_util, "--max-util", PERCENT_FORMS)
-    reject_empty(count, "--count", "a whole number >= 1, e.g. 2")
-    return Constraints.parse(
-        min_free=settings.min_free if min_free is None else min_free,
-        max_util=settings.max_util if max_util is None else max_util,
-        count=settings.count if count is None else count,
-        exclude=exclude,
-        exclusive=settings.exclusive if exclusive is None else exclusive,
-    )
-
-
-def wait_seconds(settings: AutoGPU, wait: object = None) -> float:
-    """Seconds a pick may wait in line: the explicit ``wait``, else ``AutoGPU.wait``."""
-    from autogpu_jupyter.core.options import reject_empty
-    from autogpu_jupyter.core.units import DURATION_FORMS
-
-    reject_empty(wait, "--wait", DURATION_FORMS)
-    wait_text = settings.wait if wait is None else wait
-    return 0.0 if wait_text in ("", None) else parse_duration(wait_text)
+    """The constraints of a pick (see :func:`pick_options`)."""
+    values = {"min_free": min_free, "max_util": max_util, "count": count, "exclude": exclude,
+              "exclusive": exclusive}
+    return pick_options(settings, values).constraints
 
 
 def pick_result(
@@ -153,14 +138,19 @@ def pick_result(
     settings: AutoGPU | None = None,
     on_progress: Callable[[str], None] | None = None,
     source: str = "api",
+    model: object = None,
+    prefer: object = None,
 ) -> tuple[PickResult, str | None]:
     """Pick and (unless ``dry_run``) apply; returns the result and a warning (``--force``) if any.
 
     Options left ``None`` take the ``AutoGPU`` settings (config file, ``%config``, env vars).
     """
     settings = settings or default_settings()
-    constraints = constraints_for(settings, min_free, max_util, count, exclude, exclusive)
-    wait_s = wait_seconds(settings, wait)
+    opts = pick_options(settings, {
+        "min_free": min_free, "max_util": max_util, "count": count, "exclude": exclude,
+        "exclusive": exclusive, "wait": wait, "model": model, "prefer": prefer,
+    })
+    constraints, wait_s = opts.constraints, opts.wait_s
     warning = None
     mine = session.current()
     if mine is not None and mine.source == "provisioner" and mine.uuids and not dry_run:
@@ -257,6 +247,8 @@ def pick(
     wait: object = None,
     dry_run: bool = False,
     force: bool = False,
+    model: object = None,
+    prefer: object = None,
 ) -> list[DeviceSnapshot]:
     """Pick the best device(s) that fit, take a lease, set ``CUDA_VISIBLE_DEVICES``.
 
@@ -276,6 +268,10 @@ def pick(
         Take devices no other lease holds, and keep others off them.
     wait
         Wait in line up to this long (``"10m"``) for a device to fit.
+    model
+        Only these models (name contains it): ``"A100"`` or ``"H100,A100"``.
+    prefer
+        Prefer these models, in order, before load: ``"L4,A100"``.
     dry_run
         Only rank; change nothing.
     force
@@ -294,7 +290,8 @@ def pick(
         or ``UsageErrorBase`` for bad input.
     """
     result, warning = pick_result(
-        min_free, max_util, count, exclude, exclusive, wait, dry_run, force
+        min_free, max_util, count, exclude, exclusive, wait, dry_run, force,
+        model=model, prefer=prefer,
     )
     if warning:
         log.warning("%s", warning)

@@ -40,21 +40,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_pick_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--min-free",
-        metavar="SIZE",
-        help="free memory wanted per device: 10G / 10GiB (binary), 16GB (decimal), 25%%",
-    )
-    p.add_argument("--max-util", metavar="PCT", help="drop devices busier than PCT percent (0-100)")
-    p.add_argument("--count", metavar="N", default=None, help="number of devices (default 1)")
-    p.add_argument("--exclude", metavar="IDS", help="NVML indices or UUIDs to avoid, e.g. 0,2")
-    p.add_argument(
-        "--exclusive",
-        action="store_true",
-        default=None,
-        help="take devices no other lease holds, and keep others off them",
-    )
-    p.add_argument("--wait", metavar="DURATION", help="wait in line up to DURATION (e.g. 10m)")
+    from autogpu_jupyter.core.options import add_arguments
+
+    add_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +102,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_leases.add_argument(
         "--show-commands", action="store_true", help="show other users' command lines (root only)"
+    )
+
+    p_hosts = sub.add_parser(
+        "hosts",
+        help="rank the cluster's hosts for a pick, from Prometheus",
+        description="Rank every host Prometheus scrapes (autogpu exporters, Jupyter servers' "
+        "/metrics, DCGM exporters) with the policy of a local pick: the first host is where "
+        "`autogpu pick` with the same options would find the best device. Use it to choose a "
+        "node: srun --nodelist=$(autogpu hosts --min-free 10G --best) ...",
+    )
+    p_hosts.add_argument(
+        "--prometheus", metavar="URL",
+        help="Prometheus base URL (default: c.AutoGPU.prometheus_url / $AUTOGPU_PROMETHEUS_URL)",
+    )
+    p_hosts.add_argument(
+        "--min-free", metavar="SIZE",
+        help="free memory wanted per device: 10G / 10GiB (binary), 16GB (decimal), 25%%",
+    )
+    p_hosts.add_argument("--max-util", metavar="PCT", help="drop devices busier than PCT percent")
+    p_hosts.add_argument("--count", metavar="N", default=None, help="devices on one host (1)")
+    hfmt = p_hosts.add_mutually_exclusive_group()
+    hfmt.add_argument("--json", action="store_true", help="machine-readable output")
+    hfmt.add_argument("--best", action="store_true", help="print only the best host's name")
+
+    p_exp = sub.add_parser(
+        "exporter",
+        help="serve this host's autogpu_* Prometheus metrics (hosts without Jupyter)",
+        description="Serve the autogpu_* gauges (the same as a Jupyter server's /metrics) at "
+        "http://HOST:PORT/metrics, from one background sampler: a scrape reads its latest sweep "
+        "and never calls NVML.",
+    )
+    p_exp.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p_exp.add_argument("--port", type=int, default=9445, help="port (default 9445)")
+    p_exp.add_argument("--interval", type=float, default=None, metavar="SECONDS",
+                       help="seconds between NVML sweeps (default c.AutoGPU.sample_interval_s)")
+    p_exp.add_argument("--hostname", default="",
+                       help="the hostname label (default: this host's short name)")
+    p_exp.add_argument(
+        "--lease-details", action="store_true",
+        help="add kernel and notebook labels to autogpu_lease_info (off: privacy, series count)",
     )
 
     # An error in `autogpu pick ...` shows pick's usage, not the top-level one (see main()).
@@ -189,19 +218,13 @@ def _leases_or_empty() -> list[Any]:
 
 
 def _pick(args: argparse.Namespace, *, take_lease: bool) -> Any:
-    from autogpu_jupyter.api import (
-        constraints_for,
-        holder_for_this_process,
-        registry_for,
-        wait_seconds,
-    )
+    from autogpu_jupyter.api import holder_for_this_process, pick_options, registry_for
+    from autogpu_jupyter.core.options import from_namespace
     from autogpu_jupyter.core.picker import pick
 
     settings = _settings()
-    constraints = constraints_for(
-        settings, args.min_free, args.max_util, args.count, args.exclude, args.exclusive
-    )
-    wait_s = wait_seconds(settings, args.wait)
+    opts = pick_options(settings, from_namespace(args))
+    constraints, wait_s = opts.constraints, opts.wait_s
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -297,6 +320,8 @@ def _cmd_pick(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from autogpu_jupyter.core import contract
+
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -311,8 +336,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.update(result.env)
     if result.lease is not None:
-        env["AUTOGPU_LEASE_ID"] = result.lease.record.lease_id
-    env["AUTOGPU_PICKED"] = ",".join(d.uuid for d in result.chosen)
+        env[contract.LEASE_ENV] = result.lease.record.lease_id
+    env[contract.PICKED_ENV] = ",".join(d.uuid for d in result.chosen)
     print(_summary(result), file=sys.stderr)
     if result.lease_note:
         print(f"note: {result.lease_note}", file=sys.stderr)
@@ -380,6 +405,106 @@ def _cmd_leases(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_hosts(args: argparse.Namespace) -> int:
+    from autogpu_jupyter.core.cluster import PrometheusClient, fetch_cluster, rank_hosts
+    from autogpu_jupyter.core.policy import Constraints
+    from autogpu_jupyter.core.units import format_bytes
+    from autogpu_jupyter.errors import NoDeviceFitsError, UsageErrorBase
+
+    settings = _settings()
+    url = args.prometheus or settings.prometheus_url
+    if not url:
+        raise UsageErrorBase(
+            "no Prometheus to ask: pass --prometheus http://HOST:9090, or set "
+            "c.AutoGPU.prometheus_url or $AUTOGPU_PROMETHEUS_URL"
+        )
+    constraints = Constraints.parse(
+        min_free=settings.min_free if args.min_free is None else args.min_free,
+        max_util=settings.max_util if args.max_util is None else args.max_util,
+        count=settings.count if args.count is None else args.count,
+    )
+    view = fetch_cluster(PrometheusClient(url, settings.prometheus_timeout_s))
+    choices = rank_hosts(view, constraints)
+    if args.json:
+        print(json.dumps({
+            "prometheus_url": view.prometheus_url,
+            "timestamp_s": view.timestamp_s,
+            "constraints": constraints.to_json(),
+            "best": choices[0].host.hostname if choices and choices[0].fits else None,
+            "hosts": [c.to_dict() for c in choices],
+            "errors": list(view.errors),
+        }, indent=2))
+        return EXIT_OK if choices and choices[0].fits else EXIT_NO_DEVICE
+    if args.best:
+        if not choices or not choices[0].fits:
+            raise NoDeviceFitsError(f"no host has a device for {constraints.describe()}")
+        print(choices[0].host.hostname)
+        return EXIT_OK
+    print(f"{len(view.hosts)} host(s) from {view.prometheus_url}; for {constraints.describe()}:")
+    for i, c in enumerate(choices, 1):
+        head = f"{i:>3}. {_safe(c.host.hostname):<20} {c.host.state:<5}"
+        if c.fits:
+            devs = ", ".join(
+                f"{_safe(x.device.label)} {_safe(x.device.name)} "
+                f"({format_bytes(x.effective_free_bytes)} free, util "
+                f"{'?' if x.smoothed_util_pct is None else f'{x.smoothed_util_pct:.0f}%'})"
+                for x in c.chosen
+            )
+            print(f"{head} {devs}")
+        elif c.host.state != "ok":
+            print(f"{head} {_safe(c.host.note or '')}")
+        else:
+            print(f"{head} nothing fits")
+    for err in view.errors:
+        print(f"note: {err}")
+    return EXIT_OK if choices and choices[0].fits else EXIT_NO_DEVICE
+
+
+def _safe(text: str) -> str:
+    """Hostnames and model names come from other machines: no terminal control characters."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def _cmd_exporter(args: argparse.Namespace) -> int:
+    import threading
+
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from autogpu_jupyter.api import registry_for
+    from autogpu_jupyter.core import sampler as sampler_mod
+    from autogpu_jupyter.errors import UsageErrorBase
+    from autogpu_jupyter.metrics import AutoGPUCollector, MetricsSource
+
+    if not 0 < args.port < 65536:
+        raise UsageErrorBase(f"invalid --port {args.port}: expected 1-65535, e.g. 9445")
+    settings = _settings()
+    interval = settings.sample_interval_s if args.interval is None else args.interval
+    sampler = sampler_mod.get_sampler(interval_s=interval)
+    registry = registry_for(settings)
+    source = MetricsSource(latest=sampler.latest, registry=lambda: registry,
+                           hostname=args.hostname, lease_details=args.lease_details)
+    prom = CollectorRegistry(auto_describe=False)
+    prom.register(AutoGPUCollector(source))
+    try:
+        server, _thread = start_http_server(args.port, addr=args.host, registry=prom)
+    except OSError as err:
+        raise UsageErrorBase(
+            f"cannot listen on {args.host}:{args.port}: {err.strerror or err}"
+        ) from None
+    print(
+        f"autogpu exporter: http://{args.host}:{args.port}/metrics (hostname "
+        f"{source.hostname!r}, sampling every {sampler.interval_s:g} s)",
+        file=sys.stderr, flush=True,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _s, _f: stop.set())
+    stop.wait()
+    server.shutdown()
+    sampler_mod.stop_sampler()
+    return EXIT_OK
+
+
 class _TerminalSafe:
     """A text stream that spells out terminal-steering characters (C1, bidi, lone surrogates)
     before they reach the terminal: lease records and process names are other users' text."""
@@ -426,7 +551,8 @@ def _main(argv: list[str]) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
-    handlers = {"list": _cmd_list, "pick": _cmd_pick, "run": _cmd_run, "leases": _cmd_leases}
+    handlers = {"list": _cmd_list, "pick": _cmd_pick, "run": _cmd_run, "leases": _cmd_leases,
+                "hosts": _cmd_hosts, "exporter": _cmd_exporter}
     handler = handlers.get(args.command) or getattr(args, "handler", None)
     try:
         return int(handler(args))  # type: ignore[misc]

@@ -64,6 +64,15 @@ class AutoGPU(Configurable):
         help="Pick a device (with the defaults above) as soon as the extension loads, so a profile "
         "with c.InteractiveShellApp.extensions = ['autogpu'] makes every kernel pick.",
     ).tag(config=True)
+    model = Unicode(
+        help="Default model filter: only devices whose name contains one of these, comma "
+        "separated (e.g. 'A100'); empty: any model (env AUTOGPU_MODEL).",
+    ).tag(config=True)
+    prefer = Unicode(
+        help="Default model preference order, comma separated (e.g. 'L4,A100': L4s first, "
+        "A100s next, others last), applied before load; an admin's way to keep large cards "
+        "for large jobs. Empty: by load only (env AUTOGPU_PREFER).",
+    ).tag(config=True)
     registry_dir = Unicode(
         help="Directory of the per-host lease registry, shared by every user of the host. "
         "The admin "
@@ -105,6 +114,19 @@ class AutoGPU(Configurable):
     overload_memory_pct = Float(
         95.0, help="The panel warns when this kernel's GPU memory is fuller than this percentage."
     ).tag(config=True)
+    prometheus_url = Unicode(
+        help="Base URL of the Prometheus server that scrapes this cluster's autogpu and DCGM "
+        "exporter series (e.g. http://prometheus.example.org:9090). Set, it gives the sidebar's "
+        "Cluster section and `autogpu hosts` their data. Empty (default, or "
+        "$AUTOGPU_PROMETHEUS_URL): no cluster view.",
+    ).tag(config=True)
+    prometheus_timeout_s = Float(
+        5.0, help="Seconds one request to Prometheus may take before the cluster view says so."
+    ).tag(config=True)
+
+    @default("prometheus_url")
+    def _default_prometheus_url(self) -> str:
+        return _env("PROMETHEUS_URL")
 
     @default("min_free")
     def _default_min_free(self) -> str:
@@ -129,6 +151,14 @@ class AutoGPU(Configurable):
     @default("pick_on_load")
     def _default_pick_on_load(self) -> bool:
         return _bool_env("PICK_ON_LOAD", False)
+
+    @default("model")
+    def _default_model(self) -> str:
+        return _env("MODEL")
+
+    @default("prefer")
+    def _default_prefer(self) -> str:
+        return _env("PREFER")
 
     @default("registry_dir")
     def _default_registry_dir(self) -> str:

@@ -25,8 +25,8 @@ from typing import Any
 
 from jupyter_client.kernelspec import KernelSpecManager
 
+from autogpu_jupyter.core.contract import ON_NO_DEVICE, PROVISIONER_NAME
 from autogpu_jupyter.errors import UsageErrorBase
-from autogpu_jupyter.provisioner import ON_NO_DEVICE, PROVISIONER_NAME, validate_options
 
 __all__ = ["DEFAULT_NAME", "DEFAULT_DISPLAY_NAME", "add_cli", "install", "list_specs", "remove",
            "spec_dict"]
@@ -50,7 +50,7 @@ def spec_dict(
         A bad option, naming it and the accepted forms.
     """
     opts = {k: v for k, v in (options or {}).items() if v is not None}
-    validate_options(opts, spec=None)
+    _validate(opts)
     argv = [python or sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
     if load_extension:
         argv.append("--ext=autogpu")
@@ -68,6 +68,19 @@ def spec_dict(
 
 def _manager() -> Any:
     return KernelSpecManager()
+
+
+def _validate(opts: dict[str, Any]) -> None:
+    """The options a kernelspec gets, checked as the provisioner will read them (the one
+    options boundary, JSON names)."""
+    from autogpu_jupyter.core import options
+
+    on_no = opts.get("on_no_device", "cpu")
+    if on_no not in ON_NO_DEVICE:
+        raise UsageErrorBase(
+            f"invalid on_no_device {on_no!r}: expected \"cpu\" (start without a GPU) or \"fail\""
+        )
+    options.parse(opts, style="key", ignore=("on_no_device",))
 
 
 def install(
@@ -157,22 +170,20 @@ def remove(name: str) -> str:
 
 
 def _options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    opts: dict[str, Any] = {}
-    if args.min_free is not None:
-        opts["min_free"] = args.min_free
-    if args.max_util is not None:
-        opts["max_util"] = args.max_util
-    if args.count is not None:
+    from autogpu_jupyter.core.options import from_namespace
+
+    opts: dict[str, Any] = {
+        k: v for k, v in from_namespace(args).items() if v is not None and k != "exclude"
+    }
+    if opts.get("exclusive") is False:
+        del opts["exclusive"]
+    if "count" in opts:
         try:
-            opts["count"] = int(args.count)
+            opts["count"] = int(opts["count"])
         except ValueError:
             raise UsageErrorBase(
-                f"invalid --count {args.count!r}: expected a whole number >= 1, e.g. 2"
+                f"invalid --count {opts['count']!r}: expected a whole number >= 1, e.g. 2"
             ) from None
-    if args.exclusive:
-        opts["exclusive"] = True
-    if args.wait is not None:
-        opts["wait"] = args.wait
     if args.on_no_device is not None:
         opts["on_no_device"] = args.on_no_device
     return opts
@@ -229,14 +240,11 @@ def add_cli(subparsers: Any) -> None:
                       help=f"kernelspec name (default {DEFAULT_NAME})")
     inst.add_argument("--display-name", default=DEFAULT_DISPLAY_NAME,
                       help=f"name shown in the launcher (default {DEFAULT_DISPLAY_NAME!r})")
-    inst.add_argument("--min-free", metavar="SIZE",
-                      help="free memory wanted per device: 10G / 10GiB (binary), 16GB, 25%%")
-    inst.add_argument("--max-util", metavar="PCT", help="drop devices busier than PCT percent")
-    inst.add_argument("--count", metavar="N", help="number of devices (default 1)")
-    inst.add_argument("--exclusive", action="store_true",
-                      help="take devices no other lease holds, and keep others off them")
-    inst.add_argument("--wait", metavar="DURATION",
-                      help="wait in line up to DURATION (e.g. 10m) for a device at kernel start")
+    # The pick options are declared once (core.options), less --exclude: a kernelspec serves
+    # many kernels, and device ids to avoid belong to one pick, not to the spec.
+    from autogpu_jupyter.core.options import add_arguments
+
+    add_arguments(inst, skip=("exclude",))
     inst.add_argument("--on-no-device", choices=ON_NO_DEVICE,
                       help="nothing fits: start CPU-only with a note (cpu, default) "
                       "or refuse to start (fail)")

@@ -24,6 +24,7 @@ from IPython.core.magic_arguments import argument, construct_parser, magic_argum
 from IPython.utils.text import dedent
 
 from autogpu_jupyter.config import AutoGPU
+from autogpu_jupyter.core import options as _options
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError
 
 if TYPE_CHECKING:
@@ -37,9 +38,9 @@ __all__ = ["GPUMagics", "load_ipython_extension", "unload_ipython_extension"]
 log = logging.getLogger(__name__)
 
 SUBCOMMANDS = ("pick", "status", "release", "panel", "move")
-PICK_OPTIONS = (
-    "--min-free SIZE, --max-util PCT, --count N, --exclude IDS, --exclusive, --wait DURATION, "
-    "--dry-run, --force"
+PICK_OPTIONS = ", ".join(
+    [f"{o.flag} {o.metavar}" if o.metavar else o.flag for o in _options.PICK_OPTIONS]
+    + ["--dry-run", "--force"]
 )
 
 
@@ -47,44 +48,6 @@ PICK_OPTIONS = (
 
 
 @magic_arguments()
-@argument(
-    "--min-free",
-    metavar="SIZE",
-    default=None,
-    help="Free memory wanted per device: 10G / 10GiB (binary), 16GB (decimal) or 25%% of "
-    "the device. Default: AutoGPU.min_free.",
-)
-@argument(
-    "--max-util",
-    metavar="PCT",
-    default=None,
-    help="Drop devices busier than this utilisation, 0-100. Default: AutoGPU.max_util.",
-)
-@argument(
-    "--count",
-    metavar="N",
-    default=None,
-    help="How many devices (default 1; at most one MIG device).",
-)
-@argument(
-    "--exclude",
-    metavar="IDS",
-    default=None,
-    help="NVML indices or UUIDs to avoid, comma separated: 0,2 or GPU-5a1b.",
-)
-@argument(
-    "--exclusive",
-    action="store_true",
-    default=None,
-    help="Take devices no other lease holds, and keep others off them.",
-)
-@argument(
-    "--wait",
-    metavar="DURATION",
-    default=None,
-    help="Wait in line up to this long for a device to fit: 30s, 10m, 1h. "
-    "Interrupt the kernel to cancel.",
-)
 @argument(
     "--dry-run",
     action="store_true",
@@ -104,6 +67,8 @@ def _pick_options(line: str) -> None:
 
 _PICK_PARSER = construct_parser(_pick_options)
 _PICK_PARSER.prog = "%gpu pick"
+# The pick options themselves are declared once, for the CLI and the magics alike.
+_options.add_arguments(_PICK_PARSER)
 
 
 def _parse_pick(argv: Sequence[str], where: str = "%gpu pick") -> argparse.Namespace:
@@ -240,12 +205,14 @@ def format_pick(result: PickResult, warning: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def format_ranking(result: PickResult, width: int = 110) -> str:
-    """The ranking table of ``--dry-run``: every device, its rank or why it was dropped.
+def format_ranking(result: PickResult, width: int = 120) -> str:
+    """The ranking table of ``--dry-run``: every device, its rank or why it was dropped, the
+    load figure it was ranked by, and what decided between the best and the runner-up.
 
     Aligned columns; the verdict column wraps under itself (never back to column 0) so the
     table fits ``width`` characters; control characters in any cell are made visible.
     """
+    from autogpu_jupyter.core.decision import deciding_term, describe_load
     from autogpu_jupyter.core.tables import Column, to_text
     from autogpu_jupyter.core.units import format_bytes
 
@@ -257,6 +224,7 @@ def format_ranking(result: PickResult, width: int = 110) -> str:
         Column("name"),
         Column("free", align="right"),
         Column("util", align="right"),
+        Column("load"),
         Column("leases", align="right"),
         Column("verdict", wrap=True),
     ]
@@ -275,6 +243,7 @@ def format_ranking(result: PickResult, width: int = 110) -> str:
                 c.device.name,
                 format_bytes(c.effective_free_bytes),
                 "?" if c.smoothed_util_pct is None else f"{c.smoothed_util_pct:.0f}%",
+                describe_load(c, short=True) if c.eligible else "-",
                 str(c.lease_count),
                 f"{verdict}: {'; '.join(c.reasons) or 'ok'}",
             )
@@ -283,6 +252,12 @@ def format_ranking(result: PickResult, width: int = 110) -> str:
     out.extend(to_text(columns, rows, width=width, indent="  "))
     if not result.chosen:
         out.append("  no device fits: a real pick would fail now (--wait DURATION waits in line)")
+    else:
+        best = result.candidate(result.chosen[0].uuid)
+        if best is not None:
+            ru = result.runner_up
+            vs = f" over {ru.device.label}" if ru is not None else ""
+            out.append(f"  why {best.device.label}{vs}: {deciding_term(best, ru)}")
     return "\n".join(out)
 
 
@@ -484,12 +459,7 @@ class GPUMagics(Magics):
         with _Progress(self._in_kernel()) as progress:
             try:
                 return api.pick_result(
-                    min_free=args.min_free,
-                    max_util=args.max_util,
-                    count=args.count,
-                    exclude=args.exclude,
-                    exclusive=args.exclusive,
-                    wait=args.wait,
+                    **_options.from_namespace(args),
                     dry_run=args.dry_run,
                     force=args.force,
                     settings=self.settings,
@@ -693,14 +663,9 @@ class GPUMagics(Magics):
         from autogpu_jupyter.core.policy import rank
 
         try:
-            constraints: Constraints = api.constraints_for(
-                self.settings,
-                args.min_free,
-                args.max_util,
-                args.count,
-                args.exclude,
-                args.exclusive,
-            )
+            constraints: Constraints = api.pick_options(
+                self.settings, _options.from_namespace(args)
+            ).constraints
             snap = api.read_snapshot()
         except AutoGPUError as err:
             raise UsageError(_one_line(err)) from None
@@ -731,6 +696,8 @@ def _pick_help() -> str:
     actions = [
         a for a in _PICK_PARSER._actions if a.option_strings and "-h" not in a.option_strings
     ]
+    # the pick options first (--min-free ...), the magic's own --dry-run and --force last
+    actions.sort(key=lambda a: a.dest in ("dry_run", "force"))
     fmt.add_usage(None, actions, [], prefix="usage: ")
     fmt.start_section("pick options (also on top of a %%gpu cell)")
     fmt.add_arguments(actions)
@@ -813,7 +780,9 @@ def _pick_note_once() -> None:
     """Show the kernel provisioner's note (e.g. "started CPU-only because ...") once: what a
     kernel prints while it starts never reaches the notebook, so the first cell carries it."""
     global _note_shown
-    note = os.environ.get("AUTOGPU_PICK_NOTE", "").strip()
+    from autogpu_jupyter.core.contract import KernelContract
+
+    note = KernelContract.read().note or ""
     if note and not _note_shown:
         _note_shown = True
         print(f"autogpu: {note}")
@@ -853,7 +822,9 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.events.register("post_run_cell", _overload_hook)
     _loaded[id(ipython)] = _Loaded(magics, settings, _overload_hook)
     api.set_default_settings(settings)
-    if os.environ.get("AUTOGPU_PROVISIONED") == "1":
+    from autogpu_jupyter.core.contract import PROVISIONED_ENV
+
+    if os.environ.get(PROVISIONED_ENV) == "1":
         with _suppress(ImportError):
             from autogpu_jupyter.core.overload import set_move_hint
 

@@ -40,11 +40,23 @@ from jupyter_core.paths import jupyter_runtime_dir
 from autogpu_jupyter.api import registry_for
 from autogpu_jupyter.config import AutoGPU
 from autogpu_jupyter.core import moves
+from autogpu_jupyter.core import options as pick_options
 from autogpu_jupyter.core.backends import get_backend
+from autogpu_jupyter.core.contract import (
+    GRANT_ENV,
+    LEASE_ENV,
+    LEASE_FD_ENV,
+    MOVE_FILE_ENV,
+    NOTE_ENV,
+    ON_NO_DEVICE,
+    OPTIONS_ENV,
+    PICKED_ENV,
+    PROVISIONED_ENV,
+    PROVISIONER_NAME,
+)
 from autogpu_jupyter.core.picker import Holder, PickResult, pick
 from autogpu_jupyter.core.policy import Constraints
-from autogpu_jupyter.core.session import LEASE_ENV, PICKED_ENV
-from autogpu_jupyter.core.units import format_duration, parse_duration, parse_percent, parse_size
+from autogpu_jupyter.core.units import format_duration
 from autogpu_jupyter.errors import (
     AutoGPUError,
     LeaseLimitError,
@@ -58,13 +70,8 @@ __all__ = ["AutoGPUProvisioner", "PROVISIONER_NAME", "OPTION_NAMES", "validate_o
 
 log = logging.getLogger(__name__)
 
-#: The entry-point name kernelspecs use in ``metadata.kernel_provisioner.provisioner_name``.
-PROVISIONER_NAME = "autogpu-provisioner"
 #: The options a kernelspec may set in ``metadata.kernel_provisioner.config``.
-OPTION_NAMES = ("min_free", "max_util", "count", "exclusive", "wait", "on_no_device")
-ON_NO_DEVICE = ("cpu", "fail")
-#: Also set in the kernel: the number of the inherited lease descriptor (the kernel may close it).
-LEASE_FD_ENV = "AUTOGPU_LEASE_FD"
+OPTION_NAMES = (*(o.key for o in pick_options.PICK_OPTIONS if o.key != "exclude"), "on_no_device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,40 +117,16 @@ def validate_options(
         v = raw.get(name)
         return fallback if v is None else v
 
-    min_free = get("min_free", settings.min_free)
-    max_util = get("max_util", settings.max_util)
-    count = get("count", settings.count)
-    exclusive = get("exclusive", settings.exclusive)
-    wait = get("wait", settings.wait)
     on_no = get("on_no_device", "cpu")
-    if not isinstance(exclusive, bool):
-        raise _bad("exclusive", exclusive, "expected true or false", spec)
-    if isinstance(count, bool) or not isinstance(count, (int, str)):
-        raise _bad("count", count, "expected a whole number >= 1, e.g. 2", spec)
-    for name, value in (("min_free", min_free), ("max_util", max_util)):
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise _bad(name, value, "expected a string such as \"10G\" / \"50\"", spec)
-    for name, value, check in (
-        ("min_free", min_free, parse_size),
-        ("max_util", max_util, lambda v: parse_percent(v, "max_util")),
-    ):
-        if value not in ("", None):
-            try:
-                check(value)
-            except UsageErrorBase as err:
-                raise _bad(name, value, str(err), spec) from None
     try:
-        constraints = Constraints.parse(
-            min_free=min_free, max_util=max_util, count=count, exclusive=exclusive
+        opts = pick_options.parse(
+            {k: v for k, v in raw.items() if k != "on_no_device"},
+            defaults=pick_options.defaults_from(settings),
+            style="key",
         )
-    except UsageErrorBase as err:
-        raise _bad("count", count, "expected a whole number >= 1, e.g. 2", spec) from err
-    if isinstance(wait, bool) or not isinstance(wait, (str, int, float)):
-        raise _bad("wait", wait, "expected a duration such as \"30s\", \"10m\" or \"1h\"", spec)
-    try:
-        wait_s = 0.0 if wait in ("", None, 0) else float(parse_duration(wait))
-    except UsageErrorBase as err:
-        raise _bad("wait", wait, str(err), spec) from None
+    except pick_options.OptionError as err:
+        raise _bad(err.option, err.value, str(err), spec) from None
+    constraints, wait_s = opts.constraints, opts.wait_s
     if not isinstance(on_no, str) or on_no.strip().lower() not in ON_NO_DEVICE:
         raise _bad(
             "on_no_device", on_no, "expected \"cpu\" (start without a GPU) or \"fail\"", spec
@@ -333,19 +316,19 @@ class AutoGPUProvisioner(LocalProvisioner):
         lease = None if result is None else result.lease
         self._lease = lease
         env: dict[str, str] = kwargs["env"]
-        for var in (PICKED_ENV, LEASE_ENV, moves.NOTE_ENV, LEASE_FD_ENV, moves.GRANT_ENV):
+        for var in (PICKED_ENV, LEASE_ENV, NOTE_ENV, LEASE_FD_ENV, GRANT_ENV):
             env.pop(var, None)
         if "CUDA_VISIBLE_DEVICES" in base_env:
-            env[moves.GRANT_ENV] = base_env["CUDA_VISIBLE_DEVICES"]
-        env[moves.PROVISIONED_ENV] = "1"
-        env[moves.OPTIONS_ENV] = json.dumps({
+            env[GRANT_ENV] = base_env["CUDA_VISIBLE_DEVICES"]
+        env[PROVISIONED_ENV] = "1"
+        env[OPTIONS_ENV] = json.dumps({
             "min_free": options.raw.get("min_free", self._settings().min_free or None),
             "max_util": options.constraints.max_util_pct,
             "count": options.constraints.count,
             "exclusive": options.constraints.exclusive,
         })
         if move_file:
-            env[moves.MOVE_FILE_ENV] = move_file
+            env[MOVE_FILE_ENV] = move_file
         if result is not None:
             env.update(result.env)
             env[PICKED_ENV] = ",".join(d.uuid for d in result.chosen)
@@ -361,7 +344,7 @@ class AutoGPUProvisioner(LocalProvisioner):
             env[LEASE_FD_ENV] = str(fd)
             kwargs["pass_fds"] = (*tuple(kwargs.get("pass_fds", ())), fd)
         if note:
-            env[moves.NOTE_ENV] = note
+            env[NOTE_ENV] = note
         self.autogpu_picked = () if result is None else tuple(d.uuid for d in result.chosen)
         self.autogpu_constraints = options.constraints
         self.autogpu_note = note

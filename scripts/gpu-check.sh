@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # On a real NVIDIA machine: print what the driver sees, then run the `gpu` tests (our snapshot vs
 # nvidia-smi; %gpu pick in a real kernel; the device torch/cupy opens has the picked UUID; a pick
-# after torch.cuda.is_available() is refused). Where there is no driver the tests say "skipped".
+# after torch.cuda.is_available() is refused). It expects a working driver: where nvidia-smi is
+# missing or fails, the tests FAIL (exit status 1), never "skipped" (AUTOGPU_EXPECT_GPU=1; set it
+# to 0 to let them skip on a machine without a GPU).
 #
 #   scripts/gpu-check.sh            # uses .venv/bin/python when present, else python3
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+export AUTOGPU_EXPECT_GPU=${AUTOGPU_EXPECT_GPU:-1}
 # Never test the real driver through the fakes or the simulation.
 unset FAKE_NVML_SCENARIO AUTOGPU_SIMULATE CUDA_VISIBLE_DEVICES CUDA_DEVICE_ORDER AUTOGPU_PICKED
 

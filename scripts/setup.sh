@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-time (idempotent) set-up for a fresh machine: a virtual environment with autogpu and its
-# test tools, Debian's Chromium for the browser tests, and the built JupyterLab extension.
+# test tools, Debian's Chromium for the browser tests, Debian's prometheus and slurm-wlm (+ munge)
+# for the cluster and Slurm tests, and the built JupyterLab extension.
 # Called by `make lab` and `make test`; safe to run again (it skips what is already done).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +48,26 @@ if [ "${AUTOGPU_SKIP_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null 2>&
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
   else
     echo "setup: chromium is missing (sudo apt-get install chromium); browser tests will fail" >&2
+  fi
+fi
+
+# Debian's Prometheus (tests/test_cluster.py) and a single-node Slurm (tests/test_slurm.py): only
+# as root and only what is missing. AUTOGPU_SKIP_CLUSTER=1 skips them (those tests then skip,
+# and fail under CI=true).
+if [ "${AUTOGPU_SKIP_CLUSTER:-0}" != 1 ]; then
+  missing=()
+  command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+  command -v slurmctld >/dev/null 2>&1 || missing+=(slurm-wlm)
+  command -v munged >/dev/null 2>&1 || missing+=(munge)
+  if [ "${#missing[@]}" -gt 0 ]; then
+    if [ "$(id -u)" = 0 ]; then
+      echo "setup: installing Debian's ${missing[*]} for the cluster and Slurm tests"
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends "${missing[@]}" >/dev/null
+    else
+      echo "setup: ${missing[*]} missing (sudo apt-get install ${missing[*]}); the cluster" \
+        "and Slurm tests will skip" >&2
+    fi
   fi
 fi
 

@@ -12,13 +12,14 @@ from tests.fakenvml import FakeNvml, build_fake_nvml, preload_fake_nvml
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
 
-_REAL_PARTS = ("browser", "multiuser")
+_REAL_PARTS = ("browser", "multiuser", "cluster", "slurm")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
-    """In CI (``CI=true``) a browser or multi-user test may not skip: CI installs Chromium and
-    runs as root, so a skip there means a broken set-up, and it fails instead of hiding."""
+    """In CI (``CI=true``) a browser, multi-user, cluster (Prometheus) or Slurm test may not
+    skip: CI installs Chromium, Prometheus and Slurm and runs as root, so a skip there means a
+    broken set-up, and it fails instead of hiding."""
     outcome = yield
     report = outcome.get_result()
     if (

@@ -159,6 +159,30 @@ def test_mapped_but_not_reopenable_counts_as_initialised(fake_cuda: Path, tmp_pa
     assert evidence.endswith("); assuming CUDA is initialised")
 
 
+def test_one_initialised_copy_of_two_mapped_is_enough(fake_cuda: Path, tmp_path: Path) -> None:
+    # Two libcuda copies mapped (a container's compat driver next to the host's): the fake is
+    # loaded but not initialised; the other cannot be asked, so it counts as initialised.
+    other = "/opt/compat/libcuda.so.1"
+    maps = tmp_path / "maps"
+    maps.write_text(
+        f"7f01-7f02 r-xp 00000000 08:01 1 {LIB}\n7f02-7f03 r-xp 00000000 08:01 2 {other}\n",
+        encoding="utf-8",
+    )
+    code = (
+        LOAD_SNIPPET
+        + "from autogpu_jupyter.core.cudastate import cuda_state\n"
+        + f"s = cuda_state({str(maps)!r})\n"
+        + "print(s.initialized)\n"
+        + "print(s.evidence)\n"
+    )
+    initialized, evidence = run_py(code).strip().splitlines()
+    assert initialized == "True"
+    assert evidence.startswith(
+        f"libcuda is mapped ({other}) but could not be reopened with RTLD_NOLOAD ("
+    )
+    assert evidence.endswith("); assuming CUDA is initialised")
+
+
 def test_mapped_libcuda_reads_only_the_driver(tmp_path: Path) -> None:
     maps = tmp_path / "maps"
     maps.write_text(

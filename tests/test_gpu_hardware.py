@@ -1,6 +1,9 @@
 """On a real NVIDIA machine: our snapshot against ``nvidia-smi``, and ``%gpu pick`` against the
-device a framework really opens. Marked ``gpu``; skipped (and reported as skipped) where no NVIDIA
-driver is present. ``scripts/gpu-check.sh`` runs exactly these and prints what they saw.
+device a framework really opens. Marked ``gpu``. Where no NVIDIA driver is installed (no
+``nvidia-smi``) they are skipped, and reported as skipped. A driver that is there but broken
+(``nvidia-smi`` fails) fails them, and so does a missing driver where one is expected
+(``AUTOGPU_EXPECT_GPU=1``, which ``scripts/gpu-check.sh`` sets): a broken GPU machine must not read
+as "skipped". ``scripts/gpu-check.sh`` runs exactly these and prints what they saw.
 
 Everything runs in subprocesses / kernels with a clean environment, never in the test process:
 other test modules may have loaded the fake ``libnvidia-ml.so.1`` into it.
@@ -44,25 +47,39 @@ def real_env(tmp: Path | None = None) -> dict[str, str]:
     return env
 
 
-def _driver_problem() -> str | None:
+def _driver_problem() -> tuple[str | None, bool]:
+    """What keeps the driver from being used (``None``: nothing), and whether it is installed."""
     if shutil.which("nvidia-smi") is None:
-        return "no NVIDIA driver here (nvidia-smi not found)"
-    proc = subprocess.run(
-        ["nvidia-smi", "-L"],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=real_env(),
-        timeout=60,
-    )
+        return "no NVIDIA driver here (nvidia-smi not found)", False
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi", "-L"],
+            capture_output=True,
+            text=True,
+            check=False,
+            env=real_env(),
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired:
+        return "nvidia-smi -L hung for 60 s", True
     if proc.returncode != 0 or "GPU " not in proc.stdout:
-        return f"nvidia-smi -L failed: {(proc.stderr or proc.stdout).strip()[:200]}"
-    return None
+        out = (proc.stderr or proc.stdout).strip()[:200]
+        return f"nvidia-smi -L failed (exit status {proc.returncode}): {out}", True
+    return None, True
 
 
-_PROBLEM = _driver_problem()
-if _PROBLEM:
+_PROBLEM, _INSTALLED = _driver_problem()
+_EXPECTED = os.environ.get("AUTOGPU_EXPECT_GPU") == "1"
+if _PROBLEM and not _INSTALLED and not _EXPECTED:
     pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason=_PROBLEM)]
+
+
+@pytest.fixture(autouse=True)
+def _driver_works() -> None:
+    """A broken driver, or none where one is expected, fails each test instead of skipping it."""
+    if _PROBLEM:
+        why = "AUTOGPU_EXPECT_GPU=1" if not _INSTALLED else "nvidia-smi is installed"
+        pytest.fail(f"{_PROBLEM} ({why}: a working NVIDIA driver was expected)", pytrace=False)
 
 SNAPSHOT = (
     "import json\n"

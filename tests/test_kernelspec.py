@@ -84,10 +84,11 @@ def test_user_install_list_and_remove(prefix: Path, capsys: pytest.CaptureFixtur
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--min-free", "ten"], "min_free='ten': invalid size 'ten'"),
-        (["--max-util", "150"], "max_util='150': "),
+        # The one options boundary names the flag the user typed (it named the JSON key).
+        (["--min-free", "ten"], "autogpu: invalid size 'ten': not understood"),
+        (["--max-util", "150"], "autogpu: invalid --max-util '150': must be 0-100"),
         (["--count", "two"], "invalid --count 'two': expected a whole number >= 1, e.g. 2"),
-        (["--wait", "soon"], "wait='soon': "),
+        (["--wait", "soon"], "autogpu: invalid duration 'soon': expected seconds"),
         (["--name", "bad name"], "invalid kernelspec name 'bad name': expected letters, digits"),
     ],
 )

@@ -7,9 +7,11 @@ reads NVML itself: bookings take the snapshot the picker read).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import os
+import pwd
 import stat
 from pathlib import Path
 
@@ -186,8 +188,11 @@ def test_symlinked_or_foreign_registry_is_refused(
         "elsewhere); the admin should make it a real directory, mode 1777: picked without a lease"
     )
     assert list(target.iterdir()) == []
-    if os.geteuid() != 0:
-        return
+
+
+@pytest.mark.multiuser
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another uid needs root")
+def test_a_registry_owned_by_another_user_is_refused(tmp_path: Path) -> None:
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     os.chmod(foreign, 0o1777)
@@ -323,3 +328,51 @@ def test_a_hiding_view_leaves_out_only_the_callers_own_leases(
     for r in (first, second, again):
         assert r.lease is not None
         r.lease.release()
+
+
+@pytest.mark.multiuser
+@pytest.mark.skipif(os.geteuid() != 0, reason="writing a file owned by another uid needs root")
+def test_a_record_not_owned_by_the_user_it_names_is_ignored(tmp_path: Path) -> None:
+    # Root-owned, in nobody's directory, claiming to be nobody's, and held: still not a lease.
+    registry = Registry(tmp_path / "registry")
+    with registry.locked() as txn:
+        assert txn is not None
+        own = txn.create(devices=[uuid_of(0)], requested_bytes=GiB)
+    claim = json.loads(Path(own.path).read_text())
+    own.release()
+    claim.update(uid=65534, user=pwd.getpwuid(65534).pw_name)
+    user_dir = tmp_path / "registry" / "65534"
+    user_dir.mkdir(mode=0o755)
+    os.chown(user_dir, 65534, 65534)
+    forged = user_dir / Path(own.path).name
+    forged.write_text(json.dumps(claim))
+    with open(forged, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert registry.list_leases() == []
+        assert registry.scan().ignored == [
+            (str(forged), "forged: owned by uid 0 in the directory of uid 65534")
+        ]
+
+
+def test_a_lease_whose_lock_cannot_be_tested_stays_live(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ENOLCK (lock table full, some network filesystems) says nothing about the holder: a lease
+    # that cannot be tested is kept, never dropped or pruned as dead.
+    registry = Registry(tmp_path / "registry")
+    with registry.locked() as txn:
+        assert txn is not None
+        lease = txn.create(devices=[uuid_of(1)], requested_bytes=GiB)
+    real_flock = fcntl.flock
+
+    def flock(fd: int, op: int) -> None:
+        if op & fcntl.LOCK_NB and stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    assert [r.lease_id for r in registry.list_leases()] == [lease.record.lease_id]
+    assert registry.prune() == []
+    monkeypatch.undo()
+    assert os.path.exists(lease.path)
+    lease.release()

@@ -28,7 +28,7 @@ GiB = 1024**3
 U = [d["uuid"] for d in fleet_4x()["devices"]]
 OPTIONS = (
     "accepted options: --min-free SIZE, --max-util PCT, --count N, --exclude IDS, "
-    "--exclusive, --wait DURATION, --dry-run, --force (see %gpu?)"
+    "--exclusive, --wait DURATION, --model NAMES, --prefer NAMES, --dry-run, --force (see %gpu?)"
 )
 ENV0: dict[str, str | None] = {"CUDA_VISIBLE_DEVICES": None, "CUDA_DEVICE_ORDER": None}
 
@@ -225,15 +225,16 @@ def test_dry_run_shows_ranking_and_changes_nothing(k: Kernel) -> None:
     # aligned columns, numbers right-aligned, one line per device at a notebook's width
     assert r.stdout.splitlines() == [
         "autogpu dry run (min free 20.0 GiB): nothing changed",
-        "  rank  device  name                       free  util  leases  verdict",
-        "  1     GPU 0   NVIDIA A100-SXM4-80GB  77.5 GiB    3%       0  would pick: "
+        "  rank  device  name                       free  util  load      leases  verdict",
+        "  1     GPU 0   NVIDIA A100-SXM4-80GB  77.5 GiB    3%  3% mem         0  would pick: "
         "77.5 GiB free >= 20.0 GiB wanted",
-        "  2     GPU 2   NVIDIA L4              21.1 GiB   12%       0  fits: "
+        "  2     GPU 2   NVIDIA L4              21.1 GiB   12%  12% util       0  fits: "
         "21.1 GiB free >= 20.0 GiB wanted",
-        "  3     GPU 1   NVIDIA A100-SXM4-80GB  39.5 GiB   97%       0  fits: "
+        "  3     GPU 1   NVIDIA A100-SXM4-80GB  39.5 GiB   97%  97% util       0  fits: "
         "39.5 GiB free >= 20.0 GiB wanted",
-        "  -     GPU 3   NVIDIA L4              10.1 GiB   80%       0  dropped: "
+        "  -     GPU 3   NVIDIA L4              10.1 GiB   80%  -              0  dropped: "
         "only 10.1 GiB free < 20.0 GiB wanted",
+        "  why GPU 0 over GPU 2: lower load (3% mem vs 12% util)",
     ]
     assert k.env() == ENV0
 
@@ -284,8 +285,9 @@ def test_lost_gpu_and_utilisation_not_supported(k: Kernel, host: dict[str, Any])
     r = k.run("%gpu pick --dry-run --max-util 50")
     assert r.status == "ok", r
     header = r.stdout.splitlines()[1]
+    assert r.stdout.splitlines()[-1].startswith("  why GPU 0 over GPU 3: ")
     rows: list[str] = []
-    for line in r.stdout.splitlines()[2:]:
+    for line in r.stdout.splitlines()[2:-1]:
         if line.startswith("  ") and not line[2].strip():
             # a long verdict continues under its own column, never back at column 0
             assert len(line) - len(line.lstrip()) == header.index("verdict"), line

@@ -233,3 +233,57 @@ def _select(backend: Any, registry: Registry, cons: Any, env: dict[str, str]) ->
 
     data = select_answer(backend.snapshot(), cons, registry, environ=env)
     return data["chosen"][0]["uuid"] if data["chosen"] else None
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "autogpu_jupyter.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_model_filter_and_preference_order(tmp_path: Path) -> None:
+    """``--model`` selects by model name, ``--prefer`` (or the admin's ``AUTOGPU_PREFER``) orders
+    by it before load; the dry run says which term decided."""
+    spec = {"driver_version": "550.54.15", "devices": [
+        {"uuid": uuid_of(0), "name": "NVIDIA A100-SXM4-80GB", "memory_total": "80G",
+         "memory_used": 0, "utilization_pct": 0, "processes": []},
+        {"uuid": uuid_of(1), "name": "NVIDIA L4", "memory_total": "24G",
+         "memory_used": 0, "utilization_pct": 30, "processes": []},
+    ]}
+    (tmp_path / "fleet.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AUTOGPU_", "CUDA_"))}
+    env.update(AUTOGPU_SIMULATE=str(tmp_path / "fleet.json"), PYTHONPATH=str(REPO),
+               AUTOGPU_REGISTRY_DIR=str(tmp_path / "registry"))
+
+    def chosen(*args: str, **extra: str) -> list[str]:
+        out = _cli({**env, **extra}, "pick", "--json", *args)
+        assert out.returncode == 0, out.stderr
+        return [d["label"] for d in json.loads(out.stdout)["chosen"]]
+
+    assert chosen() == ["GPU 0"]  # by load: the idle A100
+    assert chosen("--model", "L4") == ["GPU 1"]
+    assert chosen("--prefer", "L4,A100") == ["GPU 1"]
+    assert chosen(AUTOGPU_PREFER="L4") == ["GPU 1"]  # the admin's default order
+    assert chosen("--prefer", "A100", AUTOGPU_PREFER="L4") == ["GPU 0"]  # the flag wins
+    none = _cli(env, "pick", "--model", "H100")
+    assert none.returncode == 3
+    assert none.stderr.splitlines()[1:] == [
+        "  GPU 0 (NVIDIA A100-SXM4-80GB): dropped: model NVIDIA A100-SXM4-80GB is not H100",
+        "  GPU 1 (NVIDIA L4): dropped: model NVIDIA L4 is not H100",
+    ]
+    bad = _cli(env, "pick", "--model", "A100,")
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("autogpu: invalid --model 'A100,': expected model names")
+
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+    from autogpu_jupyter.core.picker import pick
+    from autogpu_jupyter.core.policy import Constraints
+    from autogpu_jupyter.magics import format_ranking
+
+    backend = SimulatedBackend(str(tmp_path / "fleet.json"))
+    text = format_ranking(pick(Constraints(prefer=("L4",)), backend=backend, dry_run=True))
+    assert text.splitlines()[0] == "autogpu [SIMULATED] dry run (preferring L4): nothing changed"
+    assert text.splitlines()[-1] == (
+        "  why GPU 1 over GPU 0: preferred model (NVIDIA L4 before NVIDIA A100-SXM4-80GB)"
+    )
+    text = format_ranking(pick(Constraints(), backend=backend, dry_run=True))
+    assert text.splitlines()[-1] == "  why GPU 0 over GPU 1: lower load (0% util vs 30% util)"

@@ -333,10 +333,6 @@ def test_sampler_restart_leaves_one_thread(kernel: Kernel) -> None:
 
 
 def test_reload_ext_leaves_one_sampler_thread(kernel: Kernel) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("autogpu_jupyter.magics") is None:
-        pytest.skip("autogpu_jupyter.magics does not exist yet")
     counts = kernel.json(
         "from autogpu_jupyter.core.sampler import get_sampler\n"
         "def n(): return sum(t.name == 'autogpu-sampler' for t in threading.enumerate())\n"

@@ -6,10 +6,15 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+from autogpu_jupyter.core.leases import Registry
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.units import parse_size
+from autogpu_jupyter.errors import NoDeviceFitsError
+from tests.leasehelpers import fleet, uuid_of
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
@@ -48,3 +53,70 @@ def test_a_wait_ranks_on_the_load_of_now_not_of_when_it_started(tmp_path: Path) 
     assert [d.uuid for d in result.chosen] == [A]
     assert result.candidate(A).smoothed_util_pct == 0.0  # type: ignore[union-attr]
     assert len(progress) == 1 and progress[0].startswith("waiting for a device (min free 70.0 GiB)")
+
+
+# ------------------------------------------------- a pick against a real lease registry
+
+
+@pytest.fixture
+def two_gpus(tmp_path: Path) -> SimulatedBackend:
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps(fleet(2)))
+    return SimulatedBackend(str(path))
+
+
+@pytest.fixture
+def one_gpu(tmp_path: Path) -> SimulatedBackend:
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps(fleet(1)))
+    return SimulatedBackend(str(path))
+
+
+def test_a_dry_run_gives_nothing_to_apply_and_takes_no_lease(
+    two_gpus: SimulatedBackend, registry_dir: Path
+) -> None:
+    registry = Registry(registry_dir)
+    result = pick(Constraints(), backend=two_gpus, environ={}, registry=registry, dry_run=True)
+    assert [d.uuid for d in result.chosen] == [uuid_of(0)]
+    assert (result.env, result.lease, result.dry_run) == ({}, None, True)
+    assert registry.list_leases(include_tickets=True) == []
+
+
+def test_memory_booked_by_a_lease_sends_the_next_pick_elsewhere(
+    two_gpus: SimulatedBackend, registry_dir: Path
+) -> None:
+    registry = Registry(registry_dir)
+    want = Constraints.parse(min_free="50G")
+    first = pick(want, backend=two_gpus, environ={}, registry=registry)
+    second = pick(want, backend=two_gpus, environ={}, registry=registry)
+    assert [d.uuid for d in first.chosen] == [uuid_of(0)]
+    assert [d.uuid for d in second.chosen] == [uuid_of(1)]
+    with pytest.raises(NoDeviceFitsError) as info:
+        pick(want, backend=two_gpus, environ={}, registry=registry)
+    assert [c.reasons for c in info.value.candidates] == [
+        ("only 30.0 GiB free after 50.0 GiB booked by leases < 50.0 GiB wanted",),
+        ("only 30.0 GiB free after 50.0 GiB booked by leases < 50.0 GiB wanted",),
+    ]
+    for result in (first, second):
+        assert result.lease is not None
+        result.lease.release()
+
+
+def test_a_wait_that_times_out_leaves_no_ticket_in_line(
+    one_gpu: SimulatedBackend, registry_dir: Path
+) -> None:
+    registry = Registry(registry_dir)
+    want = Constraints.parse(min_free="50G")
+    held = pick(want, backend=one_gpu, environ={}, registry=registry)
+    assert held.lease is not None
+    # The traceback keeps the waiting pick's frame alive, as a notebook keeps its last error.
+    with pytest.raises(NoDeviceFitsError) as info:
+        pick(want, backend=one_gpu, environ={}, registry=registry, wait_s=0.05)
+    assert str(info.value).startswith("no device fits (min free 50.0 GiB) after waiting ")
+    assert [r.kind for r in registry.list_leases(include_tickets=True)] == ["lease"]
+    held.lease.release()
+    # Nobody waits any more: the next pick gets the freed GPU at once.
+    after = pick(want, backend=one_gpu, environ={}, registry=registry)
+    assert [d.uuid for d in after.chosen] == [uuid_of(0)]
+    assert after.lease is not None
+    after.lease.release()

@@ -27,7 +27,7 @@ def labels(cands: list) -> list[str]:
     return [c.device.label for c in cands if c.eligible]
 
 
-def test_most_free_memory_first_then_utilisation() -> None:
+def test_least_loaded_first_by_its_busiest_resource_then_most_free_memory() -> None:
     devices = [dev(0, 10, 0), dev(1, 70, 50), dev(2, 70, 10), dev(3, 40, 0)]
     ranked = rank(devices, Constraints())
     assert labels(ranked) == ["GPU 2", "GPU 1", "GPU 3", "GPU 0"]
@@ -76,6 +76,12 @@ def test_max_util() -> None:
     ranked = rank([dev(0, 80, 60), dev(1, 10, 20)], Constraints(max_util_pct=50))
     assert labels(ranked) == ["GPU 1"]
     assert ranked[1].reasons == ("utilisation 60% > max 50%",)
+
+
+def test_max_util_is_at_most_so_the_limit_itself_is_kept() -> None:
+    ranked = rank([dev(0, 80, 50.0), dev(1, 80, 51.0)], Constraints(max_util_pct=50))
+    assert labels(ranked) == ["GPU 0"]
+    assert ranked[1].reasons == ("utilisation 51% > max 50%",)
 
 
 def test_lost_prohibited_and_occupied_exclusive_are_never_chosen() -> None:

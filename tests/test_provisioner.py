@@ -295,12 +295,12 @@ def test_wait_then_cpu_only_and_fail_give_the_reason(setup: Setup) -> None:
     [
         ({"min_free": "ten"}, "min_free='ten': "),
         ({"max_util": "150"}, "max_util='150': "),
-        ({"count": 0}, "count=0: expected a whole number >= 1, e.g. 2"),
+        ({"count": 0}, "count=0: invalid count 0: expected a whole number >= 1, e.g. 2"),
         ({"wait": "soon"}, "wait='soon': "),
         ({"on_no_device": "gpu"}, "on_no_device='gpu': expected \"cpu\" (start without a GPU) or "
                                   "\"fail\""),
         ({"min_fre": "10G"}, "min_fre='10G': unknown option; accepted: min_free, max_util, count, "
-                             "exclusive, wait, on_no_device"),
+                             "exclusive, wait, model, prefer, on_no_device"),
     ],
 )
 def test_bad_kernelspec_options_refuse_to_start_with_one_clear_line(

@@ -270,7 +270,7 @@ async def test_select_bad_input_is_400_with_message(jp_fetch: Any) -> None:
     assert err.value.code == 400
     assert json.loads(err.value.response.body)["message"] == (
         "unknown parameter 'gpus'; accepted: count, exclude, exclusive, kernel_id, max_util, "
-        "min_free"
+        "min_free, model, prefer"
     )
 
 
@@ -342,8 +342,8 @@ def test_every_handler_is_authenticated(jp_web_app: tornado.web.Application) -> 
 
     ours = [r for r in _routes(jp_web_app) if "/autogpu/" in r[0]]
     names = sorted(p.split("/autogpu/", 1)[1] for p, _ in ours)
-    assert names == ["devices", "history", "holders", "kernels/(?P<kernel_id>[^/]+)/move",
-                     "select"]
+    assert names == ["cluster", "cluster/history", "devices", "history", "holders",
+                     "kernels/(?P<kernel_id>[^/]+)/move", "select"]
     assert {cls for _, cls in ours} == {cls for _, cls in HANDLERS}
     for _path, cls in ours:
         for verb in ("get", "post", "put", "patch", "delete"):

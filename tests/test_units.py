@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autogpu_jupyter.core.units import (
+    Size,
     format_bytes,
     format_duration,
     parse_duration,
@@ -72,6 +73,11 @@ def test_parse_size_rejects_with_value_and_forms(text: str, why: str) -> None:
     assert "\n" not in message
 
 
+def test_to_json_is_what_the_server_sends() -> None:
+    assert parse_size(" 10G ").to_json() == {"bytes": 10 * GiB, "fraction": None, "text": "10G"}
+    assert parse_size("25%").to_json() == {"bytes": None, "fraction": 0.25, "text": "25%"}
+
+
 def test_describe_echoes_the_parsed_value() -> None:
     assert parse_size("10G").describe() == "10.0 GiB"
     assert parse_size("16GB").describe() == "14.9 GiB"
@@ -111,3 +117,124 @@ def test_format() -> None:
     assert format_duration(90) == "1m30s"
     assert format_duration(5) == "5s"
     assert format_duration(3660) == "1h1m"
+
+
+@pytest.mark.parametrize("value", [-5, -1])
+def test_parse_size_refuses_a_negative_byte_count(value: int) -> None:
+    with pytest.raises(UsageErrorBase) as info:
+        parse_size(value)
+    assert str(info.value) == (
+        f"invalid size {value}: must not be negative; expected a number with a unit, e.g. 10G, "
+        "10GiB, 512M, 0.5T, 16GB (decimal), or a share of the device like 25%"
+    )
+
+
+@pytest.mark.parametrize(
+    ("share", "total", "expected"),
+    [("25%", 10**9 + 1, 250_000_001), ("50%", 81, 41), ("25%", 80 * GiB, 20 * GiB)],
+)
+def test_a_share_of_an_odd_byte_count_rounds_up(share: str, total: int, expected: int) -> None:
+    # Rounding down would accept a device one byte short of the share asked for.
+    assert parse_size(share).resolve(total) == expected
+
+
+SIZE_TAIL = (
+    "expected a number with a unit, e.g. 10G, 10GiB, 512M, 0.5T, 16GB (decimal), "
+    "or a share of the device like 25%"
+)
+PERCENT_TAIL = "expected a number from 0 to 100, optionally followed by %, e.g. 50 or 50%"
+DURATION_TAIL = "expected seconds or a number with s, m, h or d, e.g. 90, 30s, 10m, 1.5h"
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        (0, Size(bytes=0, text="0B")),
+        (2**60, Size(bytes=2**60, text="1152921504606846976B")),
+        ("1048576T", Size(bytes=2**60, text="1048576T")),
+        (" 2 G ", Size(bytes=2 * GiB, text="2 G")),
+        ("0%", Size(fraction=0.0, text="0%")),
+        (" 100% ", Size(fraction=1.0, text="100%")),
+    ],
+)
+def test_parse_size_edges_are_accepted_and_echo_what_was_typed(text: object, size: Size) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        (True, "invalid size True: "),
+        (None, "invalid size None: "),
+        (2**60 + 1, "invalid size 1152921504606846977: too large (at most 1 EiB); "),
+        (10**40, "invalid size 100000000000…: too large (at most 1 EiB); "),
+        ("1048577T", "invalid size '1048577T': too large (at most 1 EiB); "),
+        ("100.5%", "invalid size '100.5%': a share must be 0-100%; "),
+        ("x" * 58, f"invalid size '{'x' * 58}': not understood; "),
+        ("x" * 59, f"invalid size '{'x' * 39}…{'x' * 9}': not understood; "),
+    ],
+)
+def test_parse_size_refusals_name_the_value(text: object, why: str) -> None:
+    with pytest.raises(UsageErrorBase) as info:
+        parse_size(text)
+    assert str(info.value) == why + SIZE_TAIL
+
+
+@pytest.mark.parametrize(("text", "expected"), [(0.5, 0.5), ("100%", 100.0), (" 0% ", 0.0)])
+def test_parse_percent_edges(text: object, expected: float) -> None:
+    assert parse_percent(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "what", "message"),
+    [
+        (True, "percentage", f"invalid percentage True: {PERCENT_TAIL}"),
+        ([50], "percentage", f"invalid percentage [50]: {PERCENT_TAIL}"),
+        ("abc", "--max-util", f"invalid --max-util 'abc': {PERCENT_TAIL}"),
+        (100.5, "percentage", f"invalid percentage 100.5: must be 0-100; {PERCENT_TAIL}"),
+        (10**400, "percentage", f"invalid percentage 100000000000…: must be 0-100; {PERCENT_TAIL}"),
+    ],
+)
+def test_parse_percent_refusals_name_the_value(text: object, what: str, message: str) -> None:
+    with pytest.raises(UsageErrorBase) as info:
+        parse_percent(text, what)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [(0, 0.0), (0.5, 0.5), (90, 90.0), (1.5, 1.5), (31_536_000, 31_536_000.0)]
+)
+def test_parse_duration_numbers(text: float, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (True, f"invalid duration True: {DURATION_TAIL}"),
+        (None, f"invalid duration None: {DURATION_TAIL}"),
+        (-1, f"invalid duration -1: {DURATION_TAIL}"),
+        (float("nan"), f"invalid duration nan: {DURATION_TAIL}"),
+        ("soon", f"invalid duration 'soon': {DURATION_TAIL}"),
+        (31_536_001, f"invalid duration 31536001: too long (at most 365d); {DURATION_TAIL}"),
+        (10**400, f"invalid duration 100000000000…: too long (at most 365d); {DURATION_TAIL}"),
+        ("366d", f"invalid duration '366d': too long (at most 365d); {DURATION_TAIL}"),
+    ],
+)
+def test_parse_duration_refusals_name_the_value(text: object, message: str) -> None:
+    with pytest.raises(UsageErrorBase) as info:
+        parse_duration(text)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(5.25, "5.2s"), (59.5, "59.5s"), (60, "1m"), (60.5, "1m"), (3599, "59m59s"), (3600, "1h"),
+     (7200, "2h")],
+)
+def test_format_duration_edges(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
+
+
+def test_format_bytes_mib() -> None:
+    assert format_bytes(5 * 1024**2) == "5.0 MiB"

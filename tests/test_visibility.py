@@ -271,6 +271,21 @@ def test_mig_prefix_and_parent_index(mig_fleet: list[DeviceSnapshot]) -> None:
     assert alloc(mig_fleet, CUDA_VISIBLE_DEVICES="1").uuids == (U1,)
 
 
+def test_one_granted_mig_device_never_grants_its_parent(mig_fleet: list[DeviceSnapshot]) -> None:
+    # The runtime granted one MIG slice; CVD=0 names the whole card, which is not granted.
+    a = alloc(mig_fleet, NVIDIA_VISIBLE_DEVICES=MIG_A, CUDA_VISIBLE_DEVICES="0")
+    assert a.uuids == ()
+    assert [a.allows(d) for d in mig_fleet] == [False, False, False, False]
+    assert a.notes == (
+        "GPU 0 (from CUDA_VISIBLE_DEVICES) is outside the allocation of NVIDIA_VISIBLE_DEVICES: "
+        "dropped",
+    )
+    # The slice itself, named by CVD, stays granted.
+    assert alloc(mig_fleet, NVIDIA_VISIBLE_DEVICES=MIG_A, CUDA_VISIBLE_DEVICES=MIG_A).uuids == (
+        MIG_A,
+    )
+
+
 def test_legacy_mig_form_is_rejected_with_a_note(mig_fleet: list[DeviceSnapshot]) -> None:
     a = alloc(mig_fleet, CUDA_VISIBLE_DEVICES=f"MIG-{U0}/1/0")
     assert a.empty

@@ -265,18 +265,21 @@ def reserve_for_waiters(
     return out
 
 
-def describe_load(candidate: Candidate) -> str:
-    """The figure a candidate was ranked by, in words: ``load 35% (utilisation)``."""
+def describe_load(candidate: Candidate, short: bool = False) -> str:
+    """The figure a candidate was ranked by: ``load 35% (utilisation)``, or short ``35% util``.
+
+    Load is the larger of the (smoothed) utilisation and the share of memory in use or booked.
+    """
     dev = candidate.device
     util = candidate.smoothed_util_pct
     mem = None
     if candidate.effective_free_bytes is not None and dev.memory_total_bytes:
         mem = 100.0 * (1.0 - candidate.effective_free_bytes / dev.memory_total_bytes)
     if util is None and mem is None:
-        return "load unknown"
+        return "?" if short else "load unknown"
     if mem is None or (util is not None and util >= mem):
-        return f"load {util:.0f}% (utilisation)"
-    return f"load {mem:.0f}% (memory in use or booked)"
+        return f"{util:.0f}% util" if short else f"load {util:.0f}% (utilisation)"
+    return f"{mem:.0f}% mem" if short else f"load {mem:.0f}% (memory in use or booked)"
 
 
 def deciding_term(first: Candidate, second: Candidate | None) -> str:
@@ -285,10 +288,12 @@ def deciding_term(first: Candidate, second: Candidate | None) -> str:
         return "the only device that fits"
     a, b = first.key, second.key
     if a[0] != b[0]:
-        return f"lower load ({describe_load(first)} vs {describe_load(second)[5:]})"
+        return f"preferred model ({first.device.name} before {second.device.name})"
     if a[1] != b[1]:
-        return f"fewer live leases ({int(a[1])} vs {int(b[1])})"
+        return f"lower load ({describe_load(first, True)} vs {describe_load(second, True)})"
     if a[2] != b[2]:
+        return f"fewer live leases ({int(a[2])} vs {int(b[2])})"
+    if a[3] != b[3]:
         return (
             f"more free memory ({format_bytes(first.effective_free_bytes)} vs "
             f"{format_bytes(second.effective_free_bytes)})"

@@ -40,6 +40,14 @@ from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.core import decision
 from autogpu_jupyter.core.backends import get_backend
+from autogpu_jupyter.core.contract import (
+    GRANT_ENV,
+    MOVE_FILE_ENV,
+    NOTE_ENV,
+    OPTIONS_ENV,
+    PICKED_ENV,
+    PROVISIONED_ENV,
+)
 from autogpu_jupyter.core.picker import explain_drops
 from autogpu_jupyter.core.policy import Constraints, matches_id
 from autogpu_jupyter.core.units import format_bytes
@@ -76,17 +84,6 @@ log = logging.getLogger(__name__)
 
 #: The target that means "the policy's best device other than the current one(s)".
 BEST = "best"
-#: Set by the provisioner in the kernel: where ``%gpu move`` writes its request.
-MOVE_FILE_ENV = "AUTOGPU_MOVE_FILE"
-#: ``"1"`` in a kernel started by the autogpu provisioner.
-PROVISIONED_ENV = "AUTOGPU_PROVISIONED"
-#: The provisioner's pick options, as JSON (``min_free``, ``max_util``, ``count``, ``exclusive``).
-OPTIONS_ENV = "AUTOGPU_PICK_OPTIONS"
-#: The ``CUDA_VISIBLE_DEVICES`` the server had (the grant picked within); absent when unset.
-GRANT_ENV = "AUTOGPU_GRANT_CVD"
-#: A message for the notebook user about the provisioner's pick ("started CPU-only because ...").
-NOTE_ENV = "AUTOGPU_PICK_NOTE"
-
 _MAX_BYTES = 4096
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _UUID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
@@ -307,10 +304,13 @@ def kernel_constraints(environ: Mapping[str, str] | None = None) -> Constraints:
         opts = {}
     if not isinstance(opts, dict):
         opts = {}
-    return Constraints.parse(
-        min_free=opts.get("min_free"), max_util=opts.get("max_util"),
-        count=opts.get("count", 1), exclusive=bool(opts.get("exclusive", False)),
-    )
+    from autogpu_jupyter.core import options
+
+    known = {o.key for o in options.PICK_OPTIONS}
+    try:
+        return options.parse({k: v for k, v in opts.items() if k in known}, style="key").constraints
+    except UsageErrorBase:  # the provisioner validated them; a hand-edited variable picks plainly
+        return Constraints()
 
 
 def _resolve_target(target: str, devices: Sequence[DeviceSnapshot]) -> list[DeviceSnapshot]:
@@ -480,7 +480,7 @@ def request_move_from_kernel(
             "\"Python 3 (autogpu)\" as this notebook's kernel; here, `%gpu pick` in a fresh kernel "
             "does the same."
         )
-    current = tuple(u for u in env.get("AUTOGPU_PICKED", "").split(",") if u)
+    current = tuple(u for u in env.get(PICKED_ENV, "").split(",") if u)
     kernel_id = path.name.removeprefix("autogpu-move-").removesuffix(".json")
     plan = request_move(
         path, target, current_uuids=current, constraints=kernel_constraints(env),

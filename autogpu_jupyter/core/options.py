@@ -1,20 +1,354 @@
-"""Pick options as typed by people: argument-list fixes shared by the magics and the CLI.
+"""The one pick-options boundary: every input form becomes one validated :class:`PickOptions`.
 
-(The one pick-options boundary of the design grows here; today it holds what both command-line
-surfaces must read the same way.)
+The options a pick takes are declared once (:data:`PICK_OPTIONS`). Each surface hands over what
+the user gave, in its own form, and gets the same value type, validated the same way:
+
+* ``%gpu pick`` / ``%%gpu`` / ``autogpu pick|run`` -- argparse arguments declared by
+  :func:`add_arguments`, read with :func:`from_namespace`;
+* ``autogpu_jupyter.pick(...)`` -- keyword arguments;
+* ``GET|POST /autogpu/select`` -- query arguments or a JSON object (:func:`parse`, ``style="key"``);
+* a kernelspec's ``metadata.kernel_provisioner.config`` -- a JSON object (the same);
+* ``c.AutoGPU.*`` / ``AUTOGPU_*`` -- the defaults (:func:`defaults_from`), used for what a
+  request leaves out.
+
+Bad values get one message that names the option (``--max-util`` on the command line,
+``max_util`` in JSON), the value and the accepted forms; an explicit ``''`` is refused, not read
+as "no limit".
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["VALUE_OPTIONS", "join_negative_values", "reject_empty"]
+from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.core.units import (
+    DURATION_FORMS,
+    PERCENT_FORMS,
+    SIZE_FORMS,
+    format_duration,
+    parse_duration,
+)
+from autogpu_jupyter.errors import UsageErrorBase
 
-#: Pick options that take a value.
-VALUE_OPTIONS = ("--min-free", "--max-util", "--count", "--exclude", "--wait")
+__all__ = [
+    "PICK_OPTIONS",
+    "VALUE_OPTIONS",
+    "OptionError",
+    "OptionSpec",
+    "PickOptions",
+    "add_arguments",
+    "defaults_from",
+    "from_namespace",
+    "join_negative_values",
+    "parse",
+    "reject_empty",
+]
 
+
+@dataclass(frozen=True, slots=True)
+class OptionSpec:
+    """One pick option: its key (``min_free``), flag (``--min-free``), metavar and help."""
+
+    key: str
+    metavar: str | None
+    help: str
+    forms: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+    @property
+    def is_switch(self) -> bool:
+        return self.metavar is None
+
+
+_NAMES_FORMS = "model names, comma separated, e.g. A100 or L4,A100 (matched within the name)"
+
+#: Every option a pick takes, declared once.
+PICK_OPTIONS: tuple[OptionSpec, ...] = (
+    OptionSpec(
+        "min_free",
+        "SIZE",
+        "Free memory wanted per device: 10G / 10GiB (binary), 16GB "
+        "(decimal) or 25% of the device. Default: AutoGPU.min_free.",
+        SIZE_FORMS,
+    ),
+    OptionSpec(
+        "max_util",
+        "PCT",
+        "Drop devices busier than this utilisation, 0-100. Default: AutoGPU.max_util.",
+        PERCENT_FORMS,
+    ),
+    OptionSpec(
+        "count",
+        "N",
+        "How many devices (default 1; at most one MIG device).",
+        "a whole number >= 1, e.g. 2",
+    ),
+    OptionSpec(
+        "exclude",
+        "IDS",
+        "NVML indices or UUIDs to avoid, comma separated: 0,2 or GPU-5a1b.",
+        "NVML indices or UUIDs separated by commas, e.g. 0,2 or GPU-5a1b",
+    ),
+    OptionSpec(
+        "exclusive",
+        None,
+        "Take devices no other lease holds, and keep others off them.",
+        "true or false",
+    ),
+    OptionSpec(
+        "wait",
+        "DURATION",
+        "Wait in line up to this long for a device to fit: 30s, 10m, "
+        "1h. Interrupt the kernel to cancel.",
+        DURATION_FORMS,
+    ),
+    OptionSpec(
+        "model",
+        "NAMES",
+        "Only devices whose model name contains one of these: A100 or "
+        "H100,A100. Default: AutoGPU.model.",
+        _NAMES_FORMS,
+    ),
+    OptionSpec(
+        "prefer",
+        "NAMES",
+        "Prefer these models, in this order, before load: L4,A100 "
+        "(others after them). Default: AutoGPU.prefer (an admin's order).",
+        _NAMES_FORMS,
+    ),
+)
+_SPECS = {s.key: s for s in PICK_OPTIONS}
+#: Pick options that take a value (as flags).
+VALUE_OPTIONS = tuple(s.flag for s in PICK_OPTIONS if not s.is_switch)
 _NEGATIVE = re.compile(r"^-[0-9.]")
+
+
+class OptionError(UsageErrorBase):
+    """A bad pick option: ``option`` (its key), ``value`` and why (the message)."""
+
+    def __init__(self, message: str, option: str, value: object) -> None:
+        super().__init__(message)
+        self.option = option
+        self.value = value
+
+
+@dataclass(frozen=True, slots=True)
+class PickOptions:
+    """A validated pick request: the constraints, and how long it may wait in line."""
+
+    constraints: Constraints
+    wait_s: float = 0.0
+
+    def describe(self) -> str:
+        """In words, e.g. ``min free 10.0 GiB, exclusive, waiting up to 10m``."""
+        text = self.constraints.describe()
+        if self.wait_s:
+            text += f", waiting up to {format_duration(self.wait_s)}"
+        return text
+
+
+def _label(key: str, style: str) -> str:
+    return _SPECS[key].flag if style == "flag" else key
+
+
+def _short(value: object) -> str:
+    r = repr(value)
+    return r if len(r) <= 60 else r[:48] + "…" + r[-10:]
+
+
+def reject_empty(value: object, option: str, forms: str) -> None:
+    """An option given explicitly as ``''`` is a mistake, not "no limit": say so."""
+    if isinstance(value, str) and not value.strip():
+        raise OptionError(f"invalid {option} {value!r}: empty; expected {forms}", option, value)
+
+
+def _names(value: object, key: str, style: str) -> tuple[str, ...]:
+    if value is None or value == ():
+        return ()
+    if isinstance(value, str):
+        parts = value.split(",")
+    elif isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value):
+        parts = list(value)
+    else:
+        raise OptionError(
+            f"invalid {_label(key, style)} {_short(value)}: expected {_NAMES_FORMS}", key, value
+        )
+    names = tuple(p.strip() for p in parts)
+    if not names or any(not n or len(n) > 64 for n in names):
+        raise OptionError(
+            f"invalid {_label(key, style)} {_short(value)}: expected {_NAMES_FORMS}", key, value
+        )
+    return names
+
+
+def _switch(value: object, key: str, style: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in {"1", "true", "yes", "on"}:
+        return True
+    if isinstance(value, str) and value.strip().lower() in {"0", "false", "no", "off", ""}:
+        return False
+    raise OptionError(
+        f"invalid {_label(key, style)} {_short(value)}: expected true or false", key, value
+    )
+
+
+def parse(
+    values: Mapping[str, Any],
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    style: str = "flag",
+    ignore: Iterable[str] = (),
+    accept: Iterable[str] | None = None,
+) -> PickOptions:
+    """Validate ``values`` (what the user gave; ``None`` = not given) over ``defaults``.
+
+    Parameters
+    ----------
+    values
+        Option key -> value, in any input form (strings, numbers, lists, booleans).
+    defaults
+        What an option left out takes (:func:`defaults_from` of the settings).
+    style
+        ``"flag"``: messages name ``--min-free``; ``"key"``: ``min_free`` (JSON, kernelspecs).
+    ignore
+        Keys of ``values`` that belong to the caller (``kernel_id``, ``on_no_device``).
+    accept
+        The option keys this surface takes (default: all); others are unknown parameters.
+
+    Raises
+    ------
+    OptionError
+        An unknown option, or a bad value; the message names it and the accepted forms.
+    """
+    skip = set(ignore)
+    known = set(_SPECS) if accept is None else set(accept) & set(_SPECS)
+    unknown = sorted(k for k in values if k not in known and k not in skip)
+    if unknown:
+        accepted = sorted({*(_label(k, style) for k in known), *skip})
+        raise OptionError(
+            f"unknown parameter {_short(unknown[0])}; accepted: {', '.join(accepted)}",
+            unknown[0],
+            values[unknown[0]],
+        )
+    given = {k: v for k, v in values.items() if k in _SPECS and v is not None}
+    for k, v in given.items():
+        if k not in ("exclusive", "exclude"):
+            reject_empty(v, _label(k, style), _SPECS[k].forms)
+    merged = {**{k: v for k, v in (defaults or {}).items() if v not in (None, "")}, **given}
+    if style == "key":
+        _check_json_types(merged)
+    # Each value alone first, so that an error names its option (``OptionError.option``).
+    if "count" in merged:
+        merged["count"] = _count(merged["count"], style)
+    for key in ("min_free", "max_util", "exclude"):
+        if key in merged:
+            _attributed(key, merged[key], lambda k=key: Constraints.parse(**{k: merged[k]}))
+    exclusive = _switch(merged.get("exclusive", False), "exclusive", style)
+    constraints = Constraints.parse(
+        min_free=merged.get("min_free"),
+        max_util=merged.get("max_util"),
+        count=merged.get("count", 1),
+        exclude=merged.get("exclude"),
+        exclusive=exclusive,
+        models=_names(merged.get("model"), "model", style),
+        prefer=_names(merged.get("prefer"), "prefer", style),
+    )
+    wait = merged.get("wait")
+    wait_s = (
+        0.0 if wait in (None, "", 0) else _attributed("wait", wait, lambda: parse_duration(wait))
+    )
+    return PickOptions(constraints, wait_s)
+
+
+def _count(value: object, style: str) -> int:
+    try:
+        n = int(str(value).strip()) if not isinstance(value, (bool, float)) else -1
+    except ValueError:
+        n = -1
+    if n < 1:
+        label = "--count" if style == "flag" else "count"
+        raise OptionError(
+            f"invalid {label} {_short(value)}: expected a whole number >= 1, e.g. 2", "count", value
+        )
+    return n
+
+
+def _attributed(key: str, value: object, check: Any) -> Any:
+    try:
+        return check()
+    except OptionError:
+        raise
+    except UsageErrorBase as err:
+        raise OptionError(str(err), key, value) from None
+
+
+_EXAMPLES = {"min_free": '"10G"', "max_util": '"50"', "wait": '"10m"'}
+
+
+def _check_json_types(merged: Mapping[str, Any]) -> None:
+    for key, example in _EXAMPLES.items():
+        v = merged.get(key)
+        # A number is a byte count to the Python API, but in JSON "10" is ambiguous: strings.
+        number_ok = key != "min_free"
+        if v is not None and (
+            isinstance(v, bool) or not isinstance(v, (str, int, float) if number_ok else str)
+        ):
+            raise OptionError(
+                f"invalid {key}={_short(v)}: expected a string such as {example}", key, v
+            )
+    count = merged.get("count")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, (int, str))):
+        raise OptionError(
+            f"invalid count {_short(count)}: expected a whole number >= 1", "count", count
+        )
+    exclude = merged.get("exclude")
+    if exclude is not None and not (
+        isinstance(exclude, str)
+        or (isinstance(exclude, list) and all(isinstance(x, (str, int)) for x in exclude))
+    ):
+        raise OptionError(
+            f'invalid exclude {_short(exclude)}: expected ids like "0,2" or a list',
+            "exclude",
+            exclude,
+        )
+
+
+def defaults_from(settings: Any) -> dict[str, Any]:
+    """The pick defaults of an ``AutoGPU`` configuration (config file, ``%config``, env)."""
+    return {
+        "min_free": settings.min_free,
+        "max_util": settings.max_util,
+        "count": settings.count,
+        "exclusive": settings.exclusive,
+        "wait": settings.wait,
+        "model": getattr(settings, "model", "") or None,
+        "prefer": getattr(settings, "prefer", "") or None,
+    }
+
+
+def add_arguments(parser: Any, *, escape_percent: bool = True, skip: Sequence[str] = ()) -> None:
+    """Declare every pick option on an argparse parser (the CLI's, the magics', the kernelspec
+    installer's), less the keys in ``skip``."""
+    for spec in PICK_OPTIONS:
+        if spec.key in skip:
+            continue
+        text = spec.help.replace("%", "%%") if escape_percent else spec.help
+        if spec.is_switch:
+            parser.add_argument(spec.flag, action="store_true", default=None, help=text)
+        else:
+            parser.add_argument(spec.flag, metavar=spec.metavar, default=None, help=text)
+
+
+def from_namespace(ns: Any) -> dict[str, Any]:
+    """The pick options an argparse namespace holds (``None``: not given)."""
+    return {spec.key: getattr(ns, spec.key, None) for spec in PICK_OPTIONS}
 
 
 def join_negative_values(argv: Sequence[str], options: Sequence[str] = VALUE_OPTIONS) -> list[str]:
@@ -37,11 +371,3 @@ def join_negative_values(argv: Sequence[str], options: Sequence[str] = VALUE_OPT
         out.append(arg)
         i += 1
     return out
-
-
-def reject_empty(value: object, option: str, forms: str) -> None:
-    """An option given explicitly as ``''`` is a mistake, not "no limit": say so."""
-    from autogpu_jupyter.errors import UsageErrorBase
-
-    if isinstance(value, str) and not value.strip():
-        raise UsageErrorBase(f"invalid {option} {value!r}: empty; expected {forms}")

@@ -60,6 +60,10 @@ class Constraints:
     count: int = 1
     exclude: tuple[str, ...] = ()
     exclusive: bool = False
+    #: Only devices whose model name contains one of these (case-insensitive); () = any.
+    models: tuple[str, ...] = ()
+    #: Models preferred, in this order, before load (others after them).
+    prefer: tuple[str, ...] = ()
 
     @classmethod
     def parse(
@@ -70,6 +74,8 @@ class Constraints:
         count: object = 1,
         exclude: object = None,
         exclusive: bool = False,
+        models: Sequence[str] = (),
+        prefer: Sequence[str] = (),
     ) -> Constraints:
         """Build constraints from user input (strings or numbers), validating each value.
 
@@ -96,7 +102,13 @@ class Constraints:
                     "UUIDs separated by commas, e.g. 0,2 or GPU-5a1b"
                 )
         return cls(
-            min_free=size, max_util_pct=util, count=n, exclude=ids, exclusive=bool(exclusive)
+            min_free=size,
+            max_util_pct=util,
+            count=n,
+            exclude=ids,
+            exclusive=bool(exclusive),
+            models=tuple(models),
+            prefer=tuple(prefer),
         )
 
     def describe(self) -> str:
@@ -112,6 +124,10 @@ class Constraints:
             parts.append(f"excluding {', '.join(self.exclude)}")
         if self.exclusive:
             parts.append("exclusive")
+        if self.models:
+            parts.append(f"model {' or '.join(self.models)}")
+        if self.prefer:
+            parts.append(f"preferring {', then '.join(self.prefer)}")
         return ", ".join(parts) if parts else "no constraints"
 
     def to_json(self) -> dict[str, object]:
@@ -121,6 +137,8 @@ class Constraints:
             "count": self.count,
             "exclude": list(self.exclude),
             "exclusive": self.exclusive,
+            "models": list(self.models),
+            "prefer": list(self.prefer),
         }
 
 
@@ -146,7 +164,10 @@ class Candidate:
     smoothed_util_pct: float | None
     lease_count: int = 0
     booked_bytes: int = 0
-    key: tuple[float, float, float, str] = field(default=(0.0, 0.0, 0.0, ""), compare=False)
+    #: The ranking key: (model preference, load step, live leases, -free GiB, UUID).
+    key: tuple[float, float, float, float, str] = field(
+        default=(0.0, 0.0, 0.0, 0.0, ""), compare=False
+    )
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -262,6 +283,9 @@ def rank(
         elif not dev.is_mig and dev.mig_enabled:
             ok = False
             reasons.append("MIG mode is on but it has no MIG devices")
+        if constraints.models and not _model_matches(dev, constraints.models):
+            ok = False
+            reasons.append(f"model {dev.name} is not {' or '.join(constraints.models)}")
         if dev.is_mig and constraints.count > 1:
             ok = False
             reasons.append(
@@ -310,6 +334,7 @@ def rank(
                 reasons.append(f"{booking.lease_count} live lease(s)")
 
         key = (
+            float(_preference(dev, constraints.prefer)),
             float(_load_step(util, eff_free, dev.memory_total_bytes)),
             float(booking.lease_count),
             -float(math.floor((eff_free if eff_free is not None else -_GIB) / _GIB)),
@@ -336,6 +361,17 @@ def rank(
         ),
     )
     return eligible + dropped
+
+
+def _model_matches(dev: DeviceSnapshot, names: Sequence[str]) -> bool:
+    name = dev.name.lower()
+    return any(n.lower() in name for n in names)
+
+
+def _preference(dev: DeviceSnapshot, prefer: Sequence[str]) -> int:
+    """Place of the device's model in the preference order (unlisted models after all)."""
+    name = dev.name.lower()
+    return next((i for i, n in enumerate(prefer) if n.lower() in name), len(prefer))
 
 
 def _load_step(util: float | None, eff_free: int | None, total: int | None) -> int:

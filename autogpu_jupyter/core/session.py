@@ -13,6 +13,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from autogpu_jupyter.core.contract import LEASE_ENV, NOTE_ENV, PICKED_ENV
 from autogpu_jupyter.core.cudastate import cuda_state, too_late_message
 from autogpu_jupyter.errors import TooLateError
 
@@ -34,8 +35,6 @@ __all__ = [
 ]
 
 MANAGED_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
-PICKED_ENV = "AUTOGPU_PICKED"
-LEASE_ENV = "AUTOGPU_LEASE_ID"
 
 
 @dataclass
@@ -88,7 +87,7 @@ def current() -> Choice | None:
             uuids=tuple(u for u in picked.split(",") if u),
             lease_id=os.environ.get(LEASE_ENV) or None,
             source="provisioner",
-            note=os.environ.get("AUTOGPU_PICK_NOTE") or None,
+            note=os.environ.get(NOTE_ENV) or None,
         )
     return None
 

@@ -11,6 +11,15 @@ authenticated, under ``{base_url}/autogpu/``:
     Live leases and NVML processes per device, joined with this server's kernels and sessions.
 ``GET|POST select``
     A dry-run pick with the same policy as ``%gpu pick`` (``core.picker.pick(dry_run=True)``).
+``GET cluster?min_free=<size>``
+    Every host of the cluster from ``c.AutoGPU.prometheus_url`` (``core.cluster``), hosts ranked
+    for the constraints by the same policy; ``configured: false`` when no Prometheus is set.
+``GET cluster/history?seconds=<s>``
+    Each host's mean GPU utilisation and memory taken over the last ``seconds`` (default a day),
+    from Prometheus range queries.
+
+It also registers the ``autogpu_*`` gauges (``autogpu_jupyter.metrics``) on the Prometheus registry
+that jupyter_server serves at ``{base_url}/metrics``.
 
 Configure with ``c.AutoGPUServer.*`` in ``jupyter_server_config.py`` (see :class:`AutoGPUServer`).
 """
@@ -51,6 +60,16 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
         from autogpu_jupyter.server import culling
 
         culling.install(state, server_app.kernel_manager)
+    if state.metrics:
+        from autogpu_jupyter.metrics import MetricsSource, install
+
+        def latest() -> Any:
+            sampler = state._sampler
+            return sampler.latest() if sampler is not None else None
+
+        install(MetricsSource(latest=latest, registry=state.registry,
+                              hostname=state.metrics_hostname,
+                              lease_details=state.metrics_lease_details))
     server_app.log.info(
         "autogpu server extension loaded: %sautogpu/ (sampling every %.1f s)",
         server_app.web_app.settings.get("base_url", "/"),

@@ -151,6 +151,38 @@ class SelectHandler(_BaseHandler):
         await self._select(params)
 
 
+class ClusterHandler(_BaseHandler):
+    """``GET cluster?min_free=<size>``: the cluster's hosts from Prometheus, ranked."""
+
+    @tornado.web.authenticated
+    async def get(self) -> None:
+        params = {
+            k: self.get_argument(k) for k in self.request.arguments if not k.isdigit()
+        }
+        try:
+            constraints = payloads.parse_constraints(params)
+        except AutoGPUError as err:
+            raise self._http_error(err) from err
+        # urllib blocks: on the executor, never on the IOLoop.
+        payload = await self.state.run(payloads.cluster_payload, self.state, constraints)
+        self._finish_json(payload)
+
+
+class ClusterHistoryHandler(_BaseHandler):
+    """``GET cluster/history?seconds=<s>``: each host's mean load over time, from Prometheus."""
+
+    @tornado.web.authenticated
+    async def get(self) -> None:
+        from autogpu_jupyter.core.cluster import check_history_s
+
+        try:
+            seconds = check_history_s(self.get_argument("seconds", "86400"))
+        except AutoGPUError as err:
+            raise self._http_error(err) from err
+        payload = await self.state.run(payloads.cluster_history_payload, self.state, seconds)
+        self._finish_json(payload)
+
+
 class MoveHandler(_BaseHandler):
     """``POST kernels/<kernel_id>/move``: restart an autogpu kernel on another GPU.
 
@@ -212,6 +244,8 @@ HANDLERS: list[tuple[str, type[_BaseHandler]]] = [
     ("history", HistoryHandler),
     ("holders", HoldersHandler),
     ("select", SelectHandler),
+    ("cluster", ClusterHandler),
+    ("cluster/history", ClusterHistoryHandler),
     (r"kernels/(?P<kernel_id>[^/]+)/move", MoveHandler),
 ]
 

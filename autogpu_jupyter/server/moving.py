@@ -4,8 +4,9 @@ The sidebar's "Move to best GPU" / "Move here" buttons call it. What happens
 (:mod:`autogpu_jupyter.core.moves` has the mechanism):
 
 1. the kernel must have been started by the autogpu kernel provisioner (its provisioner object
-   carries ``autogpu_move_file``); the server reads the provisioner's attributes with ``getattr``
-   and never imports :mod:`autogpu_jupyter.provisioner`;
+   carries ``autogpu_move_file``); the server reads the provisioner's state through the typed
+   :class:`~autogpu_jupyter.core.contract.ProvisionerState` protocol and never imports
+   :mod:`autogpu_jupyter.provisioner`;
 2. :func:`~autogpu_jupyter.core.moves.request_move` checks the target against the devices now
    (the kernel's own pick options, the server's grant, other holders' leases) and records the
    request; ``dry_run`` only plans, which the sidebar shows in its confirmation dialog;
@@ -23,6 +24,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.core import moves
+from autogpu_jupyter.core.contract import ProvisionerState
 from autogpu_jupyter.errors import UsageErrorBase
 
 if TYPE_CHECKING:
@@ -84,8 +86,9 @@ def parse_move_body(body: bytes) -> MoveBody:
 
 
 def is_movable(provisioner: Any) -> bool:
-    """Whether the kernel was started by the autogpu provisioner (which honours move requests)."""
-    return getattr(provisioner, "autogpu_move_file", None) is not None
+    """Whether the kernel was started by the autogpu provisioner (which honours move requests):
+    it exposes the kernel contract's :class:`~autogpu_jupyter.core.contract.ProvisionerState`."""
+    return isinstance(provisioner, ProvisionerState) and provisioner.autogpu_move_file is not None
 
 
 def plan_or_request(
@@ -108,7 +111,7 @@ def plan_or_request(
         registry = registry.hiding(kernel_id=kernel_id)
     sampler = state.sampler()
     kwargs: dict[str, Any] = {
-        "current_uuids": tuple(getattr(provisioner, "autogpu_picked", None) or ()),
+        "current_uuids": tuple(provisioner.autogpu_picked or ()),
         "constraints": provisioner.autogpu_constraints,
         "kernel_id": kernel_id,
         "registry": registry,
@@ -124,7 +127,7 @@ def plan_or_request(
 
 def cancel(provisioner: Any) -> None:
     """Drop a recorded request (the restart failed: no later restart should move by surprise)."""
-    path = getattr(provisioner, "autogpu_move_file", None)
+    path = provisioner.autogpu_move_file if isinstance(provisioner, ProvisionerState) else None
     if path:
         moves.cancel_move(path)
 
@@ -153,8 +156,9 @@ def result_payload(
     }
     if dry_run:
         return {**out, "message": plan.message, "picked": None, "note": None}
-    picked = tuple(getattr(provisioner, "autogpu_picked", None) or ())
-    note = getattr(provisioner, "autogpu_note", None)
+    state = provisioner if isinstance(provisioner, ProvisionerState) else None
+    picked = tuple(state.autogpu_picked or ()) if state is not None else ()
+    note = state.autogpu_note if state is not None else None
     if picked == planned:
         message = (
             f"The kernel restarted on {_labels(picked, known)}; its state (variables) was lost."

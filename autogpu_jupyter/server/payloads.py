@@ -15,9 +15,9 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from autogpu_jupyter.core.contract import ProvisionerState
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
-from autogpu_jupyter.core.units import parse_percent, parse_size
 from autogpu_jupyter.errors import (
     AutoGPUError,
     NoDeviceFitsError,
@@ -402,41 +402,28 @@ def kernel_infos(
             km = kernel_manager.get_kernel(kid)
         except KeyError:
             continue
-        prov = getattr(km, "provisioner", None)
-        movable = getattr(prov, "autogpu_move_file", None) is not None
-        picked = getattr(prov, "autogpu_picked", None) or ()
-        constraints = getattr(prov, "autogpu_constraints", None)
-        state, idle_s = kernel_activity(km)
+        prov = getattr(km, "provisioner", None)  # jupyter_client's attribute
+        state = prov if isinstance(prov, ProvisionerState) else None
+        movable = state is not None and state.autogpu_move_file is not None
+        picked = state.autogpu_picked if state is not None else ()
+        constraints = state.autogpu_constraints if state is not None else None
+        execution_state, idle_s = kernel_activity(km)
         out.append(
             {
                 "kernel_id": kid,
                 "notebook_path": (sessions.get(kid) or {}).get("path"),
-                "execution_state": state,
+                "execution_state": execution_state,
                 "idle_s": idle_s,
                 "movable": movable,
                 "picked_uuids": [str(u) for u in picked] if movable else [],
                 "constraints_text": constraints.describe() if movable and constraints else None,
-                "note": getattr(prov, "autogpu_note", None) if movable else None,
+                "note": state.autogpu_note if state is not None and movable else None,
             }
         )
     return out
 
 
-def _text(params: Mapping[str, Any], key: str) -> str | None:
-    value = params.get(key)
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "min_free":
-        return str(value)
-    if not isinstance(value, str):
-        raise UsageErrorBase(f"invalid {key}={short_repr(value)}: expected a string")
-    value = value.strip()
-    return value or None
-
-
-_KNOWN = {"min_free", "max_util", "count", "exclude", "exclusive"}
-#: Accepted by ``select`` besides the constraints.
-_SELECT_EXTRA = {"kernel_id"}
+_SELECT_EXTRA = ("kernel_id",)
 
 
 #: The largest request body a handler reads (a pick's options fit in a few hundred bytes).
@@ -485,56 +472,13 @@ def short_repr(value: Any, limit: int = 60) -> str:
 
 
 def parse_constraints(params: Mapping[str, Any]) -> Constraints:
-    """Constraints from query arguments or a JSON body, with the magic's units and messages.
+    """Constraints from query arguments or a JSON body: the one options boundary
+    (:func:`autogpu_jupyter.core.options.parse`, JSON-style names), the magic's units and
+    messages. ``kernel_id`` is accepted and left to :func:`parse_kernel_id`."""
+    from autogpu_jupyter.core import options
 
-    Accepted keys: ``min_free`` ("10G", "25%"), ``max_util`` ("50" or "50%"), ``count`` (>= 1),
-    ``exclude`` ("0,2" or a list), ``exclusive`` (true/false). ``kernel_id`` is accepted and
-    left to :func:`parse_kernel_id`.
-    """
-    accepted = _KNOWN | _SELECT_EXTRA
-    unknown = sorted(set(params) - accepted)
-    if unknown:
-        raise UsageErrorBase(
-            f"unknown parameter {short_repr(unknown[0])}; accepted: {', '.join(sorted(accepted))}"
-        )
-    min_free_text = _text(params, "min_free")
-    max_util_text = _text(params, "max_util")
-    count_raw = params.get("count", 1)
-    try:
-        count = int(count_raw)
-        if isinstance(count_raw, float) or count < 1:
-            raise ValueError
-    except (TypeError, ValueError):
-        raise UsageErrorBase(
-            f"invalid count {short_repr(count_raw)}: expected a whole number >= 1"
-        ) from None
-    exclude_raw = params.get("exclude") or []
-    if isinstance(exclude_raw, str):
-        exclude = tuple(x.strip() for x in exclude_raw.split(",") if x.strip())
-    elif isinstance(exclude_raw, list) and all(isinstance(x, (str, int)) for x in exclude_raw):
-        exclude = tuple(str(x) for x in exclude_raw)
-    else:
-        raise UsageErrorBase(
-            f'invalid exclude {short_repr(exclude_raw)}: expected ids like "0,2" or a list'
-        )
-    exclusive_raw = params.get("exclusive", False)
-    if isinstance(exclusive_raw, bool):
-        exclusive = exclusive_raw
-    elif str(exclusive_raw).lower() in {"1", "true", "yes", "on"}:
-        exclusive = True
-    elif str(exclusive_raw).lower() in {"0", "false", "no", "off", ""}:
-        exclusive = False
-    else:
-        raise UsageErrorBase(
-            f"invalid exclusive {short_repr(exclusive_raw)}: expected true or false"
-        )
-    return Constraints(
-        min_free=parse_size(min_free_text) if min_free_text else None,
-        max_util_pct=parse_percent(max_util_text, "max_util") if max_util_text else None,
-        count=count,
-        exclude=exclude,
-        exclusive=exclusive,
-    )
+    accept = [o.key for o in options.PICK_OPTIONS if o.key != "wait"]  # a dry run never waits
+    return options.parse(params, style="key", ignore=_SELECT_EXTRA, accept=accept).constraints
 
 
 def _candidate_json(c: Any) -> dict[str, Any]:
@@ -639,6 +583,84 @@ def select_answer(
     }
 
 
+def cluster_payload(state: AutoGPUServer, constraints: Constraints) -> dict[str, Any]:
+    """``GET cluster``: every host Prometheus holds (``core.cluster.fetch_cluster``), ranked for
+    ``constraints`` by the local pick's policy (``rank_hosts``).
+
+    ``configured`` is false when ``c.AutoGPU.prometheus_url`` is empty; a Prometheus that cannot
+    be asked gives no hosts and the reason in ``errors`` (the sidebar shows it).
+    """
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.core.cluster import PrometheusClient, fetch_cluster, rank_hosts
+
+    settings = AutoGPU(parent=state.parent)
+    url = settings.prometheus_url
+    base: dict[str, Any] = {
+        "configured": bool(url),
+        "prometheus_url": url or None,
+        "timestamp_s": time.time(),
+        "constraints": constraints.to_json(),
+        "constraints_text": constraints.describe(),
+        "hosts": [],
+        "ranking": [],
+        "best": None,
+        "errors": [],
+    }
+    if not url:
+        return base
+    try:
+        view = fetch_cluster(PrometheusClient(url, settings.prometheus_timeout_s))
+    except AutoGPUError as err:
+        base["errors"] = [str(err)]
+        return base
+    choices = rank_hosts(view, constraints)
+    base.update(view.to_dict())
+    base["ranking"] = [
+        {
+            "hostname": c.host.hostname,
+            "fits": c.fits,
+            "chosen": [
+                {"uuid": x.device.uuid, "label": x.device.label,
+                 "effective_free_bytes": x.effective_free_bytes}
+                for x in c.chosen
+            ],
+        }
+        for c in choices
+    ]
+    base["best"] = choices[0].host.hostname if choices and choices[0].fits else None
+    return base
+
+
+def cluster_history_payload(state: AutoGPUServer, seconds: float) -> dict[str, Any]:
+    """``GET cluster/history?seconds=<s>``: each host's mean GPU utilisation and memory taken
+    over the last ``seconds`` from Prometheus range queries (``core.cluster.fetch_history``)."""
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.core.cluster import PrometheusClient, fetch_history
+
+    settings = AutoGPU(parent=state.parent)
+    url = settings.prometheus_url
+    base: dict[str, Any] = {
+        "configured": bool(url),
+        "prometheus_url": url or None,
+        "seconds": seconds,
+        "step_s": None,
+        "hosts": [],
+        "errors": [],
+    }
+    if not url:
+        return base
+    try:
+        step, histories = fetch_history(PrometheusClient(url, settings.prometheus_timeout_s),
+                                        seconds)
+    except AutoGPUError as err:
+        base["errors"] = [str(err)]
+        return base
+    base["step_s"] = step
+    base["hosts"] = [h.to_dict() for h in histories]
+    return base
+
+
+
 def gpu_kernel_ids(state: AutoGPUServer, kernel_manager: Any) -> set[str]:
     """This server's kernels that hold a GPU: a live lease naming the kernel, a GPU process in
     the kernel's process tree (NVML), or the autogpu provisioner's pick at its start."""
@@ -662,6 +684,6 @@ def gpu_kernel_ids(state: AutoGPUServer, kernel_manager: Any) -> set[str]:
             prov = getattr(kernel_manager.get_kernel(kid), "provisioner", None)
         except KeyError:
             continue
-        if getattr(prov, "autogpu_picked", None):
+        if isinstance(prov, ProvisionerState) and prov.autogpu_picked:
             held.add(kid)
     return held

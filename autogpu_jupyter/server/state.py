@@ -84,6 +84,22 @@ class AutoGPUServer(Configurable):
         "MappingKernelManager.cull_interval, cull_connected and cull_busy apply, and kernels "
         "without a GPU keep MappingKernelManager.cull_idle_timeout (0: never culled).",
     ).tag(config=True)
+    metrics = Bool(
+        True,
+        help="Register the autogpu_* gauges on jupyter_server's Prometheus registry (served at "
+        "{base_url}/metrics, authenticated unless ServerApp.authenticate_prometheus = False). A "
+        "scrape reads the shared sampler's latest sweep: it never calls NVML.",
+    ).tag(config=True)
+    metrics_lease_details = Bool(
+        False,
+        help="Add kernel and notebook labels to autogpu_lease_info. Off by default: notebook "
+        "paths are other users' business, and each one is another series to store.",
+    ).tag(config=True)
+    metrics_hostname = Unicode(
+        "",
+        help="The hostname label of the autogpu_* series (default: this host's short name, as "
+        "DCGM exporter's Hostname label).",
+    ).tag(config=True)
     executor_threads = Int(
         4, help="Threads that run NVML, registry and /proc reads off the IOLoop."
     ).tag(config=True)

@@ -51,6 +51,7 @@ import {
   waitsEnded
 } from './model';
 import { requestAPI } from './request';
+import { ClusterSection } from './cluster';
 
 /** What the panel needs to know about the active notebook. */
 export interface IActiveNotebook {
@@ -172,6 +173,8 @@ export class GPUPanel extends Widget {
       this._totals,
       this._cards
     );
+    this._cluster = new ClusterSection(this._serverSettings);
+    this.node.appendChild(this._cluster.node);
   }
 
   /** Apply settings; a new interval takes effect at the next tick. */
@@ -197,6 +200,7 @@ export class GPUPanel extends Widget {
       active?.kernelId ?? null
     );
     const errors: string[] = [];
+    void this._cluster.refresh(this._settings.recommendMinFree);
     try {
       const [fleetRaw, historyRaw, holdersRaw] = await Promise.all([
         requestAPI<unknown>('devices', this._serverSettings),
@@ -706,6 +710,7 @@ export class GPUPanel extends Widget {
   private _lastErrors: string[] = [];
   private _overloadShown = new Map<string, string>();
   private _waiting = new Set<string>();
+  private _cluster: ClusterSection;
   private _fleet: IFleet | null = null;
   private _holders: IHolders | null = null;
   private _selection: ISelection | null = null;

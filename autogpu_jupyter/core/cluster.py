@@ -1,0 +1,687 @@
+"""The cluster as a Prometheus server holds it: every host's GPUs, their load, who holds them.
+
+autogpu builds no aggregator (design section 4): each host's ``autogpu_*`` series (from a Jupyter
+server's ``/metrics`` or ``autogpu exporter``) and NVIDIA's DCGM exporter series are scraped by
+Prometheus, and this module reads them back through Prometheus's HTTP API (stdlib ``urllib``
+only, so the CLI and the server extension share it) with a few instant queries:
+
+* ``{__name__=~"autogpu_gpu_.*|autogpu_lease_info"}``;
+* the DCGM exporter fields ``DCGM_FI_DEV_GPU_UTIL`` (percent), ``DCGM_FI_DEV_FB_USED`` and
+  ``DCGM_FI_DEV_FB_FREE`` (MiB), ``DCGM_FI_DEV_GPU_TEMP``, ``DCGM_FI_DEV_POWER_USAGE`` and, on MIG,
+  ``DCGM_FI_PROF_GR_ENGINE_ACTIVE`` (0..1) where ``DCGM_FI_DEV_GPU_UTIL`` is not supported;
+* ``timestamp(...)`` of the memory series (when Prometheus last scraped each device), ``up``,
+  the last hostname each target reported within :data:`LOOKBACK` (so a host that went down is
+  still named), and ``/api/v1/targets`` for each target's scrape interval.
+
+A device is keyed by its UUID: where a host exports both, autogpu's series win over DCGM's (they
+know the leases). Hosts are grouped by the ``hostname`` label (DCGM: ``Hostname``, renamed
+``hostname`` in 2026; both are read), else the target's ``instance``.
+
+Host state: ``down`` when every target of the host has ``up == 0``; ``stale`` when its newest
+sample is older than two scrape intervals; else ``ok``. Only ``ok`` hosts are ranked.
+
+:func:`rank_hosts` ranks hosts with the one decision pipeline (:func:`core.decision.decide`:
+the local pick's :func:`core.policy.rank` and :func:`core.policy.select`) over
+:class:`DeviceSnapshot` built from the series, bookings from
+``autogpu_gpu_memory_booked_bytes`` and ``autogpu_gpu_leases``): the best host is the one whose
+chosen device(s) have the best policy key, so a local pick on that host chooses the same device
+(same data: the exporter's latest sweep).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from autogpu_jupyter.core.decision import Context, decide
+from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+from autogpu_jupyter.core.policy import Booking, Candidate, Constraints
+from autogpu_jupyter.core.visibility import current_allocation
+from autogpu_jupyter.errors import AutoGPUError, UsageErrorBase
+
+__all__ = [
+    "ClusterError",
+    "ClusterDevice",
+    "ClusterHost",
+    "ClusterView",
+    "HostChoice",
+    "PrometheusClient",
+    "check_url",
+    "fetch_cluster",
+    "rank_hosts",
+    "LOOKBACK",
+]
+
+MiB = 1024**2
+#: How far back the names of targets that went down are looked up.
+LOOKBACK = "1h"
+#: Scrape interval assumed where Prometheus's targets API does not say (its own default).
+DEFAULT_SCRAPE_INTERVAL_S = 60.0
+
+_AUTOGPU_QUERY = '{__name__=~"autogpu_gpu_.*|autogpu_lease_info"}'
+_DCGM_FIELDS = (
+    "DCGM_FI_DEV_GPU_UTIL",
+    "DCGM_FI_PROF_GR_ENGINE_ACTIVE",
+    "DCGM_FI_DEV_FB_USED",
+    "DCGM_FI_DEV_FB_FREE",
+    "DCGM_FI_DEV_GPU_TEMP",
+    "DCGM_FI_DEV_POWER_USAGE",
+)
+_DCGM_QUERY = '{__name__=~"' + "|".join(_DCGM_FIELDS) + '"}'
+_SCRAPED_QUERY = 'timestamp({__name__=~"autogpu_host_info|DCGM_FI_DEV_FB_USED"})'
+#: The host of every target seen within LOOKBACK (also those down now) and, for autogpu's, the
+#: time of its last sweep.
+_NAMES_QUERIES = (
+    f"max by (instance, hostname) (last_over_time(autogpu_sample_timestamp_seconds[{LOOKBACK}]))",
+    f"max by (instance, hostname, Hostname) (last_over_time(DCGM_FI_DEV_FB_USED[{LOOKBACK}]))",
+)
+
+
+class ClusterError(AutoGPUError):
+    """Prometheus cannot be asked (unreachable, an error answer)."""
+
+
+def check_url(url: str) -> str:
+    """``url`` without a trailing slash, if it is an ``http(s)://host[:port][/path]`` URL.
+
+    Raises
+    ------
+    UsageErrorBase
+        Naming the value and the accepted form.
+    """
+    parsed = urllib.parse.urlsplit(url.strip())
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise UsageErrorBase(
+            f"invalid Prometheus URL {url!r}: expected http://HOST:PORT or https://HOST/PATH, "
+            "e.g. http://prometheus.example.org:9090"
+        )
+    return url.strip().rstrip("/")
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One series of an instant query: its labels and value (``timestamp_s`` = evaluation)."""
+
+    labels: Mapping[str, str]
+    value: float
+    timestamp_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RangeSeries:
+    """One series of a range query: its labels and ``(timestamp_s, value)`` points."""
+
+    labels: Mapping[str, str]
+    points: tuple[tuple[float, float], ...]
+
+
+class PrometheusClient:
+    """Instant queries against Prometheus's HTTP API (``/api/v1/query``), with a timeout.
+
+    Parameters
+    ----------
+    url
+        Base URL of the Prometheus server, e.g. ``http://127.0.0.1:9090``.
+    timeout_s
+        Per request; a slower answer raises :class:`ClusterError`.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+        self.url = check_url(url)
+        self.timeout_s = timeout_s
+
+    def _get(self, path: str, params: Mapping[str, str]) -> Any:
+        query = urllib.parse.urlencode(params)
+        full = f"{self.url}{path}" + (f"?{query}" if query else "")
+        try:
+            with urllib.request.urlopen(full, timeout=self.timeout_s) as resp:  # noqa: S310
+                body = resp.read()
+        except urllib.error.HTTPError as err:
+            detail = err.read(2000).decode("utf-8", "replace")
+            with contextlib.suppress(ValueError, AttributeError):  # not Prometheus's JSON
+                detail = str(json.loads(detail).get("error", detail))
+            raise ClusterError(
+                f"Prometheus at {self.url} answered {err.code} to {path}: {detail}"
+            ) from None
+        except (urllib.error.URLError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            raise ClusterError(f"cannot reach Prometheus at {self.url}: {reason}") from None
+        try:
+            data = json.loads(body)
+        except ValueError:
+            raise ClusterError(f"Prometheus at {self.url} answered {path} with non-JSON") from None
+        if not isinstance(data, dict) or data.get("status") != "success":
+            raise ClusterError(f"Prometheus at {self.url}: {path} failed: {data!r:.300}")
+        return data.get("data")
+
+    def query(self, expr: str, at_s: float | None = None) -> list[Sample]:
+        """Evaluate ``expr`` at ``at_s`` (default now); vector results only."""
+        params = {"query": expr}
+        if at_s is not None:
+            params["time"] = f"{at_s:.3f}"
+        data = self._get("/api/v1/query", params)
+        if not isinstance(data, dict) or data.get("resultType") != "vector":
+            raise ClusterError(f"Prometheus: {expr!r} did not give an instant vector")
+        out: list[Sample] = []
+        for item in data.get("result", []):
+            ts, raw = item["value"]
+            out.append(Sample(dict(item["metric"]), float(raw), float(ts)))
+        return out
+
+    def query_range(
+        self, expr: str, start_s: float, end_s: float, step_s: float
+    ) -> list[RangeSeries]:
+        """Evaluate ``expr`` every ``step_s`` from ``start_s`` to ``end_s`` (matrix results)."""
+        data = self._get("/api/v1/query_range", {
+            "query": expr, "start": f"{start_s:.3f}", "end": f"{end_s:.3f}",
+            "step": f"{step_s:.3f}",
+        })
+        if not isinstance(data, dict) or data.get("resultType") != "matrix":
+            raise ClusterError(f"Prometheus: {expr!r} did not give a range vector")
+        out: list[RangeSeries] = []
+        for item in data.get("result", []):
+            points = tuple((float(t), float(v)) for t, v in item["values"])
+            out.append(RangeSeries(dict(item["metric"]), points))
+        return out
+
+    def scrape_intervals(self) -> dict[str, float]:
+        """``instance`` -> scrape interval in seconds, from ``/api/v1/targets`` (active ones)."""
+        data = self._get("/api/v1/targets", {"state": "active"})
+        out: dict[str, float] = {}
+        for target in (data or {}).get("activeTargets", []):
+            inst = str(target.get("labels", {}).get("instance", ""))
+            out[inst] = _duration_s(str(target.get("scrapeInterval", ""))) or (
+                DEFAULT_SCRAPE_INTERVAL_S
+            )
+        return out
+
+
+def _duration_s(text: str) -> float | None:
+    """Prometheus's ``1m30s`` / ``500ms`` / ``15s`` durations in seconds (``None``: unknown)."""
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+    total, num = 0.0, ""
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if ch.isdigit() or ch == ".":
+            num += ch
+            i += 1
+            continue
+        unit = text[i : i + 2] if text[i : i + 2] == "ms" else ch
+        if unit not in units or not num:
+            return None
+        total += float(num) * units[unit]
+        num = ""
+        i += len(unit)
+    return total if text and not num else None
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterDevice:
+    """One GPU of a host as Prometheus last saw it; ``source`` is ``autogpu`` or ``dcgm``."""
+
+    snapshot: DeviceSnapshot
+    source: str
+    booked_bytes: int = 0
+    lease_count: int = 0
+    waiters: int = 0
+    holders: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.snapshot
+        return {
+            "uuid": d.uuid,
+            "index": d.index,
+            "mig_index": d.mig_index,
+            "label": d.label,
+            "name": d.name,
+            "available": d.available,
+            "source": self.source,
+            "utilization_pct": d.utilization_pct,
+            "memory_used_bytes": d.memory_used_bytes,
+            "memory_total_bytes": d.memory_total_bytes,
+            "memory_free_bytes": d.memory_free_bytes,
+            "memory_booked_bytes": self.booked_bytes,
+            "temperature_c": d.temperature_c,
+            "power_w": d.power_w,
+            "lease_count": self.lease_count,
+            "waiters": self.waiters,
+            "holders": list(self.holders),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterHost:
+    """One host: ``state`` is ``ok``, ``stale`` or ``down``; ``as_of_s`` its newest sample."""
+
+    hostname: str
+    instances: tuple[str, ...]
+    state: str
+    as_of_s: float | None
+    scrape_interval_s: float
+    devices: tuple[ClusterDevice, ...] = ()
+    note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hostname": self.hostname,
+            "instances": list(self.instances),
+            "state": self.state,
+            "as_of_s": self.as_of_s,
+            "scrape_interval_s": self.scrape_interval_s,
+            "note": self.note,
+            "devices": [d.to_dict() for d in self.devices],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """Every host Prometheus knows, at ``timestamp_s`` (the evaluation time of the queries)."""
+
+    prometheus_url: str
+    timestamp_s: float
+    hosts: tuple[ClusterHost, ...]
+    errors: tuple[str, ...] = field(default=())
+
+    def host(self, hostname: str) -> ClusterHost | None:
+        for h in self.hosts:
+            if h.hostname == hostname:
+                return h
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prometheus_url": self.prometheus_url,
+            "timestamp_s": self.timestamp_s,
+            "hosts": [h.to_dict() for h in self.hosts],
+            "errors": list(self.errors),
+        }
+
+
+def _hostname(labels: Mapping[str, str]) -> str:
+    for key in ("hostname", "Hostname"):
+        if labels.get(key):
+            return labels[key]
+    inst = labels.get("instance", "")
+    return inst.rsplit(":", 1)[0] if inst else "unknown"
+
+
+def _int_label(value: str | None) -> int | None:
+    if value is None or not value.isascii() or not value.isdecimal():
+        return None
+    return int(value)
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+@dataclass
+class _Acc:
+    """Series of one device being folded together."""
+
+    host: str
+    instance: str
+    uuid: str
+    index_label: str
+    model: str
+    source: str
+    values: dict[str, float] = field(default_factory=dict)
+    holders: list[str] = field(default_factory=list)
+
+
+def _fold_autogpu(samples: Iterable[Sample], acc: dict[str, _Acc]) -> None:
+    for s in samples:
+        name = s.labels.get("__name__", "")
+        host = _hostname(s.labels)
+        uuid = s.labels.get("uuid")
+        if not uuid:
+            continue
+        dev = acc.setdefault(uuid, _Acc(host, s.labels.get("instance", ""), uuid,
+                                        s.labels.get("index", ""), s.labels.get("model", ""),
+                                        "autogpu"))
+        if name == "autogpu_lease_info":
+            who = s.labels.get("user", "?")
+            where = s.labels.get("notebook") or ""
+            dev.holders.append(f"{who}: {where}" if where else who)
+        else:
+            dev.values[name.removeprefix("autogpu_gpu_")] = s.value
+
+
+def _fold_dcgm(samples: Iterable[Sample], acc: dict[str, _Acc]) -> None:
+    for s in samples:
+        uuid = s.labels.get("UUID")
+        if not uuid:
+            continue
+        gi = s.labels.get("GPU_I_ID")
+        key = f"{uuid}/{gi}" if gi else uuid
+        if key in acc and acc[key].source == "autogpu":
+            continue
+        gpu = s.labels.get("gpu", "")
+        dev = acc.setdefault(key, _Acc(_hostname(s.labels), s.labels.get("instance", ""), key,
+                                       f"{gpu}:{gi}" if gi else gpu,
+                                       s.labels.get("modelName", ""), "dcgm"))
+        dev.values[s.labels["__name__"]] = s.value
+
+
+def _snapshot(dev: _Acc, now_s: float) -> ClusterDevice:
+    v = dev.values
+    gpu_s, _, mig_s = dev.index_label.partition(":")
+    index = _int_label(gpu_s)
+    mig_index = _int_label(mig_s) if mig_s else None
+    if dev.source == "autogpu":
+        total = v.get("memory_total_bytes")
+        used = v.get("memory_used_bytes")
+        util = v.get("utilization_ratio")
+        snap = DeviceSnapshot(
+            index=-1 if index is None else index,
+            uuid=dev.uuid,
+            name=dev.model,
+            memory_total_bytes=None if total is None else int(total),
+            memory_used_bytes=None if used is None else int(used),
+            memory_free_bytes=None if total is None or used is None else max(int(total - used), 0),
+            utilization_pct=None if util is None else round(util * 100.0, 6),
+            temperature_c=v.get("temperature_celsius"),
+            power_w=v.get("power_watts"),
+            is_mig=mig_index is not None,
+            mig_index=mig_index,
+            available=v.get("available", 1.0) == 1.0,
+            error=None if v.get("available", 1.0) == 1.0 else "lost (exporter says unavailable)",
+            timestamp_s=now_s,
+        )
+        return ClusterDevice(
+            snap, "autogpu",
+            booked_bytes=int(v.get("memory_booked_bytes", 0.0)),
+            lease_count=int(v.get("leases", 0.0)),
+            waiters=int(v.get("waiters", 0.0)),
+            holders=tuple(sorted(dev.holders)),
+        )
+    used_mib = v.get("DCGM_FI_DEV_FB_USED")
+    free_mib = v.get("DCGM_FI_DEV_FB_FREE")
+    util_pct = v.get("DCGM_FI_DEV_GPU_UTIL")
+    if util_pct is None and "DCGM_FI_PROF_GR_ENGINE_ACTIVE" in v:
+        util_pct = v["DCGM_FI_PROF_GR_ENGINE_ACTIVE"] * 100.0
+    used_b = None if used_mib is None else int(used_mib * MiB)
+    free_b = None if free_mib is None else int(free_mib * MiB)
+    total_b = None if used_b is None or free_b is None else used_b + free_b
+    parent = dev.uuid.split("/", 1)[0] if mig_index is not None else None
+    snap = DeviceSnapshot(
+        index=-1 if index is None else index,
+        uuid=dev.uuid,
+        name=dev.model,
+        memory_total_bytes=total_b,
+        memory_used_bytes=used_b,
+        memory_free_bytes=free_b,
+        utilization_pct=None if util_pct is None else float(util_pct),
+        temperature_c=v.get("DCGM_FI_DEV_GPU_TEMP"),
+        power_w=v.get("DCGM_FI_DEV_POWER_USAGE"),
+        is_mig=mig_index is not None,
+        parent_uuid=parent,
+        mig_index=mig_index,
+        timestamp_s=now_s,
+    )
+    return ClusterDevice(snap, "dcgm")
+
+
+def fetch_cluster(client: PrometheusClient, *, now_s: float | None = None) -> ClusterView:
+    """Ask Prometheus for every host's GPUs (see the module docstring for the queries).
+
+    Raises
+    ------
+    ClusterError
+        Prometheus cannot be reached or answers an error.
+    """
+    at = time.time() if now_s is None else now_s
+    auto = client.query(_AUTOGPU_QUERY, at)
+    dcgm = client.query(_DCGM_QUERY, at)
+    scraped = client.query(_SCRAPED_QUERY, at)
+    up = client.query("up", at)
+    last_sweep = client.query(_NAMES_QUERIES[0], at)
+    names = last_sweep + client.query(_NAMES_QUERIES[1], at)
+    errors: list[str] = []
+    try:
+        intervals = client.scrape_intervals()
+    except ClusterError as err:
+        intervals = {}
+        errors.append(f"scrape intervals unknown ({err}); assuming "
+                      f"{DEFAULT_SCRAPE_INTERVAL_S:g} s")
+
+    acc: dict[str, _Acc] = {}
+    _fold_autogpu(auto, acc)
+    _fold_dcgm(dcgm, acc)
+
+    # instance -> hostname, for every target (also those whose series went stale)
+    host_of: dict[str, str] = {}
+    for s in names:
+        if s.labels.get("instance"):
+            host_of[s.labels["instance"]] = _hostname(s.labels)
+    for dev in acc.values():
+        if dev.instance:
+            host_of.setdefault(dev.instance, dev.host)
+    newest: dict[str, float] = {}
+    for s in scraped:
+        host = host_of.get(s.labels.get("instance", ""), _hostname(s.labels))
+        newest[host] = max(newest.get(host, 0.0), s.value)
+
+    instances: dict[str, list[tuple[str, bool]]] = {}
+    for s in up:
+        inst = s.labels.get("instance", "")
+        known = host_of.get(inst)
+        if known is None:
+            continue  # a target that never exported GPU series (Prometheus itself, ...)
+        instances.setdefault(known, []).append((inst, s.value == 1.0))
+    for dev in acc.values():
+        instances.setdefault(dev.host, [])
+
+    by_host: dict[str, list[ClusterDevice]] = {}
+    for dev in acc.values():
+        by_host.setdefault(dev.host, []).append(_snapshot(dev, at))
+
+    hosts: list[ClusterHost] = []
+    for host in sorted(instances):
+        targets = instances[host]
+        interval = max(
+            (intervals.get(i, DEFAULT_SCRAPE_INTERVAL_S) for i, _ in targets),
+            default=DEFAULT_SCRAPE_INTERVAL_S,
+        )
+        as_of = newest.get(host)
+        devices = sorted(
+            by_host.get(host, []),
+            key=lambda d: (d.snapshot.index, d.snapshot.mig_index or -1, d.snapshot.uuid),
+        )
+        if targets and not any(ok for _, ok in targets):
+            state = "down"
+            note = "exporter down (up == 0)"
+            as_of = max(
+                (s.value for s in last_sweep if _hostname(s.labels) == host), default=as_of
+            )
+        elif as_of is None or at - as_of > 2 * interval:
+            state = "stale"
+            note = (
+                "no samples" if as_of is None
+                else f"newest sample {at - as_of:.0f} s old (> 2 scrape intervals)"
+            )
+        else:
+            state, note = "ok", None
+        hosts.append(ClusterHost(
+            hostname=host,
+            instances=tuple(sorted(i for i, _ in targets)),
+            state=state,
+            as_of_s=as_of,
+            scrape_interval_s=interval,
+            devices=tuple(devices) if state != "down" else (),
+            note=note,
+        ))
+    return ClusterView(client.url, at, tuple(hosts), tuple(errors))
+
+
+@dataclass(frozen=True, slots=True)
+class HostChoice:
+    """The policy's answer for one host: the device(s) a pick there would choose, if any fit."""
+
+    host: ClusterHost
+    chosen: tuple[Candidate, ...]
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.chosen)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hostname": self.host.hostname,
+            "state": self.host.state,
+            "as_of_s": self.host.as_of_s,
+            "fits": self.fits,
+            "chosen": [c.to_dict() for c in self.chosen],
+            "candidates": [c.to_dict() for c in self.candidates],
+            "note": self.host.note,
+        }
+
+
+def rank_hosts(view: ClusterView, constraints: Constraints) -> list[HostChoice]:
+    """Hosts best first, by the policy a local pick uses (see the module docstring).
+
+    Each ``ok`` host's devices go through :func:`decision.decide` with the bookings Prometheus
+    holds; hosts whose selection fits come first, ordered by the policy key of
+    the worst device they would give (for one device: its key), then by hostname; then hosts where
+    nothing fits, stale and down hosts (never chosen), by hostname.
+    """
+    fitting: list[tuple[tuple[float, float, float, str], str, HostChoice]] = []
+    rest: list[HostChoice] = []
+    for host in view.hosts:
+        if host.state != "ok":
+            rest.append(HostChoice(host, (), ()))
+            continue
+        snaps = tuple(d.snapshot for d in host.devices)
+        bookings = {
+            d.snapshot.uuid: Booking(d.snapshot.uuid, d.lease_count, d.booked_bytes,
+                                     holders=d.holders)
+            for d in host.devices
+        }
+        # The one decision pipeline over what Prometheus holds: no allocation bounds a host
+        # seen from outside (its scheduler grants inside it), the bookings are its exporter's.
+        context = Context(
+            snapshot=FleetSnapshot(snaps, view.timestamp_s, "prometheus"),
+            allocation=current_allocation(snaps, {}),
+            bookings=bookings,
+        )
+        decision = decide(context, constraints)
+        chosen = decision.chosen
+        choice = HostChoice(host, tuple(chosen), tuple(decision.ranked))
+        if chosen:
+            fitting.append((max(c.key for c in chosen), host.hostname, choice))
+        else:
+            rest.append(choice)
+    fitting.sort(key=lambda t: (t[0], t[1]))
+    order = {"ok": 0, "stale": 1, "down": 2}
+    rest.sort(key=lambda c: (order.get(c.host.state, 3), c.host.hostname))
+    return [c for _, _, c in fitting] + rest
+
+
+#: Longest history one request may ask for (30 days).
+MAX_HISTORY_S = 30 * 86400.0
+
+_HISTORY_QUERIES = (
+    # autogpu hosts: mean utilisation and memory taken over the host's GPUs
+    ("autogpu", "avg by (hostname) (autogpu_gpu_utilization_ratio)",
+     "avg by (hostname) (autogpu_gpu_memory_used_ratio)"),
+    # DCGM hosts: GPU_UTIL (percent) or, on MIG, GR_ENGINE_ACTIVE (ratio); FB used / (used + free)
+    ("dcgm",
+     "avg by (Hostname) (DCGM_FI_DEV_GPU_UTIL / 100 or DCGM_FI_PROF_GR_ENGINE_ACTIVE)",
+     "avg by (Hostname) (DCGM_FI_DEV_FB_USED / (DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE))"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class HostHistory:
+    """A host's mean GPU load over time: utilisation and memory taken in percent (``None``:
+    no sample at that step)."""
+
+    hostname: str
+    source: str
+    timestamps_s: tuple[float, ...]
+    utilization_pct: tuple[float | None, ...]
+    memory_used_pct: tuple[float | None, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hostname": self.hostname,
+            "source": self.source,
+            "timestamps_s": list(self.timestamps_s),
+            "utilization_pct": list(self.utilization_pct),
+            "memory_used_pct": list(self.memory_used_pct),
+        }
+
+
+def check_history_s(value: object) -> float:
+    """A history length in seconds from user input (a number of seconds > 0, at most 30 days).
+
+    Raises
+    ------
+    UsageErrorBase
+        Naming the value and the accepted range.
+    """
+    try:
+        seconds = float(str(value))
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or not 0 < seconds <= MAX_HISTORY_S:
+        raise UsageErrorBase(
+            f"invalid history length {value!r}: expected seconds, more than 0 and at most "
+            f"{MAX_HISTORY_S:.0f} (30 days), e.g. 86400 for a day"
+        )
+    return seconds
+
+
+def fetch_history(
+    client: PrometheusClient, seconds: float, *, points: int = 120, now_s: float | None = None
+) -> tuple[float, list[HostHistory]]:
+    """Each host's mean GPU utilisation and memory taken over the last ``seconds``, from
+    Prometheus range queries at ``points`` steps (autogpu's series win over DCGM's per host).
+
+    Returns
+    -------
+    (step_s, histories)
+        The step of the series, and one :class:`HostHistory` per host, by hostname.
+    """
+    end = time.time() if now_s is None else now_s
+    # Prometheus answers at start + k * step, to the millisecond: build the same grid
+    step = round(max(seconds / max(points, 1), 1.0), 3)
+    start = round(end - seconds, 3)
+    grid = [start + i * step for i in range(int(seconds // step) + 1)]
+    found: dict[str, HostHistory] = {}
+    for source, util_expr, mem_expr in _HISTORY_QUERIES:
+        by_host: dict[str, dict[str, dict[float, float]]] = {}
+        for kind, expr in (("util", util_expr), ("mem", mem_expr)):
+            for series in client.query_range(expr, start, end, step):
+                host = _hostname(series.labels)
+                by_host.setdefault(host, {}).setdefault(kind, {}).update(
+                    {round(t, 3): v for t, v in series.points}
+                )
+        for host, kinds in by_host.items():
+            if host in found:
+                continue  # autogpu's series (asked first) win
+            util = kinds.get("util", {})
+            mem = kinds.get("mem", {})
+
+            def pct(values: Mapping[float, float], t: float) -> float | None:
+                v = values.get(round(t, 3))
+                return None if v is None or not math.isfinite(v) else round(100.0 * v, 6)
+
+            found[host] = HostHistory(
+                hostname=host,
+                source=source,
+                timestamps_s=tuple(grid),
+                utilization_pct=tuple(pct(util, t) for t in grid),
+                memory_used_pct=tuple(pct(mem, t) for t in grid),
+            )
+    return step, [found[h] for h in sorted(found)]

@@ -1,0 +1,97 @@
+"""The kernel contract: what the autogpu kernel provisioner hands a kernel, and what it exposes
+to the Jupyter server, in one typed place.
+
+A kernel started by the "Python 3 (autogpu)" kernelspec finds its pick in environment variables
+(:class:`KernelContract` reads them); the server reads the provisioner's state through the
+:class:`ProvisionerState` protocol, never by importing the provisioner. Every ``AUTOGPU_*`` name
+of that contract is defined here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from autogpu_jupyter.core.policy import Constraints
+
+__all__ = [
+    "GRANT_ENV",
+    "LEASE_ENV",
+    "LEASE_FD_ENV",
+    "MOVE_FILE_ENV",
+    "NOTE_ENV",
+    "ON_NO_DEVICE",
+    "OPTIONS_ENV",
+    "PICKED_ENV",
+    "PROVISIONED_ENV",
+    "PROVISIONER_NAME",
+    "KernelContract",
+    "ProvisionerState",
+]
+
+#: The entry-point name kernelspecs use in ``metadata.kernel_provisioner.provisioner_name``.
+PROVISIONER_NAME = "autogpu-provisioner"
+#: What a kernelspec may ask for when nothing fits: start CPU-only, or refuse to start.
+ON_NO_DEVICE = ("cpu", "fail")
+
+#: The UUIDs the provisioner picked for the kernel (comma separated; "" = CPU-only).
+PICKED_ENV = "AUTOGPU_PICKED"
+#: The id of the kernel's lease.
+LEASE_ENV = "AUTOGPU_LEASE_ID"
+#: The number of the inherited lease descriptor (the kernel may close it).
+LEASE_FD_ENV = "AUTOGPU_LEASE_FD"
+#: ``"1"`` in a kernel started by the autogpu provisioner.
+PROVISIONED_ENV = "AUTOGPU_PROVISIONED"
+#: The provisioner's pick options, as JSON (the kernelspec's options).
+OPTIONS_ENV = "AUTOGPU_PICK_OPTIONS"
+#: The ``CUDA_VISIBLE_DEVICES`` the server had (the grant picked within); absent when unset.
+GRANT_ENV = "AUTOGPU_GRANT_CVD"
+#: Where ``%gpu move`` writes its request for the next restart.
+MOVE_FILE_ENV = "AUTOGPU_MOVE_FILE"
+#: A message for the notebook user about the pick ("started CPU-only because ...").
+NOTE_ENV = "AUTOGPU_PICK_NOTE"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelContract:
+    """What a provisioned kernel was told, read from its environment."""
+
+    provisioned: bool
+    picked: tuple[str, ...]
+    lease_id: str | None
+    note: str | None
+    options: Mapping[str, Any]
+    grant_cvd: str | None
+    move_file: str | None
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] | None = None) -> KernelContract:
+        env = os.environ if environ is None else environ
+        try:
+            options = json.loads(env.get(OPTIONS_ENV) or "{}")
+        except json.JSONDecodeError:
+            options = {}
+        return cls(
+            provisioned=env.get(PROVISIONED_ENV) == "1",
+            picked=tuple(u for u in env.get(PICKED_ENV, "").split(",") if u.strip()),
+            lease_id=env.get(LEASE_ENV) or None,
+            note=(env.get(NOTE_ENV) or "").strip() or None,
+            options=options if isinstance(options, dict) else {},
+            grant_cvd=env.get(GRANT_ENV),
+            move_file=env.get(MOVE_FILE_ENV) or None,
+        )
+
+
+@runtime_checkable
+class ProvisionerState(Protocol):
+    """What the autogpu provisioner exposes to the server (typed, instead of ``getattr``)."""
+
+    autogpu_picked: tuple[str, ...]
+    autogpu_constraints: Constraints | None
+    autogpu_note: str | None
+    autogpu_lease_id: str | None
+    autogpu_move_file: str | None
