@@ -375,10 +375,10 @@ def status(snapshot: FleetSnapshot | None = None, settings: AutoGPU | None = Non
     ``df.attrs["simulated"]`` is True on a simulated fleet (``AUTOGPU_SIMULATE``).
     """
     snap = snapshot or read_snapshot()
-    return status_frame(snap, session.current(), _live_leases(settings))
+    return status_frame(snap, session.current(), live_leases(settings), own_pids=(os.getpid(),))
 
 
-def _live_leases(settings: AutoGPU | None = None) -> list[Any]:
+def live_leases(settings: AutoGPU | None = None) -> list[Any]:
     settings = settings or default_settings()
     reg = registry_for(settings)
     if reg is None:
@@ -397,25 +397,22 @@ _STATUS_COLUMNS = (
 
 
 def status_frame(
-    snap: FleetSnapshot, choice: session.Choice | None, leases: Sequence[Any]
+    snap: FleetSnapshot,
+    choice: session.Choice | None,
+    leases: Sequence[Any],
+    own_pids: Sequence[int] = (),
 ) -> pd.DataFrame:
-    """The status table (pure): one row per device."""
+    """The status table (pure): one row per device; ``own_pids`` are "this kernel"."""
     import pandas as pd
 
+    from autogpu_jupyter.core.holders import holders_by_device
     from autogpu_jupyter.core.units import format_bytes
 
     mine = set(choice.uuids) if choice else set()
+    records = [getattr(lease, "record", lease) for lease in leases]
+    holders = holders_by_device(snap, records, own_pids=own_pids)
     rows = []
     for d in snap.devices:
-        holders = []
-        for lease in leases:
-            rec = getattr(lease, "record", lease)
-            if d.uuid in rec.device_uuids:
-                where = rec.notebook_path or (
-                    f"kernel {rec.kernel_id[:8]}" if rec.kernel_id else f"pid {rec.pid}"
-                )
-                booked = format_bytes(rec.requested_bytes) if rec.requested_bytes else "-"
-                holders.append(f"{rec.user}: {where} ({booked})")
         rows.append(
             {
                 "": "▶" if d.uuid in mine else "",
@@ -429,7 +426,7 @@ def status_frame(
                 "temp °C": d.temperature_c,
                 "power W": d.power_w,
                 "procs": None if d.processes is None else len(d.processes),
-                "holders": ", ".join(holders),
+                "holders": ", ".join(h.text() for h in holders[d.uuid]),
                 "state": "ok" if d.available else f"unavailable: {d.error}",
             }
         )

@@ -459,7 +459,7 @@ class GPUMagics(Magics):
     def _panel(self) -> None:
         from IPython.display import display
 
-        from autogpu_jupyter.widgets import Panel
+        from autogpu_jupyter import Panel
 
         display(Panel())
 

@@ -362,6 +362,15 @@ def from_settings(settings: Any) -> Registry | None:
     )
 
 
+def _kind_of(name: str) -> str | None:
+    """``"lease"`` or ``"ticket"`` by the file name's suffix; ``None`` for anything else."""
+    if name.endswith(LEASE_SUFFIX):
+        return "lease"
+    if name.endswith(TICKET_SUFFIX):
+        return "ticket"
+    return None
+
+
 def _in_line(tickets: list[LeaseRecord]) -> list[LeaseRecord]:
     """Tickets in serving order: arrival number, then creation time, then id."""
     return sorted(tickets, key=lambda r: (r.seq or 0, r.created_s, r.lease_id))
@@ -961,23 +970,21 @@ class Registry:
         prefix = upath + "/"
         for name in names:
             path = prefix + (name if name.isascii() else _shown(name))
-            if name.endswith(LEASE_SUFFIX):
-                kind = "lease"
-            elif name.endswith(TICKET_SUFFIX):
-                kind = "ticket"
-            elif name.startswith(".") and name.endswith(".tmp"):
-                if prune:
-                    self._prune_tmp(ufd, name)
-                continue
-            else:
-                result.ignored.append((path, "not a lease or ticket file"))
+            kind = _kind_of(name)
+            if kind is None:
+                if name.startswith(".") and name.endswith(".tmp"):
+                    if prune:
+                        self._prune_tmp(ufd, name)
+                else:
+                    result.ignored.append((path, "not a lease or ticket file"))
                 continue
             key = (dir_uid, name, entries[name])
-            why = _known_bad(ufd, name, key)
-            if why is None:
-                rec, why = self._read_one(ufd, name, path, dir_uid, kind, user_names, key)
-            else:
-                rec = None
+            known = _known_bad(ufd, name, key)
+            rec, why = (
+                (None, known)
+                if known is not None
+                else self._read_one(ufd, name, path, dir_uid, kind, user_names, key)
+            )
             if rec is None:
                 result.ignored.append((path, why))
                 continue
