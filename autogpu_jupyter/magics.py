@@ -374,6 +374,13 @@ class GPUMagics(Magics):
         from autogpu_jupyter.core.text import terminal_safe
 
         text = format_ranking(result) if args.dry_run else format_pick(result, warning)
+        if args.dry_run and result.chosen:
+            from autogpu_jupyter.core import session
+
+            mine = session.current()
+            if mine is not None and set(mine.uuids) == {d.uuid for d in result.chosen}:
+                labels = ", ".join(d.label for d in result.chosen)
+                text += f"\n  you are already on the best device ({labels}): nothing to change"
         print(terminal_safe(text))
         if not args.dry_run:
             _watch()
