@@ -216,8 +216,8 @@ _CONSTRAINT_KEYS = {
 
 #: Validated records by their exact bytes and where they were found (see :func:`_parse_cached`).
 _RECORD_CACHE: dict[tuple[bytes, str, str, int, str], LeaseRecord] = {}
-_RECORD_CACHE_MAX = 4096
-_RECORD_CACHE_ENTRY_MAX = 4096  # bytes
+_RECORD_CACHE_MAX = 16384  # above the most live records a scan reads (4 users x 4096)
+_RECORD_CACHE_ENTRY_MAX = 2048  # bytes (a typical record is ~500): at most 32 MiB cached
 
 
 def parse_checked(
