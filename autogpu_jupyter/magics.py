@@ -553,23 +553,23 @@ class GPUMagics(Magics):
         return stats, s, bool(latest is not None and latest.simulated), labels or "no GPU"
 
     def _violations(self, uuids: Sequence[str], args: argparse.Namespace) -> str | None:
-        """Say so when the device this kernel already has violates the cell's options."""
+        """Say so when the device this kernel already has violates the cell's options (the
+        one decision pipeline's verdict, as ``%gpu pick`` would judge it)."""
         from autogpu_jupyter import api
-        from autogpu_jupyter.core.policy import rank
+        from autogpu_jupyter.core import session
 
         try:
             constraints: Constraints = api.pick_options(
                 self.settings, _options.from_namespace(args)
             ).constraints
-            snap = api.read_snapshot()
+            mine = session.current() or session.Choice(uuids=tuple(uuids))
+            _made, failing = api.current_fit(mine, constraints, self.settings)
         except AutoGPUError as err:
             raise UsageError(_one_line(err)) from None
         lines = []
         if constraints.count > len(uuids):
             lines.append(f"  it has {len(uuids)} device(s), {constraints.count} asked for")
-        for c in rank(snap.devices, constraints):
-            if c.device.uuid in uuids and not c.eligible:
-                lines.append(f"  {c.device.label}: {'; '.join(c.reasons)}")
+        lines.extend(f"  {c.device.label}: {'; '.join(c.reasons)}" for c in failing)
         if not lines:
             return None
         return (
