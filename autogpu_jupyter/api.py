@@ -27,8 +27,10 @@ from autogpu_jupyter.errors import UsageErrorBase
 if TYPE_CHECKING:
     import pandas as pd
 
+    from autogpu_jupyter.core.decision import Decision
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
     from autogpu_jupyter.core.options import PickOptions
+    from autogpu_jupyter.core.policy import Candidate
     from autogpu_jupyter.core.registry import Registry
 
 __all__ = [
@@ -183,18 +185,14 @@ def pick_result(
     return result, warning
 
 
-def _keep_provisioned(
+def current_fit(
     mine: session.Choice, constraints: Constraints, settings: AutoGPU
-) -> PickResult:
-    """``%gpu pick`` in a kernel the autogpu kernelspec started: keep its device and lease when
-    they meet ``constraints``; otherwise say which device would, and how to move there.
-
-    The check is the one decision pipeline's, over the server's grant (not the kernel's narrowed
-    ``CUDA_VISIBLE_DEVICES``) with this kernel's own lease hidden.
-    """
+) -> tuple[Decision, list[Candidate]]:
+    """Whether this process's device(s) meet ``constraints``, by the one decision pipeline:
+    the decision over the grant (not the narrowed ``CUDA_VISIBLE_DEVICES``) with this process's
+    own lease hidden, and the candidates among its devices that do not fit."""
     from autogpu_jupyter.core import decision
     from autogpu_jupyter.core.moves import grant_environ
-    from autogpu_jupyter.errors import NoDeviceFitsError
 
     snap = read_snapshot()
     registry = registry_for(settings)
@@ -205,11 +203,25 @@ def _keep_provisioned(
         smoothed_util=_smoothed_util(), self_pids=(os.getpid(),),
     )
     made = decision.decide(context, constraints)
+    failing = [c for u in mine.uuids if (c := made.candidate(u)) is None or not c.eligible]
+    return made, failing
+
+
+def _keep_provisioned(
+    mine: session.Choice, constraints: Constraints, settings: AutoGPU
+) -> PickResult:
+    """``%gpu pick`` in a kernel the autogpu kernelspec started: keep its device and lease when
+    they meet ``constraints``; otherwise say which device would, and how to move there.
+
+    The check is the one decision pipeline's, over the server's grant (not the kernel's narrowed
+    ``CUDA_VISIBLE_DEVICES``) with this kernel's own lease hidden.
+    """
+    from autogpu_jupyter.errors import NoDeviceFitsError
+
+    made, failing = current_fit(mine, constraints, settings)
+    snap, context = made.context.snapshot, made.context
     labels = {d.uuid: d.label for d in snap.devices}
     here = ", ".join(labels.get(u, u) for u in mine.uuids)
-    failing = [
-        c for u in mine.uuids if (c := made.candidate(u)) is None or not c.eligible
-    ]
     if not failing and len(mine.uuids) >= constraints.count:
         return PickResult(
             chosen=tuple(d for u in mine.uuids if (d := snap.by_uuid(u)) is not None),
@@ -375,10 +387,10 @@ def status(snapshot: FleetSnapshot | None = None, settings: AutoGPU | None = Non
     ``df.attrs["simulated"]`` is True on a simulated fleet (``AUTOGPU_SIMULATE``).
     """
     snap = snapshot or read_snapshot()
-    return status_frame(snap, session.current(), _live_leases(settings))
+    return status_frame(snap, session.current(), live_leases(settings), own_pids=(os.getpid(),))
 
 
-def _live_leases(settings: AutoGPU | None = None) -> list[Any]:
+def live_leases(settings: AutoGPU | None = None) -> list[Any]:
     settings = settings or default_settings()
     reg = registry_for(settings)
     if reg is None:
@@ -397,25 +409,22 @@ _STATUS_COLUMNS = (
 
 
 def status_frame(
-    snap: FleetSnapshot, choice: session.Choice | None, leases: Sequence[Any]
+    snap: FleetSnapshot,
+    choice: session.Choice | None,
+    leases: Sequence[Any],
+    own_pids: Sequence[int] = (),
 ) -> pd.DataFrame:
-    """The status table (pure): one row per device."""
+    """The status table (pure): one row per device; ``own_pids`` are "this kernel"."""
     import pandas as pd
 
+    from autogpu_jupyter.core.holders import holders_by_device
     from autogpu_jupyter.core.units import format_bytes
 
     mine = set(choice.uuids) if choice else set()
+    records = [getattr(lease, "record", lease) for lease in leases]
+    holders = holders_by_device(snap, records, own_pids=own_pids)
     rows = []
     for d in snap.devices:
-        holders = []
-        for lease in leases:
-            rec = getattr(lease, "record", lease)
-            if d.uuid in rec.device_uuids:
-                where = rec.notebook_path or (
-                    f"kernel {rec.kernel_id[:8]}" if rec.kernel_id else f"pid {rec.pid}"
-                )
-                booked = format_bytes(rec.requested_bytes) if rec.requested_bytes else "-"
-                holders.append(f"{rec.user}: {where} ({booked})")
         rows.append(
             {
                 "": "▶" if d.uuid in mine else "",
@@ -429,7 +438,7 @@ def status_frame(
                 "temp °C": d.temperature_c,
                 "power W": d.power_w,
                 "procs": None if d.processes is None else len(d.processes),
-                "holders": ", ".join(holders),
+                "holders": ", ".join(h.text() for h in holders[d.uuid]),
                 "state": "ok" if d.available else f"unavailable: {d.error}",
             }
         )

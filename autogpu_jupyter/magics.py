@@ -484,6 +484,13 @@ class GPUMagics(Magics):
         from autogpu_jupyter.core.text import terminal_safe
 
         text = format_ranking(result) if args.dry_run else format_pick(result, warning)
+        if args.dry_run and result.chosen:
+            from autogpu_jupyter.core import session
+
+            mine = session.current()
+            if mine is not None and set(mine.uuids) == {d.uuid for d in result.chosen}:
+                labels = ", ".join(d.label for d in result.chosen)
+                text += f"\n  you are already on the best device ({labels}): nothing to change"
         print(terminal_safe(text))
         if not args.dry_run:
             _watch()
@@ -571,7 +578,7 @@ class GPUMagics(Magics):
     def _panel(self) -> None:
         from IPython.display import display
 
-        from autogpu_jupyter.widgets import Panel
+        from autogpu_jupyter import Panel
 
         display(Panel())
 
@@ -658,23 +665,23 @@ class GPUMagics(Magics):
         return stats, s, bool(latest is not None and latest.simulated), labels or "no GPU"
 
     def _violations(self, uuids: Sequence[str], args: argparse.Namespace) -> str | None:
-        """Say so when the device this kernel already has violates the cell's options."""
+        """Say so when the device this kernel already has violates the cell's options (the
+        one decision pipeline's verdict, as ``%gpu pick`` would judge it)."""
         from autogpu_jupyter import api
-        from autogpu_jupyter.core.policy import rank
+        from autogpu_jupyter.core import session
 
         try:
             constraints: Constraints = api.pick_options(
                 self.settings, _options.from_namespace(args)
             ).constraints
-            snap = api.read_snapshot()
+            mine = session.current() or session.Choice(uuids=tuple(uuids))
+            _made, failing = api.current_fit(mine, constraints, self.settings)
         except AutoGPUError as err:
             raise UsageError(_one_line(err)) from None
         lines = []
         if constraints.count > len(uuids):
             lines.append(f"  it has {len(uuids)} device(s), {constraints.count} asked for")
-        for c in rank(snap.devices, constraints):
-            if c.device.uuid in uuids and not c.eligible:
-                lines.append(f"  {c.device.label}: {'; '.join(c.reasons)}")
+        lines.extend(f"  {c.device.label}: {'; '.join(c.reasons)}" for c in failing)
         if not lines:
             return None
         return (

@@ -287,3 +287,22 @@ def test_model_filter_and_preference_order(tmp_path: Path) -> None:
     )
     text = format_ranking(pick(Constraints(), backend=backend, dry_run=True))
     assert text.splitlines()[-1] == "  why GPU 0 over GPU 1: lower load (0% util vs 30% util)"
+
+
+def test_a_dry_run_says_when_you_are_already_on_the_best_device(host: dict[str, Any]) -> None:
+    from tests.kernelhelpers import Kernel, kernel_env
+
+    k = Kernel(kernel_env({k: v for k, v in host["env"].items() if k.startswith(
+        ("FAKE_NVML", "LD_", "AUTOGPU_"))}))
+    try:
+        assert k.run("%load_ext autogpu").status == "ok"
+        assert k.run("%gpu pick").status == "ok"  # GPU 1, the least loaded
+        r = k.run("%gpu pick --dry-run")
+        assert r.status == "ok", r
+        assert r.stdout.splitlines()[-1] == (
+            "  you are already on the best device (GPU 1): nothing to change"
+        )
+        r = k.run("%gpu pick --dry-run --exclude 1")
+        assert "already on the best" not in r.stdout
+    finally:
+        k.close()

@@ -227,7 +227,7 @@ def test_panel_header_and_charts_show_the_kernel_device(kernel: Kernel) -> None:
     assert f'data-uuid="{GPU0}" data-kernel="1"' in st["charts"]
     assert f'data-uuid="{GPU1}" data-kernel="0"' in st["charts"]
     assert "GPU 0 (this kernel)" in st["table"]
-    assert f"{USER} 10.0 GiB" in st["table"]
+    assert f"{USER}: pid {_other_pid[0]} (10.0 GiB used)" in st["table"]
     assert st["banner"] == ""
     assert st["display"] == "none"
     assert st["warnings"] == []
@@ -237,7 +237,7 @@ def test_other_load_raises_warning_then_clears(kernel: Kernel, fleet_source: Any
     fleet_source.write(fleet(gpu0_util=97, other_mem_gib=60))
     st = kernel.json("wait_until(lambda: bool(panel.warnings))\nprint(json.dumps(state()))")
     assert "97%" in st["table"]
-    assert f"{USER} 60.0 GiB" in st["table"]
+    assert f"{USER}: pid {_other_pid[0]} (60.0 GiB used)" in st["table"]
     assert len(st["warnings"]) == 1
     msg = st["warnings"][0]
     assert msg.startswith("autogpu: GPU 0 (this kernel's GPU) is overloaded: utilisation 97% for ")
@@ -265,7 +265,7 @@ def test_other_load_raises_warning_then_clears(kernel: Kernel, fleet_source: Any
     assert st["warnings"] == []
     assert st["banner"] == ""
     assert st["display"] == "none"
-    assert f"{USER} 10.0 GiB" in st["table"]
+    assert f"{USER}: pid {_other_pid[0]} (10.0 GiB used)" in st["table"]
 
 
 def test_memory_nearly_full_warns_without_waiting(kernel: Kernel, fleet_source: Any) -> None:

@@ -103,7 +103,7 @@ def test_values_past_float_range_are_one_line_errors(host: dict[str, Any]) -> No
         "import autogpu_jupyter as ag\ntry:\n    ag.pick(min_free=10**400)\n"
         "except __import__('autogpu_jupyter.errors').errors.AutoGPUError as e:\n    print(type(e).__name__, e)"
     )
-    assert r.stdout.startswith("UsageErrorBase invalid size 100000000000…: too large"), r
+    assert r.stdout.startswith("OptionError invalid size 100000000000…: too large"), r
     assert k.env() == {"CUDA_VISIBLE_DEVICES": None, "CUDA_DEVICE_ORDER": None}
 
 

@@ -37,7 +37,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -471,15 +471,7 @@ def fetch_cluster(client: PrometheusClient, *, now_s: float | None = None) -> Cl
         host = host_of.get(s.labels.get("instance", ""), _hostname(s.labels))
         newest[host] = max(newest.get(host, 0.0), s.value)
 
-    instances: dict[str, list[tuple[str, bool]]] = {}
-    for s in up:
-        inst = s.labels.get("instance", "")
-        known = host_of.get(inst)
-        if known is None:
-            continue  # a target that never exported GPU series (Prometheus itself, ...)
-        instances.setdefault(known, []).append((inst, s.value == 1.0))
-    for dev in acc.values():
-        instances.setdefault(dev.host, [])
+    instances = _instances_by_host(up, host_of, acc)
 
     by_host: dict[str, list[ClusterDevice]] = {}
     for dev in acc.values():
@@ -497,20 +489,7 @@ def fetch_cluster(client: PrometheusClient, *, now_s: float | None = None) -> Cl
             by_host.get(host, []),
             key=lambda d: (d.snapshot.index, d.snapshot.mig_index or -1, d.snapshot.uuid),
         )
-        if targets and not any(ok for _, ok in targets):
-            state = "down"
-            note = "exporter down (up == 0)"
-            as_of = max(
-                (s.value for s in last_sweep if _hostname(s.labels) == host), default=as_of
-            )
-        elif as_of is None or at - as_of > 2 * interval:
-            state = "stale"
-            note = (
-                "no samples" if as_of is None
-                else f"newest sample {at - as_of:.0f} s old (> 2 scrape intervals)"
-            )
-        else:
-            state, note = "ok", None
+        state, note, as_of = _host_state(host, targets, as_of, at, interval, last_sweep)
         hosts.append(ClusterHost(
             hostname=host,
             instances=tuple(sorted(i for i, _ in targets)),
@@ -521,6 +500,42 @@ def fetch_cluster(client: PrometheusClient, *, now_s: float | None = None) -> Cl
             note=note,
         ))
     return ClusterView(client.url, at, tuple(hosts), tuple(errors))
+
+
+def _instances_by_host(
+    up: Sequence[Sample], host_of: Mapping[str, str], acc: Mapping[str, _Acc]
+) -> dict[str, list[tuple[str, bool]]]:
+    """Each host's scrape targets and whether they are up (targets with GPU series only)."""
+    instances: dict[str, list[tuple[str, bool]]] = {}
+    for s in up:
+        inst = s.labels.get("instance", "")
+        known = host_of.get(inst)
+        if known is None:
+            continue  # a target that never exported GPU series (Prometheus itself, ...)
+        instances.setdefault(known, []).append((inst, s.value == 1.0))
+    for dev in acc.values():
+        instances.setdefault(dev.host, [])
+    return instances
+
+
+def _host_state(
+    host: str,
+    targets: Sequence[tuple[str, bool]],
+    as_of: float | None,
+    at: float,
+    interval: float,
+    last_sweep: Sequence[Sample],
+) -> tuple[str, str | None, float | None]:
+    """``ok``, ``stale`` (newest sample older than two scrape intervals) or ``down``
+    (``up == 0``), with a note and the "as of" time."""
+    if targets and not any(ok for _, ok in targets):
+        newest = max((s.value for s in last_sweep if _hostname(s.labels) == host), default=as_of)
+        return "down", "exporter down (up == 0)", newest
+    if as_of is None:
+        return "stale", "no samples", None
+    if at - as_of > 2 * interval:
+        return "stale", f"newest sample {at - as_of:.0f} s old (> 2 scrape intervals)", as_of
+    return "ok", None, as_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -555,7 +570,7 @@ def rank_hosts(view: ClusterView, constraints: Constraints) -> list[HostChoice]:
     the worst device they would give (for one device: its key), then by hostname; then hosts where
     nothing fits, stale and down hosts (never chosen), by hostname.
     """
-    fitting: list[tuple[tuple[float, float, float, str], str, HostChoice]] = []
+    fitting: list[tuple[tuple[float, float, float, float, str], str, HostChoice]] = []
     rest: list[HostChoice] = []
     for host in view.hosts:
         if host.state != "ok":

@@ -33,7 +33,7 @@ from autogpu_jupyter.errors import (
 if TYPE_CHECKING:
     from autogpu_jupyter.core.backends import Backend
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.registry import Lease, Registry
+    from autogpu_jupyter.core.registry import Lease, Registry, Ticket
 
 __all__ = ["Holder", "PickResult", "pick", "explain_drops", "POLL_INTERVAL_S"]
 
@@ -281,81 +281,136 @@ def pick(
             warm_up()
     try:
         while True:
-            lease_note: str | None = None
-            lock_cm: Any = _no_registry()
-            if registry is not None and not dry_run:
-                lock_cm = registry.locked()
-            with lock_cm as txn:
-                if txn is None and promised is not None:
-                    raise _fail_closed(promised, getattr(registry, "unusable_reason", None))
-                snap = backend.snapshot()
-                if not snap.devices:
-                    why = "; ".join(snap.errors)
-                    raise NoDeviceGrantedError(
-                        f"no GPU on this host: {snap.backend} lists no devices"
-                        + (f" ({why})" if why else "")
-                    )
-                allocation = current_allocation(snap.devices, env)
-                if allocation.empty:
-                    raise NoDeviceGrantedError(
-                        f"no GPU granted to this process: {allocation.describe()}"
-                    )
-                _check_ids(snap.devices, constraints)
-                # FIFO reservations included, in a dry run too: it answers what a pick would do.
-                context = decision.gather(
-                    snap, environ=env, registry=registry, txn=txn, ticket=ticket,
-                    smoothed_util=smoothed_util, self_pids=(holder.pid,),
-                )
-                made = decision.decide(context, constraints)
-                ranked, chosen = list(made.ranked), list(made.chosen)
-                lease = None
-                if chosen and not dry_run and registry is not None and txn is not None:
-                    lease, lease_note = _create_lease(txn, chosen, constraints, holder)
-                    if lease is None and promised is not None:
-                        raise _fail_closed(promised, lease_note)
-                if chosen and ticket is not None:
-                    ticket.release()  # under the lock: nobody sees both our ticket and lease
-                    ticket = None
-            if registry is not None and not dry_run and getattr(registry, "unusable_reason", None):
-                lease_note = registry.unusable_reason
-            if lease_note:
-                lease_note = f"{lease_note}: picked without a lease"
-            if chosen:
-                uuids = [c.device.uuid for c in chosen]
-                return PickResult(
-                    chosen=tuple(c.device for c in chosen),
-                    candidates=tuple(ranked),
-                    constraints=constraints,
-                    env={} if dry_run else visible_env(uuids),
-                    allocation=allocation,
-                    snapshot=snap,
-                    lease=lease,
-                    lease_note=lease_note,
-                    dry_run=dry_run,
-                    waited_s=time.monotonic() - start,
-                )
+            made, lease, lease_note = _attempt(
+                constraints,
+                backend,
+                env,
+                registry,
+                holder,
+                ticket,
+                dry_run,
+                promised,
+                smoothed_util,
+            )
+            if made.chosen and ticket is not None:
+                ticket = None  # released under the lock by _attempt
+            if made.chosen:
+                return _result(made, lease, lease_note, registry, dry_run, start)
             now = time.monotonic()
             if now >= deadline:
                 raise NoDeviceFitsError(
                     _no_fit_message(
-                        ranked, constraints, allocation, now - start if wait_s else 0.0
+                        list(made.ranked),
+                        constraints,
+                        made.context.allocation,
+                        now - start if wait_s else 0.0,
                     ),
-                    candidates=tuple(ranked),
+                    candidates=made.ranked,
                 )
             if registry is not None and ticket is None:
                 ticket = registry.take_ticket(
-                    constraints=decision.ticket_constraints(constraints, allocation.uuids),
+                    constraints=decision.ticket_constraints(
+                        constraints, made.context.allocation.uuids
+                    ),
                     exclusive=constraints.exclusive,
                     holder=holder,
                 )
             if on_progress is not None:
-                best = next((c for c in ranked), None)
-                why = f"{best.device.label}: {'; '.join(best.reasons)}" if best else "no devices"
-                on_progress(
-                    f"waiting for a device ({constraints.describe()}), "
-                    f"{format_duration(now - start)} of {format_duration(wait_s)}; best now {why}"
-                )
+                on_progress(_waiting_line(made, now - start, wait_s))
             sleep(min(POLL_INTERVAL_S, max(deadline - now, 0.0)))
     finally:
         if ticket is not None:
             ticket.release()
+
+
+def _attempt(
+    constraints: Constraints,
+    backend: Backend,
+    env: Mapping[str, str],
+    registry: Registry | None,
+    holder: Holder,
+    ticket: Ticket | None,
+    dry_run: bool,
+    promised: str | None,
+    smoothed_util: Any,
+) -> tuple[decision.Decision, Lease | None, str | None]:
+    """One try, under the registry lock (a real pick): read, decide, and lease what was chosen.
+
+    When something was chosen, ``ticket`` is released under the same lock (nobody sees both
+    our ticket and our lease).
+    """
+    lock_cm: Any = _no_registry()
+    if registry is not None and not dry_run:
+        lock_cm = registry.locked()
+    lease_note: str | None = None
+    with lock_cm as txn:
+        if txn is None and promised is not None:
+            raise _fail_closed(promised, getattr(registry, "unusable_reason", None))
+        snap = backend.snapshot()
+        _check_granted(snap, env)
+        _check_ids(snap.devices, constraints)
+        # FIFO reservations included, in a dry run too: it answers what a pick would do.
+        context = decision.gather(
+            snap,
+            environ=env,
+            registry=registry,
+            txn=txn,
+            ticket=ticket,
+            smoothed_util=smoothed_util,
+            self_pids=(holder.pid,),
+        )
+        made = decision.decide(context, constraints)
+        lease = None
+        if made.chosen and not dry_run and registry is not None and txn is not None:
+            lease, lease_note = _create_lease(txn, list(made.chosen), constraints, holder)
+            if lease is None and promised is not None:
+                raise _fail_closed(promised, lease_note)
+        if made.chosen and ticket is not None:
+            ticket.release()
+    return made, lease, lease_note
+
+
+def _check_granted(snap: FleetSnapshot, env: Mapping[str, str]) -> None:
+    """Raise :class:`NoDeviceGrantedError` when there is no GPU, or none granted to us."""
+    if not snap.devices:
+        why = "; ".join(snap.errors)
+        raise NoDeviceGrantedError(
+            f"no GPU on this host: {snap.backend} lists no devices" + (f" ({why})" if why else "")
+        )
+    allocation = current_allocation(snap.devices, env)
+    if allocation.empty:
+        raise NoDeviceGrantedError(f"no GPU granted to this process: {allocation.describe()}")
+
+
+def _result(
+    made: decision.Decision,
+    lease: Lease | None,
+    lease_note: str | None,
+    registry: Registry | None,
+    dry_run: bool,
+    start: float,
+) -> PickResult:
+    if registry is not None and not dry_run and getattr(registry, "unusable_reason", None):
+        lease_note = registry.unusable_reason
+    chosen = [c.device for c in made.chosen]
+    return PickResult(
+        chosen=tuple(chosen),
+        candidates=made.ranked,
+        constraints=made.constraints,
+        env={} if dry_run else visible_env([d.uuid for d in chosen]),
+        allocation=made.context.allocation,
+        snapshot=made.context.snapshot,
+        lease=lease,
+        lease_note=f"{lease_note}: picked without a lease" if lease_note else None,
+        dry_run=dry_run,
+        waited_s=time.monotonic() - start,
+    )
+
+
+def _waiting_line(made: decision.Decision, waited_s: float, wait_s: float) -> str:
+    best = next(iter(made.ranked), None)
+    why = f"{best.device.label}: {'; '.join(best.reasons)}" if best else "no devices"
+    return (
+        f"waiting for a device ({made.constraints.describe()}), "
+        f"{format_duration(waited_s)} of {format_duration(wait_s)}; best now {why}"
+    )

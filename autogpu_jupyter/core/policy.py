@@ -241,98 +241,20 @@ def rank(
 
     out: list[Candidate] = []
     for dev in devices:
-        reasons: list[str] = []
-        ok = True
         booking = bookings.get(dev.uuid, Booking(dev.uuid))
         # A MIG device's parent bookings do not apply to it, and vice versa: separate memory.
         util = smoothed_util.get(dev.uuid, dev.utilization_pct)
-        if dev.uuid not in smoothed_util:
-            util = dev.utilization_pct
         eff_free: int | None = None
         if dev.memory_free_bytes is not None:
             eff_free = max(dev.memory_free_bytes - booking.booked_bytes, 0)
-
-        if not dev.available:
-            ok = False
-            reasons.append(f"unavailable: {dev.error or 'unknown error'}")
-        if allocation is not None and not allocation.allows(dev):
-            ok = False
-            reasons.append(f"outside this process's allocation ({allocation.describe()})")
-        for ident in constraints.exclude:
-            if matches_id(dev, ident) or (
-                dev.parent_uuid and _parent_excluded(dev, ident, devices)
-            ):
-                ok = False
-                reasons.append(f"excluded by --exclude {ident}")
-                break
-        if dev.compute_mode == "PROHIBITED":
-            ok = False
-            reasons.append("compute mode PROHIBITED: no CUDA context allowed")
-        elif dev.compute_mode in ("EXCLUSIVE_PROCESS", "EXCLUSIVE_THREAD"):
-            others = [p for p in (dev.processes or ()) if p.pid not in mine]
-            if others:
-                ok = False
-                reasons.append(
-                    f"compute mode {dev.compute_mode} and already used by {len(others)} process(es)"
-                )
-        if not dev.is_mig and migs_by_parent.get(dev.uuid):
-            ok = False
-            reasons.append(
-                f"MIG mode is on: use one of its {migs_by_parent[dev.uuid]} MIG devices instead"
-            )
-        elif not dev.is_mig and dev.mig_enabled:
-            ok = False
-            reasons.append("MIG mode is on but it has no MIG devices")
-        if constraints.models and not _model_matches(dev, constraints.models):
-            ok = False
-            reasons.append(f"model {dev.name} is not {' or '.join(constraints.models)}")
-        if dev.is_mig and constraints.count > 1:
-            ok = False
-            reasons.append(
-                f"a process can use only one MIG device; {constraints.count} devices were asked for"
-            )
-
+        v = _Verdict()
+        _check_usable(v, dev, devices, constraints, allocation)
+        _check_compute_mode(v, dev, mine)
+        _check_mig_and_model(v, dev, constraints, migs_by_parent)
         if dev.available:
-            if constraints.min_free is not None:
-                need = constraints.min_free.resolve(dev.memory_total_bytes)
-                if eff_free is None or need is None:
-                    ok = False
-                    reasons.append(
-                        "free memory unknown: cannot check min free "
-                        f"{constraints.min_free.describe()}"
-                    )
-                elif eff_free < need:
-                    ok = False
-                    reasons.append(
-                        f"only {format_bytes(eff_free)} free"
-                        + (
-                            f" after {format_bytes(booking.booked_bytes)} booked by leases"
-                            if booking.booked_bytes
-                            else ""
-                        )
-                        + f" < {format_bytes(need)} wanted"
-                    )
-                else:
-                    reasons.append(f"{format_bytes(eff_free)} free >= {format_bytes(need)} wanted")
-            elif eff_free is None:
-                reasons.append("free memory unknown: ranked last on memory")
-            if constraints.max_util_pct is not None:
-                if util is None:
-                    reasons.append("utilisation unknown (not supported here): not filtered on it")
-                elif util > constraints.max_util_pct:
-                    ok = False
-                    reasons.append(f"utilisation {util:.0f}% > max {constraints.max_util_pct:g}%")
-            if util is None and constraints.max_util_pct is None:
-                reasons.append("utilisation unknown: ranked by memory and leases")
-            if constraints.exclusive and booking.lease_count:
-                ok = False
-                reasons.append(f"exclusive wanted but {booking.lease_count} lease(s) hold it")
-            elif booking.exclusive:
-                ok = False
-                reasons.append("held exclusively by another lease")
-            if booking.lease_count and ok:
-                reasons.append(f"{booking.lease_count} live lease(s)")
-
+            _check_memory(v, dev, constraints, eff_free, booking)
+            _check_utilisation(v, util, constraints)
+            _check_leases(v, constraints, booking)
         key = (
             float(_preference(dev, constraints.prefer)),
             float(_load_step(util, eff_free, dev.memory_total_bytes)),
@@ -343,8 +265,8 @@ def rank(
         out.append(
             Candidate(
                 device=dev,
-                eligible=ok,
-                reasons=tuple(reasons),
+                eligible=v.ok,
+                reasons=tuple(v.reasons),
                 effective_free_bytes=eff_free,
                 smoothed_util_pct=util,
                 lease_count=booking.lease_count,
@@ -361,6 +283,111 @@ def rank(
         ),
     )
     return eligible + dropped
+
+
+@dataclass
+class _Verdict:
+    """What the filters say of one device: kept or dropped, and why (in the order checked)."""
+
+    ok: bool = True
+    reasons: list[str] = field(default_factory=list)
+
+    def drop(self, why: str) -> None:
+        self.ok = False
+        self.reasons.append(why)
+
+    def note(self, why: str) -> None:
+        self.reasons.append(why)
+
+
+def _check_usable(
+    v: _Verdict,
+    dev: DeviceSnapshot,
+    devices: Sequence[DeviceSnapshot],
+    constraints: Constraints,
+    allocation: Allocation | None,
+) -> None:
+    """Available, inside the allocation, not excluded by the user."""
+    if not dev.available:
+        v.drop(f"unavailable: {dev.error or 'unknown error'}")
+    if allocation is not None and not allocation.allows(dev):
+        v.drop(f"outside this process's allocation ({allocation.describe()})")
+    for ident in constraints.exclude:
+        if matches_id(dev, ident) or (dev.parent_uuid and _parent_excluded(dev, ident, devices)):
+            v.drop(f"excluded by --exclude {ident}")
+            break
+
+
+def _check_compute_mode(v: _Verdict, dev: DeviceSnapshot, mine: set[int]) -> None:
+    """Not PROHIBITED; not EXCLUSIVE_PROCESS/THREAD while another process uses it."""
+    if dev.compute_mode == "PROHIBITED":
+        v.drop("compute mode PROHIBITED: no CUDA context allowed")
+    elif dev.compute_mode in ("EXCLUSIVE_PROCESS", "EXCLUSIVE_THREAD"):
+        others = [p for p in (dev.processes or ()) if p.pid not in mine]
+        if others:
+            v.drop(f"compute mode {dev.compute_mode} and already used by {len(others)} process(es)")
+
+
+def _check_mig_and_model(
+    v: _Verdict, dev: DeviceSnapshot, constraints: Constraints, migs_by_parent: Mapping[str, int]
+) -> None:
+    """A GPU in MIG mode is used through its MIG devices; one MIG device per process; the
+    model asked for."""
+    if not dev.is_mig and migs_by_parent.get(dev.uuid):
+        v.drop(f"MIG mode is on: use one of its {migs_by_parent[dev.uuid]} MIG devices instead")
+    elif not dev.is_mig and dev.mig_enabled:
+        v.drop("MIG mode is on but it has no MIG devices")
+    if dev.is_mig and constraints.count > 1:
+        v.drop(f"a process can use only one MIG device; {constraints.count} devices were asked for")
+    if constraints.models and not _model_matches(dev, constraints.models):
+        v.drop(f"model {dev.name} is not {' or '.join(constraints.models)}")
+
+
+def _check_memory(
+    v: _Verdict,
+    dev: DeviceSnapshot,
+    constraints: Constraints,
+    eff_free: int | None,
+    booking: Booking,
+) -> None:
+    """Effective free memory (free minus booked by leases) fits ``min_free``."""
+    if constraints.min_free is None:
+        if eff_free is None:
+            v.note("free memory unknown: ranked last on memory")
+        return
+    need = constraints.min_free.resolve(dev.memory_total_bytes)
+    if eff_free is None or need is None:
+        v.drop(f"free memory unknown: cannot check min free {constraints.min_free.describe()}")
+    elif eff_free < need:
+        after = (
+            f" after {format_bytes(booking.booked_bytes)} booked by leases"
+            if booking.booked_bytes
+            else ""
+        )
+        v.drop(f"only {format_bytes(eff_free)} free{after} < {format_bytes(need)} wanted")
+    else:
+        v.note(f"{format_bytes(eff_free)} free >= {format_bytes(need)} wanted")
+
+
+def _check_utilisation(v: _Verdict, util: float | None, constraints: Constraints) -> None:
+    """Utilisation at most ``max_util``; unknown neither passes nor fails silently."""
+    if constraints.max_util_pct is not None:
+        if util is None:
+            v.note("utilisation unknown (not supported here): not filtered on it")
+        elif util > constraints.max_util_pct:
+            v.drop(f"utilisation {util:.0f}% > max {constraints.max_util_pct:g}%")
+    elif util is None:
+        v.note("utilisation unknown: ranked by memory and leases")
+
+
+def _check_leases(v: _Verdict, constraints: Constraints, booking: Booking) -> None:
+    """Exclusive wants no other lease; nobody else holds it exclusively."""
+    if constraints.exclusive and booking.lease_count:
+        v.drop(f"exclusive wanted but {booking.lease_count} lease(s) hold it")
+    elif booking.exclusive:
+        v.drop("held exclusively by another lease")
+    if booking.lease_count and v.ok:
+        v.note(f"{booking.lease_count} live lease(s)")
 
 
 def _model_matches(dev: DeviceSnapshot, names: Sequence[str]) -> bool:

@@ -216,8 +216,8 @@ _CONSTRAINT_KEYS = {
 
 #: Validated records by their exact bytes and where they were found (see :func:`_parse_cached`).
 _RECORD_CACHE: dict[tuple[bytes, str, str, int, str], LeaseRecord] = {}
-_RECORD_CACHE_MAX = 4096
-_RECORD_CACHE_ENTRY_MAX = 4096  # bytes
+_RECORD_CACHE_MAX = 16384  # above the most live records a scan reads (4 users x 4096)
+_RECORD_CACHE_ENTRY_MAX = 2048  # bytes (a typical record is ~500): at most 32 MiB cached
 
 
 def parse_checked(
@@ -253,47 +253,12 @@ def parse_checked(
 
 def parse_record(data: bytes, *, kind: str, path: str, live: bool) -> LeaseRecord:
     """Strictly parse one record. Raises :class:`Invalid` on anything unexpected."""
-    try:
-        text = data.decode("utf-8")
-        d = json.loads(text, object_pairs_hook=_no_dupes, parse_constant=_bad_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise Invalid(f"not valid JSON ({type(err).__name__})") from None
-    if not isinstance(d, dict):
-        raise Invalid("not a JSON object")
-    try:
-        # "\ud800" is valid JSON, but a lone surrogate cannot be printed or encoded anywhere.
-        json.dumps(d, ensure_ascii=False).encode("utf-8")
-    except (UnicodeEncodeError, RecursionError):
-        raise Invalid("a lone surrogate (not valid Unicode text)") from None
-    allowed = _TICKET_KEYS if kind == "ticket" else _LEASE_KEYS
-    extra = set(d) - allowed
-    if extra:
-        raise Invalid(f"unexpected keys {sorted(extra)[:5]}")
-    missing = (allowed - {"kernel_id", "notebook_path", "command"}) - set(d)
-    if missing:
-        raise Invalid(f"missing keys {sorted(missing)}")
-    if d["version"] != SCHEMA_VERSION:
-        raise Invalid(f"unknown version {str(d['version'])[:20]}")
-    if d["kind"] != kind:
-        raise Invalid(f"kind {str(d['kind'])[:20]!r} in a {kind} file")
+    d = _json_object(data)
+    _check_keys(d, kind)
     lease_id = _str(d, "lease_id")
     if not _ID_RE.match(lease_id):
         raise Invalid("lease_id: expected 16-64 lowercase hex digits")
-    uuids = d["device_uuids"]
-    if (
-        not isinstance(uuids, list)
-        or len(uuids) > _MAX_DEVICES
-        or (kind == "lease" and not uuids)
-        or not all(isinstance(u, str) and _UUID_RE.match(u) for u in uuids)
-        or len(set(uuids)) != len(uuids)
-    ):
-        raise Invalid("device_uuids: expected a list of distinct device UUIDs")
-    booked = d["device_requested_bytes"]
-    if not isinstance(booked, list) or len(booked) != len(uuids):
-        raise Invalid("device_requested_bytes: expected one entry per device")
-    for b in booked:
-        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < 2**62):
-            raise Invalid("device_requested_bytes: expected byte counts or null")
+    uuids, booked = _devices(d, kind)
     if not isinstance(d["exclusive"], bool):
         raise Invalid("exclusive: expected true or false")
     created = d["created_s"]
@@ -334,6 +299,58 @@ def parse_record(data: bytes, *, kind: str, path: str, live: bool) -> LeaseRecor
         live=live,
         path=path,
     )
+
+
+def _json_object(data: bytes) -> dict[str, Any]:
+    """Strict JSON (no duplicate keys, no NaN), an object, valid Unicode throughout."""
+    try:
+        text = data.decode("utf-8")
+        d = json.loads(text, object_pairs_hook=_no_dupes, parse_constant=_bad_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise Invalid(f"not valid JSON ({type(err).__name__})") from None
+    if not isinstance(d, dict):
+        raise Invalid("not a JSON object")
+    try:
+        # "\ud800" is valid JSON, but a lone surrogate cannot be printed or encoded anywhere.
+        json.dumps(d, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, RecursionError):
+        raise Invalid("a lone surrogate (not valid Unicode text)") from None
+    return d
+
+
+def _check_keys(d: Mapping[str, Any], kind: str) -> None:
+    """Exactly the schema's keys (the optional ones may be missing), this version, this kind."""
+    allowed = _TICKET_KEYS if kind == "ticket" else _LEASE_KEYS
+    extra = set(d) - allowed
+    if extra:
+        raise Invalid(f"unexpected keys {sorted(extra)[:5]}")
+    missing = (allowed - {"kernel_id", "notebook_path", "command"}) - set(d)
+    if missing:
+        raise Invalid(f"missing keys {sorted(missing)}")
+    if d["version"] != SCHEMA_VERSION:
+        raise Invalid(f"unknown version {str(d['version'])[:20]}")
+    if d["kind"] != kind:
+        raise Invalid(f"kind {str(d['kind'])[:20]!r} in a {kind} file")
+
+
+def _devices(d: Mapping[str, Any], kind: str) -> tuple[list[str], list[int | None]]:
+    """Distinct device UUIDs (at least one for a lease), and one booking (bytes or null) each."""
+    uuids = d["device_uuids"]
+    if (
+        not isinstance(uuids, list)
+        or len(uuids) > _MAX_DEVICES
+        or (kind == "lease" and not uuids)
+        or not all(isinstance(u, str) and _UUID_RE.match(u) for u in uuids)
+        or len(set(uuids)) != len(uuids)
+    ):
+        raise Invalid("device_uuids: expected a list of distinct device UUIDs")
+    booked = d["device_requested_bytes"]
+    if not isinstance(booked, list) or len(booked) != len(uuids):
+        raise Invalid("device_requested_bytes: expected one entry per device")
+    for b in booked:
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < 2**62):
+            raise Invalid("device_requested_bytes: expected byte counts or null")
+    return uuids, booked
 
 
 def _parse_constraints(c: Any) -> dict[str, Any]:

@@ -213,6 +213,7 @@ class ScanResult:
     live: list[LeaseRecord] = field(default_factory=list)
     dead: list[LeaseRecord] = field(default_factory=list)
     ignored: list[tuple[str, str]] = field(default_factory=list)  # (path, why)
+    keep_ignored: bool = True  # False: a pick's scan, which does not report what it skipped
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,6 +363,15 @@ def from_settings(settings: Any) -> Registry | None:
     )
 
 
+def _kind_of(name: str) -> str | None:
+    """``"lease"`` or ``"ticket"`` by the file name's suffix; ``None`` for anything else."""
+    if name.endswith(LEASE_SUFFIX):
+        return "lease"
+    if name.endswith(TICKET_SUFFIX):
+        return "ticket"
+    return None
+
+
 def _in_line(tickets: list[LeaseRecord]) -> list[LeaseRecord]:
     """Tickets in serving order: arrival number, then creation time, then id."""
     return sorted(tickets, key=lambda r: (r.seq or 0, r.created_s, r.lease_id))
@@ -379,7 +389,7 @@ class Transaction:
     def scan(self) -> ScanResult:
         """Every user's leases and tickets (read once per transaction; our dead ones removed)."""
         if self._scan is None:
-            self._scan = self.registry._scan_fd(self._top_fd, prune_own=True)
+            self._scan = self.registry._scan_fd(self._top_fd, prune_own=True, keep_ignored=False)
         return self._scan
 
     def live_leases(self) -> list[LeaseRecord]:
@@ -897,20 +907,30 @@ class Registry:
     # -- reading ------------------------------------------------------------------------------
 
     def _scan_fd(
-        self, top_fd: int, *, prune_own: bool = False, prune_all: bool = False
+        self,
+        top_fd: int,
+        *,
+        prune_own: bool = False,
+        prune_all: bool = False,
+        keep_ignored: bool = True,
     ) -> ScanResult:
-        result = ScanResult()
+        """Scan every user's directory. ``keep_ignored=False`` (a pick's scans) skips the
+        bookkeeping of what was ignored and why: planted junk then costs as little as can be."""
+        result = ScanResult(keep_ignored=keep_ignored)
         user_names: dict[int, str] = {}  # uid -> name, looked up once per scan
         try:
             names = os.listdir(top_fd)
         except OSError as err:
             raise RegistryError(f"cannot list lease registry {self.path}: {err.strerror}") from None
-        for uname in sorted(names):
-            upath = f"{self.path}/{uname if uname.isascii() else _shown(uname)}"
+        for uname in sorted(names) if keep_ignored else names:
             # isdecimal() alone is true for '¹' or '٣' (int() then fails or differs): ASCII only.
             if not (uname.isascii() and uname.isdecimal()) or len(uname) > 10:
-                result.ignored.append((upath, "not a user directory (name is not a uid)"))
+                if keep_ignored:
+                    result.ignored.append(
+                        (f"{self.path}/{_shown(uname)}", "not a user directory (name is not a uid)")
+                    )
                 continue
+            upath = f"{self.path}/{uname}"
             dir_uid = int(uname)
             try:
                 ufd = os.open(uname, _O_DIR | os.O_NONBLOCK, dir_fd=top_fd)
@@ -960,24 +980,22 @@ class Registry:
             names = sorted(names)[:MAX_FILES_PER_USER]
         prefix = upath + "/"
         for name in names:
+            kind = _kind_of(name)
+            if kind is None:
+                if name.startswith(".") and name.endswith(".tmp"):
+                    if prune:
+                        self._prune_tmp(ufd, name)
+                elif result.keep_ignored:
+                    result.ignored.append((prefix + _shown(name), "not a lease or ticket file"))
+                continue
             path = prefix + (name if name.isascii() else _shown(name))
-            if name.endswith(LEASE_SUFFIX):
-                kind = "lease"
-            elif name.endswith(TICKET_SUFFIX):
-                kind = "ticket"
-            elif name.startswith(".") and name.endswith(".tmp"):
-                if prune:
-                    self._prune_tmp(ufd, name)
-                continue
-            else:
-                result.ignored.append((path, "not a lease or ticket file"))
-                continue
             key = (dir_uid, name, entries[name])
-            why = _known_bad(ufd, name, key)
-            if why is None:
-                rec, why = self._read_one(ufd, name, path, dir_uid, kind, user_names, key)
-            else:
-                rec = None
+            known = _known_bad(ufd, name, key)
+            rec, why = (
+                (None, known)
+                if known is not None
+                else self._read_one(ufd, name, path, dir_uid, kind, user_names, key)
+            )
             if rec is None:
                 result.ignored.append((path, why))
                 continue
@@ -1109,7 +1127,7 @@ class Registry:
                 return []
             raise
         try:
-            live = self._scan_fd(top).live
+            live = self._scan_fd(top, keep_ignored=False).live
         finally:
             os.close(top)
         if not include_tickets:
@@ -1132,7 +1150,7 @@ class Registry:
             log.debug("ranking without the registry: %s", err)
             return [], []
         try:
-            live = self._scan_fd(top).live
+            live = self._scan_fd(top, keep_ignored=False).live
         except RegistryError as err:
             log.debug("ranking without the registry: %s", err)
             return [], []

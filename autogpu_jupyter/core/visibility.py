@@ -460,6 +460,80 @@ def _inside(uuid: str, grant: Sequence[str], devices: Sequence[DeviceSnapshot]) 
     return any(d.uuid == uuid and d.is_mig and d.parent_uuid in grant for d in devices)
 
 
+def _cvd_grant(
+    cvd: str,
+    env: Mapping[str, str],
+    devices: Sequence[DeviceSnapshot],
+    slurm_var: str | None,
+    slurm: tuple[str, ...] | None,
+    slurm_global: bool,
+) -> tuple[tuple[str, ...], list[str]]:
+    """What ``CUDA_VISIBLE_DEVICES`` grants (with a Slurm grant beside it), and notes."""
+    uuids, cvd_notes = parse_cuda_visible_devices(cvd, devices)
+    notes = list(cvd_notes)
+    if slurm_var is not None and slurm and slurm_global and _is_index_list(cvd):
+        # NVML shows every GPU: Slurm wrote global ids (no device cgroup) or ids relative to
+        # the job's GPUs (device cgroup that CUDA honours but NVML does not). Take the
+        # global reading when it stays inside the grant, else the relative one.
+        by_id = [d for d in _physical(devices) if d.uuid in slurm]
+        by_id.sort(key=lambda d: slurm.index(d.uuid))
+        relative = [DeviceSnapshot(index=i, uuid=d.uuid, name=d.name) for i, d in enumerate(by_id)]
+        rel_uuids, rel_notes = _parse_cvd(cvd, relative, "the job has")
+        if uuids and all(u in slurm for u in uuids):
+            if rel_uuids and not rel_notes and rel_uuids != uuids:
+                notes.append(
+                    f"{CVD}={cvd!r} read as global ids inside {slurm_var}={env[slurm_var]!r} "
+                    f"({_labels(devices, uuids)}); read relative to the job it would be "
+                    f"{_labels(devices, rel_uuids)}"
+                )
+        else:
+            uuids = rel_uuids
+            notes = [
+                *rel_notes,
+                f"{CVD}={cvd!r} read relative to the job's GPUs ({slurm_var}="
+                f"{env[slurm_var]!r}), as Slurm writes it under a device cgroup"
+                + (f": {_labels(devices, uuids)}" if uuids else ""),
+            ]
+    models = sorted({d.name for d in _physical(devices)})
+    if (
+        uuids
+        and _is_index_list(cvd)
+        and env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID"
+        and len(models) > 1
+    ):
+        notes.append(
+            f"{CVD}={cvd!r} uses indices and CUDA_DEVICE_ORDER is not PCI_BUS_ID, so CUDA "
+            f"numbers GPUs fastest first; this host mixes models ({', '.join(models)}), so "
+            "CUDA's index may name another GPU than NVML's: read here in PCI bus order "
+            "(nvidia-smi's). UUIDs avoid the ambiguity"
+        )
+    return uuids, notes
+
+
+def _within_every_grant(
+    grants: list[tuple[str, tuple[str, ...]]], devices: Sequence[DeviceSnapshot], notes: list[str]
+) -> list[str]:
+    """The most specific grant's devices, in its order, that every other grant also allows."""
+    primary_var, result = grants[-1]
+    kept: list[str] = []
+    for uuid in result:
+        outside = [v for v, g in grants[:-1] if not _inside(uuid, g, devices)]
+        if outside:
+            notes.append(
+                f"{_label(devices, uuid)} (from {primary_var}) is outside the allocation of "
+                f"{' and '.join(outside)}: dropped"
+            )
+        else:
+            kept.append(uuid)
+    mig = [u for u in kept if any(d.uuid == u and d.is_mig for d in devices)]
+    if len(mig) > 1:
+        notes.append(
+            f"{len(mig)} MIG devices granted; CUDA uses one MIG device per process, so a pick "
+            "uses one of them"
+        )
+    return kept
+
+
 def current_allocation(
     devices: Sequence[DeviceSnapshot], environ: Mapping[str, str] | None = None
 ) -> Allocation:
@@ -505,71 +579,13 @@ def current_allocation(
     cvd = env.get(CVD)
     if cvd is not None:
         parts.append((CVD, cvd))
-        uuids, cvd_notes = parse_cuda_visible_devices(cvd, devices)
-        if slurm_var is not None and slurm and slurm_global and _is_index_list(cvd):
-            # NVML shows every GPU: Slurm wrote global ids (no device cgroup) or ids relative to
-            # the job's GPUs (device cgroup that CUDA honours but NVML does not). Take the
-            # global reading when it stays inside the grant, else the relative one.
-            by_id = [d for d in _physical(devices) if d.uuid in slurm]
-            by_id.sort(key=lambda d: slurm.index(d.uuid))
-            relative = [
-                DeviceSnapshot(index=i, uuid=d.uuid, name=d.name) for i, d in enumerate(by_id)
-            ]
-            rel_uuids, rel_notes = _parse_cvd(cvd, relative, "the job has")
-            if uuids and all(u in slurm for u in uuids):
-                notes += cvd_notes
-                if rel_uuids and not rel_notes and rel_uuids != uuids:
-                    notes.append(
-                        f"{CVD}={cvd!r} read as global ids inside {slurm_var}={env[slurm_var]!r} "
-                        f"({_labels(devices, uuids)}); read relative to the job it would be "
-                        f"{_labels(devices, rel_uuids)}"
-                    )
-            else:
-                uuids = rel_uuids
-                notes += rel_notes
-                notes.append(
-                    f"{CVD}={cvd!r} read relative to the job's GPUs ({slurm_var}="
-                    f"{env[slurm_var]!r}), as Slurm writes it under a device cgroup"
-                    + (f": {_labels(devices, uuids)}" if uuids else "")
-                )
-        else:
-            notes += cvd_notes
+        uuids, cvd_notes = _cvd_grant(cvd, env, devices, slurm_var, slurm, slurm_global)
+        notes += cvd_notes
         grants.append((CVD, uuids))
-        if (
-            uuids
-            and _is_index_list(cvd)
-            and env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID"
-            and len({d.name for d in _physical(devices)}) > 1
-        ):
-            models = ", ".join(sorted({d.name for d in _physical(devices)}))
-            notes.append(
-                f"{CVD}={cvd!r} uses indices and CUDA_DEVICE_ORDER is not PCI_BUS_ID, so CUDA "
-                f"numbers GPUs fastest first; this host mixes models ({models}), so CUDA's "
-                "index may name another GPU than NVML's: read here in PCI bus order "
-                "(nvidia-smi's). UUIDs avoid the ambiguity"
-            )
 
     if not grants:
         return Allocation(source=None, raw=None, uuids=None, notes=tuple(notes))
-
-    # The most specific grant gives the order; every other grant must also allow each device.
-    primary_var, result = grants[-1]
-    kept: list[str] = []
-    for uuid in result:
-        outside = [v for v, g in grants[:-1] if not _inside(uuid, g, devices)]
-        if outside:
-            notes.append(
-                f"{_label(devices, uuid)} (from {primary_var}) is outside the allocation of "
-                f"{' and '.join(outside)}: dropped"
-            )
-        else:
-            kept.append(uuid)
-    mig = [u for u in kept if any(d.uuid == u and d.is_mig for d in devices)]
-    if len(mig) > 1:
-        notes.append(
-            f"{len(mig)} MIG devices granted; CUDA uses one MIG device per process, so a pick "
-            "uses one of them"
-        )
+    kept = _within_every_grant(grants, devices, notes)
     return Allocation(
         source=" + ".join(name for name, _ in parts),
         raw=" + ".join(value for _, value in parts),

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
     from autogpu_jupyter.core.overload import Overload
+    from autogpu_jupyter.core.records import LeaseRecord
     from autogpu_jupyter.core.sampler import DeviceSeries
 
 __all__ = [
@@ -294,10 +295,17 @@ def render_table(
     *,
     highlight: Iterable[str] = (),
     own_pids: Iterable[int] = (),
+    leases: Sequence[LeaseRecord] = (),
 ) -> str:
-    """A compact table of current values and holders, one row per device."""
+    """A compact table of current values and holders, one row per device.
+
+    Holders are the one holder model's (:mod:`autogpu_jupyter.core.holders`): leases and
+    processes, matched by pid, worded as ``%gpu status`` and the sidebar word them.
+    """
+    from autogpu_jupyter.core.holders import holders_by_device, holders_text
+
     marked = set(highlight)
-    ours = set(own_pids)
+    by_device = holders_by_device(snapshot, leases, own_pids=own_pids)
     cell = f"padding:1px 8px;text-align:left;border-bottom:1px solid {BORDER}"
     head = "".join(
         f'<th style="{cell}">{h}</th>'
@@ -314,7 +322,11 @@ def render_table(
                 f"{_e(dev.error or 'unavailable')}</td></tr>"
             )
             continue
-        holders = _holders(dev, ours)
+        holders = (
+            holders_text(by_device[dev.uuid])
+            if dev.processes is not None or any(by_device[dev.uuid])
+            else "?"
+        )
         temp = "?" if dev.temperature_c is None else f"{dev.temperature_c:.0f} °C"
         power = "?" if dev.power_w is None else f"{dev.power_w:.0f} W"
         values = (
@@ -334,18 +346,6 @@ def render_table(
         f'<table class="autogpu-table" style="border-collapse:collapse;font-size:12px;color:{FG};'
         f'font-family:{FONT}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
     )
-
-
-def _holders(dev: DeviceSnapshot, ours: set[int]) -> str:
-    if dev.processes is None:
-        return "?"
-    if not dev.processes:
-        return "none"
-    parts = []
-    for p in dev.processes:
-        who = "this kernel" if p.pid in ours else (p.user or f"pid {p.pid}")
-        parts.append(f"{who} {format_bytes(p.used_memory_bytes)}")
-    return ", ".join(parts)
 
 
 def render_banner(warnings: Sequence[Overload]) -> str:

@@ -112,6 +112,7 @@ class Panel(w.VBox):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._paused = False
         self._drawn: tuple[Any, ...] | None = None  # the inputs of the last drawing
+        self._leases: tuple[Any, ...] = ()
 
         self.header = w.HTML()
         self.banner = w.HTML(layout=w.Layout(display="none"))
@@ -203,9 +204,18 @@ class Panel(w.VBox):  # type: ignore[misc]
             return
         kernel = kernel_device_uuids(snapshot.devices)
         lease = _lease_text()
+        self._leases = _live_leases()
         # Everything drawn below is a function of these: the same inputs (a failed read, a
         # second refresh for the same sample) redraw nothing.
-        key = (snapshot, kernel, lease, self.window_s, self.thresholds, s.interval_s)
+        key = (
+            snapshot,
+            kernel,
+            lease,
+            tuple(r.lease_id for r in self._leases),
+            self.window_s,
+            self.thresholds,
+            s.interval_s,
+        )
         if key != self._drawn:
             self._draw(snapshot, kernel, lease)
             self._drawn = key
@@ -233,7 +243,9 @@ class Panel(w.VBox):  # type: ignore[misc]
             now_s=snapshot.timestamp_s,
             highlight=kernel,
         )
-        self.table.value = chart.render_table(snapshot, highlight=kernel, own_pids=own)
+        self.table.value = chart.render_table(
+            snapshot, highlight=kernel, own_pids=own, leases=self._leases
+        )
         banner = chart.render_banner(warnings)
         self.banner.value = banner
         self.banner.layout.display = "block" if banner else "none"
@@ -288,6 +300,13 @@ def _weak_listener(panel: Panel) -> Any:
         p._on_sample(sampler, snapshot)
 
     return listener
+
+
+def _live_leases() -> tuple[Any, ...]:
+    """The registry's live leases (for the holders column); none when it cannot be read."""
+    from autogpu_jupyter import api
+
+    return tuple(api.live_leases())
 
 
 def _lease_text() -> str | None:
