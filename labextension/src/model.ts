@@ -655,7 +655,10 @@ export function holdersFor(
 }
 
 /** `best device for 10.0 GiB: GPU 3`, or why none fits. */
-export function recommendationText(selection: ISelection): string {
+export function recommendationText(
+  selection: ISelection,
+  current: string[] = []
+): string {
   const wanted = selection.constraints_text.replace(/^min free /, '');
   const forWhat =
     selection.constraints_text === 'no constraints' ||
@@ -669,7 +672,33 @@ export function recommendationText(selection: ISelection): string {
   }
   // A label never breaks ("GPU" at the end of a line, "2" on the next): no-break spaces.
   const labels = selection.chosen.map(c => c.label.replace(/ /g, '\u00a0'));
+  if (selection.chosen.every(c => current.includes(c.uuid))) {
+    return `you are already on the ${forWhat}: ${labels.join(', ')}`;
+  }
   return `${forWhat}: ${labels.join(', ')}`;
+}
+
+/**
+ * The devices a notebook's kernel holds or uses: its leases and processes in `holders`, and
+ * the autogpu provisioner's pick. What "you are already on it" compares with.
+ */
+export function notebookDevices(
+  holders: IHolders | null,
+  kernelId: string | null
+): string[] {
+  if (holders === null || kernelId === null) {
+    return [];
+  }
+  const out = new Set<string>();
+  for (const h of holders.holders) {
+    if (h.kernel_id === kernelId) {
+      out.add(h.uuid);
+    }
+  }
+  for (const u of kernelInfoFor(holders, kernelId)?.picked_uuids ?? []) {
+    out.add(u);
+  }
+  return [...out];
 }
 
 /** `idle 12 min`, `idle 2 h 5 min`; '' under a minute or when unknown (not worth a word). */

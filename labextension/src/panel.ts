@@ -42,6 +42,7 @@ import {
   parseHolders,
   parseMoveResult,
   parseSelection,
+  notebookDevices,
   recommendationText,
   selectPath,
   sparkScaleTop,
@@ -464,7 +465,10 @@ export class GPUPanel extends Widget {
     }
     const text =
       this._selection !== null
-        ? recommendationText(this._selection)
+        ? recommendationText(
+            this._selection,
+            notebookDevices(this._holders, active?.kernelId ?? null)
+          )
         : `no recommendation: ${this._selectionError}`;
     this._recommendation.appendChild(el('div', 'jp-AutoGPU-advice', text));
   }

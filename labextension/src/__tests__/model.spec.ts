@@ -19,6 +19,7 @@ import {
   parseHistory,
   parseHolders,
   parseSelection,
+  notebookDevices,
   recommendationText,
   sparkScaleTop,
   sparklinePath,
@@ -386,6 +387,52 @@ describe('recommendationText', () => {
       message: null
     });
     expect(recommendationText(sel)).toBe('best device now: GPU\u00a00');
+  });
+
+  it('says so when the notebook already sits on the best device', () => {
+    const sel = parseSelection({
+      chosen: [{ uuid: 'GPU-2', label: 'GPU 2', name: 'A100' }],
+      constraints_text: 'min free 10.0 GiB',
+      message: null
+    });
+    expect(recommendationText(sel, ['GPU-2'])).toBe(
+      'you are already on the best device for 10.0 GiB: GPU\u00a02'
+    );
+    expect(recommendationText(sel, ['GPU-1'])).toBe(
+      'best device for 10.0 GiB: GPU\u00a02'
+    );
+  });
+
+  it('finds the devices of the notebook kernel in its leases and processes', () => {
+    const holder = {
+      kind: 'lease',
+      uuid: 'GPU-2',
+      label: 'GPU 2',
+      user: 'me',
+      pid: 5,
+      kernel_id: 'k1',
+      this_server: true,
+      notebook_path: 'a.ipynb',
+      booked_bytes: 1,
+      used_memory_bytes: null,
+      exclusive: false,
+      created_s: 1,
+      command: null
+    };
+    const holders = parseHolders({
+      timestamp_s: 1,
+      simulated: false,
+      user: 'me',
+      holders: [
+        holder,
+        { ...holder, kind: 'process', uuid: 'GPU-3', kernel_id: null }
+      ],
+      kernels: [],
+      errors: []
+    });
+    expect(notebookDevices(holders, 'k1')).toEqual(['GPU-2']);
+    expect(notebookDevices(holders, 'k9')).toEqual([]);
+    expect(notebookDevices(null, 'k1')).toEqual([]);
   });
 
   it('passes the server reason when nothing fits', () => {
