@@ -1,0 +1,369 @@
+"""The trusted lease broker (issue 11) against real Unix users, with the broker a real root process.
+
+Users A and B (``useradd``; the tests run as root) run the real ``autogpu`` command (``runuser``)
+or speak raw JSON on the broker's socket from a forked child that dropped to their uid. What
+they see -- exit codes, the one line of an error, what ``autogpu leases`` shows -- is asserted,
+and the broker's own ``autogpu broker status`` says what it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autogpu_jupyter.core.brokerclient import BrokerRegistry
+from tests.brokerhelpers import Area, BrokerProc, raw_call
+from tests.leasehelpers import AsUser, as_user, ensure_user, shared_area, uuid_of
+
+pytestmark = [
+    pytest.mark.multiuser,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create the test users"),
+    pytest.mark.skipif(shutil.which("runuser") is None, reason="needs runuser (util-linux)"),
+]
+
+USER_A = "agtest-alice"
+USER_B = "agtest-bob"
+
+
+@pytest.fixture(scope="module")
+def users() -> dict[str, tuple[int, int]]:
+    return {"a": ensure_user(USER_A), "b": ensure_user(USER_B)}
+
+
+@pytest.fixture
+def area(users: dict[str, tuple[int, int]]) -> Iterator[Area]:
+    with shared_area("autogpu-broker") as root:
+        yield Area(root)
+
+
+@pytest.fixture
+def broker(area: Area) -> Iterator[BrokerProc]:
+    proc = BrokerProc(area.root, "--max-devices-per-user", "2",
+                      env={"AUTOGPU_RECORD_COMMANDS": "1"})
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _leases(st: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(st["leases"])
+
+
+def _kill_group(proc: Any) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+def _no_traceback(proc: Any) -> None:
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stdout, proc.stdout
+
+
+# ---- what a user does on the raw socket (run in a forked child as that user) --------------------
+
+
+def _raw(path: str, *messages: Any) -> list[Any]:
+    lines = [m if isinstance(m, bytes) else json.dumps(m).encode() + b"\n" for m in messages]
+    return raw_call(path, *lines)
+
+
+def _raw_hold(path: str, *messages: Any) -> Any:
+    """Like :func:`_raw`, but keeps the connection (and what it holds) open in the child."""
+    import socket
+
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    replies = []
+    f = s.makefile("rb")
+    for m in messages:
+        s.sendall(json.dumps(m).encode() + b"\n")
+        replies.append(json.loads(f.readline()))
+    _HELD.append((s, f))
+    return replies
+
+
+_HELD: list[Any] = []
+
+
+# ---- a lease is a connection ---------------------------------------------------------------------
+
+
+def test_sigkill_of_the_holder_frees_its_lease_and_commands_stay_private(
+    area: Area, broker: BrokerProc
+) -> None:
+    holder = area.run_held(USER_A, "run", "--", "sleep", "60")
+    try:
+        st = broker.wait_for(lambda s: len(_leases(s)) == 1)
+        assert st["per_user"] == {USER_A: {"leases": 1, "devices": 1, "tickets": 0}}
+        # Root sees A's command line; B's `autogpu leases --json` shows A's lease without it.
+        mine = BrokerRegistry(str(area.socket)).list_leases()
+        assert mine[0].user == USER_A and "sleep 60" in (mine[0].command or "")
+        seen = area.cli(USER_B, "leases", "--json")
+        _no_traceback(seen)
+        rows = json.loads(seen.stdout)
+        assert [(r["user"], r["command"]) for r in rows] == [(USER_A, None)]
+        assert "sleep" not in seen.stdout
+    finally:
+        _kill_group(holder)
+    # SIGKILL: no cleanup step ran anywhere; the kernel closed the socket, the broker freed it.
+    broker.wait_for(lambda s: _leases(s) == [], timeout=5)
+    # ... and the shared-directory registry was never used.
+    assert not area.registry.exists() or not any(area.registry.rglob("*.lease"))
+
+
+def test_a_lease_passed_to_the_command_lives_as_long_as_the_command(
+    area: Area, broker: BrokerProc
+) -> None:
+    # `autogpu run` hands the lease's socket to CMD (pass_fds): killing only the wrapper keeps it.
+    holder = area.run_held(USER_A, "run", "--", "sleep", "60")
+    try:
+        broker.wait_for(lambda s: len(_leases(s)) == 1)
+        children = Path(f"/proc/{holder.pid}/task/{holder.pid}/children").read_text()
+        wrapper = int(children.split()[0])
+        os.kill(wrapper, signal.SIGKILL)
+        time.sleep(1.0)
+        assert len(_leases(broker.status())) == 1
+    finally:
+        _kill_group(holder)
+    broker.wait_for(lambda s: _leases(s) == [], timeout=5)
+
+
+# ---- quotas and identity -------------------------------------------------------------------------
+
+
+def test_a_user_cannot_exceed_max_devices_per_user_by_cli_or_raw_socket(
+    area: Area, broker: BrokerProc, users: dict[str, tuple[int, int]]
+) -> None:
+    held = [area.run_held(USER_B, "run", "--", "sleep", "60") for _ in range(2)]
+    try:
+        broker.wait_for(lambda s: s["per_user"].get(USER_B, {}).get("devices") == 2)
+        # The CLI: a third device is refused, exit 3, one line naming the admin's limit.
+        third = area.cli(USER_B, "run", "--", "true")
+        _no_traceback(third)
+        assert third.returncode == 3, third.stderr
+        assert "max_devices_per_user = 2" in third.stderr
+        assert "enforced by the broker" in third.stderr
+        # Raw socket, no pick lock, forged identity fields: still B, still refused.
+        uid, gid = users["b"]
+        free = [uuid_of(i) for i in range(4)]
+        replies = as_user(uid, gid, _raw, str(area.socket), {
+            "op": "lease", "devices": free[:4], "uid": 0, "user": "root",
+            "holder": {"kind": "cli", "uid": 0, "user": "root", "pid": 1},
+        })
+        assert replies[0]["ok"] is False and replies[0]["type"] == "LeaseLimitError", replies
+        assert f"{USER_B} already holds leases on 2 device(s)" in replies[0]["error"]
+        # "Replacing" another user's lease (what a re-pick says of its own) ends nothing:
+        # A's lease still holds against B's exclusive ask.
+        a_holds = area.run_held(USER_A, "run", "--", "sleep", "60")
+        held.append(a_holds)
+        st = broker.wait_for(lambda s: USER_A in s["per_user"])
+        a_lease = next(r for r in st["leases"] if r["user"] == USER_A)
+        replies = as_user(uid, gid, _raw, str(area.socket), {
+            "op": "lease", "devices": a_lease["device_uuids"], "exclusive": True,
+            "ignore_ids": [a_lease["lease_id"]], "ignore_kernel": None,
+        })
+        assert replies[0]["type"] == "NoDeviceFitsError", replies
+        # Replacing its own leases (a re-pick) ends them: it can never add to the quota.
+        st = broker.status()
+        own = [r["lease_id"] for r in st["leases"] if r["user"] == USER_B]
+        replies = as_user(uid, gid, _raw, str(area.socket), {
+            "op": "lease", "devices": free[2:4], "ignore_ids": own,
+        })
+        assert replies[0]["ok"] is True, replies  # ended with the child's connection
+        st = broker.wait_for(lambda s: USER_B not in s["per_user"])
+        assert [r["user"] for r in st["leases"]] == [USER_A]
+        # A is not limited by B's leases.
+        other = area.cli(USER_A, "run", "--", "true")
+        assert other.returncode == 0, other.stderr
+    finally:
+        for p in held:
+            _kill_group(p)
+
+
+def test_forged_identity_fields_are_ignored_peer_credentials_win(
+    area: Area, broker: BrokerProc, users: dict[str, tuple[int, int]]
+) -> None:
+    uid, gid = users["b"]
+    child = AsUser(uid, gid, _raw_hold, str(area.socket), {
+        "op": "lease", "devices": [uuid_of(0)], "exclusive": True,
+        "uid": 0, "user": "root", "pid": 1, "lease_id": "0" * 32,
+        "holder": {"kind": "kernel", "notebook_path": "x\tb\u202e.ipynb", "pid": 1, "uid": 0},
+    }, hold=True)
+    try:
+        reply = child.result()[0]
+        assert reply["ok"] is True, reply
+        rec = json.loads(reply["record"])
+        assert (rec["uid"], rec["user"], rec["pid"]) == (uid, USER_B, child.pid)
+        assert rec["lease_id"] != "0" * 32
+        assert "\t" not in rec["notebook_path"]
+        # B's exclusive lease holds against root's pick of that device, through the broker.
+        st = broker.status()
+        assert [(r["user"], r["uid"], r["exclusive"]) for r in st["leases"]] == [
+            (USER_B, uid, True)
+        ]
+        pick = area.cli(USER_A, "run", "--exclude", "1,2,3", "--", "true")
+        assert pick.returncode == 3, pick.stdout + pick.stderr
+        # B cannot release or revoke what is not B's.
+        replies = as_user(users["a"][0], users["a"][1], _raw, str(area.socket),
+                          {"op": "release", "lease_id": rec["lease_id"]},
+                          {"op": "revoke", "lease_id": rec["lease_id"]})
+        assert [r["ok"] for r in replies[:2]] == [False, False], replies
+        assert "revoke needs root" in replies[1]["error"]
+        assert len(broker.status()["leases"]) == 1
+    finally:
+        child.stop()
+    broker.wait_for(lambda s: _leases(s) == [], timeout=5)
+
+
+def test_oversized_or_malformed_messages_close_only_that_connection(
+    area: Area, broker: BrokerProc, users: dict[str, tuple[int, int]]
+) -> None:
+    uid, gid = users["b"]
+    keeper = AsUser(uid, gid, _raw_hold, str(area.socket),
+                    {"op": "lease", "devices": [uuid_of(1)]}, hold=True)
+    try:
+        assert keeper.result()[0]["ok"] is True
+        path = str(area.socket)
+        big = as_user(uid, gid, _raw, path, b'{"op": "status", "x": "' + b"a" * 100_000 + b'"}\n')
+        assert big[-1] == "closed"
+        assert any("longer than 65536 bytes" in r.get("error", "") for r in big[:-1]), big
+        junk = as_user(uid, gid, _raw, path, b"not json\n", {"op": "status"})
+        assert junk == [{"ok": False, "error": "malformed message (not JSON): connection closed",
+                         "type": "RegistryError"}, "closed"]
+        deep = as_user(uid, gid, _raw, path, b"[" * 60_000 + b"\n")
+        assert deep[-1] == "closed" and "malformed" in deep[0]["error"]
+        unknown = as_user(uid, gid, _raw, path, {"op": "become_root"})
+        assert unknown[-1] == "closed"
+        bad = as_user(uid, gid, _raw, path, {"op": "lease", "devices": ["../../etc"]},
+                      {"op": "lease", "devices": [uuid_of(2)], "requested_bytes": [-1]})
+        assert [r["ok"] for r in bad] == [False, False], bad
+        # The other connection still holds its lease, and everyone else still picks.
+        st = broker.status()
+        assert [r["device_uuids"] for r in st["leases"]] == [[uuid_of(1)]]
+        ok = area.cli(USER_A, "run", "--", "true")
+        assert ok.returncode == 0, ok.stderr
+    finally:
+        keeper.stop()
+
+
+def test_a_user_holding_the_pick_lock_or_flooding_connections_does_not_stop_others(
+    area: Area, broker: BrokerProc, users: dict[str, tuple[int, int]]
+) -> None:
+    uid, gid = users["b"]
+    hog = AsUser(uid, gid, _flood, str(area.socket), 300, hold=True)
+    try:
+        opened, refused, begun = hog.result()
+        assert opened == 256 and refused == 44 and begun
+        start = time.monotonic()
+        ok = area.cli(USER_A, "run", "--", "true")
+        assert ok.returncode == 0, ok.stderr
+        assert time.monotonic() - start < 15
+    finally:
+        hog.stop()
+
+
+def _flood(path: str, n: int) -> tuple[int, int, bool]:
+    """Open ``n`` connections (kept), take the pick lock on the first and never end it."""
+    import socket
+
+    opened = refused = 0
+    begun = False
+    for i in range(n):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(path)
+        if i == 0:
+            s.sendall(b'{"op": "begin"}\n')
+            begun = b'"ok": true' in s.recv(65536)
+        else:
+            s.sendall(b'{"op": "status"}\n')
+            s.settimeout(5)
+            data = s.recv(65536)
+            if b"too many connections" in data:
+                refused += 1
+            else:
+                opened += 1
+        _HELD.append(s)
+    return opened + 1, refused, begun
+
+
+# ---- failure modes and the admin -----------------------------------------------------------------
+
+
+def test_broker_down_fails_closed_with_the_admins_fix_or_falls_back_when_allowed(
+    area: Area, users: dict[str, tuple[int, int]]
+) -> None:
+    res = area.cli(USER_A, "run", "--", "true")
+    _no_traceback(res)
+    assert res.returncode == 3, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert f"the lease broker at {area.socket} cannot be reached" in lines[0]
+    assert "systemctl enable --now autogpu-broker.socket" in lines[0]
+    assert "broker_fallback" in lines[0]
+    assert not any(area.registry.rglob("*.lease"))  # failed closed: no lease anywhere
+    fb = area.cli(USER_A, "run", "--", "sh", "-c", f"ls {area.registry}/*/*.lease",
+                  AUTOGPU_BROKER_FALLBACK="registry")
+    assert fb.returncode == 0, fb.stderr
+    assert ".lease" in fb.stdout
+
+
+def test_root_revokes_a_lease_and_other_users_cannot(
+    area: Area, broker: BrokerProc, users: dict[str, tuple[int, int]]
+) -> None:
+    uid, gid = users["a"]
+    child = AsUser(uid, gid, _hold_and_listen, str(area.socket), hold=True)
+    try:
+        lease_id = broker.wait_for(lambda s: len(_leases(s)) == 1)["leases"][0]["lease_id"]
+        res = area.cli("root", "broker", "revoke", lease_id, "--socket", str(area.socket))
+        assert res.returncode == 0, res.stderr
+        assert f"revoked lease {lease_id} ({USER_A}: pid" in res.stdout
+        assert broker.status()["leases"] == []
+        refused = area.cli(USER_B, "broker", "revoke", lease_id)
+        assert refused.returncode != 0 and "revoke needs root" in refused.stderr
+    finally:
+        child.stop()
+
+
+def _hold_and_listen(path: str) -> Any:
+    from autogpu_jupyter.core.brokerclient import BrokerRegistry
+
+    reg = BrokerRegistry(path)
+    with reg.locked() as txn:
+        lease = txn.create(devices=[uuid_of(0)])
+    _HELD.append(lease)
+    return lease.record.lease_id
+
+
+def test_broker_status_shows_leases_waiters_and_per_user_counts(
+    area: Area, broker: BrokerProc
+) -> None:
+    a = area.run_held(USER_A, "run", "--exclusive", "--exclude", "1,2,3", "--", "sleep", "60")
+    try:
+        broker.wait_for(lambda s: len(_leases(s)) == 1)
+        over = area.cli(USER_B, "run", "--count", "3", "--", "true")  # past the quota of 2
+        assert over.returncode == 3 and "max_devices_per_user = 2" in over.stderr, over.stderr
+        waiter = area.run_held(USER_B, "run", "--exclusive", "--exclude", "1,2,3", "--wait", "60",
+                               "--", "true")
+        broker.wait_for(lambda s: len(s["tickets"]) == 1)
+        res = area.cli(USER_B, "broker", "status")
+        assert res.returncode == 0, res.stderr
+        assert "leases: 1" in res.stdout and "waiters: 1" in res.stdout, res.stdout
+        assert f"{USER_A}: 1 lease(s) on 1 device(s), 0 waiting" in res.stdout
+        assert f"{USER_B}: 0 lease(s) on 0 device(s), 1 waiting" in res.stdout
+        assert "exclusive" in res.stdout and "sleep" not in res.stdout
+    finally:
+        _kill_group(a)
+    # A's exclusive lease gone: the waiter is served, runs, and its lease ends with it.
+    _out, err = waiter.communicate(timeout=30)
+    assert waiter.returncode == 0, err
+    assert uuid_of(0) in err
+    broker.wait_for(lambda s: s["leases"] == [] and s["tickets"] == [], timeout=5)
