@@ -118,3 +118,47 @@ def test_a_broker_restart_amid_16_leases_and_4_waiters_loses_and_doubles_nothing
     finally:
         finish_all([*holders, *waiters])
     broker.wait_for(lambda s: s["leases"] == [] and s["orphans"] == 0, timeout=5)
+
+
+def test_socket_activation_the_broker_serves_the_inherited_socket(
+    fleet_source: FleetEnv, tmp_path: Path
+) -> None:
+    """As systemd does: the socket is bound by the parent and passed as fd 3 with LISTEN_FDS
+    and LISTEN_PID; the broker binds nothing of its own (its --socket path stays absent)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from autogpu_jupyter.core.brokerclient import BrokerRegistry
+    from tests.brokerhelpers import REPO
+
+    fleet_source.write(fleet(2))
+    path = tmp_path / "activated.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(16)
+    fd = listener.fileno()
+
+    def as_fd_3() -> None:
+        os.dup2(fd, 3)
+        os.set_inheritable(3, True)
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LISTEN_FDS": "1"}
+    proc = subprocess.Popen(
+        ["sh", "-c", 'LISTEN_PID=$$ exec "$0" "$@"', sys.executable, "-m", "autogpu_jupyter.cli",
+         "broker", "--socket", str(tmp_path / "unused.sock"), "--state-dir", ""],
+        env=env, preexec_fn=as_fd_3, pass_fds=tuple({fd, 3}), stderr=subprocess.PIPE,
+    )
+    try:
+        listener.close()
+        reg = BrokerRegistry(str(path), connect_timeout_s=10)
+        with reg.locked() as txn:
+            lease = txn.create(devices=[uuid_of(0)])
+        assert [r.lease_id for r in reg.list_leases()] == [lease.record.lease_id]
+        lease.release()
+        assert reg.list_leases() == []
+        assert not (tmp_path / "unused.sock").exists()
+    finally:
+        proc.terminate()
+        proc.wait(10)
