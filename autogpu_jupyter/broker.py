@@ -192,12 +192,14 @@ class Broker:
         return sorted(out, key=lambda p: (p[1].created_s, p[1].lease_id))
 
     def _records(self, kind: str, viewer_uid: int) -> list[dict[str, Any]]:
+        """Live records of ``kind`` as their payloads (the record format's fields), for a
+        client of ``viewer_uid``: other users' command lines are left out (root sees them)."""
         out = []
         for uid, rec in self.live():
             if rec.kind != kind:
                 continue
             shown = rec if viewer_uid in (0, uid) else replace(rec, command=None)
-            out.append({"data": encode(shown).decode(), "kind": rec.kind})
+            out.append(shown._payload())
         return out
 
     # -- the pick lock ----------------------------------------------------------------------
@@ -379,7 +381,7 @@ class Broker:
         self.served += 1
         self._journal()
         self._drop_lock(conn)
-        return {"ok": True, "record": encode(rec).decode()}
+        return {"ok": True, "record": rec._payload()}
 
     async def op_ticket(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         if conn.record is not None:
@@ -400,7 +402,7 @@ class Broker:
         conn.record = rec
         conn.holder_pids = _proc_ids(conn.pid)
         self._journal()
-        return {"ok": True, "record": encode(rec).decode()}
+        return {"ok": True, "record": rec._payload()}
 
     async def op_set_pid(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         pid = msg.get("pid")
@@ -413,7 +415,7 @@ class Broker:
         conn.record = replace(conn.record, pid=pid)
         conn.holder_pids = _proc_ids(pid) or conn.holder_pids
         self._journal()
-        return {"ok": True, "record": encode(conn.record).decode()}
+        return {"ok": True, "record": conn.record._payload()}
 
     async def op_release(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         lease_id = msg.get("lease_id")

@@ -509,11 +509,9 @@ def _cmd_broker(args: argparse.Namespace) -> int:
 
 
 def _print_broker_status(st: dict[str, Any], path: str, as_json: bool) -> int:
-    from autogpu_jupyter.core.records import parse_record
+    from autogpu_jupyter.core.brokerclient import from_wire
 
-    recs = []
-    for item in [*st.get("leases", []), *st.get("tickets", [])]:
-        recs.append(parse_record(item["data"].encode(), kind=item["kind"], path="", live=True))
+    recs = [from_wire(item, path) for item in [*st.get("leases", []), *st.get("tickets", [])]]
     if as_json:
         out = {k: v for k, v in st.items() if k not in ("leases", "tickets", "ok")}
         out["leases"] = [r.to_dict() for r in recs if r.kind == "lease"]

@@ -23,11 +23,12 @@ import json
 import os
 import pwd
 import socket
+import struct
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from autogpu_jupyter.core.records import Invalid, LeaseRecord, parse_record
+from autogpu_jupyter.core.records import LeaseRecord
 from autogpu_jupyter.errors import (
     AutoGPUError,
     LeaseLimitError,
@@ -124,6 +125,7 @@ def _connect(path: str, timeout_s: float) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(path)
+            _check_broker_owner(sock, path)
             return sock
         except OSError as err:
             sock.close()
@@ -136,22 +138,62 @@ def _connect(path: str, timeout_s: float) -> socket.socket:
             delay = min(delay * 2, 0.5)
 
 
-def _records(items: Iterable[Mapping[str, Any]], path: str) -> list[LeaseRecord]:
+def _check_broker_owner(sock: socket.socket, path: str) -> None:
+    """The process serving ``path`` must be root's (or our own: a test or a private broker):
+    a broker run by another user could hand out fake leases, so it is refused."""
+    data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", data)
+    if uid not in (0, os.geteuid()):
+        sock.close()
+        raise RegistryUntrustedError(
+            f"the lease broker at {path} runs as uid {uid}, not root: refused (another user "
+            f"could hand out fake leases); {broker_fix(path)}"
+        )
+
+
+def _records(items: Iterable[Any], path: str) -> list[LeaseRecord]:
+    """Records from the broker's payloads (the record format's fields). The broker built and
+    checked them with the readers' schema; here they are only typed, not re-validated (a pick
+    reads every live record under the pick lock: 128 strict parses would cost ~10 ms)."""
     out = []
     for item in items:
         try:
-            kind = str(item["kind"])
-            rec = parse_record(str(item["data"]).encode(), kind=kind, path="", live=True)
-        except (Invalid, KeyError, TypeError) as err:
+            out.append(from_wire(item, path))
+        except (KeyError, TypeError, ValueError) as err:
             raise RegistryError(f"lease broker at {path} sent a bad record: {err}") from None
-        out.append(_placed(rec, path))
     return out
 
 
-def _placed(rec: LeaseRecord, path: str) -> LeaseRecord:
-    from dataclasses import replace
+def from_wire(d: Mapping[str, Any], path: str) -> LeaseRecord:
+    """One record from its payload dict (see :meth:`LeaseRecord._payload`)."""
+    lease_id = str(d["lease_id"])
+    constraints = d.get("constraints")
+    return LeaseRecord(
+        lease_id=lease_id,
+        kind=str(d["kind"]),
+        device_uuids=tuple(str(u) for u in d["device_uuids"]),
+        device_requested_bytes=tuple(
+            None if b is None else int(b) for b in d["device_requested_bytes"]
+        ),
+        exclusive=bool(d["exclusive"]),
+        user=str(d["user"]),
+        uid=int(d["uid"]),
+        host=str(d["host"]),
+        pid=int(d["pid"]),
+        created_s=float(d["created_s"]),
+        kernel_id=_opt(d.get("kernel_id")),
+        notebook_path=_opt(d.get("notebook_path")),
+        command=_opt(d.get("command")),
+        holder_kind=str(d.get("holder_kind") or "process"),
+        seq=None if d.get("seq") is None else int(d["seq"]),
+        constraints=dict(constraints) if isinstance(constraints, Mapping) else None,
+        live=True,
+        path=f"{path}#{lease_id}",
+    )
 
-    return replace(rec, path=f"{path}#{rec.lease_id}")
+
+def _opt(v: Any) -> str | None:
+    return None if v is None else str(v)
 
 
 def _holder_msg(holder: Holder | None) -> dict[str, Any]:
@@ -217,7 +259,7 @@ class BrokerLease:
         if self._conn is None:
             raise ValueError(f"lease {self.record.lease_id} was released")
         reply = self._conn.call({"op": "set_pid", "pid": int(pid)}, timeout_s=10.0)
-        recs = _records([{"kind": self.record.kind, "data": reply["record"]}], self._registry.path)
+        recs = _records([reply["record"]], self._registry.path)
         self.record = recs[0]
 
     def __enter__(self) -> BrokerLease:
@@ -292,7 +334,7 @@ class BrokerTransaction:
                 "ignore_kernel": self.registry._hidden_kernel,
             }
         )
-        rec = _records([{"kind": "lease", "data": reply["record"]}], self.registry.path)[0]
+        rec = _records([reply["record"]], self.registry.path)[0]
         conn, self._conn = self._conn, None
         self._leases.append(rec)
         return BrokerLease(rec, conn, self.registry)
@@ -458,7 +500,7 @@ class BrokerRegistry:
                     "holder": _holder_msg(holder),
                 }
             )
-            rec = _records([{"kind": "ticket", "data": reply["record"]}], self.path)[0]
+            rec = _records([reply["record"]], self.path)[0]
         except BaseException:
             conn.close()
             raise
