@@ -370,3 +370,77 @@ def test_broker_status_shows_leases_waiters_and_per_user_counts(
     assert waiter.returncode == 0, err
     assert uuid_of(0) in err
     broker.wait_for(lambda s: s["leases"] == [] and s["tickets"] == [], timeout=5)
+
+
+def _api_and_magic_picks(sock: str, fleet_file: str, held_elsewhere: bool) -> dict[str, Any]:
+    """As the user: ``ag.pick()`` and ``%gpu pick`` in one process, through the broker."""
+    import contextlib
+    import io
+
+    os.environ.update({"AUTOGPU_BROKER_SOCKET": sock, "AUTOGPU_SIMULATE": fleet_file})
+    for var in ("CUDA_VISIBLE_DEVICES", "AUTOGPU_PICKED", "AUTOGPU_REGISTRY_DIR"):
+        os.environ.pop(var, None)
+    from autogpu_jupyter.core import backends
+
+    backends._cache.clear()
+    import autogpu_jupyter as ag
+    from autogpu_jupyter.errors import AutoGPUError
+
+    out: dict[str, Any] = {}
+
+    def api(**kw: Any) -> str:
+        try:
+            return ",".join(d.uuid for d in ag.pick(**kw))
+        except AutoGPUError as err:
+            return f"{type(err).__name__}: {err}"
+
+    if held_elsewhere:
+        out["api"] = api()
+        from IPython.core.interactiveshell import InteractiveShell
+        from traitlets.config import Config
+
+        cfg = Config()
+        cfg.HistoryManager.hist_file = ":memory:"
+        sh = InteractiveShell.instance(config=cfg)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            sh.run_cell("%load_ext autogpu")
+            sh.run_cell("%gpu pick")
+        out["magic"] = buf.getvalue()
+        return out
+    out["two"] = api(count=2)
+    out["again"] = api(count=2)  # a re-pick replaces its own lease: still 2 devices
+    out["three"] = api(count=3)
+    return out
+
+
+def test_the_quota_holds_for_the_api_and_the_magic_too(
+    area: Area, broker: BrokerProc, users: dict[str, tuple[int, int]]
+) -> None:
+    # The forked child runs as B, who cannot read this venv's files (under /root): everything the
+    # API and the magics import is imported here first.
+    import IPython.core.interactiveshell  # noqa: F401
+    from IPython.testing.globalipapp import start_ipython  # noqa: F401
+
+    import autogpu_jupyter.api
+    import autogpu_jupyter.magics  # noqa: F401
+    from autogpu_jupyter.core.backends import simulated  # noqa: F401
+
+    uid, gid = users["b"]
+    held = [area.run_held(USER_B, "run", "--", "sleep", "60") for _ in range(2)]
+    try:
+        broker.wait_for(lambda s: s["per_user"].get(USER_B, {}).get("devices") == 2)
+        seen = as_user(uid, gid, _api_and_magic_picks, str(area.socket), str(area.fleet), True)
+        assert seen["api"].startswith("LeaseLimitError: lease broker: "), seen
+        assert "max_devices_per_user = 2" in seen["api"]
+        assert "max_devices_per_user = 2" in seen["magic"], seen["magic"]
+        assert "Traceback" not in seen["magic"]
+    finally:
+        for p in held:
+            _kill_group(p)
+    broker.wait_for(lambda s: s["leases"] == [], timeout=5)
+    seen = as_user(uid, gid, _api_and_magic_picks, str(area.socket), str(area.fleet), False)
+    assert len(seen["two"].split(",")) == 2, seen
+    assert len(seen["again"].split(",")) == 2, seen
+    assert "max_devices_per_user = 2" in seen["three"], seen
+    broker.wait_for(lambda s: s["leases"] == [], timeout=5)
