@@ -79,6 +79,7 @@ __all__ = [
     "ScanResult",
     "Ticket",
     "Transaction",
+    "broker_for",
     "from_settings",
 ]
 
@@ -360,7 +361,7 @@ def from_settings(settings: Any) -> Registry | None:
     """
     if not settings.use_leases:
         return None
-    broker = _broker_for(settings)
+    broker = broker_for(settings)
     if broker is not None:
         return cast("Registry", broker)  # the same interface (duck-typed), see brokerclient
     if not settings.registry_dir:
@@ -373,7 +374,7 @@ def from_settings(settings: Any) -> Registry | None:
     )
 
 
-def _broker_for(settings: Any) -> Any:
+def broker_for(settings: Any) -> Any:
     """The broker client the settings select, or ``None`` (see :func:`from_settings`)."""
     from autogpu_jupyter.core import brokerclient
 
