@@ -18,6 +18,8 @@ Operations (``{"op": ...}``)::
                lease and ticket: the client decides with core.decision, as a local pick does
     end        give the lock back without a lease
     lease      hold a lease on these devices (checked: exclusivity, max_devices_per_user)
+    pick       the broker ranks (its own snapshot, core.decision over its state) and leases
+               what it chose, in one message (options in the one options schema)
     ticket     join the waiting line (FIFO; the broker numbers tickets)
     set_pid    the pid that uses the device (a kernel started by a provisioner); same uid only
     release    end this connection's lease or ticket (or, by ``lease_id``, an orphan of yours)
@@ -180,6 +182,7 @@ class Broker:
         #: Set on SIGTERM once the last journal is written: connections closed by the shutdown
         #: must not erase it (their holders still run and are taken back by the next broker).
         self.stopping = False
+        self.backend: Any = None
         if config.state_dir:
             self._load_journal()
 
@@ -383,6 +386,56 @@ class Broker:
         self._drop_lock(conn)
         return {"ok": True, "record": rec._payload()}
 
+    async def op_pick(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        """Pick AND lease in one message: the broker ranks with its own snapshot and the one
+        decision pipeline (``core.decision``) over its own state, then leases what it chose on
+        this connection (the same checks as ``lease``). For clients that cannot run the engine
+        (a raw socket, another language). No ``wait`` here: a waiting pick runs in the client.
+        """
+        from autogpu_jupyter.core import decision, options
+        from autogpu_jupyter.errors import AutoGPUError
+
+        if conn.record is not None:
+            raise BrokerRefusal("this connection already holds a lease or ticket")
+        values = msg.get("options") or {}
+        if not isinstance(values, dict):
+            raise BrokerRefusal("options: expected an object", "UsageErrorBase")
+        try:
+            opts = options.parse(values, style="key", accept=_PICK_KEYS)
+        except AutoGPUError as err:
+            raise BrokerRefusal(str(err), "UsageErrorBase") from None
+        snap = await asyncio.get_running_loop().run_in_executor(None, self._snapshot)
+        # From here to the lease nothing awaits: the decision and the lease see one state.
+        context = decision.gather(snap, environ={}, registry=_StateView(self))
+        made = decision.decide(context, opts.constraints)
+        if not made.chosen:
+            from autogpu_jupyter.core.picker import explain_drops
+
+            raise BrokerRefusal(
+                f"no device fits ({opts.constraints.describe()}):\n{explain_drops(made.ranked)}",
+                "NoDeviceFitsError",
+            )
+        mf = opts.constraints.min_free
+        reply = await self.op_lease(conn, {
+            "devices": [c.device.uuid for c in made.chosen],
+            "requested_bytes": [
+                None if mf is None else mf.resolve(c.device.memory_total_bytes)
+                for c in made.chosen
+            ],
+            "exclusive": opts.constraints.exclusive,
+            "holder": msg.get("holder"),
+        })
+        reply["labels"] = [c.device.label for c in made.chosen]
+        return reply
+
+    def _snapshot(self) -> Any:
+        """The fleet now, from the broker's own backend (NVML, or ``AUTOGPU_SIMULATE``)."""
+        if self.backend is None:
+            from autogpu_jupyter.core.backends import get_backend
+
+            self.backend = get_backend()
+        return self.backend.snapshot()
+
     async def op_ticket(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         if conn.record is not None:
             raise BrokerRefusal("this connection already holds a lease or ticket")
@@ -487,6 +540,7 @@ class Broker:
         "begin": op_begin,
         "end": op_end,
         "lease": op_lease,
+        "pick": op_pick,
         "ticket": op_ticket,
         "set_pid": op_set_pid,
         "release": op_release,
@@ -630,6 +684,25 @@ class Broker:
                 self._journal()
             if self.waiting and self.lock_holder is None:
                 self._grant_next()
+
+
+_PICK_KEYS = ("min_free", "max_util", "count", "exclude", "exclusive", "model", "prefer")
+
+
+class _StateView:
+    """The broker's live records as ``core.decision.gather`` reads a registry."""
+
+    def __init__(self, broker: Broker) -> None:
+        self._broker = broker
+
+    def live_records(self, txn: Any = None) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
+        live = [r for _, r in self._broker.live()]
+        leases = [r for r in live if r.kind == "lease"]
+        tickets = sorted(
+            (r for r in live if r.kind == "ticket"),
+            key=lambda r: (r.seq or 0, r.created_s, r.lease_id),
+        )
+        return leases, tickets
 
 
 def _proc_ids(pid: int) -> list[tuple[int, int]]:

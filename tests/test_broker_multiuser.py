@@ -47,7 +47,7 @@ def area(users: dict[str, tuple[int, int]]) -> Iterator[Area]:
 @pytest.fixture
 def broker(area: Area) -> Iterator[BrokerProc]:
     proc = BrokerProc(area.root, "--max-devices-per-user", "2",
-                      env={"AUTOGPU_RECORD_COMMANDS": "1"})
+                      env={"AUTOGPU_RECORD_COMMANDS": "1", "AUTOGPU_SIMULATE": str(area.fleet)})
     try:
         yield proc
     finally:
@@ -443,4 +443,37 @@ def test_the_quota_holds_for_the_api_and_the_magic_too(
     assert len(seen["two"].split(",")) == 2, seen
     assert len(seen["again"].split(",")) == 2, seen
     assert "max_devices_per_user = 2" in seen["three"], seen
+    broker.wait_for(lambda s: s["leases"] == [], timeout=5)
+
+
+def test_the_brokers_own_pick_ranks_spreads_and_keeps_the_quota(
+    area: Area, broker: BrokerProc, users: dict[str, tuple[int, int]]
+) -> None:
+    """``{"op": "pick"}``: the broker ranks with its own snapshot (core.decision over its own
+    state) and leases in one message -- the route of a client that cannot run the engine."""
+    uid, gid = users["b"]
+    pick = {"op": "pick", "options": {"min_free": "10G"}, "holder": {"kind": "cli"}}
+    first = AsUser(uid, gid, _raw_hold, str(area.socket), pick, hold=True)
+    second = AsUser(uid, gid, _raw_hold, str(area.socket), pick, hold=True)
+    try:
+        a, b = first.result()[0], second.result()[0]
+        assert a["ok"] and b["ok"], (a, b)
+        assert a["record"]["device_uuids"] != b["record"]["device_uuids"]  # spread by leases
+        assert a["record"]["device_requested_bytes"] == [10 * 1024**3]
+        assert a["record"]["user"] == USER_B
+        third = as_user(uid, gid, _raw, str(area.socket), pick)
+        assert third[0]["type"] == "LeaseLimitError", third
+        bad = as_user(uid, gid, _raw, str(area.socket),
+                      {"op": "pick", "options": {"min_free": "lots"}},
+                      {"op": "pick", "options": {"wait": "1h"}})
+        assert bad[0]["type"] == "UsageErrorBase" and "invalid size 'lots'" in bad[0]["error"]
+        assert bad[1]["type"] == "UsageErrorBase" and "wait" in bad[1]["error"], bad
+        # The client's view agrees: B's two leases, on the devices the broker chose.
+        st = broker.status()
+        assert sorted(d for r in st["leases"] for d in r["device_uuids"]) == sorted(
+            [*a["record"]["device_uuids"], *b["record"]["device_uuids"]]
+        )
+    finally:
+        first.stop()
+        second.stop()
     broker.wait_for(lambda s: s["leases"] == [], timeout=5)
