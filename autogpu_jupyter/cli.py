@@ -485,7 +485,8 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     settings = _settings()
     path = _broker_socket(args, settings)
     if args.action == "serve":
-        from autogpu_jupyter import broker  # the daemon: started by this command, as systemd does
+        # The one place that may: `autogpu broker` is how the daemon is started (by systemd too).
+        from autogpu_jupyter import broker  # noqa: TID251
 
         limit = args.max_devices_per_user
         return broker.main(broker.BrokerConfig(
