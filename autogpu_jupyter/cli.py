@@ -346,6 +346,10 @@ def _cmd_leases(args: argparse.Namespace) -> int:
             print("autogpu: error: --prune --all needs root", file=sys.stderr)
             return EXIT_USAGE
         removed = reg.prune(all_users=args.all)
+        if not removed and callable(getattr(reg, "status", None)):
+            print(f"nothing to prune: the lease broker at {reg.path} frees a lease the moment its "
+                  "holder's connection closes")
+            return EXIT_OK
         if not removed:
             print(f"no dead lease files in {reg.path}")
             return EXIT_OK

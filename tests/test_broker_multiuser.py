@@ -477,3 +477,39 @@ def test_the_brokers_own_pick_ranks_spreads_and_keeps_the_quota(
         first.stop()
         second.stop()
     broker.wait_for(lambda s: s["leases"] == [], timeout=5)
+
+
+def test_forged_tickets_and_planted_registry_junk_change_nothing(
+    area: Area, broker: BrokerProc, users: dict[str, tuple[int, int]]
+) -> None:
+    """The safety issue's registry attacks have no target: the broker numbers tickets itself,
+    and nothing planted in the shared directory is read."""
+    uid, gid = users["b"]
+    a_uid = users["a"][0]
+    # Junk where the shared-directory registry would look (a non-ASCII digit, a forged
+    # directory for A): no pick reads it any more.
+    (area.registry / "\u00b9").mkdir()
+    (area.registry / str(a_uid)).mkdir()
+    forged = {"op": "ticket", "seq": 0, "lease_id": "0" * 32,
+              "constraints": {"min_free_bytes": None, "min_free_fraction": None,
+                              "max_util_pct": None, "count": 1, "exclude": [],
+                              "exclusive": True, "allowed_uuids": [uuid_of(0)]}}
+    first = AsUser(uid, gid, _raw_hold, str(area.socket), forged, hold=True)
+    second = AsUser(uid, gid, _raw_hold, str(area.socket), forged, hold=True)
+    try:
+        one, two = first.result()[0], second.result()[0]
+        assert one["ok"] and two["ok"], (one, two)
+        assert [one["record"]["seq"], two["record"]["seq"]] == [1, 2]  # the broker's numbers
+        assert one["record"]["lease_id"] != "0" * 32
+        # B's older waiter is served first (FIFO): GPU 0 is reserved for it (exclusively, as
+        # its ticket asks), so A's pick of GPU 0 is refused while B waits.
+        res = area.cli(USER_A, "run", "--exclude", "1,2,3", "--", "true")
+        assert res.returncode == 3, res.stderr
+        assert "GPU 0 (NVIDIA A100-SXM4-80GB): dropped: held exclusively" in res.stderr
+    finally:
+        first.stop()
+        second.stop()
+    broker.wait_for(lambda s: s["tickets"] == [], timeout=5)
+    ok = area.cli(USER_A, "run", "--exclude", "1,2,3", "--", "true")
+    assert ok.returncode == 0, ok.stderr
+    assert not any(area.registry.rglob("*.lease"))
