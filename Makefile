@@ -1,24 +1,17 @@
 # The two commands (see README):  make lab   and   make test
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# No NVIDIA driver here: run the demo on the simulated 4-GPU fleet.
-HAVE_DRIVER := $(shell (ldconfig -p 2>/dev/null | grep -q 'libnvidia-ml.so.1') && echo 1)
-# Jupyter refuses to run as root unless told; a container or a fresh VM often is root.
-LAB_FLAGS := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 
 .PHONY: setup lab test test-fast lint gpu-check bench mutate clean
 
 setup:
 	@scripts/setup.sh
 
+# Extra flags for `jupyter lab`, e.g. make lab LAB_ARGS="--no-browser --port 8899"
+LAB_ARGS ?=
+
 lab: setup
-ifeq ($(HAVE_DRIVER),1)
-	$(VENV)/bin/jupyter lab $(LAB_FLAGS) notebooks/quickstart.ipynb
-else
-	@echo "No NVIDIA driver found: starting on the SIMULATED fleet demo-4x (AUTOGPU_SIMULATE=demo-4x)."
-	AUTOGPU_SIMULATE=$${AUTOGPU_SIMULATE:-demo-4x} AUTOGPU_REGISTRY_DIR=$${AUTOGPU_REGISTRY_DIR:-/var/tmp/autogpu-demo} \
-		$(VENV)/bin/jupyter lab $(LAB_FLAGS) notebooks/quickstart.ipynb
-endif
+	@scripts/lab.sh $(LAB_ARGS)
 
 test: setup
 	@scripts/test.sh

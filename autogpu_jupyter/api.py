@@ -27,8 +27,10 @@ from autogpu_jupyter.errors import UsageErrorBase
 if TYPE_CHECKING:
     import pandas as pd
 
+    from autogpu_jupyter.core.decision import Decision
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
     from autogpu_jupyter.core.options import PickOptions
+    from autogpu_jupyter.core.policy import Candidate
     from autogpu_jupyter.core.registry import Registry
 
 __all__ = [
@@ -183,18 +185,14 @@ def pick_result(
     return result, warning
 
 
-def _keep_provisioned(
+def current_fit(
     mine: session.Choice, constraints: Constraints, settings: AutoGPU
-) -> PickResult:
-    """``%gpu pick`` in a kernel the autogpu kernelspec started: keep its device and lease when
-    they meet ``constraints``; otherwise say which device would, and how to move there.
-
-    The check is the one decision pipeline's, over the server's grant (not the kernel's narrowed
-    ``CUDA_VISIBLE_DEVICES``) with this kernel's own lease hidden.
-    """
+) -> tuple[Decision, list[Candidate]]:
+    """Whether this process's device(s) meet ``constraints``, by the one decision pipeline:
+    the decision over the grant (not the narrowed ``CUDA_VISIBLE_DEVICES``) with this process's
+    own lease hidden, and the candidates among its devices that do not fit."""
     from autogpu_jupyter.core import decision
     from autogpu_jupyter.core.moves import grant_environ
-    from autogpu_jupyter.errors import NoDeviceFitsError
 
     snap = read_snapshot()
     registry = registry_for(settings)
@@ -205,11 +203,25 @@ def _keep_provisioned(
         smoothed_util=_smoothed_util(), self_pids=(os.getpid(),),
     )
     made = decision.decide(context, constraints)
+    failing = [c for u in mine.uuids if (c := made.candidate(u)) is None or not c.eligible]
+    return made, failing
+
+
+def _keep_provisioned(
+    mine: session.Choice, constraints: Constraints, settings: AutoGPU
+) -> PickResult:
+    """``%gpu pick`` in a kernel the autogpu kernelspec started: keep its device and lease when
+    they meet ``constraints``; otherwise say which device would, and how to move there.
+
+    The check is the one decision pipeline's, over the server's grant (not the kernel's narrowed
+    ``CUDA_VISIBLE_DEVICES``) with this kernel's own lease hidden.
+    """
+    from autogpu_jupyter.errors import NoDeviceFitsError
+
+    made, failing = current_fit(mine, constraints, settings)
+    snap, context = made.context.snapshot, made.context
     labels = {d.uuid: d.label for d in snap.devices}
     here = ", ".join(labels.get(u, u) for u in mine.uuids)
-    failing = [
-        c for u in mine.uuids if (c := made.candidate(u)) is None or not c.eligible
-    ]
     if not failing and len(mine.uuids) >= constraints.count:
         return PickResult(
             chosen=tuple(d for u in mine.uuids if (d := snap.by_uuid(u)) is not None),

@@ -1,7 +1,8 @@
 """The ``autogpu`` command: the same engine as the magics, for shells and scripts.
 
-Exit codes: 0 ok, 2 usage error, 3 no device fits / no GPU granted, 4 no NVIDIA driver,
-5 too late (CUDA initialised), 1 anything else. ``autogpu run`` exits with the command's own code.
+Exit codes (:data:`EXIT_CODES`, printed by ``--help`` and listed in the README): 0 ok, 1 any
+other error, 2 usage error, 3 no device fits / no GPU granted, 4 no NVIDIA driver, 5 too late
+(CUDA initialised). ``autogpu run`` exits with the command's own code.
 """
 
 from __future__ import annotations
@@ -18,17 +19,24 @@ from typing import Any
 
 from autogpu_jupyter._version import __version__
 from autogpu_jupyter.config import AutoGPU
-from autogpu_jupyter.errors import AutoGPUError
+from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError
 
 __all__ = ["main", "build_parser"]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NO_DEVICE, EXIT_NO_DRIVER = 0, 1, 2, 3, 4
 
+#: Every exit code, as ``--help`` prints it (the README's table says the same).
+EXIT_CODES = (
+    "exit codes: 0 ok (run: the command's own code), 1 other error, 2 usage error, "
+    "3 no device fits / no GPU granted, 4 no NVIDIA driver (try AUTOGPU_SIMULATE=demo-4x), "
+    "5 too late: CUDA already initialised"
+)
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, f"autogpu: error: {message}\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 def _add_pick_options(p: argparse.ArgumentParser) -> None:
@@ -42,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="autogpu",
         description="Pick the least-loaded NVIDIA GPU that fits, with leases so that simultaneous "
         "jobs never pile onto one card. Set AUTOGPU_SIMULATE=demo-4x to try it without a GPU.",
-        epilog="exit codes: 0 ok, 2 usage, 3 no device fits / no GPU granted, 4 no NVIDIA driver",
+        epilog=EXIT_CODES,
     )
     parser.add_argument("--version", action="version", version=f"autogpu {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -58,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         'assignments for eval: eval "$(autogpu pick --min-free 10G --export)".',
     )
     _add_pick_options(p_pick)
+    p_pick.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="show the whole ranking with the reason each device was kept or dropped "
+        "(as %%gpu pick --dry-run); changes nothing",
+    )
     fmt = p_pick.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="machine-readable output")
     fmt.add_argument(
@@ -157,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="add kernel and notebook labels to autogpu_lease_info (off: privacy, series count)",
     )
 
+    # An error in `autogpu pick ...` shows pick's usage, not the top-level one (see main()).
+    parser.set_defaults(_subparsers=sub.choices)
     try:
         from autogpu_jupyter import kernelspec as _ks
 
@@ -261,7 +277,8 @@ def _summary(result: Any) -> str:
         lines.append(
             f"{d.label} {d.name} {d.uuid}: {format_bytes(d.memory_free_bytes)} free, util {util}"
         )
-    lines.append(f"constraints: {result.constraints.describe()}")
+    asked = result.constraints.describe()
+    lines.append(f"asked: {'any device' if asked == 'no constraints' else asked}")
     ru = result.runner_up
     if ru is not None:
         lines.append(f"runner-up: {ru.device.label} ({format_bytes(ru.effective_free_bytes)} free)")
@@ -270,11 +287,51 @@ def _summary(result: Any) -> str:
     return "\n".join(lines)
 
 
+def _ranking(result: Any) -> list[str]:
+    """``pick --dry-run``: every device, its rank or why it was dropped (plain text)."""
+    import shutil
+
+    from autogpu_jupyter.core.tables import Column, to_text
+    from autogpu_jupyter.core.units import format_bytes
+
+    chosen = {d.uuid for d in result.chosen}
+    rows = []
+    n = 0
+    for c in result.candidates:
+        verdict = "dropped"
+        if c.eligible:
+            n += 1
+            verdict = "would pick" if c.device.uuid in chosen else "fits"
+        rows.append((
+            str(n) if c.eligible else "-",
+            c.device.label,
+            c.device.name,
+            format_bytes(c.effective_free_bytes),
+            "?" if c.smoothed_util_pct is None else f"{c.smoothed_util_pct:.0f}%",
+            str(c.lease_count),
+            f"{verdict}: {'; '.join(c.reasons) or 'ok'}",
+        ))
+    columns = [Column("rank"), Column("device"), Column("name"), Column("free", align="right"),
+               Column("util", align="right"), Column("leases", align="right"),
+               Column("verdict", wrap=True)]
+    asked = result.constraints.describe()
+    sim = " [SIMULATED]" if result.snapshot.simulated else ""
+    out = [f"autogpu{sim} dry run ({'any device' if asked == 'no constraints' else asked}): "
+           "nothing changed"]
+    out.extend(to_text(columns, rows, width=shutil.get_terminal_size((100, 24)).columns))
+    if not result.chosen:
+        out.append("no device fits: a real pick would fail now (--wait DURATION waits in line)")
+    return out
+
+
 def _cmd_pick(args: argparse.Namespace) -> int:
     from autogpu_jupyter.core.visibility import visible_env
 
     result = _pick(args, take_lease=False)
     env = visible_env([d.uuid for d in result.chosen])
+    if args.dry_run and not (args.export or args.json):
+        print("\n".join(_ranking(result)))
+        return EXIT_OK
     if args.export:
         print(" ".join(f"export {k}={shlex.quote(v)};" for k, v in env.items()))
         return EXIT_OK
@@ -580,7 +637,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse reports unknown options from the top-level parser; name the subcommand's.
+        sub = getattr(args, "_subparsers", {}).get(args.command) if args.command else None
+        (sub or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
@@ -589,6 +650,12 @@ def _main(argv: list[str]) -> int:
     handler = handlers.get(args.command) or getattr(args, "handler", None)
     try:
         return int(handler(args))  # type: ignore[misc]
+    except NoDeviceFitsError as err:
+        print(f"autogpu: {err}", file=sys.stderr)
+        if getattr(args, "wait", None) is None:
+            print("nothing picked; to wait in line until a device fits, add --wait DURATION "
+                  "(e.g. --wait 10m)", file=sys.stderr)
+        return err.exit_code
     except AutoGPUError as err:
         print(f"autogpu: {err}", file=sys.stderr)
         return err.exit_code

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import html
 import logging
 import os
 import sys
@@ -26,7 +25,7 @@ from IPython.utils.text import dedent
 
 from autogpu_jupyter.config import AutoGPU
 from autogpu_jupyter.core import options as _options
-from autogpu_jupyter.errors import AutoGPUError
+from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
@@ -103,6 +102,29 @@ def _one_line(err: BaseException) -> str:
     return terminal_safe(str(err).strip() or type(err).__name__)
 
 
+def _no_fit(err: NoDeviceFitsError, args: argparse.Namespace, where: str) -> NoDeviceFitsError:
+    """The error a notebook shows when nothing fits: not a usage error (the options were fine),
+    so no "UsageError:" prefix; the per-device reasons, that nothing changed, and how to wait.
+
+    The cell still fails (so "Run All" stops before code that needs the GPU), through the
+    exception's ``_render_traceback_``, which IPython shows instead of a traceback.
+    """
+    from autogpu_jupyter.core.text import terminal_safe
+
+    text = terminal_safe(str(err))
+    lines = [f"autogpu: {line}" if i == 0 else line for i, line in enumerate(text.splitlines())]
+    if args.wait:
+        hint = f"nothing changed; a longer --wait than {args.wait} waits longer in line"
+    else:
+        hint = (
+            f"nothing changed; to wait in line until a device fits, add --wait: "
+            f"{where} ... --wait 10m (interrupt the kernel to cancel)"
+        )
+    lines.append(f"  {hint}")
+    err._render_traceback_ = lambda: lines  # type: ignore[attr-defined]
+    return err
+
+
 # --------------------------------------------------------------------------- formatting
 
 
@@ -161,7 +183,7 @@ def format_pick(result: PickResult, warning: str | None = None) -> str:
                 f"  CUDA_VISIBLE_DEVICES={result.env.get('CUDA_VISIBLE_DEVICES', '')}",
             ]
         )
-    lines.append(f"  asked: {result.constraints.describe()} · {runner}")
+    lines.append(f"  asked: {_asked(result.constraints)} · {runner}")
     if result.previous is not None:
         now = ", ".join(d.label for d in result.chosen)
         lines.append(
@@ -183,15 +205,30 @@ def format_pick(result: PickResult, warning: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def format_ranking(result: PickResult) -> str:
+def format_ranking(result: PickResult, width: int = 120) -> str:
     """The ranking table of ``--dry-run``: every device, its rank or why it was dropped, the
-    load figure it was ranked by, and what decided between the best and the runner-up."""
+    load figure it was ranked by, and what decided between the best and the runner-up.
+
+    Aligned columns; the verdict column wraps under itself (never back to column 0) so the
+    table fits ``width`` characters; control characters in any cell are made visible.
+    """
     from autogpu_jupyter.core.decision import deciding_term, describe_load
+    from autogpu_jupyter.core.tables import Column, to_text
     from autogpu_jupyter.core.units import format_bytes
 
     sim = " [SIMULATED]" if result.snapshot.simulated else ""
     chosen = {d.uuid for d in result.chosen}
-    rows = [("rank", "device", "name", "free", "util", "load", "leases", "verdict")]
+    columns = [
+        Column("rank"),
+        Column("device"),
+        Column("name"),
+        Column("free", align="right"),
+        Column("util", align="right"),
+        Column("load"),
+        Column("leases", align="right"),
+        Column("verdict", wrap=True),
+    ]
+    rows = []
     n = 0
     for c in result.candidates:
         if c.eligible:
@@ -211,14 +248,10 @@ def format_ranking(result: PickResult) -> str:
                 f"{verdict}: {'; '.join(c.reasons) or 'ok'}",
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    out = [f"autogpu{sim} dry run ({result.constraints.describe()}): nothing changed"]
-    out.extend(
-        "  " + "  ".join(v.ljust(w) for v, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1]
-        for r in rows
-    )
+    out = [f"autogpu{sim} dry run ({_asked(result.constraints)}): nothing changed"]
+    out.extend(to_text(columns, rows, width=width, indent="  "))
     if not result.chosen:
-        out.append("  no device fits: a real pick would fail now")
+        out.append("  no device fits: a real pick would fail now (--wait DURATION waits in line)")
     else:
         best = result.candidate(result.chosen[0].uuid)
         if best is not None:
@@ -226,6 +259,77 @@ def format_ranking(result: PickResult) -> str:
             vs = f" over {ru.device.label}" if ru is not None else ""
             out.append(f"  why {best.device.label}{vs}: {deciding_term(best, ru)}")
     return "\n".join(out)
+
+
+def _asked(constraints: Constraints) -> str:
+    """What was asked, for people: "min free 10.0 GiB", or "any device" when nothing was."""
+    text = constraints.describe()
+    return "any device" if text == "no constraints" else text
+
+
+def _status_rows(df: Any) -> tuple[list[Any], list[tuple[str, ...]], set[int]]:
+    """``api.status()``'s frame as the compact status table: columns, text rows, and the row
+    numbers of this kernel's devices. Holders (other users' notebook paths) are the one column
+    that wraps; everything else stays on one line."""
+    from autogpu_jupyter.core.tables import Column
+
+    columns = [
+        Column(""),
+        Column("gpu"),
+        Column("name"),
+        Column("uuid"),
+        Column("util", align="right"),
+        Column("memory used / total", align="right"),
+        Column("free", align="right"),
+        Column("temp", align="right"),
+        Column("power", align="right"),
+        Column("procs", align="right"),
+        Column("holders", wrap=True),
+    ]
+
+    import pandas as pd
+
+    def num(value: Any, unit: str) -> str:
+        if value is None or pd.isna(value):  # unknown (NOT_SUPPORTED, lost): never 0
+            return "?"
+        return f"{float(value):.0f}{unit}"
+
+    rows: list[tuple[str, ...]] = []
+    highlight: set[int] = set()
+    for n, r in enumerate(df.to_dict("records")):
+        if r[""] == "▶":
+            highlight.add(n)
+        state = r.get("state") or "ok"
+        holders = r.get("holders") or ""
+        if state != "ok":
+            holders = f"{state}; {holders}" if holders else state
+        rows.append(
+            (
+                r[""],
+                str(r["gpu"]),
+                str(r["name"]),
+                str(r["uuid"]),
+                num(r.get("util %"), "%"),
+                f"{r['mem used']} / {r['mem total']}",
+                str(r["mem free"]),
+                num(r.get("temp °C"), " °C"),
+                num(r.get("power W"), " W"),
+                num(r.get("procs"), ""),
+                holders or "-",
+            )
+        )
+    return columns, rows, highlight
+
+
+def _pending_move_text() -> str | None:
+    """A move this kernel asked for (``%gpu move``) that waits for the kernel's restart."""
+    from autogpu_jupyter.core import moves
+
+    try:
+        return moves.pending_move_text()
+    except AutoGPUError as err:
+        log.debug("pending move not readable: %s", err)
+        return None
 
 
 # --------------------------------------------------------------------------- the cell report
@@ -305,6 +409,7 @@ class GPUMagics(Magics):
         %gpu pick --dry-run               # show the ranking and why; change nothing
         %gpu release                      # give the GPU back
         %gpu panel                        # live load chart of every GPU
+        %gpu move --best                  # "Python 3 (autogpu)" kernel: move at next restart
 
     A cell magic picks if needed, runs the cell, then reports what it did on its GPU::
 
@@ -346,7 +451,9 @@ class GPUMagics(Magics):
         )
 
     # -- pick ----------------------------------------------------------------------------
-    def _run_pick(self, args: argparse.Namespace) -> tuple[PickResult, str | None]:
+    def _run_pick(
+        self, args: argparse.Namespace, where: str = "%gpu pick"
+    ) -> tuple[PickResult, str | None]:
         from autogpu_jupyter import api
 
         with _Progress(self._in_kernel()) as progress:
@@ -365,6 +472,9 @@ class GPUMagics(Magics):
                     "pick cancelled (interrupted): no device picked, no lease "
                     "kept, environment unchanged"
                 ) from None
+            except NoDeviceFitsError as err:
+                progress.done("gave up")
+                raise _no_fit(err, args, where) from None
             except AutoGPUError as err:
                 progress.done("gave up")
                 raise UsageError(_one_line(err)) from None
@@ -408,27 +518,29 @@ class GPUMagics(Magics):
             labels = ", ".join(marked) or ", ".join(choice.uuids)
             mine = f"this kernel: ▶ {labels} ({choice.source}"
             mine += f", {choice.constraints_text})" if choice.constraints_text else ")"
+        pending = _pending_move_text()
+        if pending and len(df):
+            for short, label in zip(df["uuid"], df["gpu"], strict=True):
+                pending = pending.replace(str(short), str(label))
+            mine += f" · {pending}"
+        columns, rows, highlight = _status_rows(df)
         if self._in_kernel():
             from IPython.display import display
 
-            def _mark(row: Any) -> list[str]:
-                style = "background-color: #fff3cd; font-weight: bold" if row[""] == "▶" else ""
-                return [style] * len(row)
+            from autogpu_jupyter.core.tables import to_html, to_text
 
-            # escape="html": holders, notebook paths and user names come from other users'
-            # lease records; a Styler renders cell text raw unless told (a script injection).
-            styler = (
-                df.style.apply(_mark, axis=1)
-                .hide(axis="index")
-                .format(na_rep="?", precision=0, escape="html")
-                .set_caption(html.escape(f"{title} · {mine}"))
-            )
-            display(styler)
+            text = "\n".join([title, *to_text(columns, rows, width=120), mine])
+            html = to_html(columns, rows, caption=f"{title} · {mine}", highlight=highlight)
+            display({"text/plain": text, "text/html": html}, raw=True)
         else:
-            from autogpu_jupyter.core.text import terminal_safe
+            import shutil
 
-            table = df.astype(object).where(df.notna(), "?").to_string(index=False)
-            print(terminal_safe(f"{title}\n{table}\n{mine}"))
+            from autogpu_jupyter.core.tables import to_text, visible
+
+            width = shutil.get_terminal_size((100, 24)).columns
+            print(visible(title))
+            print("\n".join(to_text(columns, rows, width=width)))
+            print(visible(mine))
 
     # -- release -------------------------------------------------------------------------
     def _release(self) -> None:
@@ -499,7 +611,7 @@ class GPUMagics(Magics):
             raise UsageError("%%gpu: --dry-run is for %gpu pick (a dry run would not run the cell)")
         choice = session.current()
         if choice is None:
-            result, warning = self._run_pick(args)
+            result, warning = self._run_pick(args, where="%%gpu")
             print(format_pick(result, warning))
             choice = session.current()
         else:
@@ -553,23 +665,23 @@ class GPUMagics(Magics):
         return stats, s, bool(latest is not None and latest.simulated), labels or "no GPU"
 
     def _violations(self, uuids: Sequence[str], args: argparse.Namespace) -> str | None:
-        """Say so when the device this kernel already has violates the cell's options."""
+        """Say so when the device this kernel already has violates the cell's options (the
+        one decision pipeline's verdict, as ``%gpu pick`` would judge it)."""
         from autogpu_jupyter import api
-        from autogpu_jupyter.core.policy import rank
+        from autogpu_jupyter.core import session
 
         try:
             constraints: Constraints = api.pick_options(
                 self.settings, _options.from_namespace(args)
             ).constraints
-            snap = api.read_snapshot()
+            mine = session.current() or session.Choice(uuids=tuple(uuids))
+            _made, failing = api.current_fit(mine, constraints, self.settings)
         except AutoGPUError as err:
             raise UsageError(_one_line(err)) from None
         lines = []
         if constraints.count > len(uuids):
             lines.append(f"  it has {len(uuids)} device(s), {constraints.count} asked for")
-        for c in rank(snap.devices, constraints):
-            if c.device.uuid in uuids and not c.eligible:
-                lines.append(f"  {c.device.label}: {'; '.join(c.reasons)}")
+        lines.extend(f"  {c.device.label}: {'; '.join(c.reasons)}" for c in failing)
         if not lines:
             return None
         return (
@@ -584,7 +696,26 @@ class GPUMagics(Magics):
 
 
 # The docstring of the magic is what ``%gpu?`` shows: written for notebook users.
-GPUMagics.gpu.__doc__ = dedent(GPUMagics.__doc__ or "") + "\n" + _PICK_PARSER.format_help()
+def _pick_help() -> str:
+    """The pick options as plain text for ``%gpu?`` (magic_arguments' own help repeats itself
+    and speaks reStructuredText)."""
+    fmt = argparse.HelpFormatter("%gpu pick", width=90, max_help_position=24)
+    actions = [
+        a for a in _PICK_PARSER._actions if a.option_strings and "-h" not in a.option_strings
+    ]
+    # the pick options first (--min-free ...), the magic's own --dry-run and --force last
+    actions.sort(key=lambda a: a.dest in ("dry_run", "force"))
+    fmt.add_usage(None, actions, [], prefix="usage: ")
+    fmt.start_section("pick options (also on top of a %%gpu cell)")
+    fmt.add_arguments(actions)
+    fmt.end_section()
+    return fmt.format_help()
+
+
+# Double backticks and "::" are reStructuredText for Sphinx; in ``%gpu?`` they are noise.
+GPUMagics.gpu.__doc__ = (
+    dedent(GPUMagics.__doc__ or "").replace("``", "").replace("::\n", ":\n") + "\n" + _pick_help()
+)
 
 
 class _Progress:
@@ -717,7 +848,7 @@ def load_ipython_extension(ipython: Any) -> None:
                 result, warning = magics._run_pick(_parse_pick([]))
                 print(format_pick(result, warning))
                 _watch()
-            except UsageError as err:
+            except (UsageError, NoDeviceFitsError) as err:
                 print(f"autogpu: pick_on_load did not pick: {err}", file=sys.stderr)
 
 

@@ -99,8 +99,9 @@ def screenshot_on_failure(page: Any, name: str, *, full_page: bool = False) -> I
 
 
 @contextlib.contextmanager
-def chromium_page(width: int = 1400, height: int = 900) -> Iterator[Any]:
-    """A Playwright page of ``width`` x ``height`` pixels in Debian's Chromium, closed after.
+def chromium_page(width: int = 1400, height: int = 900, scale: float = 1) -> Iterator[Any]:
+    """A Playwright page of ``width`` x ``height`` pixels in Debian's Chromium, closed after;
+    ``scale`` is the device pixel ratio (2: a HiDPI screen).
 
     Skips where Playwright is not installed.
     """
@@ -108,7 +109,9 @@ def chromium_page(width: int = 1400, height: int = 900) -> Iterator[Any]:
     with playwright.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            yield browser.new_page(viewport={"width": width, "height": height})
+            yield browser.new_page(
+                viewport={"width": width, "height": height}, device_scale_factor=scale
+            )
         finally:
             browser.close()
 
@@ -283,9 +286,12 @@ def autogpu_lab(
 
 
 @contextlib.contextmanager
-def panel_server(root: Path, app: str, page: str, *app_args: str) -> Iterator[str]:
+def panel_server(
+    root: Path, app: str, page: str, *app_args: str, simulate: str | None = None
+) -> Iterator[str]:
     """Serve ``root`` with ``python -m <app>`` (``jupyterlab`` or ``notebook``) on the simulated
-    panel fleet, with news off; yields the URL of ``page`` (with the token).
+    panel fleet (or ``simulate``: ``AUTOGPU_SIMULATE`` as a user would set it), with news off;
+    yields the URL of ``page`` (with the token).
 
     A copy of ``notebooks/panel.ipynb`` is put in ``root``; the server's log goes to
     ``root/<app>.log``.
@@ -296,7 +302,7 @@ def panel_server(root: Path, app: str, page: str, *app_args: str) -> Iterator[st
     (news / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
     token = secrets.token_hex(16)
     env = {
-        "AUTOGPU_SIMULATE": str(ROOT / "notebooks" / "panel-fleet.json"),
+        "AUTOGPU_SIMULATE": simulate or str(ROOT / "notebooks" / "panel-fleet.json"),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "JUPYTER_CONFIG_DIR": str(root / "config"),
         "JUPYTERLAB_SETTINGS_DIR": str(root / "settings"),

@@ -59,7 +59,7 @@ def test_pick_prints_choice_runner_up_and_variables(env: dict[str, str]) -> None
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         f"GPU 1 NVIDIA A100-SXM4-80GB {UUIDS[1]}: 70.0 GiB free, util 10%",
-        "constraints: min free 10.0 GiB",
+        "asked: min free 10.0 GiB",
         "runner-up: GPU 2 (50.0 GiB free)",
         "note: SIMULATED fleet (AUTOGPU_SIMULATE)",
         f"set: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={UUIDS[1]}",
@@ -99,7 +99,7 @@ def test_pick_stays_inside_an_inherited_allocation(env: dict[str, str]) -> None:
         (["pick", "--max-util", "150"], 2, "autogpu: invalid --max-util '150': must be 0-100"),
         (["pick", "--exclude", "7"], 2, "autogpu: unknown device id '7' in --exclude; expected an NVML index (0, 1, 2, 3) or a UUID"),
         (["pick", "--min-free", "75G"], 3, "autogpu: no device fits (min free 75.0 GiB):"),
-        (["pick", "--bogus"], 2, "autogpu: error: unrecognized arguments: --bogus"),
+        (["pick", "--bogus"], 2, "autogpu pick: error: unrecognized arguments: --bogus"),
         (["run"], 2, "autogpu: error: run needs a command"),
     ],
 )
@@ -113,7 +113,7 @@ def test_errors_are_one_clear_message_and_exit_code(env: dict[str, str], args: l
 
 def test_no_fit_lists_every_device_and_why(env: dict[str, str]) -> None:
     out = run(env, "pick", "--min-free", "75G")
-    assert out.stderr.splitlines()[1:] == [
+    assert out.stderr.splitlines()[1:-1] == [
         "  GPU 0 (NVIDIA A100-SXM4-80GB): dropped: only 20.0 GiB free < 75.0 GiB wanted",
         "  GPU 1 (NVIDIA A100-SXM4-80GB): dropped: only 70.0 GiB free < 75.0 GiB wanted",
         "  GPU 2 (NVIDIA A100-SXM4-80GB): dropped: only 50.0 GiB free < 75.0 GiB wanted",
@@ -135,6 +135,7 @@ def test_no_driver_exits_4(env: dict[str, str]) -> None:
     out = run(env, "list")
     assert out.returncode == 4
     assert "no NVIDIA driver on this host" in out.stderr
+    assert "to try autogpu without a GPU, set AUTOGPU_SIMULATE=demo-4x" in out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -144,3 +145,64 @@ def test_run_sets_variables_and_returns_the_command_exit_code(env: dict[str, str
     out = run(env, "run", "--min-free", "1G", "--", sys.executable, "-c", code)
     assert out.returncode == 7
     assert out.stdout.strip() == f"{UUIDS[1]} PCI_BUS_ID"
+
+
+def test_pick_without_options_says_any_device(env: dict[str, str]) -> None:
+    out = run(env, "pick")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[1] == "asked: any device"
+    assert "no constraints" not in out.stdout
+
+
+def test_pick_dry_run_shows_the_ranking(env: dict[str, str]) -> None:
+    env["COLUMNS"] = "120"  # the terminal's width: one line per device
+    out = run(env, "pick", "--dry-run", "--min-free", "30G")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "autogpu [SIMULATED] dry run (min free 30.0 GiB): nothing changed",
+        "rank  device  name                       free  util  leases  verdict",
+        "1     GPU 1   NVIDIA A100-SXM4-80GB  70.0 GiB   10%       0  would pick: "
+        "70.0 GiB free >= 30.0 GiB wanted",
+        "2     GPU 2   NVIDIA A100-SXM4-80GB  50.0 GiB   20%       0  fits: "
+        "50.0 GiB free >= 30.0 GiB wanted",
+        "-     GPU 0   NVIDIA A100-SXM4-80GB  20.0 GiB    0%       0  dropped: "
+        "only 20.0 GiB free < 30.0 GiB wanted",
+        "-     GPU 3   NVIDIA A100-SXM4-80GB   1.0 GiB   30%       0  dropped: "
+        "only 1.0 GiB free < 30.0 GiB wanted",
+    ]
+    assert not (Path(env["AUTOGPU_REGISTRY_DIR"]).exists()
+                and any(Path(env["AUTOGPU_REGISTRY_DIR"]).rglob("*.json")))
+
+
+def test_an_option_error_shows_the_subcommands_usage(env: dict[str, str]) -> None:
+    out = run(env, "pick", "--dry-rnu")
+    assert out.returncode == 2
+    lines = out.stderr.splitlines()
+    assert lines[0].startswith("usage: autogpu pick [-h] [--min-free SIZE]")
+    assert lines[-1] == "autogpu pick: error: unrecognized arguments: --dry-rnu"
+    assert "COMMAND" not in out.stderr
+
+
+def test_help_lists_the_same_exit_codes_as_the_readme(env: dict[str, str]) -> None:
+    import re
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    documented = sorted(set(re.findall(r"^\| (\d) \|", readme, flags=re.MULTILINE)))
+    helped = " ".join(run(env, "--help").stdout.split())
+    listed = sorted(set(re.findall(r"(?:codes: |, )(\d) ", helped)))
+    assert documented == listed == ["0", "1", "2", "3", "4", "5"]
+
+
+def test_no_fit_suggests_waiting_in_line(env: dict[str, str]) -> None:
+    out = run(env, "pick", "--min-free", "75G")
+    assert out.returncode == 3
+    assert out.stderr.splitlines()[-1] == (
+        "nothing picked; to wait in line until a device fits, add --wait DURATION (e.g. --wait 10m)"
+    )
+    assert "usage:" not in out.stderr
+    env["COLUMNS"] = "80"  # a narrow terminal: verdicts continue under their column
+    narrow = run(env, "pick", "--dry-run", "--min-free", "30G").stdout.splitlines()
+    assert narrow[2:4] == [
+        "1     GPU 1   NVIDIA A100-SXM4-80GB  70.0 GiB   10%       0  would pick: 70.0 GiB",
+        "                                                             free >= 30.0 GiB wanted",
+    ]

@@ -162,6 +162,11 @@ def test_help_is_written_for_notebook_users(shell: InteractiveShell) -> None:
     assert "%gpu pick --min-free 10G          # the best GPU with 10 GiB free" in doc
     assert "%%gpu --min-free 10G" in doc
     assert "--wait DURATION" in doc and "Interrupt the kernel to cancel." in doc
+    # plain text, not reStructuredText: no ``literals``, no "::" blocks, one usage of %gpu pick
+    assert "``" not in doc and "::" not in doc
+    assert "(import torch is fine, torch.cuda is not):" in doc
+    assert doc.count("usage: %gpu pick [--min-free SIZE]") == 1 and "_pick_options" not in doc
+    assert "%gpu move --best" in doc
 
 
 def test_status_plain_text_in_a_terminal(
@@ -175,9 +180,13 @@ def test_status_plain_text_in_a_terminal(
     lines = out.splitlines()
     assert lines[0] == "GPUs on this host"
     assert lines[1].split()[:4] == ["gpu", "name", "uuid", "util"]
-    assert [ln.split()[:3] for ln in lines[2:4]] == [["GPU", "0", "NVIDIA"], ["GPU", "1", "NVIDIA"]]
-    assert lines[4].split()[:5] == ["▶", "GPU", "2", "NVIDIA", "L4"]
-    assert lines[5].split()[:3] == ["GPU", "3", "NVIDIA"]
+    # one row per device; a long holders cell continues under its column on the next line
+    holders_at = lines[1].index("holders")
+    rows = [ln for ln in lines[2:-1] if ln[:holders_at].strip()]
+    assert all(len(ln) - len(ln.lstrip()) == holders_at for ln in lines[2:-1] if ln not in rows)
+    assert [ln.split()[:3] for ln in rows[0:2]] == [["GPU", "0", "NVIDIA"], ["GPU", "1", "NVIDIA"]]
+    assert rows[2].split()[:5] == ["▶", "GPU", "2", "NVIDIA", "L4"]
+    assert rows[3].split()[:3] == ["GPU", "3", "NVIDIA"]
     assert lines[-1] == "this kernel: ▶ GPU 2 (magic, excluding 0)"
 
 

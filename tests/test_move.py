@@ -117,10 +117,17 @@ async def test_move_restarts_the_kernel_on_the_target_with_the_lease_moved(
 
         # The sidebar learns that this notebook's kernel can move, and where it is.
         holders = json.loads((await jp_fetch("autogpu", "holders")).body)
-        assert holders["kernels"] == [{
+        (info,) = holders["kernels"]
+        # jupyter_server's activity: a fresh kernel is starting, busy or idle for a moment
+        assert info.pop("execution_state") in ("starting", "idle", "busy")
+        idle_s = info.pop("idle_s")
+        assert idle_s is None or 0 <= idle_s < 60
+        assert info.pop("overload") is None  # three idle GPUs: nobody overloads GPU 0
+        assert info.pop("waiting") is False
+        assert info == {
             "kernel_id": kid, "notebook_path": "work/train.ipynb", "movable": True,
             "picked_uuids": [uuid_of(0)], "constraints_text": "min free 10.0 GiB", "note": None,
-        }]
+        }
 
         # A dry run (the sidebar's confirmation dialog) plans and changes nothing.
         response = await post_move(jp_fetch, kid, {"target": "best", "dry_run": True})
@@ -250,10 +257,15 @@ async def test_move_of_a_kernel_not_started_by_autogpu_is_400(
         assert await move_error(jp_fetch, kid, {"target": "best"}) == (400, NOT_AUTOGPU)
         assert kernel_pid(jp_serverapp, kid) == pid
         holders = json.loads((await jp_fetch("autogpu", "holders")).body)
-        assert holders["kernels"] == [{
+        (info,) = holders["kernels"]
+        info.pop("execution_state")
+        info.pop("idle_s")
+        assert info.pop("overload") is None
+        assert info.pop("waiting") is False
+        assert info == {
             "kernel_id": kid, "notebook_path": "plain.ipynb", "movable": False,
             "picked_uuids": [], "constraints_text": None, "note": None,
-        }]
+        }
     finally:
         await jp_fetch("api", "sessions", session["id"], method="DELETE")
 
@@ -346,6 +358,8 @@ def test_gpu_move_best_magic_then_restart(
                     msg["content"]["text"])
             elif msg["msg_type"] == "error":
                 err.append(msg["content"]["evalue"])
+            elif msg["msg_type"] == "display_data":
+                out.append(msg["content"]["data"]["text/plain"])
 
         await kc.execute_interactive(code, timeout=60, output_hook=hook)
         return "".join(out), "".join(err)
@@ -360,8 +374,14 @@ def test_gpu_move_best_magic_then_restart(
             try:
                 await kc.wait_for_ready(timeout=60)
                 out, err = await run(kc, "%gpu move --best")
+                # until the restart, the kernel's status says the move is pending
+                status, _ = await run(kc, "%gpu status")
             finally:
                 kc.stop_channels()
+            assert status.splitlines()[-1].endswith(
+                " · move to the best device pending: restart the kernel (Kernel > Restart Kernel) "
+                "to move"
+            ), status
             assert err == ""
             assert out == (
                 "The kernel will restart on GPU 1 (NVIDIA A100-SXM4-80GB, 80.0 GiB free), the "
@@ -381,6 +401,7 @@ def test_gpu_move_best_magic_then_restart(
             try:
                 await kc.wait_for_ready(timeout=60)
                 out, err = await run(kc, "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])")
+                status, _ = await run(kc, "%gpu status")
             finally:
                 kc.stop_channels()
             # The first execution also shows the provisioner's note (the kernel loads autogpu).
@@ -388,6 +409,7 @@ def test_gpu_move_best_magic_then_restart(
                 uuid_of(1) + "\nautogpu: moved to the best other device at your request: the "
                 "kernel's state was lost\n", "")
             assert leases(registry_dir) == [(pid, (uuid_of(1),), km.kernel_id)]
+            assert "pending" not in status and "▶ GPU 1" in status
         finally:
             await km.shutdown_kernel(now=True)
         assert leases(registry_dir) == []

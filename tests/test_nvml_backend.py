@@ -364,7 +364,8 @@ def test_no_library_on_this_host(fake_nvml: FakeNvml) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD")}
     out = run_python(SNAPSHOT_OR_ERROR, env)
     assert out == {
-        "error": "no NVIDIA driver on this host (libnvidia-ml.so.1 not found)",
+        "error": "no NVIDIA driver on this host (libnvidia-ml.so.1 not found); to try autogpu "
+        "without a GPU, set AUTOGPU_SIMULATE=demo-4x (a simulated fleet)",
         "type": "NVMLUnavailableError",
     }
 
@@ -374,7 +375,8 @@ def test_driver_not_loaded(fake_nvml: FakeNvml) -> None:
     out = run_python(SNAPSHOT_OR_ERROR, fake_nvml.subprocess_env())
     assert out == {
         "error": "no NVIDIA driver on this host (NVML: Driver Not Loaded; the NVIDIA kernel "
-        "module is not loaded)",
+        "module is not loaded); to try autogpu without a GPU, set AUTOGPU_SIMULATE=demo-4x "
+        "(a simulated fleet)",
         "type": "NVMLUnavailableError",
     }
 

@@ -457,3 +457,25 @@ async def test_bad_options_reach_the_notebook_and_the_server_log(
     )
     logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert any(m.startswith("autogpu: kernelspec 'bad' has a bad option") for m in logged)
+
+
+def test_a_planted_name_in_the_registry_does_not_stop_a_kernel_start(setup: Setup) -> None:
+    """Safety item 2: a directory named '¹' (isdigit() true, int() fails) made starting a
+    "Python 3 (autogpu)" kernel fail; it starts and picks as usual."""
+    setup.install("agp", min_free="10G")
+    setup.registry().check()
+    (setup.registry_dir / "¹").mkdir()
+    (setup.registry_dir / "٣").mkdir()
+
+    async def main() -> None:
+        km = await start(setup, "agp")
+        try:
+            env = kernel_environ(kernel_pid(km))
+            (lease,) = setup.live()
+            assert env["AUTOGPU_PICKED"] == lease.device_uuids[0]
+            assert env["CUDA_VISIBLE_DEVICES"] == lease.device_uuids[0]
+        finally:
+            await km.shutdown_kernel(now=True)
+        assert setup.live() == []
+
+    asyncio.run(main())

@@ -84,7 +84,7 @@ def test_status_html_escapes_other_users_notebook_paths(host: dict[str, Any]) ->
     (out,) = r.outputs
     html = out["content"]["data"]["text/html"]
     assert "<img" not in html
-    assert "agtest-bob: &lt;img src=x onerror=alert(document.domain)&gt;.ipynb (1.0 GiB)" in html
+    assert "agtest-bob: &lt;img src=x onerror=alert(document.domain)&gt;.ipynb (1.0 GiB booked)" in html
 
 
 def test_values_past_float_range_are_one_line_errors(host: dict[str, Any]) -> None:

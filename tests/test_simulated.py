@@ -100,12 +100,17 @@ def test_snapshot_to_json_and_dataframe() -> None:
     assert int(df.iloc[0]["memory_total_bytes"]) == 80 * GiB
 
 
-def test_bad_simulate_value_is_one_clear_message(tmp_path: Path) -> None:
+def test_bad_simulate_value_is_one_clear_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(UsageErrorBase) as info:
         SimulatedBackend("demo-99x")
+    # A relative path depends on the process's directory (a kernel runs in its notebook's
+    # folder): the message says where it looked.
     assert str(info.value) == (
-        "AUTOGPU_SIMULATE='demo-99x': not a fleet file and not a built-in fleet; expected a path "
-        "to a JSON fleet file or one of demo-4x, demo-8x"
+        f"AUTOGPU_SIMULATE='demo-99x': not a fleet file (looked in {tmp_path}) and not a "
+        "built-in fleet; expected an absolute path to a JSON fleet file or one of demo-4x, demo-8x"
     )
     bad = tmp_path / "bad.json"
     bad.write_text("{nope")

@@ -69,6 +69,7 @@ __all__ = [
     "MoveRequest",
     "cancel_move",
     "grant_environ",
+    "pending_move_text",
     "kernel_constraints",
     "move_constraints",
     "move_file_for",
@@ -259,6 +260,17 @@ def take_move(path: str | os.PathLike[str]) -> MoveRequest | None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     return req
+
+
+def pending_move_text(environ: Mapping[str, str] | None = None) -> str | None:
+    """In a kernel of the autogpu kernelspec: the move it asked for (``%gpu move``, the
+    sidebar) that its next restart will carry out, in words; ``None`` when there is none."""
+    path = _kernel_move_file(environ)
+    req = read_move(path) if path is not None else None
+    if req is None:
+        return None
+    where = ", ".join(u[:12] for u in req.target_uuids) or "the best device"
+    return f"move to {where} pending: restart the kernel (Kernel > Restart Kernel) to move"
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,12 +38,28 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
 def _load_jupyter_server_extension(server_app: Any) -> None:
     """Create the shared state (one sampler per server process) and register the handlers."""
     # Imported here so that listing the extension point stays cheap (no tornado, no pynvml).
+    import os
+
+    from autogpu_jupyter.core.backends import SIMULATE_ENV
+    from autogpu_jupyter.core.backends.simulated import resolve_fleet_source
     from autogpu_jupyter.server.handlers import setup_handlers
     from autogpu_jupyter.server.state import AutoGPUServer
+
+    # A relative fleet file is resolved once, here, against the directory the server started
+    # in: its kernels inherit the absolute path, although they run in their notebooks' folders.
+    simulate = os.environ.get(SIMULATE_ENV, "")
+    resolved = resolve_fleet_source(simulate)
+    if resolved != simulate:
+        os.environ[SIMULATE_ENV] = resolved
+        server_app.log.info("autogpu: %s=%s (resolved from %r)", SIMULATE_ENV, resolved, simulate)
 
     state = AutoGPUServer(parent=server_app)
     state.start()
     setup_handlers(server_app.web_app, state)
+    if state.cull_idle_gpu_kernels_s > 0:
+        from autogpu_jupyter.server import culling
+
+        culling.install(state, server_app.kernel_manager)
     if state.metrics:
         from autogpu_jupyter.metrics import MetricsSource, install
 

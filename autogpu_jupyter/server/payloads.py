@@ -42,6 +42,8 @@ __all__ = [
     "parse_kernel_id",
     "kernel_sessions",
     "kernel_infos",
+    "kernel_activity",
+    "gpu_kernel_ids",
 ]
 
 #: How long a request waits for the sampler's first sweep after the server starts.
@@ -197,12 +199,14 @@ async def kernel_sessions(session_manager: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _lease_records(state: AutoGPUServer) -> tuple[list[Any], list[str]]:
+def _lease_records(
+    state: AutoGPUServer, include_tickets: bool = False
+) -> tuple[list[Any], list[str]]:
     try:
         registry = state.registry()
         if registry is None:
             return [], []
-        return registry.list_leases(), []
+        return registry.list_leases(include_tickets=include_tickets), []
     except AutoGPUError as err:
         return [], [f"lease registry: {err}"]
     except OSError as err:
@@ -231,9 +235,17 @@ def holders_payload(
 
     labels = {d.uuid: d.label for d in snap.devices} if snap is not None else {}
     holders: list[dict[str, Any]] = []
-    records, lease_errors = _lease_records(state)
+    everything, lease_errors = _lease_records(state, include_tickets=True)
     server_uid = os.geteuid()
     errors.extend(lease_errors)
+    records = [r for r in everything if r.kind == "lease"]
+    # kernels in line for a GPU (a --wait pick): the sidebar tells when their wait ends
+    # (only our own uid's tickets: another user could write a ticket naming our kernel ids)
+    waiting = {
+        r.kernel_id
+        for r in everything
+        if r.kind == "ticket" and r.kernel_id and r.uid == server_uid
+    }
     for rec in records:
         kid = rec.kernel_id
         # A lease's kernel id is what its writer claims: only a lease of this server's own uid
@@ -282,20 +294,103 @@ def holders_payload(
                         ),
                     }
                 )
+    kernels = kernel_infos(kernel_manager, sessions) if kernel_manager is not None else []
+    overloads = kernel_overloads(state, kernels, holders, snap)
+    for info in kernels:
+        info["overload"] = overloads.get(info["kernel_id"])
+        info["waiting"] = info["kernel_id"] in waiting
     return {
         "timestamp_s": snap.timestamp_s if snap is not None else time.time(),
         "simulated": snap.simulated if snap is not None else False,
         "user": state.user,
         "holders": holders,
-        "kernels": kernel_infos(kernel_manager, sessions) if kernel_manager is not None else [],
+        "kernels": kernels,
         "errors": errors,
     }
+
+
+def kernel_overloads(
+    state: AutoGPUServer,
+    kernels: list[dict[str, Any]],
+    holders: list[dict[str, Any]],
+    snap: FleetSnapshot | None,
+) -> dict[str, str]:
+    """Kernel id -> the overload warning for the GPU(s) it holds (the panel's own words, from
+    :func:`core.overload.detect` over the server's sampler history), for this server's kernels
+    whose GPU other processes overload. The sidebar turns it into a JupyterLab notification."""
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.core.overload import Thresholds, detect
+
+    sampler = state.sampler()
+    if snap is None or sampler is None or not kernels:
+        return {}
+    held: dict[str, list[str]] = {}
+    own: dict[str, set[int]] = {}
+    for h in holders:
+        kid = h.get("kernel_id")
+        if not kid or not h.get("this_server"):
+            continue
+        if h["uuid"] not in held.setdefault(kid, []):
+            held[kid].append(h["uuid"])
+        if h["kind"] == "process" and h.get("pid") is not None:
+            own.setdefault(kid, set()).add(int(h["pid"]))
+    for info in kernels:
+        for uuid in info.get("picked_uuids") or ():
+            if uuid not in held.setdefault(info["kernel_id"], []):
+                held[info["kernel_id"]].append(uuid)
+    if not held:
+        return {}
+    try:
+        thresholds = Thresholds.from_config(AutoGPU(parent=state.parent))
+    except (ValueError, TypeError):  # a bad threshold in the config: the defaults
+        thresholds = Thresholds()
+    history = sampler.history_series(since_s=thresholds.window_s + 3 * state.interval_s)
+    smoothed = sampler.smoothed_util(60.0)
+    movable = {k["kernel_id"] for k in kernels if k.get("movable")}
+    out: dict[str, str] = {}
+    for kid, uuids in held.items():
+        move = (
+            "use Move to best GPU in the GPU sidebar"
+            if kid in movable
+            else "restart the kernel and run %gpu pick"
+        )
+        found = detect(history, snap, uuids, own.get(kid, set()), thresholds,
+                       smoothed_util=smoothed, move=move)
+        if found:
+            out[kid] = " ".join(_overload_summary(w) for w in found)
+    return out
+
+
+def _overload_summary(w: Any) -> str:
+    """The overload in one short sentence (JupyterLab notifications keep 140 characters):
+    "GPU 0 (this kernel's GPU) is overloaded: memory 98% full, 1 other process. Better: GPU 1."
+    """
+    cause = w.causes[0].split(" (over ")[0] if w.causes else "busy"
+    n = w.other_process_count
+    better = f" Better now: {w.alternative.label}." if w.alternative is not None else ""
+    return (
+        f"{w.label} (this kernel's GPU) is overloaded: {cause}, "
+        f"{n} other process{'es' if n != 1 else ''}.{better}"
+    )
+
+
+def kernel_activity(km: Any, now_s: float | None = None) -> tuple[str | None, float | None]:
+    """A kernel's ``execution_state`` and how long it has been idle, in seconds, from
+    jupyter_server's own bookkeeping (``last_activity``, the clock its idle culler uses).
+    ``idle_s`` is ``None`` unless the kernel is idle now (busy is not idle; unknown is unknown)."""
+    state = getattr(km, "execution_state", None)
+    last = getattr(km, "last_activity", None)
+    if state != "idle" or last is None or not hasattr(last, "timestamp"):
+        return (state if isinstance(state, str) else None), None
+    now = time.time() if now_s is None else now_s
+    return state, max(0.0, round(now - float(last.timestamp()), 1))
 
 
 def kernel_infos(
     kernel_manager: Any, sessions: Mapping[str, Mapping[str, Any]]
 ) -> list[dict[str, Any]]:
-    """This server's kernels: which can be moved (started by the autogpu provisioner) and where.
+    """This server's kernels: which can be moved (started by the autogpu provisioner) and where,
+    their ``execution_state`` and ``idle_s`` (see :func:`kernel_activity`).
 
     ``movable`` is true for a kernel whose provisioner records move requests
     (``autogpu_move_file``); ``picked_uuids`` is the provisioner's choice at the last (re)start
@@ -312,10 +407,13 @@ def kernel_infos(
         movable = state is not None and state.autogpu_move_file is not None
         picked = state.autogpu_picked if state is not None else ()
         constraints = state.autogpu_constraints if state is not None else None
+        execution_state, idle_s = kernel_activity(km)
         out.append(
             {
                 "kernel_id": kid,
                 "notebook_path": (sessions.get(kid) or {}).get("path"),
+                "execution_state": execution_state,
+                "idle_s": idle_s,
                 "movable": movable,
                 "picked_uuids": [str(u) for u in picked] if movable else [],
                 "constraints_text": constraints.describe() if movable and constraints else None,
@@ -561,3 +659,31 @@ def cluster_history_payload(state: AutoGPUServer, seconds: float) -> dict[str, A
     base["hosts"] = [h.to_dict() for h in histories]
     return base
 
+
+
+def gpu_kernel_ids(state: AutoGPUServer, kernel_manager: Any) -> set[str]:
+    """This server's kernels that hold a GPU: a live lease naming the kernel, a GPU process in
+    the kernel's process tree (NVML), or the autogpu provisioner's pick at its start."""
+    held: set[str] = set()
+    ours = set(kernel_manager.list_kernel_ids())
+    records, _ = _lease_records(state)
+    # a lease's kernel id is its writer's claim: only our own uid's leases count, so that
+    # another user cannot get one of our kernels culled early by naming it
+    uid = os.geteuid()
+    held.update(rec.kernel_id for rec in records if rec.kernel_id in ours and rec.uid == uid)
+    snap = latest_snapshot(state)
+    if snap is not None:
+        pids = kernel_pid_map(kernel_manager)
+        for dev in snap.devices:
+            for proc in dev.processes or ():
+                kid = owning_kernel(proc.pid, pids)
+                if kid is not None:
+                    held.add(kid)
+    for kid in ours:
+        try:
+            prov = getattr(kernel_manager.get_kernel(kid), "provisioner", None)
+        except KeyError:
+            continue
+        if isinstance(prov, ProvisionerState) and prov.autogpu_picked:
+            held.add(kid)
+    return held

@@ -76,6 +76,14 @@ class AutoGPUServer(Configurable):
         help="Lease registry to show holders from; defaults to c.AutoGPU.registry_dir / "
         "$AUTOGPU_REGISTRY_DIR / /var/tmp/autogpu. Empty string: show no leases."
     ).tag(config=True)
+    cull_idle_gpu_kernels_s = Float(
+        0.0,
+        help="Shut down this server's kernels that hold a GPU (a live lease, a GPU process, or "
+        "the autogpu kernelspec's pick) once they have been idle this many seconds; 0 (the "
+        "default) never does. Uses jupyter_server's own idle culler: "
+        "MappingKernelManager.cull_interval, cull_connected and cull_busy apply, and kernels "
+        "without a GPU keep MappingKernelManager.cull_idle_timeout (0: never culled).",
+    ).tag(config=True)
     metrics = Bool(
         True,
         help="Register the autogpu_* gauges on jupyter_server's Prometheus registry (served at "

@@ -33,6 +33,7 @@ __all__ = [
     "render_table",
     "render_banner",
     "render_header",
+    "render_error",
     "UTIL_COLOR",
     "MEM_COLOR",
 ]
@@ -368,6 +369,20 @@ def render_banner(warnings: Sequence[Overload]) -> str:
         f'<div class="autogpu-banner" role="alert" style="border:1px solid {MEM_COLOR};'
         f"border-left:6px solid {MEM_COLOR};background:{WARN_BG};color:{FG};padding:6px 10px;"
         f'border-radius:4px;font-family:{FONT};font-size:13px">{"".join(items)}</div>'
+    )
+
+
+def render_error(message: str) -> str:
+    """A prominent error box: why the panel has no GPU data at all (a bad fleet file, no driver).
+
+    Shown where the charts would be, so that the reason is the first thing a user reads rather
+    than "No GPU picked yet" with the cause in small grey text.
+    """
+    return (
+        f'<div class="autogpu-error" role="alert" style="border:1px solid {ERROR_COLOR};'
+        f"border-left:6px solid {ERROR_COLOR};background:rgba(211, 47, 47, 0.10);color:{FG};"
+        f'padding:6px 10px;border-radius:4px;font-family:{FONT};font-size:13px">'
+        f"&#10006; <b>autogpu cannot read the GPUs</b>: {_e(message)}</div>"
     )
 
 

@@ -194,6 +194,10 @@ class Panel(w.VBox):  # type: ignore[misc]
         if snapshot is None:
             self._drawn = None
             self.header.value = chart.render_header((), ())
+            errors = s.errors
+            # Nothing was ever read: the reason is the news, in the banner, not in grey text.
+            self.banner.value = chart.render_error(errors[-1].message) if errors else ""
+            self.banner.layout.display = "block" if errors else "none"
             self.charts.value = ""
             self.table.value = ""
             self.status.value = self._status_text(None)

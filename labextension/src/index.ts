@@ -12,12 +12,39 @@ import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { LabIcon } from '@jupyterlab/ui-components';
 
 import gpuSvg from '../style/icons/gpu.svg';
-import { GPUPanel, IActiveNotebook, IPanelSettings } from './panel';
+import { Kernel, KernelMessage } from '@jupyterlab/services';
+import {
+  GPUPanel,
+  IActiveNotebook,
+  IExecuteResult,
+  IPanelSettings
+} from './panel';
 
 /** The sidebar's icon. */
 export const gpuIcon = new LabIcon({ name: 'autogpu:gpu', svgstr: gpuSvg });
 
 const PLUGIN_ID = 'autogpu-jupyter:plugin';
+
+// eslint-disable-next-line no-control-regex
+const ANSI = /\x1b\[[0-9;]*m/g;
+
+/** Run `code` in `kernel` (not stored in its history); what it printed, and whether it failed. */
+async function executeIn(
+  kernel: Kernel.IKernelConnection,
+  code: string
+): Promise<IExecuteResult> {
+  const parts: string[] = [];
+  const future = kernel.requestExecute({ code, store_history: false });
+  future.onIOPub = (msg: KernelMessage.IIOPubMessage) => {
+    if (KernelMessage.isStreamMsg(msg)) {
+      parts.push(msg.content.text);
+    } else if (KernelMessage.isErrorMsg(msg)) {
+      parts.push(msg.content.traceback.join('\n').replace(ANSI, ''));
+    }
+  };
+  const reply = await future.done;
+  return { ok: reply.content.status === 'ok', text: parts.join('') };
+}
 
 function readSettings(settings: ISettingRegistry.ISettings): IPanelSettings {
   const get = <T>(key: string, fallback: T): T => {
@@ -49,9 +76,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
       if (current === null) {
         return null;
       }
+      const kernel = current.sessionContext.session?.kernel ?? null;
       return {
         path: current.context.path,
-        kernelId: current.sessionContext.session?.kernel?.id ?? null
+        kernelId: kernel?.id ?? null,
+        execute: kernel === null ? undefined : code => executeIn(kernel, code)
       };
     };
     const panel = new GPUPanel({

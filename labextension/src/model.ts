@@ -88,11 +88,19 @@ export interface IHolder {
 export interface IKernelInfo {
   kernel_id: string;
   notebook_path: string | null;
+  /** jupyter_server's `execution_state` (`idle`, `busy`, ...), null when unknown. */
+  execution_state: string | null;
+  /** Seconds since the kernel's last activity, while it is idle (null: busy or unknown). */
+  idle_s: number | null;
   movable: boolean;
   /** The provisioner's pick at the last (re)start; empty: CPU-only or not an autogpu kernel. */
   picked_uuids: string[];
   constraints_text: string | null;
   note: string | null;
+  /** The overload warning for the GPU this kernel holds (other processes overload it). */
+  overload: string | null;
+  /** The kernel waits in line for a GPU (`%gpu pick --wait`). */
+  waiting: boolean;
 }
 
 /** `GET /autogpu/holders`. */
@@ -147,8 +155,18 @@ export interface IHolderView {
   who: string;
   what: string;
   memory: string;
+  /** `idle 12 min` for a kernel of this server idle for a minute or more, else ''. */
+  idle: string;
   current: boolean;
   exclusive: boolean;
+}
+
+/** One user's share of the GPUs, for the totals line. */
+export interface IUserTotal {
+  user: string;
+  devices: number;
+  booked_bytes: number;
+  used_bytes: number;
 }
 
 const UNKNOWN = '–';
@@ -309,14 +327,16 @@ export function unsupportedNote(device: IDevice): string | null {
 /**
  * An SVG path (`M x,y L x,y ...`) through `values` in a `width` x `height` box, 0 at the bottom
  * and `max` at the top. `null` values break the line (a new `M` after the gap). The newest value
- * sits at the right edge; `slots` fixes the horizontal scale (default: the number of values).
+ * sits at the right edge; `slots` fixes the horizontal scale (default: the number of values);
+ * `pad` pixels are kept free above max and below 0.
  */
 export function sparklinePath(
   values: (number | null)[],
   width: number,
   height: number,
   max: number,
-  slots?: number
+  slots?: number,
+  pad = 0
 ): string {
   const n = Math.max(slots ?? values.length, 2);
   const step = width / (n - 1);
@@ -330,7 +350,8 @@ export function sparklinePath(
     }
     const clamped = Math.min(Math.max(v, 0), max);
     const x = round2((offset + i) * step);
-    const y = round2(height - (clamped / max) * height);
+    // `pad` keeps 0 and max inside the box, visible, instead of on its edge
+    const y = round2(height - pad - (clamped / max) * (height - 2 * pad));
     parts.push(`${drawing ? 'L' : 'M'}${x},${y}`);
     drawing = true;
   });
@@ -437,10 +458,14 @@ export function parseHolders(raw: unknown): IHolders {
         return {
           kernel_id: k.kernel_id,
           notebook_path: strOrNull(k.notebook_path),
+          execution_state: strOrNull(k.execution_state),
+          idle_s: numOrNull(k.idle_s),
           movable: k.movable === true,
           picked_uuids: stringList(k.picked_uuids),
           constraints_text: strOrNull(k.constraints_text),
-          note: strOrNull(k.note)
+          note: strOrNull(k.note),
+          overload: strOrNull(k.overload),
+          waiting: k.waiting === true
         };
       })
     : [];
@@ -569,8 +594,10 @@ export function parseSelection(raw: unknown): ISelection {
 export function holdersFor(
   holders: IHolder[],
   uuid: string,
-  currentKernelId: string | null
+  currentKernelId: string | null,
+  kernels: IKernelInfo[] = []
 ): IHolderView[] {
+  const idleOf = new Map(kernels.map(k => [k.kernel_id, k.idle_s]));
   const mine = holders.filter(h => h.uuid === uuid);
   const leasedKernels = new Set(
     mine
@@ -617,6 +644,9 @@ export function holdersFor(
       who,
       what,
       memory: memParts.join(', '),
+      idle: formatIdle(
+        h.kernel_id !== null ? (idleOf.get(h.kernel_id) ?? null) : null
+      ),
       current: currentKernelId !== null && h.kernel_id === currentKernelId,
       exclusive: h.exclusive
     });
@@ -625,7 +655,10 @@ export function holdersFor(
 }
 
 /** `best device for 10.0 GiB: GPU 3`, or why none fits. */
-export function recommendationText(selection: ISelection): string {
+export function recommendationText(
+  selection: ISelection,
+  current: string[] = []
+): string {
   const wanted = selection.constraints_text.replace(/^min free /, '');
   const forWhat =
     selection.constraints_text === 'no constraints' ||
@@ -637,5 +670,218 @@ export function recommendationText(selection: ISelection): string {
       selection.message ?? `no device fits (${selection.constraints_text})`
     );
   }
-  return `${forWhat}: ${selection.chosen.map(c => c.label).join(', ')}`;
+  // A label never breaks ("GPU" at the end of a line, "2" on the next): no-break spaces.
+  const labels = selection.chosen.map(c => c.label.replace(/ /g, '\u00a0'));
+  if (selection.chosen.every(c => current.includes(c.uuid))) {
+    return `you are already on the ${forWhat}: ${labels.join(', ')}`;
+  }
+  return `${forWhat}: ${labels.join(', ')}`;
+}
+
+/**
+ * The devices a notebook's kernel holds or uses: its leases and processes in `holders`, and
+ * the autogpu provisioner's pick. What "you are already on it" compares with.
+ */
+export function notebookDevices(
+  holders: IHolders | null,
+  kernelId: string | null
+): string[] {
+  if (holders === null || kernelId === null) {
+    return [];
+  }
+  const out = new Set<string>();
+  for (const h of holders.holders) {
+    if (h.kernel_id === kernelId) {
+      out.add(h.uuid);
+    }
+  }
+  for (const u of kernelInfoFor(holders, kernelId)?.picked_uuids ?? []) {
+    out.add(u);
+  }
+  return [...out];
+}
+
+/** `idle 12 min`, `idle 2 h 5 min`; '' under a minute or when unknown (not worth a word). */
+export function formatIdle(idleS: number | null): string {
+  if (idleS === null || !Number.isFinite(idleS) || idleS < 60) {
+    return '';
+  }
+  const minutes = Math.floor(idleS / 60);
+  if (minutes < 60) {
+    return `idle ${minutes} min`;
+  }
+  const hours = Math.floor(minutes / 60);
+  const rest = minutes % 60;
+  return rest ? `idle ${hours} h ${rest} min` : `idle ${hours} h`;
+}
+
+/**
+ * Per user: how many devices they hold (a lease or a process on it), the memory their leases
+ * book and their processes use. Sorted by memory, largest first; unknown users as `unknown`.
+ */
+export function userTotals(holders: IHolder[]): IUserTotal[] {
+  const byUser = new Map<
+    string,
+    { devices: Set<string>; booked: number; used: number }
+  >();
+  for (const h of holders) {
+    const user = h.user ?? 'unknown';
+    const entry = byUser.get(user) ?? {
+      devices: new Set<string>(),
+      booked: 0,
+      used: 0
+    };
+    entry.devices.add(h.uuid);
+    entry.booked += h.booked_bytes ?? 0;
+    entry.used += h.used_memory_bytes ?? 0;
+    byUser.set(user, entry);
+  }
+  return [...byUser.entries()]
+    .map(([user, e]) => ({
+      user,
+      devices: e.devices.size,
+      booked_bytes: e.booked,
+      used_bytes: e.used
+    }))
+    .sort(
+      (a, b) =>
+        Math.max(b.booked_bytes, b.used_bytes) -
+          Math.max(a.booked_bytes, a.used_bytes) || a.user.localeCompare(b.user)
+    );
+}
+
+/** `alice: 2 GPUs, 30.0 GiB booked, 12.0 GiB used`. */
+export function formatUserTotal(total: IUserTotal): string {
+  const parts = [`${total.devices} GPU${total.devices === 1 ? '' : 's'}`];
+  if (total.booked_bytes > 0) {
+    parts.push(`${formatBytes(total.booked_bytes)} booked`);
+  }
+  if (total.used_bytes > 0) {
+    parts.push(`${formatBytes(total.used_bytes)} used`);
+  }
+  return `${total.user}: ${parts.join(', ')}`;
+}
+
+/**
+ * The devices that are "mine": held by the server's user (`holders.user`, the one who runs
+ * this JupyterLab) or by the active notebook's kernel.
+ */
+export function myDevices(
+  holders: IHolders | null,
+  kernelId: string | null
+): Set<string> {
+  const mine = new Set<string>();
+  if (holders === null) {
+    return mine;
+  }
+  for (const h of holders.holders) {
+    if (
+      (holders.user !== '' && h.user === holders.user) ||
+      (kernelId !== null && h.kernel_id === kernelId)
+    ) {
+      mine.add(h.uuid);
+    }
+  }
+  return mine;
+}
+
+/** The label at the top of a sparkline's scale: `100%`, or the device's memory `80 GiB`. */
+export function sparkScaleTop(kind: 'util' | 'mem', max: number): string {
+  if (kind === 'util') {
+    return '100%';
+  }
+  if (!(max > 0)) {
+    return '';
+  }
+  const gib = max / 1024 ** 3;
+  return gib >= 1 ? `${Math.round(gib)} GiB` : formatBytes(max);
+}
+
+/**
+ * Which overload notifications to show now: the active kernel's warning when it is new (not
+ * shown for this kernel yet). `shown` maps kernel id to the warning's device part; a kernel
+ * whose overload cleared is forgotten, so that a new overload is announced again.
+ */
+export function overloadToNotify(
+  kernel: IKernelInfo | null,
+  shown: Map<string, string>
+): string | null {
+  if (kernel === null) {
+    return null;
+  }
+  if (kernel.overload === null) {
+    shown.delete(kernel.kernel_id);
+    return null;
+  }
+  // "autogpu: GPU 1 (this kernel's GPU) is overloaded: ..." -> "GPU 1": numbers move, the
+  // device does not
+  const key = kernel.overload.split(' (this kernel')[0];
+  if (shown.get(kernel.kernel_id) === key) {
+    return null;
+  }
+  shown.set(kernel.kernel_id, key);
+  return kernel.overload;
+}
+
+/**
+ * The kernels whose wait in line ended with a GPU since the last answer: waiting before
+ * (`waitingBefore`, updated in place to the kernels waiting now) and holding a lease now.
+ * Each as the notification says it: `train.ipynb got its GPU: GPU 2 (it waited in line)`.
+ */
+export function waitsEnded(
+  holders: IHolders,
+  waitingBefore: Set<string>
+): string[] {
+  const out: string[] = [];
+  for (const k of holders.kernels) {
+    if (k.waiting || !waitingBefore.has(k.kernel_id)) {
+      continue;
+    }
+    const labels = holders.holders
+      .filter(
+        h => h.kind === 'lease' && h.this_server && h.kernel_id === k.kernel_id
+      )
+      .map(h => h.label ?? h.uuid);
+    if (labels.length > 0) {
+      const who = k.notebook_path ?? `kernel ${k.kernel_id.slice(0, 8)}`;
+      out.push(`${who} got its GPU: ${labels.join(', ')} (it waited in line)`);
+    }
+  }
+  waitingBefore.clear();
+  for (const k of holders.kernels) {
+    if (k.waiting) {
+      waitingBefore.add(k.kernel_id);
+    }
+  }
+  return out;
+}
+
+/**
+ * The "Pick for this notebook" action of a card, or null: for the active notebook's plain
+ * kernel (not the autogpu kernelspec, which picks before it starts) that holds no GPU yet,
+ * on a live device. The pick runs *in that kernel* (`%gpu pick` with every other device
+ * excluded), so the variables are set in its process, with a lease, and refused there if CUDA
+ * already started.
+ */
+export function pickCodeFor(
+  device: IDevice,
+  fleet: IFleet,
+  kernel: IKernelInfo | null,
+  holders: IHolders | null,
+  kernelId: string | null
+): string | null {
+  if (kernelId === null || !device.available || device.is_mig) {
+    return null;
+  }
+  if (kernel !== null && kernel.movable) {
+    return null;
+  }
+  if (holders?.holders.some(h => h.kernel_id === kernelId)) {
+    return null;
+  }
+  const others = fleet.devices
+    .filter(d => d.uuid !== device.uuid && !d.is_mig)
+    .map(d => String(d.index));
+  const exclude = others.length ? ` --exclude ${others.join(',')}` : '';
+  return `%load_ext autogpu\n%gpu pick${exclude}`;
 }

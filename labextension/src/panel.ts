@@ -11,7 +11,7 @@
  * All text from the server (device names, other users' names and notebook paths) is inserted
  * with `textContent`, never as HTML.
  */
-import { Dialog, showDialog } from '@jupyterlab/apputils';
+import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { ServerConnection } from '@jupyterlab/services';
 import { Poll } from '@lumino/polling';
 import { Message } from '@lumino/messaging';
@@ -29,19 +29,27 @@ import {
   formatMemory,
   formatPct,
   formatThermals,
+  formatUserTotal,
   holdersFor,
   kernelInfoFor,
   mergeHistory,
   moveActionFor,
+  myDevices,
+  overloadToNotify,
+  pickCodeFor,
   parseFleet,
   parseHistory,
   parseHolders,
   parseMoveResult,
   parseSelection,
+  notebookDevices,
   recommendationText,
   selectPath,
+  sparkScaleTop,
   sparklinePath,
-  unsupportedNote
+  unsupportedNote,
+  userTotals,
+  waitsEnded
 } from './model';
 import { requestAPI } from './request';
 import { ClusterSection } from './cluster';
@@ -50,6 +58,14 @@ import { ClusterSection } from './cluster';
 export interface IActiveNotebook {
   path: string;
   kernelId: string | null;
+  /** Run code in the notebook's kernel; what it printed, and whether it failed. */
+  execute?: (code: string) => Promise<IExecuteResult>;
+}
+
+/** The outcome of code the panel ran in a notebook's kernel. */
+export interface IExecuteResult {
+  ok: boolean;
+  text: string;
 }
 
 /** Options of {@link GPUPanel}. */
@@ -69,6 +85,8 @@ export interface IPanelSettings {
 const SVG_NS = 'http://www.w3.org/2000/svg';
 const SPARK_W = 120;
 const SPARK_H = 24;
+/** Pixels kept free above 100 % and below 0, so a flat line at either end stays visible. */
+const SPARK_PAD = 2;
 const MAX_BACKOFF_MS = 60000;
 
 function el<K extends keyof HTMLElementTagNameMap>(
@@ -136,14 +154,24 @@ export class GPUPanel extends Widget {
     this._moveStatus = el('div', 'jp-AutoGPU-moveStatus');
     this._moveStatus.setAttribute('role', 'status');
     this._cards = el('div', 'jp-AutoGPU-cards');
+    this._totals = el('div', 'jp-AutoGPU-totals');
     const header = el('div', 'jp-AutoGPU-header');
     header.appendChild(el('h2', 'jp-AutoGPU-title', 'GPUs'));
     header.appendChild(this._status);
+    const filter = el('label', 'jp-AutoGPU-filter');
+    this._onlyMineBox = el('input', 'jp-AutoGPU-onlyMine');
+    this._onlyMineBox.type = 'checkbox';
+    this._onlyMineBox.addEventListener('change', () => {
+      this._render(this._lastErrors);
+    });
+    filter.append(this._onlyMineBox, document.createTextNode(' only my GPUs'));
     this.node.append(
       header,
       this._errors,
       this._recommendation,
       this._moveStatus,
+      filter,
+      this._totals,
       this._cards
     );
     this._cluster = new ClusterSection(this._serverSettings);
@@ -236,6 +264,7 @@ export class GPUPanel extends Widget {
     errors: string[],
     active: IActiveNotebook | null = this._activeNotebook()
   ): void {
+    this._lastErrors = errors;
     this._errors.replaceChildren();
     const all = this._failure ? [this._failure, ...errors] : errors;
     for (const message of all) {
@@ -262,7 +291,39 @@ export class GPUPanel extends Widget {
     );
     this._renderRecommendation(active);
     this._renderMoveStatus(active);
+    this._notifyOverload(active);
+    if (this._holders !== null) {
+      for (const text of waitsEnded(this._holders, this._waiting)) {
+        Notification.success(text, { autoClose: false });
+      }
+    }
+    this._renderTotals();
     this._renderCards(fleet, active);
+  }
+
+  /**
+   * A JupyterLab notification (it stays until dismissed) when the active notebook's GPU gets
+   * overloaded by other processes, once per overload; the server's words, as in the panel.
+   */
+  private _notifyOverload(active: IActiveNotebook | null): void {
+    const kernel = kernelInfoFor(this._holders, active?.kernelId ?? null);
+    const text = overloadToNotify(kernel, this._overloadShown);
+    if (text !== null) {
+      Notification.warning(text, { autoClose: false });
+    }
+  }
+
+  /** One line per user: how many GPUs, how much memory booked and used. */
+  private _renderTotals(): void {
+    this._totals.replaceChildren();
+    const totals = userTotals(this._holders?.holders ?? []);
+    for (const total of totals) {
+      const line = el('div', 'jp-AutoGPU-total', formatUserTotal(total));
+      if (total.user === this._holders?.user) {
+        line.classList.add('jp-AutoGPU-total-mine');
+      }
+      this._totals.appendChild(line);
+    }
   }
 
   private _renderMoveStatus(active: IActiveNotebook | null): void {
@@ -325,12 +386,11 @@ export class GPUPanel extends Widget {
     const body = el('div', 'jp-AutoGPU-moveDialog');
     body.append(
       el('p', 'jp-AutoGPU-movePlan', plan.message),
+      // The plan already says that the kernel's state is lost: say only what stays.
       el(
         'p',
         'jp-AutoGPU-moveWarning',
-        `Variables, imports and data in memory of ${
-          kernel.notebook_path ?? 'this notebook'
-        } are lost; the outputs already in the notebook stay.`
+        `The outputs already in ${kernel.notebook_path ?? 'the notebook'} stay.`
       )
     );
     const answer = await showDialog({
@@ -364,6 +424,35 @@ export class GPUPanel extends Widget {
     void this._poll.refresh();
   }
 
+  /** `%gpu pick` in the notebook's own kernel, limited to one device; the outcome shown. */
+  private async _onPick(
+    kernelId: string,
+    label: string,
+    code: string,
+    execute: (code: string) => Promise<IExecuteResult>
+  ): Promise<void> {
+    this._setMoveStatus(
+      kernelId,
+      `picking ${label} in this notebook's kernel…`,
+      false,
+      true
+    );
+    try {
+      const result = await execute(code);
+      const text = result.text.trim();
+      // success: the summary's first line (the rest is in the kernel: %gpu status shows it);
+      // failure: all of it, it says why
+      this._setMoveStatus(
+        kernelId,
+        result.ok ? text.split('\n')[0] : text || 'the pick failed',
+        !result.ok
+      );
+    } catch (reason) {
+      this._setMoveStatus(kernelId, `pick failed: ${errorText(reason)}`, true);
+    }
+    void this._poll.refresh();
+  }
+
   private _renderRecommendation(active: IActiveNotebook | null): void {
     this._recommendation.replaceChildren();
     if (this._selection === null && this._selectionError === null) {
@@ -376,7 +465,10 @@ export class GPUPanel extends Widget {
     }
     const text =
       this._selection !== null
-        ? recommendationText(this._selection)
+        ? recommendationText(
+            this._selection,
+            notebookDevices(this._holders, active?.kernelId ?? null)
+          )
         : `no recommendation: ${this._selectionError}`;
     this._recommendation.appendChild(el('div', 'jp-AutoGPU-advice', text));
   }
@@ -400,20 +492,28 @@ export class GPUPanel extends Widget {
     const kernelId = active?.kernelId ?? null;
     const kernel = kernelInfoFor(holders, kernelId);
     const busy = this._move?.busy === true;
+    const mine = myDevices(holders, kernelId);
+    const onlyMine = this._onlyMineBox.checked;
+    let shown = 0;
     for (const device of fleet.devices) {
+      if (onlyMine && !mine.has(device.uuid)) {
+        continue;
+      }
+      shown += 1;
       const state = deviceState(device);
       const card = el('div', `jp-AutoGPU-card jp-AutoGPU-${state}`);
       card.dataset.uuid = device.uuid;
       const title = el('div', 'jp-AutoGPU-cardTitle');
-      title.append(
-        el('span', 'jp-AutoGPU-label', device.label),
-        el('span', 'jp-AutoGPU-name', device.name)
-      );
+      title.appendChild(el('span', 'jp-AutoGPU-label', device.label));
+      // The badge sits before the model's name, so it never squeezes the name into "NVIDIA…"
       if (this._selection?.chosen.some(c => c.uuid === device.uuid)) {
         title.appendChild(
           el('span', 'jp-AutoGPU-badge jp-AutoGPU-best', 'best')
         );
       }
+      const name = el('span', 'jp-AutoGPU-name', device.name);
+      name.title = device.name;
+      title.appendChild(name);
       card.appendChild(title);
       if (state === 'lost') {
         card.appendChild(
@@ -454,7 +554,12 @@ export class GPUPanel extends Widget {
       if (note) {
         card.appendChild(el('div', 'jp-AutoGPU-unsupported', note));
       }
-      const views = holdersFor(holders.holders, device.uuid, kernelId);
+      const views = holdersFor(
+        holders.holders,
+        device.uuid,
+        kernelId,
+        holders.kernels
+      );
       const list = el('ul', 'jp-AutoGPU-holders');
       for (const view of views) {
         const item = el(
@@ -470,6 +575,9 @@ export class GPUPanel extends Widget {
         if (view.memory) {
           item.appendChild(el('span', 'jp-AutoGPU-holderMem', view.memory));
         }
+        if (view.idle) {
+          item.appendChild(el('span', 'jp-AutoGPU-idle', view.idle));
+        }
         if (view.exclusive) {
           item.appendChild(
             el('span', 'jp-AutoGPU-badge jp-AutoGPU-exclusive', 'exclusive')
@@ -481,6 +589,28 @@ export class GPUPanel extends Widget {
         list.appendChild(el('li', 'jp-AutoGPU-holder jp-AutoGPU-free', 'free'));
       }
       card.appendChild(list);
+      const pickCode = pickCodeFor(
+        device,
+        fleet,
+        kernel,
+        this._holders,
+        kernelId
+      );
+      if (pickCode !== null && active?.execute && kernelId !== null) {
+        const button = el(
+          'button',
+          'jp-AutoGPU-move jp-AutoGPU-pick',
+          'Pick for this notebook'
+        );
+        button.type = 'button';
+        button.title = `Run %gpu pick in ${active.path}'s kernel, on ${device.label} only`;
+        button.disabled = busy;
+        const execute = active.execute;
+        button.addEventListener('click', () => {
+          void this._onPick(kernelId, device.label, pickCode, execute);
+        });
+        card.appendChild(button);
+      }
       const action = moveActionFor(device, kernel);
       if (action !== null && kernel !== null) {
         const button = el(
@@ -498,6 +628,15 @@ export class GPUPanel extends Widget {
       }
       this._cards.appendChild(card);
     }
+    if (onlyMine && shown === 0) {
+      this._cards.appendChild(
+        el(
+          'div',
+          'jp-AutoGPU-empty',
+          'You hold no GPU here (untick "only my GPUs" to see all).'
+        )
+      );
+    }
   }
 
   private _metric(
@@ -507,20 +646,52 @@ export class GPUPanel extends Widget {
     values: (number | null)[],
     max: number
   ): HTMLElement {
+    // Label and value on one line, the sparkline below at the card's full width: every
+    // sparkline has the same width whatever its value's text, with its scale beside it.
     const row = el('div', `jp-AutoGPU-metric jp-AutoGPU-${key}`);
-    row.appendChild(el('span', 'jp-AutoGPU-metricLabel', label));
+    const head = el('div', 'jp-AutoGPU-metricHead');
+    head.append(
+      el('span', 'jp-AutoGPU-metricLabel', label),
+      el('span', 'jp-AutoGPU-metricValue', value)
+    );
+    row.appendChild(head);
+    const box = el('div', 'jp-AutoGPU-sparkBox');
     const svg = document.createElementNS(SVG_NS, 'svg');
     svg.setAttribute('class', 'jp-AutoGPU-spark');
     svg.setAttribute('viewBox', `0 0 ${SPARK_W} ${SPARK_H}`);
     svg.setAttribute('preserveAspectRatio', 'none');
+    const mid = document.createElementNS(SVG_NS, 'line');
+    mid.setAttribute('class', 'jp-AutoGPU-sparkGrid');
+    mid.setAttribute('x1', '0');
+    mid.setAttribute('x2', String(SPARK_W));
+    mid.setAttribute('y1', String(SPARK_H / 2));
+    mid.setAttribute('y2', String(SPARK_H / 2));
+    svg.appendChild(mid);
     const path = document.createElementNS(SVG_NS, 'path');
     path.setAttribute(
       'd',
-      sparklinePath(values, SPARK_W, SPARK_H, max, this._settings.historyPoints)
+      sparklinePath(
+        values,
+        SPARK_W,
+        SPARK_H,
+        max,
+        this._settings.historyPoints,
+        SPARK_PAD
+      )
     );
     svg.appendChild(path);
-    row.appendChild(svg);
-    row.appendChild(el('span', 'jp-AutoGPU-metricValue', value));
+    box.appendChild(svg);
+    const scale = el('div', 'jp-AutoGPU-scale');
+    scale.append(
+      el(
+        'span',
+        'jp-AutoGPU-scaleTop',
+        sparkScaleTop(key === 'util' ? 'util' : 'mem', max)
+      ),
+      el('span', 'jp-AutoGPU-scaleBottom', '0')
+    );
+    box.appendChild(scale);
+    row.appendChild(box);
     return row;
   }
 
@@ -538,6 +709,11 @@ export class GPUPanel extends Widget {
   private _moveStatus: HTMLElement;
   private _move: IMoveStatus | null = null;
   private _cards: HTMLElement;
+  private _totals: HTMLElement;
+  private _onlyMineBox: HTMLInputElement;
+  private _lastErrors: string[] = [];
+  private _overloadShown = new Map<string, string>();
+  private _waiting = new Set<string>();
   private _cluster: ClusterSection;
   private _fleet: IFleet | null = null;
   private _holders: IHolders | null = null;

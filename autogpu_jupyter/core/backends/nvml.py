@@ -48,6 +48,9 @@ __all__ = ["NvmlBackend", "binding_problem"]
 
 logger = logging.getLogger(__name__)
 
+#: What a user without a GPU can do instead (the demo's simulated fleet), said with the error.
+_TRY_SIMULATED = "; to try autogpu without a GPU, set AUTOGPU_SIMULATE=demo-4x (a simulated fleet)"
+
 _NOT_AVAILABLE = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE_ulonglong: "usedGpuMemory unknown"
 _NVML_SUCCESS = 0
 _NVML_ERROR_INSUFFICIENT_SIZE = 7
@@ -134,12 +137,12 @@ def _init() -> Any:
             nv.nvmlInit()
         except nv.NVMLError_LibraryNotFound as err:
             raise NVMLUnavailableError(
-                "no NVIDIA driver on this host (libnvidia-ml.so.1 not found)"
+                "no NVIDIA driver on this host (libnvidia-ml.so.1 not found)" + _TRY_SIMULATED
             ) from err
         except nv.NVMLError_DriverNotLoaded as err:
             raise NVMLUnavailableError(
                 "no NVIDIA driver on this host (NVML: Driver Not Loaded; the NVIDIA kernel "
-                "module is not loaded)"
+                "module is not loaded)" + _TRY_SIMULATED
             ) from err
         except nv.NVMLError_NoPermission as err:
             raise NVMLUnavailableError(

@@ -20,7 +20,7 @@ from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessS
 from autogpu_jupyter.core.units import parse_size
 from autogpu_jupyter.errors import UsageErrorBase
 
-__all__ = ["SimulatedBackend", "BUILTIN_FLEETS", "builtin_fleet"]
+__all__ = ["SimulatedBackend", "BUILTIN_FLEETS", "builtin_fleet", "resolve_fleet_source"]
 
 GiB = 1024**3
 
@@ -39,8 +39,11 @@ def _demo(n_a100: int, n_l4: int) -> dict[str, Any]:
                 "load": {
                     "period_s": 90.0 + 37.0 * i,
                     "phase": i * 1.7,
-                    "utilization_pct": [[5, 35], [60, 98], [0, 10], [20, 70]][i % 4],
-                    "memory_used_fraction": [[0.05, 0.2], [0.55, 0.9], [0.0, 0.05], [0.2, 0.5]][
+                    # GPU 1 (and 5) is the busy one: always overloaded by another user's job
+                    # (over the panel's 90 % / 95 % thresholds), so notebooks/panel.ipynb,
+                    # which sits on it on purpose, shows the overload warning at once.
+                    "utilization_pct": [[5, 35], [92, 99], [0, 10], [20, 70]][i % 4],
+                    "memory_used_fraction": [[0.05, 0.2], [0.96, 0.98], [0.0, 0.05], [0.2, 0.5]][
                         i % 4
                     ],
                 },
@@ -72,6 +75,20 @@ def builtin_fleet(name: str) -> dict[str, Any]:
     return fleet
 
 
+def resolve_fleet_source(source: str, base_dir: str | None = None) -> str:
+    """``source`` as every process should read it: a built-in fleet name or an absolute path.
+
+    A relative fleet file path that exists under ``base_dir`` (default: the current directory)
+    becomes absolute, so that a server resolving it once at start hands its kernels (which run
+    in their notebooks' folders) the same file. Anything else is returned unchanged (the backend
+    reports it when it is used).
+    """
+    if not source or source in BUILTIN_FLEETS or os.path.isabs(source):
+        return source
+    candidate = os.path.join(base_dir or os.getcwd(), source)
+    return os.path.abspath(candidate) if os.path.isfile(candidate) else source
+
+
 def _bytes(value: Any, what: str) -> int | None:
     if value is None:
         return None
@@ -95,9 +112,12 @@ class SimulatedBackend:
         if source in BUILTIN_FLEETS:
             self._fleet = builtin_fleet(source)
         elif not Path(source).is_file():
+            # A relative path is read from this process's directory, which differs between a
+            # server and its kernels (a kernel runs in its notebook's folder): say where we looked.
+            where = "" if os.path.isabs(source) else f" (looked in {os.getcwd()})"
             raise UsageErrorBase(
-                f"AUTOGPU_SIMULATE={source!r}: not a fleet file and not a built-in fleet; "
-                "expected a path to a JSON fleet file or one of "
+                f"AUTOGPU_SIMULATE={source!r}: not a fleet file{where} and not a built-in "
+                "fleet; expected an absolute path to a JSON fleet file or one of "
                 f"{', '.join(sorted(BUILTIN_FLEETS))}"
             )
 

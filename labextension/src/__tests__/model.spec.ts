@@ -5,17 +5,26 @@ import {
   formatBytes,
   formatMemory,
   formatPct,
+  formatIdle,
   formatThermals,
+  formatUserTotal,
   holdersFor,
+  myDevices,
+  overloadToNotify,
+  pickCodeFor,
+  waitsEnded,
   mergeHistory,
   parseDevice,
   parseFleet,
   parseHistory,
   parseHolders,
   parseSelection,
+  notebookDevices,
   recommendationText,
+  sparkScaleTop,
   sparklinePath,
-  unsupportedNote
+  unsupportedNote,
+  userTotals
 } from '../model';
 
 const GiB = 1024 ** 3;
@@ -157,6 +166,16 @@ describe('sparklinePath', () => {
     expect(sparklinePath([100, 0], 40, 10, 100, 5)).toBe('M30,0 L40,10');
   });
 
+  it('keeps 0 and the maximum inside the box by the padding', () => {
+    expect(sparklinePath([0, 100], 40, 24, 100, 2, 2)).toBe('M0,22 L40,2');
+  });
+
+  it('labels the top of the scale', () => {
+    expect(sparkScaleTop('util', 100)).toBe('100%');
+    expect(sparkScaleTop('mem', 80 * GiB)).toBe('80 GiB');
+    expect(sparkScaleTop('mem', 0)).toBe('');
+  });
+
   it('draws nothing without a scale', () => {
     expect(sparklinePath([1, 2], 40, 10, 0)).toBe('');
     expect(sparklinePath([], 40, 10, 100)).toBe('');
@@ -262,6 +281,7 @@ describe('holders', () => {
         who: 'alice',
         what: 'pid 7',
         memory: '2.0 GiB used',
+        idle: '',
         current: false,
         exclusive: false
       },
@@ -269,10 +289,67 @@ describe('holders', () => {
         who: 'me',
         what: 'work/train.ipynb',
         memory: '10.0 GiB booked, 3.0 GiB used',
+        idle: '',
         current: false,
         exclusive: false
       }
     ]);
+  });
+
+  it('says how long a kernel holding the GPU has been idle', () => {
+    const kernels = [
+      {
+        kernel_id: 'abcdef0123456789',
+        notebook_path: 'work/train.ipynb',
+        execution_state: 'idle',
+        idle_s: 43 * 60 + 5,
+        movable: false,
+        picked_uuids: [],
+        constraints_text: null,
+        note: null,
+        overload: null,
+        waiting: false
+      }
+    ];
+    const views = holdersFor(holders, 'GPU-1', null, kernels);
+    expect(views.map(v => [v.what, v.idle])).toEqual([
+      ['pid 7', ''],
+      ['work/train.ipynb', 'idle 43 min']
+    ]);
+    expect(formatIdle(null)).toBe('');
+    expect(formatIdle(59)).toBe('');
+    expect(formatIdle(60)).toBe('idle 1 min');
+    expect(formatIdle(2 * 3600 + 5 * 60)).toBe('idle 2 h 5 min');
+    expect(formatIdle(3 * 3600)).toBe('idle 3 h');
+  });
+
+  it('totals per user: devices, booked and used memory, largest first', () => {
+    const totals = userTotals(holders);
+    expect(totals).toEqual([
+      { user: 'me', devices: 2, booked_bytes: 20 * GiB, used_bytes: 3 * GiB },
+      { user: 'alice', devices: 1, booked_bytes: 0, used_bytes: 2 * GiB }
+    ]);
+    expect(totals.map(formatUserTotal)).toEqual([
+      'me: 2 GPUs, 20.0 GiB booked, 3.0 GiB used',
+      'alice: 1 GPU, 2.0 GiB used'
+    ]);
+  });
+
+  it("knows my GPUs: the server user's and the active kernel's", () => {
+    const all = parseHolders({ user: 'me', holders, kernels: [], errors: [] });
+    expect([...myDevices(all, null)].sort()).toEqual(['GPU-1', 'GPU-9']);
+    const other = parseHolders({
+      user: 'bob',
+      holders,
+      kernels: [],
+      errors: []
+    });
+    expect([...myDevices(other, null)]).toEqual([]);
+    expect([...myDevices(other, 'abcdef0123456789')].sort()).toEqual([
+      'GPU-1',
+      'GPU-9'
+    ]);
+    expect([...myDevices(null, 'abcdef0123456789')]).toEqual([]);
   });
 
   it('puts the active notebook kernel first, highlighted', () => {
@@ -297,7 +374,10 @@ describe('recommendationText', () => {
       message: null,
       simulated: false
     });
-    expect(recommendationText(sel)).toBe('best device for 10.0 GiB: GPU 3');
+    // a no-break space: the label never wraps as "GPU" / "3"
+    expect(recommendationText(sel)).toBe(
+      'best device for 10.0 GiB: GPU\u00a03'
+    );
   });
 
   it('says best device now without constraints', () => {
@@ -306,7 +386,53 @@ describe('recommendationText', () => {
       constraints_text: 'no constraints',
       message: null
     });
-    expect(recommendationText(sel)).toBe('best device now: GPU 0');
+    expect(recommendationText(sel)).toBe('best device now: GPU\u00a00');
+  });
+
+  it('says so when the notebook already sits on the best device', () => {
+    const sel = parseSelection({
+      chosen: [{ uuid: 'GPU-2', label: 'GPU 2', name: 'A100' }],
+      constraints_text: 'min free 10.0 GiB',
+      message: null
+    });
+    expect(recommendationText(sel, ['GPU-2'])).toBe(
+      'you are already on the best device for 10.0 GiB: GPU\u00a02'
+    );
+    expect(recommendationText(sel, ['GPU-1'])).toBe(
+      'best device for 10.0 GiB: GPU\u00a02'
+    );
+  });
+
+  it('finds the devices of the notebook kernel in its leases and processes', () => {
+    const holder = {
+      kind: 'lease',
+      uuid: 'GPU-2',
+      label: 'GPU 2',
+      user: 'me',
+      pid: 5,
+      kernel_id: 'k1',
+      this_server: true,
+      notebook_path: 'a.ipynb',
+      booked_bytes: 1,
+      used_memory_bytes: null,
+      exclusive: false,
+      created_s: 1,
+      command: null
+    };
+    const holders = parseHolders({
+      timestamp_s: 1,
+      simulated: false,
+      user: 'me',
+      holders: [
+        holder,
+        { ...holder, kind: 'process', uuid: 'GPU-3', kernel_id: null }
+      ],
+      kernels: [],
+      errors: []
+    });
+    expect(notebookDevices(holders, 'k1')).toEqual(['GPU-2']);
+    expect(notebookDevices(holders, 'k9')).toEqual([]);
+    expect(notebookDevices(null, 'k1')).toEqual([]);
   });
 
   it('passes the server reason when nothing fits', () => {
@@ -316,5 +442,131 @@ describe('recommendationText', () => {
       message: 'no device fits (min free 70.0 GiB):'
     });
     expect(recommendationText(sel)).toBe('no device fits (min free 70.0 GiB):');
+  });
+});
+
+describe('overloadToNotify', () => {
+  const kernel = {
+    kernel_id: 'k1',
+    notebook_path: 'a.ipynb',
+    execution_state: 'idle',
+    idle_s: null,
+    movable: false,
+    picked_uuids: [],
+    constraints_text: null,
+    note: null,
+    overload: null as string | null,
+    waiting: false
+  };
+  const warning = (pct: number) =>
+    `autogpu: GPU 1 (this kernel's GPU) is overloaded: memory ${pct}% full (over 95%), ` +
+    'caused by 1 other process. Best alternative: move to GPU 2.';
+
+  it('announces an overload once, and again after it cleared', () => {
+    const shown = new Map<string, string>();
+    expect(overloadToNotify(null, shown)).toBeNull();
+    expect(overloadToNotify(kernel, shown)).toBeNull();
+    expect(overloadToNotify({ ...kernel, overload: warning(97) }, shown)).toBe(
+      warning(97)
+    );
+    // the numbers move, the overload is the same: no second notification
+    expect(
+      overloadToNotify({ ...kernel, overload: warning(98) }, shown)
+    ).toBeNull();
+    expect(overloadToNotify(kernel, shown)).toBeNull();
+    expect(overloadToNotify({ ...kernel, overload: warning(99) }, shown)).toBe(
+      warning(99)
+    );
+  });
+});
+
+describe('waitsEnded', () => {
+  const answer = (waiting: boolean, leased: boolean) =>
+    parseHolders({
+      user: 'me',
+      errors: [],
+      holders: leased
+        ? [
+            {
+              kind: 'lease',
+              uuid: 'GPU-2',
+              label: 'GPU 2',
+              user: 'me',
+              kernel_id: 'k1',
+              this_server: true
+            }
+          ]
+        : [],
+      kernels: [
+        {
+          kernel_id: 'k1',
+          notebook_path: 'train.ipynb',
+          waiting,
+          movable: false
+        }
+      ]
+    });
+
+  it('says once when a kernel that waited in line got its GPU', () => {
+    const waiting = new Set<string>();
+    expect(waitsEnded(answer(false, false), waiting)).toEqual([]);
+    expect(waitsEnded(answer(true, false), waiting)).toEqual([]);
+    expect([...waiting]).toEqual(['k1']);
+    expect(waitsEnded(answer(false, true), waiting)).toEqual([
+      'train.ipynb got its GPU: GPU 2 (it waited in line)'
+    ]);
+    expect(waitsEnded(answer(false, true), waiting)).toEqual([]);
+  });
+
+  it('says nothing when the wait ended without a GPU (cancelled)', () => {
+    const waiting = new Set<string>(['k1']);
+    expect(waitsEnded(answer(false, false), waiting)).toEqual([]);
+    expect(waiting.size).toBe(0);
+  });
+});
+
+describe('pickCodeFor', () => {
+  const fleet = parseFleet(fleetJson);
+  const [gpu0, lost] = fleet.devices;
+  const plain = {
+    kernel_id: 'k1',
+    notebook_path: 'a.ipynb',
+    execution_state: 'idle',
+    idle_s: null,
+    movable: false,
+    picked_uuids: [],
+    constraints_text: null,
+    note: null,
+    overload: null,
+    waiting: false
+  };
+  const none = parseHolders({
+    user: 'me',
+    holders: [],
+    kernels: [],
+    errors: []
+  });
+
+  it('picks in the notebook kernel, every other device excluded', () => {
+    expect(pickCodeFor(gpu0, fleet, plain, none, 'k1')).toBe(
+      '%load_ext autogpu\n%gpu pick --exclude 2'
+    );
+  });
+
+  it('offers nothing where a pick makes no sense', () => {
+    // a lost card, no notebook, an autogpu kernel (it picks before starting)
+    expect(pickCodeFor(lost, fleet, plain, none, 'k1')).toBeNull();
+    expect(pickCodeFor(gpu0, fleet, plain, none, null)).toBeNull();
+    expect(
+      pickCodeFor(gpu0, fleet, { ...plain, movable: true }, none, 'k1')
+    ).toBeNull();
+    // the kernel already holds a GPU
+    const held = parseHolders({
+      user: 'me',
+      holders: [{ kind: 'lease', uuid: 'GPU-0a0a', kernel_id: 'k1' }],
+      kernels: [],
+      errors: []
+    });
+    expect(pickCodeFor(gpu0, fleet, plain, held, 'k1')).toBeNull();
   });
 });

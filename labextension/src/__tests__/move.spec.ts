@@ -58,10 +58,14 @@ describe('kernelInfoFor', () => {
     expect(kernelInfoFor(holders, 'k-autogpu')).toEqual({
       kernel_id: 'k-autogpu',
       notebook_path: 'work/train.ipynb',
+      execution_state: null,
+      idle_s: null,
       movable: true,
       picked_uuids: ['GPU-0'],
       constraints_text: 'min free 10.0 GiB',
-      note: null
+      note: null,
+      overload: null,
+      waiting: false
     });
     expect(kernelInfoFor(holders, 'k-other')).toBeNull();
     expect(kernelInfoFor(holders, null)).toBeNull();

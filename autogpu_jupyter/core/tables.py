@@ -1,0 +1,168 @@
+"""Compact tables for people: aligned plain text for terminals, escaped HTML for notebooks.
+
+``%gpu status``, ``%gpu pick --dry-run``, ``autogpu list`` and ``autogpu pick --dry-run`` show
+tables whose cells partly come from other users (notebook paths, user names, command lines,
+reasons naming them). Two rules hold for every cell, whatever the caller passes:
+
+- **HTML**: every cell, caption and note goes through :func:`html.escape`; nothing a caller
+  passes is ever markup. Colours are JupyterLab theme variables with fallbacks, so a table reads
+  in light and dark themes.
+- **Terminal**: C0/C1 control characters and Unicode bidirectional controls are made visible
+  (``\\x1b``, ``\\u202e``) by :func:`visible`, so a hostile name cannot move the cursor, recolour
+  the terminal or reorder what follows it.
+
+Layout: every column but one keeps its cells on one line (``GPU 0``, ``NVIDIA A100-SXM4-80GB``
+never break); the one ``wrap`` column (holders, reasons) takes the rest of the width, and in text
+its continuation lines start under the column, never back at column 0.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import textwrap
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from autogpu_jupyter.core.text import terminal_safe
+
+__all__ = ["Column", "visible", "to_text", "to_html"]
+
+_UNIT_GAP = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB|KB|MB|GB|TB|%|s|W|°C)\b")
+
+
+def visible(text: object) -> str:
+    """``text`` for one table cell of a terminal: :func:`core.text.terminal_safe` (C0/C1
+    controls, DEL, bidi controls, lone surrogates spelled out), and line breaks too."""
+    safe = terminal_safe(str(text))
+    return safe.replace("\n", "\\x0a").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """A table column: its title, alignment, and whether its cells may wrap (one column)."""
+
+    title: str
+    align: str = "left"
+    wrap: bool = False
+
+
+def _check(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> None:
+    if sum(c.wrap for c in columns) > 1:
+        raise ValueError("at most one column may wrap")
+    for row in rows:
+        if len(row) != len(columns):
+            raise ValueError(f"row {row!r} has {len(row)} cells, {len(columns)} columns")
+
+
+def to_text(
+    columns: Sequence[Column],
+    rows: Sequence[Sequence[str]],
+    *,
+    width: int = 100,
+    indent: str = "",
+) -> list[str]:
+    """The table as aligned lines of at most ``width`` characters where the wrap column allows.
+
+    Cells are made :func:`visible`. The wrap column gets what the other columns leave (at least
+    24 characters); its continuation lines are indented to the column's start.
+    """
+    _check(columns, rows)
+    cells = [[visible(c) for c in row] for row in rows]
+    titles = [c.title for c in columns]
+    widths = [max([len(t), *(len(r[i]) for r in cells)]) for i, t in enumerate(titles)]
+    wrap_at = next((i for i, c in enumerate(columns) if c.wrap), None)
+    if wrap_at is not None:
+        fixed = sum(w for i, w in enumerate(widths) if i != wrap_at) + 2 * (len(columns) - 1)
+        widths[wrap_at] = max(24, min(widths[wrap_at], width - len(indent) - fixed))
+
+    def line(values: Sequence[str]) -> list[str]:
+        parts: list[list[str]] = []
+        for i, v in enumerate(values):
+            if i == wrap_at:
+                # "20.0 GiB", "12 %" stay together: a no-break space is no split point for
+                # textwrap, and becomes a plain space again after wrapping.
+                glued = _UNIT_GAP.sub("\\1\u00a0\\2", v)
+                wrapped = textwrap.wrap(glued, widths[i], break_on_hyphens=False) or [""]
+                parts.append([w.replace("\u00a0", " ") for w in wrapped])
+            else:
+                parts.append([v])
+        height = max(len(p) for p in parts)
+        out = []
+        for k in range(height):
+            texts = []
+            for i, col in enumerate(columns):
+                v = parts[i][k] if k < len(parts[i]) else ""
+                texts.append(v.rjust(widths[i]) if col.align == "right" else v.ljust(widths[i]))
+            out.append((indent + "  ".join(texts)).rstrip())
+        return out
+
+    lines = line(titles)
+    for r in cells:
+        lines.extend(line(r))
+    return lines
+
+
+_FG = "var(--jp-ui-font-color1, inherit)"
+_FG2 = "var(--jp-ui-font-color2, #616161)"
+_BORDER = "var(--jp-border-color2, #c8c8c8)"
+_MINE_BG = "var(--jp-layout-color2, rgba(127, 127, 127, 0.16))"
+_ACCENT = "var(--jp-brand-color1, #1976d2)"
+
+
+def to_html(
+    columns: Sequence[Column],
+    rows: Sequence[Sequence[str]],
+    *,
+    caption: str = "",
+    highlight: Collection[int] = (),
+    notes: Sequence[str] = (),
+    css_class: str = "autogpu-table",
+) -> str:
+    """The table as compact HTML with inline styles; every text escaped.
+
+    ``highlight`` holds row numbers to mark (this kernel's devices): a theme-aware background
+    and an accent bar, readable in light and dark themes; the row carries ``data-mine="1"``.
+    """
+    _check(columns, rows)
+    e = html.escape
+
+    def cell_style(col: Column, head: bool) -> str:
+        style = f"padding:1px 8px;text-align:{'right' if col.align == 'right' else 'left'};"
+        if col.wrap:
+            style += "white-space:normal;overflow-wrap:anywhere;min-width:14em;max-width:40em;"
+        else:
+            style += "white-space:nowrap;"
+        if head:
+            style += f"font-weight:600;color:{_FG2};border-bottom:1px solid {_BORDER};"
+        return style
+
+    head = "".join(f'<th style="{cell_style(c, True)}">{e(c.title)}</th>' for c in columns)
+    body = []
+    for n, row in enumerate(rows):
+        mine = n in highlight
+        attrs = (
+            f' data-mine="1" style="background:{_MINE_BG};font-weight:600;'
+            f'box-shadow:inset 3px 0 0 {_ACCENT}"'
+            if mine
+            else ""
+        )
+        tds = "".join(
+            f'<td style="{cell_style(c, False)}">{e(str(v))}</td>'
+            for c, v in zip(columns, row, strict=True)
+        )
+        body.append(f"<tr{attrs}>{tds}</tr>")
+    cap = (
+        f'<caption style="caption-side:top;text-align:left;padding:2px 8px;color:{_FG}">'
+        f"{e(caption)}</caption>"
+        if caption
+        else ""
+    )
+    foot = "".join(
+        f'<div style="padding:1px 8px;color:{_FG2};font-size:12px">{e(n)}</div>' for n in notes
+    )
+    return (
+        f'<div class="{e(css_class)}"><table style="border-collapse:collapse;font-size:12px;'
+        f'color:{_FG};margin:0">{cap}<thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table>{foot}</div>"
+    )
