@@ -495,9 +495,10 @@ def test_forged_tickets_and_planted_registry_junk_change_nothing(
                               "max_util_pct": None, "count": 1, "exclude": [],
                               "exclusive": True, "allowed_uuids": [uuid_of(0)]}}
     first = AsUser(uid, gid, _raw_hold, str(area.socket), forged, hold=True)
+    one = first.result()[0]  # before the second arrives: their order is the line's order
     second = AsUser(uid, gid, _raw_hold, str(area.socket), forged, hold=True)
     try:
-        one, two = first.result()[0], second.result()[0]
+        two = second.result()[0]
         assert one["ok"] and two["ok"], (one, two)
         assert [one["record"]["seq"], two["record"]["seq"]] == [1, 2]  # the broker's numbers
         assert one["record"]["lease_id"] != "0" * 32
