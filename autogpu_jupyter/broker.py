@@ -81,6 +81,9 @@ class BrokerConfig:
     state_dir: str | None = None
     max_devices_per_user: int = 0
     max_connections_per_user: int = 256
+    #: Messages per second one non-root uid may send, all its connections together (a burst of
+    #: as many is allowed); past it, that uid's messages wait -- nobody else's do.
+    messages_per_s_per_user: float = 500.0
     lock_timeout_s: float = 2.0
     record_commands: bool = False
 
@@ -183,6 +186,7 @@ class Broker:
         #: must not erase it (their holders still run and are taken back by the next broker).
         self.stopping = False
         self.backend: Any = None
+        self.buckets: dict[int, list[float]] = {}  # uid -> [tokens, last refill (monotonic)]
         if config.state_dir:
             self._load_journal()
 
@@ -605,6 +609,7 @@ class Broker:
             except (ValueError, RecursionError):
                 await _send(conn.writer, _error("malformed message (not JSON): connection closed"))
                 return
+            await self._throttle(conn.uid)
             if not isinstance(msg, dict) or msg.get("op") not in self.OPS:
                 await _send(conn.writer, _error("unknown message: connection closed"))
                 return
@@ -614,6 +619,18 @@ class Broker:
                 reply = {"ok": False, "error": str(err), "type": err.kind}
             if not await _send(conn.writer, reply):
                 return
+
+    async def _throttle(self, uid: int) -> None:
+        """A token bucket per uid: a flood from one user delays that user's own messages."""
+        rate = self.config.messages_per_s_per_user
+        if uid == 0 or rate <= 0:
+            return
+        now = time.monotonic()
+        bucket = self.buckets.setdefault(uid, [rate, now])
+        bucket[0] = min(rate, bucket[0] + (now - bucket[1]) * rate) - 1.0
+        bucket[1] = now
+        if bucket[0] < 0:
+            await asyncio.sleep(-bucket[0] / rate)
 
     # -- journal ----------------------------------------------------------------------------
 

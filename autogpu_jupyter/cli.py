@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="admin limit (default c.AutoGPU.max_devices_per_user)")
     p_broker.add_argument("--max-connections-per-user", type=int, default=256, metavar="N",
                           help="connections one non-root uid may hold (default 256)")
+    p_broker.add_argument("--max-messages-per-s-per-user", type=float, default=500.0,
+                          metavar="N", help="messages per second one non-root uid may send "
+                          "(default 500; past it that user's messages wait)")
     p_broker.add_argument("--json", action="store_true", help="status: machine-readable output")
     p_broker.set_defaults(handler=_cmd_broker)
 
@@ -555,6 +558,7 @@ def _cmd_broker(args: argparse.Namespace) -> int:
             state_dir=args.state_dir or None,
             max_devices_per_user=settings.max_devices_per_user if limit is None else limit,
             max_connections_per_user=args.max_connections_per_user,
+            messages_per_s_per_user=args.max_messages_per_s_per_user,
             record_commands=settings.record_commands,
         ))
     from autogpu_jupyter.core.brokerclient import BrokerRegistry

@@ -514,3 +514,34 @@ def test_forged_tickets_and_planted_registry_junk_change_nothing(
     ok = area.cli(USER_A, "run", "--exclude", "1,2,3", "--", "true")
     assert ok.returncode == 0, ok.stderr
     assert not any(area.registry.rglob("*.lease"))
+
+
+def _flood_messages(path: str, n: int) -> float:
+    """Send ``n`` status requests at once on one connection; seconds until all are answered."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        start = time.monotonic()
+        s.sendall(b'{"op": "status"}\n' * n)
+        f = s.makefile("rb")
+        for _ in range(n):
+            assert json.loads(f.readline())["ok"] is True
+        return time.monotonic() - start
+
+
+def test_a_user_flooding_messages_is_slowed_alone(
+    area: Area, broker: BrokerProc, users: dict[str, tuple[int, int]]
+) -> None:
+    uid, gid = users["b"]
+    flood = AsUser(uid, gid, _flood_messages, str(area.socket), 1500)
+    start = time.monotonic()
+    ok = area.cli(USER_A, "run", "--", "true")  # while B floods
+    a_took = time.monotonic() - start
+    b_took = flood.result()
+    flood.stop()
+    assert ok.returncode == 0, ok.stderr
+    assert b_took >= 1.5, b_took  # 500 messages a second for B, after a burst of 500
+    # A's whole `autogpu run` (interpreter start included) ended while B's flood was still
+    # being paced: B's messages wait, A's do not.
+    assert a_took < b_took, (a_took, b_took)
