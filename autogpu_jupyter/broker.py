@@ -84,6 +84,38 @@ class BrokerConfig:
     #: Messages per second one non-root uid may send, all its connections together (a burst of
     #: as many is allowed); past it, that uid's messages wait -- nobody else's do.
     messages_per_s_per_user: float = 500.0
+    #: Per-user limits by name (``{"alice": 4}``): they win over the groups' and the default.
+    user_limits: dict[str, int] = field(default_factory=dict)
+    #: Per-user limits for members of a group (``{"students": 1}``): a user in several groups
+    #: gets the most generous one.
+    group_limits: dict[str, int] = field(default_factory=dict)
+    #: Devices only members of some groups may lease (``{"GPU-...": ["ml"]}``).
+    reserved: dict[str, list[str]] = field(default_factory=dict)
+
+    def load_rules(self, path: str) -> None:
+        """Read the admin's rules file (JSON; see docs/admin-broker.md). Raises ``SystemExit``
+        naming the file and the bad entry."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+            if not isinstance(doc, dict):
+                raise TypeError("expected a JSON object")
+            unknown = set(doc) - {"max_devices_per_user", "users", "groups", "reserved"}
+            if unknown:
+                raise TypeError(f"unknown key {sorted(unknown)[0]!r}")
+            if "max_devices_per_user" in doc:
+                self.max_devices_per_user = _count(doc["max_devices_per_user"])
+            self.user_limits = {str(k): _count(v) for k, v in doc.get("users", {}).items()}
+            self.group_limits = {str(k): _count(v) for k, v in doc.get("groups", {}).items()}
+            self.reserved = {
+                str(k): [str(g) for g in v] for k, v in doc.get("reserved", {}).items()
+            }
+        except (OSError, ValueError, TypeError, AttributeError) as err:
+            raise SystemExit(
+                f"autogpu broker: rules file {path}: {err}; expected e.g. "
+                '{"max_devices_per_user": 2, "users": {"alice": 4}, "groups": {"students": 1}, '
+                '"reserved": {"GPU-...": ["ml"]}}'
+            ) from None
     lock_timeout_s: float = 2.0
     record_commands: bool = False
 
@@ -105,6 +137,10 @@ class Conn:
     def user(self) -> str:
         return _user_name(self.uid)
 
+    @property
+    def groups(self) -> set[str]:
+        return _groups_of(self.uid, self.gid)
+
 
 @dataclass(eq=False)
 class Orphan:
@@ -114,6 +150,28 @@ class Orphan:
     uid: int
     record: LeaseRecord
     holder_pids: list[tuple[int, int]]
+
+
+def _count(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"{v!r} is not a whole number >= 0")
+    return v
+
+
+def _groups_of(uid: int, gid: int) -> set[str]:
+    """Names of the groups of ``uid`` (its primary ``gid`` and supplementary groups)."""
+    import grp
+
+    gids = {gid}
+    with contextlib.suppress(KeyError, OSError):
+        gids.update(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
+    names = set()
+    for g in gids:
+        try:
+            names.add(grp.getgrgid(g).gr_name)
+        except KeyError:
+            names.add(str(g))
+    return names
 
 
 def _user_name(uid: int) -> str:
@@ -262,9 +320,10 @@ class Broker:
             await conn.granted
         return {
             "ok": True,
-            "leases": self._records("lease", conn.uid),
+            "leases": self._records("lease", conn.uid)
+            + [r._payload() for r in self.reserved_away(conn)],
             "tickets": self._records("ticket", conn.uid),
-            "max_devices_per_user": self.config.max_devices_per_user,
+            "max_devices_per_user": self.limit_for(conn)[0],
         }
 
     async def op_end(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
@@ -347,7 +406,15 @@ class Broker:
                     + ", ".join(r.holder_text() for r in holders),
                     "NoDeviceFitsError",
                 )
-        limit = self.config.max_devices_per_user
+        for u in rec.device_uuids:
+            allowed = self.config.reserved.get(u)
+            if allowed is not None and conn.uid != 0 and not conn.groups & set(allowed):
+                raise BrokerRefusal(
+                    f"no device free: {u} is reserved for group(s) {', '.join(allowed)} by the "
+                    "admin",
+                    "NoDeviceFitsError",
+                )
+        limit, why = self.limit_for(conn)
         if limit > 0:
             mine = {d for u, r in leases if u == conn.uid for d in r.device_uuids}
             total = mine | set(rec.device_uuids)
@@ -356,10 +423,41 @@ class Broker:
                     f"{conn.user} already holds leases on {len(mine)} device(s) "
                     f"({', '.join(sorted(mine)) or 'none'}); taking "
                     f"{len(set(rec.device_uuids) - mine)} more would exceed "
-                    f"max_devices_per_user = {limit} set by the admin (enforced by the broker). "
+                    f"max_devices_per_user = {limit} set by the admin{why} (enforced by the "
+                    "broker). "
                     "Release one first (%gpu release, or end the kernel / autogpu run holding it).",
                     "LeaseLimitError",
                 )
+
+    def limit_for(self, conn: Conn) -> tuple[int, str]:
+        """The device limit of ``conn``'s user (0: none) and where it comes from."""
+        cfg = self.config
+        user = conn.user
+        if user in cfg.user_limits:
+            return cfg.user_limits[user], f" for {user}"
+        mine = {g: cfg.group_limits[g] for g in conn.groups if g in cfg.group_limits}
+        if mine:
+            group = max(mine, key=lambda g: (mine[g] == 0, mine[g]))  # 0 = no limit: the most
+            return mine[group], f" for group {group}"
+        return cfg.max_devices_per_user, ""
+
+    def reserved_away(self, conn: Conn) -> list[LeaseRecord]:
+        """Devices reserved for groups ``conn``'s user is not in, as exclusive pseudo-leases: the
+        one decision then ranks them out ("held exclusively") with no rule of its own."""
+        if conn.uid == 0 or not self.config.reserved:
+            return []
+        groups = conn.groups
+        out = []
+        for uuid, allowed in sorted(self.config.reserved.items()):
+            if groups & set(allowed):
+                continue
+            out.append(LeaseRecord(
+                lease_id=("f" * 32), kind="lease", device_uuids=(uuid,),
+                device_requested_bytes=(None,), exclusive=True,
+                user=f"reserved for {','.join(allowed)}"[:200], uid=0, host=self.host, pid=1,
+                created_s=0.0, holder_kind="reserved", live=True, path="broker:reserved",
+            ))
+        return out
 
     async def op_lease(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         if conn.record is not None:
@@ -410,7 +508,7 @@ class Broker:
             raise BrokerRefusal(str(err), "UsageErrorBase") from None
         snap = await asyncio.get_running_loop().run_in_executor(None, self._snapshot)
         # From here to the lease nothing awaits: the decision and the lease see one state.
-        context = decision.gather(snap, environ={}, registry=_StateView(self))
+        context = decision.gather(snap, environ={}, registry=_StateView(self, conn))
         made = decision.decide(context, opts.constraints)
         if not made.chosen:
             from autogpu_jupyter.core.picker import explain_drops
@@ -709,11 +807,12 @@ _PICK_KEYS = ("min_free", "max_util", "count", "exclude", "exclusive", "model", 
 class _StateView:
     """The broker's live records as ``core.decision.gather`` reads a registry."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, conn: Conn) -> None:
         self._broker = broker
+        self._conn = conn
 
     def live_records(self, txn: Any = None) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
-        live = [r for _, r in self._broker.live()]
+        live = [r for _, r in self._broker.live()] + self._broker.reserved_away(self._conn)
         leases = [r for r in live if r.kind == "lease"]
         tickets = sorted(
             (r for r in live if r.kind == "ticket"),

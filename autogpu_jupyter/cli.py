@@ -130,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_broker.add_argument("--max-messages-per-s-per-user", type=float, default=500.0,
                           metavar="N", help="messages per second one non-root uid may send "
                           "(default 500; past it that user's messages wait)")
+    p_broker.add_argument("--rules", metavar="FILE", default="/etc/autogpu/broker.json",
+                          help="the admin's rules (JSON: max_devices_per_user, per-user and "
+                          "per-group limits, devices reserved for groups); read when it exists "
+                          "(default /etc/autogpu/broker.json)")
     p_broker.add_argument("--json", action="store_true", help="status: machine-readable output")
     p_broker.set_defaults(handler=_cmd_broker)
 
@@ -553,14 +557,19 @@ def _cmd_broker(args: argparse.Namespace) -> int:
         from autogpu_jupyter import broker  # noqa: TID251
 
         limit = args.max_devices_per_user
-        return broker.main(broker.BrokerConfig(
+        config = broker.BrokerConfig(
             socket_path=path,
             state_dir=args.state_dir or None,
             max_devices_per_user=settings.max_devices_per_user if limit is None else limit,
             max_connections_per_user=args.max_connections_per_user,
             messages_per_s_per_user=args.max_messages_per_s_per_user,
             record_commands=settings.record_commands,
-        ))
+        )
+        if args.rules and os.path.exists(args.rules):
+            config.load_rules(args.rules)
+            if limit is not None:  # the command line wins over the file
+                config.max_devices_per_user = limit
+        return broker.main(config)
     from autogpu_jupyter.core.brokerclient import BrokerRegistry
 
     reg = BrokerRegistry(path, connect_timeout_s=1.0)

@@ -545,3 +545,65 @@ def test_a_user_flooding_messages_is_slowed_alone(
     # A's whole `autogpu run` (interpreter start included) ended while B's flood was still
     # being paced: B's messages wait, A's do not.
     assert a_took < b_took, (a_took, b_took)
+
+
+def test_the_admins_rules_file_per_user_and_per_group_limits_and_reserved_devices(
+    area: Area, users: dict[str, tuple[int, int]]
+) -> None:
+    """One rules file: alice may hold 3 devices, members of bob's group 1, and GPU 3 is
+    reserved for alice's group: bob's picks never get it (ranked out, not refused after)."""
+    import grp
+
+    a_group = grp.getgrgid(users["a"][1]).gr_name
+    b_group = grp.getgrgid(users["b"][1]).gr_name
+    rules = area.root / "rules.json"
+    rules.write_text(json.dumps({
+        "max_devices_per_user": 2,
+        "users": {USER_A: 3},
+        "groups": {b_group: 1},
+        "reserved": {uuid_of(3): [a_group]},
+    }))
+    proc = BrokerProc(area.root, "--rules", str(rules),
+                      env={"AUTOGPU_SIMULATE": str(area.fleet)})
+    held: list[Any] = []
+    try:
+        # bob: one device (his group's limit), never GPU 3 (reserved), by any route.
+        held.append(area.run_held(USER_B, "run", "--", "sleep", "60"))
+        st = proc.wait_for(lambda s: len(s["leases"]) == 1)
+        assert st["leases"][0]["device_uuids"] != [uuid_of(3)]
+        second = area.cli(USER_B, "run", "--", "true")
+        assert second.returncode == 3
+        assert f"max_devices_per_user = 1 set by the admin for group {b_group}" in second.stderr
+        only_3 = area.cli(USER_B, "run", "--exclude", "0,1,2", "--", "true")
+        assert only_3.returncode == 3, only_3.stderr
+        assert "GPU 3 (NVIDIA A100-SXM4-80GB): dropped: held exclusively" in only_3.stderr
+        uid, gid = users["b"]
+        raw = as_user(uid, gid, _raw, str(area.socket),
+                      {"op": "lease", "devices": [uuid_of(3)]})
+        assert f"reserved for group(s) {a_group}" in raw[0]["error"], raw
+        # alice: three devices (her own limit wins over the default of 2), GPU 3 included.
+        held += [area.run_held(USER_A, "run", "--exclusive", "--", "sleep", "60")
+                 for _ in range(3)]
+        st = proc.wait_for(lambda s: s["per_user"].get(USER_A, {}).get("devices") == 3)
+        alices = {d for r in st["leases"] if r["user"] == USER_A for d in r["device_uuids"]}
+        assert uuid_of(3) in alices
+        fourth = area.cli(USER_A, "run", "--", "true")
+        assert fourth.returncode == 3
+        assert f"max_devices_per_user = 3 set by the admin for {USER_A}" in fourth.stderr
+    finally:
+        for p in held:
+            _kill_group(p)
+        proc.stop()
+
+
+def test_a_bad_rules_file_stops_the_broker_with_one_line(area: Area) -> None:
+    rules = area.root / "rules.json"
+    rules.write_text(json.dumps({"users": {USER_A: -1}}))
+    res = area.cli("root", "broker", "--rules", str(rules), "--socket",
+                   str(area.root / "run" / "x.sock"), "--state-dir", "")
+    assert res.returncode != 0
+    assert res.stderr.strip().splitlines() == [
+        f"autogpu broker: rules file {rules}: -1 is not a whole number >= 0; expected e.g. "
+        '{"max_devices_per_user": 2, "users": {"alice": 4}, "groups": {"students": 1}, '
+        '"reserved": {"GPU-...": ["ml"]}}'
+    ]
