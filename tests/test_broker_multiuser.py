@@ -607,3 +607,61 @@ def test_a_bad_rules_file_stops_the_broker_with_one_line(area: Area) -> None:
         '{"max_devices_per_user": 2, "users": {"alice": 4}, "groups": {"students": 1}, '
         '"reserved": {"GPU-...": ["ml"]}}'
     ]
+
+
+def _fuzz(path: str, seed: int, n: int) -> list[str]:
+    """``n`` hostile messages, each on its own connection; the broker's first line back."""
+    import random
+
+    rnd = random.Random(seed)
+    values: list[Any] = [None, True, -1, 0, 2**64, 1e308, "", "x" * 5000, "\ud800", [], {},
+                         [1, "a"], {"a": [{}]}, "GPU-00000000-aaaa-bbbb-cccc-000000000000",
+                         "../../etc/passwd", "\u202e\x9b", 3.5]
+    ops = ["begin", "end", "lease", "ticket", "set_pid", "release", "leases", "status",
+           "revoke", "pick", "nope", 7, None]
+    keys = ["devices", "requested_bytes", "exclusive", "holder", "pid", "lease_id", "options",
+            "constraints", "ignore_ids", "ignore_kernel", "uid", "user", "seq", "tickets"]
+    out = []
+    for _ in range(n):
+        msg = {"op": rnd.choice(ops)}
+        for k in rnd.sample(keys, rnd.randint(0, 5)):
+            msg[k] = rnd.choice(values)
+        try:
+            line = json.dumps(msg).encode() + b"\n"
+        except UnicodeEncodeError:
+            line = b'{"op": "status", "x": "\\ud800"}\n'
+        out.append(_one_reply(path, line))
+    return out
+
+
+def _one_reply(path: str, line: bytes) -> str:
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(line)
+        try:
+            return s.makefile("rb").readline().decode()[:200] or "closed"
+        except TimeoutError:
+            return "no reply"  # e.g. a "begin" waiting for the lock
+
+
+def test_hostile_messages_never_take_the_broker_down(
+    area: Area, broker: BrokerProc, users: dict[str, tuple[int, int]]
+) -> None:
+    uid, gid = users["b"]
+    keeper = AsUser(uid, gid, _raw_hold, str(area.socket),
+                    {"op": "lease", "devices": [uuid_of(2)]}, hold=True)
+    try:
+        assert keeper.result()[0]["ok"] is True
+        seen = as_user(uid, gid, _fuzz, str(area.socket), 11, 300)
+        assert len(seen) == 300 and "no reply" not in seen
+        assert broker.proc is not None and broker.proc.poll() is None
+        st = broker.status()
+        # Whatever was granted to the fuzzer ended with its connections; the keeper's stays.
+        assert [r["device_uuids"] for r in st["leases"]] == [[uuid_of(2)]]
+        ok = area.cli(USER_A, "run", "--", "true")
+        assert ok.returncode == 0, ok.stderr
+    finally:
+        keeper.stop()
