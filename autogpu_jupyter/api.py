@@ -216,7 +216,7 @@ def _keep_provisioned(
     The check is the one decision pipeline's, over the server's grant (not the kernel's narrowed
     ``CUDA_VISIBLE_DEVICES``) with this kernel's own lease hidden.
     """
-    from autogpu_jupyter.errors import NoDeviceFitsError
+    from autogpu_jupyter.errors import DeviceBoundError
 
     made, failing = current_fit(mine, constraints, settings)
     snap, context = made.context.snapshot, made.context
@@ -242,11 +242,10 @@ def _keep_provisioned(
         if better
         else "no other device fits either right now (%gpu pick --dry-run shows why)"
     )
-    raise NoDeviceFitsError(
+    raise DeviceBoundError(
         f"this kernel was started on {here} by the autogpu kernelspec and can use only that "
         f"(its CUDA_VISIBLE_DEVICES was set before it started), and {here} does not meet "
-        f"{constraints.describe()} ({why}); {hint}. No second lease was taken.",
-        candidates=made.ranked,
+        f"{constraints.describe()} ({why}); {hint}. No second lease was taken."
     )
 
 

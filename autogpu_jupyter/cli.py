@@ -665,7 +665,7 @@ def _main(argv: list[str]) -> int:
         return int(handler(args))  # type: ignore[misc]
     except NoDeviceFitsError as err:
         print(f"autogpu: {err}", file=sys.stderr)
-        if getattr(args, "wait", None) is None:
+        if args.command in ("pick", "run") and getattr(args, "wait", None) is None:
             print("nothing picked; to wait in line until a device fits, add --wait DURATION "
                   "(e.g. --wait 10m)", file=sys.stderr)
         return err.exit_code

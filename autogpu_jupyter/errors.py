@@ -17,6 +17,7 @@ __all__ = [
     "RegistryError",
     "LeaseLimitError",
     "RegistryUntrustedError",
+    "DeviceBoundError",
 ]
 
 
@@ -73,5 +74,13 @@ class LeaseLimitError(AutoGPUError):
 class RegistryUntrustedError(RegistryError):
     """A pick that promised exclusivity, a wait in line or a quota, while the lease registry
     cannot be used or trusted: it fails closed instead of going on without a lease."""
+
+    exit_code = 3
+
+
+class DeviceBoundError(AutoGPUError):
+    """This process can use only the device(s) it was started on (a kernel the autogpu
+    kernelspec started: its CUDA view was set before it started), and they do not meet the
+    request. Waiting does not help; moving (a restart elsewhere) does."""
 
     exit_code = 3

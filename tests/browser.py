@@ -316,10 +316,8 @@ def panel_server(
         yield f"{url}/{page}?token={token}"
 
 
-def run_panel_notebook(page: Any, failure: str) -> None:
-    """Run all cells of the open ``panel.ipynb`` once its kernel is up; wait for the banner and a
-    chart per device (4). On a failure there, screenshot the page to ``test-artifacts/<failure>``.
-    """
+def run_all_cells(page: Any) -> None:
+    """Run all cells of the open notebook once its kernel is up (Run > Run All Cells)."""
     page.wait_for_selector('.jp-Notebook-ExecutionIndicator[data-status="idle"]', timeout=90_000)
     # the indicator says idle before the kernel connection is up: wait for the kernel name
     page.wait_for_selector('.jp-Toolbar-kernelName:has-text("Python 3")', timeout=90_000)
@@ -337,6 +335,13 @@ def run_panel_notebook(page: Any, failure: str) -> None:
         page.wait_for_function(started, timeout=20_000)
     except PlaywrightTimeout:
         menu(page, "Run", "Run All Cells")
+
+
+def run_panel_notebook(page: Any, failure: str) -> None:
+    """Run all cells of the open ``panel.ipynb`` once its kernel is up; wait for the banner and a
+    chart per device (4). On a failure there, screenshot the page to ``test-artifacts/<failure>``.
+    """
+    run_all_cells(page)
     with screenshot_on_failure(page, failure, full_page=True):
         page.wait_for_selector(".autogpu-banner", timeout=90_000)
         page.wait_for_function(

@@ -323,4 +323,8 @@ def test_jupyterhub_spawns_two_users_whose_kernels_share_the_registry(
         assert left == [kernel_of[USERS[1]]]
     finally:
         hub.stop()
+    # The last kernel may outlive the hub's stop by a moment (its server shuts it down).
+    deadline = time.monotonic() + 30
+    while Registry(str(registry)).list_leases() and time.monotonic() < deadline:
+        time.sleep(0.3)
     assert Registry(str(registry)).list_leases() == []

@@ -266,7 +266,7 @@ def test_model_filter_and_preference_order(tmp_path: Path) -> None:
     assert chosen("--prefer", "A100", AUTOGPU_PREFER="L4") == ["GPU 0"]  # the flag wins
     none = _cli(env, "pick", "--model", "H100")
     assert none.returncode == 3
-    assert none.stderr.splitlines()[1:] == [
+    assert none.stderr.splitlines()[1:3] == [
         "  GPU 0 (NVIDIA A100-SXM4-80GB): dropped: model NVIDIA A100-SXM4-80GB is not H100",
         "  GPU 1 (NVIDIA L4): dropped: model NVIDIA L4 is not H100",
     ]

@@ -40,9 +40,7 @@ def test_panel_renders_charts_and_warning_in_jupyterlab(lab: str) -> None:
 
 
 def _run_all(page: Any) -> None:
-    page.wait_for_selector('.jp-Notebook-ExecutionIndicator[data-status="idle"]', timeout=90_000)
-    page.wait_for_selector('.jp-Toolbar-kernelName:has-text("Python 3")', timeout=90_000)
-    browser.menu(page, "Run", "Run All Cells")
+    browser.run_all_cells(page)
 
 
 def _both_themes(page: Any, prefix: str) -> None:
