@@ -38,6 +38,7 @@ bench: setup
 	$(PY) benchmarks/snapshot.py
 	$(PY) benchmarks/pick_latency.py
 	$(PY) benchmarks/herd.py
+	$(PY) benchmarks/broker_herd.py
 	$(PY) benchmarks/placement.py
 	$(PY) benchmarks/sampler.py
 	$(PY) benchmarks/server.py

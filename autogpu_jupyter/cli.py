@@ -104,6 +104,39 @@ def build_parser() -> argparse.ArgumentParser:
         "--show-commands", action="store_true", help="show other users' command lines (root only)"
     )
 
+    p_broker = sub.add_parser(
+        "broker",
+        help="the trusted lease broker (root): serve, or show its status",
+        description="`autogpu broker` runs the lease broker in the foreground (systemd runs it "
+        "through socket activation: see docs/admin-broker.md). `autogpu broker status` shows "
+        "its leases, waiters and per-user counts; `autogpu broker revoke LEASE_ID` (root) ends "
+        "a lease.",
+    )
+    p_broker.add_argument("action", nargs="?", default="serve",
+                          choices=["serve", "status", "revoke"], help="default: serve")
+    p_broker.add_argument("lease_id", nargs="?", help="the lease to revoke")
+    p_broker.add_argument("--socket", metavar="PATH", default=None,
+                          help="the Unix socket (default c.AutoGPU.broker_socket, else "
+                          "/run/autogpu/broker.sock)")
+    p_broker.add_argument("--foreground", action="store_true",
+                          help="run in the foreground (the only mode; for containers and tests)")
+    p_broker.add_argument("--state-dir", metavar="DIR", default="/var/lib/autogpu-broker",
+                          help="root-only journal, so a restart keeps live leases "
+                          "(default /var/lib/autogpu-broker; '' for none)")
+    p_broker.add_argument("--max-devices-per-user", type=int, default=None, metavar="N",
+                          help="admin limit (default c.AutoGPU.max_devices_per_user)")
+    p_broker.add_argument("--max-connections-per-user", type=int, default=256, metavar="N",
+                          help="connections one non-root uid may hold (default 256)")
+    p_broker.add_argument("--max-messages-per-s-per-user", type=float, default=500.0,
+                          metavar="N", help="messages per second one non-root uid may send "
+                          "(default 500; past it that user's messages wait)")
+    p_broker.add_argument("--rules", metavar="FILE", default="/etc/autogpu/broker.json",
+                          help="the admin's rules (JSON: max_devices_per_user, per-user and "
+                          "per-group limits, devices reserved for groups); read when it exists "
+                          "(default /etc/autogpu/broker.json)")
+    p_broker.add_argument("--json", action="store_true", help="status: machine-readable output")
+    p_broker.set_defaults(handler=_cmd_broker)
+
     p_hosts = sub.add_parser(
         "hosts",
         help="rank the cluster's hosts for a pick, from Prometheus",
@@ -377,6 +410,10 @@ def _cmd_leases(args: argparse.Namespace) -> int:
             print("autogpu: error: --prune --all needs root", file=sys.stderr)
             return EXIT_USAGE
         removed = reg.prune(all_users=args.all)
+        if not removed and callable(getattr(reg, "status", None)):
+            print(f"nothing to prune: the lease broker at {reg.path} frees a lease the moment its "
+                  "holder's connection closes")
+            return EXIT_OK
         if not removed:
             print(f"no dead lease files in {reg.path}")
             return EXIT_OK
@@ -502,6 +539,76 @@ def _cmd_exporter(args: argparse.Namespace) -> int:
     stop.wait()
     server.shutdown()
     sampler_mod.stop_sampler()
+    return EXIT_OK
+
+
+def _broker_socket(args: argparse.Namespace, settings: Any) -> str:
+    from autogpu_jupyter.core.brokerclient import DEFAULT_SOCKET
+
+    configured = str(settings.broker_socket or "").strip()
+    return args.socket or (configured if configured.lower() != "off" else "") or DEFAULT_SOCKET
+
+
+def _cmd_broker(args: argparse.Namespace) -> int:
+    settings = _settings()
+    path = _broker_socket(args, settings)
+    if args.action == "serve":
+        # The one place that may: `autogpu broker` is how the daemon is started (by systemd too).
+        from autogpu_jupyter import broker  # noqa: TID251
+
+        limit = args.max_devices_per_user
+        config = broker.BrokerConfig(
+            socket_path=path,
+            state_dir=args.state_dir or None,
+            max_devices_per_user=settings.max_devices_per_user if limit is None else limit,
+            max_connections_per_user=args.max_connections_per_user,
+            messages_per_s_per_user=args.max_messages_per_s_per_user,
+            record_commands=settings.record_commands,
+        )
+        if args.rules and os.path.exists(args.rules):
+            config.load_rules(args.rules)
+            if limit is not None:  # the command line wins over the file
+                config.max_devices_per_user = limit
+        return broker.main(config)
+    from autogpu_jupyter.core.brokerclient import BrokerRegistry
+
+    reg = BrokerRegistry(path, connect_timeout_s=1.0)
+    if args.action == "revoke":
+        if not args.lease_id:
+            print("autogpu: error: broker revoke needs a LEASE_ID (see autogpu broker status)",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        print(f"revoked lease {args.lease_id} ({reg.revoke(args.lease_id)})")
+        return EXIT_OK
+    return _print_broker_status(reg.status(), path, args.json)
+
+
+def _print_broker_status(st: dict[str, Any], path: str, as_json: bool) -> int:
+    from autogpu_jupyter.core.brokerclient import from_wire
+
+    recs = [from_wire(item, path) for item in [*st.get("leases", []), *st.get("tickets", [])]]
+    if as_json:
+        out = {k: v for k, v in st.items() if k not in ("leases", "tickets", "ok")}
+        out["leases"] = [r.to_dict() for r in recs if r.kind == "lease"]
+        out["tickets"] = [r.to_dict() for r in recs if r.kind == "ticket"]
+        print(json.dumps(out, indent=2))
+        return EXIT_OK
+    limit = st.get("max_devices_per_user") or "none"
+    print(f"broker {path} (pid {st.get('pid')}): {st.get('connections', 0)} connection(s), "
+          f"max_devices_per_user {limit}, {st.get('orphans', 0)} lease(s) kept from a restart")
+    leases = [r for r in recs if r.kind == "lease"]
+    tickets = [r for r in recs if r.kind == "ticket"]
+    print(f"leases: {len(leases)}")
+    for r in leases:
+        excl = " exclusive" if r.exclusive else ""
+        print(f"  {r.lease_id[:12]}  {','.join(r.device_uuids)}{excl}  {r.holder_text()}")
+    print(f"waiters: {len(tickets)}")
+    for r in tickets:
+        print(f"  ticket {r.seq}  {r.holder_text()}")
+    print("per user:")
+    for user, row in sorted(st.get("per_user", {}).items()):
+        print(f"  {user}: {row['leases']} lease(s) on {row['devices']} device(s), "
+              f"{row['tickets']} waiting")
     return EXIT_OK
 
 

@@ -91,6 +91,18 @@ class AutoGPU(Configurable):
         "plain pick goes on without a lease (and says so); an exclusive, waiting or quota-bound "
         "pick fails (env AUTOGPU_REGISTRY_LOCK_TIMEOUT).",
     ).tag(config=True)
+    broker_socket = Unicode(
+        help="Unix socket of the trusted lease broker (`autogpu broker`, docs/admin-broker.md). "
+        "When it is set (here or env AUTOGPU_BROKER_SOCKET), or the default "
+        "/run/autogpu/broker.sock exists, every pick leases through the broker and fails "
+        "closed when it cannot be reached. 'off': never use a broker.",
+    ).tag(config=True)
+    broker_fallback = Unicode(
+        "",
+        help="Admin option: 'registry' lets picks use the shared-directory registry when the "
+        "configured broker cannot be reached (default '': fail closed; env "
+        "AUTOGPU_BROKER_FALLBACK).",
+    ).tag(config=True)
     record_commands = Bool(
         False,
         help="Store the holder's command line in its lease file. Lease files are readable by "
@@ -178,6 +190,14 @@ class AutoGPU(Configurable):
             return min(max(0.0, float(_env("REGISTRY_LOCK_TIMEOUT", "10"))), 3600.0)
         except ValueError:
             return 10.0
+
+    @default("broker_socket")
+    def _default_broker_socket(self) -> str:
+        return _env("BROKER_SOCKET")
+
+    @default("broker_fallback")
+    def _default_broker_fallback(self) -> str:
+        return _env("BROKER_FALLBACK")
 
     @default("record_commands")
     def _default_record_commands(self) -> bool:

@@ -2,8 +2,8 @@
 
 Run as a script, this is one real picker process (what a kernel does when it runs ``%gpu pick``)::
 
-    python tests/leasehelpers.py --registry DIR [--gate FILE] [--exclusive] [--min-free 10G]
-        [--wait 30] [--poll 0.5] [--hold]
+    python tests/leasehelpers.py --registry DIR | --broker SOCKET [--gate FILE] [--exclusive]
+        [--min-free 10G] [--wait 30] [--poll 0.5] [--hold]
 
 It prints one JSON line per event on stdout: ``{"event": "ready"}`` once imported (then it
 blocks on the gate, a shared ``flock`` the test holds exclusively: releasing it lets every
@@ -156,7 +156,8 @@ def _emit(out: IO[str], **event: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--registry", required=True)
+    ap.add_argument("--registry")
+    ap.add_argument("--broker", help="lease through the broker on this socket instead")
     ap.add_argument("--gate")
     ap.add_argument("--exclusive", action="store_true")
     ap.add_argument("--min-free")
@@ -174,7 +175,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.poll is not None:
         picker.POLL_INTERVAL_S = a.poll
     out = sys.stdout
-    registry = Registry(a.registry)
+    registry: Any
+    if a.broker:
+        from autogpu_jupyter.core.brokerclient import BrokerRegistry
+
+        registry = BrokerRegistry(a.broker, lock_timeout_s=60.0)
+    else:
+        registry = Registry(a.registry)
     constraints = Constraints.parse(min_free=a.min_free, exclusive=a.exclusive)
     _emit(out, event="ready", pid=os.getpid())
     if a.gate:

@@ -50,7 +50,7 @@ import stat
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from autogpu_jupyter.core.records import (
     LEASE_SUFFIX,
@@ -79,6 +79,7 @@ __all__ = [
     "ScanResult",
     "Ticket",
     "Transaction",
+    "broker_for",
     "from_settings",
 ]
 
@@ -352,8 +353,18 @@ def _describe_owner(uid: int) -> str:
 
 
 def from_settings(settings: Any) -> Registry | None:
-    """The registry an ``AutoGPU`` configuration names, or ``None`` when leases are off."""
-    if not settings.use_leases or not settings.registry_dir:
+    """The registry an ``AutoGPU`` configuration names, or ``None`` when leases are off.
+
+    The trusted broker (:class:`~autogpu_jupyter.core.brokerclient.BrokerRegistry`, the same
+    interface) when ``broker_socket`` is set or its default socket exists; the shared directory
+    otherwise, or when the broker is down and the admin set ``broker_fallback = "registry"``.
+    """
+    if not settings.use_leases:
+        return None
+    broker = broker_for(settings)
+    if broker is not None:
+        return cast("Registry", broker)  # the same interface (duck-typed), see brokerclient
+    if not settings.registry_dir:
         return None
     return Registry(
         settings.registry_dir,
@@ -361,6 +372,28 @@ def from_settings(settings: Any) -> Registry | None:
         record_commands=settings.record_commands,
         lock_timeout_s=settings.registry_lock_timeout_s,
     )
+
+
+def broker_for(settings: Any) -> Any:
+    """The broker client the settings select, or ``None`` (see :func:`from_settings`)."""
+    from autogpu_jupyter.core import brokerclient
+
+    configured = str(getattr(settings, "broker_socket", "") or "").strip()
+    if configured.lower() in ("off", "none", "0", "false"):
+        return None
+    path = configured or brokerclient.DEFAULT_SOCKET
+    if not configured and not os.path.exists(path):
+        return None
+    broker = brokerclient.BrokerRegistry(
+        path, lock_timeout_s=max(float(settings.registry_lock_timeout_s), 1.0)
+    )
+    if str(getattr(settings, "broker_fallback", "") or "").strip().lower() == "registry":
+        try:
+            broker.check()
+        except RegistryError as err:
+            log.warning("%s; using the shared-directory registry (broker_fallback)", err)
+            return None
+    return broker
 
 
 def _kind_of(name: str) -> str | None:

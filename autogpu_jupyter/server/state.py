@@ -21,7 +21,7 @@ from traitlets.config import Configurable
 
 from autogpu_jupyter.config import AutoGPU, default_registry_dir
 from autogpu_jupyter.core import sampler as sampler_mod
-from autogpu_jupyter.core.registry import Registry
+from autogpu_jupyter.core.registry import Registry, broker_for
 from autogpu_jupyter.core.text import redact_command
 from autogpu_jupyter.errors import AutoGPUError
 
@@ -153,8 +153,17 @@ class AutoGPUServer(Configurable):
             return None
         with self._lock:
             if self._registry is None:
-                self._registry = Registry(self.registry_dir)
+                self._registry = self._broker() or Registry(self.registry_dir)
             return self._registry
+
+    def _broker(self) -> Any:
+        """The trusted broker, when the settings select one (docs/admin-broker.md): holders and
+        bookings then come from it, other users' command lines never leave it."""
+        try:
+            settings = AutoGPU(parent=self.parent)
+        except Exception:
+            settings = AutoGPU()
+        return broker_for(settings) if settings.use_leases else None
 
     def labels(self) -> dict[str, str]:
         """UUID -> label ("GPU 2") from the sampler's latest sweep (no NVML call)."""

@@ -1,0 +1,529 @@
+"""The client of the trusted lease broker (``autogpu broker``, issue 11): a registry for the picker.
+
+:class:`BrokerRegistry` has the interface :mod:`core.picker` and :mod:`core.decision` use of
+:class:`~autogpu_jupyter.core.registry.Registry` (``locked()`` yielding a transaction with
+``live_leases()`` / ``live_tickets()`` / ``create()``, ``live_records()``, ``take_ticket()``,
+``hiding()``, ``list_leases()``), so every surface -- magics, API, CLI, provisioner, server --
+goes through the broker unchanged when :func:`autogpu_jupyter.core.registry.from_settings`
+selects it.
+
+A lease is a connection: :meth:`BrokerLease.fileno` is the connected socket, handed to the
+process that uses the GPU (``pass_fds``) exactly like a lease file's descriptor. When every copy
+of it is closed the broker frees the lease.
+
+A broker that is configured but cannot be reached fails the pick closed (one line naming the
+admin's fix), unless the admin set ``c.AutoGPU.broker_fallback = "registry"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import pwd
+import socket
+import struct
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from autogpu_jupyter.core.records import LeaseRecord
+from autogpu_jupyter.errors import (
+    AutoGPUError,
+    LeaseLimitError,
+    NoDeviceFitsError,
+    RegistryError,
+    RegistryUntrustedError,
+    UsageErrorBase,
+)
+
+if TYPE_CHECKING:
+    from autogpu_jupyter.core.devices import DeviceSnapshot
+    from autogpu_jupyter.core.picker import Holder
+    from autogpu_jupyter.core.registry import ScanResult
+
+__all__ = ["DEFAULT_SOCKET", "BrokerLease", "BrokerRegistry", "BrokerTransaction", "broker_fix"]
+
+DEFAULT_SOCKET = "/run/autogpu/broker.sock"
+_MAX_LINE = 4 * 1024 * 1024  # replies carry every live record: larger than requests
+_ERRORS: dict[str, type[AutoGPUError]] = {
+    "LeaseLimitError": LeaseLimitError,
+    "NoDeviceFitsError": NoDeviceFitsError,
+    "UsageErrorBase": UsageErrorBase,
+}
+
+
+def broker_fix(path: str) -> str:
+    """What the admin does when the broker at ``path`` cannot be reached."""
+    return (
+        "ask the admin to start it (systemctl enable --now autogpu-broker.socket, or "
+        f"`autogpu broker --socket {path}`), or to set c.AutoGPU.broker_fallback = 'registry'"
+    )
+
+
+class _Conn:
+    """One connection to the broker: request/reply lines (events such as ``revoked`` skipped)."""
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        self.path = path
+        self.sock = _connect(path, timeout_s)
+        self._buf = b""
+        self.events: list[dict[str, Any]] = []
+
+    def call(self, msg: Mapping[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
+        """Send ``msg``; the broker's reply. A refusal raises its :class:`AutoGPUError`."""
+        self.sock.settimeout(timeout_s)
+        try:
+            self.sock.sendall(json.dumps(msg).encode() + b"\n")
+            while True:
+                reply = self._read_line()
+                if "event" in reply:
+                    self.events.append(reply)
+                    continue
+                break
+        except (OSError, ValueError) as err:
+            raise RegistryUntrustedError(
+                f"lost the lease broker at {self.path} ({_why(err)}); {broker_fix(self.path)}"
+            ) from None
+        finally:
+            with contextlib.suppress(OSError):
+                self.sock.settimeout(None)
+        if not reply.get("ok"):
+            cls = _ERRORS.get(str(reply.get("type")), RegistryError)
+            raise cls(f"lease broker: {reply.get('error', 'refused')}")
+        return reply
+
+    def _read_line(self) -> dict[str, Any]:
+        while b"\n" not in self._buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("the broker closed the connection")
+            self._buf += chunk
+            if len(self._buf) > _MAX_LINE:
+                raise ValueError("reply too long")
+        line, _, self._buf = self._buf.partition(b"\n")
+        data = json.loads(line)
+        if not isinstance(data, dict):
+            raise ValueError("reply is not an object")
+        return data
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _why(err: BaseException) -> str:
+    return getattr(err, "strerror", None) or str(err) or type(err).__name__
+
+
+def _connect(path: str, timeout_s: float) -> socket.socket:
+    """Connect, retrying for ``timeout_s`` (a broker restarting comes back within seconds)."""
+    deadline = time.monotonic() + max(timeout_s, 0.0)
+    delay = 0.05
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+            _check_broker_owner(sock, path)
+            return sock
+        except OSError as err:
+            sock.close()
+            if time.monotonic() + delay > deadline:
+                raise RegistryUntrustedError(
+                    f"the lease broker at {path} cannot be reached ({_why(err)}): nothing was "
+                    f"picked; {broker_fix(path)}"
+                ) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
+def _check_broker_owner(sock: socket.socket, path: str) -> None:
+    """The process serving ``path`` must be root's (or our own: a test or a private broker):
+    a broker run by another user could hand out fake leases, so it is refused."""
+    data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", data)
+    if uid not in (0, os.geteuid()):
+        sock.close()
+        raise RegistryUntrustedError(
+            f"the lease broker at {path} runs as uid {uid}, not root: refused (another user "
+            f"could hand out fake leases); {broker_fix(path)}"
+        )
+
+
+def _records(items: Iterable[Any], path: str) -> list[LeaseRecord]:
+    """Records from the broker's payloads (the record format's fields). The broker built and
+    checked them with the readers' schema; here they are only typed, not re-validated (a pick
+    reads every live record under the pick lock: 128 strict parses would cost ~10 ms)."""
+    out = []
+    for item in items:
+        try:
+            out.append(from_wire(item, path))
+        except (KeyError, TypeError, ValueError) as err:
+            raise RegistryError(f"lease broker at {path} sent a bad record: {err}") from None
+    return out
+
+
+def from_wire(d: Mapping[str, Any], path: str) -> LeaseRecord:
+    """One record from its payload dict (see :meth:`LeaseRecord._payload`)."""
+    lease_id = str(d["lease_id"])
+    constraints = d.get("constraints")
+    return LeaseRecord(
+        lease_id=lease_id,
+        kind=str(d["kind"]),
+        device_uuids=tuple(str(u) for u in d["device_uuids"]),
+        device_requested_bytes=tuple(
+            None if b is None else int(b) for b in d["device_requested_bytes"]
+        ),
+        exclusive=bool(d["exclusive"]),
+        user=str(d["user"]),
+        uid=int(d["uid"]),
+        host=str(d["host"]),
+        pid=int(d["pid"]),
+        created_s=float(d["created_s"]),
+        kernel_id=_opt(d.get("kernel_id")),
+        notebook_path=_opt(d.get("notebook_path")),
+        command=_opt(d.get("command")),
+        holder_kind=str(d.get("holder_kind") or "process"),
+        seq=None if d.get("seq") is None else int(d["seq"]),
+        constraints=dict(constraints) if isinstance(constraints, Mapping) else None,
+        live=True,
+        path=f"{path}#{lease_id}",
+    )
+
+
+def _opt(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+def _holder_msg(holder: Holder | None) -> dict[str, Any]:
+    if holder is None:
+        return {"kind": "process"}
+    return {
+        "kernel_id": holder.kernel_id,
+        "notebook_path": holder.notebook_path,
+        "command": holder.command,
+        "kind": holder.kind,
+    }
+
+
+class BrokerLease:
+    """A lease (or ticket) the broker granted to this connection; it lives as long as the socket.
+
+    Same surface as :class:`~autogpu_jupyter.core.registry.Lease`: ``record``, ``held``,
+    ``release()``, ``fileno()`` (for ``pass_fds``), ``detach()``, ``set_pid()``.
+    """
+
+    def __init__(self, record: LeaseRecord, conn: _Conn, registry: BrokerRegistry) -> None:
+        self.record = record
+        self._conn: _Conn | None = conn
+        self._registry = registry
+        self._owner_pid = os.getpid()
+
+    @property
+    def path(self) -> str:
+        return self.record.path
+
+    @property
+    def held(self) -> bool:
+        return self._conn is not None
+
+    def fileno(self) -> int:
+        if self._conn is None:
+            raise ValueError(f"lease {self.record.lease_id} was released")
+        return self._conn.sock.fileno()
+
+    def release(self) -> None:
+        """End the lease now (even if a child still holds a copy of the socket). Idempotent."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            if os.getpid() == self._owner_pid:
+                try:
+                    conn.call({"op": "release"}, timeout_s=5.0)
+                except AutoGPUError:
+                    # The broker restarted: our lease is an orphan there; release it by id.
+                    self._registry._release_orphan(self.record.lease_id)
+        finally:
+            conn.close()
+
+    def detach(self) -> None:
+        """Close this process's copy only: a child holding the socket keeps the lease."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def set_pid(self, pid: int) -> None:
+        """Record ``pid`` (the kernel a provisioner started) as the holder; same user only."""
+        if self._conn is None:
+            raise ValueError(f"lease {self.record.lease_id} was released")
+        reply = self._conn.call({"op": "set_pid", "pid": int(pid)}, timeout_s=10.0)
+        recs = _records([reply["record"]], self._registry.path)
+        self.record = recs[0]
+
+    def __enter__(self) -> BrokerLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        conn = getattr(self, "_conn", None)
+        if conn is not None:
+            conn.close()
+
+    def __repr__(self) -> str:
+        state = "held" if self.held else "released"
+        return f"<BrokerLease {self.record.lease_id} {','.join(self.record.device_uuids)} {state}>"
+
+
+class BrokerTransaction:
+    """One pick under the broker's pick lock (see :meth:`BrokerRegistry.locked`)."""
+
+    def __init__(self, registry: BrokerRegistry, conn: _Conn, reply: Mapping[str, Any]) -> None:
+        self.registry = registry
+        self._conn: _Conn | None = conn
+        self._leases = _records(reply.get("leases", ()), registry.path)
+        self._tickets = _records(reply.get("tickets", ()), registry.path)
+
+    def live_leases(self) -> list[LeaseRecord]:
+        return self.registry._visible(self._leases)
+
+    def live_tickets(self) -> list[LeaseRecord]:
+        return sorted(self._tickets, key=lambda r: (r.seq or 0, r.created_s, r.lease_id))
+
+    def create(
+        self,
+        *,
+        devices: Sequence[DeviceSnapshot | str],
+        requested_bytes: int | Sequence[int | None] | None = None,
+        exclusive: bool = False,
+        holder: Holder | None = None,
+    ) -> BrokerLease:
+        """Ask the broker for a lease on ``devices``; it checks exclusivity and the quota.
+
+        Raises
+        ------
+        LeaseLimitError
+            Past the admin's ``max_devices_per_user`` (the broker's rule).
+        NoDeviceFitsError
+            A device is held exclusively, or ``exclusive`` was asked and another lease holds it.
+        RegistryError
+            The broker refused or was lost.
+        """
+        uuids = [d if isinstance(d, str) else d.uuid for d in devices]
+        if not uuids:
+            raise ValueError("a lease needs at least one device")
+        if requested_bytes is None or isinstance(requested_bytes, int):
+            booked: list[int | None] = [requested_bytes] * len(uuids)
+        else:
+            booked = list(requested_bytes)
+        if self._conn is None:
+            raise RegistryError("this broker transaction already made its lease")
+        reply = self._conn.call(
+            {
+                "op": "lease",
+                "devices": uuids,
+                "requested_bytes": booked,
+                "exclusive": bool(exclusive),
+                "holder": _holder_msg(holder),
+                # A re-pick replaces our own lease: the broker leaves it out of the checks (our
+                # own uid's only; another user's lease is never ignored).
+                "ignore_ids": sorted(self.registry._hidden_ids),
+                "ignore_kernel": self.registry._hidden_kernel,
+            }
+        )
+        rec = _records([reply["record"]], self.registry.path)[0]
+        conn, self._conn = self._conn, None
+        self._leases.append(rec)
+        return BrokerLease(rec, conn, self.registry)
+
+    def create_ticket(
+        self,
+        *,
+        constraints: Mapping[str, Any],
+        exclusive: bool = False,
+        holder: Holder | None = None,
+    ) -> BrokerLease:
+        return self.registry.take_ticket(
+            constraints=constraints, exclusive=exclusive, holder=holder
+        )
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()  # closing gives the pick lock back
+
+
+class BrokerRegistry:
+    """The broker at ``socket_path`` seen as a lease registry (see the module docstring)."""
+
+    def __init__(
+        self, socket_path: str, *, lock_timeout_s: float = 10.0, connect_timeout_s: float = 5.0
+    ) -> None:
+        self.path = socket_path
+        self.lock_timeout_s = lock_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        #: The broker enforces the admin's quota; the client promises nothing of its own.
+        self.max_devices_per_user = 0
+        self.record_commands = False
+        self.uid = os.geteuid()
+        try:
+            self.user = pwd.getpwuid(self.uid).pw_name
+        except KeyError:
+            self.user = str(self.uid)
+        self.unusable_reason: str | None = None
+        self._hidden_ids: frozenset[str] = frozenset()
+        self._hidden_kernel: str | None = None
+
+    def __repr__(self) -> str:
+        return f"BrokerRegistry({self.path!r})"
+
+    def _conn(self) -> _Conn:
+        return _Conn(self.path, self.connect_timeout_s)
+
+    def hiding(
+        self, *, lease_ids: Iterable[str] = (), kernel_id: str | None = None
+    ) -> BrokerRegistry:
+        """This view without some of the caller's OWN leases (as :meth:`Registry.hiding`)."""
+        view = copy.copy(self)
+        view._hidden_ids = frozenset(lease_ids)
+        view._hidden_kernel = kernel_id
+        return view
+
+    def _visible(self, records: Iterable[LeaseRecord]) -> list[LeaseRecord]:
+        return [
+            r
+            for r in records
+            if not (
+                r.uid == self.uid
+                and (
+                    r.lease_id in self._hidden_ids
+                    or (self._hidden_kernel is not None and r.kernel_id == self._hidden_kernel)
+                )
+            )
+        ]
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[BrokerTransaction]:
+        """Take the broker's pick lock (served fairly across users) for one pick.
+
+        Raises
+        ------
+        RegistryUntrustedError
+            The broker cannot be reached, or did not grant the lock in time (fail closed).
+        """
+        txn = self._begin()
+        try:
+            yield txn
+        finally:
+            txn.close()
+
+    def _begin(self) -> BrokerTransaction:
+        """Connect and take the pick lock; a connection lost on the way (the broker restarted)
+        is tried once more on a fresh one."""
+        for attempt in (1, 2):
+            conn = self._conn()
+            try:
+                reply = conn.call({"op": "begin"}, timeout_s=self.lock_timeout_s)
+                return BrokerTransaction(self, conn, reply)
+            except RegistryUntrustedError:
+                conn.close()
+                if attempt == 2:
+                    raise
+            except BaseException:
+                conn.close()
+                raise
+        raise AssertionError("unreachable")
+
+    def live_records(
+        self, txn: BrokerTransaction | None = None
+    ) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
+        """Live leases (less the hidden ones) and tickets in line order, for ranking."""
+        if txn is not None:
+            return txn.live_leases(), txn.live_tickets()
+        try:
+            records = self.list_leases(include_tickets=True)
+        except AutoGPUError:
+            return [], []
+        leases = [r for r in records if r.kind == "lease"]
+        tickets = sorted(
+            (r for r in records if r.kind == "ticket"),
+            key=lambda r: (r.seq or 0, r.created_s, r.lease_id),
+        )
+        return leases, tickets
+
+    def list_leases(self, *, include_tickets: bool = False) -> list[LeaseRecord]:
+        """Live leases of every user, oldest first (other users' command lines never sent)."""
+        conn = self._conn()
+        try:
+            reply = conn.call({"op": "leases", "tickets": include_tickets})
+        finally:
+            conn.close()
+        return sorted(
+            self._visible(_records(reply.get("records", ()), self.path)),
+            key=lambda r: (r.created_s, r.lease_id),
+        )
+
+    def status(self) -> dict[str, Any]:
+        """The broker's ``status`` answer (leases, waiters, per-user counts)."""
+        conn = self._conn()
+        try:
+            return conn.call({"op": "status"})
+        finally:
+            conn.close()
+
+    def revoke(self, lease_id: str) -> str:
+        """End another process's lease (root only); the holder's text."""
+        conn = self._conn()
+        try:
+            return str(conn.call({"op": "revoke", "lease_id": lease_id}).get("revoked", ""))
+        finally:
+            conn.close()
+
+    def take_ticket(
+        self,
+        *,
+        constraints: Mapping[str, Any],
+        exclusive: bool = False,
+        holder: Holder | None = None,
+    ) -> BrokerLease:
+        """Join the broker's waiting line: a ticket held by a connection of its own."""
+        conn = self._conn()
+        try:
+            reply = conn.call(
+                {
+                    "op": "ticket",
+                    "constraints": dict(constraints),
+                    "exclusive": bool(exclusive),
+                    "holder": _holder_msg(holder),
+                }
+            )
+            rec = _records([reply["record"]], self.path)[0]
+        except BaseException:
+            conn.close()
+            raise
+        return BrokerLease(rec, conn, self)
+
+    def _release_orphan(self, lease_id: str) -> None:
+        with contextlib.suppress(AutoGPUError):
+            conn = self._conn()
+            try:
+                conn.call({"op": "release", "lease_id": lease_id}, timeout_s=5.0)
+            finally:
+                conn.close()
+
+    def prune(self, all_users: bool = False) -> list[LeaseRecord]:
+        """Nothing to prune: the broker frees a lease the moment its connection closes."""
+        return []
+
+    def check(self) -> None:
+        """Raise :class:`RegistryUntrustedError` when the broker cannot be reached."""
+        self._conn().close()
+
+    def scan(self) -> ScanResult:
+        """Diagnostics: the broker's live records (nothing is ever dead or ignored there)."""
+        from autogpu_jupyter.core.registry import ScanResult
+
+        return ScanResult(live=self.list_leases(include_tickets=True))
