@@ -795,10 +795,39 @@ def _pick_note_once() -> None:
         print(f"autogpu: {note}")
 
 
+def _lease_events() -> None:
+    """Tell the notebook what the lease broker said on this kernel's lease connection (a
+    revoke), once, after the cell that was running."""
+    from autogpu_jupyter.core import session
+    from autogpu_jupyter.core.brokerclient import lease_events
+    from autogpu_jupyter.core.contract import LEASE_FD_ENV
+
+    fds = []
+    choice = session.current()
+    lease = getattr(choice, "lease", None)
+    if lease is not None and getattr(lease, "held", False):
+        fds.append(lease.fileno())
+    inherited = os.environ.get(LEASE_FD_ENV, "")
+    if inherited.isascii() and inherited.isdecimal():
+        fds.append(int(inherited))
+    for fd in fds:
+        if fd in _ended_lease_fds:
+            continue
+        lines = lease_events(fd)
+        if lines:
+            _ended_lease_fds.add(fd)  # said once: the connection is over
+        for line in lines[:1]:
+            print(f"autogpu: {line}")
+
+
+_ended_lease_fds: set[int] = set()
+
+
 def _overload_hook(*_args: Any) -> None:
     """``post_run_cell``: print the provisioner's note once and a pending overload warning (main
     thread; never from a thread)."""
     _pick_note_once()
+    _lease_events()
     try:
         from autogpu_jupyter.core.overload import pending_warning
     except ImportError:  # the widgets package is optional at this layer

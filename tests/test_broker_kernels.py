@@ -121,3 +121,43 @@ def test_a_kernel_does_not_start_when_the_broker_is_down(setup: Setup) -> None:
             await km.start_kernel(env=setup.kernel_env(), cwd=str(setup.tmp))
 
     asyncio.run(main())
+
+
+def test_a_revoked_lease_is_said_in_the_notebook(setup: Setup, broker: BrokerProc) -> None:
+    """Root revokes a kernel's lease; the notebook is told after its next cell, once."""
+    import subprocess
+    import sys
+
+    async def main() -> None:
+        km = await start(setup)
+        kc = km.client()
+        kc.start_channels()
+        try:
+            await kc.wait_for_ready(timeout=60)
+            env = kernel_environ(int(km.provisioner.pid))
+            lease_id = env["AUTOGPU_LEASE_ID"]
+            out = subprocess.run(
+                [sys.executable, "-m", "autogpu_jupyter.cli", "broker", "revoke", lease_id,
+                 "--socket", str(setup.socket)],
+                capture_output=True, text=True, timeout=60, check=False,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+            )
+            assert out.returncode == 0, out.stderr
+            texts: list[str] = []
+
+            def hook(msg: dict[str, Any]) -> None:
+                if msg["msg_type"] == "stream":
+                    texts.append(msg["content"]["text"])
+
+            await kc.execute_interactive("1 + 1", timeout=60, output_hook=hook)
+            await kc.execute_interactive("2 + 2", timeout=60, output_hook=hook)
+            said = [t for t in "".join(texts).splitlines() if "revoked" in t]
+            assert said == [
+                f"autogpu: your GPU lease {lease_id[:32]} was revoked by the admin: this kernel "
+                "no longer holds it; others may now be given its GPU"
+            ]
+        finally:
+            kc.stop_channels()
+            await km.shutdown_kernel(now=True)
+
+    asyncio.run(main())

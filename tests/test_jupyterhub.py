@@ -226,9 +226,12 @@ def users() -> Iterator[None]:
 
 
 
+@pytest.mark.parametrize("mode", ["registry", "broker"])
 def test_jupyterhub_spawns_two_users_whose_kernels_share_the_registry(
-    area: Path, users: None, fake_nvml_library: Path
+    area: Path, users: None, fake_nvml_library: Path, mode: str
 ) -> None:
+    """The same with the shared-directory registry and with the trusted broker (issue 11):
+    each user's kernels get distinct GPUs, each sees the other's holders without commands."""
     chp = _chp()
     if chp is None:
         pytest.skip("configurable-http-proxy missing (scripts/setup.sh installs it with npm)")
@@ -253,6 +256,14 @@ def test_jupyterhub_spawns_two_users_whose_kernels_share_the_registry(
     for p in [prefix, *prefix.rglob("*"), area / "etc", etc, *etc.iterdir()]:
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
     registry = area / "registry"
+    broker = None
+    if mode == "broker":
+        from tests.brokerhelpers import BrokerProc
+
+        (area / "broker" / "run").mkdir(parents=True)
+        for p in (area / "broker", area / "broker" / "run"):
+            os.chmod(p, 0o755)
+        broker = BrokerProc(area / "broker")
     environment = {
         "AUTOGPU_REGISTRY_DIR": str(registry),  # the guide's line
         "PATH": "/usr/bin:/bin",
@@ -262,6 +273,16 @@ def test_jupyterhub_spawns_two_users_whose_kernels_share_the_registry(
         "JUPYTER_PATH": str(prefix / "share" / "jupyter"),
         "JUPYTER_CONFIG_PATH": str(etc),
     }
+    if broker is not None:
+        environment["AUTOGPU_BROKER_SOCKET"] = str(broker.socket)
+
+    def live() -> list[Any]:
+        if broker is None:
+            return Registry(str(registry)).list_leases()
+        from autogpu_jupyter.core.brokerclient import BrokerRegistry
+
+        return BrokerRegistry(str(broker.socket)).list_leases()
+
     hub = Hub(area, environment, chp)
     try:
         hub.wait_up()
@@ -283,7 +304,7 @@ def test_jupyterhub_spawns_two_users_whose_kernels_share_the_registry(
             assert code == 201, (code, model, hub.log())
             assert model["name"] == SPEC
         kernel_of = {u: m["id"] for u, (_, m) in zip(USERS, started)}
-        leases = {r.kernel_id: r for r in Registry(str(registry)).list_leases()}
+        leases = {r.kernel_id: r for r in live()}
         assert sorted(leases) == sorted(kernel_of.values())
         picked = {}
         for u, kid in kernel_of.items():
@@ -316,15 +337,20 @@ def test_jupyterhub_spawns_two_users_whose_kernels_share_the_registry(
         assert code in (202, 204), (code, body)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            left = [r.kernel_id for r in Registry(str(registry)).list_leases()]
+            left = [r.kernel_id for r in live()]
             if left == [kernel_of[USERS[1]]]:
                 break
             time.sleep(0.3)
         assert left == [kernel_of[USERS[1]]]
+        # The last kernel may outlive the hub's stop by a moment (its server shuts it down).
+        hub.stop()
+        deadline = time.monotonic() + 30
+        while live() and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert live() == []
+        if broker is not None:  # the broker's leases never touched the shared directory
+            assert not registry.exists() or not any(registry.rglob("*.lease"))
     finally:
         hub.stop()
-    # The last kernel may outlive the hub's stop by a moment (its server shuts it down).
-    deadline = time.monotonic() + 30
-    while Registry(str(registry)).list_leases() and time.monotonic() < deadline:
-        time.sleep(0.3)
-    assert Registry(str(registry)).list_leases() == []
+        if broker is not None:
+            broker.stop()

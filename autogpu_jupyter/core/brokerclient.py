@@ -527,3 +527,41 @@ class BrokerRegistry:
         from autogpu_jupyter.core.registry import ScanResult
 
         return ScanResult(live=self.list_leases(include_tickets=True))
+
+
+def lease_events(fd: int) -> list[str]:
+    """Messages the broker sent, unasked, on a lease connection this process holds (``fd``):
+    ``lease ... revoked by the admin``; also when the broker closed it. Never blocks; an fd
+    that is not a socket (a lease file of the shared-directory registry) has none.
+
+    Returns
+    -------
+    list of str
+        One line per event, for the notebook user; empty when nothing happened.
+    """
+    import select
+    import stat
+
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return []
+        readable, _, _ = select.select([fd], [], [], 0)
+        if not readable:
+            return []
+        data = os.read(fd, 65536)
+    except OSError:
+        return []
+    if not data:
+        return ["the lease broker closed this kernel's lease connection: the lease has ended"]
+    out = []
+    for line in data.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "revoked":
+            out.append(
+                f"your GPU lease {str(event.get('lease_id', ''))[:32]} was revoked by the admin: "
+                "this kernel no longer holds it; others may now be given its GPU"
+            )
+    return out
