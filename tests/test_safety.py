@@ -292,8 +292,9 @@ def test_registry_reader_and_writer_agree_whatever_the_registry_holds(
 
 
 def test_a_rejected_file_fixed_in_place_is_read_again(tmp_path: Path) -> None:
-    """Rejected entries are remembered by inode, size, mtime and ctime (junk costs one stat per
-    scan); a file changed in place, even to the same size, is read afresh."""
+    """Rejected entries nobody holds are remembered (junk costs a look-up per scan); a held file
+    that fails is read again every scan, so one fixed in place (a lease rewritten while a scan
+    read it half-written) counts as soon as it is whole."""
     import fcntl
     import secrets
     import time as _time

@@ -264,10 +264,14 @@ def _shown(name: str) -> str:
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-#: Entries a scan rejected, by (directory uid, name, inode), with the (size, mtime, ctime) they had
-#: and why: planted junk costs one ``stat`` per scan instead of open, read, parse and close. Any
-#: change to the file (its ctime cannot be set back by a user) makes it read afresh.
-_REJECTED: dict[tuple[int, str, int], tuple[int, int, int, str]] = {}
+#: Entries a scan rejected that nobody holds (no ``flock``), by (directory uid, name, inode),
+#: with why: planted junk then costs a dictionary look-up per scan, not open, read, parse and
+#: close. Safe because a record only counts while its holder holds its ``flock``, and our writer
+#: never makes a file valid in place: it creates a new name (new inode), locked before it is
+#: visible. A held file that fails is never remembered (it is read again every scan), so a torn
+#: read of a lease being rewritten (``set_pid``) cannot hide it. Only its owner can rewrite a file
+#: in its directory; the owner hiding their own lease from others harms nobody else.
+_REJECTED: dict[tuple[int, str, int], str] = {}
 _REJECTED_MAX = 16384
 
 
@@ -275,22 +279,13 @@ def _remember_bad(key: tuple[int, str, int] | None, st: os.stat_result, why: str
     if key is not None and key[2] == st.st_ino:
         if len(_REJECTED) >= _REJECTED_MAX:
             _REJECTED.clear()
-        _REJECTED[key] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, why)
+        _REJECTED[key] = why
     return why
 
 
-def _known_bad(ufd: int, name: str, key: tuple[int, str, int]) -> str | None:
-    """Why the entry was rejected before, if it is still exactly that file; else ``None``."""
-    hit = _REJECTED.get(key)
-    if hit is None:
-        return None
-    try:
-        st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
-    except OSError:
-        return None
-    if st.st_ino == key[2] and (st.st_size, st.st_mtime_ns, st.st_ctime_ns) == hit[:3]:
-        return hit[3]
-    return None
+def _known_bad(key: tuple[int, str, int]) -> str | None:
+    """Why the unheld entry ``key`` was rejected before (``None``: read it)."""
+    return _REJECTED.get(key)
 
 
 def _flock_holder_pids(st: os.stat_result, locks_path: str = "/proc/locks") -> list[int] | None:
@@ -1023,7 +1018,7 @@ class Registry:
                 continue
             path = prefix + (name if name.isascii() else _shown(name))
             key = (dir_uid, name, entries[name])
-            known = _known_bad(ufd, name, key)
+            known = _known_bad(key)
             rec, why = (
                 (None, known)
                 if known is not None
@@ -1088,7 +1083,7 @@ class Registry:
             except Invalid as err:
                 why = str(err)
                 why = why if why.startswith("forged: ") else f"malformed: {why}"
-                return None, _remember_bad(key, st, why) if len(data) == st.st_size else why
+                return None, why if live else _remember_bad(key, st, why)
             return rec, ""
         except OSError as err:
             return None, f"unreadable: {err.strerror}"
