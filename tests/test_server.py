@@ -24,6 +24,9 @@ from autogpu_jupyter.core import sampler as sampler_mod
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
 
 GiB = 1024**3
+#: A pid no process can have (above the kernel's pid_max): "gone from /proc" on any host, also
+#: where a real process happens to run as pid 4242.
+GONE_PID = int(Path("/proc/sys/kernel/pid_max").read_text()) + 4242
 UUID0 = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
 UUID1 = "GPU-1b1b1b1b-1111-2222-3333-444444444444"
 UUID2 = "GPU-2c2c2c2c-1111-2222-3333-444444444444"
@@ -43,7 +46,7 @@ FLEET: dict[str, Any] = {
             "power_w": 210.5,
             "power_limit_w": 400.0,
             "processes": [
-                {"pid": 4242, "user": "alice", "command": "python train.py --token=s3cret",
+                {"pid": GONE_PID, "user": "alice", "command": "python train.py --token=s3cret",
                  "used_memory": "20G"}
             ],
         },
@@ -90,7 +93,7 @@ def nvml_fleet() -> dict[str, Any]:
     f = json.loads(json.dumps(FLEET))
     f["devices"][0]["processes"] = [
         {"pid": os.getpid(), "used_memory": "12G"},
-        {"pid": 4242, "used_memory": "8G"},  # gone from /proc: user and command unknown
+        {"pid": GONE_PID, "used_memory": "8G"},  # gone from /proc: user and command unknown
     ]
     return f
 
@@ -133,7 +136,7 @@ def expected_devices(ts: list[float]) -> list[dict[str, Any]]:
                 # our own process: its command line is shown to us
                 {"pid": os.getpid(), "used_memory_bytes": 12 * GiB, "user": getpass.getuser(),
                  "command": my_command()},
-                {"pid": 4242, "used_memory_bytes": 8 * GiB, "user": None, "command": None},
+                {"pid": GONE_PID, "used_memory_bytes": 8 * GiB, "user": None, "command": None},
             ],
         },
         {
@@ -287,7 +290,7 @@ async def test_holders_joins_processes(jp_fetch: Any) -> None:
     assert data["holders"] == [
         {**common, "user": getpass.getuser(), "pid": os.getpid(), "used_memory_bytes": 12 * GiB,
          "command": my_command()},
-        {**common, "user": None, "pid": 4242, "used_memory_bytes": 8 * GiB, "command": None},
+        {**common, "user": None, "pid": GONE_PID, "used_memory_bytes": 8 * GiB, "command": None},
     ]
 
 
@@ -488,7 +491,7 @@ class TestPrivacyOnSimulatedFleet:
         data = await get_json(jp_fetch, "devices")
         assert data["simulated"] is True
         assert data["devices"][0]["processes"] == [
-            {"pid": 4242, "used_memory_bytes": 20 * GiB, "user": "alice", "command": None}
+            {"pid": GONE_PID, "used_memory_bytes": 20 * GiB, "user": "alice", "command": None}
         ]
         holders = await get_json(jp_fetch, "holders")
         assert [(h["user"], h["command"]) for h in holders["holders"]] == [("alice", None)]
@@ -497,6 +500,6 @@ class TestPrivacyOnSimulatedFleet:
         _state(jp_serverapp).expose_commands = True
         data = await get_json(jp_fetch, "devices")
         assert data["devices"][0]["processes"] == [
-            {"pid": 4242, "used_memory_bytes": 20 * GiB, "user": "alice",
+            {"pid": GONE_PID, "used_memory_bytes": 20 * GiB, "user": "alice",
              "command": "python train.py --token=s3cret"}
         ]
