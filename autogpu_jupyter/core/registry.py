@@ -31,7 +31,8 @@ files are created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` relative to a directory fd 
 ``fstat``; another user's file is untrusted input (size cap, strict JSON schema, owner uid ==
 directory uid == the uid in the record, else ignored as forged) and is never put in a shell.
 A registry that cannot be used safely makes :meth:`Registry.locked` yield ``None`` with
-:attr:`Registry.unusable_reason` set, so the pick goes on without a lease and says why.
+:attr:`Registry.unusable_reason` set: a plain pick goes on without a lease and says why; one that
+promised exclusivity, a wait or a quota fails closed (see :mod:`autogpu_jupyter.core.picker`).
 """
 
 from __future__ import annotations
@@ -731,49 +732,40 @@ class Registry:
     def locked(self) -> Iterator[Transaction | None]:
         """Hold the registry-wide lock for one pick; yields ``None`` when the registry is unusable.
 
-        When it yields ``None``, :attr:`unusable_reason` says why (the pick goes on without a
-        lease and reports it). Errors raised inside the block propagate unchanged (a
-        :class:`RegistryError` from :meth:`Transaction.create` means "no lease" to the picker).
+        When it yields ``None``, :attr:`unusable_reason` says why (a plain pick goes on without a
+        lease and reports it; a promising one fails closed). Errors raised inside the block
+        propagate unchanged (a :class:`RegistryError` from :meth:`Transaction.create` means "no
+        lease" to the picker).
         """
+        top_fd: int | None = None
+        ufd: int | None = None
         try:
             top_fd = self._open_top(create=True)
+            self._acquire(top_fd)
+            # Our own directory must be usable before a pick relies on a lease there; it stays
+            # open for the transaction (the lease is written there).
+            ufd = self._open_user_dir(top_fd, create=True)
         except RegistryError as err:
+            if top_fd is not None:
+                os.close(top_fd)  # also drops the flock, if we had it
             self.unusable_reason = str(err)
             log.info("lease registry unusable: %s", err)
             yield None
             return
         try:
-            try:
-                self._acquire(top_fd)
-            except RegistryError as err:
-                self.unusable_reason = str(err)
-                log.info("lease registry unusable: %s", err)
-                yield None
-                return
-            try:
-                # Our own directory must be usable before a pick relies on a lease there; it
-                # stays open for the transaction (the lease is written there).
-                ufd = self._open_user_dir(top_fd, create=True)
-            except RegistryError as err:
-                self.unusable_reason = str(err)
-                log.info("lease registry unusable: %s", err)
-                yield None
-                return
-            try:
-                self.unusable_reason = None
-                yield Transaction(self, top_fd, ufd)
-            finally:
-                if ufd is not None:
-                    os.close(ufd)
+            self.unusable_reason = None
+            yield Transaction(self, top_fd, ufd)
         finally:
+            if ufd is not None:
+                os.close(ufd)
             os.close(top_fd)  # also drops the flock
 
     def _acquire(self, top_fd: int) -> None:
         """Take the registry-wide ``flock``, waiting at most :attr:`lock_timeout_s`.
 
-        The uncontended case is one non-blocking ``flock``. Otherwise a helper thread blocks in
-        ``flock(LOCK_EX)`` (the kernel wakes it the moment the holder unlocks: no polling
-        interval adds to the wait) while this thread waits for it with the timeout.
+        The uncontended case is one non-blocking ``flock``; otherwise :func:`_flock_wait` polls
+        with a short growing sleep (no helper thread: a stuck holder costs a timed-out pick
+        nothing that outlives it).
         """
         try:
             fcntl.flock(top_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
