@@ -16,10 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from autogpu_jupyter.core.leases import Registry
 from tests import browser
-from tests.leasehelpers import AsUser, ensure_user, fleet, shared_area, uuid_of
-from tests.test_safety_multiuser import _plant_record
+from tests.test_safety_multiuser import planted_lease
 
 pytestmark = [
     pytest.mark.browser,
@@ -34,31 +32,8 @@ XSS = "<img src=x class=pwned onerror=alert(document.domain)>.ipynb"
 def test_another_users_notebook_path_is_text_not_script(tmp_path: Path) -> None:
     browser.require_chromium()
     browser.require_lab_extension()
-    b_uid, b_gid = ensure_user("agtest-bob")
-    with shared_area("autogpu-xss") as area:
-        fleet_path = area / "fleet.json"
-        fleet_path.write_text(json.dumps(fleet(2)))
-        os.chmod(fleet_path, 0o644)
-        registry = area / "registry"
-        Registry(registry).check()
-        planted = AsUser(
-            b_uid,
-            b_gid,
-            _plant_record,
-            str(registry),
-            "lease",
-            {
-                "notebook_path": XSS,
-                "device_uuids": [uuid_of(0)],
-                "device_requested_bytes": [1024**3],
-            },
-            hold=True,
-        )
-        try:
-            assert str(planted.result()).startswith(str(registry))
-            _run_in_lab(tmp_path, fleet_path, registry)
-        finally:
-            planted.stop()
+    with planted_lease("autogpu-xss", 2, 0, XSS) as (fleet_path, registry):
+        _run_in_lab(tmp_path, fleet_path, registry)
 
 
 def _run_in_lab(tmp_path: Path, fleet_path: Path, registry: Path) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,8 @@ import pytest
 
 from autogpu_jupyter.core.leases import Registry
 from tests.kernelhelpers import Kernel, kernel_env
-from tests.leasehelpers import AsUser, ensure_user, fleet, shared_area, uuid_of
-from tests.test_safety_multiuser import _plant_record
+from tests.leasehelpers import fleet
+from tests.test_safety_multiuser import planted_lease
 
 pytestmark = [
     pytest.mark.multiuser,
@@ -34,27 +33,7 @@ NINES = "9" * 400
 
 @pytest.fixture(scope="module")
 def host() -> Iterator[dict[str, Any]]:
-    b_uid, b_gid = ensure_user("agtest-bob")
-    with shared_area("autogpu-safety-k") as root:
-        fleet_path = root / "fleet.json"
-        fleet_path.write_text(json.dumps(fleet(3)))
-        os.chmod(fleet_path, 0o644)
-        registry = root / "registry"
-        Registry(registry).check()
-        planted = AsUser(
-            b_uid,
-            b_gid,
-            _plant_record,
-            str(registry),
-            "lease",
-            {
-                "notebook_path": XSS,
-                "device_uuids": [uuid_of(1)],
-                "device_requested_bytes": [1024**3],
-            },
-            hold=True,
-        )
-        assert str(planted.result()).startswith(str(registry))
+    with planted_lease("autogpu-safety-k", 3, 1, XSS) as (fleet_path, registry):
         env = kernel_env(
             {
                 "AUTOGPU_SIMULATE": str(fleet_path),
@@ -68,8 +47,6 @@ def host() -> Iterator[dict[str, Any]]:
             yield {"kernel": kernel, "fleet": fleet_path, "registry": registry}
         finally:
             kernel.close()
-            planted.stop()
-            shutil.rmtree(root / "registry", ignore_errors=True)
 
 
 def _usage_error(r: Any) -> str:

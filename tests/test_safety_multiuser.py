@@ -10,6 +10,7 @@ for the threat model they pin down.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -138,6 +139,29 @@ def _plant_record(reg: str, kind: str, fields: dict[str, Any], raw: str | None =
     os.write(fd, data.encode())
     fcntl.flock(fd, fcntl.LOCK_EX)
     return path
+
+
+@contextlib.contextmanager
+def planted_lease(
+    prefix: str, n_gpus: int, device: int, notebook_path: str
+) -> Iterator[tuple[Path, Path]]:
+    """A shared area (fleet file, registry) where user ``agtest-bob`` holds a live lease of
+    1 GiB on GPU ``device`` whose notebook path is ``notebook_path``; yields (fleet, registry)."""
+    b_uid, b_gid = ensure_user(USER_B)
+    with shared_area(prefix) as root:
+        fleet_path = root / "fleet.json"
+        fleet_path.write_text(json.dumps(fleet(n_gpus)))
+        os.chmod(fleet_path, 0o644)
+        registry = root / "registry"
+        Registry(registry).check()
+        planted = AsUser(b_uid, b_gid, _plant_record, str(registry), "lease",
+                         {"notebook_path": notebook_path, "device_uuids": [uuid_of(device)],
+                          "device_requested_bytes": [1024**3]}, hold=True)
+        try:
+            assert str(planted.result()).startswith(str(registry))
+            yield fleet_path, registry
+        finally:
+            planted.stop()
 
 
 def _pick_and_die(reg: str, fleet_path: str) -> str:
