@@ -32,6 +32,7 @@ MUTANTS ?=
 mutate: setup
 	$(VENV)/bin/mutmut run --max-children $(MUTATE_JOBS) $(MUTANTS)
 	$(VENV)/bin/mutmut export-cicd-stats && cat mutants/mutmut-cicd-stats.json && echo
+	$(PY) scripts/mutation_score.py
 
 bench: setup
 	$(PY) benchmarks/import_time.py

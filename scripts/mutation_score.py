@@ -1,0 +1,125 @@
+"""The mutation score of ``core/`` from mutmut's results (``make mutate``, issue 15).
+
+Reads ``mutants/autogpu_jupyter/core/**.py.meta`` (mutmut 3's per-file results) and
+``tests/mutation_equivalent.txt`` (the survivors judged equivalent, one per line: the mutant's
+name, then the reason), and prints per module: mutants, killed, survived, not reached, equivalent,
+and the share of the non-equivalent mutants that are killed. A timeout or a crash of the test run
+counts as killed (the tests noticed the change); a mutant no fast test reaches counts as not
+killed. ``--min 95`` exits 1 below that share.
+
+A line of the equivalents file that names no surviving mutant is reported as stale (the code moved,
+or a test now kills it) so that the list is kept true.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+KILLED = {1, 3, 36, 24, -24, 152, 255, -11, -9, 37}
+SURVIVED = {0}
+NOT_REACHED = {5, 33}
+
+
+def load_equivalents(path: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    if not path.exists():
+        return out
+    for n, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, _, reason = line.partition(" ")
+        if not reason.strip():
+            sys.exit(f"{path}:{n}: {name!r} has no reason (a line is: mutant-name reason)")
+        out[name] = reason.strip()
+    return out
+
+
+def module_of(key: str) -> str:
+    # autogpu_jupyter.core.backends.nvml.x_func__mutmut_3 -> backends.nvml
+    # autogpu_jupyter.core.registry.xǁRegistryǁscan__mutmut_7 -> registry
+    parts = key.split(".")
+    mod = []
+    for p in parts[2:]:
+        if p.startswith("x_") or p.startswith("xǁ"):
+            break
+        mod.append(p)
+    return ".".join(mod)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mutants", type=Path, default=REPO / "mutants")
+    ap.add_argument("--equivalents", type=Path, default=REPO / "tests" / "mutation_equivalent.txt")
+    ap.add_argument("--min", type=float, default=None, help="exit 1 below this percentage")
+    ap.add_argument("--survivors", action="store_true", help="list every non-equivalent survivor")
+    args = ap.parse_args(argv)
+
+    root = args.mutants / "autogpu_jupyter" / "core"
+    metas = sorted(root.rglob("*.py.meta"))
+    if not metas:
+        print(f"no mutmut results under {root}: run `make mutate` first", file=sys.stderr)
+        return 2
+    equivalents = load_equivalents(args.equivalents)
+    rows: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    survivors: list[str] = []
+    status_of: dict[str, str] = {}
+    for meta in metas:
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        for key, code in codes.items():
+            mod = module_of(key)
+            row = rows[mod]
+            row["mutants"] += 1
+            if code in KILLED:
+                status = "killed"
+            elif code in SURVIVED:
+                status = "equivalent" if key in equivalents else "survived"
+            elif code in NOT_REACHED:
+                status = "not reached"
+            elif code is None:
+                status = "not checked"
+            else:
+                status = "other"
+            status_of[key] = status
+            row[status] += 1
+            if status in ("survived", "not reached", "not checked", "other"):
+                survivors.append(key)
+
+    cols = ["mutants", "killed", "survived", "not reached", "not checked", "equivalent"]
+    total: dict[str, int] = defaultdict(int)
+    print(f"| module | {' | '.join(cols)} | killed of non-equivalent |")
+    print("|---|" + "---:|" * (len(cols) + 1))
+
+    def share(r: dict[str, int]) -> float:
+        denom = r["mutants"] - r["equivalent"]
+        return 100.0 * r["killed"] / denom if denom else 100.0
+
+    for mod in sorted(rows):
+        r = rows[mod]
+        for c in cols:
+            total[c] += r[c]
+        print(f"| {mod} | {' | '.join(str(r[c]) for c in cols)} | {share(r):.1f} % |")
+    print(f"| **all of core/** | {' | '.join(str(total[c]) for c in cols)} | **{share(total):.1f} %** |")
+
+    stale = [k for k in equivalents if status_of.get(k) != "equivalent"]
+    if stale:
+        print(f"\n{len(stale)} stale line(s) in {args.equivalents.name} (not a surviving mutant now):")
+        for k in stale:
+            print(f"  {k}: {status_of.get(k, 'no such mutant')}")
+    if args.survivors:
+        print(f"\n{len(survivors)} mutants not killed and not judged equivalent:")
+        for k in survivors:
+            print(f"  {k}: {status_of[k]}")
+    if args.min is not None and share(total) < args.min:
+        print(f"\n{share(total):.1f} % is below the goal of {args.min:g} %", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
