@@ -104,11 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         for c in cols:
             total[c] += r[c]
         print(f"| {mod} | {' | '.join(str(r[c]) for c in cols)} | {share(r):.1f} % |")
-    print(f"| **all of core/** | {' | '.join(str(total[c]) for c in cols)} | **{share(total):.1f} %** |")
+    cells = " | ".join(str(total[c]) for c in cols)
+    print(f"| **all of core/** | {cells} | **{share(total):.1f} %** |")
 
     stale = [k for k in equivalents if status_of.get(k) != "equivalent"]
     if stale:
-        print(f"\n{len(stale)} stale line(s) in {args.equivalents.name} (not a surviving mutant now):")
+        name = args.equivalents.name
+        print(f"\n{len(stale)} stale line(s) in {name} (not a surviving mutant now):")
         for k in stale:
             print(f"  {k}: {status_of.get(k, 'no such mutant')}")
     if args.survivors:
