@@ -54,41 +54,59 @@ def module_of(key: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mutants", type=Path, default=REPO / "mutants")
+    ap.add_argument("--mutants", type=Path, nargs="+", default=[REPO / "mutants"],
+                    help="mutmut's result folder(s); with several (narrowed runs of different"
+                    " modules), each module's results come from the first folder that checked it")
     ap.add_argument("--equivalents", type=Path, default=REPO / "tests" / "mutation_equivalent.txt")
     ap.add_argument("--min", type=float, default=None, help="exit 1 below this percentage")
     ap.add_argument("--survivors", action="store_true", help="list every non-equivalent survivor")
     args = ap.parse_args(argv)
 
-    root = args.mutants / "autogpu_jupyter" / "core"
-    metas = sorted(root.rglob("*.py.meta"))
-    if not metas:
-        print(f"no mutmut results under {root}: run `make mutate` first", file=sys.stderr)
-        return 2
+    # Per module, the results of the first folder that checked any of its mutants (with several
+    # folders, each from a run narrowed to some modules on its own branch, a module's mutant names
+    # are those of the branch that ran it).
+    codes_by_key: dict[str, int | None] = {}
+    owner: dict[str, Path] = {}
+    for folder in args.mutants:
+        root = folder / "autogpu_jupyter" / "core"
+        metas = sorted(root.rglob("*.py.meta"))
+        if not metas:
+            print(f"no mutmut results under {root}: run `make mutate` first", file=sys.stderr)
+            return 2
+        by_module: dict[str, dict[str, int | None]] = defaultdict(dict)
+        for meta in metas:
+            for key, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+                by_module[module_of(key)][key] = code
+        for mod, codes in by_module.items():
+            checked = any(code is not None for code in codes.values())
+            if mod not in owner and (checked or folder == args.mutants[-1]):
+                owner[mod] = folder
+                codes_by_key.update(codes)
     equivalents = load_equivalents(args.equivalents)
     rows: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     survivors: list[str] = []
     status_of: dict[str, str] = {}
-    for meta in metas:
-        codes = json.loads(meta.read_text())["exit_code_by_key"]
-        for key, code in codes.items():
-            mod = module_of(key)
-            row = rows[mod]
-            row["mutants"] += 1
-            if code in KILLED:
-                status = "killed"
-            elif code in SURVIVED:
-                status = "equivalent" if key in equivalents else "survived"
-            elif code in NOT_REACHED:
-                status = "not reached"
-            elif code is None:
-                status = "not checked"
-            else:
-                status = "other"
-            status_of[key] = status
-            row[status] += 1
-            if status in ("survived", "not reached", "not checked", "other"):
-                survivors.append(key)
+    for key, code in codes_by_key.items():
+        row = rows[module_of(key)]
+        row["mutants"] += 1
+        if code in KILLED:
+            status = "killed"
+        elif code in SURVIVED:
+            status = "equivalent" if key in equivalents else "survived"
+        elif code in NOT_REACHED:
+            status = "not reached"
+        elif code is None:
+            status = "not checked"
+        else:
+            status = "other"
+        status_of[key] = status
+        row[status] += 1
+        if status in ("survived", "not reached", "not checked", "other"):
+            survivors.append(key)
+    if len(args.mutants) > 1:
+        for mod in sorted(owner):
+            print(f"{mod}: results from {owner[mod]}")
+        print()
 
     cols = ["mutants", "killed", "survived", "not reached", "not checked", "equivalent"]
     total: dict[str, int] = defaultdict(int)
