@@ -327,3 +327,293 @@ def test_driver_not_loaded_in_this_process_raises_clear_error(fake_nvml: FakeNvm
     fake_nvml.set_driver(driver="none")  # the driver is unloaded under a running kernel
     with pytest.raises(NVMLUnavailableError, match=r"^no NVIDIA driver on this host \(NVML: Dri"):
         backend.snapshot()
+
+
+# ---- more of what goes wrong, read in this process --------------------------------------------
+
+
+def test_other_nvml_errors_name_the_error(fake_nvml: FakeNvml) -> None:
+    fleet = fleet_4x()
+    fleet["devices"][1]["error"] = "unknown"
+    fake_nvml.write(fleet)
+    devices = NvmlBackend().snapshot().devices
+    assert [(d.uuid, d.available, d.error) for d in devices] == [
+        (UUID0, True, None),
+        ("unknown-1", False, "NVML error: Unknown Error"),
+        ("GPU-a1000004-l4ff-4004-8004-0000f00d0004", True, None),
+        ("GPU-a1000005-l4ff-4005-8005-0000f00d0005", True, None),
+    ]
+
+
+def test_a_lost_mig_device_is_listed_under_its_gpu(fake_nvml: FakeNvml) -> None:
+    fleet = fleet_mig()
+    fleet["devices"][0]["mig_devices"][1]["error"] = "lost"
+    fake_nvml.write(fleet)
+    devices = [strip_time(d) for d in NvmlBackend().snapshot().devices]
+    parent_uuid = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
+    assert [(d.label, d.available) for d in devices] == [
+        ("GPU 0", True), ("GPU 0 MIG 0", True), ("GPU 0 MIG 1", False), ("GPU 1", True),
+    ]
+    assert devices[2] == DeviceSnapshot(
+        index=0, uuid=f"{parent_uuid}/mig-1", name=f"{A100} MIG", pci_bus_id="00000000:07:00.0",
+        mig_enabled=True, is_mig=True, parent_uuid=parent_uuid, mig_index=1, processes=None,
+        available=False, error="GPU is lost",
+    )
+
+
+def test_a_mig_device_without_name_memory_or_processes(fake_nvml: FakeNvml) -> None:
+    fleet = fleet_mig()
+    fleet["devices"][0]["mig_devices"][1]["unsupported"] = ["name", "memory", "processes"]
+    fake_nvml.write(fleet)
+    mig = strip_time(NvmlBackend().snapshot().devices[2])
+    assert mig == DeviceSnapshot(
+        index=0, uuid="MIG-22222222-aaaa-5bbb-8ccc-000000000002", name=f"{A100} MIG",
+        pci_bus_id="00000000:07:00.0", compute_mode="DEFAULT", mig_enabled=True, is_mig=True,
+        parent_uuid="GPU-0a0a0a0a-1111-2222-3333-444444444444", mig_index=1, processes=None,
+    )
+
+
+def test_mig_slots_beyond_the_count_are_not_read(fake_nvml: FakeNvml) -> None:
+    fleet = fleet_mig()
+    fleet["devices"][0]["max_mig_devices"] = 1
+    fake_nvml.write(fleet)
+    assert [d.label for d in NvmlBackend().snapshot().devices] == ["GPU 0", "GPU 0 MIG 0", "GPU 1"]
+
+
+def test_a_gpu_without_a_name_reads_unknown(fake_nvml: FakeNvml) -> None:
+    fleet = fleet_4x()
+    fleet["devices"][0]["unsupported"] = ["name"]
+    fake_nvml.write(fleet)
+    dev = NvmlBackend().snapshot().devices[0]
+    assert (dev.uuid, dev.name, dev.pci_bus_id, dev.available) == (
+        UUID0, "unknown", "00000000:07:00.0", True
+    )
+
+
+def test_processes_without_a_pid_are_skipped(fake_nvml: FakeNvml) -> None:
+    fleet = fleet_4x()
+    fleet["devices"][0]["processes"] = [
+        {"pid": 0, "used_memory": GiB}, {"pid": 4_000_002, "used_memory": 0},
+    ]
+    fake_nvml.write(fleet)
+    dev = NvmlBackend().snapshot().devices[0]
+    assert dev.processes == (ProcessSnapshot(pid=4_000_002, used_memory_bytes=0),)
+
+
+def test_the_driver_version_is_read_once(fake_nvml: FakeNvml) -> None:
+    fake_nvml.write(fleet_4x())
+    backend = NvmlBackend()
+    assert backend.snapshot().driver_version == "550.54.15"
+    fake_nvml.set_driver(driver_version="999.1")
+    assert backend.snapshot().driver_version == "550.54.15"
+    assert NvmlBackend().snapshot().driver_version == "999.1"
+
+
+def test_warm_up_opens_the_handles_and_never_raises(fake_nvml: FakeNvml) -> None:
+    fake_nvml.write(fleet_4x())
+    backend = NvmlBackend()
+    fake_nvml.reset_calls()
+    backend.warm_up()
+    assert fake_nvml.calls("nvmlDeviceGetHandleByIndex_v2") == 4
+    backend.snapshot()
+    assert fake_nvml.calls("nvmlDeviceGetHandleByIndex_v2") == 4
+    fake_nvml.set_driver(driver="none")
+    assert backend.warm_up() is None  # the next locked snapshot reports it
+    with pytest.raises(NVMLUnavailableError):
+        backend.snapshot()
+    fake_nvml.set_driver(driver="550")  # the driver is back: every GPU is read afresh
+    fake_nvml.reset_calls()
+    assert len(backend.snapshot().devices) == 4
+    assert fake_nvml.calls("nvmlDeviceGetHandleByIndex_v2") == 4
+
+
+def test_a_failing_gpu_is_looked_up_again_next_time(fake_nvml: FakeNvml) -> None:
+    fake_nvml.write(fleet_4x())
+    backend = NvmlBackend()
+    backend.snapshot()
+    fake_nvml.set(1, error="no_permission")
+    assert backend.snapshot().devices[1].error == "no permission"
+    fake_nvml.set(1, error=None)
+    fake_nvml.reset_calls()
+    assert backend.snapshot().devices[1].available is True
+    assert fake_nvml.calls("nvmlDeviceGetHandleByIndex_v2") == 1
+    assert fake_nvml.calls("nvmlDeviceGetUUID") == 1
+
+
+def test_memory_call_replaced_by_another_library(
+    fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpustat replaces ``pynvml.nvmlDeviceGetMemoryInfo`` by a function without ``version``."""
+    import pynvml
+
+    original = pynvml.nvmlDeviceGetMemoryInfo
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", lambda handle: original(handle))
+    fake_nvml.write(fleet_4x())
+    backend = NvmlBackend()
+    for _ in range(2):
+        dev = backend.snapshot().devices[0]
+        # the v1 form counts the driver's 512 MiB as used
+        assert (dev.memory_total_bytes, dev.memory_used_bytes, dev.memory_free_bytes) == (
+            80 * GiB, 2 * GiB + 512 * MiB, 80 * GiB - 2 * GiB - 512 * MiB,
+        )
+
+
+def test_memory_not_supported_by_the_v2_call(fake_nvml: FakeNvml) -> None:
+    fleet = fleet_4x()
+    fleet["devices"][0]["unsupported"] = ["memory"]
+    fake_nvml.write(fleet)
+    backend = NvmlBackend()
+    devices = backend.snapshot().devices
+    assert (devices[0].memory_total_bytes, devices[0].memory_free_bytes) == (None, None)
+    assert devices[1].memory_used_bytes == 40 * GiB  # v2 still used for the others
+    fake_nvml.reset_calls()
+    backend.snapshot()
+    assert fake_nvml.calls("nvmlDeviceGetMemoryInfo_v2") == 4
+    assert fake_nvml.calls("nvmlDeviceGetMemoryInfo") == 0
+
+
+# ---- NVML that will not start --------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_init(fake_nvml: FakeNvml) -> Any:
+    """NVML not yet initialised in this process; initialised again (with no error) afterwards."""
+    from autogpu_jupyter.core.backends import nvml
+
+    nvml._reset_init()
+    yield fake_nvml
+    fake_nvml.write({"devices": []})
+    nvml._reset_init()
+    NvmlBackend().snapshot()
+
+
+@pytest.mark.parametrize(
+    ("init_error", "message", "cause"),
+    [
+        (12, "no NVIDIA driver on this host (libnvidia-ml.so.1 not found); to try autogpu without "
+         "a GPU, set AUTOGPU_SIMULATE=demo-4x (a simulated fleet)", "NVMLError_LibraryNotFound"),
+        ("driver_not_loaded", "no NVIDIA driver on this host (NVML: Driver Not Loaded; the NVIDIA "
+         "kernel module is not loaded); to try autogpu without a GPU, set "
+         "AUTOGPU_SIMULATE=demo-4x (a simulated fleet)", "NVMLError_DriverNotLoaded"),
+        ("no_permission", "NVML cannot be used on this host (no permission to open the NVIDIA "
+         "devices)", "NVMLError_NoPermission"),
+        (18, "NVML cannot be used on this host (the NVML library and the loaded driver have "
+         "different versions; reload the driver or reboot)", "NVMLError_LibRmVersionMismatch"),
+        ("unknown", "NVML cannot be used on this host (nvmlInit: Unknown Error)",
+         "NVMLError_Unknown"),
+    ],
+)
+def test_nvml_init_failures_are_one_clear_error(
+    fresh_init: FakeNvml, init_error: object, message: str, cause: str
+) -> None:
+    fresh_init.write({"init_error": init_error, "devices": fleet_4x()["devices"]})
+    backend = NvmlBackend()
+    with pytest.raises(NVMLUnavailableError) as info:
+        backend.snapshot()
+    assert str(info.value) == message
+    assert type(info.value.__cause__).__name__ == cause
+    backend.warm_up()  # swallowed: the picker's locked snapshot reports it
+    fresh_init.set_driver(init_error=None)  # fixed: the next snapshot initialises NVML
+    assert len(backend.snapshot().devices) == 4
+
+
+# ---- /proc and the binding ----------------------------------------------------------------------
+
+
+def test_process_owner_and_command_line(
+    sleeper: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    from autogpu_jupyter.core.backends.nvml import _proc_command, _proc_user
+
+    assert (_proc_user(sleeper.pid), _proc_command(sleeper.pid)) == (ME, "sleep 60")
+    assert (_proc_user(4_000_003), _proc_command(4_000_003)) == (None, None)
+    # a zombie has no command line
+    zombie = subprocess.Popen(["true"])
+    stat = Path(f"/proc/{zombie.pid}/stat")
+    deadline = time.monotonic() + 10
+    while ") Z " not in stat.read_text() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    try:
+        assert _proc_command(zombie.pid) is None
+    finally:
+        zombie.wait()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="starting a process as another uid needs root")
+def test_a_uid_without_a_passwd_entry_reads_as_its_number() -> None:
+    from autogpu_jupyter.core.backends.nvml import _proc_user
+
+    uid = 54_321
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        pass
+    else:
+        pytest.skip(f"uid {uid} has a passwd entry here")
+    proc = subprocess.Popen(["sleep", "60"], user=uid)
+    try:
+        assert _proc_user(proc.pid) == "54321"
+        assert _proc_user(proc.pid) == "54321"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def fake_module(path: Path) -> Any:
+    class Module:
+        __file__ = str(path)
+
+    return Module()
+
+
+FIX = (" instead of only nvidia-ml-py, which autogpu needs; fix: pip uninstall pynvml && "
+       "pip install --force-reinstall nvidia-ml-py")
+
+
+def test_binding_problem_finds_a_shadowing_package_and_its_distribution(tmp_path: Path) -> None:
+    from autogpu_jupyter.core.backends.nvml import binding_problem
+
+    site = tmp_path / "site"
+    (site / "pynvml").mkdir(parents=True)
+    (site / "pynvml" / "__init__.py").write_text("")
+    assert binding_problem(fake_module(site / "pynvml" / "__init__.py")) == (
+        f"'import pynvml' loads the package {site / 'pynvml'}" + FIX
+    )
+    (site / "pynvml-11.5.0.dist-info").mkdir()
+    assert binding_problem(fake_module(site / "pynvml" / "__init__.py")) == (
+        f"'import pynvml' loads the package {site / 'pynvml'}; the deprecated 'pynvml' "
+        "distribution 11.5.0 is installed" + FIX
+    )
+
+
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        ([], None),
+        (["nvidia_ml_py-12.560.30.dist-info", "pynvml_utils-1.0.dist-info", "pynvml-1.0.txt",
+          "pynvml.py"], None),
+        (["pynvml-11.5.0.dist-info"], "the deprecated 'pynvml' distribution 11.5.0 is installed"),
+        (["PyNVML-8.0.4.egg-info"], "the deprecated 'pynvml' distribution 8.0.4 is installed"),
+        (["pynvml-1.2.dist.dist-info"], "the deprecated 'pynvml' distribution 1.2 is installed"),
+    ],
+)
+def test_binding_problem_beside_a_plain_module(
+    tmp_path: Path, names: list[str], expected: str | None
+) -> None:
+    from autogpu_jupyter.core.backends.nvml import binding_problem
+
+    for name in names:
+        (tmp_path / name).mkdir()
+    found = binding_problem(fake_module(tmp_path / "pynvml.py"))
+    assert found == (None if expected is None else expected + FIX)
+
+
+def test_binding_problem_of_a_module_without_a_file(tmp_path: Path) -> None:
+    from autogpu_jupyter.core.backends.nvml import binding_problem
+
+    assert binding_problem(fake_module(tmp_path / "gone" / "pynvml.py")) is None
+
+    class NoFile:
+        __file__ = None
+
+    assert binding_problem(NoFile()) is None  # type: ignore[arg-type]
