@@ -131,6 +131,67 @@ def test_demo_8x_description_of_the_busy_l4() -> None:
     assert sorted(BUILTIN_FLEETS) == ["demo-4x", "demo-8x"]
 
 
+DEMO_4X = [
+    (A100, "GPU-50000000-d3mo-4x00-a000-000000000000", "00000000:07:00.0", 80 * GiB, 400.0, 90.0,
+     0.0, [5, 35], [0.05, 0.2], (41000, "alice")),
+    (A100, "GPU-50000001-d3mo-4x01-a100-000000000001", "00000000:17:00.0", 80 * GiB, 400.0, 127.0,
+     1.7, [92, 99], [0.96, 0.98], (41001, "bob")),
+    (L4, "GPU-50000002-d3mo-4x02-a200-000000000002", "00000000:27:00.0", 24 * GiB, 72.0, 164.0,
+     3.4, [0, 10], [0.0, 0.05], None),
+    (L4, "GPU-50000003-d3mo-4x03-a300-000000000003", "00000000:37:00.0", 24 * GiB, 72.0, 201.0,
+     5.1, [20, 70], [0.2, 0.5], (41003, "dave")),
+]
+DEMO_8X = [
+    (A100, "GPU-50000000-d3mo-4x00-a000-000000000000", "00000000:07:00.0", 80 * GiB, 400.0, 90.0,
+     0.0, [5, 35], [0.05, 0.2], (41000, "alice")),
+    (A100, "GPU-50000001-d3mo-4x01-a100-000000000001", "00000000:17:00.0", 80 * GiB, 400.0, 127.0,
+     1.7, [92, 99], [0.96, 0.98], (41001, "bob")),
+    (A100, "GPU-50000002-d3mo-4x02-a200-000000000002", "00000000:27:00.0", 80 * GiB, 400.0, 164.0,
+     3.4, [0, 10], [0.0, 0.05], None),
+    (A100, "GPU-50000003-d3mo-4x03-a300-000000000003", "00000000:37:00.0", 80 * GiB, 400.0, 201.0,
+     5.1, [20, 70], [0.2, 0.5], (41003, "dave")),
+    (L4, "GPU-50000004-d3mo-4x04-a400-000000000004", "00000000:47:00.0", 24 * GiB, 72.0, 238.0,
+     6.8, [5, 35], [0.05, 0.2], (41004, "alice")),
+    (L4, "GPU-50000005-d3mo-4x05-a500-000000000005", "00000000:57:00.0", 24 * GiB, 72.0, 275.0,
+     8.5, [92, 99], [0.96, 0.98], (41005, "bob")),
+    (L4, "GPU-50000006-d3mo-4x06-a600-000000000006", "00000000:67:00.0", 24 * GiB, 72.0, 312.0,
+     10.2, [0, 10], [0.0, 0.05], None),
+    (L4, "GPU-50000007-d3mo-4x07-a700-000000000007", "00000000:77:00.0", 24 * GiB, 72.0, 349.0,
+     11.9, [20, 70], [0.2, 0.5], (41007, "dave")),
+]
+
+
+def described(rows: list[tuple]) -> dict:
+    """A built-in fleet description from one row per device."""
+    devices = []
+    for name, uuid, bus, total, limit, period, phase, util, used, proc in rows:
+        devices.append({
+            "name": name, "uuid": uuid, "pci_bus_id": bus, "memory_total": total,
+            "power_limit_w": limit,
+            "load": {"period_s": period, "phase": phase, "utilization_pct": util,
+                     "memory_used_fraction": used},
+            "processes": [] if proc is None else [
+                {"pid": proc[0], "user": proc[1], "command": "python train.py",
+                 "memory_share": 1.0}
+            ],
+        })
+    return {"driver_version": "550.54.15 (simulated)", "devices": devices}
+
+
+def test_the_builtin_fleets_as_an_import_builds_them() -> None:
+    # The fleets are built when the module is imported: read them from a fresh copy of it.
+    import importlib.util
+
+    from autogpu_jupyter.core.backends import simulated
+
+    spec = importlib.util.spec_from_file_location("fresh_simulated", simulated.__file__)
+    assert spec is not None and spec.loader is not None
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    assert fresh.BUILTIN_FLEETS == {"demo-4x": described(DEMO_4X), "demo-8x": described(DEMO_8X)}
+    assert fresh.builtin_fleet("demo-8x") == described(DEMO_8X)
+
+
 def test_builtin_fleet_is_a_copy_the_caller_may_change() -> None:
     mine = builtin_fleet("demo-4x")
     mine["devices"][0]["name"] = "changed"

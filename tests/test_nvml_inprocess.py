@@ -31,8 +31,15 @@ UUID0 = "GPU-a1000000-a100-4000-8000-0000f00d0000"
 UUID1 = "GPU-a1000001-a100-4001-8001-0000f00d0001"
 
 
+NVML_LOGGER = "autogpu_jupyter.core.backends.nvml"
+
+
 def strip_time(dev: DeviceSnapshot) -> DeviceSnapshot:
     return dataclasses.replace(dev, timestamp_s=0.0)
+
+
+def logged(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == NVML_LOGGER]
 
 @pytest.fixture
 def sleeper() -> Any:
@@ -258,15 +265,24 @@ def test_a_gpu_that_cannot_do_mig_reads_mig_disabled(fake_nvml: FakeNvml) -> Non
     assert [d.mig_enabled for d in devices] == [False] * 8  # L4: MIG mode NOT_SUPPORTED
 
 
-def test_memory_v2_version_mismatch_falls_back_to_v1(fake_nvml: FakeNvml) -> None:
+def test_memory_v2_version_mismatch_falls_back_to_v1(
+    fake_nvml: FakeNvml, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("DEBUG", logger=NVML_LOGGER)
     fleet = fleet_4x()
     fleet["memory_v2_error"] = "version_mismatch"
     fake_nvml.write(fleet)
-    dev = NvmlBackend().snapshot().devices[0]
+    backend = NvmlBackend()
+    dev = backend.snapshot().devices[0]
     # v1 counts the 512 MiB the driver reserves as used
     assert (dev.memory_used_bytes, dev.memory_free_bytes) == (
         2 * GiB + 512 * MiB, 80 * GiB - 2 * GiB - 512 * MiB,
     )
+    assert logged(caplog) == [("DEBUG", "nvmlDeviceGetMemoryInfo_v2 unavailable: using v1")]
+    fake_nvml.reset_calls()
+    backend.snapshot()  # v2 is not tried again
+    assert fake_nvml.calls("nvmlDeviceGetMemoryInfo_v2") == 0
+    assert fake_nvml.calls("nvmlDeviceGetMemoryInfo") == 4
 
 
 def test_gpu_count_change_drops_cached_identities(fake_nvml: FakeNvml) -> None:
@@ -298,7 +314,9 @@ def test_handles_and_identity_are_read_once_and_nvml_never_shut_down(
     assert fake_nvml.calls("nvmlShutdown") == 0
 
 
-def test_survives_someone_elses_extra_shutdown(fake_nvml: FakeNvml) -> None:
+def test_survives_someone_elses_extra_shutdown(
+    fake_nvml: FakeNvml, caplog: pytest.LogCaptureFixture
+) -> None:
     import pynvml
 
     fake_nvml.write(fleet_4x())
@@ -307,7 +325,15 @@ def test_survives_someone_elses_extra_shutdown(fake_nvml: FakeNvml) -> None:
     with pytest.raises(pynvml.NVMLError_Uninitialized):
         while True:  # drop every init of this process, ours included
             pynvml.nvmlShutdown()
+    caplog.set_level("WARNING", logger=NVML_LOGGER)
+    fake_nvml.reset_calls()
     assert [d.uuid for d in backend.snapshot().devices][:2] == [UUID0, UUID1]
+    assert logged(caplog) == [
+        ("WARNING", "NVML was shut down behind our back; initialising it again"),
+    ]
+    # the handles of the dead session are dropped: every GPU is looked up again
+    assert fake_nvml.calls("nvmlInitWithFlags") == 1
+    assert fake_nvml.calls("nvmlDeviceGetHandleByIndex_v2") == 4
 
 
 def test_get_backend_serves_nvml_without_simulation(fake_nvml: FakeNvml) -> None:
@@ -332,11 +358,15 @@ def test_driver_not_loaded_in_this_process_raises_clear_error(fake_nvml: FakeNvm
 # ---- more of what goes wrong, read in this process --------------------------------------------
 
 
-def test_other_nvml_errors_name_the_error(fake_nvml: FakeNvml) -> None:
+def test_other_nvml_errors_name_the_error(
+    fake_nvml: FakeNvml, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("DEBUG", logger=NVML_LOGGER)
     fleet = fleet_4x()
     fleet["devices"][1]["error"] = "unknown"
     fake_nvml.write(fleet)
     devices = NvmlBackend().snapshot().devices
+    assert logged(caplog) == [("DEBUG", "GPU 1 unavailable: Unknown Error")]
     assert [(d.uuid, d.available, d.error) for d in devices] == [
         (UUID0, True, None),
         ("unknown-1", False, "NVML error: Unknown Error"),
@@ -441,11 +471,12 @@ def test_a_failing_gpu_is_looked_up_again_next_time(fake_nvml: FakeNvml) -> None
 
 
 def test_memory_call_replaced_by_another_library(
-    fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+    fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """gpustat replaces ``pynvml.nvmlDeviceGetMemoryInfo`` by a function without ``version``."""
     import pynvml
 
+    caplog.set_level("DEBUG", logger=NVML_LOGGER)
     original = pynvml.nvmlDeviceGetMemoryInfo
     monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", lambda handle: original(handle))
     fake_nvml.write(fleet_4x())
@@ -456,6 +487,9 @@ def test_memory_call_replaced_by_another_library(
         assert (dev.memory_total_bytes, dev.memory_used_bytes, dev.memory_free_bytes) == (
             80 * GiB, 2 * GiB + 512 * MiB, 80 * GiB - 2 * GiB - 512 * MiB,
         )
+    assert logged(caplog) == [
+        ("DEBUG", "pynvml.nvmlDeviceGetMemoryInfo was replaced: using its v1 form"),
+    ]
 
 
 def test_memory_not_supported_by_the_v2_call(fake_nvml: FakeNvml) -> None:
