@@ -462,6 +462,8 @@ def test_resolve_fleet_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     base = str(tmp_path)
     assert resolve_fleet_source("", base) == ""
     assert resolve_fleet_source("demo-8x", base) == "demo-8x"
+    (tmp_path / "demo-8x").write_text("{}")
+    assert resolve_fleet_source("demo-8x", base) == "demo-8x"  # the built-in name wins
     assert resolve_fleet_source("/no/such/file.json", base) == "/no/such/file.json"
     assert resolve_fleet_source("f.json", base) == str(tmp_path / "f.json")
     assert resolve_fleet_source("./sub/../f.json", base) == str(tmp_path / "f.json")

@@ -651,3 +651,21 @@ def test_binding_problem_of_a_module_without_a_file(tmp_path: Path) -> None:
         __file__ = None
 
     assert binding_problem(NoFile()) is None  # type: ignore[arg-type]
+
+
+def test_a_fresh_import_of_the_backend_starts_nvml_itself(fake_nvml: FakeNvml) -> None:
+    """A second copy of the module (as a fresh process has) initialises NVML on first use."""
+    import importlib.util
+
+    from autogpu_jupyter.core.backends import nvml
+
+    spec = importlib.util.spec_from_file_location("fresh_nvml", nvml.__file__)
+    assert spec is not None and spec.loader is not None
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    fake_nvml.write(fleet_4x())
+    fake_nvml.reset_calls()
+    snap = fresh.NvmlBackend().snapshot()
+    assert [d.uuid for d in snap.devices][:2] == [UUID0, UUID1]
+    assert snap.errors == ()
+    assert fake_nvml.calls("nvmlInitWithFlags") == 1
