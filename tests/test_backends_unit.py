@@ -507,6 +507,15 @@ def test_get_backend_without_simulation_is_nvml(fresh_backends: None) -> None:
     assert isinstance(nvml, backends.Backend)
 
 
+def test_a_fleet_named_nvml_is_not_the_nvml_backend(
+    fresh_backends: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    get_backend()  # the NVML backend exists in this process
+    with pytest.raises(UsageErrorBase, match=r"^AUTOGPU_SIMULATE='nvml': not a fleet file"):
+        get_backend("nvml")
+
+
 def test_get_backend_reports_a_bad_fleet_and_caches_nothing(
     fresh_backends: None, tmp_path: Path
 ) -> None:
@@ -614,6 +623,15 @@ def test_by_uuid() -> None:
     assert snap.by_uuid("GPU-2") is LOST
     assert snap.by_uuid("GPU-1") is DEV
     assert snap.by_uuid("GPU-3") is None
+
+
+def test_an_empty_fleet_has_every_column() -> None:
+    snap = FleetSnapshot(devices=(), timestamp_s=0.0, backend="simulated", simulated=True)
+    df = snap.to_dataframe()
+    assert len(df) == 0
+    assert list(df.columns)[:3] == ["index", "uuid", "name"]
+    assert list(df.columns)[-2:] == ["label", "process_count"]
+    assert len(df.columns) == 22
 
 
 def test_dataframe_rows_columns_and_attributes() -> None:

@@ -403,6 +403,26 @@ def test_a_mig_device_without_name_memory_or_processes(fake_nvml: FakeNvml) -> N
     )
 
 
+def test_every_device_is_stamped_when_it_is_read(fake_nvml: FakeNvml) -> None:
+    fleet = fleet_mig()
+    fleet["devices"][0]["mig_devices"][1]["error"] = "lost"
+    fake_nvml.write(fleet)
+    snap = NvmlBackend().snapshot()
+    after = time.time()
+    assert [d.available for d in snap.devices] == [True, True, False, True]
+    assert all(snap.timestamp_s <= d.timestamp_s <= after for d in snap.devices)
+
+
+def test_a_gpu_with_no_mig_slots_reads_none(fake_nvml: FakeNvml) -> None:
+    fleet = fleet_mig()
+    fleet["devices"][0]["max_mig_devices"] = 0
+    fake_nvml.write(fleet)
+    fake_nvml.reset_calls()
+    devices = NvmlBackend().snapshot().devices
+    assert [(d.label, d.mig_enabled) for d in devices] == [("GPU 0", True), ("GPU 1", False)]
+    assert fake_nvml.calls("nvmlDeviceGetMigDeviceHandleByIndex") == 0
+
+
 def test_mig_slots_beyond_the_count_are_not_read(fake_nvml: FakeNvml) -> None:
     fleet = fleet_mig()
     fleet["devices"][0]["max_mig_devices"] = 1
