@@ -261,8 +261,10 @@ def test_mig_devices(fake_nvml: FakeNvml) -> None:
 
 def test_a_gpu_that_cannot_do_mig_reads_mig_disabled(fake_nvml: FakeNvml) -> None:
     fake_nvml.write(fleet_8x())
+    fake_nvml.reset_calls()
     devices = NvmlBackend().snapshot().devices
     assert [d.mig_enabled for d in devices] == [False] * 8  # L4: MIG mode NOT_SUPPORTED
+    assert fake_nvml.calls("nvmlDeviceGetMaxMigDeviceCount") == 0  # no MIG slots looked for
 
 
 def test_memory_v2_version_mismatch_falls_back_to_v1(
@@ -593,6 +595,22 @@ def test_process_owner_and_command_line(
         zombie.wait()
 
 
+def test_a_command_line_that_is_not_utf8() -> None:
+    from autogpu_jupyter.core.backends.nvml import _proc_command
+
+    argv = [b"sh", b"-c", b"sleep 60; :", b"caf\xe9 X"]
+    proc = subprocess.Popen(argv)
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    deadline = time.monotonic() + 10
+    while cmdline.read_bytes() != b"\0".join(argv) + b"\0" and time.monotonic() < deadline:
+        time.sleep(0.005)
+    try:
+        assert _proc_command(proc.pid) == "sh -c sleep 60; : caf\ufffd X"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="starting a process as another uid needs root")
 def test_a_uid_without_a_passwd_entry_reads_as_its_number() -> None:
     from autogpu_jupyter.core.backends.nvml import _proc_user
@@ -671,6 +689,7 @@ def test_binding_problem_of_a_module_without_a_file(tmp_path: Path) -> None:
         __file__ = None
 
     assert binding_problem(NoFile()) is None  # type: ignore[arg-type]
+    assert binding_problem(object()) is None  # type: ignore[arg-type]
 
 
 def test_a_fresh_import_of_the_backend_starts_nvml_itself(fake_nvml: FakeNvml) -> None:
