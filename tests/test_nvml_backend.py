@@ -1,13 +1,12 @@
 """The NVML backend through the real pynvml binding over the fake ``libnvidia-ml.so.1``.
 
-Scenario tests in gpustat's style: each writes a fleet, reads it back and asserts the exact values a
-user would see. Checks that need a different library or no library at all run in subprocesses (a
-process holds one ``libnvidia-ml.so.1`` for life).
+The checks that need a different library or no library at all run in subprocesses (a process holds
+one ``libnvidia-ml.so.1`` for life), plus the threaded reader; the in-process scenarios are in
+``test_nvml_inprocess.py`` (fast, in the mutation-test selection).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pwd
@@ -21,21 +20,10 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter.core.backends.nvml import NvmlBackend
-from autogpu_jupyter.core.devices import DeviceSnapshot, ProcessSnapshot
-from autogpu_jupyter.errors import NVMLUnavailableError
-from tests.fakenvml import FakeNvml, GiB, MiB, fleet_4x, fleet_8x, fleet_edge_cases, fleet_mig
+from tests.fakenvml import FakeNvml, GiB, MiB, fleet_4x, fleet_8x
 
 REPO = Path(__file__).resolve().parents[1]
 ME = pwd.getpwuid(os.getuid()).pw_name
-
-A100 = "NVIDIA A100-SXM4-80GB"
-L4 = "NVIDIA L4"
-UUID0 = "GPU-a1000000-a100-4000-8000-0000f00d0000"
-UUID1 = "GPU-a1000001-a100-4001-8001-0000f00d0001"
-
-
-def strip_time(dev: DeviceSnapshot) -> DeviceSnapshot:
-    return dataclasses.replace(dev, timestamp_s=0.0)
 
 
 def run_python(code: str, env: dict[str, str]) -> dict[str, Any]:
@@ -81,278 +69,6 @@ def sleeper() -> Any:
     proc.wait()
 
 
-# ---- a healthy fleet ------------------------------------------------------------------------
-
-
-def test_8x_fleet_every_field(fake_nvml: FakeNvml, sleeper: subprocess.Popen[bytes]) -> None:
-    fleet = fleet_8x()
-    fleet["devices"][0]["processes"] = [
-        {"pid": sleeper.pid, "used_memory": 1536 * MiB},
-        {"pid": 4_000_001, "used_memory": None},  # no such process; memory "not available"
-    ]
-    fake_nvml.write(fleet)
-
-    snap = NvmlBackend().snapshot()
-
-    assert snap.backend == "nvml"
-    assert snap.simulated is False
-    assert snap.driver_version == "550.54.15"
-    assert snap.errors == ()
-    assert [d.name for d in snap.devices] == [A100] * 4 + [L4] * 4
-    assert [d.index for d in snap.devices] == list(range(8))
-    assert [d.pci_bus_id for d in snap.devices] == [
-        "00000000:07:00.0", "00000000:17:00.0", "00000000:27:00.0", "00000000:37:00.0",
-        "00000000:47:00.0", "00000000:57:00.0", "00000000:67:00.0", "00000000:77:00.0",
-    ]
-    assert strip_time(snap.devices[0]) == DeviceSnapshot(
-        index=0,
-        uuid=UUID0,
-        name=A100,
-        pci_bus_id="00000000:07:00.0",
-        memory_total_bytes=80 * GiB,
-        # v2 memory: the driver's 512 MiB reservation is neither used nor free
-        memory_used_bytes=2 * GiB,
-        memory_free_bytes=80 * GiB - 512 * MiB - 2 * GiB,
-        utilization_pct=3.0,
-        memory_utilization_pct=1.0,
-        temperature_c=33.0,
-        power_w=69.6,
-        power_limit_w=400.0,
-        compute_mode="DEFAULT",
-        mig_enabled=False,
-        processes=(
-            ProcessSnapshot(pid=sleeper.pid, used_memory_bytes=1536 * MiB, user=ME,
-                            command="sleep 60"),
-            ProcessSnapshot(pid=4_000_001, used_memory_bytes=None, user=None, command=None),
-        ),
-        available=True,
-        error=None,
-    )
-    l4 = snap.devices[5]
-    assert (l4.uuid, l4.memory_total_bytes, l4.memory_used_bytes, l4.memory_free_bytes) == (
-        "GPU-a1000005-l4ff-4005-8005-0000f00d0005", 23034 * MiB, 12 * GiB,
-        23034 * MiB - 428 * MiB - 12 * GiB,
-    )
-    assert (l4.utilization_pct, l4.power_w, l4.power_limit_w, l4.mig_enabled) == (
-        80.0, 56.9, 72.0, False,
-    )
-    assert [d.processes for d in snap.devices[2:4]] == [
-        (), (ProcessSnapshot(pid=1_000_003, used_memory_bytes=70 * GiB),),
-    ]
-
-
-def test_same_fleet_reads_the_same_as_the_simulated_backend(
-    fake_nvml: FakeNvml, tmp_path: Path
-) -> None:
-    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-
-    fleet = fleet_8x()
-    for dev in fleet["devices"]:
-        dev.pop("reserved_memory")  # the simulated backend has no driver reservation
-    fake_nvml.write(fleet)
-    path = tmp_path / "fleet.json"
-    path.write_text(json.dumps(fleet))
-
-    ours = [strip_time(d) for d in NvmlBackend().snapshot().devices]
-    simulated = [strip_time(d) for d in SimulatedBackend(str(path)).snapshot().devices]
-    assert ours == simulated
-
-
-def test_load_moves_while_the_backend_lives(fake_nvml: FakeNvml) -> None:
-    fake_nvml.write(fleet_4x())
-    backend = NvmlBackend()
-    assert backend.snapshot().devices[1].utilization_pct == 97.0
-
-    fake_nvml.set(1, utilization_pct=4, memory_used=5 * GiB, compute_mode="EXCLUSIVE_PROCESS")
-    dev = backend.snapshot().devices[1]
-    assert (dev.utilization_pct, dev.memory_used_bytes, dev.compute_mode) == (
-        4.0, 5 * GiB, "EXCLUSIVE_PROCESS",
-    )
-
-
-def test_a_half_written_scenario_keeps_the_last_good_one(fake_nvml: FakeNvml) -> None:
-    fake_nvml.write(fleet_4x())
-    backend = NvmlBackend()
-    assert len(backend.snapshot().devices) == 4
-    # A writer that did not use temp + rename, caught mid-write: no "end" line yet.
-    fake_nvml.scenario_path.write_text("driver 550.54.15\ngpu\nuuid GPU-half\n")
-    assert [d.uuid for d in backend.snapshot().devices][:2] == [UUID0, UUID1]
-
-
-def test_compute_modes(fake_nvml: FakeNvml) -> None:
-    fleet = fleet_4x()
-    modes = ["DEFAULT", "EXCLUSIVE_THREAD", "PROHIBITED", "EXCLUSIVE_PROCESS"]
-    for dev, mode in zip(fleet["devices"], modes):
-        dev["compute_mode"] = mode
-    fake_nvml.write(fleet)
-    assert [d.compute_mode for d in NvmlBackend().snapshot().devices] == modes
-
-
-# ---- what goes wrong on real hosts ------------------------------------------------------------
-
-
-def test_lost_and_forbidden_gpus_are_listed_unavailable(fake_nvml: FakeNvml) -> None:
-    fake_nvml.write(fleet_edge_cases())
-    snap = NvmlBackend().snapshot()
-
-    assert [(d.index, d.available, d.error) for d in snap.devices] == [
-        (0, True, None),
-        (1, False, "GPU is lost"),
-        (2, False, "no permission"),
-        (3, True, None),
-        (4, True, None),
-    ]
-    # A fresh process cannot learn the identity of a GPU whose handle fails.
-    assert strip_time(snap.devices[1]) == DeviceSnapshot(
-        index=1, uuid="unknown-1", name="unknown", processes=None, available=False,
-        error="GPU is lost",
-    )
-    assert snap.devices[2].uuid == "unknown-2"
-    assert snap.devices[4].compute_mode == "PROHIBITED"
-
-
-def test_a_gpu_lost_while_running_keeps_its_identity_and_comes_back(fake_nvml: FakeNvml) -> None:
-    fake_nvml.write(fleet_4x())
-    backend = NvmlBackend()
-    backend.snapshot()
-
-    fake_nvml.set(1, lost=True)
-    lost = backend.snapshot().devices[1]
-    assert (lost.uuid, lost.name, lost.pci_bus_id, lost.available, lost.error) == (
-        UUID1, A100, "00000000:17:00.0", False, "GPU is lost",
-    )
-    assert lost.memory_total_bytes is None
-    assert backend.snapshot().devices[0].available is True
-
-    fake_nvml.set(1, lost=False)
-    back = backend.snapshot().devices[1]
-    assert (back.uuid, back.available, back.utilization_pct) == (UUID1, True, 97.0)
-
-
-def test_utilisation_not_supported_is_none(fake_nvml: FakeNvml) -> None:
-    fake_nvml.write(fleet_edge_cases())
-    dev = NvmlBackend().snapshot().devices[3]
-    assert (dev.utilization_pct, dev.memory_utilization_pct) == (None, None)
-    assert (dev.memory_used_bytes, dev.temperature_c, dev.available) == (70 * GiB, 57.0, True)
-
-
-def test_each_field_not_supported_is_none(fake_nvml: FakeNvml) -> None:
-    fleet = fleet_4x()
-    fleet["devices"][0]["unsupported"] = [
-        "temp", "power", "power_limit", "compute_mode", "memory", "processes", "pci",
-    ]
-    fake_nvml.write(fleet)
-    dev = NvmlBackend().snapshot().devices[0]
-    assert strip_time(dev) == DeviceSnapshot(
-        index=0, uuid=UUID0, name=A100, pci_bus_id=None, utilization_pct=3.0,
-        memory_utilization_pct=1.0, mig_enabled=False, processes=None,
-    )
-
-
-def test_mig_devices(fake_nvml: FakeNvml) -> None:
-    fake_nvml.write(fleet_mig())
-    devices = [strip_time(d) for d in NvmlBackend().snapshot().devices]
-
-    parent_uuid = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
-    job = ProcessSnapshot(pid=2_000_001, used_memory_bytes=10 * GiB)
-    assert [(d.label, d.uuid) for d in devices] == [
-        ("GPU 0", parent_uuid),
-        ("GPU 0 MIG 0", "MIG-11111111-aaaa-5bbb-8ccc-000000000001"),
-        ("GPU 0 MIG 1", "MIG-22222222-aaaa-5bbb-8ccc-000000000002"),
-        ("GPU 1", "GPU-0b0b0b0b-1111-2222-3333-444444444444"),
-    ]
-    parent = devices[0]
-    assert (parent.mig_enabled, parent.is_mig, parent.utilization_pct, parent.temperature_c) == (
-        True, False, None, 41.0,
-    )
-    assert parent.processes == (job,)  # NVML lists a MIG device's processes on its GPU too
-    assert devices[1] == DeviceSnapshot(
-        index=0,
-        uuid="MIG-11111111-aaaa-5bbb-8ccc-000000000001",
-        name=f"{A100} MIG 3g.40gb",
-        pci_bus_id="00000000:07:00.0",
-        memory_total_bytes=40 * GiB - 512 * MiB,
-        memory_used_bytes=10 * GiB,
-        memory_free_bytes=30 * GiB - 512 * MiB,
-        compute_mode="DEFAULT",
-        mig_enabled=True,
-        is_mig=True,
-        parent_uuid=parent_uuid,
-        mig_index=0,
-        processes=(job,),
-    )
-    assert (devices[2].memory_free_bytes, devices[2].processes) == (9856 * MiB, ())
-    assert (devices[3].mig_enabled, devices[3].utilization_pct) == (False, 0.0)
-
-
-def test_a_gpu_that_cannot_do_mig_reads_mig_disabled(fake_nvml: FakeNvml) -> None:
-    fake_nvml.write(fleet_8x())
-    devices = NvmlBackend().snapshot().devices
-    assert [d.mig_enabled for d in devices] == [False] * 8  # L4: MIG mode NOT_SUPPORTED
-
-
-def test_memory_v2_version_mismatch_falls_back_to_v1(fake_nvml: FakeNvml) -> None:
-    fleet = fleet_4x()
-    fleet["memory_v2_error"] = "version_mismatch"
-    fake_nvml.write(fleet)
-    dev = NvmlBackend().snapshot().devices[0]
-    # v1 counts the 512 MiB the driver reserves as used
-    assert (dev.memory_used_bytes, dev.memory_free_bytes) == (
-        2 * GiB + 512 * MiB, 80 * GiB - 2 * GiB - 512 * MiB,
-    )
-
-
-def test_gpu_count_change_drops_cached_identities(fake_nvml: FakeNvml) -> None:
-    fake_nvml.write(fleet_8x())
-    backend = NvmlBackend()
-    assert len(backend.snapshot().devices) == 8
-    fake_nvml.write(fleet_4x())  # indices 2 and 3 are now other GPUs
-    assert [d.uuid[:12] for d in backend.snapshot().devices] == [
-        "GPU-a1000000", "GPU-a1000001", "GPU-a1000004", "GPU-a1000005",
-    ]
-
-
-# ---- NVML's lifetime in the process -----------------------------------------------------------
-
-
-def test_handles_and_identity_are_read_once_and_nvml_never_shut_down(
-    fake_nvml: FakeNvml,
-) -> None:
-    fake_nvml.write(fleet_8x())
-    backend = NvmlBackend()
-    fake_nvml.reset_calls()
-    for _ in range(3):
-        backend.snapshot()
-    assert fake_nvml.calls("nvmlDeviceGetHandleByIndex_v2") == 8
-    assert fake_nvml.calls("nvmlDeviceGetUUID") == 8
-    assert fake_nvml.calls("nvmlDeviceGetPciInfo_v3") == 8
-    assert fake_nvml.calls("nvmlDeviceGetCount_v2") == 3
-    assert fake_nvml.calls("nvmlDeviceGetMemoryInfo_v2") == 24
-    assert fake_nvml.calls("nvmlShutdown") == 0
-
-
-def test_survives_someone_elses_extra_shutdown(fake_nvml: FakeNvml) -> None:
-    import pynvml
-
-    fake_nvml.write(fleet_4x())
-    backend = NvmlBackend()
-    backend.snapshot()
-    with pytest.raises(pynvml.NVMLError_Uninitialized):
-        while True:  # drop every init of this process, ours included
-            pynvml.nvmlShutdown()
-    assert [d.uuid for d in backend.snapshot().devices][:2] == [UUID0, UUID1]
-
-
-def test_get_backend_serves_nvml_without_simulation(fake_nvml: FakeNvml) -> None:
-    from autogpu_jupyter.core.backends import get_backend
-
-    fake_nvml.write(fleet_4x())
-    backend = get_backend()
-    assert isinstance(backend, NvmlBackend)
-    assert (backend.name, backend.simulated) == ("nvml", False)
-    assert len(backend.snapshot().devices) == 4
-
-
 # ---- other hosts: separate processes ----------------------------------------------------------
 
 
@@ -379,15 +95,6 @@ def test_driver_not_loaded(fake_nvml: FakeNvml) -> None:
         "(a simulated fleet)",
         "type": "NVMLUnavailableError",
     }
-
-
-def test_driver_not_loaded_in_this_process_raises_clear_error(fake_nvml: FakeNvml) -> None:
-    fake_nvml.write(fleet_4x())
-    backend = NvmlBackend()
-    backend.snapshot()
-    fake_nvml.set_driver(driver="none")  # the driver is unloaded under a running kernel
-    with pytest.raises(NVMLUnavailableError, match=r"^no NVIDIA driver on this host \(NVML: Dri"):
-        backend.snapshot()
 
 
 def test_subprocess_sees_the_same_fleet(
@@ -530,6 +237,8 @@ def test_works_after_gpustat_replaced_the_memory_call(fake_nvml: FakeNvml) -> No
     no ``version``; a kernel that imports gpustat must still read memory."""
     pytest.importorskip("gpustat")
     fake_nvml.write(fleet_4x())
-    out = run_python("import gpustat\n" + textwrap.dedent(SNAPSHOT_OR_ERROR), fake_nvml.subprocess_env())
+    out = run_python(
+        "import gpustat\n" + textwrap.dedent(SNAPSHOT_OR_ERROR), fake_nvml.subprocess_env()
+    )
     assert len(out["devices"]) == 4
     assert out["devices"][0]["memory_total_bytes"] == 80 * GiB

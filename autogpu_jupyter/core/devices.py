@@ -129,7 +129,7 @@ class FleetSnapshot:
             devices=tuple(DeviceSnapshot.from_dict(x) for x in d["devices"]),
             timestamp_s=float(d["timestamp_s"]),
             backend=str(d["backend"]),
-            simulated=bool(d.get("simulated", False)),
+            simulated=bool(d.get("simulated")),
             driver_version=d.get("driver_version"),
             errors=tuple(d.get("errors", ())),
         )

@@ -44,8 +44,8 @@ def get_backend(simulate: str | None = None) -> Backend:
         Empty means NVML.
     """
     if simulate is None:
-        simulate = os.environ.get(SIMULATE_ENV, "")
-    key = simulate or "nvml"
+        simulate = os.environ.get(SIMULATE_ENV)
+    key = simulate or ""  # "" is NVML: no fleet name can take its place
     with _lock:
         backend = _cache.get(key)
         if backend is None:
