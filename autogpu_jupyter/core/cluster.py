@@ -320,10 +320,6 @@ def _int_label(value: str | None) -> int | None:
     return int(value)
 
 
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
 @dataclass
 class _Acc:
     """Series of one device being folded together."""
