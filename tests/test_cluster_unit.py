@@ -966,7 +966,8 @@ def test_history_gives_each_hosts_mean_load_at_every_step(prom: Replay) -> None:
 
 def test_history_prefers_autogpus_series_and_drops_nan(prom: Replay) -> None:
     """gpu-a also has DCGM series (edited in): autogpu's are shown. NaN and infinite steps (a
-    division by zero in PromQL) have no value; a host without memory series shows none."""
+    division by zero in PromQL) have no value; a host without memory (utilisation) series shows
+    none."""
     def edit(results: dict[str, list[dict[str, Any]]]) -> None:
         for q in (DCGM_UTIL_Q, DCGM_MEM_Q):
             results[q].insert(0, {"metric": {"Hostname": "gpu-a"},
@@ -974,12 +975,15 @@ def test_history_prefers_autogpus_series_and_drops_nan(prom: Replay) -> None:
         util = results[UTIL_Q][0]["values"]
         util[-1][1], util[-2][1], util[-3][1] = "NaN", "+Inf", "-Inf"
         results[MEM_Q][:] = [s for s in results[MEM_Q] if s["metric"]["hostname"] != "gpu-c"]
+        results[UTIL_Q][:] = [s for s in results[UTIL_Q] if s["metric"]["hostname"] != "gpu-b"]
 
     client, now = scenario(prom, "all-up", edit)
     _, hosts = fetch_history(client, 120.0, now_s=now)
     assert (hosts[1].hostname, hosts[1].source) == ("gpu-a", "autogpu")
     assert hosts[1].utilization_pct[-7:] == (None, 40.0, 40.0, 40.0, None, None, None)
     assert hosts[1].memory_used_pct[-2:] == (84.375, 84.375)
+    assert (hosts[2].hostname, hosts[2].utilization_pct) == ("gpu-b", (None,) * 121)
+    assert hosts[2].memory_used_pct[-1] == 36.111111
     assert (hosts[3].hostname, hosts[3].memory_used_pct) == ("gpu-c", (None,) * 121)
     assert hosts[3].utilization_pct[-1] == 10.0
 
@@ -992,6 +996,7 @@ def test_history_prefers_autogpus_series_and_drops_nan(prom: Replay) -> None:
         (7.0, 3, 2.333, 4),
         (5.0, 0, 5.0, 2),
         (86400.0, 7, 12342.857, 8),
+        (126.0, 120, 1.05, 121),  # Prometheus answers at 120 steps of 1.05 s after the start
     ],
 )
 def test_history_steps_are_the_span_over_the_points_at_least_a_second(
@@ -1018,6 +1023,19 @@ def test_history_steps_are_the_span_over_the_points_at_least_a_second(
     assert hosts[0].utilization_pct == tuple(expected)
     assert prom.requests[0] == ("/api/v1/query_range", {
         "query": UTIL_Q, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:.3f}"})
+
+
+def test_history_times_are_those_of_prometheus_to_the_millisecond(prom: Replay) -> None:
+    """A point Prometheus stamps 1000.1234 is the step at 1000.123 (it answers in ms)."""
+    prom.answer("/api/v1/query_range", UTIL_Q, {"status": "success", "data": {
+        "resultType": "matrix", "result": [
+            {"metric": {"hostname": "n1"}, "values": [[991.1234, "0.5"], [1000.1234, "0.25"]]}]}})
+    for q in (MEM_Q, DCGM_UTIL_Q, DCGM_MEM_Q):
+        prom.answer("/api/v1/query_range", q, {"status": "success",
+                                               "data": {"resultType": "matrix", "result": []}})
+    _, hosts = fetch_history(PrometheusClient(prom.url), 10.0, now_s=1000.12345)
+    assert hosts[0].timestamps_s[0] == 990.123
+    assert hosts[0].utilization_pct == (None, 50.0) + (None,) * 8 + (25.0,)
 
 
 def test_history_defaults_to_120_points_until_now(prom: Replay) -> None:
