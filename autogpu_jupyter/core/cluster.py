@@ -320,10 +320,6 @@ def _int_label(value: str | None) -> int | None:
     return int(value)
 
 
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
 @dataclass
 class _Acc:
     """Series of one device being folded together."""
@@ -672,7 +668,8 @@ def fetch_history(
     # Prometheus answers at start + k * step, to the millisecond: build the same grid
     step = round(max(seconds / max(points, 1), 1.0), 3)
     start = round(end - seconds, 3)
-    grid = [start + i * step for i in range(int(seconds // step) + 1)]
+    # in whole milliseconds, as Prometheus counts (126 s // 1.05 s in floats is 119, not 120)
+    grid = [start + i * step for i in range(round(seconds * 1000) // round(step * 1000) + 1)]
     found: dict[str, HostHistory] = {}
     for source, util_expr, mem_expr in _HISTORY_QUERIES:
         by_host: dict[str, dict[str, dict[float, float]]] = {}
