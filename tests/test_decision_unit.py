@@ -463,3 +463,83 @@ def test_deciding_term_names_the_first_key_that_differs() -> None:
 def test_rank_and_deciding_term_agree_on_real_keys() -> None:
     ranked = rank([dev(0, util=40.0), dev(1, util=0.0)], Constraints())
     assert deciding_term(ranked[0], ranked[1]) == "lower load (0% util vs 40% util)"
+
+
+# --- more of the waiting line ------------------------------------------------------------------
+
+
+def test_a_malformed_waiter_is_logged_and_skipped(caplog: pytest.LogCaptureFixture) -> None:
+    devices = [dev(0)]
+    caplog.set_level("DEBUG", logger="autogpu_jupyter.core.decision")
+    reserve_for_waiters(devices, empty(devices), [ticket_rec(9, {"exclude": 5})])
+    assert [r.getMessage() for r in caplog.records] == [
+        "ignoring ticket 0000000000000009: 'int' object is not iterable"
+    ]
+
+
+def test_a_waiter_with_the_same_seq_as_ours_is_not_served_first() -> None:
+    devices = [dev(0)]
+
+    class Mine:
+        record = ticket_rec(4, {}, lid="f" * 16)
+
+    same = ticket_rec(4, {}, lid="a" * 16)
+    older = ticket_rec(3, {}, lid="b" * 16)
+    out = reserve_for_waiters(devices, empty(devices), [older, same], ticket=Mine())  # type: ignore[arg-type]
+    assert out["GPU-0"].holders == ("wa: waiting (ticket 3)",)
+
+
+def test_a_waiter_for_two_devices_books_both_even_if_one_has_no_entry() -> None:
+    devices = [dev(0, util=0.0), dev(1, util=50.0)]
+    t = ticket_rec(1, ticket_constraints(Constraints(count=2, min_free=Size(bytes=GiB)), None))
+    out = reserve_for_waiters(devices, {"GPU-1": Booking("GPU-1")}, [t])
+    assert out == {"GPU-1": Booking("GPU-1", 1, GiB, False, ("wa: waiting (ticket 1)",))}
+
+
+def test_a_waiter_is_given_the_device_the_smoothed_utilisation_favours() -> None:
+    devices = [dev(0, util=0.0), dev(1, util=0.0)]
+    t = ticket_rec(1, {})
+    out = reserve_for_waiters(devices, empty(devices), [t], smoothed_util={"GPU-0": 90.0})
+    assert out["GPU-1"].lease_count == 1
+    assert out["GPU-0"].lease_count == 0
+
+
+def test_gather_passes_the_smoothed_utilisation_to_the_waiting_line(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "registry")
+    t = registry.take_ticket(constraints=ticket_constraints(None, None))
+    assert t is not None
+    try:
+        ctx = gather(
+            snap(dev(0), dev(1)), environ={}, registry=registry, smoothed_util={"GPU-0": 90.0}
+        )
+        assert [u for u, b in ctx.bookings.items() if b.lease_count] == ["GPU-1"]
+        with registry.locked() as txn:
+            locked = gather(snap(dev(0), dev(1)), environ={}, registry=registry, txn=txn)
+        assert [u for u, b in locked.bookings.items() if b.lease_count] == ["GPU-0"]
+    finally:
+        t.release()
+
+
+def test_decide_ranks_by_the_smoothed_utilisation() -> None:
+    ctx = gather(
+        snap(dev(0, util=0.0), dev(1, util=10.0)), environ={}, smoothed_util={"GPU-0": 80.0}
+    )
+    d = decide(ctx, Constraints())
+    assert d.best is not None and d.best.device.uuid == "GPU-1"
+    assert d.best.smoothed_util_pct == 10.0
+
+
+def test_decide_counts_leases_from_the_context() -> None:
+    s = snap(dev(0), dev(1))
+    ctx = Context(s, None, {"GPU-0": Booking("GPU-0", 1, 0, True, ("x: pid 1",))})  # type: ignore[arg-type]
+    d = decide(ctx, Constraints())
+    assert [c.device.uuid for c in d.chosen] == ["GPU-1"]
+    assert d.candidate("GPU-0").reasons == ("held exclusively by another lease",)
+
+
+def test_an_exclusive_process_gpu_used_by_ourselves_stays_eligible() -> None:
+    busy = dev(0, compute_mode="EXCLUSIVE_PROCESS", procs=(ProcessSnapshot(pid=777),))
+    ours = decide(gather(snap(busy), environ={}, self_pids=[777]), Constraints())
+    assert ours.best is not None
+    theirs = decide(gather(snap(busy), environ={}), Constraints())
+    assert theirs.best is None

@@ -638,3 +638,32 @@ def test_the_cache_is_emptied_when_full(monkeypatch: pytest.MonkeyPatch) -> None
     assert len(records._RECORD_CACHE) == 2
     checked(raw(lease_dict(pid=3)))
     assert [k[0] for k in records._RECORD_CACHE] == [raw(lease_dict(pid=3))]
+
+
+def test_a_record_one_byte_over_the_cache_entry_limit_is_not_cached() -> None:
+    edge = lease_dict(command="")
+    edge["command"] = "c" * (records._RECORD_CACHE_ENTRY_MAX + 1 - len(raw(edge)))
+    assert len(raw(edge)) == 2049
+    checked(raw(edge))
+    assert records._RECORD_CACHE == {}
+
+
+@pytest.mark.parametrize(("path", "live"), [("/two", True), ("/one", False)])
+def test_a_cached_record_differing_only_in_path_or_liveness_is_updated(path, live) -> None:
+    data = raw(lease_dict())
+    checked(data, path="/one", live=True)
+    again = checked(data, path=path, live=live)
+    assert (again.path, again.live) == (path, live)
+
+
+def test_a_record_with_fewer_bookings_than_devices_books_nothing_on_the_rest() -> None:
+    rec = make(device_requested_bytes=(5,))
+    assert rec.requested_on(U0) == 5
+    assert rec.requested_on(U1) is None
+    assert rec.requested_on("GPU-other") is None
+
+
+def test_a_lone_surrogate_in_a_nested_value_is_refused() -> None:
+    assert refusal(raw(lease_dict(user="x")).replace(b'"x"', b'"\\udc80"')) == (
+        "a lone surrogate (not valid Unicode text)"
+    )
