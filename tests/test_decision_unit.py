@@ -543,3 +543,27 @@ def test_an_exclusive_process_gpu_used_by_ourselves_stays_eligible() -> None:
     assert ours.best is not None
     theirs = decide(gather(snap(busy), environ={}), Constraints())
     assert theirs.best is None
+
+
+def test_dead_leases_tickets_and_other_devices_leases_are_skipped_not_the_rest() -> None:
+    leases = [
+        lease(("GPU-0",), (7 * GiB,), pid=53, user="dead", live=False, exclusive=True),
+        lease(("GPU-0",), (7 * GiB,), pid=54, user="waiter", kind="ticket"),
+        lease(("GPU-1",), (1 * GiB,), pid=55, user="other"),
+        lease(("GPU-0",), (2 * GiB,), pid=56, user="ann"),
+    ]
+    assert bookings_for([dev(0)], leases) == {
+        "GPU-0": Booking("GPU-0", 1, 2 * GiB, False, ("ann: pid 56",)),
+    }
+
+
+def test_the_waiting_line_goes_by_seq_not_by_list_position() -> None:
+    devices = [dev(0)]
+
+    class Mine:
+        record = ticket_rec(4, {}, lid="f" * 16)
+
+    later = ticket_rec(5, {}, lid="a" * 16)
+    older = ticket_rec(3, {}, lid="b" * 16)
+    out = reserve_for_waiters(devices, empty(devices), [Mine.record, later, older], ticket=Mine())  # type: ignore[arg-type]
+    assert out["GPU-0"].holders == ("wa: waiting (ticket 3)",)
