@@ -210,7 +210,7 @@ def _ticket_request(c: Mapping[str, Any]) -> Constraints:
         max_util_pct=c.get("max_util_pct"),
         count=int(c.get("count", 1)),
         exclude=tuple(c.get("exclude", ())),
-        exclusive=bool(c.get("exclusive", False)),
+        exclusive=bool(c.get("exclusive")),
     )
 
 
