@@ -303,7 +303,7 @@ def pick(
                         list(made.ranked),
                         constraints,
                         made.context.allocation,
-                        now - start if wait_s else 0.0,
+                        now - start if wait_s > 0 else 0.0,
                     ),
                     candidates=made.ranked,
                 )
@@ -408,8 +408,8 @@ def _result(
 
 
 def _waiting_line(made: decision.Decision, waited_s: float, wait_s: float) -> str:
-    best = next(iter(made.ranked), None)
-    why = f"{best.device.label}: {'; '.join(best.reasons)}" if best else "no devices"
+    best = made.ranked[0]  # never empty: a host without devices was refused before
+    why = f"{best.device.label}: {'; '.join(best.reasons)}"
     return (
         f"waiting for a device ({made.constraints.describe()}), "
         f"{format_duration(waited_s)} of {format_duration(wait_s)}; best now {why}"

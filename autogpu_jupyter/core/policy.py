@@ -90,7 +90,8 @@ class Constraints:
             n = int(str(count).strip()) if not isinstance(count, bool) else -1
         except ValueError:
             n = -1
-        if n < 1 or (isinstance(count, float) and count != n):
+        # A float never parses: str() of it has a ".", "e", "inf" or "nan" (2.0 is refused too).
+        if n < 1:
             raise UsageErrorBase(f"invalid --count {count!r}: expected a whole number >= 1, e.g. 2")
         ids: tuple[str, ...] = ()
         if exclude is not None:
@@ -424,7 +425,8 @@ def select(candidates: Sequence[Candidate], count: int) -> list[Candidate]:
     for cand in candidates:
         if not cand.eligible:
             continue
-        if cand.device.is_mig and (count > 1 or any(c.device.is_mig for c in chosen)):
+        # Several devices cannot include a MIG device; one is returned as soon as it is chosen.
+        if cand.device.is_mig and count > 1:
             continue
         chosen.append(cand)
         if len(chosen) == count:
