@@ -13,6 +13,7 @@ from __future__ import annotations
 import _ctypes
 import ctypes
 import itertools
+import logging
 import os
 import shutil
 import subprocess
@@ -296,9 +297,22 @@ def test_mapped_libcuda_tolerates_bytes_that_are_not_utf8(tmp_path: Path) -> Non
     assert mapped_libcuda(str(maps)) == ["/opt/\ufffd/libcuda.so.1"]
 
 
-def test_this_process_has_no_driver_mapped_without_one() -> None:
+def test_this_process_has_no_driver_mapped_without_one(no_framework: None) -> None:
     assert mapped_libcuda() == []
-    assert cuda_state().initialized is False
+    assert cuda_state() == CudaState(
+        False, "no libcuda mapped in this process: nothing has called cuInit", None
+    )
+
+
+def test_an_unreadable_maps_file_is_logged_at_debug(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="autogpu_jupyter.core.cudastate")
+    missing = str(tmp_path / "nope")
+    assert mapped_libcuda(missing) is None
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("DEBUG", f"cannot read {missing}: [Errno 2] No such file or directory: {missing!r}")
+    ]
 
 
 # ---------------------------------------------- session: refusing a pick after cuInit

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from autogpu_jupyter.core.devices import FleetSnapshot
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.leases import Registry
@@ -64,7 +68,9 @@ def test_a_pick_returns_the_choice_the_ranking_the_env_and_its_lease(
     holder = Holder(pid=os.getpid(), kernel_id="k-1", notebook_path="a.ipynb", command="python x",
                     kind="kernel")
     want = Constraints(min_free=parse_size("10G"))
+    t0 = time.monotonic()
     result = pick(want, backend=two, environ={}, registry=registry, holder=holder)
+    took = time.monotonic() - t0
     assert [d.uuid for d in result.chosen] == [uuid_of(0)]
     assert [c.device.uuid for c in result.candidates] == [uuid_of(0), uuid_of(1)]
     assert result.env == {"CUDA_VISIBLE_DEVICES": uuid_of(0), **ENV_OF}
@@ -72,7 +78,7 @@ def test_a_pick_returns_the_choice_the_ranking_the_env_and_its_lease(
     assert (result.dry_run, result.kept, result.previous, result.lease_note) == (
         False, False, None, None,
     )
-    assert result.waited_s >= 0.0
+    assert 0.0 <= result.waited_s <= took
     assert result.snapshot.simulated is True
     assert result.runner_up is result.candidates[1]
     assert result.candidate(uuid_of(1)) is result.candidates[1]
@@ -246,6 +252,24 @@ def test_no_gpu_on_the_host_or_none_granted(tmp_path: Path, two: SimulatedBacken
     )
 
 
+class NoDevices:
+    """A backend whose snapshot lists no device, only the errors that hid them."""
+
+    def __init__(self, *errors: str) -> None:
+        self.errors = errors
+
+    def snapshot(self) -> FleetSnapshot:
+        return FleetSnapshot(devices=(), timestamp_s=0.0, backend="nvml", errors=self.errors)
+
+
+def test_no_gpu_on_the_host_names_the_errors_that_hid_them() -> None:
+    with pytest.raises(NoDeviceGrantedError) as info:
+        pick(Constraints(), backend=NoDevices("GPU 0: lost", "GPU 1: no permission"), environ={})
+    assert str(info.value) == (
+        "no GPU on this host: nvml lists no devices (GPU 0: lost; GPU 1: no permission)"
+    )
+
+
 def test_an_allocation_bounds_the_choice(two: SimulatedBackend) -> None:
     result = pick(Constraints(), backend=two, environ={"CUDA_VISIBLE_DEVICES": "1"})
     assert [d.uuid for d in result.chosen] == [uuid_of(1)]
@@ -313,8 +337,9 @@ def test_a_promise_only_the_registry_keeps_fails_closed_when_it_is_unusable(
 
 
 def test_a_refused_lease_write_fails_an_exclusive_pick_but_not_a_plain_one(
-    tmp_path: Path, registry: Registry
+    tmp_path: Path, registry: Registry, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="autogpu_jupyter.core.picker")
     # A device UUID that readers of the registry would reject: the lease is refused.
     spec = fleet(1)
     spec["devices"][0]["uuid"] = "GPU-has space"
@@ -325,6 +350,8 @@ def test_a_refused_lease_write_fails_an_exclusive_pick_but_not_a_plain_one(
     assert plain.lease is None
     assert plain.lease_note == f"{refused}: picked without a lease"
     assert [d.uuid for d in plain.chosen] == ["GPU-has space"]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records
+            if r.name == "autogpu_jupyter.core.picker"] == [("INFO", f"no lease: {refused}")]
     with pytest.raises(RegistryUntrustedError) as info:
         pick(Constraints(exclusive=True), backend=backend, environ={}, registry=registry)
     assert str(info.value) == (
@@ -412,7 +439,34 @@ def test_a_waiting_pick_holds_one_ticket_while_it_waits_and_none_after(
     )
     assert all(re.fullmatch(pattern, line) for line in progress), progress
     assert live(registry) == [("lease", (uuid_of(0),))]
+    # The ticket was removed under the lock, not merely left behind unlocked.
+    assert sorted(p.suffix for p in Path(registry.path).glob("*/*")) == [".lease"]
     assert result.lease is not None
+    result.lease.release()
+
+
+def test_an_exclusive_waiter_s_ticket_says_who_waits_and_for_what(
+    tmp_path: Path, registry: Registry
+) -> None:
+    backend = backend_for(tmp_path, fleet(1))
+    held = pick(Constraints(), backend=backend, environ={}, registry=registry)
+    tickets: list[tuple[bool, str, str | None, bool]] = []
+
+    def sleep(_s: float) -> None:
+        tickets.extend(
+            (r.exclusive, r.holder_kind, r.kernel_id, bool(r.constraints and
+                                                           r.constraints["exclusive"]))
+            for r in registry.list_leases(include_tickets=True) if r.kind == "ticket"
+        )
+        assert held.lease is not None
+        held.lease.release()
+
+    holder = Holder(kernel_id="kernel-7", kind="kernel")
+    result = pick(Constraints(exclusive=True), backend=backend, environ={}, registry=registry,
+                  wait_s=30, sleep=sleep, holder=holder)
+    assert tickets == [(True, "kernel", "kernel-7", True)]
+    assert result.lease is not None and result.lease.record.exclusive is True
+    assert sorted(p.suffix for p in Path(registry.path).glob("*/*")) == [".lease"]
     result.lease.release()
 
 

@@ -127,6 +127,9 @@ def test_a_dry_run_result_changes_no_variable(backend: SimulatedBackend) -> None
     choice = session.apply(result, environ=env)
     assert env == {"CUDA_VISIBLE_DEVICES": "2"}
     assert choice.uuids == (uuid_of(0),)
+    # Nothing to give back: CUDA_DEVICE_ORDER was never set, and stays unset.
+    assert session.release(environ=env) is choice
+    assert env == {"CUDA_VISIBLE_DEVICES": "2"}
 
 
 def test_without_an_environ_the_process_environment_is_changed_and_given_back(

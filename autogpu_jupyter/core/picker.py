@@ -189,7 +189,7 @@ def _promises(constraints: Constraints, wait_s: float, registry: Registry | None
         return "an exclusive pick (--exclusive)"
     if wait_s > 0:
         return "a pick that waits in line (--wait)"
-    if getattr(registry, "max_devices_per_user", 0) > 0:
+    if registry.max_devices_per_user > 0:
         return "a pick under the admin's max_devices_per_user quota"
     return None
 
@@ -345,7 +345,8 @@ def _attempt(
     lease_note: str | None = None
     with lock_cm as txn:
         if txn is None and promised is not None:
-            raise _fail_closed(promised, getattr(registry, "unusable_reason", None))
+            # promised implies a registry (see _promises)
+            raise _fail_closed(promised, registry.unusable_reason if registry else None)
         snap = backend.snapshot()
         _check_granted(snap, env)
         _check_ids(snap.devices, constraints)
@@ -390,7 +391,7 @@ def _result(
     dry_run: bool,
     start: float,
 ) -> PickResult:
-    if registry is not None and not dry_run and getattr(registry, "unusable_reason", None):
+    if registry is not None and not dry_run and registry.unusable_reason:
         lease_note = registry.unusable_reason
     chosen = [c.device for c in made.chosen]
     return PickResult(
