@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.devices import FleetSnapshot
-
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+from autogpu_jupyter.core.devices import FleetSnapshot
 from autogpu_jupyter.core.leases import Registry
 from autogpu_jupyter.core.picker import Holder, explain_drops, pick
 from autogpu_jupyter.core.policy import Constraints
@@ -63,8 +62,9 @@ def live(registry: Registry) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def test_a_pick_returns_the_choice_the_ranking_the_env_and_its_lease(
-    two: SimulatedBackend, registry: Registry
+    two: SimulatedBackend, registry_dir: Path
 ) -> None:
+    registry = Registry(registry_dir, record_commands=True)
     holder = Holder(pid=os.getpid(), kernel_id="k-1", notebook_path="a.ipynb", command="python x",
                     kind="kernel")
     want = Constraints(min_free=parse_size("10G"))
@@ -105,7 +105,7 @@ def test_a_pick_returns_the_choice_the_ranking_the_env_and_its_lease(
         "dry_run": False,
         "kept": False,
     }
-    assert d["lease"]["command"] == rec.command
+    assert d["lease"]["command"] == "python x"  # this process's own lease: not redacted
     assert live(registry) == [("lease", (uuid_of(0),))]
     result.lease.release()
 
@@ -175,6 +175,7 @@ def test_explain_drops_says_why_each_device_fits_or_not(tmp_path: Path) -> None:
 
 def test_a_device_that_fits_without_a_reason_says_ok(two: SimulatedBackend) -> None:
     result = pick(Constraints(), backend=two, environ={}, dry_run=True)
+    assert (result.to_dict()["lease"], result.to_dict()["dry_run"]) == (None, True)
     assert explain_drops(result.candidates) == (
         "  GPU 0 (NVIDIA A100-SXM4-80GB): fits: ok\n  GPU 1 (NVIDIA A100-SXM4-80GB): fits: ok"
     )
@@ -486,20 +487,23 @@ def test_a_wait_without_a_registry_takes_no_ticket_and_still_reports_progress(
     path = tmp_path / "fleet.json"
     spec = fleet(1)
     spec["devices"][0]["memory_used"] = "75G"
+    spec["devices"][0]["utilization_pct"] = 90
     path.write_text(json.dumps(spec))
     progress: list[str] = []
 
     def sleep(_s: float) -> None:
         spec["devices"][0]["memory_used"] = 0
+        spec["devices"][0]["utilization_pct"] = 0
         path.write_text(json.dumps(spec))
         os.utime(path, ns=(1, os.stat(path).st_mtime_ns + 10**9))
 
-    result = pick(Constraints.parse(min_free="10G"), backend=SimulatedBackend(str(path)),
-                  environ={}, wait_s=30, sleep=sleep, on_progress=progress.append)
+    result = pick(Constraints.parse(min_free="10G", max_util="50"),
+                  backend=SimulatedBackend(str(path)), environ={}, wait_s=30, sleep=sleep,
+                  on_progress=progress.append)
     assert [d.uuid for d in result.chosen] == [uuid_of(0)]
     assert len(progress) == 1
     assert progress[0].endswith(
-        "s of 30s; best now GPU 0: only 5.0 GiB free < 10.0 GiB wanted"
+        "s of 30s; best now GPU 0: only 5.0 GiB free < 10.0 GiB wanted; utilisation 90% > max 50%"
     )
 
 
