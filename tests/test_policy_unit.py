@@ -90,7 +90,10 @@ def test_parse_rejects(kwargs: dict, message: str) -> None:
 def test_parse_names_the_max_util_option_in_its_error() -> None:
     with pytest.raises(UsageErrorBase) as info:
         Constraints.parse(max_util="lots")
-    assert "--max-util" in str(info.value)
+    assert str(info.value) == (
+        "invalid --max-util 'lots': expected a number from 0 to 100, optionally followed by %, "
+        "e.g. 50 or 50%"
+    )
 
 
 # ------------------------------------------------------------------- describe / to_json

@@ -87,9 +87,10 @@ class Constraints:
         size = None if min_free in (None, "") else parse_size(min_free)
         util = None if max_util in (None, "") else parse_percent(max_util, "--max-util")
         try:
-            n = int(str(count).strip()) if not isinstance(count, bool) else -1
+            # True/False never parse either: str() gives "True"/"False".
+            n = int(str(count).strip())
         except ValueError:
-            n = -1
+            n = 0
         # A float never parses: str() of it has a ".", "e", "inf" or "nan" (2.0 is refused too).
         if n < 1:
             raise UsageErrorBase(f"invalid --count {count!r}: expected a whole number >= 1, e.g. 2")
@@ -193,9 +194,9 @@ def matches_id(device: DeviceSnapshot, ident: str) -> bool:
         return False
     if ident.isdigit():
         return not device.is_mig and device.index == int(ident)
-    if ":" in ident and all(p.isdigit() for p in ident.split(":", 1)):
-        gi, mi = (int(p) for p in ident.split(":", 1))
-        return device.is_mig and device.index == gi and device.mig_index == mi
+    gpu, _, mig = ident.partition(":")
+    if gpu.isdigit() and mig.isdigit():  # "3:1" (mig is "" without a colon)
+        return device.is_mig and device.index == int(gpu) and device.mig_index == int(mig)
     if ident.upper() == device.label.upper():
         return True
     return device.uuid == ident or (len(ident) >= 6 and device.uuid.startswith(ident))
