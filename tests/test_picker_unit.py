@@ -317,7 +317,7 @@ def test_a_dry_run_never_touches_the_registry_nor_fails_closed(
         ({"constraints": Constraints(exclusive=True)}, 0, "an exclusive pick (--exclusive)"),
         ({"constraints": Constraints(exclusive=True), "wait_s": 5}, 3,
          "an exclusive pick (--exclusive)"),
-        ({"constraints": Constraints(), "wait_s": 5}, 3, "a pick that waits in line (--wait)"),
+        ({"constraints": Constraints(), "wait_s": 0.5}, 3, "a pick that waits in line (--wait)"),
         ({"constraints": Constraints()}, 1,
          "a pick under the admin's max_devices_per_user quota"),
     ],
