@@ -115,7 +115,7 @@ def _framework_hint() -> tuple[str | None, str | None]:
 
 def _ask_driver(path: str) -> tuple[bool, str]:
     """Ask the already-loaded driver at ``path`` whether ``cuInit`` ran."""
-    mode = getattr(os, "RTLD_NOLOAD", 0x4) | getattr(os, "RTLD_LAZY", 0x1)
+    mode = os.RTLD_NOLOAD | os.RTLD_LAZY  # on Linux (only there can the maps file be read)
     try:
         lib = ctypes.CDLL(path, mode=mode)
     except OSError as err:

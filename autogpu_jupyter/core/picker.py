@@ -189,7 +189,7 @@ def _promises(constraints: Constraints, wait_s: float, registry: Registry | None
         return "an exclusive pick (--exclusive)"
     if wait_s > 0:
         return "a pick that waits in line (--wait)"
-    if getattr(registry, "max_devices_per_user", 0) > 0:
+    if registry.max_devices_per_user > 0:
         return "a pick under the admin's max_devices_per_user quota"
     return None
 
@@ -303,7 +303,7 @@ def pick(
                         list(made.ranked),
                         constraints,
                         made.context.allocation,
-                        now - start if wait_s else 0.0,
+                        now - start if wait_s > 0 else 0.0,
                     ),
                     candidates=made.ranked,
                 )
@@ -345,7 +345,8 @@ def _attempt(
     lease_note: str | None = None
     with lock_cm as txn:
         if txn is None and promised is not None:
-            raise _fail_closed(promised, getattr(registry, "unusable_reason", None))
+            # promised implies a registry (see _promises)
+            raise _fail_closed(promised, registry.unusable_reason if registry else None)
         snap = backend.snapshot()
         _check_granted(snap, env)
         _check_ids(snap.devices, constraints)
@@ -390,7 +391,7 @@ def _result(
     dry_run: bool,
     start: float,
 ) -> PickResult:
-    if registry is not None and not dry_run and getattr(registry, "unusable_reason", None):
+    if registry is not None and not dry_run and registry.unusable_reason:
         lease_note = registry.unusable_reason
     chosen = [c.device for c in made.chosen]
     return PickResult(
@@ -408,8 +409,8 @@ def _result(
 
 
 def _waiting_line(made: decision.Decision, waited_s: float, wait_s: float) -> str:
-    best = next(iter(made.ranked), None)
-    why = f"{best.device.label}: {'; '.join(best.reasons)}" if best else "no devices"
+    best = made.ranked[0]  # never empty: a host without devices was refused before
+    why = f"{best.device.label}: {'; '.join(best.reasons)}"
     return (
         f"waiting for a device ({made.constraints.describe()}), "
         f"{format_duration(waited_s)} of {format_duration(wait_s)}; best now {why}"

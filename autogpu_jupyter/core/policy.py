@@ -87,10 +87,12 @@ class Constraints:
         size = None if min_free in (None, "") else parse_size(min_free)
         util = None if max_util in (None, "") else parse_percent(max_util, "--max-util")
         try:
-            n = int(str(count).strip()) if not isinstance(count, bool) else -1
+            # True/False never parse either: str() gives "True"/"False".
+            n = int(str(count).strip())
         except ValueError:
-            n = -1
-        if n < 1 or (isinstance(count, float) and count != n):
+            n = 0
+        # A float never parses: str() of it has a ".", "e", "inf" or "nan" (2.0 is refused too).
+        if n < 1:
             raise UsageErrorBase(f"invalid --count {count!r}: expected a whole number >= 1, e.g. 2")
         ids: tuple[str, ...] = ()
         if exclude is not None:
@@ -192,9 +194,9 @@ def matches_id(device: DeviceSnapshot, ident: str) -> bool:
         return False
     if ident.isdigit():
         return not device.is_mig and device.index == int(ident)
-    if ":" in ident and all(p.isdigit() for p in ident.split(":", 1)):
-        gi, mi = (int(p) for p in ident.split(":", 1))
-        return device.is_mig and device.index == gi and device.mig_index == mi
+    gpu, _, mig = ident.partition(":")
+    if gpu.isdigit() and mig.isdigit():  # "3:1" (mig is "" without a colon)
+        return device.is_mig and device.index == int(gpu) and device.mig_index == int(mig)
     if ident.upper() == device.label.upper():
         return True
     return device.uuid == ident or (len(ident) >= 6 and device.uuid.startswith(ident))
@@ -424,7 +426,8 @@ def select(candidates: Sequence[Candidate], count: int) -> list[Candidate]:
     for cand in candidates:
         if not cand.eligible:
             continue
-        if cand.device.is_mig and (count > 1 or any(c.device.is_mig for c in chosen)):
+        # Several devices cannot include a MIG device; one is returned as soon as it is chosen.
+        if cand.device.is_mig and count > 1:
             continue
         chosen.append(cand)
         if len(chosen) == count:

@@ -1,0 +1,531 @@
+"""core.picker in detail, against the simulated backend and a real lease registry in tmp:
+what a pick returns, the messages of every refusal, the waiting line, and failing closed."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+from autogpu_jupyter.core.devices import FleetSnapshot
+from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.picker import Holder, explain_drops, pick
+from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.core.units import parse_size
+from autogpu_jupyter.errors import (
+    NoDeviceFitsError,
+    NoDeviceGrantedError,
+    RegistryUntrustedError,
+    UsageErrorBase,
+)
+from tests.leasehelpers import fleet, uuid_of
+
+GiB = 1024**3
+ENV_OF = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def backend_for(tmp_path: Path, spec: dict[str, Any], name: str = "fleet.json") -> SimulatedBackend:
+    path = tmp_path / name
+    path.write_text(json.dumps(spec))
+    return SimulatedBackend(str(path))
+
+
+@pytest.fixture
+def two(tmp_path: Path) -> SimulatedBackend:
+    return backend_for(tmp_path, fleet(2))
+
+
+@pytest.fixture
+def registry(registry_dir: Path) -> Registry:
+    return Registry(registry_dir)
+
+
+@pytest.fixture
+def broken_registry(tmp_path: Path) -> Registry:
+    """A registry that cannot be used: its parent directory does not exist."""
+    return Registry(tmp_path / "missing" / "registry")
+
+
+def live(registry: Registry) -> list[tuple[str, tuple[str, ...]]]:
+    return [(r.kind, r.device_uuids) for r in registry.list_leases(include_tickets=True)]
+
+
+# ------------------------------------------------------------------------- PickResult
+
+
+def test_a_pick_returns_the_choice_the_ranking_the_env_and_its_lease(
+    two: SimulatedBackend, registry_dir: Path
+) -> None:
+    registry = Registry(registry_dir, record_commands=True)
+    holder = Holder(pid=os.getpid(), kernel_id="k-1", notebook_path="a.ipynb", command="python x",
+                    kind="kernel")
+    want = Constraints(min_free=parse_size("10G"))
+    t0 = time.monotonic()
+    result = pick(want, backend=two, environ={}, registry=registry, holder=holder)
+    took = time.monotonic() - t0
+    assert [d.uuid for d in result.chosen] == [uuid_of(0)]
+    assert [c.device.uuid for c in result.candidates] == [uuid_of(0), uuid_of(1)]
+    assert result.env == {"CUDA_VISIBLE_DEVICES": uuid_of(0), **ENV_OF}
+    assert result.constraints is want
+    assert (result.dry_run, result.kept, result.previous, result.lease_note) == (
+        False, False, None, None,
+    )
+    assert 0.0 <= result.waited_s <= took
+    assert result.snapshot.simulated is True
+    assert result.runner_up is result.candidates[1]
+    assert result.candidate(uuid_of(1)) is result.candidates[1]
+    assert result.candidate("GPU-nope") is None
+    assert result.lease is not None
+    rec = result.lease.record
+    assert (rec.kind, rec.device_uuids, rec.device_requested_bytes, rec.exclusive) == (
+        "lease", (uuid_of(0),), (10 * GiB,), False,
+    )
+    assert (rec.pid, rec.kernel_id, rec.notebook_path, rec.holder_kind) == (
+        os.getpid(), "k-1", "a.ipynb", "kernel",
+    )
+    d = result.to_dict()
+    assert d == {
+        "chosen": [result.chosen[0].to_dict()],
+        "candidates": [c.to_dict() for c in result.candidates],
+        "constraints": want.to_json(),
+        "constraints_text": "min free 10.0 GiB",
+        "env": {"CUDA_VISIBLE_DEVICES": uuid_of(0), **ENV_OF},
+        "allocation": result.allocation.describe(),
+        "simulated": True,
+        "lease": rec.to_dict(redact_command=False),
+        "lease_note": None,
+        "dry_run": False,
+        "kept": False,
+    }
+    assert d["lease"]["command"] == "python x"  # this process's own lease: not redacted
+    assert live(registry) == [("lease", (uuid_of(0),))]
+    result.lease.release()
+
+
+def test_a_default_holder_is_this_process(two: SimulatedBackend, registry: Registry) -> None:
+    result = pick(Constraints(), backend=two, environ={}, registry=registry)
+    assert result.lease is not None
+    rec = result.lease.record
+    assert (rec.pid, rec.holder_kind, rec.kernel_id, rec.device_requested_bytes) == (
+        os.getpid(), "process", None, (None,),
+    )
+    assert Holder() == Holder(pid=os.getpid(), kind="process")
+    assert result.to_dict()["lease"] == rec.to_dict(redact_command=False)
+    result.lease.release()
+
+
+def test_two_devices_book_each_its_own_share_and_an_exclusive_lease_says_so(
+    tmp_path: Path, registry: Registry
+) -> None:
+    spec = fleet(2)
+    spec["devices"][1]["memory_total"] = "40G"
+    backend = backend_for(tmp_path, spec)
+    want = Constraints(min_free=parse_size("25%"), count=2, exclusive=True)
+    result = pick(want, backend=backend, environ={}, registry=registry)
+    assert result.lease is not None
+    rec = result.lease.record
+    assert rec.device_uuids == (uuid_of(0), uuid_of(1))
+    assert rec.device_requested_bytes == (20 * GiB, 10 * GiB)
+    assert rec.exclusive is True
+    assert result.env == {"CUDA_VISIBLE_DEVICES": f"{uuid_of(0)},{uuid_of(1)}", **ENV_OF}
+    assert result.runner_up is None
+    result.lease.release()
+
+
+def test_a_pick_without_a_registry_takes_no_lease_but_sets_the_env(
+    two: SimulatedBackend,
+) -> None:
+    result = pick(Constraints(exclusive=True, count=1), backend=two, environ={}, wait_s=5)
+    assert (result.lease, result.lease_note) == (None, None)
+    assert result.env == {"CUDA_VISIBLE_DEVICES": uuid_of(0), **ENV_OF}
+
+
+def test_explain_drops_says_why_each_device_fits_or_not(tmp_path: Path) -> None:
+    spec = fleet(3)
+    spec["devices"][2]["memory_used"] = "75G"
+    spec["devices"][1]["utilization_pct"] = 90
+    backend = backend_for(tmp_path, spec)
+    with pytest.raises(NoDeviceFitsError) as info:
+        pick(Constraints.parse(min_free="10G", max_util="50", count=2), backend=backend,
+             environ={})
+    cands = info.value.candidates
+    assert explain_drops(cands) == (
+        "  GPU 0 (NVIDIA A100-SXM4-80GB): fits: 80.0 GiB free >= 10.0 GiB wanted\n"
+        "  GPU 1 (NVIDIA A100-SXM4-80GB): dropped: 80.0 GiB free >= 10.0 GiB wanted; "
+        "utilisation 90% > max 50%\n"
+        "  GPU 2 (NVIDIA A100-SXM4-80GB): dropped: only 5.0 GiB free < 10.0 GiB wanted"
+    )
+    assert str(info.value) == (
+        "only 1 device(s) fit, 2 wanted (min free 10.0 GiB, max util 50%, 2 devices):\n"
+        + explain_drops(cands)
+    )
+    assert explain_drops([]) == ""
+    assert explain_drops([c for c in cands if c.eligible]) == (
+        "  GPU 0 (NVIDIA A100-SXM4-80GB): fits: 80.0 GiB free >= 10.0 GiB wanted"
+    )
+
+
+def test_a_device_that_fits_without_a_reason_says_ok(two: SimulatedBackend) -> None:
+    result = pick(Constraints(), backend=two, environ={}, dry_run=True)
+    assert (result.to_dict()["lease"], result.to_dict()["dry_run"]) == (None, True)
+    assert explain_drops(result.candidates) == (
+        "  GPU 0 (NVIDIA A100-SXM4-80GB): fits: ok\n  GPU 1 (NVIDIA A100-SXM4-80GB): fits: ok"
+    )
+
+
+# ----------------------------------------------------------------------- refusals, in words
+
+
+def test_nothing_fits_without_waiting_says_so_and_keeps_the_ranking(
+    two: SimulatedBackend,
+) -> None:
+    slept: list[float] = []
+    with pytest.raises(NoDeviceFitsError) as info:
+        pick(Constraints.parse(min_free="90G"), backend=two, environ={}, sleep=slept.append)
+    assert str(info.value) == (
+        "no device fits (min free 90.0 GiB):\n"
+        "  GPU 0 (NVIDIA A100-SXM4-80GB): dropped: only 80.0 GiB free < 90.0 GiB wanted\n"
+        "  GPU 1 (NVIDIA A100-SXM4-80GB): dropped: only 80.0 GiB free < 90.0 GiB wanted"
+    )
+    assert [c.device.uuid for c in info.value.candidates] == [uuid_of(0), uuid_of(1)]
+    assert slept == []
+    # A negative wait is no wait.
+    with pytest.raises(NoDeviceFitsError) as info:
+        pick(Constraints.parse(min_free="90G"), backend=two, environ={}, wait_s=-5,
+             sleep=slept.append)
+    assert str(info.value) == (
+        "no device fits (min free 90.0 GiB):\n" + explain_drops(info.value.candidates)
+    )
+    assert slept == []
+
+
+@pytest.mark.parametrize(
+    ("exclude", "message"),
+    [
+        ((" ",), "invalid --exclude: empty device id; expected NVML indices or UUIDs, e.g. 0,2 "
+                 "or GPU-5a1"),
+        (("7",), "unknown device id '7' in --exclude; expected an NVML index (0, 1, 1:0, 1:1) "
+                 "or a UUID"),
+        (("0", "GPU-zzzzzz"), "unknown device id 'GPU-zzzzzz' in --exclude; expected an NVML "
+                              "index (0, 1, 1:0, 1:1) or a UUID"),
+    ],
+)
+def test_an_unknown_or_empty_excluded_id_is_refused_naming_the_known_ones(
+    tmp_path: Path, exclude: tuple[str, ...], message: str
+) -> None:
+    spec = fleet(2)
+    spec["devices"][1]["mig_devices"] = [
+        {"uuid": "MIG-aaaaaaaa-0000", "memory_total": "10G", "profile": "1g.10gb"},
+        {"uuid": "MIG-bbbbbbbb-0000", "memory_total": "10G", "profile": "1g.10gb"},
+    ]
+    with pytest.raises(UsageErrorBase) as info:
+        pick(Constraints(exclude=exclude), backend=backend_for(tmp_path, spec), environ={})
+    assert str(info.value) == message
+
+
+def test_known_excluded_ids_pass_and_a_bad_count_is_refused(two: SimulatedBackend) -> None:
+    result = pick(Constraints(exclude=("0", uuid_of(0))), backend=two, environ={}, dry_run=True)
+    assert [d.uuid for d in result.chosen] == [uuid_of(1)]
+    for bad in (0, -1):
+        with pytest.raises(UsageErrorBase) as info:
+            pick(Constraints(count=bad), backend=two, environ={}, dry_run=True)
+        assert str(info.value) == f"invalid count {bad!r}: expected a whole number >= 1"
+
+
+def test_no_gpu_on_the_host_or_none_granted(tmp_path: Path, two: SimulatedBackend) -> None:
+    empty = backend_for(tmp_path, {"devices": []}, "empty.json")
+    with pytest.raises(NoDeviceGrantedError) as info:
+        pick(Constraints(), backend=empty, environ={})
+    assert str(info.value) == "no GPU on this host: simulated lists no devices"
+    with pytest.raises(NoDeviceGrantedError) as info:
+        pick(Constraints(), backend=two, environ={"CUDA_VISIBLE_DEVICES": ""})
+    assert str(info.value) == (
+        "no GPU granted to this process: CUDA_VISIBLE_DEVICES='' grants no GPU to this process "
+        "(CUDA_VISIBLE_DEVICES is set but empty: CUDA shows no GPU)"
+    )
+
+
+class NoDevices:
+    """A backend whose snapshot lists no device, only the errors that hid them."""
+
+    def __init__(self, *errors: str) -> None:
+        self.errors = errors
+
+    def snapshot(self) -> FleetSnapshot:
+        return FleetSnapshot(devices=(), timestamp_s=0.0, backend="nvml", errors=self.errors)
+
+
+def test_no_gpu_on_the_host_names_the_errors_that_hid_them() -> None:
+    with pytest.raises(NoDeviceGrantedError) as info:
+        pick(Constraints(), backend=NoDevices("GPU 0: lost", "GPU 1: no permission"), environ={})
+    assert str(info.value) == (
+        "no GPU on this host: nvml lists no devices (GPU 0: lost; GPU 1: no permission)"
+    )
+
+
+def test_an_allocation_bounds_the_choice(two: SimulatedBackend) -> None:
+    result = pick(Constraints(), backend=two, environ={"CUDA_VISIBLE_DEVICES": "1"})
+    assert [d.uuid for d in result.chosen] == [uuid_of(1)]
+    assert result.allocation.uuids == (uuid_of(1),)
+
+
+def test_the_environment_defaults_to_this_process(
+    two: SimulatedBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    result = pick(Constraints(), backend=two)
+    assert [d.uuid for d in result.chosen] == [uuid_of(1)]
+
+
+# ------------------------------------------------------------- an unusable lease registry
+
+
+def test_a_plain_pick_goes_on_without_a_lease_and_says_why(
+    two: SimulatedBackend, broken_registry: Registry
+) -> None:
+    result = pick(Constraints(), backend=two, environ={}, registry=broken_registry)
+    assert [d.uuid for d in result.chosen] == [uuid_of(0)]
+    assert result.lease is None
+    reason = broken_registry.unusable_reason
+    assert reason is not None and reason.startswith(
+        f"cannot create lease registry {broken_registry.path}: No such file or directory"
+    )
+    assert result.lease_note == f"{reason}: picked without a lease"
+    assert result.env == {"CUDA_VISIBLE_DEVICES": uuid_of(0), **ENV_OF}
+
+
+def test_a_dry_run_never_touches_the_registry_nor_fails_closed(
+    two: SimulatedBackend, broken_registry: Registry
+) -> None:
+    result = pick(Constraints(exclusive=True), backend=two, environ={}, registry=broken_registry,
+                  dry_run=True, wait_s=5)
+    assert (result.lease, result.lease_note, result.env, result.dry_run) == (None, None, {}, True)
+    assert broken_registry.unusable_reason is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "max_per_user", "what"),
+    [
+        ({"constraints": Constraints(exclusive=True)}, 0, "an exclusive pick (--exclusive)"),
+        ({"constraints": Constraints(exclusive=True), "wait_s": 5}, 3,
+         "an exclusive pick (--exclusive)"),
+        ({"constraints": Constraints(), "wait_s": 0.5}, 3, "a pick that waits in line (--wait)"),
+        ({"constraints": Constraints()}, 1,
+         "a pick under the admin's max_devices_per_user quota"),
+    ],
+)
+def test_a_promise_only_the_registry_keeps_fails_closed_when_it_is_unusable(
+    two: SimulatedBackend, tmp_path: Path, kwargs: dict[str, Any], max_per_user: int, what: str
+) -> None:
+    broken = Registry(tmp_path / "missing" / "registry", max_devices_per_user=max_per_user)
+    slept: list[float] = []
+    with pytest.raises(RegistryUntrustedError) as info:
+        pick(backend=two, environ={}, registry=broken, sleep=slept.append, **kwargs)
+    assert str(info.value) == (
+        f"refused {what} without a lease: {broken.unusable_reason}. Nothing was picked and the "
+        "environment is unchanged; a plain pick (without --exclusive or --wait) still works, "
+        "without a lease"
+    )
+    assert slept == []
+
+
+def test_a_refused_lease_write_fails_an_exclusive_pick_but_not_a_plain_one(
+    tmp_path: Path, registry: Registry, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="autogpu_jupyter.core.picker")
+    # A device UUID that readers of the registry would reject: the lease is refused.
+    spec = fleet(1)
+    spec["devices"][0]["uuid"] = "GPU-has space"
+    backend = backend_for(tmp_path, spec)
+    refused = "lease record refused: readers would reject it (device_uuids: expected a list of "
+    refused += "distinct device UUIDs)"
+    plain = pick(Constraints(), backend=backend, environ={}, registry=registry)
+    assert plain.lease is None
+    assert plain.lease_note == f"{refused}: picked without a lease"
+    assert [d.uuid for d in plain.chosen] == ["GPU-has space"]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records
+            if r.name == "autogpu_jupyter.core.picker"] == [("INFO", f"no lease: {refused}")]
+    with pytest.raises(RegistryUntrustedError) as info:
+        pick(Constraints(exclusive=True), backend=backend, environ={}, registry=registry)
+    assert str(info.value) == (
+        f"refused an exclusive pick (--exclusive) without a lease: {refused}. Nothing was picked "
+        "and the environment is unchanged; a plain pick (without --exclusive or --wait) still "
+        "works, without a lease"
+    )
+    assert live(registry) == []
+
+
+class WarmingBackend(SimulatedBackend):
+    """The simulated backend with NVML's ``warm_up`` hook: it records whether the registry lock
+    was free when it ran (the picker warms up before it takes the lock)."""
+
+    def __init__(self, source: str, registry_path: str) -> None:
+        super().__init__(source)
+        self.registry_path = registry_path
+        self.lock_free_at_warm_up: list[bool] = []
+
+    def warm_up(self) -> None:
+        fd = os.open(self.registry_path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.lock_free_at_warm_up.append(True)
+        except BlockingIOError:
+            self.lock_free_at_warm_up.append(False)
+        finally:
+            os.close(fd)
+
+
+def test_a_backend_is_warmed_up_before_the_registry_lock_and_only_for_a_real_pick(
+    tmp_path: Path, registry: Registry
+) -> None:
+    os.makedirs(registry.path, exist_ok=True)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(fleet(1)))
+    backend = WarmingBackend(str(path), registry.path)
+    pick(Constraints(), backend=backend, environ={}, dry_run=True, registry=registry)
+    pick(Constraints(), backend=backend, environ={})
+    assert backend.lock_free_at_warm_up == []
+    result = pick(Constraints(), backend=backend, environ={}, registry=registry)
+    assert backend.lock_free_at_warm_up == [True]
+    assert result.lease is not None
+    result.lease.release()
+
+
+# ------------------------------------------------------------------------ waiting in line
+
+
+def test_a_waiting_pick_holds_one_ticket_while_it_waits_and_none_after(
+    tmp_path: Path, registry: Registry
+) -> None:
+    backend = backend_for(tmp_path, fleet(1))
+    want = Constraints(min_free=parse_size("50G"))
+    held = pick(want, backend=backend, environ={}, registry=registry)
+    assert held.lease is not None
+    seen: list[list[tuple[str, tuple[str, ...]]]] = []
+    tickets: list[dict[str, Any] | None] = []
+    slept: list[float] = []
+    progress: list[str] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        seen.append(live(registry))
+        tickets.extend(
+            r.constraints for r in registry.list_leases(include_tickets=True) if r.kind == "ticket"
+        )
+        if len(slept) == 2:
+            assert held.lease is not None
+            held.lease.release()
+
+    result = pick(want, backend=backend, environ={"CUDA_VISIBLE_DEVICES": "0"},
+                  registry=registry, wait_s=30, sleep=sleep, on_progress=progress.append)
+    assert [d.uuid for d in result.chosen] == [uuid_of(0)]
+    assert slept == [1.0, 1.0]
+    assert seen == [[("lease", (uuid_of(0),)), ("ticket", ())]] * 2
+    assert tickets[0] == {
+        "min_free_bytes": 50 * GiB, "min_free_fraction": None, "max_util_pct": None,
+        "count": 1, "exclude": [], "exclusive": False, "allowed_uuids": [uuid_of(0)],
+    }
+    assert len(progress) == 2
+    pattern = (
+        r"waiting for a device \(min free 50\.0 GiB\), [0-9.]+s of 30s; best now GPU 0: "
+        r"only 30\.0 GiB free after 50\.0 GiB booked by leases < 50\.0 GiB wanted"
+    )
+    assert all(re.fullmatch(pattern, line) for line in progress), progress
+    assert live(registry) == [("lease", (uuid_of(0),))]
+    # The ticket was removed under the lock, not merely left behind unlocked.
+    assert sorted(p.suffix for p in Path(registry.path).glob("*/*")) == [".lease"]
+    assert result.lease is not None
+    result.lease.release()
+
+
+def test_an_exclusive_waiter_s_ticket_says_who_waits_and_for_what(
+    tmp_path: Path, registry: Registry
+) -> None:
+    backend = backend_for(tmp_path, fleet(1))
+    held = pick(Constraints(), backend=backend, environ={}, registry=registry)
+    tickets: list[tuple[bool, str, str | None, bool]] = []
+
+    def sleep(_s: float) -> None:
+        tickets.extend(
+            (r.exclusive, r.holder_kind, r.kernel_id, bool(r.constraints and
+                                                           r.constraints["exclusive"]))
+            for r in registry.list_leases(include_tickets=True) if r.kind == "ticket"
+        )
+        assert held.lease is not None
+        held.lease.release()
+
+    holder = Holder(kernel_id="kernel-7", kind="kernel")
+    result = pick(Constraints(exclusive=True), backend=backend, environ={}, registry=registry,
+                  wait_s=30, sleep=sleep, holder=holder)
+    assert tickets == [(True, "kernel", "kernel-7", True)]
+    assert result.lease is not None and result.lease.record.exclusive is True
+    assert sorted(p.suffix for p in Path(registry.path).glob("*/*")) == [".lease"]
+    result.lease.release()
+
+
+def test_a_wait_sleeps_no_longer_than_the_time_left(two: SimulatedBackend) -> None:
+    slept: list[float] = []
+    with pytest.raises(NoDeviceFitsError) as info:
+        pick(Constraints.parse(min_free="90G"), backend=two, environ={}, wait_s=0.2,
+             sleep=slept.append)
+    assert len(slept) >= 1
+    assert all(0.0 <= s <= 0.2 for s in slept)
+    assert str(info.value).startswith("no device fits (min free 90.0 GiB) after waiting ")
+
+
+def test_a_wait_without_a_registry_takes_no_ticket_and_still_reports_progress(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "fleet.json"
+    spec = fleet(1)
+    spec["devices"][0]["memory_used"] = "75G"
+    spec["devices"][0]["utilization_pct"] = 90
+    path.write_text(json.dumps(spec))
+    progress: list[str] = []
+
+    def sleep(_s: float) -> None:
+        spec["devices"][0]["memory_used"] = 0
+        spec["devices"][0]["utilization_pct"] = 0
+        path.write_text(json.dumps(spec))
+        os.utime(path, ns=(1, os.stat(path).st_mtime_ns + 10**9))
+
+    result = pick(Constraints.parse(min_free="10G", max_util="50"),
+                  backend=SimulatedBackend(str(path)), environ={}, wait_s=30, sleep=sleep,
+                  on_progress=progress.append)
+    assert [d.uuid for d in result.chosen] == [uuid_of(0)]
+    assert len(progress) == 1
+    assert progress[0].endswith(
+        "s of 30s; best now GPU 0: only 5.0 GiB free < 10.0 GiB wanted; utilisation 90% > max 50%"
+    )
+
+
+def test_the_waiting_line_names_the_best_device_and_why_it_does_not_fit(tmp_path: Path) -> None:
+    progress: list[str] = []
+    calls = {"n": 0}
+    path = tmp_path / "fleet.json"
+    spec = fleet(1)
+    spec["devices"][0]["memory_used"] = "80G"
+    path.write_text(json.dumps(spec))
+
+    def sleep(_s: float) -> None:
+        calls["n"] += 1
+        spec["devices"][0]["memory_used"] = 0
+        path.write_text(json.dumps(spec))
+        os.utime(path, ns=(1, os.stat(path).st_mtime_ns + 10**9))
+
+    pick(Constraints.parse(min_free="1G"), backend=SimulatedBackend(str(path)), environ={},
+         wait_s=60, sleep=sleep, on_progress=progress.append)
+    assert calls["n"] == 1
+    assert re.fullmatch(
+        r"waiting for a device \(min free 1\.0 GiB\), [0-9.]+s of 1m; best now GPU 0: "
+        r"only 0 B free < 1\.0 GiB wanted",
+        progress[0],
+    ), progress
