@@ -534,14 +534,17 @@ def test_a_user_flooding_messages_is_slowed_alone(
     area: Area, broker: BrokerProc, users: dict[str, tuple[int, int]]
 ) -> None:
     uid, gid = users["b"]
-    flood = AsUser(uid, gid, _flood_messages, str(area.socket), 1500)
+    # 3,000 messages: a burst of 500, then 5 s of pacing at 500 a second, so that A's whole
+    # `autogpu run` fits inside B's flood even on a loaded machine (1,500 messages, 2 s of
+    # pacing, lost that race once when 8 other jobs shared the 2 cores).
+    flood = AsUser(uid, gid, _flood_messages, str(area.socket), 3000)
     start = time.monotonic()
     ok = area.cli(USER_A, "run", "--", "true")  # while B floods
     a_took = time.monotonic() - start
     b_took = flood.result()
     flood.stop()
     assert ok.returncode == 0, ok.stderr
-    assert b_took >= 1.5, b_took  # 500 messages a second for B, after a burst of 500
+    assert b_took >= 4.5, b_took  # 500 messages a second for B, after a burst of 500
     # A's whole `autogpu run` (interpreter start included) ended while B's flood was still
     # being paced: B's messages wait, A's do not.
     assert a_took < b_took, (a_took, b_took)
