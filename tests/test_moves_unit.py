@@ -540,6 +540,19 @@ def test_a_request_that_cannot_be_put_in_place_leaves_no_temporary_file(
     assert sorted(os.listdir(runtime)) == ["m.json"]
 
 
+def test_a_temporary_file_planted_in_advance_is_never_written_through(
+    backend: SimulatedBackend, runtime: Path, tmp_path: Path
+) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    (runtime / f".m.json.{os.getpid()}.tmp").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        moves.request_move(runtime / "m.json", "1", current_uuids=[U0],
+                           constraints=Constraints(), backend=backend, environ={})
+    assert victim.read_text() == "untouched"
+    assert not (runtime / "m.json").exists()
+
+
 def _kernel_env(runtime: Path, **extra: str) -> dict[str, str]:
     env = {
         "AUTOGPU_PROVISIONED": "1",

@@ -400,8 +400,10 @@ def test_the_alternative_counts_other_holders_bookings(registry_dir: Path,
         assert overload.best_alternative(snap, [U0]) == Alternative(U1, "GPU 1", 79 * GiB, 2.0)
         monkeypatch.setenv("AUTOGPU_LEASE_ID", "")
         assert overload.best_alternative(snap, [U0]) == Alternative(U1, "GPU 1", 9 * GiB, 2.0)
-        monkeypatch.delenv("AUTOGPU_PICKED")
         monkeypatch.setenv("AUTOGPU_USE_LEASES", "0")
+        monkeypatch.setenv("AUTOGPU_LEASE_ID", lease.record.lease_id)
+        assert overload.best_alternative(snap, [U0]) == Alternative(U1, "GPU 1", 79 * GiB, 2.0)
+        monkeypatch.delenv("AUTOGPU_PICKED")
         assert overload.best_alternative(snap, [U0]) == Alternative(U1, "GPU 1", 79 * GiB, 2.0)
     finally:
         lease.release()
@@ -505,7 +507,7 @@ def test_detect_from_the_sampler_reads_the_window_and_a_margin(
     assert w.causes == ("utilisation 96% for 33s (over 90%)",)
     # at least 1 s of history, however short the window
     th0 = Thresholds(util_pct=90, window_s=0, memory_pct=99)
-    s = _sampler([(99.0, 95.0), (100.0, 97.0)], interval_s=0.1)
+    s = _sampler([(98.0, 95.0), (99.0, 95.0), (100.0, 97.0)], interval_s=0.1)
     (w,) = overload.detect_from_sampler(s, th0, [U0])
     assert w.causes == ("utilisation 96% for 1s (over 90%)",)
     assert overload.detect_from_sampler(s, th0, []) == []
