@@ -553,6 +553,18 @@ def test_a_temporary_file_planted_in_advance_is_never_written_through(
     assert not (runtime / "m.json").exists()
 
 
+def test_a_request_under_a_path_that_is_not_a_directory_fails_naming_it(
+    backend: SimulatedBackend, runtime: Path
+) -> None:
+    parent = runtime / "file"
+    parent.write_text("")
+    with pytest.raises(NotADirectoryError) as err:
+        moves.request_move(parent / "m.json", "1", current_uuids=[U0],
+                           constraints=Constraints(), backend=backend, environ={})
+    assert err.value.filename == str(parent)
+    assert sorted(os.listdir(runtime)) == ["file"]
+
+
 def _kernel_env(runtime: Path, **extra: str) -> dict[str, str]:
     env = {
         "AUTOGPU_PROVISIONED": "1",
@@ -617,12 +629,14 @@ NOT_PROVISIONED = (
 
 
 @pytest.mark.parametrize(
-    "drop", [{"AUTOGPU_PROVISIONED": "0"}, {"AUTOGPU_MOVE_FILE": " "}, {"AUTOGPU_MOVE_FILE": ""}]
+    "drop",
+    [{"AUTOGPU_PROVISIONED": "0"}, {"AUTOGPU_MOVE_FILE": " "}, {"AUTOGPU_MOVE_FILE": ""},
+     {"AUTOGPU_MOVE_FILE": "-"}],
 )
 def test_move_from_a_kernel_the_provisioner_did_not_start_is_refused(
     backend: SimulatedBackend, runtime: Path, drop: dict[str, str]
 ) -> None:
-    env = _kernel_env(runtime, **drop)
+    env = {k: v for k, v in _kernel_env(runtime, **drop).items() if v != "-"}
     with pytest.raises(UsageErrorBase) as err:
         moves.request_move_from_kernel("best", environ=env, backend=backend)
     assert str(err.value) == NOT_PROVISIONED
