@@ -147,7 +147,7 @@ def move_file_for(runtime_dir: str | os.PathLike[str], kernel_id: str) -> Path:
     kernel_id
         The kernel id.
     """
-    if not _SAFE_ID.match(kernel_id):
+    if not _SAFE_ID.fullmatch(kernel_id):
         raise UsageErrorBase(f"invalid kernel id {kernel_id!r}: expected letters, digits and '-'")
     return Path(runtime_dir) / f"autogpu-move-{kernel_id}.json"
 
@@ -200,11 +200,11 @@ def _parse(data: bytes) -> MoveRequest:
     froms = d.get("from_uuids", [])
     for seq in (targets, froms):
         if not isinstance(seq, list) or len(seq) > 64 or not all(
-            isinstance(u, str) and _UUID.match(u) for u in seq
+            isinstance(u, str) and _UUID.fullmatch(u) for u in seq
         ):
             raise ValueError("bad device list")
     kid = d.get("kernel_id")
-    if kid is not None and (not isinstance(kid, str) or not _SAFE_ID.match(kid)):
+    if kid is not None and (not isinstance(kid, str) or not _SAFE_ID.fullmatch(kid)):
         raise ValueError("bad kernel id")
     when = d.get("requested_s")
     if not isinstance(when, (int, float)) or isinstance(when, bool):
@@ -406,12 +406,11 @@ def plan_move(
         ranked = list(decision.decide(context, replace(constraints, exclude=())).ranked)
         by_uuid = {c.device.uuid: c for c in ranked}
         for d in devs:
-            cand = by_uuid.get(d.uuid)
-            if cand is None or not cand.eligible:
-                why = "; ".join(cand.reasons) if cand is not None else "not a candidate"
+            cand = by_uuid[d.uuid]  # every device of the snapshot is ranked
+            if not cand.eligible:
                 raise UsageErrorBase(
                     f"{d.label} does not fit this kernel's options "
-                    f"({constraints.describe()}): {why}"
+                    f"({constraints.describe()}): {'; '.join(cand.reasons)}"
                 )
         target_devs = tuple(devs)
         req = MoveRequest(kernel_id, tuple(d.uuid for d in devs), current, time.time(), source)
@@ -484,7 +483,7 @@ def request_move_from_kernel(
     kernel_id = path.name.removeprefix("autogpu-move-").removesuffix(".json")
     plan = request_move(
         path, target, current_uuids=current, constraints=kernel_constraints(env),
-        kernel_id=kernel_id if _SAFE_ID.match(kernel_id) else None, backend=backend,
+        kernel_id=kernel_id if _SAFE_ID.fullmatch(kernel_id) else None, backend=backend,
         environ=grant_environ(env),
         registry=registry, source="magic",
     )

@@ -21,7 +21,6 @@ This module imports no ipywidgets or IPython.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -403,7 +402,3 @@ def reset_pending() -> None:
     """Forget which warnings were announced (unload / tests)."""
     with _pending_lock:
         _announced.clear()
-
-
-def _finite(x: float | None) -> float | None:
-    return None if x is None or math.isnan(x) else x
