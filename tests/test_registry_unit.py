@@ -1215,6 +1215,8 @@ def test_a_registry_that_cannot_be_listed_reads_as_empty_for_ranking(
     assert str(err.value) == f"cannot list lease registry {reg.path}: Input/output error"
 
 
+@pytest.mark.multiuser
+@ROOT_ONLY
 def test_a_user_directory_that_cannot_be_listed_or_opened_is_reported(
     reg: Registry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
