@@ -429,36 +429,44 @@ def test_the_thread_samples_until_stopped_and_can_stop_itself(tmp_path: Path) ->
     try:
         assert two.wait(10)
         first = s._thread
-        assert first is not None
+        assert first is not None and first.daemon
         first.join(10)
         assert not s.running
         assert threads[:2] == ["autogpu-sampler", "autogpu-sampler"]
         two.clear()
-        s.start()  # a fresh thread after a stop
-        assert s._thread is not first and s.running
-        s.start()  # no second thread while one runs
-        assert sum(t.name == "autogpu-sampler" for t in threading.enumerate()) >= 1
+        s.start()  # a fresh thread after a stop, which samples again
+        assert two.wait(10)
+        assert s._thread is not first
     finally:
         s.stop()
     assert not s.running
 
 
-def test_a_paused_sampler_keeps_its_thread_and_resumes(tmp_path: Path) -> None:
+def test_a_paused_sampler_keeps_its_thread_and_wakes_on_resume_and_new_interval(
+    tmp_path: Path,
+) -> None:
     s = Sampler(SimulatedBackend(_fleet_file(tmp_path, ONE_GPU)), interval_s=60)
     got = threading.Event()
     s.subscribe(lambda sampler, snap: got.set())
     s.pause()
     s.start()
     try:
-        assert s.running and s.paused
+        assert s.running and s.paused is True
+        s.start()  # no second thread while one runs
+        assert sum(t.name == "autogpu-sampler" for t in threading.enumerate()) == 1
+        assert not got.wait(0.2) and s.sample_count == 0  # paused: no sample
         s.resume()  # wakes the thread at once: no minute's wait
-        assert not s.paused
-        assert got.wait(10)
+        assert s.paused is False
+        assert got.wait(10) and s.sample_count == 1
         got.clear()
+        assert not got.wait(0.2) and s.sample_count == 1  # the next one is a minute away
         s.set_interval(30)  # wakes it too, and it samples again at once
-        assert got.wait(10)
+        assert got.wait(10) and s.sample_count == 2
+        got.clear()
+        assert not got.wait(0.2) and s.sample_count == 2
+        assert s.running
     finally:
-        s.stop()
+        s.stop()  # wakes the thread: no waiting out the interval
     assert not s.running
 
 
@@ -501,3 +509,29 @@ def test_the_process_sampler_takes_its_defaults_from_the_settings(
         backends._cache.clear()
     sampler_mod.stop_sampler()  # none runs: harmless
     assert sampler_mod.current_sampler() is None
+
+
+EXIT_SCRIPT = """
+import atexit
+from autogpu_jupyter.core import sampler
+
+atexit.register(lambda: print("at exit:", sampler.current_sampler(), s.running))  # runs last
+before = atexit._ncallbacks()
+s = sampler.get_sampler(interval_s=60)
+sampler.get_sampler()
+sampler.get_sampler(history_s=30)
+print("exit handlers added:", atexit._ncallbacks() - before, s.running)
+"""
+
+
+def test_the_process_sampler_is_stopped_at_exit_by_one_handler(tmp_path: Path) -> None:
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "AUTOGPU_SIMULATE": _fleet_file(tmp_path, ONE_GPU),
+           "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True,
+                         env=env, cwd=root, timeout=120, check=False)
+    assert (out.returncode, out.stdout.splitlines()) == (
+        0, ["exit handlers added: 1 True", "at exit: None False"]
+    ), out.stderr
