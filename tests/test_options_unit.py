@@ -161,6 +161,9 @@ def test_count_reads_whole_numbers(raw: object, count: int) -> None:
         ("two", "key", "count 'two'"),
         (True, "flag", "--count True"),
         (2.0, "flag", "--count 2.0"),
+        (float("inf"), "flag", "--count inf"),
+        (1e20, "flag", "--count 1e+20"),
+        (False, "flag", "--count False"),
         ([2], "flag", "--count [2]"),
     ],
 )
@@ -316,7 +319,10 @@ def test_add_arguments_declares_each_option_with_its_metavar_and_help() -> None:
         "Free memory wanted per device: 10G / 10GiB (binary), 16GB (decimal) or 25%% of the "
         "device. Default: AutoGPU.min_free.",
     )
-    assert got["--exclusive"][:4] == ("exclusive", None, None, 0)
+    assert got["--exclusive"] == (
+        "exclusive", None, None, 0,
+        "Take devices no other lease holds, and keep others off them.",
+    )
     assert got["--count"][:3] == ("count", "N", None)
     ns = parser.parse_args([])
     assert options.from_namespace(ns) == dict.fromkeys(s.key for s in options.PICK_OPTIONS)

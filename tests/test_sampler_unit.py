@@ -333,11 +333,25 @@ def test_series_from_a_table_missing_columns_reads_them_as_unknown() -> None:
     })
     out = series_from_frame(frame)
     assert list(out) == [B, A]
+    assert (out[B].uuid, out[A].uuid) == (B, A)
     assert out[B].timestamps_s.tolist() == [1.0, 2.0]
+    assert out[B].timestamps_s.dtype == np.float64  # float seconds from an integer column too
     assert out[B].column("power_w").tolist() == [10.0, 30.0]
     assert out[A].column("power_w").tolist() == [20.0]
     assert np.isnan(out[A].column("utilization_pct")).all()
     assert out[A].values.shape == (1, len(METRICS))
+
+
+def test_series_from_a_table_with_nullable_columns() -> None:
+    frame = pd.DataFrame({
+        "timestamp_s": [1.0, 2.0],
+        "uuid": pd.Series([A, A], dtype="string"),
+        "available": pd.Series([True, None], dtype="boolean"),
+    })
+    (series,) = series_from_frame(frame).values()
+    assert series.uuid == A
+    assert series.column("available").tolist()[0] == 1.0
+    assert math.isnan(series.column("available").tolist()[1])
 
 
 def test_mean_util_ignores_unknown_samples_and_rounds_to_three_decimals() -> None:

@@ -19,6 +19,7 @@ L4 = "NVIDIA L4"
 G0 = "GPU-a0000000-1111-2222-3333-000000000000"
 G2 = "GPU-b0000000-1111-2222-3333-222222222222"
 G5 = "GPU-c0000000-1111-2222-3333-555555555555"
+G7 = "GPU-e0000000-1111-2222-3333-777777777777"
 MIG_X = "MIG-d0000000-aaaa-5555-6666-000000000000"
 MIG_Y = "MIG-d1000000-bbbb-5555-6666-111111111111"
 STOP = "later entries are ignored, as CUDA does"
@@ -74,6 +75,10 @@ def alloc(devices: list[DeviceSnapshot], **env: str) -> Allocation:
         ({NVD: "0,7,0"}, (G0,), (
             f"{NVD}='0,7,0' read as NVML indices (NVML shows more GPUs than it lists)",
             f"{NVD}: index 7 dropped (this host shows 3: 0,2,5)",
+        )),
+        ({NVD: "0,7,9,2"}, (G0, G2), (
+            f"{NVD}='0,7,9,2' read as NVML indices (NVML shows more GPUs than it lists)",
+            f"{NVD}: index 7, 9 dropped (this host shows 3: 0,2,5)",
         )),
         ({NVD: "5,2"}, (G5, G2), (
             f"{NVD}='5,2' read as NVML indices (NVML shows more GPUs than it lists)",)),
@@ -171,6 +176,11 @@ def test_a_mig_device_inside_a_granted_gpu_stays_granted() -> None:
     assert b.notes == (
         "2 MIG devices granted; CUDA uses one MIG device per process, so a pick uses one of them",
     )
+    # a whole GPU is not inside a grant because some MIG device of another GPU is
+    whole = alloc(MIGS, **{NVD: G0, CVD: G2})
+    assert (whole.uuids, whole.notes) == (
+        (), (f"GPU 2 (from {CVD}) is outside the allocation of {NVD}: dropped",)
+    )
     c = alloc(MIGS, **{NVD: G2, CVD: MIG_X})
     assert c.uuids == ()
     assert c.notes == (f"GPU 0 MIG 0 (from {CVD}) is outside the allocation of {NVD}: dropped",)
@@ -223,6 +233,30 @@ def test_slurm_global_reading_says_what_the_relative_one_would_be() -> None:
     assert alloc(GAPS, SLURM_JOB_GPUS="0,2", **{CVD: "2"}).notes == ()
     # UUIDs are no ids to reinterpret
     assert alloc(GAPS, SLURM_JOB_GPUS="0,2", **{CVD: "GPU-b"}).uuids == (G2,)
+
+
+def test_slurm_readings_of_several_gpus_list_them_all() -> None:
+    host = [*GAPS, gpu(7, G7)]
+    a = alloc(host, SLURM_JOB_GPUS="5,0,2", **{CVD: "0,2"})
+    assert a.uuids == (G0, G2)
+    assert a.notes == (
+        f"{CVD}='0,2' read as global ids inside SLURM_JOB_GPUS='5,0,2' (GPU 0, GPU 2); read "
+        "relative to the job it would be GPU 5, GPU 2",
+    )
+    b = alloc(host, SLURM_JOB_GPUS="5,0,2", **{CVD: "1,0"})
+    assert b.uuids == (G0, G5)
+    assert b.notes == (
+        f"{CVD}='1,0' read relative to the job's GPUs (SLURM_JOB_GPUS='5,0,2'), as Slurm writes "
+        "it under a device cgroup: GPU 0, GPU 5",
+    )
+
+
+def test_a_full_uuid_that_prefixes_another_names_its_own_device() -> None:
+    short, long = "GPU-abc", "GPU-abcd"
+    devices = [gpu(0, short), gpu(1, long)]
+    assert parse_cuda_visible_devices(short, devices) == ((short,), ())
+    assert parse_cuda_visible_devices(long, devices) == ((long,), ())
+    assert alloc(devices, **{NVD: short}).uuids == (short,)
 
 
 def test_slurm_on_a_cgroup_host_leaves_cvd_as_it_is() -> None:
