@@ -269,9 +269,10 @@ def parse(
 
 def _count(value: object, style: str) -> int:
     try:
-        n = int(str(value).strip()) if not isinstance(value, (bool, float)) else -1
+        # str() of a bool ("True") or a float ("2.0", "inf") is no whole number: refused too
+        n = int(str(value).strip())
     except ValueError:
-        n = -1
+        n = 0
     if n < 1:
         label = "--count" if style == "flag" else "count"
         raise OptionError(
@@ -343,7 +344,7 @@ def add_arguments(parser: Any, *, escape_percent: bool = True, skip: Sequence[st
         if spec.is_switch:
             parser.add_argument(spec.flag, action="store_true", default=None, help=text)
         else:
-            parser.add_argument(spec.flag, metavar=spec.metavar, default=None, help=text)
+            parser.add_argument(spec.flag, metavar=spec.metavar, help=text)
 
 
 def from_namespace(ns: Any) -> dict[str, Any]:

@@ -480,12 +480,12 @@ class Sampler:
             return df
         ts = np.concatenate([np.full(len(u), t) for t, u, _ in samples])
         uuids = [u for _, us, _ in samples for u in us]
-        values = np.concatenate([v for _, _, v in samples]) if samples else np.empty((0, 8))
+        values = np.concatenate([v for _, _, v in samples])
         data: dict[str, Any] = {
             "timestamp_s": ts,
             "time": pd.to_datetime(ts, unit="s", utc=True),
             "uuid": uuids,
-            "label": [labels.get(u, u) for u in uuids],
+            "label": [labels[u] for u in uuids],  # add() labels every device it stores
         }
         for i, name in enumerate(METRICS):
             data[name] = values[:, i]

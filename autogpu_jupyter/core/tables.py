@@ -28,7 +28,9 @@ from autogpu_jupyter.core.text import terminal_safe
 
 __all__ = ["Column", "visible", "to_text", "to_html"]
 
-_UNIT_GAP = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB|KB|MB|GB|TB|%|s|W|°C)\b")
+# A unit ends where no word character follows (``\b`` would never end "%", which is no word
+# character itself, so "12 %" could split).
+_UNIT_GAP = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB|KB|MB|GB|TB|%|s|W|°C)(?!\w)")
 
 
 def visible(text: object) -> str:
