@@ -1,0 +1,1030 @@
+"""Fast tests of the broker client (core.brokerclient) in this process: against the real broker
+(autogpu_jupyter.broker, served on a thread of the test process over a real Unix socket), and
+against tiny scripted socket peers for what a real broker never does (a lost connection, a
+malformed or oversized reply, a socket served by another uid). Root only where a second uid is
+needed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autogpu_jupyter.broker import MAX_MESSAGE_BYTES, Broker, BrokerConfig, _listen
+from autogpu_jupyter.core import brokerclient
+from autogpu_jupyter.core.brokerclient import BrokerRegistry, broker_fix, from_wire, lease_events
+from autogpu_jupyter.core.devices import DeviceSnapshot
+from autogpu_jupyter.core.picker import Holder
+from autogpu_jupyter.core.records import LeaseRecord
+from autogpu_jupyter.core.registry import ScanResult
+from autogpu_jupyter.errors import (
+    AutoGPUError,
+    LeaseLimitError,
+    NoDeviceFitsError,
+    RegistryError,
+    RegistryUntrustedError,
+    UsageErrorBase,
+)
+
+GiB = 1024**3
+ROOT = os.geteuid() == 0
+HOST = socket.gethostname()
+
+
+# ---- a real broker on a thread of this process --------------------------------------------
+
+
+class ThreadBroker:
+    """``autogpu_jupyter.broker.Broker`` served by an asyncio loop on a thread (as ``serve``
+    does, without its signal handlers), on a Unix socket at ``path``."""
+
+    def __init__(self, path: str, **config: Any) -> None:
+        self.path = path
+        self.config = BrokerConfig(socket_path=path, **config)
+        self.loop = asyncio.new_event_loop()
+        self.broker = Broker(self.config)
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            sock = _listen(path)
+            self.server = self.loop.run_until_complete(
+                asyncio.start_unix_server(self.broker.handle, sock=sock, limit=MAX_MESSAGE_BYTES)
+            )
+            started.set()
+            self.loop.run_forever()
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self.loop.close()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert started.wait(10)
+
+    def crash(self) -> None:
+        """Stop as a killed broker does: its journal stays as it was, every connection drops."""
+
+        def down() -> None:
+            self.broker.stopping = True
+            self.server.close()
+            for conn in list(self.broker.conns):
+                conn.writer.transport.abort()
+            self.loop.call_soon(self.loop.stop)
+
+        self.loop.call_soon_threadsafe(down)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def short_dir() -> Iterator[Path]:
+    """A directory with a short path (a Unix socket path has at most 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="agb-", dir="/tmp"))
+    yield path
+    for p in sorted(path.rglob("*"), reverse=True):
+        if p.is_dir() and not p.is_symlink():
+            p.rmdir()
+        else:
+            p.unlink()
+    path.rmdir()
+
+
+@pytest.fixture(scope="module")
+def broker(short_dir: Path) -> Iterator[ThreadBroker]:
+    """One broker for the module: at most 3 devices per user, command lines recorded. Every
+    test uses devices of its own and gives back what it leased."""
+    b = ThreadBroker(str(short_dir / "b.sock"), max_devices_per_user=3, record_commands=True)
+    yield b
+    b.crash()
+
+
+@pytest.fixture
+def reg(broker: ThreadBroker) -> BrokerRegistry:
+    return BrokerRegistry(broker.path, connect_timeout_s=2.0)
+
+
+def wait_until(pred: Any) -> None:
+    """Poll ``pred`` (what the broker does on another thread) for up to 10 s."""
+    deadline = time.monotonic() + 10
+    while not pred():
+        assert time.monotonic() < deadline, "the broker never got there"
+        time.sleep(0.005)
+
+
+def ids(records: list[LeaseRecord]) -> list[str]:
+    return [r.lease_id for r in records]
+
+
+def fix(path: str) -> str:
+    return (
+        "ask the admin to start it (systemctl enable --now autogpu-broker.socket, or "
+        f"`autogpu broker --socket {path}`), or to set c.AutoGPU.broker_fallback = 'registry'"
+    )
+
+
+# ---- scripted peers: a tiny real socket server ----------------------------------------------
+
+
+class Peer:
+    """A Unix-socket server that serves one scripted list per connection, in order. Each item
+    reads one request line and answers it: a dict as one JSON line, bytes as they are, DROP:
+    close without a reply. CLOSE closes at once, without reading. After the last item the peer
+    waits for the client to close its end (``client_closed``: one bool per connection).
+    ``requests`` is every request line it read, decoded, in order."""
+
+    def __init__(self, path: str, script: list[list[Any]], *, listen_as: int | None = None):
+        self.path = path
+        self.script = [list(s) for s in script]
+        self.requests: list[Any] = []
+        self.client_closed: list[bool] = []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        if listen_as is not None:
+            # The peer credentials of a Unix socket are the listener's at listen() time.
+            os.seteuid(listen_as)
+            try:
+                self.sock.listen(8)
+            finally:
+                os.seteuid(0)
+        else:
+            self.sock.listen(8)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        for items in self.script:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                self._talk(conn, items)
+
+    def _talk(self, conn: socket.socket, items: list[Any]) -> None:
+        buf = b""
+        for item in items:
+            if item is CLOSE:
+                return
+            while b"\n" not in buf:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                buf += chunk
+            line, _, buf = buf.partition(b"\n")
+            self.requests.append(json.loads(line))
+            if item is DROP:
+                return
+            conn.sendall(item if isinstance(item, bytes) else json.dumps(item).encode() + b"\n")
+        try:
+            while conn.recv(65536):
+                pass
+            self.client_closed.append(True)
+        except OSError:
+            self.client_closed.append(False)
+
+    def close(self) -> None:
+        """Stop accepting; wait for the conversations to end."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.thread.join(10)
+        self.sock.close()
+
+
+DROP = object()
+CLOSE = object()
+
+
+@pytest.fixture
+def peer_path(short_dir: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    path = short_dir / f"p{abs(hash(request.node.nodeid)) % 10**8}.sock"
+    yield str(path)
+    path.unlink(missing_ok=True)
+
+
+def payload(lease_id: str, **over: Any) -> dict[str, Any]:
+    """A record's payload as the broker sends it."""
+    d: dict[str, Any] = {
+        "version": 1, "kind": "lease", "lease_id": lease_id, "device_uuids": ["GPU-p"],
+        "device_requested_bytes": [None], "exclusive": False, "user": "root", "uid": 0,
+        "host": "h", "pid": 10, "created_s": 100.0, "kernel_id": None, "notebook_path": None,
+        "command": None, "holder_kind": "process",
+    }
+    d.update(over)
+    return d
+
+
+# ---- leases through the real broker -------------------------------------------------------
+
+
+def test_a_lease_through_the_broker_carries_the_holder_and_ends_on_release(
+    reg: BrokerRegistry, broker: ThreadBroker
+) -> None:
+    holder = Holder(pid=1, kernel_id="k-1234567890", notebook_path="nb/train.ipynb",
+                    command="python train.py", kind="kernel")
+    with reg.locked() as txn:
+        assert [r for r in txn.live_leases() if "GPU-a1" in r.device_uuids] == []
+        lease = txn.create(devices=["GPU-a1", "GPU-a2"], requested_bytes=5 * GiB, holder=holder)
+        assert txn.live_leases()[-1] == lease.record
+    rec = lease.record
+    assert rec == LeaseRecord(
+        lease_id=rec.lease_id, kind="lease", device_uuids=("GPU-a1", "GPU-a2"),
+        device_requested_bytes=(5 * GiB, 5 * GiB), exclusive=False, user=reg.user,
+        uid=os.geteuid(), host=HOST, pid=os.getpid(), created_s=rec.created_s,
+        kernel_id="k-1234567890", notebook_path="nb/train.ipynb", command="python train.py",
+        holder_kind="kernel", seq=None, constraints=None, live=True,
+        path=f"{broker.path}#{rec.lease_id}",
+    )
+    assert len(rec.lease_id) == 32
+    assert lease.path == rec.path
+    assert lease.held
+    assert repr(lease) == f"<BrokerLease {rec.lease_id} GPU-a1,GPU-a2 held>"
+    assert rec in reg.list_leases()
+    # The lease is the connection: a blocking socket, ready to hand to a child (pass_fds).
+    assert os.get_blocking(lease.fileno())
+    lease.release()
+    assert not lease.held
+    assert repr(lease) == f"<BrokerLease {rec.lease_id} GPU-a1,GPU-a2 released>"
+    assert rec.lease_id not in ids(reg.list_leases())
+    with pytest.raises(ValueError, match=f"^lease {rec.lease_id} was released$"):
+        lease.fileno()
+    with pytest.raises(ValueError, match=f"^lease {rec.lease_id} was released$"):
+        lease.set_pid(os.getpid())
+    lease.release()  # idempotent
+    assert not lease.held
+
+
+@pytest.mark.parametrize(
+    ("requested", "booked"),
+    [
+        (None, (None, None)),
+        (7, (7, 7)),
+        ([3 * GiB, None], (3 * GiB, None)),
+        ((None, 4), (None, 4)),
+    ],
+)
+def test_requested_bytes_are_booked_per_device(
+    reg: BrokerRegistry, requested: Any, booked: tuple[int | None, ...]
+) -> None:
+    dev = DeviceSnapshot(index=0, uuid="GPU-b1", name="L4")
+    with reg.locked() as txn, txn.create(
+        devices=[dev, "GPU-b2"], requested_bytes=requested
+    ) as lease:
+        assert lease.record.device_uuids == ("GPU-b1", "GPU-b2")
+        assert lease.record.device_requested_bytes == booked
+        assert lease.record.holder_kind == "process"
+        assert lease.record.pid == os.getpid()
+    assert not lease.held
+    assert "GPU-b1" not in {u for r in reg.list_leases() for u in r.device_uuids}
+
+
+def test_a_transaction_makes_one_lease_and_needs_a_device(reg: BrokerRegistry) -> None:
+    with reg.locked() as txn:
+        with pytest.raises(ValueError, match=r"^a lease needs at least one device$"):
+            txn.create(devices=[])
+        with txn.create(devices=["GPU-c1"]):
+            with pytest.raises(
+                RegistryError, match=r"^this broker transaction already made its lease$"
+            ):
+                txn.create(devices=["GPU-c2"])
+
+
+def test_an_exclusive_lease_and_the_quota_are_refused_with_the_brokers_words(
+    reg: BrokerRegistry,
+) -> None:
+    with reg.locked() as txn:
+        first = txn.create(devices=["GPU-d1"], exclusive=True,
+                           holder=Holder(notebook_path="own.ipynb"))
+    try:
+        with reg.locked() as txn:
+            assert first.record.exclusive is True
+            with pytest.raises(NoDeviceFitsError) as err:
+                txn.create(devices=["GPU-d1"])
+            assert str(err.value) == (
+                f"lease broker: no device free: GPU-d1 is held exclusively by {reg.user}: own.ipynb"
+            )
+        with reg.locked() as txn, pytest.raises(LeaseLimitError) as err2:
+            txn.create(devices=["GPU-d2", "GPU-d3", "GPU-d4"])
+        assert str(err2.value).startswith(
+            f"lease broker: {reg.user} already holds leases on 1 device(s) (GPU-d1); taking 3 "
+            "more would exceed max_devices_per_user = 3 set by the admin (enforced by the broker)."
+        )
+        with reg.locked() as txn, pytest.raises(UsageErrorBase) as err3:
+            txn.create(devices=[f"GPU-{i}" for i in range(65)])
+        assert str(err3.value) == "lease broker: devices: expected a list of device UUIDs"
+    finally:
+        first.release()
+
+
+def test_a_repick_replaces_only_the_hidden_lease(reg: BrokerRegistry) -> None:
+    with reg.locked() as txn:
+        old = txn.create(devices=["GPU-e1"], exclusive=True, holder=Holder(kernel_id="kern-e"))
+    with reg.locked() as txn:
+        other = txn.create(devices=["GPU-e2"], holder=Holder(kernel_id="kern-f"))
+    try:
+        by_id = reg.hiding(lease_ids=[old.record.lease_id, "no-such-id"])
+        by_kernel = reg.hiding(kernel_id="kern-e")
+        for view in (by_id, by_kernel):
+            shown = ids(view.list_leases())
+            assert old.record.lease_id not in shown
+            assert other.record.lease_id in shown
+        # The registry itself still sees both; the views are copies.
+        assert {old.record.lease_id, other.record.lease_id} <= set(ids(reg.list_leases()))
+        # Hiding by id leaves the leases of kernels alone, and the reverse.
+        assert other.record.lease_id in ids(reg.hiding(lease_ids=["x"]).list_leases())
+        with reg.locked() as txn, pytest.raises(NoDeviceFitsError):
+            txn.create(devices=["GPU-e1"], exclusive=True)
+        with by_kernel.locked() as txn:
+            assert old.record.lease_id not in ids(txn.live_leases())
+            new = txn.create(devices=["GPU-e1"], exclusive=True)
+        with new:
+            shown = ids(reg.list_leases())
+            assert old.record.lease_id not in shown  # ended by the broker, not only hidden
+            assert new.record.lease_id in shown
+        with by_id.locked() as txn, txn.create(devices=["GPU-e3"]) as third:
+            assert third.record.device_uuids == ("GPU-e3",)
+    finally:
+        old.release()
+        other.release()
+
+
+def test_set_pid_names_the_process_that_uses_the_lease(reg: BrokerRegistry) -> None:
+    with reg.locked() as txn, txn.create(devices=["GPU-f1"]) as lease:
+        lease.set_pid(os.getppid())
+        assert lease.record.pid == os.getppid()
+        assert lease.record.path.startswith(f"{reg.path}#")
+        (rec,) = [r for r in reg.list_leases() if r.lease_id == lease.record.lease_id]
+        assert rec.pid == os.getppid()
+        assert rec == lease.record
+
+
+def constraints(**over: Any) -> dict[str, Any]:
+    """A ticket's constraints as the picker writes them."""
+    c: dict[str, Any] = {
+        "min_free_bytes": None, "min_free_fraction": None, "max_util_pct": None, "count": 1,
+        "exclude": [], "exclusive": False, "allowed_uuids": None,
+    }
+    c.update(over)
+    return c
+
+
+def test_tickets_join_the_line_in_order(reg: BrokerRegistry, broker: ThreadBroker) -> None:
+    t1 = reg.take_ticket(constraints=constraints(min_free_bytes=GiB), holder=Holder(kernel_id="kt"))
+    with reg.locked() as txn:
+        t2 = txn.create_ticket(constraints=constraints(count=2), exclusive=True)
+        assert t1.record in txn.live_tickets()  # what the lock's holder saw: not t2 yet
+    try:
+        assert t1.record.kind == "ticket"
+        assert t1.record.constraints == constraints(min_free_bytes=GiB)
+        assert t1.record.kernel_id == "kt"
+        assert t1.record.exclusive is False
+        assert t2.record.exclusive is True
+        assert t2.record.constraints == constraints(count=2)
+        assert t2.record.seq == t1.record.seq + 1
+        assert t1.record.lease_id not in ids(reg.list_leases())
+        assert t1.record.lease_id in ids(reg.list_leases(include_tickets=True))
+        leases, tickets = reg.live_records()
+        assert t1.record not in leases
+        assert [t for t in tickets if t in (t1.record, t2.record)] == [t1.record, t2.record]
+        assert reg.scan() == ScanResult(live=reg.list_leases(include_tickets=True))
+        assert t1.record in reg.scan().live
+    finally:
+        t1.release()
+        t2.release()
+    assert t1.record.lease_id not in ids(reg.list_leases(include_tickets=True))
+
+
+def test_a_ticket_the_broker_refuses_raises_its_error(reg: BrokerRegistry) -> None:
+    with pytest.raises(UsageErrorBase) as err:
+        reg.take_ticket(constraints=constraints(count=0))
+    assert str(err.value) == (
+        "lease broker: ticket refused: count: expected an integer from 1 to 9223372036854775807"
+    )
+
+
+def test_status_and_revoke_as_root(reg: BrokerRegistry) -> None:
+    if not ROOT:
+        pytest.skip("revoking needs root")
+    with reg.locked() as txn:
+        lease = txn.create(devices=["GPU-g1"], holder=Holder(notebook_path="rev.ipynb"))
+    st = reg.status()
+    assert st["ok"] is True
+    assert lease.record.lease_id in [r["lease_id"] for r in st["leases"]]
+    assert st["per_user"][reg.user]["leases"] >= 1
+    assert reg.revoke(lease.record.lease_id) == f"{reg.user}: rev.ipynb"
+    events = lease_events(lease.fileno())
+    assert events == [
+        f"your GPU lease {lease.record.lease_id} was revoked by the admin: this kernel no longer "
+        "holds it; others may now be given its GPU"
+    ]
+    with pytest.raises(UsageErrorBase, match=r"^lease broker: revoke: no live lease 'nope'$"):
+        reg.revoke("nope")
+    lease.release()  # the broker closed it: nothing to send, nothing raised
+    assert lease.record.lease_id not in ids(reg.list_leases())
+
+
+def test_a_copy_of_the_lease_socket_keeps_the_lease_after_detach(reg: BrokerRegistry) -> None:
+    with reg.locked() as txn:
+        lease = txn.create(devices=["GPU-h1"])
+    lease_id = lease.record.lease_id
+    copy_fd = os.dup(lease.fileno())
+    lease.detach()
+    assert not lease.held
+    lease.detach()
+    assert lease_id in ids(reg.list_leases())
+    os.close(copy_fd)
+    wait_until(lambda: lease_id not in ids(reg.list_leases()))
+
+
+def test_a_release_in_a_forked_child_leaves_the_parents_lease(reg: BrokerRegistry) -> None:
+    with reg.locked() as txn:
+        lease = txn.create(devices=["GPU-i1"])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with the broker's thread
+            pid = os.fork()
+        if pid == 0:  # the child: release only closes its copy
+            try:
+                lease.release()
+                os._exit(0 if not lease.held else 1)
+            finally:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert lease.held
+        assert lease.record.lease_id in ids(reg.list_leases())
+    finally:
+        lease.release()
+    assert lease.record.lease_id not in ids(reg.list_leases())
+
+
+def test_a_lease_dropped_without_release_ends_with_its_socket(reg: BrokerRegistry) -> None:
+    with reg.locked() as txn:
+        lease_id = txn.create(devices=["GPU-j1"]).record.lease_id
+    wait_until(lambda: lease_id not in ids(reg.list_leases()))
+
+
+def test_a_transaction_without_a_lease_gives_the_pick_lock_back(
+    reg: BrokerRegistry, broker: ThreadBroker
+) -> None:
+    impatient = BrokerRegistry(broker.path, lock_timeout_s=0.05)
+    with pytest.raises(RuntimeError, match=r"^boom$"), reg.locked():
+        raise RuntimeError("boom")
+    with reg.locked():
+        with pytest.raises(RegistryUntrustedError) as err, impatient.locked():
+            pass
+        assert str(err.value) == (
+            f"lost the lease broker at {broker.path} (timed out); {fix(broker.path)}"
+        )
+    with BrokerRegistry(broker.path, lock_timeout_s=1.0).locked() as txn:
+        assert isinstance(txn.live_leases(), list)
+
+
+def test_a_broker_restart_keeps_the_lease_and_release_frees_it_by_id(short_dir: Path) -> None:
+    path = str(short_dir / "r.sock")
+    state = short_dir / "r-state"
+    first = ThreadBroker(path, state_dir=str(state))
+    reg = BrokerRegistry(path)
+    with reg.locked() as txn:
+        lease = txn.create(devices=["GPU-k1"])
+    wait_until(lambda: (state / "journal.json").exists()
+               and lease.record.lease_id in (state / "journal.json").read_text())
+    first.crash()
+    second = ThreadBroker(path, state_dir=str(state))
+    try:
+        assert ids(reg.list_leases()) == [lease.record.lease_id]  # an orphan, still held
+        lease.release()  # the old connection is gone: released by id on the new broker
+        assert not lease.held
+        assert reg.list_leases() == []
+        assert reg.status()["orphans"] == 0
+    finally:
+        second.crash()
+
+
+# ---- the registry object ------------------------------------------------------------------
+
+
+def test_a_registry_names_its_socket_and_its_user(tmp_path: Path) -> None:
+    import pwd
+
+    reg = BrokerRegistry("/nowhere/b.sock")
+    assert repr(reg) == "BrokerRegistry('/nowhere/b.sock')"
+    assert reg.path == "/nowhere/b.sock"
+    assert reg.lock_timeout_s == 10.0
+    assert reg.connect_timeout_s == 5.0
+    assert reg.max_devices_per_user == 0
+    assert reg.record_commands is False
+    assert reg.uid == os.geteuid()
+    assert reg.user == pwd.getpwuid(os.geteuid()).pw_name
+    assert reg.unusable_reason is None
+    assert reg.prune() == []
+    assert reg.prune(all_users=True) == []
+    other = BrokerRegistry("/x", lock_timeout_s=3.0, connect_timeout_s=0.5)
+    assert (other.lock_timeout_s, other.connect_timeout_s) == (3.0, 0.5)
+
+
+def test_a_uid_without_a_name_is_the_user_by_number() -> None:
+    if not ROOT:
+        pytest.skip("needs root to take an unnamed uid")
+    import pwd
+
+    uid = next(u for u in range(54321, 60000) if not _has_name(u, pwd))
+    os.seteuid(uid)
+    try:
+        reg = BrokerRegistry("/x")
+    finally:
+        os.seteuid(0)
+    assert (reg.uid, reg.user) == (uid, str(uid))
+
+
+def _has_name(uid: int, pwd: Any) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
+
+
+def test_broker_fix_names_the_socket() -> None:
+    assert broker_fix("/run/x.sock") == fix("/run/x.sock")
+    assert brokerclient.DEFAULT_SOCKET == "/run/autogpu/broker.sock"
+
+
+# ---- an unreachable or untrusted broker ---------------------------------------------------
+
+
+def test_a_missing_socket_fails_closed_with_the_admins_fix(peer_path: str) -> None:
+    reg = BrokerRegistry(peer_path, connect_timeout_s=0)
+    want = (
+        f"the lease broker at {peer_path} cannot be reached (No such file or directory): "
+        f"nothing was picked; {fix(peer_path)}"
+    )
+    for attempt in (reg.check, reg.list_leases, reg.status, lambda: reg.revoke("x"),
+                    lambda: reg.take_ticket(constraints={})):
+        with pytest.raises(RegistryUntrustedError) as err:
+            attempt()
+        assert str(err.value) == want
+    with pytest.raises(RegistryUntrustedError) as err, reg.locked():
+        pass
+    assert str(err.value) == want
+    assert reg.live_records() == ([], [])
+
+
+def test_a_socket_nobody_serves_is_refused(peer_path: str) -> None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(peer_path)
+    s.close()
+    with pytest.raises(RegistryUntrustedError) as err:
+        BrokerRegistry(peer_path, connect_timeout_s=-3).check()
+    assert str(err.value) == (
+        f"the lease broker at {peer_path} cannot be reached (Connection refused): nothing was "
+        f"picked; {fix(peer_path)}"
+    )
+
+
+class FakeClock:
+    """The clock of brokerclient: sleeping moves it on at once (and may start a broker)."""
+
+    def __init__(self, on_sleep: Any = None) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+        self.on_sleep = on_sleep
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append(s)
+        self.now += s
+        if self.on_sleep is not None:
+            self.on_sleep()
+
+
+@pytest.mark.parametrize(
+    ("timeout", "sleeps"),
+    [
+        (-1.0, []),
+        (0.0, []),
+        (0.05, [0.05]),
+        (0.3, [0.05, 0.1]),
+        (2.0, [0.05, 0.1, 0.2, 0.4, 0.5, 0.5]),
+    ],
+)
+def test_connecting_retries_with_backoff_until_the_timeout(
+    peer_path: str, monkeypatch: pytest.MonkeyPatch, timeout: float, sleeps: list[float]
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(brokerclient, "time", clock)
+    with pytest.raises(RegistryUntrustedError, match="cannot be reached"):
+        BrokerRegistry(peer_path, connect_timeout_s=timeout).check()
+    assert clock.sleeps == pytest.approx(sleeps)
+
+
+def test_a_broker_that_comes_back_while_retrying_is_reached(
+    peer_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    peers: list[Peer] = []
+    clock = FakeClock(lambda: peers or peers.append(Peer(peer_path, [[]])))
+    monkeypatch.setattr(brokerclient, "time", clock)
+    BrokerRegistry(peer_path, connect_timeout_s=1.0).check()
+    assert clock.sleeps == [0.05]
+    peers[0].close()
+    assert peers[0].client_closed == [True]  # check() closed its connection
+
+
+@pytest.mark.parametrize("uid", [1, 65534])
+def test_a_broker_served_by_another_user_is_refused(peer_path: str, uid: int) -> None:
+    if not ROOT:
+        pytest.skip("needs root to listen as another uid")
+    peer = Peer(peer_path, [[]], listen_as=uid)
+    with pytest.raises(RegistryUntrustedError) as err:
+        BrokerRegistry(peer_path, connect_timeout_s=5).check()
+    assert str(err.value) == (
+        f"the lease broker at {peer_path} runs as uid {uid}, not root: refused (another user "
+        f"could hand out fake leases); {fix(peer_path)}"
+    )
+    peer.close()
+    assert peer.client_closed == [True]  # at once, while the error is still held
+
+
+# ---- replies a real broker never sends ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reply", "why"),
+    [
+        ([DROP], "the broker closed the connection"),
+        ([b"[1, 2]\n"], "reply is not an object"),
+        ([b"not json\n"], "Expecting value: line 1 column 1 (char 0)"),
+        ([b'{"ok": true', CLOSE], "the broker closed the connection"),
+        ([b"x" * (4 * 1024 * 1024 + 1), CLOSE], "reply too long"),
+    ],
+)
+def test_a_lost_or_garbled_reply_fails_closed(peer_path: str, reply: Any, why: str) -> None:
+    peer = Peer(peer_path, [reply])
+    with pytest.raises(RegistryUntrustedError) as err:
+        BrokerRegistry(peer_path).status()
+    assert str(err.value) == f"lost the lease broker at {peer_path} ({why}); {fix(peer_path)}"
+    peer.close()
+    assert peer.requests == [{"op": "status"}]
+
+
+def test_a_reply_just_under_the_limit_is_read(peer_path: str) -> None:
+    big = "y" * (4 * 1024 * 1024 - len('{"ok": true, "pad": ""}\n'))
+    line = json.dumps({"ok": True, "pad": big}).encode() + b"\n"
+    assert len(line) == 4 * 1024 * 1024
+    peer = Peer(peer_path, [[line]])
+    assert BrokerRegistry(peer_path).status() == {"ok": True, "pad": big}
+    peer.close()
+
+
+@pytest.mark.parametrize(
+    ("reply", "cls", "message"),
+    [
+        ({"ok": False, "type": "LeaseLimitError", "error": "quota"}, LeaseLimitError,
+         "lease broker: quota"),
+        ({"ok": False, "type": "NoDeviceFitsError", "error": "busy"}, NoDeviceFitsError,
+         "lease broker: busy"),
+        ({"ok": False, "type": "UsageErrorBase", "error": "bad"}, UsageErrorBase,
+         "lease broker: bad"),
+        ({"ok": False, "type": "KeyError", "error": "odd"}, RegistryError, "lease broker: odd"),
+        ({"ok": False}, RegistryError, "lease broker: refused"),
+        ({"error": "no ok"}, RegistryError, "lease broker: no ok"),
+    ],
+)
+def test_a_refusal_raises_the_error_the_broker_names(
+    peer_path: str, reply: dict[str, Any], cls: type[AutoGPUError], message: str
+) -> None:
+    peer = Peer(peer_path, [[reply]])
+    with pytest.raises(AutoGPUError) as err:
+        BrokerRegistry(peer_path).revoke("L1")
+    assert type(err.value) is cls
+    assert str(err.value) == message
+    peer.close()
+    assert peer.requests == [{"op": "revoke", "lease_id": "L1"}]
+
+
+def test_unasked_events_are_kept_and_the_reply_read(peer_path: str) -> None:
+    events = b'{"event": "replaced", "message": "m"}\n{"event": "other"}\n'
+    peer = Peer(peer_path, [[events + b'{"ok": true, "revoked": "bob: nb"}\n']])
+    assert BrokerRegistry(peer_path).revoke("z") == "bob: nb"
+    peer.close()
+    assert peer.requests == [{"op": "revoke", "lease_id": "z"}]
+
+
+def test_revoke_answers_the_holders_text_or_nothing(peer_path: str) -> None:
+    peer = Peer(peer_path, [[{"ok": True, "revoked": 42}], [{"ok": True}]])
+    reg = BrokerRegistry(peer_path)
+    assert reg.revoke("a") == "42"
+    assert reg.revoke("b") == ""
+    peer.close()
+
+
+def test_a_pick_lock_lost_once_is_asked_again_on_a_fresh_connection(peer_path: str) -> None:
+    begin = {"ok": True, "leases": [payload("L1")], "tickets": []}
+    peer = Peer(peer_path, [[DROP], [begin, {"ok": True, "record": payload("L2")}]])
+    reg = BrokerRegistry(peer_path)
+    with reg.locked() as txn:
+        assert ids(txn.live_leases()) == ["L1"]
+        lease = txn.create(devices=["GPU-p"], holder=Holder(pid=5, kernel_id="k",
+                                                            notebook_path="n", command="c"))
+    assert lease.record.lease_id == "L2"
+    assert lease.record.path == f"{peer_path}#L2"
+    lease.detach()
+    peer.close()
+    assert peer.requests == [
+        {"op": "begin"},
+        {"op": "begin"},
+        {"op": "lease", "devices": ["GPU-p"], "requested_bytes": [None], "exclusive": False,
+         "holder": {"kernel_id": "k", "notebook_path": "n", "command": "c", "kind": "process"},
+         "ignore_ids": [], "ignore_kernel": None},
+    ]
+
+
+def test_a_pick_lock_lost_twice_fails_closed(peer_path: str) -> None:
+    peer = Peer(peer_path, [[DROP], [DROP]])
+    with pytest.raises(RegistryUntrustedError) as err, BrokerRegistry(peer_path).locked():
+        pass
+    assert str(err.value) == (
+        f"lost the lease broker at {peer_path} (the broker closed the connection); "
+        f"{fix(peer_path)}"
+    )
+    peer.close()
+    assert peer.requests == [{"op": "begin"}, {"op": "begin"}]
+
+
+def test_a_refused_pick_lock_is_not_asked_again(peer_path: str) -> None:
+    peer = Peer(peer_path, [[{"ok": False, "error": "no", "type": "UsageErrorBase"}]])
+    with pytest.raises(UsageErrorBase, match=r"^lease broker: no$"), BrokerRegistry(
+        peer_path
+    ).locked():
+        pass
+    peer.close()
+    assert peer.requests == [{"op": "begin"}]
+
+
+def test_the_lease_request_names_what_a_repick_replaces(peer_path: str) -> None:
+    peer = Peer(peer_path, [[{"ok": True}, {"ok": True, "record": payload("N1")}]])
+    view = BrokerRegistry(peer_path).hiding(lease_ids=["b", "c", "a"], kernel_id="kk")
+    with view.locked() as txn:
+        assert txn.live_leases() == [] and txn.live_tickets() == []
+        txn.create(devices=["GPU-1", "GPU-2"], requested_bytes=[1, None], exclusive=True).detach()
+    peer.close()
+    assert peer.requests[1] == {
+        "op": "lease", "devices": ["GPU-1", "GPU-2"], "requested_bytes": [1, None],
+        "exclusive": True, "holder": {"kind": "process"}, "ignore_ids": ["a", "b", "c"],
+        "ignore_kernel": "kk",
+    }
+
+
+def test_the_ticket_and_list_requests(peer_path: str) -> None:
+    ticket = payload("T1", kind="ticket", seq=3, constraints={"count": 1})
+    peer = Peer(peer_path, [
+        [{"ok": True, "record": ticket}],
+        [{"ok": True, "records": []}],
+        [{"ok": True, "records": []}],
+        [{"ok": True, "records": []}],
+    ])
+    reg = BrokerRegistry(peer_path)
+    t = reg.take_ticket(constraints={"count": 1}, holder=Holder(kind="api", kernel_id="q"))
+    assert (t.record.kind, t.record.seq, t.record.constraints) == ("ticket", 3, {"count": 1})
+    t.detach()
+    assert reg.list_leases() == []
+    assert reg.scan() == ScanResult()
+    assert reg.live_records() == ([], [])
+    peer.close()
+    assert peer.requests == [
+        {"op": "ticket", "constraints": {"count": 1}, "exclusive": False,
+         "holder": {"kernel_id": "q", "notebook_path": None, "command": None, "kind": "api"}},
+        {"op": "leases", "tickets": False},
+        {"op": "leases", "tickets": True},
+        {"op": "leases", "tickets": True},
+    ]
+
+
+def test_a_bad_ticket_reply_closes_its_connection(peer_path: str) -> None:
+    peer = Peer(peer_path, [[{"ok": True, "record": {"kind": "ticket"}}]])
+    with pytest.raises(RegistryError) as err:
+        BrokerRegistry(peer_path).take_ticket(constraints={})
+    assert str(err.value) == f"lease broker at {peer_path} sent a bad record: 'lease_id'"
+    peer.close()
+    assert peer.client_closed == [True]  # at once, while the error is still held
+
+
+def test_records_are_sorted_and_our_hidden_ones_left_out(peer_path: str) -> None:
+    me = os.geteuid()
+    other = me + 1000
+    records = [
+        payload("L3", created_s=5.0, uid=me),
+        payload("L2", created_s=1.0, uid=other, kernel_id="kk"),
+        payload("L1", created_s=5.0, uid=me, kernel_id="kk"),
+        payload("L0", created_s=9.0, uid=other),
+        payload("L4", created_s=2.0, uid=me, kernel_id=None),
+        payload("T2", kind="ticket", seq=2, created_s=1.0),
+        payload("T1", kind="ticket", seq=None, created_s=8.0),
+        payload("T3", kind="ticket", seq=2, created_s=0.5),
+        payload("T0", kind="ticket", seq=2, created_s=0.5),
+    ]
+    begin = {"ok": True, "leases": records[:5], "tickets": records[5:]}
+    peer = Peer(peer_path, [
+        [{"ok": True, "records": records[:5]}],
+        [{"ok": True, "records": records[:5]}],
+        [{"ok": True, "records": records}],
+        [begin],
+        [begin],
+    ])
+    reg = BrokerRegistry(peer_path)
+    assert ids(reg.list_leases()) == ["L2", "L4", "L1", "L3", "L0"]
+    view = reg.hiding(lease_ids=["L3", "L0"], kernel_id="kk")
+    assert ids(view.list_leases()) == ["L2", "L4", "L0"]  # never another user's
+    leases, tickets = reg.live_records()
+    assert ids(leases) == ["L2", "L4", "L1", "L3", "L0"]
+    assert ids(tickets) == ["T1", "T0", "T3", "T2"]
+    with reg.hiding(lease_ids=["L4"]).locked() as txn:
+        assert ids(txn.live_leases()) == ["L3", "L2", "L1", "L0"]
+        assert ids(txn.live_tickets()) == ["T1", "T0", "T3", "T2"]
+        assert (ids(reg.live_records(txn)[0]), ids(reg.live_records(txn)[1])) == (
+            ["L3", "L2", "L1", "L0"], ["T1", "T0", "T3", "T2"])
+    with reg.hiding(kernel_id="kk").locked() as txn:
+        assert ids(txn.live_leases()) == ["L3", "L2", "L0", "L4"]
+    peer.close()
+
+
+def test_set_pid_takes_the_record_the_broker_sends_back(peer_path: str) -> None:
+    peer = Peer(peer_path, [[
+        {"ok": True},
+        {"ok": True, "record": payload("S1")},
+        {"ok": True, "record": payload("S1", pid=4242)},
+        {"ok": True},
+    ]])
+    with BrokerRegistry(peer_path).locked() as txn:
+        lease = txn.create(devices=["GPU-p"])
+    lease.set_pid(4242)
+    assert lease.record.pid == 4242
+    assert lease.record.path == f"{peer_path}#S1"
+    lease.release()
+    peer.close()
+    assert peer.requests[2:] == [{"op": "set_pid", "pid": 4242}, {"op": "release"}]
+
+
+def test_a_release_the_broker_lost_is_sent_again_by_id(peer_path: str) -> None:
+    peer = Peer(peer_path, [
+        [{"ok": True}, {"ok": True, "record": payload("O1")}, DROP],
+        [{"ok": False, "error": "no lease 'O1' of yours is orphaned"}],
+    ])
+    with BrokerRegistry(peer_path).locked() as txn:
+        lease = txn.create(devices=["GPU-p"])
+    lease.release()  # the refusal of the second try is not raised
+    assert not lease.held
+    peer.close()
+    assert peer.requests[2:] == [{"op": "release"}, {"op": "release", "lease_id": "O1"}]
+
+
+def test_a_release_with_no_broker_left_is_quiet(peer_path: str) -> None:
+    peer = Peer(peer_path, [[{"ok": True}, {"ok": True, "record": payload("O2")}, CLOSE]])
+    reg = BrokerRegistry(peer_path, connect_timeout_s=0)
+    with reg.locked() as txn:
+        lease = txn.create(devices=["GPU-p"])
+    peer.close()
+    os.unlink(peer_path)
+    lease.release()
+    assert not lease.held
+
+
+# ---- records from the wire ----------------------------------------------------------------
+
+
+def test_from_wire_types_every_field() -> None:
+    d = payload("W1", kind="ticket", device_uuids=["GPU-x", 7], device_requested_bytes=["5", None],
+                exclusive=1, user="alice", uid="1001", host="node", pid="77", created_s="3.5",
+                kernel_id=12, notebook_path="a.ipynb", command="run", holder_kind="api",
+                seq="4", constraints={"count": 1})
+    assert from_wire(d, "/s") == LeaseRecord(
+        lease_id="W1", kind="ticket", device_uuids=("GPU-x", "7"),
+        device_requested_bytes=(5, None), exclusive=True, user="alice", uid=1001, host="node",
+        pid=77, created_s=3.5, kernel_id="12", notebook_path="a.ipynb", command="run",
+        holder_kind="api", seq=4, constraints={"count": 1}, live=True, path="/s#W1",
+    )
+
+
+@pytest.mark.parametrize(
+    ("over", "field", "value"),
+    [
+        ({"kernel_id": None}, "kernel_id", None),
+        ({"notebook_path": None}, "notebook_path", None),
+        ({"command": None}, "command", None),
+        ({"command": 5}, "command", "5"),
+        ({"holder_kind": None}, "holder_kind", "process"),
+        ({"holder_kind": ""}, "holder_kind", "process"),
+        ({"holder_kind": "kernel"}, "holder_kind", "kernel"),
+        ({"seq": None}, "seq", None),
+        ({"seq": 0}, "seq", 0),
+        ({"constraints": ["count"]}, "constraints", None),
+        ({"constraints": None}, "constraints", None),
+        ({"constraints": {}}, "constraints", {}),
+        ({"exclusive": 0}, "exclusive", False),
+    ],
+)
+def test_from_wire_optional_fields(over: dict[str, Any], field: str, value: Any) -> None:
+    rec = from_wire(payload("W2", **over), "/s")
+    assert getattr(rec, field) == value
+    assert rec.live is True
+    assert rec.path == "/s#W2"
+
+
+def test_from_wire_leaves_out_fields_a_lease_lacks() -> None:
+    d = payload("W3")
+    for key in ("kernel_id", "notebook_path", "command", "holder_kind"):
+        del d[key]
+    rec = from_wire(d, "/s")
+    assert (rec.kernel_id, rec.notebook_path, rec.command, rec.holder_kind, rec.seq,
+            rec.constraints) == (None, None, None, "process", None, None)
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ({"kind": None}, "'kind'"),
+        ({"pid": "x"}, "invalid literal for int() with base 10: 'x'"),
+        ({"device_uuids": None}, "'NoneType' object is not iterable"),
+        ({"created_s": "soon"}, "could not convert string to float: 'soon'"),
+    ],
+)
+def test_a_bad_record_from_the_broker_is_an_error(
+    peer_path: str, bad: dict[str, Any], why: str
+) -> None:
+    rec = payload("B1")
+    for key, value in bad.items():
+        if value is None and key == "kind":
+            del rec[key]
+        else:
+            rec[key] = value
+    peer = Peer(peer_path, [[{"ok": True, "records": [payload("B0"), rec]}]])
+    with pytest.raises(RegistryError) as err:
+        BrokerRegistry(peer_path).list_leases()
+    assert str(err.value) == f"lease broker at {peer_path} sent a bad record: {why}"
+    peer.close()
+
+
+# ---- events on a lease connection ---------------------------------------------------------
+
+
+def _revoked(lease_id: str) -> str:
+    return (
+        f"your GPU lease {lease_id} was revoked by the admin: this kernel no longer holds it; "
+        "others may now be given its GPU"
+    )
+
+
+@pytest.mark.parametrize(
+    ("sent", "events"),
+    [
+        (b"", []),
+        (b'{"event": "revoked", "lease_id": "abc"}\n', [_revoked("abc")]),
+        (b'{"event": "revoked", "lease_id": "' + b"a" * 40 + b'"}\n', [_revoked("a" * 32)]),
+        (b'{"event": "revoked"}\n', [_revoked("")]),
+        (b'{"event": "revoked", "lease_id": 7}\n{"event": "revoked", "lease_id": "b"}\n',
+         [_revoked("7"), _revoked("b")]),
+        (b'junk\n{"event": "replaced"}\n["revoked"]\n{"lease_id": "c"}\n', []),
+        (b'junk\n{"event": "revoked", "lease_id": "d"}', [_revoked("d")]),
+    ],
+)
+def test_lease_events_says_what_the_broker_sent(sent: bytes, events: list[str]) -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        if sent:
+            theirs.sendall(sent)
+        assert lease_events(ours.fileno()) == events
+        assert lease_events(ours.fileno()) == []  # read once
+
+
+def test_lease_events_says_when_the_broker_closed_the_lease() -> None:
+    ours, theirs = socket.socketpair()
+    with ours:
+        theirs.close()
+        assert lease_events(ours.fileno()) == [
+            "the lease broker closed this kernel's lease connection: the lease has ended"
+        ]
+
+
+def test_lease_events_of_a_pipe_or_a_closed_fd_are_none() -> None:
+    r, w = os.pipe()
+    try:
+        os.write(w, b'{"event": "revoked", "lease_id": "p"}\n')
+        assert lease_events(r) == []  # not a socket: a lease file's descriptor, say
+    finally:
+        os.close(r)
+        os.close(w)
+    assert lease_events(999_999) == []  # not open
