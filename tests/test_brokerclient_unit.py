@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import socket
@@ -384,6 +385,7 @@ def test_tickets_join_the_line_in_order(reg: BrokerRegistry, broker: ThreadBroke
     t1 = reg.take_ticket(constraints=constraints(min_free_bytes=GiB), holder=Holder(kernel_id="kt"))
     with reg.locked() as txn:
         t2 = txn.create_ticket(constraints=constraints(count=2), exclusive=True)
+        t3 = txn.create_ticket(constraints=constraints(), holder=Holder(notebook_path="t3.ipynb"))
         assert t1.record in txn.live_tickets()  # what the lock's holder saw: not t2 yet
     try:
         assert t1.record.kind == "ticket"
@@ -392,6 +394,8 @@ def test_tickets_join_the_line_in_order(reg: BrokerRegistry, broker: ThreadBroke
         assert t1.record.exclusive is False
         assert t2.record.exclusive is True
         assert t2.record.constraints == constraints(count=2)
+        assert (t3.record.exclusive, t3.record.notebook_path) == (False, "t3.ipynb")
+        assert t3.record.seq == t2.record.seq + 1
         assert t2.record.seq == t1.record.seq + 1
         assert t1.record.lease_id not in ids(reg.list_leases())
         assert t1.record.lease_id in ids(reg.list_leases(include_tickets=True))
@@ -403,6 +407,7 @@ def test_tickets_join_the_line_in_order(reg: BrokerRegistry, broker: ThreadBroke
     finally:
         t1.release()
         t2.release()
+        t3.release()
     assert t1.record.lease_id not in ids(reg.list_leases(include_tickets=True))
 
 
@@ -448,6 +453,17 @@ def test_a_copy_of_the_lease_socket_keeps_the_lease_after_detach(reg: BrokerRegi
     wait_until(lambda: lease_id not in ids(reg.list_leases()))
 
 
+def test_a_lease_whose_socket_was_closed_behind_its_back_releases_quietly(
+    reg: BrokerRegistry,
+) -> None:
+    with reg.locked() as txn:
+        lease = txn.create(devices=["GPU-m1"])
+    os.close(lease.fileno())  # as a kernel may close AUTOGPU_LEASE_FD
+    lease.release()
+    assert not lease.held
+    wait_until(lambda: lease.record.lease_id not in ids(reg.list_leases()))
+
+
 def test_a_release_in_a_forked_child_leaves_the_parents_lease(reg: BrokerRegistry) -> None:
     with reg.locked() as txn:
         lease = txn.create(devices=["GPU-i1"])
@@ -470,9 +486,15 @@ def test_a_release_in_a_forked_child_leaves_the_parents_lease(reg: BrokerRegistr
     assert lease.record.lease_id not in ids(reg.list_leases())
 
 
-def test_a_lease_dropped_without_release_ends_with_its_socket(reg: BrokerRegistry) -> None:
+def test_a_lease_dropped_without_release_closes_its_socket_and_ends(reg: BrokerRegistry) -> None:
     with reg.locked() as txn:
-        lease_id = txn.create(devices=["GPU-j1"]).record.lease_id
+        lease = txn.create(devices=["GPU-j1"])
+    lease_id = lease.record.lease_id
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        del lease
+        gc.collect()
+    assert [str(w.message) for w in seen if w.category is ResourceWarning] == []
     wait_until(lambda: lease_id not in ids(reg.list_leases()))
 
 
@@ -555,6 +577,20 @@ def _has_name(uid: int, pwd: Any) -> bool:
     except KeyError:
         return False
     return True
+
+
+@pytest.mark.parametrize(
+    ("err", "why"),
+    [
+        (FileNotFoundError(2, "No such file or directory"), "No such file or directory"),
+        (ConnectionError("the broker closed the connection"), "the broker closed the connection"),
+        (TimeoutError("timed out"), "timed out"),
+        (OSError(), "OSError"),
+        (ValueError(), "ValueError"),
+    ],
+)
+def test_why_a_broker_was_lost_is_said_in_words(err: BaseException, why: str) -> None:
+    assert brokerclient._why(err) == why
 
 
 def test_broker_fix_names_the_socket() -> None:
@@ -644,7 +680,7 @@ def test_a_broker_that_comes_back_while_retrying_is_reached(
     assert peers[0].client_closed == [True]  # check() closed its connection
 
 
-@pytest.mark.parametrize("uid", [1, 65534])
+@pytest.mark.parametrize("uid", [1, 65534, 3_000_000_000])
 def test_a_broker_served_by_another_user_is_refused(peer_path: str, uid: int) -> None:
     if not ROOT:
         pytest.skip("needs root to listen as another uid")
@@ -738,6 +774,7 @@ def test_a_pick_lock_lost_once_is_asked_again_on_a_fresh_connection(peer_path: s
     reg = BrokerRegistry(peer_path)
     with reg.locked() as txn:
         assert ids(txn.live_leases()) == ["L1"]
+        assert txn.live_leases()[0].path == f"{peer_path}#L1"
         lease = txn.create(devices=["GPU-p"], holder=Holder(pid=5, kernel_id="k",
                                                             notebook_path="n", command="c"))
     assert lease.record.lease_id == "L2"
@@ -836,6 +873,7 @@ def test_records_are_sorted_and_our_hidden_ones_left_out(peer_path: str) -> None
         payload("T1", kind="ticket", seq=None, created_s=8.0),
         payload("T3", kind="ticket", seq=2, created_s=0.5),
         payload("T0", kind="ticket", seq=2, created_s=0.5),
+        payload("T5", kind="ticket", seq=1, created_s=0.1),
     ]
     begin = {"ok": True, "leases": records[:5], "tickets": records[5:]}
     peer = Peer(peer_path, [
@@ -851,12 +889,12 @@ def test_records_are_sorted_and_our_hidden_ones_left_out(peer_path: str) -> None
     assert ids(view.list_leases()) == ["L2", "L4", "L0"]  # never another user's
     leases, tickets = reg.live_records()
     assert ids(leases) == ["L2", "L4", "L1", "L3", "L0"]
-    assert ids(tickets) == ["T1", "T0", "T3", "T2"]
+    assert ids(tickets) == ["T1", "T5", "T0", "T3", "T2"]
     with reg.hiding(lease_ids=["L4"]).locked() as txn:
         assert ids(txn.live_leases()) == ["L3", "L2", "L1", "L0"]
-        assert ids(txn.live_tickets()) == ["T1", "T0", "T3", "T2"]
+        assert ids(txn.live_tickets()) == ["T1", "T5", "T0", "T3", "T2"]
         assert (ids(reg.live_records(txn)[0]), ids(reg.live_records(txn)[1])) == (
-            ["L3", "L2", "L1", "L0"], ["T1", "T0", "T3", "T2"])
+            ["L3", "L2", "L1", "L0"], ["T1", "T5", "T0", "T3", "T2"])
     with reg.hiding(kernel_id="kk").locked() as txn:
         assert ids(txn.live_leases()) == ["L3", "L2", "L0", "L4"]
     peer.close()
@@ -890,6 +928,76 @@ def test_a_release_the_broker_lost_is_sent_again_by_id(peer_path: str) -> None:
     assert not lease.held
     peer.close()
     assert peer.requests[2:] == [{"op": "release"}, {"op": "release", "lease_id": "O1"}]
+
+
+def test_a_ticket_whose_release_was_lost_is_released_by_id(peer_path: str) -> None:
+    ticket = payload("T9", kind="ticket", seq=1, constraints={})
+    peer = Peer(peer_path, [[{"ok": True, "record": ticket}, DROP], [{"ok": True}]])
+    t = BrokerRegistry(peer_path).take_ticket(constraints={})
+    t.release()
+    peer.close()
+    assert peer.requests[1:] == [{"op": "release"}, {"op": "release", "lease_id": "T9"}]
+
+
+def test_a_reply_without_records_lists_none(peer_path: str) -> None:
+    peer = Peer(peer_path, [[{"ok": True}]])
+    assert BrokerRegistry(peer_path).list_leases() == []
+    peer.close()
+
+
+class TimeoutSpy:
+    """The timeouts the client sets on its sockets, in order (this thread's only)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.seen: list[float | None] = []
+        real = socket.socket.settimeout
+        me = threading.current_thread()
+
+        def settimeout(sock: socket.socket, value: float | None) -> None:
+            if threading.current_thread() is me:
+                self.seen.append(value)
+            real(sock, value)
+
+        monkeypatch.setattr(socket.socket, "settimeout", settimeout)
+
+
+def test_how_long_each_request_waits_for_the_broker(
+    peer_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    peer = Peer(peer_path, [
+        [{"ok": True}, {"ok": True, "record": payload("Q1")},
+         {"ok": True, "record": payload("Q1", pid=9)}, DROP],
+        [{"ok": True}],
+        [{"ok": True, "records": []}],
+    ])
+    spy = TimeoutSpy(monkeypatch)
+    reg = BrokerRegistry(peer_path, lock_timeout_s=7.5)
+    with reg.locked() as txn:
+        lease = txn.create(devices=["GPU-p"])
+    lease.set_pid(9)
+    lease.release()
+    reg.list_leases()
+    peer.close()
+    # begin: the lock timeout; lease: 30 s; set_pid: 10 s; release (and by id): 5 s; each
+    # call leaves its socket blocking again.
+    assert spy.seen == [7.5, None, 30.0, None, 10.0, None, 5.0, None, 5.0, None, 30.0, None]
+
+
+def test_lease_events_never_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    import select
+
+    timeouts: list[float] = []
+    real = select.select
+
+    def spy(r: Any, w: Any, x: Any, timeout: float) -> Any:
+        timeouts.append(timeout)
+        return real(r, w, x, timeout)
+
+    monkeypatch.setattr(select, "select", spy)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        assert lease_events(ours.fileno()) == []
+    assert timeouts == [0]
 
 
 def test_a_release_with_no_broker_left_is_quiet(peer_path: str) -> None:
@@ -1008,6 +1116,16 @@ def test_lease_events_says_what_the_broker_sent(sent: bytes, events: list[str]) 
             theirs.sendall(sent)
         assert lease_events(ours.fileno()) == events
         assert lease_events(ours.fileno()) == []  # read once
+
+
+def test_lease_events_reads_64_kib_at_a_time() -> None:
+    junk = b"x" * 65535 + b"\n"
+    event = b'{"event": "revoked", "lease_id": "late"}\n'
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(junk + event)
+        assert lease_events(ours.fileno()) == []
+        assert lease_events(ours.fileno()) == [_revoked("late")]
 
 
 def test_lease_events_says_when_the_broker_closed_the_lease() -> None:

@@ -47,6 +47,8 @@ __all__ = ["DEFAULT_SOCKET", "BrokerLease", "BrokerRegistry", "BrokerTransaction
 
 DEFAULT_SOCKET = "/run/autogpu/broker.sock"
 _MAX_LINE = 4 * 1024 * 1024  # replies carry every live record: larger than requests
+#: ``struct ucred`` (pid, uid, gid) of ``SO_PEERCRED``, unsigned: a uid may be >= 2**31.
+_UCRED = struct.Struct("3I")
 _ERRORS: dict[str, type[AutoGPUError]] = {
     "LeaseLimitError": LeaseLimitError,
     "NoDeviceFitsError": NoDeviceFitsError,
@@ -69,17 +71,15 @@ class _Conn:
         self.path = path
         self.sock = _connect(path, timeout_s)
         self._buf = b""
-        self.events: list[dict[str, Any]] = []
 
     def call(self, msg: Mapping[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
         """Send ``msg``; the broker's reply. A refusal raises its :class:`AutoGPUError`."""
-        self.sock.settimeout(timeout_s)
         try:
+            self.sock.settimeout(timeout_s)
             self.sock.sendall(json.dumps(msg).encode() + b"\n")
             while True:
                 reply = self._read_line()
                 if "event" in reply:
-                    self.events.append(reply)
                     continue
                 break
         except (OSError, ValueError) as err:
@@ -141,8 +141,8 @@ def _connect(path: str, timeout_s: float) -> socket.socket:
 def _check_broker_owner(sock: socket.socket, path: str) -> None:
     """The process serving ``path`` must be root's (or our own: a test or a private broker):
     a broker run by another user could hand out fake leases, so it is refused."""
-    data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", data)
+    data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    _pid, uid, _gid = _UCRED.unpack(data)
     if uid not in (0, os.geteuid()):
         sock.close()
         raise RegistryUntrustedError(
@@ -187,7 +187,6 @@ def from_wire(d: Mapping[str, Any], path: str) -> LeaseRecord:
         holder_kind=str(d.get("holder_kind") or "process"),
         seq=None if d.get("seq") is None else int(d["seq"]),
         constraints=dict(constraints) if isinstance(constraints, Mapping) else None,
-        live=True,
         path=f"{path}#{lease_id}",
     )
 
@@ -423,19 +422,20 @@ class BrokerRegistry:
     def _begin(self) -> BrokerTransaction:
         """Connect and take the pick lock; a connection lost on the way (the broker restarted)
         is tried once more on a fresh one."""
-        for attempt in (1, 2):
-            conn = self._conn()
-            try:
-                reply = conn.call({"op": "begin"}, timeout_s=self.lock_timeout_s)
-                return BrokerTransaction(self, conn, reply)
-            except RegistryUntrustedError:
-                conn.close()
-                if attempt == 2:
-                    raise
-            except BaseException:
-                conn.close()
-                raise
-        raise AssertionError("unreachable")
+        conn = self._conn()
+        try:
+            return self._begin_on(conn)
+        except RegistryUntrustedError:
+            pass
+        return self._begin_on(self._conn())
+
+    def _begin_on(self, conn: _Conn) -> BrokerTransaction:
+        try:
+            reply = conn.call({"op": "begin"}, timeout_s=self.lock_timeout_s)
+            return BrokerTransaction(self, conn, reply)
+        except BaseException:
+            conn.close()
+            raise
 
     def live_records(
         self, txn: BrokerTransaction | None = None
