@@ -7,6 +7,7 @@ one ``libnvidia-ml.so.1`` for life), plus the threaded reader; the in-process sc
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pwd
@@ -235,7 +236,10 @@ def test_snapshots_from_threads_while_the_load_moves(fake_nvml: FakeNvml) -> Non
 def test_works_after_gpustat_replaced_the_memory_call(fake_nvml: FakeNvml) -> None:
     """gpustat replaces ``pynvml.nvmlDeviceGetMemoryInfo`` at import with a function that takes
     no ``version``; a kernel that imports gpustat must still read memory."""
-    pytest.importorskip("gpustat")
+    # find_spec, not importorskip: importing gpustat here would replace the memory call in
+    # this process too, under the in-process tests of test_nvml_inprocess.py that run later.
+    if importlib.util.find_spec("gpustat") is None:
+        pytest.skip("gpustat is not installed")
     fake_nvml.write(fleet_4x())
     out = run_python(
         "import gpustat\n" + textwrap.dedent(SNAPSHOT_OR_ERROR), fake_nvml.subprocess_env()
