@@ -464,6 +464,20 @@ def test_a_lease_whose_socket_was_closed_behind_its_back_releases_quietly(
     wait_until(lambda: lease.record.lease_id not in ids(reg.list_leases()))
 
 
+def test_a_lease_whose_socket_was_closed_behind_its_back_detaches_quietly(
+    reg: BrokerRegistry,
+) -> None:
+    with reg.locked() as txn:
+        lease = txn.create(devices=["GPU-m2"])
+    fd = lease.fileno()
+    os.close(fd)
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    lease.detach()
+    assert not lease.held
+    wait_until(lambda: lease.record.lease_id not in ids(reg.list_leases()))
+
+
 def test_a_release_in_a_forked_child_leaves_the_parents_lease(reg: BrokerRegistry) -> None:
     with reg.locked() as txn:
         lease = txn.create(devices=["GPU-i1"])
