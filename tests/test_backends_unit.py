@@ -178,18 +178,10 @@ def described(rows: list[tuple]) -> dict:
     return {"driver_version": "550.54.15 (simulated)", "devices": devices}
 
 
-def test_the_builtin_fleets_as_an_import_builds_them() -> None:
-    # The fleets are built when the module is imported: read them from a fresh copy of it.
-    import importlib.util
-
-    from autogpu_jupyter.core.backends import simulated
-
-    spec = importlib.util.spec_from_file_location("fresh_simulated", simulated.__file__)
-    assert spec is not None and spec.loader is not None
-    fresh = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fresh)
-    assert fresh.BUILTIN_FLEETS == {"demo-4x": described(DEMO_4X), "demo-8x": described(DEMO_8X)}
-    assert fresh.builtin_fleet("demo-8x") == described(DEMO_8X)
+def test_the_builtin_fleets_are_described_device_by_device() -> None:
+    assert BUILTIN_FLEETS == {"demo-4x": (2, 2), "demo-8x": (4, 4)}
+    assert builtin_fleet("demo-4x") == described(DEMO_4X)
+    assert builtin_fleet("demo-8x") == described(DEMO_8X)
 
 
 def test_builtin_fleet_is_a_copy_the_caller_may_change() -> None:

@@ -62,17 +62,16 @@ def _demo(n_a100: int, n_l4: int) -> dict[str, Any]:
     return {"driver_version": "550.54.15 (simulated)", "devices": devices}
 
 
-#: Built-in fleets, by name.
-BUILTIN_FLEETS: dict[str, dict[str, Any]] = {
-    "demo-4x": _demo(2, 2),
-    "demo-8x": _demo(4, 4),
+#: Built-in fleets, by name: how many A100s and L4s each has (``builtin_fleet`` describes one).
+BUILTIN_FLEETS: dict[str, tuple[int, int]] = {
+    "demo-4x": (2, 2),
+    "demo-8x": (4, 4),
 }
 
 
 def builtin_fleet(name: str) -> dict[str, Any]:
-    """The fleet description of a built-in fleet (a deep copy you may change)."""
-    fleet: dict[str, Any] = json.loads(json.dumps(BUILTIN_FLEETS[name]))
-    return fleet
+    """The fleet description of a built-in fleet (built on each call: the caller may change it)."""
+    return _demo(*BUILTIN_FLEETS[name])
 
 
 def resolve_fleet_source(source: str, base_dir: str | None = None) -> str:
