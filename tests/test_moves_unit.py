@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 
@@ -315,6 +316,9 @@ def test_the_grant_environment_is_the_provisioners(
          Constraints(min_free=parse_size("10G"), count=2)),
         ('{"max_util": "50", "exclusive": true}', Constraints(max_util_pct=50, exclusive=True)),
         ('{"min_free": "lots", "count": 2}', Constraints()),
+        # JSON rules, as the provisioner reads them: a number of bytes is no size there
+        ('{"min_free": 10737418240, "count": 2}', Constraints()),
+        ("null", Constraints()),
     ],
 )
 def test_the_kernels_pick_options_come_from_the_provisioner(
@@ -323,6 +327,12 @@ def test_the_kernels_pick_options_come_from_the_provisioner(
     assert moves.kernel_constraints({"AUTOGPU_PICK_OPTIONS": raw}) == want
     monkeypatch.setenv("AUTOGPU_PICK_OPTIONS", raw)
     assert moves.kernel_constraints() == want
+
+
+def test_a_kernel_without_pick_options_picks_plainly(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert moves.kernel_constraints({"CUDA_VISIBLE_DEVICES": "0"}) == Constraints()
+    monkeypatch.delenv("AUTOGPU_PICK_OPTIONS", raising=False)
+    assert moves.kernel_constraints() == Constraints()
 
 
 # ---- planning a move ------------------------------------------------------------------------
@@ -497,6 +507,48 @@ def test_request_move_records_the_plan_privately(
     assert sorted(os.listdir(runtime)) == ["autogpu-move-k-9.json"]
     assert moves.read_move(path) == plan.request
     assert caplog.messages == [f"move requested for kernel k-9: {plan.message}"]
+
+
+def test_request_move_counts_other_holders_bookings_and_the_smoothed_load(
+    backend: SimulatedBackend, runtime: Path, registry_dir: Path
+) -> None:
+    path = moves.move_file_for(runtime, "k-9")
+    twenty = Constraints(min_free=parse_size("20G"))
+    registry = Registry(registry_dir)
+    with registry.locked() as txn:
+        assert txn is not None
+        lease = txn.create(devices=[U2], requested_bytes=20 * GiB)
+    try:
+        plan = moves.request_move(path, "best", current_uuids=[U1], constraints=twenty,
+                                  backend=backend, environ={}, registry=registry)
+    finally:
+        lease.release()
+    assert [d.uuid for d in plan.target] == [U0]
+    # GPU 2 is busy on average though idle right now: GPU 0 is better
+    plan = moves.request_move(path, "best", current_uuids=[U1], constraints=twenty,
+                              backend=backend, environ={}, smoothed_util={U2: 99.0})
+    assert [d.uuid for d in plan.target] == [U0]
+    assert moves.read_move(path) == plan.request
+
+
+def test_move_from_a_kernel_without_a_device_counts_other_holders_bookings(
+    backend: SimulatedBackend, runtime: Path, registry_dir: Path
+) -> None:
+    env = _kernel_env(runtime, AUTOGPU_PICK_OPTIONS='{"min_free": "20G"}')
+    del env["AUTOGPU_PICKED"], env["CUDA_VISIBLE_DEVICES"]  # a kernel started on no device
+    plan = moves.request_move_from_kernel("best", environ=env, backend=backend)
+    assert plan.request == moves.MoveRequest("k-3", (), (), ANY, "magic")
+    assert [d.uuid for d in plan.target] == [U2]
+    registry = Registry(registry_dir)
+    with registry.locked() as txn:
+        assert txn is not None
+        lease = txn.create(devices=[U2], requested_bytes=20 * GiB)
+    try:
+        plan = moves.request_move_from_kernel("best", environ=env, backend=backend,
+                                              registry=registry)
+    finally:
+        lease.release()
+    assert [d.uuid for d in plan.target] == [U0]
 
 
 @pytest.mark.parametrize("mode", [0o770, 0o702, 0o722])

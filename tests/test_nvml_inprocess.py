@@ -13,6 +13,7 @@ import os
 import pwd
 import subprocess
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -430,6 +431,46 @@ def test_mig_slots_beyond_the_count_are_not_read(fake_nvml: FakeNvml) -> None:
     fleet["devices"][0]["max_mig_devices"] = 1
     fake_nvml.write(fleet)
     assert [d.label for d in NvmlBackend().snapshot().devices] == ["GPU 0", "GPU 0 MIG 0", "GPU 1"]
+
+
+def test_empty_mig_slots_between_devices_are_skipped(fake_nvml: FakeNvml) -> None:
+    # After an instance in the middle was destroyed, slots 0 and 2 answer NOT_FOUND.
+    fleet = fleet_mig()
+    fleet["devices"][0]["mig_devices"][0]["slot"] = 1
+    fleet["devices"][0]["mig_devices"][1]["slot"] = 3
+    fake_nvml.write(fleet)
+    devices = NvmlBackend().snapshot().devices
+    assert [(d.label, d.uuid) for d in devices] == [
+        ("GPU 0", "GPU-0a0a0a0a-1111-2222-3333-444444444444"),
+        ("GPU 0 MIG 1", "MIG-11111111-aaaa-5bbb-8ccc-000000000001"),
+        ("GPU 0 MIG 3", "MIG-22222222-aaaa-5bbb-8ccc-000000000002"),
+        ("GPU 1", "GPU-0b0b0b0b-1111-2222-3333-444444444444"),
+    ]
+
+
+def test_nvml_starts_from_a_fresh_process_state_and_warns_of_a_shadowing_binding(
+    fake_nvml: FakeNvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh process: no module yet, no binding note yet. The first use initialises NVML,
+    checks the binding once (here a deprecated ``pynvml`` distribution sits beside it) and
+    reports it with every snapshot."""
+    import pynvml
+
+    from autogpu_jupyter.core.backends import nvml
+
+    site = tmp_path / "site"
+    (site / "pynvml-11.5.0.dist-info").mkdir(parents=True)
+    monkeypatch.setattr(pynvml, "__file__", str(site / "pynvml.py"))
+    monkeypatch.setattr(nvml, "_state", nvml._State())
+    fake_nvml.write(fleet_4x())
+    note = "the deprecated 'pynvml' distribution 11.5.0 is installed" + FIX
+    with pytest.warns(UserWarning) as caught:
+        first = NvmlBackend().snapshot()
+    assert [str(w.message) for w in caught] == [note]
+    assert (len(first.devices), first.errors) == (4, (note,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        assert NvmlBackend().snapshot().errors == (note,)
 
 
 def test_a_gpu_without_a_name_reads_unknown(fake_nvml: FakeNvml) -> None:

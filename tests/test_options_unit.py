@@ -238,10 +238,27 @@ def test_a_bad_value_is_attributed_to_its_option(
 
 
 @pytest.mark.parametrize(
-    ("wait", "seconds"), [(None, 0.0), ("", 0.0), (0, 0.0), ("0", 0.0), ("90s", 90.0), (5, 5.0)]
+    ("wait", "seconds"),
+    [(None, 0.0), ("", 0.0), (0, 0.0), ("0", 0.0), ("90s", 90.0), (5, 5.0), (1, 1.0)],
 )
 def test_wait_reads_a_duration_and_nothing_means_no_wait(wait: object, seconds: float) -> None:
     assert parse({}, defaults={"wait": wait}).wait_s == seconds
+
+
+def test_every_option_left_empty_in_the_settings_means_not_set() -> None:
+    # A site's settings file may leave any option as "" (the traitlets default): no limit.
+    defaults = {"min_free": "", "max_util": "", "count": "", "exclude": "", "exclusive": "",
+                "model": "", "prefer": "", "wait": ""}
+    assert parse({}, defaults=defaults) == PickOptions(Constraints.parse(), 0.0)
+    assert parse({}, defaults=defaults, style="key") == PickOptions(Constraints.parse(), 0.0)
+
+
+@pytest.mark.parametrize(
+    ("style", "shown"), [("flag", "--prefer ['L4', 2]"), ("key", "prefer ['L4', 2]")]
+)
+def test_bad_preferred_models_name_the_option_in_the_callers_style(style: str, shown: str) -> None:
+    err = _error({"prefer": ["L4", 2]}, style=style)
+    assert (str(err), err.option) == (f"invalid {shown}: expected {NAMES}", "prefer")
 
 
 def test_unknown_parameters_list_what_is_accepted_in_the_callers_style() -> None:

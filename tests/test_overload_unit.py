@@ -371,6 +371,26 @@ def test_both_causes_and_every_overloaded_device_of_the_kernel() -> None:
     assert [w.key for w in got] == [(U0, "memory,utilisation"), (U1, "memory")]
 
 
+def test_devices_of_the_kernel_with_nothing_to_say_do_not_hide_the_next_one() -> None:
+    # The kernel's devices in its order: lost, only its own process, calm others, overloaded.
+    lost = DeviceSnapshot(index=1, uuid=U1, name="A100", available=False, processes=(BOB,))
+    mine = ProcessSnapshot(pid=ME, used_memory_bytes=79 * GiB)
+    own = _gpu(2, U2, used_gib=79, util=97.0, procs=(mine,))
+    calm = _gpu(3, U3, used_gib=10, util=3.0, procs=(BOB,))
+    busy = _gpu(0, U0, used_gib=78, util=5.0, procs=(BOB,))
+    history = {u: _series(u, [(100.0, 3.0)]) for u in (U0, U1, U2, U3)}
+    got = _detect(_snap(busy, lost, own, calm), history, kernel=(U1, U2, U3, U0))
+    assert [(w.uuid, w.causes) for w in got] == [(U0, ("memory 98% full (over 95%)",))]
+
+
+def test_an_own_process_of_unknown_memory_counts_as_holding_none() -> None:
+    # Others hold one byte, this kernel an amount NVML cannot tell: the others hold more.
+    procs = (ProcessSnapshot(pid=ME, used_memory_bytes=None),
+             ProcessSnapshot(pid=5, used_memory_bytes=1, user="carol"))
+    got = _detect(_snap(_gpu(0, U0, used_gib=78, util=5.0, procs=procs)), _history([5]))
+    assert [w.causes for w in got] == [("memory 98% full (over 95%)",)]
+
+
 def test_the_alternative_is_ranked_on_the_smoothed_load() -> None:
     b = _gpu(1, U1, util=2.0)
     c = _gpu(2, U2, util=10.0)

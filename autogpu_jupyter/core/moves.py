@@ -297,13 +297,13 @@ def grant_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 def kernel_constraints(environ: Mapping[str, str] | None = None) -> Constraints:
     """The provisioner's pick options as seen in a provisioned kernel (``AUTOGPU_PICK_OPTIONS``)."""
     env = os.environ if environ is None else environ
-    raw = env.get(OPTIONS_ENV, "")
+    raw = env.get(OPTIONS_ENV)
     try:
         opts = json.loads(raw) if raw else {}
     except json.JSONDecodeError:
-        opts = {}
+        return Constraints()
     if not isinstance(opts, dict):
-        opts = {}
+        return Constraints()
     from autogpu_jupyter.core import options
 
     known = {o.key for o in options.PICK_OPTIONS}

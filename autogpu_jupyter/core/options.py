@@ -246,7 +246,7 @@ def parse(
         _check_json_types(merged)
     # Each value alone first, so that an error names its option (``OptionError.option``).
     if "count" in merged:
-        merged["count"] = _count(merged["count"], style)
+        _count(merged["count"], style)
     for key in ("min_free", "max_util", "exclude"):
         if key in merged:
             _attributed(key, merged[key], lambda k=key: Constraints.parse(**{k: merged[k]}))
@@ -262,7 +262,7 @@ def parse(
     )
     wait = merged.get("wait")
     wait_s = (
-        0.0 if wait in (None, "", 0) else _attributed("wait", wait, lambda: parse_duration(wait))
+        0.0 if wait is None else _attributed("wait", wait, lambda: parse_duration(wait))
     )
     return PickOptions(constraints, wait_s)
 

@@ -14,7 +14,8 @@ fleet file (``autogpu_jupyter/core/backends/simulated.py``), plus a few keys onl
 * device ``mig_supported`` (default: the name contains A100, A30, H100, H200 or B200),
   ``mig_enabled`` (default: ``mig_devices`` is not empty), ``max_mig_devices`` (default 7),
   ``pci_device_id``;
-* MIG device ``name`` (default ``"<parent name> MIG <profile>"``) and ``processes``;
+* MIG device ``name`` (default ``"<parent name> MIG <profile>"``), ``processes`` and ``slot``
+  (default: its place in the list; the slots no MIG device holds answer NOT_FOUND);
 * process ``used_memory: None``: NVML's "not available";
 * top level ``driver: "none"`` (nvmlInit returns DRIVER_NOT_LOADED), ``init_error`` (a name as for
   ``error``, or a number), ``memory_v2_error`` (``"version_mismatch"`` or a number),
@@ -265,6 +266,8 @@ def _render_device(
         lines.append(f"mig_mode {1 if mig_enabled else 0}")
         lines.append(f"max_mig {int(spec.get('max_mig_devices', 7))}")
 
+    if mig_of is not None and "slot" in spec:
+        lines.append(f"slot {int(spec['slot'])}")
     if unsupported:
         lines.append("unsupported " + ",".join(sorted(unsupported)))
     for p in procs:

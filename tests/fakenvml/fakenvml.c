@@ -20,6 +20,8 @@
  *   util_gpu / util_mem / temp / power_mw / power_limit_mw / compute_mode N
  *   mig_mode N                  current (= pending) MIG mode of a gpu
  *   max_mig N                   nvmlDeviceGetMaxMigDeviceCount of a gpu
+ *   slot N                      the MIG slot of a mig (default: its order); the slots no MIG
+ *                               device holds answer NOT_FOUND, as after a destroyed instance
  *   error N                     every call on this device (and its handle lookup) returns N
  *   unsupported a,b,...         these queries return NOT_SUPPORTED (3): util temp power
  *                               power_limit compute_mode memory processes mig_mode pci name
@@ -89,6 +91,7 @@ struct dev {
     unsigned long long mem_total, mem_used, mem_reserved;
     unsigned int util_gpu, util_mem, temp, power_mw, power_limit_mw, compute_mode;
     unsigned int mig_mode, max_mig;
+    int slot; /* a MIG device's slot under its GPU (nvmlDeviceGetMigDeviceHandleByIndex) */
     int error;
     unsigned int unsupported;
     int nproc;
@@ -256,7 +259,8 @@ static int parse_file(const char *path, struct scenario *sc) {
             d = &sc->gpus[g];
         } else if (strcmp(key, "mig") == 0) {
             if (g < 0 || sc->nmig[g] >= MAX_MIGS) break;
-            d = &sc->migs[g][sc->nmig[g]++];
+            d = &sc->migs[g][sc->nmig[g]];
+            d->slot = sc->nmig[g]++;
         } else if (d == NULL) {
             continue; /* device keys before any device: ignored */
         } else if (strcmp(key, "uuid") == 0) {
@@ -290,6 +294,8 @@ static int parse_file(const char *path, struct scenario *sc) {
         } else if (strcmp(key, "max_mig") == 0) {
             d->max_mig = (unsigned int)strtoul(val, NULL, 10);
             if (d->max_mig > MAX_MIGS) d->max_mig = MAX_MIGS;
+        } else if (strcmp(key, "slot") == 0) {
+            d->slot = atoi(val);
         } else if (strcmp(key, "error") == 0) {
             d->error = atoi(val);
         } else if (strcmp(key, "unsupported") == 0) {
@@ -806,9 +812,13 @@ EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t h, unsigned
     UNSUPPORTED(d, U_MIG_MODE);
     if (!d->mig_mode || index >= d->max_mig) RETURN(NVML_ERROR_INVALID_ARGUMENT);
     /* Slots without a MIG device: NOT_FOUND, as NVIDIA's library says. */
-    if (index >= (unsigned int)cur.nmig[h->gpu]) RETURN(NVML_ERROR_NOT_FOUND);
-    *mig = &mig_handles[h->gpu][index];
-    RETURN(NVML_SUCCESS);
+    for (int m = 0; m < cur.nmig[h->gpu]; m++) {
+        if (cur.migs[h->gpu][m].slot == (int)index) {
+            *mig = &mig_handles[h->gpu][m];
+            RETURN(NVML_SUCCESS);
+        }
+    }
+    RETURN(NVML_ERROR_NOT_FOUND);
 }
 
 EXPORT nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t h, unsigned int *is_mig) {
