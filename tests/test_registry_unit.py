@@ -19,6 +19,7 @@ import random
 import secrets
 import socket
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -1387,6 +1388,59 @@ def test_prune_removes_our_dead_files_and_old_temporaries_only(reg: Registry) ->
     )
     assert reg.prune() == []
     live.release()
+
+
+def test_prune_never_opens_a_fifo_or_a_link_and_says_why_it_keeps_a_held_file(
+    reg: Registry, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    mine = Path(reg.path) / str(ME)
+    _lease(reg).release()  # our directory exists
+    old = time.time() - 120
+    fifo = mine / ".fifo.tmp"  # opened without O_NONBLOCK, a FIFO would hang the prune
+    os.mkfifo(fifo)
+    os.utime(fifo, (old, old))
+    target = tmp_path / "elsewhere"
+    target.write_text("")
+    link = mine / ".link.tmp"
+    link.symlink_to(target)
+    os.utime(link, (old, old), follow_symlinks=False)
+    held_tmp = mine / ".held.tmp"
+    held_tmp.write_text("")
+    os.utime(held_tmp, (old, old))
+    holders = [_Held(held_tmp), _Held(target)]
+    done: list[object] = []
+    worker = threading.Thread(target=lambda: done.append(reg.prune()), daemon=True)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+            worker.start()
+            worker.join(10)
+            hung = worker.is_alive()
+            if hung:  # let the blocked open return before failing
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                worker.join(5)
+    finally:
+        for h in holders:
+            h.close()
+    assert not hung and done == [[]]
+    assert sorted(os.listdir(mine)) == [".held.tmp", ".link.tmp"]  # the FIFO went, the link stays
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG] == [
+        "not removing .held.tmp: [Errno 11] Resource temporarily unavailable"
+    ]
+
+
+@pytest.mark.parametrize(("age", "kept"), [(60.0, True), (60.25, False)])
+def test_a_temporary_file_is_pruned_once_older_than_a_minute(
+    reg: Registry, monkeypatch: pytest.MonkeyPatch, age: float, kept: bool
+) -> None:
+    mine = Path(reg.path) / str(ME)
+    _lease(reg).release()
+    tmp = mine / ".w.tmp"
+    tmp.write_text("")
+    os.utime(tmp, (1_000_000, 1_000_000))
+    monkeypatch.setattr(time, "time", lambda: 1_000_000 + age)
+    reg.prune()
+    monkeypatch.undo()
+    assert tmp.exists() is kept
 
 
 def test_a_pick_removes_our_own_dead_files_but_not_others(reg: Registry) -> None:

@@ -374,7 +374,7 @@ def broker_for(settings: Any) -> Any:
     """The broker client the settings select, or ``None`` (see :func:`from_settings`)."""
     from autogpu_jupyter.core import brokerclient
 
-    configured = str(getattr(settings, "broker_socket", "") or "").strip()
+    configured = settings.broker_socket.strip()
     if configured.lower() in ("off", "none", "0", "false"):
         return None
     path = configured or brokerclient.DEFAULT_SOCKET
@@ -383,7 +383,7 @@ def broker_for(settings: Any) -> Any:
     broker = brokerclient.BrokerRegistry(
         path, lock_timeout_s=max(float(settings.registry_lock_timeout_s), 1.0)
     )
-    if str(getattr(settings, "broker_fallback", "") or "").strip().lower() == "registry":
+    if settings.broker_fallback.strip().lower() == "registry":
         try:
             broker.check()
         except RegistryError as err:
