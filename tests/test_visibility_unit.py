@@ -235,6 +235,16 @@ def test_slurm_global_reading_says_what_the_relative_one_would_be() -> None:
     assert alloc(GAPS, SLURM_JOB_GPUS="0,2", **{CVD: "GPU-b"}).uuids == (G2,)
 
 
+def test_a_slurm_job_with_the_whole_host_reads_cvd_as_the_host_does() -> None:
+    # Global and relative ids are one and the same: no second reading, no note about Slurm.
+    a = alloc(GAPS, SLURM_JOB_GPUS="0,2,5", **{CVD: "7"})
+    assert (a.uuids, a.notes) == ((), (
+        f"{CVD}: stopped at '7' (no GPU with index 7; this host shows 3: 0,2,5); {STOP}",
+    ))
+    b = alloc(GAPS, SLURM_JOB_GPUS="5,2,0", **{CVD: "2,0"})
+    assert (b.uuids, b.notes) == ((G2, G0), ())
+
+
 def test_slurm_readings_of_several_gpus_list_them_all() -> None:
     host = [*GAPS, gpu(7, G7)]
     a = alloc(host, SLURM_JOB_GPUS="5,0,2", **{CVD: "0,2"})

@@ -416,17 +416,16 @@ def _parse_slurm_ids(value: str) -> list[int] | None:
 
 def _slurm_grant(
     var: str, value: str, devices: Sequence[DeviceSnapshot]
-) -> tuple[tuple[str, ...], bool, list[str]]:
-    """The Slurm grant as ordered UUIDs, whether NVML shows more than the job, and notes."""
+) -> tuple[tuple[str, ...], list[str]]:
+    """The Slurm grant as ordered UUIDs, and notes."""
     text = value.strip()
     if text in ("", "NoDevFiles"):
-        return (), False, [f"{var}={value!r}: the Slurm job has no GPU"]
+        return (), [f"{var}={value!r}: the Slurm job has no GPU"]
     ids = _parse_slurm_ids(text)
     physical = _physical(devices)
     if ids is None:
         return (
             (),
-            False,
             [
                 f"{var}={value!r} is not a list of GPU ids (expected e.g. '0,2' or '0-3'): "
                 "no GPU granted rather than guessing"
@@ -434,19 +433,18 @@ def _slurm_grant(
         )
     by_index = {d.index: d for d in physical}
     if len(ids) < len(physical) and all(i in by_index for i in ids):
-        return tuple(by_index[i].uuid for i in ids), True, []
+        return tuple(by_index[i].uuid for i in ids), []
     if len(ids) == len(physical):
         every = tuple(d.uuid for d in physical)
         if set(ids) == set(by_index):  # the job has the whole host
-            return every, False, []
+            return every, []
         note = (
             f"{var}={value!r}: NVML shows exactly the job's {len(ids)} GPU(s) "
             "(device cgroup), so all of them are granted"
         )
-        return every, False, [note]
+        return every, [note]
     return (
         (),
-        False,
         [
             f"{var}={value!r} names GPUs that do not match what NVML shows "
             f"({_host_indices(physical)}): cannot tell which GPUs are the job's, so none is granted"
@@ -466,15 +464,16 @@ def _cvd_grant(
     devices: Sequence[DeviceSnapshot],
     slurm_var: str | None,
     slurm: tuple[str, ...] | None,
-    slurm_global: bool,
 ) -> tuple[tuple[str, ...], list[str]]:
     """What ``CUDA_VISIBLE_DEVICES`` grants (with a Slurm grant beside it), and notes."""
     uuids, cvd_notes = parse_cuda_visible_devices(cvd, devices)
     notes = list(cvd_notes)
-    if slurm_var is not None and slurm and slurm_global and _is_index_list(cvd):
-        # NVML shows every GPU: Slurm wrote global ids (no device cgroup) or ids relative to
-        # the job's GPUs (device cgroup that CUDA honours but NVML does not). Take the
-        # global reading when it stays inside the grant, else the relative one.
+    if slurm_var is not None and slurm and len(slurm) < len(_physical(devices)) and (
+        _is_index_list(cvd)
+    ):
+        # NVML shows more GPUs than the job's: Slurm wrote global ids (no device cgroup) or ids
+        # relative to the job's GPUs (device cgroup that CUDA honours but NVML does not). Take
+        # the global reading when it stays inside the grant, else the relative one.
         by_id = [d for d in _physical(devices) if d.uuid in slurm]
         by_id.sort(key=lambda d: slurm.index(d.uuid))
         relative = [DeviceSnapshot(index=i, uuid=d.uuid, name=d.name) for i, d in enumerate(by_id)]
@@ -568,10 +567,9 @@ def current_allocation(
 
     slurm_var = next((v for v in SLURM_VARS if env.get(v) is not None), None)
     slurm: tuple[str, ...] | None = None
-    slurm_global = False
     if slurm_var is not None:
         svalue = env[slurm_var]
-        slurm, slurm_global, n = _slurm_grant(slurm_var, svalue, devices)
+        slurm, n = _slurm_grant(slurm_var, svalue, devices)
         notes += n
         parts.append((slurm_var, svalue))
         grants.append((slurm_var, slurm))
@@ -579,7 +577,7 @@ def current_allocation(
     cvd = env.get(CVD)
     if cvd is not None:
         parts.append((CVD, cvd))
-        uuids, cvd_notes = _cvd_grant(cvd, env, devices, slurm_var, slurm, slurm_global)
+        uuids, cvd_notes = _cvd_grant(cvd, env, devices, slurm_var, slurm)
         notes += cvd_notes
         grants.append((CVD, uuids))
 
