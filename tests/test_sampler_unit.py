@@ -525,6 +525,30 @@ def test_the_process_sampler_takes_its_defaults_from_the_settings(
     assert sampler_mod.current_sampler() is None
 
 
+def test_the_first_process_sampler_registers_one_exit_handler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In this process, as in a fresh one (the subprocess test below runs the real exit)."""
+    import atexit
+
+    from autogpu_jupyter.core import backends
+
+    monkeypatch.setenv("AUTOGPU_SIMULATE", _fleet_file(tmp_path, ONE_GPU))
+    backends._cache.clear()
+    sampler_mod.stop_sampler()
+    registered: list[object] = []
+    monkeypatch.setattr(sampler_mod, "_atexit_registered", False)
+    monkeypatch.setattr(atexit, "register", registered.append)
+    try:
+        sampler_mod.get_sampler(interval_s=60)
+        sampler_mod.stop_sampler()
+        sampler_mod.get_sampler(interval_s=60)
+    finally:
+        sampler_mod.stop_sampler()
+        backends._cache.clear()
+    assert registered == [sampler_mod.stop_sampler]
+
+
 EXIT_SCRIPT = """
 import atexit
 from autogpu_jupyter.core import sampler

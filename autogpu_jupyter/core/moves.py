@@ -368,8 +368,9 @@ def plan_move(
     if backend is None:
         backend = get_backend()
     snap = backend.snapshot()
-    env = os.environ if environ is None else environ
-    context = decision.gather(snap, environ=env, registry=registry, smoothed_util=smoothed_util)
+    context = decision.gather(
+        snap, environ=environ, registry=registry, smoothed_util=smoothed_util
+    )
     allocation = context.allocation
     current = tuple(current_uuids)
     # Our own lease books memory on the current device(s); other devices are judged as they are.

@@ -51,7 +51,7 @@ import stat
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from autogpu_jupyter.core.records import (
     LEASE_SUFFIX,
@@ -359,7 +359,7 @@ def from_settings(settings: Any) -> Registry | None:
         return None
     broker = broker_for(settings)
     if broker is not None:
-        return cast("Registry", broker)  # the same interface (duck-typed), see brokerclient
+        return broker  # type: ignore[no-any-return]  # the same interface (duck-typed)
     if not settings.registry_dir:
         return None
     return Registry(

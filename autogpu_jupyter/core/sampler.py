@@ -124,7 +124,7 @@ def series_from_frame(frame: pd.DataFrame) -> dict[str, DeviceSeries]:
     for i, name in enumerate(METRICS):
         if name in frame:
             values_all[:, i] = frame[name].to_numpy(dtype=float)
-    uuids = frame["uuid"].to_numpy(dtype=object)
+    uuids = frame["uuid"].to_numpy()
     out: dict[str, DeviceSeries] = {}
     for uuid in dict.fromkeys(uuids.tolist()):
         mask = uuids == uuid

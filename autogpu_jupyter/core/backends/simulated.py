@@ -47,15 +47,14 @@ def _demo(n_a100: int, n_l4: int) -> dict[str, Any]:
                         i % 4
                     ],
                 },
-                "processes": []
-                if i % 4 == 2
-                else [
+                "processes": [
                     {
                         "pid": 41000 + i,
-                        "user": ["alice", "bob", "carol", "dave"][i % 4],
+                        "user": user,
                         "command": "python train.py",
                         "memory_share": 1.0,
                     }
+                    for user in {0: ["alice"], 1: ["bob"], 2: [], 3: ["dave"]}[i % 4]
                 ],
             }
         )
