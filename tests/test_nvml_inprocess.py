@@ -12,6 +12,7 @@ import json
 import os
 import pwd
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -409,10 +410,11 @@ def test_a_mig_device_without_name_memory_or_processes(fake_nvml: FakeNvml) -> N
 def test_every_device_is_stamped_when_it_is_read(fake_nvml: FakeNvml) -> None:
     fleet = fleet_mig()
     fleet["devices"][0]["mig_devices"][1]["error"] = "lost"
+    fleet["devices"][1]["lost"] = True
     fake_nvml.write(fleet)
     snap = NvmlBackend().snapshot()
     after = time.time()
-    assert [d.available for d in snap.devices] == [True, True, False, True]
+    assert [d.available for d in snap.devices] == [True, True, False, False]
     assert all(snap.timestamp_s <= d.timestamp_s <= after for d in snap.devices)
 
 
@@ -487,10 +489,195 @@ def test_processes_without_a_pid_are_skipped(fake_nvml: FakeNvml) -> None:
     fleet = fleet_4x()
     fleet["devices"][0]["processes"] = [
         {"pid": 0, "used_memory": GiB}, {"pid": 4_000_002, "used_memory": 0},
+        {"pid": 1, "used_memory": 2 * GiB},  # a container's first process: a real one
     ]
     fake_nvml.write(fleet)
+    processes = NvmlBackend().snapshot().devices[0].processes
+    assert processes is not None
+    assert [p.pid for p in processes] == [4_000_002, 1]
+    assert processes[0] == ProcessSnapshot(pid=4_000_002, used_memory_bytes=0)
+    assert processes[1].used_memory_bytes == 2 * GiB
+
+
+def test_more_processes_than_one_read_holds(fake_nvml: FakeNvml) -> None:
+    """Past 32 processes the first read answers INSUFFICIENT_SIZE with the count: one more read,
+    with room to spare, lists them all."""
+    gpu = fleet_4x()["devices"][0]
+    gpu["processes"] = [{"pid": 3_000_000 + i, "used_memory": i * MiB} for i in range(40)]
+    fake_nvml.write({"devices": [gpu]})
+    fake_nvml.reset_calls()
+    processes = NvmlBackend().snapshot().devices[0].processes
+    assert processes == tuple(
+        ProcessSnapshot(pid=3_000_000 + i, used_memory_bytes=i * MiB) for i in range(40)
+    )
+    assert fake_nvml.calls("nvmlDeviceGetComputeRunningProcesses_v3") == 2
+
+
+def test_a_process_list_that_outgrows_every_read_is_unknown(fake_nvml: FakeNvml) -> None:
+    """A list that keeps growing past each sized read is given up after four reads: the GPU's
+    processes read as unknown, the rest of it as usual."""
+    gpu = fleet_4x()["devices"][0]
+    gpu["processes_outgrow"] = True
+    fake_nvml.write({"devices": [gpu]})
+    fake_nvml.reset_calls()
     dev = NvmlBackend().snapshot().devices[0]
-    assert dev.processes == (ProcessSnapshot(pid=4_000_002, used_memory_bytes=0),)
+    assert (dev.processes, dev.available, dev.memory_used_bytes) == (None, True, 2 * GiB)
+    assert fake_nvml.calls("nvmlDeviceGetComputeRunningProcesses_v3") == 4
+
+
+def test_a_compute_mode_without_a_name_reads_as_its_number(fake_nvml: FakeNvml) -> None:
+    fleet = fleet_4x()
+    fleet["devices"][0]["compute_mode"] = 7  # a mode of a newer driver
+    fake_nvml.write(fleet)
+    assert [d.compute_mode for d in NvmlBackend().snapshot().devices] == ["7"] + ["DEFAULT"] * 3
+
+
+def test_the_enforced_power_limit_and_its_fallback(fake_nvml: FakeNvml) -> None:
+    """The enforced limit (lower where another limit applies) is the limit; a board without it
+    reads its management limit."""
+    fleet = fleet_4x()
+    fleet["devices"][0]["enforced_power_limit_w"] = 350.0
+    fleet["devices"][1]["unsupported"] = ["enforced_power_limit"]
+    fake_nvml.write(fleet)
+    limits = [d.power_limit_w for d in NvmlBackend().snapshot().devices]
+    assert limits == [350.0, 400.0, 72.0, 72.0]
+
+
+def test_a_pending_mig_mode_change_is_not_the_current_mode(fake_nvml: FakeNvml) -> None:
+    """After ``nvidia-smi -mig 1|0`` the new mode is only pending until the GPU is reset."""
+    fleet = fleet_mig()
+    fleet["devices"][0]["mig_pending"] = False  # MIG on, to be turned off at the next reset
+    fleet["devices"][1]["mig_pending"] = True  # MIG off, to be turned on
+    fake_nvml.write(fleet)
+    devices = NvmlBackend().snapshot().devices
+    assert [(d.label, d.mig_enabled) for d in devices] == [
+        ("GPU 0", True), ("GPU 0 MIG 0", True), ("GPU 0 MIG 1", True), ("GPU 1", False),
+    ]
+
+
+def test_a_current_driver_is_read_with_its_newest_calls(
+    fake_nvml: FakeNvml, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("DEBUG", logger=NVML_LOGGER)
+    fake_nvml.write(fleet_4x())
+    backend = NvmlBackend()
+    fake_nvml.reset_calls()
+    temperatures = [[d.temperature_c for d in backend.snapshot().devices] for _ in range(2)]
+    assert temperatures == [[33.0, 76.0, 37.0, 68.0]] * 2
+    newest = ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetMemoryInfo_v2",
+              "nvmlDeviceGetComputeRunningProcesses_v3")
+    older = ("nvmlDeviceGetTemperature", "nvmlDeviceGetMemoryInfo",
+             "nvmlDeviceGetComputeRunningProcesses_v2", "nvmlDeviceGetComputeRunningProcesses")
+    assert [fake_nvml.calls(name) for name in newest + older] == [8, 8, 8, 0, 0, 0, 0]
+    assert logged(caplog) == []
+
+
+def test_a_binding_without_the_versioned_temperature_call(
+    fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nvidia-ml-py 12.535 (our oldest) has no ``nvmlDeviceGetTemperatureV``."""
+    import pynvml
+
+    monkeypatch.delattr(pynvml, "nvmlDeviceGetTemperatureV")
+    fake_nvml.write(fleet_4x())
+    fake_nvml.reset_calls()
+    assert [d.temperature_c for d in NvmlBackend().snapshot().devices] == [33.0, 76.0, 37.0, 68.0]
+    assert fake_nvml.calls("nvmlDeviceGetTemperature") == 4
+
+
+@pytest.fixture
+def older_driver(fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Make this process a fresh one on a host with an older driver: NVML not yet initialised,
+    and pynvml bound to the ``old`` or ``ancient`` build of the fake library (a copy of its own,
+    loaded beside the default one). Everything is put back afterwards."""
+    import pynvml
+
+    from autogpu_jupyter.core.backends import nvml
+
+    def bind(variant: str) -> Any:
+        lib = FakeNvml.load_variant(variant)
+        monkeypatch.setattr(pynvml, "nvmlLib", lib)
+        monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
+        monkeypatch.setattr(nvml, "_state", nvml._State())
+        return lib
+
+    return bind
+
+
+@pytest.mark.parametrize(
+    ("variant", "call"),
+    [("old", "nvmlDeviceGetComputeRunningProcesses_v2"),
+     ("ancient", "nvmlDeviceGetComputeRunningProcesses")],
+)
+def test_an_older_driver_is_read_with_the_calls_it_has(
+    fake_nvml: FakeNvml, older_driver: Any, caplog: pytest.LogCaptureFixture, variant: str,
+    call: str,
+) -> None:
+    caplog.set_level("DEBUG", logger=NVML_LOGGER)
+    fleet = fleet_4x()
+    fleet["devices"][1]["processes"] = [
+        {"pid": 31_337, "used_memory": 30 * GiB},
+        {"pid": 31_338, "used_memory": 10 * GiB},
+        {"pid": 31_339, "used_memory": None},
+    ]
+    fake_nvml.write(fleet)
+    lib = older_driver(variant)
+    backend = NvmlBackend()
+    for _ in range(2):
+        dev = backend.snapshot().devices[1]
+        # no nvmlDeviceGetMemoryInfo_v2 on these drivers: v1 counts the 512 MiB reserved as used
+        assert (dev.memory_used_bytes, dev.memory_free_bytes, dev.temperature_c) == (
+            40 * GiB + 512 * MiB, 40 * GiB - 512 * MiB, 76.0,
+        )
+        # each entry read with the layout of its call: no garbage PIDs
+        assert dev.processes == (
+            ProcessSnapshot(pid=31_337, used_memory_bytes=30 * GiB),
+            ProcessSnapshot(pid=31_338, used_memory_bytes=10 * GiB),
+            ProcessSnapshot(pid=31_339, used_memory_bytes=None),
+        )
+    assert logged(caplog) == [  # each found out once
+        ("DEBUG", "nvmlDeviceGetMemoryInfo_v2 unavailable: using v1"),
+        ("DEBUG", "nvmlDeviceGetTemperatureV unavailable: using the older call"),
+        ("INFO", f"old NVIDIA driver: reading processes with {call}"),
+    ]
+    assert [lib.fakenvml_calls(name.encode()) for name in (
+        call, "nvmlDeviceGetTemperature", "nvmlDeviceGetMemoryInfo",
+    )] == [8, 8, 8]
+
+
+def test_nvml_shut_down_again_while_it_is_initialised_again(
+    fake_nvml: FakeNvml, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Someone shuts NVML down again before the second read: one clear error, no endless retry.
+    (The fake answers UNINITIALIZED for the second GPU, as if shut down just before it.)"""
+    fleet = fleet_4x()
+    fleet["devices"][1]["error"] = "uninitialized"
+    fake_nvml.write(fleet)
+    caplog.set_level("WARNING", logger=NVML_LOGGER)
+    with pytest.raises(NVMLUnavailableError) as info:
+        NvmlBackend().snapshot()
+    assert str(info.value) == "NVML stopped working in this process (Uninitialized)"
+    assert logged(caplog) == [
+        ("WARNING", "NVML was shut down behind our back; initialising it again"),
+    ]
+
+
+def test_without_the_binding_the_error_names_the_package_to_install(
+    fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh process where nvidia-ml-py is not installed."""
+    from autogpu_jupyter.core.backends import nvml
+
+    monkeypatch.delitem(sys.modules, "pynvml")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if "-packages" not in p])
+    monkeypatch.setattr(nvml, "_state", nvml._State())
+    with pytest.raises(NVMLUnavailableError) as info:
+        NvmlBackend().snapshot()
+    assert str(info.value) == (
+        "cannot import pynvml (No module named 'pynvml'); install nvidia-ml-py: "
+        "pip install nvidia-ml-py"
+    )
+    assert isinstance(info.value.__cause__, ImportError)
 
 
 def test_the_driver_version_is_read_once(fake_nvml: FakeNvml) -> None:
@@ -650,6 +837,39 @@ def test_a_command_line_that_is_not_utf8() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_user_name_is_looked_up_once_per_process(
+    sleeper: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The passwd database can be slow (LDAP, sssd): each uid is looked up once."""
+    from autogpu_jupyter.core.backends import nvml
+
+    monkeypatch.setattr(nvml, "_uid_names", {})  # a fresh process: no name known yet
+    looked_up: list[int] = []
+    getpwuid = pwd.getpwuid
+
+    def counting_getpwuid(uid: int) -> pwd.struct_passwd:
+        looked_up.append(uid)
+        return getpwuid(uid)
+
+    monkeypatch.setattr(pwd, "getpwuid", counting_getpwuid)
+    assert [nvml._proc_user(sleeper.pid) for _ in range(3)] == [ME] * 3
+    assert looked_up == [os.getuid()]
+
+
+def test_a_uid_missing_from_the_passwd_database_reads_as_its_number(
+    sleeper: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As in a container whose /etc/passwd lacks the host's users."""
+    from autogpu_jupyter.core.backends import nvml
+
+    def getpwuid(uid: int) -> pwd.struct_passwd:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(nvml, "_uid_names", {})
+    monkeypatch.setattr(pwd, "getpwuid", getpwuid)
+    assert nvml._proc_user(sleeper.pid) == str(os.getuid())
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="starting a process as another uid needs root")

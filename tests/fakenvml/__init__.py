@@ -9,17 +9,27 @@ fleet file (``autogpu_jupyter/core/backends/simulated.py``), plus a few keys onl
   ``"unknown"`` or an NVML error number: the handle lookup and every call on the device fail so;
 * device ``utilization_supported: false``: utilisation reads NOT_SUPPORTED;
 * device ``unsupported``: list of queries that read NOT_SUPPORTED (``util``, ``temp``, ``power``,
-  ``power_limit``, ``compute_mode``, ``memory``, ``processes``, ``mig_mode``, ``pci``, ``name``);
+  ``power_limit`` (both limits), ``enforced_power_limit``, ``compute_mode``, ``memory``,
+  ``processes``, ``mig_mode``, ``pci``, ``name``);
+* device ``enforced_power_limit_w``: what ``nvmlDeviceGetEnforcedPowerLimit`` reads (default:
+  ``power_limit_w``, the management limit); lower where another limit applies;
+* device ``compute_mode`` may also be a number, one that NVML has no name for;
+* device ``processes_outgrow: true``: the process list grows faster than any reader, every read of
+  it answers INSUFFICIENT_SIZE;
 * device ``reserved_memory``: driver-reserved bytes (v2 memory excludes them, v1 counts them used);
 * device ``mig_supported`` (default: the name contains A100, A30, H100, H200 or B200),
-  ``mig_enabled`` (default: ``mig_devices`` is not empty), ``max_mig_devices`` (default 7),
-  ``pci_device_id``;
+  ``mig_enabled`` (default: ``mig_devices`` is not empty), ``mig_pending`` (the pending MIG mode,
+  default ``mig_enabled``; they differ after ``nvidia-smi -mig 1`` until the GPU is reset),
+  ``max_mig_devices`` (default 7), ``pci_device_id``;
 * MIG device ``name`` (default ``"<parent name> MIG <profile>"``), ``processes`` and ``slot``
   (default: its place in the list; the slots no MIG device holds answer NOT_FOUND);
 * process ``used_memory: None``: NVML's "not available";
 * top level ``driver: "none"`` (nvmlInit returns DRIVER_NOT_LOADED), ``init_error`` (a name as for
   ``error``, or a number), ``memory_v2_error`` (``"version_mismatch"`` or a number),
   ``driver_version``.
+
+The ``old`` and ``ancient`` builds (:data:`VARIANTS`) lack the calls those drivers lack; a test
+process may bind pynvml to one of them (:meth:`FakeNvml.load_variant`).
 
 Values that the fleet leaves out are derived as the simulated backend derives them (used memory
 from the processes, temperature and power from utilisation), so one fleet reads the same through
@@ -68,10 +78,13 @@ MiB = 1024**2
 VARIANTS: dict[str, tuple[tuple[str, ...], Path]] = {
     # a current driver: every call
     "default": ((), BUILD_DIR),
-    # an R470-era driver: no _v3 process call, no nvmlDeviceGetMemoryInfo_v2
-    "old": (("-DNO_V3", "-DNO_MEMORY_V2"), BUILD_DIR / "old"),
+    # an R470-era driver: no _v3 process call, no nvmlDeviceGetMemoryInfo_v2 and no
+    # nvmlDeviceGetTemperatureV
+    "old": (("-DNO_V3", "-DNO_MEMORY_V2", "-DNO_TEMPERATURE_V"), BUILD_DIR / "old"),
     # an R450-era driver: only the v1 process call
-    "ancient": (("-DNO_V3", "-DNO_V2", "-DNO_MEMORY_V2"), BUILD_DIR / "ancient"),
+    "ancient": (
+        ("-DNO_V3", "-DNO_V2", "-DNO_MEMORY_V2", "-DNO_TEMPERATURE_V"), BUILD_DIR / "ancient"
+    ),
 }
 
 ERRORS = {
@@ -82,13 +95,14 @@ ERRORS = {
     "unknown": 999,
     "version_mismatch": 25,
     "not_supported": 3,
+    "uninitialized": 1,
 }
 COMPUTE_MODE_NUMBERS = {
     "DEFAULT": 0, "EXCLUSIVE_THREAD": 1, "PROHIBITED": 2, "EXCLUSIVE_PROCESS": 3,
 }
 UNSUPPORTED_NAMES = (
-    "util", "temp", "power", "power_limit", "compute_mode", "memory", "processes", "mig_mode",
-    "pci", "name",
+    "util", "temp", "power", "power_limit", "enforced_power_limit", "compute_mode", "memory",
+    "processes", "mig_mode", "pci", "name",
 )
 MIG_MODELS = ("A100", "A30", "H100", "H200", "H20", "B200", "GB200")
 
@@ -242,12 +256,17 @@ def _render_device(
     lines.append(f"temp {round(float(temp or 0))}")
     lines.append(f"power_mw {round(float(power or 0) * 1000)}")
     lines.append(f"power_limit_mw {round(float(limit or 0) * 1000)}")
+    enforced = spec.get("enforced_power_limit_w")
+    if enforced is not None:
+        lines.append(f"enforced_limit_mw {round(float(enforced) * 1000)}")
 
     mode = spec.get("compute_mode", "DEFAULT") if mig_of is None else mig_of.get(
         "compute_mode", "DEFAULT"
     )
     if mode is None:
         unsupported.add("compute_mode")
+    elif isinstance(mode, int):
+        lines.append(f"compute_mode {mode}")
     else:
         try:
             lines.append(f"compute_mode {COMPUTE_MODE_NUMBERS[str(mode).upper()]}")
@@ -264,10 +283,13 @@ def _render_device(
         if not mig_supported and not mig_enabled:
             unsupported.add("mig_mode")
         lines.append(f"mig_mode {1 if mig_enabled else 0}")
+        lines.append(f"mig_pending {1 if spec.get('mig_pending', mig_enabled) else 0}")
         lines.append(f"max_mig {int(spec.get('max_mig_devices', 7))}")
 
     if mig_of is not None and "slot" in spec:
         lines.append(f"slot {int(spec['slot'])}")
+    if spec.get("processes_outgrow"):
+        lines.append("procs_outgrow 1")
     if unsupported:
         lines.append("unsupported " + ",".join(sorted(unsupported)))
     for p in procs:
@@ -370,6 +392,18 @@ class FakeNvml:
         fleet = copy.deepcopy(self.fleet)
         fleet.update(fields)
         self.write(fleet)
+
+    @staticmethod
+    def load_variant(variant: str) -> ctypes.CDLL:
+        """Load the ``old`` or ``ancient`` build into this process, beside the preloaded one.
+
+        A copy loaded by its path is a library of its own (its own init count and call counters);
+        binding pynvml to it (``pynvml.nvmlLib``) makes this process a host with that driver.
+        """
+        lib = ctypes.CDLL(str(build_fake_nvml(variant)))
+        lib.fakenvml_calls.restype = ctypes.c_ulong
+        lib.fakenvml_calls.argtypes = [ctypes.c_char_p]
+        return lib
 
     # ---- in-process introspection (the preloaded library only) ----
     @staticmethod

@@ -18,20 +18,27 @@
  *   pci_device_id N             e.g. 0x20B210DE
  *   mem_total / mem_used / mem_reserved N    bytes; v1 "used" = used + reserved
  *   util_gpu / util_mem / temp / power_mw / power_limit_mw / compute_mode N
- *   mig_mode N                  current (= pending) MIG mode of a gpu
+ *   enforced_limit_mw N         nvmlDeviceGetEnforcedPowerLimit (default: power_limit_mw, the
+ *                               management limit); lower where another limit applies
+ *   mig_mode N                  current MIG mode of a gpu
+ *   mig_pending N               pending MIG mode (default: the current one); they differ after
+ *                               "nvidia-smi -mig 1" until the GPU is reset
  *   max_mig N                   nvmlDeviceGetMaxMigDeviceCount of a gpu
  *   slot N                      the MIG slot of a mig (default: its order); the slots no MIG
  *                               device holds answer NOT_FOUND, as after a destroyed instance
  *   error N                     every call on this device (and its handle lookup) returns N
  *   unsupported a,b,...         these queries return NOT_SUPPORTED (3): util temp power
- *                               power_limit compute_mode memory processes mig_mode pci name
+ *                               power_limit (both limits) enforced_power_limit compute_mode
+ *                               memory processes mig_mode pci name
  *   proc PID USED               a compute process; USED = -1 means "not available"
+ *   procs_outgrow 1             the process list grows faster than any reader: every read of it
+ *                               answers INSUFFICIENT_SIZE, needing more than the caller offered
  *   end                         required last line
  *
  * Without a scenario (variable unset, file never readable) the library behaves as a host whose
  * driver is not loaded. Built with -DNO_V3 it lacks nvmlDeviceGetComputeRunningProcesses_v3
  * (an R470-era driver); -DNO_V2 also drops the _v2 call; -DNO_MEMORY_V2 drops
- * nvmlDeviceGetMemoryInfo_v2.
+ * nvmlDeviceGetMemoryInfo_v2; -DNO_TEMPERATURE_V drops nvmlDeviceGetTemperatureV.
  *
  * Extra, non-NVML symbols for tests: fakenvml_calls(name) -> number of calls of that NVML function
  * in this process; fakenvml_total_calls() -> all NVML calls; fakenvml_reset_calls().
@@ -62,7 +69,7 @@ enum {
 
 #define MAX_GPUS 32
 #define MAX_MIGS 7
-#define MAX_PROCS 32
+#define MAX_PROCS 64
 #define STR_LEN 96
 #define NOT_AVAILABLE 0xFFFFFFFFFFFFFFFFULL
 
@@ -77,6 +84,7 @@ enum {
     U_MIG_MODE = 1 << 7,
     U_PCI = 1 << 8,
     U_NAME = 1 << 9,
+    U_ENFORCED_LIMIT = 1 << 10,
 };
 
 struct proc {
@@ -91,6 +99,9 @@ struct dev {
     unsigned long long mem_total, mem_used, mem_reserved;
     unsigned int util_gpu, util_mem, temp, power_mw, power_limit_mw, compute_mode;
     unsigned int mig_mode, max_mig;
+    int mig_pending;       /* -1: the current mode */
+    long long enforced_mw; /* -1: power_limit_mw */
+    int procs_outgrow;
     int slot; /* a MIG device's slot under its GPU (nvmlDeviceGetMigDeviceHandleByIndex) */
     int error;
     unsigned int unsupported;
@@ -207,6 +218,7 @@ static unsigned int parse_unsupported(const char *s) {
         {"mig_mode", U_MIG_MODE},
         {"pci", U_PCI},
         {"name", U_NAME},
+        {"enforced_power_limit", U_ENFORCED_LIMIT},
     };
     unsigned int bits = 0;
     char buf[256], *tok, *save = NULL;
@@ -257,9 +269,13 @@ static int parse_file(const char *path, struct scenario *sc) {
             if (sc->ngpu >= MAX_GPUS) break;
             g = sc->ngpu++;
             d = &sc->gpus[g];
+            d->mig_pending = -1;
+            d->enforced_mw = -1;
         } else if (strcmp(key, "mig") == 0) {
             if (g < 0 || sc->nmig[g] >= MAX_MIGS) break;
             d = &sc->migs[g][sc->nmig[g]];
+            d->mig_pending = -1;
+            d->enforced_mw = -1;
             d->slot = sc->nmig[g]++;
         } else if (d == NULL) {
             continue; /* device keys before any device: ignored */
@@ -291,6 +307,12 @@ static int parse_file(const char *path, struct scenario *sc) {
             d->compute_mode = (unsigned int)strtoul(val, NULL, 10);
         } else if (strcmp(key, "mig_mode") == 0) {
             d->mig_mode = (unsigned int)strtoul(val, NULL, 10);
+        } else if (strcmp(key, "mig_pending") == 0) {
+            d->mig_pending = atoi(val);
+        } else if (strcmp(key, "enforced_limit_mw") == 0) {
+            d->enforced_mw = strtoll(val, NULL, 10);
+        } else if (strcmp(key, "procs_outgrow") == 0) {
+            d->procs_outgrow = atoi(val);
         } else if (strcmp(key, "max_mig") == 0) {
             d->max_mig = (unsigned int)strtoul(val, NULL, 10);
             if (d->max_mig > MAX_MIGS) d->max_mig = MAX_MIGS;
@@ -735,6 +757,7 @@ typedef struct {
 } nvmlTemperature_v1_t;
 #define NVML_TEMPERATURE_V1 0x100000Cu
 
+#ifndef NO_TEMPERATURE_V
 EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t h, nvmlTemperature_v1_t *t) {
     DEVICE(h, d);
     UNSUPPORTED(d, U_TEMP);
@@ -743,6 +766,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t h, nvmlTemperature_v1
     t->temperature = (int)d->temp;
     RETURN(NVML_SUCCESS);
 }
+#endif
 
 EXPORT nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t h, int type, unsigned int *t) {
     DEVICE(h, d);
@@ -763,8 +787,9 @@ EXPORT nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t h, unsigned int *power)
 EXPORT nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t h, unsigned int *limit) {
     DEVICE(h, d);
     UNSUPPORTED(d, U_POWER_LIMIT);
+    UNSUPPORTED(d, U_ENFORCED_LIMIT);
     if (!limit) RETURN(NVML_ERROR_INVALID_ARGUMENT);
-    *limit = d->power_limit_mw;
+    *limit = d->enforced_mw < 0 ? d->power_limit_mw : (unsigned int)d->enforced_mw;
     RETURN(NVML_SUCCESS);
 }
 
@@ -792,7 +817,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t h, unsigned int *current,
     UNSUPPORTED(d, U_MIG_MODE);
     if (!current || !pending) RETURN(NVML_ERROR_INVALID_ARGUMENT);
     *current = d->mig_mode;
-    *pending = d->mig_mode;
+    *pending = d->mig_pending < 0 ? d->mig_mode : (unsigned int)d->mig_pending;
     RETURN(NVML_SUCCESS);
 }
 
@@ -878,6 +903,10 @@ static nvmlReturn_t list_procs(nvmlDevice_t h, unsigned int *count, void *infos,
     if (d->unsupported & U_PROCESSES) return NVML_ERROR_NOT_SUPPORTED;
     if (!count) return NVML_ERROR_INVALID_ARGUMENT;
     n = (unsigned int)d->nproc;
+    if (d->procs_outgrow) {
+        *count += MAX_PROCS; /* by the next read, more processes than this one offered room for */
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
     if (*count < n || (n > 0 && infos == NULL)) {
         *count = n;
         return NVML_ERROR_INSUFFICIENT_SIZE;

@@ -54,7 +54,8 @@ _TRY_SIMULATED = "; to try autogpu without a GPU, set AUTOGPU_SIMULATE=demo-4x (
 _NOT_AVAILABLE = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE_ulonglong: "usedGpuMemory unknown"
 _NVML_SUCCESS = 0
 _NVML_ERROR_INSUFFICIENT_SIZE = 7
-_PROCESS_BUFFER = 32  # entries read in one call; more means a second, sized call
+_PROCESS_BUFFER = 32  # entries read in one call; more means a second, sized call with as many
+# again to spare (the list can grow between the two calls)
 
 
 
@@ -160,7 +161,8 @@ def _init() -> Any:
         if _state.binding_note is None:
             _state.binding_note = binding_problem(nv) or ""
             if _state.binding_note:  # once per process
-                warnings.warn(_state.binding_note, UserWarning, stacklevel=3)
+                # At this line: the callers of snapshot() are autogpu's own, never the user's code.
+                warnings.warn(_state.binding_note)  # noqa: B028
         _state.module = nv
         return nv
 
@@ -223,8 +225,7 @@ class NvmlBackend:
         self._handles: dict[int, Any] = {}
         self._identity: dict[int, tuple[str, str, str | None]] = {}  # uuid, name, pci bus id
         self._driver_version: str | None = None
-        self._memory_v2: bool | None = None  # None: not tried yet
-        self._temperature_v: bool | None = None
+        self._unusable: set[str] = set()  # newer NVML calls found missing here, never tried again
         self._process_call: tuple[Any, type[ctypes.Structure], str] | None = None
 
     # ---- public ----
@@ -271,7 +272,6 @@ class NvmlBackend:
 
     # ---- internals (self._lock held) ----
     def _forget_all(self) -> None:
-        self._count = None
         self._handles.clear()
         self._identity.clear()
 
@@ -283,15 +283,13 @@ class NvmlBackend:
         if count != self._count:
             self._forget_all()
             self._count = count
-        users: dict[int, tuple[str | None, str | None]] = {}
         devices: list[DeviceSnapshot] = []
         for index in range(count):
-            devices.extend(self._read_gpu(nv, index, users))
+            devices.extend(self._read_gpu(nv, index))
         return FleetSnapshot(
             devices=tuple(devices),
             timestamp_s=now,
             backend=self.name,
-            simulated=False,
             driver_version=self._driver_version,
             errors=(_state.binding_note,) if _state.binding_note else (),
         )
@@ -302,11 +300,9 @@ class NvmlBackend:
             version = nv.nvmlSystemGetDriverVersion()
         except (nv.NVMLError_NotSupported, nv.NVMLError_FunctionNotFound):
             return None
-        return version.decode() if isinstance(version, bytes) else str(version)
+        return str(version)  # nvidia-ml-py decodes the C string
 
-    def _read_gpu(
-        self, nv: ModuleType, index: int, users: dict[int, tuple[str | None, str | None]]
-    ) -> list[DeviceSnapshot]:
+    def _read_gpu(self, nv: ModuleType, index: int) -> list[DeviceSnapshot]:
         fatal = (nv.NVMLError_Uninitialized, nv.NVMLError_DriverNotLoaded)
         try:
             handle = self._handles.get(index)
@@ -325,7 +321,7 @@ class NvmlBackend:
             limit_mw = self._power_limit(nv, handle)
             mode = _optional(nv, nv.nvmlDeviceGetComputeMode, handle)
             mig_mode = _optional(nv, nv.nvmlDeviceGetMigMode, handle)
-            processes = self._processes(nv, handle, users)
+            processes = self._processes(nv, handle)
             mig_enabled = bool(mig_mode is not None and mig_mode[0])
             migs = self._mig_handles(nv, handle) if mig_enabled else []
         except fatal:
@@ -364,22 +360,17 @@ class NvmlBackend:
         )
         out = [parent]
         for mig_index, mig_handle in migs:
-            out.append(self._read_mig(nv, parent, mig_index, mig_handle, users))
+            out.append(self._read_mig(nv, parent, mig_index, mig_handle))
         return out
 
     def _read_mig(
-        self,
-        nv: ModuleType,
-        parent: DeviceSnapshot,
-        mig_index: int,
-        handle: Any,
-        users: dict[int, tuple[str | None, str | None]],
+        self, nv: ModuleType, parent: DeviceSnapshot, mig_index: int, handle: Any
     ) -> DeviceSnapshot:
         try:
-            uuid = _text(nv.nvmlDeviceGetUUID(handle))
-            name = _text(_optional(nv, nv.nvmlDeviceGetName, handle) or f"{parent.name} MIG")
+            uuid = str(nv.nvmlDeviceGetUUID(handle))
+            name = str(_optional(nv, nv.nvmlDeviceGetName, handle) or f"{parent.name} MIG")
             memory = self._memory(nv, handle)
-            processes = self._processes(nv, handle, users)
+            processes = self._processes(nv, handle)
         except (nv.NVMLError_Uninitialized, nv.NVMLError_DriverNotLoaded):
             raise
         except nv.NVMLError as err:
@@ -411,33 +402,29 @@ class NvmlBackend:
 
     @staticmethod
     def _read_identity(nv: ModuleType, handle: Any) -> tuple[str, str, str | None]:
-        uuid = _text(nv.nvmlDeviceGetUUID(handle))
+        # nvidia-ml-py hands C strings (the bus id in its structure too) over as str.
+        uuid = str(nv.nvmlDeviceGetUUID(handle))
         name = _optional(nv, nv.nvmlDeviceGetName, handle)
         pci = _optional(nv, nv.nvmlDeviceGetPciInfo_v3, handle)
-        bus_id = None if pci is None else _text(pci.busId)
-        return uuid, "unknown" if name is None else _text(name), bus_id
+        bus_id = None if pci is None else str(pci.busId)
+        return uuid, "unknown" if name is None else str(name), bus_id
 
     def _memory(self, nv: ModuleType, handle: Any) -> tuple[int, int, int] | None:
-        if self._memory_v2 is not False:
-            version = getattr(nv, "nvmlMemory_v2", None)
-            if version is None:
-                self._memory_v2 = False
+        if "nvmlDeviceGetMemoryInfo_v2" not in self._unusable:
+            try:  # nvidia-ml-py >= 12.535 (our minimum) has nvmlMemory_v2
+                mem = nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2)
+            except (nv.NVMLError_FunctionNotFound, nv.NVMLError_ArgumentVersionMismatch):
+                logger.debug("nvmlDeviceGetMemoryInfo_v2 unavailable: using v1")
+                self._unusable.add("nvmlDeviceGetMemoryInfo_v2")
+            except nv.NVMLError_NotSupported:
+                return None
+            except TypeError:
+                # Another library replaced pynvml's function by one without ``version``
+                # (gpustat does, at import): use what it offers, the v1 call signature.
+                logger.debug("pynvml.nvmlDeviceGetMemoryInfo was replaced: using its v1 form")
+                self._unusable.add("nvmlDeviceGetMemoryInfo_v2")
             else:
-                try:
-                    mem = nv.nvmlDeviceGetMemoryInfo(handle, version=version)
-                except (nv.NVMLError_FunctionNotFound, nv.NVMLError_ArgumentVersionMismatch):
-                    logger.debug("nvmlDeviceGetMemoryInfo_v2 unavailable: using v1")
-                    self._memory_v2 = False
-                except nv.NVMLError_NotSupported:
-                    return None
-                except TypeError:
-                    # Another library replaced pynvml's function by one without ``version``
-                    # (gpustat does, at import): use what it offers, the v1 call signature.
-                    logger.debug("pynvml.nvmlDeviceGetMemoryInfo was replaced: using its v1 form")
-                    self._memory_v2 = False
-                else:
-                    self._memory_v2 = True
-                    return int(mem.total), int(mem.used), int(mem.free)
+                return int(mem.total), int(mem.used), int(mem.free)
         try:
             mem = nv.nvmlDeviceGetMemoryInfo(handle)
         except (nv.NVMLError_NotSupported, nv.NVMLError_FunctionNotFound):
@@ -445,15 +432,18 @@ class NvmlBackend:
         return int(mem.total), int(mem.used), int(mem.free)
 
     def _temperature(self, nv: ModuleType, handle: Any) -> int | None:
-        if self._temperature_v is not False and hasattr(nv, "nvmlDeviceGetTemperatureV"):
+        # nvmlDeviceGetTemperatureV needs a newer binding than our minimum and a recent driver
+        if "nvmlDeviceGetTemperatureV" not in self._unusable and hasattr(
+            nv, "nvmlDeviceGetTemperatureV"
+        ):
             try:
                 value = nv.nvmlDeviceGetTemperatureV(handle, nv.NVML_TEMPERATURE_GPU)
             except (nv.NVMLError_FunctionNotFound, nv.NVMLError_ArgumentVersionMismatch):
-                self._temperature_v = False
+                logger.debug("nvmlDeviceGetTemperatureV unavailable: using the older call")
+                self._unusable.add("nvmlDeviceGetTemperatureV")
             except nv.NVMLError_NotSupported:
                 return None
             else:
-                self._temperature_v = True
                 return int(value)
         value = _optional(nv, nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU)
         return None if value is None else int(value)
@@ -478,27 +468,24 @@ class NvmlBackend:
 
     def _process_function(self, nv: ModuleType) -> tuple[Any, type[ctypes.Structure], str]:
         if self._process_call is None:
-            last: Exception | None = None
-            for suffix, layout in (("_v3", _ProcessInfoV2), ("_v2", _ProcessInfoV2),
-                                   ("", _ProcessInfoV1)):
-                name = f"nvmlDeviceGetComputeRunningProcesses{suffix}"
+            for name, layout in (
+                ("nvmlDeviceGetComputeRunningProcesses_v3", _ProcessInfoV2),
+                ("nvmlDeviceGetComputeRunningProcesses_v2", _ProcessInfoV2),  # R470-era
+            ):
                 try:
-                    fn = nv._nvmlGetFunctionPointer(name)
-                except nv.NVMLError_FunctionNotFound as err:
-                    last = err
+                    self._process_call = (nv._nvmlGetFunctionPointer(name), layout, name)
+                    break
+                except nv.NVMLError_FunctionNotFound:
                     continue
-                self._process_call = (fn, layout, name)
-                if suffix != "_v3":
-                    logger.info("old NVIDIA driver: reading processes with %s", name)
-                break
             else:
-                assert last is not None
-                raise last
+                # R450-era; every NVML has this call (else FunctionNotFound reaches the caller)
+                name = "nvmlDeviceGetComputeRunningProcesses"
+                self._process_call = (nv._nvmlGetFunctionPointer(name), _ProcessInfoV1, name)
+            if not name.endswith("_v3"):
+                logger.info("old NVIDIA driver: reading processes with %s", name)
         return self._process_call
 
-    def _processes(
-        self, nv: ModuleType, handle: Any, users: dict[int, tuple[str | None, str | None]]
-    ) -> tuple[ProcessSnapshot, ...] | None:
+    def _processes(self, nv: ModuleType, handle: Any) -> tuple[ProcessSnapshot, ...] | None:
         try:
             fn, layout, _ = self._process_function(nv)
         except nv.NVMLError_FunctionNotFound:
@@ -516,7 +503,7 @@ class NvmlBackend:
                 if isinstance(err, nv.NVMLError_NotSupported):
                     return None
                 raise err
-            size = count.value * 2 + 5
+            size = count.value + _PROCESS_BUFFER
         else:
             return None
         out = []
@@ -525,12 +512,9 @@ class NvmlBackend:
             if pid <= 0:
                 continue
             used = int(entry.usedGpuMemory)
-            who = users.get(pid)
-            if who is None:
-                who = users[pid] = (_proc_user(pid), _proc_command(pid))
             out.append(ProcessSnapshot(
                 pid=pid, used_memory_bytes=None if used == _NOT_AVAILABLE else used,
-                user=who[0], command=who[1],
+                user=_proc_user(pid), command=_proc_command(pid),
             ))
         return tuple(out)
 
@@ -541,7 +525,3 @@ def _optional(nv: ModuleType, fn: Any, *args: Any) -> Any:
         return fn(*args)
     except (nv.NVMLError_NotSupported, nv.NVMLError_FunctionNotFound):
         return None
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
