@@ -599,6 +599,7 @@ def older_driver(fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch) -> Any:
         monkeypatch.setattr(pynvml, "nvmlLib", lib)
         monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
         monkeypatch.setattr(nvml, "_state", nvml._State())
+        lib.fakenvml_reset_calls()  # loaded once per process: counts of earlier tests
         return lib
 
     return bind
