@@ -579,9 +579,11 @@ def test_a_binding_without_the_versioned_temperature_call(
     import pynvml
 
     monkeypatch.delattr(pynvml, "nvmlDeviceGetTemperatureV")
-    fake_nvml.write(fleet_4x())
+    fleet = fleet_4x()
+    fleet["devices"][2]["unsupported"] = ["temp"]
+    fake_nvml.write(fleet)
     fake_nvml.reset_calls()
-    assert [d.temperature_c for d in NvmlBackend().snapshot().devices] == [33.0, 76.0, 37.0, 68.0]
+    assert [d.temperature_c for d in NvmlBackend().snapshot().devices] == [33.0, 76.0, None, 68.0]
     assert fake_nvml.calls("nvmlDeviceGetTemperature") == 4
 
 
