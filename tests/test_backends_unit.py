@@ -11,6 +11,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -372,13 +373,62 @@ def test_devices_are_numbered_in_file_order(tmp_path: Path) -> None:
     ]
 
 
-def test_bad_memory_size_is_a_usage_error(tmp_path: Path) -> None:
-    path = fleet_file(tmp_path, {"devices": [{"uuid": "GPU-x", "memory_total": "80 parsecs"}]})
-    with pytest.raises(UsageErrorBase, match="invalid size '80 parsecs'"):
+SIZE_FORMS = ("expected a number with a unit, e.g. 10G, 10GiB, 512M, 0.5T, 16GB (decimal), or a "
+              "share of the device like 25%")
+
+
+@pytest.mark.parametrize(
+    ("device", "field"),
+    [
+        ({"memory_total": "80 parsecs"}, "memory_total"),
+        ({"memory_total": "80G", "memory_used": "80 parsecs"}, "memory_used"),
+        ({"memory_total": "80G", "processes": [{"pid": 1, "used_memory": "80 parsecs"}]},
+         "process used_memory"),
+        ({"memory_total": "80G", "memory_used": "1G",
+          "processes": [{"pid": 1, "used_memory": "80 parsecs"}]}, "process used_memory"),
+        ({"mig_devices": [{"uuid": "MIG-0"}, {"uuid": "MIG-1", "memory_total": "80 parsecs"}]},
+         "MIG 1 memory_total"),
+        ({"mig_devices": [{"uuid": "MIG-0", "memory_used": "80 parsecs"}]}, "MIG 0 memory_used"),
+    ],
+)
+def test_a_bad_size_in_a_fleet_file_names_the_file_device_and_field(
+    tmp_path: Path, device: dict[str, Any], field: str
+) -> None:
+    path = fleet_file(tmp_path, {"devices": [{"uuid": "GPU-a"}, {"uuid": "GPU-x", **device}]})
+    with pytest.raises(UsageErrorBase) as err:
         SimulatedBackend(str(path)).snapshot()
+    assert str(err.value) == (
+        f"fleet file {str(path)!r}, device 1 (GPU-x) {field}: invalid size '80 parsecs': unknown "
+        f"unit 'parsecs'; {SIZE_FORMS}"
+    )
+
+
+def test_a_size_that_is_no_number_or_text_is_refused(tmp_path: Path) -> None:
     path = fleet_file(tmp_path, {"devices": [{"uuid": "GPU-x", "memory_total": True}]})
-    with pytest.raises(UsageErrorBase):
+    with pytest.raises(UsageErrorBase, match=r"^fleet file .* device 0 \(GPU-x\) memory_total: "):
         SimulatedBackend(str(path)).snapshot()
+
+
+def test_memory_in_use_without_a_total_has_no_free_memory(tmp_path: Path) -> None:
+    path = fleet_file(tmp_path, {"devices": [{"uuid": "GPU-x", "memory_used": "2G"}]})
+    dev = SimulatedBackend(str(path)).snapshot().devices[0]
+    assert (dev.memory_total_bytes, dev.memory_used_bytes, dev.memory_free_bytes) == (
+        None, 2 * GiB, None
+    )
+
+
+@pytest.mark.parametrize(("util", "want"), [(None, 0.0), (0, 0.0), (40, 40.0)])
+def test_a_load_without_a_utilisation_range_holds_the_given_utilisation(
+    tmp_path: Path, util: float | None, want: float
+) -> None:
+    device: dict[str, Any] = {"uuid": "GPU-x", "memory_total": "10G",
+                              "load": {"memory_used_fraction": [0.5, 0.5]}}
+    if util is not None:
+        device["utilization_pct"] = util
+    path = fleet_file(tmp_path, {"devices": [device]})
+    for t in (0.0, 7.5, 30.0, 61.0):
+        dev = SimulatedBackend(str(path), clock=lambda t=t: t).snapshot().devices[0]
+        assert (dev.utilization_pct, dev.memory_used_bytes) == (want, 5 * GiB)
 
 
 # ---- the fleet file over time -----------------------------------------------------------------

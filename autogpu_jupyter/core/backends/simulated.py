@@ -88,11 +88,15 @@ def resolve_fleet_source(source: str, base_dir: str | None = None) -> str:
 
 
 def _bytes(value: Any, what: str) -> int | None:
+    """A byte count of the fleet file (a number, or a size such as "80G"); ``what`` names it."""
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return int(value)
-    return parse_size(value).resolve(None)
+    try:
+        return parse_size(value).resolve(None)
+    except UsageErrorBase as err:
+        raise UsageErrorBase(f"{what}: {err}") from None
 
 
 class SimulatedBackend:
@@ -172,8 +176,9 @@ class SimulatedBackend:
                     timestamp_s=now,
                 )
             ]
-        total = _bytes(spec.get("memory_total"), "memory_total")
-        used = _bytes(spec.get("memory_used"), "memory_used")
+        where = f"fleet file {self.source!r}, device {index} ({uuid})"
+        total = _bytes(spec.get("memory_total"), f"{where} memory_total")
+        used = _bytes(spec.get("memory_used"), f"{where} memory_used")
         util = spec.get("utilization_pct")
         load = spec.get("load")
         if load:
@@ -186,12 +191,13 @@ class SimulatedBackend:
                 used = int(total * (flo + (fhi - flo) * wave))
         if used is None and total is not None:
             used = sum(
-                _bytes(p.get("used_memory"), "used_memory") or 0 for p in spec.get("processes", [])
+                _bytes(p.get("used_memory"), f"{where} process used_memory") or 0
+                for p in spec.get("processes", [])
             )
         free = None if total is None or used is None else max(total - used, 0)
         procs = []
         for p in spec.get("processes", []):
-            pm = _bytes(p.get("used_memory"), "used_memory")
+            pm = _bytes(p.get("used_memory"), f"{where} process used_memory")
             if pm is None and "memory_share" in p and used is not None:
                 pm = int(used * float(p["memory_share"]))
             procs.append(
@@ -230,8 +236,8 @@ class SimulatedBackend:
         )
         out = [parent]
         for mi, m in enumerate(mig):
-            mt = _bytes(m.get("memory_total"), "memory_total")
-            mu = _bytes(m.get("memory_used"), "memory_used") or 0
+            mt = _bytes(m.get("memory_total"), f"{where} MIG {mi} memory_total")
+            mu = _bytes(m.get("memory_used"), f"{where} MIG {mi} memory_used") or 0
             out.append(
                 DeviceSnapshot(
                     index=index,
@@ -241,13 +247,11 @@ class SimulatedBackend:
                     memory_total_bytes=mt,
                     memory_used_bytes=mu,
                     memory_free_bytes=None if mt is None else max(mt - mu, 0),
-                    utilization_pct=None,
                     compute_mode=parent.compute_mode,
                     mig_enabled=True,
                     is_mig=True,
                     parent_uuid=uuid,
                     mig_index=mi,
-                    processes=(),
                     timestamp_s=now,
                 )
             )
