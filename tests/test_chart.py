@@ -219,7 +219,10 @@ def test_panel_redraws_only_when_its_inputs_change(
         path.write_text(json.dumps(_panel_fleet(97, broken=True)))
         assert s.sample_now() is None
         assert panel.update_count == 1 and panel.charts.value == charts
-        assert "last read failed: invalid size &#x27;lots&#x27;" in panel.status.value
+        assert (
+            f"last read failed: fleet file &#x27;{path}&#x27;, device 0 ({A}) memory_total: "
+            "invalid size &#x27;lots&#x27;"
+        ) in panel.status.value
         # new samples redraw; 97% for 2 s warns
         path.write_text(json.dumps(_panel_fleet(97)))
         for _ in range(2):

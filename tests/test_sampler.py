@@ -173,7 +173,10 @@ def test_failed_read_is_recorded_then_recovers(tmp_path: Path, fleet_file: Any) 
     s = Sampler(SimulatedBackend(str(fleet_file.path), clock=clock), clock=clock)
     assert s.sample_now() is None
     assert len(s.errors) == 1
-    assert s.errors[0].message.startswith("invalid size 'lots': not understood")
+    assert s.errors[0].message.startswith(
+        f"fleet file {str(fleet_file.path)!r}, device 0 ({A}) memory_total: invalid size 'lots': "
+        "not understood"
+    )
     assert s.latest() is None
     fleet_file(_fleet(60))
     assert s.sample_now() is not None
