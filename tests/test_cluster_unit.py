@@ -765,7 +765,7 @@ def test_hosts_that_cannot_be_chosen_come_last_by_state_then_name(prom: Replay) 
     h = {x.hostname: x for x in view.hosts}
     mixed = ClusterView(view.prometheus_url, now, (
         dataclasses.replace(h["dgx-d"], state="down", devices=()),
-        dataclasses.replace(h["gpu-a"], hostname="gpu-0", state="weird"),
+        dataclasses.replace(h["gpu-a"], hostname="dgx-0", state="weird"),
         dataclasses.replace(h["gpu-a"], state="stale"),
         dataclasses.replace(h["gpu-a"], hostname="gpu-9", state="stale"),
         dataclasses.replace(h["gpu-a"], hostname="gpu-z"),
@@ -774,7 +774,26 @@ def test_hosts_that_cannot_be_chosen_come_last_by_state_then_name(prom: Replay) 
     ))
     assert chosen(rank_hosts(mixed, Constraints.parse(min_free="21G"))) == [
         ("gpu-b", True, ["GPU 2"]), ("gpu-0c", True, ["GPU 1"]), ("gpu-z", False, []),
-        ("gpu-9", False, []), ("gpu-a", False, []), ("dgx-d", False, []), ("gpu-0", False, [])]
+        ("gpu-9", False, []), ("gpu-a", False, []), ("dgx-d", False, []), ("dgx-0", False, [])]
+
+
+def test_equally_loaded_hosts_go_by_hostname_not_by_their_gpus_uuids(prom: Replay) -> None:
+    """gpu-b and a twin (its GPUs under other UUIDs, named gpu-a) give keys equal but for the
+    UUID, the tie-break between one host's devices: the hostname orders them."""
+    client, now = scenario(prom, "all-up")
+    view = fetch_cluster(client, now_s=now)
+    b = view.host("gpu-b")
+    assert b is not None
+    twin = dataclasses.replace(b, hostname="gpu-a", devices=tuple(
+        dataclasses.replace(d, snapshot=dataclasses.replace(
+            d.snapshot, uuid=d.snapshot.uuid.replace("bbbb", "ffff")))
+        for d in b.devices))
+    choices = rank_hosts(ClusterView(view.prometheus_url, now, (b, twin)),
+                         Constraints.parse(min_free="10G"))
+    assert [(c.host.hostname, [x.device.uuid for x in c.chosen]) for c in choices] == [
+        ("gpu-a", ["GPU-ffff0002-0000-0000-0000-000000000002"]),
+        ("gpu-b", ["GPU-bbbb0002-0000-0000-0000-000000000002"]),
+    ]
 
 
 # ---- the client ---------------------------------------------------------------------------
@@ -994,6 +1013,7 @@ def test_history_prefers_autogpus_series_and_drops_nan(prom: Replay) -> None:
         (3600.0, 120, 30.0, 121),
         (10.0, 120, 1.0, 11),
         (7.0, 3, 2.333, 4),
+        (5.0, 3, 1.667, 3),  # 3 steps of 1.667 s end past 5 s: Prometheus answers 3 points
         (5.0, 0, 5.0, 2),
         (86400.0, 7, 12342.857, 8),
         (126.0, 120, 1.05, 121),  # Prometheus answers at 120 steps of 1.05 s after the start

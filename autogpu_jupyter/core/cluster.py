@@ -44,7 +44,7 @@ from typing import Any
 from autogpu_jupyter.core.decision import Context, decide
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
 from autogpu_jupyter.core.policy import Booking, Candidate, Constraints
-from autogpu_jupyter.core.visibility import current_allocation
+from autogpu_jupyter.core.visibility import Allocation
 from autogpu_jupyter.errors import AutoGPUError, UsageErrorBase
 
 __all__ = [
@@ -562,40 +562,36 @@ def rank_hosts(view: ClusterView, constraints: Constraints) -> list[HostChoice]:
     """Hosts best first, by the policy a local pick uses (see the module docstring).
 
     Each ``ok`` host's devices go through :func:`decision.decide` with the bookings Prometheus
-    holds; hosts whose selection fits come first, ordered by the policy key of
-    the worst device they would give (for one device: its key), then by hostname; then hosts where
-    nothing fits, stale and down hosts (never chosen), by hostname.
+    holds; hosts whose selection fits come first, ordered by the policy key of the worst device
+    they would give (for one device: its key) less the key's UUID tie-break, then by hostname;
+    then hosts where nothing fits, stale and down hosts (never chosen), by hostname.
     """
-    fitting: list[tuple[tuple[float, float, float, float, str], str, HostChoice]] = []
+    fitting: list[HostChoice] = []
     rest: list[HostChoice] = []
     for host in view.hosts:
         if host.state != "ok":
             rest.append(HostChoice(host, (), ()))
             continue
         snaps = tuple(d.snapshot for d in host.devices)
-        bookings = {
-            d.snapshot.uuid: Booking(d.snapshot.uuid, d.lease_count, d.booked_bytes,
-                                     holders=d.holders)
-            for d in host.devices
-        }
         # The one decision pipeline over what Prometheus holds: no allocation bounds a host
         # seen from outside (its scheduler grants inside it), the bookings are its exporter's.
         context = Context(
             snapshot=FleetSnapshot(snaps, view.timestamp_s, "prometheus"),
-            allocation=current_allocation(snaps, {}),
-            bookings=bookings,
+            allocation=Allocation(source=None, raw=None, uuids=None),
+            bookings={
+                d.snapshot.uuid: Booking(d.snapshot.uuid, d.lease_count, d.booked_bytes)
+                for d in host.devices
+            },
         )
         decision = decide(context, constraints)
-        chosen = decision.chosen
-        choice = HostChoice(host, tuple(chosen), tuple(decision.ranked))
-        if chosen:
-            fitting.append((max(c.key for c in chosen), host.hostname, choice))
-        else:
-            rest.append(choice)
-    fitting.sort(key=lambda t: (t[0], t[1]))
+        choice = HostChoice(host, decision.chosen, decision.ranked)
+        (fitting if choice.fits else rest).append(choice)
+    # The worst chosen device's key less its last term (the UUID, a local pick's tie-break
+    # between devices), then the hostname: equally loaded hosts go by name.
+    fitting.sort(key=lambda c: (max(x.key[:-1] for x in c.chosen), c.host.hostname))
     order = {"ok": 0, "stale": 1, "down": 2}
-    rest.sort(key=lambda c: (order.get(c.host.state, 3), c.host.hostname))
-    return [c for _, _, c in fitting] + rest
+    rest.sort(key=lambda c: (order.get(c.host.state, len(order)), c.host.hostname))
+    return fitting + rest
 
 
 #: Longest history one request may ask for (30 days).
@@ -672,12 +668,12 @@ def fetch_history(
     grid = [start + i * step for i in range(round(seconds * 1000) // round(step * 1000) + 1)]
     found: dict[str, HostHistory] = {}
     for source, util_expr, mem_expr in _HISTORY_QUERIES:
-        by_host: dict[str, dict[str, dict[float, float]]] = {}
+        by_host: dict[str, dict[str, dict[int, float]]] = {}  # host, kind, time in ms
         for kind, expr in (("util", util_expr), ("mem", mem_expr)):
             for series in client.query_range(expr, start, end, step):
                 host = _hostname(series.labels)
                 by_host.setdefault(host, {}).setdefault(kind, {}).update(
-                    {round(t, 3): v for t, v in series.points}
+                    {round(t * 1000): v for t, v in series.points}
                 )
         for host, kinds in by_host.items():
             if host in found:
@@ -685,8 +681,8 @@ def fetch_history(
             util = kinds.get("util", {})
             mem = kinds.get("mem", {})
 
-            def pct(values: Mapping[float, float], t: float) -> float | None:
-                v = values.get(round(t, 3))
+            def pct(values: Mapping[int, float], t: float) -> float | None:
+                v = values.get(round(t * 1000))
                 return None if v is None or not math.isfinite(v) else round(100.0 * v, 6)
 
             found[host] = HostHistory(
