@@ -424,6 +424,39 @@ def test_a_host_known_only_by_its_series_has_no_targets(prom: Replay) -> None:
         "gpu-c", instances=[], scrape_interval_s=60.0)
 
 
+def test_a_target_left_out_of_the_name_queries_is_tied_to_its_host_by_its_gpu_series(
+    prom: Replay,
+) -> None:
+    """gpu-c's and dgx-d's targets missing from the name queries (edited out): the ``instance``
+    label of their GPU series still ties their ``up`` and scrape interval to them."""
+    def edit(results: dict[str, list[dict[str, Any]]]) -> None:
+        for q in (SWEEP_Q, DCGM_NAMES_Q):
+            results[q][:] = [r for r in results[q]
+                             if r["metric"]["instance"] not in (INST["gpu-c"], INST["dgx-d"])]
+
+    client, now = scenario(prom, "all-up", edit)
+    assert fetch_cluster(client, now_s=now).to_dict()["hosts"] == [
+        host_dict(h) for h in ("dgx-d", "gpu-a", "gpu-b", "gpu-c")]
+
+
+def test_a_scrape_time_is_its_targets_host_else_that_of_its_hostname_label(
+    prom: Replay,
+) -> None:
+    """gpu-c's scrape time without a ``hostname`` label (edited) is its target's host's; gpu-b's
+    without an ``instance`` label goes by its ``hostname`` label."""
+    def edit(results: dict[str, list[dict[str, Any]]]) -> None:
+        for r in results[SCRAPED_Q]:
+            m = r["metric"]
+            if m.get("hostname") == "gpu-c":
+                del m["hostname"]
+            elif m.get("hostname") == "gpu-b":
+                del m["instance"]
+
+    client, now = scenario(prom, "all-up", edit)
+    assert fetch_cluster(client, now_s=now).to_dict()["hosts"] == [
+        host_dict(h) for h in ("dgx-d", "gpu-a", "gpu-b", "gpu-c")]
+
+
 # ---- scrape intervals ---------------------------------------------------------------------
 
 
@@ -685,6 +718,46 @@ def test_autogpu_memory_and_availability_edge_values(prom: Replay) -> None:
         "memory_free_bytes": 0, "waiters": 3}]
     assert f.devices[0].snapshot.error is None
     assert (f.state, f.note, f.instances) == ("stale", "no samples", ())
+
+
+def test_series_without_index_model_or_count_series(prom: Replay) -> None:
+    """Labels and series left out (edited in): no GPU index is -1, no model an empty name, no
+    leases or waiters series 0 of each, memory used without a total gives no free memory."""
+    def edit(results: dict[str, list[dict[str, Any]]]) -> None:
+        results[AUTOGPU_Q].append(
+            autogpu("autogpu_gpu_memory_used_bytes", "gpu-f", "GPU-ffff0000", "5"))
+        results[DCGM_Q].append(sample({"__name__": "DCGM_FI_DEV_FB_USED", "hostname": "dgx-e",
+                                       "instance": "127.0.0.6:9400", "UUID": "GPU-eeee0000"},
+                                      "1"))
+
+    client, now = scenario(prom, "all-up", edit)
+    view = fetch_cluster(client, now_s=now)
+    assert [(h.hostname, [d.to_dict() for d in h.devices]) for h in view.hosts
+            if h.hostname in ("dgx-e", "gpu-f")] == [
+        ("dgx-e", [{**device("GPU-eeee0000", -1, "", util=None, used=MiB, total=None,
+                             source="dcgm"), "memory_free_bytes": None}]),
+        ("gpu-f", [{**device("GPU-ffff0000", -1, "", util=None, used=5, total=None),
+                    "memory_free_bytes": None}]),
+    ]
+
+
+def test_autogpus_mig_devices_follow_their_gpu_by_mig_index(prom: Replay) -> None:
+    """An autogpu host with a GPU in MIG mode (edited in; MIG UUIDs in another order than their
+    MIG indexes): the GPU, then its MIG devices 0 and 1."""
+    def edit(results: dict[str, list[dict[str, Any]]]) -> None:
+        results[AUTOGPU_Q] += [
+            autogpu("autogpu_gpu_available", "gpu-f", "MIG-ffff0001", "1", index="0:1"),
+            autogpu("autogpu_gpu_available", "gpu-f", "MIG-ffff0002", "1", index="0:0"),
+            autogpu("autogpu_gpu_available", "gpu-f", "GPU-ffff0000", "1", index="0"),
+        ]
+
+    client, now = scenario(prom, "all-up", edit)
+    f = fetch_cluster(client, now_s=now).host("gpu-f")
+    assert f is not None
+    assert [(d.snapshot.uuid, d.snapshot.label, d.snapshot.is_mig, d.snapshot.mig_index)
+            for d in f.devices] == [
+        ("GPU-ffff0000", "GPU 0", False, None), ("MIG-ffff0002", "GPU 0 MIG 0", True, 0),
+        ("MIG-ffff0001", "GPU 0 MIG 1", True, 1)]
 
 
 # ---- ranking hosts ------------------------------------------------------------------------

@@ -198,7 +198,8 @@ class PrometheusClient:
         out: dict[str, float] = {}
         for target in (data or {}).get("activeTargets", []):
             inst = str(target.get("labels", {}).get("instance", ""))
-            out[inst] = _duration_s(str(target.get("scrapeInterval", ""))) or (
+            # none given: "None", not a duration either
+            out[inst] = _duration_s(str(target.get("scrapeInterval"))) or (
                 DEFAULT_SCRAPE_INTERVAL_S
             )
         return out
@@ -310,7 +311,7 @@ def _hostname(labels: Mapping[str, str]) -> str:
     for key in ("hostname", "Hostname"):
         if labels.get(key):
             return labels[key]
-    inst = labels.get("instance", "")
+    inst = labels.get("instance")
     return inst.rsplit(":", 1)[0] if inst else "unknown"
 
 
@@ -325,7 +326,7 @@ class _Acc:
     """Series of one device being folded together."""
 
     host: str
-    instance: str
+    instance: str | None
     uuid: str
     index_label: str
     model: str
@@ -336,12 +337,12 @@ class _Acc:
 
 def _fold_autogpu(samples: Iterable[Sample], acc: dict[str, _Acc]) -> None:
     for s in samples:
-        name = s.labels.get("__name__", "")
+        name = s.labels["__name__"]  # the query selects by name: every series has one
         host = _hostname(s.labels)
         uuid = s.labels.get("uuid")
         if not uuid:
             continue
-        dev = acc.setdefault(uuid, _Acc(host, s.labels.get("instance", ""), uuid,
+        dev = acc.setdefault(uuid, _Acc(host, s.labels.get("instance"), uuid,
                                         s.labels.get("index", ""), s.labels.get("model", ""),
                                         "autogpu"))
         if name == "autogpu_lease_info":
@@ -359,10 +360,10 @@ def _fold_dcgm(samples: Iterable[Sample], acc: dict[str, _Acc]) -> None:
             continue
         gi = s.labels.get("GPU_I_ID")
         key = f"{uuid}/{gi}" if gi else uuid
-        if key in acc and acc[key].source == "autogpu":
-            continue
         gpu = s.labels.get("gpu", "")
-        dev = acc.setdefault(key, _Acc(_hostname(s.labels), s.labels.get("instance", ""), key,
+        # a GPU autogpu exports keeps autogpu's entry (folded first); its snapshot reads only
+        # autogpu's values, so DCGM's added here go unread
+        dev = acc.setdefault(key, _Acc(_hostname(s.labels), s.labels.get("instance"), key,
                                        f"{gpu}:{gi}" if gi else gpu,
                                        s.labels.get("modelName", ""), "dcgm"))
         dev.values[s.labels["__name__"]] = s.value
@@ -372,7 +373,7 @@ def _snapshot(dev: _Acc, now_s: float) -> ClusterDevice:
     v = dev.values
     gpu_s, _, mig_s = dev.index_label.partition(":")
     index = _int_label(gpu_s)
-    mig_index = _int_label(mig_s) if mig_s else None
+    mig_index = _int_label(mig_s)  # None without a MIG part ("")
     if dev.source == "autogpu":
         total = v.get("memory_total_bytes")
         used = v.get("memory_used_bytes")
@@ -394,7 +395,7 @@ def _snapshot(dev: _Acc, now_s: float) -> ClusterDevice:
             timestamp_s=now_s,
         )
         return ClusterDevice(
-            snap, "autogpu",
+            snap, dev.source,
             booked_bytes=int(v.get("memory_booked_bytes", 0.0)),
             lease_count=int(v.get("leases", 0.0)),
             waiters=int(v.get("waiters", 0.0)),
@@ -408,7 +409,7 @@ def _snapshot(dev: _Acc, now_s: float) -> ClusterDevice:
     used_b = None if used_mib is None else int(used_mib * MiB)
     free_b = None if free_mib is None else int(free_mib * MiB)
     total_b = None if used_b is None or free_b is None else used_b + free_b
-    parent = dev.uuid.split("/", 1)[0] if mig_index is not None else None
+    parent = dev.uuid.partition("/")[0] if mig_index is not None else None
     snap = DeviceSnapshot(
         index=-1 if index is None else index,
         uuid=dev.uuid,
@@ -424,7 +425,7 @@ def _snapshot(dev: _Acc, now_s: float) -> ClusterDevice:
         mig_index=mig_index,
         timestamp_s=now_s,
     )
-    return ClusterDevice(snap, "dcgm")
+    return ClusterDevice(snap, dev.source)
 
 
 def fetch_cluster(client: PrometheusClient, *, now_s: float | None = None) -> ClusterView:
@@ -465,7 +466,7 @@ def fetch_cluster(client: PrometheusClient, *, now_s: float | None = None) -> Cl
     newest: dict[str, float] = {}
     for s in scraped:
         host = host_of.get(s.labels.get("instance", ""), _hostname(s.labels))
-        newest[host] = max(newest.get(host, 0.0), s.value)
+        newest[host] = max(s.value, newest.get(host, s.value))
 
     instances = _instances_by_host(up, host_of, acc)
 
