@@ -29,6 +29,7 @@ from autogpu_jupyter.core.cluster import (
     ClusterError,
     ClusterView,
     PrometheusClient,
+    Sample,
     _duration_s,
     check_history_s,
     check_url,
@@ -929,6 +930,24 @@ def test_a_query_without_a_moment_asks_for_prometheuss_now(prom: Replay) -> None
                                         "data": {"resultType": "vector", "result": []}})
     assert PrometheusClient(prom.url).query("up") == []
     assert prom.requests == [("/api/v1/query", {"query": "up"})]
+
+
+def test_an_instant_query_gives_each_series_labels_value_and_evaluation_time(
+    prom: Replay,
+) -> None:
+    """As Prometheus answers (``value`` is ``[time, "text"]``); a vector without ``result`` is
+    empty."""
+    prom.answer("/api/v1/query", "up", {"status": "success", "data": {
+        "resultType": "vector", "result": [
+            sample({"__name__": "up", "instance": "h:1"}, "1", at=1000.5),
+            sample({"__name__": "up", "instance": "h:2"}, "0", at=1000.5)]}})
+    prom.answer("/api/v1/query", "none", {"status": "success",
+                                          "data": {"resultType": "vector"}})
+    client = PrometheusClient(prom.url)
+    assert client.query("up", 1000.5) == [
+        Sample({"__name__": "up", "instance": "h:1"}, 1.0, 1000.5),
+        Sample({"__name__": "up", "instance": "h:2"}, 0.0, 1000.5)]
+    assert client.query("none", 1000.5) == []
 
 
 @pytest.mark.parametrize(
