@@ -880,6 +880,7 @@ def test_equally_loaded_hosts_go_by_hostname_not_by_their_gpus_uuids(prom: Repla
         ("  http://prom:9090/  ", "http://prom:9090"),
         ("https://example.org/prometheus//", "https://example.org/prometheus"),
         ("HTTP://prom", "HTTP://prom"),
+        ("http://prom/BOX/", "http://prom/BOX"),
     ],
 )
 def test_prometheus_urls_accepted(url: str, base: str) -> None:

@@ -139,13 +139,12 @@ class PrometheusClient:
         self.timeout_s = timeout_s
 
     def _get(self, path: str, params: Mapping[str, str]) -> Any:
-        query = urllib.parse.urlencode(params)
-        full = f"{self.url}{path}" + (f"?{query}" if query else "")
+        full = f"{self.url}{path}?{urllib.parse.urlencode(params)}"  # every call has parameters
         try:
             with urllib.request.urlopen(full, timeout=self.timeout_s) as resp:  # noqa: S310
                 body = resp.read()
         except urllib.error.HTTPError as err:
-            detail = err.read(2000).decode("utf-8", "replace")
+            detail = err.read(2000).decode(errors="replace")  # UTF-8
             with contextlib.suppress(ValueError, AttributeError):  # not Prometheus's JSON
                 detail = str(json.loads(detail).get("error", detail))
             raise ClusterError(
