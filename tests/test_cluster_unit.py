@@ -29,6 +29,7 @@ from autogpu_jupyter.core.cluster import (
     ClusterError,
     ClusterView,
     PrometheusClient,
+    Sample,
     _duration_s,
     check_history_s,
     check_url,
@@ -424,6 +425,39 @@ def test_a_host_known_only_by_its_series_has_no_targets(prom: Replay) -> None:
         "gpu-c", instances=[], scrape_interval_s=60.0)
 
 
+def test_a_target_left_out_of_the_name_queries_is_tied_to_its_host_by_its_gpu_series(
+    prom: Replay,
+) -> None:
+    """gpu-c's and dgx-d's targets missing from the name queries (edited out): the ``instance``
+    label of their GPU series still ties their ``up`` and scrape interval to them."""
+    def edit(results: dict[str, list[dict[str, Any]]]) -> None:
+        for q in (SWEEP_Q, DCGM_NAMES_Q):
+            results[q][:] = [r for r in results[q]
+                             if r["metric"]["instance"] not in (INST["gpu-c"], INST["dgx-d"])]
+
+    client, now = scenario(prom, "all-up", edit)
+    assert fetch_cluster(client, now_s=now).to_dict()["hosts"] == [
+        host_dict(h) for h in ("dgx-d", "gpu-a", "gpu-b", "gpu-c")]
+
+
+def test_a_scrape_time_is_its_targets_host_else_that_of_its_hostname_label(
+    prom: Replay,
+) -> None:
+    """gpu-c's scrape time without a ``hostname`` label (edited) is its target's host's; gpu-b's
+    without an ``instance`` label goes by its ``hostname`` label."""
+    def edit(results: dict[str, list[dict[str, Any]]]) -> None:
+        for r in results[SCRAPED_Q]:
+            m = r["metric"]
+            if m.get("hostname") == "gpu-c":
+                del m["hostname"]
+            elif m.get("hostname") == "gpu-b":
+                del m["instance"]
+
+    client, now = scenario(prom, "all-up", edit)
+    assert fetch_cluster(client, now_s=now).to_dict()["hosts"] == [
+        host_dict(h) for h in ("dgx-d", "gpu-a", "gpu-b", "gpu-c")]
+
+
 # ---- scrape intervals ---------------------------------------------------------------------
 
 
@@ -687,6 +721,46 @@ def test_autogpu_memory_and_availability_edge_values(prom: Replay) -> None:
     assert (f.state, f.note, f.instances) == ("stale", "no samples", ())
 
 
+def test_series_without_index_model_or_count_series(prom: Replay) -> None:
+    """Labels and series left out (edited in): no GPU index is -1, no model an empty name, no
+    leases or waiters series 0 of each, memory used without a total gives no free memory."""
+    def edit(results: dict[str, list[dict[str, Any]]]) -> None:
+        results[AUTOGPU_Q].append(
+            autogpu("autogpu_gpu_memory_used_bytes", "gpu-f", "GPU-ffff0000", "5"))
+        results[DCGM_Q].append(sample({"__name__": "DCGM_FI_DEV_FB_USED", "hostname": "dgx-e",
+                                       "instance": "127.0.0.6:9400", "UUID": "GPU-eeee0000"},
+                                      "1"))
+
+    client, now = scenario(prom, "all-up", edit)
+    view = fetch_cluster(client, now_s=now)
+    assert [(h.hostname, [d.to_dict() for d in h.devices]) for h in view.hosts
+            if h.hostname in ("dgx-e", "gpu-f")] == [
+        ("dgx-e", [{**device("GPU-eeee0000", -1, "", util=None, used=MiB, total=None,
+                             source="dcgm"), "memory_free_bytes": None}]),
+        ("gpu-f", [{**device("GPU-ffff0000", -1, "", util=None, used=5, total=None),
+                    "memory_free_bytes": None}]),
+    ]
+
+
+def test_autogpus_mig_devices_follow_their_gpu_by_mig_index(prom: Replay) -> None:
+    """An autogpu host with a GPU in MIG mode (edited in; MIG UUIDs in another order than their
+    MIG indexes): the GPU, then its MIG devices 0 and 1."""
+    def edit(results: dict[str, list[dict[str, Any]]]) -> None:
+        results[AUTOGPU_Q] += [
+            autogpu("autogpu_gpu_available", "gpu-f", "MIG-ffff0001", "1", index="0:1"),
+            autogpu("autogpu_gpu_available", "gpu-f", "MIG-ffff0002", "1", index="0:0"),
+            autogpu("autogpu_gpu_available", "gpu-f", "GPU-ffff0000", "1", index="0"),
+        ]
+
+    client, now = scenario(prom, "all-up", edit)
+    f = fetch_cluster(client, now_s=now).host("gpu-f")
+    assert f is not None
+    assert [(d.snapshot.uuid, d.snapshot.label, d.snapshot.is_mig, d.snapshot.mig_index)
+            for d in f.devices] == [
+        ("GPU-ffff0000", "GPU 0", False, None), ("MIG-ffff0002", "GPU 0 MIG 0", True, 0),
+        ("MIG-ffff0001", "GPU 0 MIG 1", True, 1)]
+
+
 # ---- ranking hosts ------------------------------------------------------------------------
 
 
@@ -765,7 +839,7 @@ def test_hosts_that_cannot_be_chosen_come_last_by_state_then_name(prom: Replay) 
     h = {x.hostname: x for x in view.hosts}
     mixed = ClusterView(view.prometheus_url, now, (
         dataclasses.replace(h["dgx-d"], state="down", devices=()),
-        dataclasses.replace(h["gpu-a"], hostname="gpu-0", state="weird"),
+        dataclasses.replace(h["gpu-a"], hostname="dgx-0", state="weird"),
         dataclasses.replace(h["gpu-a"], state="stale"),
         dataclasses.replace(h["gpu-a"], hostname="gpu-9", state="stale"),
         dataclasses.replace(h["gpu-a"], hostname="gpu-z"),
@@ -774,7 +848,26 @@ def test_hosts_that_cannot_be_chosen_come_last_by_state_then_name(prom: Replay) 
     ))
     assert chosen(rank_hosts(mixed, Constraints.parse(min_free="21G"))) == [
         ("gpu-b", True, ["GPU 2"]), ("gpu-0c", True, ["GPU 1"]), ("gpu-z", False, []),
-        ("gpu-9", False, []), ("gpu-a", False, []), ("dgx-d", False, []), ("gpu-0", False, [])]
+        ("gpu-9", False, []), ("gpu-a", False, []), ("dgx-d", False, []), ("dgx-0", False, [])]
+
+
+def test_equally_loaded_hosts_go_by_hostname_not_by_their_gpus_uuids(prom: Replay) -> None:
+    """gpu-b and a twin (its GPUs under other UUIDs, named gpu-a) give keys equal but for the
+    UUID, the tie-break between one host's devices: the hostname orders them."""
+    client, now = scenario(prom, "all-up")
+    view = fetch_cluster(client, now_s=now)
+    b = view.host("gpu-b")
+    assert b is not None
+    twin = dataclasses.replace(b, hostname="gpu-a", devices=tuple(
+        dataclasses.replace(d, snapshot=dataclasses.replace(
+            d.snapshot, uuid=d.snapshot.uuid.replace("bbbb", "ffff")))
+        for d in b.devices))
+    choices = rank_hosts(ClusterView(view.prometheus_url, now, (b, twin)),
+                         Constraints.parse(min_free="10G"))
+    assert [(c.host.hostname, [x.device.uuid for x in c.chosen]) for c in choices] == [
+        ("gpu-a", ["GPU-ffff0002-0000-0000-0000-000000000002"]),
+        ("gpu-b", ["GPU-bbbb0002-0000-0000-0000-000000000002"]),
+    ]
 
 
 # ---- the client ---------------------------------------------------------------------------
@@ -787,6 +880,7 @@ def test_hosts_that_cannot_be_chosen_come_last_by_state_then_name(prom: Replay) 
         ("  http://prom:9090/  ", "http://prom:9090"),
         ("https://example.org/prometheus//", "https://example.org/prometheus"),
         ("HTTP://prom", "HTTP://prom"),
+        ("http://prom/BOX/", "http://prom/BOX"),
     ],
 )
 def test_prometheus_urls_accepted(url: str, base: str) -> None:
@@ -837,6 +931,24 @@ def test_a_query_without_a_moment_asks_for_prometheuss_now(prom: Replay) -> None
                                         "data": {"resultType": "vector", "result": []}})
     assert PrometheusClient(prom.url).query("up") == []
     assert prom.requests == [("/api/v1/query", {"query": "up"})]
+
+
+def test_an_instant_query_gives_each_series_labels_value_and_evaluation_time(
+    prom: Replay,
+) -> None:
+    """As Prometheus answers (``value`` is ``[time, "text"]``); a vector without ``result`` is
+    empty."""
+    prom.answer("/api/v1/query", "up", {"status": "success", "data": {
+        "resultType": "vector", "result": [
+            sample({"__name__": "up", "instance": "h:1"}, "1", at=1000.5),
+            sample({"__name__": "up", "instance": "h:2"}, "0", at=1000.5)]}})
+    prom.answer("/api/v1/query", "none", {"status": "success",
+                                          "data": {"resultType": "vector"}})
+    client = PrometheusClient(prom.url)
+    assert client.query("up", 1000.5) == [
+        Sample({"__name__": "up", "instance": "h:1"}, 1.0, 1000.5),
+        Sample({"__name__": "up", "instance": "h:2"}, 0.0, 1000.5)]
+    assert client.query("none", 1000.5) == []
 
 
 @pytest.mark.parametrize(
@@ -994,6 +1106,7 @@ def test_history_prefers_autogpus_series_and_drops_nan(prom: Replay) -> None:
         (3600.0, 120, 30.0, 121),
         (10.0, 120, 1.0, 11),
         (7.0, 3, 2.333, 4),
+        (5.0, 3, 1.667, 3),  # 3 steps of 1.667 s end past 5 s: Prometheus answers 3 points
         (5.0, 0, 5.0, 2),
         (86400.0, 7, 12342.857, 8),
         (126.0, 120, 1.05, 121),  # Prometheus answers at 120 steps of 1.05 s after the start

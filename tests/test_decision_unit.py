@@ -520,6 +520,27 @@ def test_gather_passes_the_smoothed_utilisation_to_the_waiting_line(tmp_path: Pa
         t.release()
 
 
+def test_a_locked_gather_reads_the_directory_its_transaction_locked(tmp_path: Path) -> None:
+    """Under the lock the bookings are the transaction's, read through the directory it holds
+    locked: renamed meanwhile, that directory still shows the waiter, where a fresh read of the
+    registry's path finds nothing."""
+    registry = Registry(tmp_path / "registry")
+    t = registry.take_ticket(constraints=ticket_constraints(None, None))
+    assert t is not None
+    try:
+        with registry.locked() as txn:
+            (tmp_path / "registry").rename(tmp_path / "moved")
+            try:
+                locked = gather(snap(dev(0), dev(1)), environ={}, registry=registry, txn=txn)
+                unlocked = gather(snap(dev(0), dev(1)), environ={}, registry=registry)
+            finally:
+                (tmp_path / "moved").rename(tmp_path / "registry")
+        assert [u for u, b in locked.bookings.items() if b.lease_count] == ["GPU-0"]
+        assert [b.lease_count for b in unlocked.bookings.values()] == [0, 0]
+    finally:
+        t.release()
+
+
 def test_decide_ranks_by_the_smoothed_utilisation() -> None:
     ctx = gather(
         snap(dev(0, util=0.0), dev(1, util=10.0)), environ={}, smoothed_util={"GPU-0": 80.0}

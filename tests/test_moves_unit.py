@@ -289,6 +289,7 @@ def test_no_pending_move_without_a_request(tmp_path: Path) -> None:
         ({"AUTOGPU_PROVISIONED": "1", "CUDA_VISIBLE_DEVICES": "2", "AUTOGPU_GRANT_CVD": "0,2"},
          "0,2"),
         ({"AUTOGPU_PROVISIONED": "1", "CUDA_VISIBLE_DEVICES": "2"}, None),
+        ({"AUTOGPU_PROVISIONED": "1"}, None),
         ({"AUTOGPU_PROVISIONED": "1", "AUTOGPU_GRANT_CVD": ""}, ""),
     ],
 )

@@ -44,7 +44,7 @@ from typing import Any
 from autogpu_jupyter.core.decision import Context, decide
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
 from autogpu_jupyter.core.policy import Booking, Candidate, Constraints
-from autogpu_jupyter.core.visibility import current_allocation
+from autogpu_jupyter.core.visibility import Allocation
 from autogpu_jupyter.errors import AutoGPUError, UsageErrorBase
 
 __all__ = [
@@ -139,13 +139,12 @@ class PrometheusClient:
         self.timeout_s = timeout_s
 
     def _get(self, path: str, params: Mapping[str, str]) -> Any:
-        query = urllib.parse.urlencode(params)
-        full = f"{self.url}{path}" + (f"?{query}" if query else "")
+        full = f"{self.url}{path}?{urllib.parse.urlencode(params)}"  # every call has parameters
         try:
             with urllib.request.urlopen(full, timeout=self.timeout_s) as resp:  # noqa: S310
                 body = resp.read()
         except urllib.error.HTTPError as err:
-            detail = err.read(2000).decode("utf-8", "replace")
+            detail = err.read(2000).decode(errors="replace")  # UTF-8
             with contextlib.suppress(ValueError, AttributeError):  # not Prometheus's JSON
                 detail = str(json.loads(detail).get("error", detail))
             raise ClusterError(
@@ -198,7 +197,8 @@ class PrometheusClient:
         out: dict[str, float] = {}
         for target in (data or {}).get("activeTargets", []):
             inst = str(target.get("labels", {}).get("instance", ""))
-            out[inst] = _duration_s(str(target.get("scrapeInterval", ""))) or (
+            # none given: "None", not a duration either
+            out[inst] = _duration_s(str(target.get("scrapeInterval"))) or (
                 DEFAULT_SCRAPE_INTERVAL_S
             )
         return out
@@ -310,7 +310,7 @@ def _hostname(labels: Mapping[str, str]) -> str:
     for key in ("hostname", "Hostname"):
         if labels.get(key):
             return labels[key]
-    inst = labels.get("instance", "")
+    inst = labels.get("instance")
     return inst.rsplit(":", 1)[0] if inst else "unknown"
 
 
@@ -325,7 +325,7 @@ class _Acc:
     """Series of one device being folded together."""
 
     host: str
-    instance: str
+    instance: str | None
     uuid: str
     index_label: str
     model: str
@@ -336,12 +336,12 @@ class _Acc:
 
 def _fold_autogpu(samples: Iterable[Sample], acc: dict[str, _Acc]) -> None:
     for s in samples:
-        name = s.labels.get("__name__", "")
+        name = s.labels["__name__"]  # the query selects by name: every series has one
         host = _hostname(s.labels)
         uuid = s.labels.get("uuid")
         if not uuid:
             continue
-        dev = acc.setdefault(uuid, _Acc(host, s.labels.get("instance", ""), uuid,
+        dev = acc.setdefault(uuid, _Acc(host, s.labels.get("instance"), uuid,
                                         s.labels.get("index", ""), s.labels.get("model", ""),
                                         "autogpu"))
         if name == "autogpu_lease_info":
@@ -359,10 +359,10 @@ def _fold_dcgm(samples: Iterable[Sample], acc: dict[str, _Acc]) -> None:
             continue
         gi = s.labels.get("GPU_I_ID")
         key = f"{uuid}/{gi}" if gi else uuid
-        if key in acc and acc[key].source == "autogpu":
-            continue
         gpu = s.labels.get("gpu", "")
-        dev = acc.setdefault(key, _Acc(_hostname(s.labels), s.labels.get("instance", ""), key,
+        # a GPU autogpu exports keeps autogpu's entry (folded first); its snapshot reads only
+        # autogpu's values, so DCGM's added here go unread
+        dev = acc.setdefault(key, _Acc(_hostname(s.labels), s.labels.get("instance"), key,
                                        f"{gpu}:{gi}" if gi else gpu,
                                        s.labels.get("modelName", ""), "dcgm"))
         dev.values[s.labels["__name__"]] = s.value
@@ -372,7 +372,7 @@ def _snapshot(dev: _Acc, now_s: float) -> ClusterDevice:
     v = dev.values
     gpu_s, _, mig_s = dev.index_label.partition(":")
     index = _int_label(gpu_s)
-    mig_index = _int_label(mig_s) if mig_s else None
+    mig_index = _int_label(mig_s)  # None without a MIG part ("")
     if dev.source == "autogpu":
         total = v.get("memory_total_bytes")
         used = v.get("memory_used_bytes")
@@ -394,7 +394,7 @@ def _snapshot(dev: _Acc, now_s: float) -> ClusterDevice:
             timestamp_s=now_s,
         )
         return ClusterDevice(
-            snap, "autogpu",
+            snap, dev.source,
             booked_bytes=int(v.get("memory_booked_bytes", 0.0)),
             lease_count=int(v.get("leases", 0.0)),
             waiters=int(v.get("waiters", 0.0)),
@@ -408,7 +408,7 @@ def _snapshot(dev: _Acc, now_s: float) -> ClusterDevice:
     used_b = None if used_mib is None else int(used_mib * MiB)
     free_b = None if free_mib is None else int(free_mib * MiB)
     total_b = None if used_b is None or free_b is None else used_b + free_b
-    parent = dev.uuid.split("/", 1)[0] if mig_index is not None else None
+    parent = dev.uuid.partition("/")[0] if mig_index is not None else None
     snap = DeviceSnapshot(
         index=-1 if index is None else index,
         uuid=dev.uuid,
@@ -424,7 +424,7 @@ def _snapshot(dev: _Acc, now_s: float) -> ClusterDevice:
         mig_index=mig_index,
         timestamp_s=now_s,
     )
-    return ClusterDevice(snap, "dcgm")
+    return ClusterDevice(snap, dev.source)
 
 
 def fetch_cluster(client: PrometheusClient, *, now_s: float | None = None) -> ClusterView:
@@ -465,7 +465,7 @@ def fetch_cluster(client: PrometheusClient, *, now_s: float | None = None) -> Cl
     newest: dict[str, float] = {}
     for s in scraped:
         host = host_of.get(s.labels.get("instance", ""), _hostname(s.labels))
-        newest[host] = max(newest.get(host, 0.0), s.value)
+        newest[host] = max(s.value, newest.get(host, s.value))
 
     instances = _instances_by_host(up, host_of, acc)
 
@@ -562,40 +562,36 @@ def rank_hosts(view: ClusterView, constraints: Constraints) -> list[HostChoice]:
     """Hosts best first, by the policy a local pick uses (see the module docstring).
 
     Each ``ok`` host's devices go through :func:`decision.decide` with the bookings Prometheus
-    holds; hosts whose selection fits come first, ordered by the policy key of
-    the worst device they would give (for one device: its key), then by hostname; then hosts where
-    nothing fits, stale and down hosts (never chosen), by hostname.
+    holds; hosts whose selection fits come first, ordered by the policy key of the worst device
+    they would give (for one device: its key) less the key's UUID tie-break, then by hostname;
+    then hosts where nothing fits, stale and down hosts (never chosen), by hostname.
     """
-    fitting: list[tuple[tuple[float, float, float, float, str], str, HostChoice]] = []
+    fitting: list[HostChoice] = []
     rest: list[HostChoice] = []
     for host in view.hosts:
         if host.state != "ok":
             rest.append(HostChoice(host, (), ()))
             continue
         snaps = tuple(d.snapshot for d in host.devices)
-        bookings = {
-            d.snapshot.uuid: Booking(d.snapshot.uuid, d.lease_count, d.booked_bytes,
-                                     holders=d.holders)
-            for d in host.devices
-        }
         # The one decision pipeline over what Prometheus holds: no allocation bounds a host
         # seen from outside (its scheduler grants inside it), the bookings are its exporter's.
         context = Context(
             snapshot=FleetSnapshot(snaps, view.timestamp_s, "prometheus"),
-            allocation=current_allocation(snaps, {}),
-            bookings=bookings,
+            allocation=Allocation(source=None, raw=None, uuids=None),
+            bookings={
+                d.snapshot.uuid: Booking(d.snapshot.uuid, d.lease_count, d.booked_bytes)
+                for d in host.devices
+            },
         )
         decision = decide(context, constraints)
-        chosen = decision.chosen
-        choice = HostChoice(host, tuple(chosen), tuple(decision.ranked))
-        if chosen:
-            fitting.append((max(c.key for c in chosen), host.hostname, choice))
-        else:
-            rest.append(choice)
-    fitting.sort(key=lambda t: (t[0], t[1]))
+        choice = HostChoice(host, decision.chosen, decision.ranked)
+        (fitting if choice.fits else rest).append(choice)
+    # The worst chosen device's key less its last term (the UUID, a local pick's tie-break
+    # between devices), then the hostname: equally loaded hosts go by name.
+    fitting.sort(key=lambda c: (max(x.key[:-1] for x in c.chosen), c.host.hostname))
     order = {"ok": 0, "stale": 1, "down": 2}
-    rest.sort(key=lambda c: (order.get(c.host.state, 3), c.host.hostname))
-    return [c for _, _, c in fitting] + rest
+    rest.sort(key=lambda c: (order.get(c.host.state, len(order)), c.host.hostname))
+    return fitting + rest
 
 
 #: Longest history one request may ask for (30 days).
@@ -672,12 +668,12 @@ def fetch_history(
     grid = [start + i * step for i in range(round(seconds * 1000) // round(step * 1000) + 1)]
     found: dict[str, HostHistory] = {}
     for source, util_expr, mem_expr in _HISTORY_QUERIES:
-        by_host: dict[str, dict[str, dict[float, float]]] = {}
+        by_host: dict[str, dict[str, dict[int, float]]] = {}  # host, kind, time in ms
         for kind, expr in (("util", util_expr), ("mem", mem_expr)):
             for series in client.query_range(expr, start, end, step):
                 host = _hostname(series.labels)
                 by_host.setdefault(host, {}).setdefault(kind, {}).update(
-                    {round(t, 3): v for t, v in series.points}
+                    {round(t * 1000): v for t, v in series.points}
                 )
         for host, kinds in by_host.items():
             if host in found:
@@ -685,8 +681,8 @@ def fetch_history(
             util = kinds.get("util", {})
             mem = kinds.get("mem", {})
 
-            def pct(values: Mapping[float, float], t: float) -> float | None:
-                v = values.get(round(t, 3))
+            def pct(values: Mapping[int, float], t: float) -> float | None:
+                v = values.get(round(t * 1000))
                 return None if v is None or not math.isfinite(v) else round(100.0 * v, 6)
 
             found[host] = HostHistory(

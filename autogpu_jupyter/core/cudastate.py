@@ -83,7 +83,7 @@ def mapped_libcuda(maps_path: str = "/proc/self/maps") -> list[str] | None:
     paths: list[str] = []
     if b"libcuda.so" not in raw:  # the common case, answered without splitting thousands of lines
         return paths
-    for line in raw.decode("utf-8", errors="replace").splitlines():
+    for line in raw.decode(errors="replace").splitlines():  # UTF-8
         fields = line.split(None, 5)
         if len(fields) < 6:
             continue
@@ -130,8 +130,7 @@ def _ask_driver(path: str) -> tuple[bool, str]:
             f"libcuda is mapped ({path}) but has no cuDeviceGetCount; assuming CUDA is initialised"
         )
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
-    count = ctypes.c_int(-1)
+    count = ctypes.c_int(-1)  # passed by reference: the int* cuDeviceGetCount takes
     rc = int(fn(ctypes.byref(count)))
     name = CUDA_ERRORS.get(rc, "an unknown CUresult")
     if rc == _NOT_INITIALIZED:

@@ -18,7 +18,6 @@ lease books memory, how waiters are served) live here, next to the policy.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -113,8 +112,7 @@ def gather(
         PIDs that are the caller (an EXCLUSIVE_PROCESS GPU it already uses is not "taken").
     """
     util = smoothed_util() if callable(smoothed_util) else smoothed_util
-    env = os.environ if environ is None else environ
-    allocation = current_allocation(snapshot.devices, env)
+    allocation = current_allocation(snapshot.devices, environ)  # None: os.environ
     bookings: dict[str, Booking] = {}
     if registry is not None:
         leases, tickets = registry.live_records(txn)
