@@ -19,6 +19,8 @@ import random
 import secrets
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -666,6 +668,21 @@ def test_the_first_ticket_is_number_one_and_none_passes_the_largest(reg: Registr
         held.close()
     assert top is not None and top.record.seq == MAX_SEQ and top.record.exclusive
     top.release()
+
+
+def test_a_ticket_after_one_numbered_zero_is_number_one_and_not_exclusive_unless_asked(
+    reg: Registry,
+) -> None:
+    path, _ = _plant_record(reg, kind="ticket", seq=0)  # readers accept 0; our writer starts at 1
+    held = _Held(path)
+    try:
+        with reg.locked() as txn:
+            assert txn is not None
+            ticket = txn.create_ticket(constraints=CONSTRAINTS)
+    finally:
+        held.close()
+    assert (ticket.record.seq, ticket.record.exclusive) == (1, False)
+    ticket.release()
 
 
 def test_a_ticket_readers_would_reject_is_refused_at_the_writer(reg: Registry) -> None:
@@ -1453,6 +1470,53 @@ def test_a_pick_removes_our_own_dead_files_but_not_others(reg: Registry) -> None
     assert not dead_path.exists()
 
 
+def test_prune_of_a_missing_registry_says_so_and_creates_nothing(tmp_path: Path) -> None:
+    reg = Registry(tmp_path / "registry")
+    with pytest.raises(RegistryError) as err:
+        reg.prune()
+    assert str(err.value) == f"lease registry {reg.path} does not exist"
+    assert os.listdir(tmp_path) == []
+
+
+def test_prune_reports_only_the_files_it_could_remove(
+    reg: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    live = _lease(reg)
+    stuck, _ = _plant_record(reg)
+    gone, gone_id = _plant_record(reg)
+    real_unlink = os.unlink
+
+    def unlink(path: Any, *, dir_fd: int | None = None) -> None:
+        if path == stuck.name:  # e.g. an immutable file (chattr +i): even root cannot remove it
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+        real_unlink(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    assert [r.lease_id for r in reg.prune()] == [gone_id]
+    monkeypatch.undo()
+    assert stuck.exists() and not gone.exists()
+    live.release()
+
+
+def test_pruning_every_users_files_is_refused_to_a_user_other_than_root(tmp_path: Path) -> None:
+    """In this process: as root, the effective uid is ``nobody``'s for the call (the saved uid
+    stays root, so it comes back)."""
+    path = tmp_path / "registry"
+    Registry(path).check()
+    dead, _ = _plant_record(Registry(path))
+    as_root = os.geteuid() == 0
+    if as_root:
+        os.seteuid(NOBODY)
+    try:
+        with pytest.raises(RegistryError) as err:
+            Registry(path).prune(all_users=True)
+    finally:
+        if as_root:
+            os.seteuid(0)
+    assert str(err.value) == "pruning every user's dead leases needs root (--all)"
+    assert dead.exists()
+
+
 @pytest.mark.multiuser
 @ROOT_ONLY
 def test_prune_all_removes_every_users_dead_files(tmp_path: Path) -> None:
@@ -1495,7 +1559,9 @@ def test_prune_all_needs_root(tmp_path: Path) -> None:
 
 @pytest.mark.multiuser
 @ROOT_ONLY
-def test_a_lease_kept_alive_only_by_another_users_lock_is_pruned(reg: Registry) -> None:
+def test_a_lease_kept_alive_only_by_another_users_lock_is_pruned(
+    reg: Registry, caplog: pytest.LogCaptureFixture
+) -> None:
     nobody = pwd.getpwuid(NOBODY).pw_name
     theirs, their_id = _plant_record(reg, uid=NOBODY, user=nobody)
     ours, _ = _plant_record(reg)
@@ -1504,12 +1570,121 @@ def test_a_lease_kept_alive_only_by_another_users_lock_is_pruned(reg: Registry) 
     try:
         assert [r.lease_id for r in reg.scan().live if r.uid == NOBODY] == [their_id]
         assert reg.prune() == []  # not ours to judge
-        removed = reg.prune(all_users=True)
+        with caplog.at_level(logging.INFO, logger="autogpu_jupyter.core.registry"):
+            removed = reg.prune(all_users=True)
         assert [(r.lease_id, r.live) for r in removed] == [(their_id, True)]
         assert not theirs.exists() and ours.exists()
     finally:
         on_theirs.close()
         on_ours.close()
+    assert caplog.messages == [f"removed {theirs}: its lock is held only by other users' processes"]
+
+
+@pytest.mark.multiuser
+@ROOT_ONLY
+def test_a_lease_held_by_a_process_whose_real_uid_is_its_owner_is_kept(reg: Registry) -> None:
+    """The owner's process counts by any of its uids: real ``nobody``, effective root (as a
+    setuid helper the owner ran)."""
+    nobody = pwd.getpwuid(NOBODY).pw_name
+    theirs, _ = _plant_record(reg, uid=NOBODY, user=nobody)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import fcntl, os, sys\n"
+            "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            f"os.setresuid({NOBODY}, 0, 0)\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.read()\n"
+        ), str(theirs)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline() == b"ready\n"
+        assert regmod._pid_uids(holder.pid) == {NOBODY, 0}
+        assert reg.prune(all_users=True) == []
+        assert theirs.exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+
+
+@pytest.mark.multiuser
+@ROOT_ONLY
+def test_a_held_lease_swapped_for_a_fifo_or_a_link_is_neither_waited_on_nor_followed(
+    reg: Registry, caplog: pytest.LogCaptureFixture
+) -> None:
+    nobody = pwd.getpwuid(NOBODY).pw_name
+    theirs, their_id = _plant_record(reg, uid=NOBODY, user=nobody)
+    held = _Held(theirs)  # root (not nobody) holds nobody's lease: it would be pruned
+    moved = theirs.with_suffix(".old")
+    results: list[bool] = []
+
+    def remove() -> None:
+        top = os.open(reg.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            results.append(reg._remove_if_held_by_others(top, rec))
+        finally:
+            os.close(top)
+
+    try:
+        rec = next(r for r in reg.scan().live if r.lease_id == their_id)
+        theirs.rename(moved)  # nobody puts a FIFO in its place: a blocking open would hang
+        os.mkfifo(theirs)
+        os.chown(theirs, NOBODY, -1)
+        worker = threading.Thread(target=remove, daemon=True)
+        with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+            worker.start()
+            worker.join(10)
+            hung = worker.is_alive()
+            if hung:  # let the blocked open return before failing
+                os.close(os.open(theirs, os.O_WRONLY | os.O_NONBLOCK))
+                worker.join(5)
+            assert not hung
+            theirs.unlink()  # then a link to the held file: not followed
+            theirs.symlink_to(moved)
+            os.chown(theirs, NOBODY, -1, follow_symlinks=False)
+            remove()
+    finally:
+        held.close()
+    assert results == [False, False]
+    assert theirs.is_symlink() and moved.exists()
+    assert caplog.messages == [
+        f"not removing {rec.path}: [Errno {errno.ELOOP}] {os.strerror(errno.ELOOP)}: "
+        f"'{theirs.name}'"
+    ]
+
+
+@pytest.mark.multiuser
+@ROOT_ONLY
+def test_a_held_lease_swapped_between_its_check_and_its_removal_is_left_alone(
+    reg: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nobody = pwd.getpwuid(NOBODY).pw_name
+    theirs, their_id = _plant_record(reg, uid=NOBODY, user=nobody)
+    held = _Held(theirs)  # root (not nobody) holds nobody's lease: it would be pruned
+    ino = os.stat(theirs).st_ino
+    moved = theirs.with_suffix(".old")
+    real_fstat = os.fstat
+
+    def fstat(fd: int) -> os.stat_result:
+        st = real_fstat(fd)
+        if st.st_ino == ino and not moved.exists():
+            # Right after our open, nobody moves the file away and leaves a link to it.
+            theirs.rename(moved)
+            theirs.symlink_to(moved)
+        return st
+
+    top = os.open(reg.path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        rec = next(r for r in reg.scan().live if r.lease_id == their_id)
+        monkeypatch.setattr(os, "fstat", fstat)
+        assert reg._remove_if_held_by_others(top, rec) is False
+        monkeypatch.undo()
+    finally:
+        os.close(top)
+        held.close()
+    assert theirs.is_symlink() and moved.exists()
 
 
 @pytest.mark.multiuser

@@ -295,16 +295,16 @@ def _flock_holder_pids(st: os.stat_result, locks_path: str = "/proc/locks") -> l
     A line reads ``1: FLOCK  ADVISORY  WRITE 4242 fe:00:2149016 0 EOF`` (device as hex
     major:minor, then the inode); waiters are marked ``->`` and do not hold anything.
     """
-    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    key = b"%02x:%02x:%d" % (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
     try:
-        with open(locks_path, encoding="ascii", errors="replace") as f:
+        with open(locks_path, "rb") as f:  # ASCII from the kernel: read as bytes, no decoding
             lines = f.read().splitlines()
     except OSError:
         return None
     pids = []
     for line in lines:
         parts = line.split()
-        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == key:
+        if len(parts) >= 6 and parts[1] == b"FLOCK" and parts[5] == key:
             try:
                 pids.append(int(parts[4]))
             except ValueError:
@@ -315,9 +315,9 @@ def _flock_holder_pids(st: os.stat_result, locks_path: str = "/proc/locks") -> l
 def _pid_uids(pid: int) -> set[int] | None:
     """Real, effective, saved and filesystem uids of ``pid`` (``None``: gone or hidden)."""
     try:
-        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
+        with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
-                if line.startswith("Uid:"):
+                if line.startswith(b"Uid:"):
                     return {int(x) for x in line.split()[1:]}
     except (OSError, ValueError):
         return None
@@ -331,7 +331,7 @@ def _held_only_by_others(st: os.stat_result, owner_uid: int) -> bool:
     if not pids:
         return False
     for pid in pids:
-        uids = None if pid <= 0 else _pid_uids(pid)
+        uids = _pid_uids(pid)  # None for a pid of 0 or less too: /proc has no such entry
         if uids is None or owner_uid in uids:
             return False
     return True
@@ -409,7 +409,7 @@ def _in_line(tickets: list[LeaseRecord]) -> list[LeaseRecord]:
 class Transaction:
     """What a pick may do while it holds the registry lock (see :meth:`Registry.locked`)."""
 
-    def __init__(self, registry: Registry, top_fd: int, user_fd: int | None = None) -> None:
+    def __init__(self, registry: Registry, top_fd: int, user_fd: int) -> None:
         self.registry = registry
         self._top_fd = top_fd
         self._user_fd = user_fd  # our own user directory, opened and checked by locked()
@@ -497,7 +497,6 @@ class Transaction:
             booked=booked,
             exclusive=exclusive,
             holder=holder,
-            top_fd=self._top_fd,
             user_fd=self._user_fd,
         )
         if self._scan is not None:
@@ -528,7 +527,6 @@ class Transaction:
             booked=[],
             exclusive=exclusive,
             holder=holder,
-            top_fd=self._top_fd,
             user_fd=self._user_fd,
             seq=seq,
             constraints=constraints,
@@ -752,12 +750,12 @@ class Registry:
             log.info("lease registry unusable: %s", err)
             yield None
             return
+        assert ufd is not None  # create=True: our directory, or a RegistryError
         try:
             self.unusable_reason = None
             yield Transaction(self, top_fd, ufd)
         finally:
-            if ufd is not None:
-                os.close(ufd)
+            os.close(ufd)
             os.close(top_fd)  # also drops the flock
 
     def _acquire(self, top_fd: int) -> None:
@@ -802,79 +800,74 @@ class Registry:
         booked: Sequence[int | None],
         exclusive: bool,
         holder: Holder | None,
-        top_fd: int,
-        user_fd: int | None = None,
+        user_fd: int,
         seq: int | None = None,
         constraints: Mapping[str, Any] | None = None,
     ) -> _L:
-        ufd = user_fd if user_fd is not None else self._open_user_dir(top_fd, create=True)
-        assert ufd is not None
+        """Create, lock and fill a new file in our user directory ``user_fd`` (the one
+        :meth:`locked` opened and checked), visible only once complete."""
+        lease_id = secrets.token_hex(16)
+        name = lease_id + cls.suffix
+        tmp = f".{lease_id}.tmp"
+        pid = os.getpid() if holder is None else holder.pid
+        record = LeaseRecord(
+            lease_id=lease_id,
+            kind=kind,
+            device_uuids=tuple(uuids),
+            device_requested_bytes=tuple(booked),
+            exclusive=exclusive,
+            user=self.user,
+            uid=self.uid,
+            host=field_text(self.host) or "?",
+            pid=pid,
+            created_s=time.time(),
+            kernel_id=field_text(None if holder is None else holder.kernel_id),
+            notebook_path=field_text(None if holder is None else holder.notebook_path),
+            command=(
+                field_text(holder.command)
+                if holder is not None and self.record_commands
+                else None
+            ),
+            holder_kind=field_text("process" if holder is None else holder.kind, 32)
+            or "process",
+            seq=seq,
+            constraints=constraints,
+            live=True,
+            path=os.path.join(self.path, str(self.uid), name),
+        )
+        data = self._checked_bytes(record, name)
         try:
-            lease_id = secrets.token_hex(16)
-            name = lease_id + cls.suffix
-            tmp = f".{lease_id}.tmp"
-            pid = os.getpid() if holder is None else holder.pid
-            record = LeaseRecord(
-                lease_id=lease_id,
-                kind=kind,
-                device_uuids=tuple(uuids),
-                device_requested_bytes=tuple(booked),
-                exclusive=exclusive,
-                user=self.user,
-                uid=self.uid,
-                host=field_text(self.host) or "?",
-                pid=pid,
-                created_s=time.time(),
-                kernel_id=field_text(None if holder is None else holder.kernel_id),
-                notebook_path=field_text(None if holder is None else holder.notebook_path),
-                command=(
-                    field_text(holder.command)
-                    if holder is not None and self.record_commands
-                    else None
-                ),
-                holder_kind=field_text("process" if holder is None else holder.kind, 32)
-                or "process",
-                seq=seq,
-                constraints=constraints,
-                live=True,
-                path=os.path.join(self.path, str(self.uid), name),
+            fd = os.open(
+                tmp,
+                os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC,
+                0o644,
+                dir_fd=user_fd,
             )
-            data = self._checked_bytes(record, name)
-            try:
-                fd = os.open(
-                    tmp,
-                    os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC,
-                    0o644,
-                    dir_fd=ufd,
-                )
-            except OSError as err:
-                raise RegistryError(
-                    f"cannot write a lease in {os.path.join(self.path, str(self.uid))}: "
-                    f"{err.strerror}"
-                ) from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                st = os.fstat(fd)
-                if st.st_uid != self.uid or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                    raise RegistryError(f"lease file {record.path} is not ours after creation")
-                os.fchmod(fd, 0o644)
-                _write_all(fd, data)
-                # Rename keeps the inode and its flock: readers see whole records only.
-                os.rename(tmp, name, src_dir_fd=ufd, dst_dir_fd=ufd)
-            except OSError as err:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=ufd)
-                os.close(fd)
-                raise RegistryError(f"cannot write lease {record.path}: {err.strerror}") from None
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=ufd)
-                os.close(fd)
-                raise
-            return cls(record, fd, self, name)
-        finally:
-            if user_fd is None:
-                os.close(ufd)
+        except OSError as err:
+            raise RegistryError(
+                f"cannot write a lease in {os.path.join(self.path, str(self.uid))}: "
+                f"{err.strerror}"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            st = os.fstat(fd)
+            if st.st_uid != self.uid or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                raise RegistryError(f"lease file {record.path} is not ours after creation")
+            os.fchmod(fd, 0o644)
+            _write_all(fd, data)
+            # Rename keeps the inode and its flock: readers see whole records only.
+            os.rename(tmp, name, src_dir_fd=user_fd, dst_dir_fd=user_fd)
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=user_fd)
+            os.close(fd)
+            raise RegistryError(f"cannot write lease {record.path}: {err.strerror}") from None
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=user_fd)
+            os.close(fd)
+            raise
+        return cls(record, fd, self, name)
 
     def _checked_bytes(self, record: LeaseRecord, name: str) -> bytes:
         """The exact bytes of ``record``, after the readers' own parse accepted them.
@@ -1152,7 +1145,7 @@ class Registry:
             os.close(top)
         if not include_tickets:
             live = [r for r in live if r.kind == "lease"]
-        return sorted(self._visible(live), key=lambda r: (r.created_s, r.lease_id))
+        return sorted(self._visible(live), key=lambda r: (r.created_s, r.lease_id, r.uid))
 
     def live_records(
         self, txn: Transaction | None = None
@@ -1229,7 +1222,7 @@ class Registry:
                 st = os.fstat(fd)
                 if st.st_uid != rec.uid or not _held_only_by_others(st, rec.uid):
                     return False
-                now = os.stat(name, dir_fd=ufd, follow_symlinks=False)
+                now = os.lstat(name, dir_fd=ufd)
                 if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                     return False
                 os.unlink(name, dir_fd=ufd)
