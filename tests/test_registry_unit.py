@@ -250,7 +250,9 @@ def test_a_record_of_exactly_the_size_cap_is_read_and_one_byte_more_is_not(
 ) -> None:
     path, lease_id = _plant_record(reg)
     body = path.read_bytes()
-    path.write_bytes(body + b" " * (MAX_RECORD_BYTES - len(body)))  # JSON allows the padding
+    assert body.endswith(b"}")
+    # JSON allows the padding; inside the object, so its last byte is the closing brace
+    path.write_bytes(body[:-1] + b" " * (MAX_RECORD_BYTES - len(body)) + b"}")
     (rec,) = reg.scan().dead
     assert rec.lease_id == lease_id
     path.write_bytes(body + b" " * (MAX_RECORD_BYTES + 1 - len(body)))
@@ -281,6 +283,42 @@ def test_live_and_dead_records_and_every_field_read_back(reg: Registry) -> None:
         dead_id, "ticket", 3, False, str(dead_path)
     )
     assert dead.constraints == CONSTRAINTS
+
+
+def test_a_scan_looks_each_users_name_up_once(
+    reg: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for _ in range(3):
+        _plant_record(reg)
+    looked_up: list[int] = []
+    real_getpwuid = pwd.getpwuid
+
+    def getpwuid(uid: int) -> Any:  # NSS: with LDAP, one network round trip per call
+        looked_up.append(uid)
+        return real_getpwuid(uid)
+
+    monkeypatch.setattr(pwd, "getpwuid", getpwuid)
+    assert len(reg.scan().dead) == 3
+    assert looked_up == [ME]
+
+
+def test_a_lock_that_cannot_be_tested_counts_as_held_and_says_why(
+    reg: Registry, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, lease_id = _plant_record(reg)  # nobody holds it: dead, if that could be told
+    real_flock = fcntl.flock
+
+    def flock(fd: int, op: int) -> None:
+        if op == fcntl.LOCK_SH | fcntl.LOCK_NB:  # the liveness test (lock table full, NFS)
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+        assert [r.lease_id for r in reg.scan().live] == [lease_id]
+    assert caplog.messages == [
+        f"cannot test lease liveness: [Errno {errno.ENOLCK}] {os.strerror(errno.ENOLCK)}"
+    ]
 
 
 def test_an_entry_with_an_undecodable_name_is_reported_printable(reg: Registry) -> None:
@@ -683,6 +721,14 @@ def test_a_ticket_after_one_numbered_zero_is_number_one_and_not_exclusive_unless
         held.close()
     assert (ticket.record.seq, ticket.record.exclusive) == (1, False)
     ticket.release()
+    # Served by number before time: 0 comes before an older 1.
+    one, _ = _plant_record(reg, kind="ticket", seq=1, created_s=0.5)
+    helds = [_Held(path), _Held(one)]
+    try:
+        assert [r.seq for r in reg.live_records()[1]] == [0, 1]
+    finally:
+        for h in helds:
+            h.close()
 
 
 def test_a_ticket_readers_would_reject_is_refused_at_the_writer(reg: Registry) -> None:
@@ -1218,8 +1264,20 @@ def test_live_records_of_an_unsafe_registry_are_empty(tmp_path: Path) -> None:
         Registry(d).list_leases()
 
 
+def test_a_missing_registry_reads_as_empty_for_ranking_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    reg = Registry(tmp_path / "registry")
+    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+        assert reg.live_records() == ([], [])
+    assert caplog.messages == [
+        f"ranking without the registry: lease registry {reg.path} does not exist"
+    ]
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_registry_that_cannot_be_listed_reads_as_empty_for_ranking(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: Registry, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _plant_record(reg)
 
@@ -1227,7 +1285,12 @@ def test_a_registry_that_cannot_be_listed_reads_as_empty_for_ranking(
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     monkeypatch.setattr(os, "listdir", no_listdir)
-    assert reg.live_records() == ([], [])
+    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+        assert reg.live_records() == ([], [])
+    assert caplog.messages == [
+        f"ranking without the registry: cannot list lease registry {reg.path}: "
+        "Input/output error"
+    ]
     with pytest.raises(RegistryError) as err:
         reg.scan()
     assert str(err.value) == f"cannot list lease registry {reg.path}: Input/output error"

@@ -979,7 +979,7 @@ class Registry:
         result: ScanResult,
         *,
         prune: bool,
-        user_names: dict[int, str] | None = None,
+        user_names: dict[int, str],
     ) -> None:
         try:
             with os.scandir(ufd) as it:
@@ -1004,13 +1004,13 @@ class Registry:
             path = prefix + (name if name.isascii() else _shown(name))
             key = (dir_uid, name, entries[name])
             known = _known_bad(key)
-            rec, why = (
-                (None, known)
+            rec = (
+                known
                 if known is not None
                 else self._read_one(ufd, name, path, dir_uid, kind, user_names, key)
             )
-            if rec is None:
-                result.ignored.append((path, why))
+            if isinstance(rec, str):
+                result.ignored.append((path, rec))
                 continue
             if rec.live:
                 result.live.append(rec)
@@ -1026,35 +1026,35 @@ class Registry:
         path: str,
         dir_uid: int,
         kind: str,
-        user_names: dict[int, str] | None = None,
+        user_names: dict[int, str],
         key: tuple[int, str, int] | None = None,
-    ) -> tuple[LeaseRecord | None, str]:
+    ) -> LeaseRecord | str:
+        """The record in file ``name``, or why it is ignored. ``user_names``: the scan's
+        uid -> user name look-ups, each uid looked up once per scan."""
         try:
             fd = os.open(
                 name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ufd
             )
         except OSError as err:
             if err.errno == errno.ELOOP:
-                return None, "a symlink"
-            return None, f"unreadable: {err.strerror}"
+                return "a symlink"
+            return f"unreadable: {err.strerror}"
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                return None, "not a regular file"
+                return "not a regular file"
             if st.st_uid != dir_uid:
                 why = f"forged: owned by uid {st.st_uid} in the directory of uid {dir_uid}"
-                return None, _remember_bad(key, st, why)
+                return _remember_bad(key, st, why)
             if st.st_size > MAX_RECORD_BYTES:
-                return None, _remember_bad(key, st, f"larger than {MAX_RECORD_BYTES} bytes")
+                return _remember_bad(key, st, f"larger than {MAX_RECORD_BYTES} bytes")
             data = os.read(fd, MAX_RECORD_BYTES + 1)
             if len(data) > MAX_RECORD_BYTES:
-                return None, f"larger than {MAX_RECORD_BYTES} bytes"
+                return f"larger than {MAX_RECORD_BYTES} bytes"
             live = _held(fd)
-            real_user = user_names.get(dir_uid) if user_names is not None else None
+            real_user = user_names.get(dir_uid)
             if real_user is None:
-                real_user = _user_name(dir_uid)
-                if user_names is not None:
-                    user_names[dir_uid] = real_user
+                real_user = user_names[dir_uid] = _user_name(dir_uid)
             try:
                 rec = parse_checked(
                     data,
@@ -1068,10 +1068,10 @@ class Registry:
             except Invalid as err:
                 why = str(err)
                 why = why if why.startswith("forged: ") else f"malformed: {why}"
-                return None, why if live else _remember_bad(key, st, why)
-            return rec, ""
+                return why if live else _remember_bad(key, st, why)
+            return rec
         except OSError as err:
-            return None, f"unreadable: {err.strerror}"
+            return f"unreadable: {err.strerror}"
         finally:
             os.close(fd)
 
