@@ -188,10 +188,9 @@ class Lease:
         self.release()
 
     def __del__(self) -> None:
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        if self._fd is not None:
+            with contextlib.suppress(OSError):  # EBADF: closed behind our back
+                os.close(self._fd)
 
     def __repr__(self) -> str:
         state = "held" if self.held else "released"
@@ -608,7 +607,7 @@ class Registry:
 
     # -- opening, with the safety checks ------------------------------------------------------
 
-    def _open_top(self, create: bool = True) -> int:
+    def _open_top(self, create: bool) -> int:
         """Open the top directory (creating it 1777 when missing) and check it is safe."""
         try:
             fd = os.open(self.path, _O_DIR)
@@ -618,8 +617,7 @@ class Registry:
             try:
                 os.mkdir(self.path, 0o700)  # tightened before anyone else can use it
                 fd = os.open(self.path, _O_DIR)
-                st = os.fstat(fd)
-                if st.st_uid == self.uid and stat.S_IMODE(st.st_mode) == 0o700:
+                if os.fstat(fd).st_uid == self.uid:  # (whatever the umask left of 0700)
                     os.fchmod(fd, 0o1777)
                     log.info("created lease registry %s (mode 1777)", self.path)
             except FileExistsError:
@@ -832,7 +830,6 @@ class Registry:
             or "process",
             seq=seq,
             constraints=constraints,
-            live=True,
             path=os.path.join(self.path, str(self.uid), name),
         )
         data = self._checked_bytes(record, name)
@@ -904,7 +901,7 @@ class Registry:
             if ufd is None:
                 return
             try:
-                st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
+                st = os.lstat(name, dir_fd=ufd)
                 mine = os.fstat(fd)
                 if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
                     os.unlink(name, dir_fd=ufd)
