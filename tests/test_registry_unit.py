@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import gc
 import json
 import logging
 import os
 import pwd
 import random
 import secrets
+import shutil
 import socket
 import stat
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -151,6 +156,7 @@ def test_a_scan_reports_each_kind_of_junk_with_why_in_name_order(reg: Registry) 
     top = Path(reg.path)
     (top / "notes").mkdir()
     (top / "12345678901").mkdir()  # 11 digits: longer than any uid
+    (top / "4000000001").mkdir()  # 10 digits: a uid, and this one is not its owner's
     (top / "\u00b9").mkdir()  # '¹' is decimal to str.isdecimal(), not a uid
     (top / "1001").symlink_to(top / "notes")
     (top / "1002").write_text("a file")
@@ -176,6 +182,7 @@ def test_a_scan_reports_each_kind_of_junk_with_why_in_name_order(reg: Registry) 
         (f"{p}/1001", "unreadable user directory: a symlink or not a directory"),
         (f"{p}/1002", "unreadable user directory: a symlink or not a directory"),
         (f"{p}/12345678901", "not a user directory (name is not a uid)"),
+        (f"{p}/4000000001", f"forged: owned by uid {ME}, named for uid 4000000001"),
         (f"{p}/notes", "not a user directory (name is not a uid)"),
         (f"{p}/\u00b9", "not a user directory (name is not a uid)"),
     ]
@@ -192,19 +199,20 @@ def test_a_user_directory_not_owned_by_its_uid_or_writable_by_others_is_not_read
     _plant_record(reg, uid=NOBODY, user=pwd.getpwuid(NOBODY).pw_name)
     os.chmod(Path(reg.path) / str(NOBODY), 0o775)  # group-writable: anyone in it could plant
     _plant_record(reg)  # ours, unheld: dead
+    _plant_record(reg, uid=7, user=regmod._user_name(7))  # read after the refused ones
     scan = reg.scan()
     p = reg.path
     assert scan.ignored == [
         (f"{p}/1003", "forged: owned by uid 0, named for uid 1003"),
         (f"{p}/{NOBODY}", "writable by others: its leases are untrusted"),
     ]
-    assert [r.uid for r in scan.dead] == [ME]
+    assert [r.uid for r in scan.dead] == [ME, 7]
     os.chmod(Path(reg.path) / str(NOBODY), 0o757)  # world-writable, the same
     assert reg.scan().ignored[1] == (
         f"{p}/{NOBODY}", "writable by others: its leases are untrusted"
     )
     os.chmod(Path(reg.path) / str(NOBODY), 0o755)
-    assert sorted(r.uid for r in reg.scan().dead) == [ME, NOBODY]
+    assert sorted(r.uid for r in reg.scan().dead) == [ME, 7, NOBODY]
 
 
 @pytest.mark.multiuser
@@ -248,7 +256,9 @@ def test_a_record_of_exactly_the_size_cap_is_read_and_one_byte_more_is_not(
 ) -> None:
     path, lease_id = _plant_record(reg)
     body = path.read_bytes()
-    path.write_bytes(body + b" " * (MAX_RECORD_BYTES - len(body)))  # JSON allows the padding
+    assert body.endswith(b"}")
+    # JSON allows the padding; inside the object, so its last byte is the closing brace
+    path.write_bytes(body[:-1] + b" " * (MAX_RECORD_BYTES - len(body)) + b"}")
     (rec,) = reg.scan().dead
     assert rec.lease_id == lease_id
     path.write_bytes(body + b" " * (MAX_RECORD_BYTES + 1 - len(body)))
@@ -279,6 +289,42 @@ def test_live_and_dead_records_and_every_field_read_back(reg: Registry) -> None:
         dead_id, "ticket", 3, False, str(dead_path)
     )
     assert dead.constraints == CONSTRAINTS
+
+
+def test_a_scan_looks_each_users_name_up_once(
+    reg: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for _ in range(3):
+        _plant_record(reg)
+    looked_up: list[int] = []
+    real_getpwuid = pwd.getpwuid
+
+    def getpwuid(uid: int) -> Any:  # NSS: with LDAP, one network round trip per call
+        looked_up.append(uid)
+        return real_getpwuid(uid)
+
+    monkeypatch.setattr(pwd, "getpwuid", getpwuid)
+    assert len(reg.scan().dead) == 3
+    assert looked_up == [ME]
+
+
+def test_a_lock_that_cannot_be_tested_counts_as_held_and_says_why(
+    reg: Registry, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, lease_id = _plant_record(reg)  # nobody holds it: dead, if that could be told
+    real_flock = fcntl.flock
+
+    def flock(fd: int, op: int) -> None:
+        if op == fcntl.LOCK_SH | fcntl.LOCK_NB:  # the liveness test (lock table full, NFS)
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+        assert [r.lease_id for r in reg.scan().live] == [lease_id]
+    assert caplog.messages == [
+        f"cannot test lease liveness: [Errno {errno.ENOLCK}] {os.strerror(errno.ENOLCK)}"
+    ]
 
 
 def test_an_entry_with_an_undecodable_name_is_reported_printable(reg: Registry) -> None:
@@ -363,6 +409,69 @@ def test_a_lease_records_its_holder_and_a_command_only_when_the_admin_opted_in(
     plain.release()
 
 
+def test_a_lease_caps_the_holder_kind_and_names_an_unnamed_host_and_kind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(socket, "gethostname", lambda: "")
+    reg = Registry(tmp_path / "registry")
+    lease = _lease(reg, holder=Holder(kind="k" * 40))
+    assert (lease.record.host, lease.record.holder_kind) == ("?", "k" * 32)
+    lease.release()
+    lease = _lease(reg, holder=Holder(kind=""))
+    assert lease.record.holder_kind == "process"
+    lease.release()
+
+
+_FIXED_ID = "ab" * 16
+
+
+def test_a_lease_never_writes_through_a_temporary_name_planted_before_it(
+    reg: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(secrets, "token_hex", lambda n: _FIXED_ID)  # as if the ids collided
+    mine = _user_dir(reg)
+    target = tmp_path / "elsewhere"
+    target.write_text("keep")
+    (mine / f".{_FIXED_ID}.tmp").symlink_to(target)
+    with pytest.raises(RegistryError) as err:
+        _lease(reg)
+    assert str(err.value) == f"cannot write a lease in {mine}: File exists"
+    assert target.read_text() == "keep"
+    (mine / f".{_FIXED_ID}.tmp").unlink()
+    (mine / f".{_FIXED_ID}.tmp").write_text("")
+    with pytest.raises(RegistryError, match="File exists"):
+        _lease(reg)
+
+
+@pytest.mark.parametrize("change", ["linked", "given away"])
+def test_a_new_lease_file_changed_before_it_is_written_is_refused(
+    reg: Registry, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    if change == "given away" and os.geteuid() != 0:
+        pytest.skip("giving a file to another uid needs root")
+    monkeypatch.setattr(secrets, "token_hex", lambda n: _FIXED_ID)
+    mine = _user_dir(reg)
+    tmp = mine / f".{_FIXED_ID}.tmp"
+    real_fstat = os.fstat
+
+    def fstat(fd: int) -> os.stat_result:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(tmp):  # right after its creation
+            if change == "linked":
+                os.link(tmp, mine / "extra")
+            else:
+                os.fchown(fd, NOBODY, -1)
+        return real_fstat(fd)
+
+    with reg.locked() as txn:
+        assert txn is not None
+        monkeypatch.setattr(os, "fstat", fstat)
+        with pytest.raises(RegistryError) as err:
+            txn.create(devices=[uuid_of(0)])
+        monkeypatch.undo()
+    assert str(err.value) == f"lease file {mine}/{_FIXED_ID}.lease is not ours after creation"
+    assert os.listdir(mine) == (["extra"] if change == "linked" else [])
+
+
 def test_a_lease_object_says_whether_it_is_held_and_ends_cleanly(reg: Registry) -> None:
     before = _open_fds()
     lease = _lease(reg, requested_bytes=GiB)
@@ -419,14 +528,60 @@ def test_a_released_lease_whose_file_was_replaced_leaves_the_new_file(reg: Regis
     third.release()
     moved = sorted(os.listdir(Path(reg.path) / "moved"))
     assert moved == sorted([path.name, Path(third.path).name])
+    assert not (Path(reg.path) / str(ME)).exists()  # not created again to remove nothing
 
 
-def test_a_released_lease_in_a_vanished_registry_is_just_closed(tmp_path: Path) -> None:
+def test_a_released_lease_whose_name_now_links_to_it_leaves_the_link(reg: Registry) -> None:
+    lease = _lease(reg)
+    path = Path(lease.path)
+    path.rename(path.with_suffix(".old"))
+    path.symlink_to(path.with_suffix(".old"))  # the name no longer is the lease's inode
+    lease.release()
+    assert path.is_symlink() and path.with_suffix(".old").exists()
+
+
+def test_a_released_lease_whose_directory_became_a_link_says_why_it_stays(
+    reg: Registry, caplog: pytest.LogCaptureFixture
+) -> None:
+    lease = _lease(reg)
+    mine = Path(reg.path) / str(ME)
+    mine.rename(Path(reg.path) / "moved")
+    mine.symlink_to(Path(reg.path) / "moved")
+    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+        lease.release()
+    assert not lease.held
+    assert caplog.messages == [
+        f"cannot remove lease {Path(lease.path).name}: {mine} is a symlink or not a directory "
+        "(planted by another user?): refused; nothing was written. Ask the admin to remove it"
+    ]
+    assert os.listdir(Path(reg.path) / "moved") == [Path(lease.path).name]
+
+
+def test_a_dropped_lease_whose_descriptor_was_closed_elsewhere_is_quiet(
+    reg: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unraisable: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    lease = _lease(reg)
+    os.close(lease.fileno())  # e.g. a library that closes every descriptor before exec
+    del lease
+    gc.collect()
+    assert unraisable == []
+
+
+def test_a_released_lease_in_a_vanished_registry_is_just_closed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     reg = Registry(tmp_path / "registry")
     lease = _lease(reg)
     os.rename(tmp_path / "registry", tmp_path / "gone")
     before = _open_fds()
-    lease.release()
+    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+        lease.release()
+    assert caplog.messages == [
+        f"cannot reopen registry to remove {Path(lease.path).name}: [Errno {errno.ENOENT}] "
+        f"{os.strerror(errno.ENOENT)}: '{reg.path}'"
+    ]
     assert not lease.held
     assert len(_open_fds()) == len(before) - 1
     assert os.listdir(tmp_path / "gone" / str(ME)) == [Path(lease.path).name]
@@ -474,6 +629,22 @@ def test_set_pid_continues_a_short_write(reg: Registry, monkeypatch: pytest.Monk
     data = Path(lease.path).read_bytes()
     assert json.loads(data)["pid"] == 123
     assert calls == list(range(0, len(data), 7))
+    lease.release()
+
+
+def test_set_pid_on_a_full_disk_fails_as_no_space_and_keeps_the_record(
+    reg: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lease = _lease(reg, holder=Holder(pid=5))
+    before = Path(lease.path).read_bytes()
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: 0)
+    with pytest.raises(OSError) as err:
+        lease.set_pid(123)
+    monkeypatch.undo()
+    assert (err.value.errno, err.value.strerror) == (
+        errno.ENOSPC, "no space left on device (short write)"
+    )
+    assert Path(lease.path).read_bytes() == before and lease.record.pid == 5
     lease.release()
 
 
@@ -549,6 +720,24 @@ def test_exclusive_leases_refuse_with_who_holds_the_device(reg: Registry) -> Non
     assert len(reg.list_leases()) == 3
     for lease in (shared, other, third):
         lease.release()
+
+
+def test_every_exclusive_holder_of_a_device_is_named(reg: Registry) -> None:
+    helds = []
+    for lease_id, path in (("a" * 32, "a.ipynb"), ("b" * 32, "b.ipynb")):
+        planted, _ = _plant_record(reg, lease_id=lease_id, exclusive=True, notebook_path=path,
+                                   created_s=1.0 if path == "a.ipynb" else 2.0)
+        helds.append(_Held(planted))
+    try:
+        with reg.locked() as txn:
+            assert txn is not None
+            with pytest.raises(NoDeviceFitsError) as err:
+                txn.create(devices=[uuid_of(0)])
+    finally:
+        for h in helds:
+            h.close()
+    named = str(err.value).removeprefix(f"no device free: {uuid_of(0)} is held exclusively by ")
+    assert sorted(named.split(", ")) == [f"{ME_NAME}: a.ipynb", f"{ME_NAME}: b.ipynb"]
 
 
 def test_two_holders_of_one_device_are_both_named(reg: Registry) -> None:
@@ -668,6 +857,29 @@ def test_the_first_ticket_is_number_one_and_none_passes_the_largest(reg: Registr
     top.release()
 
 
+def test_a_ticket_after_one_numbered_zero_is_number_one_and_not_exclusive_unless_asked(
+    reg: Registry,
+) -> None:
+    path, _ = _plant_record(reg, kind="ticket", seq=0)  # readers accept 0; our writer starts at 1
+    held = _Held(path)
+    try:
+        with reg.locked() as txn:
+            assert txn is not None
+            ticket = txn.create_ticket(constraints=CONSTRAINTS)
+    finally:
+        held.close()
+    assert (ticket.record.seq, ticket.record.exclusive) == (1, False)
+    ticket.release()
+    # Served by number before time: 0 comes before an older 1.
+    one, _ = _plant_record(reg, kind="ticket", seq=1, created_s=0.5)
+    helds = [_Held(path), _Held(one)]
+    try:
+        assert [r.seq for r in reg.live_records()[1]] == [0, 1]
+    finally:
+        for h in helds:
+            h.close()
+
+
 def test_a_ticket_readers_would_reject_is_refused_at_the_writer(reg: Registry) -> None:
     with pytest.raises(RegistryError) as err:
         reg.take_ticket(constraints={"count": 1})
@@ -676,6 +888,23 @@ def test_a_ticket_readers_would_reject_is_refused_at_the_writer(reg: Registry) -
         f"{sorted(CONSTRAINTS)})"
     )
     assert os.listdir(Path(reg.path) / str(ME)) == []
+
+
+def test_a_record_of_exactly_the_size_cap_is_written(
+    reg: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.5)  # a fixed-width created_s
+    kernel = "\U0001f600" * 4096  # 12 bytes each once escaped in JSON; 4096: the field's cap
+    probe = _lease(reg, holder=Holder(pid=5, kernel_id=kernel, notebook_path="x"))
+    need = 1 + MAX_RECORD_BYTES - os.path.getsize(probe.path)
+    probe.release()
+    wide = (need - 100) // 12
+    fits = "\U0001f600" * wide + "x" * (need - 12 * wide)
+    lease = _lease(reg, holder=Holder(pid=5, kernel_id=kernel, notebook_path=fits))
+    assert os.path.getsize(lease.path) == MAX_RECORD_BYTES
+    lease.release()
+    with pytest.raises(RegistryError, match="too large"):
+        _lease(reg, holder=Holder(pid=5, kernel_id=kernel, notebook_path=fits + "x"))
 
 
 def test_a_record_too_large_for_readers_is_refused_at_the_writer(reg: Registry) -> None:
@@ -739,6 +968,20 @@ def test_a_lease_whose_rename_fails_leaves_nothing_behind(
     assert os.listdir(Path(reg.path) / str(ME)) == []
     assert _open_fds() == before
 
+    def no_unlink(*a: Any, **kw: Any) -> None:  # nor can the temporary file be removed
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(os, "unlink", no_unlink)
+    with pytest.raises(KeyboardInterrupt):
+        _lease(reg)
+    monkeypatch.setattr(os, "rename", no_rename)
+    with pytest.raises(RegistryError) as err:
+        _lease(reg)
+    assert str(err.value).endswith(".lease: Input/output error")  # the cause, not the cleanup's
+    monkeypatch.undo()
+    assert len(os.listdir(Path(reg.path) / str(ME))) == 2  # the two temporaries left
+    assert _open_fds() == before
+
 
 # ---- the registry directory and its lock --------------------------------------------------
 
@@ -758,6 +1001,40 @@ def test_a_new_registry_is_created_1777_and_a_missing_one_is_not_read(tmp_path: 
     assert reg.scan() == ScanResult()
     relative = Registry(os.path.relpath(tmp_path / "registry"))
     assert relative.path == str(tmp_path / "registry")
+
+
+def test_a_new_registry_is_logged_and_made_1777_whatever_the_umask(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = os.umask(0o277)  # mkdir(0700) gives 0500
+    try:
+        with caplog.at_level(logging.INFO, logger="autogpu_jupyter.core.registry"):
+            Registry(tmp_path / "registry").check()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "registry").st_mode) == 0o1777
+    assert caplog.messages == [f"created lease registry {tmp_path}/registry (mode 1777)"]
+
+
+def test_a_registry_owned_by_root_serves_every_user(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("making a directory owned by root needs root")
+    d = Path(tempfile.mkdtemp(dir="/tmp"))  # tmp_path's parents are root's, 0700
+    try:
+        os.chmod(d, 0o755)
+        (d / "registry").mkdir()
+        os.chmod(d / "registry", 0o1777)
+        os.seteuid(NOBODY)  # in this process; the saved uid stays root
+        try:
+            reg = Registry(d / "registry")
+            reg.check()
+            lease = _lease(reg)
+            assert Path(lease.path).parent == d / "registry" / str(NOBODY)
+            lease.release()
+        finally:
+            os.seteuid(0)
+    finally:
+        shutil.rmtree(d)
 
 
 def test_an_existing_private_registry_is_used_as_it_is(tmp_path: Path) -> None:
@@ -1063,6 +1340,24 @@ def test_a_busy_registry_lock_is_polled_doubling_to_20ms_until_the_timeout(
     )
 
 
+def test_the_registry_lock_is_waited_for_ten_seconds_by_default(
+    tmp_path: Path, clock: _FakeClock
+) -> None:
+    d = tmp_path / "registry"
+    reg = Registry(d)
+    reg.check()
+    holder = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        with reg.locked() as txn:
+            assert txn is None
+    finally:
+        os.close(holder)
+    assert sum(clock.sleeps) == pytest.approx(10.0)
+    assert reg.unusable_reason is not None
+    assert "stayed locked by another process for more than 10 s" in reg.unusable_reason
+
+
 def test_a_registry_lock_freed_while_polling_is_taken(tmp_path: Path, clock: _FakeClock) -> None:
     d = tmp_path / "registry"
     reg = Registry(d, lock_timeout_s=5)
@@ -1201,8 +1496,20 @@ def test_live_records_of_an_unsafe_registry_are_empty(tmp_path: Path) -> None:
         Registry(d).list_leases()
 
 
+def test_a_missing_registry_reads_as_empty_for_ranking_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    reg = Registry(tmp_path / "registry")
+    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+        assert reg.live_records() == ([], [])
+    assert caplog.messages == [
+        f"ranking without the registry: lease registry {reg.path} does not exist"
+    ]
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_registry_that_cannot_be_listed_reads_as_empty_for_ranking(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: Registry, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _plant_record(reg)
 
@@ -1210,7 +1517,12 @@ def test_a_registry_that_cannot_be_listed_reads_as_empty_for_ranking(
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     monkeypatch.setattr(os, "listdir", no_listdir)
-    assert reg.live_records() == ([], [])
+    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+        assert reg.live_records() == ([], [])
+    assert caplog.messages == [
+        f"ranking without the registry: cannot list lease registry {reg.path}: "
+        "Input/output error"
+    ]
     with pytest.raises(RegistryError) as err:
         reg.scan()
     assert str(err.value) == f"cannot list lease registry {reg.path}: Input/output error"
@@ -1453,6 +1765,53 @@ def test_a_pick_removes_our_own_dead_files_but_not_others(reg: Registry) -> None
     assert not dead_path.exists()
 
 
+def test_prune_of_a_missing_registry_says_so_and_creates_nothing(tmp_path: Path) -> None:
+    reg = Registry(tmp_path / "registry")
+    with pytest.raises(RegistryError) as err:
+        reg.prune()
+    assert str(err.value) == f"lease registry {reg.path} does not exist"
+    assert os.listdir(tmp_path) == []
+
+
+def test_prune_reports_only_the_files_it_could_remove(
+    reg: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    live = _lease(reg)
+    stuck, _ = _plant_record(reg)
+    gone, gone_id = _plant_record(reg)
+    real_unlink = os.unlink
+
+    def unlink(path: Any, *, dir_fd: int | None = None) -> None:
+        if path == stuck.name:  # e.g. an immutable file (chattr +i): even root cannot remove it
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+        real_unlink(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    assert [r.lease_id for r in reg.prune()] == [gone_id]
+    monkeypatch.undo()
+    assert stuck.exists() and not gone.exists()
+    live.release()
+
+
+def test_pruning_every_users_files_is_refused_to_a_user_other_than_root(tmp_path: Path) -> None:
+    """In this process: as root, the effective uid is ``nobody``'s for the call (the saved uid
+    stays root, so it comes back)."""
+    path = tmp_path / "registry"
+    Registry(path).check()
+    dead, _ = _plant_record(Registry(path))
+    as_root = os.geteuid() == 0
+    if as_root:
+        os.seteuid(NOBODY)
+    try:
+        with pytest.raises(RegistryError) as err:
+            Registry(path).prune(all_users=True)
+    finally:
+        if as_root:
+            os.seteuid(0)
+    assert str(err.value) == "pruning every user's dead leases needs root (--all)"
+    assert dead.exists()
+
+
 @pytest.mark.multiuser
 @ROOT_ONLY
 def test_prune_all_removes_every_users_dead_files(tmp_path: Path) -> None:
@@ -1495,7 +1854,9 @@ def test_prune_all_needs_root(tmp_path: Path) -> None:
 
 @pytest.mark.multiuser
 @ROOT_ONLY
-def test_a_lease_kept_alive_only_by_another_users_lock_is_pruned(reg: Registry) -> None:
+def test_a_lease_kept_alive_only_by_another_users_lock_is_pruned(
+    reg: Registry, caplog: pytest.LogCaptureFixture
+) -> None:
     nobody = pwd.getpwuid(NOBODY).pw_name
     theirs, their_id = _plant_record(reg, uid=NOBODY, user=nobody)
     ours, _ = _plant_record(reg)
@@ -1504,12 +1865,121 @@ def test_a_lease_kept_alive_only_by_another_users_lock_is_pruned(reg: Registry) 
     try:
         assert [r.lease_id for r in reg.scan().live if r.uid == NOBODY] == [their_id]
         assert reg.prune() == []  # not ours to judge
-        removed = reg.prune(all_users=True)
+        with caplog.at_level(logging.INFO, logger="autogpu_jupyter.core.registry"):
+            removed = reg.prune(all_users=True)
         assert [(r.lease_id, r.live) for r in removed] == [(their_id, True)]
         assert not theirs.exists() and ours.exists()
     finally:
         on_theirs.close()
         on_ours.close()
+    assert caplog.messages == [f"removed {theirs}: its lock is held only by other users' processes"]
+
+
+@pytest.mark.multiuser
+@ROOT_ONLY
+def test_a_lease_held_by_a_process_whose_real_uid_is_its_owner_is_kept(reg: Registry) -> None:
+    """The owner's process counts by any of its uids: real ``nobody``, effective root (as a
+    setuid helper the owner ran)."""
+    nobody = pwd.getpwuid(NOBODY).pw_name
+    theirs, _ = _plant_record(reg, uid=NOBODY, user=nobody)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import fcntl, os, sys\n"
+            "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            f"os.setresuid({NOBODY}, 0, 0)\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.read()\n"
+        ), str(theirs)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline() == b"ready\n"
+        assert regmod._pid_uids(holder.pid) == {NOBODY, 0}
+        assert reg.prune(all_users=True) == []
+        assert theirs.exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+
+
+@pytest.mark.multiuser
+@ROOT_ONLY
+def test_a_held_lease_swapped_for_a_fifo_or_a_link_is_neither_waited_on_nor_followed(
+    reg: Registry, caplog: pytest.LogCaptureFixture
+) -> None:
+    nobody = pwd.getpwuid(NOBODY).pw_name
+    theirs, their_id = _plant_record(reg, uid=NOBODY, user=nobody)
+    held = _Held(theirs)  # root (not nobody) holds nobody's lease: it would be pruned
+    moved = theirs.with_suffix(".old")
+    results: list[bool] = []
+
+    def remove() -> None:
+        top = os.open(reg.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            results.append(reg._remove_if_held_by_others(top, rec))
+        finally:
+            os.close(top)
+
+    try:
+        rec = next(r for r in reg.scan().live if r.lease_id == their_id)
+        theirs.rename(moved)  # nobody puts a FIFO in its place: a blocking open would hang
+        os.mkfifo(theirs)
+        os.chown(theirs, NOBODY, -1)
+        worker = threading.Thread(target=remove, daemon=True)
+        with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+            worker.start()
+            worker.join(10)
+            hung = worker.is_alive()
+            if hung:  # let the blocked open return before failing
+                os.close(os.open(theirs, os.O_WRONLY | os.O_NONBLOCK))
+                worker.join(5)
+            assert not hung
+            theirs.unlink()  # then a link to the held file: not followed
+            theirs.symlink_to(moved)
+            os.chown(theirs, NOBODY, -1, follow_symlinks=False)
+            remove()
+    finally:
+        held.close()
+    assert results == [False, False]
+    assert theirs.is_symlink() and moved.exists()
+    assert caplog.messages == [
+        f"not removing {rec.path}: [Errno {errno.ELOOP}] {os.strerror(errno.ELOOP)}: "
+        f"'{theirs.name}'"
+    ]
+
+
+@pytest.mark.multiuser
+@ROOT_ONLY
+def test_a_held_lease_swapped_between_its_check_and_its_removal_is_left_alone(
+    reg: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nobody = pwd.getpwuid(NOBODY).pw_name
+    theirs, their_id = _plant_record(reg, uid=NOBODY, user=nobody)
+    held = _Held(theirs)  # root (not nobody) holds nobody's lease: it would be pruned
+    ino = os.stat(theirs).st_ino
+    moved = theirs.with_suffix(".old")
+    real_fstat = os.fstat
+
+    def fstat(fd: int) -> os.stat_result:
+        st = real_fstat(fd)
+        if st.st_ino == ino and not moved.exists():
+            # Right after our open, nobody moves the file away and leaves a link to it.
+            theirs.rename(moved)
+            theirs.symlink_to(moved)
+        return st
+
+    top = os.open(reg.path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        rec = next(r for r in reg.scan().live if r.lease_id == their_id)
+        monkeypatch.setattr(os, "fstat", fstat)
+        assert reg._remove_if_held_by_others(top, rec) is False
+        monkeypatch.undo()
+    finally:
+        os.close(top)
+        held.close()
+    assert theirs.is_symlink() and moved.exists()
 
 
 @pytest.mark.multiuser

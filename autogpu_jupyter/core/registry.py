@@ -188,10 +188,9 @@ class Lease:
         self.release()
 
     def __del__(self) -> None:
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        if self._fd is not None:
+            with contextlib.suppress(OSError):  # EBADF: closed behind our back
+                os.close(self._fd)
 
     def __repr__(self) -> str:
         state = "held" if self.held else "released"
@@ -295,16 +294,16 @@ def _flock_holder_pids(st: os.stat_result, locks_path: str = "/proc/locks") -> l
     A line reads ``1: FLOCK  ADVISORY  WRITE 4242 fe:00:2149016 0 EOF`` (device as hex
     major:minor, then the inode); waiters are marked ``->`` and do not hold anything.
     """
-    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    key = b"%02x:%02x:%d" % (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
     try:
-        with open(locks_path, encoding="ascii", errors="replace") as f:
+        with open(locks_path, "rb") as f:  # ASCII from the kernel: read as bytes, no decoding
             lines = f.read().splitlines()
     except OSError:
         return None
     pids = []
     for line in lines:
         parts = line.split()
-        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == key:
+        if len(parts) >= 6 and parts[1] == b"FLOCK" and parts[5] == key:
             try:
                 pids.append(int(parts[4]))
             except ValueError:
@@ -315,9 +314,9 @@ def _flock_holder_pids(st: os.stat_result, locks_path: str = "/proc/locks") -> l
 def _pid_uids(pid: int) -> set[int] | None:
     """Real, effective, saved and filesystem uids of ``pid`` (``None``: gone or hidden)."""
     try:
-        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
+        with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
-                if line.startswith("Uid:"):
+                if line.startswith(b"Uid:"):
                     return {int(x) for x in line.split()[1:]}
     except (OSError, ValueError):
         return None
@@ -331,7 +330,7 @@ def _held_only_by_others(st: os.stat_result, owner_uid: int) -> bool:
     if not pids:
         return False
     for pid in pids:
-        uids = None if pid <= 0 else _pid_uids(pid)
+        uids = _pid_uids(pid)  # None for a pid of 0 or less too: /proc has no such entry
         if uids is None or owner_uid in uids:
             return False
     return True
@@ -409,7 +408,7 @@ def _in_line(tickets: list[LeaseRecord]) -> list[LeaseRecord]:
 class Transaction:
     """What a pick may do while it holds the registry lock (see :meth:`Registry.locked`)."""
 
-    def __init__(self, registry: Registry, top_fd: int, user_fd: int | None = None) -> None:
+    def __init__(self, registry: Registry, top_fd: int, user_fd: int) -> None:
         self.registry = registry
         self._top_fd = top_fd
         self._user_fd = user_fd  # our own user directory, opened and checked by locked()
@@ -497,7 +496,6 @@ class Transaction:
             booked=booked,
             exclusive=exclusive,
             holder=holder,
-            top_fd=self._top_fd,
             user_fd=self._user_fd,
         )
         if self._scan is not None:
@@ -528,7 +526,6 @@ class Transaction:
             booked=[],
             exclusive=exclusive,
             holder=holder,
-            top_fd=self._top_fd,
             user_fd=self._user_fd,
             seq=seq,
             constraints=constraints,
@@ -610,7 +607,7 @@ class Registry:
 
     # -- opening, with the safety checks ------------------------------------------------------
 
-    def _open_top(self, create: bool = True) -> int:
+    def _open_top(self, create: bool) -> int:
         """Open the top directory (creating it 1777 when missing) and check it is safe."""
         try:
             fd = os.open(self.path, _O_DIR)
@@ -620,8 +617,7 @@ class Registry:
             try:
                 os.mkdir(self.path, 0o700)  # tightened before anyone else can use it
                 fd = os.open(self.path, _O_DIR)
-                st = os.fstat(fd)
-                if st.st_uid == self.uid and stat.S_IMODE(st.st_mode) == 0o700:
+                if os.fstat(fd).st_uid == self.uid:  # (whatever the umask left of 0700)
                     os.fchmod(fd, 0o1777)
                     log.info("created lease registry %s (mode 1777)", self.path)
             except FileExistsError:
@@ -752,12 +748,12 @@ class Registry:
             log.info("lease registry unusable: %s", err)
             yield None
             return
+        assert ufd is not None  # create=True: our directory, or a RegistryError
         try:
             self.unusable_reason = None
             yield Transaction(self, top_fd, ufd)
         finally:
-            if ufd is not None:
-                os.close(ufd)
+            os.close(ufd)
             os.close(top_fd)  # also drops the flock
 
     def _acquire(self, top_fd: int) -> None:
@@ -802,79 +798,73 @@ class Registry:
         booked: Sequence[int | None],
         exclusive: bool,
         holder: Holder | None,
-        top_fd: int,
-        user_fd: int | None = None,
+        user_fd: int,
         seq: int | None = None,
         constraints: Mapping[str, Any] | None = None,
     ) -> _L:
-        ufd = user_fd if user_fd is not None else self._open_user_dir(top_fd, create=True)
-        assert ufd is not None
+        """Create, lock and fill a new file in our user directory ``user_fd`` (the one
+        :meth:`locked` opened and checked), visible only once complete."""
+        lease_id = secrets.token_hex(16)
+        name = lease_id + cls.suffix
+        tmp = f".{lease_id}.tmp"
+        pid = os.getpid() if holder is None else holder.pid
+        record = LeaseRecord(
+            lease_id=lease_id,
+            kind=kind,
+            device_uuids=tuple(uuids),
+            device_requested_bytes=tuple(booked),
+            exclusive=exclusive,
+            user=self.user,
+            uid=self.uid,
+            host=field_text(self.host) or "?",
+            pid=pid,
+            created_s=time.time(),
+            kernel_id=field_text(None if holder is None else holder.kernel_id),
+            notebook_path=field_text(None if holder is None else holder.notebook_path),
+            command=(
+                field_text(holder.command)
+                if holder is not None and self.record_commands
+                else None
+            ),
+            holder_kind=field_text("process" if holder is None else holder.kind, 32)
+            or "process",
+            seq=seq,
+            constraints=constraints,
+            path=os.path.join(self.path, str(self.uid), name),
+        )
+        data = self._checked_bytes(record, name)
         try:
-            lease_id = secrets.token_hex(16)
-            name = lease_id + cls.suffix
-            tmp = f".{lease_id}.tmp"
-            pid = os.getpid() if holder is None else holder.pid
-            record = LeaseRecord(
-                lease_id=lease_id,
-                kind=kind,
-                device_uuids=tuple(uuids),
-                device_requested_bytes=tuple(booked),
-                exclusive=exclusive,
-                user=self.user,
-                uid=self.uid,
-                host=field_text(self.host) or "?",
-                pid=pid,
-                created_s=time.time(),
-                kernel_id=field_text(None if holder is None else holder.kernel_id),
-                notebook_path=field_text(None if holder is None else holder.notebook_path),
-                command=(
-                    field_text(holder.command)
-                    if holder is not None and self.record_commands
-                    else None
-                ),
-                holder_kind=field_text("process" if holder is None else holder.kind, 32)
-                or "process",
-                seq=seq,
-                constraints=constraints,
-                live=True,
-                path=os.path.join(self.path, str(self.uid), name),
+            fd = os.open(
+                tmp,
+                os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC,
+                0o644,
+                dir_fd=user_fd,
             )
-            data = self._checked_bytes(record, name)
-            try:
-                fd = os.open(
-                    tmp,
-                    os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC,
-                    0o644,
-                    dir_fd=ufd,
-                )
-            except OSError as err:
-                raise RegistryError(
-                    f"cannot write a lease in {os.path.join(self.path, str(self.uid))}: "
-                    f"{err.strerror}"
-                ) from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                st = os.fstat(fd)
-                if st.st_uid != self.uid or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                    raise RegistryError(f"lease file {record.path} is not ours after creation")
-                os.fchmod(fd, 0o644)
-                _write_all(fd, data)
-                # Rename keeps the inode and its flock: readers see whole records only.
-                os.rename(tmp, name, src_dir_fd=ufd, dst_dir_fd=ufd)
-            except OSError as err:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=ufd)
-                os.close(fd)
-                raise RegistryError(f"cannot write lease {record.path}: {err.strerror}") from None
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=ufd)
-                os.close(fd)
-                raise
-            return cls(record, fd, self, name)
-        finally:
-            if user_fd is None:
-                os.close(ufd)
+        except OSError as err:
+            raise RegistryError(
+                f"cannot write a lease in {os.path.join(self.path, str(self.uid))}: "
+                f"{err.strerror}"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            st = os.fstat(fd)
+            if st.st_uid != self.uid or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                raise RegistryError(f"lease file {record.path} is not ours after creation")
+            os.fchmod(fd, 0o644)
+            _write_all(fd, data)
+            # Rename keeps the inode and its flock: readers see whole records only.
+            os.rename(tmp, name, src_dir_fd=user_fd, dst_dir_fd=user_fd)
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=user_fd)
+            os.close(fd)
+            raise RegistryError(f"cannot write lease {record.path}: {err.strerror}") from None
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=user_fd)
+            os.close(fd)
+            raise
+        return cls(record, fd, self, name)
 
     def _checked_bytes(self, record: LeaseRecord, name: str) -> bytes:
         """The exact bytes of ``record``, after the readers' own parse accepted them.
@@ -911,7 +901,7 @@ class Registry:
             if ufd is None:
                 return
             try:
-                st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
+                st = os.lstat(name, dir_fd=ufd)
                 mine = os.fstat(fd)
                 if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
                     os.unlink(name, dir_fd=ufd)
@@ -986,7 +976,7 @@ class Registry:
         result: ScanResult,
         *,
         prune: bool,
-        user_names: dict[int, str] | None = None,
+        user_names: dict[int, str],
     ) -> None:
         try:
             with os.scandir(ufd) as it:
@@ -1011,13 +1001,13 @@ class Registry:
             path = prefix + (name if name.isascii() else _shown(name))
             key = (dir_uid, name, entries[name])
             known = _known_bad(key)
-            rec, why = (
-                (None, known)
+            rec = (
+                known
                 if known is not None
                 else self._read_one(ufd, name, path, dir_uid, kind, user_names, key)
             )
-            if rec is None:
-                result.ignored.append((path, why))
+            if isinstance(rec, str):
+                result.ignored.append((path, rec))
                 continue
             if rec.live:
                 result.live.append(rec)
@@ -1033,35 +1023,35 @@ class Registry:
         path: str,
         dir_uid: int,
         kind: str,
-        user_names: dict[int, str] | None = None,
+        user_names: dict[int, str],
         key: tuple[int, str, int] | None = None,
-    ) -> tuple[LeaseRecord | None, str]:
+    ) -> LeaseRecord | str:
+        """The record in file ``name``, or why it is ignored. ``user_names``: the scan's
+        uid -> user name look-ups, each uid looked up once per scan."""
         try:
             fd = os.open(
                 name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ufd
             )
         except OSError as err:
             if err.errno == errno.ELOOP:
-                return None, "a symlink"
-            return None, f"unreadable: {err.strerror}"
+                return "a symlink"
+            return f"unreadable: {err.strerror}"
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                return None, "not a regular file"
+                return "not a regular file"
             if st.st_uid != dir_uid:
                 why = f"forged: owned by uid {st.st_uid} in the directory of uid {dir_uid}"
-                return None, _remember_bad(key, st, why)
+                return _remember_bad(key, st, why)
             if st.st_size > MAX_RECORD_BYTES:
-                return None, _remember_bad(key, st, f"larger than {MAX_RECORD_BYTES} bytes")
+                return _remember_bad(key, st, f"larger than {MAX_RECORD_BYTES} bytes")
             data = os.read(fd, MAX_RECORD_BYTES + 1)
             if len(data) > MAX_RECORD_BYTES:
-                return None, f"larger than {MAX_RECORD_BYTES} bytes"
+                return f"larger than {MAX_RECORD_BYTES} bytes"
             live = _held(fd)
-            real_user = user_names.get(dir_uid) if user_names is not None else None
+            real_user = user_names.get(dir_uid)
             if real_user is None:
-                real_user = _user_name(dir_uid)
-                if user_names is not None:
-                    user_names[dir_uid] = real_user
+                real_user = user_names[dir_uid] = _user_name(dir_uid)
             try:
                 rec = parse_checked(
                     data,
@@ -1075,10 +1065,10 @@ class Registry:
             except Invalid as err:
                 why = str(err)
                 why = why if why.startswith("forged: ") else f"malformed: {why}"
-                return None, why if live else _remember_bad(key, st, why)
-            return rec, ""
+                return why if live else _remember_bad(key, st, why)
+            return rec
         except OSError as err:
-            return None, f"unreadable: {err.strerror}"
+            return f"unreadable: {err.strerror}"
         finally:
             os.close(fd)
 
@@ -1152,7 +1142,7 @@ class Registry:
             os.close(top)
         if not include_tickets:
             live = [r for r in live if r.kind == "lease"]
-        return sorted(self._visible(live), key=lambda r: (r.created_s, r.lease_id))
+        return sorted(self._visible(live), key=lambda r: (r.created_s, r.lease_id, r.uid))
 
     def live_records(
         self, txn: Transaction | None = None
@@ -1229,7 +1219,7 @@ class Registry:
                 st = os.fstat(fd)
                 if st.st_uid != rec.uid or not _held_only_by_others(st, rec.uid):
                     return False
-                now = os.stat(name, dir_fd=ufd, follow_symlinks=False)
+                now = os.lstat(name, dir_fd=ufd)
                 if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                     return False
                 os.unlink(name, dir_fd=ufd)
