@@ -471,25 +471,19 @@ class Sampler:
         samples = self._window(since_s)
         with self._lock:
             labels = dict(self._labels)
-        columns = ["timestamp_s", "time", "uuid", "label", *METRICS]
-        if not samples:
-            df = pd.DataFrame({c: pd.Series(dtype="float64") for c in columns})
-            df["uuid"] = df["uuid"].astype(object)
-            df["label"] = df["label"].astype(object)
-            df["time"] = pd.to_datetime(df["timestamp_s"], unit="s", utc=True)
-            return df
-        ts = np.concatenate([np.full(len(u), t) for t, u, _ in samples])
+        # The leading empty arrays give an empty history the same columns and dtypes.
+        ts = np.concatenate([np.empty(0), *(np.full(len(u), t) for t, u, _ in samples)])
+        values = np.concatenate([np.empty((0, len(METRICS))), *(v for _, _, v in samples)])
         uuids = [u for _, us, _ in samples for u in us]
-        values = np.concatenate([v for _, _, v in samples])
         data: dict[str, Any] = {
             "timestamp_s": ts,
             "time": pd.to_datetime(ts, unit="s", utc=True),
-            "uuid": uuids,
-            "label": [labels[u] for u in uuids],  # add() labels every device it stores
+            "uuid": pd.Series(uuids, dtype=str),
+            "label": pd.Series([labels[u] for u in uuids], dtype=str),  # add() labels them all
         }
         for i, name in enumerate(METRICS):
             data[name] = values[:, i]
-        return pd.DataFrame(data, columns=columns)
+        return pd.DataFrame(data)  # columns in the order of ``data``
 
     def _window(self, since_s: float | None) -> list[tuple[float, tuple[str, ...], np.ndarray]]:
         with self._lock:
@@ -544,10 +538,10 @@ def _series(
     while i < len(samples):
         uuids = samples[i][1]
         j = i + 1
-        while j < len(samples) and (samples[j][1] is uuids or samples[j][1] == uuids):
+        while j < len(samples) and samples[j][1] == uuids:  # add() shares the tuple: cheap
             j += 1
         run = samples[i:j]
-        ts = np.fromiter((t for t, _, _ in run), dtype=float, count=len(run))
+        ts = np.array([t for t, _, _ in run])  # add() stores float timestamps
         block = np.stack([v for _, _, v in run])  # (samples, devices, metrics)
         for k, uuid in enumerate(uuids):
             tl, vl = parts.setdefault(uuid, ([], []))
@@ -555,12 +549,7 @@ def _series(
             vl.append(block[:, k, :])
         i = j
     return {
-        u: DeviceSeries(
-            u,
-            tl[0] if len(tl) == 1 else np.concatenate(tl),
-            vl[0] if len(vl) == 1 else np.concatenate(vl),
-        )
-        for u, (tl, vl) in parts.items()
+        u: DeviceSeries(u, np.concatenate(tl), np.concatenate(vl)) for u, (tl, vl) in parts.items()
     }
 
 
