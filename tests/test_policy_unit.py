@@ -178,6 +178,9 @@ MIG31 = mig(3, 1, "GPU-5a1b2c3d-0000")
         (MIG31, "2:1", False),
         (PLAIN, "3:1", False),  # a MIG id never names a plain GPU
         (MIG31, "3:1:0", False),  # not an index pair
+        (PLAIN, "\u00b3", False),  # a superscript three is no index (and raises nothing)
+        (MIG31, "3:\u00b9", False),
+        (PLAIN, "\u0663", False),  # nor is an Arabic-Indic three: nvidia-smi prints ASCII digits
         (MIG31, "gpu 3 mig 1", True),
         (PLAIN, "gpu 3", True),
         (PLAIN, "GPU 4", False),
