@@ -242,7 +242,7 @@ def rank(
     mine = set(self_pids)
     migs_by_parent: dict[str, int] = {}
     for d in devices:
-        if d.is_mig and d.parent_uuid:
+        if d.parent_uuid:  # only a MIG device has a parent
             migs_by_parent[d.parent_uuid] = migs_by_parent.get(d.parent_uuid, 0) + 1
 
     out: list[Candidate] = []
@@ -318,10 +318,16 @@ def _check_usable(
         v.drop(f"unavailable: {dev.error or 'unknown error'}")
     if allocation is not None and not allocation.allows(dev):
         v.drop(f"outside this process's allocation ({allocation.describe()})")
-    for ident in constraints.exclude:
-        if matches_id(dev, ident) or (dev.parent_uuid and _parent_excluded(dev, ident, devices)):
-            v.drop(f"excluded by --exclude {ident}")
-            break
+    hit = next(
+        (
+            ident
+            for ident in constraints.exclude
+            if matches_id(dev, ident) or (dev.parent_uuid and _parent_excluded(dev, ident, devices))
+        ),
+        None,
+    )
+    if hit is not None:
+        v.drop(f"excluded by --exclude {hit}")
 
 
 def _check_compute_mode(v: _Verdict, dev: DeviceSnapshot, mine: set[int]) -> None:
