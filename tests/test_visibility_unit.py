@@ -207,6 +207,18 @@ def test_a_grant_outside_two_allocations_names_both() -> None:
     )
 
 
+def test_the_notes_of_every_variable_are_kept_in_order() -> None:
+    a = alloc(GAPS, **{NVD: "0,7,0", "SLURM_JOB_GPUS": "0-1", CVD: "x"})
+    assert a.uuids == ()
+    assert a.notes == (
+        f"{NVD}='0,7,0' read as NVML indices (NVML shows more GPUs than it lists)",
+        f"{NVD}: index 7 dropped (this host shows 3: 0,2,5)",
+        "SLURM_JOB_GPUS='0-1' names GPUs that do not match what NVML shows (this host shows 3: "
+        "0,2,5): cannot tell which GPUs are the job's, so none is granted",
+        f"{CVD}: stopped at 'x' (not a device index); {STOP}",
+    )
+
+
 def test_slurm_relative_reading_when_the_global_one_leaves_the_job() -> None:
     a = alloc(GAPS, SLURM_STEP_GPUS="5,2", SLURM_JOB_GPUS="0", **{CVD: "1"})
     assert a.uuids == (G2,)
