@@ -198,6 +198,9 @@ def _fleet_devices() -> tuple[DeviceSnapshot, ...]:
         ("0,7,1", (U0,)),
         ("0,abc,1", (U0,)),
         ("1,GPU-0000000,0", (U1,)),
+        ("+1,2gpu", (U1, U2)),  # CUDA reads the leading digits, like strtoul
+        ("0,\u00b2", (U0,)),  # a superscript two is no index for CUDA (nor an error here)
+        ("0,0", ()),  # a device listed twice: CUDA shows none
     ],
 )
 def test_the_kernels_devices_are_those_cuda_would_use(
@@ -429,6 +432,26 @@ def test_the_alternative_counts_other_holders_bookings(registry_dir: Path,
         lease.release()
 
 
+def test_only_the_kernels_own_lease_is_hidden_from_the_alternative(
+    registry_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry = Registry(registry_dir)
+    with registry.locked() as txn:
+        assert txn is not None
+        own = txn.create(devices=[U1], requested_bytes=50 * GiB)
+        other = txn.create(devices=[U1], requested_bytes=20 * GiB)
+    try:
+        snap = _snap()
+        assert overload.best_alternative(snap, [U0]) == Alternative(U1, "GPU 1", 9 * GiB, 2.0)
+        monkeypatch.setenv("AUTOGPU_PICKED", U0)
+        monkeypatch.setenv("AUTOGPU_LEASE_ID", own.record.lease_id)
+        # 79 GiB free less the other lease's 20 GiB: that booking still counts
+        assert overload.best_alternative(snap, [U0]) == Alternative(U1, "GPU 1", 59 * GiB, 2.0)
+    finally:
+        other.release()
+        own.release()
+
+
 def test_the_alternative_fits_the_kernels_own_options(tmp_path: Path) -> None:
     snap = _snap(None, _gpu(1, U1, used_gib=40), _gpu(2, U2, used_gib=70))
     assert overload.best_alternative(snap, [U0], registry=None) == Alternative(
@@ -472,6 +495,23 @@ def test_the_alternative_lies_in_the_grant_the_kernel_started_with(
     explicit = overload.best_alternative(snap, [U0], registry=None,
                                          environ={"CUDA_VISIBLE_DEVICES": "0,2"})
     assert explicit is not None and explicit.uuid == U2
+
+
+def test_after_a_pick_the_alternative_lies_in_the_grant_from_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # the grant, e.g. a scheduler's
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(json.dumps({"devices": [
+        {"uuid": U0, "name": "A100", "memory_total": "80GiB", "memory_used": 0,
+         "utilization_pct": 0}]}))
+    result = pick(Constraints(), backend=SimulatedBackend(str(fleet)), environ={})  # no lease
+    session.apply(result)  # this process now has CUDA_VISIBLE_DEVICES=U0
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == U0
+    snap = _snap(None, _gpu(1, U1, util=30.0), _gpu(2, U2, util=2.0))
+    # GPU 2 is idler but outside the grant the kernel started with
+    got = overload.best_alternative(snap, [U0], registry=None)
+    assert got == Alternative(U1, "GPU 1", 79 * GiB, 30.0)
 
 
 def test_the_alternative_is_never_on_the_kernels_physical_gpu() -> None:

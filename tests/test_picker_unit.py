@@ -288,6 +288,46 @@ def test_the_environment_defaults_to_this_process(
 # ------------------------------------------------------------- an unusable lease registry
 
 
+def test_the_backend_defaults_to_the_configured_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "configured.json"
+    path.write_text(json.dumps(fleet(2)))
+    monkeypatch.setenv("AUTOGPU_SIMULATE", str(path))
+    result = pick(Constraints(), environ={})
+    assert [d.uuid for d in result.chosen] == [uuid_of(0)]
+    assert result.snapshot.simulated is True
+
+
+def test_the_ranking_uses_the_smoothed_load_given_or_asked_for_at_each_try(
+    two: SimulatedBackend,
+) -> None:
+    busy_0 = {uuid_of(0): 80.0, uuid_of(1): 5.0}
+    result = pick(Constraints(), backend=two, environ={}, smoothed_util=busy_0)
+    assert [d.uuid for d in result.chosen] == [uuid_of(1)]
+    asked: list[int] = []
+
+    def now() -> dict[str, float | None]:
+        asked.append(1)
+        return busy_0
+
+    result = pick(Constraints(), backend=two, environ={}, smoothed_util=now)
+    assert [d.uuid for d in result.chosen] == [uuid_of(1)] and asked == [1]
+    assert [c.smoothed_util_pct for c in result.candidates] == [5.0, 80.0]
+
+
+def test_an_exclusive_gpu_the_holder_already_uses_is_no_obstacle(tmp_path: Path) -> None:
+    spec = fleet(1)
+    spec["devices"][0]["compute_mode"] = "EXCLUSIVE_PROCESS"
+    spec["devices"][0]["processes"] = [{"pid": os.getpid(), "used_memory": "1G"}]
+    backend = backend_for(tmp_path, spec)
+    result = pick(Constraints(), backend=backend, environ={})  # the holder is this process
+    assert [d.uuid for d in result.chosen] == [uuid_of(0)]
+    with pytest.raises(NoDeviceFitsError) as info:
+        pick(Constraints(), backend=backend, environ={}, holder=Holder(pid=os.getppid()))
+    assert "compute mode EXCLUSIVE_PROCESS and already used by 1 process(es)" in str(info.value)
+
+
 def test_a_plain_pick_goes_on_without_a_lease_and_says_why(
     two: SimulatedBackend, broken_registry: Registry
 ) -> None:
@@ -478,7 +518,9 @@ def test_a_wait_sleeps_no_longer_than_the_time_left(two: SimulatedBackend) -> No
              sleep=slept.append)
     assert len(slept) >= 1
     assert all(0.0 <= s <= 0.2 for s in slept)
-    assert str(info.value).startswith("no device fits (min free 90.0 GiB) after waiting ")
+    # the time since the pick began (0.2 s and what the last try took), in seconds
+    assert re.match(r"no device fits \(min free 90\.0 GiB\) after waiting [0-9.]+s:\n",
+                    str(info.value)), str(info.value)
 
 
 def test_a_wait_without_a_registry_takes_no_ticket_and_still_reports_progress(
@@ -492,15 +534,18 @@ def test_a_wait_without_a_registry_takes_no_ticket_and_still_reports_progress(
     progress: list[str] = []
 
     def sleep(_s: float) -> None:
+        time.sleep(0.05)
         spec["devices"][0]["memory_used"] = 0
         spec["devices"][0]["utilization_pct"] = 0
         path.write_text(json.dumps(spec))
         os.utime(path, ns=(1, os.stat(path).st_mtime_ns + 10**9))
 
+    started = time.monotonic()
     result = pick(Constraints.parse(min_free="10G", max_util="50"),
                   backend=SimulatedBackend(str(path)), environ={}, wait_s=30, sleep=sleep,
                   on_progress=progress.append)
     assert [d.uuid for d in result.chosen] == [uuid_of(0)]
+    assert 0.05 <= result.waited_s <= time.monotonic() - started  # how long the pick waited
     assert len(progress) == 1
     assert progress[0].endswith(
         "s of 30s; best now GPU 0: only 5.0 GiB free < 10.0 GiB wanted; utilisation 90% > max 50%"

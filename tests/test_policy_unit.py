@@ -178,6 +178,9 @@ MIG31 = mig(3, 1, "GPU-5a1b2c3d-0000")
         (MIG31, "2:1", False),
         (PLAIN, "3:1", False),  # a MIG id never names a plain GPU
         (MIG31, "3:1:0", False),  # not an index pair
+        (PLAIN, "\u00b3", False),  # a superscript three is no index (and raises nothing)
+        (MIG31, "3:\u00b9", False),
+        (PLAIN, "\u0663", False),  # nor is an Arabic-Indic three: nvidia-smi prints ASCII digits
         (MIG31, "gpu 3 mig 1", True),
         (PLAIN, "gpu 3", True),
         (PLAIN, "GPU 4", False),
@@ -401,6 +404,7 @@ def test_ranking_key_is_preference_load_leases_free_gib_uuid() -> None:
         (100.0, 80, 20.0),
         (0.0, 76, 1.0),  # 5 % of memory in use
         (0.0, 76.1, 0.0),
+        (0.0, 4.4, 18.0),  # 94.5 % of memory in use: step 18, not 19
         (None, 40, 10.0),
         (30.0, None, 6.0),
     ],
@@ -444,3 +448,6 @@ def test_select_takes_the_best_count_skipping_dropped_and_mig_devices_for_severa
     assert [c.device.label for c in select(ranked, 2)] == ["GPU 1", "GPU 2"]
     assert select(ranked, 3) == []
     assert select(ranked[2:], 1)[0].device.label == "GPU 1"
+    # in any order: a dropped device is skipped, not the end of the list
+    lost = next(c for c in ranked if not c.eligible and c.device.label == "GPU 3")
+    assert [c.device.label for c in select([lost, *ranked[2:]], 1)] == ["GPU 1"]

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import subprocess
 import threading
 from pathlib import Path
@@ -124,7 +125,7 @@ def test_the_ring_buffer_holds_history_over_interval_plus_one_within_limits(
 def test_the_defaults_are_one_second_and_fifteen_minutes() -> None:
     s = Sampler()
     assert (s.interval_s, s.history_s, s.capacity) == (1.0, 900.0, 901)
-    assert not s.running and not s.paused and s.listener_count == 0
+    assert not s.running and s.paused is False and s.listener_count == 0
     assert s.latest() is None and s.latest_own_pids() == frozenset() and s.errors == ()
 
 
@@ -174,7 +175,8 @@ def test_an_unexpected_backend_failure_is_recorded_with_its_type_and_logged(
         assert s.sample_now() is None
     assert [e.message for e in s.errors] == ["KeyError: 'uuid'"]
     assert [r.getMessage() for r in caplog.records] == ["sampler: reading the devices failed"]
-    assert caplog.records[0].exc_info is not None
+    exc_info = caplog.records[0].exc_info  # with the traceback (False or None: without)
+    assert exc_info and repr(exc_info[1]) == "KeyError('uuid')"
 
 
 def test_the_fifty_most_recent_errors_are_kept_oldest_first(tmp_path: Path) -> None:
@@ -216,9 +218,9 @@ def test_a_sample_records_every_metric_and_only_our_processes_memory() -> None:
     )
     gpu1 = _dev(B, 1, processes=None)  # processes unknown: our memory is unknown too
     lost = _dev("GPU-cccccccc", 2, available=False, utilization_pct=50.0, processes=None)
-    s.add(_snap(5.0, gpu0, gpu1, lost), own=[10, 11, 12])
+    s.add(_snap(5.0, gpu0, lost, gpu1), own=[10, 11, 12])  # a lost device amid the others
     series = s.history_series()
-    assert list(series) == [A, B, "GPU-cccccccc"]
+    assert list(series) == [A, "GPU-cccccccc", B]
     assert series[A].values.tolist() == [
         [12.5, 3 * GiB, 5 * GiB, 8 * GiB, 41.0, 99.5, 3 * GiB, 1.0]
     ]
@@ -257,12 +259,19 @@ def test_labels_name_devices_and_times_are_utc() -> None:
     assert df["available"].tolist() == [1.0] * 4
 
 
-def test_an_empty_history_is_an_empty_table_with_typed_columns() -> None:
+def test_an_empty_history_is_an_empty_table_with_the_columns_of_a_filled_one() -> None:
     df = Sampler().history_frame()
     assert list(df.columns) == COLUMNS and len(df) == 0
-    dtypes = {c: str(t) for c, t in df.dtypes.items() if c != "time"}
-    assert dtypes == {
-        "timestamp_s": "float64", "uuid": "object", "label": "object",
+    filled = Sampler()
+    filled.add(_snap(1.0, _dev(A, 0)), own=())
+
+    def dtypes(frame: pd.DataFrame) -> dict[str, str]:
+        # the time column's unit is pandas' choice from the values (whole seconds or not)
+        return {c: str(t) for c, t in frame.dtypes.items() if c != "time"}
+
+    text = str(pd.Series([A]).dtype)  # "str" from pandas 3 on, "object" before
+    assert dtypes(df) == dtypes(filled.history_frame()) == {
+        "timestamp_s": "float64", "uuid": text, "label": text,
         **{m: "float64" for m in METRICS},
     }
     assert isinstance(df["time"].dtype, pd.DatetimeTZDtype) and str(df["time"].dt.tz) == "UTC"
@@ -284,9 +293,9 @@ def test_since_counts_back_from_the_newest_sample_inclusive() -> None:
 
 def test_smoothed_util_averages_the_last_minute_by_default() -> None:
     s = Sampler(interval_s=1, history_s=1000)
-    for t, util in ((0.0, 100.0), (9.0, 1.0), (30.0, 2.0), (69.0, 2.0)):
+    for t, util in ((0.0, 100.0), (8.5, 100.0), (9.0, 1.0), (30.0, 2.0), (69.0, 2.0)):
         s.add(_snap(t, _dev(A, 0, utilization_pct=util), _dev(B, 1)), own=())
-    # the window is [9, 69]: 1, 2, 2 -> 1.667; B never knew its utilisation
+    # the window is [9, 69] (8.5 is 60.5 s old): 1, 2, 2 -> 1.667; B never knew its utilisation
     assert s.smoothed_util() == {A: 1.667, B: None}
     assert s.smoothed_util(39) == {A: 2.0, B: None}
 
@@ -299,6 +308,7 @@ def test_series_concatenate_across_changes_of_the_device_list() -> None:
     s.add(_snap(3.0, _dev(B, 1, utilization_pct=6.0), _dev(A, 0, utilization_pct=7.0)), own=())
     series = s.history_series()
     assert list(series) == [A, B]
+    assert [x.uuid for x in series.values()] == [A, B]
     assert series[A].timestamps_s.tolist() == [0.0, 2.0, 3.0]
     assert series[A].column("utilization_pct").tolist() == [1.0, 5.0, 7.0]
     assert series[B].timestamps_s.tolist() == [0.0, 1.0, 2.0, 3.0]
@@ -387,6 +397,30 @@ def test_own_pids_walks_parents_up_to_the_given_root(tmp_path: Path) -> None:
         child.wait()
 
 
+def test_own_pids_of_the_first_process_and_a_chain_63_levels_deep(tmp_path: Path) -> None:
+    # every process descends from pid 1 (the first process of its PID namespace, as a
+    # container's main process is): pid 1 as the root finds them all, itself included
+    assert own_pids([os.getpid(), 1], root_pid=1) == frozenset({os.getpid(), 1})
+    # 65 nested shells, each waiting for the next (the trailing ':' keeps sh from exec'ing it)
+    out = tmp_path / "pids"
+    out.write_text("")
+    script = ('echo $$ >> "$0"; if [ "$1" -gt 0 ]; then sh -c "$2" "$0" $(($1 - 1)) "$2"; '
+              "else exec sleep 30; fi; :")
+    top = subprocess.Popen(["sh", "-c", script, str(out), "64", script], start_new_session=True)
+    try:
+        for _ in range(1000):
+            pids = [int(p) for p in out.read_text().split()]
+            if len(pids) == 65:
+                break
+            threading.Event().wait(0.005)
+        leaf = pids[-1]  # pids[-1 - n] is n levels above it
+        assert own_pids([leaf], root_pid=pids[-1 - 63]) == frozenset({leaf})
+        assert own_pids([leaf], root_pid=pids[-1 - 64]) == frozenset()  # deeper: not looked for
+    finally:
+        os.killpg(top.pid, signal.SIGKILL)
+        top.wait()
+
+
 def _wait_for_child(pid: int) -> int:
     for _ in range(500):
         try:
@@ -424,6 +458,8 @@ def test_a_broken_listener_is_logged_and_the_others_still_run(
         s.add(_snap(1.0, _dev(A, 0)), own=())
     assert seen == ["first", "last"]
     assert [r.getMessage() for r in caplog.records] == [f"sampler listener {broken!r} failed"]
+    exc_info = caplog.records[0].exc_info  # with the traceback (False or None: without)
+    assert exc_info and repr(exc_info[1]) == "RuntimeError('listener bug')"
     assert s.listener_count == 3
 
 
@@ -482,6 +518,31 @@ def test_a_paused_sampler_keeps_its_thread_and_wakes_on_resume_and_new_interval(
     finally:
         s.stop()  # wakes the thread: no waiting out the interval
     assert not s.running
+
+
+def test_stop_waits_for_a_stuck_read_only_as_long_as_it_is_told(tmp_path: Path) -> None:
+    fleet = _fleet_file(tmp_path, ONE_GPU)
+    s = Sampler(SimulatedBackend(fleet), interval_s=60)
+    os.unlink(fleet)
+    os.mkfifo(fleet)  # the next read of the fleet file blocks until a writer comes
+    s.start()
+    writer = -1
+    try:
+        for _ in range(1000):  # until the sampler thread has the fleet file open for reading
+            try:
+                writer = os.open(fleet, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:
+                threading.Event().wait(0.005)
+        assert writer >= 0
+        s.stop(timeout_s=0.05)  # the read still blocks: stop gives up waiting
+        assert s.running
+    finally:
+        if writer >= 0:
+            os.write(writer, json.dumps(ONE_GPU).encode())
+            os.close(writer)
+        s.stop()
+    assert not s.running and s.sample_count == 1
 
 
 def test_stop_before_start_is_harmless() -> None:

@@ -88,6 +88,9 @@ def alloc(devices: list[DeviceSnapshot], **env: str) -> Allocation:
         ({NVD: "0:1"}, None, (
             f"{NVD}='0:1' (MIG or mixed entries) was applied by the container runtime: every GPU "
             "NVML shows is granted",)),
+        ({NVD: "0,\u00b2"}, None, (  # a superscript two is no index (and raises nothing)
+            f"{NVD}='0,\u00b2' (MIG or mixed entries) was applied by the container runtime: "
+            "every GPU NVML shows is granted",)),
         ({NVD: "GPU-a, GPU-zz,GPU-c,,GPU-a0000000"}, (G0, G5), (
             f"{NVD}: 'GPU-zz' dropped (no device has that UUID or UUID prefix)",)),
         ({"SLURM_JOB_GPUS": "NoDevFiles"}, (), (
@@ -158,12 +161,12 @@ def test_the_legacy_mig_form_after_a_mig_uuid_ends_the_list() -> None:
     )
 
 
-def test_an_unknown_device_is_named_by_its_short_uuid() -> None:
-    # the grant names a UUID NVML no longer shows: messages fall back to its short form
+def test_a_device_is_named_by_its_label_else_by_its_uuid() -> None:
     a = alloc(GAPS, **{NVD: f"{G0},{G2}", CVD: "GPU-c"})
     assert a.notes == (
         f"GPU 5 (from {CVD}) is outside the allocation of {NVD}: dropped",
     )
+    # an Allocation built without labels (or not one per UUID) names its devices by UUID
     gone = Allocation(CVD, "x", ("GPU-ffffffff-0000", "weird"), labels=())
     assert gone.describe() == f"{CVD}='x' grants GPU-ffffffff-0000, weird"
 
@@ -186,6 +189,8 @@ def test_a_mig_device_inside_a_granted_gpu_stays_granted() -> None:
     assert c.notes == (f"GPU 0 MIG 0 (from {CVD}) is outside the allocation of {NVD}: dropped",)
     one = alloc(MIGS, **{CVD: MIG_Y})
     assert one.notes == ()
+    # whole GPUs are no MIG devices, even on a host that has some
+    assert alloc(MIGS, **{CVD: "0,2"}).notes == ()
 
 
 def test_a_grant_outside_two_allocations_names_both() -> None:
@@ -199,6 +204,18 @@ def test_a_grant_outside_two_allocations_names_both() -> None:
     )
     assert a.describe() == (
         f"{NVD}={G0!r} and SLURM_JOB_GPUS='0,2' and {CVD}='{G5},{G0}' grant GPU 0"
+    )
+
+
+def test_the_notes_of_every_variable_are_kept_in_order() -> None:
+    a = alloc(GAPS, **{NVD: "0,7,0", "SLURM_JOB_GPUS": "0-1", CVD: "x"})
+    assert a.uuids == ()
+    assert a.notes == (
+        f"{NVD}='0,7,0' read as NVML indices (NVML shows more GPUs than it lists)",
+        f"{NVD}: index 7 dropped (this host shows 3: 0,2,5)",
+        "SLURM_JOB_GPUS='0-1' names GPUs that do not match what NVML shows (this host shows 3: "
+        "0,2,5): cannot tell which GPUs are the job's, so none is granted",
+        f"{CVD}: stopped at 'x' (not a device index); {STOP}",
     )
 
 

@@ -148,9 +148,11 @@ def kernel_device_uuids(
     devices: Sequence[DeviceSnapshot], environ: dict[str, str] | None = None
 ) -> tuple[str, ...]:
     """The UUIDs of this kernel's device(s): the autogpu choice (:func:`core.session.current`),
-    else the devices ``CUDA_VISIBLE_DEVICES`` names (full UUIDs, unique prefixes or indices);
-    ``()`` when nothing was picked (an unset variable means "no choice yet", not "all")."""
+    else the devices ``CUDA_VISIBLE_DEVICES`` names, read as CUDA reads it
+    (:func:`~autogpu_jupyter.core.visibility.parse_cuda_visible_devices`); ``()`` when nothing
+    was picked (an unset variable means "no choice yet", not "all")."""
     from autogpu_jupyter.core import session
+    from autogpu_jupyter.core.visibility import parse_cuda_visible_devices
 
     choice = session.current()
     if choice is not None and choice.uuids:
@@ -159,18 +161,7 @@ def kernel_device_uuids(
     raw = env.get("CUDA_VISIBLE_DEVICES")
     if not raw:
         return ()
-    out: list[str] = []
-    for entry in (e.strip() for e in raw.split(",")):
-        found = None
-        if entry.isdigit():
-            found = next((d for d in devices if not d.is_mig and d.index == int(entry)), None)
-        elif entry[:4] in ("GPU-", "MIG-"):
-            matches = [d for d in devices if d.uuid == entry or d.uuid.startswith(entry)]
-            found = matches[0] if len(matches) == 1 else None
-        if found is None:
-            break  # CUDA stops at the first entry it cannot use
-        out.append(found.uuid)
-    return tuple(out)
+    return parse_cuda_visible_devices(raw, devices)[0]
 
 
 def best_alternative(
@@ -212,11 +203,10 @@ def best_alternative(
         registry=registry,
         smoothed_util=smoothed_util, self_pids=(os.getpid(),),
     )
+    # A skipped MIG device's GPU is avoided too; the policy's exclude already drops the MIG
+    # devices of an excluded GPU.
     parents = {d.parent_uuid for d in snapshot.devices if d.uuid in skip and d.parent_uuid}
-    avoid = tuple(
-        d.uuid for d in snapshot.devices
-        if d.uuid in skip or (d.parent_uuid or "") in skip or d.uuid in parents
-    )
+    avoid = tuple(d.uuid for d in snapshot.devices if d.uuid in skip or d.uuid in parents)
     made = decision.decide(context, replace(constraints, exclude=constraints.exclude + avoid))
     best = made.best
     if best is None:
@@ -249,18 +239,15 @@ def _busy_for_s(
 ) -> tuple[float, float | None]:
     """How long ``uuid`` has been above ``util_pct`` up to its newest sample, and the mean
     utilisation over that stretch. ``(0.0, None)`` when the newest sample is not above."""
-    if isinstance(history, Mapping):
-        series = history.get(uuid)
-        if series is None or not len(series):
-            return 0.0, None
-        ts = series.timestamps_s
-        util = series.column("utilization_pct")
-    else:
-        rows = history[history["uuid"] == uuid]
-        if rows.empty:
-            return 0.0, None
-        ts = rows["timestamp_s"].to_numpy(dtype=float)
-        util = rows["utilization_pct"].to_numpy(dtype=float)
+    if not isinstance(history, Mapping):
+        from autogpu_jupyter.core.sampler import series_from_frame
+
+        history = series_from_frame(history)
+    series = history.get(uuid)
+    if series is None or not len(series):
+        return 0.0, None
+    ts = series.timestamps_s
+    util = series.column("utilization_pct")
     over = util > util_pct  # NaN (unknown, lost) compares False: unknown is never "busy"
     if not over[-1]:
         return 0.0, None

@@ -141,7 +141,6 @@ def _check_ids(devices: tuple[DeviceSnapshot, ...], constraints: Constraints) ->
 def _no_fit_message(
     result_candidates: list[Candidate],
     constraints: Constraints,
-    allocation: Allocation,
     waited_s: float,
 ) -> str:
     eligible = sum(1 for c in result_candidates if c.eligible)
@@ -267,7 +266,6 @@ def pick(
         from autogpu_jupyter.core.backends import get_backend
 
         backend = get_backend()
-    env = os.environ if environ is None else environ
     holder = holder or Holder()
     start = time.monotonic()
     deadline = start + max(wait_s, 0.0)
@@ -284,7 +282,7 @@ def pick(
             made, lease, lease_note = _attempt(
                 constraints,
                 backend,
-                env,
+                environ,
                 registry,
                 holder,
                 ticket,
@@ -292,9 +290,7 @@ def pick(
                 promised,
                 smoothed_util,
             )
-            if made.chosen and ticket is not None:
-                ticket = None  # released under the lock by _attempt
-            if made.chosen:
+            if made.chosen:  # our ticket, if any, was released under the lock (again: a no-op)
                 return _result(made, lease, lease_note, registry, dry_run, start)
             now = time.monotonic()
             if now >= deadline:
@@ -302,7 +298,6 @@ def pick(
                     _no_fit_message(
                         list(made.ranked),
                         constraints,
-                        made.context.allocation,
                         now - start if wait_s > 0 else 0.0,
                     ),
                     candidates=made.ranked,
@@ -326,7 +321,7 @@ def pick(
 def _attempt(
     constraints: Constraints,
     backend: Backend,
-    env: Mapping[str, str],
+    env: Mapping[str, str] | None,
     registry: Registry | None,
     holder: Holder,
     ticket: Ticket | None,
@@ -345,8 +340,8 @@ def _attempt(
     lease_note: str | None = None
     with lock_cm as txn:
         if txn is None and promised is not None:
-            # promised implies a registry (see _promises)
-            raise _fail_closed(promised, registry.unusable_reason if registry else None)
+            assert registry is not None  # promised implies a registry (see _promises)
+            raise _fail_closed(promised, registry.unusable_reason)
         snap = backend.snapshot()
         _check_granted(snap, env)
         _check_ids(snap.devices, constraints)
@@ -371,7 +366,7 @@ def _attempt(
     return made, lease, lease_note
 
 
-def _check_granted(snap: FleetSnapshot, env: Mapping[str, str]) -> None:
+def _check_granted(snap: FleetSnapshot, env: Mapping[str, str] | None) -> None:
     """Raise :class:`NoDeviceGrantedError` when there is no GPU, or none granted to us."""
     if not snap.devices:
         why = "; ".join(snap.errors)

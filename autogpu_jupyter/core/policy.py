@@ -34,6 +34,7 @@ that are, for practical purposes, equally loaded.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -49,6 +50,8 @@ __all__ = ["Booking", "Candidate", "Constraints", "rank", "select", "matches_id"
 
 _GIB = 1024**3
 _UTIL_STEP = 5.0
+#: An NVML index, ``"3"``, or a MIG device of one, ``"3:1"`` (ASCII digits, as nvidia-smi prints).
+_INDEX_ID = re.compile(r"([0-9]+)(?::([0-9]+))?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,10 +195,11 @@ def matches_id(device: DeviceSnapshot, ident: str) -> bool:
     ident = ident.strip()
     if not ident:
         return False
-    if ident.isdigit():
-        return not device.is_mig and device.index == int(ident)
-    gpu, _, mig = ident.partition(":")
-    if gpu.isdigit() and mig.isdigit():  # "3:1" (mig is "" without a colon)
+    index = _INDEX_ID.fullmatch(ident)
+    if index is not None:
+        gpu, mig = index.groups()
+        if mig is None:
+            return not device.is_mig and device.index == int(gpu)
         return device.is_mig and device.index == int(gpu) and device.mig_index == int(mig)
     if ident.upper() == device.label.upper():
         return True
@@ -238,7 +242,7 @@ def rank(
     mine = set(self_pids)
     migs_by_parent: dict[str, int] = {}
     for d in devices:
-        if d.is_mig and d.parent_uuid:
+        if d.parent_uuid:  # only a MIG device has a parent
             migs_by_parent[d.parent_uuid] = migs_by_parent.get(d.parent_uuid, 0) + 1
 
     out: list[Candidate] = []
@@ -314,10 +318,16 @@ def _check_usable(
         v.drop(f"unavailable: {dev.error or 'unknown error'}")
     if allocation is not None and not allocation.allows(dev):
         v.drop(f"outside this process's allocation ({allocation.describe()})")
-    for ident in constraints.exclude:
-        if matches_id(dev, ident) or (dev.parent_uuid and _parent_excluded(dev, ident, devices)):
-            v.drop(f"excluded by --exclude {ident}")
-            break
+    hit = next(
+        (
+            ident
+            for ident in constraints.exclude
+            if matches_id(dev, ident) or (dev.parent_uuid and _parent_excluded(dev, ident, devices))
+        ),
+        None,
+    )
+    if hit is not None:
+        v.drop(f"excluded by --exclude {hit}")
 
 
 def _check_compute_mode(v: _Verdict, dev: DeviceSnapshot, mine: set[int]) -> None:

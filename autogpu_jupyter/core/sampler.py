@@ -78,6 +78,8 @@ MIN_INTERVAL_S = 0.1
 #: Upper bound of samples kept, whatever ``history_s / interval_s`` asks for (memory ceiling).
 MAX_SAMPLES = 20_000
 _MAX_ERRORS = 50
+#: How many levels below the root :func:`own_pids` looks for descendants.
+_MAX_DEPTH = 63
 
 Listener = Callable[["Sampler", "FleetSnapshot | None"], None]
 
@@ -149,15 +151,17 @@ def _ppid(pid: int) -> int | None:
 def own_pids(pids: Iterable[int], root_pid: int | None = None) -> frozenset[int]:
     """The subset of ``pids`` that are ``root_pid`` (default: this process) or its descendants.
 
-    Walks each PID's parent chain in ``/proc``; PIDs from another PID namespace (containers report
-    host PIDs) are not found and so are not ours.
+    Walks each PID's parent chain in ``/proc``, at most :data:`_MAX_DEPTH` levels up; PIDs from
+    another PID namespace (containers report host PIDs) are not found and so are not ours.
     """
     root = os.getpid() if root_pid is None else root_pid
     ours: set[int] = set()
     for pid in set(pids):
         cur: int | None = pid
-        for _ in range(64):
-            if cur is None or cur <= 1:
+        # The chain ends where /proc has no parent (pid 0's stat); the bound only guards
+        # against a loop that PID reuse could make while we walk.
+        for _ in range(_MAX_DEPTH + 1):
+            if cur is None:
                 break
             if cur == root:
                 ours.add(pid)
@@ -212,7 +216,6 @@ class Sampler:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_uuids: tuple[str, ...] = ()
 
     # -- configuration -------------------------------------------------------------------
     @staticmethod
@@ -322,12 +325,10 @@ class Sampler:
         while not self._stop.is_set():
             if not self._paused:
                 self.sample_now()
-            next_t += self._interval_s
-            delay = next_t - time.monotonic()
-            if delay < 0:  # we fell behind (a slow read, a suspended host): do not catch up
-                next_t = time.monotonic()
-                delay = 0.0
-            if self._wake.wait(delay):
+            # One interval on; after falling behind (a slow read, a suspended host) at once,
+            # without catching up. A wait of no time or less returns at once.
+            next_t = max(next_t + self._interval_s, time.monotonic())
+            if self._wake.wait(next_t - time.monotonic()):
                 self._wake.clear()
                 next_t = time.monotonic()
 
@@ -390,10 +391,9 @@ class Sampler:
                 1.0,
             )
         with self._lock:
-            if uuids == self._last_uuids:
-                uuids = self._last_uuids  # share one tuple between samples
+            if self._buffer and self._buffer[-1][1] == uuids:
+                uuids = self._buffer[-1][1]  # share one tuple between samples
             else:
-                self._last_uuids = uuids
                 for dev in snapshot.devices:
                     self._labels[dev.uuid] = dev.label
             self._buffer.append((float(snapshot.timestamp_s), uuids, values))
@@ -471,25 +471,19 @@ class Sampler:
         samples = self._window(since_s)
         with self._lock:
             labels = dict(self._labels)
-        columns = ["timestamp_s", "time", "uuid", "label", *METRICS]
-        if not samples:
-            df = pd.DataFrame({c: pd.Series(dtype="float64") for c in columns})
-            df["uuid"] = df["uuid"].astype(object)
-            df["label"] = df["label"].astype(object)
-            df["time"] = pd.to_datetime(df["timestamp_s"], unit="s", utc=True)
-            return df
-        ts = np.concatenate([np.full(len(u), t) for t, u, _ in samples])
+        # The leading empty arrays give an empty history the same columns and dtypes.
+        ts = np.concatenate([np.empty(0), *(np.full(len(u), t) for t, u, _ in samples)])
+        values = np.concatenate([np.empty((0, len(METRICS))), *(v for _, _, v in samples)])
         uuids = [u for _, us, _ in samples for u in us]
-        values = np.concatenate([v for _, _, v in samples])
         data: dict[str, Any] = {
             "timestamp_s": ts,
             "time": pd.to_datetime(ts, unit="s", utc=True),
-            "uuid": uuids,
-            "label": [labels[u] for u in uuids],  # add() labels every device it stores
+            "uuid": pd.Series(uuids, dtype=str),
+            "label": pd.Series([labels[u] for u in uuids], dtype=str),  # add() labels them all
         }
         for i, name in enumerate(METRICS):
             data[name] = values[:, i]
-        return pd.DataFrame(data, columns=columns)
+        return pd.DataFrame(data)  # columns in the order of ``data``
 
     def _window(self, since_s: float | None) -> list[tuple[float, tuple[str, ...], np.ndarray]]:
         with self._lock:
@@ -544,10 +538,10 @@ def _series(
     while i < len(samples):
         uuids = samples[i][1]
         j = i + 1
-        while j < len(samples) and (samples[j][1] is uuids or samples[j][1] == uuids):
+        while j < len(samples) and samples[j][1] == uuids:  # add() shares the tuple: cheap
             j += 1
         run = samples[i:j]
-        ts = np.fromiter((t for t, _, _ in run), dtype=float, count=len(run))
+        ts = np.array([t for t, _, _ in run])  # add() stores float timestamps
         block = np.stack([v for _, _, v in run])  # (samples, devices, metrics)
         for k, uuid in enumerate(uuids):
             tl, vl = parts.setdefault(uuid, ([], []))
@@ -555,12 +549,7 @@ def _series(
             vl.append(block[:, k, :])
         i = j
     return {
-        u: DeviceSeries(
-            u,
-            tl[0] if len(tl) == 1 else np.concatenate(tl),
-            vl[0] if len(vl) == 1 else np.concatenate(vl),
-        )
-        for u, (tl, vl) in parts.items()
+        u: DeviceSeries(u, np.concatenate(tl), np.concatenate(vl)) for u, (tl, vl) in parts.items()
     }
 
 

@@ -59,7 +59,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autogpu_jupyter.core.devices import DeviceSnapshot
 from autogpu_jupyter.errors import UsageErrorBase
@@ -161,11 +161,8 @@ def _physical(devices: Sequence[DeviceSnapshot]) -> list[DeviceSnapshot]:
 
 
 def _label(devices: Sequence[DeviceSnapshot], uuid: str) -> str:
-    for d in devices:
-        if d.uuid == uuid:
-            return d.label
-    prefix, _, rest = uuid.partition("-")
-    return f"{prefix}-{rest[:8]}" if rest else uuid
+    """The label of ``uuid``, one of ``devices`` (a grant only ever holds devices NVML shows)."""
+    return next(d.label for d in devices if d.uuid == uuid)
 
 
 def _labels(devices: Sequence[DeviceSnapshot], uuids: Sequence[str]) -> str:
@@ -305,8 +302,8 @@ def _stopped(var: str, entry: str, why: str | None) -> str:
 
 
 def _is_index_list(value: str) -> bool:
-    first = value.strip().split(",")[0].strip()
-    return _strtoul(first)[0] is not None
+    """Whether CUDA reads ``value`` as indices: its first entry starts with digits."""
+    return _LEADING_UINT.match(value.strip()) is not None
 
 
 def parse_cuda_visible_devices(
@@ -379,7 +376,7 @@ def _parse_nvidia_visible_devices(
             elif uuid not in out:
                 out.append(uuid)
         return tuple(out), notes
-    if all(e.isdigit() for e in entries):
+    if all(e.isascii() and e.isdigit() for e in entries):
         numbers = list(dict.fromkeys(int(e) for e in entries))
         if len(numbers) == len(physical):
             return None, [
@@ -476,7 +473,7 @@ def _cvd_grant(
         # the global reading when it stays inside the grant, else the relative one.
         by_id = [d for d in _physical(devices) if d.uuid in slurm]
         by_id.sort(key=lambda d: slurm.index(d.uuid))
-        relative = [DeviceSnapshot(index=i, uuid=d.uuid, name=d.name) for i, d in enumerate(by_id)]
+        relative = [replace(d, index=i) for i, d in enumerate(by_id)]
         rel_uuids, rel_notes = _parse_cvd(cvd, relative, "the job has")
         if uuids and all(u in slurm for u in uuids):
             if rel_uuids and not rel_notes and rel_uuids != uuids:
