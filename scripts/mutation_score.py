@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -117,13 +118,17 @@ def main(argv: list[str] | None = None) -> int:
         denom = r["mutants"] - r["equivalent"]
         return 100.0 * r["killed"] / denom if denom else 100.0
 
+    def shown(r: dict[str, int]) -> str:
+        # rounded down, so that one survivor in 10,000 never reads as 100 %
+        return f"{math.floor(share(r) * 100) / 100:.2f} %"
+
     for mod in sorted(rows):
         r = rows[mod]
         for c in cols:
             total[c] += r[c]
-        print(f"| {mod} | {' | '.join(str(r[c]) for c in cols)} | {share(r):.1f} % |")
+        print(f"| {mod} | {' | '.join(str(r[c]) for c in cols)} | {shown(r)} |")
     cells = " | ".join(str(total[c]) for c in cols)
-    print(f"| **all of core/** | {cells} | **{share(total):.1f} %** |")
+    print(f"| **all of core/** | {cells} | **{shown(total)}** |")
 
     stale = [k for k in equivalents if status_of.get(k) != "equivalent"]
     if stale:
