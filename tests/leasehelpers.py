@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, ClassVar
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1024**3
@@ -301,7 +301,7 @@ class AsUser:
 
     #: The control pipes of children still holding: a later child must not inherit them, or the
     #: earlier child would never see its pipe close (and never exit).
-    _held_ctl: set[int] = set()
+    _held_ctl: ClassVar[set[int]] = set()
 
     def __init__(self, uid: int, gid: int, fn: Any, *args: Any, hold: bool = False) -> None:
         import pickle

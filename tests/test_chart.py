@@ -109,7 +109,8 @@ def test_table_and_header() -> None:
     table = chart.render_table(snap, highlight=[A])
     assert "GPU 0 (this kernel)" in table
     assert '<td style="padding:1px 8px;text-align:left;border-bottom:1px solid ' in table
-    assert "97%" in table and "60.0 GiB / 80.0 GiB" in table and re.search(r"bob: pid \d+ \(60\.0 GiB used\)", table)
+    assert "97%" in table and "60.0 GiB / 80.0 GiB" in table
+    assert re.search(r"bob: pid \d+ \(60\.0 GiB used\)", table)
     assert "lost: GPU is lost" in table
     header = chart.render_header(snap.devices, [A], lease_text="lease-1", simulated=True)
     assert "This kernel: GPU 0 · A100 · GPU-aaaaaaaa — lease lease-1" in header

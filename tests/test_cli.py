@@ -44,7 +44,9 @@ def test_list_table_and_json(env: dict[str, str]) -> None:
     out = run(env, "list")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0] == "4 device(s) via simulated — SIMULATED fleet (AUTOGPU_SIMULATE), not real GPUs"
+    assert lines[0] == (
+        "4 device(s) via simulated — SIMULATED fleet (AUTOGPU_SIMULATE), not real GPUs"
+    )
     assert "GPU 1 NVIDIA A100-SXM4-80GB GPU-11111111" in lines[3]
     assert "10.0 GiB" in lines[3] and "70.0 GiB" in lines[3]
     data = json.loads(run(env, "list", "--json").stdout)
@@ -93,11 +95,15 @@ def test_pick_stays_inside_an_inherited_allocation(env: dict[str, str]) -> None:
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
-        (["pick", "--min-free", "10Q"], 2, "autogpu: invalid size '10Q': unknown unit 'Q'; expected"),
+        (["pick", "--min-free", "10Q"], 2,
+         "autogpu: invalid size '10Q': unknown unit 'Q'; expected"),
         (["pick", "--min-free", "10"], 2, "autogpu: invalid size '10': a bare number is ambiguous"),
-        (["pick", "--count", "-1"], 2, "autogpu: invalid --count '-1': expected a whole number >= 1"),
+        (["pick", "--count", "-1"], 2,
+         "autogpu: invalid --count '-1': expected a whole number >= 1"),
         (["pick", "--max-util", "150"], 2, "autogpu: invalid --max-util '150': must be 0-100"),
-        (["pick", "--exclude", "7"], 2, "autogpu: unknown device id '7' in --exclude; expected an NVML index (0, 1, 2, 3) or a UUID"),
+        (["pick", "--exclude", "7"], 2,
+         "autogpu: unknown device id '7' in --exclude; expected an NVML index (0, 1, 2, 3) or a "
+         "UUID"),
         (["pick", "--min-free", "75G"], 3, "autogpu: no device fits (min free 75.0 GiB):"),
         (["pick", "--bogus"], 2, "autogpu pick: error: unrecognized arguments: --bogus"),
         (["run"], 2, "autogpu: error: run needs a command"),
@@ -140,7 +146,8 @@ def test_no_driver_exits_4(env: dict[str, str]) -> None:
 
 
 def test_run_sets_variables_and_returns_the_command_exit_code(env: dict[str, str]) -> None:
-    code = ("import os,sys; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['CUDA_DEVICE_ORDER']);"
+    code = ("import os,sys; "
+            "print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['CUDA_DEVICE_ORDER']);"
             "sys.exit(7)")
     out = run(env, "run", "--min-free", "1G", "--", sys.executable, "-c", code)
     assert out.returncode == 7

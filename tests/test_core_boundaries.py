@@ -197,7 +197,9 @@ def test_holders_match_a_lease_and_its_process_and_word_them_once() -> None:
     ]
     assert [h.kind for h in by["GPU-0"]] == ["lease+process", "process", "process"]
     (carol,) = by["GPU-1"]
-    assert (carol.kind, carol.text()) == ("lease", "carol: kernel 1a2b3c4d (4.0 GiB booked, exclusive)")
+    assert (carol.kind, carol.text()) == (
+        "lease", "carol: kernel 1a2b3c4d (4.0 GiB booked, exclusive)"
+    )
     assert holders_text(by["GPU-1"]) == "carol: kernel 1a2b3c4d (4.0 GiB booked, exclusive)"
     assert holders_text([]) == "none"
     assert Holder(uuid="x", user=None, pid=None).who() == "?"

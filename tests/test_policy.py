@@ -43,7 +43,9 @@ def test_noise_of_a_few_mib_does_not_outrank_utilisation() -> None:
 
 
 def test_ties_are_broken_by_uuid_not_index() -> None:
-    devices = [dev(0, 80, uuid="GPU-ffff"), dev(1, 80, uuid="GPU-0000"), dev(2, 80, uuid="GPU-8888")]
+    devices = [
+        dev(0, 80, uuid="GPU-ffff"), dev(1, 80, uuid="GPU-0000"), dev(2, 80, uuid="GPU-8888")
+    ]
     assert labels(rank(devices, Constraints())) == ["GPU 1", "GPU 2", "GPU 0"]
     # Deterministic: the same input gives the same order whatever the input order.
     assert labels(rank(list(reversed(devices)), Constraints())) == ["GPU 1", "GPU 2", "GPU 0"]
@@ -65,7 +67,9 @@ def test_min_free_drops_with_reason_and_accepts_percent() -> None:
 def test_unknown_values_are_explained_not_silently_passed() -> None:
     unknown_mem = DeviceSnapshot(index=0, uuid="GPU-a", name="x", utilization_pct=0.0)
     unknown_util = dev(1, 50, None)
-    ranked = rank([unknown_mem, unknown_util], Constraints(min_free=parse_size("1G"), max_util_pct=50))
+    ranked = rank(
+        [unknown_mem, unknown_util], Constraints(min_free=parse_size("1G"), max_util_pct=50)
+    )
     assert labels(ranked) == ["GPU 1"]
     by = {c.device.label: c for c in ranked}
     assert by["GPU 0"].reasons == ("free memory unknown: cannot check min free 1.0 GiB",)
@@ -127,7 +131,8 @@ def test_bookings_lower_effective_free_and_spread_pickers() -> None:
     bookings: dict[str, Booking] = {}
     counts = {d.uuid: 0 for d in devices}
     for _ in range(32):
-        best = select(rank(devices, Constraints(min_free=parse_size("2G")), bookings=bookings), 1)[0]
+        ranked = rank(devices, Constraints(min_free=parse_size("2G")), bookings=bookings)
+        best = select(ranked, 1)[0]
         u = best.device.uuid
         counts[u] += 1
         b = bookings.get(u, Booking(u))
@@ -154,7 +159,11 @@ def test_exclusive() -> None:
 
 
 def test_exclude_by_index_uuid_prefix_and_label() -> None:
-    devices = [dev(0, 80, uuid="GPU-11111111"), dev(1, 80, uuid="GPU-22222222"), dev(2, 80, uuid="GPU-33333333")]
+    devices = [
+        dev(0, 80, uuid="GPU-11111111"),
+        dev(1, 80, uuid="GPU-22222222"),
+        dev(2, 80, uuid="GPU-33333333"),
+    ]
     assert labels(rank(devices, Constraints(exclude=("0", "GPU-222222")))) == ["GPU 2"]
     assert labels(rank(devices, Constraints(exclude=("gpu 2",)))) == ["GPU 0", "GPU 1"]
 

@@ -61,7 +61,9 @@ def test_status_html_escapes_other_users_notebook_paths(host: dict[str, Any]) ->
     (out,) = r.outputs
     html = out["content"]["data"]["text/html"]
     assert "<img" not in html
-    assert "agtest-bob: &lt;img src=x onerror=alert(document.domain)&gt;.ipynb (1.0 GiB booked)" in html
+    assert (
+        "agtest-bob: &lt;img src=x onerror=alert(document.domain)&gt;.ipynb (1.0 GiB booked)"
+    ) in html
 
 
 def test_values_past_float_range_are_one_line_errors(host: dict[str, Any]) -> None:
@@ -78,7 +80,8 @@ def test_values_past_float_range_are_one_line_errors(host: dict[str, Any]) -> No
     )
     r = k.run(
         "import autogpu_jupyter as ag\ntry:\n    ag.pick(min_free=10**400)\n"
-        "except __import__('autogpu_jupyter.errors').errors.AutoGPUError as e:\n    print(type(e).__name__, e)"
+        "except __import__('autogpu_jupyter.errors').errors.AutoGPUError as e:\n"
+        "    print(type(e).__name__, e)"
     )
     assert r.stdout.startswith("OptionError invalid size 100000000000…: too large"), r
     assert k.env() == {"CUDA_VISIBLE_DEVICES": None, "CUDA_DEVICE_ORDER": None}

@@ -388,7 +388,8 @@ def test_prune_frees_a_dead_lease_that_another_user_keeps_locked(
     try:
         assert isinstance(keeper.result(), int)
         blocked = area.cli(USER_A, "run", "--exclusive", "--", "true")
-        assert blocked.returncode == 3 and "exclusive wanted but 1 lease(s) hold it" in blocked.stderr
+        assert blocked.returncode == 3
+        assert "exclusive wanted but 1 lease(s) hold it" in blocked.stderr
         proc = (
             area.cli(USER_A, "leases", "--prune")
             if who == "owner"

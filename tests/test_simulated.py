@@ -21,7 +21,9 @@ FLEET = {
             "name": "NVIDIA A100-SXM4-80GB", "uuid": "GPU-aaaaaaaa-0000-0000-0000-000000000000",
             "pci_bus_id": "00000000:07:00.0", "memory_total": "80GiB", "memory_used": "20GiB",
             "utilization_pct": 35, "temperature_c": 51, "power_w": 180.5, "power_limit_w": 400,
-            "processes": [{"pid": 4242, "used_memory": "20GiB", "user": "alice", "command": "python t.py"}],
+            "processes": [
+                {"pid": 4242, "used_memory": "20GiB", "user": "alice", "command": "python t.py"}
+            ],
         },
         {"name": "NVIDIA L4", "uuid": "GPU-bbbbbbbb-0000-0000-0000-000000000000", "lost": True},
         {
@@ -49,8 +51,12 @@ def test_fleet_file_exact_values(tmp_path: Path) -> None:
     assert snap.driver_version == "550.54.15"
     assert [d.label for d in snap.devices] == ["GPU 0", "GPU 1", "GPU 2", "GPU 2 MIG 0"]
     a = snap.devices[0]
-    assert (a.memory_total_bytes, a.memory_used_bytes, a.memory_free_bytes) == (80 * GiB, 20 * GiB, 60 * GiB)
-    assert (a.utilization_pct, a.temperature_c, a.power_w, a.power_limit_w) == (35.0, 51, 180.5, 400)
+    assert (a.memory_total_bytes, a.memory_used_bytes, a.memory_free_bytes) == (
+        80 * GiB, 20 * GiB, 60 * GiB
+    )
+    assert (a.utilization_pct, a.temperature_c, a.power_w, a.power_limit_w) == (
+        35.0, 51, 180.5, 400
+    )
     assert a.processes[0].pid == 4242 and a.processes[0].user == "alice"
     assert a.processes[0].used_memory_bytes == 20 * GiB
     lost = snap.devices[1]

@@ -83,19 +83,24 @@ def test_describe_echoes_the_parsed_value() -> None:
     assert parse_size("16GB").describe() == "14.9 GiB"
 
 
-@pytest.mark.parametrize(("text", "expected"), [("50", 50.0), ("50%", 50.0), (" 0 ", 0.0), (100, 100.0)])
+@pytest.mark.parametrize(
+    ("text", "expected"), [("50", 50.0), ("50%", 50.0), (" 0 ", 0.0), (100, 100.0)]
+)
 def test_parse_percent(text: object, expected: float) -> None:
     assert parse_percent(text) == expected
 
 
 @pytest.mark.parametrize("text", ["150", "-1", "abc", "", "nan"])
 def test_parse_percent_rejects(text: str) -> None:
-    with pytest.raises(UsageErrorBase, match=r"invalid percentage .*expected a number from 0 to 100"):
+    with pytest.raises(
+        UsageErrorBase, match=r"invalid percentage .*expected a number from 0 to 100"
+    ):
         parse_percent(text)
 
 
 @pytest.mark.parametrize(
-    ("text", "seconds"), [("10m", 600.0), ("30s", 30.0), ("1.5h", 5400.0), ("90", 90.0), ("1d", 86400.0)]
+    ("text", "seconds"),
+    [("10m", 600.0), ("30s", 30.0), ("1.5h", 5400.0), ("90", 90.0), ("1d", 86400.0)],
 )
 def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
