@@ -37,10 +37,11 @@ __all__ = [
 
 # hatchling offers the metadata hooks only outside pip's build tracker (pip then builds the wheel
 # to read its metadata); offer exactly what it offers.
-for _name in ("prepare_metadata_for_build_wheel", "prepare_metadata_for_build_editable"):
+_METADATA_HOOKS = ("prepare_metadata_for_build_wheel", "prepare_metadata_for_build_editable")
+for _name in _METADATA_HOOKS:
     if hasattr(_hatchling, _name):
         globals()[_name] = getattr(_hatchling, _name)
-        __all__ += [_name]
+__all__ += [name for name in _METADATA_HOOKS if hasattr(_hatchling, name)]
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILT = ROOT / "autogpu_jupyter" / "labextension" / "static" / "style.js"
