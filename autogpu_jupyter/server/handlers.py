@@ -60,14 +60,15 @@ class _BaseHandler(APIHandler):
         super().clear()
         self._mark_deprecated()
 
-    def prepare(self) -> Any:
+    def prepare(self, **kwargs: Any) -> Any:
         successor = self._successor()
         if successor is not None:
             self._mark_deprecated()
             self.log.debug(
                 "autogpu: %s is deprecated (until 0.3); use %s", self.request.path, successor
             )
-        return super().prepare()
+        # jupyter_server's prepare is a coroutine (tornado awaits what this returns)
+        return super().prepare(**kwargs)
 
     def _finish_json(self, payload: dict[str, Any]) -> None:
         self.set_header("Content-Type", "application/json")
