@@ -3,7 +3,7 @@
 Run from the repository root (it clones the committed HEAD)::
 
     .venv/bin/python benchmarks/make_lab.py            # a cold run, then a warm one
-    .venv/bin/python benchmarks/make_lab.py --warm-only
+    .venv/bin/python benchmarks/make_lab.py --warm-only   # with your own (warm) caches
 
 Each run: ``git clone`` of this repository into a temporary folder, then ``make lab`` there,
 headless (``LAB_ARGS="--no-browser --port ..."``), without a TTY, as a user on a GPU server
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import secrets
 import signal
 import subprocess
@@ -53,10 +54,13 @@ def _api(url: str, token: str, path: str, body: dict[str, object] | None = None)
         return json.loads(resp.read())
 
 
-def one_run(work: Path, caches: Path) -> tuple[float, float]:
-    """(seconds to server up, seconds to first pick) of one clone + ``make lab``."""
+def one_run(work: Path, caches: Path | None) -> tuple[float, float, float]:
+    """(seconds to server up, seconds to first pick, CPU seconds of the whole run) of one clone +
+    ``make lab``. The CPU time (every process of the run, the server's included, until it is
+    stopped) says how much work it was, whatever else the machine was doing."""
     clone = work / "autogpu"
     t0 = time.monotonic()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
     port, token = _free_port(), secrets.token_hex(16)
     runtime = work / "runtime"
@@ -64,8 +68,9 @@ def one_run(work: Path, caches: Path) -> tuple[float, float]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("AUTOGPU_", "CUDA_", "VIRTUAL_ENV", "PYTEST_", "JUPYTER"))
            and k not in ("MAKEFLAGS", "MFLAGS", "VENV", "PYTHONPATH")}
-    env.update(PIP_CACHE_DIR=str(caches / "pip"), YARN_GLOBAL_FOLDER=str(caches / "yarn"),
-               JUPYTER_RUNTIME_DIR=str(runtime), JUPYTER_CONFIG_DIR=str(work / "config"),
+    if caches is not None:
+        env.update(PIP_CACHE_DIR=str(caches / "pip"), YARN_GLOBAL_FOLDER=str(caches / "yarn"))
+    env.update(JUPYTER_RUNTIME_DIR=str(runtime), JUPYTER_CONFIG_DIR=str(work / "config"),
                IPYTHONDIR=str(work / "ipython"))
     args = f"--no-browser --port {port} --ServerApp.ip=127.0.0.1 --IdentityProvider.token={token}"
     log = (work / "make-lab.log").open("w")
@@ -96,26 +101,34 @@ def one_run(work: Path, caches: Path) -> tuple[float, float]:
         assert reply["content"]["status"] == "ok", reply
         picked = time.monotonic() - t0
         kc.stop_channels()
-        return up, picked
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:  # a server slow to stop on a loaded machine
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         log.close()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return up, picked, cpu
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warm-only", action="store_true", help="skip the cold run")
-    parser.add_argument("--caches", type=Path, help="cache folder to keep (default: temporary)")
+    parser.add_argument("--warm-only", action="store_true",
+                        help="one run with your own pip and yarn caches (as filled by earlier use)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        caches = args.caches or Path(tmp) / "caches"
+        caches = None if args.warm_only else Path(tmp) / "caches"
         runs = ["warm"] if args.warm_only else ["cold", "warm"]
         for i, kind in enumerate(runs):
             work = Path(tmp) / f"run{i}"
             work.mkdir()
-            up, picked = one_run(work, caches)
-            print(f"{kind}: server up {up:.0f} s, first pick {picked:.0f} s", flush=True)
+            load = os.getloadavg()[0]
+            up, picked, cpu = one_run(work, caches)
+            print(f"{kind}: server up {up:.0f} s, first pick {picked:.0f} s, {cpu:.0f} CPU s "
+                  f"(load average {load:.1f} -> {os.getloadavg()[0]:.1f})", flush=True)
     return 0
 
 
