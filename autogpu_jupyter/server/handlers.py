@@ -4,7 +4,7 @@ The paths are versioned (``API_PREFIX``): a change that breaks a client gets a `
 ``v1``. The unversioned paths of 0.1 (``{base_url}/autogpu/devices`` ...) still answer the same,
 with a ``Deprecation: true`` header and a ``Link`` to their successor, until 0.3 (CHANGELOG.md).
 
-Every verb is ``@tornado.web.authenticated`` (``tests/test_server.py`` walks the registered
+Every verb is ``@tornado.web.authenticated`` (``tests/server/test_rest.py`` walks the registered
 handlers to check); POST goes through Jupyter's XSRF check. Blocking work runs on the state's
 executor; the handlers only await it and write JSON. ``AutoGPUError`` becomes an HTTP error with
 a JSON ``message`` (400 for bad input, 503 when no GPU backend is usable).

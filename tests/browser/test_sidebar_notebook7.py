@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import browser
+from tests import browserhelpers as browser
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 

@@ -27,10 +27,14 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "(minutes): run scripts/setup.sh, or `jlpm build:prod` in labextension/"
         )
     out = tmp_path_factory.mktemp("wheel")
+    version_file = ROOT / "autogpu_jupyter" / "_version.py"
+    version_before = version_file.read_bytes()
     run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
          "--no-cache-dir", "-q", "-w", str(out), str(ROOT)],
         env=os.environ, cwd=out,
     )
+    # The version hook rewrites this tracked file at every build; it must come out as committed.
+    assert version_file.read_bytes() == version_before
     (built,) = out.glob("autogpu_jupyter-*-py3-none-any.whl")
     return built

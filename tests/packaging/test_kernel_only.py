@@ -116,7 +116,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 def test_exporter_and_broker_run_without_any_jupyter_module(
     kernel_env: tuple[Path, Path],
 ) -> None:
-    from tests.browser import free_port
+    from tests.browserhelpers import free_port
 
     python, home = kernel_env
     env = clean_env(home)
