@@ -31,12 +31,19 @@ fi
 if [ "$need_py" = 1 ]; then
   echo "setup: creating $VENV and installing autogpu-jupyter[$extras] (editable)"
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-  if [ "$mode" = test ]; then "$VENV/bin/python" -m pip install -q --upgrade pip; fi
   # The editable install builds the JupyterLab extension through hatch-jupyter-builder (jlpm).
-  # Drop our link first, so that pip writes its copy into the venv, never through the link.
+  # Drop our link first, so that the installer writes its copy into the venv, never through it.
   link="$VENV/share/jupyter/labextensions/autogpu-jupyter"
   if [ -L "$link" ]; then rm "$link"; fi
-  "$VENV/bin/python" -m pip install -q -e ".[$extras]"
+  if [ "$mode" = test ]; then
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q -e ".[$extras]"
+  else
+    # The demo's hundred packages through uv (from PyPI, one package): it resolves and installs
+    # them in parallel and compiles no bytecode up front, where pip takes minutes for the same.
+    "$VENV/bin/python" -m pip install -q uv
+    "$VENV/bin/uv" pip install -q -p "$VENV/bin/python" -e ".[$extras]"
+  fi
   # Link (not copy) the built extension into the venv, as `jupyter labextension develop` would,
   # so that a later `jlpm build` in labextension/ reaches `make lab` without reinstalling.
   rm -rf "$link"
