@@ -119,7 +119,7 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
                               hostname=state.metrics_hostname,
                               lease_details=state.metrics_lease_details))
     server_app.log.info(
-        "autogpu server extension loaded: %sautogpu/ (sampling every %.1f s)",
+        "autogpu server extension loaded: %sautogpu/api/v1/ (sampling every %.1f s)",
         server_app.web_app.settings.get("base_url", "/"),
         state.interval_s,
     )
