@@ -673,7 +673,7 @@ def test_an_empty_fleet_has_every_column() -> None:
     assert len(df) == 0
     assert list(df.columns)[:3] == ["index", "uuid", "name"]
     assert list(df.columns)[-2:] == ["label", "process_count"]
-    assert len(df.columns) == 22
+    assert len(df.columns) == 24
 
 
 def test_dataframe_rows_columns_and_attributes() -> None:
@@ -683,7 +683,8 @@ def test_dataframe_rows_columns_and_attributes() -> None:
         "index", "uuid", "name", "pci_bus_id", "memory_total_bytes", "memory_used_bytes",
         "memory_free_bytes", "utilization_pct", "memory_utilization_pct", "temperature_c",
         "power_w", "power_limit_w", "compute_mode", "mig_enabled", "is_mig", "parent_uuid",
-        "mig_index", "available", "error", "timestamp_s", "label", "process_count",
+        "mig_index", "available", "error", "vendor", "runtime_uuid", "timestamp_s", "label",
+        "process_count",
     ]
     assert list(df.index) == ["GPU-1", "GPU-2"]
     assert list(df["uuid"]) == ["GPU-1", "GPU-2"]
