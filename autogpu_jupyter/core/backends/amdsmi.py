@@ -21,9 +21,10 @@ itself forces:
   KFD's unique id (``hip_uuid``), which those variables also accept
   (:mod:`autogpu_jupyter.core.visibility`).
 * Memory is VRAM (``amdsmi_get_gpu_memory_total/usage``, bytes); utilisation is the GFX engine's
-  activity, memory utilisation the memory controller's (UMC); temperature the hotspot (junction) sensor, else the edge sensor; power the current
-  socket power, else the average one; the power limit the power cap (reported in microwatts).
-  The binding's ``"N/A"`` and NOT_SUPPORTED become ``None``.
+  activity, memory utilisation the memory controller's (UMC); temperature the hotspot
+  (junction) sensor, else the edge sensor; power the current socket power, else the average
+  one; the power limit the power cap (reported in microwatts). The binding's ``"N/A"`` and
+  NOT_SUPPORTED become ``None``.
 * Compute partitions (MI300X CPX/DPX/QPX; memory NPS1/NPS4): amdsmi lists each partition as a
   processor of its own, and so does ROCr (each is a GPU to HIP, with its own index, and a process
   may use several). Each is therefore a device here, named with its mode
@@ -193,7 +194,7 @@ def _number(value: Any) -> float | None:
 class _Identity:
     """What does not change while the driver is loaded: cached per processor position."""
 
-    __slots__ = ("uuid", "name", "bus_id", "index", "runtime_uuid", "partition")
+    __slots__ = ("bus_id", "index", "name", "partition", "runtime_uuid", "uuid")
 
     def __init__(self, uuid: str, name: str, bus_id: str | None, index: int,
                  runtime_uuid: str | None, partition: tuple[str, str, int] | None) -> None:
@@ -352,7 +353,9 @@ class AmdSmiBackend:
             pid = kfd.get("current_partition_id")
             part = pid if isinstance(pid, int) and not isinstance(pid, bool) else 0
             partition = (str(compute), str(memory_mode), part)
-            mode = f"{compute} {part}" + (f", {memory_mode}" if memory_mode not in ("", _NA) else "")
+            mode = f"{compute} {part}"
+            if memory_mode not in ("", _NA):
+                mode += f", {memory_mode}"
             name = f"{name} ({mode})"
         return _Identity(uuid, name, None if bus_id is None else str(bus_id), index,
                          runtime_uuid, partition)
