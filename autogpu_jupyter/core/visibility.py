@@ -881,6 +881,8 @@ def rocm_env(chosen: Sequence[DeviceSnapshot], devices: Sequence[DeviceSnapshot]
         if u is not None:
             counts[u] = counts.get(u, 0) + 1
     unique = all((u := _rocr_uuid_of(d)) is not None and counts[u] == 1 for d in chosen)
-    ids = [(d.runtime_uuid or "").lower() if unique else str(d.index) for d in chosen]
+    # "GPU-" and lower-case hex: ROCr upper-cases what it reads, HIP compares with this spelling
+    ids = ["GPU-" + (d.runtime_uuid or "")[4:].lower() if unique else str(d.index)
+           for d in chosen]
     ordinals = ",".join(str(i) for i in range(len(chosen)))
     return {ROCR: ",".join(ids), HIP: ordinals, CVD: ordinals, GDO: ordinals}

@@ -108,7 +108,9 @@ def wrapper_path() -> Path:
     """The installed ``amdsmi/amdsmi_wrapper.py`` (found without importing the package)."""
     spec = importlib.util.find_spec("amdsmi")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the amdsmi package is not installed: pip install 'autogpu-jupyter[amd]'")
+        raise RuntimeError(
+            "the amdsmi package is not installed: pip install 'autogpu-jupyter[amd]'"
+        )
     return Path(next(iter(spec.submodule_search_locations))) / "amdsmi_wrapper.py"
 
 

@@ -120,10 +120,10 @@ def _import() -> Any:
             f"cannot import amdsmi ({err}); install AMD's binding: "
             "pip install 'autogpu-jupyter[amd]'"
         )
-    except KeyError as err:  # the binding's own way of saying "no libamd_smi.so"
+    except KeyError:  # the binding's own way of saying "no libamd_smi.so"
         logger.debug("amdsmi import printed: %s", sink.getvalue().strip())
         _state.import_error = (
-            f"no AMD GPU driver on this host ({LIBRARY} not found: {err})" + _TRY_SIMULATED
+            f"no AMD GPU driver on this host ({LIBRARY} not found)" + _TRY_SIMULATED
         )
     except (OSError, AttributeError, ImportError) as err:
         logger.debug("amdsmi import printed: %s", sink.getvalue().strip())
