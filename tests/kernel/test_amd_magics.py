@@ -104,7 +104,7 @@ def test_an_inherited_grant_is_never_widened(k: Kernel) -> None:
 
 def test_refuses_after_hip_initialised(tmp_path: Path) -> None:
     build_fake_hip()
-    fake, kernel = amd_kernel(tmp_path)
+    _fake, kernel = amd_kernel(tmp_path)
     try:
         # `import torch` on ROCm maps HIP (and ROCr) but initialises nothing: still in time
         assert kernel.run(LOAD_SNIPPET).status == "ok"
