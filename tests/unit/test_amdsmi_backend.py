@@ -177,3 +177,20 @@ def test_autogpu_backend_selects_amdsmi_and_a_bad_value_is_one_message(
 )
 def test_rocr_uuid_from_the_binding(hip_uuid: object, serial: object, want: str | None) -> None:
     assert _runtime_uuid(hip_uuid, serial) == want
+
+
+def test_a_process_list_longer_than_the_first_buffer_is_read_whole(
+    fake_amdsmi: FakeAmdSmi,
+) -> None:
+    fleet = fleet_amd_8x(processes=False)
+    fleet["devices"] = [fleet["devices"][0]]
+    fleet["devices"][0]["processes"] = [
+        {"pid": 2_000_000 + p, "used_memory": (p + 1) * GiB // 8} for p in range(40)]
+    fake_amdsmi.write(fleet)
+    before = FakeAmdSmi.calls("amdsmi_get_gpu_process_list")
+    procs = AmdSmiBackend().snapshot().devices[0].processes
+    assert procs is not None
+    assert [(p.pid, p.used_memory_bytes) for p in procs] == [
+        (2_000_000 + p, (p + 1) * GiB // 8) for p in range(40)]
+    # 32 entries offered first: the library answers "more", the second call reads all 40
+    assert FakeAmdSmi.calls("amdsmi_get_gpu_process_list") - before == 2

@@ -63,8 +63,11 @@ _TRY_SIMULATED = "; to try autogpu without a GPU, set AUTOGPU_SIMULATE=demo-amd 
 _NOT_SUPPORTED = 2
 _NOT_YET_IMPLEMENTED = 3
 _NO_PERM = 10
+_OUT_OF_RESOURCES = 15
 _NOT_INIT = 32
 _DRIVER_NOT_LOADED = 34
+_INSUFFICIENT_SIZE = 41
+_PROCESS_BUFFER = 32  # entries read in one call; more means a second call with room to spare
 _NA = "N/A"
 _SPX = "SPX"
 
@@ -391,17 +394,32 @@ class AmdSmiBackend:
 
     @staticmethod
     def _processes(sm: Any, handle: Any) -> tuple[ProcessSnapshot, ...] | None:
-        listed = _optional(sm, sm.amdsmi_get_gpu_process_list, handle)
-        if listed is None:
+        # The binding's amdsmi_get_gpu_process_list allocates room for 1,024 processes (about
+        # 600 KB) at every call, which is most of a snapshot's cost: call the library through
+        # the binding's own ctypes function with room for what is there, growing it when the
+        # library says the list is longer (it may grow between two calls).
+        w = sm.amdsmi_wrapper
+        size = _PROCESS_BUFFER
+        for _attempt in range(4):
+            buffer = (w.amdsmi_proc_info_t * size)()
+            count = ctypes.c_uint32(size)
+            rc = int(w.amdsmi_get_gpu_process_list(handle, ctypes.byref(count), buffer))
+            if rc == 0:
+                break
+            if rc in (_NOT_SUPPORTED, _NOT_YET_IMPLEMENTED):
+                return None
+            if rc not in (_OUT_OF_RESOURCES, _INSUFFICIENT_SIZE):
+                raise sm.AmdSmiLibraryException(rc)
+            size = max(count.value, size) + _PROCESS_BUFFER
+        else:
             return None
         out = []
-        for entry in listed:
-            pid = int(entry.get("pid") or 0)
+        for entry in buffer[: min(count.value, size)]:
+            pid = int(entry.pid)
             if pid <= 0:
                 continue
-            vram = _number((entry.get("memory_usage") or {}).get("vram_mem"))
             out.append(ProcessSnapshot(
-                pid=pid, used_memory_bytes=None if vram is None else int(vram),
+                pid=pid, used_memory_bytes=int(entry.memory_usage.vram_mem),
                 user=_proc_user(pid), command=_proc_command(pid),
             ))
         return tuple(out)
