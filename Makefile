@@ -16,6 +16,12 @@ lab: setup
 test: setup
 	@scripts/test.sh
 
+# Every in-process test (tests/unit: no kernels, servers, browsers or other users), about a
+# minute; `make test` runs these and everything else. Arguments: make test-fast ARGS="-x -k pick"
+ARGS ?=
+test-fast: setup
+	$(PY) -m pytest tests/unit -q $(ARGS)
+
 lint:
 	$(VENV)/bin/ruff check autogpu_jupyter autogpu tests benchmarks
 	$(VENV)/bin/mypy autogpu_jupyter/core

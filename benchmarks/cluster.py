@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.browser import free_port  # noqa: E402
+from tests.browserhelpers import free_port  # noqa: E402
 
 GiB = 1024**3
 N_HOSTS = 100

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.browser import free_port  # noqa: E402
+from tests.browserhelpers import free_port  # noqa: E402
 from tests.fakenvml import FakeNvml, fleet_8x, preload_fake_nvml  # noqa: E402
 
 

@@ -32,4 +32,4 @@ echo "== torch / cupy"
   || "$PY" -c "import cupy; print('cupy', cupy.__version__)" 2>/dev/null \
   || echo "neither torch nor cupy installed: the framework checks will be skipped"
 echo "== pytest -m gpu"
-exec "$PY" -m pytest -m gpu -v -rs -s -p no:cacheprovider tests/test_gpu_hardware.py
+exec "$PY" -m pytest -m gpu -v -rs -s -p no:cacheprovider tests/gpu/test_hardware.py

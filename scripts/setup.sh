@@ -51,7 +51,7 @@ if [ "${AUTOGPU_SKIP_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null 2>&
   fi
 fi
 
-# Debian's Prometheus (tests/test_cluster.py) and a single-node Slurm (tests/test_slurm.py): only
+# Debian's Prometheus (tests/cluster/test_prometheus.py) and a single-node Slurm (tests/cluster/test_slurm.py): only
 # as root and only what is missing. AUTOGPU_SKIP_CLUSTER=1 skips them (those tests then skip,
 # and fail under CI=true).
 if [ "${AUTOGPU_SKIP_CLUSTER:-0}" != 1 ]; then

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser import free_port
+from tests.browserhelpers import free_port
 
 GiB = 1024**3
 MiB = 1024**2

@@ -13,21 +13,43 @@ from tests.fakenvml import FakeNvml, build_fake_nvml, preload_fake_nvml
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
 
-_REAL_PARTS = ("browser", "multiuser", "cluster", "slurm")
+#: The folder a test lives in says how it runs; each folder's marker is added to its tests, so
+#: ``-m`` selections and the CI rule below also hold for a test whose author forgot the marker.
+_FOLDER_MARKERS = {
+    "browser": ("browser", "slow"),
+    "multiuser": ("multiuser",),
+    "cluster": ("cluster", "slow"),
+    "gpu": ("gpu",),
+    "packaging": ("slow",),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_dir = Path(__file__).resolve().parent
+    for item in items:
+        try:
+            folder = Path(str(item.path)).resolve().relative_to(tests_dir).parts[0]
+        except (ValueError, IndexError):
+            continue
+        for name in _FOLDER_MARKERS.get(folder, ()):
+            if item.get_closest_marker(name) is None:
+                item.add_marker(name)
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
-    """In CI (``CI=true``) a browser, multi-user, cluster (Prometheus) or Slurm test may not
-    skip: CI installs Chromium, Prometheus and Slurm and runs as root, so a skip there means a
-    broken set-up, and it fails instead of hiding."""
+    """In CI (``CI=true``) no test may skip, except a ``gpu`` test on a machine without a GPU:
+    CI installs Chromium, Prometheus and Slurm and runs as root, so any other skip (a root-only
+    test on a non-root runner, a missing tool) means a broken set-up, and it fails instead of
+    hiding the behaviour the test promises. (A ``gpu`` test fails instead of skipping wherever
+    ``AUTOGPU_EXPECT_GPU=1`` says a GPU is expected: see tests/gpu/.)"""
     outcome = yield
     report = outcome.get_result()
-    if (
-        report.skipped
-        and os.environ.get("CI", "").lower() in ("1", "true", "yes")
-        and any(item.get_closest_marker(m) for m in _REAL_PARTS)
-    ):
+    if report.skipped and _in_ci() and item.get_closest_marker("gpu") is None:
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, where it must run: {report.longrepr}"
 

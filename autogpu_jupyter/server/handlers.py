@@ -1,6 +1,6 @@
 """REST handlers under ``{base_url}/autogpu/``: devices, history, holders, select, move.
 
-Every verb is ``@tornado.web.authenticated`` (``tests/test_server.py`` walks the registered
+Every verb is ``@tornado.web.authenticated`` (``tests/server/test_rest.py`` walks the registered
 handlers to check); POST goes through Jupyter's XSRF check. Blocking work runs on the state's
 executor; the handlers only await it and write JSON. ``AutoGPUError`` becomes an HTTP error with
 a JSON ``message`` (400 for bad input, 503 when no GPU backend is usable).

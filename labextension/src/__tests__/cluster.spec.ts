@@ -10,7 +10,7 @@ import {
 const GiB = 1024 ** 3;
 const MiB = 1024 ** 2;
 
-/** A `GET cluster?min_free=10G` answer as tests/test_cluster.py's Prometheus gives it. */
+/** A `GET cluster?min_free=10G` answer as tests/cluster/test_prometheus.py's Prometheus gives it. */
 const answer = {
   configured: true,
   prometheus_url: 'http://127.0.0.1:9090',

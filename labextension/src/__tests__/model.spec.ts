@@ -29,7 +29,7 @@ import {
 
 const GiB = 1024 ** 3;
 
-/** The devices answer of tests/test_server.py's fleet, as the server sends it. */
+/** The devices answer of tests/server/test_rest.py's fleet, as the server sends it. */
 const fleetJson = {
   timestamp_s: 1718000000.5,
   backend: 'simulated',

@@ -24,7 +24,7 @@ function device(index: number, extra: Record<string, unknown> = {}): IDevice {
   });
 }
 
-/** The holders answer of tests/test_move.py: one autogpu kernel on GPU 0, one plain kernel. */
+/** The holders answer of tests/server/test_move.py: one autogpu kernel on GPU 0, one plain kernel. */
 const holdersJson = {
   timestamp_s: 1,
   simulated: false,

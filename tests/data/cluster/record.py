@@ -1,5 +1,5 @@
 """Record what a real Prometheus answers to ``core.cluster`` (the replay data of
-``tests/test_cluster_unit.py``).
+``tests/unit/test_cluster.py``).
 
 Run from the repository root (needs Debian's ``prometheus``; takes about half a minute)::
 

@@ -1,0 +1,295 @@
+"""``%gpu`` / ``%%gpu`` in an in-process IPython ``InteractiveShell`` (the fast cases).
+
+The devices come from the fake ``libnvidia-ml.so.1`` through the real pynvml binding
+(``fake_nvml``), or from a simulated fleet file where the SIMULATED label is under test. The
+real-kernel behaviour (os.environ inside a kernel, interrupts, too late) is in
+``tests/kernel/test_magics.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+
+from autogpu_jupyter.core import session
+from autogpu_jupyter.core.sampler import THREAD_NAME, stop_sampler
+from tests.fakenvml import FakeNvml, fleet_4x
+
+U = [d["uuid"] for d in fleet_4x()["devices"]]
+
+
+def sampler_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == THREAD_NAME)
+
+
+@pytest.fixture
+def shell(
+    fake_nvml: FakeNvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[InteractiveShell]:
+    """The process's InteractiveShell with nothing loaded, over the 4-GPU fake host."""
+    fake_nvml.write(fleet_4x())
+    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "AUTOGPU_PICKED"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(tmp_path / "registry"))
+    cfg = Config()
+    cfg.HistoryManager.hist_file = ":memory:"
+    sh = InteractiveShell.instance(config=cfg)
+    yield sh
+    for name in ("autogpu", "autogpu_jupyter"):
+        sh.extension_manager.unload_extension(name)
+    session.release()
+    stop_sampler()
+    sh.config.pop("AutoGPU", None)
+
+
+def run(
+    sh: InteractiveShell, code: str, capsys: pytest.CaptureFixture[str]
+) -> tuple[Any, str, str]:
+    result = sh.run_cell(code)
+    out, err = capsys.readouterr()
+    return result, out, err
+
+
+def test_load_twice_under_both_names_registers_once(shell: InteractiveShell) -> None:
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.magics import _overload_hook
+
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%load_ext autogpu_jupyter")
+    assert sum(isinstance(c, AutoGPU) for c in shell.configurables) == 1
+    assert shell.events.callbacks["post_run_cell"].count(_overload_hook) == 1
+    assert shell.find_line_magic("gpu") is not None and shell.find_cell_magic("gpu") is not None
+
+
+def test_load_is_cheap_and_starts_nothing(shell: InteractiveShell) -> None:
+    shell.run_cell("%load_ext autogpu")
+    assert sampler_threads() == 0
+
+
+def test_reload_keeps_one_sampler_and_unload_leaves_no_thread(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shell.run_cell("%load_ext autogpu")
+    r, out, _ = run(shell, "%%gpu\nx = 1", capsys)
+    assert r.success and sampler_threads() == 1
+    shell.run_cell("%reload_ext autogpu")
+    # unload stopped it; the load found this kernel's pick and watches it again: exactly one
+    assert sampler_threads() == 1
+    r, out, _ = run(shell, "%%gpu\nx = 2", capsys)
+    assert r.success and sampler_threads() == 1
+    assert "autogpu %%gpu on GPU 0: wall " in out
+    shell.run_cell("%unload_ext autogpu")
+    assert sampler_threads() == 0
+    assert shell.find_line_magic("gpu") is None and shell.find_cell_magic("gpu") is None
+    # the pick survives the unload: the variables keep their values
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == U[0]
+
+
+def test_line_pick_starts_the_one_sampler_and_reload_keeps_one(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shell.run_cell("%load_ext autogpu")
+    r, _, _ = run(shell, "%gpu pick --dry-run", capsys)
+    assert r.success and sampler_threads() == 0  # a dry run picks nothing: nothing to watch
+    r, _, _ = run(shell, "%gpu pick --min-free 500G", capsys)
+    assert not r.success and sampler_threads() == 0  # nothing picked: nothing to watch
+    r, _, _ = run(shell, "%gpu pick", capsys)
+    assert r.success and sampler_threads() == 1
+    r, _, _ = run(shell, "%gpu pick --exclude 0", capsys)
+    assert r.success and sampler_threads() == 1  # a re-pick keeps the one sampler
+    shell.run_cell("%reload_ext autogpu")
+    assert sampler_threads() == 1
+    shell.run_cell("%unload_ext autogpu")
+    assert sampler_threads() == 0
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == U[2]
+
+
+def test_config_sets_defaults_and_flags_win(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell('%config AutoGPU.min_free = "70G"')
+    _, out, _ = run(shell, "%gpu pick --dry-run", capsys)
+    assert out.splitlines()[0] == "autogpu dry run (min free 70.0 GiB): nothing changed"
+    _, out, _ = run(shell, "%gpu pick --dry-run --min-free 1G --max-util 50", capsys)
+    assert (
+        out.splitlines()[0] == "autogpu dry run (min free 1.0 GiB, max util 50%): nothing changed"
+    )
+    # the Python API in this shell sees the same settings
+    import autogpu_jupyter as ag
+
+    assert ag.pick()[0].uuid == U[0]
+    assert session.current().constraints_text == "min free 70.0 GiB"  # type: ignore[union-attr]
+
+
+def test_config_file_value_and_pick_on_load(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shell.config.AutoGPU.pick_on_load = True
+    shell.config.AutoGPU.max_util = "50"
+    shell.config.AutoGPU.count = 2
+    _, out, _ = run(shell, "%load_ext autogpu", capsys)
+    assert out.splitlines()[0] == "autogpu: picked 2 devices:"
+    assert "  asked: max util 50%, 2 devices · no runner-up (nothing else fits)" in out
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == f"{U[0]},{U[2]}"
+
+
+def test_pick_on_load_that_fails_says_so_and_loads(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shell.config.AutoGPU.pick_on_load = True
+    shell.config.AutoGPU.min_free = "500G"
+    _, _, err = run(shell, "%load_ext autogpu", capsys)
+    assert err.splitlines()[0] == (
+        "autogpu: pick_on_load did not pick: no device fits (min free 500.0 GiB):"
+    )
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    assert shell.find_line_magic("gpu") is not None
+
+
+def test_help_is_written_for_notebook_users(shell: InteractiveShell) -> None:
+    shell.run_cell("%load_ext autogpu")
+    doc = shell.find_line_magic("gpu").__doc__
+    assert "%gpu pick --min-free 10G          # the best GPU with 10 GiB free" in doc
+    assert "%%gpu --min-free 10G" in doc
+    assert "--wait DURATION" in doc and "Interrupt the kernel to cancel." in doc
+    # plain text, not reStructuredText: no ``literals``, no "::" blocks, one usage of %gpu pick
+    assert "``" not in doc and "::" not in doc
+    assert "(import torch is fine, torch.cuda is not):" in doc
+    assert doc.count("usage: %gpu pick [--min-free SIZE]") == 1 and "_pick_options" not in doc
+    assert "%gpu move --best" in doc
+
+
+def test_status_plain_text_in_a_terminal(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick --exclude 0")  # GPU 2 (L4, 12 %) is the least loaded of GPUs 1-3
+    capsys.readouterr()
+    r, out, _ = run(shell, "%gpu status", capsys)
+    assert r.success
+    lines = out.splitlines()
+    assert lines[0] == "GPUs on this host"
+    assert lines[1].split()[:4] == ["gpu", "name", "uuid", "util"]
+    # one row per device; a long holders cell continues under its column on the next line
+    holders_at = lines[1].index("holders")
+    rows = [ln for ln in lines[2:-1] if ln[:holders_at].strip()]
+    assert all(len(ln) - len(ln.lstrip()) == holders_at for ln in lines[2:-1] if ln not in rows)
+    assert [ln.split()[:3] for ln in rows[0:2]] == [["GPU", "0", "NVIDIA"], ["GPU", "1", "NVIDIA"]]
+    assert rows[2].split()[:5] == ["▶", "GPU", "2", "NVIDIA", "L4"]
+    assert rows[3].split()[:3] == ["GPU", "3", "NVIDIA"]
+    assert lines[-1] == "this kernel: ▶ GPU 2 (magic, excluding 0)"
+
+
+def test_status_says_simulated(
+    shell: InteractiveShell,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from autogpu_jupyter.core import backends
+
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(json.dumps(fleet_4x()))
+    monkeypatch.setenv("AUTOGPU_SIMULATE", str(fleet))
+    backends._cache.clear()
+    shell.run_cell("%load_ext autogpu")
+    _, out, _ = run(shell, "%gpu", capsys)
+    assert out.splitlines()[0] == f"GPUs on this host — SIMULATED fleet (AUTOGPU_SIMULATE={fleet})"
+    _, out, _ = run(shell, "%gpu pick", capsys)
+    assert out.startswith("autogpu [SIMULATED]: picked GPU 0 · NVIDIA A100-SXM4-80GB")
+    backends._cache.clear()
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("%gpu status now", "UsageError: %gpu status takes no options, got 'now'"),
+        ("%gpu release all", "UsageError: %gpu release takes no options, got 'all'"),
+        (
+            "%gpu --min-free 10G",
+            "UsageError: %gpu: unknown subcommand '--min-free'; expected one of "
+            "pick, status, release, panel, move (see %gpu?); "
+            "did you mean %gpu pick --min-free 10G?",
+        ),
+        (
+            "%gpu pick --min-free '10G",
+            'UsageError: %gpu: cannot read "pick --min-free \'10G": No closing quotation',
+        ),
+        (
+            "%%gpu --dry-run\nnever_set = 1",
+            "UsageError: %%gpu: --dry-run is for %gpu pick (a dry run would not run the cell)",
+        ),
+        (
+            "%%gpu --count x\nnever_set = 1",
+            "UsageError: invalid --count 'x': expected a whole number >= 1, e.g. 2",
+        ),
+    ],
+)
+def test_usage_errors_are_one_line(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], line: str, message: str
+) -> None:
+    shell.run_cell("%load_ext autogpu")
+    r, _, err = run(shell, line, capsys)
+    assert not r.success
+    assert err == message + "\n"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    assert "never_set" not in shell.user_ns
+
+
+def test_release_when_nothing_was_picked_and_bare_move(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shell.run_cell("%load_ext autogpu")
+    _, out, _ = run(shell, "%gpu release", capsys)
+    assert out == "autogpu: nothing to release (no GPU picked in this kernel)\n"
+    r, out, err = run(shell, "%gpu move", capsys)
+    assert not r.success and out == ""
+    assert err == (
+        "UsageError: %gpu move takes one target, got 'none'; expected a device (an NVML index "
+        "like 2, or a UUID) or --best, e.g. %gpu move --best\n"
+    )
+
+
+def test_cell_errors_propagate_after_the_report(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shell.run_cell("%load_ext autogpu")
+    r, out, _ = run(shell, "%%gpu\ny = 5\n1 / 0", capsys)
+    assert isinstance(r.error_in_exec, ZeroDivisionError)
+    assert shell.user_ns["y"] == 5
+    assert out.splitlines()[0].startswith("autogpu: picked GPU 0")
+    assert "autogpu %%gpu on GPU 0: wall " in out
+    assert out.count("Traceback (most recent call last)") == 1  # shown once, not twice
+    assert "ZeroDivisionError: division by zero (in the %%gpu cell; traceback above)" in out
+
+
+def test_cell_reports_peak_memory_of_this_process(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], fake_nvml: FakeNvml
+) -> None:
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    capsys.readouterr()
+    # the cell "allocates" 3 GiB on GPU 0 as this very process (the fake driver lists our PID)
+    shell.user_ns["fake"] = fake_nvml
+    shell.user_ns["me"] = os.getpid()
+    r, out, _ = run(
+        shell,
+        "%%gpu\nfake.set(0, processes=[{'pid': me, 'used_memory': 3 * 1024**3}], "
+        "memory_used=5 * 1024**3, utilization_pct=40)",
+        capsys,
+    )
+    assert r.success, out
+    assert out.splitlines()[-1].split(" · ")[1:] == [
+        "peak GPU memory of this kernel 3.0 GiB",
+        "mean utilisation 40% (1 sample)",
+    ]
