@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter.core.leases import Registry
+from tests.brokerhelpers import BrokerProc
 from tests.fakeamdsmi import FakeAmdSmi, amd_rocr_uuid, amd_uuid, fleet_amd_8x
 from tests.fakehip import INIT_SNIPPET, LOAD_SNIPPET, STATE_SNIPPET, build_fake_hip
 from tests.leasehelpers import Gate, child_env, finish_all, start_pickers
@@ -116,6 +117,31 @@ def test_32_simultaneous_pickers_on_4_amd_gpus_get_8_each(
     finally:
         finish_all(pickers)
     assert Registry(registry).list_leases() == []
+
+
+@pytest.mark.slow
+def test_16_pickers_through_the_broker_on_4_amd_gpus_get_4_each(
+    fake_amdsmi: FakeAmdSmi, amd_env: dict[str, str], tmp_path: Path
+) -> None:
+    fake_amdsmi.write(_four_idle())
+    (tmp_path / "broker" / "run").mkdir(parents=True)
+    broker = BrokerProc(tmp_path / "broker", env=dict(fake_amdsmi.env))
+    gate = Gate(tmp_path / "gate")
+    try:
+        pickers = start_pickers(
+            16, ["--broker", str(broker.socket), "--gate", str(gate.path), "--hold"], amd_env)
+        try:
+            gate.open()
+            results = [p.result() for p in pickers]
+            gate.close()
+            assert [r["event"] for r in results] == ["picked"] * 16, results
+            assert collections.Counter(r["uuid"] for r in results) == {
+                amd_uuid(i): 4 for i in range(4)}
+            assert len(broker.status()["leases"]) == 16
+        finally:
+            finish_all(pickers)
+    finally:
+        broker.stop()
 
 
 def state_after(code: str, env: dict[str, str]) -> dict[str, Any]:
