@@ -554,7 +554,7 @@ class GPUMagics(Magics):
     # -- release -------------------------------------------------------------------------
     def _release(self) -> None:
         from autogpu_jupyter.core import session
-        from autogpu_jupyter.core.cudastate import cuda_state
+        from autogpu_jupyter.core.cudastate import cuda_state, hip_state
 
         before = session.current()
         old = session.release()
@@ -577,10 +577,13 @@ class GPUMagics(Magics):
         restored = f"{var} is unset again" if cvd is None else f"{var} restored to {cvd!r}"
         lease = " and its lease" if old.lease is not None else ""
         print(f"autogpu: released {what}{lease}; {restored}")
+        runtime = "CUDA"
         state = cuda_state()
+        if not state.initialized:
+            runtime, state = "HIP (ROCm)", hip_state()
         if state.initialized:
             print(
-                f"  CUDA is already initialised in this kernel: it keeps using {what} until "
+                f"  {runtime} is already initialised in this kernel: it keeps using {what} until "
                 "you restart the kernel"
             )
 

@@ -129,5 +129,9 @@ def test_refuses_after_hip_initialised(tmp_path: Path) -> None:
             r.stderr)
         assert "nothing was changed" in r.stderr
         assert env_in(kernel) == picked(2)  # unchanged
+        r = kernel.run("%gpu release")
+        assert r.stdout.splitlines()[-1] == (
+            "  HIP (ROCm) is already initialised in this kernel: it keeps using GPU 2 until you "
+            "restart the kernel"), r
     finally:
         kernel.close()
