@@ -166,9 +166,11 @@ def test_make_lab_then_the_readme_cli_sees_the_notebooks_lease(
     kid = session["kernel"]["id"]
     kc = BlockingKernelClient(connection_file=str(runtime / f"kernel-{kid}.json"))
     kc.load_connection_file()
-    kc.start_channels()
+    # No heartbeat channel: wait_for_ready then waits for the kernel_info reply itself, instead
+    # of calling a kernel "dead" whose first heartbeat is late on a loaded machine.
+    kc.start_channels(hb=False)
     try:
-        _wait_for_ready(kc)
+        kc.wait_for_ready(timeout=60)
         out = _execute(kc, "%load_ext autogpu\n%gpu pick --min-free 10G\nimport os, shutil\n"
                            "print('which', shutil.which('autogpu'))\nprint('pid', os.getpid())")
         # what the server's children (kernels, JupyterLab's terminals) run as `autogpu`
@@ -226,20 +228,6 @@ def _in_a_terminal(url: str, token: str, command: str) -> str:
         return asyncio.run(talk())
     finally:
         _api_delete(url, token, f"terminals/{name}")
-
-
-def _wait_for_ready(kc: BlockingKernelClient, timeout_s: float = 90.0) -> None:
-    """``kc.wait_for_ready``, asked again while the kernel starts: with no kernel manager behind
-    the client, its heartbeat can call a kernel that does not listen yet dead (a loaded host)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            kc.wait_for_ready(timeout=30)
-            return
-        except RuntimeError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1)
 
 
 def _api_delete(url: str, token: str, path: str) -> None:
