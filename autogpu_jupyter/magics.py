@@ -38,6 +38,12 @@ __all__ = ["GPUMagics", "load_ipython_extension", "unload_ipython_extension"]
 log = logging.getLogger(__name__)
 
 SUBCOMMANDS = ("pick", "status", "release", "panel", "move")
+
+#: What ``%gpu panel`` says where no notebook front end draws widgets (a terminal IPython).
+PANEL_NEEDS_FRONTEND = (
+    "autogpu: %gpu panel is a live widget and needs a notebook (JupyterLab, Notebook 7, VS Code); "
+    "here, %gpu prints the same devices and holders as a table"
+)
 PICK_OPTIONS = ", ".join(
     [f"{o.flag} {o.metavar}" if o.metavar else o.flag for o in _options.PICK_OPTIONS]
     + ["--dry-run", "--force"]
@@ -589,6 +595,10 @@ class GPUMagics(Magics):
 
     # -- panel / move --------------------------------------------------------------------
     def _panel(self) -> None:
+        if not self._in_kernel():
+            # A terminal IPython draws no widgets: display() would print the Panel's repr.
+            print(PANEL_NEEDS_FRONTEND)
+            return
         from IPython.display import display
 
         from autogpu_jupyter import Panel
