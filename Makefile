@@ -24,7 +24,7 @@ test-fast: setup
 
 lint:
 	$(VENV)/bin/ruff check autogpu_jupyter autogpu tests benchmarks
-	$(VENV)/bin/mypy autogpu_jupyter/core
+	$(VENV)/bin/mypy autogpu_jupyter
 
 gpu-check: setup
 	@scripts/gpu-check.sh

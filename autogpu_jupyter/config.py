@@ -85,6 +85,17 @@ class AutoGPU(Configurable):
     max_devices_per_user = Int(
         0, help="Admin limit: the most devices one user may hold leases on at once (0: no limit)."
     ).tag(config=True)
+    max_leases_per_user = Int(
+        0,
+        help="Admin limit: the most leases one user may hold at once, shared or not (0: no "
+        "limit; env AUTOGPU_MAX_LEASES_PER_USER).",
+    ).tag(config=True)
+    max_tickets_per_user = Int(
+        2,
+        help="Admin limit: the most places in the waiting line (picks with --wait) one user may "
+        "hold at once (env AUTOGPU_MAX_TICKETS_PER_USER). A waiting ticket counts the devices "
+        "it waits for against max_devices_per_user.",
+    ).tag(config=True)
     registry_lock_timeout_s = Float(
         10.0,
         help="Seconds a pick waits for the registry lock held by another process. Past it, a "
@@ -183,6 +194,14 @@ class AutoGPU(Configurable):
     @default("max_devices_per_user")
     def _default_max_devices(self) -> int:
         return _int_env("MAX_DEVICES_PER_USER", 0)
+
+    @default("max_leases_per_user")
+    def _default_max_leases(self) -> int:
+        return _int_env("MAX_LEASES_PER_USER", 0)
+
+    @default("max_tickets_per_user")
+    def _default_max_tickets(self) -> int:
+        return _int_env("MAX_TICKETS_PER_USER", 2)
 
     @default("registry_lock_timeout_s")
     def _default_lock_timeout(self) -> float:

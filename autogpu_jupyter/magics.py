@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from IPython.core import magic_arguments as _magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import argument, construct_parser, magic_arguments
 from IPython.utils.text import dedent
 
 from autogpu_jupyter.config import AutoGPU
@@ -45,6 +45,11 @@ PICK_OPTIONS = ", ".join(
 
 
 # --------------------------------------------------------------------------- option parsing
+
+# IPython's magic_arguments helpers carry no annotations: typed once here (mypy checks the rest).
+magic_arguments: Callable[[], Callable[[Any], Any]] = _magic_arguments.magic_arguments
+argument: Callable[..., Callable[[Any], Any]] = _magic_arguments.argument
+construct_parser: Callable[[Any], argparse.ArgumentParser] = _magic_arguments.construct_parser
 
 
 @magic_arguments()
@@ -87,7 +92,8 @@ def _parse_pick(argv: Sequence[str], where: str = "%gpu pick") -> argparse.Names
 
 
 def _split(line: str) -> list[str]:
-    from IPython.utils.process import arg_split
+    # IPython re-exports arg_split per platform without listing it (hence the ignore).
+    from IPython.utils.process import arg_split  # type: ignore[attr-defined]
 
     try:
         # posix=True: quotes are removed, so --exclude "" is an empty value (rejected by name).
@@ -172,8 +178,10 @@ def format_pick(result: PickResult, warning: str | None = None) -> str:
         else "no runner-up (nothing else fits)"
     )
     if result.kept:
-        d = result.chosen[0] if result.chosen else None
-        where = _device_line(d, result.candidate(d.uuid)) if d is not None else "its device"
+        kept = result.chosen[0] if result.chosen else None
+        where = (
+            _device_line(kept, result.candidate(kept.uuid)) if kept is not None else "its device"
+        )
         return "\n".join(
             [
                 f"autogpu{sim}: kept {where}",
@@ -459,7 +467,7 @@ class GPUMagics(Magics):
         with _Progress(self._in_kernel()) as progress:
             try:
                 return api.pick_result(
-                    **_options.from_namespace(args),
+                    api.pick_options(self.settings, _options.from_namespace(args)),
                     dry_run=args.dry_run,
                     force=args.force,
                     settings=self.settings,
@@ -531,7 +539,8 @@ class GPUMagics(Magics):
 
             text = "\n".join([title, *to_text(columns, rows, width=120), mine])
             html = to_html(columns, rows, caption=f"{title} · {mine}", highlight=highlight)
-            display({"text/plain": text, "text/html": html}, raw=True)
+            show: Callable[..., None] = display  # IPython's display() carries no annotations
+            show({"text/plain": text, "text/html": html}, raw=True)
         else:
             import shutil
 
@@ -580,13 +589,14 @@ class GPUMagics(Magics):
 
         from autogpu_jupyter import Panel
 
-        display(Panel())
+        show: Callable[..., None] = display  # IPython's display() carries no annotations
+        show(Panel())
 
     def _move(self, argv: Sequence[str]) -> None:
         """``%gpu move [DEVICE|--best]``: ask the autogpu kernel provisioner to restart this
         kernel on another GPU (the target must fit now); the user then restarts the kernel."""
-        from autogpu_jupyter import api
         from autogpu_jupyter.core import moves
+        from autogpu_jupyter.core.leasing import store_for
 
         if len(argv) != 1:
             raise UsageError(
@@ -597,7 +607,7 @@ class GPUMagics(Magics):
         if target.startswith("-"):
             raise UsageError(f"%gpu move: unknown option {target!r}; expected a device or --best")
         try:
-            plan = moves.request_move_from_kernel(target, registry=api.registry_for(self.settings))
+            plan = moves.request_move_from_kernel(target, store=store_for(self.settings))
         except AutoGPUError as err:
             raise UsageError(_one_line(err)) from None
         print(plan.message)
@@ -623,7 +633,8 @@ class GPUMagics(Magics):
         t0 = time.perf_counter()
         try:
             assert self.shell is not None
-            res = self.shell.run_cell(cell, store_history=False)
+            run_cell: Callable[..., Any] = self.shell.run_cell  # untyped in IPython
+            res = run_cell(cell, store_history=False)
         finally:
             wall = time.perf_counter() - t0
             if sampler is not None:
@@ -681,7 +692,7 @@ class GPUMagics(Magics):
         lines = []
         if constraints.count > len(uuids):
             lines.append(f"  it has {len(uuids)} device(s), {constraints.count} asked for")
-        lines.extend(f"  {c.device.label}: {'; '.join(c.reasons)}" for c in failing)
+        lines.extend(f"  {why}" for why in failing)
         if not lines:
             return None
         return (
@@ -742,7 +753,8 @@ class _Progress:
             if self.handle is None:
                 # The handle exists before its first display, so an interrupt arriving during
                 # that display still finds it and can mark the line "cancelled".
-                self.handle = DisplayHandle()
+                make_handle: Callable[[], Any] = DisplayHandle  # untyped in IPython
+                self.handle = make_handle()
                 self.handle.display(data, raw=True)
             else:
                 self.handle.update(data, raw=True)
@@ -799,8 +811,8 @@ def _lease_events() -> None:
     """Tell the notebook what the lease broker said on this kernel's lease connection (a
     revoke), once, after the cell that was running."""
     from autogpu_jupyter.core import session
-    from autogpu_jupyter.core.brokerclient import lease_events
     from autogpu_jupyter.core.contract import LEASE_FD_ENV
+    from autogpu_jupyter.core.leasing.brokerclient import lease_events
 
     fds = []
     choice = session.current()

@@ -46,8 +46,7 @@ from autogpu_jupyter.errors import AutoGPUError
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.records import LeaseRecord
-    from autogpu_jupyter.core.registry import Registry
+    from autogpu_jupyter.core.leasing import LeaseRecord, LeaseStore
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ class MetricsSource:
     latest
         The sampler's latest sweep (``Sampler.latest``), ``None`` before the first one.
     registry
-        The lease registry (read without lock), or ``None`` when leases are off.
+        The lease store (read without lock), or ``None`` when leases are off.
     hostname
         The ``hostname`` label (default: this host's short name, as DCGM exporter's ``Hostname``).
     lease_details
@@ -75,7 +74,7 @@ class MetricsSource:
     """
 
     latest: Callable[[], FleetSnapshot | None]
-    registry: Callable[[], Registry | None]
+    registry: Callable[[], LeaseStore | None]
     hostname: str = ""
     lease_details: bool = False
 

@@ -82,7 +82,9 @@ def main() -> int:
     from autogpu_jupyter.core import session
 
     def ours() -> object:
-        return api.pick_result(min_free=MIN_FREE, max_util=MAX_UTIL, dry_run=False)
+        values = {"min_free": MIN_FREE, "max_util": MAX_UTIL}
+        opts = api.pick_options(api.default_settings(), values)
+        return api.pick_result(opts, dry_run=False)
 
     def theirs() -> object:
         return nvitop.select_devices(

@@ -168,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from autogpu_jupyter.core import picker
-    from autogpu_jupyter.core.leases import Registry
+    from autogpu_jupyter.core.leasing import Registry
+    from autogpu_jupyter.core.options import PickOptions
     from autogpu_jupyter.core.policy import Constraints
     from autogpu_jupyter.errors import AutoGPUError
 
@@ -177,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = sys.stdout
     registry: Any
     if a.broker:
-        from autogpu_jupyter.core.brokerclient import BrokerRegistry
+        from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
 
         registry = BrokerRegistry(a.broker, lock_timeout_s=60.0)
     else:
@@ -198,10 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         result = picker.pick(
-            constraints,
-            registry=registry,
-            holder=picker.Holder(kernel_id=a.kernel_id, kind="kernel" if a.kernel_id else "cli"),
-            wait_s=a.wait,
+            PickOptions(constraints, a.wait),
+            store=registry,
+            requester=picker.Requester(
+                kernel_id=a.kernel_id, kind="kernel" if a.kernel_id else "cli"
+            ),
             on_progress=progress,
         )
     except AutoGPUError as err:

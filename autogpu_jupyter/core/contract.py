@@ -77,12 +77,12 @@ class KernelContract:
             options = {}
         return cls(
             provisioned=env.get(PROVISIONED_ENV) == "1",
-            picked=tuple(u for u in env.get(PICKED_ENV, "").split(",") if u.strip()),
+            picked=tuple(u.strip() for u in env.get(PICKED_ENV, "").split(",") if u.strip()),
             lease_id=env.get(LEASE_ENV) or None,
             note=(env.get(NOTE_ENV) or "").strip() or None,
             options=options if isinstance(options, dict) else {},
             grant_cvd=env.get(GRANT_ENV),
-            move_file=env.get(MOVE_FILE_ENV) or None,
+            move_file=(env.get(MOVE_FILE_ENV) or "").strip() or None,
         )
 
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.core.contract import ProvisionerState
+from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.errors import (
@@ -561,8 +562,8 @@ def select_answer(
         registry = registry.hiding(kernel_id=ignore_kernel_id)
     try:
         result = pick(
-            constraints, backend=backend, registry=registry, dry_run=True, smoothed_util=smoothed,
-            environ=environ,
+            PickOptions(constraints), backend=backend, store=registry, dry_run=True,
+            smoothed_util=smoothed, environ=environ,
         )
     except NoDeviceFitsError as err:
         candidates = err.candidates if isinstance(err.candidates, tuple) else ()

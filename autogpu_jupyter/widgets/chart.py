@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+    from autogpu_jupyter.core.leasing.records import LeaseRecord
     from autogpu_jupyter.core.overload import Overload
-    from autogpu_jupyter.core.records import LeaseRecord
     from autogpu_jupyter.core.sampler import DeviceSeries
 
 __all__ = [

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.brokerclient import BrokerRegistry
+from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
 from tests.brokerhelpers import Area, BrokerProc, raw_call
 from tests.leasehelpers import AsUser, as_user, ensure_user, shared_area, uuid_of
 
@@ -337,7 +337,7 @@ def test_root_revokes_a_lease_and_other_users_cannot(
 
 
 def _hold_and_listen(path: str) -> Any:
-    from autogpu_jupyter.core.brokerclient import BrokerRegistry
+    from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
 
     reg = BrokerRegistry(path)
     with reg.locked() as txn:

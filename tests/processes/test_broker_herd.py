@@ -134,7 +134,7 @@ def test_socket_activation_the_broker_serves_the_inherited_socket(
     import subprocess
     import sys
 
-    from autogpu_jupyter.core.brokerclient import BrokerRegistry
+    from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
     from tests.brokerhelpers import REPO
 
     fleet_source.write(fleet(2))

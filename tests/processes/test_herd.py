@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.leasing import Registry
 from tests.fakenvml import FakeNvml
 from tests.leasehelpers import (
     FleetEnv,

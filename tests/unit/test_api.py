@@ -11,7 +11,7 @@ import pytest
 
 import autogpu_jupyter as ag
 from autogpu_jupyter.core import session
-from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.leasing import Registry
 from autogpu_jupyter.errors import NoDeviceFitsError, UsageErrorBase
 from tests.fakenvml import FakeNvml, fleet_4x, fleet_mig
 

@@ -12,7 +12,7 @@ from autogpu_jupyter.core import options
 from autogpu_jupyter.core.contract import KernelContract, ProvisionerState
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
 from autogpu_jupyter.core.holders import Holder, holders_by_device, holders_text
-from autogpu_jupyter.core.records import LeaseRecord
+from autogpu_jupyter.core.leasing.records import LeaseRecord
 from autogpu_jupyter.core.text import redact_command, terminal_safe
 from autogpu_jupyter.errors import UsageErrorBase
 

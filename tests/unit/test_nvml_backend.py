@@ -811,7 +811,8 @@ def test_nvml_init_failures_are_one_clear_error(
 def test_process_owner_and_command_line(
     sleeper: subprocess.Popen[bytes], tmp_path: Path
 ) -> None:
-    from autogpu_jupyter.core.backends.nvml import _proc_command, _proc_user
+    from autogpu_jupyter.core.backends.nvml import _proc_user
+    from autogpu_jupyter.core.procfs import command_of as _proc_command
 
     assert (_proc_user(sleeper.pid), _proc_command(sleeper.pid)) == (ME, "sleep 60")
     assert (_proc_user(4_000_003), _proc_command(4_000_003)) == (None, None)
@@ -828,7 +829,7 @@ def test_process_owner_and_command_line(
 
 
 def test_a_command_line_that_is_not_utf8() -> None:
-    from autogpu_jupyter.core.backends.nvml import _proc_command
+    from autogpu_jupyter.core.procfs import command_of as _proc_command
 
     argv = [b"sh", b"-c", b"sleep 60; :", b"caf\xe9 X"]
     proc = subprocess.Popen(argv)

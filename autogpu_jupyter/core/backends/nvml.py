@@ -36,6 +36,7 @@ import warnings
 from types import ModuleType
 from typing import Any
 
+from autogpu_jupyter.core import procfs
 from autogpu_jupyter.core.devices import (
     COMPUTE_MODES,
     DeviceSnapshot,
@@ -185,9 +186,8 @@ _uid_names: dict[int, str] = {}
 
 
 def _proc_user(pid: int) -> str | None:
-    try:
-        uid = os.stat(f"/proc/{pid}").st_uid
-    except OSError:
+    uid = procfs.owner_uid(pid)
+    if uid is None:
         return None
     name = _uid_names.get(uid)
     if name is None:
@@ -197,16 +197,6 @@ def _proc_user(pid: int) -> str | None:
             name = str(uid)
         _uid_names[uid] = name
     return name
-
-
-def _proc_command(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            raw = fh.read()
-    except OSError:
-        return None
-    text = raw.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
-    return text or None
 
 
 class NvmlBackend:
@@ -514,7 +504,7 @@ class NvmlBackend:
             used = int(entry.usedGpuMemory)
             out.append(ProcessSnapshot(
                 pid=pid, used_memory_bytes=None if used == _NOT_AVAILABLE else used,
-                user=_proc_user(pid), command=_proc_command(pid),
+                user=_proc_user(pid), command=procfs.command_of(pid),
             ))
         return tuple(out)
 
