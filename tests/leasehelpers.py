@@ -3,7 +3,7 @@
 Run as a script, this is one real picker process (what a kernel does when it runs ``%gpu pick``)::
 
     python tests/leasehelpers.py --registry DIR | --broker SOCKET [--gate FILE] [--exclusive]
-        [--min-free 10G] [--wait 30] [--poll 0.5] [--hold]
+        [--min-free 10G] [--wait 30] [--poll 0.5] [--hold] [--kernel-id ID] [--max-tickets N]
 
 It prints one JSON line per event on stdout: ``{"event": "ready"}`` once imported (then it
 blocks on the gate, a shared ``flock`` the test holds exclusively: releasing it lets every
@@ -165,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--poll", type=float)
     ap.add_argument("--hold", action="store_true")
     ap.add_argument("--kernel-id")
+    ap.add_argument("--max-tickets", type=int, default=2, help="the registry's tickets per user")
     a = ap.parse_args(argv)
 
     from autogpu_jupyter.core import picker
@@ -182,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         registry = BrokerRegistry(a.broker, lock_timeout_s=60.0)
     else:
-        registry = Registry(a.registry)
+        registry = Registry(a.registry, max_tickets_per_user=a.max_tickets)
     constraints = Constraints.parse(min_free=a.min_free, exclusive=a.exclusive)
     _emit(out, event="ready", pid=os.getpid())
     if a.gate:

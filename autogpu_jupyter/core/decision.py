@@ -266,19 +266,12 @@ def reserve_for_waiters(
                 booked_bytes=b.booked_bytes + (need or 0),
                 exclusive=b.exclusive or cons.exclusive,
                 holders=(*b.holders, f"{t.user}: waiting (ticket {t.seq})"),
-                exclusive_by=(*_exclusive_causes(b), f"reserved for {waiting}")
+                exclusive_by=(*b.exclusive_by, f"reserved for {waiting}")
                 if cons.exclusive
                 else b.exclusive_by,
                 waiting=(*b.waiting, waiting),
             )
     return out
-
-
-def _exclusive_causes(b: Booking) -> tuple[str, ...]:
-    """Why ``b`` is exclusive already: its phrases, or a lease's when it does not say."""
-    if b.exclusive and not b.exclusive_by:
-        return (admission.EXCLUSIVE_LEASE,)
-    return b.exclusive_by
 
 
 def describe_load(candidate: Candidate, short: bool = False) -> str:

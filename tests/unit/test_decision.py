@@ -248,6 +248,16 @@ def test_waiters_are_served_in_turn_and_exclusive_is_booked() -> None:
     )
 
 
+def test_an_admins_reservation_is_worded_as_one_in_the_bookings() -> None:
+    from autogpu_jupyter.core.leasing.admission import reservation
+
+    leases = [reservation("GPU-0", ["ml"], "h"), lease(("GPU-0",), (None,), exclusive=True),
+              lease(("GPU-0",), (None,), pid=2, exclusive=True)]
+    assert bookings_for([dev(0)], leases)["GPU-0"].exclusive_by == (
+        "reserved for group(s) ml by the admin", "held exclusively by another lease"
+    )
+
+
 def test_a_waiter_limited_to_allowed_devices_or_their_mig_parent() -> None:
     devices = [
         dev(0, util=0.0),

@@ -805,6 +805,27 @@ def test_a_transaction_reads_the_registry_once(reg: Registry) -> None:
     assert [r.path for r in reg.scan().dead] == [str(late)]
 
 
+def test_a_ticket_past_the_admission_rules_is_refused_and_nothing_written(reg: Registry) -> None:
+    reg.max_devices_per_user = 2
+    first = reg.take_ticket(constraints={**CONSTRAINTS, "count": 1})
+    second = reg.take_ticket(constraints={**CONSTRAINTS, "count": 1})
+    assert first is not None and second is not None
+    try:
+        with pytest.raises(LeaseLimitError, match="max_tickets_per_user = 2"):
+            reg.take_ticket(constraints=CONSTRAINTS)
+        second.release()
+        with pytest.raises(LeaseLimitError, match="waits in line for 1 more; waiting for 2"):
+            reg.take_ticket(constraints={**CONSTRAINTS, "count": 2})
+        assert [r.lease_id for r in reg.list_leases(include_tickets=True)] == [
+            first.record.lease_id
+        ]
+        assert sorted(os.listdir(Path(reg.path) / str(ME))) == [
+            first.record.lease_id + ".ticket"
+        ]
+    finally:
+        first.release()
+
+
 def test_tickets_line_up_by_arrival_and_a_new_one_goes_last(reg: Registry) -> None:
     reg.max_tickets_per_user = 5  # the four planted tickets are ours too
     ids = {}

@@ -57,10 +57,12 @@ __all__ = [
     "admit_ticket",
     "exclusive_phrase",
     "in_line",
+    "requested_count",
     "is_reservation",
     "line_key",
     "reservation",
     "reserved_away",
+    "ticket_count",
     "ticket_text",
 ]
 
@@ -131,7 +133,10 @@ def requested_count(constraints: Mapping[str, Any]) -> int:
 def ticket_text(rec: LeaseRecord) -> str:
     """A waiting ticket in words: ``rt3b's waiting ticket (4 GPUs, since 12:01)``."""
     n = ticket_count(rec)
-    since = time.strftime("%H:%M", time.localtime(rec.created_s))
+    try:
+        since = time.strftime("%H:%M", time.localtime(rec.created_s))
+    except (OverflowError, OSError, ValueError):  # another user's record: any finite number
+        since = "?"
     return f"{rec.user}'s waiting ticket ({n} GPU{'' if n == 1 else 's'}, since {since})"
 
 
