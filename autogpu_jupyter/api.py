@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from autogpu_jupyter.config import AutoGPU
+from autogpu_jupyter.config import AutoGPU, default_settings
 from autogpu_jupyter.core import decision, options, session
 from autogpu_jupyter.core.backends import get_backend
 from autogpu_jupyter.core.holders import holders_by_device
@@ -75,8 +75,8 @@ def requester_for_this_process(kind: str = "api") -> Requester:
 
 def _running_sampler() -> Any:
     """The process's sampler if one runs (never starts one: a pick must not start a thread)."""
-    # The sampler module imports numpy (~30 ms): only when a sampler may run, not at import.
-    from autogpu_jupyter.core import sampler as _sampler
+    # The sampler module imports numpy: only when a sampler may run, not at import.
+    from autogpu_jupyter.core import sampler as _sampler  # noqa: PLC0415
 
     s = _sampler.current_sampler()
     return s if s is not None and s.running else None
@@ -85,22 +85,6 @@ def _running_sampler() -> Any:
 def _smoothed_util() -> dict[str, float | None] | None:
     s = _running_sampler()
     return None if s is None else s.smoothed_util(30.0)
-
-
-# The settings the magics registered with the shell (so that ``%config AutoGPU.x = ...`` also
-# reaches the Python API in that kernel); ``None`` outside IPython: a fresh ``AutoGPU()``.
-_default_settings: AutoGPU | None = None
-
-
-def set_default_settings(settings: AutoGPU | None) -> None:
-    """Make ``settings`` what API calls without explicit settings use (the magics call this)."""
-    global _default_settings
-    _default_settings = settings
-
-
-def default_settings() -> AutoGPU:
-    """The shell's ``AutoGPU`` when the extension is loaded, else a fresh one (env defaults)."""
-    return _default_settings if _default_settings is not None else AutoGPU()
 
 
 def pick_options(settings: AutoGPU, values: Mapping[str, Any]) -> PickOptions:
@@ -381,7 +365,7 @@ def status_frame(
     own_pids: Sequence[int] = (),
 ) -> pd.DataFrame:
     """The status table (pure): one row per device; ``own_pids`` are "this kernel"."""
-    import pandas as pd
+    import pandas as pd  # noqa: PLC0415 (pandas: only when a table is asked for)
 
     mine = set(choice.uuids) if choice else set()
     records = [getattr(lease, "record", lease) for lease in leases]

@@ -39,11 +39,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import json
 import logging
 import os
 import pwd
 import secrets
+import signal
 import socket
 import stat
 import struct
@@ -169,8 +171,6 @@ def _count(v: Any) -> int:
 
 def _groups_of(uid: int, gid: int) -> set[str]:
     """Names of the groups of ``uid`` (its primary ``gid`` and supplementary groups)."""
-    import grp
-
     gids = {gid}
     with contextlib.suppress(KeyError, OSError):
         gids.update(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
@@ -903,8 +903,6 @@ async def serve(config: BrokerConfig, ready: Any = None) -> None:
         ready()
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
-    import signal
-
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: None if stop.done() else stop.set_result(None))
     try:

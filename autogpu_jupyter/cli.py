@@ -488,9 +488,9 @@ def _safe(text: str) -> str:
 def _cmd_exporter(args: argparse.Namespace) -> int:
     # prometheus_client and the collector: only the exporter needs them (the other commands
     # start faster without).
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry, start_http_server  # noqa: PLC0415
 
-    from autogpu_jupyter.metrics import AutoGPUCollector, MetricsSource
+    from autogpu_jupyter.metrics import AutoGPUCollector, MetricsSource  # noqa: PLC0415
 
     if not 0 < args.port < 65536:
         raise UsageErrorBase(f"invalid --port {args.port}: expected 1-65535, e.g. 9445")
@@ -532,8 +532,9 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     settings = _settings()
     path = _broker_socket(args, settings)
     if args.action == "serve":
-        # The one place that may: `autogpu broker` is how the daemon is started (by systemd too).
-        from autogpu_jupyter import broker  # noqa: TID251
+        # The one place that may: `autogpu broker` is how the daemon is started (by systemd too);
+        # the daemon's asyncio server is loaded by that command only.
+        from autogpu_jupyter import broker  # noqa: TID251, PLC0415
 
         limit = args.max_devices_per_user
         config = broker.BrokerConfig(

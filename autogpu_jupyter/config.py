@@ -12,7 +12,7 @@ from typing import Any
 from traitlets import Bool, Float, Int, Unicode, default
 from traitlets.config import Configurable
 
-__all__ = ["AutoGPU", "default_registry_dir"]
+__all__ = ["AutoGPU", "default_registry_dir", "default_settings", "set_default_settings"]
 
 
 def default_registry_dir() -> str:
@@ -249,3 +249,19 @@ def _int_env(name: str, fallback: int) -> int:
 def settings(**overrides: Any) -> AutoGPU:
     """An :class:`AutoGPU` with the current env defaults and ``overrides`` applied (for scripts)."""
     return AutoGPU(**overrides)
+
+
+# The settings the magics registered with the shell (so that ``%config AutoGPU.x = ...`` also
+# reaches the Python API in that kernel); ``None`` outside IPython: a fresh ``AutoGPU()``.
+_default_settings: AutoGPU | None = None
+
+
+def set_default_settings(settings: AutoGPU | None) -> None:
+    """Make ``settings`` what API calls without explicit settings use (the magics call this)."""
+    global _default_settings
+    _default_settings = settings
+
+
+def default_settings() -> AutoGPU:
+    """The shell's ``AutoGPU`` when the extension is loaded, else a fresh one (env defaults)."""
+    return _default_settings if _default_settings is not None else AutoGPU()

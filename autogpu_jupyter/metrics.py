@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -236,8 +237,6 @@ def install(source: MetricsSource, registry: Any = None) -> AutoGPUCollector:
     """Register (once per process) the collector on ``registry`` (default: the global
     ``prometheus_client.REGISTRY``) reading from ``source``; returns it."""
     global _installed
-    from prometheus_client import REGISTRY
-
     target = REGISTRY if registry is None else registry
     with _install_lock:
         if _installed is None:
@@ -252,8 +251,6 @@ def install(source: MetricsSource, registry: Any = None) -> AutoGPUCollector:
 def uninstall(registry: Any = None) -> None:
     """Unregister the process's collector (no error when none is registered)."""
     global _installed
-    from prometheus_client import REGISTRY
-
     target = REGISTRY if registry is None else registry
     with _install_lock:
         if _installed is not None:

@@ -135,7 +135,7 @@ class FleetSnapshot:
 
     def to_dataframe(self) -> pd.DataFrame:
         """One row per device, indexed by UUID; process lists summarised as counts."""
-        import pandas as pd
+        import pandas as pd  # noqa: PLC0415 (pandas: only for a frame)
 
         rows = []
         for dev in self.devices:

@@ -452,7 +452,7 @@ class Sampler:
             ``available`` is 1.0, or 0.0 for a lost device). Use ``pivot`` for a wide table.
             Sorted by time, then in device order.
         """
-        import pandas as pd
+        import pandas as pd  # noqa: PLC0415 (pandas: only for a frame)
 
         samples = self._window(since_s)
         with self._lock:

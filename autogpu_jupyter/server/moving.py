@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from autogpu_jupyter.core import moves
 from autogpu_jupyter.core.contract import ProvisionerState
 from autogpu_jupyter.errors import UsageErrorBase
+from autogpu_jupyter.server.payloads import parse_json_object, short_repr
 
 if TYPE_CHECKING:
     from autogpu_jupyter.server.state import AutoGPUServer
@@ -59,8 +60,6 @@ def parse_move_body(body: bytes) -> MoveBody:
         Not JSON, not an object, an unknown key, or a missing / malformed ``target``; the message
         names the bad value and the accepted forms.
     """
-    from autogpu_jupyter.server.payloads import parse_json_object, short_repr
-
     data = parse_json_object(body, _EXAMPLE)
     unknown = sorted(set(data) - set(_ACCEPTED))
     if unknown:

@@ -50,11 +50,14 @@ def get_backend(simulate: str | None = None) -> Backend:
         backend = _cache.get(key)
         if backend is None:
             if simulate:
-                from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+                # The backend in use only (a vendor's module may load its library).
+                from autogpu_jupyter.core.backends.simulated import (  # noqa: PLC0415
+                    SimulatedBackend,
+                )
 
                 backend = SimulatedBackend(simulate)
             else:
-                from autogpu_jupyter.core.backends.nvml import NvmlBackend
+                from autogpu_jupyter.core.backends.nvml import NvmlBackend  # noqa: PLC0415
 
                 backend = NvmlBackend()
             _cache[key] = backend

@@ -129,7 +129,7 @@ def _init() -> Any:
         if _state.module is not None:
             return _state.module
         try:
-            import pynvml
+            import pynvml  # noqa: PLC0415 (the binding loads the driver: on the first snapshot)
         except ImportError as err:
             raise NVMLUnavailableError(
                 f"cannot import pynvml ({err}); install nvidia-ml-py: pip install nvidia-ml-py"
