@@ -247,7 +247,6 @@ class Broker:
         self.waiting: deque[Conn] = deque()
         self.last_grant: dict[int, float] = {}
         self.started = time.time()
-        self.served = 0
         self._journal_dirty = False
         #: Set on SIGTERM once the last journal is written: connections closed by the shutdown
         #: must not erase it (their holders still run and are taken back by the next broker).
@@ -477,7 +476,6 @@ class Broker:
         self._end_replaced(replaced)
         conn.record = rec
         conn.holder_pids = _proc_ids(conn.pid)
-        self.served += 1
         self._journal()
         self._drop_lock(conn)
         return {"ok": True, "record": rec._payload()}

@@ -31,6 +31,7 @@ from IPython.utils.text import dedent
 from autogpu_jupyter.config import AutoGPU, set_default_settings
 from autogpu_jupyter.core import options as _options
 from autogpu_jupyter.core import session
+from autogpu_jupyter.core.backends import SIMULATE_ENV
 from autogpu_jupyter.core.contract import LEASE_FD_ENV, PROVISIONED_ENV, KernelContract
 from autogpu_jupyter.core.cudastate import cuda_state
 from autogpu_jupyter.core.tables import Column, to_html, to_text, visible
@@ -506,7 +507,7 @@ class GPUMagics(Magics):
         title = "GPUs on this host"
         if simulated:
             title += (
-                f" — SIMULATED fleet (AUTOGPU_SIMULATE={os.environ.get('AUTOGPU_SIMULATE', '')})"
+                f" — SIMULATED fleet ({SIMULATE_ENV}={os.environ.get(SIMULATE_ENV, '')})"
             )
         choice = session.current()
         if choice is None:
