@@ -329,7 +329,7 @@ def _ranking(result: PickResult) -> list[str]:
 
 def _cmd_pick(args: argparse.Namespace) -> int:
     result = _pick(args, take_lease=False)
-    env = visible_env([d.uuid for d in result.chosen])
+    env = visible_env([d.uuid for d in result.chosen], result.snapshot.devices)
     if args.dry_run and not (args.export or args.json):
         print("\n".join(_ranking(result)))
         return EXIT_OK

@@ -13,6 +13,7 @@ replacement.
 from __future__ import annotations
 
 import os
+import pwd
 
 __all__ = [
     "PROC",
@@ -22,6 +23,7 @@ __all__ = [
     "ppid",
     "start_time",
     "uids",
+    "user_of",
 ]
 
 PROC = "/proc"
@@ -75,6 +77,25 @@ def owner_uid(pid: int, proc: str = PROC) -> int | None:
         return os.stat(os.path.join(proc, str(pid))).st_uid
     except OSError:
         return None
+
+
+_user_names: dict[int, str] = {}
+
+
+def user_of(pid: int, proc: str = PROC) -> str | None:
+    """The name of the user who owns ``pid`` (its uid where it has no passwd entry, as in a
+    container); ``None`` when the process is gone. Names are looked up once per uid."""
+    uid = owner_uid(pid, proc)
+    if uid is None:
+        return None
+    name = _user_names.get(uid)
+    if name is None:
+        try:
+            name = pwd.getpwuid(uid).pw_name
+        except KeyError:  # a uid without a passwd entry (containers): show the number
+            name = str(uid)
+        _user_names[uid] = name
+    return name
 
 
 def command_of(pid: int, proc: str = PROC) -> str | None:

@@ -29,7 +29,6 @@ import contextlib
 import ctypes
 import logging
 import os
-import pwd
 import threading
 import time
 import warnings
@@ -180,23 +179,6 @@ def _device_error(nv: ModuleType, err: Exception) -> str:
     if isinstance(err, nv.NVMLError_NoPermission):
         return "no permission"
     return f"NVML error: {err}"
-
-
-_uid_names: dict[int, str] = {}
-
-
-def _proc_user(pid: int) -> str | None:
-    uid = procfs.owner_uid(pid)
-    if uid is None:
-        return None
-    name = _uid_names.get(uid)
-    if name is None:
-        try:
-            name = pwd.getpwuid(uid).pw_name
-        except KeyError:  # a uid without a passwd entry (containers): show the number
-            name = str(uid)
-        _uid_names[uid] = name
-    return name
 
 
 class NvmlBackend:
@@ -504,7 +486,7 @@ class NvmlBackend:
             used = int(entry.usedGpuMemory)
             out.append(ProcessSnapshot(
                 pid=pid, used_memory_bytes=None if used == _NOT_AVAILABLE else used,
-                user=_proc_user(pid), command=procfs.command_of(pid),
+                user=procfs.user_of(pid), command=procfs.command_of(pid),
             ))
         return tuple(out)
 
