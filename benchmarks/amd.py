@@ -10,9 +10,9 @@ Each vendor runs in its own interpreter, through its real binding over its fake 
 
 with six GPUs holding a process each (a real ``sleep``, so the ``/proc`` lookups are real).
 Timed after init and a warm-up: a full snapshot (``backend.snapshot()``, one backend reused, as
-the sampler does) and a pick (``api.pick_result`` of ``--min-free 10G --max-util 50``, lease on a fresh
-registry, then released). The rounds alternate the vendors so that load on the machine hits both
-alike. The fakes answer in well under a microsecond, so this measures the Python side (the
+the sampler does) and a pick (``api.pick_result`` of ``--min-free 10G --max-util 50``, lease on a
+fresh registry, then released). The rounds alternate the vendors so that load on the machine hits
+both alike. The fakes answer in well under a microsecond, so this measures the Python side (the
 bindings' own wrappers included) and reports each library's calls per snapshot: on real drivers
 every call costs more. Results in docs/benchmarks.md, as ratios AMD / NVIDIA.
 """
