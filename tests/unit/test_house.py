@@ -1,4 +1,4 @@
-"""The house drawing of autogpu_jupyter (docs/design.md, "Layers"), read from the source with
+"""The house drawing of autogpu_jupyter (docs/design.md, "The house"), read from the source with
 ``ast``: every import (top-level, function-local and ``TYPE_CHECKING`` alike) is an arrow, no
 arrow closes a circle, and none runs up the layers.
 
