@@ -12,8 +12,8 @@ import pulled in the heavy modules that must stay lazy (pandas, ipywidgets, pynv
 tornado). Goal: none of them imported, and under 30 ms over a bare interpreter.
 ``%load_ext autogpu`` is measured the same way (a fresh process that creates an
 ``InteractiveShell`` and loads the extension, against one that only creates the shell); its
-goal: no heavy module beyond IPython's own, and no lease store (``core.leasing``) or pick
-machinery imported until a magic runs.
+goal: no heavy module beyond IPython's own, and no lease store (``core.leasing``'s directory or
+broker client) or pick machinery imported until a magic runs.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ COMMANDS = {
     "%load_ext autogpu": f"{_SHELL}; s.run_line_magic('load_ext', 'autogpu')",
 }
 #: Modules a ``%load_ext autogpu`` must not import (they come with the first pick or panel).
-LAZY_AT_LOAD = ("pandas", "ipywidgets", "pynvml", "numpy", "autogpu_jupyter.core.leasing",
-                "autogpu_jupyter.core.picker", "autogpu_jupyter.api")
+LAZY_AT_LOAD = ("pandas", "ipywidgets", "pynvml", "numpy", "autogpu_jupyter.core.leasing.directory",
+                "autogpu_jupyter.core.leasing.brokerclient", "autogpu_jupyter.core.picker",
+                "autogpu_jupyter.api")
 
 
 def _run(code: str) -> float:

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from autogpu_jupyter.core.leasing.admission import EXCLUSIVE_LEASE
 from autogpu_jupyter.core.units import Size, format_bytes, parse_percent, parse_size
 from autogpu_jupyter.errors import UsageErrorBase
 
@@ -408,7 +409,7 @@ def _check_leases(v: _Verdict, constraints: Constraints, booking: Booking) -> No
             f"it is reserved for {w}" for w in booking.waiting
         )]))
     elif booking.exclusive:
-        v.drop("; ".join(booking.exclusive_by) or "held exclusively by another lease")
+        v.drop("; ".join(booking.exclusive_by) or EXCLUSIVE_LEASE)
     if booking.lease_count and v.ok:
         v.note(f"{booking.lease_count} live lease(s)")
 

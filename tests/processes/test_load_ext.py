@@ -1,5 +1,6 @@
 """What ``%load_ext autogpu`` loads, in a fresh process: the magics and the settings, not the
-pick machinery, the lease stores or numpy/pandas (those come with the first magic that needs
+pick machinery, the lease stores (the port's records and admission phrases may come, with the
+ranking's words) or numpy/pandas (those come with the first magic that needs
 them; benchmarks/import_time.py measures the cost)."""
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import sys
 
 from tests.brokerhelpers import REPO
 
-LAZY = ("autogpu_jupyter.api", "autogpu_jupyter.core.picker", "autogpu_jupyter.core.leasing",
-        "autogpu_jupyter.core.decision", "numpy", "pandas", "ipywidgets", "pynvml")
+LAZY = ("autogpu_jupyter.api", "autogpu_jupyter.core.picker", "autogpu_jupyter.core.decision",
+        "autogpu_jupyter.core.leasing.directory", "autogpu_jupyter.core.leasing.brokerclient",
+        "autogpu_jupyter.core.leasing.factory", "numpy", "pandas", "ipywidgets", "pynvml")
 
 
 def _loaded_after(code: str) -> dict[str, bool]:
@@ -39,5 +41,5 @@ def test_the_first_pick_brings_them() -> None:
                            "os.environ['AUTOGPU_USE_LEASES'] = '0'\n"
                            "shell.run_line_magic('load_ext', 'autogpu')\n"
                            "shell.run_line_magic('gpu', 'pick --dry-run')")
-    assert loaded["autogpu_jupyter.api"] and loaded["autogpu_jupyter.core.leasing"]
+    assert loaded["autogpu_jupyter.api"] and loaded["autogpu_jupyter.core.leasing.factory"]
     assert not loaded["ipywidgets"]
