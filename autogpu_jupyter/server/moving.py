@@ -113,7 +113,7 @@ def plan_or_request(
         "current_uuids": tuple(provisioner.autogpu_picked or ()),
         "constraints": provisioner.autogpu_constraints,
         "kernel_id": kernel_id,
-        "registry": registry,
+        "store": registry,
         "source": "server",
         "smoothed_util": None if sampler is None else sampler.smoothed_util(
             state.smoothing_window_s
