@@ -32,7 +32,7 @@ from autogpu_jupyter.config import AutoGPU, set_default_settings
 from autogpu_jupyter.core import options as _options
 from autogpu_jupyter.core import session
 from autogpu_jupyter.core.backends import SIMULATE_ENV
-from autogpu_jupyter.core.contract import LEASE_FD_ENV, PROVISIONED_ENV, KernelContract
+from autogpu_jupyter.core.contract import KernelContract
 from autogpu_jupyter.core.cudastate import cuda_state, hip_state
 from autogpu_jupyter.core.tables import Column, to_html, to_text, visible
 from autogpu_jupyter.core.text import terminal_safe
@@ -808,9 +808,9 @@ def _lease_events() -> None:
     lease = getattr(choice, "lease", None)
     if lease is not None and getattr(lease, "held", False):
         fds.append(lease.fileno())
-    inherited = os.environ.get(LEASE_FD_ENV, "")
-    if inherited.isascii() and inherited.isdecimal():
-        fds.append(int(inherited))
+    inherited = KernelContract.read().lease_fd
+    if inherited is not None:
+        fds.append(inherited)
     if not fds:
         return
     # The lease stores come with a lease: never for a kernel that holds none.
@@ -861,7 +861,7 @@ def load_ipython_extension(ipython: Any) -> None:
     _loaded[id(ipython)] = _Loaded(magics, settings, _overload_hook)
     set_default_settings(settings)
 
-    if os.environ.get(PROVISIONED_ENV) == "1":
+    if KernelContract.read().provisioned:
         # numpy comes with the overload notice: only in a kernel the autogpu kernelspec started.
         from autogpu_jupyter.core.overload import set_move_hint  # noqa: PLC0415
 
