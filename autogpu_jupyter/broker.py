@@ -56,7 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from autogpu_jupyter.core import decision, options
+from autogpu_jupyter.core import decision, options, procfs
 from autogpu_jupyter.core.backends import get_backend
 from autogpu_jupyter.core.leasing import admission
 from autogpu_jupyter.core.leasing.brokerclient import DEFAULT_SOCKET
@@ -190,25 +190,13 @@ def _user_name(uid: int) -> str:
         return str(uid)
 
 
-def _start_time(pid: int) -> int | None:
-    """The start time (clock ticks after boot) of ``pid``, or ``None`` if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return int(data[data.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+#: When ``pid`` started (clock ticks after boot): with the pid, one process (core.procfs).
+_start_time = procfs.start_time
 
 
 def _pid_uids(pid: int) -> set[int]:
-    try:
-        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("Uid:"):
-                    return {int(x) for x in line.split()[1:]}
-    except (OSError, ValueError):
-        pass
-    return set()
+    """The uids of ``pid`` (none when it is gone or hidden)."""
+    return procfs.uids(pid) or set()
 
 
 def _alive(pids: Sequence[tuple[int, int]], uid: int) -> bool:
