@@ -103,6 +103,17 @@ def test_the_device_quota_counts_distinct_devices_of_the_applicant_only() -> Non
                               quota=Quota(max_devices=1))
 
 
+def test_a_quota_of_one_is_a_quota() -> None:
+    with pytest.raises(LeaseLimitError, match="max_leases_per_user = 1"):
+        admission.admit_lease([lease(("G0",), who=ANN)], applicant=ANN, devices=["G1"],
+                              exclusive=False, quota=Quota(max_leases=1))
+    with pytest.raises(LeaseLimitError, match="waiting for 2 more would exceed"):
+        admission.admit_ticket([], [], applicant=ANN, constraints=request(2),
+                               quota=Quota(max_devices=1))
+    admission.admit_ticket([], [], applicant=ANN, constraints=request(1),
+                           quota=Quota(max_devices=1))
+
+
 def test_the_lease_quota_counts_leases_shared_or_not() -> None:
     mine = [lease(("G0",), who=ANN, lid=c * 32) for c in "cd"]
     admission.admit_lease(mine[:1], applicant=ANN, devices=["G0"], exclusive=False,
@@ -171,6 +182,9 @@ def test_a_ticket_may_not_name_a_device_reserved_away_and_is_never_served_from_o
     member = admission.admit_ticket([], [], applicant=ANN, constraints=request(), quota=Quota(),
                                     reserved=reserved)
     assert member["exclude"] == ["G3"]
+    bare = admission.admit_ticket([], [], applicant=BO, constraints={"count": 1}, quota=Quota(),
+                                  reserved=reserved)
+    assert bare == {"count": 1, "exclude": ["G0", "G3"]}
     root = admission.admit_ticket([], [], applicant=ROOT, constraints=request(
         allowed_uuids=["G0", "G3"]), quota=Quota(), reserved=reserved)
     assert root["exclude"] == [] and root["allowed_uuids"] == ["G0", "G3"]
@@ -222,8 +236,13 @@ def test_a_ticket_from_the_far_future_is_named_without_its_time() -> None:
 def test_why_a_device_is_exclusive_in_words() -> None:
     reserved = admission.reservation("G0", ["ml", "ops"], "h")
     assert admission.is_reservation(reserved)
-    assert (reserved.exclusive, reserved.device_uuids, reserved.holder_kind) == (
-        True, ("G0",), "reserved")
+    assert reserved == LeaseRecord(
+        lease_id="f" * 32, kind="lease", device_uuids=("G0",), device_requested_bytes=(None,),
+        exclusive=True, user="reserved for ml,ops", uid=0, host="h", pid=1, created_s=0.0,
+        holder_kind="reserved", path="broker:reserved",
+    )
+    many = admission.reservation("G0", [f"group{i:03d}" for i in range(40)], "h")
+    assert len(many.user) == 200 and many.user.startswith("reserved for group000,group001")
     assert admission.exclusive_phrase(reserved) == "reserved for group(s) ml, ops by the admin"
     t = ticket(created_s=1_700_000_000.0)
     assert admission.exclusive_phrase(t) == f"reserved for {admission.ticket_text(t)}"

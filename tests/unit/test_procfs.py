@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import pwd
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,6 +78,15 @@ def test_a_process_parent_start_time_and_owner(child: subprocess.Popen[bytes]) -
     assert procfs.owner_uid(child.pid) == os.geteuid()
     for ask in (procfs.ppid, procfs.start_time, procfs.owner_uid, procfs.command_of):
         assert ask(GONE) is None
+
+
+def test_the_owner_of_a_process_by_name_from_the_proc_it_is_told(tmp_path: Path) -> None:
+    fake = tmp_path / "proc"
+    (fake / "77").mkdir(parents=True)
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    assert procfs.owner_uid(77, str(fake)) == os.geteuid()
+    assert procfs.user_of(77, str(fake)) == me
+    assert procfs.user_of(78, str(fake)) is None
 
 
 def test_a_command_name_with_parentheses_and_spaces_is_split_from_the_right(

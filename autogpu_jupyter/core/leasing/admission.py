@@ -126,8 +126,8 @@ def ticket_count(rec: LeaseRecord) -> int:
 
 def requested_count(constraints: Mapping[str, Any]) -> int:
     """How many devices a request in the record's schema asks for (at least 1)."""
-    count = constraints.get("count", 1)
-    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 1
+    count = constraints.get("count")
+    return max(count, 1) if isinstance(count, int) and not isinstance(count, bool) else 1
 
 
 def ticket_text(rec: LeaseRecord) -> str:

@@ -92,7 +92,7 @@ def store_for(
         if socket or os.path.exists(path):
             timeout = max(float(settings.registry_lock_timeout_s), 1.0)
             broker = _resolve(
-                ("broker", path, timeout),
+                (brokerclient.BrokerRegistry, path, timeout),
                 lambda: brokerclient.BrokerRegistry(path, lock_timeout_s=timeout),
             )
             if str(settings.broker_fallback).strip().lower() != "registry":
@@ -123,7 +123,7 @@ def store_for(
             lock_timeout_s=timeout,
         )
 
-    return _resolve(("directory", os.fspath(directory), *rules), make)
+    return _resolve((Registry, os.fspath(directory), *rules), make)
 
 
 def _resolve(key: tuple[object, ...], make: Callable[[], LeaseStore]) -> LeaseStore:
