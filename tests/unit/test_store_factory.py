@@ -46,6 +46,17 @@ def test_settings_select_no_store_the_directory_or_a_broker(tmp_path: Path) -> N
     assert broker.path == brokerclient.DEFAULT_SOCKET
 
 
+def test_a_relative_directory_follows_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = AutoGPU(registry_dir="reg", broker_socket="")
+    for where in ("a", "b", "a"):
+        (tmp_path / where).mkdir(exist_ok=True)
+        monkeypatch.chdir(tmp_path / where)
+        store = store_for(settings)
+        assert store is not None and store.path == str(tmp_path / where / "reg")
+
+
 def test_a_view_shows_the_hosts_leases_even_where_this_process_takes_none(
     tmp_path: Path,
 ) -> None:

@@ -123,7 +123,9 @@ def store_for(
             lock_timeout_s=timeout,
         )
 
-    return _resolve((Registry, os.fspath(directory), *rules), make)
+    # The absolute path is the key: a relative directory follows the working directory, as a
+    # Registry made at this moment would.
+    return _resolve((Registry, os.path.abspath(directory), *rules), make)
 
 
 def _resolve(key: tuple[object, ...], make: Callable[[], LeaseStore]) -> LeaseStore:
