@@ -28,7 +28,7 @@ test-fast: setup
 
 lint:
 	$(VENV)/bin/ruff check autogpu_jupyter autogpu tests benchmarks build_backend
-	$(VENV)/bin/mypy autogpu_jupyter/core
+	$(VENV)/bin/mypy autogpu_jupyter
 
 gpu-check: setup
 	@scripts/gpu-check.sh

@@ -1,7 +1,7 @@
 """``autogpu broker``: the trusted lease broker for hosts with many users (issue 11).
 
 A small daemon, run by root, on a Unix socket every user may connect to. It alone owns the
-lease state of the host; clients (:mod:`autogpu_jupyter.core.brokerclient`) talk to it in
+lease state of the host; clients (:mod:`autogpu_jupyter.core.leasing.brokerclient`) talk to it in
 newline-delimited JSON, one object per line, at most :data:`MAX_MESSAGE_BYTES` per line.
 
 Identity comes only from the kernel (``SO_PEERCRED``: uid, gid, pid of the connecting process);
@@ -39,11 +39,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import json
 import logging
 import os
 import pwd
 import secrets
+import signal
 import socket
 import stat
 import struct
@@ -54,8 +56,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from autogpu_jupyter.core.brokerclient import DEFAULT_SOCKET
-from autogpu_jupyter.core.records import (
+from autogpu_jupyter.core import decision, options, procfs
+from autogpu_jupyter.core.backends import get_backend
+from autogpu_jupyter.core.leasing import admission
+from autogpu_jupyter.core.leasing.brokerclient import DEFAULT_SOCKET
+from autogpu_jupyter.core.leasing.records import (
+    MAX_DEVICES,
     MAX_SEQ,
     Invalid,
     LeaseRecord,
@@ -63,6 +69,9 @@ from autogpu_jupyter.core.records import (
     field_text,
     parse_record,
 )
+from autogpu_jupyter.core.leasing.store import StoreTransaction
+from autogpu_jupyter.core.picker import explain_drops
+from autogpu_jupyter.errors import AutoGPUError
 
 __all__ = ["Broker", "BrokerConfig", "DEFAULT_SOCKET", "MAX_MESSAGE_BYTES", "main", "serve"]
 
@@ -70,7 +79,6 @@ log = logging.getLogger("autogpu.broker")
 
 #: The longest message line accepted; a longer one closes that connection.
 MAX_MESSAGE_BYTES = 64 * 1024
-_MAX_DEVICES = 64
 
 
 @dataclass
@@ -80,6 +88,9 @@ class BrokerConfig:
     socket_path: str = DEFAULT_SOCKET
     state_dir: str | None = None
     max_devices_per_user: int = 0
+    #: Leases one user may hold at once (0: no limit); tickets (places in the waiting line).
+    max_leases_per_user: int = 0
+    max_tickets_per_user: int = admission.DEFAULT_MAX_TICKETS
     max_connections_per_user: int = 256
     #: Messages per second one non-root uid may send, all its connections together (a burst of
     #: as many is allowed); past it, that uid's messages wait -- nobody else's do.
@@ -160,8 +171,6 @@ def _count(v: Any) -> int:
 
 def _groups_of(uid: int, gid: int) -> set[str]:
     """Names of the groups of ``uid`` (its primary ``gid`` and supplementary groups)."""
-    import grp
-
     gids = {gid}
     with contextlib.suppress(KeyError, OSError):
         gids.update(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
@@ -181,25 +190,13 @@ def _user_name(uid: int) -> str:
         return str(uid)
 
 
-def _start_time(pid: int) -> int | None:
-    """The start time (clock ticks after boot) of ``pid``, or ``None`` if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return int(data[data.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+#: When ``pid`` started (clock ticks after boot): with the pid, one process (core.procfs).
+_start_time = procfs.start_time
 
 
 def _pid_uids(pid: int) -> set[int]:
-    try:
-        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("Uid:"):
-                    return {int(x) for x in line.split()[1:]}
-    except (OSError, ValueError):
-        pass
-    return set()
+    """The uids of ``pid`` (none when it is gone or hidden)."""
+    return procfs.uids(pid) or set()
 
 
 def _alive(pids: Sequence[tuple[int, int]], uid: int) -> bool:
@@ -238,7 +235,6 @@ class Broker:
         self.waiting: deque[Conn] = deque()
         self.last_grant: dict[int, float] = {}
         self.started = time.time()
-        self.served = 0
         self._journal_dirty = False
         #: Set on SIGTERM once the last journal is written: connections closed by the shutdown
         #: must not erase it (their holders still run and are taken back by the next broker).
@@ -311,7 +307,7 @@ class Broker:
 
     async def op_begin(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         if conn.record is not None:
-            raise BrokerRefusal("this connection already holds a lease or ticket")
+            raise BrokerRefusal(admission.ONE_PER_CONNECTION)
         if self.lock_holder is not conn:
             loop = asyncio.get_running_loop()
             conn.granted = loop.create_future()
@@ -389,45 +385,39 @@ class Broker:
         for lease_id in replaced:
             self.orphans.pop(lease_id, None)
 
-    def _check_lease(self, conn: Conn, rec: LeaseRecord, replaced: set[str]) -> None:
-        leases = [
-            (u, r) for u, r in self.live() if r.kind == "lease" and r.lease_id not in replaced
-        ]
-        for u in rec.device_uuids:
-            holders = [r for _, r in leases if u in r.device_uuids]
-            if any(r.exclusive for r in holders):
-                who = ", ".join(r.holder_text() for r in holders if r.exclusive)
-                raise BrokerRefusal(
-                    f"no device free: {u} is held exclusively by {who}", "NoDeviceFitsError"
-                )
-            if rec.exclusive and holders:
-                raise BrokerRefusal(
-                    f"no device free: exclusive wanted but {u} is held by "
-                    + ", ".join(r.holder_text() for r in holders),
-                    "NoDeviceFitsError",
-                )
-        for u in rec.device_uuids:
-            allowed = self.config.reserved.get(u)
-            if allowed is not None and conn.uid != 0 and not conn.groups & set(allowed):
-                raise BrokerRefusal(
-                    f"no device free: {u} is reserved for group(s) {', '.join(allowed)} by the "
-                    "admin",
-                    "NoDeviceFitsError",
-                )
+    def _applicant(self, conn: Conn) -> admission.Applicant:
+        return admission.Applicant(conn.uid, conn.user, frozenset(conn.groups))
+
+    def _quota(self, conn: Conn) -> admission.Quota:
         limit, why = self.limit_for(conn)
-        if limit > 0:
-            mine = {d for u, r in leases if u == conn.uid for d in r.device_uuids}
-            total = mine | set(rec.device_uuids)
-            if len(total) > limit:
-                raise BrokerRefusal(
-                    f"{conn.user} already holds leases on {len(mine)} device(s) "
-                    f"({', '.join(sorted(mine)) or 'none'}); taking "
-                    f"{len(set(rec.device_uuids) - mine)} more would exceed "
-                    f"max_devices_per_user = {limit} set by the admin{why} (enforced by the "
-                    "broker). "
-                    "Release one first (%gpu release, or end the kernel / autogpu run holding it).",
-                    "LeaseLimitError",
-                )
+        return admission.Quota(
+            max_devices=limit,
+            max_leases=self.config.max_leases_per_user,
+            max_tickets=self.config.max_tickets_per_user,
+            source=why,
+            enforcer=" (enforced by the broker)",
+        )
+
+    def _live_split(self, replaced: set[str]) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
+        """Live leases (less the ``replaced`` ones of a re-pick) and tickets, for admission."""
+        live = self.live()
+        leases = [r for _, r in live if r.kind == "lease" and r.lease_id not in replaced]
+        return leases, [r for _, r in live if r.kind == "ticket"]
+
+    def _check_lease(self, conn: Conn, rec: LeaseRecord, replaced: set[str]) -> None:
+        """The one admission's verdict on ``rec`` (:func:`admission.admit_lease`)."""
+        leases, _ = self._live_split(replaced)
+        try:
+            admission.admit_lease(
+                leases,
+                applicant=self._applicant(conn),
+                devices=rec.device_uuids,
+                exclusive=rec.exclusive,
+                quota=self._quota(conn),
+                reserved=self.config.reserved,
+            )
+        except AutoGPUError as err:
+            raise BrokerRefusal(str(err), type(err).__name__) from None
 
     def limit_for(self, conn: Conn) -> tuple[int, str]:
         """The device limit of ``conn``'s user (0: none) and where it comes from."""
@@ -442,28 +432,19 @@ class Broker:
         return cfg.max_devices_per_user, ""
 
     def reserved_away(self, conn: Conn) -> list[LeaseRecord]:
-        """Devices reserved for groups ``conn``'s user is not in, as exclusive pseudo-leases: the
-        one decision then ranks them out ("held exclusively") with no rule of its own."""
-        if conn.uid == 0 or not self.config.reserved:
+        """Devices reserved for groups ``conn``'s user is not in, as exclusive pseudo-leases
+        (:func:`admission.reservation`): the one decision then ranks them out, worded by the
+        admission ("reserved for group(s) ml by the admin"), with no rule of its own."""
+        if not self.config.reserved:
             return []
-        groups = conn.groups
-        out = []
-        for uuid, allowed in sorted(self.config.reserved.items()):
-            if groups & set(allowed):
-                continue
-            out.append(LeaseRecord(
-                lease_id=("f" * 32), kind="lease", device_uuids=(uuid,),
-                device_requested_bytes=(None,), exclusive=True,
-                user=f"reserved for {','.join(allowed)}"[:200], uid=0, host=self.host, pid=1,
-                created_s=0.0, holder_kind="reserved", live=True, path="broker:reserved",
-            ))
-        return out
+        away = admission.reserved_away(self.config.reserved, self._applicant(conn))
+        return [admission.reservation(u, groups, self.host) for u, groups in away.items()]
 
     async def op_lease(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         if conn.record is not None:
-            raise BrokerRefusal("this connection already holds a lease or ticket")
+            raise BrokerRefusal(admission.ONE_PER_CONNECTION)
         devices = msg.get("devices")
-        if not isinstance(devices, list) or not devices or len(devices) > _MAX_DEVICES:
+        if not isinstance(devices, list) or not devices or len(devices) > MAX_DEVICES:
             raise BrokerRefusal("devices: expected a list of device UUIDs", "UsageErrorBase")
         booked = msg.get("requested_bytes")
         if booked is None:
@@ -483,7 +464,6 @@ class Broker:
         self._end_replaced(replaced)
         conn.record = rec
         conn.holder_pids = _proc_ids(conn.pid)
-        self.served += 1
         self._journal()
         self._drop_lock(conn)
         return {"ok": True, "record": rec._payload()}
@@ -494,11 +474,8 @@ class Broker:
         this connection (the same checks as ``lease``). For clients that cannot run the engine
         (a raw socket, another language). No ``wait`` here: a waiting pick runs in the client.
         """
-        from autogpu_jupyter.core import decision, options
-        from autogpu_jupyter.errors import AutoGPUError
-
         if conn.record is not None:
-            raise BrokerRefusal("this connection already holds a lease or ticket")
+            raise BrokerRefusal(admission.ONE_PER_CONNECTION)
         values = msg.get("options") or {}
         if not isinstance(values, dict):
             raise BrokerRefusal("options: expected an object", "UsageErrorBase")
@@ -508,11 +485,9 @@ class Broker:
             raise BrokerRefusal(str(err), "UsageErrorBase") from None
         snap = await asyncio.get_running_loop().run_in_executor(None, self._snapshot)
         # From here to the lease nothing awaits: the decision and the lease see one state.
-        context = decision.gather(snap, environ={}, registry=_StateView(self, conn))
+        context = decision.gather(snap, environ={}, store=_StateView(self, conn))
         made = decision.decide(context, opts.constraints)
         if not made.chosen:
-            from autogpu_jupyter.core.picker import explain_drops
-
             raise BrokerRefusal(
                 f"no device fits ({opts.constraints.describe()}):\n{explain_drops(made.ranked)}",
                 "NoDeviceFitsError",
@@ -533,15 +508,16 @@ class Broker:
     def _snapshot(self) -> Any:
         """The fleet now, from the broker's own backend (NVML, or ``AUTOGPU_SIMULATE``)."""
         if self.backend is None:
-            from autogpu_jupyter.core.backends import get_backend
-
             self.backend = get_backend()
         return self.backend.snapshot()
 
     async def op_ticket(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        """Join the waiting line, if the one admission admits the ticket
+        (:func:`admission.admit_ticket`: tickets per user, the device quota with what the user
+        waits for, reserved devices); ``ignore_ids`` / ``ignore_kernel`` name the caller's own
+        leases a re-pick replaces, which do not count."""
         if conn.record is not None:
-            raise BrokerRefusal("this connection already holds a lease or ticket")
-        self.seq = min(self.seq + 1, MAX_SEQ)
+            raise BrokerRefusal(admission.ONE_PER_CONNECTION)
         rec = self._make_record(
             conn,
             "ticket",
@@ -549,11 +525,26 @@ class Broker:
                 "device_uuids": [],
                 "device_requested_bytes": [],
                 "exclusive": msg.get("exclusive", False),
-                "seq": self.seq,
+                "seq": min(self.seq + 1, MAX_SEQ),
                 "constraints": msg.get("constraints"),
                 **self._holder_fields(conn, msg),
             },
         )
+        leases, tickets = self._live_split(self._replaced(conn, msg))
+        try:
+            admitted = admission.admit_ticket(
+                leases,
+                tickets,
+                applicant=self._applicant(conn),
+                constraints=rec.constraints or {},
+                quota=self._quota(conn),
+                reserved=self.config.reserved,
+            )
+        except AutoGPUError as err:
+            raise BrokerRefusal(str(err), type(err).__name__) from None
+        if admitted != rec.constraints:
+            rec = replace(rec, constraints=admitted)
+        self.seq = rec.seq or self.seq
         conn.record = rec
         conn.holder_pids = _proc_ids(conn.pid)
         self._journal()
@@ -805,20 +796,19 @@ _PICK_KEYS = ("min_free", "max_util", "count", "exclude", "exclusive", "model", 
 
 
 class _StateView:
-    """The broker's live records as ``core.decision.gather`` reads a registry."""
+    """The broker's live records as :func:`core.decision.gather` reads a store
+    (:class:`~autogpu_jupyter.core.leasing.store.RecordView`), with the devices reserved away
+    from the asking user as the admission's pseudo-leases."""
 
     def __init__(self, broker: Broker, conn: Conn) -> None:
         self._broker = broker
         self._conn = conn
 
-    def live_records(self, txn: Any = None) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
-        live = [r for _, r in self._broker.live()] + self._broker.reserved_away(self._conn)
-        leases = [r for r in live if r.kind == "lease"]
-        tickets = sorted(
-            (r for r in live if r.kind == "ticket"),
-            key=lambda r: (r.seq or 0, r.created_s, r.lease_id),
-        )
-        return leases, tickets
+    def live_records(
+        self, txn: StoreTransaction | None = None
+    ) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
+        leases, tickets = self._broker._live_split(set())
+        return leases + self._broker.reserved_away(self._conn), admission.in_line(tickets)
 
 
 def _proc_ids(pid: int) -> list[tuple[int, int]]:
@@ -899,10 +889,8 @@ async def serve(config: BrokerConfig, ready: Any = None) -> None:
         ready()
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
-    import signal
-
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+        loop.add_signal_handler(sig, lambda: None if stop.done() else stop.set_result(None))
     try:
         await stop
     finally:

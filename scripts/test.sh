@@ -7,7 +7,7 @@ VENV=${VENV:-.venv}
 mkdir -p test-artifacts
 status=0
 "$VENV/bin/ruff" check autogpu_jupyter autogpu tests benchmarks || status=1
-"$VENV/bin/mypy" autogpu_jupyter/core || status=1
+"$VENV/bin/mypy" autogpu_jupyter || status=1
 (
   cd labextension && export PATH="$PWD/../$VENV/bin:$PATH"
   if ! command -v node >/dev/null 2>&1; then  # Node.js from PyPI (scripts/setup.sh installs it)

@@ -24,20 +24,24 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from autogpu_jupyter.config import AutoGPU
+from autogpu_jupyter.core import decision, session
+from autogpu_jupyter.core.leasing import RecordView, store_for
+from autogpu_jupyter.core.moves import grant_environ
+from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.core.sampler import DeviceSeries, Sampler, current_sampler, series_from_frame
 from autogpu_jupyter.core.units import format_bytes, format_duration
+from autogpu_jupyter.core.visibility import parse_cuda_visible_devices
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.policy import Constraints
-    from autogpu_jupyter.core.registry import Registry
-    from autogpu_jupyter.core.sampler import DeviceSeries, Sampler
 
 __all__ = [
     "Alternative",
@@ -79,8 +83,6 @@ class Thresholds:
     def from_config(cls, config: Any | None = None) -> Thresholds:
         """From an ``AutoGPU`` configurable (default: a fresh one, env defaults applied)."""
         if config is None:
-            from autogpu_jupyter.config import AutoGPU
-
             config = AutoGPU()
         return cls(
             util_pct=float(config.overload_util_pct),
@@ -151,9 +153,6 @@ def kernel_device_uuids(
     else the devices ``CUDA_VISIBLE_DEVICES`` names, read as CUDA reads it
     (:func:`~autogpu_jupyter.core.visibility.parse_cuda_visible_devices`); ``()`` when nothing
     was picked (an unset variable means "no choice yet", not "all")."""
-    from autogpu_jupyter.core import session
-    from autogpu_jupyter.core.visibility import parse_cuda_visible_devices
-
     choice = session.current()
     if choice is not None and choice.uuids:
         return tuple(choice.uuids)
@@ -170,37 +169,30 @@ def best_alternative(
     smoothed_util: dict[str, float | None] | None = None,
     *,
     constraints: Constraints | None = None,
-    registry: Registry | Literal["config"] | None = "config",
+    store: RecordView | Literal["config"] | None = "config",
     environ: Mapping[str, str] | None = None,
 ) -> Alternative | None:
     """The best device outside ``exclude``, by the one decision pipeline (:mod:`core.decision`).
 
     It is what ``%gpu pick --dry-run`` would choose with this kernel's own options when its
     current device(s) are excluded: the same allocation (the environment before autogpu changed
-    it), the same registry (other holders' bookings and waiters; this kernel's own lease hidden),
-    the same smoothing.
+    it), the same lease store (other holders' bookings and waiters; this kernel's own lease
+    hidden), the same smoothing. ``store="config"``: the store the ``AutoGPU`` settings select.
     """
-    from dataclasses import replace
-
-    from autogpu_jupyter.config import AutoGPU
-    from autogpu_jupyter.core import decision, session
-    from autogpu_jupyter.core.policy import Constraints as _Constraints
-    from autogpu_jupyter.core.registry import from_settings
-
     skip = tuple(exclude)
     choice = session.current()
     if constraints is None:
-        constraints = (choice.constraints if choice is not None else None) or _Constraints()
-    if registry == "config":
-        registry = from_settings(AutoGPU())
-        if registry is not None and choice is not None and choice.lease_id:
-            registry = registry.hiding(lease_ids=[choice.lease_id])
+        constraints = (choice.constraints if choice is not None else None) or Constraints()
+    if store == "config":
+        store = store_for(AutoGPU())
+        if store is not None and choice is not None and choice.lease_id:
+            store = store.hiding(lease_ids=[choice.lease_id])
     if environ is None:
         environ = _grant(snapshot, skip)
     context = decision.gather(
         snapshot,
         environ=environ,
-        registry=registry,
+        store=store,
         smoothed_util=smoothed_util, self_pids=(os.getpid(),),
     )
     # A skipped MIG device's GPU is avoided too; the policy's exclude already drops the MIG
@@ -221,10 +213,6 @@ def _grant(snapshot: FleetSnapshot, own: Sequence[str]) -> dict[str, str]:
     kernel's ``AUTOGPU_GRANT_CVD``), else the environment before autogpu changed it; a
     ``CUDA_VISIBLE_DEVICES`` that names only this kernel's own devices is the kernel's own
     narrowing, not a scheduler's grant (``SLURM_*`` / ``NVIDIA_VISIBLE_DEVICES`` still bound)."""
-    from autogpu_jupyter.core import session
-    from autogpu_jupyter.core.moves import grant_environ
-    from autogpu_jupyter.core.visibility import parse_cuda_visible_devices
-
     env = grant_environ(session.original_environ())
     raw = env.get("CUDA_VISIBLE_DEVICES")
     if raw:
@@ -240,8 +228,6 @@ def _busy_for_s(
     """How long ``uuid`` has been above ``util_pct`` up to its newest sample, and the mean
     utilisation over that stretch. ``(0.0, None)`` when the newest sample is not above."""
     if not isinstance(history, Mapping):
-        from autogpu_jupyter.core.sampler import series_from_frame
-
         history = series_from_frame(history)
     series = history.get(uuid)
     if series is None or not len(series):
@@ -369,8 +355,6 @@ def pending_warning(thresholds: Thresholds | None = None) -> str | None:
     Never starts the sampler (no thread from a hook): it reads the running one, if any.
     Call it from the main thread (an IPython ``post_run_cell`` hook) and print the result.
     """
-    from autogpu_jupyter.core.sampler import current_sampler
-
     sampler = current_sampler()
     if sampler is None:
         return None

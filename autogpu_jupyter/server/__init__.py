@@ -33,6 +33,7 @@ at the server's ``--log-level``.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 __all__ = [
@@ -85,12 +86,10 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
 def _load_jupyter_server_extension(server_app: Any) -> None:
     """Create the shared state (one sampler per server process) and register the handlers."""
     # Imported here so that listing the extension point stays cheap (no tornado, no pynvml).
-    import os
-
-    from autogpu_jupyter.core.backends import SIMULATE_ENV
-    from autogpu_jupyter.core.backends.simulated import resolve_fleet_source
-    from autogpu_jupyter.server.handlers import setup_handlers
-    from autogpu_jupyter.server.state import AutoGPUServer
+    from autogpu_jupyter.core.backends import SIMULATE_ENV  # noqa: PLC0415
+    from autogpu_jupyter.core.backends.simulated import resolve_fleet_source  # noqa: PLC0415
+    from autogpu_jupyter.server.handlers import setup_handlers  # noqa: PLC0415
+    from autogpu_jupyter.server.state import AutoGPUServer  # noqa: PLC0415
 
     # A relative fleet file is resolved once, here, against the directory the server started
     # in: its kernels inherit the absolute path, although they run in their notebooks' folders.
@@ -105,11 +104,11 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
     state.start()
     setup_handlers(server_app.web_app, state)
     if state.cull_idle_gpu_kernels_s > 0:
-        from autogpu_jupyter.server import culling
+        from autogpu_jupyter.server import culling  # noqa: PLC0415 (only when culling is on)
 
         culling.install(state, server_app.kernel_manager)
     if state.metrics:
-        from autogpu_jupyter.metrics import MetricsSource, install
+        from autogpu_jupyter.metrics import MetricsSource, install  # noqa: PLC0415 (when on)
 
         def latest() -> Any:
             sampler = state._sampler

@@ -20,6 +20,7 @@ import tornado.web
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
+from autogpu_jupyter.core.cluster import check_history_s
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBase
 from autogpu_jupyter.server import moving, payloads
 from autogpu_jupyter.server.state import AutoGPUServer
@@ -208,8 +209,6 @@ class ClusterHistoryHandler(_BaseHandler):
 
     @tornado.web.authenticated
     async def get(self) -> None:
-        from autogpu_jupyter.core.cluster import check_history_s
-
         try:
             seconds = check_history_s(self.get_argument("seconds", "86400"))
         except AutoGPUError as err:

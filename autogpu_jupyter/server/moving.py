@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from autogpu_jupyter.core import moves
 from autogpu_jupyter.core.contract import ProvisionerState
 from autogpu_jupyter.errors import UsageErrorBase
+from autogpu_jupyter.server.payloads import parse_json_object, short_repr
 
 if TYPE_CHECKING:
     from autogpu_jupyter.server.state import AutoGPUServer
@@ -56,8 +57,6 @@ def parse_move_body(body: bytes) -> MoveBody:
         Not JSON, not an object, an unknown key, or a missing / malformed ``target``; the message
         names the bad value and the accepted forms.
     """
-    from autogpu_jupyter.server.payloads import parse_json_object, short_repr
-
     data = parse_json_object(body, _EXAMPLE)
     unknown = sorted(set(data) - set(_ACCEPTED))
     if unknown:
@@ -111,7 +110,7 @@ def plan_or_request(
         "current_uuids": tuple(provisioner.autogpu_picked or ()),
         "constraints": provisioner.autogpu_constraints,
         "kernel_id": kernel_id,
-        "registry": registry,
+        "store": registry,
         "source": "server",
         "smoothed_util": None if sampler is None else sampler.smoothed_util(
             state.smoothing_window_s

@@ -14,7 +14,17 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from autogpu_jupyter.config import AutoGPU
+from autogpu_jupyter.core import options
+from autogpu_jupyter.core.cluster import (
+    PrometheusClient,
+    fetch_cluster,
+    fetch_history,
+    rank_hosts,
+)
 from autogpu_jupyter.core.contract import ProvisionerState
+from autogpu_jupyter.core.options import PickOptions
+from autogpu_jupyter.core.overload import Thresholds, detect
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.errors import (
@@ -315,9 +325,6 @@ def kernel_overloads(
     """Kernel id -> the overload warning for the GPU(s) it holds (the panel's own words, from
     :func:`core.overload.detect` over the server's sampler history), for this server's kernels
     whose GPU other processes overload. The sidebar turns it into a JupyterLab notification."""
-    from autogpu_jupyter.config import AutoGPU
-    from autogpu_jupyter.core.overload import Thresholds, detect
-
     sampler = state.sampler()
     if snap is None or sampler is None or not kernels:
         return {}
@@ -472,8 +479,6 @@ def parse_constraints(params: Mapping[str, Any]) -> Constraints:
     """Constraints from query arguments or a JSON body: the one options boundary
     (:func:`autogpu_jupyter.core.options.parse`, JSON-style names), the magic's units and
     messages. ``kernel_id`` is accepted and left to :func:`parse_kernel_id`."""
-    from autogpu_jupyter.core import options
-
     accept = [o.key for o in options.PICK_OPTIONS if o.key != "wait"]  # a dry run never waits
     return options.parse(params, style="key", ignore=_SELECT_EXTRA, accept=accept).constraints
 
@@ -558,8 +563,8 @@ def select_answer(
         registry = registry.hiding(kernel_id=ignore_kernel_id)
     try:
         result = pick(
-            constraints, backend=backend, registry=registry, dry_run=True, smoothed_util=smoothed,
-            environ=environ,
+            PickOptions(constraints), backend=backend, store=registry, dry_run=True,
+            smoothed_util=smoothed, environ=environ,
         )
     except NoDeviceFitsError as err:
         candidates = err.candidates if isinstance(err.candidates, tuple) else ()
@@ -587,9 +592,6 @@ def cluster_payload(state: AutoGPUServer, constraints: Constraints) -> dict[str,
     ``configured`` is false when ``c.AutoGPU.prometheus_url`` is empty; a Prometheus that cannot
     be asked gives no hosts and the reason in ``errors`` (the sidebar shows it).
     """
-    from autogpu_jupyter.config import AutoGPU
-    from autogpu_jupyter.core.cluster import PrometheusClient, fetch_cluster, rank_hosts
-
     settings = AutoGPU(parent=state.parent)
     url = settings.prometheus_url
     base: dict[str, Any] = {
@@ -631,9 +633,6 @@ def cluster_payload(state: AutoGPUServer, constraints: Constraints) -> dict[str,
 def cluster_history_payload(state: AutoGPUServer, seconds: float) -> dict[str, Any]:
     """``GET cluster/history?seconds=<s>``: each host's mean GPU utilisation and memory taken
     over the last ``seconds`` from Prometheus range queries (``core.cluster.fetch_history``)."""
-    from autogpu_jupyter.config import AutoGPU
-    from autogpu_jupyter.core.cluster import PrometheusClient, fetch_history
-
     settings = AutoGPU(parent=state.parent)
     url = settings.prometheus_url
     base: dict[str, Any] = {

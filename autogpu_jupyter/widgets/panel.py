@@ -15,7 +15,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as w
+from IPython import get_ipython
 
+from autogpu_jupyter import api
+from autogpu_jupyter.config import AutoGPU
+from autogpu_jupyter.core import session
 from autogpu_jupyter.core.overload import (
     Overload,
     Thresholds,
@@ -38,14 +42,7 @@ _WINDOWS = (60.0, 300.0, 900.0)
 
 def _config() -> Any:
     """The ``AutoGPU`` configurable of this kernel (the one ``%config AutoGPU...`` changes)."""
-    from autogpu_jupyter.config import AutoGPU
-
-    try:
-        from IPython import get_ipython
-
-        ip = get_ipython()
-    except ImportError:
-        ip = None
+    ip = get_ipython()
     if ip is not None:
         for c in getattr(ip, "configurables", ()):
             if isinstance(c, AutoGPU):
@@ -304,14 +301,10 @@ def _weak_listener(panel: Panel) -> Any:
 
 def _live_leases() -> tuple[Any, ...]:
     """The registry's live leases (for the holders column); none when it cannot be read."""
-    from autogpu_jupyter import api
-
     return tuple(api.live_leases())
 
 
 def _lease_text() -> str | None:
-    from autogpu_jupyter.core import session
-
     choice = session.current()
     if choice is None:
         return None

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter import kernelspec
-from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.leasing import Registry
 from tests import browserhelpers as browser
 from tests.kernelhelpers import kernel_environ
 

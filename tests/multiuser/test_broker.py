@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.brokerclient import BrokerRegistry
+from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
 from tests.brokerhelpers import Area, BrokerProc, raw_call
 from tests.leasehelpers import AsUser, as_user, ensure_user, shared_area, uuid_of
 
@@ -337,7 +337,7 @@ def test_root_revokes_a_lease_and_other_users_cannot(
 
 
 def _hold_and_listen(path: str) -> Any:
-    from autogpu_jupyter.core.brokerclient import BrokerRegistry
+    from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
 
     reg = BrokerRegistry(path)
     with reg.locked() as txn:
@@ -503,10 +503,13 @@ def test_forged_tickets_and_planted_registry_junk_change_nothing(
         assert [one["record"]["seq"], two["record"]["seq"]] == [1, 2]  # the broker's numbers
         assert one["record"]["lease_id"] != "0" * 32
         # B's older waiter is served first (FIFO): GPU 0 is reserved for it (exclusively, as
-        # its ticket asks), so A's pick of GPU 0 is refused while B waits.
+        # its ticket asks), so A's pick of GPU 0 is refused while B waits, naming B's ticket.
         res = area.cli(USER_A, "run", "--exclude", "1,2,3", "--", "true")
         assert res.returncode == 3, res.stderr
-        assert "GPU 0 (NVIDIA A100-SXM4-80GB): dropped: held exclusively" in res.stderr
+        assert (
+            f"GPU 0 (NVIDIA A100-SXM4-80GB): dropped: reserved for {USER_B}'s waiting ticket "
+            "(1 GPU, since "
+        ) in res.stderr
     finally:
         first.stop()
         second.stop()
@@ -579,11 +582,20 @@ def test_the_admins_rules_file_per_user_and_per_group_limits_and_reserved_device
         assert f"max_devices_per_user = 1 set by the admin for group {b_group}" in second.stderr
         only_3 = area.cli(USER_B, "run", "--exclude", "0,1,2", "--", "true")
         assert only_3.returncode == 3, only_3.stderr
-        assert "GPU 3 (NVIDIA A100-SXM4-80GB): dropped: held exclusively" in only_3.stderr
+        assert (
+            f"GPU 3 (NVIDIA A100-SXM4-80GB): dropped: reserved for group(s) {a_group} by the admin"
+        ) in only_3.stderr
         uid, gid = users["b"]
         raw = as_user(uid, gid, _raw, str(area.socket),
                       {"op": "lease", "devices": [uuid_of(3)]})
         assert f"reserved for group(s) {a_group}" in raw[0]["error"], raw
+        # ... and no ticket of bob's may wait for it (issue 20: a ticket took reserved devices)
+        ticket = {"op": "ticket", "constraints": {**_TICKET, "allowed_uuids": [uuid_of(3)]}}
+        raw = as_user(uid, gid, _raw, str(area.socket), ticket)
+        assert (raw[0]["ok"], raw[0]["type"]) == (False, "NoDeviceFitsError"), raw
+        assert raw[0]["error"] == (
+            f"no device free: {uuid_of(3)} is reserved for group(s) {a_group} by the admin"
+        )
         # alice: three devices (her own limit wins over the default of 2), GPU 3 included.
         held += [area.run_held(USER_A, "run", "--exclusive", "--", "sleep", "60")
                  for _ in range(3)]
@@ -597,6 +609,53 @@ def test_the_admins_rules_file_per_user_and_per_group_limits_and_reserved_device
         for p in held:
             _kill_group(p)
         proc.stop()
+
+
+_TICKET = {"min_free_bytes": None, "min_free_fraction": None, "max_util_pct": None, "count": 1,
+           "exclude": [], "exclusive": True, "allowed_uuids": None}
+
+
+def test_one_users_tickets_cannot_block_every_gpu(
+    area: Area, broker: BrokerProc, users: dict[str, tuple[int, int]]
+) -> None:
+    """Issue 20, attack 1: one exclusive ticket for 4 GPUs on an open socket blocked every pick on
+    the host. Tickets are admitted like leases now: against bob's quota (2 devices), at most two
+    per user, and a device a waiting ticket takes names the ticket."""
+    uid, gid = users["b"]
+    everything = as_user(uid, gid, _raw, str(area.socket),
+                         {"op": "ticket", "constraints": {**_TICKET, "count": 4}})
+    assert (everything[0]["ok"], everything[0]["type"]) == (False, "LeaseLimitError"), everything
+    assert everything[0]["error"] == (
+        f"{USER_B} holds leases on 0 device(s) and waits in line for 0 more; waiting for 4 more "
+        "would exceed max_devices_per_user = 2 set by the admin (enforced by the broker). Release "
+        "one first (%gpu release, or end the kernel / autogpu run holding it)."
+    )
+    one = {"op": "ticket", "constraints": _TICKET}
+    waiters = [AsUser(uid, gid, _raw_hold, str(area.socket), one, hold=True) for _ in range(2)]
+    try:
+        assert [w.result()[0]["ok"] for w in waiters] == [True, True]
+        third = as_user(uid, gid, _raw, str(area.socket), one)
+        assert third[0]["type"] == "LeaseLimitError" and third[0]["error"].startswith(
+            f"{USER_B} already waits in line with 2 ticket(s); another would exceed "
+            "max_tickets_per_user = 2"
+        ), third
+        st = broker.wait_for(lambda s: len(s["tickets"]) == 2)
+        assert st["per_user"][USER_B]["tickets"] == 2
+        # alice still gets a GPU: the two waiters keep GPU 0 and GPU 1, not the host.
+        ok = area.cli(USER_A, "run", "--", "true")
+        assert ok.returncode == 0, ok.stderr
+        blocked = area.cli(USER_A, "run", "--exclude", "2,3", "--", "true")
+        assert blocked.returncode == 3, blocked.stderr
+        for i in (0, 1):
+            assert (
+                f"GPU {i} (NVIDIA A100-SXM4-80GB): dropped: reserved for {USER_B}'s waiting "
+                "ticket (1 GPU, since "
+            ) in blocked.stderr, blocked.stderr
+        assert "another lease" not in blocked.stderr
+    finally:
+        for w in waiters:
+            w.stop()
+    broker.wait_for(lambda s: s["tickets"] == [], timeout=10)
 
 
 def test_a_bad_rules_file_stops_the_broker_with_one_line(area: Area) -> None:

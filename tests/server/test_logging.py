@@ -25,10 +25,10 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "autogpu-log-test"
 CULL_NOTICE = "autogpu: kernels holding a GPU are culled after 60 s idle"
-# A DEBUG record of a core module logger (autogpu_jupyter.core.registry), made by a dry-run
+# A DEBUG record of a core module logger (autogpu_jupyter.core.leasing.directory), made by a dry-run
 # select on a server whose registry directory does not exist.
 NO_REGISTRY = re.compile(
-    r"\[D [^\]]* autogpu_jupyter\.core\.registry\] ranking without the registry: "
+    r"\[D [^\]]* autogpu_jupyter\.core\.leasing\.directory\] ranking without the registry: "
     r"lease registry \S+/missing does not exist"
 )
 

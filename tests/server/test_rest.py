@@ -448,8 +448,7 @@ async def test_holders_join_leases_and_processes_with_kernels(
 ) -> None:
     """A notebook's kernel holds a lease on GPU 1 and runs a process on it: both show as that
     notebook's, with the booked and the used memory."""
-    from autogpu_jupyter.core.leases import Registry
-    from autogpu_jupyter.core.picker import Holder
+    from autogpu_jupyter.core.leasing import Registry, Requester
 
     response = await jp_fetch(
         "api", "sessions", method="POST",
@@ -473,7 +472,7 @@ async def test_holders_join_leases_and_processes_with_kernels(
         with registry.locked() as txn:
             assert txn is not None
             lease = txn.create(devices=[UUID1], requested_bytes=10 * GiB,
-                               holder=Holder(pid=kernel_pid, kernel_id=kid, kind="kernel"))
+                               requester=Requester(pid=kernel_pid, kernel_id=kid, kind="kernel"))
         try:
             data = await get_json(jp_fetch, "holders")
         finally:

@@ -1,5 +1,5 @@
-"""Fast tests of the broker client (core.brokerclient) in this process: against the real broker
-(autogpu_jupyter.broker, served on a thread of the test process over a real Unix socket), and
+"""Fast tests of the broker client (core.leasing.brokerclient) in this process: against the real
+broker (autogpu_jupyter.broker, served on a thread of the test process over a real Unix socket), and
 against tiny scripted socket peers for what a real broker never does (a lost connection, a
 malformed or oversized reply, a socket served by another uid). Root only where a second uid is
 needed."""
@@ -23,12 +23,16 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter.broker import MAX_MESSAGE_BYTES, Broker, BrokerConfig, _listen
-from autogpu_jupyter.core import brokerclient
-from autogpu_jupyter.core.brokerclient import BrokerRegistry, broker_fix, from_wire, lease_events
 from autogpu_jupyter.core.devices import DeviceSnapshot
-from autogpu_jupyter.core.picker import Holder
-from autogpu_jupyter.core.records import LeaseRecord
-from autogpu_jupyter.core.registry import ScanResult
+from autogpu_jupyter.core.leasing import Requester, brokerclient
+from autogpu_jupyter.core.leasing.brokerclient import (
+    BrokerRegistry,
+    broker_fix,
+    from_wire,
+    lease_events,
+)
+from autogpu_jupyter.core.leasing.directory import ScanResult
+from autogpu_jupyter.core.leasing.records import LeaseRecord
 from autogpu_jupyter.errors import (
     AutoGPUError,
     LeaseLimitError,
@@ -104,9 +108,10 @@ def short_dir() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def broker(short_dir: Path) -> Iterator[ThreadBroker]:
-    """One broker for the module: at most 3 devices per user, command lines recorded. Every
-    test uses devices of its own and gives back what it leased."""
-    b = ThreadBroker(str(short_dir / "b.sock"), max_devices_per_user=3, record_commands=True)
+    """One broker for the module: at most 3 devices and 3 tickets per user, command lines
+    recorded. Every test uses devices of its own and gives back what it leased."""
+    b = ThreadBroker(str(short_dir / "b.sock"), max_devices_per_user=3, max_tickets_per_user=3,
+                     record_commands=True)
     yield b
     b.crash()
 
@@ -233,11 +238,11 @@ def payload(lease_id: str, **over: Any) -> dict[str, Any]:
 def test_a_lease_through_the_broker_carries_the_holder_and_ends_on_release(
     reg: BrokerRegistry, broker: ThreadBroker
 ) -> None:
-    holder = Holder(pid=1, kernel_id="k-1234567890", notebook_path="nb/train.ipynb",
+    holder = Requester(pid=1, kernel_id="k-1234567890", notebook_path="nb/train.ipynb",
                     command="python train.py", kind="kernel")
     with reg.locked() as txn:
         assert [r for r in txn.live_leases() if "GPU-a1" in r.device_uuids] == []
-        lease = txn.create(devices=["GPU-a1", "GPU-a2"], requested_bytes=5 * GiB, holder=holder)
+        lease = txn.create(devices=["GPU-a1", "GPU-a2"], requested_bytes=5 * GiB, requester=holder)
         assert txn.live_leases()[-1] == lease.record
     rec = lease.record
     assert rec == LeaseRecord(
@@ -307,7 +312,7 @@ def test_an_exclusive_lease_and_the_quota_are_refused_with_the_brokers_words(
 ) -> None:
     with reg.locked() as txn:
         first = txn.create(devices=["GPU-d1"], exclusive=True,
-                           holder=Holder(notebook_path="own.ipynb"))
+                           requester=Requester(notebook_path="own.ipynb"))
     try:
         with reg.locked() as txn:
             assert first.record.exclusive is True
@@ -331,9 +336,11 @@ def test_an_exclusive_lease_and_the_quota_are_refused_with_the_brokers_words(
 
 def test_a_repick_replaces_only_the_hidden_lease(reg: BrokerRegistry) -> None:
     with reg.locked() as txn:
-        old = txn.create(devices=["GPU-e1"], exclusive=True, holder=Holder(kernel_id="kern-e"))
+        old = txn.create(
+            devices=["GPU-e1"], exclusive=True, requester=Requester(kernel_id="kern-e")
+        )
     with reg.locked() as txn:
-        other = txn.create(devices=["GPU-e2"], holder=Holder(kernel_id="kern-f"))
+        other = txn.create(devices=["GPU-e2"], requester=Requester(kernel_id="kern-f"))
     try:
         by_id = reg.hiding(lease_ids=[old.record.lease_id, "no-such-id"])
         by_kernel = reg.hiding(kernel_id="kern-e")
@@ -382,10 +389,14 @@ def constraints(**over: Any) -> dict[str, Any]:
 
 
 def test_tickets_join_the_line_in_order(reg: BrokerRegistry, broker: ThreadBroker) -> None:
-    t1 = reg.take_ticket(constraints=constraints(min_free_bytes=GiB), holder=Holder(kernel_id="kt"))
+    t1 = reg.take_ticket(
+        constraints=constraints(min_free_bytes=GiB), requester=Requester(kernel_id="kt")
+    )
     with reg.locked() as txn:
-        t2 = txn.create_ticket(constraints=constraints(count=2), exclusive=True)
-        t3 = txn.create_ticket(constraints=constraints(), holder=Holder(notebook_path="t3.ipynb"))
+        t2 = txn.create_ticket(constraints=constraints(exclude=["GPU-x"]), exclusive=True)
+        t3 = txn.create_ticket(
+            constraints=constraints(), requester=Requester(notebook_path="t3.ipynb")
+        )
         assert t1.record in txn.live_tickets()  # what the lock's holder saw: not t2 yet
     try:
         assert t1.record.kind == "ticket"
@@ -393,7 +404,7 @@ def test_tickets_join_the_line_in_order(reg: BrokerRegistry, broker: ThreadBroke
         assert t1.record.kernel_id == "kt"
         assert t1.record.exclusive is False
         assert t2.record.exclusive is True
-        assert t2.record.constraints == constraints(count=2)
+        assert t2.record.constraints == constraints(exclude=["GPU-x"])
         assert (t3.record.exclusive, t3.record.notebook_path) == (False, "t3.ipynb")
         assert t3.record.seq == t2.record.seq + 1
         assert t2.record.seq == t1.record.seq + 1
@@ -423,7 +434,7 @@ def test_status_and_revoke_as_root(reg: BrokerRegistry) -> None:
     if not ROOT:
         pytest.skip("revoking needs root")
     with reg.locked() as txn:
-        lease = txn.create(devices=["GPU-g1"], holder=Holder(notebook_path="rev.ipynb"))
+        lease = txn.create(devices=["GPU-g1"], requester=Requester(notebook_path="rev.ipynb"))
     st = reg.status()
     assert st["ok"] is True
     assert lease.record.lease_id in [r["lease_id"] for r in st["leases"]]
@@ -789,7 +800,7 @@ def test_a_pick_lock_lost_once_is_asked_again_on_a_fresh_connection(peer_path: s
     with reg.locked() as txn:
         assert ids(txn.live_leases()) == ["L1"]
         assert txn.live_leases()[0].path == f"{peer_path}#L1"
-        lease = txn.create(devices=["GPU-p"], holder=Holder(pid=5, kernel_id="k",
+        lease = txn.create(devices=["GPU-p"], requester=Requester(pid=5, kernel_id="k",
                                                             notebook_path="n", command="c"))
     assert lease.record.lease_id == "L2"
     assert lease.record.path == f"{peer_path}#L2"
@@ -849,7 +860,7 @@ def test_the_ticket_and_list_requests(peer_path: str) -> None:
         [{"ok": True, "records": []}],
     ])
     reg = BrokerRegistry(peer_path)
-    t = reg.take_ticket(constraints={"count": 1}, holder=Holder(kind="api", kernel_id="q"))
+    t = reg.take_ticket(constraints={"count": 1}, requester=Requester(kind="api", kernel_id="q"))
     assert (t.record.kind, t.record.seq, t.record.constraints) == ("ticket", 3, {"count": 1})
     t.detach()
     assert reg.list_leases() == []
@@ -858,7 +869,8 @@ def test_the_ticket_and_list_requests(peer_path: str) -> None:
     peer.close()
     assert peer.requests == [
         {"op": "ticket", "constraints": {"count": 1}, "exclusive": False,
-         "holder": {"kernel_id": "q", "notebook_path": None, "command": None, "kind": "api"}},
+         "holder": {"kernel_id": "q", "notebook_path": None, "command": None, "kind": "api"},
+         "ignore_ids": [], "ignore_kernel": None},
         {"op": "leases", "tickets": False},
         {"op": "leases", "tickets": True},
         {"op": "leases", "tickets": True},

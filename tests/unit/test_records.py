@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core import records
-from autogpu_jupyter.core.records import (
+from autogpu_jupyter.core.leasing import records
+from autogpu_jupyter.core.leasing.records import (
     Invalid,
     LeaseRecord,
     encode,

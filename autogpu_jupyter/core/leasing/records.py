@@ -2,11 +2,11 @@
 
 A record is one JSON object (at most :data:`MAX_RECORD_BYTES`), UTF-8, strict: unknown or
 duplicate keys, non-finite numbers, lone surrogates, control characters in names, wrong types
-and out-of-range numbers are rejected (:class:`Invalid`). The writer (:mod:`core.registry`)
-normalises its own values with :func:`field_text` and checks the exact bytes with
-:func:`parse_checked` before a lease counts, so it never reports a lease that readers reject.
-Another user's record is untrusted input: it is only ever parsed here, never executed or put in
-a shell.
+and out-of-range numbers are rejected (:class:`Invalid`). The writers (the shared directory,
+:mod:`core.leasing.directory`, and the broker) normalise their own values with
+:func:`field_text` and check the exact bytes with the readers' parse before a lease counts, so
+neither reports a lease that readers reject. Another user's record is untrusted input: it is
+only ever parsed here, never executed or put in a shell.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 __all__ = [
     "LEASE_SUFFIX",
+    "MAX_DEVICES",
     "MAX_RECORD_BYTES",
     "MAX_SEQ",
     "SCHEMA_VERSION",
@@ -46,7 +47,8 @@ _ID_RE = re.compile(r"^[0-9a-f]{16,64}$")
 _UUID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _MAX_STR = 4096
-_MAX_DEVICES = 64
+#: Most devices a record names (a lease's devices, a request's count, exclude and allowed lists).
+MAX_DEVICES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,7 +340,7 @@ def _devices(d: Mapping[str, Any], kind: str) -> tuple[list[str], list[int | Non
     uuids = d["device_uuids"]
     if (
         not isinstance(uuids, list)
-        or len(uuids) > _MAX_DEVICES
+        or len(uuids) > MAX_DEVICES
         or (kind == "lease" and not uuids)
         or not all(isinstance(u, str) and _UUID_RE.match(u) for u in uuids)
         or len(set(uuids)) != len(uuids)
@@ -368,7 +370,7 @@ def _parse_constraints(c: Any) -> dict[str, Any]:
     ):
         raise Invalid("constraints.max_util_pct: expected a number in [0, 100] or null")
     count = _int(c, "count", lo=1)
-    if count > _MAX_DEVICES:
+    if count > MAX_DEVICES:
         raise Invalid("constraints.count: too large")
     if not isinstance(c["exclusive"], bool):
         raise Invalid("constraints.exclusive: expected true or false")
@@ -378,7 +380,7 @@ def _parse_constraints(c: Any) -> dict[str, Any]:
             continue
         if (
             not isinstance(v, list)
-            or len(v) > _MAX_DEVICES
+            or len(v) > MAX_DEVICES
             or not all(
                 isinstance(x, str) and len(x) <= 128 and not _CONTROL_RE.search(x) for x in v
             )

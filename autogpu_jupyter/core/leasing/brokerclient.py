@@ -1,11 +1,11 @@
-"""The client of the trusted lease broker (``autogpu broker``, issue 11): a registry for the picker.
+"""The client of the trusted lease broker (``autogpu broker``, issue 11): a lease store.
 
-:class:`BrokerRegistry` has the interface :mod:`core.picker` and :mod:`core.decision` use of
-:class:`~autogpu_jupyter.core.registry.Registry` (``locked()`` yielding a transaction with
-``live_leases()`` / ``live_tickets()`` / ``create()``, ``live_records()``, ``take_ticket()``,
-``hiding()``, ``list_leases()``), so every surface -- magics, API, CLI, provisioner, server --
-goes through the broker unchanged when :func:`autogpu_jupyter.core.registry.from_settings`
-selects it.
+:class:`BrokerRegistry` is the second implementation of the lease store port
+(:class:`~autogpu_jupyter.core.leasing.store.LeaseStore`, beside the shared directory), so every
+surface -- magics, API, CLI, provisioner, server -- goes through the broker unchanged when
+:func:`autogpu_jupyter.core.leasing.factory.store_for` selects it. Admission (exclusivity,
+quotas, reserved groups, tickets) happens in the broker, by the same rules as the directory's
+(:mod:`~autogpu_jupyter.core.leasing.admission`); its refusals come back as the same errors.
 
 A lease is a connection: :meth:`BrokerLease.fileno` is the connected socket, handed to the
 process that uses the GPU (``pass_fds``) exactly like a lease file's descriptor. When every copy
@@ -18,17 +18,26 @@ admin's fix), unless the admin set ``c.AutoGPU.broker_fallback = "registry"``.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import pwd
+import select
 import socket
+import stat
 import struct
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from autogpu_jupyter.core.records import LeaseRecord
+from autogpu_jupyter.core.leasing.admission import in_line
+from autogpu_jupyter.core.leasing.records import LeaseRecord
+from autogpu_jupyter.core.leasing.store import (
+    HeldLease,
+    LeaseStore,
+    Requester,
+    ScanResult,
+    StoreTransaction,
+)
 from autogpu_jupyter.errors import (
     AutoGPUError,
     LeaseLimitError,
@@ -40,8 +49,6 @@ from autogpu_jupyter.errors import (
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import DeviceSnapshot
-    from autogpu_jupyter.core.picker import Holder
-    from autogpu_jupyter.core.registry import ScanResult
 
 __all__ = ["DEFAULT_SOCKET", "BrokerLease", "BrokerRegistry", "BrokerTransaction", "broker_fix"]
 
@@ -195,22 +202,19 @@ def _opt(v: Any) -> str | None:
     return None if v is None else str(v)
 
 
-def _holder_msg(holder: Holder | None) -> dict[str, Any]:
-    if holder is None:
+def _holder_msg(requester: Requester | None) -> dict[str, Any]:
+    if requester is None:
         return {"kind": "process"}
     return {
-        "kernel_id": holder.kernel_id,
-        "notebook_path": holder.notebook_path,
-        "command": holder.command,
-        "kind": holder.kind,
+        "kernel_id": requester.kernel_id,
+        "notebook_path": requester.notebook_path,
+        "command": requester.command,
+        "kind": requester.kind,
     }
 
 
-class BrokerLease:
+class BrokerLease(HeldLease):
     """A lease (or ticket) the broker granted to this connection; it lives as long as the socket.
-
-    Same surface as :class:`~autogpu_jupyter.core.registry.Lease`: ``record``, ``held``,
-    ``release()``, ``fileno()`` (for ``pass_fds``), ``detach()``, ``set_pid()``.
     """
 
     def __init__(self, record: LeaseRecord, conn: _Conn, registry: BrokerRegistry) -> None:
@@ -218,10 +222,6 @@ class BrokerLease:
         self._conn: _Conn | None = conn
         self._registry = registry
         self._owner_pid = os.getpid()
-
-    @property
-    def path(self) -> str:
-        return self.record.path
 
     @property
     def held(self) -> bool:
@@ -261,36 +261,28 @@ class BrokerLease:
         recs = _records([reply["record"]], self._registry.path)
         self.record = recs[0]
 
-    def __enter__(self) -> BrokerLease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
     def __del__(self) -> None:
         conn = getattr(self, "_conn", None)
         if conn is not None:
             conn.close()
 
-    def __repr__(self) -> str:
-        state = "held" if self.held else "released"
-        return f"<BrokerLease {self.record.lease_id} {','.join(self.record.device_uuids)} {state}>"
 
-
-class BrokerTransaction:
+class BrokerTransaction(StoreTransaction):
     """One pick under the broker's pick lock (see :meth:`BrokerRegistry.locked`)."""
 
+    store: BrokerRegistry
+
     def __init__(self, registry: BrokerRegistry, conn: _Conn, reply: Mapping[str, Any]) -> None:
-        self.registry = registry
+        self.store = registry
         self._conn: _Conn | None = conn
         self._leases = _records(reply.get("leases", ()), registry.path)
         self._tickets = _records(reply.get("tickets", ()), registry.path)
 
     def live_leases(self) -> list[LeaseRecord]:
-        return self.registry._visible(self._leases)
+        return self.store._visible(self._leases)
 
     def live_tickets(self) -> list[LeaseRecord]:
-        return sorted(self._tickets, key=lambda r: (r.seq or 0, r.created_s, r.lease_id))
+        return in_line(self._tickets)
 
     def create(
         self,
@@ -298,19 +290,10 @@ class BrokerTransaction:
         devices: Sequence[DeviceSnapshot | str],
         requested_bytes: int | Sequence[int | None] | None = None,
         exclusive: bool = False,
-        holder: Holder | None = None,
+        requester: Requester | None = None,
     ) -> BrokerLease:
-        """Ask the broker for a lease on ``devices``; it checks exclusivity and the quota.
-
-        Raises
-        ------
-        LeaseLimitError
-            Past the admin's ``max_devices_per_user`` (the broker's rule).
-        NoDeviceFitsError
-            A device is held exclusively, or ``exclusive`` was asked and another lease holds it.
-        RegistryError
-            The broker refused or was lost.
-        """
+        """Ask the broker for a lease on ``devices``; it admits it by the one admission's rules
+        (see :meth:`StoreTransaction.create`; ``RegistryError``: refused or lost)."""
         uuids = [d if isinstance(d, str) else d.uuid for d in devices]
         if not uuids:
             raise ValueError("a lease needs at least one device")
@@ -326,27 +309,26 @@ class BrokerTransaction:
                 "devices": uuids,
                 "requested_bytes": booked,
                 "exclusive": bool(exclusive),
-                "holder": _holder_msg(holder),
-                # A re-pick replaces our own lease: the broker leaves it out of the checks (our
-                # own uid's only; another user's lease is never ignored).
-                "ignore_ids": sorted(self.registry._hidden_ids),
-                "ignore_kernel": self.registry._hidden_kernel,
+                "holder": _holder_msg(requester),
+                **self.store._ignored(),
             }
         )
-        rec = _records([reply["record"]], self.registry.path)[0]
+        rec = _records([reply["record"]], self.store.path)[0]
         conn, self._conn = self._conn, None
         self._leases.append(rec)
-        return BrokerLease(rec, conn, self.registry)
+        return BrokerLease(rec, conn, self.store)
 
     def create_ticket(
         self,
         *,
         constraints: Mapping[str, Any],
         exclusive: bool = False,
-        holder: Holder | None = None,
+        requester: Requester | None = None,
     ) -> BrokerLease:
-        return self.registry.take_ticket(
-            constraints=constraints, exclusive=exclusive, holder=holder
+        """A ticket is held by a connection of its own (see :meth:`BrokerRegistry.take_ticket`):
+        this one's is the pick lock's."""
+        return self.store.take_ticket(
+            constraints=constraints, exclusive=exclusive, requester=requester
         )
 
     def close(self) -> None:
@@ -355,8 +337,8 @@ class BrokerTransaction:
             conn.close()  # closing gives the pick lock back
 
 
-class BrokerRegistry:
-    """The broker at ``socket_path`` seen as a lease registry (see the module docstring)."""
+class BrokerRegistry(LeaseStore):
+    """The broker at ``socket_path`` seen as a lease store (see the module docstring)."""
 
     def __init__(
         self, socket_path: str, *, lock_timeout_s: float = 10.0, connect_timeout_s: float = 5.0
@@ -373,8 +355,6 @@ class BrokerRegistry:
         except KeyError:
             self.user = str(self.uid)
         self.unusable_reason: str | None = None
-        self._hidden_ids: frozenset[str] = frozenset()
-        self._hidden_kernel: str | None = None
 
     def __repr__(self) -> str:
         return f"BrokerRegistry({self.path!r})"
@@ -382,27 +362,11 @@ class BrokerRegistry:
     def _conn(self) -> _Conn:
         return _Conn(self.path, self.connect_timeout_s)
 
-    def hiding(
-        self, *, lease_ids: Iterable[str] = (), kernel_id: str | None = None
-    ) -> BrokerRegistry:
-        """This view without some of the caller's OWN leases (as :meth:`Registry.hiding`)."""
-        view = copy.copy(self)
-        view._hidden_ids = frozenset(lease_ids)
-        view._hidden_kernel = kernel_id
-        return view
-
-    def _visible(self, records: Iterable[LeaseRecord]) -> list[LeaseRecord]:
-        return [
-            r
-            for r in records
-            if not (
-                r.uid == self.uid
-                and (
-                    r.lease_id in self._hidden_ids
-                    or (self._hidden_kernel is not None and r.kernel_id == self._hidden_kernel)
-                )
-            )
-        ]
+    def _ignored(self) -> dict[str, Any]:
+        """What a lease or ticket asks the broker to leave out of its admission: the caller's
+        OWN leases this view hides (a re-pick replaces them; another user's lease is never
+        ignored)."""
+        return {"ignore_ids": sorted(self._hidden_ids), "ignore_kernel": self._hidden_kernel}
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[BrokerTransaction]:
@@ -437,22 +401,11 @@ class BrokerRegistry:
             conn.close()
             raise
 
-    def live_records(
-        self, txn: BrokerTransaction | None = None
-    ) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
-        """Live leases (less the hidden ones) and tickets in line order, for ranking."""
-        if txn is not None:
-            return txn.live_leases(), txn.live_tickets()
+    def _read_unlocked(self) -> list[LeaseRecord]:
         try:
-            records = self.list_leases(include_tickets=True)
+            return self.list_leases(include_tickets=True)
         except AutoGPUError:
-            return [], []
-        leases = [r for r in records if r.kind == "lease"]
-        tickets = sorted(
-            (r for r in records if r.kind == "ticket"),
-            key=lambda r: (r.seq or 0, r.created_s, r.lease_id),
-        )
-        return leases, tickets
+            return []
 
     def list_leases(self, *, include_tickets: bool = False) -> list[LeaseRecord]:
         """Live leases of every user, oldest first (other users' command lines never sent)."""
@@ -487,9 +440,10 @@ class BrokerRegistry:
         *,
         constraints: Mapping[str, Any],
         exclusive: bool = False,
-        holder: Holder | None = None,
+        requester: Requester | None = None,
     ) -> BrokerLease:
-        """Join the broker's waiting line: a ticket held by a connection of its own."""
+        """Join the broker's waiting line, if it admits the ticket: a ticket held by a
+        connection of its own."""
         conn = self._conn()
         try:
             reply = conn.call(
@@ -497,7 +451,8 @@ class BrokerRegistry:
                     "op": "ticket",
                     "constraints": dict(constraints),
                     "exclusive": bool(exclusive),
-                    "holder": _holder_msg(holder),
+                    "holder": _holder_msg(requester),
+                    **self._ignored(),
                 }
             )
             rec = _records([reply["record"]], self.path)[0]
@@ -524,8 +479,6 @@ class BrokerRegistry:
 
     def scan(self) -> ScanResult:
         """Diagnostics: the broker's live records (nothing is ever dead or ignored there)."""
-        from autogpu_jupyter.core.registry import ScanResult
-
         return ScanResult(live=self.list_leases(include_tickets=True))
 
 
@@ -539,9 +492,6 @@ def lease_events(fd: int) -> list[str]:
     list of str
         One line per event, for the notebook user; empty when nothing happened.
     """
-    import select
-    import stat
-
     try:
         if not stat.S_ISSOCK(os.fstat(fd).st_mode):
             return []
