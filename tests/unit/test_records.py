@@ -14,6 +14,7 @@ from autogpu_jupyter.core import records
 from autogpu_jupyter.core.records import (
     Invalid,
     LeaseRecord,
+    capped_text,
     encode,
     field_text,
     parse_checked,
@@ -537,6 +538,34 @@ def test_field_text_is_what_every_reader_accepts(value, limit, text) -> None:
 
 def test_field_text_caps_at_the_readers_limit_by_default() -> None:
     assert field_text("y" * 5000) == "y" * 4096
+
+
+@pytest.mark.parametrize(
+    ("value", "field", "text"),
+    [
+        (None, "notebook_path", None),
+        ("k" * 100, "kernel_id", "k" * 64),
+        ("\U0001f600" * 100, "kernel_id", "\U0001f600" * 5),  # 12 escaped bytes each
+        ("\u00e9" * 100, "kernel_id", "\u00e9" * 10),  # 6 each
+        ('"' * 100, "kernel_id", '"' * 32),  # 2 each
+        ("\\" * 100, "kernel_id", "\\" * 32),
+        ("a" * 63 + "\u00e9", "kernel_id", "a" * 63),  # the 6 bytes would pass the cap
+        ("a" * 58 + "\u00e9", "kernel_id", "a" * 58 + "\u00e9"),  # exactly 64
+        ("n\tb" * 1000, "notebook_path", "n?b" * 341 + "n"),
+        ("x\udcffy", "notebook_path", "x\\udcffy"),
+    ],
+)
+def test_capped_text_cuts_at_the_fields_cap_in_encoded_bytes(value, field, text) -> None:
+    got = capped_text(value, field)
+    assert got == text
+    if got is not None:
+        assert len(json.dumps(got)) - 2 <= records.FIELD_CAPS[field]
+
+
+def test_the_field_caps_are_named_for_every_free_text_field() -> None:
+    assert records.FIELD_CAPS == {"notebook_path": 1024, "kernel_id": 64, "command": 1024,
+                                  "user": 256, "host": 256, "holder_kind": 32}
+    assert records.MAX_ID_LIST == 64
 
 
 # --- ownership checks and the cache -----------------------------------------------------------
