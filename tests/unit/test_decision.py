@@ -20,6 +20,7 @@ from autogpu_jupyter.core.decision import (
     describe_load,
     gather,
     reserve_for_waiters,
+    served_waiters,
     ticket_constraints,
 )
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
@@ -235,6 +236,21 @@ def test_waiters_are_served_in_turn_and_exclusive_is_booked() -> None:
     out = reserve_for_waiters(devices, empty(devices), [t1, t2])
     assert out["GPU-1"] == Booking("GPU-1", 1, 0, True, ("a: waiting (ticket 1)",))
     assert out["GPU-0"] == Booking("GPU-0", 1, 5 * GiB, False, ("b: waiting (ticket 2)",))
+
+
+def test_served_waiters_names_each_ticket_the_line_would_serve_now() -> None:
+    """The same FIFO rule: the first waiter takes GPU 1 exclusively, the second the other one,
+    the third (two GPUs) finds none left; bookings of live leases count."""
+    devices = [dev(0, util=10.0), dev(1, util=0.0)]
+    t1 = ticket_rec(1, ticket_constraints(Constraints(exclusive=True), None))
+    t2 = ticket_rec(2, ticket_constraints(Constraints(), None))
+    t3 = ticket_rec(3, ticket_constraints(Constraints(count=2), None))
+    assert served_waiters(devices, empty(devices), [t1, t2, t3]) == {
+        t1.lease_id: ("GPU-1",), t2.lease_id: ("GPU-0",)}
+    full = {u: dataclasses.replace(b, exclusive=True, lease_count=1)
+            for u, b in empty(devices).items()}
+    assert served_waiters(devices, full, [t1, t2, t3]) == {}
+    assert served_waiters(devices, empty(devices), []) == {}
 
 
 def test_a_waiter_limited_to_allowed_devices_or_their_mig_parent() -> None:
