@@ -160,12 +160,13 @@ def test_subordinate_uids_share_their_owners_quota(
 def test_sub_uids_taking_turns_at_the_pick_lock_do_not_starve_another_user(
     area: Area, broker: BrokerProc, users: dict[str, tuple[int, int]]
 ) -> None:
-    """8 subordinate uids take the pick lock and never give it back (the broker takes it back
-    after 2 s): as 8 users they would be served 8 times (16 s) before the victim's pick, past
-    its 10 s; as one person, the victim is next after one of them."""
-    agent = SubuidAgent(MALLORY, area.socket, 8, "hog", "25")
+    """16 subordinate uids take the pick lock and never give it back (the broker takes it back
+    after 2 s): as 16 users they would be served 15 times (30 s) before the victim's pick, past
+    its two tries of 10 s; as one person, the victim is next after one of them."""
+    agent = SubuidAgent(MALLORY, area.socket, 16, "hog", "60")
     try:
-        time.sleep(3)  # the hogs are queued and taking turns
+        # one hog holds the lock, the 15 others wait for it, ahead of the victim
+        broker.wait_for(lambda s: s["waiting_for_lock"] >= 15, timeout=30)
         ok = area.cli(VICTIM, "run", "--", "true")
         assert ok.returncode == 0, ok.stderr
     finally:
