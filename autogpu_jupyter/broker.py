@@ -49,9 +49,12 @@ process (found by the socket's inode; else by the recorded pids and their start 
 *orphan*: held until no process holds it any more, so no live lease is lost or doubled; nothing
 is handed out on its devices in the meantime.
 
-**Tickets lapse.** A ticket the broker could serve now but that has not been turned into a lease
-for ``ticket_grace_s`` loses its place: its connection is told and closed. A waiter polls every
-second, so only a client that holds a ticket without picking loses it.
+**Tickets lapse.** A ticket taken while a device is free for it reserves nothing (a waiter only
+waits when nothing fits) until nothing fits it once. A ticket the broker could serve now but
+that has not been turned into a lease for ``ticket_grace_s`` loses its place: its connection is
+told and closed. A waiter polls every second, so only a client that holds a ticket without
+picking loses it. A person who left a place that could be served (it lapsed, or was dropped
+without a lease) may not join the line for :data:`LINE_BAR_S`.
 
 The broker is a front end: it imports core, never another front end.
 """
@@ -120,6 +123,8 @@ LOCK_MISUSE_MEMORY_S = 60.0
 #: Tickets a person may take per second on average, and at once.
 TICKETS_PER_S = 2.0
 TICKET_BURST = 8
+#: How long a person who left a servable ticket (lapsed, or dropped) may not join the line.
+LINE_BAR_S = 60.0
 _FLEET_RECHECK_S = 5.0
 #: Journal syncs faster than this (on average) are made on the event loop, slower ones on a
 #: thread (an fsync of a spinning disk must not stall every other client).
@@ -330,6 +335,8 @@ class Broker:
         #: (a waiter only waits when nothing fits) until the line is full for them once.
         self.dormant: set[str] = set()
         self.joined: dict[int, list[float]] = {}  # person -> [tokens, last refill]: tickets/s
+        self.line_barred: dict[int, float] = {}  # person -> until when it may not join the line
+        self.last_lease_at: dict[int, float] = {}  # person -> when it was last granted a lease
         self._snap: Any = None
         self._snap_at = -1e9
         self._fleet: set[str] | None = None
@@ -339,7 +346,9 @@ class Broker:
         #: Bumped by every change of the live records (see :meth:`live`).
         self.version = 0
         self._live: tuple[int, list[tuple[int, LeaseRecord]]] = (-1, [])
-        self._rows: tuple[int, Account | None, list[dict[str, Any]]] = (-1, None, [])
+        #: The rows of a device's leases, by the ids of those leases (a pick on another device
+        #: does not change them): bounded, cleared when full.
+        self._rows: dict[tuple[str, ...], dict[str, Any]] = {}
         self.journal: jrnl.Journal | None = None
         if config.state_dir:
             _check_state_dir(config.state_dir)
@@ -467,18 +476,14 @@ class Broker:
         live = self.live()
         own = [self._shown(rec, conn.uid) for key, rec in live
                if key == conn.key and rec.kind == "lease"]
-        if self._rows[:2] == (self.version, conn.account):
-            devices = self._rows[2]  # the same state, seen by the same person: as before
-        else:
-            per_dev: dict[str, list[LeaseRecord]] = {}
-            for key, rec in live:
-                if rec.kind == "lease" and key != conn.key:
-                    for uuid in rec.device_uuids:
-                        per_dev.setdefault(uuid, []).append(rec)
-            for rec in self.reserved_away(conn):
-                per_dev.setdefault(rec.device_uuids[0], []).append(rec)
-            devices = [_device_rows(uuid, recs) for uuid, recs in sorted(per_dev.items())]
-            self._rows = (self.version, conn.account, devices)
+        per_dev: dict[str, list[LeaseRecord]] = {}
+        for key, rec in live:
+            if rec.kind == "lease" and key != conn.key:
+                for uuid in rec.device_uuids:
+                    per_dev.setdefault(uuid, []).append(rec)
+        for rec in self.reserved_away(conn):
+            per_dev.setdefault(rec.device_uuids[0], []).append(rec)
+        devices = [self._rows_of(uuid, recs) for uuid, recs in sorted(per_dev.items())]
         tickets: list[dict[str, Any]] = []
         size = 0
         waiting = [rec for _, rec in live if self.reserving(rec)]
@@ -495,6 +500,17 @@ class Broker:
             "tickets": tickets,
             "tickets_not_shown": len(waiting) - len(tickets),
         }
+
+    def _rows_of(self, uuid: str, recs: list[LeaseRecord]) -> dict[str, Any]:
+        """:func:`_device_rows`, kept for the same leases of the same device."""
+        # a record changes only by set_pid (its pid); a lease id names the rest
+        key = (uuid, *(f"{r.lease_id}:{r.pid}" for r in recs))
+        rows = self._rows.get(key)
+        if rows is None:
+            if len(self._rows) >= 256:
+                self._rows.clear()
+            rows = self._rows[key] = _device_rows(uuid, recs)
+        return rows
 
     async def op_end(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         self._drop_lock(conn)
@@ -1073,6 +1089,13 @@ class Broker:
         if conn.uid == 0:
             return
         now = time.monotonic()
+        barred = self.line_barred.get(conn.key, 0.0)
+        if barred > now:
+            raise BrokerRefusal(
+                f"{conn.user} left a place in the waiting line that could be served, without "
+                f"taking a lease: {conn.user} may wait in line again in {barred - now:.0f} s "
+                "(a pick that does not wait works now)", "LeaseLimitError",
+            )
         bucket = self.joined.setdefault(conn.key, [float(TICKET_BURST), now])
         bucket[0] = min(float(TICKET_BURST), bucket[0] + (now - bucket[1]) * TICKETS_PER_S)
         bucket[1] = now
@@ -1121,8 +1144,13 @@ class Broker:
         began = new is not None and (old is None or new.lease_id != old.lease_id)
         if ended:
             assert old is not None
-            self.servable_since.pop(old.lease_id, None)
+            since = self.servable_since.pop(old.lease_id, None)
             self.dormant.discard(old.lease_id)
+            if (old.kind == "ticket" and since is not None
+                    and self.last_lease_at.get(conn.key, -1e9) < since):
+                self._bar_from_line(conn.key, old)  # left a place it could have taken
+        if began and new is not None and new.kind == "lease":
+            self.last_lease_at[conn.key] = time.monotonic()
         if began and new is not None and new.kind == "ticket" and self._servable_now(new):
             self.dormant.add(new.lease_id)
         journal = self.journal
@@ -1316,9 +1344,23 @@ class Broker:
             if now - since >= self.config.ticket_grace_s:
                 self._lapse(rec)
 
+    def _bar_from_line(self, key: int, rec: LeaseRecord) -> None:
+        """A person whose ticket could be served but was not taken (it lapsed, or was dropped
+        while servable) may not join the line for :data:`LINE_BAR_S`: otherwise a stream of
+        tickets taken and left would keep a place ahead of everyone."""
+        now = time.monotonic()
+        self.line_barred[key] = now + LINE_BAR_S
+        if len(self.line_barred) > 4096:
+            self.line_barred = {k: t for k, t in self.line_barred.items() if t > now}
+        log.info("%s left ticket %d that could be served: barred from the line for %.0f s",
+                 rec.user, rec.seq or 0, LINE_BAR_S)
+
     def _lapse(self, rec: LeaseRecord) -> None:
         self.lapsed += 1
         self.servable_since.pop(rec.lease_id, None)
+        key = next((k for k, r in self.live() if r.lease_id == rec.lease_id), None)
+        if key is not None:
+            self._bar_from_line(key, rec)
         log.info("ticket %d of %s lapsed: it could be served for %.0f s but was not taken",
                  rec.seq or 0, rec.user, self.config.ticket_grace_s)
         for conn in list(self.conns):

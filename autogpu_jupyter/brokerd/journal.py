@@ -189,15 +189,17 @@ class Journal:
         if self.entries.pop(lease_id, None) is None:
             return
         self._live -= self._sizes.pop(lease_id, 0)
-        self._append({"del": lease_id})
+        self._append({"del": lease_id}, durable=False)
 
-    def _append(self, doc: Mapping[str, Any]) -> int:
+    def _append(self, doc: Mapping[str, Any], durable: bool = True) -> int:
+        """Write one line; ``durable``: :attr:`dirty` until synced (a removal need not be: a
+        crash that loses it leaves a lease nobody holds, which the next broker drops)."""
         data = json.dumps(doc, separators=(",", ":")).encode() + b"\n"
         if self._fd < 0:
             self._open()
         _write_all(self._fd, data)
         self._bytes += len(data)
-        self._dirty = True
+        self._dirty = self._dirty or durable
         if self._bytes > max(COMPACT_MIN_BYTES, 4 * self._live):
             self.compact()
         return len(data)

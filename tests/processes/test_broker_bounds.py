@@ -553,6 +553,52 @@ def test_a_ticket_that_could_be_served_but_is_not_taken_loses_its_place(area: Pa
         proc.stop()
 
 
+def _wait_leave_and_rejoin(path: str) -> list[Any]:
+    """As a user: a ticket that waits (GPU 0 is taken); once it could be served (the broker
+    checks every second), leave it without a lease; then try to wait in line again."""
+    waiter = RawConn(path)
+    out = [waiter.call(TICKET)["ok"]]
+    while True:
+        with RawConn(path) as c:
+            if c.call({"op": "status"})["leases_total"] == 0:
+                break
+        time.sleep(0.1)
+    time.sleep(2.5)
+    waiter.close()  # leaves a place it could have taken
+    time.sleep(0.5)
+    with RawConn(path) as again:
+        out.append(again.call(TICKET))
+    return out
+
+
+def _hold_exclusive(path: str, device: str) -> bool:
+    c = RawConn(path)
+    _HELD.append(c)
+    return bool(c.call({"op": "lease", "devices": [device], "exclusive": True})["ok"])
+
+
+@ROOT_ONLY
+def test_a_user_who_leaves_a_servable_place_waits_a_minute_to_queue_again(area: Path) -> None:
+    proc = _broker(area, "--ticket-grace", "60")
+    try:
+        blocker = AsUser(*THIRD, _hold_exclusive, str(proc.socket), uuid_of(0), hold=True)
+        assert blocker.result() is True
+        user = AsUser(*OTHER, _wait_leave_and_rejoin, str(proc.socket))
+        proc.wait_for(lambda s: s["tickets_total"] == 1)  # the ticket waits: GPU 0 is taken
+        blocker.stop()
+        joined, again = user.result()
+        user.stop()
+        assert joined is True
+        assert again["ok"] is False and again["type"] == "LeaseLimitError", again
+        assert again["error"].startswith(
+            "nobody left a place in the waiting line that could be served, without taking a "
+            "lease: nobody may wait in line again in ")
+        assert again["error"].endswith(" s (a pick that does not wait works now)")
+        assert "barred from the line for 60 s" in proc.log.read_text()
+    finally:
+        proc.stop()
+
+
 def test_root_lists_and_revokes_tickets(broker: BrokerProc) -> None:
     hold = RawConn(broker.socket)
     hold.call({"op": "lease", "devices": [uuid_of(0)], "exclusive": True})
