@@ -49,8 +49,9 @@ process (found by the socket's inode; else by the recorded pids and their start 
 *orphan*: held until no process holds it any more, so no live lease is lost or doubled; nothing
 is handed out on its devices in the meantime.
 
-**Tickets lapse.** A ticket taken while a device is free for it reserves nothing (a waiter only
-waits when nothing fits) until nothing fits it once. A ticket the broker could serve now but
+**Tickets lapse.** A ticket taken while a device is free for it (counting only leases held for
+:data:`SETTLED_S`) reserves nothing (a waiter only waits when nothing fits) until nothing fits it
+once. A ticket the broker could serve now but
 that has not been turned into a lease for ``ticket_grace_s`` loses its place: its connection is
 told and closed. A waiter polls every second, so only a client that holds a ticket without
 picking loses it. A person who left a place that could be served (it lapsed, or was dropped
@@ -125,6 +126,8 @@ TICKETS_PER_S = 2.0
 TICKET_BURST = 8
 #: How long a person who left a servable ticket (lapsed, or dropped) may not join the line.
 LINE_BAR_S = 60.0
+#: A lease younger than this does not make a new ticket wait (see ``Broker._servable_now``).
+SETTLED_S = 2.0
 _FLEET_RECHECK_S = 5.0
 #: Journal syncs faster than this (on average) are made on the event loop, slower ones on a
 #: thread (an fsync of a spinning disk must not stall every other client).
@@ -1287,11 +1290,15 @@ class Broker:
         """Whether ``rec`` is a ticket that reserves devices for its waiter (not dormant)."""
         return rec.kind == "ticket" and rec.lease_id not in self.dormant
 
-    def _waiters(self, snap: Any, tickets: list[LeaseRecord]) -> dict[str, tuple[str, ...]]:
-        """The tickets of ``tickets`` (in line order) the one decision would serve now."""
+    def _waiters(
+        self, snap: Any, tickets: list[LeaseRecord], settled_only: bool = False
+    ) -> dict[str, tuple[str, ...]]:
+        """The tickets of ``tickets`` (in line order) the one decision would serve now;
+        ``settled_only``: as if the leases younger than :data:`SETTLED_S` were not there."""
         from autogpu_jupyter.core import decision
 
-        leases = [r for _, r in self.live() if r.kind == "lease"]
+        born = time.time() - SETTLED_S if settled_only else float("inf")
+        leases = [r for _, r in self.live() if r.kind == "lease" and r.created_s <= born]
         bookings = decision.bookings_for(snap.devices, leases)
         return decision.served_waiters(snap.devices, bookings, tickets)
 
@@ -1300,14 +1307,17 @@ class Broker:
         return sorted(tickets, key=lambda r: (r.seq or 0, r.created_s, r.lease_id))
 
     def _servable_now(self, ticket: LeaseRecord) -> bool:
-        """Whether a device is free for a new ticket now, behind the reserving tickets (by the
-        last snapshot, at most a second old; without one: no)."""
+        """Whether a device is free for a ticket, behind the reserving tickets (by the last
+        snapshot, at most a second old; without one: no), counting only leases held for
+        :data:`SETTLED_S` at least: a waiter waits for a job to end, not for another user's
+        pick of a moment ago (a ticket taken while such a pick held its device would otherwise
+        reserve every device the moment that pick let go)."""
         snap = self._snap
         if snap is None or time.monotonic() - self._snap_at > 1.0:
             return False
         line = [r for r in self._line() if self.reserving(r) and r.lease_id != ticket.lease_id]
         try:
-            return ticket.lease_id in self._waiters(snap, [*line, ticket])
+            return ticket.lease_id in self._waiters(snap, [*line, ticket], settled_only=True)
         except Exception as err:  # a ticket the decision cannot read reserves as before
             log.debug("ticket %s not judged: %s", ticket.lease_id, err)
             return False
@@ -1326,15 +1336,16 @@ class Broker:
         except Exception as err:  # no fleet to judge by: no ticket lapses
             log.debug("no snapshot for the ticket check: %s", err)
             return
-        servable: set[str] = set()
         for rec in self._line():
-            if rec.lease_id in self.dormant:
-                if self._servable_now(rec):
-                    servable.add(rec.lease_id)
-                else:
-                    self.dormant.discard(rec.lease_id)  # nothing fits it now: it waits
+            if rec.lease_id in self.dormant and not self._servable_now(rec):
+                self.dormant.discard(rec.lease_id)  # leases that stay block it: it waits now
         reserving = [r for r in self._line() if self.reserving(r)]
-        servable.update(self._waiters(snap, reserving))
+        servable = set(self._waiters(snap, reserving))
+        for rec in self._line():  # a dormant ticket could be served too, behind the others
+            if rec.lease_id in self.dormant and rec.lease_id in self._waiters(
+                snap, [*reserving, rec]
+            ):
+                servable.add(rec.lease_id)
         now = time.monotonic()
         for rec in self._line():
             if rec.lease_id not in servable:

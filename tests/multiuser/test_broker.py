@@ -494,11 +494,13 @@ def test_forged_tickets_and_planted_registry_junk_change_nothing(
               "constraints": {"min_free_bytes": None, "min_free_fraction": None,
                               "max_util_pct": None, "count": 1, "exclude": [],
                               "exclusive": True, "allowed_uuids": [uuid_of(0)]}}
-    # GPU 0 is taken, so B's tickets wait for it (a ticket taken while its device is free
-    # reserves nothing: a waiter only waits when nothing fits).
+    # GPU 0 is taken (for more than a moment), so B's tickets wait for it: a ticket taken while
+    # its device is free, or held by a lease of a moment ago, reserves nothing (a waiter waits
+    # for a job to end, not for another pick).
     holder = AsUser(uid, gid, _raw_hold, str(area.socket),
                     {"op": "lease", "devices": [uuid_of(0)], "exclusive": True}, hold=True)
     assert holder.result()[0]["ok"]
+    time.sleep(2.5)  # past the broker's SETTLED_S (2 s): the holder's lease now makes B wait
     first = AsUser(uid, gid, _raw_hold, str(area.socket), forged, hold=True)
     one = first.result()[0]  # before the second arrives: their order is the line's order
     second = AsUser(uid, gid, _raw_hold, str(area.socket), forged, hold=True)
