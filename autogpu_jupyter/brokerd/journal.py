@@ -101,7 +101,7 @@ class Journal:
         """Read the log (or the first broker's ``journal.json``); the live entries. Then the
         log is compacted (rewritten with only them) and opened for appending."""
         legacy = os.path.join(self.directory, LEGACY_NAME)
-        if os.path.exists(self.path):
+        if os.path.lexists(self.path):
             self._replay()
         elif os.path.exists(legacy):
             self._read_legacy(legacy)
@@ -111,7 +111,8 @@ class Journal:
         return dict(self.entries)
 
     def _replay(self) -> None:
-        with open(self.path, "rb") as f:
+        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # ours, not a link
+        with os.fdopen(fd, "rb") as f:
             for n, raw in enumerate(f, 1):
                 if len(raw) > MAX_LINE_BYTES or not raw.endswith(b"\n"):
                     log.warning("journal line %d skipped (torn or too long)", n)
