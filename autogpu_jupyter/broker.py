@@ -100,6 +100,7 @@ from autogpu_jupyter.core.records import (
     Invalid,
     LeaseRecord,
     capped_text,
+    cut_encoded,
     encode,
     parse_record,
 )
@@ -114,8 +115,9 @@ _MAX_DEVICES = MAX_ID_LIST
 #: The transport's write buffer of one connection: past it, the broker waits for the client to
 #: read (at most ``send_timeout_s``) instead of buffering more.
 OUT_BUFFER_BYTES = 64 * 1024
-#: How much of a holder's text (``alice: analysis.ipynb``) the booking view carries.
-_VIEW_TEXT = 160
+#: How much of a holder's name and place (``alice``, ``analysis.ipynb``) the booking view
+#: carries, in encoded bytes.
+_VIEW_TEXT = 128
 #: The pick lock of a person who let it time out within :data:`LOCK_MISUSE_MEMORY_S` is taken
 #: back after this long when someone else waits: holding it idle then blocks nobody for long.
 #: A pick that gets the lock and leases at once never meets it.
@@ -1419,8 +1421,8 @@ def _device_rows(uuid: str, recs: list[LeaseRecord]) -> dict[str, Any]:
     rows = []
     for rec in ranked[:VIEW_ROWS_PER_DEVICE]:
         where = rec.holder_text().partition(": ")[2]
-        rows.append([rec.exclusive, rec.pid, rec.requested_on(uuid), rec.user[:_VIEW_TEXT],
-                     where[:_VIEW_TEXT]])
+        rows.append([rec.exclusive, rec.pid, rec.requested_on(uuid),
+                     cut_encoded(rec.user, _VIEW_TEXT), cut_encoded(where, _VIEW_TEXT)])
     rest = ranked[VIEW_ROWS_PER_DEVICE:]
     more = {
         "leases": len(rest),

@@ -29,6 +29,7 @@ __all__ = [
     "Invalid",
     "LeaseRecord",
     "capped_text",
+    "cut_encoded",
     "encode",
     "field_text",
     "parse_checked",
@@ -425,14 +426,19 @@ def capped_text(value: str | None, field: str) -> str | None:
     non-ASCII, 12 beyond the BMP)."""
     limit = FIELD_CAPS[field]
     text = field_text(value, limit)
-    if text is None or (text.isascii() and '"' not in text and "\\" not in text):
-        return text  # one byte per character: the cut above was the cap
+    return None if text is None else cut_encoded(text, limit)
+
+
+def cut_encoded(text: str, limit: int) -> str:
+    """The longest start of ``text`` that ``json.dumps`` writes in at most ``limit`` bytes."""
+    if len(text) <= limit and text.isascii() and '"' not in text and "\\" not in text:
+        return text  # one byte per character
     size = 0
-    for i, ch in enumerate(text):
+    for i, ch in enumerate(text[:limit]):
         size += _encoded_len(ch)
         if size > limit:
             return text[:i]
-    return text
+    return text[:limit]
 
 
 def _encoded_len(ch: str) -> int:

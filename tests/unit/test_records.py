@@ -696,3 +696,12 @@ def test_a_lone_surrogate_in_a_nested_value_is_refused() -> None:
     assert refusal(raw(lease_dict(user="x")).replace(b'"x"', b'"\\udc80"')) == (
         "a lone surrogate (not valid Unicode text)"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "limit", "cut"),
+    [("abc", 2, "ab"), ("abc", 5, "abc"), ("\u00e9\u00e9", 11, "\u00e9"),
+     ("\u00e9\u00e9", 12, "\u00e9\u00e9"), ('a"b', 2, "a"), ('a"b', 3, 'a"'), ("", 4, "")],
+)
+def test_cut_encoded_keeps_the_longest_start_that_fits(text: str, limit: int, cut: str) -> None:
+    assert records.cut_encoded(text, limit) == cut
