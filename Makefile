@@ -55,6 +55,7 @@ bench: setup
 	$(PY) benchmarks/amd.py
 	$(PY) benchmarks/herd.py
 	$(PY) benchmarks/broker_herd.py
+	@if [ "$$(id -u)" = 0 ]; then $(PY) benchmarks/broker_hostile.py; else echo "bench: broker_hostile.py needs root (other uids): skipped"; fi
 	$(PY) benchmarks/placement.py
 	$(PY) benchmarks/sampler.py
 	$(PY) benchmarks/server.py

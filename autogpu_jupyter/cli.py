@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -138,12 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the trusted lease broker (root): serve, or show its status",
         description="`autogpu broker` runs the lease broker in the foreground (systemd runs it "
         "through socket activation: see docs/admin-broker.md). `autogpu broker status` shows "
-        "its leases, waiters and per-user counts; `autogpu broker revoke LEASE_ID` (root) ends "
-        "a lease.",
+        "its leases, waiters and per-user counts; `autogpu broker tickets` lists the waiting "
+        "line; `autogpu broker revoke ID` (root) ends a lease or a ticket.",
     )
     p_broker.add_argument("action", nargs="?", default="serve",
-                          choices=["serve", "status", "revoke"], help="default: serve")
-    p_broker.add_argument("lease_id", nargs="?", help="the lease to revoke")
+                          choices=["serve", "status", "tickets", "revoke"],
+                          help="default: serve")
+    p_broker.add_argument("lease_id", nargs="?", help="the lease or ticket to revoke")
     p_broker.add_argument("--socket", metavar="PATH", default=None,
                           help="the Unix socket (default c.AutoGPU.broker_socket, else "
                           "/run/autogpu/broker.sock)")
@@ -155,7 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
     p_broker.add_argument("--max-devices-per-user", type=int, default=None, metavar="N",
                           help="admin limit (default c.AutoGPU.max_devices_per_user)")
     p_broker.add_argument("--max-connections-per-user", type=int, default=256, metavar="N",
-                          help="connections one non-root uid may hold (default 256)")
+                          help="connections one non-root user (with their subordinate uids) "
+                          "may hold (default 256)")
+    p_broker.add_argument("--max-connections", type=int, default=0, metavar="N",
+                          help="connections in all users together (default 0: 4096, or fewer "
+                          "if the descriptor limit is lower; the last 16 are root's)")
+    p_broker.add_argument("--ticket-grace", type=float, default=5.0, metavar="SECONDS",
+                          help="a ticket that could be served but is not taken within this "
+                          "many seconds loses its place (default 5)")
+    p_broker.add_argument("--send-timeout", type=float, default=10.0, metavar="SECONDS",
+                          help="a client that does not read a reply within this many seconds "
+                          "is dropped (default 10)")
+    p_broker.add_argument("--subuid-file", metavar="FILE", default="/etc/subuid",
+                          help="subordinate uid ranges: such a uid counts as its owner "
+                          "(default /etc/subuid)")
     p_broker.add_argument("--max-messages-per-s-per-user", type=float, default=500.0,
                           metavar="N", help="messages per second one non-root uid may send "
                           "(default 500; past it that user's messages wait)")
@@ -544,6 +559,10 @@ def _cmd_broker(args: argparse.Namespace) -> int:
             max_leases_per_user=settings.max_leases_per_user,
             max_tickets_per_user=settings.max_tickets_per_user,
             max_connections_per_user=args.max_connections_per_user,
+            max_connections=args.max_connections,
+            ticket_grace_s=args.ticket_grace,
+            send_timeout_s=args.send_timeout,
+            subuid_path=args.subuid_file,
             messages_per_s_per_user=args.max_messages_per_s_per_user,
             record_commands=settings.record_commands,
         )
@@ -555,12 +574,30 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     reg = BrokerRegistry(path, connect_timeout_s=1.0)
     if args.action == "revoke":
         if not args.lease_id:
-            print("autogpu: error: broker revoke needs a LEASE_ID (see autogpu broker status)",
-                  file=sys.stderr)
+            print("autogpu: error: broker revoke needs a LEASE_ID or ticket id (see autogpu "
+                  "broker status)", file=sys.stderr)
             return EXIT_USAGE
-        print(f"revoked lease {args.lease_id} ({reg.revoke(args.lease_id)})")
+        kind, holder = reg.revoke_record(args.lease_id)
+        print(f"revoked {kind} {args.lease_id} ({holder})")
         return EXIT_OK
+    if args.action == "tickets":
+        return _print_broker_tickets(reg.list_tickets(), args.json)
     return _print_broker_status(reg.status(), path, args.json)
+
+
+def _print_broker_tickets(tickets: list[Any], as_json: bool) -> int:
+    """``autogpu broker tickets``: the waiting line, oldest first."""
+    if as_json:
+        print(json.dumps([t.to_dict() | {"constraints": dict(t.constraints or {})}
+                          for t in tickets], indent=2))
+        return EXIT_OK
+    print(f"waiting tickets: {len(tickets)}")
+    for t in tickets:
+        since = time.strftime("%H:%M:%S", time.localtime(t.created_s))
+        c = t.constraints or {}
+        ask = f"{c.get('count', 1)} GPU(s)" + (" exclusive" if t.exclusive else "")
+        print(f"  ticket {t.seq}  {t.lease_id}  {ask}, since {since}  {t.holder_text()}")
+    return EXIT_OK
 
 
 def _print_broker_status(st: dict[str, Any], path: str, as_json: bool) -> int:

@@ -98,6 +98,19 @@ if [ "${AUTOGPU_SKIP_CLUSTER:-0}" != 1 ]; then
   fi
 fi
 
+# Debian's uidmap (newuidmap): the broker's multi-user tests act as a user's subordinate uids
+# through `unshare --map-auto` (tests/multiuser/test_broker_attacks.py). Only as root.
+if ! command -v newuidmap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "setup: installing Debian's uidmap for the broker's multi-user tests"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends uidmap >/dev/null
+  else
+    echo "setup: uidmap missing (sudo apt-get install uidmap); the broker's subordinate-uid" \
+      "tests will skip" >&2
+  fi
+fi
+
 # A second environment with ipykernel 6, for the panel tests (issue 4 asks for ipykernel 6 and 7).
 if [ "${AUTOGPU_SKIP_IPK6:-0}" != 1 ] && { [ ! -f .venv-ipk6/.stamp ] || [ pyproject.toml -nt .venv-ipk6/.stamp ]; }; then
   echo "setup: creating .venv-ipk6 (ipykernel 6) for the panel tests"

@@ -41,6 +41,7 @@ __all__ = [
     "decide",
     "gather",
     "reserve_for_waiters",
+    "served_waiters",
     "ticket_constraints",
 ]
 
@@ -235,7 +236,31 @@ def reserve_for_waiters(
     take it, and nobody is passed over by someone who polled first. A device so reserved says
     whose ticket holds it (:func:`admission.ticket_text`), in every drop reason it causes.
     """
+    return _serve_waiters(devices, bookings, tickets, ticket, smoothed_util)[0]
+
+
+def served_waiters(
+    devices: Sequence[DeviceSnapshot],
+    bookings: Mapping[str, Booking],
+    tickets: Sequence[LeaseRecord],
+    *,
+    smoothed_util: SmoothedUtil | None = None,
+) -> dict[str, tuple[str, ...]]:
+    """The waiters (``tickets``, oldest first) that :func:`reserve_for_waiters` would serve
+    now, by lease id, with the UUIDs each would be given (the broker lets a ticket that could
+    be served, but is not taken, lapse)."""
+    return _serve_waiters(devices, bookings, tickets, None, smoothed_util)[1]
+
+
+def _serve_waiters(
+    devices: Sequence[DeviceSnapshot],
+    bookings: Mapping[str, Booking],
+    tickets: Sequence[LeaseRecord],
+    ticket: HeldLease | None,
+    smoothed_util: SmoothedUtil | None,
+) -> tuple[dict[str, Booking], dict[str, tuple[str, ...]]]:
     out = dict(bookings)
+    served: dict[str, tuple[str, ...]] = {}
     my_id = None if ticket is None else ticket.record.lease_id
     my_seq = None if ticket is None else ticket.record.seq
     for t in tickets:
@@ -254,6 +279,8 @@ def reserve_for_waiters(
         except (AutoGPUError, TypeError, ValueError) as err:  # another user's ticket never
             log.debug("ignoring ticket %s: %s", t.lease_id, err)  # breaks our pick
             continue
+        if chosen:
+            served[t.lease_id] = tuple(cand.device.uuid for cand in chosen)
         for cand in chosen:
             b = out.get(cand.device.uuid)
             if b is None:
@@ -271,7 +298,7 @@ def reserve_for_waiters(
                 else b.exclusive_by,
                 waiting=(*b.waiting, waiting),
             )
-    return out
+    return out, served
 
 
 def describe_load(candidate: Candidate, short: bool = False) -> str:

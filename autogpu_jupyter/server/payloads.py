@@ -645,14 +645,17 @@ def cluster_history_payload(state: AutoGPUServer, seconds: float) -> dict[str, A
     }
     if not url:
         return base
+    client = PrometheusClient(url, settings.prometheus_timeout_s)
     try:
-        step, histories = fetch_history(PrometheusClient(url, settings.prometheus_timeout_s),
-                                        seconds)
+        step, histories = fetch_history(client, seconds)
     except AutoGPUError as err:
         base["errors"] = [str(err)]
         return base
     base["step_s"] = step
     base["hosts"] = [h.to_dict() for h in histories]
+    if client.rejected:  # a target's +Inf or NaN: left out of the history, and said so
+        base["errors"] = [f"{len(client.rejected)} series had points that are not finite "
+                          f"numbers, left out (e.g. {client.rejected[0].text()})"]
     return base
 
 

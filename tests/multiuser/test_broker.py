@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
-from tests.brokerhelpers import Area, BrokerProc, raw_call
+from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL, BrokerRegistry
+from tests.brokerhelpers import Area, BrokerProc, raw_call, wire
 from tests.leasehelpers import AsUser, as_user, ensure_user, shared_area, uuid_of
 
 pytestmark = [
@@ -72,7 +72,7 @@ def _no_traceback(proc: Any) -> None:
 
 
 def _raw(path: str, *messages: Any) -> list[Any]:
-    lines = [m if isinstance(m, bytes) else json.dumps(m).encode() + b"\n" for m in messages]
+    lines = [m if isinstance(m, bytes) else wire(m) for m in messages]
     return raw_call(path, *lines)
 
 
@@ -85,7 +85,7 @@ def _raw_hold(path: str, *messages: Any) -> Any:
     replies = []
     f = s.makefile("rb")
     for m in messages:
-        s.sendall(json.dumps(m).encode() + b"\n")
+        s.sendall(wire(m))
         replies.append(json.loads(f.readline()))
     _HELD.append((s, f))
     return replies
@@ -238,7 +238,7 @@ def test_oversized_or_malformed_messages_close_only_that_connection(
         assert any("longer than 65536 bytes" in r.get("error", "") for r in big[:-1]), big
         junk = as_user(uid, gid, _raw, path, b"not json\n", {"op": "status"})
         assert junk == [{"ok": False, "error": "malformed message (not JSON): connection closed",
-                         "type": "RegistryError"}, "closed"]
+                         "type": "RegistryError", "proto": PROTOCOL}, "closed"]
         deep = as_user(uid, gid, _raw, path, b"[" * 60_000 + b"\n")
         assert deep[-1] == "closed" and "malformed" in deep[0]["error"]
         unknown = as_user(uid, gid, _raw, path, {"op": "become_root"})
@@ -282,11 +282,11 @@ def _flood(path: str, n: int) -> tuple[int, int, bool]:
         s.settimeout(10)
         s.connect(path)
         if i == 0:
-            s.sendall(b'{"op": "begin"}\n')
+            s.sendall(wire({"op": "begin"}))
             begun = b'"ok": true' in s.makefile("rb").readline()
         else:
             try:
-                s.sendall(b'{"op": "status"}\n')
+                s.sendall(wire({"op": "status"}))
                 data = s.makefile("rb").readline()
             except OSError:  # refused and closed before our message arrived
                 data = b"too many connections"
@@ -494,6 +494,13 @@ def test_forged_tickets_and_planted_registry_junk_change_nothing(
               "constraints": {"min_free_bytes": None, "min_free_fraction": None,
                               "max_util_pct": None, "count": 1, "exclude": [],
                               "exclusive": True, "allowed_uuids": [uuid_of(0)]}}
+    # GPU 0 is taken (for more than a moment), so B's tickets wait for it: a ticket taken while
+    # its device is free, or held by a lease of a moment ago, reserves nothing (a waiter waits
+    # for a job to end, not for another pick).
+    holder = AsUser(uid, gid, _raw_hold, str(area.socket),
+                    {"op": "lease", "devices": [uuid_of(0)], "exclusive": True}, hold=True)
+    assert holder.result()[0]["ok"]
+    time.sleep(2.5)  # past the broker's SETTLED_S (2 s): the holder's lease now makes B wait
     first = AsUser(uid, gid, _raw_hold, str(area.socket), forged, hold=True)
     one = first.result()[0]  # before the second arrives: their order is the line's order
     second = AsUser(uid, gid, _raw_hold, str(area.socket), forged, hold=True)
@@ -502,8 +509,10 @@ def test_forged_tickets_and_planted_registry_junk_change_nothing(
         assert one["ok"] and two["ok"], (one, two)
         assert [one["record"]["seq"], two["record"]["seq"]] == [1, 2]  # the broker's numbers
         assert one["record"]["lease_id"] != "0" * 32
-        # B's older waiter is served first (FIFO): GPU 0 is reserved for it (exclusively, as
-        # its ticket asks), so A's pick of GPU 0 is refused while B waits, naming B's ticket.
+        holder.stop()
+        # GPU 0 is free now; B's older waiter is served first (FIFO): GPU 0 is reserved for it
+        # (exclusively, as its ticket asks), so A's pick of GPU 0 is refused while B waits,
+        # naming B's ticket.
         res = area.cli(USER_A, "run", "--exclude", "1,2,3", "--", "true")
         assert res.returncode == 3, res.stderr
         assert (
@@ -526,7 +535,7 @@ def _flood_messages(path: str, n: int) -> float:
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(path)
         start = time.monotonic()
-        s.sendall(b'{"op": "status"}\n' * n)
+        s.sendall(wire({"op": "status"}) * n)
         f = s.makefile("rb")
         for _ in range(n):
             assert json.loads(f.readline())["ok"] is True
@@ -689,7 +698,7 @@ def _fuzz(path: str, seed: int, n: int) -> list[str]:
         for k in rnd.sample(keys, rnd.randint(0, 5)):
             msg[k] = rnd.choice(values)
         try:
-            line = json.dumps(msg).encode() + b"\n"
+            line = wire(msg)
         except UnicodeEncodeError:
             line = b'{"op": "status", "x": "\\ud800"}\n'
         out.append(_one_reply(path, line))

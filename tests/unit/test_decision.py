@@ -20,6 +20,7 @@ from autogpu_jupyter.core.decision import (
     describe_load,
     gather,
     reserve_for_waiters,
+    served_waiters,
     ticket_constraints,
 )
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
@@ -256,6 +257,21 @@ def test_an_admins_reservation_is_worded_as_one_in_the_bookings() -> None:
     assert bookings_for([dev(0)], leases)["GPU-0"].exclusive_by == (
         "reserved for group(s) ml by the admin", "held exclusively by another lease"
     )
+
+
+def test_served_waiters_names_each_ticket_the_line_would_serve_now() -> None:
+    """The same FIFO rule: the first waiter takes GPU 1 exclusively, the second the other one,
+    the third (two GPUs) finds none left; bookings of live leases count."""
+    devices = [dev(0, util=10.0), dev(1, util=0.0)]
+    t1 = ticket_rec(1, ticket_constraints(Constraints(exclusive=True), None))
+    t2 = ticket_rec(2, ticket_constraints(Constraints(), None))
+    t3 = ticket_rec(3, ticket_constraints(Constraints(count=2), None))
+    assert served_waiters(devices, empty(devices), [t1, t2, t3]) == {
+        t1.lease_id: ("GPU-1",), t2.lease_id: ("GPU-0",)}
+    full = {u: dataclasses.replace(b, exclusive=True, lease_count=1)
+            for u, b in empty(devices).items()}
+    assert served_waiters(devices, full, [t1, t2, t3]) == {}
+    assert served_waiters(devices, empty(devices), []) == {}
 
 
 def test_a_waiter_limited_to_allowed_devices_or_their_mig_parent() -> None:

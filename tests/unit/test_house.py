@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("front ends", (
         "autogpu_jupyter.magics", "autogpu_jupyter.widgets", "autogpu_jupyter.server",
         "autogpu_jupyter.provisioner", "autogpu_jupyter.cli", "autogpu_jupyter.kernelspec",
-        "autogpu_jupyter.broker",
+        "autogpu_jupyter.broker", "autogpu_jupyter.brokerd",
     )),
     ("the package (its lazy facade)", ("autogpu_jupyter",)),
 )

@@ -79,15 +79,27 @@ _RELEASE_HINT = "Release one first (%gpu release, or end the kernel / autogpu ru
 
 @dataclass(frozen=True, slots=True)
 class Applicant:
-    """Who asks: the identity admission checks (``uid`` from the kernel, never from a message)."""
+    """Who asks: the identity admission checks (``uid`` from the kernel, never from a message).
+
+    ``key`` is the account the quotas and the line count, where it is not the uid itself: the
+    broker counts a subordinate uid (``/etc/subuid``) as its owner and every unknown uid as one
+    bucket, and hands admission records whose ``uid`` is that key. Root's exemptions follow the
+    uid, never the key.
+    """
 
     uid: int
     user: str
     groups: frozenset[str] = frozenset()
+    key: int | None = None
 
     @property
     def root(self) -> bool:
         return self.uid == 0
+
+    @property
+    def account(self) -> int:
+        """What a record's ``uid`` must equal to count as this applicant's."""
+        return self.uid if self.key is None else self.key
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +248,7 @@ def admit_lease(
     for u in devices:
         if u in away:
             raise NoDeviceFitsError(f"no device free: {u} is {_reserved_phrase(away[u])}")
-    mine = [r for r in leases if r.uid == applicant.uid]
+    mine = [r for r in leases if r.uid == applicant.account]
     if quota.max_devices > 0:
         held = {d for r in mine for d in r.device_uuids}
         if len(held | set(devices)) > quota.max_devices:
@@ -290,7 +302,7 @@ def admit_ticket(
     NoDeviceFitsError
         It names a device reserved away from the applicant.
     """
-    mine = [t for t in tickets if t.uid == applicant.uid]
+    mine = [t for t in tickets if t.uid == applicant.account]
     if len(mine) >= quota.max_tickets:
         raise LeaseLimitError(
             f"{applicant.user} already waits in line with {len(mine)} ticket(s); another "
@@ -316,7 +328,7 @@ def admit_ticket(
             )
         out["exclude"] = exclude
     if quota.max_devices > 0:
-        held = {d for r in leases if r.uid == applicant.uid for d in r.device_uuids}
+        held = {d for r in leases if r.uid == applicant.account for d in r.device_uuids}
         waiting = sum(ticket_count(t) for t in mine)
         wanted = requested_count(out)
         if len(held) + waiting + wanted > quota.max_devices:
