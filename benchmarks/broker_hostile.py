@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend  # noqa: E402
 from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL, BrokerRegistry  # noqa: E402
+from autogpu_jupyter.core.options import PickOptions  # noqa: E402
 from autogpu_jupyter.core.picker import pick  # noqa: E402
 from autogpu_jupyter.core.policy import Constraints  # noqa: E402
 
@@ -209,7 +210,7 @@ def victim_picks(path: str, fleet_file: str, n: int) -> dict[str, Any]:
     for _ in range(n):
         start = time.perf_counter()
         try:
-            result = pick(Constraints.parse(), registry=reg, backend=backend, environ={})
+            result = pick(PickOptions(Constraints.parse()), store=reg, backend=backend, environ={})
         except Exception as err:  # counted and reported, the run goes on
             failed.append(f"{type(err).__name__}: {err}"[:300])
             continue

@@ -288,10 +288,13 @@ def test_a_pick_reads_a_bounded_view_not_every_fat_record(broker: BrokerProc) ->
         reg = BrokerRegistry(str(broker.socket))
         from autogpu_jupyter.core import picker
         from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+        from autogpu_jupyter.core.options import PickOptions
         from autogpu_jupyter.core.policy import Constraints
 
         backend = SimulatedBackend(str(broker.root / "fleet.json"))
-        result = picker.pick(Constraints.parse(), registry=reg, backend=backend, environ={})
+        result = picker.pick(
+            PickOptions(Constraints.parse()), store=reg, backend=backend, environ={}
+        )
         try:
             assert result.chosen[0].uuid == uuid_of(1)
         finally:

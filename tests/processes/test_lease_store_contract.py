@@ -33,7 +33,9 @@ from autogpu_jupyter.core.leasing import (
     Requester,
 )
 from autogpu_jupyter.core.leasing.admission import ticket_text
+from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
 from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.core.units import parse_size
 from autogpu_jupyter.errors import LeaseLimitError, NoDeviceFitsError
 from tests.brokerhelpers import REPO, BrokerProc
 from tests.leasehelpers import fleet, uuid_of
@@ -307,7 +309,8 @@ def test_a_killed_holder_frees_its_lease_with_no_cleanup(contract: Contract) -> 
 def _raw_pick(path: str, options: dict[str, Any]) -> tuple[socket.socket, dict[str, Any]]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
-    sock.sendall(json.dumps({"op": "pick", "options": options}).encode() + b"\n")
+    msg = {"op": "pick", "options": options, "proto": PROTOCOL}
+    sock.sendall(json.dumps(msg).encode() + b"\n")
     data = b""
     while not data.endswith(b"\n"):
         chunk = sock.recv(65536)
@@ -321,7 +324,21 @@ def test_the_brokers_view_serves_the_same_line_and_admission(broker_proc: Broker
     c = Contract("broker", BrokerRegistry(path, connect_timeout_s=5.0), Path())
     before = c.live_ids()
     held: list[socket.socket] = []
-    with c.ticket(count=2, exclusive=True) as waiting:
+    # A ticket that a device could serve at once reserves nothing at the broker (it is dormant:
+    # one ticket must not block every GPU); one that waits does. So the fleet is full first
+    # (the broker's sweep reads it every second), the ticket waits for 10 GiB, then the fleet
+    # is free again: the ticket reserves until it is taken or its grace (5 s) ends.
+    fleet_file = broker_proc.root.parent / "fleet.json"
+    free = fleet_file.read_text()
+    fleet_file.write_text(json.dumps(fleet(4, used_bytes=80 * 1024**3)))
+    time.sleep(1.5)
+    wanted = Constraints(count=2, exclusive=True, min_free=parse_size("10G"))
+    ticket = c.store.take_ticket(
+        constraints=decision.ticket_constraints(wanted, None), exclusive=True
+    )
+    assert ticket is not None
+    fleet_file.write_text(free)
+    with ticket as waiting:
         sock, reply = _raw_pick(path, {"count": 3})
         held.append(sock)
         assert (reply["ok"], reply["type"]) == (False, "NoDeviceFitsError")
