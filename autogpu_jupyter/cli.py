@@ -213,14 +213,26 @@ def _cmd_list(args: argparse.Namespace) -> int:
         ]
         print(json.dumps(data, indent=2))
         return EXIT_OK
+    import shutil
+
+    from autogpu_jupyter.core.tables import narrow, status_table, to_text, visible
+
     df = status_frame(snap, current(), leases)
     title = f"{len(snap.devices)} device(s) via {snap.backend}"
     if snap.simulated:
         title += " — SIMULATED fleet (AUTOGPU_SIMULATE), not real GPUs"
-    print(title)
-    print(df.drop(columns=[""]).to_string(index=False) if len(df) else "(no devices)")
+    print(visible(title))
+    if len(df):
+        # the table of %gpu status, sized for this terminal (columns it can do without are
+        # left out of a narrow one); no "▶" column: a shell has no device of its own
+        columns, rows, _ = status_table(df)
+        columns, rows = columns[1:], [r[1:] for r in rows]
+        width = shutil.get_terminal_size((100, 24)).columns
+        print("\n".join(to_text(*narrow(columns, rows, width), width=width)))
+    else:
+        print("(no devices)")
     for err in snap.errors:
-        print(f"note: {err}")
+        print(f"note: {visible(err)}")
     return EXIT_OK
 
 
