@@ -170,8 +170,9 @@ def test_help_is_written_for_notebook_users(shell: InteractiveShell) -> None:
 
 
 def test_status_plain_text_in_a_terminal(
-    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("COLUMNS", "160")  # a wide terminal: every column
     shell.run_cell("%load_ext autogpu")
     shell.run_cell("%gpu pick --exclude 0")  # GPU 2 (L4, 12 %) is the least loaded of GPUs 1-3
     capsys.readouterr()
@@ -187,7 +188,13 @@ def test_status_plain_text_in_a_terminal(
     assert [ln.split()[:3] for ln in rows[0:2]] == [["GPU", "0", "NVIDIA"], ["GPU", "1", "NVIDIA"]]
     assert rows[2].split()[:5] == ["▶", "GPU", "2", "NVIDIA", "L4"]
     assert rows[3].split()[:3] == ["GPU", "3", "NVIDIA"]
-    assert lines[-1] == "this kernel: ▶ GPU 2 (magic, excluding 0)"
+    assert lines[-1] == "this kernel: ▶ GPU 2 (%gpu pick, excluding 0)"
+    # an 80-column terminal: the table fits it, without the columns it can do without
+    monkeypatch.setenv("COLUMNS", "80")
+    _, out, _ = run(shell, "%gpu status", capsys)
+    narrow = out.splitlines()
+    assert narrow[1].split() == ["gpu", "name", "util", "free", "holders"]
+    assert all(len(ln) <= 80 for ln in narrow[1:-1]), out
 
 
 def test_status_says_simulated(
