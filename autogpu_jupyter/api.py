@@ -60,7 +60,9 @@ def holder_for_this_process(kind: str = "api") -> Holder:
             kernel_id = m.group(1)
             kind = "kernel"
             break
-    notebook = os.environ.get("JPY_SESSION_NAME") or None
+    from autogpu_jupyter.core.contract import notebook_path
+
+    notebook = notebook_path()
     return Holder(
         pid=os.getpid(),
         kernel_id=kernel_id,

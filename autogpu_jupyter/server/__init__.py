@@ -53,6 +53,14 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
         os.environ[SIMULATE_ENV] = resolved
         server_app.log.info("autogpu: %s=%s (resolved from %r)", SIMULATE_ENV, resolved, simulate)
 
+    # Kernels (and terminals) inherit the server's environment: with the root they write
+    # notebook paths as the sidebar shows them, relative to it (core.contract.notebook_path).
+    from autogpu_jupyter.core.contract import SERVER_ROOT_ENV
+
+    root = getattr(server_app, "root_dir", None)
+    if isinstance(root, str) and root:
+        os.environ[SERVER_ROOT_ENV] = os.path.abspath(os.path.expanduser(root))
+
     state = AutoGPUServer(parent=server_app)
     state.start()
     setup_handlers(server_app.web_app, state)
