@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
     from autogpu_jupyter.core.policy import Constraints
+    from autogpu_jupyter.core.records import LeaseRecord
     from autogpu_jupyter.core.registry import Registry
     from autogpu_jupyter.core.sampler import DeviceSeries, Sampler
 
@@ -44,6 +45,7 @@ __all__ = [
     "Overload",
     "Thresholds",
     "detect",
+    "alternative_constraints",
     "best_alternative",
     "kernel_device_uuids",
     "pending_warning",
@@ -164,6 +166,50 @@ def kernel_device_uuids(
     return parse_cuda_visible_devices(raw, devices)[0]
 
 
+def alternative_constraints(
+    lease: LeaseRecord | None, constraints: Constraints | None = None
+) -> Constraints:
+    """What a better device must offer a kernel, the same wherever it is asked (the kernel's
+    warning, the server's notification, the sidebar): the memory the kernel's own lease books
+    (its pick's ``--min-free`` as bytes), as many devices, the same exclusivity.
+
+    Without a lease (leases off, a dry run) the kernel's pick options are used, less their
+    ``--exclude``: a device the pick left out (the sidebar's pick names one device) is still a
+    candidate for "better", and the kernel's own devices are excluded by the caller anyway.
+    """
+    from dataclasses import replace
+
+    from autogpu_jupyter.core.policy import Constraints as _Constraints
+    from autogpu_jupyter.core.units import Size
+
+    if lease is not None:
+        booked = [b for b in lease.device_requested_bytes if b]
+        return _Constraints(
+            min_free=Size(bytes=max(booked)) if booked else None,
+            count=max(1, len(lease.device_uuids)),
+            exclusive=lease.exclusive,
+        )
+    if constraints is None:
+        return _Constraints()
+    return replace(constraints, exclude=())
+
+
+def _own_lease(choice: Any, registry: Registry | None) -> LeaseRecord | None:
+    """This kernel's lease record: the one its pick holds, else (a provisioned kernel) the
+    registry's record with the lease id the provisioner passed down."""
+    lease = getattr(choice, "lease", None)
+    if lease is not None:
+        return lease.record  # type: ignore[no-any-return]
+    lease_id = getattr(choice, "lease_id", None)
+    if not lease_id or registry is None:
+        return None
+    try:
+        records = registry.list_leases()
+    except Exception:  # an unreadable registry: no lease to go by, the options then
+        return None
+    return next((r for r in records if r.lease_id == lease_id), None)
+
+
 def best_alternative(
     snapshot: FleetSnapshot,
     exclude: Iterable[str],
@@ -172,36 +218,45 @@ def best_alternative(
     constraints: Constraints | None = None,
     registry: Registry | Literal["config"] | None = "config",
     environ: Mapping[str, str] | None = None,
+    self_pids: Iterable[int] | None = None,
 ) -> Alternative | None:
     """The best device outside ``exclude``, by the one decision pipeline (:mod:`core.decision`).
 
-    It is what ``%gpu pick --dry-run`` would choose with this kernel's own options when its
-    current device(s) are excluded: the same allocation (the environment before autogpu changed
-    it), the same registry (other holders' bookings and waiters; this kernel's own lease hidden),
-    the same smoothing.
+    It is what ``%gpu pick --dry-run`` would choose for this kernel
+    (:func:`alternative_constraints`) when its current device(s) are excluded: the same
+    allocation (the environment before autogpu changed it), the same registry (other holders'
+    bookings and waiters; this kernel's own lease hidden), the same smoothing. The server asks
+    the same question for its kernels, passing ``constraints``, ``registry`` and ``environ``.
     """
     from dataclasses import replace
 
     from autogpu_jupyter.config import AutoGPU
     from autogpu_jupyter.core import decision, session
-    from autogpu_jupyter.core.policy import Constraints as _Constraints
     from autogpu_jupyter.core.registry import from_settings
 
     skip = tuple(exclude)
     choice = session.current()
-    if constraints is None:
-        constraints = (choice.constraints if choice is not None else None) or _Constraints()
     if registry == "config":
         registry = from_settings(AutoGPU())
+        if constraints is None:
+            constraints = alternative_constraints(
+                _own_lease(choice, registry), choice.constraints if choice is not None else None
+            )
         if registry is not None and choice is not None and choice.lease_id:
             registry = registry.hiding(lease_ids=[choice.lease_id])
+    if constraints is None:
+        constraints = alternative_constraints(
+            getattr(getattr(choice, "lease", None), "record", None),
+            choice.constraints if choice is not None else None,
+        )
     if environ is None:
         environ = _grant(snapshot, skip)
     context = decision.gather(
         snapshot,
         environ=environ,
         registry=registry,
-        smoothed_util=smoothed_util, self_pids=(os.getpid(),),
+        smoothed_util=smoothed_util,
+        self_pids=(os.getpid(),) if self_pids is None else tuple(self_pids),
     )
     # A skipped MIG device's GPU is avoided too; the policy's exclude already drops the MIG
     # devices of an excluded GPU.
@@ -265,6 +320,7 @@ def detect(
     *,
     smoothed_util: dict[str, float | None] | None = None,
     move: str | None = None,
+    alternative: Callable[[Sequence[str]], Alternative | None] | None = None,
 ) -> list[Overload]:
     """The overload warnings for this kernel's devices (empty when none).
 
@@ -291,6 +347,9 @@ def detect(
         Per-UUID mean utilisation, to rank the alternative.
     move
         How to move (default :func:`move_hint`).
+    alternative
+        Finds the better device given the kernel's devices (default: :func:`best_alternative`
+        for this process's kernel; the server passes one for each of its kernels).
     """
     if snapshot is None:
         return []
@@ -329,7 +388,11 @@ def detect(
                 other_process_count=len(others),
                 other_memory_bytes=other_mem,
                 users=users,
-                alternative=best_alternative(snapshot, kernel_uuids, smoothed_util),
+                alternative=(
+                    alternative(kernel_uuids)
+                    if alternative is not None
+                    else best_alternative(snapshot, kernel_uuids, smoothed_util)
+                ),
                 move=move or _move_hint,
             )
         )
