@@ -456,9 +456,11 @@ class GPUMagics(Magics):
         if target is None:
             return False, f"autogpu: no device {uuid!r} on this host (the sidebar is stale?)", ""
         # every other device is left out, by UUID (a MIG device goes with its GPU)
-        family = {target.uuid, target.parent_uuid} | {
+        family = {target.uuid} | {
             d.uuid for d in snap.devices if d.parent_uuid == target.uuid
         }
+        if target.parent_uuid is not None:
+            family.add(target.parent_uuid)
         others = ",".join(
             d.uuid for d in snap.devices if d.uuid not in family and d.parent_uuid not in family
         )
@@ -789,8 +791,9 @@ def sidebar_pick(uuid: str) -> None:
     if ip is None:  # not in IPython: nothing to pick for
         return
     if id(ip) not in _loaded:
-        # the extension manager returns its "already loaded" instead of printing it
-        ip.extension_manager.load_extension("autogpu")
+        # under its package name (the extension manager returns, never prints, "already
+        # loaded"), so that a later `%load_ext autogpu` in the notebook stays quiet too
+        ip.extension_manager.load_extension("autogpu_jupyter")
     magics = _loaded[id(ip)].magics
     ok, summary, details = magics._pick_one(str(uuid))
     # this request is the sidebar's: what the hook prints would reach the sidebar, not the
