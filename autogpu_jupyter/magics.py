@@ -482,6 +482,7 @@ class GPUMagics(Magics):
         except AutoGPUError as err:
             head, _, rest = _one_line(err).partition("\n")
             return False, f"autogpu: {head}", rest.strip()
+        _watch()  # as after %gpu pick: the overload warning reaches the notebook's cells
         lines = format_pick(result, warning).splitlines()
         details = [ln.strip() for ln in lines[1:] if not ln.strip().startswith("asked:")]
         return True, terminal_safe(lines[0]), terminal_safe("\n".join(details))

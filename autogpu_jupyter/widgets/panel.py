@@ -8,6 +8,7 @@ value changes reach the frontend as comm messages, also while another cell is bu
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -246,7 +247,8 @@ class Panel(w.VBox):  # type: ignore[misc]
         s = self._sampler
         since = max(self.window_s, self.thresholds.window_s + 3 * s.interval_s)
         history = s.history_series(since_s=since)  # numpy arrays, no DataFrame per redraw
-        own = s.latest_own_pids()
+        # this kernel's process holds its lease even before it uses the GPU ("this kernel")
+        own = s.latest_own_pids() | {os.getpid()}
         warnings = (
             detect(
                 history, snapshot, kernel, own, self.thresholds, smoothed_util=s.smoothed_util(60.0)

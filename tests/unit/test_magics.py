@@ -349,6 +349,8 @@ def test_the_sidebar_pick_takes_that_gpu_quietly_and_says_so_in_one_line(
     assert os.environ["CUDA_VISIBLE_DEVICES"] == U[1]
     choice = session.current()
     assert choice is not None and choice.lease is not None and choice.source == "sidebar"
+    # as after %gpu pick, the sampler watches the GPU: an overload is printed under a cell
+    assert sampler_threads() == 1
     # %gpu status words it as the user did it: no --exclude the user never typed
     _, out, _ = run(shell, "%gpu status", capsys)
     assert out.splitlines()[-1] == "this kernel: ▶ GPU 1 (picked from the sidebar)"
