@@ -52,7 +52,11 @@ if command -v bash >/dev/null 2>&1; then
   printf '%s\n' '[ -f ~/.bashrc ] && . ~/.bashrc' "export PATH=\"$(cd "$VENV/bin" && pwd):\$PATH\"" >"$rc"
   flags+=("--ServerApp.terminado_settings={'shell_command': ['bash', '--rcfile', '$rc', '-i']}")
 fi
+# No news pop-up over the first outputs, no update check (unless LAB_ARGS says otherwise: a
+# flag given twice is an error for jupyter).
+case " $* " in *news_url*) ;; *) flags+=(--LabApp.news_url=None) ;; esac
+case " $* " in *check_for_updates_class*) ;; *)
+  flags+=(--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate) ;; esac
 # The printed URL (what a headless server's user copies) opens the quickstart too.
 exec "$VENV/bin/jupyter" lab "${flags[@]}" \
-  --LabApp.news_url=None --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate \
   --LabApp.default_url=/lab/tree/demo/quickstart.ipynb "$@"

@@ -48,6 +48,7 @@ __all__ = [
     "alternative_constraints",
     "best_alternative",
     "kernel_device_uuids",
+    "kernel_grant",
     "pending_warning",
     "reset_pending",
     "set_move_hint",
@@ -250,7 +251,7 @@ def best_alternative(
             choice.constraints if choice is not None else None,
         )
     if environ is None:
-        environ = _grant(snapshot, skip)
+        environ = kernel_grant(snapshot, skip)
     context = decision.gather(
         snapshot,
         environ=environ,
@@ -271,16 +272,22 @@ def best_alternative(
     return Alternative(dev.uuid, dev.label, best.effective_free_bytes, util)
 
 
-def _grant(snapshot: FleetSnapshot, own: Sequence[str]) -> dict[str, str]:
+def kernel_grant(
+    snapshot: FleetSnapshot, own: Sequence[str], environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """The environment a restarted kernel would pick within: the server's grant (a provisioned
     kernel's ``AUTOGPU_GRANT_CVD``), else the environment before autogpu changed it; a
     ``CUDA_VISIBLE_DEVICES`` that names only this kernel's own devices is the kernel's own
-    narrowing, not a scheduler's grant (``SLURM_*`` / ``NVIDIA_VISIBLE_DEVICES`` still bound)."""
+    narrowing, not a scheduler's grant (``SLURM_*`` / ``NVIDIA_VISIBLE_DEVICES`` still bound).
+
+    ``environ``: the kernel's environment as it started (the server reads its kernels' from
+    ``/proc``); default this process's, before autogpu changed it.
+    """
     from autogpu_jupyter.core import session
     from autogpu_jupyter.core.moves import grant_environ
     from autogpu_jupyter.core.visibility import parse_cuda_visible_devices
 
-    env = grant_environ(session.original_environ())
+    env = grant_environ(session.original_environ() if environ is None else environ)
     raw = env.get("CUDA_VISIBLE_DEVICES")
     if raw:
         granted, _ = parse_cuda_visible_devices(raw, snapshot.devices)

@@ -124,8 +124,12 @@ class SelectHandler(_BaseHandler):
         try:
             constraints = payloads.parse_constraints(params)
             kernel_id = payloads.parse_kernel_id(params.get("kernel_id"))
+            # the notebook's kernel bounds the answer by its own allocation
+            environ = await self.state.run(
+                payloads.kernel_environ, self.kernel_manager, kernel_id
+            )
             payload = await self.state.run(
-                payloads.select_payload, self.state, constraints, kernel_id
+                payloads.select_payload, self.state, constraints, kernel_id, environ
             )
         except AutoGPUError as err:
             raise self._http_error(err) from err

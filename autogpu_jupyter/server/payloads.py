@@ -290,13 +290,15 @@ def holders_payload(
                         "command": redact(h.user, command, state.user, state.expose_commands),
                     }
                 )
+    # each kernel's environment as it started: its allocation, the grant it would move within
+    environs = {kid: process_environ(pid) for pid, kid in kernel_pids.items()}
     kernels = (
-        kernel_infos(kernel_manager, sessions, snap, kernel_pids)
+        kernel_infos(kernel_manager, sessions, snap, environs)
         if kernel_manager is not None
         else []
     )
     overloads = kernel_overloads(
-        state, kernels, holders, snap, records, kernel_options(kernel_manager)
+        state, kernels, holders, snap, records, kernel_options(kernel_manager), environs
     )
     for info in kernels:
         found = overloads.get(info["kernel_id"])
@@ -320,6 +322,7 @@ def kernel_overloads(
     snap: FleetSnapshot | None,
     records: Sequence[Any] = (),
     options: Mapping[str, Constraints] | None = None,
+    environs: Mapping[str, Mapping[str, str] | None] | None = None,
 ) -> dict[str, tuple[str, dict[str, str] | None]]:
     """Kernel id -> the overload warning for the GPU(s) it holds (the panel's own words, from
     :func:`core.overload.detect` over the server's sampler history) and the better device, for
@@ -329,7 +332,8 @@ def kernel_overloads(
     The better device is asked as the kernel itself asks it
     (:func:`core.overload.best_alternative` with :func:`~core.overload.alternative_constraints`
     of the kernel's lease, the kernel's own lease hidden, the server's grant), so the warning
-    printed in the notebook, the notification and the sidebar name the same device.
+    printed in the notebook, the notification and the sidebar name the same device. The grant
+    is the kernel's own (its environment as it started, from ``environs``), else the server's.
     """
     from autogpu_jupyter.config import AutoGPU
     from autogpu_jupyter.core.overload import (
@@ -337,6 +341,7 @@ def kernel_overloads(
         alternative_constraints,
         best_alternative,
         detect,
+        kernel_grant,
     )
 
     sampler = state.sampler()
@@ -366,6 +371,7 @@ def kernel_overloads(
     smoothed = sampler.smoothed_util(60.0)
     movable = {k["kernel_id"] for k in kernels if k.get("movable")}
     options = options or {}
+    environs = environs or {}
     uid = os.geteuid()
     try:
         registry = state.registry()
@@ -386,10 +392,11 @@ def kernel_overloads(
         def alternative(kernel_uuids: Any, kid: str = kid, lease: Any = lease,
                         pids: set[int] = pids) -> Any:
             view = registry.hiding(kernel_id=kid) if registry is not None else None
+            grant = kernel_grant(snap, tuple(kernel_uuids), environs.get(kid))
             return best_alternative(
                 snap, kernel_uuids, smoothed,
                 constraints=alternative_constraints(lease, options.get(kid)),
-                registry=view, environ=_server_grant(snap, kernel_uuids), self_pids=pids,
+                registry=view, environ=grant, self_pids=pids,
             )
 
         found = detect(history, snap, uuids, pids, thresholds,
@@ -401,14 +408,6 @@ def kernel_overloads(
                 None if better is None else {"uuid": better.uuid, "label": better.label},
             )
     return out
-
-
-def _server_grant(snap: FleetSnapshot, kernel_uuids: Any) -> dict[str, str]:
-    """The grant a kernel of this server picks within: the server's own environment (what its
-    kernels inherit), as :func:`core.overload.best_alternative` reads a kernel's."""
-    from autogpu_jupyter.core.overload import _grant
-
-    return _grant(snap, tuple(kernel_uuids))
 
 
 def _overload_summary(w: Any) -> str:
@@ -451,16 +450,10 @@ def kernel_options(kernel_manager: Any) -> dict[str, Constraints]:
     return out
 
 
-def kernel_allowed_uuids(
-    snap: FleetSnapshot | None, pid: int | None, proc_root: str = "/proc"
-) -> list[str] | None:
-    """The devices a kernel may use: the allocation its process started with
-    (``CUDA_VISIBLE_DEVICES``, ``NVIDIA_VISIBLE_DEVICES``, Slurm's, read from
-    ``/proc/<pid>/environ`` as CUDA reads them). ``None`` when it cannot be read (no pid, another
-    user's process): the sidebar then offers every device, as the server's own grant allows."""
-    from autogpu_jupyter.core.visibility import current_allocation
-
-    if snap is None or pid is None:
+def process_environ(pid: int | None, proc_root: str = "/proc") -> dict[str, str] | None:
+    """The environment process ``pid`` started with (``/proc/<pid>/environ``, at most 1 MiB),
+    or ``None`` when it cannot be read (no pid, gone, another user's)."""
+    if pid is None:
         return None
     try:
         with open(os.path.join(proc_root, str(pid), "environ"), "rb") as fh:
@@ -472,6 +465,31 @@ def kernel_allowed_uuids(
         key, sep, value = item.partition(b"=")
         if sep:
             env[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+    return env
+
+
+def kernel_environ(kernel_manager: Any, kernel_id: str | None) -> dict[str, str] | None:
+    """The environment one of this server's kernels started with (see
+    :func:`process_environ`); ``None`` for an unknown kernel or an unreadable one."""
+    if kernel_manager is None or not kernel_id:
+        return None
+    pid = {kid: pid for pid, kid in kernel_pid_map(kernel_manager).items()}.get(kernel_id)
+    return process_environ(pid)
+
+
+def kernel_allowed_uuids(
+    snap: FleetSnapshot | None, env: Mapping[str, str] | None
+) -> list[str] | None:
+    """The devices a kernel may use: the allocation its process started with
+    (``CUDA_VISIBLE_DEVICES``, ``NVIDIA_VISIBLE_DEVICES``, Slurm's, from its environment
+    ``env`` as CUDA reads them). ``None`` when that is unknown (an unreadable process): the
+    sidebar then offers every device, as the server's own grant allows."""
+    from autogpu_jupyter.core.moves import grant_environ
+    from autogpu_jupyter.core.visibility import current_allocation
+
+    if snap is None or env is None:
+        return None
+    env = grant_environ(env)  # an autogpu kernel: the grant it picked within, not its pick
     try:
         allocation = current_allocation(snap.devices, env)
     except AutoGPUError:  # a value CUDA would not read either: no device is offered
@@ -483,7 +501,7 @@ def kernel_infos(
     kernel_manager: Any,
     sessions: Mapping[str, Mapping[str, Any]],
     snap: FleetSnapshot | None = None,
-    kernel_pids: Mapping[int, str] | None = None,
+    environs: Mapping[str, Mapping[str, str] | None] | None = None,
 ) -> list[dict[str, Any]]:
     """This server's kernels: which can be moved (started by the autogpu provisioner) and where,
     their ``execution_state`` and ``idle_s`` (see :func:`kernel_activity`).
@@ -491,9 +509,10 @@ def kernel_infos(
     ``movable`` is true for a kernel whose provisioner records move requests
     (``autogpu_move_file``); ``picked_uuids`` is the provisioner's choice at the last (re)start
     (empty: CPU-only, or not an autogpu kernel); ``note`` its message, if any;
-    ``allowed_uuids`` the devices its process may use (:func:`kernel_allowed_uuids`).
+    ``allowed_uuids`` the devices its process may use (:func:`kernel_allowed_uuids` of its
+    environment in ``environs``).
     """
-    pid_of = {kid: pid for pid, kid in (kernel_pids or {}).items()}
+    environs = environs or {}
     out: list[dict[str, Any]] = []
     for kid in list(kernel_manager.list_kernel_ids()):
         try:
@@ -516,7 +535,7 @@ def kernel_infos(
                 "picked_uuids": [str(u) for u in picked] if movable else [],
                 "constraints_text": constraints.describe() if movable and constraints else None,
                 "note": state.autogpu_note if state is not None and movable else None,
-                "allowed_uuids": kernel_allowed_uuids(snap, pid_of.get(kid)),
+                "allowed_uuids": kernel_allowed_uuids(snap, environs.get(kid)),
             }
         )
     return out
@@ -610,7 +629,10 @@ def parse_kernel_id(value: Any) -> str | None:
 
 
 def select_payload(
-    state: AutoGPUServer, constraints: Constraints, ignore_kernel_id: str | None = None
+    state: AutoGPUServer,
+    constraints: Constraints,
+    ignore_kernel_id: str | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """``select``: :func:`select_answer` over the sampler's latest sweep and the registry.
 
@@ -618,6 +640,8 @@ def select_payload(
     HTTP error. The registry is read for bookings, never written. ``ignore_kernel_id``: the
     leases of that kernel (of this server's user) are left out of the bookings, so that a
     notebook's recommendation does not count its own lease against the device it holds.
+    ``environ``: that kernel's environment as it started, whose allocation bounds the answer (a
+    notebook is never recommended a GPU its kernel cannot use); default the server's.
     """
     snap = latest_snapshot(state)
     if snap is None:
@@ -634,7 +658,13 @@ def select_payload(
         registry = state.registry()
     except (AutoGPUError, OSError) as err:
         notes.append(f"lease registry unusable, bookings not counted: {err}")
-    return select_answer(snap, constraints, registry, smoothed, ignore_kernel_id, notes)
+    if environ is not None:
+        from autogpu_jupyter.core.moves import grant_environ
+
+        environ = grant_environ(environ)
+    return select_answer(
+        snap, constraints, registry, smoothed, ignore_kernel_id, notes, environ=environ
+    )
 
 
 def select_answer(
