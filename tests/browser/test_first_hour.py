@@ -5,7 +5,8 @@ and the same holders in the sidebar, ``%gpu``, the panel and ``autogpu list``.
 
 One ``jupyter lab`` (the built lab extension, the server extension, the fake NVIDIA driver) and
 its kernels serve the whole module, in order, as one user's session would (a fresh page for
-each step); a second small server has no driver at all. Screenshots: ``test-artifacts/first-hour-*.png``.
+each step); a second small server has no driver at all. Screenshots:
+``test-artifacts/first-hour-*.png``.
 """
 
 from __future__ import annotations
