@@ -1,6 +1,6 @@
 """The ``autogpu`` command: the same engine as the magics, for shells and scripts.
 
-Exit codes (:data:`EXIT_CODES`, printed by ``--help`` and listed in the README): 0 ok, 1 any
+Exit codes (:data:`EXIT_CODES`, printed by ``--help`` and listed in docs/usage.md): 0 ok, 1 any
 other error, 2 usage error, 3 no device fits / no GPU granted, 4 no NVIDIA driver, 5 too late
 (CUDA initialised). ``autogpu run`` exits with the command's own code.
 """
@@ -25,7 +25,7 @@ __all__ = ["main", "build_parser"]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NO_DEVICE, EXIT_NO_DRIVER = 0, 1, 2, 3, 4
 
-#: Every exit code, as ``--help`` prints it (the README's table says the same).
+#: Every exit code, as ``--help`` prints it (docs/usage.md's table says the same).
 EXIT_CODES = (
     "exit codes: 0 ok (run: the command's own code), 1 other error, 2 usage error, "
     "3 no device fits / no GPU granted, 4 no NVIDIA driver (try AUTOGPU_SIMULATE=demo-4x), "
