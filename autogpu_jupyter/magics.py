@@ -832,9 +832,14 @@ def _watch() -> None:
     from autogpu_jupyter.core.sampler import get_sampler
 
     try:
-        get_sampler()
+        sampler = get_sampler()
     except AutoGPUError as err:  # no driver: nothing to watch
         log.debug("sampler not started: %s", err)
+        return
+    if sampler.latest() is None:
+        # the first reading now, not whenever the thread gets to it: the next cell's hook then
+        # sees what the GPU looks like right after the pick
+        sampler.sample_now()
 
 
 def _pick_note_once() -> None:
