@@ -205,7 +205,7 @@ export class GPUPanel extends Widget {
       this._totals,
       this._cards
     );
-    this._cluster = new ClusterSection(this._serverSettings);
+    this._cluster = new ClusterSection(this._serverSettings, this._trans);
     this.node.appendChild(this._cluster.node);
   }
 
