@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup lab test test-fast lint gpu-check bench mutate clean
+.PHONY: setup lab test test-fast lint gpu-check amd-gpu-check bench mutate clean
 
 setup:
 	@scripts/setup.sh
@@ -29,6 +29,10 @@ lint:
 gpu-check: setup
 	@scripts/gpu-check.sh
 
+# On a machine with an AMD GPU (ROCm): amd-smi, pick, torch (fails, never skips, without a driver)
+amd-gpu-check: setup
+	@scripts/amd-gpu-check.sh
+
 # Mutation testing of core/ against the fast unit tests (issue 15; [tool.mutmut] in pyproject.toml).
 # Not part of `make test`: run before a release. MUTANTS narrows the run to some mutants by name,
 # e.g. make mutate MUTANTS='autogpu_jupyter.core.units*'; MUTATE_JOBS is the number of workers.
@@ -44,6 +48,7 @@ bench: setup
 	$(PY) benchmarks/import_time.py
 	$(PY) benchmarks/snapshot.py
 	$(PY) benchmarks/pick_latency.py
+	$(PY) benchmarks/amd.py
 	$(PY) benchmarks/herd.py
 	$(PY) benchmarks/broker_herd.py
 	$(PY) benchmarks/placement.py

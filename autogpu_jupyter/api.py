@@ -374,7 +374,7 @@ def set_visible_devices(ids: Sequence[str | int] | str | int, force: bool = Fals
         chosen=tuple(chosen),
         candidates=(),
         constraints=Constraints(count=len(chosen)),
-        env=visible_env([d.uuid for d in chosen]),
+        env=visible_env([d.uuid for d in chosen], snap.devices),
         allocation=allocation,
         snapshot=snap,
     )

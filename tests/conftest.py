@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fakeamdsmi import FakeAmdSmi, preload_fake_amdsmi
 from tests.fakenvml import FakeNvml, build_fake_nvml, preload_fake_nvml
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
@@ -78,6 +79,25 @@ def fake_nvml(
     fake = FakeNvml(tmp_path / "fake-nvml")
     fake.write({"devices": []})
     monkeypatch.setenv("FAKE_NVML_SCENARIO", str(fake.scenario_path))
+    monkeypatch.delenv("AUTOGPU_SIMULATE", raising=False)
+    backends._cache.clear()
+    yield fake
+    backends._cache.clear()
+
+
+@pytest.fixture
+def fake_amdsmi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAmdSmi]:
+    """A fake AMD host seen through the real ``amdsmi`` binding over the fake ``libamd_smi.so``
+    (``tests/fakeamdsmi``), in this process (``AUTOGPU_BACKEND=amdsmi``) and in subprocesses
+    (``.env`` / ``.subprocess_env()``: only the AMD fake on the library path, so automatic
+    detection finds amdsmi). Starts with no devices; shared backends are dropped around it."""
+    from autogpu_jupyter.core import backends
+
+    preload_fake_amdsmi()
+    fake = FakeAmdSmi(tmp_path / "fake-amdsmi")
+    fake.write({"devices": []})
+    monkeypatch.setenv("FAKE_AMDSMI_SCENARIO", str(fake.scenario_path))
+    monkeypatch.setenv("AUTOGPU_BACKEND", "amdsmi")
     monkeypatch.delenv("AUTOGPU_SIMULATE", raising=False)
     backends._cache.clear()
     yield fake

@@ -174,7 +174,9 @@ def test_make_lab_then_the_readme_cli_sees_the_notebooks_lease(
     kid = session["kernel"]["id"]
     kc = BlockingKernelClient(connection_file=str(runtime / f"kernel-{kid}.json"))
     kc.load_connection_file()
-    kc.start_channels()
+    # No heartbeat channel: wait_for_ready then waits for the kernel_info reply itself, instead
+    # of calling a kernel "dead" whose first heartbeat is late on a loaded machine.
+    kc.start_channels(hb=False)
     try:
         kc.wait_for_ready(timeout=60)
         out = _execute(kc, "%load_ext autogpu\n%gpu pick --min-free 10G\nimport os, shutil\n"

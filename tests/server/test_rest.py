@@ -124,7 +124,7 @@ def expected_devices(ts: list[float]) -> list[dict[str, Any]]:
 
     common = {"memory_utilization_pct": 0.0, "compute_mode": "DEFAULT", "mig_enabled": False,
               "is_mig": False, "parent_uuid": None, "mig_index": None, "available": True,
-              "error": None}
+              "error": None, "vendor": "nvidia", "runtime_uuid": None}
     return [
         {
             **common, "index": 0, "uuid": UUID0, "name": "NVIDIA A100-SXM4-80GB",
@@ -152,7 +152,8 @@ def expected_devices(ts: list[float]) -> list[dict[str, Any]]:
             "utilization_pct": None, "memory_utilization_pct": None, "temperature_c": None,
             "power_w": None, "power_limit_w": None, "compute_mode": None, "mig_enabled": None,
             "is_mig": False, "parent_uuid": None, "mig_index": None, "processes": None,
-            "available": False, "error": "GPU is lost", "timestamp_s": ts[2], "label": "GPU 2",
+            "available": False, "error": "GPU is lost", "vendor": "nvidia", "runtime_uuid": None,
+            "timestamp_s": ts[2], "label": "GPU 2",
         },
     ]
 
