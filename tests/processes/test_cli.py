@@ -215,10 +215,10 @@ def test_an_option_error_shows_the_subcommands_usage(env: dict[str, str]) -> Non
     assert "COMMAND" not in out.stderr
 
 
-def test_help_lists_the_same_exit_codes_as_the_readme(env: dict[str, str]) -> None:
+def test_help_lists_the_same_exit_codes_as_the_docs(env: dict[str, str]) -> None:
     import re
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
     documented = sorted(set(re.findall(r"^\| (\d) \|", readme, flags=re.MULTILINE)))
     helped = " ".join(run(env, "--help").stdout.split())
     listed = sorted(set(re.findall(r"(?:codes: |, )(\d) ", helped)))
