@@ -69,7 +69,9 @@ def latest_snapshot(state: AutoGPUServer) -> FleetSnapshot | None:
         return None
     deadline = time.monotonic() + FIRST_SAMPLE_WAIT_S
     snap: FleetSnapshot | None = sampler.latest()
-    while snap is None and time.monotonic() < deadline:
+    # A failed first sweep (no driver, a bad fleet file) is an answer too: say it at once
+    # rather than hold the request (and the executor thread, which a stopping server joins).
+    while snap is None and not sampler.errors and time.monotonic() < deadline:
         time.sleep(0.02)
         snap = sampler.latest()
     return snap

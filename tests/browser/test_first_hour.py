@@ -24,8 +24,10 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter import kernelspec
+from autogpu_jupyter.core.registry import Registry
 from tests import browserhelpers as browser
 from tests.fakenvml import FakeNvml
+from tests.kernelhelpers import kernel_environ
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -304,10 +306,24 @@ def test_a_move_restarts_the_kernel_and_the_notebook_follows(
         assert out.inner_text().strip() == ""
         out = _run_cell(page, nb, 1)
         expect(out).to_contain_text(U2, timeout=30_000)  # the provisioner's pick: idle GPU 2
-        browser.card(page, "GPU 2").locator(".jp-AutoGPU-move-best").click()
+        gpu1, gpu2 = browser.card(page, "GPU 1"), browser.card(page, "GPU 2")
+        expect(gpu2.locator(".jp-AutoGPU-move")).to_have_text("Move to best GPU")
+        expect(gpu1.locator(".jp-AutoGPU-move")).to_have_text("Move here")
+        assert browser.card(page, "GPU 3").locator(".jp-AutoGPU-move").count() == 0  # lost
+        # the recommendation leaves the notebook's own lease out: it is on the best GPU already
+        expect(page.locator(".jp-AutoGPU-advice")).to_have_text(
+            "you are already on the best device for 10.0 GiB: GPU\u00a02")
+        gpu2.locator(".jp-AutoGPU-move-best").click()
         dialog = page.locator(".jp-Dialog")
-        expect(dialog.locator(".jp-AutoGPU-movePlan")).to_contain_text(
-            "The kernel will restart on GPU 1 (NVIDIA L4, 23.0 GiB free)", timeout=30_000)
+        expect(dialog.locator(".jp-AutoGPU-movePlan")).to_have_text(
+            "The kernel will restart on GPU 1 (NVIDIA L4, 23.0 GiB free), the best other device "
+            "now. Restarting loses the kernel's state (variables, imports, data in memory): save "
+            "what you need first.", timeout=30_000)
+        # the plan says once that the state is lost; the second line only what stays
+        expect(dialog.locator(".jp-AutoGPU-moveWarning")).to_have_text(
+            "The outputs already in move.ipynb stay.")
+        assert dialog.inner_text().count("lost") + dialog.inner_text().count("loses") == 1
+        browser.screenshot(page, "first-hour-move-dialog.png")
         dialog.get_by_role("button", name="Restart on GPU 1").click()
         expect(page.locator(".jp-AutoGPU-moveMessage")).to_have_text(
             "The kernel restarted on GPU 1; its state (variables) was lost.", timeout=60_000)
@@ -318,9 +334,16 @@ def test_a_move_restarts_the_kernel_and_the_notebook_follows(
                                timeout=30_000)
         print(f"kernel indicator idle {time.monotonic() - restarted:.1f} s after the restart")
         assert page.locator(".jp-Dialog").count() == 0
-        expect(browser.card(page, "GPU 1").locator(
-            ".jp-AutoGPU-holder-current .jp-AutoGPU-what")).to_have_text("move.ipynb",
-                                                                           timeout=30_000)
+        expect(gpu1.locator(".jp-AutoGPU-holder-current .jp-AutoGPU-what")).to_have_text(
+            "move.ipynb", timeout=30_000)
+        expect(gpu2.locator(".jp-AutoGPU-holder-current")).to_have_count(0)
+        expect(gpu1.locator(".jp-AutoGPU-move")).to_have_text("Move to best GPU")
+        expect(gpu2.locator(".jp-AutoGPU-move")).to_have_text("Move here")
+        # the lease moved with the kernel, whose process sees the new GPU
+        (lease,) = [r for r in Registry(str(lab.registry_dir)).list_leases()
+                    if r.notebook_path == "move.ipynb"]
+        assert lease.device_uuids == (U1,)
+        assert kernel_environ(lease.pid)["CUDA_VISIBLE_DEVICES"] == U1
         _both_themes(page, "move")
         out = _run_cell(page, nb, 1)
         expect(out).to_contain_text(U1, timeout=30_000)
@@ -392,8 +415,9 @@ def test_without_a_driver_the_sidebar_says_so_once(
     from playwright.sync_api import expect
 
     with browser.screenshot_on_failure(page, "first-hour-no-driver-failure.png"):
-        page.goto(f"{no_driver_lab.url}/lab/tree/train.ipynb?reset&token={no_driver_lab.token}")
-        page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=90_000)
+        # (no notebook: no kernel to start and stop; the sidebar is the server's)
+        page.goto(f"{no_driver_lab.url}/lab?reset&token={no_driver_lab.token}")
+        page.locator('.lm-TabBar-tab[data-id="jp-AutoGPU-panel"]').wait_for(timeout=90_000)
         if not page.locator("#jp-AutoGPU-panel").is_visible():
             page.locator('.lm-TabBar-tab[data-id="jp-AutoGPU-panel"]').click()
         errors = page.locator(".jp-AutoGPU-error")

@@ -212,8 +212,13 @@ def _check_layout(page: Any) -> None:
     assert stamp.evaluate("e => e.getClientRects().length") == 1
     for i in range(3):  # the live cards (the 4th is lost)
         card = page.locator(".jp-AutoGPU-card").nth(i)
-        util = card.locator(".jp-AutoGPU-util svg").bounding_box()
-        mem = card.locator(".jp-AutoGPU-mem svg").bounding_box()
+        util = mem = None
+        for _ in range(10):  # the cards are re-rendered each refresh: read both of one render
+            util = card.locator(".jp-AutoGPU-util svg").bounding_box()
+            mem = card.locator(".jp-AutoGPU-mem svg").bounding_box()
+            if util is not None and mem is not None:
+                break
+            page.wait_for_timeout(100)
         # equal-width sparklines, whatever the length of the value's text
         assert util is not None and mem is not None
         assert abs(util["width"] - mem["width"]) < 1 and util["width"] > 100
