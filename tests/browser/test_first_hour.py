@@ -368,10 +368,15 @@ def test_the_sidebar_gpu_status_the_panel_and_autogpu_list_show_the_same_holders
         header = listed[1]
         views: dict[str, dict[str, list[str]]] = {"sidebar": {}, "%gpu": {}, "panel": {},
                                                   "autogpu list": {}}
+        expected = {"GPU 0": ["pid 4242"], "GPU 1": ["move.ipynb", "two.ipynb"], "GPU 2": []}
         for label in ("GPU 0", "GPU 1", "GPU 2"):
             card = browser.card(page, label)
+            # the cards are re-rendered at each refresh: read the sidebar once it shows them
+            for word in expected[label]:
+                expect(card.locator(".jp-AutoGPU-holders")).to_contain_text(word,
+                                                                            timeout=30_000)
             views["sidebar"][label] = _holder_words(
-                " ".join(card.locator(".jp-AutoGPU-holder").all_inner_texts()))
+                card.locator(".jp-AutoGPU-holders").inner_text())
             row = status.locator("tr", has=page.locator("td", has_text=re.compile(f"^{label}$")))
             views["%gpu"][label] = _holder_words(row.locator("td").last.inner_text())
             prow = panel.locator(".autogpu-table tr", has=page.locator(
@@ -379,7 +384,6 @@ def test_the_sidebar_gpu_status_the_panel_and_autogpu_list_show_the_same_holders
             views["panel"][label] = _holder_words(prow.locator("td").last.inner_text())
             line = next(ln for ln in listed if ln.startswith(label + " "))
             views["autogpu list"][label] = _holder_words(line[header.index("holders"):])
-        expected = {"GPU 0": ["pid 4242"], "GPU 1": ["move.ipynb", "two.ipynb"], "GPU 2": []}
         for name, seen in views.items():
             assert seen == expected, (name, seen)
         # one way of writing a notebook path: nowhere the server's absolute root
