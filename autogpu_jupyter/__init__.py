@@ -30,13 +30,17 @@ __all__ = [
 _API = {"pick", "status", "release", "set_visible_devices", "current"}
 
 
+# Every import below is lazy on purpose: `import autogpu_jupyter` (and `%load_ext autogpu`) must
+# stay cheap, so the API, the widgets, the magics and the server load when first used.
+
+
 def __getattr__(name: str) -> Any:
     if name in _API:
-        from autogpu_jupyter import api
+        from autogpu_jupyter import api  # noqa: PLC0415
 
         return getattr(api, name)
     if name == "Panel":
-        from autogpu_jupyter.widgets import Panel
+        from autogpu_jupyter.widgets import Panel  # noqa: PLC0415
 
         return Panel
     raise AttributeError(f"module 'autogpu_jupyter' has no attribute {name!r}")
@@ -44,14 +48,14 @@ def __getattr__(name: str) -> Any:
 
 def load_ipython_extension(ipython: Any) -> None:
     """Register ``%gpu`` / ``%%gpu`` (``%load_ext autogpu``). Loading twice is a no-op."""
-    from autogpu_jupyter.magics import load_ipython_extension as _load
+    from autogpu_jupyter.magics import load_ipython_extension as _load  # noqa: PLC0415
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """Stop the sampler and unregister the magics (``%unload_ext`` / ``%reload_ext``)."""
-    from autogpu_jupyter.magics import unload_ipython_extension as _unload
+    from autogpu_jupyter.magics import unload_ipython_extension as _unload  # noqa: PLC0415
 
     _unload(ipython)
 
@@ -65,6 +69,6 @@ def _jupyter_labextension_paths() -> list[dict[str, str]]:
 
 
 def _load_jupyter_server_extension(server_app: Any) -> None:
-    from autogpu_jupyter.server import _load_jupyter_server_extension as _load
+    from autogpu_jupyter.server import _load_jupyter_server_extension as _load  # noqa: PLC0415
 
     _load(server_app)

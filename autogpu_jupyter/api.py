@@ -17,21 +17,26 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from autogpu_jupyter.config import AutoGPU
-from autogpu_jupyter.core import session
-from autogpu_jupyter.core.picker import Holder, PickResult
+from autogpu_jupyter.config import AutoGPU, default_settings
+from autogpu_jupyter.core import decision, options, session
+from autogpu_jupyter.core.backends import get_backend
+from autogpu_jupyter.core.contract import notebook_path
+from autogpu_jupyter.core.holders import holders_by_device
+from autogpu_jupyter.core.leasing import LeaseRecord, LeaseStore, Requester, store_for
+from autogpu_jupyter.core.moves import grant_environ
+from autogpu_jupyter.core.options import PickOptions
+from autogpu_jupyter.core.picker import PickResult
 from autogpu_jupyter.core.picker import pick as _pick
 from autogpu_jupyter.core.policy import Constraints, matches_id
-from autogpu_jupyter.errors import UsageErrorBase
+from autogpu_jupyter.core.units import format_bytes
+from autogpu_jupyter.core.visibility import current_allocation, visible_env
+from autogpu_jupyter.errors import AutoGPUError, DeviceBoundError, UsageErrorBase
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from autogpu_jupyter.core.decision import Decision
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.options import PickOptions
-    from autogpu_jupyter.core.policy import Candidate
-    from autogpu_jupyter.core.registry import Registry
 
 __all__ = [
     "current",
@@ -41,8 +46,8 @@ __all__ = [
     "set_visible_devices",
     "status",
     "status_frame",
-    "holder_for_this_process",
-    "registry_for",
+    "notebook_of_this_process",
+    "requester_for_this_process",
     "read_snapshot",
 ]
 
@@ -51,7 +56,29 @@ log = logging.getLogger(__name__)
 _KERNEL_FILE = re.compile(r"kernel-([0-9a-fA-F-]{8,})\.json$")
 
 
-def holder_for_this_process(kind: str = "api") -> Holder:
+#: What VS Code's Jupyter extension defines in a Python kernel's namespace when it starts one: the
+#: notebook's path. Its kernels get no ``JPY_SESSION_NAME`` (no Jupyter server starts them).
+VSCODE_NOTEBOOK_VARIABLE = "__vsc_ipynb_file__"
+
+
+def notebook_of_this_process() -> str | None:
+    """The notebook this kernel runs, as far as the kernel can tell; ``None`` when none is known.
+
+    ``JPY_SESSION_NAME``, which jupyter_server (2.x) gives the kernels it starts for a notebook
+    (relative to the server's root: :func:`core.contract.notebook_path`), else VS Code's
+    ``__vsc_ipynb_file__`` in the IPython user namespace (read only where IPython is already
+    imported: a CLI process never imports it for this).
+    """
+    name = notebook_path()  # JPY_SESSION_NAME, relative to the Jupyter server's root
+    if name:
+        return name
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    value = getattr(shell, "user_ns", {}).get(VSCODE_NOTEBOOK_VARIABLE)
+    return value if isinstance(value, str) and value else None
+
+
+def requester_for_this_process(kind: str = "api") -> Requester:
     """Who we are, for a lease: pid, and the kernel id / notebook path inside a Jupyter kernel."""
     kernel_id = None
     for arg in sys.argv:
@@ -60,28 +87,19 @@ def holder_for_this_process(kind: str = "api") -> Holder:
             kernel_id = m.group(1)
             kind = "kernel"
             break
-    from autogpu_jupyter.core.contract import notebook_path
-
-    notebook = notebook_path()
-    return Holder(
+    return Requester(
         pid=os.getpid(),
         kernel_id=kernel_id,
-        notebook_path=notebook,
+        notebook_path=notebook_of_this_process(),
         kind=kind,
         command=" ".join(sys.argv)[:500] or None,
     )
 
 
-def registry_for(settings: AutoGPU) -> Registry | None:
-    """The lease registry the settings name, or ``None`` when leases are off."""
-    from autogpu_jupyter.core.registry import from_settings
-
-    return from_settings(settings)
-
-
 def _running_sampler() -> Any:
     """The process's sampler if one runs (never starts one: a pick must not start a thread)."""
-    from autogpu_jupyter.core import sampler as _sampler
+    # The sampler module imports numpy: only when a sampler may run, not at import.
+    from autogpu_jupyter.core import sampler as _sampler  # noqa: PLC0415
 
     s = _sampler.current_sampler()
     return s if s is not None and s.running else None
@@ -92,69 +110,25 @@ def _smoothed_util() -> dict[str, float | None] | None:
     return None if s is None else s.smoothed_util(30.0)
 
 
-# The settings the magics registered with the shell (so that ``%config AutoGPU.x = ...`` also
-# reaches the Python API in that kernel); ``None`` outside IPython: a fresh ``AutoGPU()``.
-_default_settings: AutoGPU | None = None
-
-
-def set_default_settings(settings: AutoGPU | None) -> None:
-    """Make ``settings`` what API calls without explicit settings use (the magics call this)."""
-    global _default_settings
-    _default_settings = settings
-
-
-def default_settings() -> AutoGPU:
-    """The shell's ``AutoGPU`` when the extension is loaded, else a fresh one (env defaults)."""
-    return _default_settings if _default_settings is not None else AutoGPU()
-
-
 def pick_options(settings: AutoGPU, values: Mapping[str, Any]) -> PickOptions:
     """The validated options of a pick: ``values`` as given (``None``: not given) over the
     ``AutoGPU`` settings (config file, ``%config``, env vars): the one options boundary."""
-    from autogpu_jupyter.core import options
-
     return options.parse(values, defaults=options.defaults_from(settings))
 
 
-def constraints_for(
-    settings: AutoGPU,
-    min_free: object = None,
-    max_util: object = None,
-    count: object = None,
-    exclude: object = None,
-    exclusive: bool | None = None,
-) -> Constraints:
-    """The constraints of a pick (see :func:`pick_options`)."""
-    values = {"min_free": min_free, "max_util": max_util, "count": count, "exclude": exclude,
-              "exclusive": exclusive}
-    return pick_options(settings, values).constraints
-
-
 def pick_result(
-    min_free: object = None,
-    max_util: object = None,
-    count: object = None,
-    exclude: object = None,
-    exclusive: bool | None = None,
-    wait: object = None,
+    opts: PickOptions,
+    *,
     dry_run: bool = False,
     force: bool = False,
     settings: AutoGPU | None = None,
     on_progress: Callable[[str], None] | None = None,
     source: str = "api",
-    model: object = None,
-    prefer: object = None,
 ) -> tuple[PickResult, str | None]:
-    """Pick and (unless ``dry_run``) apply; returns the result and a warning (``--force``) if any.
-
-    Options left ``None`` take the ``AutoGPU`` settings (config file, ``%config``, env vars).
-    """
+    """Pick ``opts`` (:func:`pick_options`) and, unless ``dry_run``, apply; returns the result
+    and a warning (``--force``) if any."""
     settings = settings or default_settings()
-    opts = pick_options(settings, {
-        "min_free": min_free, "max_util": max_util, "count": count, "exclude": exclude,
-        "exclusive": exclusive, "wait": wait, "model": model, "prefer": prefer,
-    })
-    constraints, wait_s = opts.constraints, opts.wait_s
+    constraints = opts.constraints
     warning = None
     mine = session.current()
     if mine is not None and mine.source == "provisioner" and mine.uuids and not dry_run:
@@ -163,18 +137,12 @@ def pick_result(
         return _keep_provisioned(mine, constraints, settings), None
     if not dry_run:
         warning = session.check_not_too_late(force or not settings.refuse_when_initialized)
-    registry = registry_for(settings)
-    if registry is not None and mine is not None and mine.lease_id:
-        # A re-pick replaces this process's lease (session.apply releases it on success), so that
-        # lease must not book memory or hold "exclusive" against the new pick.
-        registry = registry.hiding(lease_ids=[mine.lease_id])
     result = _pick(
-        constraints,
+        opts,
         environ=session.original_environ(),
-        registry=registry,
-        holder=holder_for_this_process(source if source != "magic" else "kernel"),
+        store=own_store(settings, mine),
+        requester=requester_for_this_process(source if source != "magic" else "kernel"),
         dry_run=dry_run,
-        wait_s=wait_s,
         on_progress=on_progress,
         smoothed_util=_smoothed_util,
     )
@@ -187,25 +155,36 @@ def pick_result(
     return result, warning
 
 
+def own_store(settings: AutoGPU, mine: session.Choice | None) -> LeaseStore | None:
+    """The lease store the settings select, seen without this process's own lease: a re-pick
+    replaces it (``session.apply`` releases it on success), so it must not book memory or
+    hold "exclusive" against the new pick."""
+    store = store_for(settings)
+    if store is not None and mine is not None and mine.lease_id:
+        store = store.hiding(lease_ids=[mine.lease_id])
+    return store
+
+
 def current_fit(
     mine: session.Choice, constraints: Constraints, settings: AutoGPU
-) -> tuple[Decision, list[Candidate]]:
+) -> tuple[Decision, list[str]]:
     """Whether this process's device(s) meet ``constraints``, by the one decision pipeline:
     the decision over the grant (not the narrowed ``CUDA_VISIBLE_DEVICES``) with this process's
-    own lease hidden, and the candidates among its devices that do not fit."""
-    from autogpu_jupyter.core import decision
-    from autogpu_jupyter.core.moves import grant_environ
-
+    own lease hidden, and why each of its devices that does not fit fails (``GPU 1: ...``; a
+    device this host no longer lists says so)."""
     snap = read_snapshot()
-    registry = registry_for(settings)
-    if registry is not None and mine.lease_id:
-        registry = registry.hiding(lease_ids=[mine.lease_id])
     context = decision.gather(
-        snap, environ=grant_environ(session.original_environ()), registry=registry,
+        snap, environ=grant_environ(session.original_environ()), store=own_store(settings, mine),
         smoothed_util=_smoothed_util(), self_pids=(os.getpid(),),
     )
     made = decision.decide(context, constraints)
-    failing = [c for u in mine.uuids if (c := made.candidate(u)) is None or not c.eligible]
+    failing = []
+    for u in mine.uuids:
+        c = made.candidate(u)
+        if c is None:
+            failing.append(f"{u}: not among this host's devices now")
+        elif not c.eligible:
+            failing.append(f"{c.device.label}: {'; '.join(c.reasons)}")
     return made, failing
 
 
@@ -218,8 +197,6 @@ def _keep_provisioned(
     The check is the one decision pipeline's, over the server's grant (not the kernel's narrowed
     ``CUDA_VISIBLE_DEVICES``) with this kernel's own lease hidden.
     """
-    from autogpu_jupyter.errors import DeviceBoundError
-
     made, failing = current_fit(mine, constraints, settings)
     snap, context = made.context.snapshot, made.context
     labels = {d.uuid: d.label for d in snap.devices}
@@ -234,7 +211,7 @@ def _keep_provisioned(
             snapshot=snap,
             kept=True,
         )
-    why = "; ".join(f"{c.device.label}: {'; '.join(c.reasons)}" for c in failing) or (
+    why = "; ".join(failing) or (
         f"it has {len(mine.uuids)} device(s), {constraints.count} asked for"
     )
     better = ", ".join(c.device.label for c in made.chosen if c.device.uuid not in mine.uuids)
@@ -302,10 +279,11 @@ def pick(
         ``TooLateError``, ``NoDeviceFitsError``, ``NoDeviceGrantedError``, ``NVMLUnavailableError``
         or ``UsageErrorBase`` for bad input.
     """
-    result, warning = pick_result(
-        min_free, max_util, count, exclude, exclusive, wait, dry_run, force,
-        model=model, prefer=prefer,
-    )
+    opts = pick_options(default_settings(), {
+        "min_free": min_free, "max_util": max_util, "count": count, "exclude": exclude,
+        "exclusive": exclusive, "wait": wait, "model": model, "prefer": prefer,
+    })
+    result, warning = pick_result(opts, dry_run=dry_run, force=force)
     if warning:
         log.warning("%s", warning)
     return list(result.chosen)
@@ -326,8 +304,6 @@ def release() -> session.Choice | None:
 
 def read_snapshot() -> FleetSnapshot:
     """The freshest snapshot: the running sampler's if there is one, else one read."""
-    from autogpu_jupyter.core.backends import get_backend
-
     s = _running_sampler()
     snap = s.latest() if s is not None else None
     return snap if snap is not None else get_backend().snapshot()
@@ -338,8 +314,6 @@ def set_visible_devices(ids: Sequence[str | int] | str | int, force: bool = Fals
 
     No lease is taken. Returns the UUIDs written to ``CUDA_VISIBLE_DEVICES``.
     """
-    from autogpu_jupyter.core.visibility import current_allocation, visible_env
-
     given = ids  # as typed, for the message
     if isinstance(ids, (str, int)):
         ids = list(str(ids).split(","))
@@ -368,9 +342,7 @@ def set_visible_devices(ids: Sequence[str | int] | str | int, force: bool = Fals
     if sum(d.is_mig for d in chosen) > 1:
         raise UsageErrorBase("a process can use only one MIG device")
     session.check_not_too_late(force)
-    from autogpu_jupyter.core.picker import PickResult as _PR
-
-    result = _PR(
+    result = PickResult(
         chosen=tuple(chosen),
         candidates=(),
         constraints=Constraints(count=len(chosen)),
@@ -391,15 +363,15 @@ def status(snapshot: FleetSnapshot | None = None, settings: AutoGPU | None = Non
     return status_frame(snap, session.current(), live_leases(settings), own_pids=(os.getpid(),))
 
 
-def live_leases(settings: AutoGPU | None = None) -> list[Any]:
-    settings = settings or default_settings()
-    reg = registry_for(settings)
-    if reg is None:
+def live_leases(settings: AutoGPU | None = None) -> list[LeaseRecord]:
+    """Every live lease on this host (none when leases are off or the store cannot be read)."""
+    store = store_for(settings or default_settings())
+    if store is None:
         return []
     try:
-        return list(reg.list_leases())
-    except Exception as err:
-        log.debug("registry unreadable: %s", err)
+        return store.list_leases()
+    except (AutoGPUError, OSError) as err:
+        log.debug("lease store unreadable: %s", err)
         return []
 
 
@@ -416,10 +388,7 @@ def status_frame(
     own_pids: Sequence[int] = (),
 ) -> pd.DataFrame:
     """The status table (pure): one row per device; ``own_pids`` are "this kernel"."""
-    import pandas as pd
-
-    from autogpu_jupyter.core.holders import holders_by_device
-    from autogpu_jupyter.core.units import format_bytes
+    import pandas as pd  # noqa: PLC0415 (pandas: only when a table is asked for)
 
     mine = set(choice.uuids) if choice else set()
     records = [getattr(lease, "record", lease) for lease in leases]

@@ -1,21 +1,28 @@
 """``autogpu broker``: the trusted lease broker for hosts with many users (issue 11).
 
 A small daemon, run by root, on a Unix socket every user may connect to. It alone owns the
-lease state of the host; clients (:mod:`autogpu_jupyter.core.brokerclient`) talk to it in
-newline-delimited JSON, one object per line, at most :data:`MAX_MESSAGE_BYTES` per line.
+lease state of the host; clients (:mod:`autogpu_jupyter.core.leasing.brokerclient`) talk to it in
+newline-delimited JSON, one object per line: requests of at most ``MAX_REQUEST_BYTES``, replies
+of at most ``MAX_REPLY_BYTES`` (both defined there: the two sides agree). Every request and reply
+carries ``"proto"``: the first message of a connection with another protocol is answered with
+one line naming both versions, and the connection is closed.
 
 Identity comes only from the kernel (``SO_PEERCRED``: uid, gid, pid of the connecting process);
-``user``, ``uid`` or ``pid`` fields in a message are never read as identity.
+``user``, ``uid`` or ``pid`` fields in a message are never read as identity. A uid is *accounted*
+to a person (:mod:`autogpu_jupyter.brokerd.identity`): a subordinate uid (``/etc/subuid``) is
+its owner, for the quota, the connection and message limits, the turn at the pick lock and the
+name on its records; unknown uids share one small bucket.
 
 **A lease is a connection.** The connection that asked for a lease holds it: when every copy of
 that socket is closed (the holder exits, is SIGKILLed, or hands the descriptor to a child that
 exits), the broker sees EOF and frees the lease. A ticket (a place in the waiting line) is held
 the same way. One connection holds at most one lease or ticket.
 
-Operations (``{"op": ...}``)::
+Operations (``{"op": ..., "proto": 2}``)::
 
-    begin      wait for the broker's pick lock (served fairly across users), get every live
-               lease and ticket: the client decides with core.decision, as a local pick does
+    begin      wait for the broker's pick lock (served fairly across users), get the compact
+               booking view (per device, what others' leases book; the caller's own leases; the
+               oldest tickets): the client decides with core.decision, as a local pick does
     end        give the lock back without a lease
     lease      hold a lease on these devices (checked: exclusivity, max_devices_per_user)
     pick       the broker ranks (its own snapshot, core.decision over its state) and leases
@@ -23,14 +30,33 @@ Operations (``{"op": ...}``)::
     ticket     join the waiting line (FIFO; the broker numbers tickets)
     set_pid    the pid that uses the device (a kernel started by a provisioner); same uid only
     release    end this connection's lease or ticket (or, by ``lease_id``, an orphan of yours)
-    leases     live leases (and tickets): other users' command lines are never sent
-    status     leases, waiters, per-user counts
-    revoke     root only: end a lease; its holder's connection is told, then closed
+    leases     live leases (and tickets), one page at a time (``after``: where the last page
+               ended); other users' command lines are never sent
+    status     counts: leases, tickets, per-user rows, connections (no records)
+    revoke     root only: end a lease or ticket; its holder's connection is told, then closed
 
-Restarts: with a state directory (root-only, ``--state-dir``) every change is journaled. A
-restarted broker takes back each journaled lease or ticket whose holder process still runs (same
-pid, same start time, same uid) as an *orphan*: held until that process exits, so no live lease
-is lost or doubled; nothing is handed out on its devices in the meantime.
+**Bounded.** Nothing one user sends makes another user's reply or the broker's memory grow
+without a limit: record fields are capped in encoded bytes
+(``core.leasing.records.FIELD_CAPS``), replies are a bounded view or a page, a client that
+does not read its reply within ``send_timeout_s`` is dropped (the transport's write buffer is
+capped, not grown), connections are capped per person and in all (below the descriptor limit,
+the last ones kept for root), and accept errors back off with one log line
+(:mod:`autogpu_jupyter.brokerd.net`).
+
+**Restarts.** With a state directory (root-only, ``--state-dir``) every change is appended to a
+journal, durable before the reply that announces it (:mod:`autogpu_jupyter.brokerd.journal`). A
+restarted broker takes back each journaled lease or ticket whose socket is still held by some
+process (found by the socket's inode; else by the recorded pids and their start times) as an
+*orphan*: held until no process holds it any more, so no live lease is lost or doubled; nothing
+is handed out on its devices in the meantime.
+
+**Tickets lapse.** A ticket taken while a device is free for it (counting only leases held for
+:data:`SETTLED_S`) reserves nothing (a waiter only waits when nothing fits) until nothing fits it
+once. A ticket the broker could serve now but
+that has not been turned into a lease for ``ticket_grace_s`` loses its place: its connection is
+told and closed. A waiter polls every second, so only a client that holds a ticket without
+picking loses it. A person who left a place that could be served (it lapsed, or was dropped
+without a lease) may not join the line for :data:`LINE_BAR_S`.
 
 The broker is a front end: it imports core, never another front end.
 """
@@ -44,33 +70,78 @@ import logging
 import os
 import pwd
 import secrets
+import signal
 import socket
 import stat
 import struct
 import sys
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from autogpu_jupyter.core.brokerclient import DEFAULT_SOCKET
-from autogpu_jupyter.core.records import (
+from autogpu_jupyter._version import __version__
+from autogpu_jupyter.brokerd import journal as jrnl
+from autogpu_jupyter.brokerd import net
+from autogpu_jupyter.brokerd.identity import Account, Accounts
+from autogpu_jupyter.core import decision, options
+from autogpu_jupyter.core.backends import get_backend
+from autogpu_jupyter.core.leasing import admission
+from autogpu_jupyter.core.leasing.brokerclient import (
+    DEFAULT_SOCKET,
+    HOLDER_KINDS,
+    MAX_REPLY_BYTES,
+    MAX_REQUEST_BYTES,
+    PAGE_BYTES,
+    PAGE_RECORDS,
+    PROTOCOL,
+    VIEW_ROWS_PER_DEVICE,
+    VIEW_TICKET_BYTES,
+    VIEW_TICKETS,
+)
+from autogpu_jupyter.core.leasing.records import (
+    MAX_ID_LIST,
     MAX_SEQ,
     Invalid,
     LeaseRecord,
+    capped_text,
+    cut_encoded,
     encode,
-    field_text,
     parse_record,
 )
+from autogpu_jupyter.core.leasing.store import StoreTransaction
+from autogpu_jupyter.core.picker import explain_drops
+from autogpu_jupyter.errors import AutoGPUError
 
 __all__ = ["Broker", "BrokerConfig", "DEFAULT_SOCKET", "MAX_MESSAGE_BYTES", "main", "serve"]
 
 log = logging.getLogger("autogpu.broker")
 
 #: The longest message line accepted; a longer one closes that connection.
-MAX_MESSAGE_BYTES = 64 * 1024
-_MAX_DEVICES = 64
+MAX_MESSAGE_BYTES = MAX_REQUEST_BYTES
+#: The transport's write buffer of one connection: past it, the broker waits for the client to
+#: read (at most ``send_timeout_s``) instead of buffering more.
+OUT_BUFFER_BYTES = 64 * 1024
+#: How much of a holder's name and place (``alice``, ``analysis.ipynb``) the booking view
+#: carries, in encoded bytes.
+_VIEW_TEXT = 128
+#: The pick lock of a person who let it time out within :data:`LOCK_MISUSE_MEMORY_S` is taken
+#: back after this long when someone else waits: holding it idle then blocks nobody for long.
+#: A pick that gets the lock and leases at once never meets it.
+LOCK_SLICE_S = 0.01
+LOCK_MISUSE_MEMORY_S = 60.0
+#: Tickets a person may take per second on average, and at once.
+TICKETS_PER_S = 2.0
+TICKET_BURST = 8
+#: How long a person who left a servable ticket (lapsed, or dropped) may not join the line.
+LINE_BAR_S = 60.0
+#: A lease younger than this does not make a new ticket wait (see ``Broker._servable_now``).
+SETTLED_S = 2.0
+_FLEET_RECHECK_S = 5.0
+#: Journal syncs faster than this (on average) are made on the event loop, slower ones on a
+#: thread (an fsync of a spinning disk must not stall every other client).
+_INLINE_SYNC_S = 0.0005
 
 
 @dataclass
@@ -80,6 +151,9 @@ class BrokerConfig:
     socket_path: str = DEFAULT_SOCKET
     state_dir: str | None = None
     max_devices_per_user: int = 0
+    #: Leases one user may hold at once (0: no limit); tickets (places in the waiting line).
+    max_leases_per_user: int = 0
+    max_tickets_per_user: int = admission.DEFAULT_MAX_TICKETS
     max_connections_per_user: int = 256
     #: Messages per second one non-root uid may send, all its connections together (a burst of
     #: as many is allowed); past it, that uid's messages wait -- nobody else's do.
@@ -91,6 +165,18 @@ class BrokerConfig:
     group_limits: dict[str, int] = field(default_factory=dict)
     #: Devices only members of some groups may lease (``{"GPU-...": ["ml"]}``).
     reserved: dict[str, list[str]] = field(default_factory=dict)
+    #: Connections the broker holds at once, all users together (0: as many as its descriptor
+    #: limit allows, less a reserve); the last :data:`net.ROOT_RESERVE` are root's.
+    max_connections: int = 0
+    #: The one bucket of uids that are neither passwd users nor anyone's subordinate uids.
+    unknown_max_connections: int = 16
+    unknown_max_devices: int = 1
+    #: A ticket the broker could serve but that is not turned into a lease within this many
+    #: seconds loses its place (a waiter polls every second).
+    ticket_grace_s: float = 5.0
+    #: A client that does not read a reply within this many seconds is dropped.
+    send_timeout_s: float = 10.0
+    subuid_path: str = "/etc/subuid"
 
     def load_rules(self, path: str) -> None:
         """Read the admin's rules file (JSON; see docs/admin-broker.md). Raises ``SystemExit``
@@ -100,56 +186,116 @@ class BrokerConfig:
                 doc = json.load(f)
             if not isinstance(doc, dict):
                 raise TypeError("expected a JSON object")
-            unknown = set(doc) - {"max_devices_per_user", "users", "groups", "reserved"}
+            unknown = set(doc) - {
+                "max_devices_per_user", "users", "groups", "reserved", "unknown_uids"
+            }
             if unknown:
                 raise TypeError(f"unknown key {sorted(unknown)[0]!r}")
             if "max_devices_per_user" in doc:
                 self.max_devices_per_user = _count(doc["max_devices_per_user"])
-            self.user_limits = {str(k): _count(v) for k, v in doc.get("users", {}).items()}
-            self.group_limits = {str(k): _count(v) for k, v in doc.get("groups", {}).items()}
-            self.reserved = {
-                str(k): [str(g) for g in v] for k, v in doc.get("reserved", {}).items()
-            }
+            self.user_limits = {str(k): _count(v) for k, v in _obj(doc, "users").items()}
+            self.group_limits = {str(k): _count(v) for k, v in _obj(doc, "groups").items()}
+            self.reserved = {str(k): _groups(k, v) for k, v in _obj(doc, "reserved").items()}
+            bucket = _obj(doc, "unknown_uids")
+            extra = set(bucket) - {"max_devices", "max_connections"}
+            if extra:
+                raise TypeError(f"unknown_uids: unknown key {sorted(extra)[0]!r}")
+            if "max_devices" in bucket:
+                self.unknown_max_devices = _count(bucket["max_devices"])
+            if "max_connections" in bucket:
+                self.unknown_max_connections = _count(bucket["max_connections"])
         except (OSError, ValueError, TypeError, AttributeError) as err:
             raise SystemExit(
                 f"autogpu broker: rules file {path}: {err}; expected e.g. "
                 '{"max_devices_per_user": 2, "users": {"alice": 4}, "groups": {"students": 1}, '
                 '"reserved": {"GPU-...": ["ml"]}}'
             ) from None
+
+    def check_reserved(self, fleet: set[str] | None) -> None:
+        """Every reserved id must be a device of this host (``fleet``; ``None``: unknown, not
+        checked): a typo would silently reserve nothing. Raises ``SystemExit`` naming it."""
+        if fleet is None:
+            return
+        for uuid in sorted(self.reserved):
+            if uuid not in fleet:
+                raise SystemExit(
+                    f"autogpu broker: reserved device {uuid!r} is not a device of this host "
+                    f"(its devices: {', '.join(sorted(fleet)) or 'none'}): fix the rules file"
+                )
+
     lock_timeout_s: float = 2.0
     record_commands: bool = False
 
 
-@dataclass(eq=False)
-class Conn:
-    """One client connection and what it holds."""
+def _obj(doc: Mapping[str, Any], key: str) -> dict[str, Any]:
+    v = doc.get(key, {})
+    if not isinstance(v, dict):
+        raise TypeError(f"{key}: expected an object, got {type(v).__name__}")
+    return v
 
-    uid: int
-    gid: int
-    pid: int
-    writer: asyncio.StreamWriter
-    record: LeaseRecord | None = None
-    holder_pids: list[tuple[int, int]] = field(default_factory=list)  # (pid, start time)
-    granted: asyncio.Future[None] | None = None
-    lock_handle: asyncio.TimerHandle | None = None
+
+def _groups(uuid: str, v: Any) -> list[str]:
+    if not isinstance(v, list) or not v or not all(isinstance(g, str) and g for g in v):
+        raise TypeError(
+            f"reserved {str(uuid)[:80]!r}: expected a list of group names, got {json.dumps(v)}"
+        )
+    return list(v)
+
+
+class Conn:
+    """One client connection and what it holds.
+
+    Setting :attr:`record` journals the change (a grant is made durable before its reply)."""
+
+    def __init__(
+        self, broker: Broker, uid: int, gid: int, pid: int, account: Account,
+        writer: asyncio.StreamWriter | None = None,
+    ) -> None:
+        self.broker = broker
+        self.uid = uid
+        self.gid = gid
+        self.pid = pid
+        self.account = account
+        self.writer: asyncio.StreamWriter = writer  # type: ignore[assignment]
+        self._record: LeaseRecord | None = None
+        self.holder_pids: list[tuple[int, int]] = []  # (pid, start time)
+        self.granted: asyncio.Future[None] | None = None
+        self.lock_handle: asyncio.TimerHandle | None = None
+        self.greeted = False  # the first message's protocol was checked
+        self.granted_at = 0.0  # when it was last given the pick lock (monotonic)
+
+    @property
+    def record(self) -> LeaseRecord | None:
+        return self._record
+
+    @record.setter
+    def record(self, rec: LeaseRecord | None) -> None:
+        old, self._record = self._record, rec
+        self.broker._record_changed(self, old, rec)
+
+    @property
+    def key(self) -> int:
+        return self.account.key
 
     @property
     def user(self) -> str:
-        return _user_name(self.uid)
+        return self.account.name
 
     @property
     def groups(self) -> set[str]:
-        return _groups_of(self.uid, self.gid)
+        return set(self.account.groups)
 
 
 @dataclass(eq=False)
 class Orphan:
-    """A lease or ticket taken back from the journal after a restart: held while its process
-    runs."""
+    """A lease or ticket taken back from the journal after a restart: held while some process
+    holds its socket (or, where that cannot be known, while its recorded holders run)."""
 
     uid: int
     record: LeaseRecord
     holder_pids: list[tuple[int, int]]
+    key: int = 0
+    peer: int | None = None
 
 
 def _count(v: Any) -> int:
@@ -158,62 +304,10 @@ def _count(v: Any) -> int:
     return v
 
 
-def _groups_of(uid: int, gid: int) -> set[str]:
-    """Names of the groups of ``uid`` (its primary ``gid`` and supplementary groups)."""
-    import grp
-
-    gids = {gid}
-    with contextlib.suppress(KeyError, OSError):
-        gids.update(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
-    names = set()
-    for g in gids:
-        try:
-            names.add(grp.getgrgid(g).gr_name)
-        except KeyError:
-            names.add(str(g))
-    return names
-
-
-def _user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
-def _start_time(pid: int) -> int | None:
-    """The start time (clock ticks after boot) of ``pid``, or ``None`` if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return int(data[data.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _pid_uids(pid: int) -> set[int]:
-    try:
-        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("Uid:"):
-                    return {int(x) for x in line.split()[1:]}
-    except (OSError, ValueError):
-        pass
-    return set()
-
-
-def _alive(pids: Sequence[tuple[int, int]], uid: int) -> bool:
-    """Whether any of ``pids`` still runs: the same process (start time) of ``uid``."""
-    for pid, start in pids:
-        if _start_time(pid) == start and (uid == 0 or uid in _pid_uids(pid)):
-            return True
-    return False
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+def peer_credentials(sock: Any) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end, from the kernel (``SO_PEERCRED``)."""
-    data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", data)
+    data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3I"))
+    pid, uid, gid = struct.unpack("3I", data)  # unsigned: a uid may be >= 2**31
     return pid, uid, gid
 
 
@@ -232,65 +326,121 @@ class Broker:
         self.config = config
         self.host = socket.gethostname()
         self.conns: set[Conn] = set()
+        self.per_key: Counter[int] = Counter()  # open connections per account
         self.orphans: dict[str, Orphan] = {}
         self.seq = 0
         self.lock_holder: Conn | None = None
         self.waiting: deque[Conn] = deque()
         self.last_grant: dict[int, float] = {}
+        #: When each person last let the pick lock time out (see :meth:`_arm_lock_timer`).
+        self.lock_misuse: dict[int, float] = {}
         self.started = time.time()
-        self.served = 0
-        self._journal_dirty = False
         #: Set on SIGTERM once the last journal is written: connections closed by the shutdown
         #: must not erase it (their holders still run and are taken back by the next broker).
         self.stopping = False
         self.backend: Any = None
-        self.buckets: dict[int, list[float]] = {}  # uid -> [tokens, last refill (monotonic)]
+        self.buckets: dict[int, list[float]] = {}  # account -> [tokens, last refill]
+        self.accounts = Accounts(config.subuid_path)
+        self.conn_cap = net.connection_cap(config.max_connections)
+        self.refused = 0  # connections refused since the last log line
+        self._refused_logged = 0.0
+        self.lapsed = 0  # tickets that lost their place, in all
+        self.servable_since: dict[str, float] = {}  # ticket id -> when it could first be served
+        #: Tickets that joined the line while a device was free for them: they reserve nothing
+        #: (a waiter only waits when nothing fits) until the line is full for them once.
+        self.dormant: set[str] = set()
+        self.joined: dict[int, list[float]] = {}  # person -> [tokens, last refill]: tickets/s
+        self.line_barred: dict[int, float] = {}  # person -> until when it may not join the line
+        self.last_lease_at: dict[int, float] = {}  # person -> when it was last granted a lease
+        self._snap: Any = None
+        self._snap_at = -1e9
+        self._fleet: set[str] | None = None
+        self._fleet_checked = -_FLEET_RECHECK_S
+        self._sync_task: asyncio.Future[None] | None = None
+        self._sync_s = 0.0  # how long the journal's syncs take (a moving average)
+        #: Bumped by every change of the live records (see :meth:`live`).
+        self.version = 0
+        self._live: tuple[int, list[tuple[int, LeaseRecord]]] = (-1, [])
+        #: The rows of a device's leases, by the ids of those leases (a pick on another device
+        #: does not change them): bounded, cleared when full.
+        self._rows: dict[tuple[str, ...], dict[str, Any]] = {}
+        self.journal: jrnl.Journal | None = None
         if config.state_dir:
+            _check_state_dir(config.state_dir)
+            self.journal = jrnl.Journal(config.state_dir)
             self._load_journal()
 
     # -- state ------------------------------------------------------------------------------
 
     def live(self) -> list[tuple[int, LeaseRecord]]:
-        """Every live lease and ticket as (uid, record), oldest first."""
-        out = [(c.uid, c.record) for c in self.conns if c.record is not None]
-        out += [(o.uid, o.record) for o in self.orphans.values()]
-        return sorted(out, key=lambda p: (p[1].created_s, p[1].lease_id))
+        """Every live lease and ticket as (account, record), oldest first (computed once per
+        change of the state: a pick reads it several times)."""
+        if self._live[0] != self.version:
+            out = [(c.key, c.record) for c in self.conns if c.record is not None]
+            out += [(o.key, o.record) for o in self.orphans.values()]
+            out.sort(key=lambda p: (p[1].created_s, p[1].lease_id))
+            self._live = (self.version, out)
+        return list(self._live[1])
+
+    def _shown(self, rec: LeaseRecord, viewer_uid: int) -> dict[str, Any]:
+        """A record's payload for a client of ``viewer_uid``: other users' command lines are
+        left out (root sees them)."""
+        shown = rec if viewer_uid in (0, rec.uid) else replace(rec, command=None)
+        return shown._payload()
 
     def _records(self, kind: str, viewer_uid: int) -> list[dict[str, Any]]:
-        """Live records of ``kind`` as their payloads (the record format's fields), for a
-        client of ``viewer_uid``: other users' command lines are left out (root sees them)."""
-        out = []
-        for uid, rec in self.live():
-            if rec.kind != kind:
-                continue
-            shown = rec if viewer_uid in (0, uid) else replace(rec, command=None)
-            out.append(shown._payload())
-        return out
+        """Live records of ``kind`` as their payloads, for a client of ``viewer_uid``."""
+        return [self._shown(rec, viewer_uid) for _, rec in self.live() if rec.kind == kind]
 
     # -- the pick lock ----------------------------------------------------------------------
 
     def _grant_next(self) -> None:
-        """Give the lock to the waiter of the user served least recently (FIFO per user)."""
+        """Give the lock to the waiter of the person served least recently (FIFO per person:
+        a user's subordinate uids are that user)."""
         while self.lock_holder is None and self.waiting:
             best = min(
                 range(len(self.waiting)),
-                key=lambda i: (self.last_grant.get(self.waiting[i].uid, 0.0), i),
+                key=lambda i: (self.last_grant.get(self.waiting[i].key, 0.0), i),
             )
             conn = self.waiting[best]
             del self.waiting[best]
             if conn.granted is None or conn.granted.done():
                 continue
             self.lock_holder = conn
-            self.last_grant[conn.uid] = time.monotonic()
-            loop = asyncio.get_running_loop()
-            conn.lock_handle = loop.call_later(self.config.lock_timeout_s, self._expire_lock, conn)
+            now = time.monotonic()
+            self.last_grant[conn.key] = now
+            conn.granted_at = now
+            self._arm_lock_timer(conn)
             conn.granted.set_result(None)
+
+    def _arm_lock_timer(self, conn: Conn) -> None:
+        """How long ``conn`` may keep the lock: ``lock_timeout_s``; only :data:`LOCK_SLICE_S`
+        when its person let the lock time out lately and someone else is waiting."""
+        if conn.lock_handle is not None:
+            conn.lock_handle.cancel()
+        hold = self.config.lock_timeout_s
+        if self._suspect(conn.key) and any(w.key != conn.key for w in self.waiting):
+            hold = LOCK_SLICE_S
+        left = max(0.0, conn.granted_at + hold - time.monotonic())
+        loop = asyncio.get_running_loop()
+        conn.lock_handle = loop.call_later(left, self._expire_lock, conn)
+
+    def _suspect(self, key: int) -> bool:
+        since = self.lock_misuse.get(key)
+        return since is not None and time.monotonic() - since < LOCK_MISUSE_MEMORY_S
 
     def _expire_lock(self, conn: Conn) -> None:
         if self.lock_holder is conn:
             log.warning(
                 "uid %d (pid %d) held the pick lock too long: taken back", conn.uid, conn.pid
             )
+            now = time.monotonic()
+            if now - conn.granted_at >= self.config.lock_timeout_s - 0.001:
+                # the whole time out, not a short slice: marked (again) for a minute
+                self.lock_misuse[conn.key] = now
+            if len(self.lock_misuse) > 4096:  # people who misused it long ago: forgotten
+                self.lock_misuse = {k: t for k, t in self.lock_misuse.items()
+                                    if now - t < LOCK_MISUSE_MEMORY_S}
             self._drop_lock(conn)
 
     def _drop_lock(self, conn: Conn) -> None:
@@ -311,20 +461,71 @@ class Broker:
 
     async def op_begin(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         if conn.record is not None:
-            raise BrokerRefusal("this connection already holds a lease or ticket")
+            raise BrokerRefusal(admission.ONE_PER_CONNECTION)
         if self.lock_holder is not conn:
             loop = asyncio.get_running_loop()
             conn.granted = loop.create_future()
             self.waiting.append(conn)
+            holder = self.lock_holder
+            if holder is not None and holder.key != conn.key and self._suspect(holder.key):
+                self._arm_lock_timer(holder)  # a short slice now that someone else waits
             self._grant_next()
             await conn.granted
         return {
             "ok": True,
-            "leases": self._records("lease", conn.uid)
-            + [r._payload() for r in self.reserved_away(conn)],
-            "tickets": self._records("ticket", conn.uid),
+            **self._view(conn),
             "max_devices_per_user": self.limit_for(conn)[0],
         }
+
+    def _view(self, conn: Conn) -> dict[str, Any]:
+        """The compact booking view of a pick: what it needs from every live record, in a size
+        that does not grow with other users' records.
+
+        * ``own``: the caller's own leases (its person's), in full: a re-pick hides them;
+        * ``devices``: per device, up to :data:`VIEW_ROWS_PER_DEVICE` rows of other leases
+          (exclusive ones first, then the largest bookings) as ``[exclusive, pid, bytes, user,
+          where]``, and the rest folded into one ``more`` row (count, exclusive, bytes);
+        * ``tickets``: the oldest waiters, at most :data:`VIEW_TICKETS` and
+          :data:`VIEW_TICKET_BYTES` (a pick only yields to waiters ahead of it).
+        """
+        live = self.live()
+        own = [self._shown(rec, conn.uid) for key, rec in live
+               if key == conn.key and rec.kind == "lease"]
+        per_dev: dict[str, list[LeaseRecord]] = {}
+        for key, rec in live:
+            if rec.kind == "lease" and key != conn.key:
+                for uuid in rec.device_uuids:
+                    per_dev.setdefault(uuid, []).append(rec)
+        for rec in self.reserved_away(conn):
+            per_dev.setdefault(rec.device_uuids[0], []).append(rec)
+        devices = [self._rows_of(uuid, recs) for uuid, recs in sorted(per_dev.items())]
+        tickets: list[dict[str, Any]] = []
+        size = 0
+        waiting = [rec for _, rec in live if self.reserving(rec)]
+        waiting.sort(key=admission.line_key)
+        for rec in waiting:
+            payload = self._shown(replace(rec, command=None), conn.uid)
+            size += len(json.dumps(payload))
+            if len(tickets) >= VIEW_TICKETS or size > VIEW_TICKET_BYTES:
+                break
+            tickets.append(payload)
+        return {
+            "own": own,
+            "devices": devices,
+            "tickets": tickets,
+            "tickets_not_shown": len(waiting) - len(tickets),
+        }
+
+    def _rows_of(self, uuid: str, recs: list[LeaseRecord]) -> dict[str, Any]:
+        """:func:`_device_rows`, kept for the same leases of the same device."""
+        # a record changes only by set_pid (its pid); a lease id names the rest
+        key = (uuid, *(f"{r.lease_id}:{r.pid}" for r in recs))
+        rows = self._rows.get(key)
+        if rows is None:
+            if len(self._rows) >= 256:
+                self._rows.clear()
+            rows = self._rows[key] = _device_rows(uuid, recs)
+        return rows
 
     async def op_end(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         self._drop_lock(conn)
@@ -335,14 +536,18 @@ class Broker:
         if not isinstance(holder, dict):
             raise BrokerRefusal("holder: expected an object", "UsageErrorBase")
         pid = conn.pid
+        kind = holder.get("kind") or "process"
+        if kind not in HOLDER_KINDS:
+            raise BrokerRefusal(
+                f"holder.kind {str(kind)[:40]!r} is not one of {', '.join(HOLDER_KINDS)}",
+                "UsageErrorBase",
+            )
         return {
             "pid": pid,
-            "kernel_id": field_text(_opt_str(holder.get("kernel_id"))),
-            "notebook_path": field_text(_opt_str(holder.get("notebook_path"))),
-            "command": field_text(_opt_str(holder.get("command")))
-            if self.config.record_commands
-            else None,
-            "holder_kind": field_text(_opt_str(holder.get("kind")) or "process", 32) or "process",
+            "kernel_id": _capped(holder, "kernel_id"),
+            "notebook_path": _capped(holder, "notebook_path"),
+            "command": _capped(holder, "command") if self.config.record_commands else None,
+            "holder_kind": kind,
         }
 
     def _make_record(self, conn: Conn, kind: str, payload: dict[str, Any]) -> LeaseRecord:
@@ -353,9 +558,9 @@ class Broker:
             "kind": kind,
             "lease_id": secrets.token_hex(16),
             "exclusive": False,
-            "user": field_text(conn.user) or str(conn.uid),
+            "user": capped_text(conn.user, "user") or str(conn.uid),
             "uid": conn.uid,
-            "host": field_text(self.host) or "?",
+            "host": capped_text(self.host, "host") or "?",
             "created_s": time.time(),
         }
         base.update(payload)
@@ -371,12 +576,14 @@ class Broker:
         both (nor exceed the quota by "replacing" leases it keeps); other users' are never
         touched."""
         ignore = msg.get("ignore_ids") or []
-        ids = {i for i in ignore if isinstance(i, str)} if isinstance(ignore, list) else set()
+        if not isinstance(ignore, list):
+            ignore = []
+        ids = {i for i in ignore[:MAX_ID_LIST] if isinstance(i, str)}
         kernel = msg.get("ignore_kernel") if isinstance(msg.get("ignore_kernel"), str) else None
         return {
             r.lease_id
             for u, r in self.live()
-            if u == conn.uid
+            if u == conn.key
             and r.kind == "lease"
             and (r.lease_id in ids or bool(kernel and r.kernel_id == kernel))
         }
@@ -387,52 +594,54 @@ class Broker:
                 other.record = None
                 _notify(other, {"event": "replaced", "message": "lease replaced by a re-pick"})
         for lease_id in replaced:
-            self.orphans.pop(lease_id, None)
+            self._forget_orphan(lease_id)
+
+    def _applicant(self, conn: Conn) -> admission.Applicant:
+        """Who asks, for the admission: the quota and the lines count the *person*
+        (``conn.key``: a subordinate uid is its owner), the root check is the uid itself."""
+        return admission.Applicant(
+            conn.uid, conn.user, frozenset(conn.groups), key=conn.key
+        )
+
+    def _quota(self, conn: Conn) -> admission.Quota:
+        limit, why = self.limit_for(conn)
+        return admission.Quota(
+            max_devices=limit,
+            max_leases=self.config.max_leases_per_user,
+            max_tickets=self.config.max_tickets_per_user,
+            source=why,
+            enforcer=" (enforced by the broker)",
+        )
+
+    def _live_split(self, replaced: set[str]) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
+        """Live leases (less the ``replaced`` ones of a re-pick) and tickets, for admission,
+        each marked with its person: the copies' ``uid`` is the account key of the uid that
+        holds it (a subordinate uid's owner), as :attr:`admission.Applicant.key` counts."""
+        live = [r if r.uid == key else replace(r, uid=key) for key, r in self.live()]
+        leases = [r for r in live if r.kind == "lease" and r.lease_id not in replaced]
+        return leases, [r for r in live if r.kind == "ticket"]
 
     def _check_lease(self, conn: Conn, rec: LeaseRecord, replaced: set[str]) -> None:
-        leases = [
-            (u, r) for u, r in self.live() if r.kind == "lease" and r.lease_id not in replaced
-        ]
-        for u in rec.device_uuids:
-            holders = [r for _, r in leases if u in r.device_uuids]
-            if any(r.exclusive for r in holders):
-                who = ", ".join(r.holder_text() for r in holders if r.exclusive)
-                raise BrokerRefusal(
-                    f"no device free: {u} is held exclusively by {who}", "NoDeviceFitsError"
-                )
-            if rec.exclusive and holders:
-                raise BrokerRefusal(
-                    f"no device free: exclusive wanted but {u} is held by "
-                    + ", ".join(r.holder_text() for r in holders),
-                    "NoDeviceFitsError",
-                )
-        for u in rec.device_uuids:
-            allowed = self.config.reserved.get(u)
-            if allowed is not None and conn.uid != 0 and not conn.groups & set(allowed):
-                raise BrokerRefusal(
-                    f"no device free: {u} is reserved for group(s) {', '.join(allowed)} by the "
-                    "admin",
-                    "NoDeviceFitsError",
-                )
-        limit, why = self.limit_for(conn)
-        if limit > 0:
-            mine = {d for u, r in leases if u == conn.uid for d in r.device_uuids}
-            total = mine | set(rec.device_uuids)
-            if len(total) > limit:
-                raise BrokerRefusal(
-                    f"{conn.user} already holds leases on {len(mine)} device(s) "
-                    f"({', '.join(sorted(mine)) or 'none'}); taking "
-                    f"{len(set(rec.device_uuids) - mine)} more would exceed "
-                    f"max_devices_per_user = {limit} set by the admin{why} (enforced by the "
-                    "broker). "
-                    "Release one first (%gpu release, or end the kernel / autogpu run holding it).",
-                    "LeaseLimitError",
-                )
+        """The one admission's verdict on ``rec`` (:func:`admission.admit_lease`)."""
+        leases, _ = self._live_split(replaced)
+        try:
+            admission.admit_lease(
+                leases,
+                applicant=self._applicant(conn),
+                devices=rec.device_uuids,
+                exclusive=rec.exclusive,
+                quota=self._quota(conn),
+                reserved=self.config.reserved,
+            )
+        except AutoGPUError as err:
+            raise BrokerRefusal(str(err), type(err).__name__) from None
 
     def limit_for(self, conn: Conn) -> tuple[int, str]:
         """The device limit of ``conn``'s user (0: none) and where it comes from."""
         cfg = self.config
         user = conn.user
+        if conn.account.unknown:
+            return cfg.unknown_max_devices, " for uids without a passwd entry"
         if user in cfg.user_limits:
             return cfg.user_limits[user], f" for {user}"
         mine = {g: cfg.group_limits[g] for g in conn.groups if g in cfg.group_limits}
@@ -442,29 +651,21 @@ class Broker:
         return cfg.max_devices_per_user, ""
 
     def reserved_away(self, conn: Conn) -> list[LeaseRecord]:
-        """Devices reserved for groups ``conn``'s user is not in, as exclusive pseudo-leases: the
-        one decision then ranks them out ("held exclusively") with no rule of its own."""
-        if conn.uid == 0 or not self.config.reserved:
+        """Devices reserved for groups ``conn``'s user is not in, as exclusive pseudo-leases
+        (:func:`admission.reservation`): the one decision then ranks them out, worded by the
+        admission ("reserved for group(s) ml by the admin"), with no rule of its own."""
+        if not self.config.reserved:
             return []
-        groups = conn.groups
-        out = []
-        for uuid, allowed in sorted(self.config.reserved.items()):
-            if groups & set(allowed):
-                continue
-            out.append(LeaseRecord(
-                lease_id=("f" * 32), kind="lease", device_uuids=(uuid,),
-                device_requested_bytes=(None,), exclusive=True,
-                user=f"reserved for {','.join(allowed)}"[:200], uid=0, host=self.host, pid=1,
-                created_s=0.0, holder_kind="reserved", live=True, path="broker:reserved",
-            ))
-        return out
+        away = admission.reserved_away(self.config.reserved, self._applicant(conn))
+        return [admission.reservation(u, groups, self.host) for u, groups in away.items()]
 
     async def op_lease(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         if conn.record is not None:
-            raise BrokerRefusal("this connection already holds a lease or ticket")
+            raise BrokerRefusal(admission.ONE_PER_CONNECTION)
         devices = msg.get("devices")
-        if not isinstance(devices, list) or not devices or len(devices) > _MAX_DEVICES:
+        if not isinstance(devices, list) or not devices or len(devices) > MAX_ID_LIST:
             raise BrokerRefusal("devices: expected a list of device UUIDs", "UsageErrorBase")
+        await self._check_known(devices)
         booked = msg.get("requested_bytes")
         if booked is None:
             booked = [None] * len(devices)
@@ -483,7 +684,6 @@ class Broker:
         self._end_replaced(replaced)
         conn.record = rec
         conn.holder_pids = _proc_ids(conn.pid)
-        self.served += 1
         self._journal()
         self._drop_lock(conn)
         return {"ok": True, "record": rec._payload()}
@@ -494,11 +694,8 @@ class Broker:
         this connection (the same checks as ``lease``). For clients that cannot run the engine
         (a raw socket, another language). No ``wait`` here: a waiting pick runs in the client.
         """
-        from autogpu_jupyter.core import decision, options
-        from autogpu_jupyter.errors import AutoGPUError
-
         if conn.record is not None:
-            raise BrokerRefusal("this connection already holds a lease or ticket")
+            raise BrokerRefusal(admission.ONE_PER_CONNECTION)
         values = msg.get("options") or {}
         if not isinstance(values, dict):
             raise BrokerRefusal("options: expected an object", "UsageErrorBase")
@@ -508,11 +705,9 @@ class Broker:
             raise BrokerRefusal(str(err), "UsageErrorBase") from None
         snap = await asyncio.get_running_loop().run_in_executor(None, self._snapshot)
         # From here to the lease nothing awaits: the decision and the lease see one state.
-        context = decision.gather(snap, environ={}, registry=_StateView(self, conn))
+        context = decision.gather(snap, environ={}, store=_StateView(self, conn))
         made = decision.decide(context, opts.constraints)
         if not made.chosen:
-            from autogpu_jupyter.core.picker import explain_drops
-
             raise BrokerRefusal(
                 f"no device fits ({opts.constraints.describe()}):\n{explain_drops(made.ranked)}",
                 "NoDeviceFitsError",
@@ -533,15 +728,20 @@ class Broker:
     def _snapshot(self) -> Any:
         """The fleet now, from the broker's own backend (NVML, or ``AUTOGPU_SIMULATE``)."""
         if self.backend is None:
-            from autogpu_jupyter.core.backends import get_backend
-
             self.backend = get_backend()
-        return self.backend.snapshot()
+        snap = self.backend.snapshot()
+        self._fleet = _fleet_ids(snap)
+        self._fleet_checked = self._snap_at = time.monotonic()
+        self._snap = snap
+        return snap
 
     async def op_ticket(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        """Join the waiting line, if the one admission admits the ticket
+        (:func:`admission.admit_ticket`: tickets per user, the device quota with what the user
+        waits for, reserved devices); ``ignore_ids`` / ``ignore_kernel`` name the caller's own
+        leases a re-pick replaces, which do not count."""
         if conn.record is not None:
-            raise BrokerRefusal("this connection already holds a lease or ticket")
-        self.seq = min(self.seq + 1, MAX_SEQ)
+            raise BrokerRefusal(admission.ONE_PER_CONNECTION)
         rec = self._make_record(
             conn,
             "ticket",
@@ -549,70 +749,148 @@ class Broker:
                 "device_uuids": [],
                 "device_requested_bytes": [],
                 "exclusive": msg.get("exclusive", False),
-                "seq": self.seq,
+                "seq": min(self.seq + 1, MAX_SEQ),
                 "constraints": msg.get("constraints"),
                 **self._holder_fields(conn, msg),
             },
         )
+        leases, tickets = self._live_split(self._replaced(conn, msg))
+        try:
+            admitted = admission.admit_ticket(
+                leases,
+                tickets,
+                applicant=self._applicant(conn),
+                constraints=rec.constraints or {},
+                quota=self._quota(conn),
+                reserved=self.config.reserved,
+            )
+        except AutoGPUError as err:
+            raise BrokerRefusal(str(err), type(err).__name__) from None
+        if admitted != rec.constraints:
+            rec = replace(rec, constraints=admitted)
         conn.record = rec
+        self.seq = rec.seq or self.seq
         conn.holder_pids = _proc_ids(conn.pid)
         self._journal()
         return {"ok": True, "record": rec._payload()}
+
+    async def _check_known(self, devices: list[Any]) -> None:
+        """Refuse ids that are not devices of this host (a lease on ``gpu-...`` in lower case,
+        or on a made-up id, would count against nothing real). Where the broker cannot see
+        the fleet (no GPU library), ids are only checked by the record schema."""
+        unknown = [d for d in devices if self._fleet is None or d not in self._fleet]
+        if not unknown:
+            return
+        now = time.monotonic()
+        if now - self._fleet_checked >= _FLEET_RECHECK_S:
+            self._fleet_checked = now
+            loop = asyncio.get_running_loop()
+            with contextlib.suppress(Exception):  # any backend failure: the fleet stays unknown
+                await loop.run_in_executor(None, self._snapshot)
+        if self._fleet is None:
+            return
+        for d in devices:
+            if d not in self._fleet:
+                raise BrokerRefusal(
+                    f"{str(d)[:80]!r} is not a device of this host (its devices: "
+                    f"{', '.join(sorted(self._fleet)[:16]) or 'none'})",
+                    "UsageErrorBase",
+                )
 
     async def op_set_pid(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         pid = msg.get("pid")
         if conn.record is None:
             raise BrokerRefusal("set_pid: this connection holds no lease")
         if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-            raise BrokerRefusal(f"set_pid: invalid pid {pid!r}", "UsageErrorBase")
-        if conn.uid != 0 and conn.uid not in _pid_uids(pid):
+            raise BrokerRefusal(f"set_pid: invalid pid {str(pid)[:40]!r}", "UsageErrorBase")
+        if conn.uid != 0 and conn.uid not in jrnl.pid_uids(pid):
             raise BrokerRefusal(f"set_pid: pid {pid} is not a process of yours")
-        conn.record = replace(conn.record, pid=pid)
-        conn.holder_pids = _proc_ids(pid) or conn.holder_pids
-        self._journal()
+        conn.holder_pids = jrnl.proc_ids(pid) or conn.holder_pids
+        conn.record = replace(conn.record, pid=pid)  # journaled with its new holders
         return {"ok": True, "record": conn.record._payload()}
 
     async def op_release(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         lease_id = msg.get("lease_id")
         if lease_id is None or (conn.record is not None and conn.record.lease_id == lease_id):
             conn.record = None
-            self._journal()
             return {"ok": True}
         orphan = self.orphans.get(lease_id) if isinstance(lease_id, str) else None
-        if orphan is None or orphan.uid != conn.uid:
+        if orphan is None or orphan.key != conn.key:
             raise BrokerRefusal(f"release: no lease {str(lease_id)[:64]!r} of yours is orphaned")
-        del self.orphans[orphan.record.lease_id]
-        self._journal()
+        self._forget_orphan(orphan.record.lease_id)
         return {"ok": True}
 
     async def op_leases(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
-        out = self._records("lease", conn.uid)
-        if msg.get("tickets"):
-            out += self._records("ticket", conn.uid)
-        return {"ok": True, "records": out}
+        """One page of live records, oldest first: at most :data:`PAGE_RECORDS` records and
+        :data:`PAGE_BYTES`; ``next`` is where the next page starts (``None``: the last)."""
+        kinds = {"lease", "ticket"} if msg.get("tickets") else {"lease"}
+        if msg.get("kind") in ("lease", "ticket"):
+            kinds = {str(msg["kind"])}
+        after = msg.get("after")
+        cursor: tuple[float, str] | None = None
+        if after is not None:
+            if (
+                not isinstance(after, list) or len(after) != 2
+                or not isinstance(after[0], (int, float)) or isinstance(after[0], bool)
+                or not isinstance(after[1], str)
+            ):
+                raise BrokerRefusal("leases: after: expected [created_s, lease_id]",
+                                    "UsageErrorBase")
+            cursor = (float(after[0]), after[1])
+        records = [rec for _, rec in self.live() if rec.kind in kinds]
+        out: list[dict[str, Any]] = []
+        size = 0
+        nxt = None
+        for rec in records:
+            if cursor is not None and (rec.created_s, rec.lease_id) <= cursor:
+                continue
+            payload = self._shown(rec, conn.uid)
+            size += len(json.dumps(payload))
+            if out and (len(out) >= PAGE_RECORDS or size > PAGE_BYTES):
+                last = out[-1]
+                nxt = [last["created_s"], last["lease_id"]]
+                break
+            out.append(payload)
+        return {"ok": True, "records": out, "next": nxt, "total": len(records)}
 
     async def op_status(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        """Counts only (the records come page by page from ``leases``): per person, at most
+        :data:`_STATUS_USERS` rows, the largest first; the rest summed in one row."""
         per_user: dict[str, dict[str, int]] = {}
-        for uid, rec in self.live():
-            row = per_user.setdefault(
-                rec.user or str(uid), {"leases": 0, "devices": 0, "tickets": 0}
-            )
+        leases = tickets = 0
+        for key, rec in self.live():
+            name = rec.user or str(key)
+            row = per_user.setdefault(name, {"leases": 0, "devices": 0, "tickets": 0})
             if rec.kind == "lease":
+                leases += 1
                 row["leases"] += 1
                 row["devices"] += len(rec.device_uuids)
             else:
+                tickets += 1
                 row["tickets"] += 1
+        if len(per_user) > _STATUS_USERS:
+            ranked = sorted(per_user.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))
+            rest = {"leases": 0, "devices": 0, "tickets": 0}
+            for _name, row in ranked[_STATUS_USERS:]:
+                for k in rest:
+                    rest[k] += row[k]
+            per_user = dict(ranked[:_STATUS_USERS])
+            per_user[f"({len(ranked) - _STATUS_USERS} more users)"] = rest
         return {
             "ok": True,
-            "leases": self._records("lease", conn.uid),
-            "tickets": self._records("ticket", conn.uid),
+            "leases_total": leases,
+            "tickets_total": tickets,
             "per_user": per_user,
             "orphans": len(self.orphans),
             "connections": len(self.conns),
+            "max_connections": self.conn_cap,
             "waiting_for_lock": len(self.waiting),
             "max_devices_per_user": self.config.max_devices_per_user,
+            "tickets_lapsed": self.lapsed,
+            "journal_bytes": None if self.journal is None else self.journal.size_bytes,
             "uptime_s": time.time() - self.started,
             "pid": os.getpid(),
+            "version": __version__,
         }
 
     async def op_revoke(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
@@ -621,22 +899,25 @@ class Broker:
         lease_id = msg.get("lease_id")
         for other in list(self.conns):
             if other.record is not None and other.record.lease_id == lease_id:
-                rec, other.record = other.record, None
-                self._journal()
+                rec = other.record
+                other.record = None
                 note = {
                     "event": "revoked",
                     "lease_id": rec.lease_id,
-                    "message": f"lease {rec.lease_id} revoked by the admin",
+                    "kind": rec.kind,
+                    "message": f"{rec.kind} {rec.lease_id} revoked by the admin",
                 }
-                with contextlib.suppress(OSError, RuntimeError):
-                    other.writer.write(json.dumps(note).encode() + b"\n")
+                _notify(other, note)
+                with contextlib.suppress(OSError, RuntimeError, AttributeError):
                     other.writer.close()
-                return {"ok": True, "revoked": rec.holder_text()}
+                return {"ok": True, "revoked": rec.holder_text(), "kind": rec.kind}
         if isinstance(lease_id, str) and lease_id in self.orphans:
-            rec = self.orphans.pop(lease_id).record
-            self._journal()
-            return {"ok": True, "revoked": rec.holder_text()}
-        raise BrokerRefusal(f"revoke: no live lease {str(lease_id)[:64]!r}", "UsageErrorBase")
+            rec = self.orphans[lease_id].record
+            self._forget_orphan(lease_id)
+            return {"ok": True, "revoked": rec.holder_text(), "kind": rec.kind}
+        raise BrokerRefusal(
+            f"revoke: no live lease or ticket {str(lease_id)[:64]!r}", "UsageErrorBase"
+        )
 
     OPS: ClassVar[dict[str, Any]] = {
         "begin": op_begin,
@@ -653,47 +934,95 @@ class Broker:
 
     # -- connections ------------------------------------------------------------------------
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sock = writer.get_extra_info("socket")
+    def accepted(self, sock: socket.socket) -> None:
+        """A new connection (from :class:`net.Listener`): admitted, or refused with one line
+        when the caps are reached (per person; in all, the last ones kept for root)."""
         try:
             pid, uid, gid = peer_credentials(sock)
         except OSError:
-            writer.close()
+            sock.close()
             return
-        conn = Conn(uid=uid, gid=gid, pid=pid, writer=writer)
-        mine = sum(1 for c in self.conns if c.uid == uid)
-        if uid != 0 and mine >= self.config.max_connections_per_user:
-            await _send(
-                writer,
-                {
-                    "ok": False,
-                    "type": "RegistryError",
-                    "error": f"too many connections for uid {uid} "
-                    f"(max_connections_per_user = {self.config.max_connections_per_user})",
-                },
-            )
-            writer.close()
+        account = self.accounts.account(uid, gid)
+        why = self._conn_refusal(uid, account)
+        if why is not None:
+            self._refuse(sock, uid, why)
             return
+        conn = Conn(self, uid, gid, pid, account)
         self.conns.add(conn)
+        self.per_key[conn.key] += 1
+        asyncio.get_running_loop().create_task(self._run(conn, sock))
+
+    def _conn_refusal(self, uid: int, account: Account) -> str | None:
+        total = len(self.conns)
+        if uid == 0:
+            if total >= self.conn_cap:
+                return f"the broker holds its most connections ({self.conn_cap}); try again"
+            return None
+        if total >= self.conn_cap - net.ROOT_RESERVE:
+            return (
+                f"the broker holds its most connections ({self.conn_cap}, the last "
+                f"{net.ROOT_RESERVE} kept for root); try again shortly"
+            )
+        unknown = account.unknown
+        limit = (
+            self.config.unknown_max_connections if unknown
+            else self.config.max_connections_per_user
+        )
+        if self.per_key[account.key] >= limit:
+            name = "uids without a passwd entry" if unknown else account.name
+            via = f" ({account.via})" if account.via else ""
+            setting = "unknown_uids.max_connections" if unknown else "max_connections_per_user"
+            return f"too many connections for {name}{via} ({setting} = {limit})"
+        return None
+
+    def _refuse(self, sock: socket.socket, uid: int, why: str) -> None:
+        line = json.dumps({"ok": False, "type": "RegistryError", "error": why,
+                           "proto": PROTOCOL}).encode() + b"\n"
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            sock.send(line)
+        sock.close()
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= net.LOG_EVERY_S:
+            self._refused_logged = now
+            log.warning("%d connection(s) refused (the last from uid %d: %s)",
+                        self.refused, uid, why)
+            self.refused = 0
+
+    async def _run(self, conn: Conn, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
         try:
+            reader = asyncio.StreamReader(limit=MAX_REQUEST_BYTES, loop=loop)
+            protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+            transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock)
+            conn.writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+            transport.set_write_buffer_limits(high=OUT_BUFFER_BYTES)
             await self._serve(conn, reader)
+        except (OSError, RuntimeError):
+            pass
         finally:
             self.conns.discard(conn)
+            self.per_key[conn.key] -= 1
+            if self.per_key[conn.key] <= 0:
+                del self.per_key[conn.key]
             self._drop_lock(conn)
             if conn.record is not None:
                 conn.record = None
-                self._journal()
-            with contextlib.suppress(OSError, RuntimeError):
-                writer.close()
+            if conn.writer is not None:
+                with contextlib.suppress(OSError, RuntimeError):
+                    conn.writer.close()
+            else:
+                sock.close()
 
     async def _serve(self, conn: Conn, reader: asyncio.StreamReader) -> None:
         while True:
             try:
                 line = await reader.readline()
             except (ValueError, asyncio.LimitOverrunError):
-                await _send(
-                    conn.writer,
-                    _error(f"message longer than {MAX_MESSAGE_BYTES} bytes: connection closed"),
+                await self._send(
+                    conn,
+                    _error(f"message longer than {MAX_REQUEST_BYTES} bytes: connection closed"),
                 )
                 return
             except (ConnectionError, OSError):
@@ -705,131 +1034,459 @@ class Broker:
             try:
                 msg = json.loads(line)
             except (ValueError, RecursionError):
-                await _send(conn.writer, _error("malformed message (not JSON): connection closed"))
+                await self._send(conn, _error("malformed message (not JSON): connection closed"))
                 return
-            await self._throttle(conn.uid)
-            if not isinstance(msg, dict) or msg.get("op") not in self.OPS:
-                await _send(conn.writer, _error("unknown message: connection closed"))
+            await self._throttle(conn)
+            op = msg.get("op") if isinstance(msg, dict) else None
+            if not isinstance(op, str) or op not in self.OPS:
+                await self._send(conn, _error(
+                    f"unknown message (op {_short(op)}; expected one of "
+                    f"{', '.join(self.OPS)}): connection closed"
+                ))
                 return
+            if not conn.greeted:
+                mismatch = _protocol_mismatch(msg.get("proto"))
+                if mismatch:
+                    await self._send(conn, {"ok": False, "type": "RegistryUntrustedError",
+                                            "error": mismatch})
+                    return
+                conn.greeted = True
             try:
-                reply = await self.OPS[msg["op"]](self, conn, msg)
+                if op == "ticket":
+                    self._may_join(conn)
+                    await self._fresh_snapshot()  # to judge whether the ticket waits at all
+                reply = await self.OPS[op](self, conn, msg)
             except BrokerRefusal as err:
                 reply = {"ok": False, "error": str(err), "type": err.kind}
-            if not await _send(conn.writer, reply):
+            await self._durable()
+            if not await self._send(conn, reply):
                 return
 
-    async def _throttle(self, uid: int) -> None:
-        """A token bucket per uid: a flood from one user delays that user's own messages."""
-        rate = self.config.messages_per_s_per_user
-        if uid == 0 or rate <= 0:
+    async def _send(self, conn: Conn, msg: dict[str, Any]) -> bool:
+        """Send one reply; ``False`` when the connection is gone or the client does not read it
+        within ``send_timeout_s`` (then it is dropped: its buffer is freed, its lease ends)."""
+        msg.setdefault("proto", PROTOCOL)
+        data = json.dumps(msg).encode() + b"\n"
+        if len(data) > MAX_REPLY_BYTES:  # replies are bounded by construction: a bug
+            log.error("reply of %d bytes to uid %d not sent (cap %d)", len(data), conn.uid,
+                      MAX_REPLY_BYTES)
+            data = json.dumps(_error(
+                f"reply too long ({len(data)} bytes, cap {MAX_REPLY_BYTES}): a bug of the "
+                "broker, please report it"
+            ) | {"proto": PROTOCOL}).encode() + b"\n"
+        try:
+            conn.writer.write(data)
+            await asyncio.wait_for(conn.writer.drain(), self.config.send_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("uid %d (pid %d) did not read its reply within %.0f s: dropped",
+                        conn.uid, conn.pid, self.config.send_timeout_s)
+            conn.writer.transport.abort()
+            return False
+        except (ConnectionError, OSError, RuntimeError):
+            return False
+        return True
+
+    async def _fresh_snapshot(self) -> None:
+        """A snapshot at most a second old for :meth:`_servable_now` (none without a fleet)."""
+        if time.monotonic() - self._snap_at <= 1.0:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, self._snapshot)
+        except Exception as err:  # no GPU library: tickets reserve as they always did
+            log.debug("no snapshot for a new ticket: %s", err)
+            self._snap, self._snap_at = None, time.monotonic()
+
+    def _may_join(self, conn: Conn) -> None:
+        """A person joins the waiting line at most :data:`TICKETS_PER_S` times a second (a
+        burst of :data:`TICKET_BURST`): a waiting pick takes one ticket; each costs the broker
+        a decision."""
+        if conn.uid == 0:
             return
         now = time.monotonic()
-        bucket = self.buckets.setdefault(uid, [rate, now])
+        barred = self.line_barred.get(conn.key, 0.0)
+        if barred > now:
+            raise BrokerRefusal(
+                f"{conn.user} left a place in the waiting line that could be served, without "
+                f"taking a lease: {conn.user} may wait in line again in {barred - now:.0f} s "
+                "(a pick that does not wait works now)", "LeaseLimitError",
+            )
+        bucket = self.joined.setdefault(conn.key, [float(TICKET_BURST), now])
+        bucket[0] = min(float(TICKET_BURST), bucket[0] + (now - bucket[1]) * TICKETS_PER_S)
+        bucket[1] = now
+        if bucket[0] < 1.0:
+            raise BrokerRefusal(
+                f"{conn.user} joined the waiting line {TICKET_BURST} times in the last "
+                f"{TICKET_BURST / TICKETS_PER_S:.0f} s: wait a moment before taking another "
+                "ticket", "LeaseLimitError",
+            )
+        bucket[0] -= 1.0
+        if len(self.joined) > 4 * len(self.per_key) + 64:
+            for k in [k for k in self.joined if k not in self.per_key]:
+                del self.joined[k]
+
+    async def _throttle(self, conn: Conn) -> None:
+        """A token bucket per person: a flood from one user (and their subordinate uids)
+        delays that user's own messages."""
+        rate = self.config.messages_per_s_per_user
+        if conn.uid == 0 or rate <= 0:
+            return
+        now = time.monotonic()
+        bucket = self.buckets.setdefault(conn.key, [rate, now])
         bucket[0] = min(rate, bucket[0] + (now - bucket[1]) * rate) - 1.0
         bucket[1] = now
         if bucket[0] < 0:
             await asyncio.sleep(-bucket[0] / rate)
+        if len(self.buckets) > 4 * len(self.per_key) + 64:  # people who left: bounded
+            full = [k for k, b in self.buckets.items() if k not in self.per_key]
+            for k in full:
+                del self.buckets[k]
 
     # -- journal ----------------------------------------------------------------------------
 
     def _journal(self) -> None:
-        if not self.config.state_dir or self.stopping:
-            return
-        if self._journal_dirty:
-            return
-        self._journal_dirty = True
-        asyncio.get_running_loop().call_soon(self._write_journal)
+        """Kept for the operations' call sites: changes are journaled as they happen (setting a
+        connection's record), and made durable before the reply (:meth:`_durable`)."""
 
-    def _write_journal(self) -> None:
-        self._journal_dirty = False
-        assert self.config.state_dir
-        entries = [
-            {"uid": c.uid, "record": encode(c.record).decode(), "pids": c.holder_pids}
-            for c in self.conns
-            if c.record is not None
-        ] + [
-            {"uid": o.uid, "record": encode(o.record).decode(), "pids": o.holder_pids}
-            for o in self.orphans.values()
-        ]
-        data = json.dumps({"seq": self.seq, "entries": entries}).encode()
-        path = os.path.join(self.config.state_dir, "journal.json")
-        tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+    def _record_changed(
+        self, conn: Conn, old: LeaseRecord | None, new: LeaseRecord | None
+    ) -> None:
+        """A connection's record was set: the live state's version moves on, a ticket's line
+        state follows, and the journal gets the change (not while stopping: the next broker
+        takes those leases back)."""
+        self.version += 1
+        ended = old is not None and (new is None or new.lease_id != old.lease_id)
+        began = new is not None and (old is None or new.lease_id != old.lease_id)
+        if ended:
+            assert old is not None
+            since = self.servable_since.pop(old.lease_id, None)
+            self.dormant.discard(old.lease_id)
+            if (old.kind == "ticket" and since is not None
+                    and self.last_lease_at.get(conn.key, -1e9) < since):
+                self._bar_from_line(conn.key, old)  # left a place it could have taken
+        if began and new is not None and new.kind == "lease":
+            self.last_lease_at[conn.key] = time.monotonic()
+        if began and new is not None and new.kind == "ticket" and self._servable_now(new):
+            self.dormant.add(new.lease_id)
+        journal = self.journal
+        if journal is None or self.stopping:
+            return
+        if ended:
+            assert old is not None
+            journal.remove(old.lease_id)
+        if new is None:
+            return
+        if began:
+            sock = conn.writer.get_extra_info("socket") if conn.writer is not None else None
+            peer = None if sock is None else jrnl.peer_inode(sock)
+            pids = jrnl.proc_ids(conn.pid)
+            journal.add(jrnl.Entry(new.lease_id, conn.uid, encode(new).decode(), peer, pids),
+                        seq=new.seq)
+        else:  # the same lease, changed (set_pid): the new record and its holders
+            known = journal.entries.get(new.lease_id)
+            peer = None if known is None else known.peer
+            journal.add(jrnl.Entry(new.lease_id, conn.uid, encode(new).decode(), peer,
+                                   list(conn.holder_pids)))
+
+    def _forget_orphan(self, lease_id: str) -> None:
+        if self.orphans.pop(lease_id, None) is not None:
+            self.version += 1
+            self.servable_since.pop(lease_id, None)
+            self.dormant.discard(lease_id)
+            if self.journal is not None and not self.stopping:
+                self.journal.remove(lease_id)
+
+    async def _durable(self) -> None:
+        """Wait until every journal line written so far is on disk (``fdatasync`` off the
+        event loop; concurrent callers share one sync)."""
+        journal = self.journal
+        while journal is not None and journal.dirty:
+            if self._sync_task is None or self._sync_task.done():
+                fd = journal.begin_sync()
+                if self._sync_s < _INLINE_SYNC_S:
+                    # A disk that syncs in well under a millisecond: a thread hand-off would
+                    # cost more than the sync itself.
+                    start = time.monotonic()
+                    try:
+                        jrnl.sync_fd(fd)
+                    except OSError as err:
+                        log.error("journal sync failed: %s", err)
+                        return
+                    self._sync_s = 0.8 * self._sync_s + 0.2 * (time.monotonic() - start)
+                    continue
+                loop = asyncio.get_running_loop()
+                self._sync_task = loop.run_in_executor(None, self._timed_sync, fd)
+            task = self._sync_task
+            try:
+                await asyncio.shield(task)
+            except OSError as err:
+                log.error("journal sync failed: %s", err)
+                return
+
+    def _timed_sync(self, fd: int | None) -> None:
+        start = time.monotonic()
+        jrnl.sync_fd(fd)
+        self._sync_s = 0.8 * self._sync_s + 0.2 * (time.monotonic() - start)
 
     def _load_journal(self) -> None:
-        assert self.config.state_dir
-        _check_state_dir(self.config.state_dir)
-        path = os.path.join(self.config.state_dir, "journal.json")
+        assert self.journal is not None
         try:
-            with open(path, "rb") as f:
-                doc = json.loads(f.read())
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError) as err:
-            log.warning("journal %s unreadable (%s): starting empty", path, err)
-            return
-        self.seq = int(doc.get("seq", 0))
-        for entry in doc.get("entries", []):
+            entries = self.journal.load()
+        except OSError as err:
+            raise SystemExit(
+                f"autogpu broker: journal in {self.config.state_dir} unusable ({err})"
+            ) from None
+        self.seq = self.journal.seq
+        held = jrnl.scan_socket_holders(e.peer for e in entries.values() if e.peer)
+        kept = 0
+        for e in entries.values():
             try:
-                kind = json.loads(entry["record"])["kind"]
-                rec = parse_record(entry["record"].encode(), kind=kind, path="", live=True)
-                pids = [(int(p), int(s)) for p, s in entry["pids"]]
-                uid = int(entry["uid"])
+                kind = json.loads(e.record)["kind"]
+                rec = parse_record(e.record.encode(), kind=kind, path="", live=True)
             except (Invalid, KeyError, TypeError, ValueError) as err:
                 log.warning("journal entry skipped: %s", err)
+                self.journal.remove(e.lease_id)
+                continue
+            pids = held.get(e.peer, []) if e.peer else jrnl.holders_alive(e.pids, None, e.uid)
+            if not pids:
+                self.journal.remove(e.lease_id)
                 continue
             rec = replace(rec, path=f"broker:{rec.lease_id}")
-            if _alive(pids, uid):
-                self.orphans[rec.lease_id] = Orphan(uid, rec, pids)
-        log.info("restart: %d lease(s)/ticket(s) taken back from the journal", len(self.orphans))
+            self.seq = max(self.seq, rec.seq or 0)
+            key = self.accounts.account(e.uid, _primary_gid(e.uid)).key
+            self.orphans[rec.lease_id] = Orphan(e.uid, rec, pids, key, e.peer)
+            self.version += 1
+            self.journal.set_pids(rec.lease_id, pids)
+            kept += 1
+        self.journal.sync()
+        log.info("restart: %d lease(s)/ticket(s) taken back from the journal", kept)
 
     async def reap_orphans(self) -> None:
-        """Free orphaned leases whose process has exited (polled every second)."""
+        """Every second: free orphans nobody holds any more, and let servable tickets that
+        were not turned into leases lapse."""
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(1.0)
-            gone = [k for k, o in self.orphans.items() if not _alive(o.holder_pids, o.uid)]
-            for k in gone:
-                del self.orphans[k]
-            if gone:
-                self._journal()
+            try:
+                await self._reap(loop)
+                await self._lapse_tickets(loop)
+            except Exception:  # the reaper must outlive any one bad round
+                log.exception("orphan and ticket check failed")
             if self.waiting and self.lock_holder is None:
                 self._grant_next()
+
+    async def _reap(self, loop: asyncio.AbstractEventLoop) -> None:
+        lost: list[Orphan] = []
+        for o in list(self.orphans.values()):
+            alive = jrnl.holders_alive(o.holder_pids, o.peer, o.uid)
+            if alive:
+                o.holder_pids = alive
+            else:
+                lost.append(o)
+        if not lost:
+            return
+        # Every known holder is gone; a child it forked may still hold the socket: one scan.
+        peers = [o.peer for o in lost if o.peer]
+        held = await loop.run_in_executor(None, jrnl.scan_socket_holders, peers) if peers else {}
+        for o in lost:
+            pids = held.get(o.peer, []) if o.peer else []
+            if pids and o.record.lease_id in self.orphans:
+                o.holder_pids = pids
+                if self.journal is not None:
+                    self.journal.set_pids(o.record.lease_id, pids)
+            else:
+                self._forget_orphan(o.record.lease_id)
+        await self._durable()
+
+    def reserving(self, rec: LeaseRecord) -> bool:
+        """Whether ``rec`` is a ticket that reserves devices for its waiter (not dormant)."""
+        return rec.kind == "ticket" and rec.lease_id not in self.dormant
+
+    def _waiters(
+        self, snap: Any, tickets: list[LeaseRecord], settled_only: bool = False
+    ) -> dict[str, tuple[str, ...]]:
+        """The tickets of ``tickets`` (in line order) the one decision would serve now;
+        ``settled_only``: as if the leases younger than :data:`SETTLED_S` were not there."""
+        born = time.time() - SETTLED_S if settled_only else float("inf")
+        leases = [r for _, r in self.live() if r.kind == "lease" and r.created_s <= born]
+        bookings = decision.bookings_for(snap.devices, leases)
+        return decision.served_waiters(snap.devices, bookings, tickets)
+
+    def _line(self) -> list[LeaseRecord]:
+        tickets = [r for _, r in self.live() if r.kind == "ticket"]
+        return admission.in_line(tickets)
+
+    def _servable_now(self, ticket: LeaseRecord) -> bool:
+        """Whether a device is free for a ticket, behind the reserving tickets (by the last
+        snapshot, at most a second old; without one: no), counting only leases held for
+        :data:`SETTLED_S` at least: a waiter waits for a job to end, not for another user's
+        pick of a moment ago (a ticket taken while such a pick held its device would otherwise
+        reserve every device the moment that pick let go)."""
+        snap = self._snap
+        if snap is None or time.monotonic() - self._snap_at > 1.0:
+            return False
+        line = [r for r in self._line() if self.reserving(r) and r.lease_id != ticket.lease_id]
+        try:
+            return ticket.lease_id in self._waiters(snap, [*line, ticket], settled_only=True)
+        except Exception as err:  # a ticket the decision cannot read reserves as before
+            log.debug("ticket %s not judged: %s", ticket.lease_id, err)
+            return False
+
+    async def _lapse_tickets(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Every second, with a fresh snapshot: a dormant ticket for which nothing is free any
+        more starts reserving (it waits now); a ticket (dormant or reserving) the broker could
+        serve, for longer than ``ticket_grace_s``, but that was not turned into a lease loses
+        its place (its connection is told, then closed)."""
+        line = self._line()
+        if not line:
+            self.servable_since.clear()
+            return
+        try:
+            snap = await loop.run_in_executor(None, self._snapshot)
+        except Exception as err:  # no fleet to judge by: no ticket lapses
+            log.debug("no snapshot for the ticket check: %s", err)
+            return
+        for rec in self._line():
+            if rec.lease_id in self.dormant and not self._servable_now(rec):
+                self.dormant.discard(rec.lease_id)  # leases that stay block it: it waits now
+        reserving = [r for r in self._line() if self.reserving(r)]
+        servable = set(self._waiters(snap, reserving))
+        for rec in self._line():  # a dormant ticket could be served too, behind the others
+            if rec.lease_id in self.dormant and rec.lease_id in self._waiters(
+                snap, [*reserving, rec]
+            ):
+                servable.add(rec.lease_id)
+        now = time.monotonic()
+        for rec in self._line():
+            if rec.lease_id not in servable:
+                self.servable_since.pop(rec.lease_id, None)
+                continue
+            since = self.servable_since.setdefault(rec.lease_id, now)
+            if now - since >= self.config.ticket_grace_s:
+                self._lapse(rec)
+
+    def _bar_from_line(self, key: int, rec: LeaseRecord) -> None:
+        """A person whose ticket could be served but was not taken (it lapsed, or was dropped
+        while servable) may not join the line for :data:`LINE_BAR_S`: otherwise a stream of
+        tickets taken and left would keep a place ahead of everyone."""
+        now = time.monotonic()
+        self.line_barred[key] = now + LINE_BAR_S
+        if len(self.line_barred) > 4096:
+            self.line_barred = {k: t for k, t in self.line_barred.items() if t > now}
+        log.info("%s left ticket %d that could be served: barred from the line for %.0f s",
+                 rec.user, rec.seq or 0, LINE_BAR_S)
+
+    def _lapse(self, rec: LeaseRecord) -> None:
+        self.lapsed += 1
+        self.servable_since.pop(rec.lease_id, None)
+        key = next((k for k, r in self.live() if r.lease_id == rec.lease_id), None)
+        if key is not None:
+            self._bar_from_line(key, rec)
+        log.info("ticket %d of %s lapsed: it could be served for %.0f s but was not taken",
+                 rec.seq or 0, rec.user, self.config.ticket_grace_s)
+        for conn in list(self.conns):
+            if conn.record is not None and conn.record.lease_id == rec.lease_id:
+                conn.record = None
+                _notify(conn, {
+                    "event": "ticket_lapsed", "lease_id": rec.lease_id,
+                    "message": f"your place in the waiting line (ticket {rec.seq}) lapsed: a "
+                    f"device was free for it for {self.config.ticket_grace_s:.0f} s but no "
+                    "lease was taken",
+                })
+                with contextlib.suppress(OSError, RuntimeError, AttributeError):
+                    conn.writer.close()
+                return
+        self._forget_orphan(rec.lease_id)
 
 
 _PICK_KEYS = ("min_free", "max_util", "count", "exclude", "exclusive", "model", "prefer")
 
 
 class _StateView:
-    """The broker's live records as ``core.decision.gather`` reads a registry."""
+    """The broker's live records as :func:`core.decision.gather` reads a store
+    (:class:`~autogpu_jupyter.core.leasing.store.RecordView`), with the devices reserved away
+    from the asking user as the admission's pseudo-leases; dormant tickets reserve nothing."""
 
     def __init__(self, broker: Broker, conn: Conn) -> None:
         self._broker = broker
         self._conn = conn
 
-    def live_records(self, txn: Any = None) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
-        live = [r for _, r in self._broker.live()] + self._broker.reserved_away(self._conn)
-        leases = [r for r in live if r.kind == "lease"]
-        tickets = sorted(
-            (r for r in live if r.kind == "ticket"),
-            key=lambda r: (r.seq or 0, r.created_s, r.lease_id),
-        )
-        return leases, tickets
+    def live_records(
+        self, txn: StoreTransaction | None = None
+    ) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
+        live = [r for _, r in self._broker.live()]
+        leases = [r for r in live if r.kind == "lease"] + self._broker.reserved_away(self._conn)
+        tickets = [r for r in live if r.kind == "ticket" and self._broker.reserving(r)]
+        return leases, admission.in_line(tickets)
+
+
+_STATUS_USERS = 256
+
+
+def _device_rows(uuid: str, recs: list[LeaseRecord]) -> dict[str, Any]:
+    """One device of the booking view: the first :data:`VIEW_ROWS_PER_DEVICE` leases
+    (exclusive first, then the largest bookings) as rows, the rest folded into ``more``."""
+    ranked = sorted(recs, key=lambda r: (not r.exclusive, -(r.requested_on(uuid) or 0)))
+    rows = []
+    for rec in ranked[:VIEW_ROWS_PER_DEVICE]:
+        where = rec.holder_text().partition(": ")[2]
+        rows.append([rec.exclusive, rec.pid, rec.requested_on(uuid),
+                     cut_encoded(rec.user, _VIEW_TEXT), cut_encoded(where, _VIEW_TEXT)])
+    rest = ranked[VIEW_ROWS_PER_DEVICE:]
+    more = {
+        "leases": len(rest),
+        "exclusive": any(r.exclusive for r in rest),
+        "booked": sum(r.requested_on(uuid) or 0 for r in rest),
+    }
+    return {"uuid": uuid, "rows": rows, "more": more}
+
+
+def _fleet_ids(snap: Any) -> set[str]:
+    """Every id a lease may name on this host: each device's UUID (MIG devices included)."""
+    return {d.uuid for d in snap.devices}
+
+
+def _capped(holder: Mapping[str, Any], key: str) -> str | None:
+    """A holder's free-text field as the record keeps it: at most ``FIELD_CAPS[key]`` encoded
+    bytes (a longer one is cut, not refused: it only labels the lease)."""
+    v = holder.get(key)
+    return capped_text(v if isinstance(v, str) else None, key)
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _protocol_mismatch(theirs: Any) -> str | None:
+    """One line when a client speaks another protocol than :data:`PROTOCOL` (``None``: same)."""
+    if theirs == PROTOCOL and not isinstance(theirs, bool):
+        return None
+    spoken = "no protocol version (an autogpu older than 0.2)" if theirs is None else (
+        f"protocol {_short(theirs)}"
+    )
+    return (
+        f"this autogpu speaks {spoken}, the lease broker speaks protocol {PROTOCOL} (autogpu "
+        f"{__version__}): the broker and this environment come from different autogpu "
+        "versions; upgrade autogpu here (or ask the admin to run the same version for both)"
+    )
+
+
+def _primary_gid(uid: int) -> int:
+    try:
+        return pwd.getpwuid(uid).pw_gid
+    except (KeyError, OverflowError):
+        return uid
 
 
 def _proc_ids(pid: int) -> list[tuple[int, int]]:
-    start = _start_time(pid)
-    return [] if start is None else [(pid, start)]
+    return jrnl.proc_ids(pid)
 
 
 def _notify(conn: Conn, event: dict[str, Any]) -> None:
-    """An unsolicited line to a holder (``revoked``, ``replaced``): its client reads it with
-    its next reply."""
-    with contextlib.suppress(OSError, RuntimeError):
+    """An unsolicited line to a holder (``revoked``, ``replaced``, ``ticket_lapsed``): its
+    client reads it with its next reply."""
+    with contextlib.suppress(OSError, RuntimeError, AttributeError):
         conn.writer.write(json.dumps(event).encode() + b"\n")
 
 
@@ -839,15 +1496,6 @@ def _opt_str(v: Any) -> str | None:
 
 def _error(message: str) -> dict[str, Any]:
     return {"ok": False, "error": message, "type": "RegistryError"}
-
-
-async def _send(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> bool:
-    try:
-        writer.write(json.dumps(msg).encode() + b"\n")
-        await writer.drain()
-    except (ConnectionError, OSError, RuntimeError):
-        return False
-    return True
 
 
 def _check_state_dir(path: str) -> None:
@@ -874,43 +1522,38 @@ def _inherited_socket() -> socket.socket | None:
     return socket.socket(fileno=3)
 
 
-def _listen(path: str) -> socket.socket:
-    parent = os.path.dirname(path) or "."
-    os.makedirs(parent, mode=0o755, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        st = os.lstat(path)
-        if not stat.S_ISSOCK(st.st_mode):
-            raise SystemExit(f"autogpu broker: {path} exists and is not a socket; remove it")
-        os.unlink(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(path)
-    os.chmod(path, 0o666)  # noqa: S103 (world-connectable: identity comes from SO_PEERCRED)
-    sock.listen(1024)
-    return sock
+def _initial_fleet(broker: Broker) -> None:
+    """The fleet at start: reserved ids are checked against it (a typo stops the broker)."""
+    try:
+        broker._snapshot()
+    except Exception as err:  # no GPU library here: neither check can be made
+        log.warning("the broker cannot see this host's devices (%s): reserved ids and leased "
+                    "ids are not checked against the fleet", err)
+        return
+    broker.config.check_reserved(broker._fleet)
 
 
 async def serve(config: BrokerConfig, ready: Any = None) -> None:
     """Run the broker until cancelled (SIGTERM/SIGINT stop it cleanly)."""
     broker = Broker(config)
-    sock = _inherited_socket() or _listen(config.socket_path)
-    server = await asyncio.start_unix_server(broker.handle, sock=sock, limit=MAX_MESSAGE_BYTES)
+    _initial_fleet(broker)
+    sock = _inherited_socket() or net.listen(config.socket_path)
+    listener = net.Listener(sock, broker.accepted)
     reaper = asyncio.create_task(broker.reap_orphans())
     if ready is not None:
         ready()
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
-    import signal
-
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+        loop.add_signal_handler(sig, lambda: None if stop.done() else stop.set_result(None))
     try:
         await stop
     finally:
         reaper.cancel()
-        if broker.config.state_dir:
-            broker._write_journal()
         broker.stopping = True
-        server.close()
+        if broker.journal is not None:
+            broker.journal.sync()
+        listener.close()
 
 
 def main(config: BrokerConfig) -> int:

@@ -10,16 +10,43 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
+from autogpu_jupyter import kernelspec
 from autogpu_jupyter._version import __version__
+from autogpu_jupyter.api import pick_options, requester_for_this_process, status_frame
 from autogpu_jupyter.config import AutoGPU
-from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError
+from autogpu_jupyter.core import contract
+from autogpu_jupyter.core import sampler as sampler_mod
+from autogpu_jupyter.core.backends import get_backend
+from autogpu_jupyter.core.cluster import PrometheusClient, fetch_cluster, rank_hosts
+from autogpu_jupyter.core.leasing import BrokerRegistry, Requester, store_for
+from autogpu_jupyter.core.leasing.brokerclient import DEFAULT_SOCKET, from_wire
+from autogpu_jupyter.core.leasing.factory import configured_socket
+from autogpu_jupyter.core.options import (
+    PICK_OPTIONS,
+    add_arguments,
+    defaults_from,
+    from_namespace,
+    join_negative_values,
+)
+from autogpu_jupyter.core.options import parse as parse_options
+from autogpu_jupyter.core.picker import PickResult, pick
+from autogpu_jupyter.core.session import current
+from autogpu_jupyter.core.tables import Column, narrow, status_table, to_text, visible
+from autogpu_jupyter.core.text import redact_command, terminal_safe
+from autogpu_jupyter.core.units import format_bytes
+from autogpu_jupyter.core.visibility import visible_env
+from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBase
 
 __all__ = ["main", "build_parser"]
 
@@ -40,9 +67,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_pick_options(p: argparse.ArgumentParser) -> None:
-    from autogpu_jupyter.core.options import add_arguments
-
     add_arguments(p)
+
+
+#: The pick options ``autogpu hosts`` ranks hosts by (a host has no leases to be exclusive of,
+#: and nothing waits).
+HOSTS_OPTIONS = ("min_free", "max_util", "count")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,12 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the trusted lease broker (root): serve, or show its status",
         description="`autogpu broker` runs the lease broker in the foreground (systemd runs it "
         "through socket activation: see docs/admin-broker.md). `autogpu broker status` shows "
-        "its leases, waiters and per-user counts; `autogpu broker revoke LEASE_ID` (root) ends "
-        "a lease.",
+        "its leases, waiters and per-user counts; `autogpu broker tickets` lists the waiting "
+        "line; `autogpu broker revoke ID` (root) ends a lease or a ticket.",
     )
     p_broker.add_argument("action", nargs="?", default="serve",
-                          choices=["serve", "status", "revoke"], help="default: serve")
-    p_broker.add_argument("lease_id", nargs="?", help="the lease to revoke")
+                          choices=["serve", "status", "tickets", "revoke"],
+                          help="default: serve")
+    p_broker.add_argument("lease_id", nargs="?", help="the lease or ticket to revoke")
     p_broker.add_argument("--socket", metavar="PATH", default=None,
                           help="the Unix socket (default c.AutoGPU.broker_socket, else "
                           "/run/autogpu/broker.sock)")
@@ -126,7 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
     p_broker.add_argument("--max-devices-per-user", type=int, default=None, metavar="N",
                           help="admin limit (default c.AutoGPU.max_devices_per_user)")
     p_broker.add_argument("--max-connections-per-user", type=int, default=256, metavar="N",
-                          help="connections one non-root uid may hold (default 256)")
+                          help="connections one non-root user (with their subordinate uids) "
+                          "may hold (default 256)")
+    p_broker.add_argument("--max-connections", type=int, default=0, metavar="N",
+                          help="connections in all users together (default 0: 4096, or fewer "
+                          "if the descriptor limit is lower; the last 16 are root's)")
+    p_broker.add_argument("--ticket-grace", type=float, default=5.0, metavar="SECONDS",
+                          help="a ticket that could be served but is not taken within this "
+                          "many seconds loses its place (default 5)")
+    p_broker.add_argument("--send-timeout", type=float, default=10.0, metavar="SECONDS",
+                          help="a client that does not read a reply within this many seconds "
+                          "is dropped (default 10)")
+    p_broker.add_argument("--subuid-file", metavar="FILE", default="/etc/subuid",
+                          help="subordinate uid ranges: such a uid counts as its owner "
+                          "(default /etc/subuid)")
     p_broker.add_argument("--max-messages-per-s-per-user", type=float, default=500.0,
                           metavar="N", help="messages per second one non-root uid may send "
                           "(default 500; past it that user's messages wait)")
@@ -149,12 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prometheus", metavar="URL",
         help="Prometheus base URL (default: c.AutoGPU.prometheus_url / $AUTOGPU_PROMETHEUS_URL)",
     )
-    p_hosts.add_argument(
-        "--min-free", metavar="SIZE",
-        help="free memory wanted per device: 10G / 10GiB (binary), 16GB (decimal), 25%%",
-    )
-    p_hosts.add_argument("--max-util", metavar="PCT", help="drop devices busier than PCT percent")
-    p_hosts.add_argument("--count", metavar="N", default=None, help="devices on one host (1)")
+    add_arguments(p_hosts, skip=[o.key for o in PICK_OPTIONS if o.key not in HOSTS_OPTIONS])
     hfmt = p_hosts.add_mutually_exclusive_group()
     hfmt.add_argument("--json", action="store_true", help="machine-readable output")
     hfmt.add_argument("--best", action="store_true", help="print only the best host's name")
@@ -180,12 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # An error in `autogpu pick ...` shows pick's usage, not the top-level one (see main()).
     parser.set_defaults(_subparsers=sub.choices)
-    try:
-        from autogpu_jupyter import kernelspec as _ks
-
-        _ks.add_cli(sub)
-    except ImportError:  # pragma: no cover - the kernelspec module ships with the package
-        pass
+    kernelspec.add_cli(sub)
     return parser
 
 
@@ -194,15 +228,9 @@ def _settings() -> AutoGPU:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from autogpu_jupyter.api import status_frame
-    from autogpu_jupyter.core.backends import get_backend
-    from autogpu_jupyter.core.session import current
-
     snap = get_backend().snapshot()
     leases = _leases_or_empty()
     if args.json:
-        from autogpu_jupyter.core.text import redact_command
-
         data = snap.to_dict()
         me, root = _me(), _is_root()
         for dev in data.get("devices", []):
@@ -213,10 +241,6 @@ def _cmd_list(args: argparse.Namespace) -> int:
         ]
         print(json.dumps(data, indent=2))
         return EXIT_OK
-    import shutil
-
-    from autogpu_jupyter.core.tables import narrow, status_table, to_text, visible
-
     df = status_frame(snap, current(), leases)
     title = f"{len(snap.devices)} device(s) via {snap.backend}"
     if snap.simulated:
@@ -241,8 +265,6 @@ def _is_root() -> bool:
 
 
 def _me() -> str:
-    import pwd
-
     try:
         return pwd.getpwuid(os.geteuid()).pw_name
     except KeyError:
@@ -250,9 +272,7 @@ def _me() -> str:
 
 
 def _leases_or_empty() -> list[Any]:
-    from autogpu_jupyter.api import registry_for
-
-    reg = registry_for(_settings())
+    reg = store_for(_settings())
     if reg is None:
         return []
     try:
@@ -262,34 +282,26 @@ def _leases_or_empty() -> list[Any]:
         return []
 
 
-def _pick(args: argparse.Namespace, *, take_lease: bool) -> Any:
-    from autogpu_jupyter.api import holder_for_this_process, pick_options, registry_for
-    from autogpu_jupyter.core.options import from_namespace
-    from autogpu_jupyter.core.picker import pick
-
+def _pick(args: argparse.Namespace, *, take_lease: bool) -> PickResult:
     settings = _settings()
     opts = pick_options(settings, from_namespace(args))
-    constraints, wait_s = opts.constraints, opts.wait_s
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    holder = holder_for_this_process("cli")
+    requester = requester_for_this_process("cli")
     if take_lease and args.cmd:
-        holder = type(holder)(pid=holder.pid, kind="cli", command=shlex.join(args.cmd)[:500])
+        requester = Requester(pid=requester.pid, kind="cli", command=shlex.join(args.cmd)[:500])
     return pick(
-        constraints,
-        registry=registry_for(settings),
-        holder=holder,
+        opts,
+        store=store_for(settings),
+        requester=requester,
         dry_run=not take_lease,
-        wait_s=wait_s,
         on_progress=progress,
     )
 
 
-def _summary(result: Any) -> str:
-    from autogpu_jupyter.core.units import format_bytes
-
+def _summary(result: PickResult) -> str:
     lines = []
     for d in result.chosen:
         util = "?" if d.utilization_pct is None else f"{d.utilization_pct:.0f}%"
@@ -306,13 +318,8 @@ def _summary(result: Any) -> str:
     return "\n".join(lines)
 
 
-def _ranking(result: Any) -> list[str]:
+def _ranking(result: PickResult) -> list[str]:
     """``pick --dry-run``: every device, its rank or why it was dropped (plain text)."""
-    import shutil
-
-    from autogpu_jupyter.core.tables import Column, to_text
-    from autogpu_jupyter.core.units import format_bytes
-
     chosen = {d.uuid for d in result.chosen}
     rows = []
     n = 0
@@ -344,8 +351,6 @@ def _ranking(result: Any) -> list[str]:
 
 
 def _cmd_pick(args: argparse.Namespace) -> int:
-    from autogpu_jupyter.core.visibility import visible_env
-
     result = _pick(args, take_lease=False)
     env = visible_env([d.uuid for d in result.chosen], result.snapshot.devices)
     if args.dry_run and not (args.export or args.json):
@@ -365,8 +370,6 @@ def _cmd_pick(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from autogpu_jupyter.core import contract
-
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -407,10 +410,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_leases(args: argparse.Namespace) -> int:
-    from autogpu_jupyter.api import registry_for
-    from autogpu_jupyter.core.units import format_bytes
-
-    reg = registry_for(_settings())
+    reg = store_for(_settings())
     if reg is None:
         print("leases are off (AutoGPU.use_leases = False or no registry_dir)")
         return EXIT_OK
@@ -422,7 +422,7 @@ def _cmd_leases(args: argparse.Namespace) -> int:
             print("autogpu: error: --prune --all needs root", file=sys.stderr)
             return EXIT_USAGE
         removed = reg.prune(all_users=args.all)
-        if not removed and callable(getattr(reg, "status", None)):
+        if not removed and isinstance(reg, BrokerRegistry):
             print(f"nothing to prune: the lease broker at {reg.path} frees a lease the moment its "
                   "holder's connection closes")
             return EXIT_OK
@@ -455,11 +455,6 @@ def _cmd_leases(args: argparse.Namespace) -> int:
 
 
 def _cmd_hosts(args: argparse.Namespace) -> int:
-    from autogpu_jupyter.core.cluster import PrometheusClient, fetch_cluster, rank_hosts
-    from autogpu_jupyter.core.policy import Constraints
-    from autogpu_jupyter.core.units import format_bytes
-    from autogpu_jupyter.errors import NoDeviceFitsError, UsageErrorBase
-
     settings = _settings()
     url = args.prometheus or settings.prometheus_url
     if not url:
@@ -467,11 +462,10 @@ def _cmd_hosts(args: argparse.Namespace) -> int:
             "no Prometheus to ask: pass --prometheus http://HOST:9090, or set "
             "c.AutoGPU.prometheus_url or $AUTOGPU_PROMETHEUS_URL"
         )
-    constraints = Constraints.parse(
-        min_free=settings.min_free if args.min_free is None else args.min_free,
-        max_util=settings.max_util if args.max_util is None else args.max_util,
-        count=settings.count if args.count is None else args.count,
-    )
+    defaults = {k: v for k, v in defaults_from(settings).items() if k in HOSTS_OPTIONS}
+    constraints = parse_options(
+        from_namespace(args), defaults=defaults, accept=HOSTS_OPTIONS
+    ).constraints
     view = fetch_cluster(PrometheusClient(url, settings.prometheus_timeout_s))
     choices = rank_hosts(view, constraints)
     if args.json:
@@ -515,21 +509,18 @@ def _safe(text: str) -> str:
 
 
 def _cmd_exporter(args: argparse.Namespace) -> int:
-    import threading
+    # prometheus_client and the collector: only the exporter needs them (the other commands
+    # start faster without).
+    from prometheus_client import CollectorRegistry, start_http_server  # noqa: PLC0415
 
-    from prometheus_client import CollectorRegistry, start_http_server
-
-    from autogpu_jupyter.api import registry_for
-    from autogpu_jupyter.core import sampler as sampler_mod
-    from autogpu_jupyter.errors import UsageErrorBase
-    from autogpu_jupyter.metrics import AutoGPUCollector, MetricsSource
+    from autogpu_jupyter.metrics import AutoGPUCollector, MetricsSource  # noqa: PLC0415
 
     if not 0 < args.port < 65536:
         raise UsageErrorBase(f"invalid --port {args.port}: expected 1-65535, e.g. 9445")
     settings = _settings()
     interval = settings.sample_interval_s if args.interval is None else args.interval
     sampler = sampler_mod.get_sampler(interval_s=interval)
-    registry = registry_for(settings)
+    registry = store_for(settings)
     source = MetricsSource(latest=sampler.latest, registry=lambda: registry,
                            hostname=args.hostname, lease_details=args.lease_details)
     prom = CollectorRegistry(auto_describe=False)
@@ -554,26 +545,32 @@ def _cmd_exporter(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _broker_socket(args: argparse.Namespace, settings: Any) -> str:
-    from autogpu_jupyter.core.brokerclient import DEFAULT_SOCKET
-
-    configured = str(settings.broker_socket or "").strip()
-    return args.socket or (configured if configured.lower() != "off" else "") or DEFAULT_SOCKET
+def _broker_socket(args: argparse.Namespace, settings: AutoGPU) -> str:
+    """The socket ``autogpu broker`` serves or asks: ``--socket``, else the configured one
+    (any spelling of "off" counts as not configured), else the default."""
+    return args.socket or configured_socket(settings) or DEFAULT_SOCKET
 
 
 def _cmd_broker(args: argparse.Namespace) -> int:
     settings = _settings()
     path = _broker_socket(args, settings)
     if args.action == "serve":
-        # The one place that may: `autogpu broker` is how the daemon is started (by systemd too).
-        from autogpu_jupyter import broker  # noqa: TID251
+        # The one place that may: `autogpu broker` is how the daemon is started (by systemd too);
+        # the daemon's asyncio server is loaded by that command only.
+        from autogpu_jupyter import broker  # noqa: TID251, PLC0415
 
         limit = args.max_devices_per_user
         config = broker.BrokerConfig(
             socket_path=path,
             state_dir=args.state_dir or None,
             max_devices_per_user=settings.max_devices_per_user if limit is None else limit,
+            max_leases_per_user=settings.max_leases_per_user,
+            max_tickets_per_user=settings.max_tickets_per_user,
             max_connections_per_user=args.max_connections_per_user,
+            max_connections=args.max_connections,
+            ticket_grace_s=args.ticket_grace,
+            send_timeout_s=args.send_timeout,
+            subuid_path=args.subuid_file,
             messages_per_s_per_user=args.max_messages_per_s_per_user,
             record_commands=settings.record_commands,
         )
@@ -582,22 +579,36 @@ def _cmd_broker(args: argparse.Namespace) -> int:
             if limit is not None:  # the command line wins over the file
                 config.max_devices_per_user = limit
         return broker.main(config)
-    from autogpu_jupyter.core.brokerclient import BrokerRegistry
-
     reg = BrokerRegistry(path, connect_timeout_s=1.0)
     if args.action == "revoke":
         if not args.lease_id:
-            print("autogpu: error: broker revoke needs a LEASE_ID (see autogpu broker status)",
-                  file=sys.stderr)
+            print("autogpu: error: broker revoke needs a LEASE_ID or ticket id (see autogpu "
+                  "broker status)", file=sys.stderr)
             return EXIT_USAGE
-        print(f"revoked lease {args.lease_id} ({reg.revoke(args.lease_id)})")
+        kind, holder = reg.revoke_record(args.lease_id)
+        print(f"revoked {kind} {args.lease_id} ({holder})")
         return EXIT_OK
+    if args.action == "tickets":
+        return _print_broker_tickets(reg.list_tickets(), args.json)
     return _print_broker_status(reg.status(), path, args.json)
 
 
-def _print_broker_status(st: dict[str, Any], path: str, as_json: bool) -> int:
-    from autogpu_jupyter.core.brokerclient import from_wire
+def _print_broker_tickets(tickets: list[Any], as_json: bool) -> int:
+    """``autogpu broker tickets``: the waiting line, oldest first."""
+    if as_json:
+        print(json.dumps([t.to_dict() | {"constraints": dict(t.constraints or {})}
+                          for t in tickets], indent=2))
+        return EXIT_OK
+    print(f"waiting tickets: {len(tickets)}")
+    for t in tickets:
+        since = time.strftime("%H:%M:%S", time.localtime(t.created_s))
+        c = t.constraints or {}
+        ask = f"{c.get('count', 1)} GPU(s)" + (" exclusive" if t.exclusive else "")
+        print(f"  ticket {t.seq}  {t.lease_id}  {ask}, since {since}  {t.holder_text()}")
+    return EXIT_OK
 
+
+def _print_broker_status(st: dict[str, Any], path: str, as_json: bool) -> int:
     recs = [from_wire(item, path) for item in [*st.get("leases", []), *st.get("tickets", [])]]
     if as_json:
         out = {k: v for k, v in st.items() if k not in ("leases", "tickets", "ok")}
@@ -632,8 +643,6 @@ class _TerminalSafe:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        from autogpu_jupyter.core.text import terminal_safe
-
         self._stream.write(terminal_safe(text))
         return len(text)
 
@@ -643,8 +652,6 @@ class _TerminalSafe:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``autogpu``; returns the exit code."""
-    from autogpu_jupyter.core.options import join_negative_values
-
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _TerminalSafe(out), _TerminalSafe(err)
     try:

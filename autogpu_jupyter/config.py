@@ -12,7 +12,7 @@ from typing import Any
 from traitlets import Bool, Float, Int, Unicode, default
 from traitlets.config import Configurable
 
-__all__ = ["AutoGPU", "default_registry_dir"]
+__all__ = ["AutoGPU", "default_registry_dir", "default_settings", "set_default_settings"]
 
 
 def default_registry_dir() -> str:
@@ -84,6 +84,17 @@ class AutoGPU(Configurable):
     ).tag(config=True)
     max_devices_per_user = Int(
         0, help="Admin limit: the most devices one user may hold leases on at once (0: no limit)."
+    ).tag(config=True)
+    max_leases_per_user = Int(
+        0,
+        help="Admin limit: the most leases one user may hold at once, shared or not (0: no "
+        "limit; env AUTOGPU_MAX_LEASES_PER_USER).",
+    ).tag(config=True)
+    max_tickets_per_user = Int(
+        2,
+        help="Admin limit: the most places in the waiting line (picks with --wait) one user may "
+        "hold at once (env AUTOGPU_MAX_TICKETS_PER_USER). A waiting ticket counts the devices "
+        "it waits for against max_devices_per_user.",
     ).tag(config=True)
     registry_lock_timeout_s = Float(
         10.0,
@@ -184,6 +195,14 @@ class AutoGPU(Configurable):
     def _default_max_devices(self) -> int:
         return _int_env("MAX_DEVICES_PER_USER", 0)
 
+    @default("max_leases_per_user")
+    def _default_max_leases(self) -> int:
+        return _int_env("MAX_LEASES_PER_USER", 0)
+
+    @default("max_tickets_per_user")
+    def _default_max_tickets(self) -> int:
+        return _int_env("MAX_TICKETS_PER_USER", 2)
+
     @default("registry_lock_timeout_s")
     def _default_lock_timeout(self) -> float:
         try:
@@ -230,3 +249,19 @@ def _int_env(name: str, fallback: int) -> int:
 def settings(**overrides: Any) -> AutoGPU:
     """An :class:`AutoGPU` with the current env defaults and ``overrides`` applied (for scripts)."""
     return AutoGPU(**overrides)
+
+
+# The settings the magics registered with the shell (so that ``%config AutoGPU.x = ...`` also
+# reaches the Python API in that kernel); ``None`` outside IPython: a fresh ``AutoGPU()``.
+_default_settings: AutoGPU | None = None
+
+
+def set_default_settings(settings: AutoGPU | None) -> None:
+    """Make ``settings`` what API calls without explicit settings use (the magics call this)."""
+    global _default_settings
+    _default_settings = settings
+
+
+def default_settings() -> AutoGPU:
+    """The shell's ``AutoGPU`` when the extension is loaded, else a fresh one (env defaults)."""
+    return _default_settings if _default_settings is not None else AutoGPU()

@@ -23,9 +23,9 @@ import sys
 import tempfile
 from typing import Any
 
-from jupyter_client.kernelspec import KernelSpecManager
-
+from autogpu_jupyter.core import options
 from autogpu_jupyter.core.contract import ON_NO_DEVICE, PROVISIONER_NAME
+from autogpu_jupyter.core.options import add_arguments, from_namespace
 from autogpu_jupyter.errors import UsageErrorBase
 
 __all__ = ["DEFAULT_NAME", "DEFAULT_DISPLAY_NAME", "add_cli", "install", "list_specs", "remove",
@@ -70,14 +70,17 @@ def spec_dict(
 
 
 def _manager() -> Any:
+    # Imported here: every `autogpu` command builds this module's parser, and jupyter_client
+    # (with zmq and tornado) is for the kernelspec commands only; the broker and the exporter
+    # run without it.
+    from jupyter_client.kernelspec import KernelSpecManager  # noqa: PLC0415
+
     return KernelSpecManager()
 
 
 def _validate(opts: dict[str, Any]) -> None:
     """The options a kernelspec gets, checked as the provisioner will read them (the one
     options boundary, JSON names)."""
-    from autogpu_jupyter.core import options
-
     on_no = opts.get("on_no_device", "cpu")
     if on_no not in ON_NO_DEVICE:
         raise UsageErrorBase(
@@ -173,8 +176,6 @@ def remove(name: str) -> str:
 
 
 def _options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    from autogpu_jupyter.core.options import from_namespace
-
     opts: dict[str, Any] = {
         k: v for k, v in from_namespace(args).items() if v is not None and k != "exclude"
     }
@@ -245,8 +246,6 @@ def add_cli(subparsers: Any) -> None:
                       help=f"name shown in the launcher (default {DEFAULT_DISPLAY_NAME!r})")
     # The pick options are declared once (core.options), less --exclude: a kernelspec serves
     # many kernels, and device ids to avoid belong to one pick, not to the spec.
-    from autogpu_jupyter.core.options import add_arguments
-
     add_arguments(inst, skip=("exclude",))
     inst.add_argument("--on-no-device", choices=ON_NO_DEVICE,
                       help="nothing fits: start CPU-only with a note (cpu, default) "

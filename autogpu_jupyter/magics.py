@@ -12,19 +12,32 @@ import argparse
 import contextlib
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from IPython import get_ipython
+from IPython.core import magic_arguments as _magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import argument, construct_parser, magic_arguments
+from IPython.display import DisplayHandle, display
+
+# IPython re-exports arg_split per platform without listing it (hence the ignore).
+from IPython.utils.process import arg_split  # type: ignore[attr-defined]
 from IPython.utils.text import dedent
 
-from autogpu_jupyter.config import AutoGPU
+from autogpu_jupyter.config import AutoGPU, set_default_settings
 from autogpu_jupyter.core import options as _options
+from autogpu_jupyter.core import session
+from autogpu_jupyter.core.backends import SIMULATE_ENV
+from autogpu_jupyter.core.contract import KernelContract
+from autogpu_jupyter.core.cudastate import cuda_state, hip_state
+from autogpu_jupyter.core.tables import Column, narrow, status_table, to_html, to_text, visible
+from autogpu_jupyter.core.text import terminal_safe
+from autogpu_jupyter.core.units import format_bytes, format_duration
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError
 
 if TYPE_CHECKING:
@@ -38,6 +51,12 @@ __all__ = ["GPUMagics", "load_ipython_extension", "unload_ipython_extension"]
 log = logging.getLogger(__name__)
 
 SUBCOMMANDS = ("pick", "status", "release", "panel", "move")
+
+#: What ``%gpu panel`` says where no notebook front end draws widgets (a terminal IPython).
+PANEL_NEEDS_FRONTEND = (
+    "autogpu: %gpu panel is a live widget and needs a notebook (JupyterLab, Notebook 7, VS Code); "
+    "here, %gpu prints the same devices and holders as a table"
+)
 PICK_OPTIONS = ", ".join(
     [f"{o.flag} {o.metavar}" if o.metavar else o.flag for o in _options.PICK_OPTIONS]
     + ["--dry-run", "--force"]
@@ -45,6 +64,11 @@ PICK_OPTIONS = ", ".join(
 
 
 # --------------------------------------------------------------------------- option parsing
+
+# IPython's magic_arguments helpers carry no annotations: typed once here (mypy checks the rest).
+magic_arguments: Callable[[], Callable[[Any], Any]] = _magic_arguments.magic_arguments
+argument: Callable[..., Callable[[Any], Any]] = _magic_arguments.argument
+construct_parser: Callable[[Any], argparse.ArgumentParser] = _magic_arguments.construct_parser
 
 
 @magic_arguments()
@@ -73,10 +97,8 @@ _options.add_arguments(_PICK_PARSER)
 
 def _parse_pick(argv: Sequence[str], where: str = "%gpu pick") -> argparse.Namespace:
     """Parse pick options; any problem is one line of ``UsageError`` (argparse never exits)."""
-    from autogpu_jupyter.core.options import join_negative_values
-
     try:
-        return _PICK_PARSER.parse_args(join_negative_values(argv))
+        return _PICK_PARSER.parse_args(_options.join_negative_values(argv))
     except UsageError as err:
         raise UsageError(f"{where}: {err}; accepted options: {PICK_OPTIONS} (see %gpu?)") from None
     except SystemExit:  # argparse paths that call exit() directly: never leave the kernel
@@ -87,8 +109,6 @@ def _parse_pick(argv: Sequence[str], where: str = "%gpu pick") -> argparse.Names
 
 
 def _split(line: str) -> list[str]:
-    from IPython.utils.process import arg_split
-
     try:
         # posix=True: quotes are removed, so --exclude "" is an empty value (rejected by name).
         return list(arg_split(line, posix=True, strict=True))
@@ -97,8 +117,6 @@ def _split(line: str) -> list[str]:
 
 
 def _one_line(err: BaseException) -> str:
-    from autogpu_jupyter.core.text import terminal_safe
-
     return terminal_safe(str(err).strip() or type(err).__name__)
 
 
@@ -109,8 +127,6 @@ def _no_fit(err: NoDeviceFitsError, args: argparse.Namespace, where: str) -> NoD
     The cell still fails (so "Run All" stops before code that needs the GPU), through the
     exception's ``_render_traceback_``, which IPython shows instead of a traceback.
     """
-    from autogpu_jupyter.core.text import terminal_safe
-
     text = terminal_safe(str(err))
     lines = [f"autogpu: {line}" if i == 0 else line for i, line in enumerate(text.splitlines())]
     if args.wait:
@@ -133,14 +149,10 @@ def _pct(value: float | None) -> str:
 
 
 def _free(c: Candidate) -> str:
-    from autogpu_jupyter.core.units import format_bytes
-
     return f"{format_bytes(c.effective_free_bytes)} free"
 
 
 def _device_line(d: DeviceSnapshot, c: Candidate | None) -> str:
-    from autogpu_jupyter.core.units import format_bytes
-
     free = c.effective_free_bytes if c is not None else d.memory_free_bytes
     util = c.smoothed_util_pct if c is not None else d.utilization_pct
     booked = (
@@ -154,8 +166,6 @@ def _device_line(d: DeviceSnapshot, c: Candidate | None) -> str:
 
 def format_pick(result: PickResult, warning: str | None = None) -> str:
     """The short, friendly summary of a pick (what ``%gpu pick`` prints)."""
-    from autogpu_jupyter.core.units import format_duration
-
     sim = " [SIMULATED]" if result.snapshot.simulated else ""
     lines = []
     head = "picked" if len(result.chosen) == 1 else f"picked {len(result.chosen)} devices:"
@@ -172,8 +182,10 @@ def format_pick(result: PickResult, warning: str | None = None) -> str:
         else "no runner-up (nothing else fits)"
     )
     if result.kept:
-        d = result.chosen[0] if result.chosen else None
-        where = _device_line(d, result.candidate(d.uuid)) if d is not None else "its device"
+        kept = result.chosen[0] if result.chosen else None
+        where = (
+            _device_line(kept, result.candidate(kept.uuid)) if kept is not None else "its device"
+        )
         return "\n".join(
             [
                 f"autogpu{sim}: kept {where}",
@@ -221,9 +233,8 @@ def format_ranking(result: PickResult, width: int = 120) -> str:
     Aligned columns; the verdict column wraps under itself (never back to column 0) so the
     table fits ``width`` characters; control characters in any cell are made visible.
     """
-    from autogpu_jupyter.core.decision import deciding_term, describe_load
-    from autogpu_jupyter.core.tables import Column, to_text
-    from autogpu_jupyter.core.units import format_bytes
+    # The decision pipeline comes with the first pick.
+    from autogpu_jupyter.core.decision import deciding_term, describe_load  # noqa: PLC0415
 
     sim = " [SIMULATED]" if result.snapshot.simulated else ""
     chosen = {d.uuid for d in result.chosen}
@@ -278,7 +289,8 @@ def _asked(constraints: Constraints) -> str:
 
 def _pending_move_text() -> str | None:
     """A move this kernel asked for (``%gpu move``) that waits for the kernel's restart."""
-    from autogpu_jupyter.core import moves
+    # The pick machinery comes with the first pick, not with %load_ext.
+    from autogpu_jupyter.core import moves  # noqa: PLC0415
 
     try:
         return moves.pending_move_text()
@@ -310,7 +322,8 @@ class _CellStats:
         self.samples += 1
         ours = sampler.latest_own_pids() if sampler.latest() is snap else None
         if ours is None:
-            from autogpu_jupyter.core.sampler import own_pids
+            # Numpy: only with a sampler.
+            from autogpu_jupyter.core.sampler import own_pids  # noqa: PLC0415
 
             ours = own_pids(p.pid for d in snap.devices for p in (d.processes or ()))
         own: int | None = 0
@@ -328,8 +341,6 @@ class _CellStats:
             self.peak_own_bytes = max(self.peak_own_bytes or 0, own)
 
     def report(self, wall_s: float, labels: str, simulated: bool) -> str:
-        from autogpu_jupyter.core.units import format_bytes, format_duration
-
         util = (
             "unknown (not reported for this device)"
             if self.util_n == 0
@@ -409,12 +420,13 @@ class GPUMagics(Magics):
     def _run_pick(
         self, args: argparse.Namespace, where: str = "%gpu pick"
     ) -> tuple[PickResult, str | None]:
-        from autogpu_jupyter import api
+        # The pick machinery and the lease stores: first pick, not %load_ext.
+        from autogpu_jupyter import api  # noqa: PLC0415
 
         with _Progress(self._in_kernel()) as progress:
             try:
                 return api.pick_result(
-                    **_options.from_namespace(args),
+                    api.pick_options(self.settings, _options.from_namespace(args)),
                     dry_run=args.dry_run,
                     force=args.force,
                     settings=self.settings,
@@ -436,12 +448,9 @@ class GPUMagics(Magics):
 
     def _pick(self, args: argparse.Namespace) -> None:
         result, warning = self._run_pick(args)
-        from autogpu_jupyter.core.text import terminal_safe
 
         text = format_ranking(result) if args.dry_run else format_pick(result, warning)
         if args.dry_run and result.chosen:
-            from autogpu_jupyter.core import session
-
             mine = session.current()
             if mine is not None and set(mine.uuids) == {d.uuid for d in result.chosen}:
                 labels = ", ".join(d.label for d in result.chosen)
@@ -453,8 +462,8 @@ class GPUMagics(Magics):
     def _pick_one(self, uuid: str) -> tuple[bool, str, str]:
         """Pick device ``uuid`` for this kernel (the sidebar's pick): ``(ok, summary, details)``,
         worded as the user clicked it; the environment is unchanged when it fails."""
-        from autogpu_jupyter import api
-        from autogpu_jupyter.core.text import terminal_safe
+        # The API and the pick machinery come with the first pick, not with %load_ext.
+        from autogpu_jupyter import api  # noqa: PLC0415
 
         try:
             snap = api.read_snapshot()
@@ -475,7 +484,8 @@ class GPUMagics(Magics):
         )
         try:
             result, warning = api.pick_result(
-                exclude=others or None, wait=0, settings=self.settings, source="sidebar",
+                api.pick_options(self.settings, {"exclude": others or None, "wait": 0}),
+                settings=self.settings, source="sidebar",
             )
         except NoDeviceFitsError as err:
             cands = err.candidates if isinstance(err.candidates, tuple) else ()
@@ -493,13 +503,12 @@ class GPUMagics(Magics):
             return False, f"autogpu: {head}", rest.strip()
         _watch()  # as after %gpu pick: the overload warning reaches the notebook's cells
         lines = format_pick(result, warning).splitlines()
-        details = [ln.strip() for ln in lines[1:] if not ln.strip().startswith("asked:")]
-        return True, terminal_safe(lines[0]), terminal_safe("\n".join(details))
+        kept = [ln.strip() for ln in lines[1:] if not ln.strip().startswith("asked:")]
+        return True, terminal_safe(lines[0]), terminal_safe("\n".join(kept))
 
     # -- status --------------------------------------------------------------------------
     def _status(self) -> None:
-        from autogpu_jupyter import api
-        from autogpu_jupyter.core import session
+        from autogpu_jupyter import api  # noqa: PLC0415 (the API and pandas: first %gpu status)
 
         try:
             df = api.status(settings=self.settings)
@@ -509,7 +518,7 @@ class GPUMagics(Magics):
         title = "GPUs on this host"
         if simulated:
             title += (
-                f" — SIMULATED fleet (AUTOGPU_SIMULATE={os.environ.get('AUTOGPU_SIMULATE', '')})"
+                f" — SIMULATED fleet ({SIMULATE_ENV}={os.environ.get(SIMULATE_ENV, '')})"
             )
         choice = session.current()
         if choice is None:
@@ -527,12 +536,8 @@ class GPUMagics(Magics):
             for short, label in zip(df["uuid"], df["gpu"], strict=True):
                 pending = pending.replace(str(short), str(label))
             mine += f" · {pending}"
-        from autogpu_jupyter.core.tables import narrow, status_table, to_html, to_text, visible
-
         columns, rows, highlight = status_table(df)
         if self._in_kernel():
-            from IPython.display import display
-
             text = "\n".join([title, *to_text(*narrow(columns, rows, 120), width=120), mine])
             # A notebook at 1366x768 with the sidebar open has about 900 px for outputs: the
             # short UUID (in the text) is the column it can do without; holders then wrap.
@@ -541,9 +546,9 @@ class GPUMagics(Magics):
                 [columns[i] for i in keep], [tuple(r[i] for i in keep) for r in rows],
                 caption=f"{title} · {mine}", highlight=highlight,
             )
-            display({"text/plain": text, "text/html": html}, raw=True)
+            show: Callable[..., None] = display  # IPython's display() carries no annotations
+            show({"text/plain": text, "text/html": html}, raw=True)
         else:
-            import shutil
 
             width = shutil.get_terminal_size((100, 24)).columns
             print(visible(title))
@@ -552,9 +557,6 @@ class GPUMagics(Magics):
 
     # -- release -------------------------------------------------------------------------
     def _release(self) -> None:
-        from autogpu_jupyter.core import session
-        from autogpu_jupyter.core.cudastate import cuda_state, hip_state
-
         before = session.current()
         old = session.release()
         if old is None:
@@ -588,17 +590,23 @@ class GPUMagics(Magics):
 
     # -- panel / move --------------------------------------------------------------------
     def _panel(self) -> None:
-        from IPython.display import display
+        if not self._in_kernel():
+            # A terminal IPython draws no widgets: display() would print the Panel's repr.
+            print(PANEL_NEEDS_FRONTEND)
+            return
+        # The one front end the magics open: %gpu panel shows the panel (both run in this
+        # kernel); ipywidgets loads only then.
+        from autogpu_jupyter.widgets import Panel  # noqa: TID251, PLC0415
 
-        from autogpu_jupyter import Panel
-
-        display(Panel())
+        show: Callable[..., None] = display  # IPython's display() carries no annotations
+        show(Panel())
 
     def _move(self, argv: Sequence[str]) -> None:
         """``%gpu move [DEVICE|--best]``: ask the autogpu kernel provisioner to restart this
         kernel on another GPU (the target must fit now); the user then restarts the kernel."""
-        from autogpu_jupyter import api
-        from autogpu_jupyter.core import moves
+        # The pick machinery and the lease stores come with the first %gpu move.
+        from autogpu_jupyter.core import moves  # noqa: PLC0415
+        from autogpu_jupyter.core.leasing import store_for  # noqa: PLC0415
 
         if len(argv) != 1:
             raise UsageError(
@@ -609,15 +617,13 @@ class GPUMagics(Magics):
         if target.startswith("-"):
             raise UsageError(f"%gpu move: unknown option {target!r}; expected a device or --best")
         try:
-            plan = moves.request_move_from_kernel(target, registry=api.registry_for(self.settings))
+            plan = moves.request_move_from_kernel(target, store=store_for(self.settings))
         except AutoGPUError as err:
             raise UsageError(_one_line(err)) from None
         print(plan.message)
 
     # -- %%gpu ---------------------------------------------------------------------------
     def _cell(self, line: str, cell: str) -> None:
-        from autogpu_jupyter.core import session
-
         args = _parse_pick(_split(line), where="%%gpu")
         if args.dry_run:
             raise UsageError("%%gpu: --dry-run is for %gpu pick (a dry run would not run the cell)")
@@ -635,7 +641,8 @@ class GPUMagics(Magics):
         t0 = time.perf_counter()
         try:
             assert self.shell is not None
-            res = self.shell.run_cell(cell, store_history=False)
+            run_cell: Callable[..., Any] = self.shell.run_cell  # untyped in IPython
+            res = run_cell(cell, store_history=False)
         finally:
             wall = time.perf_counter() - t0
             if sampler is not None:
@@ -657,7 +664,8 @@ class GPUMagics(Magics):
             raise err
 
     def _start_stats(self, uuids: tuple[str, ...]) -> tuple[_CellStats, Sampler | None, bool, str]:
-        from autogpu_jupyter.core import sampler as _sampler
+        # Numpy: only once a sampler runs.
+        from autogpu_jupyter.core import sampler as _sampler  # noqa: PLC0415
 
         stats = _CellStats(uuids=uuids, start_s=time.time())
         try:
@@ -679,8 +687,8 @@ class GPUMagics(Magics):
     def _violations(self, uuids: Sequence[str], args: argparse.Namespace) -> str | None:
         """Say so when the device this kernel already has violates the cell's options (the
         one decision pipeline's verdict, as ``%gpu pick`` would judge it)."""
-        from autogpu_jupyter import api
-        from autogpu_jupyter.core import session
+        # The pick machinery and the lease stores: first %%gpu.
+        from autogpu_jupyter import api  # noqa: PLC0415
 
         try:
             constraints: Constraints = api.pick_options(
@@ -693,7 +701,7 @@ class GPUMagics(Magics):
         lines = []
         if constraints.count > len(uuids):
             lines.append(f"  it has {len(uuids)} device(s), {constraints.count} asked for")
-        lines.extend(f"  {c.device.label}: {'; '.join(c.reasons)}" for c in failing)
+        lines.extend(f"  {why}" for why in failing)
         if not lines:
             return None
         return (
@@ -748,13 +756,12 @@ class _Progress:
 
     def update(self, text: str) -> None:
         if self.in_kernel:
-            from IPython.display import DisplayHandle
-
             data = {"text/plain": text}
             if self.handle is None:
                 # The handle exists before its first display, so an interrupt arriving during
                 # that display still finds it and can mark the line "cancelled".
-                self.handle = DisplayHandle()
+                make_handle: Callable[[], Any] = DisplayHandle  # untyped in IPython
+                self.handle = make_handle()
                 self.handle.display(data, raw=True)
             else:
                 self.handle.update(data, raw=True)
@@ -798,9 +805,6 @@ def sidebar_pick(uuid: str) -> None:
     cell prints stays for the notebook.
     """
     global _skip_hook_once
-    from IPython import get_ipython
-    from IPython.display import display
-
     ip = get_ipython()
     if ip is None:  # not in IPython: nothing to pick for
         return
@@ -813,7 +817,8 @@ def sidebar_pick(uuid: str) -> None:
     # this request is the sidebar's: what the hook prints would reach the sidebar, not the
     # notebook, and a warning shown there would never be printed under a cell
     _skip_hook_once = True
-    display(
+    show: Callable[..., None] = display  # IPython's display() carries no annotations
+    show(
         {SIDEBAR_PICK_MIME: {"ok": ok, "summary": summary, "details": details},
          "text/plain": summary},
         raw=True,
@@ -842,7 +847,8 @@ _note_shown = False
 def _watch() -> None:
     """Start the kernel's one sampler once it has a device, so that the overload warning
     reaches users without the panel too (the cell hook reads it; it never starts a thread)."""
-    from autogpu_jupyter.core.sampler import get_sampler
+    # Numpy: only once a sampler runs.
+    from autogpu_jupyter.core.sampler import get_sampler  # noqa: PLC0415
 
     try:
         sampler = get_sampler()
@@ -859,7 +865,6 @@ def _pick_note_once() -> None:
     """Show the kernel provisioner's note (e.g. "started CPU-only because ...") once: what a
     kernel prints while it starts never reaches the notebook, so the first cell carries it."""
     global _note_shown
-    from autogpu_jupyter.core.contract import KernelContract
 
     note = KernelContract.read().note or ""
     if note and not _note_shown:
@@ -870,18 +875,19 @@ def _pick_note_once() -> None:
 def _lease_events() -> None:
     """Tell the notebook what the lease broker said on this kernel's lease connection (a
     revoke), once, after the cell that was running."""
-    from autogpu_jupyter.core import session
-    from autogpu_jupyter.core.brokerclient import lease_events
-    from autogpu_jupyter.core.contract import LEASE_FD_ENV
-
     fds = []
     choice = session.current()
     lease = getattr(choice, "lease", None)
     if lease is not None and getattr(lease, "held", False):
         fds.append(lease.fileno())
-    inherited = os.environ.get(LEASE_FD_ENV, "")
-    if inherited.isascii() and inherited.isdecimal():
-        fds.append(int(inherited))
+    inherited = KernelContract.read().lease_fd
+    if inherited is not None:
+        fds.append(inherited)
+    if not fds:
+        return
+    # The lease stores come with a lease: never for a kernel that holds none.
+    from autogpu_jupyter.core.leasing.brokerclient import lease_events  # noqa: PLC0415
+
     for fd in fds:
         if fd in _ended_lease_fds:
             continue
@@ -905,10 +911,8 @@ def _overload_hook(*_args: Any) -> None:
         return
     _pick_note_once()
     _lease_events()
-    try:
-        from autogpu_jupyter.core.overload import pending_warning
-    except ImportError:  # the widgets package is optional at this layer
-        return
+    from autogpu_jupyter.core.overload import pending_warning  # noqa: PLC0415 (numpy: a cell ran)
+
     try:
         text = pending_warning()
     except AutoGPUError as err:
@@ -926,36 +930,28 @@ def load_ipython_extension(ipython: Any) -> None:
     """
     if id(ipython) in _loaded:
         return
-    from autogpu_jupyter import api
-
     settings = AutoGPU(parent=ipython)
     ipython.configurables.append(settings)
     magics = GPUMagics(ipython, settings)
     ipython.register_magics(magics)
     ipython.events.register("post_run_cell", _overload_hook)
     _loaded[id(ipython)] = _Loaded(magics, settings, _overload_hook)
-    api.set_default_settings(settings)
-    from autogpu_jupyter.core.contract import PROVISIONED_ENV
+    set_default_settings(settings)
 
-    if os.environ.get(PROVISIONED_ENV) == "1":
-        with _suppress(ImportError):
-            from autogpu_jupyter.core.overload import set_move_hint
+    if KernelContract.read().provisioned:
+        # numpy comes with the overload notice: only in a kernel the autogpu kernelspec started.
+        from autogpu_jupyter.core.overload import set_move_hint  # noqa: PLC0415
 
-            set_move_hint("run %gpu move --best, then restart the kernel (its state is lost)")
-    from autogpu_jupyter.core import session as _session
-
-    if _session.current() is not None:  # e.g. picked by the kernel provisioner
+        set_move_hint("run %gpu move --best, then restart the kernel (its state is lost)")
+    if session.current() is not None:  # e.g. picked by the kernel provisioner
         _watch()
-    if settings.pick_on_load:
-        from autogpu_jupyter.core import session
-
-        if session.current() is None:
-            try:
-                result, warning = magics._run_pick(_parse_pick([]))
-                print(format_pick(result, warning))
-                _watch()
-            except (UsageError, NoDeviceFitsError) as err:
-                print(f"autogpu: pick_on_load did not pick: {err}", file=sys.stderr)
+    if settings.pick_on_load and session.current() is None:
+        try:
+            result, warning = magics._run_pick(_parse_pick([]))
+            print(format_pick(result, warning))
+            _watch()
+        except (UsageError, NoDeviceFitsError) as err:
+            print(f"autogpu: pick_on_load did not pick: {err}", file=sys.stderr)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
@@ -966,8 +962,8 @@ def unload_ipython_extension(ipython: Any) -> None:
     state = _loaded.pop(id(ipython), None)
     if state is None:
         return
-    from autogpu_jupyter import api
-    from autogpu_jupyter.core.sampler import stop_sampler
+    # Numpy: the sampler is stopped only if it ran.
+    from autogpu_jupyter.core.sampler import stop_sampler  # noqa: PLC0415
 
     mm = ipython.magics_manager
     for kind in ("line", "cell"):
@@ -978,12 +974,11 @@ def unload_ipython_extension(ipython: Any) -> None:
         ipython.events.unregister("post_run_cell", state.hook)
     with _suppress(ValueError):
         ipython.configurables.remove(state.settings)
-    api.set_default_settings(None)
+    set_default_settings(None)
     stop_sampler()
-    with _suppress(ImportError):
-        from autogpu_jupyter.core.overload import reset_pending
+    from autogpu_jupyter.core.overload import reset_pending  # noqa: PLC0415 (numpy: at unload)
 
-        reset_pending()
+    reset_pending()
 
 
 def _owned(func: Any, magics: GPUMagics) -> bool:

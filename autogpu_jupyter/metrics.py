@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -47,8 +48,7 @@ from autogpu_jupyter.errors import AutoGPUError
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.records import LeaseRecord
-    from autogpu_jupyter.core.registry import Registry
+    from autogpu_jupyter.core.leasing import LeaseRecord, LeaseStore
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class MetricsSource:
     latest
         The sampler's latest sweep (``Sampler.latest``), ``None`` before the first one.
     registry
-        The lease registry (read without lock), or ``None`` when leases are off.
+        The lease store (read without lock), or ``None`` when leases are off.
     hostname
         The ``hostname`` label (default: this host's short name, as DCGM exporter's ``Hostname``).
     lease_details
@@ -76,7 +76,7 @@ class MetricsSource:
     """
 
     latest: Callable[[], FleetSnapshot | None]
-    registry: Callable[[], Registry | None]
+    registry: Callable[[], LeaseStore | None]
     hostname: str = ""
     lease_details: bool = False
 
@@ -248,8 +248,6 @@ def install(source: MetricsSource, registry: Any = None) -> AutoGPUCollector:
     """Register (once per process) the collector on ``registry`` (default: the global
     ``prometheus_client.REGISTRY``) reading from ``source``; returns it."""
     global _installed
-    from prometheus_client import REGISTRY
-
     target = REGISTRY if registry is None else registry
     with _install_lock:
         if _installed is None:
@@ -264,8 +262,6 @@ def install(source: MetricsSource, registry: Any = None) -> AutoGPUCollector:
 def uninstall(registry: Any = None) -> None:
     """Unregister the process's collector (no error when none is registered)."""
     global _installed
-    from prometheus_client import REGISTRY
-
     target = REGISTRY if registry is None else registry
     with _install_lock:
         if _installed is not None:

@@ -37,11 +37,10 @@ from typing import Any
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 from jupyter_core.paths import jupyter_runtime_dir
 
-from autogpu_jupyter.api import registry_for
 from autogpu_jupyter.config import AutoGPU
 from autogpu_jupyter.core import moves
 from autogpu_jupyter.core import options as pick_options
-from autogpu_jupyter.core.backends import get_backend
+from autogpu_jupyter.core.backends import SIMULATE_ENV, get_backend
 from autogpu_jupyter.core.contract import (
     GRANT_ENV,
     LEASE_ENV,
@@ -55,7 +54,9 @@ from autogpu_jupyter.core.contract import (
     PROVISIONER_NAME,
     notebook_path,
 )
-from autogpu_jupyter.core.picker import Holder, PickResult, pick
+from autogpu_jupyter.core.leasing import HeldLease, LeaseStore, Requester, store_for
+from autogpu_jupyter.core.options import PickOptions
+from autogpu_jupyter.core.picker import PickResult, pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.units import format_duration
 from autogpu_jupyter.errors import (
@@ -77,12 +78,20 @@ OPTION_NAMES = (*(o.key for o in pick_options.PICK_OPTIONS if o.key != "exclude"
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Validated provisioner options."""
+    """Validated provisioner options: the pick's (one :class:`PickOptions`, as every front end
+    hands to the picker), and what to do when nothing fits."""
 
-    constraints: Constraints
-    wait_s: float
+    pick: PickOptions
     on_no_device: str
     raw: Mapping[str, Any]
+
+    @property
+    def constraints(self) -> Constraints:
+        return self.pick.constraints
+
+    @property
+    def wait_s(self) -> float:
+        return self.pick.wait_s
 
 
 def _bad(name: str, value: object, why: str, spec: str | None) -> UsageErrorBase:
@@ -127,56 +136,11 @@ def validate_options(
         )
     except pick_options.OptionError as err:
         raise _bad(err.option, err.value, str(err), spec) from None
-    constraints, wait_s = opts.constraints, opts.wait_s
     if not isinstance(on_no, str) or on_no.strip().lower() not in ON_NO_DEVICE:
         raise _bad(
             "on_no_device", on_no, "expected \"cpu\" (start without a GPU) or \"fail\"", spec
         )
-    return Options(constraints=constraints, wait_s=wait_s, on_no_device=on_no.strip().lower(),
-                   raw=raw)
-
-
-def _lease_fd(lease: Any) -> int:
-    fileno = getattr(lease, "fileno", None)
-    if callable(fileno):
-        return int(fileno())
-    return int(lease._fd)
-
-
-def _close_our_copy(lease: Any) -> None:
-    """Close this process's descriptor of ``lease`` without removing the file or unlocking.
-
-    The kernel holds the same open file description (``pass_fds``), so the ``flock`` stays.
-    Never ``flock(LOCK_UN)`` here: that would unlock the kernel's description too.
-    """
-    detach = getattr(lease, "detach", None)
-    if callable(detach):
-        detach()
-        return
-    fd, lease._fd = lease._fd, None
-    if fd is not None:
-        os.close(fd)
-
-
-def _set_lease_pid(registry: Any, lease: Any, pid: int) -> None:
-    """Record the kernel's pid in its lease, under the registry lock.
-
-    The booking of a lease ends when NVML shows the lease's pid using the device: that is the
-    kernel's pid, not the server's that took the lease.
-    """
-    setter = getattr(lease, "set_pid", None)
-    if callable(setter):
-        setter(pid)
-        return
-    record = dataclasses.replace(lease.record, pid=pid)
-    data = json.dumps(record._payload(), separators=(",", ":")).encode()
-    with registry.locked() as txn:
-        if txn is None:
-            return
-        fd = _lease_fd(lease)
-        os.pwrite(fd, data, 0)
-        os.ftruncate(fd, len(data))
-    lease.record = record
+    return Options(pick=opts, on_no_device=on_no.strip().lower(), raw=raw)
 
 
 class AutoGPUProvisioner(LocalProvisioner):
@@ -197,8 +161,8 @@ class AutoGPUProvisioner(LocalProvisioner):
                                                                       "parent", "config", "log")}
         super().__init__(**kwargs)
         self._options_raw: dict[str, Any] = options
-        self._lease: Any = None
-        self._registry: Any = None
+        self._lease: HeldLease | None = None
+        self._store: LeaseStore | None = None
         self.autogpu_picked: tuple[str, ...] = ()
         self.autogpu_constraints: Constraints | None = None
         self.autogpu_note: str | None = None
@@ -230,17 +194,18 @@ class AutoGPUProvisioner(LocalProvisioner):
             return AutoGPU()
 
     def _pick_blocking(
-        self, options: Options, environ: dict[str, str], holder: Holder, move_file: str | None,
+        self, options: Options, environ: dict[str, str], requester: Requester,
+        move_file: str | None,
     ) -> tuple[PickResult | None, str | None]:
-        """Pick (in a worker thread: NVML and the registry lock never block the server loop)."""
+        """Pick (in a worker thread: NVML and the store's lock never block the server loop)."""
         settings = self._settings()
-        registry = registry_for(settings)
-        self._registry = registry
+        store = store_for(settings)
+        self._store = store
         constraints = options.constraints
         request = moves.take_move(move_file) if move_file else None
         previous = self.autogpu_picked
         moved_note = None
-        backend = get_backend(environ.get("AUTOGPU_SIMULATE"))
+        backend = get_backend(environ.get(SIMULATE_ENV))
 
         def progress(line: str) -> None:
             log.info("kernel %s: %s", self.kernel_id, line)
@@ -250,8 +215,8 @@ class AutoGPUProvisioner(LocalProvisioner):
                 snap = backend.snapshot()
                 moved, moved_note = moves.move_constraints(request, constraints, snap.devices)
                 try:
-                    result = pick(moved, backend=backend, environ=environ, registry=registry,
-                                  holder=holder)
+                    result = pick(PickOptions(moved), backend=backend, environ=environ,
+                                  store=store, requester=requester)
                     return result, f"{moved_note}: the kernel's state was lost"
                 except (NoDeviceFitsError, LeaseLimitError) as err:
                     moved_note = (f"the requested move could not be honoured ({_first_line(err)}); "
@@ -268,10 +233,10 @@ class AutoGPUProvisioner(LocalProvisioner):
                 if all(snap.by_uuid(u) is not None for u in previous):
                     same = dataclasses.replace(constraints, exclude=constraints.exclude + others)
                     with contextlib.suppress(NoDeviceFitsError, LeaseLimitError):
-                        return pick(same, backend=backend, environ=environ, registry=registry,
-                                    holder=holder), None
-            result = pick(constraints, backend=backend, environ=environ, registry=registry,
-                          holder=holder, wait_s=options.wait_s, on_progress=progress)
+                        return pick(PickOptions(same), backend=backend, environ=environ,
+                                    store=store, requester=requester), None
+            result = pick(options.pick, backend=backend, environ=environ, store=store,
+                          requester=requester, on_progress=progress)
             return result, moved_note
         except (NoDeviceFitsError, NoDeviceGrantedError, LeaseLimitError) as err:
             waited = f" (waited {format_duration(options.wait_s)})" if options.wait_s else ""
@@ -301,7 +266,7 @@ class AutoGPUProvisioner(LocalProvisioner):
         base_env = dict(kwargs.get("env") or os.environ)
         kwargs = await super().pre_launch(**kwargs)
         move_file = self._move_file()
-        holder = Holder(
+        requester = Requester(
             pid=os.getpid(), kernel_id=self.kernel_id,
             notebook_path=notebook_path(base_env), kind="kernel",
         )
@@ -309,7 +274,8 @@ class AutoGPUProvisioner(LocalProvisioner):
         self._drop_lease()
         try:
             result, note = await loop.run_in_executor(
-                None, functools.partial(self._pick_blocking, options, base_env, holder, move_file)
+                None,
+                functools.partial(self._pick_blocking, options, base_env, requester, move_file),
             )
         except AutoGPUError as err:
             self.log.error("%s", err)
@@ -343,7 +309,7 @@ class AutoGPUProvisioner(LocalProvisioner):
             env["ROCR_VISIBLE_DEVICES"] = ""
             env[PICKED_ENV] = ""
         if lease is not None:
-            fd = _lease_fd(lease)
+            fd = lease.fileno()
             env[LEASE_ENV] = lease.record.lease_id
             env[LEASE_FD_ENV] = str(fd)
             kwargs["pass_fds"] = (*tuple(kwargs.get("pass_fds", ())), fd)
@@ -371,25 +337,25 @@ class AutoGPUProvisioner(LocalProvisioner):
         lease, self._lease = self._lease, None
         if lease is not None:
             try:
-                if self.pid is not None and self._registry is not None:
+                if self.pid is not None:
                     loop = asyncio.get_running_loop()
-                    await loop.run_in_executor(
-                        None, _set_lease_pid, self._registry, lease, int(self.pid)
-                    )
+                    await loop.run_in_executor(None, lease.set_pid, int(self.pid))
             except (OSError, AutoGPUError) as err:
                 self.log.warning("autogpu: could not record the kernel pid in its lease: %s", err)
             finally:
-                _close_our_copy(lease)
+                # Our copy only: the kernel holds the same open file description (pass_fds), so
+                # the lease stays; never unlock here, that would unlock the kernel's too.
+                lease.detach()
         return info
 
     async def cleanup(self, restart: bool = False) -> None:
         """Remove this user's dead lease files (the kernel process, which held ours, is gone)."""
         self._drop_lease(unlink=True)
-        registry = self._registry
-        if registry is not None:
+        store = self._store
+        if store is not None:
             loop = asyncio.get_running_loop()
             with contextlib.suppress(AutoGPUError, OSError):
-                await loop.run_in_executor(None, registry.prune)
+                await loop.run_in_executor(None, store.prune)
         if not restart and self.autogpu_move_file:
             moves.cancel_move(self.autogpu_move_file)
         await super().cleanup(restart=restart)
@@ -400,7 +366,7 @@ class AutoGPUProvisioner(LocalProvisioner):
             if unlink:
                 lease.release()
             else:
-                _close_our_copy(lease)
+                lease.detach()
 
     async def get_provisioner_info(self) -> dict[str, Any]:
         info: dict[str, Any] = await super().get_provisioner_info()

@@ -10,9 +10,9 @@ Each vendor runs in its own interpreter, through its real binding over its fake 
 
 with six GPUs holding a process each (a real ``sleep``, so the ``/proc`` lookups are real).
 Timed after init and a warm-up: a full snapshot (``backend.snapshot()``, one backend reused, as
-the sampler does) and a pick (``api.pick_result(min_free="10G", max_util=50)``, lease on a fresh
-registry, then released). The rounds alternate the vendors so that load on the machine hits both
-alike. The fakes answer in well under a microsecond, so this measures the Python side (the
+the sampler does) and a pick (``api.pick_result`` of ``--min-free 10G --max-util 50``, lease on a
+fresh registry, then released). The rounds alternate the vendors so that load on the machine hits
+both alike. The fakes answer in well under a microsecond, so this measures the Python side (the
 bindings' own wrappers included) and reports each library's calls per snapshot: on real drivers
 every call costs more. Results in docs/benchmarks.md, as ratios AMD / NVIDIA.
 """
@@ -41,7 +41,9 @@ else:
     lib = ctypes.CDLL("libnvidia-ml.so.1"); total = lib.fakenvml_total_calls
 total.restype = ctypes.c_ulong
 from autogpu_jupyter import api
+from autogpu_jupyter.config import default_settings
 from autogpu_jupyter.core import backends, session
+opts = api.pick_options(default_settings(), {"min_free": "10G", "max_util": 50})
 backend = B()
 assert backends.get_backend().name == backend.name
 for _ in range(20):
@@ -51,11 +53,11 @@ snaps = []
 for _ in range(reps):
     t0 = time.perf_counter_ns(); backend.snapshot(); snaps.append(time.perf_counter_ns() - t0)
 for _ in range(5):
-    api.pick_result(min_free="10G", max_util=50); session.release()
+    api.pick_result(opts); session.release()
 picks = []
 for _ in range(max(1, reps // 3)):
     t0 = time.perf_counter_ns()
-    result = api.pick_result(min_free="10G", max_util=50)
+    result = api.pick_result(opts)
     picks.append(time.perf_counter_ns() - t0)
     session.release()
 print(json.dumps({"vendor": vendor, "devices": len(snap.devices), "calls": calls,

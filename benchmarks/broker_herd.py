@@ -5,9 +5,9 @@ the benchmark drops, so the kernel wakes them all at once) each run
 :func:`autogpu_jupyter.core.picker.pick` on the same simulated fleet of G GPUs, then hold their
 lease until every picker is done. Two modes, alternating in one run:
 
-* ``registry`` -- the shared-directory registry (``core.registry.Registry``) in a temp dir;
+* ``registry`` -- the shared-directory registry (``core.leasing.directory.Registry``) in a temp dir;
 * ``broker``   -- ``autogpu broker`` as a real process on a Unix socket, the picks through
-  ``core.brokerclient.BrokerRegistry`` (the same picker code).
+  ``core.leasing.brokerclient.BrokerRegistry`` (the same picker code).
 
 Reported per mode: spread (leases per GPU, max - min), pick latency (median / p95 of the pick
 call in each process, and from the gate's opening, which counts the wait for a CPU), and for the
@@ -63,16 +63,17 @@ def make_fleet(gpus: int) -> dict[str, Any]:
 def _worker(mode: str, where: str, fleet_file: str, gate: str, out_fd: int, hold_fd: int) -> None:
     """One picker (a forked child): wait at the gate, pick, report, hold until told."""
     from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+    from autogpu_jupyter.core.options import PickOptions
     from autogpu_jupyter.core.picker import pick
     from autogpu_jupyter.core.policy import Constraints
 
     registry: Any
     if mode == "broker":
-        from autogpu_jupyter.core.brokerclient import BrokerRegistry
+        from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
 
         registry = BrokerRegistry(where, lock_timeout_s=120.0)
     else:
-        from autogpu_jupyter.core.registry import Registry
+        from autogpu_jupyter.core.leasing.directory import Registry
 
         registry = Registry(where, lock_timeout_s=120.0)
     backend = SimulatedBackend(fleet_file)
@@ -80,7 +81,7 @@ def _worker(mode: str, where: str, fleet_file: str, gate: str, out_fd: int, hold
     fd = os.open(gate, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)
     t0 = time.monotonic()
-    result = pick(Constraints(), backend=backend, registry=registry)
+    result = pick(PickOptions(Constraints()), backend=backend, store=registry)
     t1 = time.monotonic()
     line = json.dumps({
         "uuid": result.chosen[0].uuid, "lease": result.lease is not None,
@@ -189,9 +190,6 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     # Import everything the workers use before forking (they start warm, like kernels).
-    import autogpu_jupyter.core.brokerclient
-    import autogpu_jupyter.core.picker
-    import autogpu_jupyter.core.registry  # noqa: F401
 
     with tempfile.TemporaryDirectory(prefix="autogpu-broker-bench-") as t:
         tmp = Path(t)

@@ -91,7 +91,7 @@ LOCK_TIMES: dict[str, float] = {}
 
 def _timed_registry(path: str) -> Any:
     """A :class:`Registry` that records when it holds the lock; nothing else differs."""
-    from autogpu_jupyter.core.leases import Registry
+    from autogpu_jupyter.core.leasing import Registry
 
     class TimedRegistry(Registry):
         def _acquire(self, top_fd: int) -> None:
@@ -110,11 +110,14 @@ def _timed_registry(path: str) -> Any:
 
 
 def pick_autogpu(job: int, registry: str) -> tuple[int, Any]:
+    from autogpu_jupyter.core.options import PickOptions
     from autogpu_jupyter.core.picker import pick
     from autogpu_jupyter.core.policy import Constraints
     from autogpu_jupyter.core.units import Size
 
-    result = pick(Constraints(min_free=Size(bytes=job)), registry=_timed_registry(registry))
+    result = pick(
+        PickOptions(Constraints(min_free=Size(bytes=job))), store=_timed_registry(registry)
+    )
     if result.lease is None:
         raise RuntimeError(f"no lease: {result.lease_note}")
     return result.chosen[0].index, result.lease  # the lease lives as long as the worker
@@ -148,7 +151,7 @@ def pick_setgpu(job: int, registry: str) -> tuple[int, Any]:
 
 PICKERS = {"autogpu": pick_autogpu, "autogpu-warm": pick_autogpu, "nvitop": pick_nvitop,
            "gputil": pick_gputil, "setgpu": pick_setgpu}
-MODULES = {"autogpu": ["autogpu_jupyter.core.picker", "autogpu_jupyter.core.leases",
+MODULES = {"autogpu": ["autogpu_jupyter.core.picker", "autogpu_jupyter.core.leasing",
                        "autogpu_jupyter.core.backends.nvml", "pynvml"],
            "nvitop": ["nvitop"], "gputil": ["pynvml"], "setgpu": ["gpustat"]}
 MODULES["autogpu-warm"] = MODULES["autogpu"]

@@ -54,8 +54,8 @@ def main() -> None:
     from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
     from autogpu_jupyter.core.backends import get_backend
-    from autogpu_jupyter.core.picker import Holder
-    from autogpu_jupyter.core.registry import Registry
+    from autogpu_jupyter.core.leasing import Requester
+    from autogpu_jupyter.core.leasing.directory import Registry
     from autogpu_jupyter.core.sampler import Sampler
     from autogpu_jupyter.metrics import AutoGPUCollector, MetricsSource
 
@@ -72,7 +72,7 @@ def main() -> None:
         with registry.locked() as txn:
             assert txn is not None
             leases.append(txn.create(devices=[snap.devices[i].uuid], requested_bytes=4 << 30,
-                                     holder=Holder(notebook_path=f"user{i}/train.ipynb")))
+                                     requester=Requester(notebook_path=f"user{i}/train.ipynb")))
     source = MetricsSource(latest=sampler.latest, registry=lambda: registry, hostname="bench")
     prom = CollectorRegistry(auto_describe=False)
     prom.register(AutoGPUCollector(source))

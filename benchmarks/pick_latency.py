@@ -79,10 +79,13 @@ def main() -> int:
     from traitlets.config import Config
 
     from autogpu_jupyter import api
+    from autogpu_jupyter.config import default_settings
     from autogpu_jupyter.core import session
 
     def ours() -> object:
-        return api.pick_result(min_free=MIN_FREE, max_util=MAX_UTIL, dry_run=False)
+        values = {"min_free": MIN_FREE, "max_util": MAX_UTIL}
+        opts = api.pick_options(default_settings(), values)
+        return api.pick_result(opts, dry_run=False)
 
     def theirs() -> object:
         return nvitop.select_devices(

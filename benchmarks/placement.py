@@ -23,7 +23,7 @@ Policies (none of them may look into the future; each sees only what its tool wo
   strongest lease-less baseline). No leases, so starters herd onto memory that is about to go;
 * ``autogpu``       – the real policy: ``core.policy.rank`` + ``select`` with
   ``Constraints(min_free=Size(bytes=job memory))`` over :class:`DeviceSnapshot` s of the
-  simulated host and the :class:`Booking` s that ``core.leases.bookings_for`` folds from one
+  simulated host and the :class:`Booking` s that ``core.decision.bookings_for`` folds from one
   live lease per placed job (booked until "NVML" lists the job's pid, then its real use counts);
   when nothing fits, the job waits in line (FIFO, arrival order, as ``--wait`` does).
 
@@ -51,8 +51,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from autogpu_jupyter.core.decision import bookings_for
 from autogpu_jupyter.core.devices import DeviceSnapshot, ProcessSnapshot
-from autogpu_jupyter.core.leases import LeaseRecord, bookings_for
+from autogpu_jupyter.core.leasing import LeaseRecord
 from autogpu_jupyter.core.policy import Constraints, rank, select
 from autogpu_jupyter.core.units import Size
 

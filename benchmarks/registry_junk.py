@@ -36,7 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend  # noqa: E402
-from autogpu_jupyter.core.leases import Registry  # noqa: E402
+from autogpu_jupyter.core.leasing import Registry  # noqa: E402
+from autogpu_jupyter.core.options import PickOptions  # noqa: E402
 from autogpu_jupyter.core.picker import pick  # noqa: E402
 from autogpu_jupyter.core.policy import Constraints  # noqa: E402
 
@@ -109,7 +110,7 @@ def _time(reg: Path, fleet: Path, repeat: int) -> dict[str, float]:
     ms = []
     for _ in range(repeat + 2):
         t0 = time.perf_counter()
-        result = pick(Constraints(), backend=backend, registry=registry)
+        result = pick(PickOptions(Constraints()), backend=backend, store=registry)
         ms.append((time.perf_counter() - t0) * 1000.0)
         assert result.lease is not None, result.lease_note
         result.lease.release()

@@ -43,7 +43,7 @@ def load_equivalents(path: Path) -> dict[str, str]:
 
 def module_of(key: str) -> str:
     # autogpu_jupyter.core.backends.nvml.x_func__mutmut_3 -> backends.nvml
-    # autogpu_jupyter.core.registry.xǁRegistryǁscan__mutmut_7 -> registry
+    # autogpu_jupyter.core.leasing.directory.xǁRegistryǁscan__mutmut_7 -> registry
     parts = key.split(".")
     mod = []
     for p in parts[2:]:

@@ -7,17 +7,22 @@ its journal lives in a root-only state directory beside it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
 from tests.leasehelpers import cli_as, fleet
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,8 +31,10 @@ REPO = Path(__file__).resolve().parent.parent
 class BrokerProc:
     """``autogpu broker`` as a real root process; ``restart()`` keeps its state directory."""
 
-    def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None,
+                 preexec: Any = None) -> None:
         self.root = root
+        self.preexec = preexec
         self.socket = root / "run" / "broker.sock"
         self.state = root / "state"
         self.args = list(args)
@@ -44,7 +51,7 @@ class BrokerProc:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "autogpu_jupyter.cli", "broker", "--foreground",
                  "--socket", str(self.socket), "--state-dir", str(self.state), *self.args],
-                stdout=log, stderr=log, env=env, cwd=str(REPO),
+                stdout=log, stderr=log, env=env, cwd=str(REPO), preexec_fn=self.preexec,
             )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -140,6 +147,141 @@ class Area:
              SYSTEM_PYTHON, "-m", "autogpu_jupyter.cli", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
+
+
+def wire(msg: dict[str, Any]) -> bytes:
+    """One request line as a current client sends it (with the protocol version)."""
+    return json.dumps({"proto": PROTOCOL, **msg}).encode() + b"\n"
+
+
+class RawConn:
+    """One raw connection to a broker: send lines, read reply lines (``None`` at EOF)."""
+
+    def __init__(self, path: str | Path, timeout: float = 10.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(str(path))
+        self.timeout = timeout
+        self._buf = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def call(self, msg: dict[str, Any]) -> Any:
+        """Send ``msg`` (with the protocol version); the next line back, decoded."""
+        self.send(wire(msg))
+        return self.read()
+
+    def read_raw(self, timeout: float | None = None) -> bytes:
+        self.sock.settimeout(self.timeout if timeout is None else timeout)
+        while b"\n" not in self._buf:
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                return b""
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line
+
+    def read(self, timeout: float | None = None) -> Any:
+        try:
+            line = self.read_raw(timeout)
+        except ConnectionResetError:
+            return None
+        return json.loads(line) if line else None
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> RawConn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def broker_area(n_gpus: int = 4) -> Iterator[Path]:
+    """A directory other uids can reach (``/var/tmp``, not pytest's 0700 one) with a fleet
+    file and a root-only ``run/`` for the socket; removed afterwards."""
+    root = Path(f"/var/tmp/autogpu-broker-{secrets.token_hex(4)}")
+    root.mkdir(mode=0o755)
+    os.chmod(root, 0o755)
+    (root / "run").mkdir(mode=0o755)
+    os.chmod(root / "run", 0o755)
+    spec = root / "fleet.json"
+    spec.write_text(json.dumps(fleet(n_gpus)))
+    os.chmod(spec, 0o644)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def ensure_subuids(user: str, first: int, count: int = 65536) -> None:
+    """Give ``user`` the subordinate uids and gids ``first``.. (``usermod``), unless it has
+    a range already (as Debian's ``useradd`` gives every user that is not a system user)."""
+    for path, flag in (("/etc/subuid", "--add-subuids"), ("/etc/subgid", "--add-subgids")):
+        with contextlib.suppress(FileNotFoundError):
+            if any(ln.split(":")[0] == user for ln in Path(path).read_text().splitlines()):
+                continue
+        subprocess.run(["usermod", flag, f"{first}-{first + count - 1}", user],
+                       check=True, capture_output=True)
+
+
+class SubuidAgent:
+    """tests/subuid_agent.py run by ``user`` inside ``unshare --map-auto --map-root-user``:
+    ``uids`` children acting as the user's subordinate uids (see that script)."""
+
+    def __init__(self, user: str, socket_path: str | Path, uids: int, action: str,
+                 *args: str) -> None:
+        from tests.leasehelpers import SYSTEM_PYTHON
+
+        self.uids = uids
+        self.proc = subprocess.Popen(
+            ["runuser", "-u", user, "--", "unshare", "--map-auto", "--map-root-user",
+             SYSTEM_PYTHON, str(REPO / "tests" / "subuid_agent.py"), str(socket_path),
+             str(uids), action, *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )
+        self._buf = b""
+
+    def results(self, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """One result per subordinate uid (``{"uid": n, "result": ...}``), as they come."""
+        import select
+
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()  # raw reads: a buffered line would hide from select
+        out: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout
+        while len(out) < self.uids:
+            while b"\n" in self._buf:
+                line, _, self._buf = self._buf.partition(b"\n")
+                out.append(json.loads(line))
+            if len(out) >= self.uids:
+                break
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([fd], [], [], max(left, 0))
+            if not ready:
+                raise AssertionError(f"the agent gave {len(out)} of {self.uids} results")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                err = self.proc.stderr.read() if self.proc.stderr else ""
+                raise AssertionError(f"the agent ended early: {err[-2000:]}")
+            self._buf += chunk
+        return out
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
 
 
 def raw_call(path: str, *lines: bytes, timeout: float = 10.0) -> list[Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,6 +53,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     if report.skipped and _in_ci() and item.get_closest_marker("gpu") is None:
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, where it must run: {report.longrepr}"
+
+
+@pytest.fixture(autouse=True)
+def _package_logging_as_found() -> Iterator[None]:
+    """A Jupyter server started in this process (pytest-jupyter) routes the ``autogpu_jupyter``
+    loggers to its log at its level (``server.route_logs_to``); undo that after each test, so
+    that no later test sees records at a level it did not ask for."""
+    package = logging.getLogger("autogpu_jupyter")
+    handlers, level = list(package.handlers), package.level
+    yield
+    package.handlers[:] = handlers
+    package.setLevel(level)
 
 
 @pytest.fixture(scope="session")

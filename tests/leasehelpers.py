@@ -3,7 +3,7 @@
 Run as a script, this is one real picker process (what a kernel does when it runs ``%gpu pick``)::
 
     python tests/leasehelpers.py --registry DIR | --broker SOCKET [--gate FILE] [--exclusive]
-        [--min-free 10G] [--wait 30] [--poll 0.5] [--hold]
+        [--min-free 10G] [--wait 30] [--poll 0.5] [--hold] [--kernel-id ID] [--max-tickets N]
 
 It prints one JSON line per event on stdout: ``{"event": "ready"}`` once imported (then it
 blocks on the gate, a shared ``flock`` the test holds exclusively: releasing it lets every
@@ -165,10 +165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--poll", type=float)
     ap.add_argument("--hold", action="store_true")
     ap.add_argument("--kernel-id")
+    ap.add_argument("--max-tickets", type=int, default=2, help="the registry's tickets per user")
     a = ap.parse_args(argv)
 
     from autogpu_jupyter.core import picker
-    from autogpu_jupyter.core.leases import Registry
+    from autogpu_jupyter.core.leasing import Registry
+    from autogpu_jupyter.core.options import PickOptions
     from autogpu_jupyter.core.policy import Constraints
     from autogpu_jupyter.errors import AutoGPUError
 
@@ -177,11 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = sys.stdout
     registry: Any
     if a.broker:
-        from autogpu_jupyter.core.brokerclient import BrokerRegistry
+        from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
 
         registry = BrokerRegistry(a.broker, lock_timeout_s=60.0)
     else:
-        registry = Registry(a.registry)
+        registry = Registry(a.registry, max_tickets_per_user=a.max_tickets)
     constraints = Constraints.parse(min_free=a.min_free, exclusive=a.exclusive)
     _emit(out, event="ready", pid=os.getpid())
     if a.gate:
@@ -198,10 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         result = picker.pick(
-            constraints,
-            registry=registry,
-            holder=picker.Holder(kernel_id=a.kernel_id, kind="kernel" if a.kernel_id else "cli"),
-            wait_s=a.wait,
+            PickOptions(constraints, a.wait),
+            store=registry,
+            requester=picker.Requester(
+                kernel_id=a.kernel_id, kind="kernel" if a.kernel_id else "cli"
+            ),
             on_progress=progress,
         )
     except AutoGPUError as err:

@@ -71,6 +71,13 @@ MiB = 1024**2
 LOOKBACK = "1h"
 #: Scrape interval assumed where Prometheus's targets API does not say (its own default).
 DEFAULT_SCRAPE_INTERVAL_S = 60.0
+#: A scrape interval a target reports is clamped to this range (``99...9h`` is not a wait).
+MIN_SCRAPE_INTERVAL_S = 0.01
+MAX_SCRAPE_INTERVAL_S = 3600.0
+#: The most bytes of one Prometheus answer that are read, and series of one query that are
+#: used: the view is for a cluster of people's GPU hosts, not for any series a target exports.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_SERIES = 20000
 
 _AUTOGPU_QUERY = '{__name__=~"autogpu_gpu_.*|autogpu_lease_info"}'
 _DCGM_FIELDS = (
@@ -133,6 +140,18 @@ class Sample:
 
 
 @dataclass(frozen=True, slots=True)
+class Rejected:
+    """A sample skipped because its value is not a finite number (``+Inf``, ``NaN``, ``1e400``,
+    a malformed ``value``): reported per host, never used."""
+
+    labels: Mapping[str, str]
+    why: str
+
+    def text(self) -> str:
+        return f"{str(self.labels.get('__name__', '?'))[:60]} {self.why}"
+
+
+@dataclass(frozen=True, slots=True)
 class RangeSeries:
     """One series of a range query: its labels and ``(timestamp_s, value)`` points."""
 
@@ -154,12 +173,14 @@ class PrometheusClient:
     def __init__(self, url: str, timeout_s: float = 5.0) -> None:
         self.url = check_url(url)
         self.timeout_s = timeout_s
+        #: Samples skipped by :meth:`query` and :meth:`query_range` (bad values), in order.
+        self.rejected: list[Rejected] = []
 
     def _get(self, path: str, params: Mapping[str, str]) -> Any:
         full = f"{self.url}{path}?{urllib.parse.urlencode(params)}"  # every call has parameters
         try:
             with urllib.request.urlopen(full, timeout=self.timeout_s) as resp:  # noqa: S310
-                body = resp.read()
+                body = resp.read(MAX_BODY_BYTES + 1)
         except urllib.error.HTTPError as err:
             detail = err.read(2000).decode(errors="replace")  # UTF-8
             with contextlib.suppress(ValueError, AttributeError):  # not Prometheus's JSON
@@ -170,9 +191,16 @@ class PrometheusClient:
         except (urllib.error.URLError, OSError) as err:
             reason = getattr(err, "reason", err)
             raise ClusterError(f"cannot reach Prometheus at {self.url}: {reason}") from None
+        if len(body) > MAX_BODY_BYTES:
+            raise ClusterError(
+                f"Prometheus at {self.url} answered {path} ({params.get('query', '')[:80]}) with "
+                f"more than {MAX_BODY_BYTES // (1024 * 1024)} MiB: the cluster view reads no "
+                "more; scrape fewer targets into this Prometheus, or point "
+                "c.AutoGPU.prometheus_url at one that holds only the GPU hosts"
+            )
         try:
             data = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ClusterError(f"Prometheus at {self.url} answered {path} with non-JSON") from None
         if not isinstance(data, dict) or data.get("status") != "success":
             raise ClusterError(f"Prometheus at {self.url}: {path} failed: {data!r:.300}")
@@ -187,10 +215,33 @@ class PrometheusClient:
         if not isinstance(data, dict) or data.get("resultType") != "vector":
             raise ClusterError(f"Prometheus: {expr!r} did not give an instant vector")
         out: list[Sample] = []
-        for item in data.get("result", []):
-            ts, raw = item["value"]
-            out.append(Sample(dict(item["metric"]), float(raw), float(ts)))
+        for item in self._series(expr, data):
+            labels = _labels(item)
+            try:
+                ts, raw = item["value"]
+            except (KeyError, TypeError, ValueError):
+                self.rejected.append(Rejected(labels, "has no [time, value] pair"))
+                continue
+            try:
+                value, when = _finite(raw), _finite(ts)
+            except (TypeError, ValueError):
+                self.rejected.append(Rejected(labels, f"= {_short(raw)}"))
+                continue
+            out.append(Sample(labels, value, when))
         return out
+
+    def _series(self, expr: str, data: Mapping[str, Any]) -> list[Any]:
+        result = data.get("result", [])
+        if not isinstance(result, list):
+            raise ClusterError(f"Prometheus at {self.url}: {expr!r} gave no result list")
+        if len(result) > MAX_SERIES:
+            raise ClusterError(
+                f"Prometheus at {self.url} answered {len(result)} series to {expr[:80]!r}, more "
+                f"than the {MAX_SERIES} the cluster view reads: scrape fewer targets into this "
+                "Prometheus, or point c.AutoGPU.prometheus_url at one that holds only the GPU "
+                "hosts"
+            )
+        return [item if isinstance(item, dict) else {} for item in result]
 
     def query_range(
         self, expr: str, start_s: float, end_s: float, step_s: float
@@ -203,22 +254,65 @@ class PrometheusClient:
         if not isinstance(data, dict) or data.get("resultType") != "matrix":
             raise ClusterError(f"Prometheus: {expr!r} did not give a range vector")
         out: list[RangeSeries] = []
-        for item in data.get("result", []):
-            points = tuple((float(t), float(v)) for t, v in item["values"])
-            out.append(RangeSeries(dict(item["metric"]), points))
+        for item in self._series(expr, data):
+            labels = _labels(item)
+            values = item.get("values")
+            points = []
+            bad = 0
+            for pair in values if isinstance(values, list) else [None]:
+                try:
+                    t, v = pair  # type: ignore[misc]
+                    points.append((_finite(t), _finite(v)))
+                except (TypeError, ValueError):
+                    bad += 1
+            if bad:
+                self.rejected.append(Rejected(labels, f"has {bad} point(s) that are not finite"))
+            out.append(RangeSeries(labels, tuple(points)))
         return out
 
     def scrape_intervals(self) -> dict[str, float]:
         """``instance`` -> scrape interval in seconds, from ``/api/v1/targets`` (active ones)."""
         data = self._get("/api/v1/targets", {"state": "active"})
+        targets = data.get("activeTargets") if isinstance(data, dict) else None
         out: dict[str, float] = {}
-        for target in (data or {}).get("activeTargets", []):
-            inst = str(target.get("labels", {}).get("instance", ""))
+        for target in targets if isinstance(targets, list) else []:
+            if not isinstance(target, dict):
+                continue
+            labels = target.get("labels")
+            inst = str(labels.get("instance", "") if isinstance(labels, dict) else "")
             # none given: "None", not a duration either
-            out[inst] = _duration_s(str(target.get("scrapeInterval"))) or (
-                DEFAULT_SCRAPE_INTERVAL_S
-            )
+            out[inst] = _clamp_interval(_duration_s(str(target.get("scrapeInterval"))))
         return out
+
+
+def _clamp_interval(seconds: float | None) -> float:
+    """A target's scrape interval, within [MIN_SCRAPE_INTERVAL_S, MAX_SCRAPE_INTERVAL_S]
+    (unknown: :data:`DEFAULT_SCRAPE_INTERVAL_S`)."""
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        return DEFAULT_SCRAPE_INTERVAL_S
+    return min(max(seconds, MIN_SCRAPE_INTERVAL_S), MAX_SCRAPE_INTERVAL_S)
+
+
+def _labels(item: Mapping[str, Any]) -> dict[str, str]:
+    metric = item.get("metric")
+    if not isinstance(metric, dict):
+        return {}
+    return {str(k): str(v) for k, v in metric.items()}
+
+
+def _finite(raw: Any) -> float:
+    """A sample's value (Prometheus sends numbers as strings): finite, else ``ValueError``."""
+    if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
+        raise TypeError("not a number")
+    value = float(raw)
+    if not math.isfinite(value):
+        raise ValueError(f"non-finite value {str(raw)[:20]}")
+    return value
+
+
+def _short(raw: Any) -> str:
+    text = raw if isinstance(raw, str) else json.dumps(raw, default=str)
+    return text if len(text) <= 24 else text[:21] + "..."
 
 
 def _duration_s(text: str) -> float | None:
@@ -235,7 +329,10 @@ def _duration_s(text: str) -> float | None:
         unit = text[i : i + 2] if text[i : i + 2] == "ms" else ch
         if unit not in units or not num:
             return None
-        total += float(num) * units[unit]
+        try:
+            total += float(num) * units[unit]
+        except ValueError:  # "1.2.3s"
+            return None
         num = ""
         i += len(unit)
     return total if text and not num else None
@@ -354,7 +451,7 @@ class _Acc:
 
 def _fold_autogpu(samples: Iterable[Sample], acc: dict[str, _Acc]) -> None:
     for s in samples:
-        name = s.labels["__name__"]  # the query selects by name: every series has one
+        name = s.labels.get("__name__", "")  # the query selects by name: one has none if forged
         host = _hostname(s.labels)
         uuid = s.labels.get("uuid")
         if not uuid:
@@ -396,7 +493,7 @@ def _fold_dcgm(samples: Iterable[Sample], acc: dict[str, _Acc]) -> None:
         dev = acc.setdefault(key, _Acc(_hostname(s.labels), s.labels.get("instance"), key,
                                        f"{gpu}:{gi}" if gi else gpu,
                                        s.labels.get("modelName", ""), "dcgm"))
-        dev.values[s.labels["__name__"]] = s.value
+        dev.values[s.labels.get("__name__", "")] = s.value
 
 
 def _snapshot(dev: _Acc, now_s: float) -> ClusterDevice:
@@ -531,6 +628,10 @@ def fetch_cluster(client: PrometheusClient, *, now_s: float | None = None) -> Cl
     for dev in acc.values():
         by_host.setdefault(dev.host, []).append(_snapshot(dev, at))
 
+    skipped = _skipped_by_host(client.rejected, host_of)
+    for host, texts in sorted(skipped.items()):
+        errors.append(f"{host}: {len(texts)} sample(s) skipped, not finite numbers "
+                      f"(e.g. {texts[0]})")
     hosts: list[ClusterHost] = []
     for host in sorted(instances):
         targets = instances[host]
@@ -544,6 +645,9 @@ def fetch_cluster(client: PrometheusClient, *, now_s: float | None = None) -> Cl
             key=lambda d: (d.snapshot.index, d.snapshot.mig_index or -1, d.snapshot.uuid),
         )
         state, note, as_of = _host_state(host, targets, as_of, at, interval, last_sweep)
+        if host in skipped:
+            bad = f"{len(skipped[host])} sample(s) skipped (not finite numbers)"
+            note = f"{note}; {bad}" if note else bad
         hosts.append(ClusterHost(
             hostname=host,
             instances=tuple(sorted(i for i, _ in targets)),
@@ -554,6 +658,17 @@ def fetch_cluster(client: PrometheusClient, *, now_s: float | None = None) -> Cl
             note=note,
         ))
     return ClusterView(client.url, at, tuple(hosts), tuple(errors))
+
+
+def _skipped_by_host(
+    rejected: Sequence[Rejected], host_of: Mapping[str, str]
+) -> dict[str, list[str]]:
+    """The skipped samples' texts by host (a host is named as for its good samples)."""
+    out: dict[str, list[str]] = {}
+    for r in rejected:
+        host = host_of.get(r.labels.get("instance", ""), _hostname(r.labels))
+        out.setdefault(host, []).append(r.text())
+    return out
 
 
 def _instances_by_host(

@@ -93,6 +93,8 @@ class KernelContract:
     options: Mapping[str, Any]
     grant_cvd: str | None
     move_file: str | None
+    #: The inherited lease descriptor's number (``None``: none, or not a number).
+    lease_fd: int | None = None
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> KernelContract:
@@ -103,13 +105,20 @@ class KernelContract:
             options = {}
         return cls(
             provisioned=env.get(PROVISIONED_ENV) == "1",
-            picked=tuple(u for u in env.get(PICKED_ENV, "").split(",") if u.strip()),
+            picked=tuple(u.strip() for u in env.get(PICKED_ENV, "").split(",") if u.strip()),
             lease_id=env.get(LEASE_ENV) or None,
             note=(env.get(NOTE_ENV) or "").strip() or None,
             options=options if isinstance(options, dict) else {},
             grant_cvd=env.get(GRANT_ENV),
-            move_file=env.get(MOVE_FILE_ENV) or None,
+            move_file=(env.get(MOVE_FILE_ENV) or "").strip() or None,
+            lease_fd=_fd(env.get(LEASE_FD_ENV, "")),
         )
+
+
+def _fd(value: str) -> int | None:
+    """A descriptor number as the provisioner wrote it (ASCII digits only), else ``None``."""
+    value = value.strip()
+    return int(value) if value.isascii() and value.isdecimal() else None
 
 
 @runtime_checkable

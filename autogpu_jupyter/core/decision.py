@@ -5,14 +5,15 @@ alternative, the move planner and the provisioner's start and restart all do the
 
 1. :func:`gather` -- the :class:`Context` of a decision: the snapshot, the allocation this
    process may use (``CUDA_VISIBLE_DEVICES``, Slurm, ... from ``environ``), the live leases'
-   bookings (with the caller's own lease hidden: pass a :meth:`Registry.hiding` view), the
+   bookings (with the caller's own lease hidden: pass a :meth:`LeaseStore.hiding` view), the
    devices older waiters would take now (FIFO tickets), the sampler's smoothed utilisation and
    the caller's own pids;
 2. :func:`decide` -- :func:`core.policy.rank` and :func:`core.policy.select` over that context:
    a :class:`Decision` with every candidate, the chosen device(s), the runner-up and why.
 
-Storage (:mod:`core.registry`) only stores records; the scheduling rules that read them (how a
-lease books memory, how waiters are served) live here, next to the policy.
+The lease store (:mod:`core.leasing`) stores records and admits or refuses leases; the scheduling
+rules that read them (how a lease books memory, how waiters are served) live here, next to the
+policy, worded by the same admission module (a device a waiting ticket takes says whose ticket).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from autogpu_jupyter.core.leasing import admission
+from autogpu_jupyter.core.leasing.records import LeaseRecord
+from autogpu_jupyter.core.leasing.store import HeldLease, RecordView, StoreTransaction
 from autogpu_jupyter.core.policy import Booking, Candidate, Constraints, rank, select
 from autogpu_jupyter.core.units import Size, format_bytes
 from autogpu_jupyter.core.visibility import Allocation, current_allocation
@@ -29,8 +33,6 @@ from autogpu_jupyter.errors import AutoGPUError
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.records import LeaseRecord
-    from autogpu_jupyter.core.registry import Registry, Ticket, Transaction
 
 __all__ = [
     "Context",
@@ -39,6 +41,7 @@ __all__ = [
     "decide",
     "gather",
     "reserve_for_waiters",
+    "served_waiters",
     "ticket_constraints",
 ]
 
@@ -86,9 +89,9 @@ def gather(
     snapshot: FleetSnapshot,
     *,
     environ: Mapping[str, str] | None = None,
-    registry: Registry | None = None,
-    txn: Transaction | None = None,
-    ticket: Ticket | None = None,
+    store: RecordView | None = None,
+    txn: StoreTransaction | None = None,
+    ticket: HeldLease | None = None,
     smoothed_util: SmoothedUtil | Callable[[], SmoothedUtil | None] | None = None,
     self_pids: Sequence[int] = (),
 ) -> Context:
@@ -99,11 +102,12 @@ def gather(
     environ
         Whose allocation bounds the choice (default ``os.environ``; a kernel passes the
         environment as it was before autogpu changed it).
-    registry
-        Where leases and tickets are read (a :meth:`Registry.hiding` view leaves the caller's
-        own lease out); ``None``: no bookings.
+    store
+        Where leases and tickets are read: a lease store (a :meth:`LeaseStore.hiding` view
+        leaves the caller's own lease out), or the broker's view of its own state; ``None``:
+        no bookings.
     txn
-        The registry transaction of a pick (read under the lock); ``None``: one unlocked read.
+        The store transaction of a pick (read under the lock); ``None``: one unlocked read.
     ticket
         The caller's own place in the waiting line: only older waiters are served before it.
     smoothed_util
@@ -114,8 +118,8 @@ def gather(
     util = smoothed_util() if callable(smoothed_util) else smoothed_util
     allocation = current_allocation(snapshot.devices, environ)  # None: os.environ
     bookings: dict[str, Booking] = {}
-    if registry is not None:
-        leases, tickets = registry.live_records(txn)
+    if store is not None:
+        leases, tickets = store.live_records(txn)
         bookings = bookings_for(snapshot.devices, leases)
         bookings = reserve_for_waiters(
             snapshot.devices, bookings, tickets, ticket=ticket, smoothed_util=util
@@ -159,14 +163,15 @@ def bookings_for(
     for dev in devices:
         count = 0
         booked = 0
-        exclusive = False
+        exclusive_by: list[str] = []
         holders: list[str] = []
         pids_using = {p.pid for p in (dev.processes or ()) if p.used_memory_bytes is not None}
         for rec in leases:
             if not rec.live or rec.kind != "lease" or dev.uuid not in rec.device_uuids:
                 continue
             count += 1
-            exclusive = exclusive or rec.exclusive
+            if rec.exclusive:
+                exclusive_by.append(admission.exclusive_phrase(rec))
             holders.append(rec.holder_text())
             req = rec.requested_on(dev.uuid)
             if req and rec.pid not in pids_using:
@@ -175,8 +180,9 @@ def bookings_for(
             uuid=dev.uuid,
             lease_count=count,
             booked_bytes=booked,
-            exclusive=exclusive,
+            exclusive=bool(exclusive_by),
             holders=tuple(holders),
+            exclusive_by=tuple(dict.fromkeys(exclusive_by)),
         )
     return out
 
@@ -217,7 +223,7 @@ def reserve_for_waiters(
     bookings: Mapping[str, Booking],
     tickets: Sequence[LeaseRecord],
     *,
-    ticket: Ticket | None = None,
+    ticket: HeldLease | None = None,
     smoothed_util: SmoothedUtil | None = None,
 ) -> dict[str, Booking]:
     """Bookings with the devices that older waiters would take now reserved for them.
@@ -227,9 +233,34 @@ def reserve_for_waiters(
     wait arrived last) is given, in turn, the device(s) its own constraints would pick from what
     is left; those are booked for it as if it held an (exclusive if it asked so) lease. We then
     rank against what remains. So a waiter takes a device only if no older live waiter could
-    take it, and nobody is passed over by someone who polled first.
+    take it, and nobody is passed over by someone who polled first. A device so reserved says
+    whose ticket holds it (:func:`admission.ticket_text`), in every drop reason it causes.
     """
+    return _serve_waiters(devices, bookings, tickets, ticket, smoothed_util)[0]
+
+
+def served_waiters(
+    devices: Sequence[DeviceSnapshot],
+    bookings: Mapping[str, Booking],
+    tickets: Sequence[LeaseRecord],
+    *,
+    smoothed_util: SmoothedUtil | None = None,
+) -> dict[str, tuple[str, ...]]:
+    """The waiters (``tickets``, oldest first) that :func:`reserve_for_waiters` would serve
+    now, by lease id, with the UUIDs each would be given (the broker lets a ticket that could
+    be served, but is not taken, lapse)."""
+    return _serve_waiters(devices, bookings, tickets, None, smoothed_util)[1]
+
+
+def _serve_waiters(
+    devices: Sequence[DeviceSnapshot],
+    bookings: Mapping[str, Booking],
+    tickets: Sequence[LeaseRecord],
+    ticket: HeldLease | None,
+    smoothed_util: SmoothedUtil | None,
+) -> tuple[dict[str, Booking], dict[str, tuple[str, ...]]]:
     out = dict(bookings)
+    served: dict[str, tuple[str, ...]] = {}
     my_id = None if ticket is None else ticket.record.lease_id
     my_seq = None if ticket is None else ticket.record.seq
     for t in tickets:
@@ -248,19 +279,26 @@ def reserve_for_waiters(
         except (AutoGPUError, TypeError, ValueError) as err:  # another user's ticket never
             log.debug("ignoring ticket %s: %s", t.lease_id, err)  # breaks our pick
             continue
+        if chosen:
+            served[t.lease_id] = tuple(cand.device.uuid for cand in chosen)
         for cand in chosen:
             b = out.get(cand.device.uuid)
             if b is None:
                 continue
             need = cons.min_free.resolve(cand.device.memory_total_bytes) if cons.min_free else 0
+            waiting = admission.ticket_text(t)
             out[cand.device.uuid] = replace(
                 b,
                 lease_count=b.lease_count + 1,
                 booked_bytes=b.booked_bytes + (need or 0),
                 exclusive=b.exclusive or cons.exclusive,
                 holders=(*b.holders, f"{t.user}: waiting (ticket {t.seq})"),
+                exclusive_by=(*b.exclusive_by, f"reserved for {waiting}")
+                if cons.exclusive
+                else b.exclusive_by,
+                waiting=(*b.waiting, waiting),
             )
-    return out
+    return out, served
 
 
 def describe_load(candidate: Candidate, short: bool = False) -> str:

@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import pandas as pd
 
-    from autogpu_jupyter.core.backends import Backend
 
-__all__ = ["ProcessSnapshot", "DeviceSnapshot", "FleetSnapshot", "read_devices", "COMPUTE_MODES"]
+__all__ = ["ProcessSnapshot", "DeviceSnapshot", "FleetSnapshot", "COMPUTE_MODES"]
 
 #: NVML compute modes by their NVML number.
 COMPUTE_MODES = {0: "DEFAULT", 1: "EXCLUSIVE_THREAD", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
@@ -142,7 +141,7 @@ class FleetSnapshot:
 
     def to_dataframe(self) -> pd.DataFrame:
         """One row per device, indexed by UUID; process lists summarised as counts."""
-        import pandas as pd
+        import pandas as pd  # noqa: PLC0415 (pandas: only for a frame)
 
         rows = []
         for dev in self.devices:
@@ -156,24 +155,3 @@ class FleetSnapshot:
         df.attrs["simulated"] = self.simulated
         df.attrs["backend"] = self.backend
         return df.set_index("uuid", drop=False)
-
-
-def read_devices(backend: Backend | None = None) -> FleetSnapshot:
-    """Read every device once.
-
-    Parameters
-    ----------
-    backend
-        Defaults to :func:`autogpu_jupyter.core.backends.get_backend` (simulated when
-        ``AUTOGPU_SIMULATE`` is set, NVML otherwise).
-
-    Raises
-    ------
-    NVMLUnavailableError
-        No NVIDIA driver on this host (and no simulation asked for).
-    """
-    if backend is None:
-        from autogpu_jupyter.core.backends import get_backend
-
-        backend = get_backend()
-    return backend.snapshot()

@@ -17,7 +17,7 @@ from autogpu_jupyter.core.units import format_bytes
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import FleetSnapshot
-    from autogpu_jupyter.core.records import LeaseRecord
+    from autogpu_jupyter.core.leasing.records import LeaseRecord
 
 __all__ = ["Holder", "holders_by_device"]
 

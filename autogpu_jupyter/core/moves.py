@@ -39,32 +39,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.core import decision
-from autogpu_jupyter.core.backends import get_backend
-from autogpu_jupyter.core.contract import (
-    GRANT_ENV,
-    MOVE_FILE_ENV,
-    NOTE_ENV,
-    OPTIONS_ENV,
-    PICKED_ENV,
-    PROVISIONED_ENV,
-)
+from autogpu_jupyter.core.backends import Backend, get_backend
+from autogpu_jupyter.core.contract import KernelContract
+from autogpu_jupyter.core.leasing.store import LeaseStore
+from autogpu_jupyter.core.options import PICK_OPTIONS, parse
 from autogpu_jupyter.core.picker import explain_drops
 from autogpu_jupyter.core.policy import Constraints, matches_id
 from autogpu_jupyter.core.units import format_bytes
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBase
 
 if TYPE_CHECKING:
-    from autogpu_jupyter.core.backends import Backend
     from autogpu_jupyter.core.devices import DeviceSnapshot
-    from autogpu_jupyter.core.registry import Registry
 
 __all__ = [
     "BEST",
-    "GRANT_ENV",
-    "MOVE_FILE_ENV",
-    "NOTE_ENV",
-    "OPTIONS_ENV",
-    "PROVISIONED_ENV",
     "MovePlan",
     "MoveRequest",
     "cancel_move",
@@ -152,10 +140,8 @@ def move_file_for(runtime_dir: str | os.PathLike[str], kernel_id: str) -> Path:
     return Path(runtime_dir) / f"autogpu-move-{kernel_id}.json"
 
 
-def _kernel_move_file(environ: Mapping[str, str] | None = None) -> Path | None:
-    env = os.environ if environ is None else environ
-    path = env.get(MOVE_FILE_ENV, "").strip()
-    return Path(path) if path else None
+def _kernel_move_file(contract: KernelContract) -> Path | None:
+    return Path(contract.move_file) if contract.move_file else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,7 +251,7 @@ def take_move(path: str | os.PathLike[str]) -> MoveRequest | None:
 def pending_move_text(environ: Mapping[str, str] | None = None) -> str | None:
     """In a kernel of the autogpu kernelspec: the move it asked for (``%gpu move``, the
     sidebar) that its next restart will carry out, in words; ``None`` when there is none."""
-    path = _kernel_move_file(environ)
+    path = _kernel_move_file(KernelContract.read(environ))
     req = read_move(path) if path is not None else None
     if req is None:
         return None
@@ -285,30 +271,21 @@ def grant_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     Elsewhere the environment is returned as is.
     """
     env = dict(os.environ if environ is None else environ)
-    if env.get(PROVISIONED_ENV) == "1":
-        grant = env.get(GRANT_ENV)
-        if grant is None:
+    contract = KernelContract.read(env)
+    if contract.provisioned:
+        if contract.grant_cvd is None:
             env.pop("CUDA_VISIBLE_DEVICES", None)
         else:
-            env["CUDA_VISIBLE_DEVICES"] = grant
+            env["CUDA_VISIBLE_DEVICES"] = contract.grant_cvd
     return env
 
 
 def kernel_constraints(environ: Mapping[str, str] | None = None) -> Constraints:
     """The provisioner's pick options as seen in a provisioned kernel (``AUTOGPU_PICK_OPTIONS``)."""
-    env = os.environ if environ is None else environ
-    raw = env.get(OPTIONS_ENV)
+    opts = KernelContract.read(environ).options
+    known = {o.key for o in PICK_OPTIONS}
     try:
-        opts = json.loads(raw) if raw else {}
-    except json.JSONDecodeError:
-        return Constraints()
-    if not isinstance(opts, dict):
-        return Constraints()
-    from autogpu_jupyter.core import options
-
-    known = {o.key for o in options.PICK_OPTIONS}
-    try:
-        return options.parse({k: v for k, v in opts.items() if k in known}, style="key").constraints
+        return parse({k: v for k, v in opts.items() if k in known}, style="key").constraints
     except UsageErrorBase:  # the provisioner validated them; a hand-edited variable picks plainly
         return Constraints()
 
@@ -337,7 +314,7 @@ def plan_move(
     kernel_id: str | None = None,
     backend: Backend | None = None,
     environ: Mapping[str, str] | None = None,
-    registry: Registry | None = None,
+    store: LeaseStore | None = None,
     source: str = "magic",
     smoothed_util: Mapping[str, float | None] | None = None,
 ) -> MovePlan:
@@ -355,8 +332,8 @@ def plan_move(
     environ
         The environment whose grant bounds the target (the server's; in a kernel
         :func:`grant_environ`).
-    registry
-        The lease registry (other holders' bookings count).
+    store
+        The lease store (other holders' bookings count).
 
     Raises
     ------
@@ -369,7 +346,7 @@ def plan_move(
         backend = get_backend()
     snap = backend.snapshot()
     context = decision.gather(
-        snap, environ=environ, registry=registry, smoothed_util=smoothed_util
+        snap, environ=environ, store=store, smoothed_util=smoothed_util
     )
     allocation = context.allocation
     current = tuple(current_uuids)
@@ -439,7 +416,7 @@ def request_move(
     kernel_id: str | None = None,
     backend: Backend | None = None,
     environ: Mapping[str, str] | None = None,
-    registry: Registry | None = None,
+    store: LeaseStore | None = None,
     source: str = "server",
     smoothed_util: Mapping[str, float | None] | None = None,
 ) -> MovePlan:
@@ -450,7 +427,7 @@ def request_move(
     """
     plan = plan_move(
         target, current_uuids=current_uuids, constraints=constraints, kernel_id=kernel_id,
-        backend=backend, environ=environ, registry=registry, source=source,
+        backend=backend, environ=environ, store=store, source=source,
         smoothed_util=smoothed_util,
     )
     _write_private(Path(path), json.dumps(plan.request.to_dict()).encode())
@@ -463,7 +440,7 @@ def request_move_from_kernel(
     *,
     environ: Mapping[str, str] | None = None,
     backend: Backend | None = None,
-    registry: Registry | None = None,
+    store: LeaseStore | None = None,
 ) -> MovePlan:
     """``%gpu move`` inside a kernel: plan, record, and return the plan (its ``message``).
 
@@ -476,21 +453,22 @@ def request_move_from_kernel(
         request), or the move does not fit.
     """
     env = os.environ if environ is None else environ
-    path = _kernel_move_file(env)
-    if env.get(PROVISIONED_ENV) != "1" or path is None:
+    contract = KernelContract.read(env)
+    path = _kernel_move_file(contract)
+    if not contract.provisioned or path is None:
         raise UsageErrorBase(
             "%gpu move needs a kernel started with the autogpu kernelspec (its provisioner "
             "picks at each restart). Install one with `autogpu kernelspec install` and choose "
             "\"Python 3 (autogpu)\" as this notebook's kernel; here, `%gpu pick` in a fresh kernel "
             "does the same."
         )
-    current = tuple(u for u in env.get(PICKED_ENV, "").split(",") if u)
+    current = contract.picked
     kernel_id = path.name.removeprefix("autogpu-move-").removesuffix(".json")
     plan = request_move(
         path, target, current_uuids=current, constraints=kernel_constraints(env),
         kernel_id=kernel_id if _SAFE_ID.fullmatch(kernel_id) else None, backend=backend,
         environ=grant_environ(env),
-        registry=registry, source="magic",
+        store=store, source="magic",
     )
     return replace(
         plan,

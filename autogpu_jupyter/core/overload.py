@@ -24,21 +24,24 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from autogpu_jupyter.core.units import format_bytes, format_duration
+from autogpu_jupyter.config import AutoGPU
+from autogpu_jupyter.core import decision, session
+from autogpu_jupyter.core.leasing import LeaseRecord, LeaseStore, RecordView, store_for
+from autogpu_jupyter.core.moves import grant_environ
+from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.core.sampler import DeviceSeries, Sampler, current_sampler, series_from_frame
+from autogpu_jupyter.core.units import Size, format_bytes, format_duration
+from autogpu_jupyter.core.visibility import parse_cuda_visible_devices
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.policy import Constraints
-    from autogpu_jupyter.core.records import LeaseRecord
-    from autogpu_jupyter.core.registry import Registry
-    from autogpu_jupyter.core.sampler import DeviceSeries, Sampler
 
 __all__ = [
     "Alternative",
@@ -82,8 +85,6 @@ class Thresholds:
     def from_config(cls, config: Any | None = None) -> Thresholds:
         """From an ``AutoGPU`` configurable (default: a fresh one, env defaults applied)."""
         if config is None:
-            from autogpu_jupyter.config import AutoGPU
-
             config = AutoGPU()
         return cls(
             util_pct=float(config.overload_util_pct),
@@ -154,9 +155,6 @@ def kernel_device_uuids(
     else the devices ``CUDA_VISIBLE_DEVICES`` names, read as CUDA reads it
     (:func:`~autogpu_jupyter.core.visibility.parse_cuda_visible_devices`); ``()`` when nothing
     was picked (an unset variable means "no choice yet", not "all")."""
-    from autogpu_jupyter.core import session
-    from autogpu_jupyter.core.visibility import parse_cuda_visible_devices
-
     choice = session.current()
     if choice is not None and choice.uuids:
         return tuple(choice.uuids)
@@ -178,35 +176,30 @@ def alternative_constraints(
     ``--exclude``: a device the pick left out (the sidebar's pick names one device) is still a
     candidate for "better", and the kernel's own devices are excluded by the caller anyway.
     """
-    from dataclasses import replace
-
-    from autogpu_jupyter.core.policy import Constraints as _Constraints
-    from autogpu_jupyter.core.units import Size
-
     if lease is not None:
         booked = [b for b in lease.device_requested_bytes if b]
-        return _Constraints(
+        return Constraints(
             min_free=Size(bytes=max(booked)) if booked else None,
             count=max(1, len(lease.device_uuids)),
             exclusive=lease.exclusive,
         )
     if constraints is None:
-        return _Constraints()
+        return Constraints()
     return replace(constraints, exclude=())
 
 
-def _own_lease(choice: Any, registry: Registry | None) -> LeaseRecord | None:
+def _own_lease(choice: Any, store: LeaseStore | None) -> LeaseRecord | None:
     """This kernel's lease record: the one its pick holds, else (a provisioned kernel) the
-    registry's record with the lease id the provisioner passed down."""
+    store's record with the lease id the provisioner passed down."""
     lease = getattr(choice, "lease", None)
     if lease is not None:
         return lease.record  # type: ignore[no-any-return]
     lease_id = getattr(choice, "lease_id", None)
-    if not lease_id or registry is None:
+    if not lease_id or store is None:
         return None
     try:
-        records = registry.list_leases()
-    except Exception:  # an unreadable registry: no lease to go by, the options then
+        records = store.list_leases()
+    except Exception:  # an unreadable store: no lease to go by, the options then
         return None
     return next((r for r in records if r.lease_id == lease_id), None)
 
@@ -217,7 +210,7 @@ def best_alternative(
     smoothed_util: dict[str, float | None] | None = None,
     *,
     constraints: Constraints | None = None,
-    registry: Registry | Literal["config"] | None = "config",
+    store: RecordView | Literal["config"] | None = "config",
     environ: Mapping[str, str] | None = None,
     self_pids: Iterable[int] | None = None,
 ) -> Alternative | None:
@@ -225,26 +218,22 @@ def best_alternative(
 
     It is what ``%gpu pick --dry-run`` would choose for this kernel
     (:func:`alternative_constraints`) when its current device(s) are excluded: the same
-    allocation (the environment before autogpu changed it), the same registry (other holders'
+    allocation (the environment before autogpu changed it), the same lease store (other holders'
     bookings and waiters; this kernel's own lease hidden), the same smoothing. The server asks
-    the same question for its kernels, passing ``constraints``, ``registry`` and ``environ``.
+    the same question for its kernels, passing ``constraints``, ``store`` and ``environ``;
+    ``store="config"``: the store the ``AutoGPU`` settings select.
     """
-    from dataclasses import replace
-
-    from autogpu_jupyter.config import AutoGPU
-    from autogpu_jupyter.core import decision, session
-    from autogpu_jupyter.core.registry import from_settings
-
     skip = tuple(exclude)
     choice = session.current()
-    if registry == "config":
-        registry = from_settings(AutoGPU())
+    if store == "config":
+        configured = store_for(AutoGPU())
         if constraints is None:
             constraints = alternative_constraints(
-                _own_lease(choice, registry), choice.constraints if choice is not None else None
+                _own_lease(choice, configured), choice.constraints if choice is not None else None
             )
-        if registry is not None and choice is not None and choice.lease_id:
-            registry = registry.hiding(lease_ids=[choice.lease_id])
+        if configured is not None and choice is not None and choice.lease_id:
+            configured = configured.hiding(lease_ids=[choice.lease_id])
+        store = configured
     if constraints is None:
         constraints = alternative_constraints(
             getattr(getattr(choice, "lease", None), "record", None),
@@ -255,7 +244,7 @@ def best_alternative(
     context = decision.gather(
         snapshot,
         environ=environ,
-        registry=registry,
+        store=store,
         smoothed_util=smoothed_util,
         self_pids=(os.getpid(),) if self_pids is None else tuple(self_pids),
     )
@@ -283,10 +272,6 @@ def kernel_grant(
     ``environ``: the kernel's environment as it started (the server reads its kernels' from
     ``/proc``); default this process's, before autogpu changed it.
     """
-    from autogpu_jupyter.core import session
-    from autogpu_jupyter.core.moves import grant_environ
-    from autogpu_jupyter.core.visibility import parse_cuda_visible_devices
-
     env = grant_environ(session.original_environ() if environ is None else environ)
     raw = env.get("CUDA_VISIBLE_DEVICES")
     if raw:
@@ -302,8 +287,6 @@ def _busy_for_s(
     """How long ``uuid`` has been above ``util_pct`` up to its newest sample, and the mean
     utilisation over that stretch. ``(0.0, None)`` when the newest sample is not above."""
     if not isinstance(history, Mapping):
-        from autogpu_jupyter.core.sampler import series_from_frame
-
         history = series_from_frame(history)
     series = history.get(uuid)
     if series is None or not len(series):
@@ -439,8 +422,6 @@ def pending_warning(thresholds: Thresholds | None = None) -> str | None:
     Never starts the sampler (no thread from a hook): it reads the running one, if any.
     Call it from the main thread (an IPython ``post_run_cell`` hook) and print the result.
     """
-    from autogpu_jupyter.core.sampler import current_sampler
-
     sampler = current_sampler()
     if sampler is None:
         return None

@@ -1,24 +1,34 @@
-"""One pick, end to end: lock the registry, read the devices and live leases, rank, lease, unlock.
+"""One pick, end to end: lock the lease store, read the devices and live leases, rank, lease,
+unlock.
 
 :func:`pick` never touches ``os.environ``: it returns what to set (``PickResult.env``) and the
 caller applies it after its own checks (see :mod:`autogpu_jupyter.core.session`).
 
 The decision itself is :mod:`autogpu_jupyter.core.decision`'s (the one pipeline every view uses);
-the picker adds what only a real pick does: the registry lock around gather-decide-lease, the
-lease, waiting in line with a ticket, and failing closed when a promise needs the registry.
+the picker adds what only a real pick does: the store's lock around gather-decide-lease, the
+lease, waiting in line with a ticket, and failing closed when a promise needs the store. What a
+pick asks is one :class:`~autogpu_jupyter.core.options.PickOptions`, as every front end parsed
+it; whether the store lets it take the devices is the store's admission's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.core import decision
+from autogpu_jupyter.core.backends import Backend, get_backend
+from autogpu_jupyter.core.leasing.store import (
+    HeldLease,
+    LeaseStore,
+    Requester,
+    StoreTransaction,
+)
+from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.policy import Candidate, Constraints, matches_id
 from autogpu_jupyter.core.units import format_duration
 from autogpu_jupyter.core.visibility import Allocation, current_allocation, visible_env
@@ -31,27 +41,14 @@ from autogpu_jupyter.errors import (
 )
 
 if TYPE_CHECKING:
-    from autogpu_jupyter.core.backends import Backend
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.registry import Lease, Registry, Ticket
 
-__all__ = ["Holder", "PickResult", "pick", "explain_drops", "POLL_INTERVAL_S"]
+__all__ = ["PickResult", "Requester", "pick", "explain_drops", "POLL_INTERVAL_S"]
 
 log = logging.getLogger(__name__)
 
 #: Seconds between two tries of a waiting pick (NVML utilisation is a ~1 s average anyway).
 POLL_INTERVAL_S = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class Holder:
-    """Who a lease is for: shown to other users next to the device they hold."""
-
-    pid: int = field(default_factory=os.getpid)
-    kernel_id: str | None = None
-    notebook_path: str | None = None
-    command: str | None = None
-    kind: str = "process"  # "kernel", "cli", "provisioner", "api"
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,7 @@ class PickResult:
     env: dict[str, str]
     allocation: Allocation
     snapshot: FleetSnapshot
-    lease: Lease | None = None
+    lease: HeldLease | None = None
     lease_note: str | None = None
     dry_run: bool = False
     waited_s: float = 0.0
@@ -155,9 +152,9 @@ def _no_fit_message(
 
 
 def _create_lease(
-    txn: Any, chosen: list[Candidate], constraints: Constraints, holder: Holder
-) -> tuple[Lease | None, str | None]:
-    """Write the lease; a registry that refuses the write means no lease, said once (a note)."""
+    txn: StoreTransaction, chosen: list[Candidate], constraints: Constraints, requester: Requester
+) -> tuple[HeldLease | None, str | None]:
+    """Write the lease; a store that refuses the write means no lease, said once (a note)."""
     try:
         lease = txn.create(
             devices=[c.device for c in chosen],
@@ -168,7 +165,7 @@ def _create_lease(
                 for c in chosen
             ],
             exclusive=constraints.exclusive,
-            holder=holder,
+            requester=requester,
         )
     except RegistryError as err:
         log.info("no lease: %s", err)
@@ -176,19 +173,19 @@ def _create_lease(
     return lease, None
 
 
-def _promises(constraints: Constraints, wait_s: float, registry: Registry | None) -> str | None:
-    """What this pick promised that only a working lease registry can keep (``None``: nothing).
+def _promises(options: PickOptions, store: LeaseStore | None) -> str | None:
+    """What this pick promised that only a working lease store can keep (``None``: nothing).
 
     An exclusive pick, a wait in line (FIFO tickets) and the admin's per-user quota all live in
-    the registry: without it they would silently not hold, so such a pick fails closed.
+    the store: without it they would silently not hold, so such a pick fails closed.
     """
-    if registry is None:
+    if store is None:
         return None
-    if constraints.exclusive:
+    if options.constraints.exclusive:
         return "an exclusive pick (--exclusive)"
-    if wait_s > 0:
+    if options.wait_s > 0:
         return "a pick that waits in line (--wait)"
-    if registry.max_devices_per_user > 0:
+    if store.max_devices_per_user > 0:
         return "a pick under the admin's max_devices_per_user quota"
     return None
 
@@ -202,44 +199,43 @@ def _fail_closed(what: str, cause: str | None) -> RegistryUntrustedError:
 
 
 @contextlib.contextmanager
-def _no_registry() -> Iterator[None]:
+def _no_store() -> Iterator[None]:
     yield None
 
 
 def pick(
-    constraints: Constraints,
+    options: PickOptions,
     *,
     backend: Backend | None = None,
     environ: Mapping[str, str] | None = None,
-    registry: Registry | None = None,
-    holder: Holder | None = None,
+    store: LeaseStore | None = None,
+    requester: Requester | None = None,
     dry_run: bool = False,
-    wait_s: float = 0.0,
     on_progress: Callable[[str], None] | None = None,
     smoothed_util: (
         Mapping[str, float | None] | Callable[[], Mapping[str, float | None] | None] | None
     ) = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> PickResult:
-    """Choose device(s) for ``constraints`` and, unless ``dry_run``, take a lease on them.
+    """Choose device(s) for ``options`` and, unless ``dry_run``, take a lease on them.
 
     Parameters
     ----------
-    constraints
-        The parsed request.
+    options
+        The validated request (:func:`autogpu_jupyter.core.options.parse`): its constraints,
+        and how long to wait in line for a device to fit (0: fail at once; interrupt cancels).
     backend
         Where snapshots come from (default: :func:`get_backend`).
     environ
         The environment whose allocation bounds the choice (default ``os.environ``); it is read,
         never written.
-    registry
-        The lease registry; ``None`` picks without leases.
-    holder
-        Who the lease is for.
+    store
+        The lease store (:func:`autogpu_jupyter.core.leasing.store_for`); ``None`` picks
+        without leases.
+    requester
+        Who the lease is for (default: this process).
     dry_run
         Rank only: no lease, nothing to apply.
-    wait_s
-        How long to wait in line for a device to fit (0: fail at once). Interrupt cancels.
     on_progress
         Called with a one-line status while waiting.
     smoothed_util
@@ -256,22 +252,23 @@ def pick(
     NoDeviceGrantedError
         The inherited allocation grants no GPU.
     NoDeviceFitsError
-        Nothing fits (after waiting ``wait_s``).
+        Nothing fits (after waiting ``options.wait_s``), or admission refused a device.
+    LeaseLimitError
+        Past the admin's quota of devices, leases or tickets.
     UsageErrorBase
         An unknown device id in ``exclude``, a bad count.
     NVMLUnavailableError
         No NVIDIA driver.
     """
     if backend is None:
-        from autogpu_jupyter.core.backends import get_backend
-
         backend = get_backend()
-    holder = holder or Holder()
+    requester = requester or Requester()
+    constraints, wait_s = options.constraints, options.wait_s
     start = time.monotonic()
     deadline = start + max(wait_s, 0.0)
     ticket = None
-    promised = None if dry_run else _promises(constraints, wait_s, registry)
-    if registry is not None and not dry_run:
+    promised = None if dry_run else _promises(options, store)
+    if store is not None and not dry_run:
         # Pay NVML's one-time start-up (library load, init, first handles) before taking the
         # registry lock, so that other pickers do not queue behind it.
         warm_up = getattr(backend, "warm_up", None)
@@ -283,15 +280,15 @@ def pick(
                 constraints,
                 backend,
                 environ,
-                registry,
-                holder,
+                store,
+                requester,
                 ticket,
                 dry_run,
                 promised,
                 smoothed_util,
             )
             if made.chosen:  # our ticket, if any, was released under the lock (again: a no-op)
-                return _result(made, lease, lease_note, registry, dry_run, start)
+                return _result(made, lease, lease_note, store, dry_run, start)
             now = time.monotonic()
             if now >= deadline:
                 raise NoDeviceFitsError(
@@ -302,13 +299,13 @@ def pick(
                     ),
                     candidates=made.ranked,
                 )
-            if registry is not None and ticket is None:
-                ticket = registry.take_ticket(
+            if store is not None and ticket is None:
+                ticket = store.take_ticket(
                     constraints=decision.ticket_constraints(
                         constraints, made.context.allocation.uuids
                     ),
                     exclusive=constraints.exclusive,
-                    holder=holder,
+                    requester=requester,
                 )
             if on_progress is not None:
                 on_progress(_waiting_line(made, now - start, wait_s))
@@ -322,26 +319,26 @@ def _attempt(
     constraints: Constraints,
     backend: Backend,
     env: Mapping[str, str] | None,
-    registry: Registry | None,
-    holder: Holder,
-    ticket: Ticket | None,
+    store: LeaseStore | None,
+    requester: Requester,
+    ticket: HeldLease | None,
     dry_run: bool,
     promised: str | None,
     smoothed_util: Any,
-) -> tuple[decision.Decision, Lease | None, str | None]:
-    """One try, under the registry lock (a real pick): read, decide, and lease what was chosen.
+) -> tuple[decision.Decision, HeldLease | None, str | None]:
+    """One try, under the store's lock (a real pick): read, decide, and lease what was chosen.
 
     When something was chosen, ``ticket`` is released under the same lock (nobody sees both
     our ticket and our lease).
     """
-    lock_cm: Any = _no_registry()
-    if registry is not None and not dry_run:
-        lock_cm = registry.locked()
+    lock_cm: contextlib.AbstractContextManager[StoreTransaction | None] = _no_store()
+    if store is not None and not dry_run:
+        lock_cm = store.locked()
     lease_note: str | None = None
     with lock_cm as txn:
         if txn is None and promised is not None:
-            assert registry is not None  # promised implies a registry (see _promises)
-            raise _fail_closed(promised, registry.unusable_reason)
+            assert store is not None  # promised implies a store (see _promises)
+            raise _fail_closed(promised, store.unusable_reason)
         snap = backend.snapshot()
         _check_granted(snap, env)
         _check_ids(snap.devices, constraints)
@@ -349,16 +346,16 @@ def _attempt(
         context = decision.gather(
             snap,
             environ=env,
-            registry=registry,
+            store=store,
             txn=txn,
             ticket=ticket,
             smoothed_util=smoothed_util,
-            self_pids=(holder.pid,),
+            self_pids=(requester.pid,),
         )
         made = decision.decide(context, constraints)
         lease = None
-        if made.chosen and not dry_run and registry is not None and txn is not None:
-            lease, lease_note = _create_lease(txn, list(made.chosen), constraints, holder)
+        if made.chosen and not dry_run and txn is not None:
+            lease, lease_note = _create_lease(txn, list(made.chosen), constraints, requester)
             if lease is None and promised is not None:
                 raise _fail_closed(promised, lease_note)
         if made.chosen and ticket is not None:
@@ -380,14 +377,14 @@ def _check_granted(snap: FleetSnapshot, env: Mapping[str, str] | None) -> None:
 
 def _result(
     made: decision.Decision,
-    lease: Lease | None,
+    lease: HeldLease | None,
     lease_note: str | None,
-    registry: Registry | None,
+    store: LeaseStore | None,
     dry_run: bool,
     start: float,
 ) -> PickResult:
-    if registry is not None and not dry_run and registry.unusable_reason:
-        lease_note = registry.unusable_reason
+    if store is not None and not dry_run and store.unusable_reason:
+        lease_note = store.unusable_reason
     chosen = [c.device for c in made.chosen]
     return PickResult(
         chosen=tuple(chosen),

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from autogpu_jupyter.core.leasing.admission import EXCLUSIVE_LEASE
 from autogpu_jupyter.core.units import Size, format_bytes, parse_percent, parse_size
 from autogpu_jupyter.errors import UsageErrorBase
 
@@ -156,6 +157,12 @@ class Booking:
     booked_bytes: int = 0
     exclusive: bool = False
     holders: tuple[str, ...] = ()
+    #: Why it is exclusive, one phrase per cause (``held exclusively by another lease``,
+    #: ``reserved for rt3b's waiting ticket (4 GPUs, since 12:01)``, an admin's reservation);
+    #: empty with ``exclusive`` set means a lease.
+    exclusive_by: tuple[str, ...] = ()
+    #: The waiting tickets counted in ``lease_count``, in words (``rt3b's waiting ticket ...``).
+    waiting: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +233,7 @@ def rank(
     allocation
         What this process may use; ``None`` = every device.
     bookings
-        Live leases per device UUID (see :mod:`autogpu_jupyter.core.leases`).
+        Live leases per device UUID (see :func:`autogpu_jupyter.core.decision.bookings_for`).
     smoothed_util
         Mean utilisation per UUID over the sampler's window; falls back to the snapshot's reading.
     self_pids
@@ -393,11 +400,16 @@ def _check_utilisation(v: _Verdict, util: float | None, constraints: Constraints
 
 
 def _check_leases(v: _Verdict, constraints: Constraints, booking: Booking) -> None:
-    """Exclusive wants no other lease; nobody else holds it exclusively."""
+    """Exclusive wants no other lease; nobody else holds it exclusively. A waiting ticket that
+    takes the device is named, never counted as "another lease"."""
     if constraints.exclusive and booking.lease_count:
-        v.drop(f"exclusive wanted but {booking.lease_count} lease(s) hold it")
+        leases = booking.lease_count - len(booking.waiting)
+        held = [f"{leases} lease(s) hold it"] if leases > 0 else []
+        v.drop("exclusive wanted but " + "; ".join([*held, *(
+            f"it is reserved for {w}" for w in booking.waiting
+        )]))
     elif booking.exclusive:
-        v.drop("held exclusively by another lease")
+        v.drop("; ".join(booking.exclusive_by) or EXCLUSIVE_LEASE)
     if booking.lease_count and v.ok:
         v.note(f"{booking.lease_count} live lease(s)")
 

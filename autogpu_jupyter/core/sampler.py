@@ -32,12 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from autogpu_jupyter.config import AutoGPU
+from autogpu_jupyter.core import procfs
+from autogpu_jupyter.core.backends import Backend, get_backend
 from autogpu_jupyter.errors import AutoGPUError, UsageErrorBase
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from autogpu_jupyter.core.backends import Backend
     from autogpu_jupyter.core.devices import FleetSnapshot
 
 __all__ = [
@@ -139,20 +141,6 @@ def series_from_frame(frame: pd.DataFrame) -> dict[str, DeviceSeries]:
     return out
 
 
-def _ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    rest = data[data.rfind(b")") + 2 :].split()
-    try:
-        return int(rest[1])
-    except (IndexError, ValueError):
-        return None
-
-
 def own_pids(pids: Iterable[int], root_pid: int | None = None) -> frozenset[int]:
     """The subset of ``pids`` that are ``root_pid`` (default: this process) or its descendants.
 
@@ -171,7 +159,7 @@ def own_pids(pids: Iterable[int], root_pid: int | None = None) -> frozenset[int]
             if cur == root:
                 ours.add(pid)
                 break
-            cur = _ppid(cur)
+            cur = procfs.ppid(cur)
     return frozenset(ours)
 
 
@@ -348,8 +336,6 @@ class Sampler:
     # -- sampling ------------------------------------------------------------------------
     def _get_backend(self) -> Backend:
         if self._backend is None:
-            from autogpu_jupyter.core.backends import get_backend
-
             self._backend = get_backend()
         return self._backend
 
@@ -531,7 +517,7 @@ class Sampler:
             ``available`` is 1.0, or 0.0 for a lost device). Use ``pivot`` for a wide table.
             Sorted by time, then in device order.
         """
-        import pandas as pd
+        import pandas as pd  # noqa: PLC0415 (pandas: only for a frame)
 
         samples = self._window(since_s)
         with self._lock:
@@ -636,8 +622,6 @@ _atexit_registered = False
 
 
 def _defaults() -> tuple[float, float]:
-    from autogpu_jupyter.config import AutoGPU
-
     cfg = AutoGPU()
     return float(cfg.sample_interval_s), float(cfg.history_s)
 

@@ -1,7 +1,8 @@
 """This process's choice: which device(s) it picked, its lease, and the environment it changed.
 
 Shared by the Python API, the magics and the panel. A kernel started by the autogpu kernel
-provisioner finds the provisioner's choice in ``AUTOGPU_PICKED`` (UUIDs) and ``AUTOGPU_LEASE_ID``.
+provisioner finds the provisioner's choice in its environment, read by the kernel contract
+(:class:`~autogpu_jupyter.core.contract.KernelContract`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from autogpu_jupyter.core.contract import LEASE_ENV, NOTE_ENV, PICKED_ENV
+from autogpu_jupyter.core.contract import LEASE_ENV, PICKED_ENV, KernelContract
 from autogpu_jupyter.core.cudastate import (
     cuda_state,
     hip_state,
@@ -24,9 +25,9 @@ from autogpu_jupyter.errors import TooLateError
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import DeviceSnapshot
+    from autogpu_jupyter.core.leasing.store import HeldLease
     from autogpu_jupyter.core.picker import PickResult
     from autogpu_jupyter.core.policy import Constraints
-    from autogpu_jupyter.core.registry import Lease
 
 __all__ = [
     "Choice",
@@ -53,7 +54,7 @@ class Choice:
 
     uuids: tuple[str, ...]
     devices: tuple[DeviceSnapshot, ...] = ()
-    lease: Lease | None = None
+    lease: HeldLease | None = None
     lease_id: str | None = None
     source: str = "magic"  # "magic", "api", "provisioner"
     constraints_text: str = ""
@@ -91,13 +92,13 @@ def current() -> Choice | None:
     with _lock:
         if _current is not None:
             return _current
-    picked = os.environ.get(PICKED_ENV, "").strip()
-    if picked:
+    contract = KernelContract.read()
+    if contract.picked:
         return Choice(
-            uuids=tuple(u for u in picked.split(",") if u),
-            lease_id=os.environ.get(LEASE_ENV) or None,
+            uuids=contract.picked,
+            lease_id=contract.lease_id,
             source="provisioner",
-            note=os.environ.get(NOTE_ENV) or None,
+            note=contract.note,
         )
     return None
 

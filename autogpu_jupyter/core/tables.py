@@ -217,7 +217,8 @@ def status_table(frame: Any) -> tuple[list[Column], list[tuple[str, ...]], set[i
     users' notebook paths) are the one column that wraps, and the columns a narrow terminal or
     notebook can do without carry a ``drop`` rank (the UUID first, memory in use last: free
     memory always stays)."""
-    import pandas as pd
+    # pandas only for a status table: %load_ext imports this module for its text helpers.
+    import pandas as pd  # noqa: PLC0415
 
     columns = [
         Column(""),

@@ -551,7 +551,7 @@ def current_allocation(
     Parameters
     ----------
     devices
-        Every device NVML shows (MIG devices included), e.g. ``read_devices().devices``.
+        Every device NVML shows (MIG devices included), e.g. ``get_backend().snapshot().devices``.
     environ
         Defaults to ``os.environ``.
 

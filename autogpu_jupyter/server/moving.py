@@ -19,18 +19,16 @@ executor.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.core import moves
 from autogpu_jupyter.core.contract import ProvisionerState
 from autogpu_jupyter.errors import UsageErrorBase
+from autogpu_jupyter.server.payloads import parse_json_object, short_repr
 
 if TYPE_CHECKING:
     from autogpu_jupyter.server.state import AutoGPUServer
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "MoveBody", "cancel", "is_movable", "parse_move_body", "pending", "pending_payload",
@@ -63,8 +61,6 @@ def parse_move_body(body: bytes) -> MoveBody:
         Not JSON, not an object, an unknown key, or a missing / malformed ``target``; the message
         names the bad value and the accepted forms.
     """
-    from autogpu_jupyter.server.payloads import parse_json_object, short_repr
-
     data = parse_json_object(body, _EXAMPLE)
     unknown = sorted(set(data) - set(_ACCEPTED))
     if unknown:
@@ -121,7 +117,7 @@ def plan_or_request(
         "current_uuids": tuple(provisioner.autogpu_picked or ()),
         "constraints": provisioner.autogpu_constraints,
         "kernel_id": kernel_id,
-        "registry": registry,
+        "store": registry,
         "source": "server",
         "smoothed_util": None if sampler is None else sampler.smoothed_util(
             state.smoothing_window_s
@@ -186,7 +182,7 @@ def result_payload(
 def pending(provisioner: Any) -> bool:
     """Whether a recorded move of this kernel still waits for its restart."""
     path = provisioner.autogpu_move_file if isinstance(provisioner, ProvisionerState) else None
-    return bool(path) and moves.read_move(path) is not None
+    return bool(path) and path is not None and moves.read_move(path) is not None
 
 
 def pending_payload(plan: moves.MovePlan) -> dict[str, Any]:

@@ -7,7 +7,6 @@ Field names carry units (``memory_used_bytes``, ``timestamp_s``); ``None`` is un
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import re
@@ -15,9 +14,28 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from autogpu_jupyter.config import AutoGPU
+from autogpu_jupyter.core import options
+from autogpu_jupyter.core.cluster import (
+    PrometheusClient,
+    fetch_cluster,
+    fetch_history,
+    rank_hosts,
+)
 from autogpu_jupyter.core.contract import ProvisionerState
+from autogpu_jupyter.core.holders import holders_by_device
+from autogpu_jupyter.core.moves import grant_environ
+from autogpu_jupyter.core.options import PickOptions
+from autogpu_jupyter.core.overload import (
+    Thresholds,
+    alternative_constraints,
+    best_alternative,
+    detect,
+    kernel_grant,
+)
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.core.visibility import current_allocation
 from autogpu_jupyter.errors import (
     AutoGPUError,
     NoDeviceFitsError,
@@ -30,8 +48,6 @@ from autogpu_jupyter.server.state import kernel_pid_map, owning_kernel, redact
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import FleetSnapshot
     from autogpu_jupyter.server.state import AutoGPUServer
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "devices_payload",
@@ -227,8 +243,6 @@ def holders_payload(
     trees (or a lease of this server's uid naming one of its kernels) is ``this_server``, with
     that kernel's id and its session's notebook path.
     """
-    from autogpu_jupyter.core.holders import holders_by_device
-
     snap = latest_snapshot(state)
     errors = _sampler_errors(state)
     kernel_pids = kernel_pid_map(kernel_manager) if kernel_manager is not None else {}
@@ -271,10 +285,10 @@ def holders_payload(
                     rec.kernel_id in our_kernels
                 ):
                     ours = rec.kernel_id
-                proc = procs.get(h.pid) if h.pid is not None else None
+                process = procs.get(h.pid) if h.pid is not None else None
                 command = rec.command if rec is not None else None
-                if command is None and proc is not None:
-                    command = proc.command
+                if command is None and process is not None:
+                    command = process.command
                 holders.append(
                     {
                         "kind": h.kind,
@@ -337,15 +351,6 @@ def kernel_overloads(
     printed in the notebook, the notification and the sidebar name the same device. The grant
     is the kernel's own (its environment as it started, from ``environs``), else the server's.
     """
-    from autogpu_jupyter.config import AutoGPU
-    from autogpu_jupyter.core.overload import (
-        Thresholds,
-        alternative_constraints,
-        best_alternative,
-        detect,
-        kernel_grant,
-    )
-
     sampler = state.sampler()
     if snap is None or sampler is None or not kernels:
         return {}
@@ -398,7 +403,7 @@ def kernel_overloads(
             return best_alternative(
                 snap, kernel_uuids, smoothed,
                 constraints=alternative_constraints(lease, options.get(kid)),
-                registry=view, environ=grant, self_pids=pids,
+                store=view, environ=grant, self_pids=pids,
             )
 
         found = detect(history, snap, uuids, pids, thresholds,
@@ -486,9 +491,6 @@ def kernel_allowed_uuids(
     (``CUDA_VISIBLE_DEVICES``, ``NVIDIA_VISIBLE_DEVICES``, Slurm's, from its environment
     ``env`` as CUDA reads them). ``None`` when that is unknown (an unreadable process): the
     sidebar then offers every device, as the server's own grant allows."""
-    from autogpu_jupyter.core.moves import grant_environ
-    from autogpu_jupyter.core.visibility import current_allocation
-
     if snap is None or env is None:
         return None
     env = grant_environ(env)  # an autogpu kernel: the grant it picked within, not its pick
@@ -595,8 +597,6 @@ def parse_constraints(params: Mapping[str, Any]) -> Constraints:
     """Constraints from query arguments or a JSON body: the one options boundary
     (:func:`autogpu_jupyter.core.options.parse`, JSON-style names), the magic's units and
     messages. ``kernel_id`` is accepted and left to :func:`parse_kernel_id`."""
-    from autogpu_jupyter.core import options
-
     accept = [o.key for o in options.PICK_OPTIONS if o.key != "wait"]  # a dry run never waits
     return options.parse(params, style="key", ignore=_SELECT_EXTRA, accept=accept).constraints
 
@@ -661,8 +661,6 @@ def select_payload(
     except (AutoGPUError, OSError) as err:
         notes.append(f"lease registry unusable, bookings not counted: {err}")
     if environ is not None:
-        from autogpu_jupyter.core.moves import grant_environ
-
         environ = grant_environ(environ)
     return select_answer(
         snap, constraints, registry, smoothed, ignore_kernel_id, notes, environ=environ
@@ -692,8 +690,8 @@ def select_answer(
         registry = registry.hiding(kernel_id=ignore_kernel_id)
     try:
         result = pick(
-            constraints, backend=backend, registry=registry, dry_run=True, smoothed_util=smoothed,
-            environ=environ,
+            PickOptions(constraints), backend=backend, store=registry, dry_run=True,
+            smoothed_util=smoothed, environ=environ,
         )
     except NoDeviceFitsError as err:
         candidates = err.candidates if isinstance(err.candidates, tuple) else ()
@@ -721,9 +719,6 @@ def cluster_payload(state: AutoGPUServer, constraints: Constraints) -> dict[str,
     ``configured`` is false when ``c.AutoGPU.prometheus_url`` is empty; a Prometheus that cannot
     be asked gives no hosts and the reason in ``errors`` (the sidebar shows it).
     """
-    from autogpu_jupyter.config import AutoGPU
-    from autogpu_jupyter.core.cluster import PrometheusClient, fetch_cluster, rank_hosts
-
     settings = AutoGPU(parent=state.parent)
     url = settings.prometheus_url
     base: dict[str, Any] = {
@@ -765,9 +760,6 @@ def cluster_payload(state: AutoGPUServer, constraints: Constraints) -> dict[str,
 def cluster_history_payload(state: AutoGPUServer, seconds: float) -> dict[str, Any]:
     """``GET cluster/history?seconds=<s>``: each host's mean GPU utilisation and memory taken
     over the last ``seconds`` from Prometheus range queries (``core.cluster.fetch_history``)."""
-    from autogpu_jupyter.config import AutoGPU
-    from autogpu_jupyter.core.cluster import PrometheusClient, fetch_history
-
     settings = AutoGPU(parent=state.parent)
     url = settings.prometheus_url
     base: dict[str, Any] = {
@@ -780,14 +772,17 @@ def cluster_history_payload(state: AutoGPUServer, seconds: float) -> dict[str, A
     }
     if not url:
         return base
+    client = PrometheusClient(url, settings.prometheus_timeout_s)
     try:
-        step, histories = fetch_history(PrometheusClient(url, settings.prometheus_timeout_s),
-                                        seconds)
+        step, histories = fetch_history(client, seconds)
     except AutoGPUError as err:
         base["errors"] = [str(err)]
         return base
     base["step_s"] = step
     base["hosts"] = [h.to_dict() for h in histories]
+    if client.rejected:  # a target's +Inf or NaN: left out of the history, and said so
+        base["errors"] = [f"{len(client.rejected)} series had points that are not finite "
+                          f"numbers, left out (e.g. {client.rejected[0].text()})"]
     return base
 
 

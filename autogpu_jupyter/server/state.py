@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import getpass
-import logging
 import os
 import threading
 import time
@@ -17,15 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from traitlets import Bool, Float, Int, Unicode, default
-from traitlets.config import Configurable
+from traitlets.config import LoggingConfigurable
 
 from autogpu_jupyter.config import AutoGPU, default_registry_dir
+from autogpu_jupyter.core import procfs
 from autogpu_jupyter.core import sampler as sampler_mod
-from autogpu_jupyter.core.registry import Registry, broker_for
+from autogpu_jupyter.core.leasing import LeaseStore, store_for
 from autogpu_jupyter.core.text import redact_command
 from autogpu_jupyter.errors import AutoGPUError
-
-log = logging.getLogger(__name__)
 
 __all__ = ["AutoGPUServer", "current_user"]
 
@@ -40,11 +38,12 @@ def current_user() -> str:
         return str(os.getuid())
 
 
-class AutoGPUServer(Configurable):
+class AutoGPUServer(LoggingConfigurable):
     """Settings of the JupyterLab sidebar's server side (``c.AutoGPUServer.*``).
 
     One instance per server process, created by ``_load_jupyter_server_extension``; it owns the
-    executor that runs every NVML and registry call off the IOLoop.
+    executor that runs every NVML and registry call off the IOLoop. Its ``log`` is the server's
+    (``ServerApp.log``, its parent's): what it says reaches the server's log at its level.
     """
 
     interval_s = Float(
@@ -120,7 +119,7 @@ class AutoGPUServer(Configurable):
         self._sampler: Any = None
         self._sampler_error: str | None = None
         self._lock = threading.Lock()
-        self._registry: Any = None
+        self._settings: AutoGPU | None = None
         #: Kernels with a move in progress (touched on the IOLoop only): a second one is refused.
         self.moving: set[str] = set()
         #: The plan of each kernel's move recorded for its client's restart (``"restart":
@@ -143,30 +142,34 @@ class AutoGPUServer(Configurable):
                     )
                 except AutoGPUError as err:
                     self._sampler_error = str(err)
-                    log.warning("autogpu: sampler unavailable: %s", err)
+                    self.log.warning("autogpu: sampler unavailable: %s", err)
             return self._sampler
 
     @property
     def sampler_error(self) -> str | None:
         return self._sampler_error
 
-    def registry(self) -> Any:
-        """The lease registry (read-only use here), or ``None`` when leases are disabled."""
+    def registry(self) -> LeaseStore | None:
+        """The lease store (read-only use here), or ``None`` when leases are disabled.
+
+        The one factory's answer (:func:`~autogpu_jupyter.core.leasing.store_for`) for the
+        server's settings, with this extension's ``registry_dir``: the trusted broker when they
+        select one (docs/admin-broker.md; holders and bookings then come from it, other users'
+        command lines never leave it), else the shared directory.
+        """
         if not self.registry_dir:
             return None
-        with self._lock:
-            if self._registry is None:
-                self._registry = self._broker() or Registry(self.registry_dir)
-            return self._registry
+        return store_for(self._autogpu(), registry_dir=self.registry_dir, view=True)
 
-    def _broker(self) -> Any:
-        """The trusted broker, when the settings select one (docs/admin-broker.md): holders and
-        bookings then come from it, other users' command lines never leave it."""
-        try:
-            settings = AutoGPU(parent=self.parent)
-        except Exception:
-            settings = AutoGPU()
-        return broker_for(settings) if settings.use_leases else None
+    def _autogpu(self) -> AutoGPU:
+        """The server's ``c.AutoGPU`` settings (made once: the config does not change)."""
+        with self._lock:
+            if self._settings is None:
+                try:
+                    self._settings = AutoGPU(parent=self.parent)
+                except Exception:  # a parent without config: the env defaults
+                    self._settings = AutoGPU()
+            return self._settings
 
     def labels(self) -> dict[str, str]:
         """UUID -> label ("GPU 2") from the sampler's latest sweep (no NVML call)."""
@@ -210,21 +213,6 @@ def kernel_pid_map(kernel_manager: Any) -> dict[int, str]:
     return pids
 
 
-def _ppid(pid: int, proc_root: str) -> int | None:
-    try:
-        path = os.path.join(proc_root, str(pid), "stat")
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    rest = stat.rpartition(")")[2].split()
-    try:
-        return int(rest[1])
-    except (IndexError, ValueError):
-        return None
-
-
 def owning_kernel(pid: int, kernel_pids: Mapping[int, str], proc_root: str = "/proc",
                   max_depth: int = 64) -> str | None:
     """The kernel id whose process is ``pid`` or one of its ancestors (``None`` if none is).
@@ -236,6 +224,6 @@ def owning_kernel(pid: int, kernel_pids: Mapping[int, str], proc_root: str = "/p
     while current is not None and current > 1 and seen < max_depth:
         if current in kernel_pids:
             return kernel_pids[current]
-        current = _ppid(current, proc_root)
+        current = procfs.ppid(current, proc_root)
         seen += 1
     return None

@@ -1,7 +1,7 @@
 """Notebook widgets (ipywidgets only here): :class:`Panel`, the live GPU panel.
 
-``Panel`` is imported lazily so that importing this package needs no ipywidgets (the overload
-magics' cell hook) and :mod:`autogpu_jupyter.widgets.chart` load without ipywidgets.
+``Panel`` is imported lazily so that importing this package, and
+:mod:`autogpu_jupyter.widgets.chart`, need no ipywidgets.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ __all__ = ["Panel"]
 
 def __getattr__(name: str) -> Any:
     if name == "Panel":
-        from autogpu_jupyter.widgets.panel import Panel
+        from autogpu_jupyter.widgets.panel import Panel  # noqa: PLC0415 (ipywidgets: lazily)
 
         return Panel
     raise AttributeError(f"module 'autogpu_jupyter.widgets' has no attribute {name!r}")

@@ -16,15 +16,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autogpu_jupyter.core.sampler import METRICS
+from autogpu_jupyter.core.holders import holders_by_device, holders_text
+from autogpu_jupyter.core.sampler import METRICS, DeviceSeries, series_from_frame
 from autogpu_jupyter.core.units import format_bytes
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+    from autogpu_jupyter.core.leasing.records import LeaseRecord
     from autogpu_jupyter.core.overload import Overload
-    from autogpu_jupyter.core.records import LeaseRecord
     from autogpu_jupyter.core.sampler import DeviceSeries
 
 __all__ = [
@@ -72,8 +73,6 @@ _MAX_TENTH = len(_TENTHS) - 1
 
 
 def _as_series(rows: DeviceSeries | pd.DataFrame, uuid: str) -> DeviceSeries:
-    from autogpu_jupyter.core.sampler import DeviceSeries, series_from_frame
-
     if isinstance(rows, DeviceSeries):
         return rows
     return series_from_frame(rows).get(uuid) or DeviceSeries.empty(uuid)
@@ -261,8 +260,6 @@ def render_charts(
     highlight
         UUIDs of this kernel's devices.
     """
-    from autogpu_jupyter.core.sampler import DeviceSeries, series_from_frame
-
     marked = set(highlight)
     series = history if isinstance(history, Mapping) else series_from_frame(history)
     if now_s is None:
@@ -302,8 +299,6 @@ def render_table(
     Holders are the one holder model's (:mod:`autogpu_jupyter.core.holders`): leases and
     processes, matched by pid, worded as ``%gpu status`` and the sidebar word them.
     """
-    from autogpu_jupyter.core.holders import holders_by_device, holders_text
-
     marked = set(highlight)
     by_device = holders_by_device(snapshot, leases, own_pids=own_pids)
     cell = f"padding:1px 8px;text-align:left;border-bottom:1px solid {BORDER}"

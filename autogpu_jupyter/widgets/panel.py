@@ -7,16 +7,25 @@ value changes reach the frontend as comm messages, also while another cell is bu
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as w
+from IPython import get_ipython
+from jupyter_core.paths import jupyter_runtime_dir
 
+from autogpu_jupyter import api
+from autogpu_jupyter.config import AutoGPU
+from autogpu_jupyter.core import procfs, session
 from autogpu_jupyter.core.overload import (
     Overload,
     Thresholds,
@@ -39,14 +48,7 @@ _WINDOWS = (60.0, 300.0, 900.0)
 
 def _config() -> Any:
     """The ``AutoGPU`` configurable of this kernel (the one ``%config AutoGPU...`` changes)."""
-    from autogpu_jupyter.config import AutoGPU
-
-    try:
-        from IPython import get_ipython
-
-        ip = get_ipython()
-    except ImportError:
-        ip = None
+    ip = get_ipython()
     if ip is not None:
         for c in getattr(ip, "configurables", ()):
             if isinstance(c, AutoGPU):
@@ -327,14 +329,10 @@ def _weak_listener(panel: Panel) -> Any:
 
 def _live_leases() -> tuple[Any, ...]:
     """The registry's live leases (for the holders column); none when it cannot be read."""
-    from autogpu_jupyter import api
-
     return tuple(api.live_leases())
 
 
 def _lease_text() -> str | None:
-    from autogpu_jupyter.core import session
-
     choice = session.current()
     if choice is None:
         return None
@@ -353,16 +351,7 @@ def _server_info(runtime_dir: str | None = None, max_depth: int = 4) -> dict[str
     """The ``jpserver-<pid>.json`` of the Jupyter server that started this kernel (this process
     or one of its ancestors, a few levels up): its URL and token, from this user's private
     runtime directory. ``None`` outside a server's kernel."""
-    import json
-    import os
-
-    from autogpu_jupyter.core.sampler import _ppid
-
     if runtime_dir is None:
-        try:
-            from jupyter_core.paths import jupyter_runtime_dir
-        except ImportError:
-            return None
         runtime_dir = jupyter_runtime_dir()
     pid: int | None = os.getppid()
     for _ in range(max_depth):
@@ -373,7 +362,7 @@ def _server_info(runtime_dir: str | None = None, max_depth: int = 4) -> dict[str
             with open(path, encoding="utf-8") as fh:
                 info = json.load(fh)
         except (OSError, ValueError):
-            pid = _ppid(pid)
+            pid = procfs.ppid(pid)
             continue
         return info if isinstance(info, dict) else None
     return None
@@ -388,12 +377,6 @@ def server_history(
     server, it has no autogpu extension, or it does not answer in time (TLS with a private
     certificate, a Unix socket, a proxy): the panel then starts with this kernel's own samples.
     """
-    import json
-    import time
-    import urllib.error
-    import urllib.parse
-    import urllib.request
-
     info = _server_info() if info is None else info
     if not info:
         return {}

@@ -1,6 +1,10 @@
 /**
- * autogpu's JupyterLab sidebar: every GPU on the server, live, who holds it, and which one the
- * active notebook should pick. The data comes from the server extension (`{base_url}/autogpu/`).
+ * autogpu's sidebar: every GPU on the server, live, who holds it, and which one the active
+ * notebook should pick. The data comes from the server extension (`{base_url}/autogpu/api/v1/`).
+ *
+ * It runs in JupyterLab (the left sidebar, with the other panels) and in Notebook 7, whose shell
+ * has a left area too but no `ILabShell`: there the panel is added through `app.shell` and shown
+ * from View → Left Sidebar → Show GPUs (autogpu).
  */
 import {
   ILabShell,
@@ -78,11 +82,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description:
     'A left-sidebar panel with every GPU on the server, its holders and a recommendation.',
   autoStart: true,
-  requires: [ILabShell],
-  optional: [ISettingRegistry, INotebookTracker, ITranslator],
+  optional: [ILabShell, ISettingRegistry, INotebookTracker, ITranslator],
   activate: (
     app: JupyterFrontEnd,
-    labShell: ILabShell,
+    labShell: ILabShell | null,
     settingRegistry: ISettingRegistry | null,
     tracker: INotebookTracker | null,
     translator: ITranslator | null
@@ -111,7 +114,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
     panel.title.caption = (translator ?? nullTranslator)
       .load('autogpu_jupyter')
       .__('GPUs (autogpu)');
-    labShell.add(panel, 'left', { rank: 850 });
+    // JupyterLab's shell, or any shell with a left area (Notebook 7's INotebookShell).
+    (labShell ?? app.shell).add(panel, 'left', { rank: 850 });
     tracker?.currentChanged.connect(() => {
       if (panel.isVisible) {
         void panel.poll.refresh();

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter import kernelspec
-from autogpu_jupyter.core.registry import Registry
+from autogpu_jupyter.core.leasing import Registry
 from tests import browserhelpers as browser
 from tests.fakenvml import FakeNvml
 from tests.kernelhelpers import kernel_environ

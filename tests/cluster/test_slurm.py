@@ -296,7 +296,7 @@ def test_batchspawner_server_is_a_slurm_job_whose_kernel_picks_inside_the_grant(
     the kernel's lease."""
     import pwd
 
-    from autogpu_jupyter.core.leases import Registry
+    from autogpu_jupyter.core.leasing import Registry
     from tests.kernelhelpers import kernel_environ
     from tests.leasehelpers import SYSTEM_PYTHON, shared_area
     from tests.serverhelpers import Hub, chp, shared_host

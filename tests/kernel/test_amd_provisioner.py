@@ -14,7 +14,7 @@ import pytest
 from jupyter_client.manager import AsyncKernelManager
 
 from autogpu_jupyter import kernelspec
-from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.leasing import Registry
 from tests.fakeamdsmi import FakeAmdSmi, amd_rocr_uuid, amd_uuid, fleet_amd_8x
 from tests.kernelhelpers import kernel_environ
 

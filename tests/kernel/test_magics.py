@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter.core.cudastate import CudaState, too_late_message
-from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.leasing import Registry
 from tests.fakecuda import INIT_SNIPPET, STATE_SNIPPET, build_fake_cuda
 from tests.fakenvml import FakeNvml, fleet_4x, fleet_edge_cases, fleet_mig
 from tests.kernelhelpers import Kernel, kernel_env

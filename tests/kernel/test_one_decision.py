@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from jupyter_client import AsyncKernelManager
 
 from autogpu_jupyter import kernelspec
-from autogpu_jupyter.core.registry import Registry
+from autogpu_jupyter.core.leasing.directory import Registry
 from tests.leasehelpers import fleet, uuid_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,8 +165,10 @@ def test_every_view_names_the_same_best_device(
 ) -> None:
     from autogpu_jupyter.core.backends.simulated import SimulatedBackend
     from autogpu_jupyter.core.decision import ticket_constraints
+    from autogpu_jupyter.core.leasing import Requester
     from autogpu_jupyter.core.moves import plan_move
-    from autogpu_jupyter.core.picker import Holder, pick
+    from autogpu_jupyter.core.options import PickOptions
+    from autogpu_jupyter.core.picker import pick
     from autogpu_jupyter.core.policy import Constraints
     from autogpu_jupyter.errors import NoDeviceFitsError
 
@@ -183,7 +185,7 @@ def test_every_view_names_the_same_best_device(
         with registry.locked() as txn:
             assert txn is not None
             keep.append(txn.create(devices=[uuid_of(dev % n)], requested_bytes=gib * GiB,
-                                   holder=Holder(pid=1)))
+                                   requester=Requester(pid=1)))
     for gib in waiters:  # older waiters in line
         t = registry.take_ticket(constraints=ticket_constraints(
             Constraints.parse(min_free=f"{gib}G" if gib else None), None))
@@ -192,14 +194,16 @@ def test_every_view_names_the_same_best_device(
                              max_util=max_util)
     try:
         try:
-            dry = pick(cons, backend=backend, environ=env, registry=registry, dry_run=True)
+            dry = pick(
+                PickOptions(cons), backend=backend, environ=env, store=registry, dry_run=True
+            )
             best = dry.chosen[0].uuid
         except NoDeviceFitsError:
             best = None
         # The move planner, asked for the best device for a CPU-only kernel of these options.
         try:
             planned: str | None = plan_move("best", current_uuids=(), constraints=cons,
-                                            backend=backend, environ=env, registry=registry
+                                            backend=backend, environ=env, store=registry
                                             ).target[0].uuid
         except NoDeviceFitsError:
             planned = None
@@ -213,11 +217,11 @@ def test_every_view_names_the_same_best_device(
 
             elsewhere = next((uuid_of(i) for i in range(n) if uuid_of(i) != best), None)
             alt = best_alternative(backend.snapshot(), [elsewhere] if elsewhere else [],
-                                   constraints=cons, registry=registry, environ=env)
+                                   constraints=cons, store=registry, environ=env)
             assert alt is not None and alt.uuid == best
         # A real pick takes it.
         if best is not None:
-            real = pick(cons, backend=backend, environ=env, registry=registry)
+            real = pick(PickOptions(cons), backend=backend, environ=env, store=registry)
             assert real.chosen[0].uuid == best
             assert real.lease is not None
             real.lease.release()
@@ -275,17 +279,20 @@ def test_model_filter_and_preference_order(tmp_path: Path) -> None:
     assert bad.stderr.startswith("autogpu: invalid --model 'A100,': expected model names")
 
     from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+    from autogpu_jupyter.core.options import PickOptions
     from autogpu_jupyter.core.picker import pick
     from autogpu_jupyter.core.policy import Constraints
     from autogpu_jupyter.magics import format_ranking
 
     backend = SimulatedBackend(str(tmp_path / "fleet.json"))
-    text = format_ranking(pick(Constraints(prefer=("L4",)), backend=backend, dry_run=True))
+    text = format_ranking(
+        pick(PickOptions(Constraints(prefer=("L4",))), backend=backend, dry_run=True)
+    )
     assert text.splitlines()[0] == "autogpu [SIMULATED] dry run (preferring L4): nothing changed"
     assert text.splitlines()[-1] == (
         "  why GPU 1 over GPU 0: preferred model (NVIDIA L4 before NVIDIA A100-SXM4-80GB)"
     )
-    text = format_ranking(pick(Constraints(), backend=backend, dry_run=True))
+    text = format_ranking(pick(PickOptions(Constraints()), backend=backend, dry_run=True))
     assert text.splitlines()[-1] == "  why GPU 0 over GPU 1: lower load (0% util vs 30% util)"
 
 

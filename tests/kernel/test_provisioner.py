@@ -21,7 +21,7 @@ from jupyter_client import AsyncKernelManager
 
 from autogpu_jupyter import kernelspec
 from autogpu_jupyter.core import moves
-from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.leasing import Registry
 from autogpu_jupyter.errors import NoDeviceFitsError, UsageErrorBase
 from tests.kernelhelpers import kernel_environ
 from tests.leasehelpers import fleet, uuid_of
@@ -343,7 +343,7 @@ def test_move_to_a_named_gpu_and_to_the_best_at_restart(setup: Setup) -> None:
             plan = moves.request_move(
                 path, "2", current_uuids=prov.autogpu_picked,
                 constraints=prov.autogpu_constraints, kernel_id=km.kernel_id,
-                registry=setup.registry(),
+                store=setup.registry(),
             )
             assert plan.message.startswith(
                 "The kernel will restart on GPU 2 (NVIDIA A100-SXM4-80GB, 60.0 GiB free), the "
@@ -358,7 +358,7 @@ def test_move_to_a_named_gpu_and_to_the_best_at_restart(setup: Setup) -> None:
             # --best: the best device other than the current one (GPU 0, idle).
             moves.request_move(
                 path, "best", current_uuids=km.provisioner.autogpu_picked,
-                constraints=km.provisioner.autogpu_constraints, registry=setup.registry(),
+                constraints=km.provisioner.autogpu_constraints, store=setup.registry(),
             )
             await km.restart_kernel(now=True)
             assert kernel_environ(kernel_pid(km))["CUDA_VISIBLE_DEVICES"] == uuid_of(0)

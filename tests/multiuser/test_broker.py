@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.brokerclient import BrokerRegistry
-from tests.brokerhelpers import Area, BrokerProc, raw_call
+from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL, BrokerRegistry
+from tests.brokerhelpers import Area, BrokerProc, raw_call, wire
 from tests.leasehelpers import AsUser, as_user, ensure_user, shared_area, uuid_of
 
 pytestmark = [
@@ -72,7 +72,7 @@ def _no_traceback(proc: Any) -> None:
 
 
 def _raw(path: str, *messages: Any) -> list[Any]:
-    lines = [m if isinstance(m, bytes) else json.dumps(m).encode() + b"\n" for m in messages]
+    lines = [m if isinstance(m, bytes) else wire(m) for m in messages]
     return raw_call(path, *lines)
 
 
@@ -85,7 +85,7 @@ def _raw_hold(path: str, *messages: Any) -> Any:
     replies = []
     f = s.makefile("rb")
     for m in messages:
-        s.sendall(json.dumps(m).encode() + b"\n")
+        s.sendall(wire(m))
         replies.append(json.loads(f.readline()))
     _HELD.append((s, f))
     return replies
@@ -238,7 +238,7 @@ def test_oversized_or_malformed_messages_close_only_that_connection(
         assert any("longer than 65536 bytes" in r.get("error", "") for r in big[:-1]), big
         junk = as_user(uid, gid, _raw, path, b"not json\n", {"op": "status"})
         assert junk == [{"ok": False, "error": "malformed message (not JSON): connection closed",
-                         "type": "RegistryError"}, "closed"]
+                         "type": "RegistryError", "proto": PROTOCOL}, "closed"]
         deep = as_user(uid, gid, _raw, path, b"[" * 60_000 + b"\n")
         assert deep[-1] == "closed" and "malformed" in deep[0]["error"]
         unknown = as_user(uid, gid, _raw, path, {"op": "become_root"})
@@ -282,11 +282,11 @@ def _flood(path: str, n: int) -> tuple[int, int, bool]:
         s.settimeout(10)
         s.connect(path)
         if i == 0:
-            s.sendall(b'{"op": "begin"}\n')
+            s.sendall(wire({"op": "begin"}))
             begun = b'"ok": true' in s.makefile("rb").readline()
         else:
             try:
-                s.sendall(b'{"op": "status"}\n')
+                s.sendall(wire({"op": "status"}))
                 data = s.makefile("rb").readline()
             except OSError:  # refused and closed before our message arrived
                 data = b"too many connections"
@@ -337,7 +337,7 @@ def test_root_revokes_a_lease_and_other_users_cannot(
 
 
 def _hold_and_listen(path: str) -> Any:
-    from autogpu_jupyter.core.brokerclient import BrokerRegistry
+    from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
 
     reg = BrokerRegistry(path)
     with reg.locked() as txn:
@@ -494,6 +494,13 @@ def test_forged_tickets_and_planted_registry_junk_change_nothing(
               "constraints": {"min_free_bytes": None, "min_free_fraction": None,
                               "max_util_pct": None, "count": 1, "exclude": [],
                               "exclusive": True, "allowed_uuids": [uuid_of(0)]}}
+    # GPU 0 is taken (for more than a moment), so B's tickets wait for it: a ticket taken while
+    # its device is free, or held by a lease of a moment ago, reserves nothing (a waiter waits
+    # for a job to end, not for another pick).
+    holder = AsUser(uid, gid, _raw_hold, str(area.socket),
+                    {"op": "lease", "devices": [uuid_of(0)], "exclusive": True}, hold=True)
+    assert holder.result()[0]["ok"]
+    time.sleep(2.5)  # past the broker's SETTLED_S (2 s): the holder's lease now makes B wait
     first = AsUser(uid, gid, _raw_hold, str(area.socket), forged, hold=True)
     one = first.result()[0]  # before the second arrives: their order is the line's order
     second = AsUser(uid, gid, _raw_hold, str(area.socket), forged, hold=True)
@@ -502,11 +509,16 @@ def test_forged_tickets_and_planted_registry_junk_change_nothing(
         assert one["ok"] and two["ok"], (one, two)
         assert [one["record"]["seq"], two["record"]["seq"]] == [1, 2]  # the broker's numbers
         assert one["record"]["lease_id"] != "0" * 32
-        # B's older waiter is served first (FIFO): GPU 0 is reserved for it (exclusively, as
-        # its ticket asks), so A's pick of GPU 0 is refused while B waits.
+        holder.stop()
+        # GPU 0 is free now; B's older waiter is served first (FIFO): GPU 0 is reserved for it
+        # (exclusively, as its ticket asks), so A's pick of GPU 0 is refused while B waits,
+        # naming B's ticket.
         res = area.cli(USER_A, "run", "--exclude", "1,2,3", "--", "true")
         assert res.returncode == 3, res.stderr
-        assert "GPU 0 (NVIDIA A100-SXM4-80GB): dropped: held exclusively" in res.stderr
+        assert (
+            f"GPU 0 (NVIDIA A100-SXM4-80GB): dropped: reserved for {USER_B}'s waiting ticket "
+            "(1 GPU, since "
+        ) in res.stderr
     finally:
         first.stop()
         second.stop()
@@ -523,7 +535,7 @@ def _flood_messages(path: str, n: int) -> float:
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(path)
         start = time.monotonic()
-        s.sendall(b'{"op": "status"}\n' * n)
+        s.sendall(wire({"op": "status"}) * n)
         f = s.makefile("rb")
         for _ in range(n):
             assert json.loads(f.readline())["ok"] is True
@@ -579,11 +591,20 @@ def test_the_admins_rules_file_per_user_and_per_group_limits_and_reserved_device
         assert f"max_devices_per_user = 1 set by the admin for group {b_group}" in second.stderr
         only_3 = area.cli(USER_B, "run", "--exclude", "0,1,2", "--", "true")
         assert only_3.returncode == 3, only_3.stderr
-        assert "GPU 3 (NVIDIA A100-SXM4-80GB): dropped: held exclusively" in only_3.stderr
+        assert (
+            f"GPU 3 (NVIDIA A100-SXM4-80GB): dropped: reserved for group(s) {a_group} by the admin"
+        ) in only_3.stderr
         uid, gid = users["b"]
         raw = as_user(uid, gid, _raw, str(area.socket),
                       {"op": "lease", "devices": [uuid_of(3)]})
         assert f"reserved for group(s) {a_group}" in raw[0]["error"], raw
+        # ... and no ticket of bob's may wait for it (issue 20: a ticket took reserved devices)
+        ticket = {"op": "ticket", "constraints": {**_TICKET, "allowed_uuids": [uuid_of(3)]}}
+        raw = as_user(uid, gid, _raw, str(area.socket), ticket)
+        assert (raw[0]["ok"], raw[0]["type"]) == (False, "NoDeviceFitsError"), raw
+        assert raw[0]["error"] == (
+            f"no device free: {uuid_of(3)} is reserved for group(s) {a_group} by the admin"
+        )
         # alice: three devices (her own limit wins over the default of 2), GPU 3 included.
         held += [area.run_held(USER_A, "run", "--exclusive", "--", "sleep", "60")
                  for _ in range(3)]
@@ -597,6 +618,53 @@ def test_the_admins_rules_file_per_user_and_per_group_limits_and_reserved_device
         for p in held:
             _kill_group(p)
         proc.stop()
+
+
+_TICKET = {"min_free_bytes": None, "min_free_fraction": None, "max_util_pct": None, "count": 1,
+           "exclude": [], "exclusive": True, "allowed_uuids": None}
+
+
+def test_one_users_tickets_cannot_block_every_gpu(
+    area: Area, broker: BrokerProc, users: dict[str, tuple[int, int]]
+) -> None:
+    """Issue 20, attack 1: one exclusive ticket for 4 GPUs on an open socket blocked every pick on
+    the host. Tickets are admitted like leases now: against bob's quota (2 devices), at most two
+    per user, and a device a waiting ticket takes names the ticket."""
+    uid, gid = users["b"]
+    everything = as_user(uid, gid, _raw, str(area.socket),
+                         {"op": "ticket", "constraints": {**_TICKET, "count": 4}})
+    assert (everything[0]["ok"], everything[0]["type"]) == (False, "LeaseLimitError"), everything
+    assert everything[0]["error"] == (
+        f"{USER_B} holds leases on 0 device(s) and waits in line for 0 more; waiting for 4 more "
+        "would exceed max_devices_per_user = 2 set by the admin (enforced by the broker). Release "
+        "one first (%gpu release, or end the kernel / autogpu run holding it)."
+    )
+    one = {"op": "ticket", "constraints": _TICKET}
+    waiters = [AsUser(uid, gid, _raw_hold, str(area.socket), one, hold=True) for _ in range(2)]
+    try:
+        assert [w.result()[0]["ok"] for w in waiters] == [True, True]
+        third = as_user(uid, gid, _raw, str(area.socket), one)
+        assert third[0]["type"] == "LeaseLimitError" and third[0]["error"].startswith(
+            f"{USER_B} already waits in line with 2 ticket(s); another would exceed "
+            "max_tickets_per_user = 2"
+        ), third
+        st = broker.wait_for(lambda s: len(s["tickets"]) == 2)
+        assert st["per_user"][USER_B]["tickets"] == 2
+        # alice still gets a GPU: the two waiters keep GPU 0 and GPU 1, not the host.
+        ok = area.cli(USER_A, "run", "--", "true")
+        assert ok.returncode == 0, ok.stderr
+        blocked = area.cli(USER_A, "run", "--exclude", "2,3", "--", "true")
+        assert blocked.returncode == 3, blocked.stderr
+        for i in (0, 1):
+            assert (
+                f"GPU {i} (NVIDIA A100-SXM4-80GB): dropped: reserved for {USER_B}'s waiting "
+                "ticket (1 GPU, since "
+            ) in blocked.stderr, blocked.stderr
+        assert "another lease" not in blocked.stderr
+    finally:
+        for w in waiters:
+            w.stop()
+    broker.wait_for(lambda s: s["tickets"] == [], timeout=10)
 
 
 def test_a_bad_rules_file_stops_the_broker_with_one_line(area: Area) -> None:
@@ -630,7 +698,7 @@ def _fuzz(path: str, seed: int, n: int) -> list[str]:
         for k in rnd.sample(keys, rnd.randint(0, 5)):
             msg[k] = rnd.choice(values)
         try:
-            line = json.dumps(msg).encode() + b"\n"
+            line = wire(msg)
         except UnicodeEncodeError:
             line = b'{"op": "status", "x": "\\ud800"}\n'
         out.append(_one_reply(path, line))

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.leasing import Registry
 from tests.kernelhelpers import kernel_environ
 from tests.leasehelpers import (
     cli_as,
@@ -131,7 +131,7 @@ def test_jupyterhub_spawns_two_users_whose_kernels_share_the_registry(
     def live() -> list[Any]:
         if broker is None:
             return Registry(str(registry)).list_leases()
-        from autogpu_jupyter.core.brokerclient import BrokerRegistry
+        from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
 
         return BrokerRegistry(str(broker.socket)).list_leases()
 

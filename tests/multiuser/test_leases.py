@@ -22,8 +22,10 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-from autogpu_jupyter.core.leases import MAX_RECORD_BYTES, Registry
-from autogpu_jupyter.core.picker import Holder, pick
+from autogpu_jupyter.core.leasing import Registry, Requester
+from autogpu_jupyter.core.leasing.records import MAX_RECORD_BYTES
+from autogpu_jupyter.core.options import PickOptions
+from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from tests.leasehelpers import AsUser, as_user, ensure_user, fleet, uuid_of
 
@@ -64,8 +66,12 @@ def area() -> Iterator[Path]:
 
 def _pick(area: Path, exclusive: bool = False) -> Any:
     backend = SimulatedBackend(str(area / "fleet.json"))
-    result = pick(Constraints(exclusive=exclusive), backend=backend,
-                  registry=Registry(area / "registry"), holder=Holder(command="python secret.py"))
+    result = pick(
+        PickOptions(Constraints(exclusive=exclusive)),
+        backend=backend,
+        store=Registry(area / "registry"),
+        requester=Requester(command="python secret.py"),
+    )
     return result
 
 

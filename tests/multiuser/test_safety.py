@@ -27,8 +27,10 @@ import pytest
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.decision import ticket_constraints
-from autogpu_jupyter.core.leases import MAX_SEQ, Registry
-from autogpu_jupyter.core.picker import Holder, pick
+from autogpu_jupyter.core.leasing import Registry, Requester
+from autogpu_jupyter.core.leasing.records import MAX_SEQ
+from autogpu_jupyter.core.options import PickOptions
+from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from tests.leasehelpers import AsUser, as_user, cli_as, ensure_user, fleet, shared_area, uuid_of
 
@@ -167,7 +169,9 @@ def planted_lease(
 def _pick_and_die(reg: str, fleet_path: str) -> str:
     """Take an exclusive lease, then die by SIGKILL (no cleanup): a crashed kernel."""
     result = pick(
-        Constraints(exclusive=True), backend=SimulatedBackend(fleet_path), registry=Registry(reg)
+        PickOptions(Constraints(exclusive=True)),
+        backend=SimulatedBackend(fleet_path),
+        store=Registry(reg),
     )
     assert result.lease is not None
     os.kill(os.getpid(), signal.SIGKILL)
@@ -423,7 +427,9 @@ def test_a_live_lease_of_its_owner_survives_prune(area: Area, users: Any) -> Non
 
 
 def _pick_lease(reg: str, fleet_path: str) -> Any:
-    return pick(Constraints(), backend=SimulatedBackend(fleet_path), registry=Registry(reg))
+    return pick(
+        PickOptions(Constraints()), backend=SimulatedBackend(fleet_path), store=Registry(reg)
+    )
 
 
 def test_other_users_command_lines_do_not_leak(area: Area, users: Any) -> None:
@@ -469,10 +475,10 @@ def test_other_users_command_lines_do_not_leak(area: Area, users: Any) -> None:
 
 def _pick_with_command(reg: str, fleet_path: str, record: bool) -> Any:
     return pick(
-        Constraints(),
+        PickOptions(Constraints()),
         backend=SimulatedBackend(fleet_path),
-        registry=Registry(reg, record_commands=record),
-        holder=Holder(command="python secret.py", notebook_path="n.ipynb"),
+        store=Registry(reg, record_commands=record),
+        requester=Requester(command="python secret.py", notebook_path="n.ipynb"),
     )
 
 

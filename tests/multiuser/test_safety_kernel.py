@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.leasing import Registry
 from tests.kernelhelpers import Kernel, kernel_env
 from tests.leasehelpers import fleet
 from tests.multiuser.test_safety import planted_lease
@@ -101,13 +101,14 @@ def test_a_tab_in_the_notebook_name_still_gives_a_readable_exclusive_lease(
         mine = leases[0].device_uuids
         # Another exclusive pick (a second kernel) must go elsewhere or be refused.
         from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+        from autogpu_jupyter.core.options import PickOptions
         from autogpu_jupyter.core.picker import pick
         from autogpu_jupyter.core.policy import Constraints
 
         other = pick(
-            Constraints(exclusive=True),
+            PickOptions(Constraints(exclusive=True)),
             backend=SimulatedBackend(str(host["fleet"])),
-            registry=Registry(host["registry"]),
+            store=Registry(host["registry"]),
         )
         assert other.lease is not None
         assert other.lease.record.device_uuids != mine

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.brokerclient import BrokerRegistry
-from autogpu_jupyter.core.registry import Registry
+from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
+from autogpu_jupyter.core.leasing.directory import Registry
 from tests.brokerhelpers import BrokerProc
 from tests.kernelhelpers import kernel_environ
 from tests.leasehelpers import cli_as, ensure_user, fleet, shared_area, uuid_of

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.leasing import Registry
 from tests.brokerhelpers import BrokerProc
 from tests.fakeamdsmi import FakeAmdSmi, amd_rocr_uuid, amd_uuid, fleet_amd_8x
 from tests.fakehip import INIT_SNIPPET, LOAD_SNIPPET, STATE_SNIPPET, build_fake_hip

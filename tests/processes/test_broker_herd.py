@@ -27,7 +27,8 @@ def fleet_source(tmp_path: Path) -> FleetEnv:
 def broker(tmp_path: Path) -> Iterator[BrokerProc]:
     root = tmp_path / "broker"
     (root / "run").mkdir(parents=True)
-    proc = BrokerProc(root)
+    # Four waiters of one user in one test: more places in line than the default two.
+    proc = BrokerProc(root, env={"AUTOGPU_MAX_TICKETS_PER_USER": "4"})
     try:
         yield proc
     finally:
@@ -134,7 +135,7 @@ def test_socket_activation_the_broker_serves_the_inherited_socket(
     import subprocess
     import sys
 
-    from autogpu_jupyter.core.brokerclient import BrokerRegistry
+    from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
     from tests.brokerhelpers import REPO
 
     fleet_source.write(fleet(2))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.leasing import Registry
 from tests.fakenvml import FakeNvml
 from tests.leasehelpers import (
     FleetEnv,
@@ -172,8 +172,9 @@ def test_fifo_three_waiters_get_the_freed_gpu_in_arrival_order(
     assert holder.result()["event"] == "picked"
     waiters = []
     for i, poll in enumerate(["1.0", "0.3", "0.05"]):
-        w = Picker([*base, "--wait", "120", "--poll", poll, "--kernel-id", f"k{i}"],
-                   fleet_source.env)
+        # Three waiters of one user: the line holds them when the admin allows it.
+        w = Picker([*base, "--wait", "120", "--poll", poll, "--kernel-id", f"k{i}",
+                    "--max-tickets", "3"], fleet_source.env)
         w.expect("ready")
         w.expect("waiting")  # its ticket exists before the next one starts
         waiters.append(w)

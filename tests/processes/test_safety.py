@@ -27,8 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-from autogpu_jupyter.core.leases import Registry
-from autogpu_jupyter.core.picker import Holder, pick
+from autogpu_jupyter.core.leasing import Registry, Requester
+from autogpu_jupyter.core.options import PickOptions
+from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.errors import RegistryError, RegistryUntrustedError
 from tests.leasehelpers import fleet, uuid_of
@@ -73,13 +74,13 @@ def _pick_on_a_full_disk(reg: str, fleet_path: str, exclusive: bool) -> dict[str
     registry = Registry(reg)
     registry.check()
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
-    holder = Holder(notebook_path="n" * 4000 + ".ipynb")  # a record of about 4.3 KB
+    holder = Requester(notebook_path="n" * 4000 + ".ipynb")  # a record of about 4.3 KB
     try:
         result = pick(
-            Constraints(exclusive=exclusive),
+            PickOptions(Constraints(exclusive=exclusive)),
             backend=SimulatedBackend(fleet_path),
-            registry=registry,
-            holder=holder,
+            store=registry,
+            requester=holder,
         )
     except RegistryUntrustedError as err:
         return {"error": str(err)}
@@ -116,13 +117,13 @@ def test_a_stuck_registry_lock_leaks_no_thread_and_no_fd(
     blocker = os.open(reg, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(blocker, fcntl.LOCK_EX)
     try:
-        pick(Constraints(), backend=backend, registry=registry)  # warm imports and caches
+        pick(PickOptions(Constraints()), backend=backend, store=registry)  # warm imports and caches
         threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
         for _ in range(20):
-            result = pick(Constraints(), backend=backend, registry=registry)
+            result = pick(PickOptions(Constraints()), backend=backend, store=registry)
             assert result.lease is None and "stayed locked" in (result.lease_note or "")
             with pytest.raises(RegistryUntrustedError):
-                pick(Constraints(exclusive=True), backend=backend, registry=registry)
+                pick(PickOptions(Constraints(exclusive=True)), backend=backend, store=registry)
         assert threading.active_count() == threads
         assert len(os.listdir("/proc/self/fd")) == fds
     finally:
@@ -181,7 +182,7 @@ def test_leases_into_a_closed_pipe_ends_quietly(cli_env: dict[str, str], tmp_pat
             held.append(
                 txn.create(
                     devices=[uuid_of(i % 2)],
-                    holder=Holder(notebook_path=f"project/{'deep/' * 20}notebook-{i}.ipynb"),
+                    requester=Requester(notebook_path=f"project/{'deep/' * 20}notebook-{i}.ipynb"),
                 )
             )
     try:
@@ -272,11 +273,11 @@ def test_registry_reader_and_writer_agree_whatever_the_registry_holds(
         if not os.path.lexists(path):
             with open(path, "wb") as f:
                 f.write(data)
-    holder = Holder(notebook_path=notebook, kernel_id=kernel, kind="kernel")
+    holder = Requester(notebook_path=notebook, kernel_id=kernel, kind="kernel")
     try:
         with registry.locked() as txn:
             assert txn is not None
-            lease = txn.create(devices=[uuid_of(0)], requested_bytes=1024, holder=holder)
+            lease = txn.create(devices=[uuid_of(0)], requested_bytes=1024, requester=holder)
     except RegistryError as err:  # refused at the writer: never reported held
         assert "readers would reject it" in str(err) or "too large" in str(err)
         lease = None

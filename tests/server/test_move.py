@@ -22,7 +22,7 @@ from jupyter_client import AsyncKernelManager
 from autogpu_jupyter import kernelspec
 from autogpu_jupyter.core import moves
 from autogpu_jupyter.core import sampler as sampler_mod
-from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.leasing import Registry
 from tests.kernelhelpers import kernel_environ
 from tests.leasehelpers import fleet, uuid_of
 

@@ -11,8 +11,8 @@ import pytest
 
 import autogpu_jupyter as ag
 from autogpu_jupyter.core import session
-from autogpu_jupyter.core.leases import Registry
-from autogpu_jupyter.errors import NoDeviceFitsError, UsageErrorBase
+from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.errors import DeviceBoundError, NoDeviceFitsError, UsageErrorBase
 from tests.fakenvml import FakeNvml, fleet_4x, fleet_mig
 
 GiB = 1024**3
@@ -56,6 +56,21 @@ def test_failed_pick_keeps_previous_choice_and_env(host: Path) -> None:
     assert str(info.value).splitlines()[0] == "no device fits (min free 200.0 GiB):"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == U[2]
     assert len(Registry(str(host)).list_leases()) == 1
+
+
+def test_a_provisioned_kernel_whose_device_is_gone_is_told_so(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AUTOGPU_PICKED", f"GPU-gone,{U[0]}")
+    with pytest.raises(DeviceBoundError) as info:
+        ag.pick(min_free="1G")
+    assert str(info.value) == (
+        "this kernel was started on GPU-gone, GPU 0 by the autogpu kernelspec and can use only "
+        "that (its CUDA_VISIBLE_DEVICES was set before it started), and GPU-gone, GPU 0 does not "
+        "meet min free 1.0 GiB (GPU-gone: not among this host's devices now); no other device "
+        "fits either right now (%gpu pick --dry-run shows why). No second lease was taken."
+    )
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
 
 
 def test_dry_run_changes_nothing(host: Path) -> None:

@@ -28,7 +28,6 @@ from autogpu_jupyter.core.devices import (
     DeviceSnapshot,
     FleetSnapshot,
     ProcessSnapshot,
-    read_devices,
 )
 from autogpu_jupyter.errors import UsageErrorBase
 
@@ -566,17 +565,6 @@ def test_get_backend_reports_a_bad_fleet_and_caches_nothing(
         get_backend(missing)
     fleet_file(tmp_path, {"devices": [{"uuid": "GPU-late"}]}, name="missing.json")
     assert [d.uuid for d in get_backend(missing).snapshot().devices] == ["GPU-late"]
-
-
-def test_read_devices_uses_the_configured_backend(
-    fresh_backends: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    path = fleet_file(tmp_path, {"driver_version": "1.2", "devices": [{"uuid": "GPU-env"}]})
-    monkeypatch.setenv(SIMULATE_ENV, str(path))
-    snap = read_devices()
-    assert (snap.driver_version, [d.uuid for d in snap.devices]) == ("1.2", ["GPU-env"])
-    other = SimulatedBackend("demo-4x", clock=lambda: 0.0)
-    assert read_devices(other) == other.snapshot()
 
 
 # ---- snapshots as data ------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from autogpu_jupyter.core import cluster
 from autogpu_jupyter.core.cluster import (
     ClusterError,
     ClusterView,
@@ -1183,3 +1184,83 @@ def test_history_lengths_refused_with_the_accepted_range(value: object) -> None:
     assert str(err.value) == (
         f"invalid history length {value!r}: expected seconds, more than 0 and at most 2592000 "
         "(30 days), e.g. 86400 for a day")
+
+
+# ---- what a hostile or broken target sends ----------------------------------------------------
+
+
+def test_samples_that_are_not_finite_numbers_are_skipped_and_said_per_host(
+    prom: Replay,
+) -> None:
+    """One exporter sends ``+Inf``, ``NaN``, ``1e400`` and a ``value`` that is no pair: its
+    host is still shown (the bad samples left out, and counted in its note); the others are
+    untouched; the answer is JSON a browser can read (no NaN)."""
+    uuid = "GPU-aaaa0000-0000-0000-0000-000000000000"
+
+    def edit(results: dict[str, list[dict[str, Any]]]) -> None:
+        for s in results[AUTOGPU_Q]:
+            if s["metric"].get("uuid") != uuid:
+                continue
+            name = s["metric"]["__name__"]
+            if name == "autogpu_gpu_memory_total_bytes":
+                s["value"][1] = "+Inf"
+            elif name == "autogpu_gpu_utilization_ratio":
+                s["value"][1] = "NaN"
+            elif name == "autogpu_gpu_memory_used_bytes":
+                s["value"][1] = "1e400"
+            elif name == "autogpu_gpu_temperature_celsius":
+                s["value"] = "oops"
+
+    client, now = scenario(prom, "all-up", edit)
+    view = fetch_cluster(client, now_s=now)
+    gpu_a = view.host("gpu-a")
+    assert gpu_a is not None and gpu_a.state == "ok"
+    assert gpu_a.note == "4 sample(s) skipped (not finite numbers)"
+    dev = gpu_a.devices[0].snapshot
+    assert (dev.memory_total_bytes, dev.utilization_pct, dev.memory_used_bytes,
+            dev.temperature_c) == (None, None, None, None)
+    assert view.errors == (
+        "gpu-a: 4 sample(s) skipped, not finite numbers (e.g. autogpu_gpu_memory_total_bytes "
+        "= +Inf)",)
+    assert [h.note for h in view.hosts if h.hostname != "gpu-a"] == [None, None, None]
+    json.dumps(view.to_dict(), allow_nan=False)
+    rank_hosts(view, Constraints.parse())  # ranks without an error
+
+
+def test_an_answer_past_the_byte_or_series_cap_is_refused_in_one_line(
+    prom: Replay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, now = scenario(prom, "all-up")
+    monkeypatch.setattr(cluster, "MAX_BODY_BYTES", 1000)
+    with pytest.raises(ClusterError) as err:
+        fetch_cluster(client, now_s=now)
+    assert str(err.value) == (
+        f"Prometheus at {prom.url} answered /api/v1/query ({AUTOGPU_Q}) with more than 0 MiB: "
+        "the cluster view reads no more; scrape fewer targets into this Prometheus, or point "
+        "c.AutoGPU.prometheus_url at one that holds only the GPU hosts"
+    )
+    monkeypatch.setattr(cluster, "MAX_BODY_BYTES", 16 * 1024 * 1024)
+    monkeypatch.setattr(cluster, "MAX_SERIES", 3)
+    with pytest.raises(ClusterError) as err:
+        fetch_cluster(client, now_s=now)
+    n = len(load("all-up")["exchanges"][0]["body"]["data"]["result"])
+    assert str(err.value).startswith(
+        f"Prometheus at {prom.url} answered {n} series to {AUTOGPU_Q!r}, more than the 3 the "
+        "cluster view reads")
+
+
+@pytest.mark.parametrize(
+    ("given", "seconds"),
+    [("9" * 40 + "h", 3600.0), ("100000d", 3600.0), ("1ms", 0.01), ("0s", 60.0),
+     ("1.2.3s", 60.0), ("15s", 15.0)],
+)
+def test_a_targets_scrape_interval_is_clamped(prom: Replay, given: str, seconds: float) -> None:
+    prom.answer("/api/v1/targets", None, {"status": "success", "data": {"activeTargets": [
+        {"labels": {"instance": "h:1"}, "scrapeInterval": given}]}})
+    assert PrometheusClient(prom.url).scrape_intervals() == {"h:1": seconds}
+
+
+def test_malformed_answers_of_the_targets_api_are_no_targets(prom: Replay) -> None:
+    for data in ([1, 2], {"activeTargets": "x"}, {"activeTargets": [7, {"labels": "x"}]}):
+        prom.answer("/api/v1/targets", None, {"status": "success", "data": data})
+        assert PrometheusClient(prom.url).scrape_intervals() in ({}, {"": 60.0})

@@ -12,7 +12,7 @@ from autogpu_jupyter.core import options
 from autogpu_jupyter.core.contract import KernelContract, ProvisionerState
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
 from autogpu_jupyter.core.holders import Holder, holders_by_device, holders_text
-from autogpu_jupyter.core.records import LeaseRecord
+from autogpu_jupyter.core.leasing.records import LeaseRecord
 from autogpu_jupyter.core.text import redact_command, terminal_safe
 from autogpu_jupyter.errors import UsageErrorBase
 
@@ -213,15 +213,20 @@ def test_kernel_contract_reads_the_provisioners_variables() -> None:
     env = {
         "AUTOGPU_PROVISIONED": "1", "AUTOGPU_PICKED": "GPU-1,GPU-2,", "AUTOGPU_LEASE_ID": "abc",
         "AUTOGPU_PICK_NOTE": "  started on GPU 1  ", "AUTOGPU_PICK_OPTIONS": json.dumps(
-            {"min_free": "10G"}), "AUTOGPU_GRANT_CVD": "0,1", "AUTOGPU_MOVE_FILE": "/run/x.json",
+            {"min_free": "10G"}), "AUTOGPU_GRANT_CVD": "0,1", "AUTOGPU_MOVE_FILE": " /run/x.json",
+        "AUTOGPU_LEASE_FD": " 7 ",
     }
     c = KernelContract.read(env)
     assert (c.provisioned, c.picked, c.lease_id, c.note) == (
         True, ("GPU-1", "GPU-2"), "abc", "started on GPU 1")
-    assert (c.options, c.grant_cvd, c.move_file) == ({"min_free": "10G"}, "0,1", "/run/x.json")
-    empty = KernelContract.read({"AUTOGPU_PICK_OPTIONS": "not json"})
-    assert (empty.provisioned, empty.picked, empty.lease_id, empty.note, empty.options) == (
-        False, (), None, None, {})
+    assert (c.options, c.grant_cvd, c.move_file, c.lease_fd) == (
+        {"min_free": "10G"}, "0,1", "/run/x.json", 7)
+    assert KernelContract.read({"AUTOGPU_PICKED": " GPU-1 , ,GPU-2"}).picked == ("GPU-1", "GPU-2")
+    empty = KernelContract.read({"AUTOGPU_PICK_OPTIONS": "not json", "AUTOGPU_MOVE_FILE": "  "})
+    assert (empty.provisioned, empty.picked, empty.lease_id, empty.note, empty.options,
+            empty.move_file, empty.lease_fd) == (False, (), None, None, {}, None, None)
+    for bad in ("", "x", "-1", "\u0663", "1.5"):
+        assert KernelContract.read({"AUTOGPU_LEASE_FD": bad}).lease_fd is None
     assert KernelContract.read({"AUTOGPU_PICK_OPTIONS": "[1]"}).options == {}
 
 

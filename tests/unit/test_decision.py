@@ -20,12 +20,14 @@ from autogpu_jupyter.core.decision import (
     describe_load,
     gather,
     reserve_for_waiters,
+    served_waiters,
     ticket_constraints,
 )
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
+from autogpu_jupyter.core.leasing.admission import ticket_text
+from autogpu_jupyter.core.leasing.directory import Registry
+from autogpu_jupyter.core.leasing.records import LeaseRecord
 from autogpu_jupyter.core.policy import Booking, Candidate, Constraints, rank
-from autogpu_jupyter.core.records import LeaseRecord
-from autogpu_jupyter.core.registry import Registry
 from autogpu_jupyter.core.units import Size
 
 GiB = 1024**3
@@ -97,7 +99,10 @@ def test_live_leases_book_their_request_on_each_of_their_devices() -> None:
         lease(("GPU-0",), (7 * GiB,), pid=54, user="waiter", kind="ticket"),
     ]
     assert bookings_for([dev(0), dev(1), dev(2)], leases) == {
-        "GPU-0": Booking("GPU-0", 3, 3 * GiB, True, ("ann: a.ipynb", "bo: pid 51", "cy: pid 52")),
+        "GPU-0": Booking(
+            "GPU-0", 3, 3 * GiB, True, ("ann: a.ipynb", "bo: pid 51", "cy: pid 52"),
+            exclusive_by=("held exclusively by another lease",),
+        ),
         "GPU-1": Booking("GPU-1", 1, 3 * GiB, False, ("ann: a.ipynb",)),
         "GPU-2": Booking("GPU-2", 0, 0, False, ()),
     }
@@ -224,7 +229,9 @@ def test_an_older_waiter_gets_the_best_device_reserved() -> None:
     devices = [dev(0, util=50.0), dev(1, util=0.0)]
     t = ticket_rec(1, ticket_constraints(Constraints(min_free=Size(bytes=3 * GiB)), None))
     out = reserve_for_waiters(devices, empty(devices), [t])
-    assert out["GPU-1"] == Booking("GPU-1", 1, 3 * GiB, False, ("wa: waiting (ticket 1)",))
+    assert out["GPU-1"] == Booking(
+        "GPU-1", 1, 3 * GiB, False, ("wa: waiting (ticket 1)",), waiting=(ticket_text(t),)
+    )
     assert out["GPU-0"] == Booking("GPU-0", 0, 0, False, ())
 
 
@@ -233,8 +240,38 @@ def test_waiters_are_served_in_turn_and_exclusive_is_booked() -> None:
     t1 = ticket_rec(1, ticket_constraints(Constraints(exclusive=True), None), user="a")
     t2 = ticket_rec(2, ticket_constraints(Constraints(min_free=Size(fraction=0.5)), None), user="b")
     out = reserve_for_waiters(devices, empty(devices), [t1, t2])
-    assert out["GPU-1"] == Booking("GPU-1", 1, 0, True, ("a: waiting (ticket 1)",))
-    assert out["GPU-0"] == Booking("GPU-0", 1, 5 * GiB, False, ("b: waiting (ticket 2)",))
+    assert out["GPU-1"] == Booking(
+        "GPU-1", 1, 0, True, ("a: waiting (ticket 1)",),
+        exclusive_by=(f"reserved for {ticket_text(t1)}",), waiting=(ticket_text(t1),),
+    )
+    assert out["GPU-0"] == Booking(
+        "GPU-0", 1, 5 * GiB, False, ("b: waiting (ticket 2)",), waiting=(ticket_text(t2),)
+    )
+
+
+def test_an_admins_reservation_is_worded_as_one_in_the_bookings() -> None:
+    from autogpu_jupyter.core.leasing.admission import reservation
+
+    leases = [reservation("GPU-0", ["ml"], "h"), lease(("GPU-0",), (None,), exclusive=True),
+              lease(("GPU-0",), (None,), pid=2, exclusive=True)]
+    assert bookings_for([dev(0)], leases)["GPU-0"].exclusive_by == (
+        "reserved for group(s) ml by the admin", "held exclusively by another lease"
+    )
+
+
+def test_served_waiters_names_each_ticket_the_line_would_serve_now() -> None:
+    """The same FIFO rule: the first waiter takes GPU 1 exclusively, the second the other one,
+    the third (two GPUs) finds none left; bookings of live leases count."""
+    devices = [dev(0, util=10.0), dev(1, util=0.0)]
+    t1 = ticket_rec(1, ticket_constraints(Constraints(exclusive=True), None))
+    t2 = ticket_rec(2, ticket_constraints(Constraints(), None))
+    t3 = ticket_rec(3, ticket_constraints(Constraints(count=2), None))
+    assert served_waiters(devices, empty(devices), [t1, t2, t3]) == {
+        t1.lease_id: ("GPU-1",), t2.lease_id: ("GPU-0",)}
+    full = {u: dataclasses.replace(b, exclusive=True, lease_count=1)
+            for u, b in empty(devices).items()}
+    assert served_waiters(devices, full, [t1, t2, t3]) == {}
+    assert served_waiters(devices, empty(devices), []) == {}
 
 
 def test_a_waiter_limited_to_allowed_devices_or_their_mig_parent() -> None:
@@ -292,7 +329,7 @@ def test_the_input_bookings_are_not_changed() -> None:
 
 
 def test_only_waiters_older_than_our_ticket_are_served_first(tmp_path: Path) -> None:
-    registry = Registry(tmp_path / "registry")
+    registry = Registry(tmp_path / "registry", max_tickets_per_user=3)
     first = registry.take_ticket(constraints=ticket_constraints(None, None))
     mine = registry.take_ticket(constraints=ticket_constraints(None, None))
     later = registry.take_ticket(constraints=ticket_constraints(None, None))
@@ -313,7 +350,7 @@ def test_only_waiters_older_than_our_ticket_are_served_first(tmp_path: Path) -> 
         everyone = reserve_for_waiters(devices, empty(devices), tickets)
         assert sum(b.lease_count for b in everyone.values()) == 3
         ctx = gather(
-            FleetSnapshot(tuple(devices), 0.0, "test"), environ={}, registry=registry, ticket=mine
+            FleetSnapshot(tuple(devices), 0.0, "test"), environ={}, store=registry, ticket=mine
         )
         assert ctx.bookings == out
         older = reserve_for_waiters(devices, empty(devices), tickets, ticket=first)
@@ -372,7 +409,7 @@ def test_gather_reads_live_leases_from_the_registry(tmp_path: Path) -> None:
     t = registry.take_ticket(constraints=ticket_constraints(Constraints(exclusive=True), None))
     assert t is not None
     try:
-        ctx = gather(snap(dev(0, util=20.0), dev(1)), environ={}, registry=registry)
+        ctx = gather(snap(dev(0, util=20.0), dev(1)), environ={}, store=registry)
         assert ctx.bookings["GPU-1"].exclusive is True
         assert ctx.bookings["GPU-0"] == Booking("GPU-0")
         d = decide(ctx, Constraints())
@@ -493,7 +530,11 @@ def test_a_waiter_for_two_devices_books_both_even_if_one_has_no_entry() -> None:
     devices = [dev(0, util=0.0), dev(1, util=50.0)]
     t = ticket_rec(1, ticket_constraints(Constraints(count=2, min_free=Size(bytes=GiB)), None))
     out = reserve_for_waiters(devices, {"GPU-1": Booking("GPU-1")}, [t])
-    assert out == {"GPU-1": Booking("GPU-1", 1, GiB, False, ("wa: waiting (ticket 1)",))}
+    assert out == {
+        "GPU-1": Booking(
+            "GPU-1", 1, GiB, False, ("wa: waiting (ticket 1)",), waiting=(ticket_text(t),)
+        )
+    }
 
 
 def test_a_waiter_is_given_the_device_the_smoothed_utilisation_favours() -> None:
@@ -510,11 +551,11 @@ def test_gather_passes_the_smoothed_utilisation_to_the_waiting_line(tmp_path: Pa
     assert t is not None
     try:
         ctx = gather(
-            snap(dev(0), dev(1)), environ={}, registry=registry, smoothed_util={"GPU-0": 90.0}
+            snap(dev(0), dev(1)), environ={}, store=registry, smoothed_util={"GPU-0": 90.0}
         )
         assert [u for u, b in ctx.bookings.items() if b.lease_count] == ["GPU-1"]
         with registry.locked() as txn:
-            locked = gather(snap(dev(0), dev(1)), environ={}, registry=registry, txn=txn)
+            locked = gather(snap(dev(0), dev(1)), environ={}, store=registry, txn=txn)
         assert [u for u, b in locked.bookings.items() if b.lease_count] == ["GPU-0"]
     finally:
         t.release()
@@ -531,8 +572,8 @@ def test_a_locked_gather_reads_the_directory_its_transaction_locked(tmp_path: Pa
         with registry.locked() as txn:
             (tmp_path / "registry").rename(tmp_path / "moved")
             try:
-                locked = gather(snap(dev(0), dev(1)), environ={}, registry=registry, txn=txn)
-                unlocked = gather(snap(dev(0), dev(1)), environ={}, registry=registry)
+                locked = gather(snap(dev(0), dev(1)), environ={}, store=registry, txn=txn)
+                unlocked = gather(snap(dev(0), dev(1)), environ={}, store=registry)
             finally:
                 (tmp_path / "moved").rename(tmp_path / "registry")
         assert [u for u, b in locked.bookings.items() if b.lease_count] == ["GPU-0"]

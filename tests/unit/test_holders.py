@@ -11,7 +11,7 @@ import pytest
 from autogpu_jupyter.core.contract import KernelContract
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
 from autogpu_jupyter.core.holders import Holder, holders_by_device, holders_text
-from autogpu_jupyter.core.records import LeaseRecord
+from autogpu_jupyter.core.leasing.records import LeaseRecord
 
 GiB = 1024**3
 

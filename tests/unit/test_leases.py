@@ -19,8 +19,10 @@ import pytest
 
 from autogpu_jupyter.core import decision
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-from autogpu_jupyter.core.leases import Registry, bookings_for
-from autogpu_jupyter.core.picker import Holder, pick
+from autogpu_jupyter.core.decision import bookings_for
+from autogpu_jupyter.core.leasing import Registry, Requester
+from autogpu_jupyter.core.options import PickOptions
+from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.errors import LeaseLimitError, NoDeviceFitsError, RegistryError
 from tests.leasehelpers import GiB, fleet, uuid_of
@@ -42,10 +44,10 @@ def test_pick_creates_registry_1777_user_dir_0755_and_a_held_lease_0644(
 ) -> None:
     reg_dir = tmp_path / "registry"
     registry = Registry(reg_dir, record_commands=True)  # the admin opted in (off by default)
-    holder = Holder(kernel_id="5f1c2d3e-aaaa", notebook_path="work/train.ipynb",
+    holder = Requester(kernel_id="5f1c2d3e-aaaa", notebook_path="work/train.ipynb",
                     command="python -m x", kind="kernel")
-    result = pick(Constraints.parse(min_free="10G"), backend=backend, registry=registry,
-                  holder=holder)
+    result = pick(PickOptions(Constraints.parse(min_free="10G")), backend=backend, store=registry,
+                  requester=holder)
     lease = result.lease
     assert lease is not None and result.lease_note is None
     uid = os.geteuid()
@@ -83,15 +85,15 @@ def test_bookings_hold_requested_memory_until_nvml_shows_the_holder(tmp_path: Pa
     path.write_text(json.dumps(spec))
     backend = SimulatedBackend(str(path))
     registry = Registry(tmp_path / "registry")
-    first = pick(Constraints.parse(min_free="30G"), backend=backend, registry=registry)
-    second = pick(Constraints.parse(min_free="30G", exclusive=False), backend=backend,
-                  registry=registry)
-    third = pick(Constraints.parse(min_free="30G"), backend=backend, registry=registry)
+    first = pick(PickOptions(Constraints.parse(min_free="30G")), backend=backend, store=registry)
+    second = pick(PickOptions(Constraints.parse(min_free="30G", exclusive=False)), backend=backend,
+                  store=registry)
+    third = pick(PickOptions(Constraints.parse(min_free="30G")), backend=backend, store=registry)
     # 80 GiB each: 30 G booked on GPU 0 makes GPU 1 better, then GPU 0 again (50 >= 50, uuid).
     chosen = [r.chosen[0].uuid for r in (first, second, third)]
     assert chosen == [uuid_of(0), uuid_of(1), uuid_of(0)]
     snap = backend.snapshot()
-    b = decision.gather(snap, registry=registry).bookings
+    b = decision.gather(snap, store=registry).bookings
     assert (b[uuid_of(0)].lease_count, b[uuid_of(0)].booked_bytes) == (2, 60 * GiB)
     assert (b[uuid_of(1)].lease_count, b[uuid_of(1)].booked_bytes) == (1, 30 * GiB)
 
@@ -111,11 +113,14 @@ def test_bookings_hold_requested_memory_until_nvml_shows_the_holder(tmp_path: Pa
 
 def test_exclusive_lease_keeps_everyone_off(tmp_path: Path, backend: SimulatedBackend) -> None:
     registry = Registry(tmp_path / "registry")
-    exclusive = pick(Constraints(exclusive=True, exclude=("1", "2", "3")), backend=backend,
-                     registry=registry)
+    exclusive = pick(
+        PickOptions(Constraints(exclusive=True, exclude=("1", "2", "3"))),
+        backend=backend,
+        store=registry,
+    )
     assert exclusive.chosen[0].uuid == uuid_of(0)
     with pytest.raises(NoDeviceFitsError) as err:
-        pick(Constraints(exclude=("1", "2", "3")), backend=backend, registry=registry)
+        pick(PickOptions(Constraints(exclude=("1", "2", "3"))), backend=backend, store=registry)
     assert str(err.value).splitlines()[1] == (
         "  GPU 0 (NVIDIA A100-SXM4-80GB): dropped: held exclusively by another lease"
     )
@@ -135,10 +140,10 @@ def test_max_devices_per_user_refuses_past_the_limit(
     tmp_path: Path, backend: SimulatedBackend
 ) -> None:
     registry = Registry(tmp_path / "registry", max_devices_per_user=2)
-    a = pick(Constraints(), backend=backend, registry=registry)
-    b = pick(Constraints(), backend=backend, registry=registry)
+    a = pick(PickOptions(Constraints()), backend=backend, store=registry)
+    b = pick(PickOptions(Constraints()), backend=backend, store=registry)
     with pytest.raises(LeaseLimitError) as err:
-        pick(Constraints(), backend=backend, registry=registry)
+        pick(PickOptions(Constraints()), backend=backend, store=registry)
     held = sorted(d.uuid for r in (a, b) for d in r.chosen)
     assert str(err.value) == (
         f"{registry.user} already holds leases on 2 device(s) ({', '.join(held)}); taking 1 more "
@@ -147,7 +152,7 @@ def test_max_devices_per_user_refuses_past_the_limit(
     )
     assert a.lease is not None
     a.lease.release()
-    c = pick(Constraints(), backend=backend, registry=registry)
+    c = pick(PickOptions(Constraints()), backend=backend, store=registry)
     assert c.lease is not None
     for r in (b, c):
         assert r.lease is not None
@@ -161,7 +166,7 @@ def test_world_writable_registry_without_sticky_bit_is_refused_and_pick_goes_on(
     reg_dir.mkdir()
     os.chmod(reg_dir, 0o777)
     registry = Registry(reg_dir)
-    result = pick(Constraints(), backend=backend, registry=registry)
+    result = pick(PickOptions(Constraints()), backend=backend, store=registry)
     assert result.lease is None
     assert [d.uuid for d in result.chosen] == [uuid_of(0)]
     assert result.lease_note == (
@@ -181,7 +186,7 @@ def test_symlinked_or_foreign_registry_is_refused(
     target.mkdir(mode=0o1777)
     link = tmp_path / "registry"
     link.symlink_to(target)
-    result = pick(Constraints(), backend=backend, registry=Registry(link))
+    result = pick(PickOptions(Constraints()), backend=backend, store=Registry(link))
     assert result.lease is None
     assert result.lease_note == (
         f"lease registry {link} is a symlink: refused (another user could redirect leases "
@@ -210,7 +215,7 @@ def test_unusable_registry_pick_works_without_a_lease(
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     registry = Registry(blocker / "registry")
-    result = pick(Constraints(), backend=backend, registry=registry)
+    result = pick(PickOptions(Constraints()), backend=backend, store=registry)
     assert result.lease is None
     assert result.chosen[0].uuid == uuid_of(0)
     assert result.lease_note == (
@@ -229,7 +234,7 @@ def test_registry_lock_held_too_long_means_no_lease(
     fd = os.open(reg_dir, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_EX)  # a stuck (or hostile) process holding the registry lock
     try:
-        result = pick(Constraints(), backend=backend, registry=registry)
+        result = pick(PickOptions(Constraints()), backend=backend, store=registry)
     finally:
         os.close(fd)
     assert result.lease is None
@@ -238,15 +243,15 @@ def test_registry_lock_held_too_long_means_no_lease(
         f"admin can find the holder with `lslocks | grep {reg_dir}` and stop it): picked "
         "without a lease"
     )
-    again = pick(Constraints(), backend=backend, registry=registry)
+    again = pick(PickOptions(Constraints()), backend=backend, store=registry)
     assert again.lease is not None and again.lease_note is None
     again.lease.release()
 
 
 def test_prune_removes_only_dead_files(tmp_path: Path, backend: SimulatedBackend) -> None:
     registry = Registry(tmp_path / "registry")
-    live = pick(Constraints(), backend=backend, registry=registry)
-    dead = pick(Constraints(), backend=backend, registry=registry)
+    live = pick(PickOptions(Constraints()), backend=backend, store=registry)
+    dead = pick(PickOptions(Constraints()), backend=backend, store=registry)
     assert live.lease is not None and dead.lease is not None
     dead_path = dead.lease.path
     os.close(dead.lease._fd)  # the holder is gone without cleaning up (like SIGKILL)
@@ -304,9 +309,9 @@ def test_a_hiding_view_leaves_out_only_the_callers_own_leases(
     tmp_path: Path, backend: SimulatedBackend
 ) -> None:
     registry = Registry(tmp_path / "registry")
-    first = pick(Constraints.parse(min_free="30G", exclusive=True), backend=backend,
-                 registry=registry, holder=Holder(kernel_id="k-one"))
-    second = pick(Constraints.parse(min_free="30G"), backend=backend, registry=registry)
+    first = pick(PickOptions(Constraints.parse(min_free="30G", exclusive=True)), backend=backend,
+                 store=registry, requester=Requester(kernel_id="k-one"))
+    second = pick(PickOptions(Constraints.parse(min_free="30G")), backend=backend, store=registry)
     assert first.lease is not None and second.lease is not None
     own = first.lease.record
     view = registry.hiding(lease_ids=[own.lease_id])
@@ -315,14 +320,14 @@ def test_a_hiding_view_leaves_out_only_the_callers_own_leases(
         second.lease.record.lease_id
     ]
     snap = backend.snapshot()
-    assert decision.gather(snap, registry=view).bookings[own.device_uuids[0]].lease_count == 0
+    assert decision.gather(snap, store=view).bookings[own.device_uuids[0]].lease_count == 0
     # The exclusive lease no longer keeps this view's pick off its device...
-    again = pick(Constraints.parse(min_free="30G", exclude="1,2,3"), backend=backend,
-                 registry=view)
+    again = pick(PickOptions(Constraints.parse(min_free="30G", exclude="1,2,3")), backend=backend,
+                 store=view)
     assert again.chosen[0].uuid == own.device_uuids[0]
     # ...but the registry itself still sees it, and nobody else's lease is ever hidden.
     with pytest.raises(NoDeviceFitsError):
-        pick(Constraints.parse(exclude="1,2,3"), backend=backend, registry=registry)
+        pick(PickOptions(Constraints.parse(exclude="1,2,3")), backend=backend, store=registry)
     other = dataclasses.replace(own, uid=own.uid + 1, lease_id="f" * 32)
     assert registry.hiding(lease_ids=["f" * 32], kernel_id="k-one")._visible([other]) == [other]
     for r in (first, second, again):

@@ -280,6 +280,23 @@ def test_cell_errors_propagate_after_the_report(
     assert "ZeroDivisionError: division by zero (in the %%gpu cell; traceback above)" in out
 
 
+def test_a_kernels_device_that_the_host_no_longer_lists_is_said_not_crashed_on(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A kernel the autogpu kernelspec started on a device this host does not list any more
+    # (a GPU that fell off the bus, a fleet that changed): its options are checked, not crashed.
+    monkeypatch.setenv("AUTOGPU_PICKED", "GPU-gone")
+    shell.run_cell("%load_ext autogpu")
+    r, out, err = run(shell, "%%gpu --min-free 1G\ny = 5", capsys)
+    assert r.error_in_exec is None and r.error_before_exec is None, err
+    assert shell.user_ns["y"] == 5
+    assert out.splitlines()[:2] == [
+        "autogpu: this kernel already has a GPU that does not meet min free 1.0 GiB (kept; to "
+        "change: %gpu release, restart the kernel, %gpu pick):",
+        "  GPU-gone: not among this host's devices now",
+    ]
+
+
 def test_cell_reports_peak_memory_of_this_process(
     shell: InteractiveShell, capsys: pytest.CaptureFixture[str], fake_nvml: FakeNvml
 ) -> None:

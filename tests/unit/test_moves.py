@@ -19,8 +19,8 @@ import pytest
 from autogpu_jupyter.core import backends, moves, session
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.devices import DeviceSnapshot
+from autogpu_jupyter.core.leasing.directory import Registry
 from autogpu_jupyter.core.policy import Constraints
-from autogpu_jupyter.core.registry import Registry
 from autogpu_jupyter.core.units import parse_size
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBase
 from tests.leasehelpers import uuid_of
@@ -380,7 +380,7 @@ def test_best_counts_other_holders_bookings_and_the_smoothed_load(
         lease = txn.create(devices=[U2], requested_bytes=20 * GiB)
     twenty = Constraints(min_free=parse_size("20G"))
     try:
-        plan = _plan(backend, "best", current=[U1], registry=registry, constraints=twenty)
+        plan = _plan(backend, "best", current=[U1], store=registry, constraints=twenty)
         assert [d.uuid for d in plan.target] == [U0]
     finally:
         lease.release()
@@ -522,7 +522,7 @@ def test_request_move_counts_other_holders_bookings_and_the_smoothed_load(
         lease = txn.create(devices=[U2], requested_bytes=20 * GiB)
     try:
         plan = moves.request_move(path, "best", current_uuids=[U1], constraints=twenty,
-                                  backend=backend, environ={}, registry=registry)
+                                  backend=backend, environ={}, store=registry)
     finally:
         lease.release()
     assert [d.uuid for d in plan.target] == [U0]
@@ -547,7 +547,7 @@ def test_move_from_a_kernel_without_a_device_counts_other_holders_bookings(
         lease = txn.create(devices=[U2], requested_bytes=20 * GiB)
     try:
         plan = moves.request_move_from_kernel("best", environ=env, backend=backend,
-                                              registry=registry)
+                                              store=registry)
     finally:
         lease.release()
     assert [d.uuid for d in plan.target] == [U0]

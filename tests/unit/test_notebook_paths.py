@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autogpu_jupyter.api import holder_for_this_process
+from autogpu_jupyter.api import requester_for_this_process
 from autogpu_jupyter.core.contract import SERVER_ROOT_ENV, SESSION_NAME_ENV, notebook_path
 
 
@@ -37,6 +37,6 @@ def test_a_kernels_lease_names_its_notebook_as_the_sidebar_does(
 ) -> None:
     monkeypatch.setenv(SESSION_NAME_ENV, str(tmp_path / "notebooks" / "train.ipynb"))
     monkeypatch.setenv(SERVER_ROOT_ENV, str(tmp_path))
-    assert holder_for_this_process().notebook_path == "notebooks/train.ipynb"
+    assert requester_for_this_process().notebook_path == "notebooks/train.ipynb"
     monkeypatch.delenv(SESSION_NAME_ENV)
-    assert holder_for_this_process().notebook_path is None
+    assert requester_for_this_process().notebook_path is None

@@ -811,7 +811,8 @@ def test_nvml_init_failures_are_one_clear_error(
 def test_process_owner_and_command_line(
     sleeper: subprocess.Popen[bytes], tmp_path: Path
 ) -> None:
-    from autogpu_jupyter.core.backends.nvml import _proc_command, _proc_user
+    from autogpu_jupyter.core.procfs import command_of as _proc_command
+    from autogpu_jupyter.core.procfs import user_of as _proc_user
 
     assert (_proc_user(sleeper.pid), _proc_command(sleeper.pid)) == (ME, "sleep 60")
     assert (_proc_user(4_000_003), _proc_command(4_000_003)) == (None, None)
@@ -828,7 +829,7 @@ def test_process_owner_and_command_line(
 
 
 def test_a_command_line_that_is_not_utf8() -> None:
-    from autogpu_jupyter.core.backends.nvml import _proc_command
+    from autogpu_jupyter.core.procfs import command_of as _proc_command
 
     argv = [b"sh", b"-c", b"sleep 60; :", b"caf\xe9 X"]
     proc = subprocess.Popen(argv)
@@ -847,9 +848,9 @@ def test_a_user_name_is_looked_up_once_per_process(
     sleeper: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The passwd database can be slow (LDAP, sssd): each uid is looked up once."""
-    from autogpu_jupyter.core.backends import nvml
+    from autogpu_jupyter.core import procfs
 
-    monkeypatch.setattr(nvml, "_uid_names", {})  # a fresh process: no name known yet
+    monkeypatch.setattr(procfs, "_user_names", {})  # a fresh process: no name known yet
     looked_up: list[int] = []
     getpwuid = pwd.getpwuid
 
@@ -858,7 +859,7 @@ def test_a_user_name_is_looked_up_once_per_process(
         return getpwuid(uid)
 
     monkeypatch.setattr(pwd, "getpwuid", counting_getpwuid)
-    assert [nvml._proc_user(sleeper.pid) for _ in range(3)] == [ME] * 3
+    assert [procfs.user_of(sleeper.pid) for _ in range(3)] == [ME] * 3
     assert looked_up == [os.getuid()]
 
 
@@ -866,19 +867,19 @@ def test_a_uid_missing_from_the_passwd_database_reads_as_its_number(
     sleeper: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As in a container whose /etc/passwd lacks the host's users."""
-    from autogpu_jupyter.core.backends import nvml
+    from autogpu_jupyter.core import procfs
 
     def getpwuid(uid: int) -> pwd.struct_passwd:
         raise KeyError(f"getpwuid(): uid not found: {uid}")
 
-    monkeypatch.setattr(nvml, "_uid_names", {})
+    monkeypatch.setattr(procfs, "_user_names", {})
     monkeypatch.setattr(pwd, "getpwuid", getpwuid)
-    assert nvml._proc_user(sleeper.pid) == str(os.getuid())
+    assert procfs.user_of(sleeper.pid) == str(os.getuid())
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="starting a process as another uid needs root")
 def test_a_uid_without_a_passwd_entry_reads_as_its_number() -> None:
-    from autogpu_jupyter.core.backends.nvml import _proc_user
+    from autogpu_jupyter.core.procfs import user_of as _proc_user
 
     uid = 54_321
     try:

@@ -17,10 +17,11 @@ from autogpu_jupyter.core import overload, session
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
+from autogpu_jupyter.core.leasing.directory import Registry
+from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.overload import Alternative, Overload, Thresholds
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
-from autogpu_jupyter.core.registry import Registry
 from autogpu_jupyter.core.sampler import METRICS, DeviceSeries, Sampler
 from autogpu_jupyter.core.units import Size, parse_size
 from tests.leasehelpers import uuid_of
@@ -413,9 +414,9 @@ def test_the_alternative_counts_other_holders_bookings(registry_dir: Path,
     try:
         snap = _snap()
         assert overload.best_alternative(snap, [U0]) == Alternative(U1, "GPU 1", 9 * GiB, 2.0)
-        assert overload.best_alternative(snap, [U0], registry=None) == Alternative(
+        assert overload.best_alternative(snap, [U0], store=None) == Alternative(
             U1, "GPU 1", 79 * GiB, 2.0)
-        assert overload.best_alternative(snap, [U0], registry=registry) == Alternative(
+        assert overload.best_alternative(snap, [U0], store=registry) == Alternative(
             U1, "GPU 1", 9 * GiB, 2.0)
         # the lease is this kernel's own: it does not count against the alternative
         monkeypatch.setenv("AUTOGPU_PICKED", U0)
@@ -454,21 +455,21 @@ def test_only_the_kernels_own_lease_is_hidden_from_the_alternative(
 
 def test_the_alternative_fits_the_kernels_own_options(tmp_path: Path) -> None:
     snap = _snap(None, _gpu(1, U1, used_gib=40), _gpu(2, U2, used_gib=70))
-    assert overload.best_alternative(snap, [U0], registry=None) == Alternative(
+    assert overload.best_alternative(snap, [U0], store=None) == Alternative(
         U1, "GPU 1", 40 * GiB, 2.0)
     big = Constraints(min_free=parse_size("50G"))
-    assert overload.best_alternative(snap, [U0], registry=None, constraints=big) is None
+    assert overload.best_alternative(snap, [U0], store=None, constraints=big) is None
     # the kernel's pick was made with --min-free 50G: the same options bound its alternative
     fleet = tmp_path / "fleet.json"
     fleet.write_text(json.dumps({"devices": [
         {"uuid": U0, "name": "A100", "memory_total": "80GiB", "memory_used": 0,
          "utilization_pct": 0}]}))
     env: dict[str, str] = {}
-    result = pick(big, backend=SimulatedBackend(str(fleet)), environ=env, dry_run=True)
+    result = pick(PickOptions(big), backend=SimulatedBackend(str(fleet)), environ=env, dry_run=True)
     session.apply(result, environ=env)
-    assert overload.best_alternative(snap, [U0], registry=None) is None
+    assert overload.best_alternative(snap, [U0], store=None) is None
     session.release(environ=env)
-    assert overload.best_alternative(snap, [U0], registry=None) is not None
+    assert overload.best_alternative(snap, [U0], store=None) is not None
 
 
 @pytest.mark.parametrize(
@@ -489,10 +490,10 @@ def test_the_alternative_lies_in_the_grant_the_kernel_started_with(
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     snap = _snap(None, _gpu(1, U1, util=2.0), _gpu(2, U2, util=30.0))
-    got = overload.best_alternative(snap, [U0], registry=None)
+    got = overload.best_alternative(snap, [U0], store=None)
     assert (got.uuid if got is not None else None) == alt
     # an explicit environment is taken as it is
-    explicit = overload.best_alternative(snap, [U0], registry=None,
+    explicit = overload.best_alternative(snap, [U0], store=None,
                                          environ={"CUDA_VISIBLE_DEVICES": "0,2"})
     assert explicit is not None and explicit.uuid == U2
 
@@ -505,12 +506,14 @@ def test_after_a_pick_the_alternative_lies_in_the_grant_from_before_it(
     fleet.write_text(json.dumps({"devices": [
         {"uuid": U0, "name": "A100", "memory_total": "80GiB", "memory_used": 0,
          "utilization_pct": 0}]}))
-    result = pick(Constraints(), backend=SimulatedBackend(str(fleet)), environ={})  # no lease
+    result = pick(
+        PickOptions(Constraints()), backend=SimulatedBackend(str(fleet)), environ={}
+    )  # no lease
     session.apply(result)  # this process now has CUDA_VISIBLE_DEVICES=U0
     assert os.environ["CUDA_VISIBLE_DEVICES"] == U0
     snap = _snap(None, _gpu(1, U1, util=30.0), _gpu(2, U2, util=2.0))
     # GPU 2 is idler but outside the grant the kernel started with
-    got = overload.best_alternative(snap, [U0], registry=None)
+    got = overload.best_alternative(snap, [U0], store=None)
     assert got == Alternative(U1, "GPU 1", 79 * GiB, 30.0)
 
 
@@ -520,24 +523,24 @@ def test_the_alternative_is_never_on_the_kernels_physical_gpu() -> None:
     snap = FleetSnapshot(devices=(weak, *devices[3:]), timestamp_s=1.0, backend="test")
     on_gpu_1 = Alternative(U1, "GPU 1", 5 * GiB, 50.0)
     # a sibling MIG device shares the kernel's GPU: the weaker GPU 1 is the alternative
-    assert overload.best_alternative(snap, [MIG0], registry=None) == on_gpu_1
-    assert overload.best_alternative(snap, [U3], registry=None) == on_gpu_1
-    assert overload.best_alternative(snap, [U1], registry=None) == Alternative(
+    assert overload.best_alternative(snap, [MIG0], store=None) == on_gpu_1
+    assert overload.best_alternative(snap, [U3], store=None) == on_gpu_1
+    assert overload.best_alternative(snap, [U1], store=None) == Alternative(
         MIG0, "GPU 3 MIG 0", 9 * GiB, 2.0)
 
 
 def test_the_alternative_reports_the_smoothed_load_else_the_current_one() -> None:
     snap = _snap(None, _gpu(1, U1, util=2.0))
-    assert overload.best_alternative(snap, [U0], {U1: 40.0}, registry=None) == Alternative(
+    assert overload.best_alternative(snap, [U0], {U1: 40.0}, store=None) == Alternative(
         U1, "GPU 1", 79 * GiB, 40.0)
-    assert overload.best_alternative(snap, [U0], {U1: None}, registry=None) == Alternative(
+    assert overload.best_alternative(snap, [U0], {U1: None}, store=None) == Alternative(
         U1, "GPU 1", 79 * GiB, 2.0)
 
 
 def test_an_exclusive_gpu_this_process_already_uses_may_be_the_alternative() -> None:
     mine = ProcessSnapshot(pid=os.getpid(), used_memory_bytes=GiB)
     b = _gpu(1, U1, compute_mode="EXCLUSIVE_PROCESS", procs=(mine,))
-    got = overload.best_alternative(_snap(None, b), [U0], registry=None)
+    got = overload.best_alternative(_snap(None, b), [U0], store=None)
     assert got is not None and got.uuid == U1
 
 
@@ -656,7 +659,7 @@ def test_the_alternative_is_judged_by_the_kernels_lease_as_the_server_judges_it(
     """The kernel's warning and the server's notification ask the same question: the memory
     the kernel's own lease books, as many devices, the same exclusivity; the pick's --exclude
     is no part of it (a pick from the sidebar excludes every other GPU)."""
-    from autogpu_jupyter.core.records import LeaseRecord
+    from autogpu_jupyter.core.leasing.records import LeaseRecord
 
     record = LeaseRecord(
         lease_id="a" * 32, kind="lease", device_uuids=(U0,),
@@ -689,11 +692,11 @@ def test_a_pick_that_excluded_every_other_gpu_still_gets_a_better_one(tmp_path: 
          "utilization_pct": 0},
         {"uuid": U1, "name": "A100", "memory_total": "80GiB", "memory_used": 0,
          "utilization_pct": 0}]}))
-    result = pick(Constraints(exclude=(U1,)), backend=SimulatedBackend(str(fleet)), environ={},
-                  dry_run=True)
+    result = pick(PickOptions(Constraints(exclude=(U1,))), backend=SimulatedBackend(str(fleet)),
+                  environ={}, dry_run=True)
     env: dict[str, str] = {}
     session.apply(result, environ=env, source="sidebar")
     snap = _snap(None, _gpu(1, U1))
-    got = overload.best_alternative(snap, [U0], registry=None)
+    got = overload.best_alternative(snap, [U0], store=None)
     assert got is not None and got.uuid == U1
     session.release(environ=env)

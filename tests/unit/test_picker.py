@@ -16,8 +16,9 @@ import pytest
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.devices import FleetSnapshot
-from autogpu_jupyter.core.leases import Registry
-from autogpu_jupyter.core.picker import Holder, explain_drops, pick
+from autogpu_jupyter.core.leasing import Registry, Requester
+from autogpu_jupyter.core.options import PickOptions
+from autogpu_jupyter.core.picker import explain_drops, pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.units import parse_size
 from autogpu_jupyter.errors import (
@@ -65,11 +66,12 @@ def test_a_pick_returns_the_choice_the_ranking_the_env_and_its_lease(
     two: SimulatedBackend, registry_dir: Path
 ) -> None:
     registry = Registry(registry_dir, record_commands=True)
-    holder = Holder(pid=os.getpid(), kernel_id="k-1", notebook_path="a.ipynb", command="python x",
-                    kind="kernel")
+    holder = Requester(
+        pid=os.getpid(), kernel_id="k-1", notebook_path="a.ipynb", command="python x", kind="kernel"
+    )
     want = Constraints(min_free=parse_size("10G"))
     t0 = time.monotonic()
-    result = pick(want, backend=two, environ={}, registry=registry, holder=holder)
+    result = pick(PickOptions(want), backend=two, environ={}, store=registry, requester=holder)
     took = time.monotonic() - t0
     assert [d.uuid for d in result.chosen] == [uuid_of(0)]
     assert [c.device.uuid for c in result.candidates] == [uuid_of(0), uuid_of(1)]
@@ -111,13 +113,13 @@ def test_a_pick_returns_the_choice_the_ranking_the_env_and_its_lease(
 
 
 def test_a_default_holder_is_this_process(two: SimulatedBackend, registry: Registry) -> None:
-    result = pick(Constraints(), backend=two, environ={}, registry=registry)
+    result = pick(PickOptions(Constraints()), backend=two, environ={}, store=registry)
     assert result.lease is not None
     rec = result.lease.record
     assert (rec.pid, rec.holder_kind, rec.kernel_id, rec.device_requested_bytes) == (
         os.getpid(), "process", None, (None,),
     )
-    assert Holder() == Holder(pid=os.getpid(), kind="process")
+    assert Requester() == Requester(pid=os.getpid(), kind="process")
     assert result.to_dict()["lease"] == rec.to_dict(redact_command=False)
     result.lease.release()
 
@@ -129,7 +131,7 @@ def test_two_devices_book_each_its_own_share_and_an_exclusive_lease_says_so(
     spec["devices"][1]["memory_total"] = "40G"
     backend = backend_for(tmp_path, spec)
     want = Constraints(min_free=parse_size("25%"), count=2, exclusive=True)
-    result = pick(want, backend=backend, environ={}, registry=registry)
+    result = pick(PickOptions(want), backend=backend, environ={}, store=registry)
     assert result.lease is not None
     rec = result.lease.record
     assert rec.device_uuids == (uuid_of(0), uuid_of(1))
@@ -143,7 +145,7 @@ def test_two_devices_book_each_its_own_share_and_an_exclusive_lease_says_so(
 def test_a_pick_without_a_registry_takes_no_lease_but_sets_the_env(
     two: SimulatedBackend,
 ) -> None:
-    result = pick(Constraints(exclusive=True, count=1), backend=two, environ={}, wait_s=5)
+    result = pick(PickOptions(Constraints(exclusive=True, count=1), 5), backend=two, environ={})
     assert (result.lease, result.lease_note) == (None, None)
     assert result.env == {"CUDA_VISIBLE_DEVICES": uuid_of(0), **ENV_OF}
 
@@ -154,8 +156,11 @@ def test_explain_drops_says_why_each_device_fits_or_not(tmp_path: Path) -> None:
     spec["devices"][1]["utilization_pct"] = 90
     backend = backend_for(tmp_path, spec)
     with pytest.raises(NoDeviceFitsError) as info:
-        pick(Constraints.parse(min_free="10G", max_util="50", count=2), backend=backend,
-             environ={})
+        pick(
+            PickOptions(Constraints.parse(min_free="10G", max_util="50", count=2)),
+            backend=backend,
+            environ={},
+        )
     cands = info.value.candidates
     assert explain_drops(cands) == (
         "  GPU 0 (NVIDIA A100-SXM4-80GB): fits: 80.0 GiB free >= 10.0 GiB wanted\n"
@@ -174,7 +179,7 @@ def test_explain_drops_says_why_each_device_fits_or_not(tmp_path: Path) -> None:
 
 
 def test_a_device_that_fits_without_a_reason_says_ok(two: SimulatedBackend) -> None:
-    result = pick(Constraints(), backend=two, environ={}, dry_run=True)
+    result = pick(PickOptions(Constraints()), backend=two, environ={}, dry_run=True)
     assert (result.to_dict()["lease"], result.to_dict()["dry_run"]) == (None, True)
     assert explain_drops(result.candidates) == (
         "  GPU 0 (NVIDIA A100-SXM4-80GB): fits: ok\n  GPU 1 (NVIDIA A100-SXM4-80GB): fits: ok"
@@ -189,7 +194,12 @@ def test_nothing_fits_without_waiting_says_so_and_keeps_the_ranking(
 ) -> None:
     slept: list[float] = []
     with pytest.raises(NoDeviceFitsError) as info:
-        pick(Constraints.parse(min_free="90G"), backend=two, environ={}, sleep=slept.append)
+        pick(
+            PickOptions(Constraints.parse(min_free="90G")),
+            backend=two,
+            environ={},
+            sleep=slept.append,
+        )
     assert str(info.value) == (
         "no device fits (min free 90.0 GiB):\n"
         "  GPU 0 (NVIDIA A100-SXM4-80GB): dropped: only 80.0 GiB free < 90.0 GiB wanted\n"
@@ -199,7 +209,7 @@ def test_nothing_fits_without_waiting_says_so_and_keeps_the_ranking(
     assert slept == []
     # A negative wait is no wait.
     with pytest.raises(NoDeviceFitsError) as info:
-        pick(Constraints.parse(min_free="90G"), backend=two, environ={}, wait_s=-5,
+        pick(PickOptions(Constraints.parse(min_free="90G"), -5), backend=two, environ={},
              sleep=slept.append)
     assert str(info.value) == (
         "no device fits (min free 90.0 GiB):\n" + explain_drops(info.value.candidates)
@@ -227,26 +237,32 @@ def test_an_unknown_or_empty_excluded_id_is_refused_naming_the_known_ones(
         {"uuid": "MIG-bbbbbbbb-0000", "memory_total": "10G", "profile": "1g.10gb"},
     ]
     with pytest.raises(UsageErrorBase) as info:
-        pick(Constraints(exclude=exclude), backend=backend_for(tmp_path, spec), environ={})
+        pick(
+            PickOptions(Constraints(exclude=exclude)),
+            backend=backend_for(tmp_path, spec),
+            environ={},
+        )
     assert str(info.value) == message
 
 
 def test_known_excluded_ids_pass_and_a_bad_count_is_refused(two: SimulatedBackend) -> None:
-    result = pick(Constraints(exclude=("0", uuid_of(0))), backend=two, environ={}, dry_run=True)
+    result = pick(
+        PickOptions(Constraints(exclude=("0", uuid_of(0)))), backend=two, environ={}, dry_run=True
+    )
     assert [d.uuid for d in result.chosen] == [uuid_of(1)]
     for bad in (0, -1):
         with pytest.raises(UsageErrorBase) as info:
-            pick(Constraints(count=bad), backend=two, environ={}, dry_run=True)
+            pick(PickOptions(Constraints(count=bad)), backend=two, environ={}, dry_run=True)
         assert str(info.value) == f"invalid count {bad!r}: expected a whole number >= 1"
 
 
 def test_no_gpu_on_the_host_or_none_granted(tmp_path: Path, two: SimulatedBackend) -> None:
     empty = backend_for(tmp_path, {"devices": []}, "empty.json")
     with pytest.raises(NoDeviceGrantedError) as info:
-        pick(Constraints(), backend=empty, environ={})
+        pick(PickOptions(Constraints()), backend=empty, environ={})
     assert str(info.value) == "no GPU on this host: simulated lists no devices"
     with pytest.raises(NoDeviceGrantedError) as info:
-        pick(Constraints(), backend=two, environ={"CUDA_VISIBLE_DEVICES": ""})
+        pick(PickOptions(Constraints()), backend=two, environ={"CUDA_VISIBLE_DEVICES": ""})
     assert str(info.value) == (
         "no GPU granted to this process: CUDA_VISIBLE_DEVICES='' grants no GPU to this process "
         "(CUDA_VISIBLE_DEVICES is set but empty: CUDA shows no GPU)"
@@ -265,14 +281,18 @@ class NoDevices:
 
 def test_no_gpu_on_the_host_names_the_errors_that_hid_them() -> None:
     with pytest.raises(NoDeviceGrantedError) as info:
-        pick(Constraints(), backend=NoDevices("GPU 0: lost", "GPU 1: no permission"), environ={})
+        pick(
+            PickOptions(Constraints()),
+            backend=NoDevices("GPU 0: lost", "GPU 1: no permission"),
+            environ={},
+        )
     assert str(info.value) == (
         "no GPU on this host: nvml lists no devices (GPU 0: lost; GPU 1: no permission)"
     )
 
 
 def test_an_allocation_bounds_the_choice(two: SimulatedBackend) -> None:
-    result = pick(Constraints(), backend=two, environ={"CUDA_VISIBLE_DEVICES": "1"})
+    result = pick(PickOptions(Constraints()), backend=two, environ={"CUDA_VISIBLE_DEVICES": "1"})
     assert [d.uuid for d in result.chosen] == [uuid_of(1)]
     assert result.allocation.uuids == (uuid_of(1),)
 
@@ -281,7 +301,7 @@ def test_the_environment_defaults_to_this_process(
     two: SimulatedBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    result = pick(Constraints(), backend=two)
+    result = pick(PickOptions(Constraints()), backend=two)
     assert [d.uuid for d in result.chosen] == [uuid_of(1)]
 
 
@@ -294,7 +314,7 @@ def test_the_backend_defaults_to_the_configured_one(
     path = tmp_path / "configured.json"
     path.write_text(json.dumps(fleet(2)))
     monkeypatch.setenv("AUTOGPU_SIMULATE", str(path))
-    result = pick(Constraints(), environ={})
+    result = pick(PickOptions(Constraints()), environ={})
     assert [d.uuid for d in result.chosen] == [uuid_of(0)]
     assert result.snapshot.simulated is True
 
@@ -303,7 +323,7 @@ def test_the_ranking_uses_the_smoothed_load_given_or_asked_for_at_each_try(
     two: SimulatedBackend,
 ) -> None:
     busy_0 = {uuid_of(0): 80.0, uuid_of(1): 5.0}
-    result = pick(Constraints(), backend=two, environ={}, smoothed_util=busy_0)
+    result = pick(PickOptions(Constraints()), backend=two, environ={}, smoothed_util=busy_0)
     assert [d.uuid for d in result.chosen] == [uuid_of(1)]
     asked: list[int] = []
 
@@ -311,7 +331,7 @@ def test_the_ranking_uses_the_smoothed_load_given_or_asked_for_at_each_try(
         asked.append(1)
         return busy_0
 
-    result = pick(Constraints(), backend=two, environ={}, smoothed_util=now)
+    result = pick(PickOptions(Constraints()), backend=two, environ={}, smoothed_util=now)
     assert [d.uuid for d in result.chosen] == [uuid_of(1)] and asked == [1]
     assert [c.smoothed_util_pct for c in result.candidates] == [5.0, 80.0]
 
@@ -321,17 +341,22 @@ def test_an_exclusive_gpu_the_holder_already_uses_is_no_obstacle(tmp_path: Path)
     spec["devices"][0]["compute_mode"] = "EXCLUSIVE_PROCESS"
     spec["devices"][0]["processes"] = [{"pid": os.getpid(), "used_memory": "1G"}]
     backend = backend_for(tmp_path, spec)
-    result = pick(Constraints(), backend=backend, environ={})  # the holder is this process
+    result = pick(
+        PickOptions(Constraints()), backend=backend, environ={}
+    )  # the holder is this process
     assert [d.uuid for d in result.chosen] == [uuid_of(0)]
     with pytest.raises(NoDeviceFitsError) as info:
-        pick(Constraints(), backend=backend, environ={}, holder=Holder(pid=os.getppid()))
+        pick(
+            PickOptions(Constraints()), backend=backend, environ={},
+            requester=Requester(pid=os.getppid()),
+        )
     assert "compute mode EXCLUSIVE_PROCESS and already used by 1 process(es)" in str(info.value)
 
 
 def test_a_plain_pick_goes_on_without_a_lease_and_says_why(
     two: SimulatedBackend, broken_registry: Registry
 ) -> None:
-    result = pick(Constraints(), backend=two, environ={}, registry=broken_registry)
+    result = pick(PickOptions(Constraints()), backend=two, environ={}, store=broken_registry)
     assert [d.uuid for d in result.chosen] == [uuid_of(0)]
     assert result.lease is None
     reason = broken_registry.unusable_reason
@@ -345,8 +370,9 @@ def test_a_plain_pick_goes_on_without_a_lease_and_says_why(
 def test_a_dry_run_never_touches_the_registry_nor_fails_closed(
     two: SimulatedBackend, broken_registry: Registry
 ) -> None:
-    result = pick(Constraints(exclusive=True), backend=two, environ={}, registry=broken_registry,
-                  dry_run=True, wait_s=5)
+    result = pick(PickOptions(Constraints(exclusive=True), 5), backend=two, environ={},
+                  store=broken_registry,
+                  dry_run=True)
     assert (result.lease, result.lease_note, result.env, result.dry_run) == (None, None, {}, True)
     assert broken_registry.unusable_reason is None
 
@@ -354,11 +380,12 @@ def test_a_dry_run_never_touches_the_registry_nor_fails_closed(
 @pytest.mark.parametrize(
     ("kwargs", "max_per_user", "what"),
     [
-        ({"constraints": Constraints(exclusive=True)}, 0, "an exclusive pick (--exclusive)"),
-        ({"constraints": Constraints(exclusive=True), "wait_s": 5}, 3,
+        ({"options": PickOptions(Constraints(exclusive=True))}, 0,
          "an exclusive pick (--exclusive)"),
-        ({"constraints": Constraints(), "wait_s": 0.5}, 3, "a pick that waits in line (--wait)"),
-        ({"constraints": Constraints()}, 1,
+        ({"options": PickOptions(Constraints(exclusive=True), 5)}, 3,
+         "an exclusive pick (--exclusive)"),
+        ({"options": PickOptions(Constraints(), 0.5)}, 3, "a pick that waits in line (--wait)"),
+        ({"options": PickOptions(Constraints())}, 1,
          "a pick under the admin's max_devices_per_user quota"),
     ],
 )
@@ -368,7 +395,7 @@ def test_a_promise_only_the_registry_keeps_fails_closed_when_it_is_unusable(
     broken = Registry(tmp_path / "missing" / "registry", max_devices_per_user=max_per_user)
     slept: list[float] = []
     with pytest.raises(RegistryUntrustedError) as info:
-        pick(backend=two, environ={}, registry=broken, sleep=slept.append, **kwargs)
+        pick(backend=two, environ={}, store=broken, sleep=slept.append, **kwargs)
     assert str(info.value) == (
         f"refused {what} without a lease: {broken.unusable_reason}. Nothing was picked and the "
         "environment is unchanged; a plain pick (without --exclusive or --wait) still works, "
@@ -387,14 +414,14 @@ def test_a_refused_lease_write_fails_an_exclusive_pick_but_not_a_plain_one(
     backend = backend_for(tmp_path, spec)
     refused = "lease record refused: readers would reject it (device_uuids: expected a list of "
     refused += "distinct device UUIDs)"
-    plain = pick(Constraints(), backend=backend, environ={}, registry=registry)
+    plain = pick(PickOptions(Constraints()), backend=backend, environ={}, store=registry)
     assert plain.lease is None
     assert plain.lease_note == f"{refused}: picked without a lease"
     assert [d.uuid for d in plain.chosen] == ["GPU-has space"]
     assert [(r.levelname, r.getMessage()) for r in caplog.records
             if r.name == "autogpu_jupyter.core.picker"] == [("INFO", f"no lease: {refused}")]
     with pytest.raises(RegistryUntrustedError) as info:
-        pick(Constraints(exclusive=True), backend=backend, environ={}, registry=registry)
+        pick(PickOptions(Constraints(exclusive=True)), backend=backend, environ={}, store=registry)
     assert str(info.value) == (
         f"refused an exclusive pick (--exclusive) without a lease: {refused}. Nothing was picked "
         "and the environment is unchanged; a plain pick (without --exclusive or --wait) still "
@@ -430,10 +457,10 @@ def test_a_backend_is_warmed_up_before_the_registry_lock_and_only_for_a_real_pic
     path = tmp_path / "fleet.json"
     path.write_text(json.dumps(fleet(1)))
     backend = WarmingBackend(str(path), registry.path)
-    pick(Constraints(), backend=backend, environ={}, dry_run=True, registry=registry)
-    pick(Constraints(), backend=backend, environ={})
+    pick(PickOptions(Constraints()), backend=backend, environ={}, dry_run=True, store=registry)
+    pick(PickOptions(Constraints()), backend=backend, environ={})
     assert backend.lock_free_at_warm_up == []
-    result = pick(Constraints(), backend=backend, environ={}, registry=registry)
+    result = pick(PickOptions(Constraints()), backend=backend, environ={}, store=registry)
     assert backend.lock_free_at_warm_up == [True]
     assert result.lease is not None
     result.lease.release()
@@ -447,7 +474,7 @@ def test_a_waiting_pick_holds_one_ticket_while_it_waits_and_none_after(
 ) -> None:
     backend = backend_for(tmp_path, fleet(1))
     want = Constraints(min_free=parse_size("50G"))
-    held = pick(want, backend=backend, environ={}, registry=registry)
+    held = pick(PickOptions(want), backend=backend, environ={}, store=registry)
     assert held.lease is not None
     seen: list[list[tuple[str, tuple[str, ...]]]] = []
     tickets: list[dict[str, Any] | None] = []
@@ -464,8 +491,8 @@ def test_a_waiting_pick_holds_one_ticket_while_it_waits_and_none_after(
             assert held.lease is not None
             held.lease.release()
 
-    result = pick(want, backend=backend, environ={"CUDA_VISIBLE_DEVICES": "0"},
-                  registry=registry, wait_s=30, sleep=sleep, on_progress=progress.append)
+    result = pick(PickOptions(want, 30), backend=backend, environ={"CUDA_VISIBLE_DEVICES": "0"},
+                  store=registry, sleep=sleep, on_progress=progress.append)
     assert [d.uuid for d in result.chosen] == [uuid_of(0)]
     assert slept == [1.0, 1.0]
     assert seen == [[("lease", (uuid_of(0),)), ("ticket", ())]] * 2
@@ -490,21 +517,26 @@ def test_an_exclusive_waiter_s_ticket_says_who_waits_and_for_what(
     tmp_path: Path, registry: Registry
 ) -> None:
     backend = backend_for(tmp_path, fleet(1))
-    held = pick(Constraints(), backend=backend, environ={}, registry=registry)
+    held = pick(PickOptions(Constraints()), backend=backend, environ={}, store=registry)
     tickets: list[tuple[bool, str, str | None, bool]] = []
 
     def sleep(_s: float) -> None:
         tickets.extend(
-            (r.exclusive, r.holder_kind, r.kernel_id, bool(r.constraints and
-                                                           r.constraints["exclusive"]))
-            for r in registry.list_leases(include_tickets=True) if r.kind == "ticket"
+            (
+                r.exclusive,
+                r.holder_kind,
+                r.kernel_id,
+                bool(r.constraints and r.constraints["exclusive"]),
+            )
+            for r in registry.list_leases(include_tickets=True)
+            if r.kind == "ticket"
         )
         assert held.lease is not None
         held.lease.release()
 
-    holder = Holder(kernel_id="kernel-7", kind="kernel")
-    result = pick(Constraints(exclusive=True), backend=backend, environ={}, registry=registry,
-                  wait_s=30, sleep=sleep, holder=holder)
+    holder = Requester(kernel_id="kernel-7", kind="kernel")
+    result = pick(PickOptions(Constraints(exclusive=True), 30), backend=backend, environ={},
+                  store=registry, sleep=sleep, requester=holder)
     assert tickets == [(True, "kernel", "kernel-7", True)]
     assert result.lease is not None and result.lease.record.exclusive is True
     assert sorted(p.suffix for p in Path(registry.path).glob("*/*")) == [".lease"]
@@ -514,7 +546,7 @@ def test_an_exclusive_waiter_s_ticket_says_who_waits_and_for_what(
 def test_a_wait_sleeps_no_longer_than_the_time_left(two: SimulatedBackend) -> None:
     slept: list[float] = []
     with pytest.raises(NoDeviceFitsError) as info:
-        pick(Constraints.parse(min_free="90G"), backend=two, environ={}, wait_s=0.2,
+        pick(PickOptions(Constraints.parse(min_free="90G"), 0.2), backend=two, environ={},
              sleep=slept.append)
     assert len(slept) >= 1
     assert all(0.0 <= s <= 0.2 for s in slept)
@@ -541,8 +573,8 @@ def test_a_wait_without_a_registry_takes_no_ticket_and_still_reports_progress(
         os.utime(path, ns=(1, os.stat(path).st_mtime_ns + 10**9))
 
     started = time.monotonic()
-    result = pick(Constraints.parse(min_free="10G", max_util="50"),
-                  backend=SimulatedBackend(str(path)), environ={}, wait_s=30, sleep=sleep,
+    result = pick(PickOptions(Constraints.parse(min_free="10G", max_util="50"), 30),
+                  backend=SimulatedBackend(str(path)), environ={}, sleep=sleep,
                   on_progress=progress.append)
     assert [d.uuid for d in result.chosen] == [uuid_of(0)]
     assert 0.05 <= result.waited_s <= time.monotonic() - started  # how long the pick waited
@@ -566,8 +598,8 @@ def test_the_waiting_line_names_the_best_device_and_why_it_does_not_fit(tmp_path
         path.write_text(json.dumps(spec))
         os.utime(path, ns=(1, os.stat(path).st_mtime_ns + 10**9))
 
-    pick(Constraints.parse(min_free="1G"), backend=SimulatedBackend(str(path)), environ={},
-         wait_s=60, sleep=sleep, on_progress=progress.append)
+    pick(PickOptions(Constraints.parse(min_free="1G"), 60), backend=SimulatedBackend(str(path)),
+         environ={}, sleep=sleep, on_progress=progress.append)
     assert calls["n"] == 1
     assert re.fullmatch(
         r"waiting for a device \(min free 1\.0 GiB\), [0-9.]+s of 1m; best now GPU 0: "

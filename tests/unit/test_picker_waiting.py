@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.units import parse_size
@@ -46,8 +47,11 @@ def test_a_wait_ranks_on_the_load_of_now_not_of_when_it_started(tmp_path: Path) 
         write(path, used_gib=0)
 
     result = pick(
-        Constraints(min_free=parse_size("70G")), backend=SimulatedBackend(str(path)),
-        environ={}, wait_s=30, sleep=sleep, smoothed_util=sampler_mean,
+        PickOptions(Constraints(min_free=parse_size("70G")), 30),
+        backend=SimulatedBackend(str(path)),
+        environ={},
+        sleep=sleep,
+        smoothed_util=sampler_mean,
         on_progress=progress.append,
     )
     assert [d.uuid for d in result.chosen] == [A]
@@ -76,7 +80,9 @@ def test_a_dry_run_gives_nothing_to_apply_and_takes_no_lease(
     two_gpus: SimulatedBackend, registry_dir: Path
 ) -> None:
     registry = Registry(registry_dir)
-    result = pick(Constraints(), backend=two_gpus, environ={}, registry=registry, dry_run=True)
+    result = pick(
+        PickOptions(Constraints()), backend=two_gpus, environ={}, store=registry, dry_run=True
+    )
     assert [d.uuid for d in result.chosen] == [uuid_of(0)]
     assert (result.env, result.lease, result.dry_run) == ({}, None, True)
     assert registry.list_leases(include_tickets=True) == []
@@ -87,12 +93,12 @@ def test_memory_booked_by_a_lease_sends_the_next_pick_elsewhere(
 ) -> None:
     registry = Registry(registry_dir)
     want = Constraints.parse(min_free="50G")
-    first = pick(want, backend=two_gpus, environ={}, registry=registry)
-    second = pick(want, backend=two_gpus, environ={}, registry=registry)
+    first = pick(PickOptions(want), backend=two_gpus, environ={}, store=registry)
+    second = pick(PickOptions(want), backend=two_gpus, environ={}, store=registry)
     assert [d.uuid for d in first.chosen] == [uuid_of(0)]
     assert [d.uuid for d in second.chosen] == [uuid_of(1)]
     with pytest.raises(NoDeviceFitsError) as info:
-        pick(want, backend=two_gpus, environ={}, registry=registry)
+        pick(PickOptions(want), backend=two_gpus, environ={}, store=registry)
     assert [c.reasons for c in info.value.candidates] == [
         ("only 30.0 GiB free after 50.0 GiB booked by leases < 50.0 GiB wanted",),
         ("only 30.0 GiB free after 50.0 GiB booked by leases < 50.0 GiB wanted",),
@@ -107,16 +113,16 @@ def test_a_wait_that_times_out_leaves_no_ticket_in_line(
 ) -> None:
     registry = Registry(registry_dir)
     want = Constraints.parse(min_free="50G")
-    held = pick(want, backend=one_gpu, environ={}, registry=registry)
+    held = pick(PickOptions(want), backend=one_gpu, environ={}, store=registry)
     assert held.lease is not None
     # The traceback keeps the waiting pick's frame alive, as a notebook keeps its last error.
     with pytest.raises(NoDeviceFitsError) as info:
-        pick(want, backend=one_gpu, environ={}, registry=registry, wait_s=0.05)
+        pick(PickOptions(want, 0.05), backend=one_gpu, environ={}, store=registry)
     assert str(info.value).startswith("no device fits (min free 50.0 GiB) after waiting ")
     assert [r.kind for r in registry.list_leases(include_tickets=True)] == ["lease"]
     held.lease.release()
     # Nobody waits any more: the next pick gets the freed GPU at once.
-    after = pick(want, backend=one_gpu, environ={}, registry=registry)
+    after = pick(PickOptions(want), backend=one_gpu, environ={}, store=registry)
     assert [d.uuid for d in after.chosen] == [uuid_of(0)]
     assert after.lease is not None
     after.lease.release()

@@ -158,6 +158,31 @@ def test_exclusive() -> None:
     assert ranked[1].reasons[-1] == "held exclusively by another lease"
 
 
+def test_a_device_a_waiting_ticket_takes_names_the_ticket_never_another_lease() -> None:
+    devices = [dev(0, 80), dev(1, 80)]
+    u0, u1 = devices[0].uuid, devices[1].uuid
+    waiting = "rt3b's waiting ticket (4 GPUs, since 12:01)"
+    b = {
+        u0: Booking(u0, lease_count=1, exclusive=True, exclusive_by=(f"reserved for {waiting}",),
+                    waiting=(waiting,)),
+        u1: Booking(u1, lease_count=2, waiting=(waiting,)),
+    }
+    ranked = rank(devices, Constraints(), bookings=b)
+    assert ranked[1].device.uuid == u0
+    assert ranked[1].reasons[-1] == f"reserved for {waiting}"
+    ranked = rank(devices, Constraints(exclusive=True), bookings=b)
+    assert {c.device.uuid: c.reasons[-1] for c in ranked} == {
+        u0: f"exclusive wanted but it is reserved for {waiting}",
+        u1: f"exclusive wanted but 1 lease(s) hold it; it is reserved for {waiting}",
+    }
+    both = {u0: Booking(u0, lease_count=2, exclusive=True, exclusive_by=(
+        "held exclusively by another lease", f"reserved for {waiting}"), waiting=(waiting,))}
+    ranked = rank(devices[:1], Constraints(), bookings=both)
+    assert ranked[0].reasons[-1] == (
+        f"held exclusively by another lease; reserved for {waiting}"
+    )
+
+
 def test_exclude_by_index_uuid_prefix_and_label() -> None:
     devices = [
         dev(0, 80, uuid="GPU-11111111"),

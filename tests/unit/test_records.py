@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core import records
-from autogpu_jupyter.core.records import (
+from autogpu_jupyter.core.leasing import records
+from autogpu_jupyter.core.leasing.records import (
     Invalid,
     LeaseRecord,
+    capped_text,
     encode,
     field_text,
     parse_checked,
@@ -539,6 +540,34 @@ def test_field_text_caps_at_the_readers_limit_by_default() -> None:
     assert field_text("y" * 5000) == "y" * 4096
 
 
+@pytest.mark.parametrize(
+    ("value", "field", "text"),
+    [
+        (None, "notebook_path", None),
+        ("k" * 100, "kernel_id", "k" * 64),
+        ("\U0001f600" * 100, "kernel_id", "\U0001f600" * 5),  # 12 escaped bytes each
+        ("\u00e9" * 100, "kernel_id", "\u00e9" * 10),  # 6 each
+        ('"' * 100, "kernel_id", '"' * 32),  # 2 each
+        ("\\" * 100, "kernel_id", "\\" * 32),
+        ("a" * 63 + "\u00e9", "kernel_id", "a" * 63),  # the 6 bytes would pass the cap
+        ("a" * 58 + "\u00e9", "kernel_id", "a" * 58 + "\u00e9"),  # exactly 64
+        ("n\tb" * 1000, "notebook_path", "n?b" * 341 + "n"),
+        ("x\udcffy", "notebook_path", "x\\udcffy"),
+    ],
+)
+def test_capped_text_cuts_at_the_fields_cap_in_encoded_bytes(value, field, text) -> None:
+    got = capped_text(value, field)
+    assert got == text
+    if got is not None:
+        assert len(json.dumps(got)) - 2 <= records.FIELD_CAPS[field]
+
+
+def test_the_field_caps_are_named_for_every_free_text_field() -> None:
+    assert records.FIELD_CAPS == {"notebook_path": 1024, "kernel_id": 64, "command": 1024,
+                                  "user": 256, "host": 256, "holder_kind": 32}
+    assert records.MAX_ID_LIST == 64
+
+
 # --- ownership checks and the cache -----------------------------------------------------------
 
 
@@ -667,3 +696,12 @@ def test_a_lone_surrogate_in_a_nested_value_is_refused() -> None:
     assert refusal(raw(lease_dict(user="x")).replace(b'"x"', b'"\\udc80"')) == (
         "a lone surrogate (not valid Unicode text)"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "limit", "cut"),
+    [("abc", 2, "ab"), ("abc", 5, "abc"), ("\u00e9\u00e9", 11, "\u00e9"),
+     ("\u00e9\u00e9", 12, "\u00e9\u00e9"), ('a"b', 2, "a"), ('a"b', 3, 'a"'), ("", 4, "")],
+)
+def test_cut_encoded_keeps_the_longest_start_that_fits(text: str, limit: int, cut: str) -> None:
+    assert records.cut_encoded(text, limit) == cut

@@ -32,19 +32,17 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.config import AutoGPU
-from autogpu_jupyter.core import brokerclient, records
-from autogpu_jupyter.core import registry as regmod
-from autogpu_jupyter.core.picker import Holder
-from autogpu_jupyter.core.records import MAX_RECORD_BYTES, MAX_SEQ, LeaseRecord
-from autogpu_jupyter.core.registry import (
+from autogpu_jupyter.core import procfs
+from autogpu_jupyter.core.leasing import Requester, records
+from autogpu_jupyter.core.leasing import directory as regmod
+from autogpu_jupyter.core.leasing.directory import (
     MAX_FILES_PER_USER,
     Lease,
     Registry,
     ScanResult,
     Ticket,
-    from_settings,
 )
+from autogpu_jupyter.core.leasing.records import MAX_RECORD_BYTES, MAX_SEQ, LeaseRecord
 from autogpu_jupyter.errors import LeaseLimitError, NoDeviceFitsError, RegistryError
 from tests.leasehelpers import GiB, uuid_of
 
@@ -320,7 +318,7 @@ def test_a_lock_that_cannot_be_tested_counts_as_held_and_says_why(
         real_flock(fd, op)
 
     monkeypatch.setattr(fcntl, "flock", flock)
-    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.leasing.directory"):
         assert [r.lease_id for r in reg.scan().live] == [lease_id]
     assert caplog.messages == [
         f"cannot test lease liveness: [Errno {errno.ENOLCK}] {os.strerror(errno.ENOLCK)}"
@@ -377,10 +375,10 @@ def test_a_flood_of_files_in_one_directory_is_cut_at_the_cap(
 def test_a_lease_records_its_holder_and_a_command_only_when_the_admin_opted_in(
     tmp_path: Path,
 ) -> None:
-    holder = Holder(pid=31337, kernel_id="k\t1", notebook_path="n.ipynb", command="python y",
+    holder = Requester(pid=31337, kernel_id="k\t1", notebook_path="n.ipynb", command="python y",
                     kind="kernel")
     quiet = Registry(tmp_path / "registry")
-    lease = _lease(quiet, requested_bytes=None, holder=holder)
+    lease = _lease(quiet, requested_bytes=None, requester=holder)
     rec = lease.record
     assert (rec.pid, rec.kernel_id, rec.notebook_path, rec.command, rec.holder_kind) == (
         31337, "k?1", "n.ipynb", None, "kernel"
@@ -399,7 +397,7 @@ def test_a_lease_records_its_holder_and_a_command_only_when_the_admin_opted_in(
     lease.release()
     told = Registry(tmp_path / "registry", record_commands=1)  # type: ignore[arg-type]
     assert told.record_commands is True
-    lease = _lease(told, requested_bytes=[5], holder=holder)
+    lease = _lease(told, requested_bytes=[5], requester=holder)
     assert lease.record.command == "python y"
     assert lease.record.device_requested_bytes == (5,)
     lease.release()
@@ -414,10 +412,10 @@ def test_a_lease_caps_the_holder_kind_and_names_an_unnamed_host_and_kind(
 ) -> None:
     monkeypatch.setattr(socket, "gethostname", lambda: "")
     reg = Registry(tmp_path / "registry")
-    lease = _lease(reg, holder=Holder(kind="k" * 40))
+    lease = _lease(reg, requester=Requester(kind="k" * 40))
     assert (lease.record.host, lease.record.holder_kind) == ("?", "k" * 32)
     lease.release()
-    lease = _lease(reg, holder=Holder(kind=""))
+    lease = _lease(reg, requester=Requester(kind=""))
     assert lease.record.holder_kind == "process"
     lease.release()
 
@@ -547,7 +545,7 @@ def test_a_released_lease_whose_directory_became_a_link_says_why_it_stays(
     mine = Path(reg.path) / str(ME)
     mine.rename(Path(reg.path) / "moved")
     mine.symlink_to(Path(reg.path) / "moved")
-    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.leasing.directory"):
         lease.release()
     assert not lease.held
     assert caplog.messages == [
@@ -576,7 +574,7 @@ def test_a_released_lease_in_a_vanished_registry_is_just_closed(
     lease = _lease(reg)
     os.rename(tmp_path / "registry", tmp_path / "gone")
     before = _open_fds()
-    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.leasing.directory"):
         lease.release()
     assert caplog.messages == [
         f"cannot reopen registry to remove {Path(lease.path).name}: [Errno {errno.ENOENT}] "
@@ -588,7 +586,7 @@ def test_a_released_lease_in_a_vanished_registry_is_just_closed(
 
 
 def test_set_pid_rewrites_a_longer_or_shorter_pid_in_place(reg: Registry) -> None:
-    lease = _lease(reg, holder=Holder(pid=123456789))
+    lease = _lease(reg, requester=Requester(pid=123456789))
     inode = os.stat(lease.path).st_ino
     lease.set_pid(7)
     assert json.loads(Path(lease.path).read_text())["pid"] == 7  # cut: no stale digits left
@@ -604,7 +602,7 @@ def test_set_pid_when_the_registry_became_unusable_keeps_the_old_record(
     tmp_path: Path,
 ) -> None:
     reg = Registry(tmp_path / "registry")
-    lease = _lease(reg, holder=Holder(pid=55))
+    lease = _lease(reg, requester=Requester(pid=55))
     os.chmod(tmp_path / "registry", 0o777)  # no sticky bit: refused
     lease.set_pid(66)
     assert lease.record.pid == 55
@@ -615,7 +613,7 @@ def test_set_pid_when_the_registry_became_unusable_keeps_the_old_record(
 
 
 def test_set_pid_continues_a_short_write(reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
-    lease = _lease(reg, holder=Holder(pid=5))
+    lease = _lease(reg, requester=Requester(pid=5))
     real = os.pwrite
     calls: list[int] = []
 
@@ -635,7 +633,7 @@ def test_set_pid_continues_a_short_write(reg: Registry, monkeypatch: pytest.Monk
 def test_set_pid_on_a_full_disk_fails_as_no_space_and_keeps_the_record(
     reg: Registry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    lease = _lease(reg, holder=Holder(pid=5))
+    lease = _lease(reg, requester=Requester(pid=5))
     before = Path(lease.path).read_bytes()
     monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: 0)
     with pytest.raises(OSError) as err:
@@ -698,9 +696,9 @@ def test_a_lease_needs_devices_and_one_booking_per_device(reg: Registry) -> None
 
 
 def test_exclusive_leases_refuse_with_who_holds_the_device(reg: Registry) -> None:
-    shared = _lease(reg, holder=Holder(pid=11, notebook_path="a.ipynb"))
+    shared = _lease(reg, requester=Requester(pid=11, notebook_path="a.ipynb"))
     other = _lease(reg, uuid=uuid_of(1), exclusive=True,
-                   holder=Holder(pid=12, kernel_id="abcdefgh12"))
+                   requester=Requester(pid=12, kernel_id="abcdefgh12"))
     with reg.locked() as txn:
         assert txn is not None
         with pytest.raises(NoDeviceFitsError) as err:
@@ -741,8 +739,8 @@ def test_every_exclusive_holder_of_a_device_is_named(reg: Registry) -> None:
 
 
 def test_two_holders_of_one_device_are_both_named(reg: Registry) -> None:
-    a = _lease(reg, holder=Holder(pid=21))
-    b = _lease(reg, holder=Holder(pid=22))
+    a = _lease(reg, requester=Requester(pid=21))
+    b = _lease(reg, requester=Requester(pid=22))
     with reg.locked() as txn:
         assert txn is not None
         with pytest.raises(NoDeviceFitsError) as err:
@@ -807,7 +805,29 @@ def test_a_transaction_reads_the_registry_once(reg: Registry) -> None:
     assert [r.path for r in reg.scan().dead] == [str(late)]
 
 
+def test_a_ticket_past_the_admission_rules_is_refused_and_nothing_written(reg: Registry) -> None:
+    reg.max_devices_per_user = 2
+    first = reg.take_ticket(constraints={**CONSTRAINTS, "count": 1})
+    second = reg.take_ticket(constraints={**CONSTRAINTS, "count": 1})
+    assert first is not None and second is not None
+    try:
+        with pytest.raises(LeaseLimitError, match="max_tickets_per_user = 2"):
+            reg.take_ticket(constraints=CONSTRAINTS)
+        second.release()
+        with pytest.raises(LeaseLimitError, match="waits in line for 1 more; waiting for 2"):
+            reg.take_ticket(constraints={**CONSTRAINTS, "count": 2})
+        assert [r.lease_id for r in reg.list_leases(include_tickets=True)] == [
+            first.record.lease_id
+        ]
+        assert sorted(os.listdir(Path(reg.path) / str(ME))) == [
+            first.record.lease_id + ".ticket"
+        ]
+    finally:
+        first.release()
+
+
 def test_tickets_line_up_by_arrival_and_a_new_one_goes_last(reg: Registry) -> None:
+    reg.max_tickets_per_user = 5  # the four planted tickets are ours too
     ids = {}
     helds = []
     for name, seq, created in (("c", 5, 1.0), ("a", 2, 9.0), ("b", 5, 0.5), ("d", 5, 0.5)):
@@ -820,7 +840,7 @@ def test_tickets_line_up_by_arrival_and_a_new_one_goes_last(reg: Registry) -> No
             assert txn is not None
             assert [ids[r.lease_id] for r in txn.live_tickets()] == ["a", "b", "d", "c"]
             ticket = txn.create_ticket(constraints=CONSTRAINTS, exclusive=True,
-                                       holder=Holder(pid=77, kind="cli"))
+                                       requester=Requester(pid=77, kind="cli"))
             assert txn.live_tickets()[-1].lease_id == ticket.record.lease_id
             assert txn.live_leases() == []
         leases, line = reg.live_records()
@@ -895,23 +915,23 @@ def test_a_record_of_exactly_the_size_cap_is_written(
 ) -> None:
     monkeypatch.setattr(time, "time", lambda: 1_700_000_000.5)  # a fixed-width created_s
     kernel = "\U0001f600" * 4096  # 12 bytes each once escaped in JSON; 4096: the field's cap
-    probe = _lease(reg, holder=Holder(pid=5, kernel_id=kernel, notebook_path="x"))
+    probe = _lease(reg, requester=Requester(pid=5, kernel_id=kernel, notebook_path="x"))
     need = 1 + MAX_RECORD_BYTES - os.path.getsize(probe.path)
     probe.release()
     wide = (need - 100) // 12
     fits = "\U0001f600" * wide + "x" * (need - 12 * wide)
-    lease = _lease(reg, holder=Holder(pid=5, kernel_id=kernel, notebook_path=fits))
+    lease = _lease(reg, requester=Requester(pid=5, kernel_id=kernel, notebook_path=fits))
     assert os.path.getsize(lease.path) == MAX_RECORD_BYTES
     lease.release()
     with pytest.raises(RegistryError, match="too large"):
-        _lease(reg, holder=Holder(pid=5, kernel_id=kernel, notebook_path=fits + "x"))
+        _lease(reg, requester=Requester(pid=5, kernel_id=kernel, notebook_path=fits + "x"))
 
 
 def test_a_record_too_large_for_readers_is_refused_at_the_writer(reg: Registry) -> None:
     huge = "\U0001f600" * 4096  # 12 bytes each once escaped in JSON
     with pytest.raises(RegistryError, match=r"^lease record too large \(a very long command or "
                        r"path\?\)$"):
-        _lease(reg, holder=Holder(kernel_id=huge, notebook_path=huge))
+        _lease(reg, requester=Requester(kernel_id=huge, notebook_path=huge))
     assert os.listdir(Path(reg.path) / str(ME)) == []
 
 
@@ -1008,7 +1028,7 @@ def test_a_new_registry_is_logged_and_made_1777_whatever_the_umask(
 ) -> None:
     old = os.umask(0o277)  # mkdir(0700) gives 0500
     try:
-        with caplog.at_level(logging.INFO, logger="autogpu_jupyter.core.registry"):
+        with caplog.at_level(logging.INFO, logger="autogpu_jupyter.core.leasing.directory"):
             Registry(tmp_path / "registry").check()
     finally:
         os.umask(old)
@@ -1284,7 +1304,7 @@ def test_a_failed_pick_transaction_reports_why_and_a_working_one_clears_it(
     os.chmod(d, 0o1777)
     with reg.locked() as txn:
         assert txn is not None
-        assert txn.registry is reg
+        assert txn.store is reg
         assert reg.unusable_reason is None
     assert _open_fds() == before
 
@@ -1470,8 +1490,8 @@ def test_list_leases_is_oldest_first_then_by_id(reg: Registry) -> None:
 
 
 def test_a_hiding_view_is_a_copy_and_hides_by_kernel_only_when_asked(reg: Registry) -> None:
-    a = _lease(reg, holder=Holder(kernel_id="k-a"))
-    b = _lease(reg, holder=Holder(kernel_id=None))
+    a = _lease(reg, requester=Requester(kernel_id="k-a"))
+    b = _lease(reg, requester=Requester(kernel_id=None))
     by_kernel = reg.hiding(kernel_id="k-a")
     assert by_kernel is not reg and by_kernel.path == reg.path
     assert reg._hidden_kernel is None and reg._hidden_ids == frozenset()
@@ -1500,7 +1520,7 @@ def test_a_missing_registry_reads_as_empty_for_ranking_and_says_why(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     reg = Registry(tmp_path / "registry")
-    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.leasing.directory"):
         assert reg.live_records() == ([], [])
     assert caplog.messages == [
         f"ranking without the registry: lease registry {reg.path} does not exist"
@@ -1517,7 +1537,7 @@ def test_a_registry_that_cannot_be_listed_reads_as_empty_for_ranking(
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     monkeypatch.setattr(os, "listdir", no_listdir)
-    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.leasing.directory"):
         assert reg.live_records() == ([], [])
     assert caplog.messages == [
         f"ranking without the registry: cannot list lease registry {reg.path}: "
@@ -1723,7 +1743,7 @@ def test_prune_never_opens_a_fifo_or_a_link_and_says_why_it_keeps_a_held_file(
     done: list[object] = []
     worker = threading.Thread(target=lambda: done.append(reg.prune()), daemon=True)
     try:
-        with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+        with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.leasing.directory"):
             worker.start()
             worker.join(10)
             hung = worker.is_alive()
@@ -1865,7 +1885,7 @@ def test_a_lease_kept_alive_only_by_another_users_lock_is_pruned(
     try:
         assert [r.lease_id for r in reg.scan().live if r.uid == NOBODY] == [their_id]
         assert reg.prune() == []  # not ours to judge
-        with caplog.at_level(logging.INFO, logger="autogpu_jupyter.core.registry"):
+        with caplog.at_level(logging.INFO, logger="autogpu_jupyter.core.leasing.directory"):
             removed = reg.prune(all_users=True)
         assert [(r.lease_id, r.live) for r in removed] == [(their_id, True)]
         assert not theirs.exists() and ours.exists()
@@ -1896,7 +1916,7 @@ def test_a_lease_held_by_a_process_whose_real_uid_is_its_owner_is_kept(reg: Regi
     assert holder.stdin is not None and holder.stdout is not None
     try:
         assert holder.stdout.readline() == b"ready\n"
-        assert regmod._pid_uids(holder.pid) == {NOBODY, 0}
+        assert procfs.uids(holder.pid) == {NOBODY, 0}
         assert reg.prune(all_users=True) == []
         assert theirs.exists()
     finally:
@@ -1928,7 +1948,7 @@ def test_a_held_lease_swapped_for_a_fifo_or_a_link_is_neither_waited_on_nor_foll
         os.mkfifo(theirs)
         os.chown(theirs, NOBODY, -1)
         worker = threading.Thread(target=remove, daemon=True)
-        with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.registry"):
+        with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.leasing.directory"):
             worker.start()
             worker.join(10)
             hung = worker.is_alive()
@@ -2025,108 +2045,17 @@ def _st(tmp_path: Path) -> os.stat_result:
     return os.stat(f)
 
 
-def test_flock_holders_are_read_from_proc_locks_by_device_and_inode(tmp_path: Path) -> None:
+def test_a_lease_locked_only_by_another_users_process_counts_as_held_by_others(
+    tmp_path: Path,
+) -> None:
     st = _st(tmp_path)
-    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    locks = tmp_path / "locks"
-    locks.write_text(
-        f"1: FLOCK  ADVISORY  WRITE 4242 {key} 0 EOF\n"
-        f"2: POSIX  ADVISORY  WRITE 5151 {key} 0 EOF\n"  # a POSIX lock, not an flock
-        f"3: FLOCK  ADVISORY  READ  6161 {key}0 0 EOF\n"  # another inode
-        f"4: FLOCK  ADVISORY  READ  7171 {key} 0 EOF\n"
-        "5: FLOCK  ADVISORY\n"
-        f"6: FLOCK  ADVISORY  WRITE 8181 {key}\n"
-    )
-    assert regmod._flock_holder_pids(st, str(locks)) == [4242, 7171, 8181]
-    locks.write_text(f"1: FLOCK  ADVISORY  WRITE 4242 {key} 0 EOF\n"
-                     f"2: FLOCK  ADVISORY  WRITE x {key} 0 EOF\n")
-    assert regmod._flock_holder_pids(st, str(locks)) is None  # cannot tell: unknown
-    assert regmod._flock_holder_pids(st, str(tmp_path / "missing")) is None
-    assert regmod._flock_holder_pids(st, os.devnull) == []
-
-
-def test_the_real_proc_locks_names_this_process_as_the_holder(tmp_path: Path) -> None:
-    st = _st(tmp_path)
-    assert regmod._flock_holder_pids(st) == []
     held = _Held(tmp_path / "locked")
     try:
-        assert regmod._flock_holder_pids(st) == [os.getpid()]
         assert regmod._held_only_by_others(st, ME) is False
         assert regmod._held_only_by_others(st, ME + 1) is True
     finally:
         held.close()
     assert regmod._held_only_by_others(st, ME + 1) is False  # nobody holds it
-
-
-def test_a_process_uids_are_read_from_proc(tmp_path: Path) -> None:
-    assert regmod._pid_uids(os.getpid()) == {os.getuid(), os.geteuid()}
-    assert regmod._pid_uids(2**22 + 7) is None  # above pid_max: no such process
-
-
-# ---- which registry the settings select -------------------------------------------------------
-
-
-def test_settings_select_no_registry_the_directory_or_a_broker(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(brokerclient, "DEFAULT_SOCKET", str(tmp_path / "default.sock"))
-    d = str(tmp_path / "registry")
-    assert from_settings(AutoGPU(use_leases=False, registry_dir=d)) is None
-    assert from_settings(AutoGPU(registry_dir="", broker_socket="")) is None
-    reg = from_settings(AutoGPU(registry_dir=d, broker_socket="", max_devices_per_user=3,
-                                record_commands=True, registry_lock_timeout_s=2.5))
-    assert isinstance(reg, Registry)
-    assert (reg.path, reg.max_devices_per_user, reg.record_commands, reg.lock_timeout_s) == (
-        d, 3, True, 2.5
-    )
-    for off in ("off", " OFF ", "none", "0", "false"):
-        assert isinstance(from_settings(AutoGPU(registry_dir=d, broker_socket=off)), Registry)
-    sock = str(tmp_path / "broker.sock")
-    broker = from_settings(AutoGPU(registry_dir=d, broker_socket=f" {sock} ",
-                                   registry_lock_timeout_s=0.2))
-    assert isinstance(broker, brokerclient.BrokerRegistry)
-    assert (broker.path, broker.lock_timeout_s) == (sock, 1.0)  # at least a second
-    broker = regmod.broker_for(AutoGPU(broker_socket=sock, registry_lock_timeout_s=30))
-    assert broker.lock_timeout_s == 30.0
-    # The default socket counts only when it exists.
-    Path(brokerclient.DEFAULT_SOCKET).touch()
-    broker = from_settings(AutoGPU(registry_dir=d, broker_socket=""))
-    assert isinstance(broker, brokerclient.BrokerRegistry)
-    assert broker.path == brokerclient.DEFAULT_SOCKET
-
-
-def test_an_unreachable_broker_falls_back_only_when_the_admin_allows(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, clock: _FakeClock
-) -> None:
-    # (the fake clock: the broker client retries its connection for seconds)
-    sock = str(tmp_path / "broker.sock")
-    d = str(tmp_path / "registry")
-    strict = from_settings(AutoGPU(registry_dir=d, broker_socket=sock, broker_fallback=""))
-    assert isinstance(strict, brokerclient.BrokerRegistry)  # fails closed at its first use
-    with caplog.at_level(logging.WARNING, logger="autogpu_jupyter.core.registry"):
-        fallback = from_settings(
-            AutoGPU(registry_dir=d, broker_socket=sock, broker_fallback=" Registry ")
-        )
-    assert isinstance(fallback, Registry) and fallback.path == d
-    assert caplog.messages == [
-        f"the lease broker at {sock} cannot be reached (No such file or directory): nothing was "
-        f"picked; ask the admin to start it (systemctl enable --now autogpu-broker.socket, or "
-        f"`autogpu broker --socket {sock}`), or to set c.AutoGPU.broker_fallback = 'registry'; "
-        "using the shared-directory registry (broker_fallback)"
-    ]
-
-
-def test_a_reachable_broker_is_used_even_with_the_fallback_set(tmp_path: Path) -> None:
-    sock = str(tmp_path / "broker.sock")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(sock)
-    server.listen(1)
-    try:
-        broker = from_settings(AutoGPU(registry_dir=str(tmp_path / "registry"),
-                                       broker_socket=sock, broker_fallback="registry"))
-    finally:
-        server.close()
-    assert isinstance(broker, brokerclient.BrokerRegistry) and broker.path == sock
 
 
 # ---- names as shown ---------------------------------------------------------------------------

@@ -14,7 +14,8 @@ import pytest
 
 from autogpu_jupyter.core import session
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-from autogpu_jupyter.core.leases import Registry
+from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from tests.leasehelpers import fleet, uuid_of
@@ -58,8 +59,8 @@ def test_apply_makes_the_pick_this_process_s_choice(
     backend: SimulatedBackend, registry_dir: Path
 ) -> None:
     registry = Registry(registry_dir)
-    result = pick(Constraints.parse(min_free="10G"), backend=backend, environ={},
-                  registry=registry)
+    result = pick(PickOptions(Constraints.parse(min_free="10G")), backend=backend, environ={},
+                  store=registry)
     assert result.lease is not None
     env = {"CUDA_VISIBLE_DEVICES": "0,1", "OTHER": "x"}
     choice = session.apply(result, source="api", forced=True, environ=env)
@@ -86,7 +87,7 @@ def test_apply_defaults_to_a_magic_s_unforced_choice_and_notes_a_lease_not_taken
     backend: SimulatedBackend, tmp_path: Path
 ) -> None:
     broken = Registry(tmp_path / "missing" / "registry")
-    result = pick(Constraints(), backend=backend, environ={}, registry=broken)
+    result = pick(PickOptions(Constraints()), backend=backend, environ={}, store=broken)
     env: dict[str, str] = {}
     choice = session.apply(result, environ=env)
     assert (choice.source, choice.forced, choice.lease, choice.lease_id) == (
@@ -103,9 +104,11 @@ def test_a_re_pick_drops_the_old_lease_and_keeps_the_first_saved_variables(
 ) -> None:
     registry = Registry(registry_dir)
     env = {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}
-    first = pick(Constraints(), backend=backend, environ={}, registry=registry)
+    first = pick(PickOptions(Constraints()), backend=backend, environ={}, store=registry)
     session.apply(first, environ=env)
-    second = pick(Constraints.parse(exclude="0"), backend=backend, environ={}, registry=registry)
+    second = pick(
+        PickOptions(Constraints.parse(exclude="0")), backend=backend, environ={}, store=registry
+    )
     assert held(registry) == [(uuid_of(0),), (uuid_of(1),)]
     session.apply(second, environ=env)
     assert held(registry) == [(uuid_of(1),)]
@@ -122,7 +125,7 @@ def test_a_re_pick_drops_the_old_lease_and_keeps_the_first_saved_variables(
 
 
 def test_a_dry_run_result_changes_no_variable(backend: SimulatedBackend) -> None:
-    result = pick(Constraints(), backend=backend, environ={}, dry_run=True)
+    result = pick(PickOptions(Constraints()), backend=backend, environ={}, dry_run=True)
     env = {"CUDA_VISIBLE_DEVICES": "2"}
     choice = session.apply(result, environ=env)
     assert env == {"CUDA_VISIBLE_DEVICES": "2"}
@@ -137,7 +140,7 @@ def test_without_an_environ_the_process_environment_is_changed_and_given_back(
 ) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2")
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
-    result = pick(Constraints(), backend=backend)
+    result = pick(PickOptions(Constraints()), backend=backend)
     assert [d.uuid for d in result.chosen] == [uuid_of(1)]
     session.apply(result)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == uuid_of(1)
@@ -192,7 +195,7 @@ def test_this_process_s_own_choice_comes_before_the_provisioner_s(
     backend: SimulatedBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(session.PICKED_ENV, "GPU-from-provisioner")
-    result = pick(Constraints(), backend=backend, environ={})
+    result = pick(PickOptions(Constraints()), backend=backend, environ={})
     env: dict[str, str] = {}
     choice = session.apply(result, environ=env)
     assert session.current() is choice

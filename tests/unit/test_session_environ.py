@@ -10,6 +10,7 @@ import pytest
 
 from autogpu_jupyter.core import session
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from tests.leasehelpers import fleet, uuid_of
@@ -33,12 +34,14 @@ def environ() -> Iterator[dict[str, str]]:
 def test_a_second_pick_keeps_the_allocation_from_before_the_first(
     backend: SimulatedBackend, environ: dict[str, str]
 ) -> None:
-    first = pick(Constraints(), backend=backend, environ=environ)
+    first = pick(PickOptions(Constraints()), backend=backend, environ=environ)
     session.apply(first, environ=environ)
     assert environ == {"CUDA_VISIBLE_DEVICES": uuid_of(1), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     # A re-pick narrows within what the scheduler granted, not within the first pick.
     again = pick(
-        Constraints.parse(exclude="1"), backend=backend, environ=session.original_environ(environ)
+        PickOptions(Constraints.parse(exclude="1")),
+        backend=backend,
+        environ=session.original_environ(environ),
     )
     session.apply(again, environ=environ)
     assert environ == {"CUDA_VISIBLE_DEVICES": uuid_of(2), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}

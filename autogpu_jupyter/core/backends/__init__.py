@@ -57,7 +57,8 @@ def _nvml_present() -> bool:
 
 def _detect() -> str:
     if not _detected:
-        from autogpu_jupyter.core.backends.amdsmi import library_present
+        # Only the vendor backend in use is loaded (amdsmi's module is the AMD host's).
+        from autogpu_jupyter.core.backends.amdsmi import library_present  # noqa: PLC0415
 
         found = "nvml" if _nvml_present() else ("amdsmi" if library_present() else "nvml")
         _detected.append(found)
@@ -105,7 +106,10 @@ def get_backend(simulate: str | None = None) -> Backend:
         if simulate:
             backend = _cache.get(simulate)
             if backend is None:
-                from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+                # The backend in use only (a vendor's module may load its library).
+                from autogpu_jupyter.core.backends.simulated import (  # noqa: PLC0415
+                    SimulatedBackend,
+                )
 
                 backend = SimulatedBackend(simulate)
                 _cache[simulate] = backend
@@ -116,11 +120,11 @@ def get_backend(simulate: str | None = None) -> Backend:
         backend = _cache.get(key)
         if backend is None:
             if vendor == "amdsmi":
-                from autogpu_jupyter.core.backends.amdsmi import AmdSmiBackend
+                from autogpu_jupyter.core.backends.amdsmi import AmdSmiBackend  # noqa: PLC0415
 
                 backend = AmdSmiBackend()
             else:
-                from autogpu_jupyter.core.backends.nvml import NvmlBackend
+                from autogpu_jupyter.core.backends.nvml import NvmlBackend  # noqa: PLC0415
 
                 backend = NvmlBackend()
             _cache[key] = backend

@@ -48,7 +48,7 @@ import threading
 import time
 from typing import Any
 
-from autogpu_jupyter.core.backends.nvml import _proc_command, _proc_user
+from autogpu_jupyter.core import procfs
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
 from autogpu_jupyter.errors import NVMLUnavailableError
 
@@ -117,7 +117,7 @@ def _import() -> Any:
     sink = io.StringIO()
     try:
         with contextlib.redirect_stdout(sink):
-            import amdsmi
+            import amdsmi  # noqa: PLC0415 (it loads libamd_smi.so: guarded, on first use)
     except ModuleNotFoundError as err:
         _state.import_error = (
             f"cannot import amdsmi ({err}); install AMD's binding: "
@@ -420,7 +420,7 @@ class AmdSmiBackend:
                 continue
             out.append(ProcessSnapshot(
                 pid=pid, used_memory_bytes=int(entry.memory_usage.vram_mem),
-                user=_proc_user(pid), command=_proc_command(pid),
+                user=procfs.user_of(pid), command=procfs.command_of(pid),
             ))
         return tuple(out)
 

@@ -29,13 +29,13 @@ import contextlib
 import ctypes
 import logging
 import os
-import pwd
 import threading
 import time
 import warnings
 from types import ModuleType
 from typing import Any
 
+from autogpu_jupyter.core import procfs
 from autogpu_jupyter.core.devices import (
     COMPUTE_MODES,
     DeviceSnapshot,
@@ -128,7 +128,7 @@ def _init() -> Any:
         if _state.module is not None:
             return _state.module
         try:
-            import pynvml
+            import pynvml  # noqa: PLC0415 (the binding loads the driver: on the first snapshot)
         except ImportError as err:
             raise NVMLUnavailableError(
                 f"cannot import pynvml ({err}); install nvidia-ml-py: pip install nvidia-ml-py"
@@ -179,34 +179,6 @@ def _device_error(nv: ModuleType, err: Exception) -> str:
     if isinstance(err, nv.NVMLError_NoPermission):
         return "no permission"
     return f"NVML error: {err}"
-
-
-_uid_names: dict[int, str] = {}
-
-
-def _proc_user(pid: int) -> str | None:
-    try:
-        uid = os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
-    name = _uid_names.get(uid)
-    if name is None:
-        try:
-            name = pwd.getpwuid(uid).pw_name
-        except KeyError:  # a uid without a passwd entry (containers): show the number
-            name = str(uid)
-        _uid_names[uid] = name
-    return name
-
-
-def _proc_command(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            raw = fh.read()
-    except OSError:
-        return None
-    text = raw.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
-    return text or None
 
 
 class NvmlBackend:
@@ -514,7 +486,7 @@ class NvmlBackend:
             used = int(entry.usedGpuMemory)
             out.append(ProcessSnapshot(
                 pid=pid, used_memory_bytes=None if used == _NOT_AVAILABLE else used,
-                user=_proc_user(pid), command=_proc_command(pid),
+                user=procfs.user_of(pid), command=procfs.command_of(pid),
             ))
         return tuple(out)
 

@@ -1,11 +1,11 @@
-"""The client of the trusted lease broker (``autogpu broker``, issue 11): a registry for the picker.
+"""The client of the trusted lease broker (``autogpu broker``, issue 11): a lease store.
 
-:class:`BrokerRegistry` has the interface :mod:`core.picker` and :mod:`core.decision` use of
-:class:`~autogpu_jupyter.core.registry.Registry` (``locked()`` yielding a transaction with
-``live_leases()`` / ``live_tickets()`` / ``create()``, ``live_records()``, ``take_ticket()``,
-``hiding()``, ``list_leases()``), so every surface -- magics, API, CLI, provisioner, server --
-goes through the broker unchanged when :func:`autogpu_jupyter.core.registry.from_settings`
-selects it.
+:class:`BrokerRegistry` is the second implementation of the lease store port
+(:class:`~autogpu_jupyter.core.leasing.store.LeaseStore`, beside the shared directory), so every
+surface -- magics, API, CLI, provisioner, server -- goes through the broker unchanged when
+:func:`autogpu_jupyter.core.leasing.factory.store_for` selects it. Admission (exclusivity,
+quotas, reserved groups, tickets) happens in the broker, by the same rules as the directory's
+(:mod:`~autogpu_jupyter.core.leasing.admission`); its refusals come back as the same errors.
 
 A lease is a connection: :meth:`BrokerLease.fileno` is the connected socket, handed to the
 process that uses the GPU (``pass_fds``) exactly like a lease file's descriptor. When every copy
@@ -18,17 +18,26 @@ admin's fix), unless the admin set ``c.AutoGPU.broker_fallback = "registry"``.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import pwd
+import select
 import socket
+import stat
 import struct
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from autogpu_jupyter.core.records import LeaseRecord
+from autogpu_jupyter.core.leasing.admission import in_line
+from autogpu_jupyter.core.leasing.records import LeaseRecord
+from autogpu_jupyter.core.leasing.store import (
+    HeldLease,
+    LeaseStore,
+    Requester,
+    ScanResult,
+    StoreTransaction,
+)
 from autogpu_jupyter.errors import (
     AutoGPUError,
     LeaseLimitError,
@@ -40,13 +49,46 @@ from autogpu_jupyter.errors import (
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import DeviceSnapshot
-    from autogpu_jupyter.core.picker import Holder
-    from autogpu_jupyter.core.registry import ScanResult
 
-__all__ = ["DEFAULT_SOCKET", "BrokerLease", "BrokerRegistry", "BrokerTransaction", "broker_fix"]
+__all__ = [
+    "DEFAULT_SOCKET",
+    "HOLDER_KINDS",
+    "MAX_REPLY_BYTES",
+    "MAX_REQUEST_BYTES",
+    "PROTOCOL",
+    "BrokerLease",
+    "BrokerRegistry",
+    "BrokerTransaction",
+    "broker_fix",
+]
 
 DEFAULT_SOCKET = "/run/autogpu/broker.sock"
-_MAX_LINE = 4 * 1024 * 1024  # replies carry every live record: larger than requests
+
+# -- the protocol, as both sides speak it (the broker imports these: the caps agree) ----------
+
+#: The version of the protocol, in every request and reply (``"proto"``): a broker and a
+#: client of different versions refuse each other with one line naming both.
+PROTOCOL = 2
+#: The longest request line the broker reads (a longer one closes that connection).
+MAX_REQUEST_BYTES = 64 * 1024
+#: The longest reply line the broker sends and a client reads. Replies are bounded by
+#: construction (a compact booking view, pages of records, counts), never by other users'
+#: records: a reply past this is a bug, reported as such.
+MAX_REPLY_BYTES = 1024 * 1024
+#: One page of ``leases``: at most this many records, and this many bytes of them.
+PAGE_RECORDS = 256
+PAGE_BYTES = 256 * 1024
+#: What a client reads of ``leases`` in all (pages of the broker): a list of every lease on
+#: the host is for people, and no host has this many.
+MAX_LIST_RECORDS = 16384
+#: The booking view of ``begin``: rows per device (the rest folded into one), waiting tickets.
+VIEW_ROWS_PER_DEVICE = 16
+VIEW_TICKETS = 64
+VIEW_TICKET_BYTES = 256 * 1024
+#: Who may hold a lease (``holder.kind``), as the picker's requester says.
+HOLDER_KINDS = ("process", "kernel", "cli", "provisioner", "api")
+
+_MAX_LINE = MAX_REPLY_BYTES
 #: ``struct ucred`` (pid, uid, gid) of ``SO_PEERCRED``, unsigned: a uid may be >= 2**31.
 _UCRED = struct.Struct("3I")
 _ERRORS: dict[str, type[AutoGPUError]] = {
@@ -71,17 +113,31 @@ class _Conn:
         self.path = path
         self.sock = _connect(path, timeout_s)
         self._buf = b""
+        self._greeted = False  # the broker's protocol was checked on this connection
 
-    def call(self, msg: Mapping[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
-        """Send ``msg``; the broker's reply. A refusal raises its :class:`AutoGPUError`."""
+    def call(
+        self, msg: Mapping[str, Any], timeout_s: float = 30.0, waiting_for: str = ""
+    ) -> dict[str, Any]:
+        """Send ``msg``; the broker's reply. A refusal raises its :class:`AutoGPUError`.
+
+        ``waiting_for`` words a timeout (``"its pick lock"``): a broker that answers late is
+        busy, not down, and is not reported as down.
+        """
+        op = str(msg.get("op"))
         try:
             self.sock.settimeout(timeout_s)
-            self.sock.sendall(json.dumps(msg).encode() + b"\n")
+            self.sock.sendall(json.dumps({**msg, "proto": PROTOCOL}).encode() + b"\n")
             while True:
-                reply = self._read_line()
+                reply = self._read_line(op)
                 if "event" in reply:
                     continue
                 break
+        except TimeoutError:
+            what = waiting_for or f"an answer to {op!r}"
+            raise RegistryUntrustedError(
+                f"the lease broker at {self.path} did not give {what} within {timeout_s:g} s "
+                "(it is busy, or other picks hold it): nothing was picked; try again"
+            ) from None
         except (OSError, ValueError) as err:
             raise RegistryUntrustedError(
                 f"lost the lease broker at {self.path} ({_why(err)}); {broker_fix(self.path)}"
@@ -89,19 +145,27 @@ class _Conn:
         finally:
             with contextlib.suppress(OSError):
                 self.sock.settimeout(None)
+        if reply.get("proto") != PROTOCOL and not self._greeted:
+            self.close()
+            raise RegistryUntrustedError(_version_mismatch(self.path, reply))
+        self._greeted = True
         if not reply.get("ok"):
             cls = _ERRORS.get(str(reply.get("type")), RegistryError)
             raise cls(f"lease broker: {reply.get('error', 'refused')}")
         return reply
 
-    def _read_line(self) -> dict[str, Any]:
+    def _read_line(self, op: str) -> dict[str, Any]:
         while b"\n" not in self._buf:
             chunk = self.sock.recv(65536)
             if not chunk:
                 raise ConnectionError("the broker closed the connection")
             self._buf += chunk
             if len(self._buf) > _MAX_LINE:
-                raise ValueError("reply too long")
+                raise RegistryError(
+                    f"the lease broker at {self.path} sent a reply to {op!r} longer than "
+                    f"{_MAX_LINE} bytes: refused (the broker and this autogpu disagree on the "
+                    "protocol's caps, or the broker has a bug; it is not down)"
+                )
         line, _, self._buf = self._buf.partition(b"\n")
         data = json.loads(line)
         if not isinstance(data, dict):
@@ -111,6 +175,18 @@ class _Conn:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+def _version_mismatch(path: str, reply: Mapping[str, Any]) -> str:
+    theirs = reply.get("proto")
+    if reply.get("ok") is False and reply.get("type") == "RegistryUntrustedError":
+        return f"lease broker at {path}: {reply.get('error')}"  # it refused us: its words
+    spoken = "an older protocol (no version)" if theirs is None else f"protocol {theirs!r:.20}"
+    return (
+        f"the lease broker at {path} speaks {spoken}, this autogpu speaks protocol {PROTOCOL}: "
+        "the broker and this environment come from different autogpu versions; nothing was "
+        "picked; ask the admin to run the same autogpu version for both"
+    )
 
 
 def _why(err: BaseException) -> str:
@@ -191,26 +267,59 @@ def from_wire(d: Mapping[str, Any], path: str) -> LeaseRecord:
     )
 
 
+def _view_records(devices: Iterable[Any], path: str) -> list[LeaseRecord]:
+    """Other users' leases as the booking view of ``begin`` gives them (see the broker's
+    ``_view``): one record per row, and one per lease folded into ``more`` (the first of them
+    carries what they book together). :func:`core.decision.bookings_for` then counts, books and
+    excludes exactly as it would from the full records; only the bookings folded into ``more``
+    are always counted (their pids are not sent): a pick may see a device fuller than it is,
+    never emptier."""
+    out: list[LeaseRecord] = []
+    try:
+        for dev in devices:
+            uuid = str(dev["uuid"])
+            for exclusive, pid, booked, user, where in dev["rows"]:
+                out.append(_view_record(uuid, len(out), bool(exclusive), int(pid),
+                                        None if booked is None else int(booked),
+                                        str(user), str(where) or None, path))
+            more = dev.get("more") or {}
+            for i in range(min(int(more.get("leases", 0)), MAX_LIST_RECORDS)):
+                first = i == 0
+                out.append(_view_record(uuid, len(out), first and bool(more.get("exclusive")), 0,
+                                        int(more.get("booked") or 0) if first else None,
+                                        "others", None, path))
+    except (KeyError, TypeError, ValueError) as err:
+        raise RegistryError(f"lease broker at {path} sent a bad booking view: {err}") from None
+    return out
+
+
+def _view_record(uuid: str, n: int, exclusive: bool, pid: int, booked: int | None, user: str,
+                 where: str | None, path: str) -> LeaseRecord:
+    lease_id = f"view{n:028x}"
+    return LeaseRecord(
+        lease_id=lease_id, kind="lease", device_uuids=(uuid,), device_requested_bytes=(booked,),
+        exclusive=exclusive, user=user, uid=-1, host="", pid=pid, created_s=0.0,
+        notebook_path=where, path=f"{path}#{lease_id}",
+    )
+
+
 def _opt(v: Any) -> str | None:
     return None if v is None else str(v)
 
 
-def _holder_msg(holder: Holder | None) -> dict[str, Any]:
-    if holder is None:
+def _holder_msg(requester: Requester | None) -> dict[str, Any]:
+    if requester is None:
         return {"kind": "process"}
     return {
-        "kernel_id": holder.kernel_id,
-        "notebook_path": holder.notebook_path,
-        "command": holder.command,
-        "kind": holder.kind,
+        "kernel_id": requester.kernel_id,
+        "notebook_path": requester.notebook_path,
+        "command": requester.command,
+        "kind": requester.kind,
     }
 
 
-class BrokerLease:
+class BrokerLease(HeldLease):
     """A lease (or ticket) the broker granted to this connection; it lives as long as the socket.
-
-    Same surface as :class:`~autogpu_jupyter.core.registry.Lease`: ``record``, ``held``,
-    ``release()``, ``fileno()`` (for ``pass_fds``), ``detach()``, ``set_pid()``.
     """
 
     def __init__(self, record: LeaseRecord, conn: _Conn, registry: BrokerRegistry) -> None:
@@ -218,10 +327,6 @@ class BrokerLease:
         self._conn: _Conn | None = conn
         self._registry = registry
         self._owner_pid = os.getpid()
-
-    @property
-    def path(self) -> str:
-        return self.record.path
 
     @property
     def held(self) -> bool:
@@ -261,36 +366,30 @@ class BrokerLease:
         recs = _records([reply["record"]], self._registry.path)
         self.record = recs[0]
 
-    def __enter__(self) -> BrokerLease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
     def __del__(self) -> None:
         conn = getattr(self, "_conn", None)
         if conn is not None:
             conn.close()
 
-    def __repr__(self) -> str:
-        state = "held" if self.held else "released"
-        return f"<BrokerLease {self.record.lease_id} {','.join(self.record.device_uuids)} {state}>"
 
-
-class BrokerTransaction:
+class BrokerTransaction(StoreTransaction):
     """One pick under the broker's pick lock (see :meth:`BrokerRegistry.locked`)."""
 
+    store: BrokerRegistry
+
     def __init__(self, registry: BrokerRegistry, conn: _Conn, reply: Mapping[str, Any]) -> None:
-        self.registry = registry
+        self.store = registry
         self._conn: _Conn | None = conn
-        self._leases = _records(reply.get("leases", ()), registry.path)
+        self._leases = _records(reply.get("own", ()), registry.path) + _view_records(
+            reply.get("devices", ()), registry.path
+        )
         self._tickets = _records(reply.get("tickets", ()), registry.path)
 
     def live_leases(self) -> list[LeaseRecord]:
-        return self.registry._visible(self._leases)
+        return self.store._visible(self._leases)
 
     def live_tickets(self) -> list[LeaseRecord]:
-        return sorted(self._tickets, key=lambda r: (r.seq or 0, r.created_s, r.lease_id))
+        return in_line(self._tickets)
 
     def create(
         self,
@@ -298,19 +397,10 @@ class BrokerTransaction:
         devices: Sequence[DeviceSnapshot | str],
         requested_bytes: int | Sequence[int | None] | None = None,
         exclusive: bool = False,
-        holder: Holder | None = None,
+        requester: Requester | None = None,
     ) -> BrokerLease:
-        """Ask the broker for a lease on ``devices``; it checks exclusivity and the quota.
-
-        Raises
-        ------
-        LeaseLimitError
-            Past the admin's ``max_devices_per_user`` (the broker's rule).
-        NoDeviceFitsError
-            A device is held exclusively, or ``exclusive`` was asked and another lease holds it.
-        RegistryError
-            The broker refused or was lost.
-        """
+        """Ask the broker for a lease on ``devices``; it admits it by the one admission's rules
+        (see :meth:`StoreTransaction.create`; ``RegistryError``: refused or lost)."""
         uuids = [d if isinstance(d, str) else d.uuid for d in devices]
         if not uuids:
             raise ValueError("a lease needs at least one device")
@@ -326,27 +416,26 @@ class BrokerTransaction:
                 "devices": uuids,
                 "requested_bytes": booked,
                 "exclusive": bool(exclusive),
-                "holder": _holder_msg(holder),
-                # A re-pick replaces our own lease: the broker leaves it out of the checks (our
-                # own uid's only; another user's lease is never ignored).
-                "ignore_ids": sorted(self.registry._hidden_ids),
-                "ignore_kernel": self.registry._hidden_kernel,
+                "holder": _holder_msg(requester),
+                **self.store._ignored(),
             }
         )
-        rec = _records([reply["record"]], self.registry.path)[0]
+        rec = _records([reply["record"]], self.store.path)[0]
         conn, self._conn = self._conn, None
         self._leases.append(rec)
-        return BrokerLease(rec, conn, self.registry)
+        return BrokerLease(rec, conn, self.store)
 
     def create_ticket(
         self,
         *,
         constraints: Mapping[str, Any],
         exclusive: bool = False,
-        holder: Holder | None = None,
+        requester: Requester | None = None,
     ) -> BrokerLease:
-        return self.registry.take_ticket(
-            constraints=constraints, exclusive=exclusive, holder=holder
+        """A ticket is held by a connection of its own (see :meth:`BrokerRegistry.take_ticket`):
+        this one's is the pick lock's."""
+        return self.store.take_ticket(
+            constraints=constraints, exclusive=exclusive, requester=requester
         )
 
     def close(self) -> None:
@@ -355,8 +444,8 @@ class BrokerTransaction:
             conn.close()  # closing gives the pick lock back
 
 
-class BrokerRegistry:
-    """The broker at ``socket_path`` seen as a lease registry (see the module docstring)."""
+class BrokerRegistry(LeaseStore):
+    """The broker at ``socket_path`` seen as a lease store (see the module docstring)."""
 
     def __init__(
         self, socket_path: str, *, lock_timeout_s: float = 10.0, connect_timeout_s: float = 5.0
@@ -373,8 +462,6 @@ class BrokerRegistry:
         except KeyError:
             self.user = str(self.uid)
         self.unusable_reason: str | None = None
-        self._hidden_ids: frozenset[str] = frozenset()
-        self._hidden_kernel: str | None = None
 
     def __repr__(self) -> str:
         return f"BrokerRegistry({self.path!r})"
@@ -382,27 +469,11 @@ class BrokerRegistry:
     def _conn(self) -> _Conn:
         return _Conn(self.path, self.connect_timeout_s)
 
-    def hiding(
-        self, *, lease_ids: Iterable[str] = (), kernel_id: str | None = None
-    ) -> BrokerRegistry:
-        """This view without some of the caller's OWN leases (as :meth:`Registry.hiding`)."""
-        view = copy.copy(self)
-        view._hidden_ids = frozenset(lease_ids)
-        view._hidden_kernel = kernel_id
-        return view
-
-    def _visible(self, records: Iterable[LeaseRecord]) -> list[LeaseRecord]:
-        return [
-            r
-            for r in records
-            if not (
-                r.uid == self.uid
-                and (
-                    r.lease_id in self._hidden_ids
-                    or (self._hidden_kernel is not None and r.kernel_id == self._hidden_kernel)
-                )
-            )
-        ]
+    def _ignored(self) -> dict[str, Any]:
+        """What a lease or ticket asks the broker to leave out of its admission: the caller's
+        OWN leases this view hides (a re-pick replaces them; another user's lease is never
+        ignored)."""
+        return {"ignore_ids": sorted(self._hidden_ids), "ignore_kernel": self._hidden_kernel}
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[BrokerTransaction]:
@@ -431,65 +502,77 @@ class BrokerRegistry:
 
     def _begin_on(self, conn: _Conn) -> BrokerTransaction:
         try:
-            reply = conn.call({"op": "begin"}, timeout_s=self.lock_timeout_s)
+            reply = conn.call({"op": "begin"}, timeout_s=self.lock_timeout_s,
+                              waiting_for="its pick lock")
             return BrokerTransaction(self, conn, reply)
         except BaseException:
             conn.close()
             raise
 
-    def live_records(
-        self, txn: BrokerTransaction | None = None
-    ) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
-        """Live leases (less the hidden ones) and tickets in line order, for ranking."""
-        if txn is not None:
-            return txn.live_leases(), txn.live_tickets()
+    def _read_unlocked(self) -> list[LeaseRecord]:
         try:
-            records = self.list_leases(include_tickets=True)
+            return self.list_leases(include_tickets=True)
         except AutoGPUError:
-            return [], []
-        leases = [r for r in records if r.kind == "lease"]
-        tickets = sorted(
-            (r for r in records if r.kind == "ticket"),
-            key=lambda r: (r.seq or 0, r.created_s, r.lease_id),
-        )
-        return leases, tickets
+            return []
 
     def list_leases(self, *, include_tickets: bool = False) -> list[LeaseRecord]:
         """Live leases of every user, oldest first (other users' command lines never sent)."""
         conn = self._conn()
         try:
-            reply = conn.call({"op": "leases", "tickets": include_tickets})
+            payloads = _pages(conn, {"op": "leases", "tickets": include_tickets})
         finally:
             conn.close()
         return sorted(
-            self._visible(_records(reply.get("records", ()), self.path)),
+            self._visible(_records(payloads, self.path)),
             key=lambda r: (r.created_s, r.lease_id),
         )
 
     def status(self) -> dict[str, Any]:
-        """The broker's ``status`` answer (leases, waiters, per-user counts)."""
+        """The broker's ``status`` answer (counts, per-user rows), with its leases and tickets
+        read page by page on the same connection."""
         conn = self._conn()
         try:
-            return conn.call({"op": "status"})
+            st = conn.call({"op": "status"})
+            records = _pages(conn, {"op": "leases", "tickets": True})
         finally:
             conn.close()
+        st["leases"] = [r for r in records if r.get("kind") == "lease"]
+        st["tickets"] = [r for r in records if r.get("kind") == "ticket"]
+        return st
 
     def revoke(self, lease_id: str) -> str:
         """End another process's lease (root only); the holder's text."""
+        return self.revoke_record(lease_id)[1]
+
+    def revoke_record(self, lease_id: str) -> tuple[str, str]:
+        """End another process's lease or ticket (root only): (``lease`` or ``ticket``, the
+        holder's text)."""
         conn = self._conn()
         try:
-            return str(conn.call({"op": "revoke", "lease_id": lease_id}).get("revoked", ""))
+            reply = conn.call({"op": "revoke", "lease_id": lease_id})
         finally:
             conn.close()
+        return str(reply.get("kind", "lease")), str(reply.get("revoked", ""))
+
+    def list_tickets(self) -> list[LeaseRecord]:
+        """The waiting line, oldest first (``autogpu broker tickets``)."""
+        conn = self._conn()
+        try:
+            payloads = _pages(conn, {"op": "leases", "kind": "ticket"})
+        finally:
+            conn.close()
+        return sorted(_records(payloads, self.path),
+                      key=lambda r: (r.seq or 0, r.created_s, r.lease_id))
 
     def take_ticket(
         self,
         *,
         constraints: Mapping[str, Any],
         exclusive: bool = False,
-        holder: Holder | None = None,
+        requester: Requester | None = None,
     ) -> BrokerLease:
-        """Join the broker's waiting line: a ticket held by a connection of its own."""
+        """Join the broker's waiting line, if it admits the ticket: a ticket held by a
+        connection of its own."""
         conn = self._conn()
         try:
             reply = conn.call(
@@ -497,7 +580,8 @@ class BrokerRegistry:
                     "op": "ticket",
                     "constraints": dict(constraints),
                     "exclusive": bool(exclusive),
-                    "holder": _holder_msg(holder),
+                    "holder": _holder_msg(requester),
+                    **self._ignored(),
                 }
             )
             rec = _records([reply["record"]], self.path)[0]
@@ -524,9 +608,19 @@ class BrokerRegistry:
 
     def scan(self) -> ScanResult:
         """Diagnostics: the broker's live records (nothing is ever dead or ignored there)."""
-        from autogpu_jupyter.core.registry import ScanResult
-
         return ScanResult(live=self.list_leases(include_tickets=True))
+
+
+def _pages(conn: _Conn, msg: Mapping[str, Any]) -> list[Any]:
+    """Every record of a paged ``leases`` request (at most :data:`MAX_LIST_RECORDS`)."""
+    out: list[Any] = []
+    after = None
+    while True:
+        reply = conn.call({**msg, "after": after})
+        out += list(reply.get("records") or ())
+        after = reply.get("next")
+        if after is None or len(out) >= MAX_LIST_RECORDS:
+            return out[:MAX_LIST_RECORDS]
 
 
 def lease_events(fd: int) -> list[str]:
@@ -539,9 +633,6 @@ def lease_events(fd: int) -> list[str]:
     list of str
         One line per event, for the notebook user; empty when nothing happened.
     """
-    import select
-    import stat
-
     try:
         if not stat.S_ISSOCK(os.fstat(fd).st_mode):
             return []

@@ -1,4 +1,4 @@
-"""The per-host lease registry: herd safety across processes and users (design decision 5).
+"""The shared-directory lease store: herd safety across processes and users (design decision 5).
 
 Layout (``c.AutoGPU.registry_dir`` / ``$AUTOGPU_REGISTRY_DIR``, default ``/var/tmp/autogpu``)::
 
@@ -12,12 +12,16 @@ registry directory itself (an ``O_RDONLY`` directory fd: nothing to create, noth
 could replace)::
 
     with registry.locked() as txn:          # txn is None when the registry is unusable
-        context = decision.gather(snapshot, registry=registry, txn=txn)   # reads txn's leases
+        context = decision.gather(snapshot, store=registry, txn=txn)   # reads txn's leases
         chosen = decision.decide(context, constraints).chosen
-        lease = txn.create(devices=..., requested_bytes=..., exclusive=..., holder=...)
+        lease = txn.create(devices=..., requested_bytes=..., exclusive=..., requester=...)
 
-The registry stores; it decides nothing: what a lease books and how waiters are served is
-:mod:`autogpu_jupyter.core.decision`'s, the record format :mod:`autogpu_jupyter.core.records`'.
+It is one of the two implementations of the lease store port
+(:mod:`autogpu_jupyter.core.leasing.store`). The registry stores; it decides nothing: who may
+take a device or a place in line is :mod:`~autogpu_jupyter.core.leasing.admission`'s (the same
+rules as the broker's), what a lease books and how waiters are served is
+:mod:`autogpu_jupyter.core.decision`'s, the record format
+:mod:`~autogpu_jupyter.core.leasing.records`'.
 
 Liveness is the ``flock`` itself: the holder keeps the lease file open with ``LOCK_EX`` for its
 whole life (the descriptor is not inherited across ``exec``); a reader tries ``LOCK_SH|LOCK_NB``:
@@ -38,7 +42,6 @@ promised exclusivity, a wait or a quota fails closed (see :mod:`autogpu_jupyter.
 from __future__ import annotations
 
 import contextlib
-import copy
 import errno
 import fcntl
 import logging
@@ -49,11 +52,13 @@ import secrets
 import socket
 import stat
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from autogpu_jupyter.core.records import (
+from autogpu_jupyter.core import procfs
+from autogpu_jupyter.core.leasing import admission
+from autogpu_jupyter.core.leasing.records import (
     LEASE_SUFFIX,
     MAX_RECORD_BYTES,
     MAX_SEQ,
@@ -64,11 +69,17 @@ from autogpu_jupyter.core.records import (
     field_text,
     parse_checked,
 )
-from autogpu_jupyter.errors import LeaseLimitError, NoDeviceFitsError, RegistryError
+from autogpu_jupyter.core.leasing.store import (
+    HeldLease,
+    LeaseStore,
+    Requester,
+    ScanResult,
+    StoreTransaction,
+)
+from autogpu_jupyter.errors import RegistryError
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import DeviceSnapshot
-    from autogpu_jupyter.core.picker import Holder
 
 __all__ = [
     "LEASE_SUFFIX",
@@ -80,8 +91,6 @@ __all__ = [
     "ScanResult",
     "Ticket",
     "Transaction",
-    "broker_for",
-    "from_settings",
 ]
 
 log = logging.getLogger(__name__)
@@ -110,7 +119,7 @@ def _write_all(fd: int, data: bytes, offset: int | None = None) -> None:
         done += n
 
 
-class Lease:
+class Lease(HeldLease):
     """A lease this process holds: an open, ``flock``-ed file in our user directory.
 
     Keep the object (or the process) alive for as long as the device is used: closing the
@@ -125,10 +134,6 @@ class Lease:
         self._registry = registry
         self._name = name
         self._owner_pid = os.getpid()
-
-    @property
-    def path(self) -> str:
-        return self.record.path
 
     @property
     def held(self) -> bool:
@@ -181,21 +186,10 @@ class Lease:
             os.ftruncate(self._fd, len(data))
         self.record = record
 
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
     def __del__(self) -> None:
         if self._fd is not None:
             with contextlib.suppress(OSError):  # EBADF: closed behind our back
                 os.close(self._fd)
-
-    def __repr__(self) -> str:
-        state = "held" if self.held else "released"
-        devices = ",".join(self.record.device_uuids)
-        return f"<{type(self).__name__} {self.record.lease_id} {devices} {state}>"
 
 
 _L = TypeVar("_L", bound=Lease)
@@ -205,16 +199,6 @@ class Ticket(Lease):
     """A place in the waiting line (FIFO across processes and users), held like a lease."""
 
     suffix = TICKET_SUFFIX
-
-
-@dataclass
-class ScanResult:
-    """Everything one scan of the registry saw."""
-
-    live: list[LeaseRecord] = field(default_factory=list)
-    dead: list[LeaseRecord] = field(default_factory=list)
-    ignored: list[tuple[str, str]] = field(default_factory=list)  # (path, why)
-    keep_ignored: bool = True  # False: a pick's scan, which does not report what it skipped
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,49 +272,14 @@ def _known_bad(key: tuple[int, str, int]) -> str | None:
     return _REJECTED.get(key)
 
 
-def _flock_holder_pids(st: os.stat_result, locks_path: str = "/proc/locks") -> list[int] | None:
-    """PIDs holding an ``flock`` on the file of ``st``, per ``/proc/locks``; ``None``: unknown.
-
-    A line reads ``1: FLOCK  ADVISORY  WRITE 4242 fe:00:2149016 0 EOF`` (device as hex
-    major:minor, then the inode); waiters are marked ``->`` and do not hold anything.
-    """
-    key = b"%02x:%02x:%d" % (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-    try:
-        with open(locks_path, "rb") as f:  # ASCII from the kernel: read as bytes, no decoding
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    pids = []
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 6 and parts[1] == b"FLOCK" and parts[5] == key:
-            try:
-                pids.append(int(parts[4]))
-            except ValueError:
-                return None
-    return pids
-
-
-def _pid_uids(pid: int) -> set[int] | None:
-    """Real, effective, saved and filesystem uids of ``pid`` (``None``: gone or hidden)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Uid:"):
-                    return {int(x) for x in line.split()[1:]}
-    except (OSError, ValueError):
-        return None
-    return None
-
-
 def _held_only_by_others(st: os.stat_result, owner_uid: int) -> bool:
     """True when the file's ``flock`` is held, and every holder runs as a uid other than
     ``owner_uid`` (a lease kept looking alive by someone else). Unknown holders: False."""
-    pids = _flock_holder_pids(st)
+    pids = procfs.flock_holders(st)
     if not pids:
         return False
     for pid in pids:
-        uids = _pid_uids(pid)  # None for a pid of 0 or less too: /proc has no such entry
+        uids = procfs.uids(pid)  # None for a pid of 0 or less too: /proc has no such entry
         if uids is None or owner_uid in uids:
             return False
     return True
@@ -347,50 +296,6 @@ def _describe_owner(uid: int) -> str:
     return f"{_user_name(uid)} (uid {uid})"
 
 
-def from_settings(settings: Any) -> Registry | None:
-    """The registry an ``AutoGPU`` configuration names, or ``None`` when leases are off.
-
-    The trusted broker (:class:`~autogpu_jupyter.core.brokerclient.BrokerRegistry`, the same
-    interface) when ``broker_socket`` is set or its default socket exists; the shared directory
-    otherwise, or when the broker is down and the admin set ``broker_fallback = "registry"``.
-    """
-    if not settings.use_leases:
-        return None
-    broker = broker_for(settings)
-    if broker is not None:
-        return broker  # type: ignore[no-any-return]  # the same interface (duck-typed)
-    if not settings.registry_dir:
-        return None
-    return Registry(
-        settings.registry_dir,
-        max_devices_per_user=settings.max_devices_per_user,
-        record_commands=settings.record_commands,
-        lock_timeout_s=settings.registry_lock_timeout_s,
-    )
-
-
-def broker_for(settings: Any) -> Any:
-    """The broker client the settings select, or ``None`` (see :func:`from_settings`)."""
-    from autogpu_jupyter.core import brokerclient
-
-    configured = settings.broker_socket.strip()
-    if configured.lower() in ("off", "none", "0", "false"):
-        return None
-    path = configured or brokerclient.DEFAULT_SOCKET
-    if not configured and not os.path.exists(path):
-        return None
-    broker = brokerclient.BrokerRegistry(
-        path, lock_timeout_s=max(float(settings.registry_lock_timeout_s), 1.0)
-    )
-    if settings.broker_fallback.strip().lower() == "registry":
-        try:
-            broker.check()
-        except RegistryError as err:
-            log.warning("%s; using the shared-directory registry (broker_fallback)", err)
-            return None
-    return broker
-
-
 def _kind_of(name: str) -> str | None:
     """``"lease"`` or ``"ticket"`` by the file name's suffix; ``None`` for anything else."""
     if name.endswith(LEASE_SUFFIX):
@@ -400,16 +305,13 @@ def _kind_of(name: str) -> str | None:
     return None
 
 
-def _in_line(tickets: list[LeaseRecord]) -> list[LeaseRecord]:
-    """Tickets in serving order: arrival number, then creation time, then id."""
-    return sorted(tickets, key=lambda r: (r.seq or 0, r.created_s, r.lease_id))
-
-
-class Transaction:
+class Transaction(StoreTransaction):
     """What a pick may do while it holds the registry lock (see :meth:`Registry.locked`)."""
 
+    store: Registry
+
     def __init__(self, registry: Registry, top_fd: int, user_fd: int) -> None:
-        self.registry = registry
+        self.store = registry
         self._top_fd = top_fd
         self._user_fd = user_fd  # our own user directory, opened and checked by locked()
         self._scan: ScanResult | None = None
@@ -417,16 +319,16 @@ class Transaction:
     def scan(self) -> ScanResult:
         """Every user's leases and tickets (read once per transaction; our dead ones removed)."""
         if self._scan is None:
-            self._scan = self.registry._scan_fd(self._top_fd, prune_own=True, keep_ignored=False)
+            self._scan = self.store._scan_fd(self._top_fd, prune_own=True, keep_ignored=False)
         return self._scan
 
     def live_leases(self) -> list[LeaseRecord]:
         """Live leases of every user (less those the registry view hides)."""
-        return self.registry._visible(r for r in self.scan().live if r.kind == "lease")
+        return self.store._visible(r for r in self.scan().live if r.kind == "lease")
 
     def live_tickets(self) -> list[LeaseRecord]:
-        """Live tickets of every user, oldest (lowest ``seq``) first."""
-        return _in_line([r for r in self.scan().live if r.kind == "ticket"])
+        """Live tickets of every user, in serving order (:func:`admission.in_line`)."""
+        return admission.in_line(r for r in self.scan().live if r.kind == "ticket")
 
     def create(
         self,
@@ -434,30 +336,11 @@ class Transaction:
         devices: Sequence[DeviceSnapshot | str],
         requested_bytes: int | Sequence[int | None] | None = None,
         exclusive: bool = False,
-        holder: Holder | None = None,
+        requester: Requester | None = None,
     ) -> Lease:
-        """Write and hold a lease on ``devices``.
-
-        Parameters
-        ----------
-        devices
-            The chosen devices (snapshots or UUIDs).
-        requested_bytes
-            Memory booked on each device: one value for all, or one per device; ``None``: nothing.
-        exclusive
-            Keep every other lease off these devices.
-        holder
-            Who the lease is for (:class:`~autogpu_jupyter.core.picker.Holder`).
-
-        Raises
-        ------
-        LeaseLimitError
-            Past the admin's ``max_devices_per_user``.
-        NoDeviceFitsError
-            A device is held exclusively, or ``exclusive`` was asked and another lease holds it.
-        RegistryError
-            The file cannot be written.
-        """
+        """Write and hold a lease on ``devices``, if :func:`admission.admit_lease` allows it
+        (see :meth:`StoreTransaction.create` for the parameters and errors; ``RegistryError``:
+        the file cannot be written)."""
         uuids = [d if isinstance(d, str) else d.uuid for d in devices]
         if not uuids:
             raise ValueError("a lease needs at least one device")
@@ -467,35 +350,20 @@ class Transaction:
             booked = list(requested_bytes)
             if len(booked) != len(uuids):
                 raise ValueError("requested_bytes: one value per device expected")
-        live = self.live_leases()
-        for u in uuids:
-            holders = [r for r in live if u in r.device_uuids]
-            if any(r.exclusive for r in holders):
-                who = ", ".join(r.holder_text() for r in holders if r.exclusive)
-                raise NoDeviceFitsError(f"no device free: {u} is held exclusively by {who}")
-            if exclusive and holders:
-                raise NoDeviceFitsError(
-                    f"no device free: exclusive wanted but {u} is held by "
-                    + ", ".join(r.holder_text() for r in holders)
-                )
-        limit = self.registry.max_devices_per_user
-        if limit > 0:
-            mine = {u for r in live if r.uid == self.registry.uid for u in r.device_uuids}
-            total = mine | set(uuids)
-            if len(total) > limit:
-                raise LeaseLimitError(
-                    f"{self.registry.user} already holds leases on {len(mine)} device(s) "
-                    f"({', '.join(sorted(mine)) or 'none'}); taking {len(set(uuids) - mine)} more "
-                    f"would exceed max_devices_per_user = {limit} set by the admin. Release one "
-                    "first (%gpu release, or end the kernel / autogpu run holding it)."
-                )
-        lease = self.registry._write_held(
+        admission.admit_lease(
+            self.live_leases(),
+            applicant=self.store.applicant,
+            devices=uuids,
+            exclusive=exclusive,
+            quota=self.store.quota,
+        )
+        lease = self.store._write_held(
             Lease,
             kind="lease",
             uuids=uuids,
             booked=booked,
             exclusive=exclusive,
-            holder=holder,
+            requester=requester,
             user_fd=self._user_fd,
         )
         if self._scan is not None:
@@ -507,35 +375,43 @@ class Transaction:
         *,
         constraints: Mapping[str, Any],
         exclusive: bool = False,
-        holder: Holder | None = None,
+        requester: Requester | None = None,
     ) -> Ticket:
-        """Join the waiting line: a ticket whose ``seq`` is after every live ticket's.
+        """Join the waiting line, if :func:`admission.admit_ticket` allows it: a ticket whose
+        ``seq`` is after every live ticket's.
 
         ``constraints`` is the waiter's request in the record's schema (see
         :func:`autogpu_jupyter.core.decision.ticket_constraints`): storage keeps it, the decision
         pipeline reads it back to serve waiters in order.
         """
         tickets = self.live_tickets()
+        admitted = admission.admit_ticket(
+            self.live_leases(),
+            tickets,
+            applicant=self.store.applicant,
+            constraints=constraints,
+            quota=self.store.quota,
+        )
         # Clamped: another user's ticket at MAX_SEQ must not push ours past what readers accept
         # (ties are served by creation time).
         seq = min(max((r.seq or 0 for r in tickets), default=0) + 1, MAX_SEQ)
-        ticket = self.registry._write_held(
+        ticket = self.store._write_held(
             Ticket,
             kind="ticket",
             uuids=[],
             booked=[],
             exclusive=exclusive,
-            holder=holder,
+            requester=requester,
             user_fd=self._user_fd,
             seq=seq,
-            constraints=constraints,
+            constraints=admitted,
         )
         if self._scan is not None:
             self._scan.live.append(ticket.record)
         return ticket
 
 
-class Registry:
+class Registry(LeaseStore):
     """The lease registry in directory ``path`` (shared by every user of the host).
 
     Parameters
@@ -544,6 +420,10 @@ class Registry:
         The registry directory; created (mode 1777) when missing, if its parent exists.
     max_devices_per_user
         Admin limit on the distinct devices one user may hold leases on (0: none).
+    max_leases_per_user
+        Admin limit on the leases one user may hold at once (0: none).
+    max_tickets_per_user
+        Admin limit on the places in the waiting line one user may hold at once.
     lock_timeout_s
         How long a pick waits for the registry lock before going on without a lease (another
         process holding it that long is stuck or hostile).
@@ -557,11 +437,15 @@ class Registry:
         path: str | os.PathLike[str],
         *,
         max_devices_per_user: int = 0,
+        max_leases_per_user: int = 0,
+        max_tickets_per_user: int = admission.DEFAULT_MAX_TICKETS,
         lock_timeout_s: float = 10.0,
         record_commands: bool = False,
     ) -> None:
         self.path = os.path.abspath(os.fspath(path))
         self.max_devices_per_user = max(int(max_devices_per_user), 0)
+        self.max_leases_per_user = max(int(max_leases_per_user), 0)
+        self.max_tickets_per_user = max(int(max_tickets_per_user), 0)
         self.lock_timeout_s = lock_timeout_s
         self.record_commands = bool(record_commands)
         self.uid = os.geteuid()
@@ -569,38 +453,21 @@ class Registry:
         self.host = socket.gethostname()
         #: Why the last :meth:`locked` yielded ``None`` (``None`` when the registry worked).
         self.unusable_reason: str | None = None
-        # Own leases this view leaves out (see :meth:`hiding`).
-        self._hidden_ids: frozenset[str] = frozenset()
-        self._hidden_kernel: str | None = None
 
-    def hiding(self, *, lease_ids: Iterable[str] = (), kernel_id: str | None = None) -> Registry:
-        """This registry as seen without some of the caller's OWN leases.
+    @property
+    def applicant(self) -> admission.Applicant:
+        """Who this process is to admission (the shared directory reserves nothing by group)."""
+        return admission.Applicant(self.uid, self.user)
 
-        A re-pick replaces the process's lease, so that lease must not book memory, count
-        towards ``max_devices_per_user`` or hold "exclusive" against the new pick; a notebook
-        asking "which GPU is best for me?" must not count its own kernel's lease. Other users'
-        leases are never hidden. The view applies to :meth:`list_leases`, :meth:`bookings` and
-        a transaction's ``live_leases()`` (so to :meth:`Transaction.create`'s checks too).
-        """
-        view = copy.copy(self)
-        view._hidden_ids = frozenset(lease_ids)
-        view._hidden_kernel = kernel_id
-        return view
-
-    def _visible(self, records: Iterable[LeaseRecord]) -> list[LeaseRecord]:
-        if not self._hidden_ids and self._hidden_kernel is None:
-            return list(records)
-        return [
-            r
-            for r in records
-            if not (
-                r.uid == self.uid
-                and (
-                    r.lease_id in self._hidden_ids
-                    or (self._hidden_kernel is not None and r.kernel_id == self._hidden_kernel)
-                )
-            )
-        ]
+    @property
+    def quota(self) -> admission.Quota:
+        """The limits this registry enforces on our own leases and tickets (a cooperative
+        promise: another user's client may not keep it; the broker enforces)."""
+        return admission.Quota(
+            max_devices=self.max_devices_per_user,
+            max_leases=self.max_leases_per_user,
+            max_tickets=self.max_tickets_per_user,
+        )
 
     def __repr__(self) -> str:
         return f"Registry({self.path!r})"
@@ -797,7 +664,7 @@ class Registry:
         uuids: Sequence[str],
         booked: Sequence[int | None],
         exclusive: bool,
-        holder: Holder | None,
+        requester: Requester | None,
         user_fd: int,
         seq: int | None = None,
         constraints: Mapping[str, Any] | None = None,
@@ -807,7 +674,7 @@ class Registry:
         lease_id = secrets.token_hex(16)
         name = lease_id + cls.suffix
         tmp = f".{lease_id}.tmp"
-        pid = os.getpid() if holder is None else holder.pid
+        pid = os.getpid() if requester is None else requester.pid
         record = LeaseRecord(
             lease_id=lease_id,
             kind=kind,
@@ -819,14 +686,14 @@ class Registry:
             host=field_text(self.host) or "?",
             pid=pid,
             created_s=time.time(),
-            kernel_id=field_text(None if holder is None else holder.kernel_id),
-            notebook_path=field_text(None if holder is None else holder.notebook_path),
+            kernel_id=field_text(None if requester is None else requester.kernel_id),
+            notebook_path=field_text(None if requester is None else requester.notebook_path),
             command=(
-                field_text(holder.command)
-                if holder is not None and self.record_commands
+                field_text(requester.command)
+                if requester is not None and self.record_commands
                 else None
             ),
-            holder_kind=field_text("process" if holder is None else holder.kind, 32)
+            holder_kind=field_text("process" if requester is None else requester.kind, 32)
             or "process",
             seq=seq,
             constraints=constraints,
@@ -1144,30 +1011,21 @@ class Registry:
             live = [r for r in live if r.kind == "lease"]
         return sorted(self._visible(live), key=lambda r: (r.created_s, r.lease_id, r.uid))
 
-    def live_records(
-        self, txn: Transaction | None = None
-    ) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
-        """Live leases (less those this view hides) and live tickets (oldest first), for ranking.
-
-        With ``txn`` they are the transaction's (read under the lock); without, one unlocked
-        scan. An unusable registry gives nothing (the pick already says it has no lease).
-        """
-        if txn is not None:
-            return txn.live_leases(), txn.live_tickets()
+    def _read_unlocked(self) -> list[LeaseRecord]:
+        """One scan without the lock; an unusable registry gives nothing (the pick already
+        says it has no lease)."""
         try:
             top = self._open_top(create=False)
         except RegistryError as err:
             log.debug("ranking without the registry: %s", err)
-            return [], []
+            return []
         try:
-            live = self._scan_fd(top, keep_ignored=False).live
+            return self._scan_fd(top, keep_ignored=False).live
         except RegistryError as err:
             log.debug("ranking without the registry: %s", err)
-            return [], []
+            return []
         finally:
             os.close(top)
-        leases = self._visible(r for r in live if r.kind == "lease")
-        return leases, _in_line([r for r in live if r.kind == "ticket"])
 
     def prune(self, all_users: bool = False) -> list[LeaseRecord]:
         """Remove dead lease and ticket files: the caller's own, or every user's (root only).
@@ -1232,21 +1090,3 @@ class Registry:
             return False
         finally:
             os.close(ufd)
-
-    # -- waiting in line ----------------------------------------------------------------------
-
-    def take_ticket(
-        self,
-        *,
-        constraints: Mapping[str, Any],
-        exclusive: bool = False,
-        holder: Holder | None = None,
-    ) -> Ticket | None:
-        """Join the waiting line (under the lock). ``None`` when the registry is unusable."""
-        with self.locked() as txn:
-            if txn is None:
-                return None
-            ticket: Ticket = txn.create_ticket(
-                constraints=constraints, exclusive=exclusive, holder=holder
-            )
-            return ticket

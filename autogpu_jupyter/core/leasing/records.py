@@ -2,11 +2,11 @@
 
 A record is one JSON object (at most :data:`MAX_RECORD_BYTES`), UTF-8, strict: unknown or
 duplicate keys, non-finite numbers, lone surrogates, control characters in names, wrong types
-and out-of-range numbers are rejected (:class:`Invalid`). The writer (:mod:`core.registry`)
-normalises its own values with :func:`field_text` and checks the exact bytes with
-:func:`parse_checked` before a lease counts, so it never reports a lease that readers reject.
-Another user's record is untrusted input: it is only ever parsed here, never executed or put in
-a shell.
+and out-of-range numbers are rejected (:class:`Invalid`). The writers (the shared directory,
+:mod:`core.leasing.directory`, and the broker) normalise their own values with
+:func:`field_text` and check the exact bytes with the readers' parse before a lease counts, so
+neither reports a lease that readers reject. Another user's record is untrusted input: it is
+only ever parsed here, never executed or put in a shell.
 """
 
 from __future__ import annotations
@@ -19,13 +19,18 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = [
+    "FIELD_CAPS",
     "LEASE_SUFFIX",
+    "MAX_DEVICES",
+    "MAX_ID_LIST",
     "MAX_RECORD_BYTES",
     "MAX_SEQ",
     "SCHEMA_VERSION",
     "TICKET_SUFFIX",
     "Invalid",
     "LeaseRecord",
+    "capped_text",
+    "cut_encoded",
     "encode",
     "field_text",
     "parse_checked",
@@ -46,7 +51,23 @@ _ID_RE = re.compile(r"^[0-9a-f]{16,64}$")
 _UUID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _MAX_STR = 4096
-_MAX_DEVICES = 64
+#: Most devices a record names (a lease's devices, a request's count, exclude and allowed lists).
+MAX_DEVICES = 64
+#: The most entries of any list of ids in a record (devices, a ticket's ``exclude`` and
+#: ``allowed_uuids``), and of the ids a message names.
+MAX_ID_LIST = MAX_DEVICES
+#: What a writer keeps of each free-text field, in *encoded* bytes (JSON with ``\u`` escapes,
+#: as the record travels and is stored): 1 KiB of emoji is 12 KiB once escaped, so a cap in
+#: characters bounds nothing. Readers accept up to :data:`_MAX_STR` characters (records of
+#: older writers stay readable); the broker keeps to these (:func:`capped_text`).
+FIELD_CAPS = {
+    "notebook_path": 1024,
+    "kernel_id": 64,
+    "command": 1024,
+    "user": 256,
+    "host": 256,
+    "holder_kind": 32,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,7 +359,7 @@ def _devices(d: Mapping[str, Any], kind: str) -> tuple[list[str], list[int | Non
     uuids = d["device_uuids"]
     if (
         not isinstance(uuids, list)
-        or len(uuids) > _MAX_DEVICES
+        or len(uuids) > MAX_DEVICES
         or (kind == "lease" and not uuids)
         or not all(isinstance(u, str) and _UUID_RE.match(u) for u in uuids)
         or len(set(uuids)) != len(uuids)
@@ -368,7 +389,7 @@ def _parse_constraints(c: Any) -> dict[str, Any]:
     ):
         raise Invalid("constraints.max_util_pct: expected a number in [0, 100] or null")
     count = _int(c, "count", lo=1)
-    if count > _MAX_DEVICES:
+    if count > MAX_DEVICES:
         raise Invalid("constraints.count: too large")
     if not isinstance(c["exclusive"], bool):
         raise Invalid("constraints.exclusive: expected true or false")
@@ -378,7 +399,7 @@ def _parse_constraints(c: Any) -> dict[str, Any]:
             continue
         if (
             not isinstance(v, list)
-            or len(v) > _MAX_DEVICES
+            or len(v) > MAX_DEVICES
             or not all(
                 isinstance(x, str) and len(x) <= 128 and not _CONTROL_RE.search(x) for x in v
             )
@@ -399,6 +420,37 @@ def field_text(value: str | None, limit: int = _MAX_STR) -> str | None:
         return None
     text = str(value).encode("utf-8", "backslashreplace").decode("utf-8")
     return _CONTROL_RE.sub("?", text)[:limit]
+
+
+def capped_text(value: str | None, field: str) -> str | None:
+    """:func:`field_text`, cut to :data:`FIELD_CAPS` ``[field]`` *encoded* bytes (each
+    character counted as ``json.dumps`` writes it: 1, 2 for ``"`` and ``\\``, 6 for other
+    non-ASCII, 12 beyond the BMP)."""
+    limit = FIELD_CAPS[field]
+    text = field_text(value, limit)
+    return None if text is None else cut_encoded(text, limit)
+
+
+def cut_encoded(text: str, limit: int) -> str:
+    """The longest start of ``text`` that ``json.dumps`` writes in at most ``limit`` bytes."""
+    if len(text) <= limit and text.isascii() and '"' not in text and "\\" not in text:
+        return text  # one byte per character
+    size = 0
+    for i, ch in enumerate(text[:limit]):
+        size += _encoded_len(ch)
+        if size > limit:
+            return text[:i]
+    return text[:limit]
+
+
+def _encoded_len(ch: str) -> int:
+    """Bytes of one character in ``json.dumps`` (``ensure_ascii``) output."""
+    if ch in '"\\':
+        return 2
+    code = ord(ch)
+    if code < 0x80:
+        return 1
+    return 6 if code < 0x10000 else 12
 
 
 def encode(record: LeaseRecord) -> bytes:

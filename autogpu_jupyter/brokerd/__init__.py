@@ -1,0 +1,6 @@
+"""The broker's parts that are not its protocol (see :mod:`autogpu_jupyter.broker`).
+
+``identity``: who a uid is (subordinate uids are their owner); ``journal``: what survives a
+restart, and who still holds a lease's socket; ``net``: the listening socket, accepting, the
+connection caps. Only the broker imports them.
+"""

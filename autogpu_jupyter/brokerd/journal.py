@@ -1,0 +1,449 @@
+"""The broker's journal: what survives a restart, written before the reply, O(change) per change.
+
+An append-only log of JSON lines in the broker's root-only state directory
+(``journal.log``)::
+
+    {"seq": 41}                                          the ticket counter (a compaction's head)
+    {"add": "<lease id>", "uid": 1000, "record": "...", "peer": 81234, "pids": [[4242, 98765]]}
+    {"pids": "<lease id>", "pids": [[4300, 99001]]}      new holders (set_pid)
+    {"del": "<lease id>"}
+
+Each change appends one line (one ``write``); a grant is made durable (``fdatasync``) before its
+reply is sent, so a lease a client was told it holds is never forgotten by a crash. Removals are
+not synced on their own: a removal lost in a crash only leaves a lease whose holders are gone,
+and the restarted broker drops those. When the log has grown past four times the live entries
+(and at least :data:`COMPACT_MIN_BYTES`), it is rewritten as a snapshot (temporary file,
+``fsync``, ``rename``, ``fsync`` of the directory): the log's size stays bounded by the live
+state, and the cost per change stays O(1) amortised, however many leases are live.
+
+A torn last line (a crash mid-``write``) is skipped on reading. The whole-file journal of the
+first broker (``journal.json``) is read once when no log exists yet, then removed.
+
+**Holders.** A lease lives as long as *its socket* is open anywhere, not as long as the process
+that connected: ``autogpu run`` and the provisioner hand the socket to a child and may exit. So
+the journal records the inode of the client's end of the connection (its *peer*, from the
+kernel's ``sock_diag`` interface) and the holder processes seen so far, as (pid, start time).
+After a restart, the processes that still hold that inode (found in ``/proc/*/fd``) are the
+holders; a pid is only ever trusted together with its start time, so a reused pid never keeps a
+lease alive. Where ``sock_diag`` is unavailable, the recorded pids (connecting process, and the
+one given by ``set_pid``) are used instead, checked with their start times and uid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import stat
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from autogpu_jupyter.core import procfs
+
+__all__ = [
+    "COMPACT_MIN_BYTES",
+    "Entry",
+    "Journal",
+    "holders_alive",
+    "peer_inode",
+    "proc_ids",
+    "scan_socket_holders",
+    "start_time",
+    "sync_fd",
+]
+
+log = logging.getLogger("autogpu.broker")
+
+LOG_NAME = "journal.log"
+LEGACY_NAME = "journal.json"
+#: The log is compacted once it is larger than this and four times its live entries.
+COMPACT_MIN_BYTES = 256 * 1024
+#: A journal line longer than this is not ours (records are capped far below): skipped.
+MAX_LINE_BYTES = 256 * 1024
+
+Pids = list[tuple[int, int]]
+
+
+@dataclass
+class Entry:
+    """One live lease or ticket as the journal knows it."""
+
+    lease_id: str
+    uid: int
+    record: str  # the record's exact encoded bytes, as text
+    peer: int | None = None  # inode of the client's end of the connection
+    pids: Pids = field(default_factory=list)  # holder processes seen: (pid, start time)
+
+    def line(self) -> dict[str, Any]:
+        return {"add": self.lease_id, "uid": self.uid, "record": self.record,
+                "peer": self.peer, "pids": [list(p) for p in self.pids]}
+
+
+class Journal:
+    """The append log in ``directory`` (root's, mode 0700; checked by the broker)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.path = os.path.join(directory, LOG_NAME)
+        self.entries: dict[str, Entry] = {}
+        self.seq = 0
+        self._fd = -1
+        self._bytes = 0
+        self._sizes: dict[str, int] = {}  # encoded size of each live entry's line
+        self._live = 0  # their sum
+        self._dirty = False  # written since the last sync
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def load(self) -> dict[str, Entry]:
+        """Read the log (or the first broker's ``journal.json``); the live entries. Then the
+        log is compacted (rewritten with only them) and opened for appending."""
+        legacy = os.path.join(self.directory, LEGACY_NAME)
+        if os.path.lexists(self.path):
+            self._replay()
+        elif os.path.exists(legacy):
+            self._read_legacy(legacy)
+        self.compact()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(legacy)
+        return dict(self.entries)
+
+    def _replay(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # ours, not a link
+        with os.fdopen(fd, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                if len(raw) > MAX_LINE_BYTES or not raw.endswith(b"\n"):
+                    log.warning("journal line %d skipped (torn or too long)", n)
+                    continue
+                try:
+                    self._apply(json.loads(raw))
+                except (ValueError, TypeError, KeyError) as err:
+                    log.warning("journal line %d skipped: %s", n, str(err)[:200])
+
+    def _apply(self, doc: Any) -> None:
+        if not isinstance(doc, dict):
+            raise ValueError("not an object")
+        if set(doc) == {"seq"}:
+            self.seq = max(self.seq, _int(doc["seq"]))
+        elif "add" in doc:
+            e = Entry(
+                lease_id=str(doc["add"]),
+                uid=_int(doc["uid"]),
+                record=str(doc["record"]),
+                peer=None if doc.get("peer") is None else _int(doc["peer"]),
+                pids=_pids(doc.get("pids", [])),
+            )
+            self.entries[e.lease_id] = e
+            if isinstance(doc.get("seq"), int):
+                self.seq = max(self.seq, doc["seq"])
+        elif "del" in doc:
+            self.entries.pop(str(doc["del"]), None)
+        elif "holders" in doc:
+            known = self.entries.get(str(doc["holders"]))
+            if known is not None:
+                known.pids = _pids(doc.get("pids", []))
+        else:
+            raise ValueError("unknown line")
+
+    def _read_legacy(self, path: str) -> None:
+        try:
+            with open(path, "rb") as f:
+                doc = json.loads(f.read())
+            self.seq = _int(doc.get("seq", 0))
+            items = doc.get("entries", [])
+        except (OSError, ValueError, TypeError, AttributeError) as err:
+            log.warning("journal %s unreadable (%s): starting empty", path, err)
+            return
+        for item in items:
+            try:
+                record = str(item["record"])
+                lease_id = str(json.loads(record)["lease_id"])
+                self.entries[lease_id] = Entry(lease_id, _int(item["uid"]), record, None,
+                                               _pids(item["pids"]))
+            except (ValueError, TypeError, KeyError) as err:
+                log.warning("journal entry skipped: %s", str(err)[:200])
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def add(self, entry: Entry, seq: int | None = None) -> None:
+        """Append a new live entry (call :meth:`sync` before telling the client)."""
+        self.entries[entry.lease_id] = entry
+        line = entry.line()
+        if seq is not None:
+            line["seq"] = seq
+            self.seq = max(self.seq, seq)
+        size = self._append(line)
+        self._live += size - self._sizes.get(entry.lease_id, 0)
+        self._sizes[entry.lease_id] = size
+
+    def set_pids(self, lease_id: str, pids: Pids) -> None:
+        e = self.entries.get(lease_id)
+        if e is None:
+            return
+        e.pids = list(pids)
+        self._append({"holders": lease_id, "pids": [list(p) for p in pids]})
+
+    def remove(self, lease_id: str) -> None:
+        """Append the end of an entry (not synced on its own: see the module docstring)."""
+        if self.entries.pop(lease_id, None) is None:
+            return
+        self._live -= self._sizes.pop(lease_id, 0)
+        self._append({"del": lease_id}, durable=False)
+
+    def _append(self, doc: Mapping[str, Any], durable: bool = True) -> int:
+        """Write one line; ``durable``: :attr:`dirty` until synced (a removal need not be: a
+        crash that loses it leaves a lease nobody holds, which the next broker drops)."""
+        data = json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+        if self._fd < 0:
+            self._open()
+        _write_all(self._fd, data)
+        self._bytes += len(data)
+        self._dirty = self._dirty or durable
+        if self._bytes > max(COMPACT_MIN_BYTES, 4 * self._live):
+            self.compact()
+        return len(data)
+
+    def sync(self) -> None:
+        """Make every line written so far durable (``fdatasync``); a no-op when clean."""
+        fd = self.begin_sync()
+        if fd is not None:
+            sync_fd(fd)
+
+    def begin_sync(self) -> int | None:
+        """Start a sync of what was written so far: a duplicate of the log's descriptor for
+        :func:`sync_fd` (run it off the event loop), or ``None`` when clean. Lines written
+        after this call need another sync. The duplicate keeps the file open even if a
+        compaction replaces the log meanwhile (a compaction syncs its own file)."""
+        if not self._dirty:
+            return None
+        self._dirty = False
+        return os.dup(self._fd) if self._fd >= 0 else None
+
+    @property
+    def dirty(self) -> bool:
+        return self._dirty
+
+    def compact(self) -> None:
+        """Rewrite the log as the live entries only (atomically), and go on appending to it."""
+        tmp = self.path + ".tmp"
+        lines = [json.dumps({"seq": self.seq}).encode() + b"\n"]
+        lines += [json.dumps(e.line(), separators=(",", ":")).encode() + b"\n"
+                  for e in self.entries.values()]
+        self._sizes = {
+            e.lease_id: len(x) for e, x in zip(self.entries.values(), lines[1:], strict=True)
+        }
+        self._live = sum(self._sizes.values())
+        data = b"".join(lines)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        _fsync_dir(self.directory)
+        self.close()
+        self._open()
+        self._bytes = len(data)
+        self._dirty = False
+
+    def _open(self) -> None:
+        self._fd = os.open(
+            self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+        )
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            self.close()
+            raise OSError(f"{self.path} is not a file of ours")
+        self._bytes = st.st_size
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+
+def sync_fd(fd: int | None) -> None:
+    """``fdatasync`` then close a descriptor from :meth:`Journal.begin_sync`."""
+    if fd is None:
+        return
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _int(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"expected an integer, got {str(v)[:20]!r}")
+    return v
+
+
+def _pids(v: Any) -> Pids:
+    if not isinstance(v, list):
+        raise TypeError("pids: expected a list")
+    return [(_int(p), _int(s)) for p, s in v][:64]
+
+
+# -- processes and sockets -------------------------------------------------------------------
+
+
+def start_time(pid: int) -> int | None:
+    """The start time (clock ticks after boot) of ``pid``, or ``None`` if it is gone
+    (:func:`autogpu_jupyter.core.procfs.start_time`: one reader of ``/proc``)."""
+    return procfs.start_time(pid)
+
+
+def proc_ids(pid: int) -> Pids:
+    """``[(pid, start time)]``, or ``[]`` when ``pid`` is gone."""
+    start = start_time(pid)
+    return [] if start is None else [(pid, start)]
+
+
+def pid_uids(pid: int) -> set[int]:
+    """The uids of ``pid`` (none when it is gone or hidden)."""
+    return procfs.uids(pid) or set()
+
+
+def holds_socket(pid: int, inode: int) -> bool:
+    """Whether process ``pid`` has the socket ``inode`` open."""
+    target = f"socket:[{inode}]"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                return True
+    return False
+
+
+def holders_alive(pids: Sequence[tuple[int, int]], peer: int | None, uid: int) -> Pids:
+    """The recorded holders that still run (same start time) and, when the socket's inode is
+    known, still hold it; without an inode, those of ``uid`` (root: any)."""
+    out = []
+    for pid, start in pids:
+        if start_time(pid) != start:
+            continue
+        if peer is not None:
+            if holds_socket(pid, peer):
+                out.append((pid, start))
+        elif uid == 0 or uid in pid_uids(pid):
+            out.append((pid, start))
+    return out
+
+
+def scan_socket_holders(inodes: Iterable[int]) -> dict[int, Pids]:
+    """Every process holding one of ``inodes`` (one pass over ``/proc/*/fd``): inode -> holders.
+
+    Costs one ``readlink`` per open descriptor on the host: run it rarely (at a restart, and
+    when every known holder of an orphan has gone) and off the event loop.
+    """
+    wanted = {f"socket:[{i}]": i for i in inodes}
+    out: dict[int, Pids] = {}
+    if not wanted:
+        return out
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isascii() and p.isdecimal()]
+    except OSError:
+        return out
+    for p in pids:
+        try:
+            fds = os.listdir(f"/proc/{p}/fd")
+        except OSError:
+            continue
+        found: set[int] = set()
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{p}/fd/{fd}")
+            except OSError:
+                continue
+            ino = wanted.get(link)
+            if ino is not None:
+                found.add(ino)
+        if found:
+            start = start_time(int(p))
+            if start is None:
+                continue
+            for ino in found:
+                out.setdefault(ino, []).append((int(p), start))
+    return out
+
+
+# -- the peer of a Unix socket (sock_diag) ---------------------------------------------------
+
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_REQUEST = 1
+_NLMSG_ERROR = 2
+_UDIAG_SHOW_PEER = 0x4
+_UNIX_DIAG_PEER = 2
+_diag_broken = False
+
+
+def peer_inode(sock: socket.socket) -> int | None:
+    """The inode of the other end of the connected Unix socket ``sock`` (``sock_diag``), or
+    ``None`` where the kernel does not tell (no ``unix_diag``; logged once)."""
+    global _diag_broken
+    if _diag_broken:
+        return None
+    try:
+        ino = os.fstat(sock.fileno()).st_ino
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG) as nl:
+            nl.settimeout(1.0)
+            req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xFFFFFFFF, ino,
+                              _UDIAG_SHOW_PEER, 0xFFFFFFFF, 0xFFFFFFFF)
+            hdr = struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST,
+                              1, 0)
+            nl.sendto(hdr + req, (0, 0))
+            data = nl.recv(8192)
+        return _parse_peer(data)
+    except (OSError, struct.error, ValueError) as err:
+        _diag_broken = True
+        log.warning("the kernel does not tell the peers of Unix sockets (sock_diag: %s): after "
+                    "a restart, leases are kept by the pids that took them", err)
+        return None
+
+
+def _parse_peer(data: bytes) -> int | None:
+    length, kind = struct.unpack_from("=IH", data)
+    if kind == _NLMSG_ERROR:
+        raise ValueError(f"error {-struct.unpack_from('=i', data, 16)[0]}")
+    off = 16 + 16  # nlmsghdr, unix_diag_msg
+    end = min(length, len(data))
+    while off + 4 <= end:
+        alen, atype = struct.unpack_from("=HH", data, off)
+        if alen < 4:
+            break
+        if atype == _UNIX_DIAG_PEER:
+            peer: int = struct.unpack_from("=I", data, off + 4)[0]
+            return peer or None
+        off += (alen + 3) & ~3
+    return None

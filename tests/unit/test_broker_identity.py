@@ -1,0 +1,158 @@
+"""Who a uid is to the broker (autogpu_jupyter.brokerd.identity): a passwd user is itself, a uid
+in a subordinate range without a passwd entry is the range's owner, any other uid is the one
+bucket of unknown uids. Real passwd and group databases; a subordinate-uid file of the test's.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+from pathlib import Path
+
+import pytest
+
+from autogpu_jupyter.brokerd import identity
+from autogpu_jupyter.brokerd.identity import UNKNOWN_KEY, Account, Accounts
+
+ROOT = pwd.getpwuid(0)
+DAEMON = pwd.getpwnam("daemon")
+BIN = pwd.getpwnam("bin")
+
+
+def _unused_uid(start: int) -> int:
+    uid = start
+    while True:
+        try:
+            pwd.getpwuid(uid)
+        except KeyError:
+            return uid
+        uid += 1
+
+
+FREE = _unused_uid(300000)
+
+
+def _groups(name: str, gid: int) -> frozenset[str]:
+    gids = {gid, *os.getgrouplist(name, gid)}
+    return frozenset(grp.getgrgid(g).gr_name for g in gids)
+
+
+@pytest.fixture
+def subuid(tmp_path: Path) -> Path:
+    path = tmp_path / "subuid"
+    path.write_text(f"daemon:{FREE}:100\n{BIN.pw_uid}:{FREE + 100}:10\n")
+    return path
+
+
+def test_a_passwd_user_is_itself_with_its_groups(subuid: Path) -> None:
+    accounts = Accounts(str(subuid))
+    assert accounts.account(0, 0) == Account(0, "root", _groups("root", 0))
+    got = accounts.account(DAEMON.pw_uid, DAEMON.pw_gid)
+    assert got == Account(DAEMON.pw_uid, "daemon", _groups("daemon", DAEMON.pw_gid))
+    assert not got.unknown
+
+
+def test_a_subordinate_uid_is_its_owner_by_name_or_by_number(subuid: Path) -> None:
+    accounts = Accounts(str(subuid))
+    first = accounts.account(FREE, FREE)
+    assert first == Account(DAEMON.pw_uid, "daemon", _groups("daemon", DAEMON.pw_gid),
+                            f"subordinate uid {FREE} of daemon")
+    assert accounts.account(FREE + 99, 12345).key == DAEMON.pw_uid  # the range's last uid
+    assert accounts.account(FREE + 99, 12345).groups == first.groups  # never a mapped gid
+    by_number = accounts.account(FREE + 105, 7)
+    assert (by_number.key, by_number.name) == (BIN.pw_uid, "bin")
+    assert by_number.via == f"subordinate uid {FREE + 105} of bin"
+
+
+def test_other_unknown_uids_share_one_bucket(subuid: Path) -> None:
+    accounts = Accounts(str(subuid))
+    for uid in (FREE + 110, FREE - 1, 4_000_000_000):
+        got = accounts.account(uid, uid)
+        assert got == Account(UNKNOWN_KEY, "unknown uids", frozenset(),
+                              f"uid {uid} (no passwd entry)")
+        assert got.unknown
+
+
+def test_a_passwd_entry_wins_over_a_range_that_contains_it(tmp_path: Path) -> None:
+    path = tmp_path / "subuid"
+    path.write_text(f"bin:{DAEMON.pw_uid}:1\n")
+    assert Accounts(str(path)).account(DAEMON.pw_uid, DAEMON.pw_gid).name == "daemon"
+
+
+def test_a_range_whose_owner_has_no_passwd_entry_is_unknown(tmp_path: Path) -> None:
+    path = tmp_path / "subuid"
+    path.write_text(f"nosuchuser-ag:{FREE}:10\n{FREE + 50}:{FREE + 20}:10\n")
+    accounts = Accounts(str(path))
+    assert accounts.account(FREE + 1, 1) == Account(
+        UNKNOWN_KEY, "unknown uids", frozenset(),
+        f"uid {FREE + 1} (subordinate of 'nosuchuser-ag', who has no passwd entry)")
+    assert accounts.account(FREE + 21, 1).key == UNKNOWN_KEY
+
+
+def test_bad_lines_are_skipped_and_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "subuid"
+    path.write_text(
+        "# a comment\n\n"
+        f"daemon:{FREE}\n"  # no count
+        f"daemon:x:10\n"
+        f"daemon:{FREE}:0\n"
+        f":{FREE}:10\n"
+        f"daemon:-5:10\n"
+        f"daemon:{FREE}:10:extra\n"
+        f"bin:{FREE + 10}:5\n"
+    )
+    with caplog.at_level("WARNING", logger="autogpu.broker"):
+        accounts = Accounts(str(path))
+        assert accounts.account(FREE + 12, 1).name == "bin"
+        assert accounts.account(FREE, 1).key == UNKNOWN_KEY
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path} line {n} is not NAME:FIRST:COUNT: skipped" for n in (3, 4, 5, 6, 7, 8)]
+
+
+def test_a_missing_file_maps_nothing(tmp_path: Path) -> None:
+    assert Accounts(str(tmp_path / "none")).account(FREE, 1).key == UNKNOWN_KEY
+
+
+def test_the_file_is_read_again_when_it_changes(
+    subuid: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(identity.time, "monotonic", lambda: clock[0])
+    accounts = Accounts(str(subuid))
+    assert accounts.account(FREE, 1).name == "daemon"
+    subuid.write_text(f"bin:{FREE}:1\n")
+    os.utime(subuid, ns=(1, 1))  # a new stamp, whatever the clock's resolution
+    clock[0] += 0.5  # checked at most once a second: the old answer (cached) stands
+    assert accounts.account(FREE, 1).name == "daemon"
+    clock[0] += 1.0
+    assert accounts.account(FREE, 1).name == "bin"
+    clock[0] += 2.0
+    subuid.unlink()
+    assert accounts.account(FREE, 1).key == UNKNOWN_KEY
+
+
+def test_lookups_are_cached_briefly_and_the_cache_is_bounded(
+    subuid: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(identity.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(identity, "_CACHE_MAX", 3)
+    calls: list[int] = []
+    real = pwd.getpwuid
+
+    def counting(uid: int) -> pwd.struct_passwd:
+        calls.append(uid)
+        return real(uid)
+
+    monkeypatch.setattr(identity.pwd, "getpwuid", counting)
+    accounts = Accounts(str(subuid))
+    accounts.account(0, 0)
+    accounts.account(0, 0)
+    assert calls == [0]
+    clock[0] += identity._CACHE_TTL_S
+    accounts.account(0, 0)
+    assert calls == [0, 0]
+    for uid in range(FREE, FREE + 5):
+        accounts.account(uid, uid)
+    assert len(accounts._cache) <= 3

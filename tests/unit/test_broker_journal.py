@@ -1,0 +1,201 @@
+"""The broker's journal (autogpu_jupyter.brokerd.journal): an append log in a real directory, read
+back as the live entries; one line per change, compacted when long; torn and foreign lines
+skipped; the first broker's journal.json read once. And who holds a socket: real sockets, real
+processes, the kernel's sock_diag and /proc.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autogpu_jupyter.brokerd import journal as jrnl
+from autogpu_jupyter.brokerd.journal import Entry, Journal
+
+
+def entry(n: int, *, peer: int | None = None, size: int = 10) -> Entry:
+    rec = json.dumps({"kind": "lease", "lease_id": f"{n:032x}", "pad": "x" * size})
+    return Entry(f"{n:032x}", 1000 + n, rec, peer, [(100 + n, 5000 + n)])
+
+
+def lines(path: Path) -> list[dict[str, object]]:
+    return [json.loads(ln) for ln in path.read_text().splitlines()]
+
+
+def test_changes_are_lines_and_a_new_journal_reads_the_live_ones(tmp_path: Path) -> None:
+    j = Journal(str(tmp_path))
+    assert j.load() == {}
+    j.add(entry(1, peer=77))
+    j.add(entry(2), seq=7)
+    j.set_pids(entry(2).lease_id, [(9, 99)])
+    j.remove(entry(1).lease_id)
+    j.remove("no-such-id")  # nothing to end: no line
+    j.sync()
+    assert [sorted(d) for d in lines(tmp_path / "journal.log")] == [
+        ["seq"], ["add", "peer", "pids", "record", "uid"],
+        ["add", "peer", "pids", "record", "seq", "uid"], ["holders", "pids"], ["del"]]
+    again = Journal(str(tmp_path))
+    live = again.load()
+    assert list(live) == [entry(2).lease_id]
+    assert live[entry(2).lease_id].pids == [(9, 99)]
+    assert live[entry(2).lease_id].uid == 1002
+    assert again.seq == 7
+    # loading compacts: only the live entry is left, behind the ticket counter
+    assert [next(iter(d)) for d in lines(tmp_path / "journal.log")] == ["seq", "add"]
+    assert oct((tmp_path / "journal.log").stat().st_mode & 0o777) == "0o600"
+
+
+def test_only_grants_make_the_journal_wait_for_a_sync(tmp_path: Path) -> None:
+    j = Journal(str(tmp_path))
+    j.load()
+    assert not j.dirty
+    j.add(entry(1))
+    assert j.dirty
+    fd = j.begin_sync()
+    assert fd is not None and not j.dirty
+    jrnl.sync_fd(fd)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed by sync_fd
+    assert j.begin_sync() is None
+    j.remove(entry(1).lease_id)
+    assert not j.dirty  # a removal lost in a crash leaves a lease nobody holds
+    j.set_pids(entry(1).lease_id, [(1, 1)])  # not live: nothing written
+    assert not j.dirty
+    jrnl.sync_fd(None)
+
+
+def test_each_change_costs_one_line_and_the_log_stays_bounded(tmp_path: Path) -> None:
+    j = Journal(str(tmp_path))
+    j.load()
+    for n in range(100):
+        j.add(entry(n, size=1000))
+    live = j.size_bytes
+    path = tmp_path / "journal.log"
+    for n in range(100, 2100):
+        before = path.stat().st_size
+        j.add(entry(n, size=1000))
+        grew = path.stat().st_size - before
+        assert grew in range(1000, 1200) or grew < 0  # one line, or a compaction
+        j.remove(entry(n).lease_id)
+    assert path.stat().st_size <= max(jrnl.COMPACT_MIN_BYTES, 4 * live) + 1200
+    assert len(Journal(str(tmp_path)).load()) == 100
+
+
+def test_torn_foreign_and_oversized_lines_are_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = json.dumps(entry(1).line())
+    (tmp_path / "journal.log").write_text(
+        '{"seq": 3}\n'
+        + good + "\n"
+        + "not json\n"
+        + "[1, 2]\n"
+        + '{"what": 1}\n'
+        + '{"add": "x", "uid": "root", "record": "{}"}\n'
+        + '{"add": "y", "uid": 5, "record": "{}", "pids": [[1]]}\n'
+        + '{"add": "z", "uid": 5, "record": "{}", "pids": "1"}\n'
+        + '{"seq": "9"}\n'
+        + '{"holders": "nobody", "pids": [[1, 2]]}\n'
+        + json.dumps({"add": "big", "uid": 1, "record": "x" * jrnl.MAX_LINE_BYTES}) + "\n"
+        + json.dumps(entry(2).line())  # torn: no newline
+    )
+    with caplog.at_level("WARNING", logger="autogpu.broker"):
+        j = Journal(str(tmp_path))
+        live = j.load()
+    assert list(live) == [entry(1).lease_id]
+    assert j.seq == 3
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        *(f"journal line {n} skipped" for n in (3, 4, 5, 6, 7, 8, 9)),
+        "journal line 11 skipped (torn or too long)",
+        "journal line 12 skipped (torn or too long)",
+    ]
+
+
+def test_the_first_brokers_journal_json_is_read_once(tmp_path: Path) -> None:
+    rec = entry(4).record
+    (tmp_path / "journal.json").write_text(json.dumps({"seq": 12, "entries": [
+        {"uid": 1004, "record": rec, "pids": [[104, 5004]]},
+        {"uid": 1, "record": "not a record", "pids": []},
+        {"uid": 1, "pids": []},
+    ]}))
+    j = Journal(str(tmp_path))
+    live = j.load()
+    assert list(live) == [entry(4).lease_id]
+    assert (live[entry(4).lease_id].uid, live[entry(4).lease_id].pids, j.seq) == (
+        1004, [(104, 5004)], 12)
+    assert not (tmp_path / "journal.json").exists()
+    assert list(Journal(str(tmp_path)).load()) == [entry(4).lease_id]
+    (tmp_path / "journal.log").unlink()
+    (tmp_path / "journal.json").write_text("{broken")
+    assert Journal(str(tmp_path)).load() == {}
+
+
+def test_a_log_that_is_not_a_file_of_ours_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_text("")
+    (tmp_path / "journal.log").symlink_to(target)
+    with pytest.raises(OSError):
+        Journal(str(tmp_path)).load()
+    assert target.read_text() == ""
+
+
+# ---- processes and sockets ---------------------------------------------------------------------
+
+
+def test_the_peer_of_a_unix_socket_is_the_other_end() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    with a, b:
+        assert jrnl.peer_inode(a) == os.fstat(b.fileno()).st_ino
+        assert jrnl.peer_inode(b) == os.fstat(a.fileno()).st_ino
+
+
+def test_start_time_and_proc_ids_of_a_process() -> None:
+    me = jrnl.start_time(os.getpid())
+    assert isinstance(me, int) and me > 0
+    assert jrnl.proc_ids(os.getpid()) == [(os.getpid(), me)]
+    assert jrnl.start_time(2**22 + 12345) is None
+    assert jrnl.proc_ids(2**22 + 12345) == []
+    assert os.getuid() in jrnl.pid_uids(os.getpid())
+    assert jrnl.pid_uids(2**22 + 12345) == set()
+
+
+def test_holders_are_found_by_the_socket_they_hold_and_checked_by_start_time() -> None:
+    """A child that inherited one end of a socket pair holds it; the parent closes its copy:
+    the scan finds the child only, and a pid whose start time differs is nobody."""
+    a, b = socket.socketpair(socket.AF_UNIX)
+    b.set_inheritable(True)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             pass_fds=(b.fileno(),))
+    try:
+        ino = os.fstat(b.fileno()).st_ino
+        b.close()
+        deadline = time.monotonic() + 10
+        while jrnl.start_time(child.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        start = jrnl.start_time(child.pid)
+        assert start is not None
+        assert jrnl.scan_socket_holders([ino]) == {ino: [(child.pid, start)]}
+        assert jrnl.scan_socket_holders([]) == {}
+        assert jrnl.holds_socket(child.pid, ino)
+        assert not jrnl.holds_socket(os.getpid(), ino)
+        assert jrnl.holders_alive([(child.pid, start)], ino, 12345) == [(child.pid, start)]
+        assert jrnl.holders_alive([(child.pid, start + 1)], ino, 0) == []  # a reused pid
+        assert jrnl.holders_alive([(os.getpid(), jrnl.start_time(os.getpid()) or 0)], ino,
+                                  0) == []  # runs, but does not hold it
+        # without an inode: the pid, its start time and its uid (root: any)
+        uid = os.getuid()
+        assert jrnl.holders_alive([(child.pid, start)], None, uid) == [(child.pid, start)]
+        assert jrnl.holders_alive([(child.pid, start)], None, uid + 4242) == (
+            [(child.pid, start)] if uid + 4242 == 0 else [])
+    finally:
+        child.kill()
+        child.wait()
+        a.close()
+    assert jrnl.scan_socket_holders([ino]) == {}

@@ -1,0 +1,202 @@
+"""The broker's socket (autogpu_jupyter.brokerd.net): made with its mode at bind in a directory
+only its user can write, accepted with a back-off and one log line when descriptors run out,
+and the connection cap below the descriptor limit. Real sockets, real directories, a real
+``RLIMIT_NOFILE`` (in a forked child).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import resource
+import socket
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autogpu_jupyter.brokerd import net
+
+ROOT = os.geteuid() == 0
+
+
+def _in_child(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a forked child (process-wide limits and umask stay there)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.write(w, json.dumps(fn(*args)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def test_the_socket_gets_mode_0666_from_bind_whatever_the_umask(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir(mode=0o755)
+
+    def make(umask: int) -> list[int]:
+        os.umask(umask)
+        sock = net.listen(str(run / "b.sock"))
+        mode = stat.S_IMODE(os.lstat(run / "b.sock").st_mode)
+        sock.close()
+        return [mode, os.umask(0)]
+
+    for umask in (0o022, 0o077, 0o000):
+        mode, left = _in_child(make, umask)
+        assert (oct(mode), left) == ("0o666", umask)  # the umask is given back
+
+
+def test_a_missing_directory_is_made_0755_and_a_stale_socket_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "new" / "b.sock"
+
+    def make() -> list[int]:
+        os.umask(0o077)
+        first = net.listen(str(path))
+        first.close()  # a broker gone, its socket file left
+        second = net.listen(str(path))
+        with socket.socket(socket.AF_UNIX) as c:
+            c.connect(str(path))
+        second.close()
+        return [stat.S_IMODE(os.stat(path.parent).st_mode)]
+
+    assert _in_child(make) == [0o755]
+
+
+def test_a_file_in_the_sockets_place_is_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir(mode=0o755)
+    (run / "b.sock").write_text("mine")
+    with pytest.raises(SystemExit) as err:
+        net.listen(str(run / "b.sock"))
+    assert str(err.value) == (
+        f"autogpu broker: {run / 'b.sock'} exists and is not a socket; remove it")
+    assert (run / "b.sock").read_text() == "mine"
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757, 0o777])
+def test_a_directory_others_can_write_is_refused(tmp_path: Path, mode: int) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chmod(run, mode)
+    with pytest.raises(SystemExit) as err:
+        net.listen(str(run / "b.sock"))
+    me = os.geteuid()
+    assert str(err.value) == (
+        f"autogpu broker: socket directory {run} is owned by uid {me} with mode {mode:04o}: "
+        "refused (another user could swap the socket); use a directory owned by uid "
+        f"{me} that only it can write (mode 0755), e.g. /run/autogpu")
+    assert not (run / "b.sock").exists()
+
+
+def test_a_symlinked_directory_is_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o755)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(SystemExit) as err:
+        net.check_socket_dir(str(tmp_path / "link"))
+    assert str(err.value).startswith(
+        f"autogpu broker: socket directory {tmp_path / 'link'} is a symlink or not a directory")
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to give a directory to another uid")
+def test_a_directory_another_user_owns_or_one_above_it_is_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir(mode=0o755)
+    os.chown(run, 12345, 12345)
+    with pytest.raises(SystemExit) as err:
+        net.check_socket_dir(str(run))
+    assert "is owned by uid 12345 with mode 0755: refused" in str(err.value)
+    os.chown(run, 0, 0)
+    above = tmp_path / "above"
+    above.mkdir(mode=0o755)
+    (above / "run").mkdir(mode=0o755)
+    os.chown(above, 12345, 12345)  # its owner could rename run/ and put its own in place
+    with pytest.raises(SystemExit) as err2:
+        net.check_socket_dir(str(above / "run"))
+    assert str(err2.value) == (
+        f"autogpu broker: socket directory {above / 'run'} lies under {above}, which uid "
+        "12345 owns with mode 0755: refused (another user could replace the directory); use "
+        "a path whose every directory is root's")
+    os.chown(above, 0, 0)
+    os.chmod(above, 0o1777)  # sticky and world-writable (as /tmp): a user cannot rename run/
+    net.check_socket_dir(str(above / "run"))
+    os.chmod(above, 0o777)
+    with pytest.raises(SystemExit):
+        net.check_socket_dir(str(above / "run"))
+
+
+def test_the_connection_cap_stays_below_the_descriptor_limit() -> None:
+    def caps(soft: int, hard: int, requested: int) -> list[int]:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        cap = net.connection_cap(requested)
+        return [cap, resource.getrlimit(resource.RLIMIT_NOFILE)[0]]
+
+    # the soft limit is raised to the hard one first; 64 are kept for the broker's own files
+    assert _in_child(caps, 256, 1024, 0) == [1024 - 64, 1024]
+    assert _in_child(caps, 1024, 1024, 100) == [100, 1024]
+    assert _in_child(caps, 1024, 1024, 5000) == [1024 - 64, 1024]
+    assert _in_child(caps, 8192, 8192, 0) == [net.DEFAULT_MAX_CONNECTIONS, 8192]
+    assert _in_child(caps, 70, 70, 0) == [net.ROOT_RESERVE + 1, 70]  # never below the reserve
+
+
+def test_out_of_descriptors_the_listener_backs_off_and_logs_once(tmp_path: Path) -> None:
+    """A process at its descriptor limit: accept fails with EMFILE. The listener stops
+    accepting for a back-off (doubling to 1 s) and says so in one line, not once per try; when
+    descriptors are back, the waiting connections are accepted."""
+
+    def run(path: str) -> dict[str, Any]:
+        records: list[str] = []
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                records.append(record.getMessage())
+
+        logging.getLogger("autogpu.broker").addHandler(Keep())
+        accepted: list[socket.socket] = []
+
+        async def main() -> dict[str, Any]:
+            listener = net.Listener(net.listen(path), accepted.append)
+            clients = [socket.socket(socket.AF_UNIX) for _ in range(5)]
+            used = len(os.listdir("/proc/self/fd"))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (used + 8, used + 100))
+            spare = []
+            while True:  # every descriptor number left: taken
+                try:
+                    spare.append(os.open("/dev/null", os.O_RDONLY))
+                except OSError:
+                    break
+            for c in clients:
+                c.setblocking(False)
+                try:
+                    c.connect(path)
+                except BlockingIOError:
+                    pass
+            await asyncio.sleep(0.5)  # every accept fails: EMFILE
+            during = (len(accepted), listener.backoff_s, len(records))
+            for fd in spare[:3]:  # three descriptors back
+                os.close(fd)
+            await asyncio.sleep(1.5)
+            listener.close()
+            return {"during": during, "after": len(accepted), "log": records}
+
+        return asyncio.run(main())
+
+    got = _in_child(run, str(tmp_path / "b.sock"))
+    accepted, backoff, logged = got["during"]
+    assert accepted == 0 and 0.05 <= backoff <= net.MAX_BACKOFF_S, got
+    assert logged == 1, got["log"]
+    assert got["log"][0].startswith("accept failed (Too many open files); 1 failure(s) since "
+                                    "the last note; pausing 0.05 s (out of descriptors")
+    assert got["after"] == 3, got  # as many as the freed descriptors allow

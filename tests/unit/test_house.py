@@ -1,0 +1,195 @@
+"""The house drawing of autogpu_jupyter (docs/design.md, "The house"), read from the source with
+``ast``: every import (top-level, function-local and ``TYPE_CHECKING`` alike) is an arrow, no
+arrow closes a circle, and none runs up the layers.
+
+Run it as a script to print the drawing, the arrows between layers and the lazy imports::
+
+    .venv/bin/python tests/unit/test_house.py
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "autogpu_jupyter"
+
+#: The layers, lowest first; a module may import its own layer and the ones below.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("base", ("autogpu_jupyter._version", "autogpu_jupyter.errors", "autogpu_jupyter.config")),
+    ("core.procfs, core.devices, core.units", (
+        "autogpu_jupyter.core.procfs", "autogpu_jupyter.core.devices",
+        "autogpu_jupyter.core.units", "autogpu_jupyter.core.text",
+    )),
+    ("core.leasing (the lease store port)", ("autogpu_jupyter.core.leasing",)),
+    ("core", ("autogpu_jupyter.core",)),
+    ("api, metrics", ("autogpu_jupyter.api", "autogpu_jupyter.metrics")),
+    ("front ends", (
+        "autogpu_jupyter.magics", "autogpu_jupyter.widgets", "autogpu_jupyter.server",
+        "autogpu_jupyter.provisioner", "autogpu_jupyter.cli", "autogpu_jupyter.kernelspec",
+        "autogpu_jupyter.broker", "autogpu_jupyter.brokerd",
+    )),
+    ("the package (its lazy facade)", ("autogpu_jupyter",)),
+)
+
+
+@functools.cache
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def layer_of(module: str) -> int:
+    """The lowest-placed layer whose prefix names ``module`` (the longest prefix wins)."""
+    best = (-1, -1)
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                best = max(best, (len(prefix), rank))
+    assert best[1] >= 0, f"{module} is in no layer of the house: add it to LAYERS"
+    return best[1]
+
+
+@functools.cache
+def arrows() -> dict[tuple[str, str], str]:
+    """(importer, imported) -> how: ``top``, ``lazy`` (function-local) or ``typing``."""
+    mods = modules()
+    out: dict[tuple[str, str], str] = {}
+
+    def target(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+
+        def visit(node: ast.AST, how: str, mod: str = mod, package: str = package) -> None:
+            for child in ast.iter_child_nodes(node):
+                kind = how
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    kind = "lazy"
+                elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                    kind = "typing"
+                names: list[str] = []
+                if isinstance(child, ast.Import):
+                    names = [a.name for a in child.names]
+                elif isinstance(child, ast.ImportFrom):
+                    base = child.module or ""
+                    if child.level:
+                        up = package.split(".")[: len(package.split(".")) - child.level + 1]
+                        base = ".".join([*up, base] if base else up)
+                    # `from pkg import sub` names the submodule, not the package around it
+                    names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                             for a in child.names]
+                for name in names:
+                    dest = target(name)
+                    if dest is not None and dest != mod:
+                        out.setdefault((mod, dest), kind)
+                visit(child, kind)
+
+        visit(ast.parse(path.read_text()), "top")
+    return out
+
+
+def circles(edges: set[tuple[str, str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    graph: dict[str, list[str]] = defaultdict(list)
+    for a, b in edges:
+        graph[a].append(b)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted({a for a, _ in edges} | {b for _, b in edges}):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_every_module_has_a_place_in_the_house() -> None:
+    for mod in modules():
+        layer_of(mod)
+
+
+def test_no_import_circle_in_autogpu_jupyter() -> None:
+    assert circles(set(arrows())) == []
+
+
+def test_no_arrow_runs_up_the_layers() -> None:
+    up = [
+        f"{a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]}), {how}"
+        for (a, b), how in sorted(arrows().items())
+        if layer_of(b) > layer_of(a)
+    ]
+    assert up == []
+
+
+def test_the_checks_see_circles_and_up_arrows() -> None:
+    assert circles({("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")}) == [["a", "b", "c"]]
+    assert layer_of("autogpu_jupyter.core.leasing.records") == 2
+    assert layer_of("autogpu_jupyter.core.decision") == 3
+    assert layer_of("autogpu_jupyter") == len(LAYERS) - 1
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer_of("elsewhere")
+    seen = arrows()
+    assert seen[("autogpu_jupyter.core.picker", "autogpu_jupyter.core.decision")] == "top"
+    assert seen[("autogpu_jupyter.api", "autogpu_jupyter.core.sampler")] == "lazy"
+    assert seen[("autogpu_jupyter.core.moves", "autogpu_jupyter.core.devices")] == "typing"
+
+
+def main() -> int:
+    """Print the house: each layer's modules, the arrows between layers, the lazy imports."""
+    edges = arrows()
+    by_layer: dict[int, list[str]] = defaultdict(list)
+    for mod in modules():
+        by_layer[layer_of(mod)].append(mod.removeprefix("autogpu_jupyter."))
+    for rank in reversed(range(len(LAYERS))):
+        print(f"{LAYERS[rank][0]}:\n    " + ", ".join(sorted(by_layer[rank])))
+    between: dict[tuple[int, int], int] = defaultdict(int)
+    for a, b in edges:
+        between[(layer_of(a), layer_of(b))] += 1
+    print("\narrows between layers (from -> to: count):")
+    for (la, lb), n in sorted(between.items(), reverse=True):
+        if la != lb:
+            print(f"    {LAYERS[la][0]} -> {LAYERS[lb][0]}: {n}")
+    lazy = sorted(f"{a} -> {b}" for (a, b), how in edges.items() if how == "lazy")
+    print(f"\nlazy (function-local) imports within the package: {len(lazy)}")
+    for line in lazy:
+        print(f"    {line}")
+    print(f"\ncircles: {circles(set(edges)) or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
