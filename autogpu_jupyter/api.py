@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from autogpu_jupyter.config import AutoGPU, default_settings
 from autogpu_jupyter.core import decision, options, session
 from autogpu_jupyter.core.backends import get_backend
+from autogpu_jupyter.core.contract import notebook_path
 from autogpu_jupyter.core.holders import holders_by_device
 from autogpu_jupyter.core.leasing import LeaseRecord, LeaseStore, Requester, store_for
 from autogpu_jupyter.core.moves import grant_environ
@@ -63,11 +64,12 @@ VSCODE_NOTEBOOK_VARIABLE = "__vsc_ipynb_file__"
 def notebook_of_this_process() -> str | None:
     """The notebook this kernel runs, as far as the kernel can tell; ``None`` when none is known.
 
-    ``JPY_SESSION_NAME``, which jupyter_server (2.x) gives the kernels it starts for a notebook,
-    else VS Code's ``__vsc_ipynb_file__`` in the IPython user namespace (read only where IPython
-    is already imported: a CLI process never imports it for this).
+    ``JPY_SESSION_NAME``, which jupyter_server (2.x) gives the kernels it starts for a notebook
+    (relative to the server's root: :func:`core.contract.notebook_path`), else VS Code's
+    ``__vsc_ipynb_file__`` in the IPython user namespace (read only where IPython is already
+    imported: a CLI process never imports it for this).
     """
-    name = os.environ.get("JPY_SESSION_NAME")
+    name = notebook_path()  # JPY_SESSION_NAME, relative to the Jupyter server's root
     if name:
         return name
     ipython = sys.modules.get("IPython")

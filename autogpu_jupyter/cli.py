@@ -1,6 +1,6 @@
 """The ``autogpu`` command: the same engine as the magics, for shells and scripts.
 
-Exit codes (:data:`EXIT_CODES`, printed by ``--help`` and listed in the README): 0 ok, 1 any
+Exit codes (:data:`EXIT_CODES`, printed by ``--help`` and listed in docs/usage.md): 0 ok, 1 any
 other error, 2 usage error, 3 no device fits / no GPU granted, 4 no NVIDIA driver, 5 too late
 (CUDA initialised). ``autogpu run`` exits with the command's own code.
 """
@@ -42,7 +42,7 @@ from autogpu_jupyter.core.options import (
 from autogpu_jupyter.core.options import parse as parse_options
 from autogpu_jupyter.core.picker import PickResult, pick
 from autogpu_jupyter.core.session import current
-from autogpu_jupyter.core.tables import Column, to_text
+from autogpu_jupyter.core.tables import Column, narrow, status_table, to_text, visible
 from autogpu_jupyter.core.text import redact_command, terminal_safe
 from autogpu_jupyter.core.units import format_bytes
 from autogpu_jupyter.core.visibility import visible_env
@@ -52,7 +52,7 @@ __all__ = ["main", "build_parser"]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NO_DEVICE, EXIT_NO_DRIVER = 0, 1, 2, 3, 4
 
-#: Every exit code, as ``--help`` prints it (the README's table says the same).
+#: Every exit code, as ``--help`` prints it (docs/usage.md's table says the same).
 EXIT_CODES = (
     "exit codes: 0 ok (run: the command's own code), 1 other error, 2 usage error, "
     "3 no device fits / no GPU granted, 4 no NVIDIA driver (try AUTOGPU_SIMULATE=demo-4x), "
@@ -245,10 +245,18 @@ def _cmd_list(args: argparse.Namespace) -> int:
     title = f"{len(snap.devices)} device(s) via {snap.backend}"
     if snap.simulated:
         title += " — SIMULATED fleet (AUTOGPU_SIMULATE), not real GPUs"
-    print(title)
-    print(df.drop(columns=[""]).to_string(index=False) if len(df) else "(no devices)")
+    print(visible(title))
+    if len(df):
+        # the table of %gpu status, sized for this terminal (columns it can do without are
+        # left out of a narrow one); no "▶" column: a shell has no device of its own
+        columns, rows, _ = status_table(df)
+        columns, rows = columns[1:], [r[1:] for r in rows]
+        width = shutil.get_terminal_size((100, 24)).columns
+        print("\n".join(to_text(*narrow(columns, rows, width), width=width)))
+    else:
+        print("(no devices)")
     for err in snap.errors:
-        print(f"note: {err}")
+        print(f"note: {visible(err)}")
     return EXIT_OK
 
 

@@ -53,7 +53,10 @@ def spec_dict(
     _validate(opts)
     argv = [python or sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
     if load_extension:
-        argv.append("--ext=autogpu")
+        # Loaded under its package name: a notebook's own `%load_ext autogpu` (as the README
+        # says to write) then loads the `autogpu` shim, which finds the extension loaded and
+        # returns quietly, instead of IPython's "The autogpu extension is already loaded".
+        argv.append("--ext=autogpu_jupyter")
     return {
         "argv": argv,
         "display_name": display_name,

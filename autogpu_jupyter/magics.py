@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from IPython import get_ipython
 from IPython.core import magic_arguments as _magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -34,7 +35,7 @@ from autogpu_jupyter.core import session
 from autogpu_jupyter.core.backends import SIMULATE_ENV
 from autogpu_jupyter.core.contract import KernelContract
 from autogpu_jupyter.core.cudastate import cuda_state, hip_state
-from autogpu_jupyter.core.tables import Column, to_html, to_text, visible
+from autogpu_jupyter.core.tables import Column, narrow, status_table, to_html, to_text, visible
 from autogpu_jupyter.core.text import terminal_safe
 from autogpu_jupyter.core.units import format_bytes, format_duration
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError
@@ -286,58 +287,6 @@ def _asked(constraints: Constraints) -> str:
     return "any device" if text == "no constraints" else text
 
 
-def _status_rows(df: Any) -> tuple[list[Any], list[tuple[str, ...]], set[int]]:
-    """``api.status()``'s frame as the compact status table: columns, text rows, and the row
-    numbers of this kernel's devices. Holders (other users' notebook paths) are the one column
-    that wraps; everything else stays on one line."""
-    columns = [
-        Column(""),
-        Column("gpu"),
-        Column("name"),
-        Column("uuid"),
-        Column("util", align="right"),
-        Column("memory used / total", align="right"),
-        Column("free", align="right"),
-        Column("temp", align="right"),
-        Column("power", align="right"),
-        Column("procs", align="right"),
-        Column("holders", wrap=True),
-    ]
-
-    import pandas as pd  # noqa: PLC0415 (pandas: only for a status table)
-
-    def num(value: Any, unit: str) -> str:
-        if value is None or pd.isna(value):  # unknown (NOT_SUPPORTED, lost): never 0
-            return "?"
-        return f"{float(value):.0f}{unit}"
-
-    rows: list[tuple[str, ...]] = []
-    highlight: set[int] = set()
-    for n, r in enumerate(df.to_dict("records")):
-        if r[""] == "▶":
-            highlight.add(n)
-        state = r.get("state") or "ok"
-        holders = r.get("holders") or ""
-        if state != "ok":
-            holders = f"{state}; {holders}" if holders else state
-        rows.append(
-            (
-                r[""],
-                str(r["gpu"]),
-                str(r["name"]),
-                str(r["uuid"]),
-                num(r.get("util %"), "%"),
-                f"{r['mem used']} / {r['mem total']}",
-                str(r["mem free"]),
-                num(r.get("temp °C"), " °C"),
-                num(r.get("power W"), " W"),
-                num(r.get("procs"), ""),
-                holders or "-",
-            )
-        )
-    return columns, rows, highlight
-
-
 def _pending_move_text() -> str | None:
     """A move this kernel asked for (``%gpu move``) that waits for the kernel's restart."""
     # The pick machinery comes with the first pick, not with %load_ext.
@@ -510,6 +459,53 @@ class GPUMagics(Magics):
         if not args.dry_run:
             _watch()
 
+    def _pick_one(self, uuid: str) -> tuple[bool, str, str]:
+        """Pick device ``uuid`` for this kernel (the sidebar's pick): ``(ok, summary, details)``,
+        worded as the user clicked it; the environment is unchanged when it fails."""
+        # The API and the pick machinery come with the first pick, not with %load_ext.
+        from autogpu_jupyter import api  # noqa: PLC0415
+
+        try:
+            snap = api.read_snapshot()
+        except AutoGPUError as err:
+            head, _, rest = _one_line(err).partition("\n")
+            return False, f"autogpu: {head}", rest
+        target = snap.by_uuid(uuid)
+        if target is None:
+            return False, f"autogpu: no device {uuid!r} on this host (the sidebar is stale?)", ""
+        # every other device is left out, by UUID (a MIG device goes with its GPU)
+        family = {target.uuid} | {
+            d.uuid for d in snap.devices if d.parent_uuid == target.uuid
+        }
+        if target.parent_uuid is not None:
+            family.add(target.parent_uuid)
+        others = ",".join(
+            d.uuid for d in snap.devices if d.uuid not in family and d.parent_uuid not in family
+        )
+        try:
+            result, warning = api.pick_result(
+                api.pick_options(self.settings, {"exclude": others or None, "wait": 0}),
+                settings=self.settings, source="sidebar",
+            )
+        except NoDeviceFitsError as err:
+            cands = err.candidates if isinstance(err.candidates, tuple) else ()
+            mine = [c for c in cands if c.device.uuid in family]
+            why = "; ".join(r for c in mine for r in c.reasons) or "it does not fit"
+            asked = _asked(api.pick_options(self.settings, {}).constraints)
+            summary = f"autogpu: {target.label} cannot be picked: {why}"
+            details = (
+                f"asked: {asked} (this notebook's defaults, %config AutoGPU)\n"
+                "nothing changed: no variable set, no lease taken"
+            )
+            return False, terminal_safe(summary), terminal_safe(details)
+        except AutoGPUError as err:
+            head, _, rest = _one_line(err).partition("\n")
+            return False, f"autogpu: {head}", rest.strip()
+        _watch()  # as after %gpu pick: the overload warning reaches the notebook's cells
+        lines = format_pick(result, warning).splitlines()
+        kept = [ln.strip() for ln in lines[1:] if not ln.strip().startswith("asked:")]
+        return True, terminal_safe(lines[0]), terminal_safe("\n".join(kept))
+
     # -- status --------------------------------------------------------------------------
     def _status(self) -> None:
         from autogpu_jupyter import api  # noqa: PLC0415 (the API and pandas: first %gpu status)
@@ -530,25 +526,33 @@ class GPUMagics(Magics):
         else:
             marked = df.loc[df[""] == "▶", "gpu"] if len(df) else []
             labels = ", ".join(marked) or ", ".join(choice.uuids)
-            mine = f"this kernel: ▶ {labels} ({choice.source}"
-            mine += f", {choice.constraints_text})" if choice.constraints_text else ")"
+            how = source_words(choice.source)
+            if choice.constraints_text and choice.source != "sidebar":
+                # the sidebar's pick names its device; its --exclude is no option the user gave
+                how += f", {choice.constraints_text}"
+            mine = f"this kernel: ▶ {labels} ({how})"
         pending = _pending_move_text()
         if pending and len(df):
             for short, label in zip(df["uuid"], df["gpu"], strict=True):
                 pending = pending.replace(str(short), str(label))
             mine += f" · {pending}"
-        columns, rows, highlight = _status_rows(df)
+        columns, rows, highlight = status_table(df)
         if self._in_kernel():
-
-            text = "\n".join([title, *to_text(columns, rows, width=120), mine])
-            html = to_html(columns, rows, caption=f"{title} · {mine}", highlight=highlight)
+            text = "\n".join([title, *to_text(*narrow(columns, rows, 120), width=120), mine])
+            # A notebook at 1366x768 with the sidebar open has about 900 px for outputs: the
+            # short UUID (in the text) is the column it can do without; holders then wrap.
+            keep = [i for i, c in enumerate(columns) if c.drop != 1]
+            html = to_html(
+                [columns[i] for i in keep], [tuple(r[i] for i in keep) for r in rows],
+                caption=f"{title} · {mine}", highlight=highlight,
+            )
             show: Callable[..., None] = display  # IPython's display() carries no annotations
             show({"text/plain": text, "text/html": html}, raw=True)
         else:
 
             width = shutil.get_terminal_size((100, 24)).columns
             print(visible(title))
-            print("\n".join(to_text(columns, rows, width=width)))
+            print("\n".join(to_text(*narrow(columns, rows, width), width=width)))
             print(visible(mine))
 
     # -- release -------------------------------------------------------------------------
@@ -771,6 +775,59 @@ class _Progress:
             self.handle.update({"text/plain": f"waiting for a device: {word}"}, raw=True)
 
 
+# --------------------------------------------------------------------------- the sidebar's pick
+
+#: The MIME type of the sidebar pick's answer: the sidebar reads it from the kernel's reply to
+#: its own request; no notebook shows it.
+SIDEBAR_PICK_MIME = "application/vnd.autogpu.pick+json"
+
+_SOURCE_WORDS = {
+    "magic": "%gpu pick",
+    "api": "autogpu_jupyter.pick",
+    "provisioner": "picked by the autogpu kernelspec",
+    "sidebar": "picked from the sidebar",
+}
+
+
+def source_words(source: str) -> str:
+    """How a choice was made, as the user did it: ``picked from the sidebar``, ``%gpu pick``."""
+    return _SOURCE_WORDS.get(source, source)
+
+
+def sidebar_pick(uuid: str) -> None:
+    """The sidebar's "Pick for this notebook": ``%gpu pick`` in this kernel, on one device.
+
+    The JupyterLab sidebar runs this in the notebook's own kernel, so the variables are set in
+    the kernel's process, with a lease, and the pick is refused there if CUDA already started.
+    It loads the extension if needed without IPython's "already loaded" message, never waits
+    in line (a click is not a queue), and answers with one line and its details (a display of
+    :data:`SIDEBAR_PICK_MIME` that only the sidebar reads). The overload warning that the next
+    cell prints stays for the notebook.
+    """
+    global _skip_hook_once
+    ip = get_ipython()
+    if ip is None:  # not in IPython: nothing to pick for
+        return
+    if id(ip) not in _loaded:
+        # under its package name (the extension manager returns, never prints, "already
+        # loaded"), so that a later `%load_ext autogpu` in the notebook stays quiet too
+        ip.extension_manager.load_extension("autogpu_jupyter")
+    magics = _loaded[id(ip)].magics
+    ok, summary, details = magics._pick_one(str(uuid))
+    # this request is the sidebar's: what the hook prints would reach the sidebar, not the
+    # notebook, and a warning shown there would never be printed under a cell
+    _skip_hook_once = True
+    show: Callable[..., None] = display  # IPython's display() carries no annotations
+    show(
+        {SIDEBAR_PICK_MIME: {"ok": ok, "summary": summary, "details": details},
+         "text/plain": summary},
+        raw=True,
+    )
+
+
+_skip_hook_once = False
+
+
 # --------------------------------------------------------------------------- load / unload
 
 
@@ -794,9 +851,14 @@ def _watch() -> None:
     from autogpu_jupyter.core.sampler import get_sampler  # noqa: PLC0415
 
     try:
-        get_sampler()
+        sampler = get_sampler()
     except AutoGPUError as err:  # no driver: nothing to watch
         log.debug("sampler not started: %s", err)
+        return
+    if sampler.latest() is None:
+        # the first reading now, not whenever the thread gets to it: the next cell's hook then
+        # sees what the GPU looks like right after the pick
+        sampler.sample_now()
 
 
 def _pick_note_once() -> None:
@@ -841,7 +903,12 @@ _ended_lease_fds: set[int] = set()
 
 def _overload_hook(*_args: Any) -> None:
     """``post_run_cell``: print the provisioner's note once and a pending overload warning (main
-    thread; never from a thread)."""
+    thread; never from a thread). Not after the sidebar's own request: its output goes to the
+    sidebar, and the notebook's next cell prints what is pending."""
+    global _skip_hook_once
+    if _skip_hook_once:
+        _skip_hook_once = False
+        return
     _pick_note_once()
     _lease_events()
     from autogpu_jupyter.core.overload import pending_warning  # noqa: PLC0415 (numpy: a cell ran)

@@ -52,6 +52,7 @@ from autogpu_jupyter.core.contract import (
     PICKED_ENV,
     PROVISIONED_ENV,
     PROVISIONER_NAME,
+    notebook_path,
 )
 from autogpu_jupyter.core.leasing import HeldLease, LeaseStore, Requester, store_for
 from autogpu_jupyter.core.options import PickOptions
@@ -267,7 +268,7 @@ class AutoGPUProvisioner(LocalProvisioner):
         move_file = self._move_file()
         requester = Requester(
             pid=os.getpid(), kernel_id=self.kernel_id,
-            notebook_path=base_env.get("JPY_SESSION_NAME") or None, kind="kernel",
+            notebook_path=notebook_path(base_env), kind="kernel",
         )
         loop = asyncio.get_running_loop()
         self._drop_lease()

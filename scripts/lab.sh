@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # What `make lab` runs (after scripts/setup.sh): JupyterLab with the extension, opened on
-# notebooks/quickstart.ipynb. Arguments are passed to `jupyter lab`:
+# demo/quickstart.ipynb. Arguments are passed to `jupyter lab`:
 #   make lab LAB_ARGS="--no-browser --port 8899"      (a headless server: see the README)
 #
+# - The demo runs copies of notebooks/*.ipynb in demo/ (untracked, made once): running them
+#   leaves the clone clean. Delete demo/ to start over.
+# - No JupyterLab news pop-up over the first outputs, no update check.
+# - JupyterLab's terminals are bash with this environment's bin/ first on PATH, even where a
+#   login shell's profile would reset PATH.
 # - No NVIDIA driver here: the demo runs on the simulated fleet demo-4x (AUTOGPU_SIMULATE).
 # - A fleet file given as a relative path is resolved here, once, to an absolute path: the
 #   server and every kernel (which run in other directories) read the same file.
@@ -33,15 +38,25 @@ export PATH
 "$VENV/bin/autogpu" kernelspec install --sys-prefix >/dev/null
 echo "Kernel \"Python 3 (autogpu)\" installed in $VENV (it picks a GPU before the kernel starts)."
 
+mkdir -p demo
+for nb in notebooks/*.ipynb; do
+  [ -e "demo/$(basename "$nb")" ] || cp "$nb" "demo/$(basename "$nb")"
+done
+echo "The demo runs your copies in demo/ (untracked; delete demo/ to start over)."
+
 flags=()
 # Jupyter refuses to run as root unless told; a container or a fresh VM often is root.
 [ "$(id -u)" = 0 ] && flags+=(--allow-root)
-# Without a terminal (nohup, a service, a CI job) jupyter starts its terminals as login shells,
-# whose profile resets PATH and loses this environment's bin/; start them as it does in a
-# terminal instead, with the PATH above. (Given in LAB_ARGS, your own shell_command wins.)
-if [ ! -t 1 ]; then
-  flags+=("--ServerApp.terminado_settings=shell_command=${SHELL:-/bin/sh}")
+if command -v bash >/dev/null 2>&1; then
+  rc="$(cd "$VENV" && pwd)/autogpu-lab.bashrc"
+  printf '%s\n' '[ -f ~/.bashrc ] && . ~/.bashrc' "export PATH=\"$(cd "$VENV/bin" && pwd):\$PATH\"" >"$rc"
+  flags+=("--ServerApp.terminado_settings={'shell_command': ['bash', '--rcfile', '$rc', '-i']}")
 fi
+# No news pop-up over the first outputs, no update check (unless LAB_ARGS says otherwise: a
+# flag given twice is an error for jupyter).
+case " $* " in *news_url*) ;; *) flags+=(--LabApp.news_url=None) ;; esac
+case " $* " in *check_for_updates_class*) ;; *)
+  flags+=(--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate) ;; esac
 # The printed URL (what a headless server's user copies) opens the quickstart too.
 exec "$VENV/bin/jupyter" lab "${flags[@]}" \
-  --LabApp.default_url=/lab/tree/notebooks/quickstart.ipynb "$@"
+  --LabApp.default_url=/lab/tree/demo/quickstart.ipynb "$@"

@@ -29,7 +29,10 @@ __all__ = [
     "PICKED_ENV",
     "PROVISIONED_ENV",
     "PROVISIONER_NAME",
+    "SERVER_ROOT_ENV",
+    "SESSION_NAME_ENV",
     "KernelContract",
+    "notebook_path",
     "ProvisionerState",
 ]
 
@@ -54,6 +57,29 @@ GRANT_ENV = "AUTOGPU_GRANT_CVD"
 MOVE_FILE_ENV = "AUTOGPU_MOVE_FILE"
 #: A message for the notebook user about the pick ("started CPU-only because ...").
 NOTE_ENV = "AUTOGPU_PICK_NOTE"
+#: The Jupyter server's root directory, set by the server extension for the kernels (and
+#: terminals) it starts: notebook paths are written relative to it, as JupyterLab shows them.
+SERVER_ROOT_ENV = "AUTOGPU_SERVER_ROOT"
+#: jupyter_server's own variable: the notebook a kernel was started for (an absolute path).
+SESSION_NAME_ENV = "JPY_SESSION_NAME"
+
+
+def notebook_path(environ: Mapping[str, str] | None = None) -> str | None:
+    """The notebook of the kernel whose environment is ``environ``, written one way everywhere
+    (leases, ``%gpu``, the panel, ``autogpu list``, the sidebar): relative to the Jupyter
+    server's root when the kernel lies under it (``notebooks/train.ipynb``, as JupyterLab's file
+    browser and the sidebar show it), else as jupyter_server gave it. ``None`` outside a
+    notebook's kernel."""
+    env = os.environ if environ is None else environ
+    path = (env.get(SESSION_NAME_ENV) or "").strip()
+    if not path:
+        return None
+    root = (env.get(SERVER_ROOT_ENV) or "").strip()
+    if root and os.path.isabs(path):
+        rel = os.path.relpath(os.path.normpath(path), os.path.normpath(root))
+        if rel != os.pardir and not rel.startswith(os.pardir + os.sep):
+            return rel
+    return path
 
 
 @dataclass(frozen=True, slots=True)

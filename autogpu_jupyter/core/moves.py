@@ -366,7 +366,11 @@ def plan_move(
                 candidates=tuple(ranked),
             )
         target_devs = tuple(c.device for c in chosen)
-        req = MoveRequest(kernel_id, (), current, time.time(), source)
+        # The plan names the devices it was shown with ("Restart on GPU 3"): the restart goes
+        # there while they still fit, not to whatever ranks first a moment later.
+        req = MoveRequest(
+            kernel_id, tuple(d.uuid for d in target_devs), current, time.time(), source
+        )
     else:
         devs = _resolve_target(text, snap.devices)
         if len(devs) != constraints.count:

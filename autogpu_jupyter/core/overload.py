@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -31,11 +31,11 @@ import numpy as np
 
 from autogpu_jupyter.config import AutoGPU
 from autogpu_jupyter.core import decision, session
-from autogpu_jupyter.core.leasing import RecordView, store_for
+from autogpu_jupyter.core.leasing import LeaseRecord, LeaseStore, RecordView, store_for
 from autogpu_jupyter.core.moves import grant_environ
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.sampler import DeviceSeries, Sampler, current_sampler, series_from_frame
-from autogpu_jupyter.core.units import format_bytes, format_duration
+from autogpu_jupyter.core.units import Size, format_bytes, format_duration
 from autogpu_jupyter.core.visibility import parse_cuda_visible_devices
 
 if TYPE_CHECKING:
@@ -48,8 +48,10 @@ __all__ = [
     "Overload",
     "Thresholds",
     "detect",
+    "alternative_constraints",
     "best_alternative",
     "kernel_device_uuids",
+    "kernel_grant",
     "pending_warning",
     "reset_pending",
     "set_move_hint",
@@ -163,6 +165,45 @@ def kernel_device_uuids(
     return parse_cuda_visible_devices(raw, devices)[0]
 
 
+def alternative_constraints(
+    lease: LeaseRecord | None, constraints: Constraints | None = None
+) -> Constraints:
+    """What a better device must offer a kernel, the same wherever it is asked (the kernel's
+    warning, the server's notification, the sidebar): the memory the kernel's own lease books
+    (its pick's ``--min-free`` as bytes), as many devices, the same exclusivity.
+
+    Without a lease (leases off, a dry run) the kernel's pick options are used, less their
+    ``--exclude``: a device the pick left out (the sidebar's pick names one device) is still a
+    candidate for "better", and the kernel's own devices are excluded by the caller anyway.
+    """
+    if lease is not None:
+        booked = [b for b in lease.device_requested_bytes if b]
+        return Constraints(
+            min_free=Size(bytes=max(booked)) if booked else None,
+            count=max(1, len(lease.device_uuids)),
+            exclusive=lease.exclusive,
+        )
+    if constraints is None:
+        return Constraints()
+    return replace(constraints, exclude=())
+
+
+def _own_lease(choice: Any, store: LeaseStore | None) -> LeaseRecord | None:
+    """This kernel's lease record: the one its pick holds, else (a provisioned kernel) the
+    store's record with the lease id the provisioner passed down."""
+    lease = getattr(choice, "lease", None)
+    if lease is not None:
+        return lease.record  # type: ignore[no-any-return]
+    lease_id = getattr(choice, "lease_id", None)
+    if not lease_id or store is None:
+        return None
+    try:
+        records = store.list_leases()
+    except Exception:  # an unreadable store: no lease to go by, the options then
+        return None
+    return next((r for r in records if r.lease_id == lease_id), None)
+
+
 def best_alternative(
     snapshot: FleetSnapshot,
     exclude: Iterable[str],
@@ -171,29 +212,41 @@ def best_alternative(
     constraints: Constraints | None = None,
     store: RecordView | Literal["config"] | None = "config",
     environ: Mapping[str, str] | None = None,
+    self_pids: Iterable[int] | None = None,
 ) -> Alternative | None:
     """The best device outside ``exclude``, by the one decision pipeline (:mod:`core.decision`).
 
-    It is what ``%gpu pick --dry-run`` would choose with this kernel's own options when its
-    current device(s) are excluded: the same allocation (the environment before autogpu changed
-    it), the same lease store (other holders' bookings and waiters; this kernel's own lease
-    hidden), the same smoothing. ``store="config"``: the store the ``AutoGPU`` settings select.
+    It is what ``%gpu pick --dry-run`` would choose for this kernel
+    (:func:`alternative_constraints`) when its current device(s) are excluded: the same
+    allocation (the environment before autogpu changed it), the same lease store (other holders'
+    bookings and waiters; this kernel's own lease hidden), the same smoothing. The server asks
+    the same question for its kernels, passing ``constraints``, ``store`` and ``environ``;
+    ``store="config"``: the store the ``AutoGPU`` settings select.
     """
     skip = tuple(exclude)
     choice = session.current()
-    if constraints is None:
-        constraints = (choice.constraints if choice is not None else None) or Constraints()
     if store == "config":
-        store = store_for(AutoGPU())
-        if store is not None and choice is not None and choice.lease_id:
-            store = store.hiding(lease_ids=[choice.lease_id])
+        configured = store_for(AutoGPU())
+        if constraints is None:
+            constraints = alternative_constraints(
+                _own_lease(choice, configured), choice.constraints if choice is not None else None
+            )
+        if configured is not None and choice is not None and choice.lease_id:
+            configured = configured.hiding(lease_ids=[choice.lease_id])
+        store = configured
+    if constraints is None:
+        constraints = alternative_constraints(
+            getattr(getattr(choice, "lease", None), "record", None),
+            choice.constraints if choice is not None else None,
+        )
     if environ is None:
-        environ = _grant(snapshot, skip)
+        environ = kernel_grant(snapshot, skip)
     context = decision.gather(
         snapshot,
         environ=environ,
         store=store,
-        smoothed_util=smoothed_util, self_pids=(os.getpid(),),
+        smoothed_util=smoothed_util,
+        self_pids=(os.getpid(),) if self_pids is None else tuple(self_pids),
     )
     # A skipped MIG device's GPU is avoided too; the policy's exclude already drops the MIG
     # devices of an excluded GPU.
@@ -208,12 +261,18 @@ def best_alternative(
     return Alternative(dev.uuid, dev.label, best.effective_free_bytes, util)
 
 
-def _grant(snapshot: FleetSnapshot, own: Sequence[str]) -> dict[str, str]:
+def kernel_grant(
+    snapshot: FleetSnapshot, own: Sequence[str], environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """The environment a restarted kernel would pick within: the server's grant (a provisioned
     kernel's ``AUTOGPU_GRANT_CVD``), else the environment before autogpu changed it; a
     ``CUDA_VISIBLE_DEVICES`` that names only this kernel's own devices is the kernel's own
-    narrowing, not a scheduler's grant (``SLURM_*`` / ``NVIDIA_VISIBLE_DEVICES`` still bound)."""
-    env = grant_environ(session.original_environ())
+    narrowing, not a scheduler's grant (``SLURM_*`` / ``NVIDIA_VISIBLE_DEVICES`` still bound).
+
+    ``environ``: the kernel's environment as it started (the server reads its kernels' from
+    ``/proc``); default this process's, before autogpu changed it.
+    """
+    env = grant_environ(session.original_environ() if environ is None else environ)
     raw = env.get("CUDA_VISIBLE_DEVICES")
     if raw:
         granted, _ = parse_cuda_visible_devices(raw, snapshot.devices)
@@ -251,6 +310,7 @@ def detect(
     *,
     smoothed_util: dict[str, float | None] | None = None,
     move: str | None = None,
+    alternative: Callable[[Sequence[str]], Alternative | None] | None = None,
 ) -> list[Overload]:
     """The overload warnings for this kernel's devices (empty when none).
 
@@ -277,6 +337,9 @@ def detect(
         Per-UUID mean utilisation, to rank the alternative.
     move
         How to move (default :func:`move_hint`).
+    alternative
+        Finds the better device given the kernel's devices (default: :func:`best_alternative`
+        for this process's kernel; the server passes one for each of its kernels).
     """
     if snapshot is None:
         return []
@@ -315,7 +378,11 @@ def detect(
                 other_process_count=len(others),
                 other_memory_bytes=other_mem,
                 users=users,
-                alternative=best_alternative(snapshot, kernel_uuids, smoothed_util),
+                alternative=(
+                    alternative(kernel_uuids)
+                    if alternative is not None
+                    else best_alternative(snapshot, kernel_uuids, smoothed_util)
+                ),
                 move=move or _move_hint,
             )
         )

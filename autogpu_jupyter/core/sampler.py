@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +84,11 @@ _MAX_ERRORS = 50
 _MAX_DEPTH = 63
 
 Listener = Callable[["Sampler", "FleetSnapshot | None"], None]
+#: One device's history from elsewhere (:meth:`Sampler.seed`): timestamps, utilisation, memory
+#: used, memory total.
+SeedSeries = tuple[
+    Sequence[float], Sequence[float | None], Sequence[float | None], float | None
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +165,14 @@ def own_pids(pids: Iterable[int], root_pid: int | None = None) -> frozenset[int]
 
 def _num(value: float | int | None) -> float:
     return math.nan if value is None else float(value)
+
+
+def _seed_num(value: object) -> float:
+    """A number from history read elsewhere; anything else (``None``, text, inf) is unknown."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return math.nan
+    f = float(value)
+    return f if math.isfinite(f) else math.nan
 
 
 class Sampler:
@@ -388,6 +401,58 @@ class Sampler:
             self._sample_count += 1
             listeners = self._listeners
         self._notify(listeners, snapshot)
+
+    def seed(self, series: Mapping[str, SeedSeries]) -> int:
+        """Put history read elsewhere (the Jupyter server's sampler) before this one's own
+        samples, so that a fresh panel starts with the minutes the server already has.
+
+        ``series`` maps a UUID to ``(timestamps_s, utilization_pct, memory_used_bytes,
+        memory_total_bytes)`` (lists, oldest first; ``None`` = unknown). Only the devices of
+        this sampler's newest snapshot, only samples older than its oldest and within
+        ``history_s`` of its newest, and no more than its buffer has room for (the newest of
+        them) are kept; a device without a value at a timestamp is unknown there. Returns the
+        number of samples added (0: nothing to seed, e.g. before the first sample).
+        """
+        with self._lock:
+            if not self._buffer or self._latest is None:
+                return 0
+            uuids = self._buffer[0][1]
+            oldest = self._buffer[0][0]
+            cutoff = self._buffer[-1][0] - self._history_s
+            room = (self._buffer.maxlen or 0) - len(self._buffer)
+        rows: dict[float, np.ndarray] = {}
+        index = {u: i for i, u in enumerate(uuids)}
+        for uuid, (ts, util, used, total) in series.items():
+            row_of = index.get(uuid)
+            if row_of is None:
+                continue
+            n = min(len(ts), len(util), len(used))
+            for k in range(n):
+                t = _seed_num(ts[k])
+                if not (cutoff <= t < oldest):
+                    continue
+                values = rows.get(t)
+                if values is None:
+                    values = np.full((len(uuids), len(METRICS)), np.nan)
+                    rows[t] = values
+                u, m = _seed_num(util[k]), _seed_num(used[k])
+                tot = _seed_num(total)
+                values[row_of] = (
+                    u, m, tot - m, tot, np.nan, np.nan, np.nan,
+                    1.0 if not (np.isnan(u) and np.isnan(m)) else np.nan,
+                )
+        stamps = sorted(rows)[-room:] if room > 0 else []
+        with self._lock:
+            # the buffer may have moved on meanwhile: still only before its oldest sample
+            if not self._buffer or self._buffer[0][1] != uuids:
+                return 0
+            first = self._buffer[0][0]
+            added = [t for t in stamps if t < first]
+            room = (self._buffer.maxlen or 0) - len(self._buffer)
+            added = added[-room:] if room > 0 else []
+            for t in reversed(added):
+                self._buffer.appendleft((t, uuids, rows[t]))
+        return len(added)
 
     def _notify(self, listeners: tuple[Listener, ...], snapshot: FleetSnapshot | None) -> None:
         for cb in listeners:

@@ -13,7 +13,9 @@ reasons naming them). Two rules hold for every cell, whatever the caller passes:
 
 Layout: every column but one keeps its cells on one line (``GPU 0``, ``NVIDIA A100-SXM4-80GB``
 never break); the one ``wrap`` column (holders, reasons) takes the rest of the width, and in text
-its continuation lines start under the column, never back at column 0.
+its continuation lines start under the column, never back at column 0. Where the width is too
+small for every column (an 80-column terminal), the columns with a ``drop`` rank are left out,
+lowest rank first, until the table fits: text is left-aligned, numbers right-aligned.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import re
 import textwrap
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from autogpu_jupyter.core.text import terminal_safe
 
-__all__ = ["Column", "visible", "to_text", "to_html"]
+__all__ = ["Column", "visible", "to_text", "to_html", "status_table", "narrow"]
 
 # A unit ends where no word character follows (``\b`` would never end "%", which is no word
 # character itself, so "12 %" could split).
@@ -42,11 +45,48 @@ def visible(text: object) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Column:
-    """A table column: its title, alignment, and whether its cells may wrap (one column)."""
+    """A table column: its title, alignment, whether its cells may wrap (one column), and when
+    it is left out of a table too wide for its width (``drop``: 1 first, 0 never)."""
 
     title: str
     align: str = "left"
     wrap: bool = False
+    drop: int = 0
+
+
+_MIN_WRAP = 24
+_GAP = 2
+
+
+def _fits(widths: Sequence[int], wrap_at: int | None, width: int, indent: str) -> bool:
+    fixed = sum(w for i, w in enumerate(widths) if i != wrap_at) + _GAP * (len(widths) - 1)
+    return len(indent) + fixed + (_MIN_WRAP if wrap_at is not None else 0) <= width
+
+
+def narrow(
+    columns: Sequence[Column],
+    rows: Sequence[Sequence[str]],
+    width: int,
+    *,
+    indent: str = "",
+) -> tuple[list[Column], list[tuple[str, ...]]]:
+    """The columns (and the rows' cells) that fit ``width`` characters: columns with a ``drop``
+    rank are left out, rank 1 first, until the others fit (the wrap column counted at its
+    least width). Columns without a rank always stay."""
+    _check(columns, rows)
+    keep = list(range(len(columns)))
+
+    def widths_of(idx: list[int]) -> list[int]:
+        return [
+            max([len(columns[i].title), *(len(visible(r[i])) for r in rows)]) for i in idx
+        ]
+
+    for rank in sorted({c.drop for c in columns if c.drop > 0}):
+        wrap_at = next((n for n, i in enumerate(keep) if columns[i].wrap), None)
+        if _fits(widths_of(keep), wrap_at, width, indent):
+            break
+        keep = [i for i in keep if columns[i].drop != rank]
+    return [columns[i] for i in keep], [tuple(r[i] for i in keep) for r in rows]
 
 
 def _check(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> None:
@@ -75,8 +115,8 @@ def to_text(
     widths = [max([len(t), *(len(r[i]) for r in cells)]) for i, t in enumerate(titles)]
     wrap_at = next((i for i, c in enumerate(columns) if c.wrap), None)
     if wrap_at is not None:
-        fixed = sum(w for i, w in enumerate(widths) if i != wrap_at) + 2 * (len(columns) - 1)
-        widths[wrap_at] = max(24, min(widths[wrap_at], width - len(indent) - fixed))
+        fixed = sum(w for i, w in enumerate(widths) if i != wrap_at) + _GAP * (len(columns) - 1)
+        widths[wrap_at] = max(_MIN_WRAP, min(widths[wrap_at], width - len(indent) - fixed))
 
     def line(values: Sequence[str]) -> list[str]:
         parts: list[list[str]] = []
@@ -168,3 +208,59 @@ def to_html(
         f'color:{_FG};margin:0">{cap}<thead><tr>{head}</tr></thead>'
         f"<tbody>{''.join(body)}</tbody></table>{foot}</div>"
     )
+
+
+def status_table(frame: Any) -> tuple[list[Column], list[tuple[str, ...]], set[int]]:
+    """The status table of every device (``api.status()``'s frame) as ``%gpu status`` and
+    ``autogpu list`` show it: the columns, text rows, and the row numbers of the caller's
+    devices (marked ``▶``). Text columns are left-aligned, numbers right-aligned; holders (other
+    users' notebook paths) are the one column that wraps, and the columns a narrow terminal or
+    notebook can do without carry a ``drop`` rank (the UUID first, memory in use last: free
+    memory always stays)."""
+    # pandas only for a status table: %load_ext imports this module for its text helpers.
+    import pandas as pd  # noqa: PLC0415
+
+    columns = [
+        Column(""),
+        Column("gpu"),
+        Column("name"),
+        Column("uuid", drop=1),
+        Column("util", align="right"),
+        Column("memory used / total", align="right", drop=5),
+        Column("free", align="right"),
+        Column("temp", align="right", drop=3),
+        Column("power", align="right", drop=2),
+        Column("procs", align="right", drop=4),
+        Column("holders", wrap=True),
+    ]
+
+    def num(value: Any, unit: str) -> str:
+        if value is None or pd.isna(value):  # unknown (NOT_SUPPORTED, lost): never 0
+            return "?"
+        return f"{float(value):.0f}{unit}"
+
+    rows: list[tuple[str, ...]] = []
+    highlight: set[int] = set()
+    for n, r in enumerate(frame.to_dict("records")):
+        if r[""] == "▶":
+            highlight.add(n)
+        state = r.get("state") or "ok"
+        holders = r.get("holders") or ""
+        if state != "ok":
+            holders = f"{state}; {holders}" if holders else state
+        rows.append(
+            (
+                r[""],
+                str(r["gpu"]),
+                str(r["name"]),
+                str(r["uuid"]),
+                num(r.get("util %"), "%"),
+                f"{r['mem used']} / {r['mem total']}",
+                str(r["mem free"]),
+                num(r.get("temp °C"), " °C"),
+                num(r.get("power W"), " W"),
+                num(r.get("procs"), ""),
+                holders or "-",
+            )
+        )
+    return columns, rows, highlight

@@ -88,6 +88,7 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
     # Imported here so that listing the extension point stays cheap (no tornado, no pynvml).
     from autogpu_jupyter.core.backends import SIMULATE_ENV  # noqa: PLC0415
     from autogpu_jupyter.core.backends.simulated import resolve_fleet_source  # noqa: PLC0415
+    from autogpu_jupyter.core.contract import SERVER_ROOT_ENV  # noqa: PLC0415
     from autogpu_jupyter.server.handlers import setup_handlers  # noqa: PLC0415
     from autogpu_jupyter.server.state import AutoGPUServer  # noqa: PLC0415
 
@@ -100,6 +101,13 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
         server_app.log.info("autogpu: %s=%s (resolved from %r)", SIMULATE_ENV, resolved, simulate)
 
     route_logs_to(server_app.log)
+
+    # Kernels (and terminals) inherit the server's environment: with the root they write
+    # notebook paths as the sidebar shows them, relative to it (core.contract.notebook_path).
+    root = getattr(server_app, "root_dir", None)
+    if isinstance(root, str) and root:
+        os.environ[SERVER_ROOT_ENV] = os.path.abspath(os.path.expanduser(root))
+
     state = AutoGPUServer(parent=server_app)
     state.start()
     setup_handlers(server_app.web_app, state)

@@ -160,8 +160,12 @@ class SelectHandler(_BaseHandler):
         try:
             constraints = payloads.parse_constraints(params)
             kernel_id = payloads.parse_kernel_id(params.get("kernel_id"))
+            # the notebook's kernel bounds the answer by its own allocation
+            environ = await self.state.run(
+                payloads.kernel_environ, self.kernel_manager, kernel_id
+            )
             payload = await self.state.run(
-                payloads.select_payload, self.state, constraints, kernel_id
+                payloads.select_payload, self.state, constraints, kernel_id, environ
             )
         except AutoGPUError as err:
             raise self._http_error(err) from err
@@ -218,25 +222,23 @@ class ClusterHistoryHandler(_BaseHandler):
 
 
 class MoveHandler(_BaseHandler):
-    """``POST kernels/<kernel_id>/move``: restart an autogpu kernel on another GPU.
+    """``POST|GET|DELETE kernels/<kernel_id>/move``: restart an autogpu kernel on another GPU.
 
-    Body: ``{"target": "best" | "<NVML index>" | "<UUID>", "dry_run": false}``. A dry run only
-    plans (the sidebar's confirmation dialog shows its ``message``); otherwise the request is
-    recorded and the kernel restarted, and the answer says where it runs now. Errors: 404 unknown
-    kernel, 400 not an autogpu kernel / bad body / target that does not fit, 409 a move of this
-    kernel already running, 500 the restart failed.
+    POST body: ``{"target": "best" | "<NVML index>" | "<UUID>", "dry_run": false,
+    "restart": true}``. A dry run only plans (the sidebar's confirmation dialog shows its
+    ``message``). Otherwise the request is recorded and, with ``restart`` (the default), the
+    kernel restarted here; the answer says where it runs now. With ``"restart": false`` the
+    client restarts the kernel itself, as the sidebar does through JupyterLab's own restart (so
+    that the notebook follows the restart: its kernel indicator, widgets, pending requests),
+    then asks ``GET`` where the kernel runs now; ``DELETE`` drops a request no restart took.
+    Errors: 404 unknown kernel, 400 not an autogpu kernel / bad body / target that does not fit,
+    409 a move of this kernel already running, 500 the restart failed.
     """
 
-    @tornado.web.authenticated
-    async def post(self, kernel_id: str) -> None:
-        try:
-            body = moving.parse_move_body(self.request.body)
-        except UsageErrorBase as err:
-            raise self._http_error(err) from err
+    def _provisioner(self, kernel_id: str) -> Any:
         if kernel_id not in self.kernel_manager:
             raise http_error(404, f"no kernel {payloads.short_repr(kernel_id)} on this server")
-        km = self.kernel_manager.get_kernel(kernel_id)
-        prov = getattr(km, "provisioner", None)
+        prov = getattr(self.kernel_manager.get_kernel(kernel_id), "provisioner", None)
         if not moving.is_movable(prov):
             raise tornado.web.HTTPError(
                 400,
@@ -244,6 +246,15 @@ class MoveHandler(_BaseHandler):
                 "move it; choose \"Python 3 (autogpu)\" as the notebook's kernel (install it with "
                 "`autogpu kernelspec install`)",
             )
+        return prov
+
+    @tornado.web.authenticated
+    async def post(self, kernel_id: str) -> None:
+        try:
+            body = moving.parse_move_body(self.request.body)
+        except UsageErrorBase as err:
+            raise self._http_error(err) from err
+        prov = self._provisioner(kernel_id)
         if kernel_id in self.state.moving:
             raise tornado.web.HTTPError(409, "a move of this kernel is already in progress")
         self.state.moving.add(kernel_id)
@@ -253,6 +264,29 @@ class MoveHandler(_BaseHandler):
             self.state.moving.discard(kernel_id)
         self._finish_json(payload)
 
+    @tornado.web.authenticated
+    async def get(self, kernel_id: str) -> None:
+        """Where the kernel runs after the last recorded move (``pending`` while it waits)."""
+        prov = self._provisioner(kernel_id)
+        plan = self.state.move_plans.get(kernel_id)
+        if plan is None:
+            raise http_error(404, "no move of this kernel was recorded by this server")
+        if await self.state.run(moving.pending, prov):
+            self._finish_json(moving.pending_payload(plan))
+            return
+        self.state.move_plans.pop(kernel_id, None)
+        payload = moving.result_payload(plan, prov, False, self.state.labels())
+        self._finish_json({**payload, "pending": False})
+
+    @tornado.web.authenticated
+    async def delete(self, kernel_id: str) -> None:
+        """Drop a recorded move that no restart took (the client's restart failed)."""
+        prov = self._provisioner(kernel_id)
+        was = await self.state.run(moving.pending, prov)
+        await self.state.run(moving.cancel, prov)
+        self.state.move_plans.pop(kernel_id, None)
+        self._finish_json({"cancelled": was})
+
     async def _move(self, kernel_id: str, prov: Any, body: moving.MoveBody) -> dict[str, Any]:
         try:
             plan = await self.state.run(moving.plan_or_request, self.state, prov, kernel_id, body)
@@ -260,16 +294,22 @@ class MoveHandler(_BaseHandler):
             raise http_error(400, _one_paragraph(err)) from err
         except AutoGPUError as err:
             raise self._http_error(err) from err
-        if not body.dry_run:
-            kernel_manager: Any = self.kernel_manager  # jupyter_server's is untyped
-            try:
-                await kernel_manager.restart_kernel(kernel_id)
-            except Exception as err:  # the kernel could not restart: say why, keep serving
-                self.log.exception("autogpu: restarting kernel %s for a move failed", kernel_id)
-                await self.state.run(moving.cancel, prov)
-                raise http_error(500, f"the kernel could not restart: {err}") from err
-            prov = getattr(kernel_manager.get_kernel(kernel_id), "provisioner", prov)
-        return moving.result_payload(plan, prov, body.dry_run, self.state.labels())
+        if body.dry_run:
+            return moving.result_payload(plan, prov, True, self.state.labels())
+        if not body.restart:
+            for gone in [k for k in self.state.move_plans if k not in self.kernel_manager]:
+                del self.state.move_plans[gone]  # bounded: one plan per live kernel
+            self.state.move_plans[kernel_id] = plan
+            return moving.pending_payload(plan)
+        kernel_manager: Any = self.kernel_manager  # jupyter_server's is untyped
+        try:
+            await kernel_manager.restart_kernel(kernel_id)
+        except Exception as err:  # the kernel could not restart: say why, keep serving
+            self.log.exception("autogpu: restarting kernel %s for a move failed", kernel_id)
+            await self.state.run(moving.cancel, prov)
+            raise http_error(500, f"the kernel could not restart: {err}") from err
+        prov = getattr(kernel_manager.get_kernel(kernel_id), "provisioner", prov)
+        return moving.result_payload(plan, prov, False, self.state.labels())
 
 
 #: (path under the namespace, handler class)

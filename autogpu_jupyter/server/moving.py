@@ -31,21 +31,25 @@ if TYPE_CHECKING:
     from autogpu_jupyter.server.state import AutoGPUServer
 
 __all__ = [
-    "MoveBody", "cancel", "is_movable", "parse_move_body", "plan_or_request", "result_payload",
+    "MoveBody", "cancel", "is_movable", "parse_move_body", "pending", "pending_payload",
+    "plan_or_request", "result_payload",
 ]
 
-_ACCEPTED = ("target", "dry_run")
+_ACCEPTED = ("target", "dry_run", "restart")
 _EXAMPLE = '{"target": "best"} or {"target": "2"}'
 
 
 class MoveBody:
-    """A parsed request body: ``target`` (``"best"``, an NVML index or a UUID) and ``dry_run``."""
+    """A parsed request body: ``target`` (``"best"``, an NVML index or a UUID), ``dry_run``, and
+    ``restart`` (false: record the move and let the client restart the kernel, as the sidebar
+    does through JupyterLab's own restart so that the notebook follows it)."""
 
-    __slots__ = ("dry_run", "target")
+    __slots__ = ("dry_run", "restart", "target")
 
-    def __init__(self, target: str, dry_run: bool) -> None:
+    def __init__(self, target: str, dry_run: bool, restart: bool = True) -> None:
         self.target = target
         self.dry_run = dry_run
+        self.restart = restart
 
 
 def parse_move_body(body: bytes) -> MoveBody:
@@ -75,10 +79,13 @@ def parse_move_body(body: bytes) -> MoveBody:
         )
     if target.lower() == "--best":
         target = moves.BEST
-    dry_run = data.get("dry_run", False)
-    if not isinstance(dry_run, bool):
-        raise UsageErrorBase(f"invalid dry_run {dry_run!r}: expected true or false")
-    return MoveBody(target, dry_run)
+    flags = {}
+    for key, default in (("dry_run", False), ("restart", True)):
+        value = data.get(key, default)
+        if not isinstance(value, bool):
+            raise UsageErrorBase(f"invalid {key} {short_repr(value)}: expected true or false")
+        flags[key] = value
+    return MoveBody(target, flags["dry_run"], flags["restart"])
 
 
 def is_movable(provisioner: Any) -> bool:
@@ -160,10 +167,34 @@ def result_payload(
             f"The kernel restarted on {_labels(picked, known)}; its state (variables) was lost."
         )
     else:
+        # the note says why (the provisioner's words, e.g. the planned device no longer fits);
+        # that the state was lost is said once
+        why = (note or "").split(": the kernel's state was lost")[0]
         message = (
             f"The kernel restarted on {_labels(picked, known)}, not on "
             f"{_labels(planned, known)} as planned"
-            + (f": {note}" if note else "")
+            + (f": {why}" if why else "")
             + ". Its state (variables) was lost."
         )
     return {**out, "message": message, "picked": list(picked), "note": note}
+
+
+def pending(provisioner: Any) -> bool:
+    """Whether a recorded move of this kernel still waits for its restart."""
+    path = provisioner.autogpu_move_file if isinstance(provisioner, ProvisionerState) else None
+    return bool(path) and path is not None and moves.read_move(path) is not None
+
+
+def pending_payload(plan: moves.MovePlan) -> dict[str, Any]:
+    """The answer while a recorded move waits for the kernel's restart."""
+    labels = ", ".join(d.label for d in plan.target)
+    return {
+        "dry_run": False,
+        "pending": True,
+        "plan": plan.message,
+        "target": [d.uuid for d in plan.target],
+        "target_labels": [d.label for d in plan.target],
+        "message": f"The move to {labels} waits for the kernel's restart.",
+        "picked": None,
+        "note": None,
+    }

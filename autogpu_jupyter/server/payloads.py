@@ -11,7 +11,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.config import AutoGPU
@@ -23,10 +23,19 @@ from autogpu_jupyter.core.cluster import (
     rank_hosts,
 )
 from autogpu_jupyter.core.contract import ProvisionerState
+from autogpu_jupyter.core.holders import holders_by_device
+from autogpu_jupyter.core.moves import grant_environ
 from autogpu_jupyter.core.options import PickOptions
-from autogpu_jupyter.core.overload import Thresholds, detect
+from autogpu_jupyter.core.overload import (
+    Thresholds,
+    alternative_constraints,
+    best_alternative,
+    detect,
+    kernel_grant,
+)
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.core.visibility import current_allocation
 from autogpu_jupyter.errors import (
     AutoGPUError,
     NoDeviceFitsError,
@@ -76,7 +85,9 @@ def latest_snapshot(state: AutoGPUServer) -> FleetSnapshot | None:
         return None
     deadline = time.monotonic() + FIRST_SAMPLE_WAIT_S
     snap: FleetSnapshot | None = sampler.latest()
-    while snap is None and time.monotonic() < deadline:
+    # A failed first sweep (no driver, a bad fleet file) is an answer too: say it at once
+    # rather than hold the request (and the executor thread, which a stopping server joins).
+    while snap is None and not sampler.errors and time.monotonic() < deadline:
         time.sleep(0.02)
         snap = sampler.latest()
     return snap
@@ -223,12 +234,14 @@ def _lease_records(
 def holders_payload(
     state: AutoGPUServer, kernel_manager: Any, sessions: Mapping[str, Mapping[str, Any]]
 ) -> dict[str, Any]:
-    """``GET holders``: per device, who holds it.
+    """``GET holders``: per device, who holds it, joined by :mod:`core.holders` (the one holder
+    model of ``%gpu``, the panel and ``autogpu list``): a lease, a GPU process, or both matched
+    by pid (``kind`` ``lease``, ``process``, ``lease+process``), each with the memory it books
+    and uses. The sidebar only sorts and renders them.
 
-    Two kinds of holder: ``lease`` (a live lease in the registry, with the memory it books) and
-    ``process`` (a compute process NVML reports, with the memory it uses). Each is joined with
-    this server's kernels: a lease names its kernel id; a process PID is matched against the
-    kernels' PIDs and their descendants. ``notebook_path`` comes from this server's sessions.
+    What only the server knows is added: a process in one of this server's kernels' process
+    trees (or a lease of this server's uid naming one of its kernels) is ``this_server``, with
+    that kernel's id and its session's notebook path.
     """
     snap = latest_snapshot(state)
     errors = _sampler_errors(state)
@@ -236,15 +249,11 @@ def holders_payload(
     our_kernels = set(kernel_pids.values())
     if kernel_manager is not None:
         our_kernels.update(kernel_manager.list_kernel_ids())
-
-    def session_of(kid: str | None) -> Mapping[str, Any]:
-        return sessions.get(kid, {}) if kid else {}
-
-    labels = {d.uuid: d.label for d in snap.devices} if snap is not None else {}
-    holders: list[dict[str, Any]] = []
     everything, lease_errors = _lease_records(state, include_tickets=True)
     server_uid = os.geteuid()
-    errors.extend(lease_errors)
+    for e in lease_errors:
+        if e not in errors:
+            errors.append(e)
     records = [r for r in everything if r.kind == "lease"]
     # kernels in line for a GPU (a --wait pick): the sidebar tells when their wait ends
     # (only our own uid's tickets: another user could write a ticket naming our kernel ids)
@@ -253,58 +262,64 @@ def holders_payload(
         for r in everything
         if r.kind == "ticket" and r.kernel_id and r.uid == server_uid
     }
-    for rec in records:
-        kid = rec.kernel_id
-        # A lease's kernel id is what its writer claims: only a lease of this server's own uid
-        # can be one of this server's kernels (another user could copy our kernel ids).
-        ours = bool(kid) and kid in our_kernels and rec.uid == server_uid
-        for uuid, booked in zip(rec.device_uuids, rec.device_requested_bytes, strict=False):
-            holders.append(
-                {
-                    "kind": "lease",
-                    "uuid": uuid,
-                    "label": labels.get(uuid),
-                    "user": rec.user,
-                    "pid": rec.pid,
-                    "kernel_id": kid,
-                    "this_server": ours,
-                    "notebook_path": session_of(kid).get("path") or rec.notebook_path
-                    if ours
-                    else rec.notebook_path,
-                    "booked_bytes": booked,
-                    "used_memory_bytes": None,
-                    "exclusive": rec.exclusive,
-                    "created_s": rec.created_s,
-                    "command": redact(rec.user, rec.command, state.user, state.expose_commands),
-                }
-            )
+    holders: list[dict[str, Any]] = []
     if snap is not None:
+        kernel_of_pid = {}
         for dev in snap.devices:
             for proc in dev.processes or ():
                 kid = owning_kernel(proc.pid, kernel_pids)
+                if kid is not None:
+                    kernel_of_pid[proc.pid] = kid
+        paths = {k: str(v["path"]) for k, v in sessions.items() if v.get("path")}
+        by_lease = {r.lease_id: r for r in records}
+        joined = holders_by_device(snap, records, kernel_of_pid=kernel_of_pid)
+        for dev in snap.devices:
+            procs = {p.pid: p for p in dev.processes or ()}
+            for h in joined[dev.uuid]:
+                rec = by_lease.get(h.lease_id) if h.lease_id is not None else None
+                # A lease's kernel id is what its writer claims: only a lease of this server's
+                # own uid can be one of this server's kernels (another user could copy our ids).
+                # A process found in one of our kernels' process trees is ours whoever wrote.
+                ours = kernel_of_pid.get(h.pid) if h.pid in procs else None
+                if ours is None and rec is not None and rec.uid == server_uid and (
+                    rec.kernel_id in our_kernels
+                ):
+                    ours = rec.kernel_id
+                process = procs.get(h.pid) if h.pid is not None else None
+                command = rec.command if rec is not None else None
+                if command is None and process is not None:
+                    command = process.command
                 holders.append(
                     {
-                        "kind": "process",
+                        "kind": h.kind,
                         "uuid": dev.uuid,
                         "label": dev.label,
-                        "user": proc.user,
-                        "pid": proc.pid,
-                        "kernel_id": kid,
-                        "this_server": kid is not None,
-                        "notebook_path": session_of(kid).get("path"),
-                        "booked_bytes": None,
-                        "used_memory_bytes": proc.used_memory_bytes,
-                        "exclusive": False,
-                        "created_s": None,
-                        "command": redact(
-                            proc.user, proc.command, state.user, state.expose_commands
-                        ),
+                        "user": h.user,
+                        "pid": h.pid,
+                        "kernel_id": ours or h.kernel_id,
+                        "this_server": ours is not None,
+                        "notebook_path": (paths.get(ours) if ours else None) or h.notebook_path,
+                        "booked_bytes": h.booked_bytes,
+                        "used_memory_bytes": h.used_memory_bytes,
+                        "exclusive": h.exclusive,
+                        "created_s": rec.created_s if rec is not None else None,
+                        "command": redact(h.user, command, state.user, state.expose_commands),
                     }
                 )
-    kernels = kernel_infos(kernel_manager, sessions) if kernel_manager is not None else []
-    overloads = kernel_overloads(state, kernels, holders, snap)
+    # each kernel's environment as it started: its allocation, the grant it would move within
+    environs = {kid: process_environ(pid) for pid, kid in kernel_pids.items()}
+    kernels = (
+        kernel_infos(kernel_manager, sessions, snap, environs)
+        if kernel_manager is not None
+        else []
+    )
+    overloads = kernel_overloads(
+        state, kernels, holders, snap, records, kernel_options(kernel_manager), environs
+    )
     for info in kernels:
-        info["overload"] = overloads.get(info["kernel_id"])
+        found = overloads.get(info["kernel_id"])
+        info["overload"] = found[0] if found else None
+        info["better"] = found[1] if found else None
         info["waiting"] = info["kernel_id"] in waiting
     return {
         "timestamp_s": snap.timestamp_s if snap is not None else time.time(),
@@ -321,10 +336,21 @@ def kernel_overloads(
     kernels: list[dict[str, Any]],
     holders: list[dict[str, Any]],
     snap: FleetSnapshot | None,
-) -> dict[str, str]:
+    records: Sequence[Any] = (),
+    options: Mapping[str, Constraints] | None = None,
+    environs: Mapping[str, Mapping[str, str] | None] | None = None,
+) -> dict[str, tuple[str, dict[str, str] | None]]:
     """Kernel id -> the overload warning for the GPU(s) it holds (the panel's own words, from
-    :func:`core.overload.detect` over the server's sampler history), for this server's kernels
-    whose GPU other processes overload. The sidebar turns it into a JupyterLab notification."""
+    :func:`core.overload.detect` over the server's sampler history) and the better device, for
+    this server's kernels whose GPU other processes overload. The sidebar turns the warning
+    into a JupyterLab notification and names the same better device on top.
+
+    The better device is asked as the kernel itself asks it
+    (:func:`core.overload.best_alternative` with :func:`~core.overload.alternative_constraints`
+    of the kernel's lease, the kernel's own lease hidden, the server's grant), so the warning
+    printed in the notebook, the notification and the sidebar name the same device. The grant
+    is the kernel's own (its environment as it started, from ``environs``), else the server's.
+    """
     sampler = state.sampler()
     if snap is None or sampler is None or not kernels:
         return {}
@@ -336,7 +362,7 @@ def kernel_overloads(
             continue
         if h["uuid"] not in held.setdefault(kid, []):
             held[kid].append(h["uuid"])
-        if h["kind"] == "process" and h.get("pid") is not None:
+        if h.get("used_memory_bytes") is not None and h.get("pid") is not None:
             own.setdefault(kid, set()).add(int(h["pid"]))
     for info in kernels:
         for uuid in info.get("picked_uuids") or ():
@@ -351,17 +377,43 @@ def kernel_overloads(
     history = sampler.history_series(since_s=thresholds.window_s + 3 * state.interval_s)
     smoothed = sampler.smoothed_util(60.0)
     movable = {k["kernel_id"] for k in kernels if k.get("movable")}
-    out: dict[str, str] = {}
+    options = options or {}
+    environs = environs or {}
+    uid = os.geteuid()
+    try:
+        registry = state.registry()
+    except (AutoGPUError, OSError):
+        registry = None
+    out: dict[str, tuple[str, dict[str, str] | None]] = {}
     for kid, uuids in held.items():
         move = (
             "use Move to best GPU in the GPU sidebar"
             if kid in movable
             else "restart the kernel and run %gpu pick"
         )
-        found = detect(history, snap, uuids, own.get(kid, set()), thresholds,
-                       smoothed_util=smoothed, move=move)
+        lease = next(
+            (r for r in records if r.kernel_id == kid and r.uid == uid), None
+        )
+        pids = own.get(kid, set())
+
+        def alternative(kernel_uuids: Any, kid: str = kid, lease: Any = lease,
+                        pids: set[int] = pids) -> Any:
+            view = registry.hiding(kernel_id=kid) if registry is not None else None
+            grant = kernel_grant(snap, tuple(kernel_uuids), environs.get(kid))
+            return best_alternative(
+                snap, kernel_uuids, smoothed,
+                constraints=alternative_constraints(lease, options.get(kid)),
+                store=view, environ=grant, self_pids=pids,
+            )
+
+        found = detect(history, snap, uuids, pids, thresholds,
+                       smoothed_util=smoothed, move=move, alternative=alternative)
         if found:
-            out[kid] = " ".join(_overload_summary(w) for w in found)
+            better = next((w.alternative for w in found if w.alternative is not None), None)
+            out[kid] = (
+                " ".join(_overload_summary(w) for w in found),
+                None if better is None else {"uuid": better.uuid, "label": better.label},
+            )
     return out
 
 
@@ -390,16 +442,81 @@ def kernel_activity(km: Any, now_s: float | None = None) -> tuple[str | None, fl
     return state, max(0.0, round(now - float(last.timestamp()), 1))
 
 
+def kernel_options(kernel_manager: Any) -> dict[str, Constraints]:
+    """Kernel id -> the pick options of this server's autogpu kernels (their provisioners')."""
+    out: dict[str, Constraints] = {}
+    if kernel_manager is None:
+        return out
+    for kid in list(kernel_manager.list_kernel_ids()):
+        try:
+            prov = getattr(kernel_manager.get_kernel(kid), "provisioner", None)
+        except KeyError:
+            continue
+        if isinstance(prov, ProvisionerState) and prov.autogpu_constraints is not None:
+            out[kid] = prov.autogpu_constraints
+    return out
+
+
+def process_environ(pid: int | None, proc_root: str = "/proc") -> dict[str, str] | None:
+    """The environment process ``pid`` started with (``/proc/<pid>/environ``, at most 1 MiB),
+    or ``None`` when it cannot be read (no pid, gone, another user's)."""
+    if pid is None:
+        return None
+    try:
+        with open(os.path.join(proc_root, str(pid), "environ"), "rb") as fh:
+            raw = fh.read(1 << 20)
+    except OSError:
+        return None
+    env: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+    return env
+
+
+def kernel_environ(kernel_manager: Any, kernel_id: str | None) -> dict[str, str] | None:
+    """The environment one of this server's kernels started with (see
+    :func:`process_environ`); ``None`` for an unknown kernel or an unreadable one."""
+    if kernel_manager is None or not kernel_id:
+        return None
+    pid = {kid: pid for pid, kid in kernel_pid_map(kernel_manager).items()}.get(kernel_id)
+    return process_environ(pid)
+
+
+def kernel_allowed_uuids(
+    snap: FleetSnapshot | None, env: Mapping[str, str] | None
+) -> list[str] | None:
+    """The devices a kernel may use: the allocation its process started with
+    (``CUDA_VISIBLE_DEVICES``, ``NVIDIA_VISIBLE_DEVICES``, Slurm's, from its environment
+    ``env`` as CUDA reads them). ``None`` when that is unknown (an unreadable process): the
+    sidebar then offers every device, as the server's own grant allows."""
+    if snap is None or env is None:
+        return None
+    env = grant_environ(env)  # an autogpu kernel: the grant it picked within, not its pick
+    try:
+        allocation = current_allocation(snap.devices, env)
+    except AutoGPUError:  # a value CUDA would not read either: no device is offered
+        return []
+    return [d.uuid for d in snap.devices if allocation.allows(d)]
+
+
 def kernel_infos(
-    kernel_manager: Any, sessions: Mapping[str, Mapping[str, Any]]
+    kernel_manager: Any,
+    sessions: Mapping[str, Mapping[str, Any]],
+    snap: FleetSnapshot | None = None,
+    environs: Mapping[str, Mapping[str, str] | None] | None = None,
 ) -> list[dict[str, Any]]:
     """This server's kernels: which can be moved (started by the autogpu provisioner) and where,
     their ``execution_state`` and ``idle_s`` (see :func:`kernel_activity`).
 
     ``movable`` is true for a kernel whose provisioner records move requests
     (``autogpu_move_file``); ``picked_uuids`` is the provisioner's choice at the last (re)start
-    (empty: CPU-only, or not an autogpu kernel); ``note`` its message, if any.
+    (empty: CPU-only, or not an autogpu kernel); ``note`` its message, if any;
+    ``allowed_uuids`` the devices its process may use (:func:`kernel_allowed_uuids` of its
+    environment in ``environs``).
     """
+    environs = environs or {}
     out: list[dict[str, Any]] = []
     for kid in list(kernel_manager.list_kernel_ids()):
         try:
@@ -422,6 +539,7 @@ def kernel_infos(
                 "picked_uuids": [str(u) for u in picked] if movable else [],
                 "constraints_text": constraints.describe() if movable and constraints else None,
                 "note": state.autogpu_note if state is not None and movable else None,
+                "allowed_uuids": kernel_allowed_uuids(snap, environs.get(kid)),
             }
         )
     return out
@@ -513,7 +631,10 @@ def parse_kernel_id(value: Any) -> str | None:
 
 
 def select_payload(
-    state: AutoGPUServer, constraints: Constraints, ignore_kernel_id: str | None = None
+    state: AutoGPUServer,
+    constraints: Constraints,
+    ignore_kernel_id: str | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """``select``: :func:`select_answer` over the sampler's latest sweep and the registry.
 
@@ -521,6 +642,8 @@ def select_payload(
     HTTP error. The registry is read for bookings, never written. ``ignore_kernel_id``: the
     leases of that kernel (of this server's user) are left out of the bookings, so that a
     notebook's recommendation does not count its own lease against the device it holds.
+    ``environ``: that kernel's environment as it started, whose allocation bounds the answer (a
+    notebook is never recommended a GPU its kernel cannot use); default the server's.
     """
     snap = latest_snapshot(state)
     if snap is None:
@@ -537,7 +660,11 @@ def select_payload(
         registry = state.registry()
     except (AutoGPUError, OSError) as err:
         notes.append(f"lease registry unusable, bookings not counted: {err}")
-    return select_answer(snap, constraints, registry, smoothed, ignore_kernel_id, notes)
+    if environ is not None:
+        environ = grant_environ(environ)
+    return select_answer(
+        snap, constraints, registry, smoothed, ignore_kernel_id, notes, environ=environ
+    )
 
 
 def select_answer(

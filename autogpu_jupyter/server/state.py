@@ -122,6 +122,9 @@ class AutoGPUServer(LoggingConfigurable):
         self._settings: AutoGPU | None = None
         #: Kernels with a move in progress (touched on the IOLoop only): a second one is refused.
         self.moving: set[str] = set()
+        #: The plan of each kernel's move recorded for its client's restart (``"restart":
+        #: false``), until the client asks where the kernel runs now (IOLoop only; one per kernel).
+        self.move_plans: dict[str, Any] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -302,8 +302,11 @@ def render_table(
     marked = set(highlight)
     by_device = holders_by_device(snapshot, leases, own_pids=own_pids)
     cell = f"padding:1px 8px;text-align:left;border-bottom:1px solid {BORDER}"
+    # Numbers and labels never break ("74 °C", not "74" / "°C"): only the holders wrap.
+    fixed = f"{cell};white-space:nowrap"
+    wrap = f"{cell};white-space:normal;overflow-wrap:anywhere"
     head = "".join(
-        f'<th style="{cell}">{h}</th>'
+        f'<th style="{fixed}">{h}</th>'
         for h in ("GPU", "util", "memory used / total", "temp", "power", "holders")
     )
     rows = []
@@ -312,7 +315,7 @@ def render_table(
         label = dev.label + (" (this kernel)" if dev.uuid in marked else "")
         if not dev.available:
             rows.append(
-                f'<tr style="{style}"><td style="{cell}">{_e(label)}</td>'
+                f'<tr style="{style}"><td style="{fixed}">{_e(label)}</td>'
                 f'<td style="{cell};color:{ERROR_COLOR}" colspan="5">lost: '
                 f"{_e(dev.error or 'unavailable')}</td></tr>"
             )
@@ -334,7 +337,10 @@ def render_table(
         )
         rows.append(
             f'<tr style="{style}">'
-            + "".join(f'<td style="{cell}">{v}</td>' for v in values)
+            + "".join(
+                f'<td style="{wrap if i == len(values) - 1 else fixed}">{v}</td>'
+                for i, v in enumerate(values)
+            )
             + "</tr>"
         )
     return (

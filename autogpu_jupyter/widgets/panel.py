@@ -7,19 +7,25 @@ value changes reach the frontend as comm messages, also while another cell is bu
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as w
 from IPython import get_ipython
+from jupyter_core.paths import jupyter_runtime_dir
 
 from autogpu_jupyter import api
 from autogpu_jupyter.config import AutoGPU
-from autogpu_jupyter.core import session
+from autogpu_jupyter.core import procfs, session
 from autogpu_jupyter.core.overload import (
     Overload,
     Thresholds,
@@ -78,6 +84,10 @@ class Panel(w.VBox):  # type: ignore[misc]
         Overload thresholds; default from ``AutoGPU.overload_*``.
     sampler
         Default: the process's sampler (:func:`autogpu_jupyter.core.sampler.get_sampler`).
+    server_history
+        Start the charts with the history the Jupyter server that started this kernel already
+        has (its autogpu sampler's, :func:`server_history`), when this kernel's own is shorter
+        than the window: a fresh panel then shows the last minutes, not an empty chart.
 
     Attributes
     ----------
@@ -95,6 +105,7 @@ class Panel(w.VBox):  # type: ignore[misc]
         interval_s: float | None = None,
         thresholds: Thresholds | None = None,
         sampler: Sampler | None = None,
+        server_history: bool = True,
         **kwargs: Any,
     ) -> None:
         self._sampler = sampler if sampler is not None else get_sampler(interval_s)
@@ -147,6 +158,8 @@ class Panel(w.VBox):  # type: ignore[misc]
         self.add_class("autogpu-panel")
         if self._sampler.latest() is None:
             self._sampler.sample_now()  # draw something at once, from this (main) thread
+        if server_history:
+            self._seed_from_server()
         self.refresh()
         self._listener = _weak_listener(self)
         self._sampler.subscribe(self._listener)
@@ -174,6 +187,20 @@ class Panel(w.VBox):  # type: ignore[misc]
     @property
     def sampler(self) -> Sampler:
         return self._sampler
+
+    def _seed_from_server(self) -> None:
+        """Fill the sampler's history with the server's, where its own is shorter than the
+        window (a kernel that just started); failures only leave the chart as it was."""
+        s = self._sampler
+        series = s.history_series()
+        stamps = [t for x in series.values() for t in (x.timestamps_s[:1].tolist())]
+        newest = s.latest()
+        if newest is None or not stamps:
+            return
+        if newest.timestamp_s - min(stamps) >= self.window_s - 2 * s.interval_s:
+            return
+        added = s.seed(server_history(self.window_s))
+        log.debug("panel: %d samples of the server's history", added)
 
     # -- drawing -------------------------------------------------------------------------------
     def _on_sample(self, sampler: Sampler, snapshot: FleetSnapshot | None) -> None:
@@ -222,7 +249,8 @@ class Panel(w.VBox):  # type: ignore[misc]
         s = self._sampler
         since = max(self.window_s, self.thresholds.window_s + 3 * s.interval_s)
         history = s.history_series(since_s=since)  # numpy arrays, no DataFrame per redraw
-        own = s.latest_own_pids()
+        # this kernel's process holds its lease even before it uses the GPU ("this kernel")
+        own = s.latest_own_pids() | {os.getpid()}
         warnings = (
             detect(
                 history, snapshot, kernel, own, self.thresholds, smoothed_util=s.smoothed_util(60.0)
@@ -311,3 +339,71 @@ def _lease_text() -> str | None:
     if choice.lease_id:
         return str(choice.lease_id)
     return None
+
+
+#: How long a panel waits for the server's history before drawing without it.
+SERVER_HISTORY_TIMEOUT_S = 1.5
+#: The most bytes of a history answer read (900 samples of 64 devices fit many times over).
+_MAX_HISTORY_BYTES = 16 << 20
+
+
+def _server_info(runtime_dir: str | None = None, max_depth: int = 4) -> dict[str, Any] | None:
+    """The ``jpserver-<pid>.json`` of the Jupyter server that started this kernel (this process
+    or one of its ancestors, a few levels up): its URL and token, from this user's private
+    runtime directory. ``None`` outside a server's kernel."""
+    if runtime_dir is None:
+        runtime_dir = jupyter_runtime_dir()
+    pid: int | None = os.getppid()
+    for _ in range(max_depth):
+        if pid is None or pid <= 1:
+            return None
+        path = os.path.join(runtime_dir, f"jpserver-{pid}.json")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                info = json.load(fh)
+        except (OSError, ValueError):
+            pid = procfs.ppid(pid)
+            continue
+        return info if isinstance(info, dict) else None
+    return None
+
+
+def server_history(
+    window_s: float, *, info: dict[str, Any] | None = None, timeout_s: float | None = None
+) -> dict[str, Any]:
+    """The last ``window_s`` seconds of the history the Jupyter server that started this kernel
+    already has (``GET {base_url}autogpu/history``, its shared sampler's), as
+    :meth:`~autogpu_jupyter.core.sampler.Sampler.seed` takes it. Empty when there is no such
+    server, it has no autogpu extension, or it does not answer in time (TLS with a private
+    certificate, a Unix socket, a proxy): the panel then starts with this kernel's own samples.
+    """
+    info = _server_info() if info is None else info
+    if not info:
+        return {}
+    url, token = info.get("url"), info.get("token")
+    if not isinstance(url, str) or not url.startswith("http://") or info.get("sock"):
+        return {}
+    since = time.time() - float(window_s) - 5.0
+    query = urllib.parse.urlencode({"since": f"{since:.3f}"})
+    # http:// only (checked above): the server's own URL from its runtime file
+    request = urllib.request.Request(  # noqa: S310
+        urllib.parse.urljoin(url if url.endswith("/") else url + "/", f"autogpu/history?{query}"),
+        headers={"Authorization": f"token {token}"} if isinstance(token, str) and token else {},
+    )
+    try:
+        with urllib.request.urlopen(  # noqa: S310
+            request, timeout=SERVER_HISTORY_TIMEOUT_S if timeout_s is None else timeout_s
+        ) as resp:
+            data = json.loads(resp.read(_MAX_HISTORY_BYTES + 1)[:_MAX_HISTORY_BYTES])
+    except (OSError, ValueError, urllib.error.URLError) as err:
+        log.debug("no server history: %s", err)
+        return {}
+    out: dict[str, Any] = {}
+    for entry in data.get("series", []) if isinstance(data, dict) else []:
+        if not isinstance(entry, dict) or not isinstance(entry.get("uuid"), str):
+            continue
+        ts, util, used = (entry.get(k) for k in
+                          ("timestamp_s", "utilization_pct", "memory_used_bytes"))
+        if isinstance(ts, list) and isinstance(util, list) and isinstance(used, list):
+            out[entry["uuid"]] = (ts, util, used, entry.get("memory_total_bytes"))
+    return out

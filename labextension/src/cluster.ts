@@ -9,6 +9,7 @@
  * queries). Everything from the server is written with `textContent`, never as HTML.
  */
 import { ServerConnection } from '@jupyterlab/services';
+import { TranslationBundle, nullTranslator } from '@jupyterlab/translation';
 
 import {
   clusterView,
@@ -45,8 +46,12 @@ function el(tag: string, className: string, text?: string): HTMLElement {
 export class ClusterSection {
   readonly node: HTMLElement;
 
-  constructor(serverSettings: ServerConnection.ISettings) {
+  constructor(
+    serverSettings: ServerConnection.ISettings,
+    trans: TranslationBundle = nullTranslator.load('autogpu_jupyter')
+  ) {
     this._serverSettings = serverSettings;
+    this._trans = trans;
     this.node = el('section', 'jp-AutoGPU-cluster');
     this.node.hidden = true;
   }
@@ -68,13 +73,13 @@ export class ClusterSection {
       const cluster = parseCluster(raw);
       await this._refreshHistory(cluster, now);
       this._render(
-        clusterView(cluster, Date.now() / 1000, this._history),
+        clusterView(cluster, Date.now() / 1000, this._history, this._trans),
         null
       );
     } catch (reason) {
       const text =
         reason instanceof Error ? reason.message : String(reason ?? '');
-      this._render(null, `cluster view unavailable: ${text}`);
+      this._render(null, this._trans.__('cluster view unavailable: %1', text));
     } finally {
       this._busy = false;
     }
@@ -113,7 +118,7 @@ export class ClusterSection {
     }
     const header = el('div', 'jp-AutoGPU-clusterHeader');
     header.append(
-      el('h3', 'jp-AutoGPU-clusterTitle', 'Cluster'),
+      el('h3', 'jp-AutoGPU-clusterTitle', this._trans.__('Cluster')),
       el('span', 'jp-AutoGPU-clusterSource', view.source)
     );
     this.node.appendChild(header);
@@ -133,13 +138,17 @@ export class ClusterSection {
           el(
             'span',
             `jp-AutoGPU-badge jp-AutoGPU-hostState jp-AutoGPU-${host.badge}`,
-            host.badge
+            host.badge === 'down'
+              ? this._trans.__('down')
+              : host.badge === 'stale'
+                ? this._trans.__('stale')
+                : host.badge
           )
         );
       }
       if (host.best) {
         title.appendChild(
-          el('span', 'jp-AutoGPU-badge jp-AutoGPU-best', 'best')
+          el('span', 'jp-AutoGPU-badge jp-AutoGPU-best', this._trans.__('best'))
         );
       }
       title.appendChild(el('span', 'jp-AutoGPU-asOf', host.asOf));
@@ -198,6 +207,7 @@ export class ClusterSection {
   }
 
   private _serverSettings: ServerConnection.ISettings;
+  private _trans: TranslationBundle;
   private _lastMs = 0;
   private _historyMs = -HISTORY_INTERVAL_MS;
   private _history: IClusterHistory | null = null;

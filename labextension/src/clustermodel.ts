@@ -4,7 +4,7 @@
  * with `textContent`). Hosts come from the server's Prometheus (see docs/cluster.md); ranking is
  * the server's (the local pick's policy), never redone here.
  */
-import { formatBytes, formatPct } from './model';
+import { ITrans, formatBytes, formatPct, noTranslation } from './model';
 
 /** One GPU of a host, as `GET cluster` sends it. */
 export interface IClusterDevice {
@@ -211,39 +211,49 @@ export function parseClusterHistory(raw: unknown): IClusterHistory {
 }
 
 /** `24 h`, `90 min`, `7 d`: a history window for people. */
-export function windowText(seconds: number): string {
+export function windowText(
+  seconds: number,
+  trans: ITrans = noTranslation
+): string {
   if (seconds >= 2 * 86400 && seconds % 86400 === 0) {
-    return `${seconds / 86400} d`;
+    return trans.__('%1 d', seconds / 86400);
   }
   if (seconds >= 3600 && seconds % 3600 === 0) {
-    return `${seconds / 3600} h`;
+    return trans.__('%1 h', seconds / 3600);
   }
-  return `${Math.round(seconds / 60)} min`;
+  return trans.__('%1 min', Math.round(seconds / 60));
 }
 
 /** `last 24 h: util mean 28%, max 70%`, from the known points only. */
-export function historySummary(history: IHostHistory, seconds: number): string {
+export function historySummary(
+  history: IHostHistory,
+  seconds: number,
+  trans: ITrans = noTranslation
+): string {
   const known = history.utilization_pct.filter((v): v is number => v !== null);
-  const head = `last ${windowText(seconds)}`;
+  const window = windowText(seconds, trans);
   if (known.length === 0) {
-    return `${head}: no data`;
+    return trans.__('last %1: no data', window);
   }
   const mean = known.reduce((a, b) => a + b, 0) / known.length;
-  return `${head}: util mean ${Math.round(mean)}%, max ${Math.round(
-    Math.max(...known)
-  )}%`;
+  return trans.__(
+    'last %1: util mean %2%, max %3%',
+    window,
+    Math.round(mean),
+    Math.round(Math.max(...known))
+  );
 }
 
 /** `12 s ago`, `5 min ago`, `3 h ago` (never negative: clocks differ a little). */
-export function ageText(ageS: number): string {
+export function ageText(ageS: number, trans: ITrans = noTranslation): string {
   const s = Math.max(0, Math.round(ageS));
   if (s < 120) {
-    return `${s} s ago`;
+    return trans.__('%1 s ago', s);
   }
   if (s < 7200) {
-    return `${Math.round(s / 60)} min ago`;
+    return trans.__('%1 min ago', Math.round(s / 60));
   }
-  return `${Math.round(s / 3600)} h ago`;
+  return trans.__('%1 h ago', Math.round(s / 3600));
 }
 
 function clock(timestampS: number): string {
@@ -252,15 +262,17 @@ function clock(timestampS: number): string {
   return `${two(d.getHours())}:${two(d.getMinutes())}:${two(d.getSeconds())}`;
 }
 
-function gpuView(device: IClusterDevice): IClusterGpuView {
+function gpuView(device: IClusterDevice, trans: ITrans): IClusterGpuView {
   const booked =
     device.memory_booked_bytes > 0
-      ? ` + ${formatBytes(device.memory_booked_bytes)} booked`
+      ? ' + ' + trans.__('%1 booked', formatBytes(device.memory_booked_bytes))
       : '';
   return {
     label: device.label,
     name: device.name,
-    util: device.available ? formatPct(device.utilization_pct) : 'lost',
+    util: device.available
+      ? formatPct(device.utilization_pct, trans)
+      : trans.__('lost'),
     memory: device.available
       ? `${formatBytes(device.memory_used_bytes)} / ${formatBytes(
           device.memory_total_bytes
@@ -274,14 +286,15 @@ function gpuView(device: IClusterDevice): IClusterGpuView {
 
 function hostHistory(
   history: IClusterHistory | null,
-  hostname: string
+  hostname: string,
+  trans: ITrans
 ): IHostHistoryView | null {
   const h = history?.hosts.get(hostname);
   if (history === null || h === undefined) {
     return null;
   }
   return {
-    label: historySummary(h, history.seconds),
+    label: historySummary(h, history.seconds, trans),
     values: h.utilization_pct
   };
 }
@@ -293,7 +306,8 @@ function hostHistory(
 export function clusterView(
   cluster: ICluster,
   nowS: number,
-  history: IClusterHistory | null = null
+  history: IClusterHistory | null = null,
+  trans: ITrans = noTranslation
 ): IClusterView {
   if (!cluster.configured) {
     return { visible: false, source: '', advice: '', errors: [], hosts: [] };
@@ -306,34 +320,41 @@ export function clusterView(
       a.hostname.localeCompare(b.hostname)
   );
   const best = cluster.ranking.find(r => r.hostname === cluster.best);
-  const wanted = cluster.constraints_text || 'no constraints';
+  const wanted = cluster.constraints_text || trans.__('no constraints');
   let advice: string;
   if (best !== undefined) {
-    advice = `best host for ${wanted}: ${best.hostname} (${best.chosen.join(
-      ', '
-    )})`;
+    advice = trans.__(
+      'best host for %1: %2 (%3)',
+      wanted,
+      best.hostname,
+      best.chosen.join(', ')
+    );
   } else if (cluster.hosts.length > 0) {
-    advice = `no host has a device for ${wanted}`;
+    advice = trans.__('no host has a device for %1', wanted);
   } else {
     advice = '';
   }
   return {
     visible: true,
-    source: `from ${cluster.prometheus_url ?? 'Prometheus'}`,
+    source: trans.__('from %1', cluster.prometheus_url ?? 'Prometheus'),
     advice,
     errors: cluster.errors,
     hosts: hosts.map(h => ({
       hostname: h.hostname,
-      history: hostHistory(history, h.hostname),
+      history: hostHistory(history, h.hostname, trans),
       state: h.state,
       badge: h.state === 'ok' ? '' : h.state,
       best: h.hostname === cluster.best,
       asOf:
         h.as_of_s === null
-          ? 'no data'
-          : `as of ${clock(h.as_of_s)} (${ageText(nowS - h.as_of_s)})`,
+          ? trans.__('no data')
+          : trans.__(
+              'as of %1 (%2)',
+              clock(h.as_of_s),
+              ageText(nowS - h.as_of_s, trans)
+            ),
       note: h.note,
-      gpus: h.devices.map(gpuView)
+      gpus: h.devices.map(d => gpuView(d, trans))
     }))
   };
 }

@@ -13,6 +13,7 @@ import {
 } from '@jupyterlab/application';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
+import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 import { LabIcon } from '@jupyterlab/ui-components';
 
 import gpuSvg from '../style/icons/gpu.svg';
@@ -23,6 +24,7 @@ import {
   IExecuteResult,
   IPanelSettings
 } from './panel';
+import { PICK_MIME, parsePickOutcome } from './model';
 
 /** The sidebar's icon. */
 export const gpuIcon = new LabIcon({ name: 'autogpu:gpu', svgstr: gpuSvg });
@@ -32,22 +34,35 @@ const PLUGIN_ID = 'autogpu-jupyter:plugin';
 // eslint-disable-next-line no-control-regex
 const ANSI = /\x1b\[[0-9;]*m/g;
 
-/** Run `code` in `kernel` (not stored in its history); what it printed, and whether it failed. */
+/**
+ * Run `code` in `kernel` (not stored in its history): what it printed, whether it failed, and
+ * the sidebar pick's answer when the code displayed one (`PICK_MIME`).
+ */
 async function executeIn(
   kernel: Kernel.IKernelConnection,
   code: string
 ): Promise<IExecuteResult> {
   const parts: string[] = [];
+  let pick: IExecuteResult['pick'] = null;
   const future = kernel.requestExecute({ code, store_history: false });
   future.onIOPub = (msg: KernelMessage.IIOPubMessage) => {
     if (KernelMessage.isStreamMsg(msg)) {
       parts.push(msg.content.text);
     } else if (KernelMessage.isErrorMsg(msg)) {
-      parts.push(msg.content.traceback.join('\n').replace(ANSI, ''));
+      parts.push(msg.content.traceback.join('\n').replace(ANSI, '') + '\n');
+    } else if (
+      KernelMessage.isDisplayDataMsg(msg) &&
+      msg.content.data[PICK_MIME] !== undefined
+    ) {
+      try {
+        pick = parsePickOutcome(msg.content.data[PICK_MIME]);
+      } catch (reason) {
+        parts.push(`${reason}\n`);
+      }
     }
   };
   const reply = await future.done;
-  return { ok: reply.content.status === 'ok', text: parts.join('') };
+  return { ok: reply.content.status === 'ok', text: parts.join(''), pick };
 }
 
 function readSettings(settings: ISettingRegistry.ISettings): IPanelSettings {
@@ -67,12 +82,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description:
     'A left-sidebar panel with every GPU on the server, its holders and a recommendation.',
   autoStart: true,
-  optional: [ILabShell, ISettingRegistry, INotebookTracker],
+  optional: [ILabShell, ISettingRegistry, INotebookTracker, ITranslator],
   activate: (
     app: JupyterFrontEnd,
     labShell: ILabShell | null,
     settingRegistry: ISettingRegistry | null,
-    tracker: INotebookTracker | null
+    tracker: INotebookTracker | null,
+    translator: ITranslator | null
   ) => {
     const activeNotebook = (): IActiveNotebook | null => {
       const current = tracker?.currentWidget ?? null;
@@ -83,15 +99,21 @@ const plugin: JupyterFrontEndPlugin<void> = {
       return {
         path: current.context.path,
         kernelId: kernel?.id ?? null,
-        execute: kernel === null ? undefined : code => executeIn(kernel, code)
+        execute: kernel === null ? undefined : code => executeIn(kernel, code),
+        // JupyterLab's own restart (as Kernel > Restart Kernel, without its dialog): the
+        // notebook follows it, and its kernel indicator is Idle once the kernel is back
+        restart: () => current.sessionContext.restartKernel()
       };
     };
     const panel = new GPUPanel({
       serverSettings: app.serviceManager.serverSettings,
-      activeNotebook
+      activeNotebook,
+      translator: translator ?? undefined
     });
     panel.title.icon = gpuIcon;
-    panel.title.caption = 'GPUs (autogpu)';
+    panel.title.caption = (translator ?? nullTranslator)
+      .load('autogpu_jupyter')
+      .__('GPUs (autogpu)');
     // JupyterLab's shell, or any shell with a left area (Notebook 7's INotebookShell).
     (labShell ?? app.shell).add(panel, 'left', { rank: 850 });
     tracker?.currentChanged.connect(() => {

@@ -3,8 +3,33 @@
  * sparkline paths and holder matching. Pure functions, no DOM, no JupyterLab: tested with jest.
  *
  * Field names follow the Python side (units in names, `null` = unknown). The ranking policy is
- * never re-implemented here: recommendations come from the server's dry-run `select`.
+ * never re-implemented here: recommendations come from the server's dry-run `select`, and the
+ * holders come joined by the server (`core/holders.py`, as every other view joins them).
+ *
+ * Every word shown to people goes through a translation bundle (`ITrans`: JupyterLab's
+ * `TranslationBundle`, or `noTranslation` in tests); text from the server is shown as sent.
  */
+
+/** The part of JupyterLab's `TranslationBundle` the sidebar uses. */
+export interface ITrans {
+  __(msgid: string, ...args: unknown[]): string;
+  _n(msgid: string, msgidPlural: string, n: number, ...args: unknown[]): string;
+}
+
+function fill(text: string, args: unknown[]): string {
+  return text.replace(/%(\d+)/g, (whole, i) =>
+    Number(i) >= 1 && Number(i) <= args.length
+      ? String(args[Number(i) - 1])
+      : whole
+  );
+}
+
+/** No translation: `%1`, `%2` replaced by the arguments, as JupyterLab's bundles do. */
+export const noTranslation: ITrans = {
+  __: (msgid: string, ...args: unknown[]) => fill(msgid, args),
+  _n: (msgid: string, msgidPlural: string, n: number, ...args: unknown[]) =>
+    fill(n === 1 ? msgid : msgidPlural, args)
+};
 
 /** A compute process on a device (`command` is null unless the admin exposes it). */
 export interface IProcess {
@@ -67,9 +92,13 @@ export interface IHistory {
   errors: string[];
 }
 
-/** A lease or a GPU process, joined with the server's kernels (`GET /autogpu/holders`). */
+/**
+ * Who holds (part of) a device, joined by the server (`core/holders.py`): a lease, a GPU
+ * process, or both matched by pid, with this server's kernel and notebook where it knows them
+ * (`GET /autogpu/holders`).
+ */
 export interface IHolder {
-  kind: 'lease' | 'process';
+  kind: 'lease' | 'process' | 'lease+process';
   uuid: string;
   label: string | null;
   user: string | null;
@@ -99,8 +128,13 @@ export interface IKernelInfo {
   note: string | null;
   /** The overload warning for the GPU this kernel holds (other processes overload it). */
   overload: string | null;
+  /** The better device for this kernel while it is overloaded (the warning's and the
+   * notification's), null otherwise. */
+  better: { uuid: string; label: string } | null;
   /** The kernel waits in line for a GPU (`%gpu pick --wait`). */
   waiting: boolean;
+  /** The devices the kernel's process may use (its allocation); null: unknown (any). */
+  allowed_uuids: string[] | null;
 }
 
 /** `GET /autogpu/holders`. */
@@ -121,9 +155,11 @@ export interface IMoveResult {
   plan: string;
   target: string[];
   target_labels: string[];
-  /** Where the restarted kernel runs (null for a dry run). */
+  /** Where the restarted kernel runs (null for a dry run, or while the move is pending). */
   picked: string[] | null;
   note: string | null;
+  /** The move is recorded and waits for the kernel's restart. */
+  pending: boolean;
 }
 
 /** A move button on a card: `best` on the kernel's own device, `here` on the others. */
@@ -274,8 +310,11 @@ export function formatBytes(n: number | null): string {
 }
 
 /** `35%`; null (NOT_SUPPORTED, e.g. MIG) gives `n/a`. */
-export function formatPct(value: number | null): string {
-  return value === null ? 'n/a' : `${Math.round(value)}%`;
+export function formatPct(
+  value: number | null,
+  trans: ITrans = noTranslation
+): string {
+  return value === null ? trans.__('n/a') : `${Math.round(value)}%`;
 }
 
 /** `51 °C · 210 W / 400 W`, leaving out what the device does not report; '' when nothing. */
@@ -307,21 +346,22 @@ export function deviceState(device: IDevice): 'ok' | 'lost' {
 }
 
 /** What the card says about unknown readings, e.g. `utilisation not supported`. */
-export function unsupportedNote(device: IDevice): string | null {
+export function unsupportedNote(
+  device: IDevice,
+  trans: ITrans = noTranslation
+): string | null {
   if (!device.available) {
     return null;
   }
-  const missing: string[] = [];
-  if (device.utilization_pct === null) {
-    missing.push('utilisation');
+  const util = device.utilization_pct === null;
+  const mem = device.memory_total_bytes === null;
+  if (util && mem) {
+    return trans.__('utilisation and memory not supported');
   }
-  if (device.memory_total_bytes === null) {
-    missing.push('memory');
+  if (util) {
+    return trans.__('utilisation not supported');
   }
-  if (missing.length === 0) {
-    return null;
-  }
-  return `${missing.join(' and ')} not supported`;
+  return mem ? trans.__('memory not supported') : null;
 }
 
 /**
@@ -435,7 +475,8 @@ export function parseHolders(raw: unknown): IHolders {
       return fail('holder', h);
     }
     return {
-      kind: h.kind === 'lease' ? 'lease' : 'process',
+      kind:
+        h.kind === 'lease' || h.kind === 'lease+process' ? h.kind : 'process',
       uuid: h.uuid,
       label: strOrNull(h.label),
       user: strOrNull(h.user),
@@ -465,7 +506,16 @@ export function parseHolders(raw: unknown): IHolders {
           constraints_text: strOrNull(k.constraints_text),
           note: strOrNull(k.note),
           overload: strOrNull(k.overload),
-          waiting: k.waiting === true
+          better:
+            isObject(k.better) &&
+            typeof k.better.uuid === 'string' &&
+            typeof k.better.label === 'string'
+              ? { uuid: k.better.uuid, label: k.better.label }
+              : null,
+          waiting: k.waiting === true,
+          allowed_uuids: Array.isArray(k.allowed_uuids)
+            ? stringList(k.allowed_uuids)
+            : null
         };
       })
     : [];
@@ -498,7 +548,8 @@ export function kernelInfoFor(
  */
 export function moveActionFor(
   device: IDevice,
-  kernel: IKernelInfo | null
+  kernel: IKernelInfo | null,
+  trans: ITrans = noTranslation
 ): IMoveAction | null {
   if (kernel === null || !kernel.movable || !device.available) {
     return null;
@@ -507,9 +558,10 @@ export function moveActionFor(
     return {
       kind: 'best',
       target: 'best',
-      label: 'Move to best GPU',
-      title:
+      label: trans.__('Move to best GPU'),
+      title: trans.__(
         "Restart this notebook's kernel on the best other GPU (its variables are lost)"
+      )
     };
   }
   if (kernel.picked_uuids.length > 1) {
@@ -518,8 +570,11 @@ export function moveActionFor(
   return {
     kind: 'here',
     target: device.uuid,
-    label: 'Move here',
-    title: `Restart this notebook's kernel on ${device.label} (its variables are lost)`
+    label: trans.__('Move here'),
+    title: trans.__(
+      "Restart this notebook's kernel on %1 (its variables are lost)",
+      device.label
+    )
   };
 }
 
@@ -535,16 +590,19 @@ export function parseMoveResult(raw: unknown): IMoveResult {
     target: stringList(raw.target),
     target_labels: stringList(raw.target_labels),
     picked: Array.isArray(raw.picked) ? stringList(raw.picked) : null,
-    note: strOrNull(raw.note)
+    note: strOrNull(raw.note),
+    pending: raw.pending === true
   };
 }
 
 /** The confirm button of the move dialog: `Restart on GPU 2`. */
-export function confirmLabel(plan: IMoveResult): string {
-  const where = plan.target_labels.length
-    ? plan.target_labels.join(', ')
-    : 'the new GPU';
-  return `Restart on ${where}`;
+export function confirmLabel(
+  plan: IMoveResult,
+  trans: ITrans = noTranslation
+): string {
+  return plan.target_labels.length
+    ? trans.__('Restart on %1', plan.target_labels.join(', '))
+    : trans.__('Restart on the new GPU');
 }
 
 /**
@@ -587,95 +645,101 @@ export function parseSelection(raw: unknown): ISelection {
 }
 
 /**
- * The holders of device `uuid`, as the card lists them. A kernel that holds a lease and also
- * shows as an NVML process is listed once (the lease, with the used memory added). The holder
- * whose kernel is `currentKernelId` (the active notebook's) is marked `current` and comes first.
+ * The holders of device `uuid`, as the card lists them: the server's joined holders
+ * (`core/holders.py`), one line each, in words. The holder whose kernel is `currentKernelId`
+ * (the active notebook's) is marked `current` and comes first.
  */
 export function holdersFor(
   holders: IHolder[],
   uuid: string,
   currentKernelId: string | null,
-  kernels: IKernelInfo[] = []
+  kernels: IKernelInfo[] = [],
+  trans: ITrans = noTranslation
 ): IHolderView[] {
   const idleOf = new Map(kernels.map(k => [k.kernel_id, k.idle_s]));
-  const mine = holders.filter(h => h.uuid === uuid);
-  const leasedKernels = new Set(
-    mine
-      .filter(h => h.kind === 'lease' && h.kernel_id !== null)
-      .map(h => h.kernel_id)
-  );
-  const used = new Map<string, number>();
-  for (const h of mine) {
-    if (
-      h.kind === 'process' &&
-      h.kernel_id !== null &&
-      h.used_memory_bytes !== null
-    ) {
-      used.set(h.kernel_id, (used.get(h.kernel_id) ?? 0) + h.used_memory_bytes);
-    }
-  }
-  const views: IHolderView[] = [];
-  for (const h of mine) {
-    if (
-      h.kind === 'process' &&
-      h.kernel_id !== null &&
-      leasedKernels.has(h.kernel_id)
-    ) {
-      continue;
-    }
-    const who = h.user ?? 'unknown user';
-    const what =
-      h.notebook_path ??
-      (h.kernel_id ? `kernel ${h.kernel_id.slice(0, 8)}` : null) ??
-      h.command ??
-      (h.pid !== null ? `pid ${h.pid}` : 'unknown');
-    const memParts: string[] = [];
-    if (h.booked_bytes !== null) {
-      memParts.push(`${formatBytes(h.booked_bytes)} booked`);
-    }
-    const usedBytes =
-      h.kind === 'lease' && h.kernel_id !== null
-        ? (used.get(h.kernel_id) ?? null)
-        : h.used_memory_bytes;
-    if (usedBytes !== null) {
-      memParts.push(`${formatBytes(usedBytes)} used`);
-    }
-    views.push({
-      who,
-      what,
-      memory: memParts.join(', '),
-      idle: formatIdle(
-        h.kernel_id !== null ? (idleOf.get(h.kernel_id) ?? null) : null
-      ),
-      current: currentKernelId !== null && h.kernel_id === currentKernelId,
-      exclusive: h.exclusive
+  const views = holders
+    .filter(h => h.uuid === uuid)
+    .map(h => {
+      const what =
+        h.notebook_path ??
+        (h.kernel_id ? trans.__('kernel %1', h.kernel_id.slice(0, 8)) : null) ??
+        h.command ??
+        (h.pid !== null ? trans.__('pid %1', h.pid) : trans.__('unknown'));
+      const memParts: string[] = [];
+      if (h.booked_bytes) {
+        memParts.push(trans.__('%1 booked', formatBytes(h.booked_bytes)));
+      }
+      if (h.used_memory_bytes !== null) {
+        memParts.push(trans.__('%1 used', formatBytes(h.used_memory_bytes)));
+      }
+      return {
+        who: h.user ?? trans.__('unknown user'),
+        what,
+        memory: memParts.join(', '),
+        idle: formatIdle(
+          h.kernel_id !== null ? (idleOf.get(h.kernel_id) ?? null) : null,
+          trans
+        ),
+        current: currentKernelId !== null && h.kernel_id === currentKernelId,
+        exclusive: h.exclusive
+      };
     });
-  }
+  // stable: the server's order within each group
   return views.sort((a, b) => Number(b.current) - Number(a.current));
 }
 
 /** `best device for 10.0 GiB: GPU 3`, or why none fits. */
 export function recommendationText(
   selection: ISelection,
-  current: string[] = []
+  current: string[] = [],
+  trans: ITrans = noTranslation
 ): string {
   const wanted = selection.constraints_text.replace(/^min free /, '');
-  const forWhat =
+  const any =
     selection.constraints_text === 'no constraints' ||
-    selection.constraints_text === ''
-      ? 'best device now'
-      : `best device for ${wanted}`;
+    selection.constraints_text === '';
   if (selection.chosen.length === 0) {
     return (
-      selection.message ?? `no device fits (${selection.constraints_text})`
+      selection.message ??
+      trans.__('no device fits (%1)', selection.constraints_text)
     );
   }
   // A label never breaks ("GPU" at the end of a line, "2" on the next): no-break spaces.
-  const labels = selection.chosen.map(c => c.label.replace(/ /g, '\u00a0'));
+  const labels = selection.chosen
+    .map(c => c.label.replace(/ /g, '\u00a0'))
+    .join(', ');
   if (selection.chosen.every(c => current.includes(c.uuid))) {
-    return `you are already on the ${forWhat}: ${labels.join(', ')}`;
+    return any
+      ? trans.__('you are already on the best device now: %1', labels)
+      : trans.__(
+          'you are already on the best device for %1: %2',
+          wanted,
+          labels
+        );
   }
-  return `${forWhat}: ${labels.join(', ')}`;
+  return any
+    ? trans.__('best device now: %1', labels)
+    : trans.__('best device for %1: %2', wanted, labels);
+}
+
+/**
+ * What the sidebar says on top for a notebook whose GPU other processes overload: the
+ * server's words, the same as the notification's, and the better device they name (the card
+ * that gets the "best" badge). Null when the kernel is not overloaded.
+ */
+export function overloadAdvice(
+  kernel: IKernelInfo | null
+): { text: string; uuid: string | null } | null {
+  if (kernel === null || kernel.overload === null) {
+    return null;
+  }
+  return { text: kernel.overload, uuid: kernel.better?.uuid ?? null };
+}
+
+/** The errors of one refresh, each said once (the devices, holders and select answers often
+ * carry the same sampler error). */
+export function uniqueErrors(errors: string[]): string[] {
+  return [...new Set(errors.map(e => e.trim()).filter(e => e !== ''))];
 }
 
 /**
@@ -702,17 +766,22 @@ export function notebookDevices(
 }
 
 /** `idle 12 min`, `idle 2 h 5 min`; '' under a minute or when unknown (not worth a word). */
-export function formatIdle(idleS: number | null): string {
+export function formatIdle(
+  idleS: number | null,
+  trans: ITrans = noTranslation
+): string {
   if (idleS === null || !Number.isFinite(idleS) || idleS < 60) {
     return '';
   }
   const minutes = Math.floor(idleS / 60);
   if (minutes < 60) {
-    return `idle ${minutes} min`;
+    return trans.__('idle %1 min', minutes);
   }
   const hours = Math.floor(minutes / 60);
   const rest = minutes % 60;
-  return rest ? `idle ${hours} h ${rest} min` : `idle ${hours} h`;
+  return rest
+    ? trans.__('idle %1 h %2 min', hours, rest)
+    : trans.__('idle %1 h', hours);
 }
 
 /**
@@ -751,13 +820,16 @@ export function userTotals(holders: IHolder[]): IUserTotal[] {
 }
 
 /** `alice: 2 GPUs, 30.0 GiB booked, 12.0 GiB used`. */
-export function formatUserTotal(total: IUserTotal): string {
-  const parts = [`${total.devices} GPU${total.devices === 1 ? '' : 's'}`];
+export function formatUserTotal(
+  total: IUserTotal,
+  trans: ITrans = noTranslation
+): string {
+  const parts = [trans._n('%1 GPU', '%1 GPUs', total.devices, total.devices)];
   if (total.booked_bytes > 0) {
-    parts.push(`${formatBytes(total.booked_bytes)} booked`);
+    parts.push(trans.__('%1 booked', formatBytes(total.booked_bytes)));
   }
   if (total.used_bytes > 0) {
-    parts.push(`${formatBytes(total.used_bytes)} used`);
+    parts.push(trans.__('%1 used', formatBytes(total.used_bytes)));
   }
   return `${total.user}: ${parts.join(', ')}`;
 }
@@ -830,7 +902,8 @@ export function overloadToNotify(
  */
 export function waitsEnded(
   holders: IHolders,
-  waitingBefore: Set<string>
+  waitingBefore: Set<string>,
+  trans: ITrans = noTranslation
 ): string[] {
   const out: string[] = [];
   for (const k of holders.kernels) {
@@ -839,12 +912,20 @@ export function waitsEnded(
     }
     const labels = holders.holders
       .filter(
-        h => h.kind === 'lease' && h.this_server && h.kernel_id === k.kernel_id
+        h =>
+          h.kind !== 'process' && h.this_server && h.kernel_id === k.kernel_id
       )
       .map(h => h.label ?? h.uuid);
     if (labels.length > 0) {
-      const who = k.notebook_path ?? `kernel ${k.kernel_id.slice(0, 8)}`;
-      out.push(`${who} got its GPU: ${labels.join(', ')} (it waited in line)`);
+      const who =
+        k.notebook_path ?? trans.__('kernel %1', k.kernel_id.slice(0, 8));
+      out.push(
+        trans.__(
+          '%1 got its GPU: %2 (it waited in line)',
+          who,
+          labels.join(', ')
+        )
+      );
     }
   }
   waitingBefore.clear();
@@ -858,14 +939,14 @@ export function waitsEnded(
 
 /**
  * The "Pick for this notebook" action of a card, or null: for the active notebook's plain
- * kernel (not the autogpu kernelspec, which picks before it starts) that holds no GPU yet,
- * on a live device. The pick runs *in that kernel* (`%gpu pick` with every other device
- * excluded), so the variables are set in its process, with a lease, and refused there if CUDA
- * already started.
+ * kernel (not the autogpu kernelspec, which picks before it starts) that holds no GPU yet, on a
+ * live device inside the kernel's allocation. The pick runs *in that kernel*
+ * (`autogpu_jupyter.magics.sidebar_pick`: `%gpu pick` on that one device, the extension loaded
+ * quietly, no waiting in line), so the variables are set in its process, with a lease, and
+ * refused there if CUDA already started. Its answer is a display of `PICK_MIME`.
  */
 export function pickCodeFor(
   device: IDevice,
-  fleet: IFleet,
   kernel: IKernelInfo | null,
   holders: IHolders | null,
   kernelId: string | null
@@ -876,12 +957,40 @@ export function pickCodeFor(
   if (kernel !== null && kernel.movable) {
     return null;
   }
+  if (
+    kernel !== null &&
+    kernel.allowed_uuids !== null &&
+    !kernel.allowed_uuids.includes(device.uuid)
+  ) {
+    return null; // outside the devices its process may use: a pick would only be refused
+  }
   if (holders?.holders.some(h => h.kernel_id === kernelId)) {
     return null;
   }
-  const others = fleet.devices
-    .filter(d => d.uuid !== device.uuid && !d.is_mig)
-    .map(d => String(d.index));
-  const exclude = others.length ? ` --exclude ${others.join(',')}` : '';
-  return `%load_ext autogpu\n%gpu pick${exclude}`;
+  // JSON's string syntax is Python's for these characters: the UUID arrives as one literal
+  return `__import__("autogpu_jupyter.magics", fromlist=["sidebar_pick"]).sidebar_pick(${JSON.stringify(
+    device.uuid
+  )})`;
+}
+
+/** The MIME type of the kernel's answer to the sidebar's pick. */
+export const PICK_MIME = 'application/vnd.autogpu.pick+json';
+
+/** The kernel's answer to the sidebar's pick: one line, and the rest behind a toggle. */
+export interface IPickOutcome {
+  ok: boolean;
+  summary: string;
+  details: string;
+}
+
+/** Validate the pick's answer (the `PICK_MIME` data of the kernel's display). */
+export function parsePickOutcome(raw: unknown): IPickOutcome {
+  if (!isObject(raw) || typeof raw.summary !== 'string') {
+    return fail('pick answer', raw);
+  }
+  return {
+    ok: raw.ok === true,
+    summary: raw.summary,
+    details: typeof raw.details === 'string' ? raw.details : ''
+  };
 }

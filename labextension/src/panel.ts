@@ -6,13 +6,22 @@
  * For a notebook whose kernel was started by the autogpu kernelspec, the card of the device
  * it holds has a "Move to best GPU" button and the other cards a "Move here" button: after a
  * confirmation dialog (the plan from the server's dry run: the kernel restarts and loses its
- * state) the server records the move and restarts the kernel; the panel shows the outcome.
+ * state) the server records the move and the notebook's kernel is restarted the way
+ * JupyterLab's own "Restart Kernel" does it (so the notebook follows: its kernel indicator,
+ * widgets and pending requests); the panel shows where the kernel runs now.
+ *
+ * Every word of the panel goes through JupyterLab's translator (`ITranslator`).
  *
  * All text from the server (device names, other users' names and notebook paths) is inserted
  * with `textContent`, never as HTML.
  */
 import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { ServerConnection } from '@jupyterlab/services';
+import {
+  ITranslator,
+  TranslationBundle,
+  nullTranslator
+} from '@jupyterlab/translation';
 import { Poll } from '@lumino/polling';
 import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
@@ -22,6 +31,7 @@ import {
   IHolders,
   IKernelInfo,
   IMoveAction,
+  IPickOutcome,
   ISelection,
   ISeries,
   confirmLabel,
@@ -35,6 +45,7 @@ import {
   mergeHistory,
   moveActionFor,
   myDevices,
+  overloadAdvice,
   overloadToNotify,
   pickCodeFor,
   parseFleet,
@@ -47,6 +58,7 @@ import {
   selectPath,
   sparkScaleTop,
   sparklinePath,
+  uniqueErrors,
   unsupportedNote,
   userTotals,
   waitsEnded
@@ -60,12 +72,16 @@ export interface IActiveNotebook {
   kernelId: string | null;
   /** Run code in the notebook's kernel; what it printed, and whether it failed. */
   execute?: (code: string) => Promise<IExecuteResult>;
+  /** Restart the notebook's kernel as JupyterLab's "Restart Kernel" does (no dialog). */
+  restart?: () => Promise<void>;
 }
 
 /** The outcome of code the panel ran in a notebook's kernel. */
 export interface IExecuteResult {
   ok: boolean;
   text: string;
+  /** The answer of the sidebar's pick (its `PICK_MIME` display), if the code gave one. */
+  pick: IPickOutcome | null;
 }
 
 /** Options of {@link GPUPanel}. */
@@ -73,6 +89,8 @@ export interface IGPUPanelOptions {
   serverSettings?: ServerConnection.ISettings;
   /** The active notebook, asked at each render (null: none). */
   activeNotebook: () => IActiveNotebook | null;
+  /** JupyterLab's translator (default: none, the English strings). */
+  translator?: ITranslator;
 }
 
 /** Settings from the settings registry (`schema/plugin.json`). */
@@ -102,9 +120,13 @@ function el<K extends keyof HTMLElementTagNameMap>(
   return node;
 }
 
-function errorText(reason: unknown): string {
+function errorText(reason: unknown, trans: TranslationBundle): string {
   if (reason instanceof ServerConnection.ResponseError) {
-    return `server answered ${reason.response.status}: ${reason.message}`;
+    return trans.__(
+      'server answered %1: %2',
+      reason.response.status,
+      reason.message
+    );
   }
   if (reason instanceof Error) {
     return reason.message;
@@ -112,20 +134,22 @@ function errorText(reason: unknown): string {
   return String(reason);
 }
 
-/** The last move of a kernel, shown while that kernel's notebook is active. */
+/** The last pick or move of a kernel, shown while that kernel's notebook is active. */
 interface IMoveStatus {
   kernelId: string;
   text: string;
   failed: boolean;
   busy: boolean;
+  /** More lines, behind a toggle (one line is what the sidebar has room for). */
+  details: string;
 }
 
 /** The server's message alone (it is written for people), else the generic text. */
-function moveErrorText(reason: unknown): string {
+function moveErrorText(reason: unknown, trans: TranslationBundle): string {
   if (reason instanceof ServerConnection.ResponseError) {
     return reason.message;
   }
-  return errorText(reason);
+  return errorText(reason, trans);
 }
 
 /** The GPU sidebar. */
@@ -137,6 +161,10 @@ export class GPUPanel extends Widget {
     this._serverSettings =
       options.serverSettings ?? ServerConnection.makeSettings();
     this._activeNotebook = options.activeNotebook;
+    this._trans = (options.translator ?? nullTranslator).load(
+      'autogpu_jupyter'
+    );
+    const trans = this._trans;
     this._poll = new Poll({
       auto: false,
       factory: () => this.refresh(),
@@ -148,7 +176,7 @@ export class GPUPanel extends Widget {
       name: 'autogpu:sidebar',
       standby: 'when-hidden'
     });
-    this._status = el('div', 'jp-AutoGPU-status', 'loading…');
+    this._status = el('div', 'jp-AutoGPU-status', trans.__('loading…'));
     this._errors = el('div', 'jp-AutoGPU-errors');
     this._recommendation = el('div', 'jp-AutoGPU-recommendation');
     this._moveStatus = el('div', 'jp-AutoGPU-moveStatus');
@@ -156,7 +184,7 @@ export class GPUPanel extends Widget {
     this._cards = el('div', 'jp-AutoGPU-cards');
     this._totals = el('div', 'jp-AutoGPU-totals');
     const header = el('div', 'jp-AutoGPU-header');
-    header.appendChild(el('h2', 'jp-AutoGPU-title', 'GPUs'));
+    header.appendChild(el('h2', 'jp-AutoGPU-title', trans.__('GPUs')));
     header.appendChild(this._status);
     const filter = el('label', 'jp-AutoGPU-filter');
     this._onlyMineBox = el('input', 'jp-AutoGPU-onlyMine');
@@ -164,7 +192,10 @@ export class GPUPanel extends Widget {
     this._onlyMineBox.addEventListener('change', () => {
       this._render(this._lastErrors);
     });
-    filter.append(this._onlyMineBox, document.createTextNode(' only my GPUs'));
+    filter.append(
+      this._onlyMineBox,
+      document.createTextNode(' ' + trans.__('only my GPUs'))
+    );
     this.node.append(
       header,
       this._errors,
@@ -174,7 +205,7 @@ export class GPUPanel extends Widget {
       this._totals,
       this._cards
     );
-    this._cluster = new ClusterSection(this._serverSettings);
+    this._cluster = new ClusterSection(this._serverSettings, this._trans);
     this.node.appendChild(this._cluster.node);
   }
 
@@ -219,18 +250,25 @@ export class GPUPanel extends Widget {
       this._holders = parseHolders(holdersRaw);
       errors.push(...this._fleet.errors, ...this._holders.errors);
     } catch (reason) {
-      this._failure = errorText(reason);
+      this._failure = errorText(reason, this._trans);
       this._render(errors);
       throw reason;
     }
-    try {
-      this._selection = parseSelection(
-        await requestAPI<unknown>(selectQuery, this._serverSettings)
-      );
-      this._selectionError = null;
-    } catch (reason) {
+    if (this._fleet.devices.length === 0) {
+      // no GPU data (the reason is in the errors above): nothing to recommend, and the
+      // select's 503 would only say the same again
       this._selection = null;
-      this._selectionError = errorText(reason);
+      this._selectionError = null;
+    } else {
+      try {
+        this._selection = parseSelection(
+          await requestAPI<unknown>(selectQuery, this._serverSettings)
+        );
+        this._selectionError = null;
+      } catch (reason) {
+        this._selection = null;
+        this._selectionError = errorText(reason, this._trans);
+      }
     }
     this._failure = null;
     this._render(errors, active);
@@ -266,19 +304,28 @@ export class GPUPanel extends Widget {
   ): void {
     this._lastErrors = errors;
     this._errors.replaceChildren();
-    const all = this._failure ? [this._failure, ...errors] : errors;
+    const trans = this._trans;
+    const all = uniqueErrors(
+      this._failure ? [this._failure, ...errors] : errors
+    );
     for (const message of all) {
       this._errors.appendChild(el('div', 'jp-AutoGPU-error', message));
     }
     const fleet = this._fleet;
     if (fleet === null) {
-      this._status.textContent = this._failure ? 'unavailable' : 'loading…';
+      this._status.textContent = this._failure
+        ? trans.__('unavailable')
+        : trans.__('loading…');
       return;
     }
     this._status.replaceChildren();
     if (fleet.simulated) {
       this._status.appendChild(
-        el('span', 'jp-AutoGPU-badge jp-AutoGPU-simulated', 'simulated')
+        el(
+          'span',
+          'jp-AutoGPU-badge jp-AutoGPU-simulated',
+          trans.__('simulated')
+        )
       );
     }
     const stamp = new Date(fleet.timestamp_s * 1000).toLocaleTimeString();
@@ -286,14 +333,16 @@ export class GPUPanel extends Widget {
       el(
         'span',
         'jp-AutoGPU-stamp',
-        this._failure ? `stale, last ${stamp}` : `updated ${stamp}`
+        this._failure
+          ? trans.__('stale, last %1', stamp)
+          : trans.__('updated %1', stamp)
       )
     );
     this._renderRecommendation(active);
     this._renderMoveStatus(active);
     this._notifyOverload(active);
     if (this._holders !== null) {
-      for (const text of waitsEnded(this._holders, this._waiting)) {
+      for (const text of waitsEnded(this._holders, this._waiting, trans)) {
         Notification.success(text, { autoClose: false });
       }
     }
@@ -318,7 +367,11 @@ export class GPUPanel extends Widget {
     this._totals.replaceChildren();
     const totals = userTotals(this._holders?.holders ?? []);
     for (const total of totals) {
-      const line = el('div', 'jp-AutoGPU-total', formatUserTotal(total));
+      const line = el(
+        'div',
+        'jp-AutoGPU-total',
+        formatUserTotal(total, this._trans)
+      );
       if (total.user === this._holders?.user) {
         line.classList.add('jp-AutoGPU-total-mine');
       }
@@ -341,15 +394,29 @@ export class GPUPanel extends Widget {
         status.text
       )
     );
+    if (status.details) {
+      // one line is what the sidebar has room for; the rest on demand
+      const more = el('details', 'jp-AutoGPU-moveDetails');
+      more.append(
+        el(
+          'summary',
+          'jp-AutoGPU-moveDetailsToggle',
+          this._trans.__('details')
+        ),
+        el('pre', 'jp-AutoGPU-moveDetailsText', status.details)
+      );
+      this._moveStatus.appendChild(more);
+    }
   }
 
   private _setMoveStatus(
     kernelId: string,
     text: string,
     failed = false,
-    busy = false
+    busy = false,
+    details = ''
   ): void {
-    this._move = { kernelId, text, failed, busy };
+    this._move = { kernelId, text, failed, busy, details };
     this._renderMoveStatus(this._activeNotebook());
     this._cards.querySelectorAll('button').forEach(button => {
       button.disabled = busy;
@@ -358,27 +425,35 @@ export class GPUPanel extends Widget {
 
   /**
    * Ask the server for the plan (dry run), confirm with the user, then move: the server records
-   * the request and restarts the kernel, which comes back on the new device.
+   * the request, the notebook's kernel restarts the way JupyterLab's own "Restart Kernel" does
+   * (the provisioner honours the request at the restart), and the server says where the kernel
+   * runs now. A restart that did not happen leaves nothing pending: the request is dropped.
    */
   private async _onMove(
     kernel: IKernelInfo,
-    action: IMoveAction
+    action: IMoveAction,
+    restart: (() => Promise<void>) | undefined
   ): Promise<void> {
+    const trans = this._trans;
     const kernelId = kernel.kernel_id;
     const url = `kernels/${encodeURIComponent(kernelId)}/move`;
-    const post = (dryRun: boolean) =>
+    const post = (dryRun: boolean, serverRestarts: boolean) =>
       requestAPI<unknown>(url, this._serverSettings, {
         method: 'POST',
-        body: JSON.stringify({ target: action.target, dry_run: dryRun })
+        body: JSON.stringify({
+          target: action.target,
+          dry_run: dryRun,
+          restart: serverRestarts
+        })
       });
-    this._setMoveStatus(kernelId, 'checking the move…', false, true);
+    this._setMoveStatus(kernelId, trans.__('checking the move…'), false, true);
     let plan;
     try {
-      plan = parseMoveResult(await post(true));
+      plan = parseMoveResult(await post(true, false));
     } catch (reason) {
       this._setMoveStatus(
         kernelId,
-        `cannot move: ${moveErrorText(reason)}`,
+        trans.__('cannot move: %1', moveErrorText(reason, trans)),
         true
       );
       return;
@@ -390,72 +465,127 @@ export class GPUPanel extends Widget {
       el(
         'p',
         'jp-AutoGPU-moveWarning',
-        `The outputs already in ${kernel.notebook_path ?? 'the notebook'} stay.`
+        trans.__(
+          'The outputs already in %1 stay.',
+          kernel.notebook_path ?? trans.__('the notebook')
+        )
       )
     );
     const answer = await showDialog({
-      title: 'Restart the kernel on another GPU?',
+      title: trans.__('Restart the kernel on another GPU?'),
       body: new Widget({ node: body }),
       buttons: [
-        Dialog.cancelButton(),
-        Dialog.warnButton({ label: confirmLabel(plan) })
+        Dialog.cancelButton({ label: trans.__('Cancel') }),
+        Dialog.warnButton({ label: confirmLabel(plan, trans) })
       ]
     });
     if (!answer.button.accept) {
-      this._setMoveStatus(kernelId, 'move cancelled: nothing changed');
+      this._setMoveStatus(
+        kernelId,
+        trans.__('move cancelled: nothing changed')
+      );
       return;
     }
     this._setMoveStatus(
       kernelId,
-      `restarting the kernel on ${plan.target_labels.join(', ')}…`,
+      trans.__('restarting the kernel on %1…', plan.target_labels.join(', ')),
       false,
       true
     );
     try {
-      const result = parseMoveResult(await post(false));
-      this._setMoveStatus(kernelId, result.message);
+      if (restart === undefined) {
+        // no notebook to restart it through (another frontend): the server restarts it
+        const result = parseMoveResult(await post(false, true));
+        this._setMoveStatus(kernelId, result.message);
+      } else {
+        parseMoveResult(await post(false, false)); // recorded for the restart
+        await restart();
+        let result = parseMoveResult(
+          await requestAPI<unknown>(url, this._serverSettings)
+        );
+        if (result.pending) {
+          // the restart did not happen (JupyterLab logs why): no move may wait for a later one
+          await requestAPI<unknown>(url, this._serverSettings, {
+            method: 'DELETE'
+          });
+          result = {
+            ...result,
+            message: trans.__('the kernel did not restart: nothing moved')
+          };
+          this._setMoveStatus(kernelId, result.message, true);
+        } else {
+          this._setMoveStatus(kernelId, result.message);
+        }
+      }
     } catch (reason) {
       this._setMoveStatus(
         kernelId,
-        `move failed: ${moveErrorText(reason)}`,
+        trans.__('move failed: %1', moveErrorText(reason, trans)),
         true
       );
     }
     void this._poll.refresh();
   }
 
-  /** `%gpu pick` in the notebook's own kernel, limited to one device; the outcome shown. */
+  /**
+   * The sidebar's pick in the notebook's own kernel, on one device: its one-line outcome, the
+   * rest behind a toggle.
+   */
   private async _onPick(
     kernelId: string,
     label: string,
     code: string,
     execute: (code: string) => Promise<IExecuteResult>
   ): Promise<void> {
+    const trans = this._trans;
     this._setMoveStatus(
       kernelId,
-      `picking ${label} in this notebook's kernel…`,
+      trans.__("picking %1 in this notebook's kernel…", label),
       false,
       true
     );
     try {
       const result = await execute(code);
-      const text = result.text.trim();
-      // success: the summary's first line (the rest is in the kernel: %gpu status shows it);
-      // failure: all of it, it says why
+      if (result.pick !== null) {
+        this._setMoveStatus(
+          kernelId,
+          result.pick.summary,
+          !result.pick.ok,
+          false,
+          result.pick.details
+        );
+      } else {
+        // no answer from autogpu (an older version in that kernel, an error before it ran):
+        // the first line, and the rest on demand
+        const lines = result.text.trim().split('\n');
+        this._setMoveStatus(
+          kernelId,
+          lines[0] || trans.__('the pick failed'),
+          true,
+          false,
+          lines.slice(1).join('\n')
+        );
+      }
+    } catch (reason) {
       this._setMoveStatus(
         kernelId,
-        result.ok ? text.split('\n')[0] : text || 'the pick failed',
-        !result.ok
+        trans.__('pick failed: %1', errorText(reason, trans)),
+        true
       );
-    } catch (reason) {
-      this._setMoveStatus(kernelId, `pick failed: ${errorText(reason)}`, true);
     }
     void this._poll.refresh();
   }
 
   private _renderRecommendation(active: IActiveNotebook | null): void {
     this._recommendation.replaceChildren();
-    if (this._selection === null && this._selectionError === null) {
+    const overload = overloadAdvice(
+      kernelInfoFor(this._holders, active?.kernelId ?? null)
+    );
+    if (
+      overload === null &&
+      this._selection === null &&
+      this._selectionError === null
+    ) {
       return;
     }
     if (active !== null) {
@@ -463,24 +593,46 @@ export class GPUPanel extends Widget {
         el('div', 'jp-AutoGPU-notebook', active.path)
       );
     }
+    // An overloaded notebook is told what the notification and the cell's warning tell it
+    // (one "better GPU" answer); otherwise the best device for the sidebar's request.
     const text =
-      this._selection !== null
-        ? recommendationText(
-            this._selection,
-            notebookDevices(this._holders, active?.kernelId ?? null)
-          )
-        : `no recommendation: ${this._selectionError}`;
+      overload !== null
+        ? overload.text
+        : this._selection !== null
+          ? recommendationText(
+              this._selection,
+              notebookDevices(this._holders, active?.kernelId ?? null),
+              this._trans
+            )
+          : this._trans.__('no recommendation: %1', this._selectionError);
+    this._recommendation.classList.toggle(
+      'jp-AutoGPU-overloaded',
+      overload !== null
+    );
     this._recommendation.appendChild(el('div', 'jp-AutoGPU-advice', text));
   }
 
+  /** The card that gets the "best" badge: the overload's better device, else the select's. */
+  private _bestUuids(active: IActiveNotebook | null): string[] {
+    const overload = overloadAdvice(
+      kernelInfoFor(this._holders, active?.kernelId ?? null)
+    );
+    if (overload !== null) {
+      return overload.uuid !== null ? [overload.uuid] : [];
+    }
+    return this._selection?.chosen.map(c => c.uuid) ?? [];
+  }
+
   private _renderCards(fleet: IFleet, active: IActiveNotebook | null): void {
+    const trans = this._trans;
     this._cards.replaceChildren();
     if (fleet.devices.length === 0) {
       this._cards.appendChild(
-        el('div', 'jp-AutoGPU-empty', 'No GPU visible to the server.')
+        el('div', 'jp-AutoGPU-empty', trans.__('No GPU visible to the server.'))
       );
       return;
     }
+    const best = this._bestUuids(active);
     const holders: IHolders = this._holders ?? {
       timestamp_s: 0,
       simulated: false,
@@ -506,9 +658,9 @@ export class GPUPanel extends Widget {
       const title = el('div', 'jp-AutoGPU-cardTitle');
       title.appendChild(el('span', 'jp-AutoGPU-label', device.label));
       // The badge sits before the model's name, so it never squeezes the name into "NVIDIA…"
-      if (this._selection?.chosen.some(c => c.uuid === device.uuid)) {
+      if (best.includes(device.uuid)) {
         title.appendChild(
-          el('span', 'jp-AutoGPU-badge jp-AutoGPU-best', 'best')
+          el('span', 'jp-AutoGPU-badge jp-AutoGPU-best', trans.__('best'))
         );
       }
       const name = el('span', 'jp-AutoGPU-name', device.name);
@@ -520,7 +672,7 @@ export class GPUPanel extends Widget {
           el(
             'div',
             'jp-AutoGPU-lostNote',
-            `lost: ${device.error ?? 'not readable'}`
+            trans.__('lost: %1', device.error ?? trans.__('not readable'))
           )
         );
         this._cards.appendChild(card);
@@ -530,8 +682,8 @@ export class GPUPanel extends Widget {
       card.appendChild(
         this._metric(
           'util',
-          'Util',
-          formatPct(device.utilization_pct),
+          trans.__('Util'),
+          formatPct(device.utilization_pct, trans),
           series ? series.utilization_pct : [],
           100
         )
@@ -540,7 +692,7 @@ export class GPUPanel extends Widget {
       card.appendChild(
         this._metric(
           'mem',
-          'Mem',
+          trans.__('Mem'),
           formatMemory(device),
           memSeries,
           device.memory_total_bytes ?? series?.memory_total_bytes ?? 0
@@ -550,7 +702,7 @@ export class GPUPanel extends Widget {
       if (thermals) {
         card.appendChild(el('div', 'jp-AutoGPU-thermals', thermals));
       }
-      const note = unsupportedNote(device);
+      const note = unsupportedNote(device, trans);
       if (note) {
         card.appendChild(el('div', 'jp-AutoGPU-unsupported', note));
       }
@@ -558,7 +710,8 @@ export class GPUPanel extends Widget {
         holders.holders,
         device.uuid,
         kernelId,
-        holders.kernels
+        holders.kernels,
+        trans
       );
       const list = el('ul', 'jp-AutoGPU-holders');
       for (const view of views) {
@@ -580,30 +733,34 @@ export class GPUPanel extends Widget {
         }
         if (view.exclusive) {
           item.appendChild(
-            el('span', 'jp-AutoGPU-badge jp-AutoGPU-exclusive', 'exclusive')
+            el(
+              'span',
+              'jp-AutoGPU-badge jp-AutoGPU-exclusive',
+              trans.__('exclusive')
+            )
           );
         }
         list.appendChild(item);
       }
       if (views.length === 0) {
-        list.appendChild(el('li', 'jp-AutoGPU-holder jp-AutoGPU-free', 'free'));
+        list.appendChild(
+          el('li', 'jp-AutoGPU-holder jp-AutoGPU-free', trans.__('free'))
+        );
       }
       card.appendChild(list);
-      const pickCode = pickCodeFor(
-        device,
-        fleet,
-        kernel,
-        this._holders,
-        kernelId
-      );
+      const pickCode = pickCodeFor(device, kernel, this._holders, kernelId);
       if (pickCode !== null && active?.execute && kernelId !== null) {
         const button = el(
           'button',
           'jp-AutoGPU-move jp-AutoGPU-pick',
-          'Pick for this notebook'
+          trans.__('Pick for this notebook')
         );
         button.type = 'button';
-        button.title = `Run %gpu pick in ${active.path}'s kernel, on ${device.label} only`;
+        button.title = trans.__(
+          "Pick %1 for %2: %gpu pick in the notebook's own kernel, on this GPU only",
+          device.label,
+          active.path
+        );
         button.disabled = busy;
         const execute = active.execute;
         button.addEventListener('click', () => {
@@ -611,7 +768,7 @@ export class GPUPanel extends Widget {
         });
         card.appendChild(button);
       }
-      const action = moveActionFor(device, kernel);
+      const action = moveActionFor(device, kernel, trans);
       if (action !== null && kernel !== null) {
         const button = el(
           'button',
@@ -622,7 +779,7 @@ export class GPUPanel extends Widget {
         button.title = action.title;
         button.disabled = busy;
         button.addEventListener('click', () => {
-          void this._onMove(kernel, action);
+          void this._onMove(kernel, action, active?.restart);
         });
         card.appendChild(button);
       }
@@ -633,7 +790,7 @@ export class GPUPanel extends Widget {
         el(
           'div',
           'jp-AutoGPU-empty',
-          'You hold no GPU here (untick "only my GPUs" to see all).'
+          trans.__('You hold no GPU here (untick "only my GPUs" to see all).')
         )
       );
     }
@@ -696,6 +853,7 @@ export class GPUPanel extends Widget {
   }
 
   private _serverSettings: ServerConnection.ISettings;
+  private _trans: TranslationBundle;
   private _activeNotebook: () => IActiveNotebook | null;
   private _poll: Poll;
   private _settings: IPanelSettings = {

@@ -206,13 +206,19 @@ def _check_layout(page: Any) -> None:
     assert contrast is not None and contrast >= 4.5, contrast
     # one line each: the recommendation's device label, the time stamp
     advice = page.locator(".jp-AutoGPU-advice").inner_text()
-    assert re.search("GPU\u00a0\\d+$", advice), advice
+    # (an overloaded notebook is told what its notification says: "Better now: GPU 2.")
+    assert re.search("GPU\u00a0\\d+$|Better now: GPU \\d+\\.$", advice), advice
     stamp = page.locator(".jp-AutoGPU-stamp")
     assert stamp.evaluate("e => e.getClientRects().length") == 1
     for i in range(3):  # the live cards (the 4th is lost)
         card = page.locator(".jp-AutoGPU-card").nth(i)
-        util = card.locator(".jp-AutoGPU-util svg").bounding_box()
-        mem = card.locator(".jp-AutoGPU-mem svg").bounding_box()
+        util = mem = None
+        for _ in range(10):  # the cards are re-rendered each refresh: read both of one render
+            util = card.locator(".jp-AutoGPU-util svg").bounding_box()
+            mem = card.locator(".jp-AutoGPU-mem svg").bounding_box()
+            if util is not None and mem is not None:
+                break
+            page.wait_for_timeout(100)
         # equal-width sparklines, whatever the length of the value's text
         assert util is not None and mem is not None
         assert abs(util["width"] - mem["width"]) < 1 and util["width"] > 100
@@ -267,41 +273,4 @@ def test_a_notification_says_when_a_waiting_pick_gets_its_gpu(
         browser.screenshot(page, "sidebar-wait-notification.png")
 
 
-def test_pick_from_the_sidebar_runs_in_the_notebooks_kernel(
-    lab: browser.Lab, fake_nvml: Any
-) -> None:
-    """A plain kernel that has no GPU yet: "Pick for this notebook" on GPU 1's card runs
-    %gpu pick in that kernel (its variable, its lease), and the sidebar shows the outcome."""
-    from playwright.sync_api import expect
-
-    with browser.chromium_page() as page, browser.screenshot_on_failure(
-        page, "sidebar-pick-failure.png"
-    ):
-        lab.open(page, "train.ipynb")
-        page.locator(".jp-Notebook").wait_for(timeout=60_000)
-        page.wait_for_selector('.jp-Notebook-ExecutionIndicator[data-status="idle"]',
-                               timeout=60_000)
-        page.locator('.lm-TabBar-tab[data-id="jp-AutoGPU-panel"]').click()
-        gpu1 = browser.card(page, "GPU 1")
-        button = gpu1.locator(".jp-AutoGPU-pick")
-        button.wait_for(timeout=30_000)
-        assert browser.card(page, "GPU 3").locator(".jp-AutoGPU-pick").count() == 0  # lost
-        button.click()
-        status = page.locator(".jp-AutoGPU-moveMessage")
-        expect(status).to_have_text(
-            "autogpu: picked GPU 1 · NVIDIA L4 · GPU-1b1b1b1b: 23.0 GiB free of 24.0 GiB, "
-            "util 40%", timeout=60_000)
-        holder = gpu1.locator(".jp-AutoGPU-holder-current .jp-AutoGPU-what")
-        expect(holder).to_have_text("train.ipynb", timeout=30_000)
-        # the kernel has its GPU now: no more pick buttons
-        expect(page.locator(".jp-AutoGPU-pick")).to_have_count(0)
-        browser.screenshot(page, "sidebar-pick.png")
-        # the variable is set in the kernel's own process
-        page.locator(".jp-Notebook .jp-Cell").first.click()
-        page.keyboard.press("Escape")
-        page.keyboard.press("b")  # a new cell below
-        page.keyboard.press("Enter")
-        page.keyboard.type("import os; print(os.environ['CUDA_VISIBLE_DEVICES'])")
-        page.keyboard.press("Shift+Enter")
-        expect(page.locator(".jp-OutputArea-output").last).to_have_text(
-            "GPU-1b1b1b1b-1111-2222-3333-444444444444", timeout=30_000)
+# The sidebar's pick: tests/browser/test_first_hour.py (in a notebook that loaded the extension).

@@ -369,7 +369,7 @@ def test_status_is_a_compact_escaped_table_with_this_kernel_marked(k: Kernel) ->
     assert r.status == "ok", r
     (out,) = r.outputs
     html = out["content"]["data"]["text/html"]
-    assert "GPUs on this host · this kernel: ▶ GPU 2 (magic, excluding 0)" in html
+    assert "GPUs on this host · this kernel: ▶ GPU 2 (%gpu pick, excluding 0)" in html
     assert html.count("<table") == 1 and "<img" not in html and "<script" not in html
     # this kernel's own lease, on GPU 2's line (the other holder is the fleet's process)
     gpu2 = html.split("<tr")[4]
@@ -382,14 +382,17 @@ def test_status_is_a_compact_escaped_table_with_this_kernel_marked(k: Kernel) ->
     # cells that must not break stay on one line: the model, the label, the memory
     assert '<td style="padding:1px 8px;text-align:left;white-space:nowrap;">NVIDIA L4</td>' in html
     assert "overflow-wrap:anywhere" in html  # only the holders column may wrap
-    assert "NVIDIA L4" in html and "GPU-a1000005" in html
-    # the same table as text for frontends without HTML
+    # sized for a notebook at 1366x768 with the sidebar open: the short UUID (what it can do
+    # without) is left out, so the holders are never cut at the right edge
+    assert "NVIDIA L4" in html and "GPU-a1000005" not in html and ">uuid</th>" not in html
+    # the same table as text for frontends without HTML, 120 columns at most
     text = out["content"]["data"]["text/plain"].splitlines()
     assert text[0] == "GPUs on this host"
     assert text[1].split() == [
-        "gpu", "name", "uuid", "util", "memory", "used", "/", "total", "free", "temp", "power",
+        "gpu", "name", "util", "memory", "used", "/", "total", "free", "temp", "power",
         "procs", "holders",
     ]
+    assert all(len(line) <= 120 for line in text[1:-1]), text
 
 
 def test_cell_magic_picks_runs_and_reports(k: Kernel) -> None:

@@ -41,19 +41,44 @@ def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_list_table_and_json(env: dict[str, str]) -> None:
-    out = run(env, "list")
+    out = run({**env, "COLUMNS": "200"}, "list")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == (
         "4 device(s) via simulated — SIMULATED fleet (AUTOGPU_SIMULATE), not real GPUs"
     )
-    assert "GPU 1 NVIDIA A100-SXM4-80GB GPU-11111111" in lines[3]
-    assert "10.0 GiB" in lines[3] and "70.0 GiB" in lines[3]
+    assert lines[3].startswith("GPU 1  NVIDIA A100-SXM4-80GB  GPU-11111111")
+    assert "10.0 GiB / 80.0 GiB" in lines[3] and "70.0 GiB" in lines[3]
     data = json.loads(run(env, "list", "--json").stdout)
     assert data["simulated"] is True
     assert [d["uuid"] for d in data["devices"]] == UUIDS
     assert data["devices"][3]["memory_free_bytes"] == 1 * GiB
     assert data["leases"] == []
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_list_fits_the_terminal_with_text_left_aligned(env: dict[str, str], width: int) -> None:
+    """``autogpu list`` is the table of ``%gpu status``, as wide as the terminal: an 80-column
+    one leaves out what it can do without (UUID, power, temperature, processes, memory in use),
+    never the free memory or the holders; text columns are left-aligned, numbers right."""
+    out = run({**env, "COLUMNS": str(width)}, "list")
+    assert out.returncode == 0, out.stderr
+    _title, header, *rows = out.stdout.splitlines()
+    assert all(len(line) <= width for line in [header, *rows]), out.stdout
+    names = header.split()
+    if width == 80:
+        assert names == ["gpu", "name", "util", "free", "holders"]
+    else:
+        assert names == ["gpu", "name", "uuid", "util", "memory", "used", "/", "total", "free",
+                         "temp", "power", "procs", "holders"]
+    # text starts under its title (left-aligned); numbers end under theirs (right-aligned)
+    for row in rows:
+        assert row[header.index("name"):].startswith("NVIDIA A100-SXM4-80GB")
+        assert row[header.index("gpu"):].startswith("GPU ")
+        util_end = header.index("util") + len("util")
+        assert row[:util_end].endswith("%")
+        assert row[:util_end][-2].isdigit()
+    assert rows[1][: header.index("free") + len("free")].endswith("70.0 GiB")
 
 
 def test_pick_prints_choice_runner_up_and_variables(env: dict[str, str]) -> None:
@@ -190,10 +215,10 @@ def test_an_option_error_shows_the_subcommands_usage(env: dict[str, str]) -> Non
     assert "COMMAND" not in out.stderr
 
 
-def test_help_lists_the_same_exit_codes_as_the_readme(env: dict[str, str]) -> None:
+def test_help_lists_the_same_exit_codes_as_the_docs(env: dict[str, str]) -> None:
     import re
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
     documented = sorted(set(re.findall(r"^\| (\d) \|", readme, flags=re.MULTILINE)))
     helped = " ".join(run(env, "--help").stdout.split())
     listed = sorted(set(re.findall(r"(?:codes: |, )(\d) ", helped)))

@@ -149,7 +149,7 @@ def test_make_lab_then_the_readme_cli_sees_the_notebooks_lease(
     assert "No NVIDIA driver found: starting on the SIMULATED fleet demo-4x" in printed
     # The URL a headless user copies opens the quickstart, not an empty Launcher.
     deadline = time.monotonic() + 30
-    while f"{url}/lab/tree/notebooks/quickstart.ipynb?token=" not in log.read_text():
+    while f"{url}/lab/tree/demo/quickstart.ipynb?token=" not in log.read_text():
         assert time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.3)
     # The autogpu kernel is in the Launcher: installed into the environment by make lab.
@@ -158,9 +158,17 @@ def test_make_lab_then_the_readme_cli_sees_the_notebooks_lease(
     installed = VENV_BIN.parent / "share" / "jupyter" / "kernels" / "python3-autogpu"
     assert (installed / "kernel.json").is_file()  # in the environment, not in $HOME
 
+    # The demo runs copies (untracked): running them leaves the clone's notebooks as they were.
+    assert "The demo runs your copies in demo/" in log.read_text()
+    for name in ("quickstart.ipynb", "panel.ipynb"):
+        assert (REPO / "demo" / name).is_file()
+    ignored = subprocess.run(["git", "check-ignore", "-q", "demo/quickstart.ipynb"], cwd=REPO,
+                             check=False)
+    assert ignored.returncode == 0, "demo/ must be ignored by git"
+
     # The quickstart's kernel, as a user opens it.
     session = _api(url, token, "sessions", {
-        "path": "notebooks/quickstart.ipynb", "type": "notebook", "name": "quickstart.ipynb",
+        "path": "demo/quickstart.ipynb", "type": "notebook", "name": "quickstart.ipynb",
         "kernel": {"name": "python3"},
     })
     kid = session["kernel"]["id"]
@@ -190,6 +198,12 @@ def test_make_lab_then_the_readme_cli_sees_the_notebooks_lease(
         mine = [line for line in listed.stdout.splitlines() if f" pid {pid} " in line]
         assert len(mine) == 1, listed.stdout
         assert "GPU-5" in mine[0] and "booked 10.0 GiB" in mine[0]
+        # the notebook as JupyterLab names it, relative to the server's root
+        assert mine[0].endswith(" demo/quickstart.ipynb"), mine[0]
+
+        # A JupyterLab terminal (File > New > Terminal) has `autogpu` on its PATH, also where
+        # a login shell's profile resets PATH (make lab under nohup, as root on Debian).
+        assert f"{VENV_BIN / 'autogpu'}" in _terminal_run(url, token, "command -v autogpu")
     finally:
         kc.stop_channels()
         _api_delete(url, token, f"sessions/{session['id']}")
@@ -226,6 +240,40 @@ def _in_a_terminal(url: str, token: str, command: str) -> str:
 
     try:
         return asyncio.run(talk())
+    finally:
+        _api_delete(url, token, f"terminals/{name}")
+
+
+def _terminal_run(url: str, token: str, command: str) -> str:
+    """Run ``command`` in a new JupyterLab terminal of the server (its websocket, as the
+    browser talks to it); what it printed, once the command's end marker came back."""
+    from tornado.httpclient import HTTPRequest
+    from tornado.ioloop import IOLoop
+    from tornado.websocket import websocket_connect
+
+    name = _api(url, token, "terminals", {})["name"]
+    marker = "__autogpu_done__"
+
+    async def talk() -> str:
+        ws = await websocket_connect(HTTPRequest(
+            f"{url.replace('http', 'ws', 1)}/terminals/websocket/{name}",
+            headers={"Authorization": f"token {token}"},
+        ))
+        ws.write_message(json.dumps(["stdin", f"{command}; echo {marker[:9]}''{marker[9:]}\r"]))
+        out = ""
+        deadline = time.monotonic() + 60
+        while marker not in out and time.monotonic() < deadline:
+            msg = await ws.read_message()
+            if msg is None:
+                break
+            kind, *rest = json.loads(msg)
+            if kind == "stdout":
+                out += rest[0]
+        ws.close()
+        return out
+
+    try:
+        return IOLoop.current().run_sync(talk, timeout=90)
     finally:
         _api_delete(url, token, f"terminals/{name}")
 

@@ -123,7 +123,10 @@ async def test_move_restarts_the_kernel_on_the_target_with_the_lease_moved(
         idle_s = info.pop("idle_s")
         assert idle_s is None or 0 <= idle_s < 60
         assert info.pop("overload") is None  # three idle GPUs: nobody overloads GPU 0
+        assert info.pop("better") is None
         assert info.pop("waiting") is False
+        # the grant the kernel picked within (not its pick): every GPU of this server
+        assert info.pop("allowed_uuids") == [uuid_of(i) for i in range(3)]
         assert info == {
             "kernel_id": kid, "notebook_path": "work/train.ipynb", "movable": True,
             "picked_uuids": [uuid_of(0)], "constraints_text": "min free 10.0 GiB", "note": None,
@@ -187,7 +190,7 @@ async def test_move_restarts_the_kernel_on_the_target_with_the_lease_moved(
             400, "invalid target 2.5: expected \"best\", an NVML index such as \"2\", or a GPU "
                  "UUID")
         assert await move_error(jp_fetch, kid, {"gpu": "1"}) == (
-            400, "unknown parameter 'gpu'; accepted: target, dry_run")
+            400, "unknown parameter 'gpu'; accepted: target, dry_run, restart")
         assert await move_error(jp_fetch, kid, "[1]") == (
             400, "expected a JSON object such as {\"target\": \"best\"} or {\"target\": \"2\"}, "
                  "got [1]")
@@ -205,6 +208,55 @@ async def test_move_restarts_the_kernel_on_the_target_with_the_lease_moved(
     finally:
         await jp_fetch("api", "sessions", session["id"], method="DELETE")
     assert leases(registry_dir) == []
+
+
+async def test_a_move_the_client_restarts_goes_where_the_plan_said(
+    jp_fetch: Any, jp_serverapp: Any, autogpu_spec: str, registry_dir: Path
+) -> None:
+    """The sidebar's way: the server records the move (``"restart": false``), the notebook's
+    kernel restarts through Jupyter's own restart (what JupyterLab's "Restart Kernel" calls, so
+    the notebook follows the restart), then ``GET`` says where the kernel runs; a request no
+    restart took is dropped with ``DELETE``."""
+    session = await open_notebook(jp_fetch, autogpu_spec)
+    kid = session["kernel"]["id"]
+    move_file = Path(os.environ["JUPYTER_RUNTIME_DIR"]) / f"autogpu-move-{kid}.json"
+    try:
+        old_pid = kernel_pid(jp_serverapp, kid)
+        # nothing recorded yet: nothing to report
+        with pytest.raises(tornado.httpclient.HTTPClientError) as err:
+            await jp_fetch("autogpu", "kernels", kid, "move")
+        assert err.value.code == 404
+        response = await post_move(jp_fetch, kid, {"target": "best", "restart": False})
+        recorded = json.loads(response.body)
+        assert recorded["pending"] is True and recorded["target"] == [uuid_of(1)]
+        assert recorded["message"] == "The move to GPU 1 waits for the kernel's restart."
+        assert kernel_pid(jp_serverapp, kid) == old_pid and move_file.exists()
+        got = json.loads((await jp_fetch("autogpu", "kernels", kid, "move")).body)
+        assert got["pending"] is True
+
+        # the notebook restarts its kernel as JupyterLab does: POST /api/kernels/<id>/restart
+        await jp_fetch("api", "kernels", kid, "restart", method="POST", body="{}")
+        new_pid = kernel_pid(jp_serverapp, kid)
+        assert new_pid != old_pid and not move_file.exists()
+        assert kernel_environ(new_pid)["CUDA_VISIBLE_DEVICES"] == uuid_of(1)
+        got = json.loads((await jp_fetch("autogpu", "kernels", kid, "move")).body)
+        assert (got["pending"], got["picked"], got["message"]) == (
+            False, [uuid_of(1)], "The kernel restarted on GPU 1; its state (variables) was lost.")
+        assert leases(registry_dir) == [(new_pid, (uuid_of(1),), kid)]
+
+        # a recorded move whose restart never came: dropped, nothing moves later
+        await post_move(jp_fetch, kid, {"target": "0", "restart": False})
+        assert move_file.exists()
+        dropped = await jp_fetch("autogpu", "kernels", kid, "move", method="DELETE")
+        assert json.loads(dropped.body) == {"cancelled": True}
+        assert not move_file.exists()
+        with pytest.raises(tornado.httpclient.HTTPClientError) as err:
+            await jp_fetch("autogpu", "kernels", kid, "move")
+        assert err.value.code == 404
+        assert await move_error(jp_fetch, kid, {"target": "best", "restart": "no"}) == (
+            400, "invalid restart 'no': expected true or false")
+    finally:
+        await jp_fetch("api", "sessions", session["id"], method="DELETE")
 
 
 def proc_env_gone(pid: int) -> bool:
@@ -261,7 +313,9 @@ async def test_move_of_a_kernel_not_started_by_autogpu_is_400(
         info.pop("execution_state")
         info.pop("idle_s")
         assert info.pop("overload") is None
+        assert info.pop("better") is None
         assert info.pop("waiting") is False
+        assert info.pop("allowed_uuids") == [uuid_of(i) for i in range(3)]
         assert info == {
             "kernel_id": kid, "notebook_path": "plain.ipynb", "movable": False,
             "picked_uuids": [], "constraints_text": None, "note": None,
@@ -379,7 +433,7 @@ def test_gpu_move_best_magic_then_restart(
             finally:
                 kc.stop_channels()
             assert status.splitlines()[-1].endswith(
-                " · move to the best device pending: restart the kernel (Kernel > Restart Kernel) "
+                " · move to GPU 1 pending: restart the kernel (Kernel > Restart Kernel) "
                 "to move"
             ), status
             assert err == ""
@@ -391,8 +445,9 @@ def test_gpu_move_best_magic_then_restart(
             )
             request = moves.read_move(moves.move_file_for(runtime, km.kernel_id))
             assert request is not None
+            # the device the plan named: the restart goes where the message said
             assert (request.target_uuids, request.from_uuids, request.source) == (
-                (), (uuid_of(0),), "magic")
+                (uuid_of(1),), (uuid_of(0),), "magic")
             await km.restart_kernel()
             pid = int(km.provisioner.pid)
             assert kernel_environ(pid)["CUDA_VISIBLE_DEVICES"] == uuid_of(1)
@@ -406,8 +461,7 @@ def test_gpu_move_best_magic_then_restart(
                 kc.stop_channels()
             # The first execution also shows the provisioner's note (the kernel loads autogpu).
             assert (out, err) == (
-                uuid_of(1) + "\nautogpu: moved to the best other device at your request: the "
-                "kernel's state was lost\n", "")
+                uuid_of(1) + "\nautogpu: moved at your request: the kernel's state was lost\n", "")
             assert leases(registry_dir) == [(pid, (uuid_of(1),), km.kernel_id)]
             assert "pending" not in status and "▶ GPU 1" in status
         finally:

@@ -36,7 +36,7 @@ def test_install_writes_the_provisioner_and_options(
     spec = json.loads((dest / "kernel.json").read_text())
     assert spec == {
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
-                 "--ext=autogpu"],
+                 "--ext=autogpu_jupyter"],
         "display_name": "Python 3 (autogpu)",
         "language": "python",
         "interrupt_mode": "signal",

@@ -170,8 +170,9 @@ def test_help_is_written_for_notebook_users(shell: InteractiveShell) -> None:
 
 
 def test_status_plain_text_in_a_terminal(
-    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("COLUMNS", "160")  # a wide terminal: every column
     shell.run_cell("%load_ext autogpu")
     shell.run_cell("%gpu pick --exclude 0")  # GPU 2 (L4, 12 %) is the least loaded of GPUs 1-3
     capsys.readouterr()
@@ -187,7 +188,13 @@ def test_status_plain_text_in_a_terminal(
     assert [ln.split()[:3] for ln in rows[0:2]] == [["GPU", "0", "NVIDIA"], ["GPU", "1", "NVIDIA"]]
     assert rows[2].split()[:5] == ["▶", "GPU", "2", "NVIDIA", "L4"]
     assert rows[3].split()[:3] == ["GPU", "3", "NVIDIA"]
-    assert lines[-1] == "this kernel: ▶ GPU 2 (magic, excluding 0)"
+    assert lines[-1] == "this kernel: ▶ GPU 2 (%gpu pick, excluding 0)"
+    # an 80-column terminal: the table fits it, without the columns it can do without
+    monkeypatch.setenv("COLUMNS", "80")
+    _, out, _ = run(shell, "%gpu status", capsys)
+    narrow = out.splitlines()
+    assert narrow[1].split() == ["gpu", "name", "util", "free", "holders"]
+    assert all(len(ln) <= 80 for ln in narrow[1:-1]), out
 
 
 def test_status_says_simulated(
@@ -310,3 +317,104 @@ def test_cell_reports_peak_memory_of_this_process(
         "peak GPU memory of this kernel 3.0 GiB",
         "mean utilisation 40% (1 sample)",
     ]
+
+
+# ---- the sidebar's pick ------------------------------------------------------------------------
+
+
+def _sidebar_pick(shell: InteractiveShell, uuid: str) -> list[dict[str, Any]]:
+    """Run what the sidebar runs; the displays it made (its answer among them)."""
+    from IPython.core.displaypub import DisplayPublisher
+
+    shown: list[dict[str, Any]] = []
+
+    class Capture(DisplayPublisher):
+        def publish(self, data: Any, metadata: Any = None, **kw: Any) -> None:
+            shown.append(data)
+
+    old = shell.display_pub
+    shell.display_pub = Capture(shell=shell)
+    try:
+        r = shell.run_cell(
+            f'__import__("autogpu_jupyter.magics", fromlist=["sidebar_pick"])'
+            f'.sidebar_pick("{uuid}")',
+            store_history=False,
+        )
+    finally:
+        shell.display_pub = old
+    assert r.success, r.error_in_exec
+    return shown
+
+
+def test_the_sidebar_pick_takes_that_gpu_quietly_and_says_so_in_one_line(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from autogpu_jupyter.magics import SIDEBAR_PICK_MIME
+
+    monkeypatch.setenv("COLUMNS", "160")
+    shell.run_cell("%load_ext autogpu")  # as the README says: loaded already
+    capsys.readouterr()
+    (answer,) = _sidebar_pick(shell, U[1])
+    out, err = capsys.readouterr()
+    assert out == "" and err == ""  # no "The autogpu extension is already loaded"
+    pick = answer[SIDEBAR_PICK_MIME]
+    assert pick["ok"] is True
+    assert pick["summary"].startswith("autogpu: picked GPU 1 · ")
+    assert "\n" not in pick["summary"]
+    assert "asked:" not in pick["details"] and "runner-up" not in pick["details"]
+    assert f"CUDA_VISIBLE_DEVICES={U[1]}" in pick["details"]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == U[1]
+    choice = session.current()
+    assert choice is not None and choice.lease is not None and choice.source == "sidebar"
+    # as after %gpu pick, the sampler watches the GPU: an overload is printed under a cell
+    assert sampler_threads() == 1
+    # %gpu status words it as the user did it: no --exclude the user never typed
+    _, out, _ = run(shell, "%gpu status", capsys)
+    assert out.splitlines()[-1] == "this kernel: ▶ GPU 1 (picked from the sidebar)"
+
+
+def test_the_sidebar_pick_loads_the_extension_itself_without_a_word(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from autogpu_jupyter.magics import SIDEBAR_PICK_MIME
+
+    (answer,) = _sidebar_pick(shell, U[2])  # no %load_ext before
+    assert capsys.readouterr() == ("", "")
+    assert answer[SIDEBAR_PICK_MIME]["ok"] is True
+    assert shell.find_line_magic("gpu") is not None
+    # the notebook's own %load_ext afterwards is quiet too
+    assert run(shell, "%load_ext autogpu", capsys)[1] == ""
+
+
+def test_a_failed_sidebar_pick_is_one_line_about_that_gpu_and_never_about_wait(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from autogpu_jupyter.magics import SIDEBAR_PICK_MIME
+
+    shell.run_cell('%load_ext autogpu\n%config AutoGPU.min_free = "79G"\n'
+                   '%config AutoGPU.wait = "10m"')
+    capsys.readouterr()
+    (answer,) = _sidebar_pick(shell, U[0])
+    pick = answer[SIDEBAR_PICK_MIME]
+    assert pick["ok"] is False
+    assert pick["summary"].startswith("autogpu: GPU 0 cannot be picked: only ")
+    assert pick["summary"].endswith("< 79.0 GiB wanted")
+    text = pick["summary"] + pick["details"]
+    assert "--exclude" not in text and "--wait" not in text and "excluded" not in text
+    assert pick["details"] == (
+        "asked: min free 79.0 GiB (this notebook's defaults, %config AutoGPU)\n"
+        "nothing changed: no variable set, no lease taken"
+    )
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ and session.current() is None
+
+
+def test_an_unknown_device_is_said_in_one_line(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from autogpu_jupyter.magics import SIDEBAR_PICK_MIME
+
+    (answer,) = _sidebar_pick(shell, "GPU-gone")
+    assert answer[SIDEBAR_PICK_MIME] == {
+        "ok": False, "details": "",
+        "summary": "autogpu: no device 'GPU-gone' on this host (the sidebar is stale?)",
+    }

@@ -349,8 +349,9 @@ def test_best_moves_to_the_best_other_device(backend: SimulatedBackend) -> None:
     )
     assert [d.uuid for d in plan.target] == [U2]
     req = plan.request
+    # the request names the device the plan showed: the restart goes where the dialog said
     assert (req.kernel_id, req.target_uuids, req.from_uuids, req.source) == (
-        "k-7", (), (U0,), "magic"
+        "k-7", (U2,), (U0,), "magic"
     )
     assert before <= req.requested_s <= after
 
@@ -538,7 +539,7 @@ def test_move_from_a_kernel_without_a_device_counts_other_holders_bookings(
     env = _kernel_env(runtime, AUTOGPU_PICK_OPTIONS='{"min_free": "20G"}')
     del env["AUTOGPU_PICKED"], env["CUDA_VISIBLE_DEVICES"]  # a kernel started on no device
     plan = moves.request_move_from_kernel("best", environ=env, backend=backend)
-    assert plan.request == moves.MoveRequest("k-3", (), (), ANY, "magic")
+    assert plan.request == moves.MoveRequest("k-3", (U2,), (), ANY, "magic")
     assert [d.uuid for d in plan.target] == [U2]
     registry = Registry(registry_dir)
     with registry.locked() as txn:
@@ -643,7 +644,7 @@ def test_move_from_a_provisioned_kernel_within_the_servers_grant(
     )
     req = plan.request
     assert (req.kernel_id, req.target_uuids, req.from_uuids, req.source) == (
-        "k-3", (), (U0,), "magic"
+        "k-3", (U1,), (U0,), "magic"
     )
     assert moves.read_move(runtime / "autogpu-move-k-3.json") == req
 

@@ -23,7 +23,7 @@ from autogpu_jupyter.core.overload import Alternative, Overload, Thresholds
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.sampler import METRICS, DeviceSeries, Sampler
-from autogpu_jupyter.core.units import parse_size
+from autogpu_jupyter.core.units import Size, parse_size
 from tests.leasehelpers import uuid_of
 
 GiB = 1024**3
@@ -648,3 +648,55 @@ def test_a_new_cause_on_the_same_device_is_announced_alone(
         "Best alternative: move to GPU 2 (79.0 GiB free, 2% busy): restart the kernel and run "
         "%gpu pick."
     )
+
+
+# ---- one "better GPU" answer, wherever it is asked -------------------------------------------
+
+
+def test_the_alternative_is_judged_by_the_kernels_lease_as_the_server_judges_it(
+    registry_dir: Path,
+) -> None:
+    """The kernel's warning and the server's notification ask the same question: the memory
+    the kernel's own lease books, as many devices, the same exclusivity; the pick's --exclude
+    is no part of it (a pick from the sidebar excludes every other GPU)."""
+    from autogpu_jupyter.core.leasing.records import LeaseRecord
+
+    record = LeaseRecord(
+        lease_id="a" * 32, kind="lease", device_uuids=(U0,),
+        device_requested_bytes=(30 * GiB,), exclusive=True, user="me", uid=0, host="h",
+        pid=1, created_s=0.0,
+    )
+    assert overload.alternative_constraints(record) == Constraints(
+        min_free=Size(bytes=30 * GiB), count=1, exclusive=True)
+    # the lease wins over the options the kernel remembers (which the server cannot know)
+    picked = Constraints(exclude=("1", "2"), max_util_pct=10.0)
+    assert overload.alternative_constraints(record, picked).exclude == ()
+    assert overload.alternative_constraints(record, picked).max_util_pct is None
+    # no lease (leases off): the kernel's options, less --exclude
+    assert overload.alternative_constraints(None, picked) == Constraints(max_util_pct=10.0)
+    assert overload.alternative_constraints(None) == Constraints()
+    unbooked = LeaseRecord(
+        lease_id="b" * 32, kind="lease", device_uuids=(U0, U1),
+        device_requested_bytes=(None, None), exclusive=False, user="me", uid=0, host="h",
+        pid=1, created_s=0.0,
+    )
+    assert overload.alternative_constraints(unbooked) == Constraints(count=2)
+
+
+def test_a_pick_that_excluded_every_other_gpu_still_gets_a_better_one(tmp_path: Path) -> None:
+    """The sidebar's pick leaves every other GPU out: its warning must not say "no better
+    device right now" when GPU 1 is idle (the notification and the sidebar name GPU 1)."""
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(json.dumps({"devices": [
+        {"uuid": U0, "name": "A100", "memory_total": "80GiB", "memory_used": 0,
+         "utilization_pct": 0},
+        {"uuid": U1, "name": "A100", "memory_total": "80GiB", "memory_used": 0,
+         "utilization_pct": 0}]}))
+    result = pick(PickOptions(Constraints(exclude=(U1,))), backend=SimulatedBackend(str(fleet)),
+                  environ={}, dry_run=True)
+    env: dict[str, str] = {}
+    session.apply(result, environ=env, source="sidebar")
+    snap = _snap(None, _gpu(1, U1))
+    got = overload.best_alternative(snap, [U0], store=None)
+    assert got is not None and got.uuid == U1
+    session.release(environ=env)

@@ -634,3 +634,40 @@ def test_the_process_sampler_is_stopped_at_exit_by_one_handler(tmp_path: Path) -
     assert (out.returncode, out.stdout.splitlines()) == (
         0, ["exit handlers added: 1 True", "at exit: None False"]
     ), out.stderr
+
+
+# ---- history from the server ----------------------------------------------------------------
+
+
+def test_seed_puts_older_history_before_the_own_samples() -> None:
+    s = Sampler(interval_s=1, history_s=100)
+    s.add(_snap(1000.0, _dev(A, 0, utilization_pct=50.0, memory_used_bytes=GiB,
+                             memory_total_bytes=8 * GiB), _dev(B, 1)), own=())
+    added = s.seed({
+        # 880 is older than the history keeps (100 s before the newest sample, 1000);
+        # 1000 is not older than the own sample; 990 and 995 go before it
+        A: ([880.0, 990.0, 995.0, 1000.0], [1.0, 10.0, None, 99.0], [0, 2 * GiB, "x", 0],
+            8 * GiB),
+        "GPU-unknown": ([991.0], [5.0], [0], None),
+    })
+    assert added == 2
+    series = s.history_series()[A]
+    assert series.timestamps_s.tolist() == [990.0, 995.0, 1000.0]
+    assert series.column("utilization_pct").tolist()[0] == 10.0
+    assert math.isnan(series.column("utilization_pct")[1])  # unknown stays unknown
+    assert series.column("memory_free_bytes").tolist()[0] == 6 * GiB
+    assert math.isnan(series.column("memory_used_bytes")[1])  # "x" is no number
+    # B had no history there: unknown, not zero
+    assert np.isnan(s.history_series()[B].column("utilization_pct")[:2]).all()
+    # the newest sample is still the sampler's own
+    assert s.latest() is not None and s.latest().timestamp_s == 1000.0
+
+
+def test_seed_keeps_to_the_room_left_and_needs_a_first_sample() -> None:
+    s = Sampler(interval_s=1, history_s=5)  # 6 slots
+    assert s.seed({A: ([1.0], [1.0], [0], None)}) == 0  # nothing sampled yet
+    for t in (100.0, 101.0):
+        s.add(_snap(t, _dev(A, 0, utilization_pct=1.0)), own=())
+    stamps = [95.0 + k for k in range(5)]  # 95..99, five of them, room for four
+    assert s.seed({A: (stamps, [7.0] * 5, [0] * 5, None)}) == 4
+    assert s.history_series()[A].timestamps_s.tolist() == [96.0, 97.0, 98.0, 99.0, 100.0, 101.0]

@@ -211,3 +211,20 @@ def test_html_without_caption_notes_or_highlight() -> None:
         + f'<thead><tr><th style="{_LEFT}{_HEAD}">x</th></tr></thead>'
         + f'<tbody><tr><td style="{_LEFT}">1</td></tr></tbody></table></div>'
     )
+
+
+def test_a_narrow_width_leaves_out_the_columns_it_can_do_without_lowest_rank_first() -> None:
+    from autogpu_jupyter.core.tables import narrow
+
+    columns = [Column("gpu"), Column("uuid", drop=1), Column("temp", align="right", drop=2),
+               Column("holders", wrap=True)]
+    rows = [("GPU 0", "GPU-5a1b2c3d", "51 °C", "alice: train.ipynb")]
+    # wide enough for everything (the wrap column at its least width, 24)
+    assert narrow(columns, rows, 60) == (columns, [tuple(rows[0])])
+    # one column too many: the UUID goes first, then the temperature
+    assert [c.title for c in narrow(columns, rows, 50)[0]] == ["gpu", "temp", "holders"]
+    cols, cells = narrow(columns, rows, 20)
+    assert [c.title for c in cols] == ["gpu", "holders"]
+    assert cells == [("GPU 0", "alice: train.ipynb")]
+    # columns without a rank always stay, however narrow
+    assert [c.title for c in narrow([Column("gpu")], [("GPU 0",)], 1)[0]] == ["gpu"]

@@ -2,8 +2,8 @@
 
 Used for demos on machines without an NVIDIA driver (``AUTOGPU_SIMULATE=demo-4x``) and clearly
 labelled ``simulated`` on every surface. The fleet file is re-read whenever it changes, so a demo
-or a test can move load while kernels run. The schema is documented in the README
-("Fleet file format").
+or a test can move load while kernels run. The schema is documented in
+docs/fleet-files.md.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import {
   parseClusterHistory,
   windowText
 } from '../clustermodel';
+import { ITrans, noTranslation } from '../model';
 
 const GiB = 1024 ** 3;
 const MiB = 1024 ** 2;
@@ -273,5 +274,27 @@ describe('cluster history', () => {
     expect(() => parseClusterHistory({ hosts: [{ x: 1 }] })).toThrow(
       'unexpected cluster history host from the server: {"x":1}'
     );
+  });
+});
+
+describe('translation', () => {
+  const marked: ITrans = {
+    __: (msgid: string, ...args: unknown[]) =>
+      '«' + noTranslation.__(msgid, ...args) + '»',
+    _n: (one: string, many: string, n: number, ...args: unknown[]) =>
+      '«' + noTranslation._n(one, many, n, ...args) + '»'
+  };
+
+  it('puts the Cluster words through the bundle', () => {
+    const view = clusterView(parseCluster(answer), 1718000010, null, marked);
+    expect(view.source).toBe('«from http://127.0.0.1:9090»');
+    expect(view.advice).toBe(
+      '«best host for min free 10.0 GiB: gpu-b (GPU 2)»'
+    );
+    expect(view.hosts[0].asOf).toMatch(
+      /^«as of \d\d:\d\d:\d\d \(«0 s ago»\)»$/
+    );
+    expect(ageText(600, marked)).toBe('«10 min ago»');
+    expect(windowText(86400, marked)).toBe('«24 h»');
   });
 });

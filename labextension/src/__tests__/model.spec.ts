@@ -9,9 +9,14 @@ import {
   formatThermals,
   formatUserTotal,
   holdersFor,
+  ITrans,
   myDevices,
+  noTranslation,
+  overloadAdvice,
   overloadToNotify,
+  parsePickOutcome,
   pickCodeFor,
+  uniqueErrors,
   waitsEnded,
   mergeHistory,
   parseDevice,
@@ -232,7 +237,7 @@ describe('history', () => {
 
 describe('holders', () => {
   const base: IHolder = {
-    kind: 'lease',
+    kind: 'lease+process',
     uuid: 'GPU-1',
     label: 'GPU 1',
     user: 'me',
@@ -241,11 +246,12 @@ describe('holders', () => {
     this_server: true,
     notebook_path: 'work/train.ipynb',
     booked_bytes: 10 * GiB,
-    used_memory_bytes: null,
+    used_memory_bytes: 3 * GiB,
     exclusive: false,
     created_s: 1,
     command: null
   };
+  // as the server joins them (core/holders.py): the lease and its process are one holder
   const holders: IHolder[] = parseHolders({
     timestamp_s: 1,
     simulated: true,
@@ -265,17 +271,16 @@ describe('holders', () => {
         used_memory_bytes: 2 * GiB
       },
       base,
-      {
-        ...base,
-        kind: 'process',
-        booked_bytes: null,
-        used_memory_bytes: 3 * GiB
-      },
-      { ...base, uuid: 'GPU-9' }
+      { ...base, kind: 'lease', uuid: 'GPU-9', used_memory_bytes: null }
     ]
   }).holders;
 
-  it('lists one line per holder, the lease with its process memory', () => {
+  it('lists the holders the server joined, one line each, in its order', () => {
+    expect(holders.map(h => h.kind)).toEqual([
+      'process',
+      'lease+process',
+      'lease'
+    ]);
     expect(holdersFor(holders, 'GPU-1', null)).toEqual([
       {
         who: 'alice',
@@ -308,7 +313,9 @@ describe('holders', () => {
         constraints_text: null,
         note: null,
         overload: null,
-        waiting: false
+        better: null,
+        waiting: false,
+        allowed_uuids: null
       }
     ];
     const views = holdersFor(holders, 'GPU-1', null, kernels);
@@ -329,7 +336,7 @@ describe('holders', () => {
       { user: 'me', devices: 2, booked_bytes: 20 * GiB, used_bytes: 3 * GiB },
       { user: 'alice', devices: 1, booked_bytes: 0, used_bytes: 2 * GiB }
     ]);
-    expect(totals.map(formatUserTotal)).toEqual([
+    expect(totals.map(t => formatUserTotal(t))).toEqual([
       'me: 2 GPUs, 20.0 GiB booked, 3.0 GiB used',
       'alice: 1 GPU, 2.0 GiB used'
     ]);
@@ -456,7 +463,9 @@ describe('overloadToNotify', () => {
     constraints_text: null,
     note: null,
     overload: null as string | null,
-    waiting: false
+    better: null,
+    waiting: false,
+    allowed_uuids: null
   };
   const warning = (pct: number) =>
     `autogpu: GPU 1 (this kernel's GPU) is overloaded: memory ${pct}% full (over 95%), ` +
@@ -538,7 +547,9 @@ describe('pickCodeFor', () => {
     constraints_text: null,
     note: null,
     overload: null,
-    waiting: false
+    better: null,
+    waiting: false,
+    allowed_uuids: null
   };
   const none = parseHolders({
     user: 'me',
@@ -547,18 +558,28 @@ describe('pickCodeFor', () => {
     errors: []
   });
 
-  it('picks in the notebook kernel, every other device excluded', () => {
-    expect(pickCodeFor(gpu0, fleet, plain, none, 'k1')).toBe(
-      '%load_ext autogpu\n%gpu pick --exclude 2'
+  it("picks in the notebook's own kernel, that one device, by its UUID", () => {
+    expect(pickCodeFor(gpu0, plain, none, 'k1')).toBe(
+      '__import__("autogpu_jupyter.magics", fromlist=["sidebar_pick"])' +
+        '.sidebar_pick("GPU-0a0a")'
+    );
+    // no %load_ext (IPython would print "already loaded"), no --exclude, no --wait
+    expect(pickCodeFor(gpu0, plain, none, 'k1')).not.toMatch(
+      /load_ext|exclude|wait/
+    );
+    // a UUID is one Python string literal, whatever it holds
+    const odd = { ...gpu0, uuid: 'GPU-"); import os; ("' };
+    expect(pickCodeFor(odd, plain, none, 'k1')).toContain(
+      'sidebar_pick("GPU-\\"); import os; (\\"")'
     );
   });
 
   it('offers nothing where a pick makes no sense', () => {
     // a lost card, no notebook, an autogpu kernel (it picks before starting)
-    expect(pickCodeFor(lost, fleet, plain, none, 'k1')).toBeNull();
-    expect(pickCodeFor(gpu0, fleet, plain, none, null)).toBeNull();
+    expect(pickCodeFor(lost, plain, none, 'k1')).toBeNull();
+    expect(pickCodeFor(gpu0, plain, none, null)).toBeNull();
     expect(
-      pickCodeFor(gpu0, fleet, { ...plain, movable: true }, none, 'k1')
+      pickCodeFor(gpu0, { ...plain, movable: true }, none, 'k1')
     ).toBeNull();
     // the kernel already holds a GPU
     const held = parseHolders({
@@ -567,6 +588,107 @@ describe('pickCodeFor', () => {
       kernels: [],
       errors: []
     });
-    expect(pickCodeFor(gpu0, fleet, plain, held, 'k1')).toBeNull();
+    expect(pickCodeFor(gpu0, plain, held, 'k1')).toBeNull();
+  });
+
+  it("offers only the devices inside the kernel's allocation", () => {
+    const narrowed = { ...plain, allowed_uuids: ['GPU-9'] };
+    expect(pickCodeFor(gpu0, narrowed, none, 'k1')).toBeNull();
+    expect(
+      pickCodeFor(gpu0, { ...plain, allowed_uuids: ['GPU-0a0a'] }, none, 'k1')
+    ).not.toBeNull();
+    // the server could not read the allocation: every device, as before
+    expect(pickCodeFor(gpu0, plain, none, 'k1')).not.toBeNull();
+    const parsed = parseHolders({
+      user: 'me',
+      holders: [],
+      kernels: [{ kernel_id: 'k1', allowed_uuids: ['GPU-9', 3] }],
+      errors: []
+    });
+    expect(parsed.kernels[0].allowed_uuids).toEqual(['GPU-9']);
+  });
+
+  it("reads the kernel's one-line answer and its details", () => {
+    expect(
+      parsePickOutcome({
+        ok: false,
+        summary: 'autogpu: GPU 1 cannot be picked'
+      })
+    ).toEqual({
+      ok: false,
+      summary: 'autogpu: GPU 1 cannot be picked',
+      details: ''
+    });
+    expect(() => parsePickOutcome({ ok: true })).toThrow(/pick answer/);
+  });
+});
+
+describe('one better GPU', () => {
+  const kernel = parseHolders({
+    user: 'me',
+    holders: [],
+    errors: [],
+    kernels: [
+      {
+        kernel_id: 'k1',
+        overload:
+          "GPU 1 (this kernel's GPU) is overloaded: memory 97% full, 1 other process. " +
+          'Better now: GPU 2.',
+        better: { uuid: 'GPU-2', label: 'GPU 2' }
+      },
+      { kernel_id: 'k2', overload: null, better: null }
+    ]
+  }).kernels;
+
+  it("says on top what the notification says, and badges that device's card", () => {
+    expect(overloadAdvice(kernel[0])).toEqual({
+      text:
+        "GPU 1 (this kernel's GPU) is overloaded: memory 97% full, 1 other process. " +
+        'Better now: GPU 2.',
+      uuid: 'GPU-2'
+    });
+    expect(overloadAdvice(kernel[1])).toBeNull();
+    expect(overloadAdvice(null)).toBeNull();
+  });
+
+  it('says each error once', () => {
+    expect(uniqueErrors(['no driver', ' no driver', 'registry', ''])).toEqual([
+      'no driver',
+      'registry'
+    ]);
+  });
+});
+
+describe('translation', () => {
+  // a bundle that marks every word it translated
+  const marked: ITrans = {
+    __: (msgid: string, ...args: unknown[]) =>
+      '«' + noTranslation.__(msgid, ...args) + '»',
+    _n: (one: string, many: string, n: number, ...args: unknown[]) =>
+      '«' + noTranslation._n(one, many, n, ...args) + '»'
+  };
+
+  it('puts every word the sidebar writes through the bundle', () => {
+    expect(
+      formatUserTotal(
+        { user: 'ann', devices: 2, booked_bytes: GiB, used_bytes: 0 },
+        marked
+      )
+    ).toBe('ann: «2 GPUs», «1.0 GiB booked»');
+    expect(formatIdle(3700, marked)).toBe('«idle 1 h 1 min»');
+    expect(formatPct(null, marked)).toBe('«n/a»');
+    const sel = parseSelection({
+      chosen: [{ uuid: 'GPU-3', label: 'GPU 3' }],
+      constraints_text: 'min free 10.0 GiB'
+    });
+    expect(recommendationText(sel, [], marked)).toBe(
+      '«best device for 10.0 GiB: GPU\u00a03»'
+    );
+  });
+
+  it('fills numbered placeholders as JupyterLab does', () => {
+    expect(noTranslation.__('%2 before %1', 'a', 'b')).toBe('b before a');
+    expect(noTranslation._n('%1 GPU', '%1 GPUs', 1, 1)).toBe('1 GPU');
+    expect(noTranslation.__('100%')).toBe('100%');
   });
 });

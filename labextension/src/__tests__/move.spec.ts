@@ -65,7 +65,9 @@ describe('kernelInfoFor', () => {
       constraints_text: 'min free 10.0 GiB',
       note: null,
       overload: null,
-      waiting: false
+      better: null,
+      waiting: false,
+      allowed_uuids: null
     });
     expect(kernelInfoFor(holders, 'k-other')).toBeNull();
     expect(kernelInfoFor(holders, null)).toBeNull();
@@ -147,7 +149,22 @@ describe('parseMoveResult and confirmLabel', () => {
     });
     expect(plan.dry_run).toBe(true);
     expect(plan.picked).toBeNull();
+    expect(plan.pending).toBe(false);
     expect(confirmLabel(plan)).toBe('Restart on GPU 1');
+  });
+
+  it("reads a move recorded for the notebook's own restart", () => {
+    const pending = parseMoveResult({
+      dry_run: false,
+      pending: true,
+      message: "The move to GPU 1 waits for the kernel's restart.",
+      target: ['GPU-1'],
+      target_labels: ['GPU 1'],
+      picked: null,
+      note: null
+    });
+    expect(pending.pending).toBe(true);
+    expect(pending.picked).toBeNull();
   });
 
   it('reads the result of a move', () => {

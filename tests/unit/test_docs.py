@@ -1,0 +1,56 @@
+"""The documentation follows the code: the configuration reference lists every trait with its
+default and environment variable, and the README stays a user's page whose links lead somewhere."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _reference() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("config_reference",
+                                                  ROOT / "scripts" / "config_reference.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_configuration_reference_is_up_to_date() -> None:
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert _reference().render(page) == page, (
+        "docs/configuration.md is out of date: run scripts/config_reference.py --write")
+
+
+def test_every_trait_is_in_the_configuration_reference() -> None:
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.server.state import AutoGPUServer
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    for cls in (AutoGPU, AutoGPUServer):
+        for name in cls.class_traits(config=True):
+            assert f"| `c.{cls.__name__}.{name}` |" in page, name
+    # the environment variables the code reads are named
+    for var in ("AUTOGPU_MIN_FREE", "AUTOGPU_REGISTRY_DIR", "AUTOGPU_BROKER_SOCKET",
+                "AUTOGPU_SAMPLE_INTERVAL", "AUTOGPU_PROMETHEUS_URL"):
+        assert f"`{var}`" in page, var
+
+
+def test_the_readme_is_a_users_page_whose_links_lead_somewhere() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 170
+    for heading in ("## Install", "## What you will see", "## Your first hour",
+                    "## On JupyterHub", "## Read more"):
+        assert heading in readme, heading
+    # what moved to docs/ is not in it
+    for gone in ("| endpoint |", "GET holders", '"devices": [', "c.AutoGPUServer.interval_s"):
+        assert gone not in readme, gone
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#\s]+)\)", page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{page.name}: broken link {target}"
