@@ -111,3 +111,25 @@ def test_release_restores_env(host: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert "CUDA_DEVICE_ORDER" not in os.environ
     assert Registry(str(host)).list_leases() == []
     assert ag.release() is None
+
+
+def test_a_mig_devices_own_exclusive_lease_keeps_a_pick_off_it(
+    host: Path, fake_nvml: FakeNvml
+) -> None:
+    """Issue 22: another holder's exclusive lease on MIG device 0:1 keeps this pick off it,
+    though its parent GPU has no lease at all; the busier MIG device 0:0 is chosen. Caught: a
+    MIG device ranked (or its bookings folded) under its parent's UUID."""
+    from autogpu_jupyter.core.picker import Holder
+
+    fake_nvml.write(fleet_mig())
+    mig0, mig1 = (m["uuid"] for m in fleet_mig()["devices"][0]["mig_devices"])
+    with Registry(str(host)).locked() as txn:
+        assert txn is not None
+        held = txn.create(devices=[mig1], exclusive=True, holder=Holder(kernel_id="another"))
+    try:
+        # GPU 1, the idle plain A100, is left out: only the two MIG devices compete
+        assert [d.uuid for d in ag.pick(min_free="5G", exclude="1", dry_run=True)] == [mig0]
+        assert [d.uuid for d in ag.pick(min_free="5G", exclude="1")] == [mig0]
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == mig0
+    finally:
+        held.release()
