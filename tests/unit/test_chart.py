@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -252,3 +253,37 @@ def test_panel_redraws_only_when_its_inputs_change(
     finally:
         panel.close()
     assert s.listener_count == 0
+
+
+def test_panel_says_the_last_read_failed_only_until_a_newer_sample(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The clock moves between the good sample, the failure and the next good sample (with a
+    frozen clock all three have one time, and either order of the comparison shows the failure).
+    Caught: the "last read failed" comparison inverted (an old failure shown, a current one
+    hidden)."""
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+    from autogpu_jupyter.core.sampler import Sampler
+    from autogpu_jupyter.widgets.panel import Panel
+
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(_panel_fleet(10)))
+    now = [1_000_000.0]
+    clock = lambda: now[0]  # noqa: E731
+    s = Sampler(SimulatedBackend(str(path), clock=clock), history_s=900.0, clock=clock)
+    panel = Panel(window_s=60, sampler=s, thresholds=Thresholds(90, 2, 95))
+    try:
+        assert "last read failed" not in panel.status.value
+        now[0] += 1
+        path.write_text(json.dumps(_panel_fleet(10, broken=True)))
+        assert s.sample_now() is None
+        assert "1 samples · last read failed: fleet file" in panel.status.value
+        now[0] += 1
+        path.write_text(json.dumps(_panel_fleet(10)))
+        assert s.sample_now() is not None
+        sampled = time.strftime("%H:%M:%S", time.localtime(now[0]))
+        assert panel.status.value.endswith(f">sampled {sampled} · 2 samples</span>")
+    finally:
+        panel.close()

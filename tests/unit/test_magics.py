@@ -273,6 +273,25 @@ def test_cell_errors_propagate_after_the_report(
     assert "ZeroDivisionError: division by zero (in the %%gpu cell; traceback above)" in out
 
 
+def test_each_cell_removes_its_listener_from_the_sampler(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``%%gpu`` cell listens to the kernel's sampler while it runs, and only then. Caught:
+    the per-cell listener never unsubscribed (every cell would leave one behind in the sampler
+    thread, adding up samples for ever), also when the cell fails."""
+    from autogpu_jupyter.core.sampler import current_sampler
+
+    shell.run_cell("%load_ext autogpu")
+    shell.user_ns["current_sampler"] = current_sampler
+    for n, code in enumerate(("x = 1", "x = 2", "1 / 0")):
+        r, out, _ = run(shell, f"%%gpu\nduring = current_sampler().listener_count\n{code}",
+                        capsys)
+        assert ("autogpu %%gpu on GPU 0: wall " in out) and (r.success is (n < 2))
+        assert shell.user_ns["during"] == 1
+        sampler = current_sampler()
+        assert sampler is not None and sampler.listener_count == 0
+
+
 def test_cell_reports_peak_memory_of_this_process(
     shell: InteractiveShell, capsys: pytest.CaptureFixture[str], fake_nvml: FakeNvml
 ) -> None:

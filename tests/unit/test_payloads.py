@@ -1,0 +1,226 @@
+"""The server extension's answers (``server.payloads``) built in this process: the real
+``AutoGPUServer`` state (its sampler over a simulated fleet file, a real lease registry), this
+server's kernels as :class:`tests.payloadhelpers.Kernels`. The same answers through a real Jupyter
+server are ``tests/server/test_rest.py``; these are the fast checks of what they may reveal and
+what they say.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.server import payloads
+from autogpu_jupyter.server.state import current_user
+from tests.payloadhelpers import (
+    GiB,
+    Kernels,
+    other_users_lease,
+    server_state,
+    shared_registry,
+    write_fleet,
+)
+from tests.unit.test_cluster import DCGM_NAMES_Q, SCRAPED_Q, SWEEP_Q, Replay, scenario
+
+A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
+B = "GPU-1b1b1b1b-1111-2222-3333-444444444444"
+ME = current_user()
+
+
+def fleet(processes: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    return [
+        {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 30 * GiB,
+         "utilization_pct": 40, "processes": processes or []},
+        {"uuid": B, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0,
+         "utilization_pct": 0},
+    ]
+
+
+#: Three GPU processes: the server user's, bob's, and one whose owner is unknown (NVML lists a
+#: pid that /proc here cannot name: another container, or gone).
+PROCESSES = [
+    {"pid": 51001, "used_memory": 10 * GiB, "user": ME, "command": "python mine.py"},
+    {"pid": 51002, "used_memory": 10 * GiB, "user": "bob", "command": "python bob.py --key=b"},
+    {"pid": 51003, "used_memory": 10 * GiB, "command": "python who.py --token=hunter2"},
+]
+
+
+@pytest.fixture
+def prom() -> Iterator[Replay]:
+    """A loopback server replaying recorded Prometheus answers (see tests/unit/test_cluster.py)."""
+    server = Replay()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+@pytest.fixture
+def kernels() -> Iterator[Kernels]:
+    k = Kernels("k-1", "k-2")
+    yield k
+    k.close()
+
+
+def commands(items: list[dict[str, Any]]) -> dict[int, str | None]:
+    return {p["pid"]: p["command"] for p in items if p.get("pid") in (51001, 51002, 51003)}
+
+
+# ---- what an answer may reveal: other users' command lines ---------------------------------
+
+
+@pytest.mark.parametrize("expose", [False, True])
+def test_devices_show_only_the_server_users_command_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, expose: bool
+) -> None:
+    """Caught: a process whose owner is unknown treated as the server user's (its command line
+    sent); the ``expose_commands`` check dropped."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet(PROCESSES))
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                      expose_commands=expose) as state:
+        data = payloads.devices_payload(state)
+    (gpu_a,) = [d for d in data["devices"] if d["uuid"] == A]
+    assert commands(gpu_a["processes"]) == {
+        51001: "python mine.py",
+        51002: "python bob.py --key=b" if expose else None,
+        51003: "python who.py --token=hunter2" if expose else None,
+    }
+
+
+def test_holders_show_only_the_server_users_command_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet(PROCESSES))
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        data = payloads.holders_payload(state, kernels, {})
+    procs = [h for h in data["holders"] if h["kind"] == "process"]
+    assert commands(procs) == {51001: "python mine.py", 51002: None, 51003: None}
+    assert {h["pid"]: h["user"] for h in procs} == {51001: ME, 51002: "bob", 51003: None}
+    assert data["user"] == ME
+
+
+def test_another_users_lease_is_never_one_of_our_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """nobody's lease names our kernel k-2 (kernel ids are no secret): it is shown as theirs,
+    not joined with our kernel or its notebook, and its command line stays hidden; our own lease
+    naming k-1 is ours."""
+    from autogpu_jupyter.core.picker import Holder
+    from autogpu_jupyter.core.registry import Registry
+
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    sessions = {"k-1": {"path": "mine.ipynb"}, "k-2": {"path": "private/plans.ipynb"}}
+    with shared_registry() as registry, server_state(fleet_file, registry, monkeypatch) as state, \
+            other_users_lease(registry, B, "k-2", command="python x.py --password=swordfish"):
+        with Registry(str(registry), record_commands=True).locked() as txn:
+            assert txn is not None
+            mine = txn.create(devices=[A], requested_bytes=4 * GiB,
+                              holder=Holder(kernel_id="k-1", command="python mine.py"))
+        try:
+            data = payloads.holders_payload(state, kernels, sessions)
+        finally:
+            mine.release()
+    leases = {h["uuid"]: h for h in data["holders"] if h["kind"] == "lease"}
+    assert {u: (h["user"], h["kernel_id"], h["this_server"], h["notebook_path"], h["command"])
+            for u, h in leases.items()} == {
+        A: (ME, "k-1", True, "mine.ipynb", "python mine.py"),
+        B: ("nobody", "k-2", False, None, None),
+    }
+
+
+# ---- what an answer says: current errors, the best host -----------------------------------
+
+
+def test_a_read_failure_is_reported_until_a_newer_sweep_succeeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure newer than the newest good sweep is current; once a sweep succeeds after it,
+    it is healed. Caught: the comparison of the two times inverted (the clock moves here)."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        sampler = state.sampler()
+        assert payloads.devices_payload(state)["errors"] == []
+        good = json.loads(fleet_file.read_text())
+        bad = json.loads(fleet_file.read_text())
+        bad["devices"][1]["memory_total"] = "lots"
+        fleet_file.write_text(json.dumps(bad))
+        assert sampler.sample_now() is None
+        data = payloads.devices_payload(state)
+        (error,) = data["errors"]
+        assert error.startswith(f"fleet file {str(fleet_file)!r}, device 1 ({B}) memory_total: "
+                                "invalid size 'lots'")
+        assert [d["uuid"] for d in data["devices"]] == [A, B]  # the last good sweep
+        assert payloads.history_payload(state, None)["errors"] == [error]
+        fleet_file.write_text(json.dumps(good))
+        assert sampler.sample_now() is not None
+        assert payloads.devices_payload(state)["errors"] == []
+        assert payloads.history_payload(state, None)["errors"] == []
+
+
+def test_the_cluster_answer_names_no_best_host_when_nothing_fits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prom: Replay
+) -> None:
+    """Caught: ``best`` set to the first host of the ranking without checking that it fits."""
+    def recent(results: dict[str, list[dict[str, Any]]]) -> None:
+        # the recording, replayed now: its hosts were scraped just now, once a minute
+        for query in (SCRAPED_Q, SWEEP_Q, DCGM_NAMES_Q):
+            for r in results[query]:
+                r["value"] = [time.time(), str(time.time())]
+        for t in results["targets"]:
+            t["scrapeInterval"] = "1m"
+
+    scenario(prom, "all-up", recent)
+    monkeypatch.setenv("AUTOGPU_PROMETHEUS_URL", prom.url)
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        fits = payloads.cluster_payload(state, Constraints.parse(min_free="10G"))
+        none = payloads.cluster_payload(state, Constraints.parse(min_free="500G"))
+    assert fits["configured"] is True and fits["best"] == "gpu-b"
+    assert fits["ranking"][0]["hostname"] == "gpu-b" and fits["ranking"][0]["fits"] is True
+    assert none["best"] is None
+    assert [r["fits"] for r in none["ranking"]] == [False] * 4
+    assert none["constraints_text"] == "min free 500.0 GiB"
+
+
+# ---- a notebook's recommendation leaves out its own lease, and only its own ----------------
+
+
+def test_select_hides_the_kernels_own_lease_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kernel k-1 holds GPU B with a 60 GiB booking: its recommendation must not count that
+    booking against B (B stays best for it), and nobody else's lease is hidden."""
+    from autogpu_jupyter.core.picker import Holder
+    from autogpu_jupyter.core.registry import Registry
+
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        with Registry(str(tmp_path / "registry")).locked() as txn:
+            assert txn is not None
+            lease = txn.create(devices=[B], requested_bytes=60 * GiB,
+                               holder=Holder(kernel_id="k-1"))
+        try:
+            want = Constraints.parse(min_free="30G")
+            own = payloads.select_payload(state, want, ignore_kernel_id="k-1")
+            other = payloads.select_payload(state, want, ignore_kernel_id="k-2")
+            plain = payloads.select_payload(state, want)
+        finally:
+            lease.release()
+    assert [c["uuid"] for c in own["chosen"]] == [B]
+    (b_own,) = [c for c in own["candidates"] if c["uuid"] == B]
+    assert (b_own["effective_free_bytes"], b_own["lease_count"]) == (80 * GiB, 0)
+    for answer in (other, plain):
+        assert [c["uuid"] for c in answer["chosen"]] == [A]
+        (b,) = [c for c in answer["candidates"] if c["uuid"] == B]
+        assert (b["eligible"], b["effective_free_bytes"], b["lease_count"]) == (
+            False, 20 * GiB, 1)
+    assert own["message"] is None and own["constraints_text"] == "min free 30.0 GiB"
