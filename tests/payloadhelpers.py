@@ -8,7 +8,10 @@
   ``cull_idle_timeout`` / ``cull_interval`` / ``cull_kernel_if_idle``), with real processes as
   the kernels; the real server and kernels are in ``tests/server/``;
 - :func:`shared_registry` and :func:`other_users_lease`: a lease of another real Unix user
-  (``nobody``, through a forked child that drops to its uid), for the ownership checks.
+  (``nobody``, through a forked child that drops to its uid), for the ownership checks;
+- :func:`recorded_prometheus`: a recorded Prometheus answer (``tests/data/cluster/``) replayed as
+  if scraped just now, for the callers that ask Prometheus for "now" (the ``cluster`` answer,
+  ``autogpu hosts``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import pwd
 import secrets
 import shutil
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,8 +36,8 @@ from tests.leasehelpers import AsUser
 
 GiB = 1024**3
 
-__all__ = ["GiB", "Kernels", "other_users_lease", "server_state", "shared_registry",
-           "write_fleet"]
+__all__ = ["GiB", "Kernels", "other_users_lease", "recorded_prometheus", "server_state",
+           "shared_registry", "write_fleet"]
 
 
 def write_fleet(path: Path, devices: list[dict[str, Any]]) -> Path:
@@ -148,3 +153,28 @@ def other_users_lease(registry: Path, uuid: str, kernel_id: str,
         yield str(got["lease_id"])
     finally:
         assert child.stop() == 0
+
+
+@contextlib.contextmanager
+def recorded_prometheus(name: str = "all-up") -> Iterator[str]:
+    """A loopback server replaying recorded scenario ``name`` with its hosts scraped just now,
+    once a minute (the recording's own times are long past); yields its URL."""
+    from tests.unit.test_cluster import DCGM_NAMES_Q, SCRAPED_Q, SWEEP_Q, Replay, scenario
+
+    def recent(results: dict[str, list[dict[str, Any]]]) -> None:
+        for query in (SCRAPED_Q, SWEEP_Q, DCGM_NAMES_Q):
+            for r in results[query]:
+                r["value"] = [time.time(), str(time.time())]
+        for t in results["targets"]:
+            t["scrapeInterval"] = "1m"
+
+    server = Replay()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        scenario(server, name, recent)
+        yield server.url
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

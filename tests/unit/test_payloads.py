@@ -8,8 +8,6 @@ what they say.
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,11 +21,11 @@ from tests.payloadhelpers import (
     GiB,
     Kernels,
     other_users_lease,
+    recorded_prometheus,
     server_state,
     shared_registry,
     write_fleet,
 )
-from tests.unit.test_cluster import DCGM_NAMES_Q, SCRAPED_Q, SWEEP_Q, Replay, scenario
 
 A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
 B = "GPU-1b1b1b1b-1111-2222-3333-444444444444"
@@ -50,18 +48,6 @@ PROCESSES = [
     {"pid": 51002, "used_memory": 10 * GiB, "user": "bob", "command": "python bob.py --key=b"},
     {"pid": 51003, "used_memory": 10 * GiB, "command": "python who.py --token=hunter2"},
 ]
-
-
-@pytest.fixture
-def prom() -> Iterator[Replay]:
-    """A loopback server replaying recorded Prometheus answers (see tests/unit/test_cluster.py)."""
-    server = Replay()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
 
 
 @pytest.fixture
@@ -167,21 +153,13 @@ def test_a_read_failure_is_reported_until_a_newer_sweep_succeeds(
 
 
 def test_the_cluster_answer_names_no_best_host_when_nothing_fits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prom: Replay
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Caught: ``best`` set to the first host of the ranking without checking that it fits."""
-    def recent(results: dict[str, list[dict[str, Any]]]) -> None:
-        # the recording, replayed now: its hosts were scraped just now, once a minute
-        for query in (SCRAPED_Q, SWEEP_Q, DCGM_NAMES_Q):
-            for r in results[query]:
-                r["value"] = [time.time(), str(time.time())]
-        for t in results["targets"]:
-            t["scrapeInterval"] = "1m"
-
-    scenario(prom, "all-up", recent)
-    monkeypatch.setenv("AUTOGPU_PROMETHEUS_URL", prom.url)
     fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
-    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+    with recorded_prometheus() as url, server_state(fleet_file, tmp_path / "registry",
+                                                    monkeypatch) as state:
+        monkeypatch.setenv("AUTOGPU_PROMETHEUS_URL", url)
         fits = payloads.cluster_payload(state, Constraints.parse(min_free="10G"))
         none = payloads.cluster_payload(state, Constraints.parse(min_free="500G"))
     assert fits["configured"] is True and fits["best"] == "gpu-b"
