@@ -141,8 +141,8 @@ def test_a_fleet_file_is_utf8_whatever_the_locale(tmp_path: Path) -> None:
     that sets it, or ``-X utf8=0``) shows it. Kills the mutants that open the file with the
     locale's encoding (``encoding=None`` or no encoding), which tests/mutation_equivalent.txt
     judged equivalent because C "is UTF-8 here". A fresh interpreter: the locale is read at
-    start-up. (It reads the file in this process too, so that mutmut, which runs only the tests
-    that reach a function in its own process, runs this one for ``_load``.)"""
+    start-up."""
+    import locale
     import subprocess
     import sys
 
@@ -157,12 +157,23 @@ def test_a_fleet_file_is_utf8_whatever_the_locale(tmp_path: Path) -> None:
                           text=True, encoding="utf-8", env=env, cwd=root, timeout=60,
                           check=False)
     assert proc.returncode == 0, proc.stderr
-    here = [d.name for d in SimulatedBackend(str(path)).snapshot().devices]  # this process
-    assert here == ["NVIDIA RTX 6000 Ada (Büro, 東京)"]
     assert json.loads(proc.stdout) == {
         "locale_encoding": "ANSI_X3.4-1968",  # the test can tell: this locale is ASCII
-        "names": here,
+        "names": ["NVIDIA RTX 6000 Ada (Büro, 東京)"],
     }
+    # The same in this process, its LC_CTYPE switched to C for the read: mutmut runs only the
+    # tests that reach a function in its own process, and a child under the C locale cannot
+    # even decode mutmut's mutant name (non-ASCII) from its environment. Python's UTF-8 mode,
+    # when on, makes every locale UTF-8 here: only the child above can tell then.
+    if not sys.flags.utf8_mode:
+        before = locale.setlocale(locale.LC_CTYPE)
+        try:
+            locale.setlocale(locale.LC_CTYPE, "C")
+            assert locale.getpreferredencoding(False) == "ANSI_X3.4-1968"
+            here = [d.name for d in SimulatedBackend(str(path)).snapshot().devices]
+        finally:
+            locale.setlocale(locale.LC_CTYPE, before)
+        assert here == ["NVIDIA RTX 6000 Ada (Büro, 東京)"]
 
 
 def test_a_fleet_file_that_cannot_be_read_is_one_clear_message(
