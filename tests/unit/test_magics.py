@@ -215,6 +215,7 @@ def test_status_says_simulated(
     [
         ("%gpu status now", "UsageError: %gpu status takes no options, got 'now'"),
         ("%gpu release all", "UsageError: %gpu release takes no options, got 'all'"),
+        ("%gpu panel --window 5m", "UsageError: %gpu panel takes no options, got '--window 5m'"),
         (
             "%gpu --min-free 10G",
             "UsageError: %gpu: unknown subcommand '--min-free'; expected one of "
@@ -312,3 +313,55 @@ def test_cell_reports_peak_memory_of_this_process(
         "peak GPU memory of this kernel 3.0 GiB",
         "mean utilisation 40% (1 sample)",
     ]
+
+
+def test_a_device_name_cannot_steer_the_terminal(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], fake_nvml: FakeNvml
+) -> None:
+    """A model name with an escape sequence and a bidi override (a fleet or a driver we do not
+    control) is spelled out in the pick's summary, its dry run and its error. Caught: the
+    terminal escaping dropped from the pick's output."""
+    fleet = fleet_4x()
+    for d in fleet["devices"]:
+        d["name"] = "A100\x1b[2J\u202egpj.exe"
+    fake_nvml.write(fleet)
+    shell.run_cell("%load_ext autogpu")
+    for line in ("%gpu pick --dry-run", "%gpu pick"):
+        _, out, _ = run(shell, line, capsys)
+        assert "A100\\x1b[2J\\u202egpj.exe" in out
+        assert "\x1b" not in out and "\u202e" not in out
+
+
+def test_no_fit_after_waiting_says_a_longer_wait_waits_longer(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caught: the hint of the no-fit message read the wrong way round (telling a user who
+    waited to add --wait)."""
+    shell.run_cell("%load_ext autogpu")
+    r, out, err = run(shell, "%gpu pick --min-free 500G --wait 0.2s", capsys)
+    assert not r.success and "CUDA_VISIBLE_DEVICES" not in os.environ
+    text = out + err
+    assert "  nothing changed; a longer --wait than 0.2s waits longer in line" in text
+    assert "to wait in line until a device fits" not in text
+    r, out, err = run(shell, "%gpu pick --min-free 500G", capsys)
+    text = out + err
+    assert ("  nothing changed; to wait in line until a device fits, add --wait: %gpu pick ... "
+            "--wait 10m (interrupt the kernel to cancel)") in text
+
+
+def test_a_cell_on_fewer_devices_than_it_asks_says_so(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caught: the device count of the cell's options checked the wrong way round."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    capsys.readouterr()
+    r, out, _ = run(shell, "%%gpu --count 2\nx = 3", capsys)
+    assert r.success and shell.user_ns["x"] == 3
+    assert out.splitlines()[:2] == [
+        "autogpu: this kernel already has a GPU that does not meet 2 devices (kept; to change: "
+        "%gpu release, restart the kernel, %gpu pick):",
+        "  it has 1 device(s), 2 asked for",
+    ]
+    _, out, _ = run(shell, "%%gpu --count 1\nx = 4", capsys)
+    assert "does not meet" not in out
