@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.errors import UsageErrorBase
 from autogpu_jupyter.server import payloads
 from autogpu_jupyter.server.state import current_user
 from tests.payloadhelpers import (
@@ -202,3 +203,129 @@ def test_select_hides_the_kernels_own_lease_only(
         assert (b["eligible"], b["effective_free_bytes"], b["lease_count"]) == (
             False, 20 * GiB, 1)
     assert own["message"] is None and own["constraints_text"] == "min free 30.0 GiB"
+
+
+# ---- history: what the sidebar's chart asks for -------------------------------------------
+
+
+def test_history_since_a_time_is_strictly_newer_and_keeps_the_newest_points(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sidebar passes its last timestamp: it gets only newer points (never its last one
+    again), at most ``max_history_points`` per device, the newest. Caught: ``since`` made
+    inclusive; the oldest points kept instead of the newest."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch, interval_s=600.0,
+                      history_s=86400.0, max_history_points=2) as state:
+        sampler = state.sampler()
+        stamps = [sampler.latest().timestamp_s]
+        for _ in range(3):
+            snap = sampler.sample_now()
+            stamps.append(snap.timestamp_s)
+        assert stamps == sorted(set(stamps))  # four sweeps, one after the other
+        full = payloads.history_payload(state, None)
+        newer = payloads.history_payload(state, stamps[1])
+        last = payloads.history_payload(state, stamps[3])
+    assert [s["uuid"] for s in full["series"]] == [A, B]
+    assert [s["timestamp_s"] for s in full["series"]] == [stamps[2:], stamps[2:]]
+    assert full["series"][0]["memory_used_bytes"] == [30 * GiB, 30 * GiB]
+    assert (full["since_s"], full["until_s"]) == (None, stamps[3])
+    assert [s["timestamp_s"] for s in newer["series"]] == [stamps[2:], stamps[2:]]
+    assert (newer["since_s"], newer["until_s"]) == (stamps[1], stamps[3])
+    assert (last["series"], last["until_s"]) == ([], stamps[3])
+
+
+def test_kernel_ids_are_checked_before_they_name_a_file(tmp_path: Path) -> None:
+    """``kernel_id`` reaches file names (move requests): only Jupyter's id characters, whole.
+    Caught: the pattern's end anchor dropped (``k1/../x`` accepted)."""
+    assert payloads.parse_kernel_id(None) is None and payloads.parse_kernel_id("") is None
+    assert payloads.parse_kernel_id("5e6f7a8b-1c2d-4e5f-8a9b-0c1d2e3f4a5b") == (
+        "5e6f7a8b-1c2d-4e5f-8a9b-0c1d2e3f4a5b")
+    for bad in ("k1/../x", "../k1", "k1\n", "a" * 129, 7, ["k1"]):
+        with pytest.raises(UsageErrorBase) as info:
+            payloads.parse_kernel_id(bad)
+        assert str(info.value).startswith(f"invalid kernel_id {bad!r}: expected a kernel id ")
+
+
+# ---- moves: the request body and the answer ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "target", "dry_run"),
+    [(b'{"target": "best"}', "best", False), (b'{"target": "--best", "dry_run": true}', "best",
+                                              True),
+     (b'{"target": 2}', "2", False), (b'{"target": " GPU-5a1b "}', "GPU-5a1b", False)],
+)
+def test_a_move_body_accepted(body: bytes, target: str, dry_run: bool) -> None:
+    from autogpu_jupyter.server.moving import parse_move_body
+
+    got = parse_move_body(body)
+    assert (got.target, got.dry_run) == (target, dry_run)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'{"target": -1}', 'invalid target -1: expected "best", an NVML index such as "2", '
+                            "or a GPU UUID"),
+        (b'{"target": true}', "invalid target True: expected "),
+        (b'{"target": "  "}', "invalid target '  ': expected "),
+        (b'{"target": "best", "dry_run": "false"}',
+         "invalid dry_run 'false': expected true or false"),
+        (b'{"target": "best", "now": 1}', "unknown parameter 'now'; accepted: target, dry_run"),
+    ],
+)
+def test_a_move_body_refused_with_the_accepted_forms(body: bytes, message: str) -> None:
+    """Caught: a negative index or a boolean accepted as a device; a string "false" taken as a
+    dry run's true (a move that silently does nothing), or any value as a real move."""
+    from autogpu_jupyter.server.moving import parse_move_body
+
+    with pytest.raises(UsageErrorBase) as info:
+        parse_move_body(body)
+    assert str(info.value).startswith(message)
+
+
+def test_only_a_kernel_started_by_the_autogpu_provisioner_can_move() -> None:
+    """Caught: a provisioner without a move file (moves unavailable) taken as movable."""
+    from types import SimpleNamespace
+
+    from autogpu_jupyter.server.moving import is_movable
+
+    def prov(move_file: str | None) -> SimpleNamespace:
+        return SimpleNamespace(autogpu_picked=(A,), autogpu_constraints=None, autogpu_note=None,
+                               autogpu_lease_id=None, autogpu_move_file=move_file)
+
+    assert is_movable(prov("/run/user/0/jupyter/autogpu-move-k1.json")) is True
+    assert is_movable(prov(None)) is False
+    assert is_movable(SimpleNamespace(pid=1)) is False and is_movable(None) is False
+
+
+def test_the_move_answer_says_where_the_kernel_runs_now() -> None:
+    """Caught: "restarted on the planned GPU" said when the provisioner picked another GPU, or
+    none (a CPU-only restart)."""
+    from types import SimpleNamespace
+
+    from autogpu_jupyter.core.devices import DeviceSnapshot
+    from autogpu_jupyter.server.moving import result_payload
+
+    b = DeviceSnapshot(index=1, uuid=B, name="NVIDIA A100")
+    plan = SimpleNamespace(target=(b,), message="Move to GPU 1 (80.0 GiB free)")
+
+    def prov(picked: tuple[str, ...], note: str | None) -> SimpleNamespace:
+        return SimpleNamespace(autogpu_picked=picked, autogpu_constraints=None, autogpu_note=note,
+                               autogpu_lease_id=None, autogpu_move_file="/m")
+
+    there = result_payload(plan, prov((B,), None), dry_run=False, labels={A: "GPU 0"})
+    assert (there["message"], there["picked"], there["target_labels"]) == (
+        "The kernel restarted on GPU 1; its state (variables) was lost.", [B], ["GPU 1"])
+    elsewhere = result_payload(plan, prov((A,), "GPU 1 filled up"), dry_run=False,
+                               labels={A: "GPU 0"})
+    assert elsewhere["message"] == (
+        "The kernel restarted on GPU 0, not on GPU 1 as planned: GPU 1 filled up. Its state "
+        "(variables) was lost.")
+    cpu = result_payload(plan, prov((), "no device fits"), dry_run=False)
+    assert cpu["message"] == (
+        "The kernel restarted on no GPU, not on GPU 1 as planned: no device fits. Its state "
+        "(variables) was lost.")
+    planned = result_payload(plan, prov((A,), None), dry_run=True)
+    assert (planned["message"], planned["picked"]) == ("Move to GPU 1 (80.0 GiB free)", None)
