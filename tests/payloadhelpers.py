@@ -156,9 +156,11 @@ def other_users_lease(registry: Path, uuid: str, kernel_id: str,
 
 
 @contextlib.contextmanager
-def recorded_prometheus(name: str = "all-up") -> Iterator[str]:
+def recorded_prometheus(name: str = "all-up",
+                        rename: dict[str, str] | None = None) -> Iterator[str]:
     """A loopback server replaying recorded scenario ``name`` with its hosts scraped just now,
-    once a minute (the recording's own times are long past); yields its URL."""
+    once a minute (the recording's own times are long past), hosts renamed as ``rename`` says
+    (old name -> new); yields its URL."""
     from tests.unit.test_cluster import DCGM_NAMES_Q, SCRAPED_Q, SWEEP_Q, Replay, scenario
 
     def recent(results: dict[str, list[dict[str, Any]]]) -> None:
@@ -167,6 +169,13 @@ def recorded_prometheus(name: str = "all-up") -> Iterator[str]:
                 r["value"] = [time.time(), str(time.time())]
         for t in results["targets"]:
             t["scrapeInterval"] = "1m"
+        for series in [*results.values(), [{"metric": t.get("labels", {})}
+                                           for t in results["targets"]]]:
+            for r in series:
+                labels = r.get("metric", {})
+                for key in ("hostname", "Hostname"):
+                    if labels.get(key) in (rename or {}):
+                        labels[key] = (rename or {})[labels[key]]
 
     server = Replay()
     thread = threading.Thread(target=server.serve_forever, daemon=True)

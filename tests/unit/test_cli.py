@@ -228,3 +228,22 @@ def test_hosts_without_a_prometheus_says_how_to_name_one(host: Path) -> None:
     assert cli("hosts") == (
         2, "", "autogpu: no Prometheus to ask: pass --prometheus http://HOST:9090, or set "
         "c.AutoGPU.prometheus_url or $AUTOGPU_PROMETHEUS_URL\n")
+
+
+def test_host_and_model_names_from_prometheus_are_shown_as_text(host: Path) -> None:
+    """A hostname is another machine's text: an invisible character (a zero-width space that
+    makes ``gpu-b`` look like another host) is spelled out. Caught: the CLI's own escaping of
+    hostnames dropped (the terminal filter spells out control characters only)."""
+    with recorded_prometheus(rename={"gpu-b": "gpu\u200b-b"}) as url:
+        code, out, err = cli("hosts", "--prometheus", url, "--min-free", "10G")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[1] == (
+        "  1. gpu\\u200b-b          ok    GPU 2 NVIDIA L4 (22.0 GiB free, util 30%)")
+    assert "\u200b" not in out
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "-1"])
+def test_the_exporter_refuses_a_port_out_of_range(host: Path, port: str) -> None:
+    """Caught: the port's bounds off by one."""
+    assert cli("exporter", "--port", port) == (
+        2, "", f"autogpu: invalid --port {port}: expected 1-65535, e.g. 9445\n")
