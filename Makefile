@@ -2,15 +2,19 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup lab test test-fast lint gpu-check bench mutate clean
+.PHONY: setup setup-lab lab test test-fast lint gpu-check amd-gpu-check bench mutate dist clean
 
+# The test environment (scripts/setup.sh test); `make lab` sets up only what the demo needs.
 setup:
-	@scripts/setup.sh
+	@scripts/setup.sh test
+
+setup-lab:
+	@scripts/setup.sh lab
 
 # Extra flags for `jupyter lab`, e.g. make lab LAB_ARGS="--no-browser --port 8899"
 LAB_ARGS ?=
 
-lab: setup
+lab: setup-lab
 	@scripts/lab.sh $(LAB_ARGS)
 
 test: setup
@@ -23,11 +27,15 @@ test-fast: setup
 	$(PY) -m pytest tests/unit -q $(ARGS)
 
 lint:
-	$(VENV)/bin/ruff check autogpu_jupyter autogpu tests benchmarks
+	$(VENV)/bin/ruff check autogpu_jupyter autogpu tests benchmarks build_backend
 	$(VENV)/bin/mypy autogpu_jupyter/core
 
 gpu-check: setup
 	@scripts/gpu-check.sh
+
+# On a machine with an AMD GPU (ROCm): amd-smi, pick, torch (fails, never skips, without a driver)
+amd-gpu-check: setup
+	@scripts/amd-gpu-check.sh
 
 # Mutation testing of core/ against the fast unit tests (issue 15; [tool.mutmut] in pyproject.toml).
 # Not part of `make test`: run before a release. MUTANTS narrows the run to some mutants by name,
@@ -44,6 +52,7 @@ bench: setup
 	$(PY) benchmarks/import_time.py
 	$(PY) benchmarks/snapshot.py
 	$(PY) benchmarks/pick_latency.py
+	$(PY) benchmarks/amd.py
 	$(PY) benchmarks/herd.py
 	$(PY) benchmarks/broker_herd.py
 	$(PY) benchmarks/placement.py
@@ -51,6 +60,11 @@ bench: setup
 	$(PY) benchmarks/server.py
 	$(PY) benchmarks/metrics.py
 	$(PY) benchmarks/cluster.py
+
+# The release files: a production build of the lab extension, then the sdist and the wheel built
+# from it (python -m build, isolated), checked by twine and check-wheel-contents; into dist/.
+dist: setup
+	@scripts/dist.sh
 
 clean:
 	rm -rf $(VENV) .venv-ipk6 mutants build dist tests/fakenvml/build tests/fakecuda/build labextension/node_modules labextension/lib autogpu_jupyter/labextension

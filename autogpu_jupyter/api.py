@@ -42,6 +42,7 @@ __all__ = [
     "status",
     "status_frame",
     "holder_for_this_process",
+    "notebook_of_this_process",
     "registry_for",
     "read_snapshot",
 ]
@@ -49,6 +50,27 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _KERNEL_FILE = re.compile(r"kernel-([0-9a-fA-F-]{8,})\.json$")
+
+
+#: What VS Code's Jupyter extension defines in a Python kernel's namespace when it starts one: the
+#: notebook's path. Its kernels get no ``JPY_SESSION_NAME`` (no Jupyter server starts them).
+VSCODE_NOTEBOOK_VARIABLE = "__vsc_ipynb_file__"
+
+
+def notebook_of_this_process() -> str | None:
+    """The notebook this kernel runs, as far as the kernel can tell; ``None`` when none is known.
+
+    ``JPY_SESSION_NAME``, which jupyter_server (2.x) gives the kernels it starts for a notebook,
+    else VS Code's ``__vsc_ipynb_file__`` in the IPython user namespace (read only where IPython
+    is already imported: a CLI process never imports it for this).
+    """
+    name = os.environ.get("JPY_SESSION_NAME")
+    if name:
+        return name
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    value = getattr(shell, "user_ns", {}).get(VSCODE_NOTEBOOK_VARIABLE)
+    return value if isinstance(value, str) and value else None
 
 
 def holder_for_this_process(kind: str = "api") -> Holder:
@@ -60,11 +82,10 @@ def holder_for_this_process(kind: str = "api") -> Holder:
             kernel_id = m.group(1)
             kind = "kernel"
             break
-    notebook = os.environ.get("JPY_SESSION_NAME") or None
     return Holder(
         pid=os.getpid(),
         kernel_id=kernel_id,
-        notebook_path=notebook,
+        notebook_path=notebook_of_this_process(),
         kind=kind,
         command=" ".join(sys.argv)[:500] or None,
     )
@@ -372,7 +393,7 @@ def set_visible_devices(ids: Sequence[str | int] | str | int, force: bool = Fals
         chosen=tuple(chosen),
         candidates=(),
         constraints=Constraints(count=len(chosen)),
-        env=visible_env([d.uuid for d in chosen]),
+        env=visible_env([d.uuid for d in chosen], snap.devices),
         allocation=allocation,
         snapshot=snap,
     )

@@ -335,7 +335,7 @@ def _cmd_pick(args: argparse.Namespace) -> int:
     from autogpu_jupyter.core.visibility import visible_env
 
     result = _pick(args, take_lease=False)
-    env = visible_env([d.uuid for d in result.chosen])
+    env = visible_env([d.uuid for d in result.chosen], result.snapshot.devices)
     if args.dry_run and not (args.export or args.json):
         print("\n".join(_ranking(result)))
         return EXIT_OK

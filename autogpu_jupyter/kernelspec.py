@@ -23,8 +23,6 @@ import sys
 import tempfile
 from typing import Any
 
-from jupyter_client.kernelspec import KernelSpecManager
-
 from autogpu_jupyter.core.contract import ON_NO_DEVICE, PROVISIONER_NAME
 from autogpu_jupyter.errors import UsageErrorBase
 
@@ -67,6 +65,11 @@ def spec_dict(
 
 
 def _manager() -> Any:
+    # Imported here: every `autogpu` command builds this module's parser, and jupyter_client
+    # (with zmq and tornado) is for the kernelspec commands only; the broker and the exporter
+    # run without it.
+    from jupyter_client.kernelspec import KernelSpecManager
+
     return KernelSpecManager()
 
 

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,12 @@ __all__ = ["GPUMagics", "load_ipython_extension", "unload_ipython_extension"]
 log = logging.getLogger(__name__)
 
 SUBCOMMANDS = ("pick", "status", "release", "panel", "move")
+
+#: What ``%gpu panel`` says where no notebook front end draws widgets (a terminal IPython).
+PANEL_NEEDS_FRONTEND = (
+    "autogpu: %gpu panel is a live widget and needs a notebook (JupyterLab, Notebook 7, VS Code); "
+    "here, %gpu prints the same devices and holders as a table"
+)
 PICK_OPTIONS = ", ".join(
     [f"{o.flag} {o.metavar}" if o.metavar else o.flag for o in _options.PICK_OPTIONS]
     + ["--dry-run", "--force"]
@@ -180,7 +186,7 @@ def format_pick(result: PickResult, warning: str | None = None) -> str:
                 f"  this kernel was started on it by the autogpu kernelspec and already holds its "
                 f"lease; it meets {result.constraints.describe()}, so nothing changed (no second "
                 "lease)",
-                f"  CUDA_VISIBLE_DEVICES={result.env.get('CUDA_VISIBLE_DEVICES', '')}",
+                _env_line(result.env),
             ]
         )
     lines.append(f"  asked: {_asked(result.constraints)} · {runner}")
@@ -199,10 +205,19 @@ def format_pick(result: PickResult, warning: str | None = None) -> str:
         )
     elif result.lease_note:
         lines.append(f"  no lease: {result.lease_note}")
-    lines.append(f"  CUDA_VISIBLE_DEVICES={result.env.get('CUDA_VISIBLE_DEVICES', '')}")
+    lines.append(_env_line(result.env))
     if warning:
         lines.append(f"  WARNING {warning}")
     return "\n".join(lines)
+
+
+def _env_line(env: Mapping[str, str]) -> str:
+    """The variable(s) a pick set, as the summary shows them (ROCm's on an AMD host)."""
+    if "ROCR_VISIBLE_DEVICES" in env:
+        return "  " + " ".join(
+            f"{k}={env[k]}" for k in ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES") if k in env
+        )
+    return f"  CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '')}"
 
 
 def format_ranking(result: PickResult, width: int = 120) -> str:
@@ -545,7 +560,7 @@ class GPUMagics(Magics):
     # -- release -------------------------------------------------------------------------
     def _release(self) -> None:
         from autogpu_jupyter.core import session
-        from autogpu_jupyter.core.cudastate import cuda_state
+        from autogpu_jupyter.core.cudastate import cuda_state, hip_state
 
         before = session.current()
         old = session.release()
@@ -559,23 +574,31 @@ class GPUMagics(Magics):
             print("autogpu: nothing to release (no GPU picked in this kernel)")
             return
         what = ", ".join(d.label for d in old.devices) or ", ".join(old.uuids)
-        cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-        restored = (
-            "CUDA_VISIBLE_DEVICES is unset again"
-            if cvd is None
-            else f"CUDA_VISIBLE_DEVICES restored to {cvd!r}"
+        var = (
+            "ROCR_VISIBLE_DEVICES"
+            if any(d.vendor == "amd" for d in old.devices)
+            else "CUDA_VISIBLE_DEVICES"
         )
+        cvd = os.environ.get(var)
+        restored = f"{var} is unset again" if cvd is None else f"{var} restored to {cvd!r}"
         lease = " and its lease" if old.lease is not None else ""
         print(f"autogpu: released {what}{lease}; {restored}")
+        runtime = "CUDA"
         state = cuda_state()
+        if not state.initialized:
+            runtime, state = "HIP (ROCm)", hip_state()
         if state.initialized:
             print(
-                f"  CUDA is already initialised in this kernel: it keeps using {what} until "
+                f"  {runtime} is already initialised in this kernel: it keeps using {what} until "
                 "you restart the kernel"
             )
 
     # -- panel / move --------------------------------------------------------------------
     def _panel(self) -> None:
+        if not self._in_kernel():
+            # A terminal IPython draws no widgets: display() would print the Panel's repr.
+            print(PANEL_NEEDS_FRONTEND)
+            return
         from IPython.display import display
 
         from autogpu_jupyter import Panel

@@ -22,7 +22,8 @@ join with DCGM exporter's ``Hostname``/``UUID`` and nvitop-exporter's; ``index``
 ``autogpu_gpu_waiters``                   live tickets (waiting picks) that may take the device
 ``autogpu_lease_info``                    1 per (lease, device): ``user`` (+ ``kernel``,
                                           ``notebook`` only when lease details are enabled)
-``autogpu_host_info``                     1: ``hostname``, ``backend``, ``simulated``, ``version``
+``autogpu_host_info``                     1: ``hostname``, ``backend``, ``simulated``, ``version``,
+                                          ``vendor`` (``nvidia`` / ``amd``: one vendor per host)
 ``autogpu_sample_timestamp_seconds``      Unix time of the sweep the values come from
 
 An unknown value (NOT_SUPPORTED, a lost device) has no sample: absent, never a made-up zero.
@@ -84,6 +85,15 @@ class MetricsSource:
             self.hostname = socket.gethostname().split(".")[0]
 
 
+def _vendor(snap: FleetSnapshot | None) -> str:
+    """The host's GPU vendor (``nvidia`` / ``amd``), ``none`` before the first sweep."""
+    if snap is None:
+        return "none"
+    if snap.devices:
+        return snap.devices[0].vendor
+    return "amd" if snap.backend == "amdsmi" else "nvidia"
+
+
 def _index(dev: DeviceSnapshot) -> str:
     return f"{dev.index}:{dev.mig_index}" if dev.is_mig else str(dev.index)
 
@@ -125,12 +135,13 @@ class AutoGPUCollector(Collector):
         host = self.source.hostname
         info = GaugeMetricFamily(
             "autogpu_host_info",
-            "This exporter's host: backend (nvml / simulated) and autogpu version.",
-            labels=["hostname", "backend", "simulated", "version"],
+            "This exporter's host: backend (nvml / amdsmi / simulated), GPU vendor and autogpu "
+            "version.",
+            labels=["hostname", "backend", "simulated", "version", "vendor"],
         )
         info.add_metric(
             [host, snap.backend if snap else "none", str(bool(snap and snap.simulated)).lower(),
-             __version__],
+             __version__, _vendor(snap)],
             1.0,
         )
         yield info

@@ -337,6 +337,9 @@ class AutoGPUProvisioner(LocalProvisioner):
         elif note and note.startswith("no device fits"):
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             env["CUDA_VISIBLE_DEVICES"] = ""
+            # On an AMD host an empty CUDA_VISIBLE_DEVICES hides nothing (HIP reads it as unset):
+            # an empty ROCR_VISIBLE_DEVICES does (docs/internals.md, "ROCm visibility").
+            env["ROCR_VISIBLE_DEVICES"] = ""
             env[PICKED_ENV] = ""
         if lease is not None:
             fd = _lease_fd(lease)

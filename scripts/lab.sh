@@ -36,6 +36,12 @@ echo "Kernel \"Python 3 (autogpu)\" installed in $VENV (it picks a GPU before th
 flags=()
 # Jupyter refuses to run as root unless told; a container or a fresh VM often is root.
 [ "$(id -u)" = 0 ] && flags+=(--allow-root)
+# Without a terminal (nohup, a service, a CI job) jupyter starts its terminals as login shells,
+# whose profile resets PATH and loses this environment's bin/; start them as it does in a
+# terminal instead, with the PATH above. (Given in LAB_ARGS, your own shell_command wins.)
+if [ ! -t 1 ]; then
+  flags+=("--ServerApp.terminado_settings=shell_command=${SHELL:-/bin/sh}")
+fi
 # The printed URL (what a headless server's user copies) opens the quickstart too.
 exec "$VENV/bin/jupyter" lab "${flags[@]}" \
   --LabApp.default_url=/lab/tree/notebooks/quickstart.ipynb "$@"

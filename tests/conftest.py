@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.fakeamdsmi import FakeAmdSmi, preload_fake_amdsmi
 from tests.fakenvml import FakeNvml, build_fake_nvml, preload_fake_nvml
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
@@ -83,6 +85,18 @@ def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-
         _fail_instead(report)
 
 
+@pytest.fixture(autouse=True)
+def _package_logging_as_found() -> Iterator[None]:
+    """A Jupyter server started in this process (pytest-jupyter) routes the ``autogpu_jupyter``
+    loggers to its log at its level (``server.route_logs_to``); undo that after each test, so
+    that no later test sees records at a level it did not ask for."""
+    package = logging.getLogger("autogpu_jupyter")
+    handlers, level = list(package.handlers), package.level
+    yield
+    package.handlers[:] = handlers
+    package.setLevel(level)
+
+
 @pytest.fixture(scope="session")
 def fake_nvml_library() -> Path:
     """The fake ``libnvidia-ml.so.1``, built once per session and loaded into this process."""
@@ -108,6 +122,25 @@ def fake_nvml(
     fake = FakeNvml(tmp_path / "fake-nvml")
     fake.write({"devices": []})
     monkeypatch.setenv("FAKE_NVML_SCENARIO", str(fake.scenario_path))
+    monkeypatch.delenv("AUTOGPU_SIMULATE", raising=False)
+    backends._cache.clear()
+    yield fake
+    backends._cache.clear()
+
+
+@pytest.fixture
+def fake_amdsmi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAmdSmi]:
+    """A fake AMD host seen through the real ``amdsmi`` binding over the fake ``libamd_smi.so``
+    (``tests/fakeamdsmi``), in this process (``AUTOGPU_BACKEND=amdsmi``) and in subprocesses
+    (``.env`` / ``.subprocess_env()``: only the AMD fake on the library path, so automatic
+    detection finds amdsmi). Starts with no devices; shared backends are dropped around it."""
+    from autogpu_jupyter.core import backends
+
+    preload_fake_amdsmi()
+    fake = FakeAmdSmi(tmp_path / "fake-amdsmi")
+    fake.write({"devices": []})
+    monkeypatch.setenv("FAKE_AMDSMI_SCENARIO", str(fake.scenario_path))
+    monkeypatch.setenv("AUTOGPU_BACKEND", "amdsmi")
     monkeypatch.delenv("AUTOGPU_SIMULATE", raising=False)
     backends._cache.clear()
     yield fake

@@ -9,11 +9,17 @@ only, so the CLI and the server extension share it) with a few instant queries:
 * the DCGM exporter fields ``DCGM_FI_DEV_GPU_UTIL`` (percent), ``DCGM_FI_DEV_FB_USED`` and
   ``DCGM_FI_DEV_FB_FREE`` (MiB), ``DCGM_FI_DEV_GPU_TEMP``, ``DCGM_FI_DEV_POWER_USAGE`` and, on MIG,
   ``DCGM_FI_PROF_GR_ENGINE_ACTIVE`` (0..1) where ``DCGM_FI_DEV_GPU_UTIL`` is not supported;
+  in the same query, AMD's device metrics exporter's ``gpu_gfx_activity`` (percent),
+  ``gpu_used_vram`` and ``gpu_total_vram`` (MB as amd-smi counts them: MiB),
+  ``gpu_junction_temperature`` (else ``gpu_edge_temperature``) and ``gpu_package_power`` (else
+  ``gpu_power_usage``), labelled ``hostname``, ``gpu_id``, ``gpu_uuid`` (when enabled),
+  ``gpu_partition_id``, ``card_series`` / ``card_model``;
 * ``timestamp(...)`` of the memory series (when Prometheus last scraped each device), ``up``,
   the last hostname each target reported within :data:`LOOKBACK` (so a host that went down is
   still named), and ``/api/v1/targets`` for each target's scrape interval.
 
-A device is keyed by its UUID: where a host exports both, autogpu's series win over DCGM's (they
+A device is keyed by its UUID (an AMD exporter series without ``gpu_uuid``: by host and
+``gpu_id``): where a host exports both, autogpu's series win over the vendor exporter's (they
 know the leases). Hosts are grouped by the ``hostname`` label (DCGM: ``Hostname``, renamed
 ``hostname`` in 2026; both are read), else the target's ``instance``.
 
@@ -75,13 +81,24 @@ _DCGM_FIELDS = (
     "DCGM_FI_DEV_GPU_TEMP",
     "DCGM_FI_DEV_POWER_USAGE",
 )
-_DCGM_QUERY = '{__name__=~"' + "|".join(_DCGM_FIELDS) + '"}'
-_SCRAPED_QUERY = 'timestamp({__name__=~"autogpu_host_info|DCGM_FI_DEV_FB_USED"})'
+#: AMD's device metrics exporter (ROCm/device-metrics-exporter), asked with DCGM's fields.
+_AMD_FIELDS = (
+    "gpu_gfx_activity",
+    "gpu_used_vram",
+    "gpu_total_vram",
+    "gpu_junction_temperature",
+    "gpu_edge_temperature",
+    "gpu_package_power",
+    "gpu_power_usage",
+)
+_DCGM_QUERY = '{__name__=~"' + "|".join(_DCGM_FIELDS + _AMD_FIELDS) + '"}'
+_SCRAPED_QUERY = 'timestamp({__name__=~"autogpu_host_info|DCGM_FI_DEV_FB_USED|gpu_used_vram"})'
 #: The host of every target seen within LOOKBACK (also those down now) and, for autogpu's, the
 #: time of its last sweep.
 _NAMES_QUERIES = (
     f"max by (instance, hostname) (last_over_time(autogpu_sample_timestamp_seconds[{LOOKBACK}]))",
-    f"max by (instance, hostname, Hostname) (last_over_time(DCGM_FI_DEV_FB_USED[{LOOKBACK}]))",
+    "max by (instance, hostname, Hostname) "
+    f'(last_over_time({{__name__=~"DCGM_FI_DEV_FB_USED|gpu_used_vram"}}[{LOOKBACK}]))',
 )
 
 
@@ -226,7 +243,8 @@ def _duration_s(text: str) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class ClusterDevice:
-    """One GPU of a host as Prometheus last saw it; ``source`` is ``autogpu`` or ``dcgm``."""
+    """One GPU of a host as Prometheus last saw it; ``source`` is ``autogpu``, ``dcgm`` or ``amd``
+    (AMD's device metrics exporter)."""
 
     snapshot: DeviceSnapshot
     source: str
@@ -352,8 +370,21 @@ def _fold_autogpu(samples: Iterable[Sample], acc: dict[str, _Acc]) -> None:
             dev.values[name.removeprefix("autogpu_gpu_")] = s.value
 
 
+def _fold_amd(s: Sample, acc: dict[str, _Acc]) -> None:
+    """One AMD device metrics exporter sample: keyed by ``gpu_uuid``, else host and ``gpu_id``."""
+    host = _hostname(s.labels)
+    gpu = s.labels.get("gpu_id", "")
+    key = s.labels.get("gpu_uuid") or f"{host}/gpu-{gpu}"
+    model = s.labels.get("card_series") or s.labels.get("card_model", "")
+    dev = acc.setdefault(key, _Acc(host, s.labels.get("instance"), key, gpu, model, "amd"))
+    dev.values[s.labels["__name__"]] = s.value
+
+
 def _fold_dcgm(samples: Iterable[Sample], acc: dict[str, _Acc]) -> None:
     for s in samples:
+        if s.labels.get("__name__", "").startswith("gpu_"):
+            _fold_amd(s, acc)
+            continue
         uuid = s.labels.get("UUID")
         if not uuid:
             continue
@@ -400,6 +431,8 @@ def _snapshot(dev: _Acc, now_s: float) -> ClusterDevice:
             waiters=int(v.get("waiters", 0.0)),
             holders=tuple(sorted(dev.holders)),
         )
+    if dev.source == "amd":
+        return _amd_snapshot(dev, index, now_s)
     used_mib = v.get("DCGM_FI_DEV_FB_USED")
     free_mib = v.get("DCGM_FI_DEV_FB_FREE")
     util_pct = v.get("DCGM_FI_DEV_GPU_UTIL")
@@ -422,6 +455,31 @@ def _snapshot(dev: _Acc, now_s: float) -> ClusterDevice:
         is_mig=mig_index is not None,
         parent_uuid=parent,
         mig_index=mig_index,
+        timestamp_s=now_s,
+    )
+    return ClusterDevice(snap, dev.source)
+
+
+def _amd_snapshot(dev: _Acc, index: int | None, now_s: float) -> ClusterDevice:
+    v = dev.values
+    used_mib = v.get("gpu_used_vram")
+    total_mib = v.get("gpu_total_vram")
+    used_b = None if used_mib is None else int(used_mib * MiB)
+    total_b = None if total_mib is None else int(total_mib * MiB)
+    temp = v.get("gpu_junction_temperature", v.get("gpu_edge_temperature"))
+    power = v.get("gpu_package_power", v.get("gpu_power_usage"))
+    util = v.get("gpu_gfx_activity")
+    snap = DeviceSnapshot(
+        index=-1 if index is None else index,
+        uuid=dev.uuid,
+        name=dev.model,
+        memory_total_bytes=total_b,
+        memory_used_bytes=used_b,
+        memory_free_bytes=None if used_b is None or total_b is None else max(total_b - used_b, 0),
+        utilization_pct=None if util is None else float(util),
+        temperature_c=temp,
+        power_w=power,
+        vendor="amd",
         timestamp_s=now_s,
     )
     return ClusterDevice(snap, dev.source)

@@ -17,6 +17,21 @@ CUDA at import. So the driver itself is asked:
 
 Framework modules already imported (torch, jax, cupy, tensorflow; never imported here) only
 name the culprit in the message.
+
+On an AMD host the same question is asked of ROCm (:func:`hip_state`): ``ROCR_VISIBLE_DEVICES``
+is read once, when the ROCr runtime initialises (``hsa_init``, which HIP's initialisation
+calls), and HIP reads ``HIP_VISIBLE_DEVICES`` right after. PyTorch's ROCm build maps
+``libamdhip64.so`` (and with it ROCr's ``libhsa-runtime64.so``) at ``import torch`` without
+initialising anything, so "mapped" is not "initialised". Decided, without initialising it:
+
+1. This process holds ``/dev/kfd`` open (listed in ``/proc/self/fd``): initialised. ROCr's thunk
+   (libhsakmt's ``hsaKmtOpenKFD``) opens it when ROCr initialises and keeps it open until the
+   last ``hsa_shut_down``; nothing opens it before.
+2. Neither ``libamdhip64.so*`` nor ``libhsa-runtime64.so*`` is mapped: not initialised.
+3. ROCr is mapped: reopen it with ``RTLD_NOLOAD`` and call ``hsa_system_get_info``, which
+   answers ``HSA_STATUS_ERROR_NOT_INITIALIZED`` (0x100B) before ``hsa_init`` and never
+   initialises (ROCr's ``IS_OPEN`` check); anything else means ROCr has started.
+4. What cannot be checked while a ROCm runtime is mapped counts as initialised (as for CUDA).
 """
 
 from __future__ import annotations
@@ -27,7 +42,16 @@ import os
 import sys
 from dataclasses import dataclass
 
-__all__ = ["CudaState", "cuda_state", "too_late_message", "mapped_libcuda", "CUDA_ERRORS"]
+__all__ = [
+    "CudaState",
+    "cuda_state",
+    "too_late_message",
+    "mapped_libcuda",
+    "CUDA_ERRORS",
+    "hip_state",
+    "hip_too_late_message",
+    "mapped_rocm",
+]
 
 log = logging.getLogger(__name__)
 
@@ -198,4 +222,121 @@ def too_late_message(state: CudaState, where: str = "this kernel") -> str:
         f"effect; nothing was changed. Restart the kernel and run `%gpu pick` first, {before}, "
         'or start the notebook with the "Python 3 (autogpu)" kernel, which picks before the '
         "kernel starts."
+    )
+
+
+# --------------------------------------------------------------------------- ROCm / HIP
+
+_HSA_NOT_INITIALIZED = 0x100B
+_HSA_SYSTEM_INFO_VERSION_MAJOR = 0
+_ROCM_LIBRARIES = ("libamdhip64.so", "libhsa-runtime64.so")
+
+
+def mapped_rocm(maps_path: str = "/proc/self/maps") -> list[str] | None:
+    """Paths of every HIP (``libamdhip64.so*``) and ROCr (``libhsa-runtime64.so*``) library
+    mapped into this process, in first-mapped order; ``None`` when the maps cannot be read."""
+    try:
+        with open(maps_path, "rb") as fh:
+            raw = fh.read()
+    except OSError as err:
+        log.debug("cannot read %s: %s", maps_path, err)
+        return None
+    if b"libamdhip64.so" not in raw and b"libhsa-runtime64.so" not in raw:
+        return []
+    paths: list[str] = []
+    for line in raw.decode(errors="replace").splitlines():
+        fields = line.split(None, 5)
+        if len(fields) < 6:
+            continue
+        path = fields[5].strip().removesuffix(" (deleted)")
+        if os.path.basename(path).startswith(_ROCM_LIBRARIES) and path not in paths:
+            paths.append(path)
+    return paths
+
+
+def kfd_open(fd_dir: str = "/proc/self/fd") -> bool:
+    """Whether this process holds ``/dev/kfd`` open (ROCr opened it: it is initialised)."""
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return False
+    for name in names:
+        try:
+            if os.readlink(os.path.join(fd_dir, name)) == "/dev/kfd":
+                return True
+        except OSError:
+            continue  # closed meanwhile (the listing's own fd, among others)
+    return False
+
+
+def _ask_rocr(path: str) -> tuple[bool, str]:
+    """Ask the already-loaded ROCr at ``path`` whether ``hsa_init`` ran."""
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        fn = lib.hsa_system_get_info
+    except (OSError, AttributeError) as err:
+        return True, (
+            f"ROCr is mapped ({path}) but could not be asked ({err}); assuming HIP is initialised"
+        )
+    fn.restype = ctypes.c_int
+    major = ctypes.c_uint16(0)
+    rc = int(fn(_HSA_SYSTEM_INFO_VERSION_MAJOR, ctypes.byref(major)))
+    if rc == _HSA_NOT_INITIALIZED:
+        return False, (
+            f"ROCr is mapped ({path}) but hsa_system_get_info returned "
+            "HSA_STATUS_ERROR_NOT_INITIALIZED (0x100B): hsa_init has not run yet"
+        )
+    return True, f"hsa_system_get_info returned {rc:#x} from {path}: ROCr (HIP) has started"
+
+
+def hip_state(maps_path: str = "/proc/self/maps", fd_dir: str = "/proc/self/fd") -> CudaState:
+    """Whether the ROCm runtime (HIP / ROCr) is already initialised here, without initialising
+    it (see the module docstring). Never raises.
+
+    Parameters
+    ----------
+    maps_path, fd_dir
+        This process's memory map and descriptor folder; tests may point them elsewhere.
+    """
+    framework, hint = _framework_hint()
+    suffix = f" ({hint})" if hint else ""
+    if kfd_open(fd_dir):
+        return CudaState(
+            True, "this process holds /dev/kfd open: the ROCr runtime has initialised" + suffix,
+            framework,
+        )
+    paths = mapped_rocm(maps_path)
+    if paths is None:
+        return CudaState(False, f"cannot read {maps_path} (not Linux?): no sign of HIP", framework)
+    if not paths:
+        return CudaState(
+            False, "no HIP or ROCr runtime mapped in this process: nothing has initialised HIP",
+            framework,
+        )
+    rocr = [p for p in paths if os.path.basename(p).startswith("libhsa-runtime64.so")]
+    if not rocr:
+        return CudaState(
+            True, f"HIP is mapped ({paths[0]}) without ROCr, which cannot be asked; assuming "
+            "HIP is initialised" + suffix, framework,
+        )
+    verdicts = [_ask_rocr(p) for p in rocr]
+    initialized = any(v for v, _ in verdicts)
+    evidence = "; ".join(e for v, e in verdicts if v == initialized)
+    return CudaState(initialized, evidence + suffix, framework)
+
+
+def hip_too_late_message(state: CudaState, where: str = "this kernel") -> str:
+    """What to tell someone whose pick came after HIP (ROCm) started."""
+    before = (
+        f"before importing {state.framework} or anything that uses the GPU"
+        if state.framework
+        else "before anything uses the GPU (torch.cuda..., a tensor on the GPU)"
+    )
+    culprit = f", probably by {state.framework}" if state.framework else ""
+    return (
+        f"HIP (ROCm) is already initialised in {where}{culprit} ({state.evidence}). "
+        "ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES are read once, when ROCm initialises, so "
+        f"changing them now has no effect; nothing was changed. Restart the kernel and run "
+        f"`%gpu pick` first, {before}, or start the notebook with the \"Python 3 (autogpu)\" "
+        "kernel, which picks before the kernel starts."
     )

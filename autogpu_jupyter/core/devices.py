@@ -2,7 +2,8 @@
 
 Units live in field names (``memory_free_bytes``, ``utilization_pct``, ``timestamp_s``); ``None``
 means unknown (NOT_SUPPORTED, not readable), and zero means zero. Devices are identified by UUID
-(MIG devices by their MIG UUID); ``index`` is the NVML index, for people only.
+(MIG devices by their MIG UUID); ``index`` is the NVML index (on AMD: ROCr's enumeration index),
+for people only.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class DeviceSnapshot:
     processes: tuple[ProcessSnapshot, ...] | None = ()
     available: bool = True
     error: str | None = None
+    #: ``"nvidia"`` or ``"amd"``: whose runtime and visibility variables select this device.
+    vendor: str = "nvidia"
+    #: The id the vendor's runtime selects the device by where it differs from ``uuid``: on AMD,
+    #: ROCr's ``GPU-<16 hex>`` (KFD's unique id; the partitions of one GPU may share it).
+    runtime_uuid: str | None = None
     timestamp_s: float = 0.0
 
     @property

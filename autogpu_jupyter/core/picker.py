@@ -393,7 +393,7 @@ def _result(
         chosen=tuple(chosen),
         candidates=made.ranked,
         constraints=made.constraints,
-        env={} if dry_run else visible_env([d.uuid for d in chosen]),
+        env={} if dry_run else visible_env([d.uuid for d in chosen], made.context.snapshot.devices),
         allocation=made.context.allocation,
         snapshot=made.context.snapshot,
         lease=lease,

@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from autogpu_jupyter.core.contract import LEASE_ENV, NOTE_ENV, PICKED_ENV
-from autogpu_jupyter.core.cudastate import cuda_state, too_late_message
+from autogpu_jupyter.core.cudastate import (
+    cuda_state,
+    hip_state,
+    hip_too_late_message,
+    too_late_message,
+)
 from autogpu_jupyter.errors import TooLateError
 
 if TYPE_CHECKING:
@@ -34,7 +39,12 @@ __all__ = [
     "LEASE_ENV",
 ]
 
-MANAGED_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+# CUDA's, then ROCm's (an AMD pick writes ROCR_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES,
+# CUDA_VISIBLE_DEVICES and GPU_DEVICE_ORDINAL; core.visibility.ROCM_VARS).
+MANAGED_VARS = (
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+    "GPU_DEVICE_ORDINAL",
+)
 
 
 @dataclass
@@ -93,12 +103,16 @@ def current() -> Choice | None:
 
 
 def check_not_too_late(force: bool) -> str | None:
-    """Raise :class:`TooLateError` if CUDA is initialised here; with ``force``, return the
-    warning instead (``None`` when it is not too late)."""
+    """Raise :class:`TooLateError` if CUDA (or, on AMD, HIP) is initialised here; with
+    ``force``, return the warning instead (``None`` when it is not too late)."""
     state = cuda_state()
-    if not state.initialized:
-        return None
-    message = too_late_message(state)
+    if state.initialized:
+        message = too_late_message(state)
+    else:
+        rocm = hip_state()
+        if not rocm.initialized:
+            return None
+        message = hip_too_late_message(rocm)
     if not force:
         raise TooLateError(message)
     return "--force: " + message

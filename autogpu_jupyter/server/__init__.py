@@ -1,7 +1,8 @@
 """Jupyter server extension: every GPU of the host, live, and who holds it, as REST endpoints.
 
 Enabled on install by ``jupyter-config/server-config/autogpu_jupyter.json``. Endpoints, all
-authenticated, under ``{base_url}/autogpu/``:
+authenticated, under ``{base_url}/autogpu/api/v1/`` (and, deprecated until 0.3, under the
+unversioned ``{base_url}/autogpu/`` of 0.1; see ``handlers.py``):
 
 ``GET devices``
     The shared sampler's latest snapshot (``FleetSnapshot.to_dict()``), ``simulated``, ``errors``.
@@ -22,13 +23,59 @@ It also registers the ``autogpu_*`` gauges (``autogpu_jupyter.metrics``) on the 
 that jupyter_server serves at ``{base_url}/metrics``.
 
 Configure with ``c.AutoGPUServer.*`` in ``jupyter_server_config.py`` (see :class:`AutoGPUServer`).
+
+Logging: the extension's own messages go to the server's logger (``ServerApp.log``); the records
+of autogpu's module loggers (``autogpu_jupyter.*``: the sampler, the registry, the metrics) are
+handed to it too (:func:`route_logs_to`), so they appear in the server's log, formatted as its own,
+at the server's ``--log-level``.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-__all__ = ["_jupyter_server_extension_points", "_load_jupyter_server_extension"]
+__all__ = [
+    "_jupyter_server_extension_points",
+    "_load_jupyter_server_extension",
+    "route_logs_to",
+]
+
+
+class _ToServerLog(logging.Handler):
+    """Hands the package's records to the server's logger (its handlers, formatter and level).
+
+    Without it they reach no handler under jupyter_server: its ``ServerApp`` logger does not
+    propagate to the root, which has none, so INFO and DEBUG records are dropped and warnings
+    come out as bare lines through Python's last-resort handler. One per process: a later server
+    in the same process (a test suite) takes it over.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.target: logging.Logger | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = self.target
+        if target is not None and target.isEnabledFor(record.levelno):
+            target.handle(record)
+
+
+_TO_SERVER_LOG = _ToServerLog()
+
+
+def route_logs_to(server_log: logging.Logger) -> None:
+    """Send the records of the ``autogpu_jupyter`` loggers to ``server_log`` at its level.
+
+    This is the application's choice (the server's), made where the server hands us its logger;
+    the library itself configures no handler.
+    """
+    package = logging.getLogger("autogpu_jupyter")
+    _TO_SERVER_LOG.target = server_log
+    if _TO_SERVER_LOG not in package.handlers:
+        package.addHandler(_TO_SERVER_LOG)
+    # Records below the package's level are never made: follow the server's (--log-level).
+    package.setLevel(server_log.getEffectiveLevel())
 
 
 def _jupyter_server_extension_points() -> list[dict[str, str]]:
@@ -53,6 +100,7 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
         os.environ[SIMULATE_ENV] = resolved
         server_app.log.info("autogpu: %s=%s (resolved from %r)", SIMULATE_ENV, resolved, simulate)
 
+    route_logs_to(server_app.log)
     state = AutoGPUServer(parent=server_app)
     state.start()
     setup_handlers(server_app.web_app, state)
@@ -71,7 +119,7 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
                               hostname=state.metrics_hostname,
                               lease_details=state.metrics_lease_details))
     server_app.log.info(
-        "autogpu server extension loaded: %sautogpu/ (sampling every %.1f s)",
+        "autogpu server extension loaded: %sautogpu/api/v1/ (sampling every %.1f s)",
         server_app.web_app.settings.get("base_url", "/"),
         state.interval_s,
     )

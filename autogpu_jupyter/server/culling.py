@@ -15,15 +15,12 @@ loop, no second idea of "idle". Culling shuts the kernel down, which frees its l
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from autogpu_jupyter.server import payloads
 from autogpu_jupyter.server.state import AutoGPUServer
 
 __all__ = ["install"]
-
-log = logging.getLogger(__name__)
 
 
 def install(state: AutoGPUServer, kernel_manager: Any) -> bool:
@@ -53,7 +50,7 @@ def install(state: AutoGPUServer, kernel_manager: Any) -> bool:
             kernel_manager.cull_idle_timeout = saved
 
     kernel_manager.cull_kernel_if_idle = cull_kernel_if_idle
-    log.info(
+    state.log.info(
         "autogpu: kernels holding a GPU are culled after %.0f s idle (jupyter_server's culler, "
         "every %s s); other kernels: %s",
         limit,

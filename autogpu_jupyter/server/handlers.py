@@ -1,4 +1,8 @@
-"""REST handlers under ``{base_url}/autogpu/``: devices, history, holders, select, move.
+"""REST handlers under ``{base_url}/autogpu/api/v1/``: devices, history, holders, select, move.
+
+The paths are versioned (``API_PREFIX``): a change that breaks a client gets a ``v2`` beside
+``v1``. The unversioned paths of 0.1 (``{base_url}/autogpu/devices`` ...) still answer the same,
+with a ``Deprecation: true`` header and a ``Link`` to their successor, until 0.3 (CHANGELOG.md).
 
 Every verb is ``@tornado.web.authenticated`` (``tests/server/test_rest.py`` walks the registered
 handlers to check); POST goes through Jupyter's XSRF check. Blocking work runs on the state's
@@ -9,7 +13,6 @@ a JSON ``message`` (400 for bad input, 503 when no GPU backend is usable).
 from __future__ import annotations
 
 import json
-import logging
 import math
 from typing import Any
 
@@ -21,19 +24,51 @@ from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBa
 from autogpu_jupyter.server import moving, payloads
 from autogpu_jupyter.server.state import AutoGPUServer
 
-log = logging.getLogger(__name__)
-
-__all__ = ["setup_handlers", "HANDLERS", "NAMESPACE"]
+__all__ = ["API_PREFIX", "HANDLERS", "NAMESPACE", "setup_handlers"]
 
 NAMESPACE = "autogpu"
+#: Where the current API lives under the namespace: ``{base_url}/autogpu/api/v1/<path>``.
+API_PREFIX = "api/v1"
 _AUTH_PARAMS = frozenset({"token", "_xsrf"})
 
 
 class _BaseHandler(APIHandler):
     state: AutoGPUServer
+    #: On a deprecated unversioned path: (its prefix, the versioned prefix that replaces it).
+    moved: tuple[str, str] | None
 
-    def initialize(self, state: AutoGPUServer) -> None:
+    def initialize(self, state: AutoGPUServer, moved: tuple[str, str] | None = None) -> None:
         self.state = state
+        self.moved = moved
+
+    def _successor(self) -> str | None:
+        moved = getattr(self, "moved", None)  # clear() runs before initialize() too
+        if moved is None:
+            return None
+        old, current = moved
+        return str(current + self.request.path[len(old):])
+
+    def _mark_deprecated(self) -> None:
+        successor = self._successor()
+        if successor is not None:
+            # RFC 9745's header and RFC 8288's link: clients and proxies can see the move.
+            self.set_header("Deprecation", "true")
+            self.set_header("Link", f'<{successor}>; rel="successor-version"')
+
+    def clear(self) -> None:
+        # tornado clears the headers before an error page: an error says it too
+        super().clear()
+        self._mark_deprecated()
+
+    def prepare(self, **kwargs: Any) -> Any:
+        successor = self._successor()
+        if successor is not None:
+            self._mark_deprecated()
+            self.log.debug(
+                "autogpu: %s is deprecated (until 0.3); use %s", self.request.path, successor
+            )
+        # jupyter_server's prepare is a coroutine (tornado awaits what this returns)
+        return super().prepare(**kwargs)
 
     def _finish_json(self, payload: dict[str, Any]) -> None:
         self.set_header("Content-Type", "application/json")
@@ -231,7 +266,7 @@ class MoveHandler(_BaseHandler):
             try:
                 await kernel_manager.restart_kernel(kernel_id)
             except Exception as err:  # the kernel could not restart: say why, keep serving
-                log.exception("autogpu: restarting kernel %s for a move failed", kernel_id)
+                self.log.exception("autogpu: restarting kernel %s for a move failed", kernel_id)
                 await self.state.run(moving.cancel, prov)
                 raise http_error(500, f"the kernel could not restart: {err}") from err
             prov = getattr(kernel_manager.get_kernel(kernel_id), "provisioner", prov)
@@ -251,12 +286,16 @@ HANDLERS: list[tuple[str, type[_BaseHandler]]] = [
 
 
 def setup_handlers(web_app: Any, state: AutoGPUServer) -> None:
-    """Register the handlers on ``web_app`` under ``{base_url}/autogpu/``."""
+    """Register the handlers on ``web_app`` under ``{base_url}/autogpu/api/v1/``, and under the
+    deprecated ``{base_url}/autogpu/`` of 0.1 (same handlers, with a ``Deprecation`` header)."""
     base_url = web_app.settings["base_url"]
+    current = url_path_join(base_url, NAMESPACE, API_PREFIX)
+    old = url_path_join(base_url, NAMESPACE)
     web_app.add_handlers(
         ".*$",
-        [
-            (url_path_join(base_url, NAMESPACE, path), cls, {"state": state})
+        [(url_path_join(current, path), cls, {"state": state}) for path, cls in HANDLERS]
+        + [
+            (url_path_join(old, path), cls, {"state": state, "moved": (old, current)})
             for path, cls in HANDLERS
         ],
     )

@@ -19,7 +19,6 @@ executor.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +28,6 @@ from autogpu_jupyter.errors import UsageErrorBase
 
 if TYPE_CHECKING:
     from autogpu_jupyter.server.state import AutoGPUServer
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "MoveBody", "cancel", "is_movable", "parse_move_body", "plan_or_request", "result_payload",

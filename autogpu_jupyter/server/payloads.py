@@ -7,7 +7,6 @@ Field names carry units (``memory_used_bytes``, ``timestamp_s``); ``None`` is un
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import re
@@ -30,8 +29,6 @@ from autogpu_jupyter.server.state import kernel_pid_map, owning_kernel, redact
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import FleetSnapshot
     from autogpu_jupyter.server.state import AutoGPUServer
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "devices_payload",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import getpass
-import logging
 import os
 import threading
 import time
@@ -17,15 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from traitlets import Bool, Float, Int, Unicode, default
-from traitlets.config import Configurable
+from traitlets.config import LoggingConfigurable
 
 from autogpu_jupyter.config import AutoGPU, default_registry_dir
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.registry import Registry, broker_for
 from autogpu_jupyter.core.text import redact_command
 from autogpu_jupyter.errors import AutoGPUError
-
-log = logging.getLogger(__name__)
 
 __all__ = ["AutoGPUServer", "current_user"]
 
@@ -40,11 +37,12 @@ def current_user() -> str:
         return str(os.getuid())
 
 
-class AutoGPUServer(Configurable):
+class AutoGPUServer(LoggingConfigurable):
     """Settings of the JupyterLab sidebar's server side (``c.AutoGPUServer.*``).
 
     One instance per server process, created by ``_load_jupyter_server_extension``; it owns the
-    executor that runs every NVML and registry call off the IOLoop.
+    executor that runs every NVML and registry call off the IOLoop. Its ``log`` is the server's
+    (``ServerApp.log``, its parent's): what it says reaches the server's log at its level.
     """
 
     interval_s = Float(
@@ -140,7 +138,7 @@ class AutoGPUServer(Configurable):
                     )
                 except AutoGPUError as err:
                     self._sampler_error = str(err)
-                    log.warning("autogpu: sampler unavailable: %s", err)
+                    self.log.warning("autogpu: sampler unavailable: %s", err)
             return self._sampler
 
     @property

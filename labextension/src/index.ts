@@ -1,6 +1,10 @@
 /**
- * autogpu's JupyterLab sidebar: every GPU on the server, live, who holds it, and which one the
- * active notebook should pick. The data comes from the server extension (`{base_url}/autogpu/`).
+ * autogpu's sidebar: every GPU on the server, live, who holds it, and which one the active
+ * notebook should pick. The data comes from the server extension (`{base_url}/autogpu/api/v1/`).
+ *
+ * It runs in JupyterLab (the left sidebar, with the other panels) and in Notebook 7, whose shell
+ * has a left area too but no `ILabShell`: there the panel is added through `app.shell` and shown
+ * from View → Left Sidebar → Show GPUs (autogpu).
  */
 import {
   ILabShell,
@@ -63,11 +67,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description:
     'A left-sidebar panel with every GPU on the server, its holders and a recommendation.',
   autoStart: true,
-  requires: [ILabShell],
-  optional: [ISettingRegistry, INotebookTracker],
+  optional: [ILabShell, ISettingRegistry, INotebookTracker],
   activate: (
     app: JupyterFrontEnd,
-    labShell: ILabShell,
+    labShell: ILabShell | null,
     settingRegistry: ISettingRegistry | null,
     tracker: INotebookTracker | null
   ) => {
@@ -89,7 +92,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
     });
     panel.title.icon = gpuIcon;
     panel.title.caption = 'GPUs (autogpu)';
-    labShell.add(panel, 'left', { rank: 850 });
+    // JupyterLab's shell, or any shell with a left area (Notebook 7's INotebookShell).
+    (labShell ?? app.shell).add(panel, 'left', { rank: 850 });
     tracker?.currentChanged.connect(() => {
       if (panel.isVisible) {
         void panel.poll.refresh();

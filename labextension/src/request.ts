@@ -3,8 +3,29 @@ import { URLExt } from '@jupyterlab/coreutils';
 
 import { ServerConnection } from '@jupyterlab/services';
 
-/** The server extension's API namespace: `{base_url}/autogpu/`. */
+/** The server extension's namespace: `{base_url}/autogpu/`. */
 export const NAMESPACE = 'autogpu';
+
+/**
+ * The version of the server extension's REST API this sidebar speaks: `{base_url}/autogpu/api/v1/`.
+ * (The unversioned paths of 0.1, `{base_url}/autogpu/devices` ..., are deprecated: CHANGELOG.md.)
+ */
+export const API_PATH = 'api/v1';
+
+/**
+ * What the sidebar says when the server has no autogpu server extension: the lab extension is
+ * installed (it was found on the data path) but the Jupyter server did not load its other half,
+ * e.g. after `pip install --user` on JupyterHub, or with the extension disabled.
+ */
+export const MISSING_SERVER_EXTENSION =
+  "autogpu's server extension is not running on this Jupyter server: install " +
+  'autogpu-jupyter[lab] where the server runs (or `jupyter server extension enable ' +
+  'autogpu_jupyter` there) and restart it';
+
+/** The URL of an API end point: the one place the sidebar builds its URLs. */
+export function apiUrl(baseUrl: string, endPoint: string): string {
+  return URLExt.join(baseUrl, NAMESPACE, API_PATH, endPoint);
+}
 
 /**
  * Call the server extension.
@@ -19,7 +40,7 @@ export async function requestAPI<T>(
   serverSettings: ServerConnection.ISettings,
   init: RequestInit = {}
 ): Promise<T> {
-  const requestUrl = URLExt.join(serverSettings.baseUrl, NAMESPACE, endPoint);
+  const requestUrl = apiUrl(serverSettings.baseUrl, endPoint);
 
   let response: Response;
   try {
@@ -43,6 +64,15 @@ export async function requestAPI<T>(
   }
 
   if (!response.ok) {
+    // Our handlers answer their own 404s (an unknown kernel) with a JSON message; a 404 without
+    // one is the server's: no handler is registered under our path.
+    const ours = data !== null && typeof data === 'object' && 'message' in data;
+    if (response.status === 404 && !ours) {
+      throw new ServerConnection.ResponseError(
+        response,
+        MISSING_SERVER_EXTENSION
+      );
+    }
     throw new ServerConnection.ResponseError(response, data.message || data);
   }
 

@@ -3,13 +3,12 @@
 Issue 2: ``%load_ext autogpu`` works from a wheel and from an editable install. Issue 5: the wheel
 carries the prebuilt JupyterLab extension (no Node to install it) and enables the server extension.
 
-The wheel is built from this checkout with the build backend of the test environment
-(``--no-build-isolation``: hatchling, hatch-jupyter-builder and hatch-nodejs-version are in
-``.venv``, and the run needs no network). The hatch-jupyter-builder hook skips the JS build because
-``autogpu_jupyter/labextension/static/style.js`` exists (the set-up builds it), so the build takes
-about a second. The wheel is installed with ``pip install --target`` into a temporary directory that
-goes first on ``PYTHONPATH``, and every check asserts that the code it ran came from there, not from
-the checkout.
+The wheel is the session's (``conftest.py``), built from this checkout with the build backend of
+the test environment (``--no-build-isolation``, no network); the hatch-jupyter-builder hook skips
+the JS build because ``autogpu_jupyter/labextension/static/style.js`` exists (the set-up builds
+it), so the build takes about a second. The wheel is installed with ``pip install --target`` into
+a temporary directory that goes first on ``PYTHONPATH``, and every check asserts that the code it
+ran came from there, not from the checkout.
 """
 
 from __future__ import annotations
@@ -30,10 +29,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILT_LABEXTENSION = ROOT / "autogpu_jupyter" / "labextension"
-VERSION_FILE = ROOT / "autogpu_jupyter" / "_version.py"
 LAB_SHARE = "share/jupyter/labextensions/autogpu-jupyter"
 SERVER_CONFIG = "etc/jupyter/jupyter_server_config.d/autogpu_jupyter.json"
-PIP_WHEEL = "-m pip wheel --no-deps --no-build-isolation --no-index --no-cache-dir -q"
 PIP_INSTALL = "-m pip install --no-deps --no-index --no-compile -q"
 STATUS_COLUMNS = "gpu name uuid util memory used / total free temp power procs holders"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -139,27 +136,6 @@ def run(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedP
 
 def files_under(root: Path) -> set[str]:
     return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel of this checkout, built once for the module."""
-    if not (BUILT_LABEXTENSION / "static" / "style.js").is_file():
-        pytest.fail(
-            "autogpu_jupyter/labextension is not built, so the wheel build would run the JS build "
-            "(minutes): run scripts/setup.sh, or `jlpm build:prod` in labextension/"
-        )
-    out = tmp_path_factory.mktemp("wheel")
-    version_before = VERSION_FILE.read_bytes()
-    run(
-        [sys.executable, *PIP_WHEEL.split(), "-w", str(out), str(ROOT)],
-        env=dict(os.environ),
-        cwd=out,
-    )
-    # The version hook rewrites this tracked file at every build; it must come out as committed.
-    assert VERSION_FILE.read_bytes() == version_before
-    (built,) = out.glob("autogpu_jupyter-*-py3-none-any.whl")
-    return built
 
 
 @pytest.fixture(scope="module")

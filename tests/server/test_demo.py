@@ -166,7 +166,9 @@ def test_make_lab_then_the_readme_cli_sees_the_notebooks_lease(
     kid = session["kernel"]["id"]
     kc = BlockingKernelClient(connection_file=str(runtime / f"kernel-{kid}.json"))
     kc.load_connection_file()
-    kc.start_channels()
+    # No heartbeat channel: wait_for_ready then waits for the kernel_info reply itself, instead
+    # of calling a kernel "dead" whose first heartbeat is late on a loaded machine.
+    kc.start_channels(hb=False)
     try:
         kc.wait_for_ready(timeout=60)
         out = _execute(kc, "%load_ext autogpu\n%gpu pick --min-free 10G\nimport os, shutil\n"
@@ -191,6 +193,41 @@ def test_make_lab_then_the_readme_cli_sees_the_notebooks_lease(
     finally:
         kc.stop_channels()
         _api_delete(url, token, f"sessions/{session['id']}")
+
+    # A JupyterLab terminal (File > New > Terminal) finds the same `autogpu`, although make lab
+    # runs here without a TTY, where jupyter starts terminals as login shells (their profile
+    # resets PATH) unless told otherwise.
+    shown = _in_a_terminal(url, token, "echo which $(command -v autogpu)")
+    assert f"which {VENV_BIN / 'autogpu'}" in shown.replace("\r", "\n").splitlines(), shown
+
+
+def _in_a_terminal(url: str, token: str, command: str) -> str:
+    """Open a JupyterLab terminal, type ``command``; what the terminal showed until it ended."""
+    import asyncio
+
+    from tornado.websocket import websocket_connect
+
+    name = _api(url, token, "terminals", {})["name"]
+
+    async def talk() -> str:
+        ws = await websocket_connect(
+            f"{url.replace('http', 'ws', 1)}/terminals/websocket/{name}?token={token}"
+        )
+        ws.write_message(json.dumps(["stdin", f"{command}; echo END-OF-TEST\r"]))
+        shown = ""
+        while "\nEND-OF-TEST" not in shown:
+            message = await asyncio.wait_for(ws.read_message(), timeout=60)
+            assert message is not None, shown
+            kind, *content = json.loads(message)
+            if kind == "stdout":
+                shown += content[0]
+        ws.close()
+        return shown
+
+    try:
+        return asyncio.run(talk())
+    finally:
+        _api_delete(url, token, f"terminals/{name}")
 
 
 def _api_delete(url: str, token: str, path: str) -> None:

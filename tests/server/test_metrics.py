@@ -147,7 +147,8 @@ async def test_metrics_exact_values_over_fake_nvml(jp_fetch: Any) -> None:
     assert_gpu_series(got, want)
     info = [k for k in got if k[0] == "autogpu_host_info"]
     assert info == [("autogpu_host_info", (("backend", "nvml"), ("hostname", HOST),
-                                           ("simulated", "false"), ("version", "0.1.0")))]
+                                           ("simulated", "false"), ("vendor", "nvidia"),
+                                           ("version", "0.1.0")))]
     stamp = got[("autogpu_sample_timestamp_seconds", (("hostname", HOST),))]
     assert time.time() - 5 < stamp <= time.time()
     assert [k for k in got if k[0] == "autogpu_lease_info"] == []
@@ -293,7 +294,8 @@ def test_exporter_serves_the_simulated_fleet(tmp_path: Path) -> None:
         assert ("autogpu_gpu_utilization_ratio", mig) not in got
         assert ("autogpu_gpu_utilization_ratio", parent) not in got
         assert got[("autogpu_host_info", (("backend", "simulated"), ("hostname", "batch-7"),
-                                          ("simulated", "true"), ("version", "0.1.0")))] == 1.0
+                                          ("simulated", "true"), ("vendor", "nvidia"),
+                                          ("version", "0.1.0")))] == 1.0
     finally:
         proc.terminate()
         assert proc.wait(10) == 0

@@ -124,7 +124,7 @@ def expected_devices(ts: list[float]) -> list[dict[str, Any]]:
 
     common = {"memory_utilization_pct": 0.0, "compute_mode": "DEFAULT", "mig_enabled": False,
               "is_mig": False, "parent_uuid": None, "mig_index": None, "available": True,
-              "error": None}
+              "error": None, "vendor": "nvidia", "runtime_uuid": None}
     return [
         {
             **common, "index": 0, "uuid": UUID0, "name": "NVIDIA A100-SXM4-80GB",
@@ -152,7 +152,8 @@ def expected_devices(ts: list[float]) -> list[dict[str, Any]]:
             "utilization_pct": None, "memory_utilization_pct": None, "temperature_c": None,
             "power_w": None, "power_limit_w": None, "compute_mode": None, "mig_enabled": None,
             "is_mig": False, "parent_uuid": None, "mig_index": None, "processes": None,
-            "available": False, "error": "GPU is lost", "timestamp_s": ts[2], "label": "GPU 2",
+            "available": False, "error": "GPU is lost", "vendor": "nvidia", "runtime_uuid": None,
+            "timestamp_s": ts[2], "label": "GPU 2",
         },
     ]
 
@@ -345,8 +346,10 @@ def test_every_handler_is_authenticated(jp_web_app: tornado.web.Application) -> 
 
     ours = [r for r in _routes(jp_web_app) if "/autogpu/" in r[0]]
     names = sorted(p.split("/autogpu/", 1)[1] for p, _ in ours)
-    assert names == ["cluster", "cluster/history", "devices", "history", "holders",
-                     "kernels/(?P<kernel_id>[^/]+)/move", "select"]
+    paths = ["cluster", "cluster/history", "devices", "history", "holders",
+             "kernels/(?P<kernel_id>[^/]+)/move", "select"]
+    # the versioned API and, until 0.3, the deprecated paths of 0.1
+    assert names == sorted([f"api/v1/{p}" for p in paths] + paths)
     assert {cls for _, cls in ours} == {cls for _, cls in HANDLERS}
     for _path, cls in ours:
         for verb in ("get", "post", "put", "patch", "delete"):
@@ -354,6 +357,29 @@ def test_every_handler_is_authenticated(jp_web_app: tornado.web.Application) -> 
             if method is None:
                 continue
             assert _is_authenticated(method), f"{cls.__name__}.{verb} lacks @authenticated"
+
+
+async def test_versioned_paths_answer_and_the_old_ones_say_they_are_deprecated(
+    jp_fetch: Any, jp_base_url: str
+) -> None:
+    """``/autogpu/api/v1/<path>`` is the API; ``/autogpu/<path>`` (0.1) answers the same with a
+    ``Deprecation`` header and a ``Link`` to its successor."""
+    current = await jp_fetch("autogpu", "api", "v1", "select", params={"min_free": "10G"})
+    old = await jp_fetch("autogpu", "select", params={"min_free": "10G"})
+    assert current.code == old.code == 200
+    assert json.loads(current.body)["chosen"] == json.loads(old.body)["chosen"]
+    assert "Deprecation" not in current.headers
+    assert old.headers["Deprecation"] == "true"
+    assert old.headers["Link"] == f'<{jp_base_url}autogpu/api/v1/select>; rel="successor-version"'
+    # also on errors, and for a path with a parameter
+    with pytest.raises(tornado.httpclient.HTTPClientError) as err:
+        await jp_fetch("autogpu", "kernels", "no-such-kernel", "move", method="POST",
+                       body=json.dumps({"target": "best"}))
+    assert err.value.code == 404
+    assert err.value.response is not None
+    assert err.value.response.headers["Link"] == (
+        f'<{jp_base_url}autogpu/api/v1/kernels/no-such-kernel/move>; rel="successor-version"'
+    )
 
 
 def test_server_reports_no_auth_warning() -> None:

@@ -129,7 +129,7 @@ def test_demo_8x_description_of_the_busy_l4() -> None:
         "processes": [{"pid": 41005, "user": "bob", "command": "python train.py",
                        "memory_share": 1.0}],
     }
-    assert sorted(BUILTIN_FLEETS) == ["demo-4x", "demo-8x"]
+    assert sorted(BUILTIN_FLEETS) == ["demo-4x", "demo-8x", "demo-amd"]
 
 
 DEMO_4X = [
@@ -180,7 +180,7 @@ def described(rows: list[tuple]) -> dict:
 
 
 def test_the_builtin_fleets_are_described_device_by_device() -> None:
-    assert BUILTIN_FLEETS == {"demo-4x": (2, 2), "demo-8x": (4, 4)}
+    assert BUILTIN_FLEETS == {"demo-4x": (2, 2), "demo-8x": (4, 4), "demo-amd": (4, 4)}
     assert builtin_fleet("demo-4x") == described(DEMO_4X)
     assert builtin_fleet("demo-8x") == described(DEMO_8X)
 
@@ -490,7 +490,7 @@ def test_a_missing_absolute_path_says_what_is_expected(tmp_path: Path) -> None:
         SimulatedBackend(missing)
     assert str(info.value) == (
         f"AUTOGPU_SIMULATE={missing!r}: not a fleet file and not a built-in fleet; expected an "
-        "absolute path to a JSON fleet file or one of demo-4x, demo-8x"
+        "absolute path to a JSON fleet file or one of demo-4x, demo-8x, demo-amd"
     )
     with pytest.raises(UsageErrorBase, match="not a fleet file"):
         SimulatedBackend(str(tmp_path))  # a directory is not a fleet file
@@ -649,7 +649,8 @@ def test_device_to_dict_exact() -> None:
         "is_mig": False, "parent_uuid": None, "mig_index": None,
         "processes": [{"pid": 12, "used_memory_bytes": 40, "user": "bob",
                        "command": "python x.py"}],
-        "available": True, "error": None, "timestamp_s": 3.5, "label": "GPU 1",
+        "available": True, "error": None, "vendor": "nvidia", "runtime_uuid": None,
+        "timestamp_s": 3.5, "label": "GPU 1",
     }
     assert list(DEV.to_dict())[-3:] == ["timestamp_s", "processes", "label"]
     assert LOST.to_dict()["processes"] is None
@@ -697,7 +698,7 @@ def test_an_empty_fleet_has_every_column() -> None:
     assert len(df) == 0
     assert list(df.columns)[:3] == ["index", "uuid", "name"]
     assert list(df.columns)[-2:] == ["label", "process_count"]
-    assert len(df.columns) == 22
+    assert len(df.columns) == 24
 
 
 def test_dataframe_rows_columns_and_attributes() -> None:
@@ -707,7 +708,8 @@ def test_dataframe_rows_columns_and_attributes() -> None:
         "index", "uuid", "name", "pci_bus_id", "memory_total_bytes", "memory_used_bytes",
         "memory_free_bytes", "utilization_pct", "memory_utilization_pct", "temperature_c",
         "power_w", "power_limit_w", "compute_mode", "mig_enabled", "is_mig", "parent_uuid",
-        "mig_index", "available", "error", "timestamp_s", "label", "process_count",
+        "mig_index", "available", "error", "vendor", "runtime_uuid", "timestamp_s", "label",
+        "process_count",
     ]
     assert list(df.index) == ["GPU-1", "GPU-2"]
     assert list(df["uuid"]) == ["GPU-1", "GPU-2"]

@@ -51,11 +51,13 @@ INST = {"gpu-a": "127.0.0.2:33827", "gpu-b": "127.0.0.3:39931", "gpu-c": "127.0.
 
 AUTOGPU_Q = '{__name__=~"autogpu_gpu_.*|autogpu_lease_info"}'
 DCGM_Q = ('{__name__=~"DCGM_FI_DEV_GPU_UTIL|DCGM_FI_PROF_GR_ENGINE_ACTIVE|DCGM_FI_DEV_FB_USED|'
-          'DCGM_FI_DEV_FB_FREE|DCGM_FI_DEV_GPU_TEMP|DCGM_FI_DEV_POWER_USAGE"}')
-SCRAPED_Q = 'timestamp({__name__=~"autogpu_host_info|DCGM_FI_DEV_FB_USED"})'
+          'DCGM_FI_DEV_FB_FREE|DCGM_FI_DEV_GPU_TEMP|DCGM_FI_DEV_POWER_USAGE|'
+          'gpu_gfx_activity|gpu_used_vram|gpu_total_vram|gpu_junction_temperature|'
+          'gpu_edge_temperature|gpu_package_power|gpu_power_usage"}')
+SCRAPED_Q = 'timestamp({__name__=~"autogpu_host_info|DCGM_FI_DEV_FB_USED|gpu_used_vram"})'
 SWEEP_Q = "max by (instance, hostname) (last_over_time(autogpu_sample_timestamp_seconds[1h]))"
 DCGM_NAMES_Q = ("max by (instance, hostname, Hostname) "
-                "(last_over_time(DCGM_FI_DEV_FB_USED[1h]))")
+                '(last_over_time({__name__=~"DCGM_FI_DEV_FB_USED|gpu_used_vram"}[1h]))')
 
 
 def load(name: str) -> dict[str, Any]:

@@ -116,7 +116,8 @@ def test_bad_simulate_value_is_one_clear_message(
     # folder): the message says where it looked.
     assert str(info.value) == (
         f"AUTOGPU_SIMULATE='demo-99x': not a fleet file (looked in {tmp_path}) and not a "
-        "built-in fleet; expected an absolute path to a JSON fleet file or one of demo-4x, demo-8x"
+        "built-in fleet; expected an absolute path to a JSON fleet file or one of demo-4x, "
+        "demo-8x, demo-amd"
     )
     bad = tmp_path / "bad.json"
     bad.write_text("{nope")

@@ -13,6 +13,7 @@ import math
 import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,9 @@ from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessS
 from autogpu_jupyter.core.units import parse_size
 from autogpu_jupyter.errors import UsageErrorBase
 
-__all__ = ["SimulatedBackend", "BUILTIN_FLEETS", "builtin_fleet", "resolve_fleet_source"]
+__all__ = [
+    "SimulatedBackend", "BUILTIN_FLEETS", "AMD_FLEETS", "builtin_fleet", "resolve_fleet_source",
+]
 
 GiB = 1024**3
 
@@ -61,15 +64,35 @@ def _demo(n_a100: int, n_l4: int) -> dict[str, Any]:
     return {"driver_version": "550.54.15 (simulated)", "devices": devices}
 
 
-#: Built-in fleets, by name: how many A100s and L4s each has (``builtin_fleet`` describes one).
+def _demo_amd(n_mi300: int, n_mi210: int) -> dict[str, Any]:
+    """An AMD fleet with the load pattern of :func:`_demo` (MI300X where it has A100s)."""
+    fleet = _demo(n_mi300, n_mi210)
+    for i, dev in enumerate(fleet["devices"]):
+        mi300 = i < n_mi300
+        dev["name"] = "AMD Instinct MI300X" if mi300 else "AMD Instinct MI210"
+        dev["uuid"] = f"{0x5AFF74A1 + i:08x}-0000-1000-80{i:02x}-d3a0a3d00{i:03x}"
+        dev["runtime_uuid"] = f"GPU-{0x4D0A3D0000000000 + i:016x}"
+        dev["pci_bus_id"] = f"0000:{0x05 + 0x20 * i:02x}:00.0"
+        dev["memory_total"] = 192 * GiB if mi300 else 64 * GiB
+        dev["power_limit_w"] = 750.0 if mi300 else 300.0
+    return {"vendor": "amd", "driver_version": "6.10.5 (simulated)", "devices": fleet["devices"]}
+
+
+#: Built-in fleets, by name: how many A100s and L4s each has (``builtin_fleet`` describes one);
+#: ``demo-amd`` has AMD Instinct MI300X and MI210 in their places (:data:`AMD_FLEETS`).
 BUILTIN_FLEETS: dict[str, tuple[int, int]] = {
     "demo-4x": (2, 2),
     "demo-8x": (4, 4),
+    "demo-amd": (4, 4),
 }
+#: The built-in fleets of AMD GPUs.
+AMD_FLEETS = ("demo-amd",)
 
 
 def builtin_fleet(name: str) -> dict[str, Any]:
     """The fleet description of a built-in fleet (built on each call: the caller may change it)."""
+    if name in AMD_FLEETS:
+        return _demo_amd(*BUILTIN_FLEETS[name])
     return _demo(*BUILTIN_FLEETS[name])
 
 
@@ -159,8 +182,14 @@ class SimulatedBackend:
         fleet = self._load()
         now = float(self._clock())
         devices: list[DeviceSnapshot] = []
+        vendor = str(fleet.get("vendor", "nvidia"))
         for index, spec in enumerate(fleet.get("devices", [])):
-            devices.extend(self._device(index, spec, now))
+            devices.extend(
+                replace(d, vendor=vendor, runtime_uuid=spec.get("runtime_uuid"),
+                        compute_mode=spec.get("compute_mode"))
+                if vendor != "nvidia" else d
+                for d in self._device(index, spec, now)
+            )
         return FleetSnapshot(
             devices=tuple(devices),
             timestamp_s=now,

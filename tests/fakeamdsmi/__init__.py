@@ -1,0 +1,465 @@
+"""A fake AMD driver for tests and benchmarks: ``libamd_smi.so`` built from ``fakeamdsmi.c``.
+
+The real ``amdsmi`` package (AMD's Python binding) loads the fake exactly as it loads AMD's
+library: ``ctypes.CDLL("libamd_smi.so")`` at import time, then it binds every ``amdsmi_*`` symbol
+it knows. So everything above the C ABI is the real binding's code.
+
+The build reads the installed wrapper (``amdsmi/amdsmi_wrapper.py``, found without importing it)
+in two steps:
+
+1. its symbol list (``amdsmi_x = _libraries['libamd_smi.so'].amdsmi_x``): a stubs-only library
+   exports every one of them, each returning AMDSMI_STATUS_NOT_SUPPORTED;
+2. with that stub library on ``LD_LIBRARY_PATH``, a subprocess imports the wrapper and writes
+   the offsets and sizes of the structures the fake fills (``layout.h``) from the wrapper's own
+   ctypes definitions. The fake is then ``fakeamdsmi.c`` (the calls the backend uses,
+   implemented from a scenario file) plus the stubs of every other symbol.
+
+A new ``amdsmi`` release that binds a new symbol or moves a field therefore rebuilds a matching
+fake (the build is redone when the wrapper file or the sources change).
+
+What the fake host shows is a scenario file (``FAKE_AMDSMI_SCENARIO``) that :class:`FakeAmdSmi`
+writes from the simulated fleet schema (README, "Fleet file format") plus keys only an AMD
+driver has: ``rocr_uuid`` (KFD's unique id as ROCr spells it, ``GPU-<16 hex>``; default derived
+from the UUID), ``hip_id`` (ROCr's enumeration index; default: the position), ``socket``,
+``partition_id``, ``compute_partition`` (``SPX``/``CPX``/...), ``memory_partition``
+(``NPS1``/``NPS4``), ``unsupported`` (see the C file), ``error`` (``"no_permission"``,
+``"lost"`` or a status number) and top-level ``driver: "none"`` / ``init_error``.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FakeAmdSmi",
+    "build_fake_amdsmi",
+    "fleet_amd_8x",
+    "fleet_amd_partitions",
+    "preload_fake_amdsmi",
+    "render_scenario",
+    "wrapper_symbols",
+]
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "fakeamdsmi.c"
+BUILD_DIR = HERE / "build"
+SONAME = "libamd_smi.so"
+GiB = 1024**3
+MiB = 1024**2
+
+STATUS = {"no_permission": 10, "lost": 12, "io": 12, "not_supported": 2, "busy": 30,
+          "driver_not_loaded": 34, "init_error": 18}
+UNSUPPORTED_NAMES = (
+    "activity", "temp_hotspot", "temp_edge", "power", "power_cap", "memory", "processes",
+    "partition", "enumeration", "kfd", "asic", "uuid", "bdf", "driver",
+)
+
+#: The structures the fake fills and the wrapper constants it needs, read from the wrapper.
+_STRUCTS = (
+    "amdsmi_asic_info_t", "amdsmi_enumeration_info_t", "amdsmi_kfd_info_t",
+    "amdsmi_engine_usage_t", "amdsmi_power_info_t", "amdsmi_power_cap_info_t",
+    "amdsmi_proc_info_t", "amdsmi_driver_info_t", "amdsmi_bdf_t",
+)
+_CONSTANTS = (
+    "AMDSMI_MEM_TYPE_VRAM", "AMDSMI_TEMPERATURE_TYPE_EDGE", "AMDSMI_TEMPERATURE_TYPE_HOTSPOT",
+    "AMDSMI_TEMP_CURRENT",
+)
+_PROBE = r"""
+import ctypes, json, sys
+import amdsmi.amdsmi_wrapper as w
+out = {"sizes": {}, "fields": {}, "constants": {}}
+def walk(cls, base, prefix):
+    for f in cls._fields_:
+        d = getattr(cls, f[0])
+        if len(f) > 2:  # a bit field: never filled by field
+            continue
+        off = base + d.offset
+        out["fields"][prefix + f[0]] = [off, d.size]
+        t = f[1]
+        if isinstance(t, type) and issubclass(t, (ctypes.Structure, ctypes.Union)):
+            walk(t, off, prefix + f[0] + "__")
+for name in json.loads(sys.argv[1]):
+    cls = getattr(w, name)
+    out["sizes"][name] = ctypes.sizeof(cls)
+    walk(cls, 0, name + "__")
+for name in json.loads(sys.argv[2]):
+    out["constants"][name] = int(getattr(w, name))
+print(json.dumps(out))
+"""
+_SYMBOL_RE = re.compile(r"^(amdsmi_\w+) = _libraries\['libamd_smi\.so'\]\.(amdsmi_\w+)$", re.M)
+_IMPLEMENTED_RE = re.compile(r"^EXPORT amdsmi_status_t (amdsmi_\w+)\(", re.M)
+
+_build_lock = threading.Lock()
+
+
+def wrapper_path() -> Path:
+    """The installed ``amdsmi/amdsmi_wrapper.py`` (found without importing the package)."""
+    spec = importlib.util.find_spec("amdsmi")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the amdsmi package is not installed: pip install 'autogpu-jupyter[amd]'"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "amdsmi_wrapper.py"
+
+
+def wrapper_symbols() -> list[str]:
+    """Every ``amdsmi_*`` symbol the installed wrapper binds from ``libamd_smi.so``, in order."""
+    names = [m.group(2) for m in _SYMBOL_RE.finditer(wrapper_path().read_text(encoding="utf-8"))]
+    return list(dict.fromkeys(names))
+
+
+def _stubs(names: list[str]) -> str:
+    lines = ["/* generated by tests/fakeamdsmi/__init__.py: every wrapper symbol the fake does",
+             " * not implement answers AMDSMI_STATUS_NOT_SUPPORTED (2) */",
+             '#define EXPORT __attribute__((visibility("default")))']
+    lines += [f"EXPORT int {n}(void) {{ return 2; }}" for n in names]
+    return "\n".join(lines) + "\n"
+
+
+def _gcc(out: Path, sources: list[Path], include: Path | None = None) -> None:
+    cmd = ["gcc", "-O2", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall",
+           "-Wextra", "-Wno-unused-parameter", f"-Wl,-soname,{SONAME}", "-o", str(out)]
+    if include is not None:
+        cmd.append(f"-I{include}")
+    proc = subprocess.run([*cmd, *map(str, sources)], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"building the fake libamd_smi.so failed:\n{proc.stderr}")
+
+
+def build_fake_amdsmi() -> Path:
+    """Generate and compile the fake (when missing or older than its inputs); return its path."""
+    wrapper = wrapper_path()
+    target = BUILD_DIR / SONAME
+    newest = max(p.stat().st_mtime_ns for p in (SOURCE, Path(__file__), wrapper))
+    with _build_lock:
+        if target.exists() and target.stat().st_mtime_ns >= newest:
+            return target
+        BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".build-", dir=BUILD_DIR))
+        try:
+            names = wrapper_symbols()
+            stage1 = work / "stage1"
+            stage1.mkdir()
+            (work / "all_stubs.c").write_text(_stubs(names), encoding="utf-8")
+            _gcc(stage1 / SONAME, [work / "all_stubs.c"])
+            env = dict(os.environ, LD_LIBRARY_PATH=str(stage1))
+            for var in ("ROCM_HOME", "ROCM_PATH"):
+                env.pop(var, None)
+            probe = subprocess.run(
+                [sys.executable, "-c", _PROBE, json.dumps(_STRUCTS), json.dumps(_CONSTANTS)],
+                capture_output=True, text=True, env=env, check=False,
+            )
+            if probe.returncode != 0:
+                raise RuntimeError(f"reading the amdsmi wrapper's layouts failed:\n{probe.stderr}")
+            layout = json.loads(probe.stdout.strip().splitlines()[-1])
+            header = ["/* generated by tests/fakeamdsmi/__init__.py from the installed amdsmi "
+                      "wrapper */"]
+            header += [f"#define SIZEOF_{k} {v}" for k, v in layout["sizes"].items()]
+            for k, (off, size) in layout["fields"].items():
+                header += [f"#define OFF_{k} {off}", f"#define LEN_{k} {size}"]
+            header += [f"#define {k} {v}" for k, v in layout["constants"].items()]
+            (work / "layout.h").write_text("\n".join(header) + "\n", encoding="utf-8")
+            implemented = set(_IMPLEMENTED_RE.findall(SOURCE.read_text(encoding="utf-8")))
+            (work / "stubs.c").write_text(
+                _stubs([n for n in names if n not in implemented]), encoding="utf-8"
+            )
+            tmp = work / SONAME
+            _gcc(tmp, [SOURCE, work / "stubs.c"], include=work)
+            os.replace(tmp, target)
+        finally:
+            subprocess.run(["rm", "-rf", str(work)], check=False)
+    return target
+
+
+_preloaded: ctypes.CDLL | None = None
+
+
+def preload_fake_amdsmi() -> ctypes.CDLL:
+    """Load the fake into this process (``RTLD_GLOBAL``) so that the wrapper's
+    ``CDLL("libamd_smi.so")`` resolves to it (glibc matches the soname of a loaded object)."""
+    global _preloaded
+    if _preloaded is None:
+        _preloaded = ctypes.CDLL(str(build_fake_amdsmi()), mode=ctypes.RTLD_GLOBAL)
+        _preloaded.fakeamdsmi_calls.restype = ctypes.c_ulong
+        _preloaded.fakeamdsmi_calls.argtypes = [ctypes.c_char_p]
+        _preloaded.fakeamdsmi_total_calls.restype = ctypes.c_ulong
+    return _preloaded
+
+
+def _bytes(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    from autogpu_jupyter.core.units import parse_size
+
+    return parse_size(value).resolve(None)
+
+
+def _clean(text: Any) -> str:
+    return " ".join(str(text).split())
+
+
+def _status(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:
+        return STATUS[str(value).lower()]
+    except KeyError:
+        raise ValueError(f"unknown amdsmi status {value!r}; expected one of {', '.join(STATUS)} "
+                         "or a number") from None
+
+
+def default_rocr_uuid(uuid: str) -> str:
+    """ROCr's ``GPU-<16 hex>`` for a fleet UUID without one: its first 16 hex digits."""
+    digits = "".join(c for c in uuid.lower() if c in "0123456789abcdef")
+    return "GPU-" + (digits + "0" * 16)[:16]
+
+
+def _render_device(lines: list[str], position: int, spec: dict[str, Any]) -> None:
+    lines.append("gpu")
+    uuid = _clean(spec["uuid"])
+    lines.append(f"uuid {uuid}")
+    lines.append(f"name {_clean(spec.get('name', 'AMD Instinct MI300X'))}")
+    rocr = _clean(spec.get("rocr_uuid") or default_rocr_uuid(uuid))
+    lines.append(f"hip_uuid {rocr}")
+    lines.append(f"asic_serial {rocr.removeprefix('GPU-')}")
+    lines.append(f"bdf {_clean(spec.get('pci_bus_id') or '0000:00:00.0')}")
+    if "socket" in spec:
+        lines.append(f"socket {int(spec['socket'])}")
+    lines.append(f"hip_id {int(spec.get('hip_id', position))}")
+    lines.append(f"node_id {int(spec.get('node_id', position + 1))}")
+    lines.append(f"partition_id {int(spec.get('partition_id', 0))}")
+    lines.append(f"compute_partition {_clean(spec.get('compute_partition', 'SPX'))}")
+    lines.append(f"memory_partition {_clean(spec.get('memory_partition', 'NPS1'))}")
+    unsupported = set(spec.get("unsupported", ()))
+    bad = unsupported - set(UNSUPPORTED_NAMES)
+    if bad:
+        raise ValueError(f"unknown unsupported query {sorted(bad)}; expected {UNSUPPORTED_NAMES}")
+    error = spec.get("error")
+    if spec.get("lost"):
+        error = error or "lost"
+    if error is not None:
+        lines.append(f"error {_status(error)}")
+    total = _bytes(spec.get("memory_total"))
+    used = _bytes(spec.get("memory_used"))
+    procs = spec.get("processes") or []
+    if used is None:
+        used = sum(_bytes(p.get("used_memory")) or 0 for p in procs)
+    if total is None:
+        unsupported.add("memory")
+    lines.append(f"vram_total {total or 0}")
+    lines.append(f"vram_used {used}")
+    util = spec.get("utilization_pct")
+    if util is None:
+        unsupported.add("activity")
+    lines.append(f"gfx {round(float(util or 0))}")
+    lines.append(f"umc {round(float(spec.get('memory_utilization_pct') or 0))}")
+    temp = spec.get("temperature_c")
+    if temp is None and util is not None:
+        temp = round(32 + 0.45 * float(util))
+    if temp is None:
+        unsupported.add("temp_hotspot")
+    lines.append(f"temp_hotspot {round(float(temp or 0))}")
+    edge = spec.get("temperature_edge_c")
+    if edge is None:
+        unsupported.add("temp_edge")  # MI300: no edge sensor
+    lines.append(f"temp_edge {round(float(edge or 0))}")
+    limit = spec.get("power_limit_w")
+    power = spec.get("power_w")
+    if power is None and limit is not None and util is not None:
+        power = round(float(limit) * (0.15 + 0.8 * float(util) / 100.0))
+    if power is None:
+        unsupported.add("power")
+    if limit is None:
+        unsupported.add("power_cap")
+    lines.append(f"power_w {round(float(power or 0))}")
+    lines.append(f"power_cap_w {round(float(limit or 0))}")
+    if unsupported:
+        lines.append("unsupported " + ",".join(sorted(unsupported)))
+    for p in procs:
+        pm = _bytes(p.get("used_memory"))
+        if pm is None and "memory_share" in p:
+            pm = int(used * float(p["memory_share"]))
+        lines.append(f"proc {int(p['pid'])} {pm or 0} {_clean(p.get('name', 'python3'))}")
+
+
+def render_scenario(fleet: dict[str, Any]) -> str:
+    """The scenario text the C library reads, for a fleet in the simulated-fleet JSON schema."""
+    lines = ["# fake amdsmi scenario (tests/fakeamdsmi); written by FakeAmdSmi.write"]
+    driver = fleet.get("driver")
+    if driver is not None and str(driver).lower() == "none":
+        lines.append("driver none")
+    else:
+        lines.append(f"driver {_clean(fleet.get('driver_version', '6.10.5'))}")
+    if fleet.get("init_error") is not None:
+        lines.append(f"init_error {_status(fleet['init_error'])}")
+    for position, spec in enumerate(fleet.get("devices", [])):
+        _render_device(lines, position, spec)
+    lines.append("end")
+    return "\n".join(lines) + "\n"
+
+
+class FakeAmdSmi:
+    """One fake AMD host: a scenario file plus the environment that points amdsmi users at it.
+
+    Parameters
+    ----------
+    directory
+        Where the scenario file lives (a test's ``tmp_path``).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.library = build_fake_amdsmi()
+        self.scenario_path = self.directory / "fake-amdsmi-scenario.txt"
+        self.fleet: dict[str, Any] = {"devices": []}
+        self._last_mtime_ns = 0
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment entries a subprocess needs to see this fake host (and no NVIDIA one: the
+        fake NVML's folder is left off, so automatic detection finds only amdsmi)."""
+        return {
+            "LD_LIBRARY_PATH": str(self.library.parent),
+            "FAKE_AMDSMI_SCENARIO": str(self.scenario_path),
+            "ROCM_PATH": str(self.directory / "no-rocm"),
+        }
+
+    def subprocess_env(self, **extra: str) -> dict[str, str]:
+        """``os.environ`` (less NVML's fake and any simulation) plus :attr:`env` plus ``extra``."""
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("FAKE_NVML_SCENARIO", "AUTOGPU_SIMULATE", "AUTOGPU_BACKEND",
+                            "ROCM_HOME")}
+        env.update(self.env)
+        env.update(extra)
+        return env
+
+    def write(self, fleet: dict[str, Any]) -> None:
+        """Make the fake driver show ``fleet`` (atomically)."""
+        text = render_scenario(fleet)
+        self.fleet = copy.deepcopy(fleet)
+        fd, tmp = tempfile.mkstemp(prefix=".scenario-", dir=self.directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            stamp = max(time.time_ns(), self._last_mtime_ns + 1_000_000)
+            self._last_mtime_ns = stamp
+            os.utime(tmp, ns=(stamp, stamp))
+            os.replace(tmp, self.scenario_path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def set(self, index: int, **fields: Any) -> None:
+        """Change fields of processor ``index`` (its position in the fleet)."""
+        fleet = copy.deepcopy(self.fleet)
+        fleet["devices"][index].update(fields)
+        self.write(fleet)
+
+    def set_driver(self, **fields: Any) -> None:
+        """Change top-level keys (``driver="none"``, ``init_error=...``)."""
+        fleet = copy.deepcopy(self.fleet)
+        fleet.update(fields)
+        self.write(fleet)
+
+    @staticmethod
+    def calls(name: str) -> int:
+        """How often this process called ``name`` in the preloaded fake."""
+        return int(preload_fake_amdsmi().fakeamdsmi_calls(name.encode()))
+
+    @staticmethod
+    def total_calls() -> int:
+        return int(preload_fake_amdsmi().fakeamdsmi_total_calls())
+
+
+# ---- ready-made fleets ----
+def amd_uuid(i: int) -> str:
+    """An amd-smi style UUID (``amd-smi list`` prints these)."""
+    return f"{0x5AFF74A1 + i:08x}-0000-1000-80{i:02x}-{0xC0FFEE000000 + i:012x}"
+
+
+def amd_rocr_uuid(i: int) -> str:
+    """ROCr's spelling of the same GPU's KFD unique id."""
+    return f"GPU-{0x4C2D1A9F8E3B6A70 + i:016x}"
+
+
+def fleet_amd_8x(*, processes: bool = True) -> dict[str, Any]:
+    """Eight AMD GPUs: 4 x MI300X (192 GiB) and 4 x MI210 (64 GiB), varied load."""
+    devices: list[dict[str, Any]] = []
+    for i in range(8):
+        mi300 = i < 4
+        total = 192 * GiB if mi300 else 64 * GiB
+        used_gib = [3, 150, 0, 90, 1, 40, 0, 20][i]
+        dev: dict[str, Any] = {
+            "name": "AMD Instinct MI300X" if mi300 else "AMD Instinct MI210",
+            "uuid": amd_uuid(i),
+            "rocr_uuid": amd_rocr_uuid(i),
+            "pci_bus_id": f"0000:{0x05 + 0x20 * i:02x}:00.0",
+            "memory_total": total,
+            "memory_used": used_gib * GiB,
+            "utilization_pct": [2, 96, 0, 60, 10, 85, 0, 30][i],
+            "memory_utilization_pct": [1, 70, 0, 35, 3, 50, 0, 12][i],
+            "power_limit_w": 750.0 if mi300 else 300.0,
+            "processes": [],
+        }
+        if not mi300:
+            dev["temperature_edge_c"] = 40 + i
+        if processes and used_gib:
+            dev["processes"] = [{"pid": 1_100_000 + i, "used_memory": used_gib * GiB,
+                                 "name": "python3"}]
+        devices.append(dev)
+    return {"driver_version": "6.10.5", "devices": devices}
+
+
+def fleet_amd_partitions() -> dict[str, Any]:
+    """One MI300X in CPX mode with NPS4 memory (8 partitions over 4 memory quadrants) whose
+    partitions share one KFD unique id (as drivers before ROCm 7.12 report them), then one
+    MI300X in SPX / NPS1."""
+    devices: list[dict[str, Any]] = []
+    shared = "GPU-7f3c2a1b0e9d8c76"
+    for p in range(8):
+        devices.append({
+            "name": "AMD Instinct MI300X",
+            "uuid": f"02ff74a1-0000-1000-80{p:02x}-7f3c2a1b0e9d",
+            "rocr_uuid": shared,
+            "pci_bus_id": "0000:05:00.0",
+            "socket": 0,
+            "partition_id": p,
+            "compute_partition": "CPX",
+            "memory_partition": "NPS4",
+            "memory_total": 48 * GiB,
+            "memory_used": (4 if p == 1 else 0) * GiB,
+            "utilization_pct": 40,  # the socket's: amdsmi has no per-partition activity
+            "temperature_c": 50,
+            "power_w": 400,
+            "power_limit_w": 750,
+            "processes": ([{"pid": 1_200_001, "used_memory": 4 * GiB, "name": "python3"}]
+                          if p == 1 else []),
+        })
+    devices.append({
+        "name": "AMD Instinct MI300X",
+        "uuid": "ffff74a1-0000-1000-80ff-5b6c7d8e9fa0",
+        "rocr_uuid": "GPU-5b6c7d8e9fa01234",
+        "pci_bus_id": "0000:25:00.0",
+        "socket": 1,
+        "memory_total": 192 * GiB,
+        "memory_used": 0,
+        "utilization_pct": 0,
+        "power_limit_w": 750,
+    })
+    return {"driver_version": "6.10.5", "devices": devices}

@@ -1,0 +1,65 @@
+"""The HIP too-late check's decisions on a prepared memory map and descriptor folder (the real
+runtime path, with the fake HIP, is in tests/processes/test_amd_host.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from autogpu_jupyter.core.cudastate import hip_state, hip_too_late_message, kfd_open, mapped_rocm
+
+HIP = "/opt/rocm-6.4.1/lib/libamdhip64.so.6.4.60401"
+HSA = "/opt/rocm-6.4.1/lib/libhsa-runtime64.so.1.15.60401"
+
+
+def maps(tmp_path: Path, *paths: str) -> str:
+    lines = [f"7f00000{i}000-7f00000{i}fff r-xp 00000000 08:01 {100 + i} {p}"
+             for i, p in enumerate(paths)]
+    lines.append("7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0 [stack]")
+    f = tmp_path / "maps"
+    f.write_text("\n".join(lines) + "\n")
+    return str(f)
+
+
+def fds(tmp_path: Path, *targets: str) -> str:
+    d = tmp_path / "fd"
+    d.mkdir()
+    for i, t in enumerate(targets):
+        os.symlink(t, d / str(i + 3))
+    return str(d)
+
+
+def test_an_open_dev_kfd_means_rocr_has_initialised(tmp_path: Path) -> None:
+    fd_dir = fds(tmp_path, "/dev/null", "/dev/kfd", "socket:[1234]")
+    assert kfd_open(fd_dir)
+    state = hip_state(maps(tmp_path), fd_dir)
+    assert (state.initialized, state.evidence) == (
+        True, "this process holds /dev/kfd open: the ROCr runtime has initialised")
+
+
+def test_nothing_mapped_and_no_kfd_is_in_time(tmp_path: Path) -> None:
+    state = hip_state(maps(tmp_path, "/usr/lib/x86_64-linux-gnu/libc.so.6"),
+                      fds(tmp_path, "/dev/null"))
+    assert not state.initialized
+    assert mapped_rocm(maps(tmp_path, HIP, HSA, HIP)) == [HIP, HSA]
+
+
+def test_a_mapped_rocr_that_cannot_be_asked_counts_as_initialised(tmp_path: Path) -> None:
+    # the paths are not loaded in this process: RTLD_NOLOAD fails, and that fails closed
+    state = hip_state(maps(tmp_path, HIP, HSA), fds(tmp_path))
+    assert state.initialized
+    assert state.evidence.startswith(f"ROCr is mapped ({HSA}) but could not be asked (")
+    assert state.evidence.endswith("; assuming HIP is initialised")
+    only_hip = hip_state(maps(tmp_path, HIP), str(tmp_path / "fd"))
+    assert only_hip.initialized and "without ROCr" in only_hip.evidence
+
+
+def test_the_message_names_the_rocm_variables_and_the_fix(tmp_path: Path) -> None:
+    state = hip_state(maps(tmp_path), fds(tmp_path, "/dev/kfd"))
+    assert hip_too_late_message(state) == (
+        "HIP (ROCm) is already initialised in this kernel (this process holds /dev/kfd open: "
+        "the ROCr runtime has initialised). ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES are "
+        "read once, when ROCm initialises, so changing them now has no effect; nothing was "
+        "changed. Restart the kernel and run `%gpu pick` first, before anything uses the GPU "
+        "(torch.cuda..., a tensor on the GPU), or start the notebook with the \"Python 3 "
+        "(autogpu)\" kernel, which picks before the kernel starts.")

@@ -1,0 +1,170 @@
+"""ROCm's visibility variables, read by the runtimes' rules and written so every reader agrees.
+
+The examples of ROCr's own filter (``amd_filter_device.h``: four GPUs with the UUIDs below) are
+checked as ROCr documents them; HIP's list is read over what ROCr left; Slurm's grant is an upper
+bound that no value widens (checked over every combination of a set of values).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from autogpu_jupyter.core.devices import DeviceSnapshot
+from autogpu_jupyter.core.visibility import (
+    current_allocation,
+    parse_hip_visible_devices,
+    parse_rocr_visible_devices,
+    rocm_allocation,
+    rocm_env,
+    visible_env,
+)
+
+ROCR_UUIDS = ["GPU-BABABABABABABABA", "GPU-ABBAABBAABBAABBA", "GPU-BABAABBAABBABABA",
+              "GPU-ABBABABABABAABBA"]
+GPUS = [
+    DeviceSnapshot(index=i, uuid=f"amd-{i}", name="AMD Instinct MI300X", vendor="amd",
+                   runtime_uuid=ROCR_UUIDS[i].lower().replace("gpu-", "GPU-"))
+    for i in range(4)
+]
+#: Eight partitions of one GPU sharing one ROCr UUID (drivers before ROCm 7.12), then a GPU.
+PARTS = [
+    DeviceSnapshot(index=i, uuid=f"part-{i}", name=f"AMD Instinct MI300X (CPX {i}, NPS1)",
+                   vendor="amd", runtime_uuid="GPU-7f3c2a1b0e9d8c76")
+    for i in range(8)
+] + [DeviceSnapshot(index=8, uuid="whole", name="AMD Instinct MI300X", vendor="amd",
+                    runtime_uuid="GPU-5b6c7d8e9fa01234")]
+
+
+def rocr(value: str) -> list[int]:
+    uuids, _ = parse_rocr_visible_devices(value, GPUS)
+    return [int(u.removeprefix("amd-")) for u in uuids]
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        # ROCr's documented examples (A1-A3, B, C, D)
+        ("", []),
+        ("-1", []),
+        ("GPU-XX", []),
+        ("3,GPU-BABABABABABABABA,4", [3, 0]),
+        ("1,GPU-ABBAABBAABBAABBA,GPU-XX", [1]),  # GPU-ABBA... is GPU 1 again: ends the list
+        ("3,GPU-BABAABBA,GPU-XX", [3, 2]),
+        # strtol(base 0), the whole token: hex and octal read, "0-2" and "1gpu" end the list
+        ("0x2,010", [2]),
+        ("02,1", [2, 1]),
+        ("0-2", []),
+        ("1gpu,2", []),
+        (" 2 , 1 ", [2, 1]),
+        ("gpu-babababababababa,3", [0, 3]),  # upper-cased first
+        ("GPU-ABBA", []),  # a prefix of two GPUs' UUIDs: ambiguous, ends the list
+        ("1,,2", [1, 0, 2]),  # an empty token reads as 0
+        ("0,1,2,3,0", [0, 1, 2, 3]),
+        ("3,", [3]),
+    ],
+)
+def test_rocr_visible_devices_as_rocr_reads_it(value: str, shown: list[int]) -> None:
+    assert rocr(value) == shown
+
+
+def test_a_rocr_uuid_shared_by_partitions_names_none_of_them() -> None:
+    uuids, notes = parse_rocr_visible_devices("GPU-7f3c2a1b0e9d8c76,8", PARTS)
+    assert uuids == ()
+    assert notes == ("ROCR_VISIBLE_DEVICES: stopped at 'GPU-7F3C2A1B0E9D8C76' (ambiguous: it "
+                     "matches several GPUs); later entries are ignored, as ROCr does",)
+    assert parse_rocr_visible_devices("3,8", PARTS)[0] == ("part-3", "whole")
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("2,0", [2, 0]),
+        ("2,2,1", [2, 1]),  # HIP skips a repeated GPU
+        ("01,2", []),  # not canonical decimal: ends the list
+        (" 1", []),
+        ("+1", []),
+        ("1,-1,2", [1]),
+        ("GPU-abbaabbaabbaabba,0", [1, 0]),  # UUIDs in the runtime's (lower-case) spelling
+        ("GPU-ABBAABBAABBAABBA", []),  # HIP compares case-sensitively
+        ("GPU-abba", [1]),  # a substring: the first GPU whose UUID contains it
+        ("4", []),
+    ],
+)
+def test_hip_visible_devices_as_hip_reads_it(value: str, shown: list[int]) -> None:
+    uuids, _ = parse_hip_visible_devices(value, GPUS)
+    assert [int(u.removeprefix("amd-")) for u in uuids] == shown
+
+
+def test_hip_indices_count_what_rocr_left() -> None:
+    alloc = rocm_allocation(GPUS, {"ROCR_VISIBLE_DEVICES": "3,1,2", "HIP_VISIBLE_DEVICES": "2,0"})
+    assert alloc.uuids == ("amd-2", "amd-3")
+    assert alloc.describe() == (
+        "ROCR_VISIBLE_DEVICES='3,1,2' and HIP_VISIBLE_DEVICES='2,0' grant GPU 2, GPU 3")
+    # HIP_VISIBLE_DEVICES wins over CUDA_VISIBLE_DEVICES; an empty one counts as unset
+    both = {"CUDA_VISIBLE_DEVICES": "1", "HIP_VISIBLE_DEVICES": "3"}
+    assert rocm_allocation(GPUS, both).uuids == ("amd-3",)
+    assert rocm_allocation(GPUS, {**both, "HIP_VISIBLE_DEVICES": ""}).uuids == ("amd-1",)
+    # GPU_DEVICE_ORDINAL (OpenCL) bounds the grant too
+    assert rocm_allocation(GPUS, {"GPU_DEVICE_ORDINAL": "0,2"}).uuids == ("amd-0", "amd-2")
+
+
+def test_an_amd_host_reads_the_rocm_variables() -> None:
+    env = {"ROCR_VISIBLE_DEVICES": "GPU-ABBABABABABAABBA"}
+    assert current_allocation(GPUS, env).uuids == ("amd-3",)
+    assert current_allocation(GPUS, {}).unrestricted
+
+
+def test_the_written_environment_shows_exactly_the_chosen_gpus_as_0_to_n() -> None:
+    env = visible_env(["amd-3", "amd-1"], GPUS)
+    assert env == {
+        "ROCR_VISIBLE_DEVICES": "GPU-abbababababaabba,GPU-abbaabbaabbaabba",
+        "HIP_VISIBLE_DEVICES": "0,1",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "GPU_DEVICE_ORDINAL": "0,1",
+    }
+    # read back by the runtimes' rules: exactly those GPUs, in that order
+    assert rocm_allocation(GPUS, env).uuids == ("amd-3", "amd-1")
+
+
+def test_partitions_sharing_a_uuid_are_written_by_index() -> None:
+    env = rocm_env([PARTS[5]], PARTS)
+    assert env["ROCR_VISIBLE_DEVICES"] == "5"
+    assert rocm_allocation(PARTS, env).uuids == ("part-5",)
+    assert rocm_env([PARTS[8]], PARTS)["ROCR_VISIBLE_DEVICES"] == "GPU-5b6c7d8e9fa01234"
+
+
+SLURM_ENVS = [
+    # gres.conf Flags=amd_gpu_env (AutoDetect=rsmi's default): only ROCR_VISIBLE_DEVICES
+    {"SLURM_STEP_GPUS": "1,2", "ROCR_VISIBLE_DEVICES": "1,2"},
+    # no flags: Slurm writes the same ids to every variable (global ids, no device cgroup)
+    {"SLURM_STEP_GPUS": "1,2", "ROCR_VISIBLE_DEVICES": "1,2", "CUDA_VISIBLE_DEVICES": "1,2",
+     "GPU_DEVICE_ORDINAL": "1,2"},
+    # under a device cgroup amdsmi does not honour: ids relative to the job
+    {"SLURM_STEP_GPUS": "1,2", "ROCR_VISIBLE_DEVICES": "0,1", "CUDA_VISIBLE_DEVICES": "0,1",
+     "GPU_DEVICE_ORDINAL": "0,1"},
+]
+
+
+@pytest.mark.parametrize("env", SLURM_ENVS)
+def test_slurms_grant_is_read_as_the_jobs_gpus(env: dict[str, str]) -> None:
+    assert rocm_allocation(GPUS, env).uuids == ("amd-1", "amd-2")
+
+
+VALUES = ["", "0", "3", "1,2", "2,1", "0,3", "GPU-abbaabbaabbaabba", "GPU-BABABABABABABABA",
+          "-1", "0,1,2,3"]
+
+
+@pytest.mark.parametrize("slurm", ["1,2", "3", "0"])
+def test_no_value_of_any_variable_widens_slurms_grant(slurm: str) -> None:
+    granted = {f"amd-{i}" for i in map(int, slurm.split(","))}
+    for rocr_v, hip_v, cvd_v in itertools.product([None, *VALUES], [None, *VALUES[:6]],
+                                                  [None, *VALUES[:6]]):
+        env = {"SLURM_JOB_GPUS": slurm}
+        for var, v in (("ROCR_VISIBLE_DEVICES", rocr_v), ("HIP_VISIBLE_DEVICES", hip_v),
+                       ("CUDA_VISIBLE_DEVICES", cvd_v)):
+            if v is not None:
+                env[var] = v
+        alloc = rocm_allocation(GPUS, env)
+        assert alloc.uuids is not None and set(alloc.uuids) <= granted, env
