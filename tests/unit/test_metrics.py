@@ -84,7 +84,7 @@ def test_unknown_values_have_no_sample_and_a_lost_gpu_only_its_availability(
     assert LLOST not in of(got, "autogpu_gpu_temperature_celsius")
     assert of(got, "autogpu_host_info") == {
         (("backend", "simulated"), ("hostname", HOST), ("simulated", "true"),
-         ("version", "0.1.0")): 1.0}
+         ("vendor", "nvidia"), ("version", "0.1.0")): 1.0}
 
 
 def test_bookings_count_in_the_used_ratio_capped_at_one(fleet_file: Path, tmp_path: Path) -> None:
