@@ -463,9 +463,8 @@ def _cmd_hosts(args: argparse.Namespace) -> int:
             "c.AutoGPU.prometheus_url or $AUTOGPU_PROMETHEUS_URL"
         )
     defaults = {k: v for k, v in defaults_from(settings).items() if k in HOSTS_OPTIONS}
-    constraints = parse_options(
-        from_namespace(args), defaults=defaults, accept=HOSTS_OPTIONS
-    ).constraints
+    given = {k: v for k, v in from_namespace(args).items() if k in HOSTS_OPTIONS}
+    constraints = parse_options(given, defaults=defaults, accept=HOSTS_OPTIONS).constraints
     view = fetch_cluster(PrometheusClient(url, settings.prometheus_timeout_s))
     choices = rank_hosts(view, constraints)
     if args.json:

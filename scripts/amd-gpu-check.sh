@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a real AMD machine (ROCm): print what amd-smi sees and autogpu's view of it, then run the
 # `amdgpu` tests (our snapshot vs amd-smi; %gpu pick in a real kernel against the device PyTorch's
-# ROCm build opens; a pick after HIP started is refused). It expects a working driver: where
-# amd-smi is missing or fails, the tests FAIL (exit status 1), never "skipped"
+# ROCm build opens; a pick after HIP started is refused). It expects a working driver and
+# PyTorch's ROCm build: where amd-smi is missing or fails, or torch is, the tests FAIL (exit
+# status 1), never "skipped"
 # (AUTOGPU_EXPECT_AMD_GPU=1; set it to 0 to let them skip on a machine without an AMD GPU).
 #
 #   scripts/amd-gpu-check.sh        # uses .venv/bin/python when present, else python3
@@ -30,6 +31,6 @@ for d in snap.devices:
 PY
 echo "== torch"
 "$PY" -c "import torch; print('torch', torch.__version__, 'hip', torch.version.hip)" 2>/dev/null \
-  || echo "PyTorch is not installed: the framework check will be skipped"
+  || echo "PyTorch is not installed: the framework check fails (AUTOGPU_EXPECT_AMD_GPU=0 skips it)"
 echo "== pytest -m amdgpu"
 exec "$PY" -m pytest -m amdgpu -v -rs -s -p no:cacheprovider tests/gpu/test_amd_hardware.py

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On a real NVIDIA machine: print what the driver sees, then run the `gpu` tests (our snapshot vs
 # nvidia-smi; %gpu pick in a real kernel; the device torch/cupy opens has the picked UUID; a pick
-# after torch.cuda.is_available() is refused). It expects a working driver: where nvidia-smi is
-# missing or fails, the tests FAIL (exit status 1), never "skipped" (AUTOGPU_EXPECT_GPU=1; set it
-# to 0 to let them skip on a machine without a GPU).
+# after torch.cuda.is_available() is refused). It expects a working driver and torch or cupy:
+# where nvidia-smi is missing or fails, or neither framework is installed, the tests FAIL (exit
+# status 1), never "skipped" (AUTOGPU_EXPECT_GPU=1; set it to 0 to let them skip).
 #
 #   scripts/gpu-check.sh            # uses .venv/bin/python when present, else python3
 set -u
@@ -30,6 +30,6 @@ PY
 echo "== torch / cupy"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>/dev/null \
   || "$PY" -c "import cupy; print('cupy', cupy.__version__)" 2>/dev/null \
-  || echo "neither torch nor cupy installed: the framework checks will be skipped"
+  || echo "neither torch nor cupy installed: the framework checks fail (AUTOGPU_EXPECT_GPU=0 skips them)"
 echo "== pytest -m gpu"
 exec "$PY" -m pytest -m gpu -v -rs -s -p no:cacheprovider tests/gpu/test_hardware.py

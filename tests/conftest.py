@@ -25,20 +25,39 @@ _FOLDER_MARKERS = {
 }
 
 
+def _folder_markers(path: object) -> tuple[str, ...]:
+    """The markers of the folder of ``tests/`` that ``path`` lies in."""
+    try:
+        folder = Path(str(path)).resolve().relative_to(Path(__file__).resolve().parent).parts[0]
+    except (ValueError, IndexError):
+        return ()
+    return _FOLDER_MARKERS.get(folder, ())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    tests_dir = Path(__file__).resolve().parent
     for item in items:
-        try:
-            folder = Path(str(item.path)).resolve().relative_to(tests_dir).parts[0]
-        except (ValueError, IndexError):
-            continue
-        for name in _FOLDER_MARKERS.get(folder, ()):
+        for name in _folder_markers(item.path):
             if item.get_closest_marker(name) is None:
                 item.add_marker(name)
 
 
 def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _ci_forbids(report: pytest.TestReport | pytest.CollectReport) -> bool:
+    """A skip that CI turns into a failure: any skip (``skip``/``skipif`` markers, a runtime
+    ``pytest.skip`` such as a root-only test's), but not an expected failure (``xfail``, which
+    pytest also reports as skipped: it states a known bug, it hides no behaviour)."""
+    return bool(report.skipped and _in_ci() and not hasattr(report, "wasxfail"))
+
+
+def _fail_instead(report: pytest.TestReport | pytest.CollectReport) -> None:
+    where, why = "", report.longrepr
+    if isinstance(why, tuple) and len(why) == 3:  # a skip's (path, line, "Skipped: reason")
+        where, why = f" ({why[0]}:{why[1]})", why[2]
+    report.outcome = "failed"
+    report.longrepr = f"skipped in CI, where it must run: {why}{where}"
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -50,9 +69,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     ``AUTOGPU_EXPECT_GPU=1`` says a GPU is expected: see tests/gpu/.)"""
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and _in_ci() and item.get_closest_marker("gpu") is None:
-        report.outcome = "failed"
-        report.longrepr = f"skipped in CI, where it must run: {report.longrepr}"
+    if _ci_forbids(report) and item.get_closest_marker("gpu") is None:
+        _fail_instead(report)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-untyped-def]
+    """The same rule for a whole module skipped while it is collected (a module-level
+    ``pytest.skip(..., allow_module_level=True)`` or ``pytest.importorskip``): its tests never
+    become items, so the rule above never sees them. Only ``tests/gpu/`` may do that in CI; a
+    collection error stops the run, as it should."""
+    outcome = yield
+    report = outcome.get_result()
+    if _ci_forbids(report) and "gpu" not in _folder_markers(collector.path):
+        _fail_instead(report)
 
 
 @pytest.fixture(autouse=True)

@@ -622,7 +622,7 @@ def parse_kernel_id(value: Any) -> str | None:
     """The ``kernel_id`` parameter of ``select``: ``None`` when absent, else a safe id."""
     if value is None or value == "":
         return None
-    if not isinstance(value, str) or not _KERNEL_ID.match(value):
+    if not isinstance(value, str) or not _KERNEL_ID.fullmatch(value):
         raise UsageErrorBase(
             f"invalid kernel_id {value!r}: expected a kernel id such as "
             "'5e6f7a8b-1c2d-4e5f-8a9b-0c1d2e3f4a5b'"

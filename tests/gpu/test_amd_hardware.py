@@ -3,7 +3,8 @@ the device PyTorch's ROCm build really opens, and the HIP too-late check against
 really started. Marked ``amdgpu``. Where no AMD driver is installed (no ``amd-smi``) they are
 skipped, and reported as skipped; a driver that is there but broken fails them, and so does a
 missing one where one is expected (``AUTOGPU_EXPECT_AMD_GPU=1``, which
-``scripts/amd-gpu-check.sh`` sets): a broken GPU machine must not read as "skipped".
+``scripts/amd-gpu-check.sh`` sets): a broken GPU machine must not read as "skipped". The same
+holds for PyTorch's ROCm build, which the framework check needs.
 
 Everything runs in subprocesses / kernels with a clean environment (no fake library, no
 simulation, no inherited visibility variable), never in the test process.
@@ -114,10 +115,22 @@ def kernel(tmp_path: Path) -> Iterator[Kernel]:
         k.close()
 
 
-def test_pick_is_the_device_torch_opens_and_a_late_pick_is_refused(kernel: Kernel) -> None:
+@pytest.fixture
+def torch_rocm() -> None:
+    """PyTorch's ROCm build. Missing: the test skips, or fails where an AMD GPU is expected
+    (``AUTOGPU_EXPECT_AMD_GPU=1``): a check that never opened the device proves nothing."""
     if not _torch_rocm():
-        pytest.skip("PyTorch's ROCm build is not installed: pip install torch --index-url "
-                    "https://download.pytorch.org/whl/rocm6.2")
+        why = ("PyTorch's ROCm build is not installed: pip install torch --index-url "
+               "https://download.pytorch.org/whl/rocm6.2")
+        if _EXPECTED:
+            pytest.fail(f"{why} (AUTOGPU_EXPECT_AMD_GPU=1: the framework check must run; or "
+                        "set AUTOGPU_EXPECT_AMD_GPU=0)", pytrace=False)
+        pytest.skip(why)
+
+
+def test_pick_is_the_device_torch_opens_and_a_late_pick_is_refused(
+    torch_rocm: None, kernel: Kernel
+) -> None:
     # `import torch` maps HIP without initialising it: a pick is still in time
     r = kernel.run("import torch\nfrom autogpu_jupyter.core.cudastate import hip_state\n"
                    "print(hip_state().initialized)")

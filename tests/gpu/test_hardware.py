@@ -3,7 +3,9 @@ device a framework really opens. Marked ``gpu``. Where no NVIDIA driver is insta
 ``nvidia-smi``) they are skipped, and reported as skipped. A driver that is there but broken
 (``nvidia-smi`` fails) fails them, and so does a missing driver where one is expected
 (``AUTOGPU_EXPECT_GPU=1``, which ``scripts/gpu-check.sh`` sets): a broken GPU machine must not read
-as "skipped". ``scripts/gpu-check.sh`` runs exactly these and prints what they saw.
+as "skipped". The framework checks need torch or cupy: without either they skip, except where a
+GPU is expected, where they fail (a GPU check that never opened the device proves nothing).
+``scripts/gpu-check.sh`` runs exactly these and prints what they saw.
 
 Everything runs in subprocesses / kernels with a clean environment, never in the test process:
 other test modules may have loaded the fake ``libnvidia-ml.so.1`` into it.
@@ -160,6 +162,20 @@ def _have_framework() -> str | None:
 
 
 @pytest.fixture
+def framework() -> str:
+    """torch or cupy, whichever this environment has. Neither: the test skips, or fails where a
+    GPU is expected (``AUTOGPU_EXPECT_GPU=1``)."""
+    name = _have_framework()
+    if name is None:
+        why = "neither torch nor cupy is installed in this environment"
+        if _EXPECTED:
+            pytest.fail(f"{why} (AUTOGPU_EXPECT_GPU=1: the framework checks must run; install "
+                        "torch or cupy, or set AUTOGPU_EXPECT_GPU=0)", pytrace=False)
+        pytest.skip(why)
+    return name
+
+
+@pytest.fixture
 def kernel(tmp_path: Path) -> Iterator[Kernel]:
     k = Kernel(real_env(tmp_path))
     try:
@@ -169,9 +185,7 @@ def kernel(tmp_path: Path) -> Iterator[Kernel]:
         k.close()
 
 
-def test_framework_opens_the_picked_device(kernel: Kernel) -> None:
-    if _have_framework() is None:
-        pytest.skip("neither torch nor cupy is installed in this environment")
+def test_framework_opens_the_picked_device(framework: str, kernel: Kernel) -> None:
     r = kernel.run("%gpu pick")
     print(r.stdout)
     assert r.status == "ok", r
@@ -185,10 +199,7 @@ def test_framework_opens_the_picked_device(kernel: Kernel) -> None:
     assert picked.split("-", 1)[1] == seen["uuid"].removeprefix("GPU-").removeprefix("MIG-")
 
 
-def test_pick_after_cuda_is_available_is_refused(kernel: Kernel) -> None:
-    framework = _have_framework()
-    if framework is None:
-        pytest.skip("neither torch nor cupy is installed in this environment")
+def test_pick_after_cuda_is_available_is_refused(framework: str, kernel: Kernel) -> None:
     code = (
         "import torch; print(torch.cuda.is_available())"
         if framework == "torch"

@@ -52,6 +52,27 @@ def host(fake_nvml: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dic
     return {"env": env, "registry": tmp_path / "registry", "tmp": tmp_path, "fake": fake_nvml}
 
 
+#: Run in the kernel: wait (at most 30 s) until the kernel's own sampler has read device
+#: ``uuid`` with ``used`` bytes in use (a listener on the sampler, no fixed sleep).
+SAMPLER_SEES = """
+import threading
+from autogpu_jupyter.core.sampler import current_sampler
+
+_seen = threading.Event()
+def _saw(sampler, snap):
+    dev = snap.by_uuid({uuid!r}) if snap is not None else None
+    if dev is not None and dev.memory_used_bytes == {used}:
+        _seen.set()
+_s = current_sampler()
+_s.subscribe(_saw)
+try:
+    _saw(_s, _s.latest())
+    assert _seen.wait(30), "the kernel's sampler never read the new memory use"
+finally:
+    _s.unsubscribe(_saw)
+"""
+
+
 async def _run(kc: Any, code: str) -> tuple[str, str, str]:
     outs: list[dict[str, Any]] = []
     reply = await kc.execute_interactive(code, timeout=60, output_hook=outs.append)
@@ -88,7 +109,10 @@ def test_an_autogpu_kernel_keeps_its_lease_and_never_books_twice(host: dict[str,
             assert _leases_json(host) == [before]
             # GPU 1 fills up: options it no longer meets name the device that does.
             host["fake"].set(1, memory_used=75 * GiB)
-            await asyncio.sleep(2.5)  # the kernel's sampler (1 Hz) sees it
+            # the kernel's sampler (1 Hz) sees it: waited for, not slept on
+            status, out, err = await _run(kc, SAMPLER_SEES.format(uuid=uuid_of(1),
+                                                                  used=75 * GiB))
+            assert status == "ok", err
             status, out, err = await _run(kc, "%gpu pick --min-free 30G")
             assert status == "error", out
             assert err == (

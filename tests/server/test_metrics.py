@@ -7,6 +7,7 @@ compared value by value.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -130,7 +131,7 @@ async def scrape(jp_fetch: Any) -> str:
         text = response.body.decode()
         if "autogpu_gpu_available" in text:
             return text
-        time.sleep(0.05)
+        await asyncio.sleep(0.05)
     raise AssertionError("no autogpu_gpu_* series after 5 s:\n" + text[-2000:])
 
 
@@ -172,7 +173,7 @@ async def test_lease_booking_and_odd_notebook_path_round_trip(jp_fetch: Any,
             if got.get(("autogpu_gpu_leases", dev_labels(UUID0, "0", "NVIDIA A100-SXM4-80GB"))):
                 break
             assert time.monotonic() < deadline, "the lease never showed"
-            time.sleep(0.1)
+            await asyncio.sleep(0.1)
         # escaped as the exposition format says: \" and \\
         text = await scrape(jp_fetch)
         assert 'notebook="work/\\"quoted\\" \\\\ back{slash}?line é.ipynb"' in text
@@ -194,13 +195,13 @@ async def test_scrapes_make_no_nvml_call(jp_fetch: Any, fleet: Any) -> None:
     await scrape(jp_fetch)
     sampler = sampler_mod.current_sampler()
     assert sampler is not None
-    sampler.pause()
-    time.sleep(0.3)  # a sweep in flight when paused finishes
+    # the sampler's thread ends (joined: no sweep still in flight); its latest sweep stays
+    sampler.stop()
+    assert not sampler.running
     fleet.reset_calls()
     for _ in range(20):
         await scrape(jp_fetch)
     assert preload_total_calls() == 0
-    sampler.resume()
 
 
 def preload_total_calls() -> int:
@@ -233,7 +234,7 @@ class TestMetricsOff:
             deadline = time.monotonic() + 10
             while "autogpu_lease_info{" not in response.body.decode():
                 assert time.monotonic() < deadline
-                time.sleep(0.1)
+                await asyncio.sleep(0.1)
                 response = await jp_fetch("metrics", headers={"Authorization": ""})
             text = response.body.decode()
             assert "secret.ipynb" not in text

@@ -126,3 +126,79 @@ def test_release_restores_env(host: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert "CUDA_DEVICE_ORDER" not in os.environ
     assert Registry(str(host)).list_leases() == []
     assert ag.release() is None
+
+
+def test_a_mig_devices_own_exclusive_lease_keeps_a_pick_off_it(
+    host: Path, fake_nvml: FakeNvml
+) -> None:
+    """Issue 22: another holder's exclusive lease on MIG device 0:1 keeps this pick off it,
+    though its parent GPU has no lease at all; the busier MIG device 0:0 is chosen. Caught: a
+    MIG device ranked (or its bookings folded) under its parent's UUID."""
+    from autogpu_jupyter.core.leasing import Requester
+
+    fake_nvml.write(fleet_mig())
+    mig0, mig1 = (m["uuid"] for m in fleet_mig()["devices"][0]["mig_devices"])
+    with Registry(str(host)).locked() as txn:
+        assert txn is not None
+        held = txn.create(devices=[mig1], exclusive=True, requester=Requester(kernel_id="another"))
+    try:
+        # GPU 1, the idle plain A100, is left out: only the two MIG devices compete
+        assert [d.uuid for d in ag.pick(min_free="5G", exclude="1", dry_run=True)] == [mig0]
+        assert [d.uuid for d in ag.pick(min_free="5G", exclude="1")] == [mig0]
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == mig0
+    finally:
+        held.release()
+
+
+def test_set_visible_devices_never_widens_the_allocation(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler granted GPUs 2 and 3: naming GPU 0 is refused and nothing changes. Caught:
+    the allocation check dropped (the process would see a GPU it was never given)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    with pytest.raises(UsageErrorBase) as info:
+        ag.set_visible_devices([3, 0])
+    assert str(info.value) == (
+        "GPU 0 is outside this process's allocation (CUDA_VISIBLE_DEVICES='2,3' grants GPU 2, "
+        "GPU 3)")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3" and ag.current() is None
+    assert ag.set_visible_devices([3]) == [U[3]]
+
+
+def test_status_reads_the_devices_again_once_the_sampler_has_stopped(
+    host: Path, fake_nvml: FakeNvml
+) -> None:
+    """A running sampler's latest sweep stands in for a read; a stopped one's is old news.
+    Caught: the sampler used whether or not it still runs."""
+    from autogpu_jupyter.core import sampler as sampler_mod
+
+    s = sampler_mod.get_sampler(interval_s=60.0)
+    try:
+        assert s.latest() is not None or s.sample_now() is not None
+        assert ag.status()["mem free"].iloc[0] == "77.5 GiB"
+        s.stop()
+        fake_nvml.set(0, memory_used=50 * GiB)
+        assert ag.status()["mem free"].iloc[0] == "29.5 GiB"  # 80 - 50 - 0.5 reserved
+    finally:
+        sampler_mod.stop_sampler()
+
+
+def test_the_holder_of_a_kernels_lease_names_the_kernel_and_its_notebook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inside a Jupyter kernel (``-f .../kernel-<id>.json``, ``JPY_SESSION_NAME``): the lease
+    says which kernel and notebook hold it (what other users and the sidebar see)."""
+    kid = "5e6f7a8b-1c2d-4e5f-8a9b-0c1d2e3f4a5b"
+    monkeypatch.setattr("sys.argv", ["ipykernel_launcher.py", "-f",
+                                     f"/run/user/1000/jupyter/runtime/kernel-{kid}.json"])
+    monkeypatch.setenv("JPY_SESSION_NAME", "work/train.ipynb")
+    from autogpu_jupyter.api import requester_for_this_process
+
+    h = requester_for_this_process("api")
+    assert (h.kernel_id, h.kind, h.notebook_path, h.pid) == (
+        kid, "kernel", "work/train.ipynb", os.getpid())
+    monkeypatch.setattr("sys.argv", ["train.py", "--kernel-x.json"])
+    monkeypatch.delenv("JPY_SESSION_NAME")
+    h = requester_for_this_process("cli")
+    assert (h.kernel_id, h.kind, h.notebook_path, h.command) == (
+        None, "cli", None, "train.py --kernel-x.json")

@@ -445,8 +445,11 @@ def test_a_file_deleted_before_the_first_read_is_an_error(tmp_path: Path) -> Non
     path = fleet_file(tmp_path, {"devices": []})
     backend = SimulatedBackend(str(path))
     path.unlink()
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(UsageErrorBase) as info:  # one message, never a bare FileNotFoundError
         backend.snapshot()
+    assert str(info.value) == (
+        f"fleet file {str(path)!r} cannot be read: No such file or directory; expected a JSON "
+        "fleet file (UTF-8) this user can read")
 
 
 def test_a_half_written_file_keeps_the_last_good_fleet(tmp_path: Path) -> None:
@@ -555,6 +558,27 @@ def test_a_fleet_named_nvml_is_not_the_nvml_backend(
     get_backend()  # the NVML backend exists in this process
     with pytest.raises(UsageErrorBase, match=r"^AUTOGPU_SIMULATE='nvml': not a fleet file"):
         get_backend("nvml")
+
+
+@pytest.mark.parametrize("name", ["nvml", "NVML", "XXXX", "none", "0"])
+def test_the_nvml_backend_and_a_fleet_file_of_any_name_never_share_an_instance(
+    fresh_backends: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """A fleet file may have any name, in any order of asking. Kills the mutant that keys the
+    NVML backend's cache entry by a name (``XXXX``) instead of the empty string, which no fleet
+    name can be (it was listed as equivalent in tests/mutation_equivalent.txt)."""
+    from autogpu_jupyter.core.backends.nvml import NvmlBackend
+
+    monkeypatch.chdir(tmp_path)
+    fleet_file(tmp_path, {"devices": [{"uuid": "GPU-named"}]}, name=name)
+    nvml = get_backend("")
+    fleet = get_backend(name)
+    assert isinstance(nvml, NvmlBackend)
+    assert isinstance(fleet, SimulatedBackend) and fleet.source == name
+    assert [d.uuid for d in fleet.snapshot().devices] == ["GPU-named"]
+    backends._cache.clear()
+    fleet = get_backend(name)  # the other order
+    assert isinstance(get_backend(), NvmlBackend) and get_backend(name) is fleet
 
 
 def test_get_backend_reports_a_bad_fleet_and_caches_nothing(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -252,3 +253,104 @@ def test_panel_redraws_only_when_its_inputs_change(
     finally:
         panel.close()
     assert s.listener_count == 0
+
+
+def test_panel_says_the_last_read_failed_only_until_a_newer_sample(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The clock moves between the good sample, the failure and the next good sample (with a
+    frozen clock all three have one time, and either order of the comparison shows the failure).
+    Caught: the "last read failed" comparison inverted (an old failure shown, a current one
+    hidden)."""
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+    from autogpu_jupyter.core.sampler import Sampler
+    from autogpu_jupyter.widgets.panel import Panel
+
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(_panel_fleet(10)))
+    now = [1_000_000.0]
+    clock = lambda: now[0]  # noqa: E731
+    s = Sampler(SimulatedBackend(str(path), clock=clock), history_s=900.0, clock=clock)
+    panel = Panel(window_s=60, sampler=s, thresholds=Thresholds(90, 2, 95))
+    try:
+        assert "last read failed" not in panel.status.value
+        now[0] += 1
+        path.write_text(json.dumps(_panel_fleet(10, broken=True)))
+        assert s.sample_now() is None
+        assert "1 samples · last read failed: fleet file" in panel.status.value
+        now[0] += 1
+        path.write_text(json.dumps(_panel_fleet(10)))
+        assert s.sample_now() is not None
+        sampled = time.strftime("%H:%M:%S", time.localtime(now[0]))
+        assert panel.status.value.endswith(f">sampled {sampled} · 2 samples</span>")
+    finally:
+        panel.close()
+
+
+#: Text other users control (a notebook path, a process's user or command line, a fleet file's
+#: model name or path): markup that must arrive as text.
+HOSTILE = '<img src=x onerror="alert(1)">&'
+HOSTILE_E = "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;&amp;"
+
+
+def test_every_part_of_the_panel_escapes_what_others_wrote() -> None:
+    """Caught: the escape dropped from the holders cell, the overload banner's causes and
+    holders, the error box, the header's device names (each one on its own)."""
+    from autogpu_jupyter.core.leasing.records import LeaseRecord
+    from autogpu_jupyter.core.overload import Overload
+
+    a = DeviceSnapshot(
+        index=0, uuid=A, name=f"A100 {HOSTILE}", memory_total_bytes=80 * GiB,
+        memory_used_bytes=60 * GiB, memory_free_bytes=20 * GiB, utilization_pct=97.0,
+        processes=(ProcessSnapshot(pid=4242, used_memory_bytes=60 * GiB, user=HOSTILE),),
+    )
+    lost = DeviceSnapshot(index=1, uuid=B, name="L4", available=False, error=HOSTILE)
+    snap = FleetSnapshot((a, lost), 1_000_000.0, "simulated", simulated=True)
+    lease = LeaseRecord(
+        lease_id="l1", kind="lease", device_uuids=(A,), device_requested_bytes=(GiB,),
+        exclusive=False, user="mallory", uid=4321, host="h", pid=4243, created_s=1.0,
+        kernel_id="k", notebook_path=HOSTILE,
+    )
+    table = chart.render_table(snap, leases=[lease])
+    header = chart.render_header(snap.devices, (A,), lease_text=HOSTILE)
+    error = chart.render_error(f"fleet file {HOSTILE!r} is not valid JSON")
+    warning = Overload(
+        uuid=A, label="GPU 0", causes=(f"utilisation 97% by {HOSTILE}",),
+        other_process_count=1, other_memory_bytes=None, users=(HOSTILE,), alternative=None,
+        move="%gpu move --best",
+    )
+    banner = chart.render_banner([warning])
+    for part in (table, header, error, banner):
+        assert "<img" not in part
+        assert HOSTILE_E in part
+
+
+def test_a_panels_window_grows_the_shared_history_and_never_shrinks_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sampler is the kernel's, shared by every panel: a panel needing a longer window makes
+    it keep more history; a shorter one leaves it alone (another panel may show 15 minutes).
+    Caught: the comparison flipped (a 1-minute panel would cut every other panel's history)."""
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+    from autogpu_jupyter.core.sampler import Sampler
+    from autogpu_jupyter.widgets.panel import Panel
+
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(_panel_fleet(10)))
+    s = Sampler(SimulatedBackend(str(path)), history_s=120.0)
+    panel = Panel(window_s=60, sampler=s)
+    try:
+        assert s.history_s == 120.0
+        panel.window.value = 300.0
+        assert s.history_s == 300.0
+        panel.window.value = 60.0
+        assert s.history_s == 300.0
+        other = Panel(window_s=900, sampler=s)
+        other.close()
+        assert s.history_s == 900.0
+    finally:
+        panel.close()

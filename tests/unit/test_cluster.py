@@ -836,6 +836,42 @@ def test_a_host_giving_several_devices_ranks_by_its_worst_one(prom: Replay) -> N
         ("dgx-d", False, []), ("gpu-a", False, [])]
 
 
+def test_a_host_whose_best_gpu_is_idle_but_second_busy_ranks_after_an_even_host(
+    prom: Replay,
+) -> None:
+    """Issue 22: data where best-device and worst-device order differ. For two GPUs, gpu-b's pair
+    (GPUs 2 and 0, edited: one idle, one at 60 %) has the best single GPU of the two hosts, but
+    its worst is busier than both of gpu-c's (edited: 30 % each, lease gone). A pick on gpu-b
+    gets a 60 % GPU, on gpu-c none busier than 30 %: gpu-c first. Caught: ranking hosts by
+    ``min`` (their best device) instead of ``max`` of the chosen devices' keys."""
+    def edit(results: dict[str, list[dict[str, Any]]]) -> None:
+        util = {"GPU-bbbb0002-0000-0000-0000-000000000002": "0",
+                "GPU-bbbb0000-0000-0000-0000-000000000000": "0.6",
+                "GPU-cccc0000-0000-0000-0000-000000000000": "0.3",
+                "GPU-cccc0001-0000-0000-0000-000000000001": "0.3"}
+        used = {"GPU-cccc0000-0000-0000-0000-000000000000": str(10 * GiB),
+                "GPU-cccc0001-0000-0000-0000-000000000001": str(10 * GiB)}
+        for r in results[AUTOGPU_Q]:
+            name, uuid = r["metric"]["__name__"], r["metric"].get("uuid")
+            if name == "autogpu_gpu_utilization_ratio" and uuid in util:
+                r["value"][1] = util[uuid]
+            elif name == "autogpu_gpu_memory_used_bytes" and uuid in used:
+                r["value"][1] = used[uuid]
+            elif name in ("autogpu_gpu_leases", "autogpu_gpu_memory_booked_bytes"):
+                r["value"][1] = "0"
+
+    client, now = scenario(prom, "all-up", edit)
+    view = fetch_cluster(client, now_s=now)
+    choices = rank_hosts(view, Constraints.parse(min_free="10G", count=2))
+    assert chosen(choices) == [
+        ("gpu-c", True, ["GPU 0", "GPU 1"]), ("gpu-b", True, ["GPU 2", "GPU 0"]),
+        ("dgx-d", False, []), ("gpu-a", False, [])]
+    b, c = choices[1], choices[0]
+    # the two orders really differ here: gpu-b's best beats gpu-c's best, its worst loses
+    assert min(x.key[:-1] for x in b.chosen) < min(x.key[:-1] for x in c.chosen)
+    assert max(x.key[:-1] for x in b.chosen) > max(x.key[:-1] for x in c.chosen)
+
+
 def test_hosts_that_cannot_be_chosen_come_last_by_state_then_name(prom: Replay) -> None:
     client, now = scenario(prom, "all-up")
     view = fetch_cluster(client, now_s=now)

@@ -124,3 +124,40 @@ def test_remove_refuses_unknown_and_foreign_kernelspecs(
         "`jupyter kernelspec remove plain`\n"
     )
     assert other.exists()
+
+
+def test_a_kernelspec_of_another_provisioner_is_not_ours(
+    prefix: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A kernelspec naming another installed provisioner (jupyter_client's own) is neither
+    listed nor removed. Caught: "ours" judged by having a provisioner at all."""
+    other = prefix / "share/jupyter/kernels/remote"
+    other.mkdir(parents=True)
+    (other / "kernel.json").write_text(json.dumps(
+        {"argv": ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+         "display_name": "Remote", "language": "python",
+         "metadata": {"kernel_provisioner": {"provisioner_name": "local-provisioner",
+                                             "config": {}}}}))
+    assert main(["kernelspec", "list", "--json"]) == 0
+    assert "remote" not in [s["name"] for s in json.loads(capsys.readouterr().out)]
+    assert main(["kernelspec", "remove", "remote"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "autogpu: kernelspec 'remote' does not use the autogpu provisioner")
+    assert other.exists()
+
+
+def test_options_from_python_are_checked_and_unset_ones_left_out(prefix: Path) -> None:
+    """``kernelspec.install`` from Python: an option left ``None`` is not written (the server's
+    ``c.AutoGPU`` default applies); a bad ``on_no_device`` is refused by name. Caught: ``None``
+    written into the kernelspec (read back as an explicit choice); the on_no_device check
+    dropped."""
+    from autogpu_jupyter import kernelspec
+    from autogpu_jupyter.errors import UsageErrorBase
+
+    spec = kernelspec.spec_dict(options={"min_free": "10G", "max_util": None, "wait": None})
+    assert spec["metadata"]["kernel_provisioner"]["config"] == {"min_free": "10G"}
+    with pytest.raises(UsageErrorBase) as info:
+        kernelspec.install("odd", options={"on_no_device": "maybe"}, prefix=str(prefix))
+    assert str(info.value) == (
+        "invalid on_no_device 'maybe': expected \"cpu\" (start without a GPU) or \"fail\"")
+    assert not (prefix / "share/jupyter/kernels/odd").exists()

@@ -222,6 +222,7 @@ def test_status_says_simulated(
     [
         ("%gpu status now", "UsageError: %gpu status takes no options, got 'now'"),
         ("%gpu release all", "UsageError: %gpu release takes no options, got 'all'"),
+        ("%gpu panel --window 5m", "UsageError: %gpu panel takes no options, got '--window 5m'"),
         (
             "%gpu --min-free 10G",
             "UsageError: %gpu: unknown subcommand '--min-free'; expected one of "
@@ -295,6 +296,25 @@ def test_a_kernels_device_that_the_host_no_longer_lists_is_said_not_crashed_on(
         "change: %gpu release, restart the kernel, %gpu pick):",
         "  GPU-gone: not among this host's devices now",
     ]
+
+
+def test_each_cell_removes_its_listener_from_the_sampler(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``%%gpu`` cell listens to the kernel's sampler while it runs, and only then. Caught:
+    the per-cell listener never unsubscribed (every cell would leave one behind in the sampler
+    thread, adding up samples for ever), also when the cell fails."""
+    from autogpu_jupyter.core.sampler import current_sampler
+
+    shell.run_cell("%load_ext autogpu")
+    shell.user_ns["current_sampler"] = current_sampler
+    for n, code in enumerate(("x = 1", "x = 2", "1 / 0")):
+        r, out, _ = run(shell, f"%%gpu\nduring = current_sampler().listener_count\n{code}",
+                        capsys)
+        assert ("autogpu %%gpu on GPU 0: wall " in out) and (r.success is (n < 2))
+        assert shell.user_ns["during"] == 1
+        sampler = current_sampler()
+        assert sampler is not None and sampler.listener_count == 0
 
 
 def test_cell_reports_peak_memory_of_this_process(
@@ -418,3 +438,55 @@ def test_an_unknown_device_is_said_in_one_line(
         "ok": False, "details": "",
         "summary": "autogpu: no device 'GPU-gone' on this host (the sidebar is stale?)",
     }
+
+
+def test_a_device_name_cannot_steer_the_terminal(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], fake_nvml: FakeNvml
+) -> None:
+    """A model name with an escape sequence and a bidi override (a fleet or a driver we do not
+    control) is spelled out in the pick's summary, its dry run and its error. Caught: the
+    terminal escaping dropped from the pick's output."""
+    fleet = fleet_4x()
+    for d in fleet["devices"]:
+        d["name"] = "A100\x1b[2J\u202egpj.exe"
+    fake_nvml.write(fleet)
+    shell.run_cell("%load_ext autogpu")
+    for line in ("%gpu pick --dry-run", "%gpu pick"):
+        _, out, _ = run(shell, line, capsys)
+        assert "A100\\x1b[2J\\u202egpj.exe" in out
+        assert "\x1b" not in out and "\u202e" not in out
+
+
+def test_no_fit_after_waiting_says_a_longer_wait_waits_longer(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caught: the hint of the no-fit message read the wrong way round (telling a user who
+    waited to add --wait)."""
+    shell.run_cell("%load_ext autogpu")
+    r, out, err = run(shell, "%gpu pick --min-free 500G --wait 0.2s", capsys)
+    assert not r.success and "CUDA_VISIBLE_DEVICES" not in os.environ
+    text = out + err
+    assert "  nothing changed; a longer --wait than 0.2s waits longer in line" in text
+    assert "to wait in line until a device fits" not in text
+    r, out, err = run(shell, "%gpu pick --min-free 500G", capsys)
+    text = out + err
+    assert ("  nothing changed; to wait in line until a device fits, add --wait: %gpu pick ... "
+            "--wait 10m (interrupt the kernel to cancel)") in text
+
+
+def test_a_cell_on_fewer_devices_than_it_asks_says_so(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caught: the device count of the cell's options checked the wrong way round."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    capsys.readouterr()
+    r, out, _ = run(shell, "%%gpu --count 2\nx = 3", capsys)
+    assert r.success and shell.user_ns["x"] == 3
+    assert out.splitlines()[:2] == [
+        "autogpu: this kernel already has a GPU that does not meet 2 devices (kept; to change: "
+        "%gpu release, restart the kernel, %gpu pick):",
+        "  it has 1 device(s), 2 asked for",
+    ]
+    _, out, _ = run(shell, "%%gpu --count 1\nx = 4", capsys)
+    assert "does not meet" not in out

@@ -877,21 +877,23 @@ def test_a_uid_missing_from_the_passwd_database_reads_as_its_number(
     assert procfs.user_of(sleeper.pid) == str(os.getuid())
 
 
+def _no_passwd_entry(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return True
+    return False
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="starting a process as another uid needs root")
 def test_a_uid_without_a_passwd_entry_reads_as_its_number() -> None:
     from autogpu_jupyter.core.procfs import user_of as _proc_user
 
-    uid = 54_321
-    try:
-        pwd.getpwuid(uid)
-    except KeyError:
-        pass
-    else:
-        pytest.skip(f"uid {uid} has a passwd entry here")
+    uid = next(u for u in range(54_321, 64_000) if _no_passwd_entry(u))
     proc = subprocess.Popen(["sleep", "60"], user=uid)
     try:
-        assert _proc_user(proc.pid) == "54321"
-        assert _proc_user(proc.pid) == "54321"
+        assert _proc_user(proc.pid) == str(uid)
+        assert _proc_user(proc.pid) == str(uid)
     finally:
         proc.kill()
         proc.wait()

@@ -245,3 +245,28 @@ def test_unknown_utilisation_ranks_by_memory_and_says_so() -> None:
     # MIG: 10 % of memory in use, utilisation unknown -> load 10 %; plain GPU: 50 % memory.
     assert labels(ranked) == ["GPU 0 MIG 0", "GPU 1"]
     assert ranked[0].reasons == ("utilisation unknown: ranked by memory and leases",)
+
+
+def test_a_mig_device_is_ranked_by_its_own_leases_not_its_parents() -> None:
+    """Issue 22: a MIG device is booked by the leases naming it, never by its parent's (separate
+    memory, separate holders). Caught: ``rank`` reading the booking of ``parent_uuid or uuid``
+    (MIG 1's own exclusive lease ignored, and the parent's lease count charged to both MIGs)."""
+    parent = dev(0, 80, None, uuid="GPU-parent", mig_enabled=True)
+    mig_a = dev(0, 30, None, uuid="MIG-aaaa", total_gib=40, is_mig=True, parent_uuid="GPU-parent",
+                mig_index=0, mig_enabled=True)
+    mig_b = dev(0, 10, None, uuid="MIG-bbbb", total_gib=10, is_mig=True, parent_uuid="GPU-parent",
+                mig_index=1, mig_enabled=True)
+    devices = [parent, mig_a, mig_b]
+    held = {"MIG-bbbb": Booking("MIG-bbbb", lease_count=1, exclusive=True)}
+    ranked = rank(devices, Constraints(), bookings=held)
+    assert labels(ranked) == ["GPU 0 MIG 0"]
+    (b,) = [c for c in ranked if c.device.uuid == "MIG-bbbb"]
+    assert (b.eligible, b.lease_count, b.reasons[-1]) == (
+        False, 1, "held exclusively by another lease")
+    # A booking under the parent's UUID (a lease written before MIG mode was switched on) books
+    # neither MIG device: both keep their own free memory and lease count.
+    on_parent = {"GPU-parent": Booking("GPU-parent", lease_count=3, booked_bytes=70 * GiB,
+                                       exclusive=True)}
+    ranked = rank(devices, Constraints(min_free=parse_size("8G")), bookings=on_parent)
+    assert [(c.device.label, c.lease_count, c.effective_free_bytes) for c in ranked
+            if c.eligible] == [("GPU 0 MIG 1", 0, 10 * GiB), ("GPU 0 MIG 0", 0, 30 * GiB)]

@@ -123,3 +123,95 @@ def test_bad_simulate_value_is_one_clear_message(
     bad.write_text("{nope")
     with pytest.raises(UsageErrorBase, match="is not valid JSON"):
         SimulatedBackend(str(bad)).snapshot()
+
+
+#: Read a fleet file in a fresh interpreter and print its names (ASCII-escaped JSON), with the
+#: encoding that interpreter's locale gives ``open()``.
+READ_NAMES = """
+import json, locale, sys
+from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+snap = SimulatedBackend(sys.argv[1]).snapshot()
+print(json.dumps({"locale_encoding": locale.getpreferredencoding(False),
+                  "names": [d.name for d in snap.devices]}))
+"""
+
+
+def test_a_fleet_file_is_utf8_whatever_the_locale(tmp_path: Path) -> None:
+    """A fleet file is UTF-8 under ``LC_ALL=C`` too. Python turns its UTF-8 mode on by itself
+    under the C locale (PEP 540), which hides the locale's own ASCII; ``PYTHONUTF8=0`` (a host
+    that sets it, or ``-X utf8=0``) shows it. Kills the mutants that open the file with the
+    locale's encoding (``encoding=None`` or no encoding), which tests/mutation_equivalent.txt
+    judged equivalent because C "is UTF-8 here". A fresh interpreter: the locale is read at
+    start-up."""
+    import locale
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({"devices": [
+        {"uuid": "GPU-e0", "name": "NVIDIA RTX 6000 Ada (Büro, 東京)", "memory_total": "48G"}]},
+        ensure_ascii=False), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG"))}
+    env.update(LC_ALL="C", PYTHONUTF8="0", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-c", READ_NAMES, str(path)], capture_output=True,
+                          text=True, encoding="utf-8", env=env, cwd=root, timeout=60,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {
+        "locale_encoding": "ANSI_X3.4-1968",  # the test can tell: this locale is ASCII
+        "names": ["NVIDIA RTX 6000 Ada (Büro, 東京)"],
+    }
+    # The same in this process, its LC_CTYPE switched to C for the read: mutmut runs only the
+    # tests that reach a function in its own process, and a child under the C locale cannot
+    # even decode mutmut's mutant name (non-ASCII) from its environment. Python's UTF-8 mode,
+    # when on, makes every locale UTF-8 here: only the child above can tell then.
+    if not sys.flags.utf8_mode:
+        before = locale.setlocale(locale.LC_CTYPE)
+        try:
+            locale.setlocale(locale.LC_CTYPE, "C")
+            assert locale.getpreferredencoding(False) == "ANSI_X3.4-1968"
+            here = [d.name for d in SimulatedBackend(str(path)).snapshot().devices]
+        finally:
+            locale.setlocale(locale.LC_CTYPE, before)
+        assert here == ["NVIDIA RTX 6000 Ada (Büro, 東京)"]
+
+
+def test_a_fleet_file_that_cannot_be_read_is_one_clear_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not UTF-8, or gone before its first read: one message naming the file, never a traceback
+    (``autogpu list`` showed a UnicodeDecodeError's). Once read, a file being replaced keeps
+    the last good fleet."""
+    from autogpu_jupyter.cli import main
+    from autogpu_jupyter.core import backends
+
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes(b'{"devices": [{"uuid": "GPU-l", "name": "B\xfcro GPU"}]}')
+    with pytest.raises(UsageErrorBase) as info:
+        SimulatedBackend(str(latin1)).snapshot()
+    assert str(info.value) == (
+        f"fleet file {str(latin1)!r} cannot be read: not UTF-8 (invalid start byte); expected a "
+        "JSON fleet file (UTF-8) this user can read")
+    gone = tmp_path / "gone.json"
+    gone.write_text(json.dumps(FLEET))
+    backend = SimulatedBackend(str(gone))
+    gone.unlink()
+    with pytest.raises(UsageErrorBase, match=r"cannot be read: No such file or directory;"):
+        backend.snapshot()
+    monkeypatch.setenv("AUTOGPU_SIMULATE", str(latin1))
+    backends._cache.clear()
+    try:
+        assert main(["list"]) == 2
+    finally:
+        backends._cache.clear()
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"autogpu: fleet file {str(latin1)!r} cannot be read: not UTF-8 "
+                              "(invalid start byte); expected a JSON fleet file (UTF-8) this "
+                              "user can read\n")
+    # read once, then cut mid-character by a writer: the last good fleet
+    write(gone, FLEET)
+    backend = SimulatedBackend(str(gone))
+    assert len(backend.snapshot().devices) == 4
+    gone.write_bytes(json.dumps(FLEET).encode()[:-3] + b"\xc3")
+    assert len(backend.snapshot().devices) == 4

@@ -153,20 +153,29 @@ class SimulatedBackend:
         with self._lock:
             try:
                 mtime = os.stat(self.source).st_mtime_ns
-            except FileNotFoundError:
-                if self._fleet is not None:
+                if self._fleet is not None and mtime == self._mtime:
                     return self._fleet
-                raise
-            if self._fleet is None or mtime != self._mtime:
                 with open(self.source, encoding="utf-8") as fh:
                     text = fh.read()
-                try:
-                    fleet = json.loads(text)
-                except json.JSONDecodeError:
-                    if self._fleet is not None:  # a writer is mid-write: keep the last good one
-                        return self._fleet
-                    raise UsageErrorBase(f"fleet file {self.source!r} is not valid JSON") from None
-                self._fleet, self._mtime = fleet, mtime
+            except (OSError, UnicodeDecodeError) as err:
+                # Being replaced (gone for a moment, or cut mid-character): the last good one.
+                # Anything else (no permission) is said, not hidden behind an old fleet.
+                if self._fleet is not None and isinstance(
+                    err, (FileNotFoundError, UnicodeDecodeError)
+                ):
+                    return self._fleet
+                why = err.strerror if isinstance(err, OSError) else f"not UTF-8 ({err.reason})"
+                raise UsageErrorBase(
+                    f"fleet file {self.source!r} cannot be read: {why}; expected a JSON fleet "
+                    "file (UTF-8) this user can read"
+                ) from None
+            try:
+                fleet = json.loads(text)
+            except json.JSONDecodeError:
+                if self._fleet is not None:  # a writer is mid-write: keep the last good one
+                    return self._fleet
+                raise UsageErrorBase(f"fleet file {self.source!r} is not valid JSON") from None
+            self._fleet, self._mtime = fleet, mtime
             return self._fleet
 
     def snapshot(self) -> FleetSnapshot:

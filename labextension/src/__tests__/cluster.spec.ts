@@ -202,6 +202,33 @@ describe('clusterView', () => {
     ]);
   });
 
+  it('marks no host best when nothing fits, and only the best one otherwise', () => {
+    // Issue 22: the "best" badge follows the server's `best`, never the first host's place
+    // (caught: the badge put on the first host of the ranking even when nothing fits).
+    const none = clusterView(
+      parseCluster({
+        ...answer,
+        best: null,
+        ranking: answer.ranking.map(r => ({ ...r, fits: false, chosen: [] }))
+      }),
+      1718000010
+    );
+    expect(none.hosts.map(h => [h.hostname, h.best])).toEqual([
+      ['gpu-b', false],
+      ['dgx-d', false],
+      ['gpu-a', false]
+    ]);
+    const second = clusterView(
+      parseCluster({ ...answer, best: 'dgx-d' }),
+      1718000010
+    );
+    expect(second.hosts.map(h => [h.hostname, h.best])).toEqual([
+      ['gpu-b', false],
+      ['dgx-d', true],
+      ['gpu-a', false]
+    ]);
+  });
+
   it('rejects answers that are not a cluster answer', () => {
     expect(() => parseCluster({ hosts: [] })).toThrow(
       'unexpected cluster answer from the server: {"hosts":[]}'

@@ -1,0 +1,248 @@
+"""The ``autogpu`` command through its entry point (``cli.main``) in this process: exit codes,
+what it shows to whom. A simulated fleet file and a real lease registry; ``autogpu hosts`` asks
+a loopback server replaying a recorded Prometheus. The same commands as real processes are in
+``tests/processes/test_cli.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pwd
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autogpu_jupyter.cli import main
+from tests.leasehelpers import AsUser
+from tests.payloadhelpers import GiB, recorded_prometheus, shared_registry, write_fleet
+
+A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
+B = "GPU-1b1b1b1b-1111-2222-3333-444444444444"
+SECRET = "python train.py --token=hunter2"
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Two simulated GPUs and a private registry; returns the registry."""
+    from autogpu_jupyter.core import backends
+
+    fleet = write_fleet(tmp_path / "fleet.json", [
+        {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0,
+         "utilization_pct": 0,
+         "processes": [{"pid": 61001, "used_memory": GiB, "user": "bob", "command": SECRET}]},
+        {"uuid": B, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 40 * GiB,
+         "utilization_pct": 50},
+    ])
+    monkeypatch.setenv("AUTOGPU_SIMULATE", str(fleet))
+    monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(tmp_path / "registry"))
+    for name in ("CUDA_VISIBLE_DEVICES", "AUTOGPU_PICKED", "AUTOGPU_LEASE_ID",
+                 "AUTOGPU_PROMETHEUS_URL", "AUTOGPU_BROKER_SOCKET"):
+        monkeypatch.delenv(name, raising=False)
+    backends._cache.clear()
+    yield tmp_path / "registry"
+    backends._cache.clear()
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    """``autogpu ARGS`` in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
+# ---- autogpu run ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("script", "code"),
+    [("exit 0", 0), ("exit 7", 7), ("kill -TERM $$", 128 + 15), ("kill -KILL $$", 128 + 9),
+     ("kill -HUP $$", 128 + 1)],
+)
+def test_run_exits_with_the_commands_code_and_128_plus_a_signal(
+    host: Path, script: str, code: int
+) -> None:
+    """A command killed by signal N exits 128 + N, as a shell reports it. Caught: 128 - N (a
+    negative return code subtracted twice)."""
+    from autogpu_jupyter.core.leasing import Registry
+
+    got, _out, err = cli("run", "--", "sh", "-c", script)
+    assert got == code, err
+    assert err.startswith(f"GPU 0 NVIDIA A100 {A}: 80.0 GiB free, util 0%\n")
+    assert Registry(str(host)).list_leases() == []  # the lease ended with the command
+
+
+def test_run_without_a_command_is_a_usage_error(host: Path) -> None:
+    assert cli("run") == (
+        2, "", "autogpu: error: run needs a command: autogpu run [options] -- CMD ARGS\n")
+    assert cli("run", "--") == (
+        2, "", "autogpu: error: run needs a command: autogpu run [options] -- CMD ARGS\n")
+
+
+# ---- who sees which command lines ----------------------------------------------------------
+
+
+def _lease_with_command(registry: Path) -> Any:
+    from autogpu_jupyter.core.leasing import Registry, Requester
+
+    with Registry(str(registry), record_commands=True).locked() as txn:
+        assert txn is not None
+        return txn.create(devices=[A], requested_bytes=GiB,
+                          requester=Requester(kernel_id="k-1", command=SECRET))
+
+
+def _as_nobody(*args: str) -> tuple[int, str, str]:
+    """``autogpu ARGS`` run as user nobody (a forked child of this root process)."""
+    pw = pwd.getpwnam("nobody")
+    child = AsUser(pw.pw_uid, pw.pw_gid, cli, *args)
+    got = child.result()
+    assert child.stop() == 0
+    assert isinstance(got, tuple), got
+    return got
+
+
+def _shown(out: str, key: str = "") -> list[str | None]:
+    data = json.loads(out)
+    leases = data[key] if key else data
+    return [lease["command"] for lease in leases]
+
+
+def test_leases_show_commands_only_for_root(host: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``leases --show-commands`` shows command lines to root only; anyone else gets them
+    redacted, their own included. Caught: the root check dropped from ``--show-commands``. As
+    root this runs the command also as user nobody (a real other user)."""
+    with shared_registry() as registry:
+        monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(registry))
+        # the fleet where user nobody can read it too
+        fleet = registry.parent / "fleet.json"
+        fleet.write_bytes(Path(os.environ["AUTOGPU_SIMULATE"]).read_bytes())
+        fleet.chmod(0o644)
+        monkeypatch.setenv("AUTOGPU_SIMULATE", str(fleet))
+        lease = _lease_with_command(registry)
+        try:
+            code, out, _ = cli("leases", "--json")
+            assert code == 0 and _shown(out) == [None]
+            code, out, _ = cli("leases", "--json", "--show-commands")
+            assert code == 0
+            assert _shown(out) == [SECRET if os.geteuid() == 0 else None]
+            if os.geteuid() == 0:
+                code, out, err = _as_nobody("leases", "--json", "--show-commands")
+                assert code == 0, err
+                assert _shown(out) == [None]
+                code, out, err = _as_nobody("list", "--json")
+                assert code == 0, err
+                assert _shown(out, "leases") == [None]
+                (gpu_a, _b) = json.loads(out)["devices"]
+                assert [p["command"] for p in gpu_a["processes"]] == [None]  # bob's
+        finally:
+            lease.release()
+
+
+def _own_lease_then(registry: Path, *args: str) -> tuple[int, str, str]:
+    """Take a lease with a command line, run ``autogpu ARGS``, release the lease."""
+    lease = _lease_with_command(registry)
+    try:
+        return cli(*args)
+    finally:
+        lease.release()
+
+
+def test_list_shows_the_users_own_command_lines(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user sees their own leases' command lines (root sees every one). As root this runs as
+    user nobody, whose own lease it is. Caught: ``list --json`` showing lease commands to root
+    only."""
+    with shared_registry() as registry:
+        monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(registry))
+        fleet = registry.parent / "fleet.json"
+        fleet.write_bytes(Path(os.environ["AUTOGPU_SIMULATE"]).read_bytes())
+        fleet.chmod(0o644)
+        monkeypatch.setenv("AUTOGPU_SIMULATE", str(fleet))
+        if os.geteuid() == 0:
+            pw = pwd.getpwnam("nobody")
+            child = AsUser(pw.pw_uid, pw.pw_gid, _own_lease_then, registry, "list", "--json")
+            code, out, err = child.result()
+            assert child.stop() == 0
+        else:
+            code, out, err = _own_lease_then(registry, "list", "--json")
+    assert code == 0, err
+    assert _shown(out, "leases") == [SECRET]
+    (gpu_a, _b) = json.loads(out)["devices"]
+    assert [p["command"] for p in gpu_a["processes"]] == [None]  # bob's
+
+
+def test_prune_all_needs_root(host: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Caught: the root check of ``leases --prune --all`` dropped (a user removing every
+    user's dead lease files)."""
+    assert cli("leases", "--all") == (2, "", "autogpu: error: --all goes with --prune\n")
+    if os.geteuid() == 0:
+        with shared_registry() as registry:
+            monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(registry))
+            code, out, err = _as_nobody("leases", "--prune", "--all")
+        assert (code, out, err) == (2, "", "autogpu: error: --prune --all needs root\n")
+    else:
+        assert cli("leases", "--prune", "--all") == (
+            2, "", "autogpu: error: --prune --all needs root\n")
+
+
+# ---- autogpu hosts -------------------------------------------------------------------------
+
+
+def test_hosts_exit_3_when_no_host_fits_in_every_format(host: Path) -> None:
+    """Caught: ``hosts --json`` exiting 0 when no host fits (a script reads the code)."""
+    with recorded_prometheus() as url:
+        code, out, err = cli("hosts", "--prometheus", url, "--min-free", "10G", "--json")
+        assert (code, err) == (0, "")
+        data = json.loads(out)
+        assert data["best"] == "gpu-b" and data["hosts"][0]["fits"] is True
+        code, out, err = cli("hosts", "--prometheus", url, "--min-free", "500G", "--json")
+        assert (code, err) == (3, "")
+        data = json.loads(out)
+        assert data["best"] is None and [h["fits"] for h in data["hosts"]] == [False] * 4
+        assert cli("hosts", "--prometheus", url, "--min-free", "10G", "--best") == (
+            0, "gpu-b\n", "")
+        assert cli("hosts", "--prometheus", url, "--min-free", "500G", "--best") == (
+            3, "", "autogpu: no host has a device for min free 500.0 GiB\n")
+        code, out, err = cli("hosts", "--prometheus", url, "--min-free", "500G")
+        assert (code, err) == (3, "")
+        assert out.splitlines()[1:] == [
+            "  1. dgx-d                ok    nothing fits",
+            "  2. gpu-a                ok    nothing fits",
+            "  3. gpu-b                ok    nothing fits",
+            "  4. gpu-c                ok    nothing fits",
+        ]
+        code, out, err = cli("hosts", "--prometheus", url, "--min-free", "10G")
+        assert (code, err) == (0, "")
+        assert out.splitlines()[1] == (
+            "  1. gpu-b                ok    GPU 2 NVIDIA L4 (22.0 GiB free, util 30%)")
+
+
+def test_hosts_without_a_prometheus_says_how_to_name_one(host: Path) -> None:
+    assert cli("hosts") == (
+        2, "", "autogpu: no Prometheus to ask: pass --prometheus http://HOST:9090, or set "
+        "c.AutoGPU.prometheus_url or $AUTOGPU_PROMETHEUS_URL\n")
+
+
+def test_host_and_model_names_from_prometheus_are_shown_as_text(host: Path) -> None:
+    """A hostname is another machine's text: an invisible character (a zero-width space that
+    makes ``gpu-b`` look like another host) is spelled out. Caught: the CLI's own escaping of
+    hostnames dropped (the terminal filter spells out control characters only)."""
+    with recorded_prometheus(rename={"gpu-b": "gpu\u200b-b"}) as url:
+        code, out, err = cli("hosts", "--prometheus", url, "--min-free", "10G")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[1] == (
+        "  1. gpu\\u200b-b          ok    GPU 2 NVIDIA L4 (22.0 GiB free, util 30%)")
+    assert "\u200b" not in out
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "-1"])
+def test_the_exporter_refuses_a_port_out_of_range(host: Path, port: str) -> None:
+    """Caught: the port's bounds off by one."""
+    assert cli("exporter", "--port", port) == (
+        2, "", f"autogpu: invalid --port {port}: expected 1-65535, e.g. 9445\n")

@@ -1,0 +1,167 @@
+"""Which of this server's kernels the idle culler judges by the GPU limit (``server.culling``),
+in this process: the real ``AutoGPUServer`` state over a simulated fleet and a real registry, the
+kernels real processes (:class:`tests.payloadhelpers.Kernels`). The real server culling real
+kernels is ``tests/server/test_culling.py``.
+
+A kernel holds a GPU through a live lease of this server's user naming it, a GPU process in its
+process tree, or the autogpu provisioner's pick; every other kernel keeps the manager's own
+``cull_idle_timeout`` (0: never culled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from autogpu_jupyter.server import culling
+from tests.payloadhelpers import (
+    GiB,
+    Kernels,
+    other_users_lease,
+    server_state,
+    shared_registry,
+    write_fleet,
+)
+
+A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
+B = "GPU-1b1b1b1b-1111-2222-3333-444444444444"
+LIMIT_S = 600.0
+
+
+def fleet(processes: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    return [
+        {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0,
+         "utilization_pct": 0, "processes": processes or []},
+        {"uuid": B, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0,
+         "utilization_pct": 0},
+    ]
+
+
+@pytest.fixture
+def kernels() -> Iterator[Kernels]:
+    k = Kernels("k-gpu", "k-cpu")
+    yield k
+    k.close()
+
+
+def judged(kernels: Kernels, *kids: str) -> dict[str, float | None]:
+    """Ask the (installed) culler about each kernel; the timeout each was judged by (``None``:
+    not judged at all, i.e. never culled)."""
+    kernels.seen.clear()
+    for kid in kids:
+        asyncio.run(kernels.cull_kernel_if_idle(kid))
+    got: dict[str, float | None] = {kid: None for kid in kids}
+    got.update(dict(kernels.seen))
+    return got
+
+
+def take_lease(registry: Path, uuid: str, kernel_id: str) -> Any:
+    from autogpu_jupyter.core.leasing import Registry, Requester
+
+    with Registry(str(registry)).locked() as txn:
+        assert txn is not None
+        return txn.create(devices=[uuid], requester=Requester(kernel_id=kernel_id))
+
+
+def test_only_the_kernel_holding_a_lease_gets_the_gpu_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """Caught: once any kernel holds a GPU, every kernel judged by the GPU limit."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                      cull_idle_gpu_kernels_s=LIMIT_S) as state:
+        lease = take_lease(tmp_path / "registry", A, "k-gpu")
+        try:
+            assert culling.install(state, kernels) is True
+            # the manager culls only with a positive timeout: the GPU limit starts its culler
+            assert kernels.cull_idle_timeout == LIMIT_S
+            # no general timeout: a kernel without a GPU is never even judged
+            assert judged(kernels, "k-gpu", "k-cpu") == {"k-gpu": LIMIT_S, "k-cpu": None}
+            assert kernels.cull_idle_timeout == LIMIT_S  # restored after each judgement
+        finally:
+            lease.release()
+        # the lease gone, nothing holds a GPU any more
+        assert judged(kernels, "k-gpu", "k-cpu") == {"k-gpu": None, "k-cpu": None}
+
+
+def test_kernels_without_a_gpu_keep_the_managers_own_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    kernels = Kernels("k-gpu", "k-cpu", cull_idle_timeout=3600)
+    try:
+        with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                          cull_idle_gpu_kernels_s=LIMIT_S) as state:
+            lease = take_lease(tmp_path / "registry", B, "k-gpu")
+            try:
+                assert culling.install(state, kernels) is True
+                assert kernels.cull_idle_timeout == 3600  # the admin's own timeout stays
+                assert judged(kernels, "k-cpu", "k-gpu") == {"k-cpu": 3600, "k-gpu": LIMIT_S}
+                assert kernels.cull_idle_timeout == 3600
+            finally:
+                lease.release()
+    finally:
+        kernels.close()
+
+
+def test_without_the_option_nothing_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        original = kernels.cull_kernel_if_idle
+        assert culling.install(state, kernels) is False
+        assert kernels.cull_kernel_if_idle == original and kernels.cull_idle_timeout == 0
+
+
+def test_a_gpu_process_in_the_kernels_process_tree_holds_a_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """NVML lists the kernel's own pid on GPU B (no lease): that kernel, only that one."""
+    procs = [{"pid": kernels.pid("k-gpu"), "used_memory": 2 * GiB, "user": "root"}]
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet(procs))
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                      cull_idle_gpu_kernels_s=LIMIT_S) as state:
+        culling.install(state, kernels)
+        assert judged(kernels, "k-gpu", "k-cpu") == {"k-gpu": LIMIT_S, "k-cpu": None}
+
+
+def test_the_provisioners_pick_holds_a_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """A kernel the autogpu provisioner started on a GPU, before NVML lists it (no lease here:
+    the provisioner's lease lives in its own registry). A provisioner that picked nothing (a
+    CPU-only start) does not."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                      cull_idle_gpu_kernels_s=LIMIT_S) as state:
+        for kid, picked in (("k-gpu", (A,)), ("k-cpu", ())):
+            kernels.provisioners[kid] = SimpleNamespace(
+                pid=kernels.pid(kid), autogpu_picked=picked, autogpu_constraints=None,
+                autogpu_note=None, autogpu_lease_id=None, autogpu_move_file=None)
+        culling.install(state, kernels)
+        assert judged(kernels, "k-gpu", "k-cpu") == {"k-gpu": LIMIT_S, "k-cpu": None}
+
+
+def test_another_users_lease_naming_our_kernel_does_not_make_it_cullable(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kernels: Kernels
+) -> None:
+    """A lease's kernel id is what its writer claims: user nobody's lease naming our idle
+    CPU-only kernel must not get it culled on the GPU limit. Caught: the ``rec.uid`` check
+    dropped from ``gpu_kernel_ids``."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with shared_registry() as registry, server_state(
+        fleet_file, registry, monkeypatch, cull_idle_gpu_kernels_s=LIMIT_S
+    ) as state, other_users_lease(registry, A, "k-cpu"):
+        from autogpu_jupyter.core.leasing import Registry
+
+        (theirs,) = Registry(str(registry)).list_leases()
+        assert theirs.kernel_id == "k-cpu" and theirs.uid != os.geteuid()
+        culling.install(state, kernels)
+        assert judged(kernels, "k-gpu", "k-cpu") == {"k-gpu": None, "k-cpu": None}

@@ -1,0 +1,149 @@
+"""The ``autogpu_*`` gauges (``metrics.AutoGPUCollector``) in this process: a simulated fleet's
+snapshot and a real lease registry in, ``prometheus_client``'s own text exposition out, parsed
+back with its parser and compared value by value. The same collector behind a real Jupyter
+server's ``/metrics`` and ``autogpu exporter`` is ``tests/server/test_metrics.py``.
+"""
+
+from __future__ import annotations
+
+import getpass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+from autogpu_jupyter.core.decision import ticket_constraints
+from autogpu_jupyter.core.leasing import Registry, Requester
+from autogpu_jupyter.metrics import AutoGPUCollector, MetricsSource
+from tests.payloadhelpers import GiB, write_fleet
+
+A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
+B = "GPU-1b1b1b1b-1111-2222-3333-444444444444"
+LOST = "GPU-2c2c2c2c-1111-2222-3333-444444444444"
+MIG = "MIG-11111111-aaaa-5bbb-8ccc-000000000001"
+HOST = "node-7"
+
+FLEET = [
+    {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 20 * GiB,
+     "utilization_pct": 35, "temperature_c": 51, "power_w": 210.5},
+    {"uuid": B, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0,
+     "mig_devices": [{"uuid": MIG, "profile": "3g.40gb", "memory_total": 40 * GiB,
+                      "memory_used": 4 * GiB}]},
+    {"uuid": LOST, "name": "NVIDIA L4", "lost": True},
+]
+
+
+def labels(uuid: str, index: str, model: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted({"hostname": HOST, "uuid": uuid, "index": index, "model": model}.items()))
+
+
+LA, LB = labels(A, "0", "NVIDIA A100"), labels(B, "1", "NVIDIA A100")
+LMIG = labels(MIG, "1:0", "NVIDIA A100 MIG 3g.40gb")
+LLOST = labels(LOST, "2", "NVIDIA L4")
+
+
+def scrape(fleet_file: Path, registry: Registry | None, details: bool = False) -> dict[Any, float]:
+    """``(name, sorted labels) -> value`` of every ``autogpu_*`` sample one scrape exposes."""
+    snap = SimulatedBackend(str(fleet_file)).snapshot()
+    prom = CollectorRegistry(auto_describe=False)
+    prom.register(AutoGPUCollector(MetricsSource(
+        latest=lambda: snap, registry=lambda: registry, hostname=HOST, lease_details=details)))
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(prom).decode()):
+        for s in fam.samples:
+            if s.name.startswith("autogpu_"):
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def of(got: dict[Any, float], name: str) -> dict[Any, float]:
+    return {k[1]: v for k, v in got.items() if k[0] == name}
+
+
+@pytest.fixture
+def fleet_file(tmp_path: Path) -> Path:
+    return write_fleet(tmp_path / "fleet.json", FLEET)
+
+
+def test_unknown_values_have_no_sample_and_a_lost_gpu_only_its_availability(
+    fleet_file: Path,
+) -> None:
+    """Utilisation of a MIG device (and of a GPU in MIG mode) is unknown: no sample, never a
+    made-up zero; a lost GPU says only that it is unavailable (and its lease counts)."""
+    got = scrape(fleet_file, None)
+    assert of(got, "autogpu_gpu_available") == {LA: 1.0, LB: 1.0, LMIG: 1.0, LLOST: 0.0}
+    assert of(got, "autogpu_gpu_utilization_ratio") == {LA: 0.35}
+    assert of(got, "autogpu_gpu_memory_used_bytes") == {LA: 20 * GiB, LB: 0.0, LMIG: 4 * GiB}
+    assert of(got, "autogpu_gpu_memory_booked_bytes") == {LA: 0.0, LB: 0.0, LMIG: 0.0}
+    assert of(got, "autogpu_gpu_leases") == {LA: 0.0, LB: 0.0, LMIG: 0.0, LLOST: 0.0}
+    assert of(got, "autogpu_gpu_temperature_celsius")[LA] == 51.0
+    assert LLOST not in of(got, "autogpu_gpu_temperature_celsius")
+    assert of(got, "autogpu_host_info") == {
+        (("backend", "simulated"), ("hostname", HOST), ("simulated", "true"),
+         ("vendor", "nvidia"), ("version", "0.1.0")): 1.0}
+
+
+def test_bookings_count_in_the_used_ratio_capped_at_one(fleet_file: Path, tmp_path: Path) -> None:
+    """A lease booking 70 GiB on A (20 GiB in use): taken is (20 + 70) / 80, shown as 1 (full),
+    never more. Caught: the booking left out of the ratio; the cap dropped."""
+    registry = Registry(str(tmp_path / "registry"))
+    with registry.locked() as txn:
+        assert txn is not None
+        lease = txn.create(devices=[A], requested_bytes=70 * GiB,
+                           requester=Requester(kernel_id="k"))
+        small = txn.create(devices=[MIG], requested_bytes=6 * GiB,
+                           requester=Requester(kernel_id="m"))
+    try:
+        got = scrape(fleet_file, registry)
+    finally:
+        lease.release()
+        small.release()
+    assert of(got, "autogpu_gpu_memory_booked_bytes") == {LA: 70 * GiB, LB: 0.0, LMIG: 6 * GiB}
+    assert of(got, "autogpu_gpu_memory_used_ratio") == {LA: 1.0, LB: 0.0, LMIG: 0.25}
+    assert of(got, "autogpu_gpu_leases") == {LA: 1.0, LB: 0.0, LMIG: 1.0, LLOST: 0.0}
+
+
+def test_waiters_count_on_every_device_their_ticket_allows(
+    fleet_file: Path, tmp_path: Path
+) -> None:
+    """One waiter may take any device; one only GPU B's, which a MIG device of B is part of.
+    Caught: a MIG device not counted for a ticket that allows its parent."""
+    registry = Registry(str(tmp_path / "registry"))
+    anywhere = registry.take_ticket(constraints=ticket_constraints(None, None))
+    on_b = registry.take_ticket(constraints=ticket_constraints(None, [B]))
+    assert anywhere is not None and on_b is not None
+    try:
+        got = scrape(fleet_file, registry)
+    finally:
+        anywhere.release()
+        on_b.release()
+    assert of(got, "autogpu_gpu_waiters") == {LA: 1.0, LB: 2.0, LMIG: 2.0, LLOST: 1.0}
+
+
+@pytest.mark.parametrize("details", [False, True])
+def test_lease_info_names_notebooks_only_when_the_admin_asks(
+    fleet_file: Path, tmp_path: Path, details: bool
+) -> None:
+    """Caught: kernel and notebook labels exposed without ``lease_details``."""
+    registry = Registry(str(tmp_path / "registry"))
+    with registry.locked() as txn:
+        assert txn is not None
+        leases = [txn.create(devices=[A], requester=Requester(kernel_id=f"k-{i}",
+                                                         notebook_path="secret/plan.ipynb"))
+                  for i in range(2)]
+    try:
+        got = scrape(fleet_file, registry, details=details)
+    finally:
+        for lease in leases:
+            lease.release()
+    base = {"hostname": HOST, "uuid": A, "index": "0", "model": "NVIDIA A100",
+            "user": getpass.getuser()}
+    if details:
+        want = {tuple(sorted({**base, "kernel": f"k-{i}",
+                              "notebook": "secret/plan.ipynb"}.items())): 1.0 for i in range(2)}
+    else:  # two leases of one user on one device: one series, the value 2
+        want = {tuple(sorted(base.items())): 2.0}
+    assert of(got, "autogpu_lease_info") == want

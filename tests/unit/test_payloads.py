@@ -1,0 +1,329 @@
+"""The server extension's answers (``server.payloads``) built in this process: the real
+``AutoGPUServer`` state (its sampler over a simulated fleet file, a real lease registry), this
+server's kernels as :class:`tests.payloadhelpers.Kernels`. The same answers through a real Jupyter
+server are ``tests/server/test_rest.py``; these are the fast checks of what they may reveal and
+what they say.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.errors import UsageErrorBase
+from autogpu_jupyter.server import payloads
+from autogpu_jupyter.server.state import current_user
+from tests.payloadhelpers import (
+    GiB,
+    Kernels,
+    other_users_lease,
+    recorded_prometheus,
+    server_state,
+    shared_registry,
+    write_fleet,
+)
+
+A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
+B = "GPU-1b1b1b1b-1111-2222-3333-444444444444"
+ME = current_user()
+
+
+def fleet(processes: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    return [
+        {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 30 * GiB,
+         "utilization_pct": 40, "processes": processes or []},
+        {"uuid": B, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0,
+         "utilization_pct": 0},
+    ]
+
+
+#: Three GPU processes: the server user's, bob's, and one whose owner is unknown (NVML lists a
+#: pid that /proc here cannot name: another container, or gone).
+PROCESSES = [
+    {"pid": 51001, "used_memory": 10 * GiB, "user": ME, "command": "python mine.py"},
+    {"pid": 51002, "used_memory": 10 * GiB, "user": "bob", "command": "python bob.py --key=b"},
+    {"pid": 51003, "used_memory": 10 * GiB, "command": "python who.py --token=hunter2"},
+]
+
+
+@pytest.fixture
+def kernels() -> Iterator[Kernels]:
+    k = Kernels("k-1", "k-2")
+    yield k
+    k.close()
+
+
+def commands(items: list[dict[str, Any]]) -> dict[int, str | None]:
+    return {p["pid"]: p["command"] for p in items if p.get("pid") in (51001, 51002, 51003)}
+
+
+# ---- what an answer may reveal: other users' command lines ---------------------------------
+
+
+@pytest.mark.parametrize("expose", [False, True])
+def test_devices_show_only_the_server_users_command_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, expose: bool
+) -> None:
+    """Caught: a process whose owner is unknown treated as the server user's (its command line
+    sent); the ``expose_commands`` check dropped."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet(PROCESSES))
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                      expose_commands=expose) as state:
+        data = payloads.devices_payload(state)
+    (gpu_a,) = [d for d in data["devices"] if d["uuid"] == A]
+    assert commands(gpu_a["processes"]) == {
+        51001: "python mine.py",
+        51002: "python bob.py --key=b" if expose else None,
+        51003: "python who.py --token=hunter2" if expose else None,
+    }
+
+
+def test_holders_show_only_the_server_users_command_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet(PROCESSES))
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        data = payloads.holders_payload(state, kernels, {})
+    procs = [h for h in data["holders"] if h["kind"] == "process"]
+    assert commands(procs) == {51001: "python mine.py", 51002: None, 51003: None}
+    assert {h["pid"]: h["user"] for h in procs} == {51001: ME, 51002: "bob", 51003: None}
+    assert data["user"] == ME
+
+
+def test_another_users_lease_is_never_one_of_our_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """nobody's lease names our kernel k-2 (kernel ids are no secret): it is shown as theirs,
+    not joined with our kernel or its notebook, and its command line stays hidden; our own lease
+    naming k-1 is ours."""
+    from autogpu_jupyter.core.leasing import Registry, Requester
+
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    sessions = {"k-1": {"path": "mine.ipynb"}, "k-2": {"path": "private/plans.ipynb"}}
+    with shared_registry() as registry, server_state(fleet_file, registry, monkeypatch) as state, \
+            other_users_lease(registry, B, "k-2", command="python x.py --password=swordfish"):
+        with Registry(str(registry), record_commands=True).locked() as txn:
+            assert txn is not None
+            mine = txn.create(devices=[A], requested_bytes=4 * GiB,
+                              requester=Requester(kernel_id="k-1", command="python mine.py"))
+        try:
+            data = payloads.holders_payload(state, kernels, sessions)
+        finally:
+            mine.release()
+    leases = {h["uuid"]: h for h in data["holders"] if h["kind"] == "lease"}
+    assert {u: (h["user"], h["kernel_id"], h["this_server"], h["notebook_path"], h["command"])
+            for u, h in leases.items()} == {
+        A: (ME, "k-1", True, "mine.ipynb", "python mine.py"),
+        B: ("nobody", "k-2", False, None, None),
+    }
+
+
+# ---- what an answer says: current errors, the best host -----------------------------------
+
+
+def test_a_read_failure_is_reported_until_a_newer_sweep_succeeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure newer than the newest good sweep is current; once a sweep succeeds after it,
+    it is healed. Caught: the comparison of the two times inverted (the clock moves here)."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        sampler = state.sampler()
+        assert payloads.devices_payload(state)["errors"] == []
+        good = json.loads(fleet_file.read_text())
+        bad = json.loads(fleet_file.read_text())
+        bad["devices"][1]["memory_total"] = "lots"
+        fleet_file.write_text(json.dumps(bad))
+        assert sampler.sample_now() is None
+        data = payloads.devices_payload(state)
+        (error,) = data["errors"]
+        assert error.startswith(f"fleet file {str(fleet_file)!r}, device 1 ({B}) memory_total: "
+                                "invalid size 'lots'")
+        assert [d["uuid"] for d in data["devices"]] == [A, B]  # the last good sweep
+        assert payloads.history_payload(state, None)["errors"] == [error]
+        fleet_file.write_text(json.dumps(good))
+        assert sampler.sample_now() is not None
+        assert payloads.devices_payload(state)["errors"] == []
+        assert payloads.history_payload(state, None)["errors"] == []
+
+
+def test_the_cluster_answer_names_no_best_host_when_nothing_fits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caught: ``best`` set to the first host of the ranking without checking that it fits."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with recorded_prometheus() as url, server_state(fleet_file, tmp_path / "registry",
+                                                    monkeypatch) as state:
+        monkeypatch.setenv("AUTOGPU_PROMETHEUS_URL", url)
+        fits = payloads.cluster_payload(state, Constraints.parse(min_free="10G"))
+        none = payloads.cluster_payload(state, Constraints.parse(min_free="500G"))
+    assert fits["configured"] is True and fits["best"] == "gpu-b"
+    assert fits["ranking"][0]["hostname"] == "gpu-b" and fits["ranking"][0]["fits"] is True
+    assert none["best"] is None
+    assert [r["fits"] for r in none["ranking"]] == [False] * 4
+    assert none["constraints_text"] == "min free 500.0 GiB"
+
+
+# ---- a notebook's recommendation leaves out its own lease, and only its own ----------------
+
+
+def test_select_hides_the_kernels_own_lease_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kernel k-1 holds GPU B with a 60 GiB booking: its recommendation must not count that
+    booking against B (B stays best for it), and nobody else's lease is hidden."""
+    from autogpu_jupyter.core.leasing import Registry, Requester
+
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        with Registry(str(tmp_path / "registry")).locked() as txn:
+            assert txn is not None
+            lease = txn.create(devices=[B], requested_bytes=60 * GiB,
+                               requester=Requester(kernel_id="k-1"))
+        try:
+            want = Constraints.parse(min_free="30G")
+            own = payloads.select_payload(state, want, ignore_kernel_id="k-1")
+            other = payloads.select_payload(state, want, ignore_kernel_id="k-2")
+            plain = payloads.select_payload(state, want)
+        finally:
+            lease.release()
+    assert [c["uuid"] for c in own["chosen"]] == [B]
+    (b_own,) = [c for c in own["candidates"] if c["uuid"] == B]
+    assert (b_own["effective_free_bytes"], b_own["lease_count"]) == (80 * GiB, 0)
+    for answer in (other, plain):
+        assert [c["uuid"] for c in answer["chosen"]] == [A]
+        (b,) = [c for c in answer["candidates"] if c["uuid"] == B]
+        assert (b["eligible"], b["effective_free_bytes"], b["lease_count"]) == (
+            False, 20 * GiB, 1)
+    assert own["message"] is None and own["constraints_text"] == "min free 30.0 GiB"
+
+
+# ---- history: what the sidebar's chart asks for -------------------------------------------
+
+
+def test_history_since_a_time_is_strictly_newer_and_keeps_the_newest_points(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sidebar passes its last timestamp: it gets only newer points (never its last one
+    again), at most ``max_history_points`` per device, the newest. Caught: ``since`` made
+    inclusive; the oldest points kept instead of the newest."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch, interval_s=600.0,
+                      history_s=86400.0, max_history_points=2) as state:
+        sampler = state.sampler()
+        stamps = [sampler.latest().timestamp_s]
+        for _ in range(3):
+            snap = sampler.sample_now()
+            stamps.append(snap.timestamp_s)
+        assert stamps == sorted(set(stamps))  # four sweeps, one after the other
+        full = payloads.history_payload(state, None)
+        newer = payloads.history_payload(state, stamps[1])
+        last = payloads.history_payload(state, stamps[3])
+    assert [s["uuid"] for s in full["series"]] == [A, B]
+    assert [s["timestamp_s"] for s in full["series"]] == [stamps[2:], stamps[2:]]
+    assert full["series"][0]["memory_used_bytes"] == [30 * GiB, 30 * GiB]
+    assert (full["since_s"], full["until_s"]) == (None, stamps[3])
+    assert [s["timestamp_s"] for s in newer["series"]] == [stamps[2:], stamps[2:]]
+    assert (newer["since_s"], newer["until_s"]) == (stamps[1], stamps[3])
+    assert (last["series"], last["until_s"]) == ([], stamps[3])
+
+
+def test_kernel_ids_are_checked_before_they_name_a_file(tmp_path: Path) -> None:
+    """``kernel_id`` reaches file names (move requests): only Jupyter's id characters, whole.
+    Caught: the pattern's end anchor dropped (``k1/../x`` accepted)."""
+    assert payloads.parse_kernel_id(None) is None and payloads.parse_kernel_id("") is None
+    assert payloads.parse_kernel_id("5e6f7a8b-1c2d-4e5f-8a9b-0c1d2e3f4a5b") == (
+        "5e6f7a8b-1c2d-4e5f-8a9b-0c1d2e3f4a5b")
+    for bad in ("k1/../x", "../k1", "k1\n", "a" * 129, 7, ["k1"]):
+        with pytest.raises(UsageErrorBase) as info:
+            payloads.parse_kernel_id(bad)
+        assert str(info.value).startswith(f"invalid kernel_id {bad!r}: expected a kernel id ")
+
+
+# ---- moves: the request body and the answer ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "target", "dry_run"),
+    [(b'{"target": "best"}', "best", False), (b'{"target": "--best", "dry_run": true}', "best",
+                                              True),
+     (b'{"target": 2}', "2", False), (b'{"target": " GPU-5a1b "}', "GPU-5a1b", False)],
+)
+def test_a_move_body_accepted(body: bytes, target: str, dry_run: bool) -> None:
+    from autogpu_jupyter.server.moving import parse_move_body
+
+    got = parse_move_body(body)
+    assert (got.target, got.dry_run) == (target, dry_run)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'{"target": -1}', 'invalid target -1: expected "best", an NVML index such as "2", '
+                            "or a GPU UUID"),
+        (b'{"target": true}', "invalid target True: expected "),
+        (b'{"target": "  "}', "invalid target '  ': expected "),
+        (b'{"target": "best", "dry_run": "false"}',
+         "invalid dry_run 'false': expected true or false"),
+        (b'{"target": "best", "now": 1}', "unknown parameter 'now'; accepted: target, dry_run"),
+    ],
+)
+def test_a_move_body_refused_with_the_accepted_forms(body: bytes, message: str) -> None:
+    """Caught: a negative index or a boolean accepted as a device; a string "false" taken as a
+    dry run's true (a move that silently does nothing), or any value as a real move."""
+    from autogpu_jupyter.server.moving import parse_move_body
+
+    with pytest.raises(UsageErrorBase) as info:
+        parse_move_body(body)
+    assert str(info.value).startswith(message)
+
+
+def test_only_a_kernel_started_by_the_autogpu_provisioner_can_move() -> None:
+    """Caught: a provisioner without a move file (moves unavailable) taken as movable."""
+    from types import SimpleNamespace
+
+    from autogpu_jupyter.server.moving import is_movable
+
+    def prov(move_file: str | None) -> SimpleNamespace:
+        return SimpleNamespace(autogpu_picked=(A,), autogpu_constraints=None, autogpu_note=None,
+                               autogpu_lease_id=None, autogpu_move_file=move_file)
+
+    assert is_movable(prov("/run/user/0/jupyter/autogpu-move-k1.json")) is True
+    assert is_movable(prov(None)) is False
+    assert is_movable(SimpleNamespace(pid=1)) is False and is_movable(None) is False
+
+
+def test_the_move_answer_says_where_the_kernel_runs_now() -> None:
+    """Caught: "restarted on the planned GPU" said when the provisioner picked another GPU, or
+    none (a CPU-only restart)."""
+    from types import SimpleNamespace
+
+    from autogpu_jupyter.core.devices import DeviceSnapshot
+    from autogpu_jupyter.server.moving import result_payload
+
+    b = DeviceSnapshot(index=1, uuid=B, name="NVIDIA A100")
+    plan = SimpleNamespace(target=(b,), message="Move to GPU 1 (80.0 GiB free)")
+
+    def prov(picked: tuple[str, ...], note: str | None) -> SimpleNamespace:
+        return SimpleNamespace(autogpu_picked=picked, autogpu_constraints=None, autogpu_note=note,
+                               autogpu_lease_id=None, autogpu_move_file="/m")
+
+    there = result_payload(plan, prov((B,), None), dry_run=False, labels={A: "GPU 0"})
+    assert (there["message"], there["picked"], there["target_labels"]) == (
+        "The kernel restarted on GPU 1; its state (variables) was lost.", [B], ["GPU 1"])
+    elsewhere = result_payload(plan, prov((A,), "GPU 1 filled up"), dry_run=False,
+                               labels={A: "GPU 0"})
+    assert elsewhere["message"] == (
+        "The kernel restarted on GPU 0, not on GPU 1 as planned: GPU 1 filled up. Its state "
+        "(variables) was lost.")
+    cpu = result_payload(plan, prov((), "no device fits"), dry_run=False)
+    assert cpu["message"] == (
+        "The kernel restarted on no GPU, not on GPU 1 as planned: no device fits. Its state "
+        "(variables) was lost.")
+    planned = result_payload(plan, prov((A,), None), dry_run=True)
+    assert (planned["message"], planned["picked"]) == ("Move to GPU 1 (80.0 GiB free)", None)

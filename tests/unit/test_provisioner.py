@@ -1,0 +1,170 @@
+"""The kernel provisioner's decisions in this process: ``jupyter_client``'s own
+``AsyncKernelManager.pre_start_kernel`` finds the installed kernelspec's provisioner (through its
+entry point) and runs its ``pre_launch``, which picks, takes the lease and returns the kernel's
+environment, without starting a kernel. A simulated fleet and a real registry. Real kernels
+started by the provisioner are ``tests/kernel/test_provisioner.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_client import AsyncKernelManager
+
+from autogpu_jupyter import kernelspec
+from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.errors import NoDeviceFitsError, UsageErrorBase
+from tests.payloadhelpers import GiB, write_fleet
+
+A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
+B = "GPU-1b1b1b1b-1111-2222-3333-444444444444"
+
+
+def fleet_file(path: Path, used_a: int = 10, used_b: int = 40) -> Path:
+    return write_fleet(path, [
+        {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+         "memory_used": used_a * GiB, "utilization_pct": 0},
+        {"uuid": B, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+         "memory_used": used_b * GiB, "utilization_pct": 0},
+    ])
+
+
+class Host:
+    def __init__(self, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        from autogpu_jupyter.core import backends
+
+        self.tmp = tmp
+        self.prefix = tmp / "prefix"
+        self.fleet = fleet_file(tmp / "fleet.json")
+        self.registry = Registry(str(tmp / "registry"))
+        runtime = tmp / "runtime"
+        runtime.mkdir(mode=0o700)
+        monkeypatch.setenv("JUPYTER_PATH", str(self.prefix / "share" / "jupyter"))
+        monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
+        monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(tmp / "registry"))
+        monkeypatch.setenv("AUTOGPU_SIMULATE", str(self.fleet))
+        for var in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "AUTOGPU_PICKED",
+                    "AUTOGPU_LEASE_ID", "AUTOGPU_MIN_FREE", "AUTOGPU_WAIT",
+                    "AUTOGPU_BROKER_SOCKET"):
+            monkeypatch.delenv(var, raising=False)
+        backends._cache.clear()
+        self.managers: list[AsyncKernelManager] = []
+
+    def install(self, name: str, **options: Any) -> None:
+        kernelspec.install(name, f"Python 3 ({name})", options, prefix=str(self.prefix))
+
+    def pre_start(self, name: str, km: AsyncKernelManager | None = None,
+                  **env: str) -> tuple[AsyncKernelManager, dict[str, Any]]:
+        """What the provisioner of kernelspec ``name`` would start the kernel with."""
+        if km is None:
+            km = AsyncKernelManager(kernel_name=name)
+            self.managers.append(km)
+        _cmd, kwargs = asyncio.run(km.pre_start_kernel(env={**os.environ, **env}))
+        return km, kwargs
+
+    def close(self) -> None:
+        from autogpu_jupyter.core import backends
+
+        for km in self.managers:
+            if km.provisioner is not None:
+                asyncio.run(km.provisioner.cleanup(restart=False))
+        backends._cache.clear()
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Host]:
+    h = Host(tmp_path, monkeypatch)
+    yield h
+    h.close()
+
+
+def test_the_kernel_gets_the_picked_device_and_its_lease(host: Host) -> None:
+    host.install("agp", min_free="10G")
+    km, kwargs = host.pre_start("agp")
+    env = kwargs["env"]
+    (lease,) = host.registry.list_leases()
+    assert (env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"], env["AUTOGPU_PICKED"]) == (
+        A, "PCI_BUS_ID", A)
+    assert env["AUTOGPU_LEASE_ID"] == lease.lease_id and lease.device_uuids == (A,)
+    assert int(env["AUTOGPU_LEASE_FD"]) in kwargs["pass_fds"]  # the kernel inherits the lock
+    assert "AUTOGPU_GRANT_CVD" not in env  # the server had no grant
+    assert km.provisioner.autogpu_picked == (A,)
+    assert lease.kernel_id == km.kernel_id and lease.requested_bytes == 10 * GiB
+
+
+def test_nothing_fits_starts_the_kernel_cpu_only_with_no_gpu_visible(host: Host) -> None:
+    """Fail closed: a CPU-only start hides every GPU (``CUDA_VISIBLE_DEVICES=""``), never leaves
+    them all visible. Caught: the empty CUDA_VISIBLE_DEVICES dropped."""
+    host.install("big", min_free="75G")
+    km, kwargs = host.pre_start("big")
+    env = kwargs["env"]
+    assert (env["CUDA_VISIBLE_DEVICES"], env["AUTOGPU_PICKED"]) == ("", "")
+    assert env["AUTOGPU_PICK_NOTE"].startswith(
+        'no device fits: kernel started CPU-only (CUDA_VISIBLE_DEVICES="") because no device '
+        "fits (min free 75.0 GiB)")
+    assert "AUTOGPU_LEASE_ID" not in env and host.registry.list_leases() == []
+    assert km.provisioner.autogpu_picked == ()
+
+
+def test_on_no_device_fail_refuses_to_start(host: Host) -> None:
+    """Caught: ``on_no_device`` read the wrong way round."""
+    host.install("strict", min_free="75G", on_no_device="fail")
+    with pytest.raises(NoDeviceFitsError) as info:
+        host.pre_start("strict")
+    assert str(info.value).startswith(
+        "autogpu: kernel not started: no device fits (min free 75.0 GiB)")
+    assert 'The kernelspec says on_no_device="fail"' in str(info.value)
+    assert host.registry.list_leases() == []
+
+
+def test_the_servers_grant_bounds_the_pick_and_is_passed_on(host: Host) -> None:
+    """The server was started with CUDA_VISIBLE_DEVICES=B (a scheduler's grant): the kernel gets
+    B though A is less loaded, and the grant is kept for the kernel's own checks."""
+    host.install("agp", min_free="10G")
+    _km, kwargs = host.pre_start("agp", CUDA_VISIBLE_DEVICES=B)
+    env = kwargs["env"]
+    assert (env["CUDA_VISIBLE_DEVICES"], env["AUTOGPU_GRANT_CVD"]) == (B, B)
+
+
+def test_a_restart_stays_on_its_device_while_it_fits(host: Host) -> None:
+    """Caught: the restart's "same device" step skipped (a restart would hop to the now less
+    loaded GPU, the kernel's memory elsewhere)."""
+    host.install("agp", min_free="10G")
+    km, kwargs = host.pre_start("agp")
+    assert kwargs["env"]["CUDA_VISIBLE_DEVICES"] == A
+    fleet_file(host.fleet, used_a=50, used_b=0)  # B is now the better one
+    os.utime(host.fleet, ns=(1, 2 * 10**18))
+    _km, kwargs = host.pre_start("agp", km=km)  # the same kernel manager: a restart
+    assert kwargs["env"]["CUDA_VISIBLE_DEVICES"] == A
+    assert [r.device_uuids for r in host.registry.list_leases()] == [(A,)]
+    fleet_file(host.fleet, used_a=75, used_b=0)  # A no longer fits: it moves
+    os.utime(host.fleet, ns=(1, 3 * 10**18))
+    _km, kwargs = host.pre_start("agp", km=km)
+    assert kwargs["env"]["CUDA_VISIBLE_DEVICES"] == B
+    assert [r.device_uuids for r in host.registry.list_leases()] == [(B,)]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"min_fre": "10G"}, "min_fre='10G': unknown option; accepted: "),
+        ({"on_no_device": "maybe"},
+         "on_no_device='maybe': expected \"cpu\" (start without a GPU) or \"fail\""),
+        ({"min_free": "ten"}, "min_free='ten': invalid size 'ten'"),
+    ],
+)
+def test_bad_kernelspec_options_name_the_option(config: dict[str, Any], message: str) -> None:
+    """Caught: an unknown (misspelt) option silently ignored."""
+    from autogpu_jupyter.provisioner import validate_options
+
+    with pytest.raises(UsageErrorBase) as info:
+        validate_options(config, spec="gpu-big")
+    assert str(info.value).startswith(
+        "autogpu: kernelspec 'gpu-big' has a bad option in metadata.kernel_provisioner.config: "
+        + message)
+    assert validate_options({"on_no_device": " FAIL "}).on_no_device == "fail"
