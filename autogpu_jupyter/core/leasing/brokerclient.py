@@ -561,8 +561,7 @@ class BrokerRegistry(LeaseStore):
             payloads = _pages(conn, {"op": "leases", "kind": "ticket"})
         finally:
             conn.close()
-        return sorted(_records(payloads, self.path),
-                      key=lambda r: (r.seq or 0, r.created_s, r.lease_id))
+        return in_line(_records(payloads, self.path))
 
     def take_ticket(
         self,
