@@ -187,12 +187,17 @@ class BrokerConfig:
             if not isinstance(doc, dict):
                 raise TypeError("expected a JSON object")
             unknown = set(doc) - {
-                "max_devices_per_user", "users", "groups", "reserved", "unknown_uids"
+                "max_devices_per_user", "max_leases_per_user", "max_tickets_per_user", "users",
+                "groups", "reserved", "unknown_uids",
             }
             if unknown:
                 raise TypeError(f"unknown key {sorted(unknown)[0]!r}")
             if "max_devices_per_user" in doc:
                 self.max_devices_per_user = _count(doc["max_devices_per_user"])
+            if "max_leases_per_user" in doc:
+                self.max_leases_per_user = _count(doc["max_leases_per_user"])
+            if "max_tickets_per_user" in doc:
+                self.max_tickets_per_user = _count(doc["max_tickets_per_user"])
             self.user_limits = {str(k): _count(v) for k, v in _obj(doc, "users").items()}
             self.group_limits = {str(k): _count(v) for k, v in _obj(doc, "groups").items()}
             self.reserved = {str(k): _groups(k, v) for k, v in _obj(doc, "reserved").items()}
