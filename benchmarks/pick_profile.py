@@ -3,6 +3,9 @@ set up as ``benchmarks/pick_latency.py`` sets it up (the same options, a lease o
 shared-directory registry, released between calls, outside the profile).
 
     .venv/bin/python benchmarks/pick_profile.py [--repeat 300] [--top 25] [--sort tottime]
+        [--magic]
+
+``--magic`` profiles ``%gpu pick`` through ``InteractiveShell.run_line_magic`` instead.
 
 Prints the ``--top`` entries of the profile (own time by default; ``--sort cumulative`` for the
 call tree's view) and the share of the total each one takes. Times under a profiler are inflated
@@ -31,6 +34,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=300)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"))
+    parser.add_argument("--magic", action="store_true", help="profile %%gpu pick instead")
     args = parser.parse_args()
 
     from tests.fakenvml import FakeNvml, fleet_8x, preload_fake_nvml
@@ -53,6 +57,26 @@ def main() -> int:
         opts = api.pick_options(default_settings(), values)
         return api.pick_result(opts, dry_run=False)
 
+    if args.magic:
+        import contextlib
+        import io
+
+        from IPython.core.interactiveshell import InteractiveShell
+        from traitlets.config import Config
+
+        cfg = Config()
+        cfg.HistoryManager.hist_file = ":memory:"
+        shell = InteractiveShell.instance(config=cfg)
+        shell.run_line_magic("load_ext", "autogpu")
+        sink = io.StringIO()
+
+        def ours() -> object:  # what benchmarks/pick_latency.py times as %gpu pick
+            with contextlib.redirect_stdout(sink):
+                shell.run_line_magic("gpu", f"pick --min-free {MIN_FREE} --max-util {MAX_UTIL}")
+            sink.seek(0)
+            sink.truncate()
+            return None
+
     ours()  # NVML init and the first handles, outside the profile
     session.release()
     profiler = cProfile.Profile()
@@ -63,7 +87,8 @@ def main() -> int:
         session.release()
     stats = pstats.Stats(profiler)
     total = stats.total_tt  # type: ignore[attr-defined]
-    print(f"{args.repeat} picks under cProfile: {total * 1000 / args.repeat:.3f} ms per pick")
+    what = "%gpu pick" if args.magic else "api.pick_result"
+    print(f"{args.repeat} x {what} under cProfile: {total * 1000 / args.repeat:.3f} ms per pick")
     key = 2 if args.sort == "tottime" else 3
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][key], reverse=True)  # type: ignore[attr-defined]
     print(f"{'share':>6} {'own ms':>8} {'cum ms':>8} {'calls':>7}  function")
