@@ -2,6 +2,7 @@
 (issue 26: the broker's at most 1.5x the directory's).
 
     .venv/bin/python benchmarks/broker_pick.py [--repeat 300] [--json] [--profile]
+        [--results FILE]
 
 ``autogpu broker`` runs as a real process on a Unix socket (as ``benchmarks/broker_herd.py``
 starts it); this process picks through :func:`autogpu_jupyter.core.picker.pick` on a simulated
@@ -57,6 +58,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=300)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--results", help="merge the ratio into this JSON file (make bench)")
     a = ap.parse_args()
 
     from autogpu_jupyter.core.backends.simulated import SimulatedBackend
@@ -113,6 +115,9 @@ def main() -> int:
             stats["broker"]["median_ms"] / stats["directory"]["median_ms"], 3
         ),
     }
+    from results import record
+
+    record(a.results, {"broker_pick.broker_vs_directory": result["ratio_broker_vs_directory"]})
     if a.json:
         print(json.dumps(result, indent=2))
     else:

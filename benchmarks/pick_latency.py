@@ -1,7 +1,7 @@
 """``%gpu pick`` latency on the fake 8-GPU fleet vs ``nvitop.select_devices`` (same constraints,
 same run, same fake ``libnvidia-ml.so.1`` through the real pynvml binding).
 
-    .venv/bin/python benchmarks/pick_latency.py [--repeat 200] [--json]
+    .venv/bin/python benchmarks/pick_latency.py [--repeat 200] [--json] [--results FILE]
 
 Measured after NVML init (a warm-up call of each first), medians and p90 over ``--repeat`` calls:
 
@@ -30,6 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 MIN_FREE = "10G"
 MAX_UTIL = 50
@@ -61,6 +62,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--results", help="merge the ratios into this JSON file (make bench)")
     args = parser.parse_args()
 
     from tests.fakenvml import FakeNvml, fleet_8x, preload_fake_nvml
@@ -135,6 +137,12 @@ def main() -> int:
         },
     }
     shell.run_line_magic("unload_ext", "autogpu")
+    from results import record
+
+    record(args.results, {
+        "pick_latency.api_vs_nvitop": result["ratio_vs_nvitop"]["api.pick_result"],
+        "pick_latency.magic_vs_nvitop": result["ratio_vs_nvitop"]["%gpu pick"],
+    })
     if args.json:
         print(json.dumps(result, indent=2))
     else:
