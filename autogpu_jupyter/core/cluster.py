@@ -847,10 +847,15 @@ class ClusterCache:
                 if age < entry.fresh_s:
                     return entry
                 if age < entry.stale_s and self._submit is not None:
-                    if key not in self._refreshing:
-                        self._refreshing.add(key)
+                    if key in self._refreshing:
+                        return entry
+                    self._refreshing.add(key)
+                    try:
                         self._submit(lambda: self._refresh(key))
-                    return entry
+                    except RuntimeError:  # the executor is shutting down: fetch here instead
+                        self._refreshing.discard(key)
+                    else:
+                        return entry
             gate = self._fetching.setdefault(key, threading.Lock())
         with gate:
             with self._lock:  # fetched by another caller while we waited for the gate?

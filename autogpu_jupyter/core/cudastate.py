@@ -160,8 +160,7 @@ class _LoadCount:
     unmapped through it. ``None`` where the C library does not tell."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._seen: list[tuple[int, int]] = []
+        self._seen = threading.local()  # each thread's answer: no lock (none held at a fork)
         self._callback = _PHDR_CALLBACK(self._first)
         self._iterate = None
         if sys.platform.startswith("linux"):
@@ -177,16 +176,16 @@ class _LoadCount:
         # Only a C library whose struct reaches the counters reports them (glibc >= 2.4, musl).
         if size >= _DlPhdrInfo.dlpi_subs.offset + _DlPhdrInfo.dlpi_subs.size:
             entry = info.contents  # type: ignore[attr-defined]
-            self._seen.append((int(entry.dlpi_adds), int(entry.dlpi_subs)))
+            self._seen.count = (int(entry.dlpi_adds), int(entry.dlpi_subs))
         return 1  # the first object is enough: the counters are the linker's, not per object
 
     def __call__(self) -> tuple[int, int] | None:
         if self._iterate is None:
             return None
-        with self._lock:
-            self._seen.clear()
-            self._iterate(self._callback, None)
-            return self._seen[0] if self._seen else None
+        self._seen.count = None
+        self._iterate(self._callback, None)
+        count: tuple[int, int] | None = self._seen.count
+        return count
 
 
 _load_count = _LoadCount()

@@ -153,3 +153,17 @@ def test_callers_that_need_a_view_while_one_is_fetched_wait_for_it_and_share_it(
         t.join(30)
     assert len(calls) == 1
     assert len(got) == 4 and all(g is got[0] for g in got)
+
+
+def test_a_background_that_refuses_work_makes_the_caller_fetch() -> None:
+    """A server shutting down refuses new work on its executor: the view is then fetched by the
+    caller, never left to grow old."""
+    clock, fetch = Clock(), Fetches(interval_s=10.0)
+
+    def closed(fn: Callable[[], None]) -> None:
+        raise RuntimeError("cannot schedule new futures after shutdown")
+
+    cache = ClusterCache(closed, fetch=fetch, clock=clock)
+    cache.get(URL, 5.0)
+    clock.now += 6.0
+    assert cache.get(URL, 5.0).view.timestamp_s == 2.0
