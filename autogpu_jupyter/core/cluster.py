@@ -802,11 +802,12 @@ class ClusterCache:
 
     Prometheus holds nothing newer than each target's last scrape, so a view is *fresh* for
     half the shortest scrape interval of its hosts (clamped to 0.5-30 s): every request in that
-    time gets it as is. Up to one whole interval (1-60 s) it is still served while one
-    background refresh (``submit``) asks Prometheus again; older, or without ``submit``, the
-    caller waits for a new one. One fetch per Prometheus at a time: callers that need one
-    while it runs wait for it and share it. A failed fetch is never kept (the next caller asks
-    again, and its error reaches the caller that waited).
+    time gets it as is. Up to two intervals (1-120 s; older, the view itself would call its
+    hosts stale) it is still served while one background refresh (``submit``) asks Prometheus
+    again, so a sidebar that polls every 5 s never waits on Prometheus; older, or without
+    ``submit``, the caller waits for a new one. One fetch per Prometheus at a time: callers
+    that need one while it runs wait for it and share it. A failed fetch is never kept (the
+    next caller asks again, and its error reaches the caller that waited).
 
     Parameters
     ----------
@@ -884,7 +885,7 @@ class ClusterCache:
             as_dict=view.to_dict(),
             fetched_at=self._clock(),
             fresh_s=min(max(interval / 2.0, 0.5), 30.0),
-            stale_s=min(max(interval, 1.0), 60.0),
+            stale_s=min(max(2.0 * interval, 1.0), 120.0),
         )
         with self._lock:
             if key not in self._entries and len(self._entries) >= self.MAX_ENTRIES:

@@ -61,7 +61,7 @@ def test_a_view_is_shared_while_fresh_and_each_ranking_is_made_once() -> None:
     clock, fetch = Clock(), Fetches(interval_s=10.0)
     cache = ClusterCache(fetch=fetch, clock=clock)
     first = cache.get(URL, 5.0)
-    assert (first.fresh_s, first.stale_s) == (5.0, 10.0)  # the shortest host's interval
+    assert (first.fresh_s, first.stale_s) == (5.0, 20.0)  # the shortest host's interval
     clock.now += 4.9
     assert cache.get(URL, 5.0) is first
     assert fetch.calls == 1
@@ -74,6 +74,7 @@ def test_a_view_is_shared_while_fresh_and_each_ranking_is_made_once() -> None:
 
 
 def test_past_half_an_interval_it_is_served_while_one_refresh_runs_in_the_background() -> None:
+    """Up to two scrape intervals old; older, the caller waits for a new view."""
     clock, fetch, background = Clock(), Fetches(interval_s=10.0), Background()
     cache = ClusterCache(background, fetch=fetch, clock=clock)
     first = cache.get(URL, 5.0)
@@ -84,7 +85,10 @@ def test_past_half_an_interval_it_is_served_while_one_refresh_runs_in_the_backgr
     background.run()
     second = cache.get(URL, 5.0)
     assert second is not first and second.view.timestamp_s == 2.0
-    clock.now += 10.0  # past a whole interval: the caller waits for a new view
+    clock.now += 19.9
+    assert cache.get(URL, 5.0) is second
+    background.queued.clear()
+    clock.now += 0.1  # two intervals old: the caller waits for a new view
     third = cache.get(URL, 5.0)
     assert third.view.timestamp_s == 3.0 and background.queued == []
 
@@ -99,7 +103,7 @@ def test_without_a_background_a_view_past_half_an_interval_is_fetched_at_once() 
 
 @pytest.mark.parametrize(
     ("interval", "fresh", "stale"),
-    [(None, 30.0, 60.0), (0.2, 0.5, 1.0), (600.0, 30.0, 60.0), (15.0, 7.5, 15.0)],
+    [(None, 30.0, 120.0), (0.2, 0.5, 1.0), (600.0, 30.0, 120.0), (15.0, 7.5, 30.0)],
 )
 def test_how_long_a_view_is_kept_follows_the_scrape_interval_within_bounds(
     interval: float | None, fresh: float, stale: float
@@ -125,7 +129,7 @@ def test_a_failed_fetch_is_never_kept() -> None:
     background.run()  # the refresh failed: the good view stays until a whole interval
     assert cache.get(URL, 5.0) is good
     assert len(background.queued) == 1  # and a later caller may start another refresh
-    clock.now += 5.0
+    clock.now += 14.0
     with pytest.raises(AutoGPUError, match="down"):
         cache.get(URL, 5.0)
 
