@@ -1277,3 +1277,18 @@ def test_lease_events_of_a_pipe_or_a_closed_fd_are_none() -> None:
         os.close(r)
         os.close(w)
     assert lease_events(999_999) == []  # not open
+
+
+def test_the_booking_views_reservations_are_the_admissions_pseudo_leases() -> None:
+    """The devices the admin reserved away from the caller come apart in the booking view, so
+    the client ranks them out as the admission words them ("reserved for group(s) ml by the
+    admin"), not as "held exclusively by another lease" (a plain row would say that)."""
+    from autogpu_jupyter.core.leasing import admission
+
+    got = brokerclient._reservations({"GPU-r1": ["ml", "staff"]}, "/b.sock")
+    assert [(r.device_uuids, r.exclusive, admission.is_reservation(r)) for r in got] == [
+        (("GPU-r1",), True, True)]
+    assert admission.exclusive_phrase(got[0]) == "reserved for group(s) ml, staff by the admin"
+    assert brokerclient._reservations(None, "/b.sock") == []
+    with pytest.raises(RegistryError, match="sent a bad booking view"):
+        brokerclient._reservations(["GPU-r1"], "/b.sock")
