@@ -126,7 +126,7 @@ def check_smoke(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     assert f"  CUDA_VISIBLE_DEVICES={GPU1}" in lines, lines
     assert [line for line in lines if line.startswith("GPUs on this host — SIMULATED fleet")]
     assert [line for line in lines if line.startswith("▶  GPU 1 ")], lines
-    assert "this kernel: ▶ GPU 1 (magic, min free 10.0 GiB)" in lines
+    assert "this kernel: ▶ GPU 1 (%gpu pick, min free 10.0 GiB)" in lines, lines
     assert lines[-2] == (
         "autogpu: %gpu panel is a live widget and needs a notebook (JupyterLab, Notebook 7, "
         "VS Code); here, %gpu prints the same devices and holders as a table"

@@ -74,7 +74,8 @@ def test_lowest_direct_bounds_install_and_work(wheel: Path, tmp_path: Path) -> N
     reqs_file.write_text("\n".join(str(r) for r in requirements) + "\n")
     run([UV, "pip", "install", "-q", "-p", str(python), "--resolution", "lowest-direct",
          "-r", str(reqs_file)], env, tmp_path)
-    run([UV, "pip", "install", "-q", "-p", str(python), "--no-deps", str(wheel)], env, tmp_path)
+    run([UV, "pip", "install", "-q", "-p", str(python), "--no-deps", "--refresh-package",
+         "autogpu-jupyter", str(wheel)], env, tmp_path)
 
     versions = installed(python, env)
     for req in requirements:
@@ -99,6 +100,7 @@ def test_lowest_direct_bounds_install_and_work(wheel: Path, tmp_path: Path) -> N
 def test_each_python_installs_and_works(minor: str, wheel: Path, tmp_path: Path) -> None:
     env = clean_env(tmp_path)
     python = uv_venv(tmp_path / "venv", _pythons()[minor], env)
-    run([UV, "pip", "install", "-q", "-p", str(python), str(wheel)], env, tmp_path)
+    run([UV, "pip", "install", "-q", "-p", str(python), "--refresh-package", "autogpu-jupyter",
+         str(wheel)], env, tmp_path)
     check_smoke(run([str(python), "-c", SMOKE], env, tmp_path))
     check_cli_pick(python, env, tmp_path)

@@ -50,8 +50,9 @@ def kernel_env(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     home = tmp_path_factory.mktemp("kernel-only")
     env = clean_env(home)
     python = uv_venv(home / "venv", sys.executable, env)
+    # --refresh-package: this wheel, never a cached one of the same name and version
     run([str(Path(sys.executable).parent / "uv"), "pip", "install", "-q", "-p", str(python),
-         str(wheel)], env, home)
+         "--refresh-package", "autogpu-jupyter", str(wheel)], env, home)
     return python, home
 
 

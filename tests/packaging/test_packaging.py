@@ -60,8 +60,17 @@ REQUIRED_MODULES = [
     "autogpu_jupyter/core/contract.py",
     "autogpu_jupyter/core/options.py",
     "autogpu_jupyter/core/decision.py",
-    "autogpu_jupyter/core/registry.py",
-    "autogpu_jupyter/core/records.py",
+    "autogpu_jupyter/core/procfs.py",
+    "autogpu_jupyter/core/leasing/__init__.py",
+    "autogpu_jupyter/core/leasing/store.py",
+    "autogpu_jupyter/core/leasing/admission.py",
+    "autogpu_jupyter/core/leasing/records.py",
+    "autogpu_jupyter/core/leasing/directory.py",
+    "autogpu_jupyter/core/leasing/brokerclient.py",
+    "autogpu_jupyter/core/leasing/factory.py",
+    "autogpu_jupyter/broker.py",
+    "autogpu_jupyter/brokerd/__init__.py",
+    "autogpu_jupyter/core/backends/amdsmi.py",
     "autogpu_jupyter/core/backends/__init__.py",
     "autogpu_jupyter/core/backends/nvml.py",
     "autogpu_jupyter/core/backends/simulated.py",
@@ -117,6 +126,8 @@ def clean_env(tmp: Path) -> dict[str, str]:
     }
     env.update(
         AUTOGPU_SIMULATE="demo-4x",
+        # a terminal wide enough for every column of %gpu status (a narrow one drops the UUID)
+        COLUMNS="200",
         AUTOGPU_REGISTRY_DIR=str(tmp / "registry"),
         JUPYTER_CONFIG_DIR=str(tmp / "jupyter-config"),
         JUPYTER_DATA_DIR=str(tmp / "jupyter-data"),
