@@ -39,7 +39,7 @@ amd-gpu-check: setup
 
 # Mutation testing of the whole package against the fast unit tests (issues 15, 22; [tool.mutmut] in
 # pyproject.toml, scripts/mutation_run.py). Not part of `make test`: run before a release. A full
-# run is about 13,000 mutants (hours on two cores); narrow it:
+# run is about 23,600 mutants (a night on two cores); narrow it:
 #   make mutate MODULES='broker brokerd.*'      every mutant of these modules (dotted, globs)
 #   make mutate SAMPLE=40 [SEED=22] [MODULES=..] a seeded random sample of 40 mutants per module,
 #                                                scored with a 95 % interval (an estimate)
