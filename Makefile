@@ -62,11 +62,17 @@ STRYKER_JOBS ?= 2
 mutate-ts: setup
 	cd labextension && STRYKER_JOBS=$(STRYKER_JOBS) nice ../$(VENV)/bin/jlpm stryker run
 
+# Every benchmark; the ratios (and the cluster view's latency) go to $(BENCH_RESULTS), and
+# scripts/bench_compare.py names any that worsened by more than 20 % against the run recorded in
+# docs/benchmarks.md (exit 1). Record a run there with: $(PY) scripts/bench_compare.py --record
+BENCH_RESULTS ?= benchmarks/results/latest.json
 bench: setup
+	rm -f $(BENCH_RESULTS)
 	$(PY) benchmarks/import_time.py
-	$(PY) benchmarks/snapshot.py
-	$(PY) benchmarks/pick_latency.py
-	$(PY) benchmarks/amd.py
+	$(PY) benchmarks/snapshot.py --results $(BENCH_RESULTS)
+	$(PY) benchmarks/pick_latency.py --repeat 300 --results $(BENCH_RESULTS)
+	$(PY) benchmarks/amd.py --results $(BENCH_RESULTS)
+	$(PY) benchmarks/broker_pick.py --results $(BENCH_RESULTS)
 	$(PY) benchmarks/herd.py
 	$(PY) benchmarks/broker_herd.py
 	@if [ "$$(id -u)" = 0 ]; then $(PY) benchmarks/broker_hostile.py; else echo "bench: broker_hostile.py needs root (other uids): skipped"; fi
@@ -74,7 +80,8 @@ bench: setup
 	$(PY) benchmarks/sampler.py
 	$(PY) benchmarks/server.py
 	$(PY) benchmarks/metrics.py
-	$(PY) benchmarks/cluster.py
+	flock /tmp/autogpu-realparts.lock $(PY) benchmarks/cluster.py --results $(BENCH_RESULTS)
+	$(PY) scripts/bench_compare.py --results $(BENCH_RESULTS)
 
 # The release files: a production build of the lab extension, then the sdist and the wheel built
 # from it (python -m build, isolated), checked by twine and check-wheel-contents; into dist/.

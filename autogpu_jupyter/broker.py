@@ -187,12 +187,17 @@ class BrokerConfig:
             if not isinstance(doc, dict):
                 raise TypeError("expected a JSON object")
             unknown = set(doc) - {
-                "max_devices_per_user", "users", "groups", "reserved", "unknown_uids"
+                "max_devices_per_user", "max_leases_per_user", "max_tickets_per_user", "users",
+                "groups", "reserved", "unknown_uids",
             }
             if unknown:
                 raise TypeError(f"unknown key {sorted(unknown)[0]!r}")
             if "max_devices_per_user" in doc:
                 self.max_devices_per_user = _count(doc["max_devices_per_user"])
+            if "max_leases_per_user" in doc:
+                self.max_leases_per_user = _count(doc["max_leases_per_user"])
+            if "max_tickets_per_user" in doc:
+                self.max_tickets_per_user = _count(doc["max_tickets_per_user"])
             self.user_limits = {str(k): _count(v) for k, v in _obj(doc, "users").items()}
             self.group_limits = {str(k): _count(v) for k, v in _obj(doc, "groups").items()}
             self.reserved = {str(k): _groups(k, v) for k, v in _obj(doc, "reserved").items()}
@@ -486,7 +491,9 @@ class Broker:
           (exclusive ones first, then the largest bookings) as ``[exclusive, pid, bytes, user,
           where]``, and the rest folded into one ``more`` row (count, exclusive, bytes);
         * ``tickets``: the oldest waiters, at most :data:`VIEW_TICKETS` and
-          :data:`VIEW_TICKET_BYTES` (a pick only yields to waiters ahead of it).
+          :data:`VIEW_TICKET_BYTES` (a pick only yields to waiters ahead of it);
+        * ``reserved``: the devices the admin reserved for groups the caller is not in (UUID ->
+          those groups), which the client ranks out as the admission words them.
         """
         live = self.live()
         own = [self._shown(rec, conn.uid) for key, rec in live
@@ -496,8 +503,6 @@ class Broker:
             if rec.kind == "lease" and key != conn.key:
                 for uuid in rec.device_uuids:
                     per_dev.setdefault(uuid, []).append(rec)
-        for rec in self.reserved_away(conn):
-            per_dev.setdefault(rec.device_uuids[0], []).append(rec)
         devices = [self._rows_of(uuid, recs) for uuid, recs in sorted(per_dev.items())]
         tickets: list[dict[str, Any]] = []
         size = 0
@@ -514,6 +519,12 @@ class Broker:
             "devices": devices,
             "tickets": tickets,
             "tickets_not_shown": len(waiting) - len(tickets),
+            "reserved": {
+                uuid: list(groups)
+                for uuid, groups in admission.reserved_away(
+                    self.config.reserved, self._applicant(conn)
+                ).items()
+            },
         }
 
     def _rows_of(self, uuid: str, recs: list[LeaseRecord]) -> dict[str, Any]:

@@ -156,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default /var/lib/autogpu-broker; '' for none)")
     p_broker.add_argument("--max-devices-per-user", type=int, default=None, metavar="N",
                           help="admin limit (default c.AutoGPU.max_devices_per_user)")
+    p_broker.add_argument("--max-leases-per-user", type=_limit_arg, default=None, metavar="N",
+                          help="leases one user may hold at once, shared or not (default "
+                          "c.AutoGPU.max_leases_per_user; 0: no limit)")
+    p_broker.add_argument("--max-tickets-per-user", type=_limit_arg, default=None, metavar="N",
+                          help="places in the waiting line one user may hold at once (default "
+                          "c.AutoGPU.max_tickets_per_user, 2; 0: no waiting picks)")
     p_broker.add_argument("--max-connections-per-user", type=int, default=256, metavar="N",
                           help="connections one non-root user (with their subordinate uids) "
                           "may hold (default 256)")
@@ -550,6 +556,19 @@ def _broker_socket(args: argparse.Namespace, settings: AutoGPU) -> str:
     return args.socket or configured_socket(settings) or DEFAULT_SOCKET
 
 
+def _limit_arg(text: str) -> int:
+    """A per-user limit on the command line: a whole number >= 0 (argparse names the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text[:40]!r}: expected a whole number >= 0"
+        )
+    return value
+
+
 def _cmd_broker(args: argparse.Namespace) -> int:
     settings = _settings()
     path = _broker_socket(args, settings)
@@ -577,6 +596,10 @@ def _cmd_broker(args: argparse.Namespace) -> int:
             config.load_rules(args.rules)
             if limit is not None:  # the command line wins over the file
                 config.max_devices_per_user = limit
+        if args.max_leases_per_user is not None:
+            config.max_leases_per_user = args.max_leases_per_user
+        if args.max_tickets_per_user is not None:
+            config.max_tickets_per_user = args.max_tickets_per_user
         return broker.main(config)
     reg = BrokerRegistry(path, connect_timeout_s=1.0)
     if args.action == "revoke":

@@ -12,7 +12,9 @@ from typing import Any
 from traitlets import Bool, Float, Int, Unicode, default
 from traitlets.config import Configurable
 
-__all__ = ["AutoGPU", "default_registry_dir", "default_settings", "set_default_settings"]
+__all__ = [
+    "ENV_NAMES", "AutoGPU", "default_registry_dir", "default_settings", "set_default_settings",
+]
 
 
 def default_registry_dir() -> str:
@@ -262,6 +264,37 @@ def set_default_settings(settings: AutoGPU | None) -> None:
     _default_settings = settings
 
 
+#: Every ``AUTOGPU_*`` variable the defaults of :class:`AutoGPU` read (tests/unit/test_config.py
+#: holds the list complete): :func:`default_settings` makes new settings when one changes.
+ENV_NAMES = tuple(
+    f"AUTOGPU_{name}"
+    for name in (
+        "PROMETHEUS_URL", "MIN_FREE", "MAX_UTIL", "COUNT", "WAIT", "EXCLUSIVE", "PICK_ON_LOAD",
+        "MODEL", "PREFER", "REGISTRY_DIR", "USE_LEASES", "MAX_DEVICES_PER_USER",
+        "MAX_LEASES_PER_USER", "MAX_TICKETS_PER_USER", "REGISTRY_LOCK_TIMEOUT", "BROKER_SOCKET",
+        "BROKER_FALLBACK", "RECORD_COMMANDS", "SAMPLE_INTERVAL",
+    )
+)
+# The env-seeded settings of this process outside IPython, with the values of ENV_NAMES they
+# were made under. One pair, replaced as a whole (no lock needed: a race makes two equal ones).
+_env_settings: tuple[tuple[str | None, ...], AutoGPU] | None = None
+
+
 def default_settings() -> AutoGPU:
-    """The shell's ``AutoGPU`` when the extension is loaded, else a fresh one (env defaults)."""
-    return _default_settings if _default_settings is not None else AutoGPU()
+    """The shell's ``AutoGPU`` when the extension is loaded, else one seeded by the environment.
+
+    Outside IPython the settings are made once per process and made again when one of the
+    ``AUTOGPU_*`` variables they read (:data:`ENV_NAMES`) changes: a pick does not build a
+    traitlets configurable each time. Treat the result as read-only (it is shared); for
+    settings of your own, make an ``AutoGPU(...)``.
+    """
+    global _env_settings
+    if _default_settings is not None:
+        return _default_settings
+    key = tuple(map(os.environ.get, ENV_NAMES))
+    made = _env_settings
+    if made is not None and made[0] == key:
+        return made[1]
+    settings = AutoGPU()
+    _env_settings = (key, settings)
+    return settings

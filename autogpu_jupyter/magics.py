@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -96,9 +97,13 @@ _options.add_arguments(_PICK_PARSER)
 
 
 def _parse_pick(argv: Sequence[str], where: str = "%gpu pick") -> argparse.Namespace:
-    """Parse pick options; any problem is one line of ``UsageError`` (argparse never exits)."""
+    """Parse pick options; any problem is one line of ``UsageError`` (argparse never exits).
+
+    A notebook repeats the same few lines: what a line parsed to is remembered (a bounded
+    number of lines; failures are not remembered), and each call gets its own namespace.
+    """
     try:
-        return _PICK_PARSER.parse_args(_options.join_negative_values(argv))
+        return argparse.Namespace(**dict(_parsed(tuple(argv))))
     except UsageError as err:
         raise UsageError(f"{where}: {err}; accepted options: {PICK_OPTIONS} (see %gpu?)") from None
     except SystemExit:  # argparse paths that call exit() directly: never leave the kernel
@@ -108,12 +113,25 @@ def _parse_pick(argv: Sequence[str], where: str = "%gpu pick") -> argparse.Names
         ) from None
 
 
+@functools.lru_cache(maxsize=64)
+def _parsed(argv: tuple[str, ...]) -> tuple[tuple[str, Any], ...]:
+    """The pick options ``argv`` parse to (the values are strings, numbers, flags and None)."""
+    return tuple(vars(_PICK_PARSER.parse_args(_options.join_negative_values(argv))).items())
+
+
 def _split(line: str) -> list[str]:
     try:
-        # posix=True: quotes are removed, so --exclude "" is an empty value (rejected by name).
-        return list(arg_split(line, posix=True, strict=True))
+        return list(_split_words(line))
     except ValueError as err:  # unbalanced quotes
         raise UsageError(f"%gpu: cannot read {line!r}: {err}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _split_words(line: str) -> tuple[str, ...]:
+    """The words of a magic's line, remembered for a bounded number of lines (a notebook repeats
+    the same few)."""
+    # posix=True: quotes are removed, so --exclude "" is an empty value (rejected by name).
+    return tuple(arg_split(line, posix=True, strict=True))
 
 
 def _one_line(err: BaseException) -> str:

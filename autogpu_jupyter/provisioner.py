@@ -43,6 +43,7 @@ from autogpu_jupyter.core import options as pick_options
 from autogpu_jupyter.core.backends import SIMULATE_ENV, get_backend
 from autogpu_jupyter.core.contract import (
     GRANT_ENV,
+    GRANT_ROCM_ENV,
     LEASE_ENV,
     LEASE_FD_ENV,
     MOVE_FILE_ENV,
@@ -52,6 +53,7 @@ from autogpu_jupyter.core.contract import (
     PICKED_ENV,
     PROVISIONED_ENV,
     PROVISIONER_NAME,
+    ROCM_GRANT_VARS,
     notebook_path,
 )
 from autogpu_jupyter.core.leasing import HeldLease, LeaseStore, Requester, store_for
@@ -287,6 +289,10 @@ class AutoGPUProvisioner(LocalProvisioner):
             env.pop(var, None)
         if "CUDA_VISIBLE_DEVICES" in base_env:
             env[GRANT_ENV] = base_env["CUDA_VISIBLE_DEVICES"]
+        # An AMD host's grant is in the ROCm variables: a move picks within them again.
+        env[GRANT_ROCM_ENV] = json.dumps(
+            {var: base_env[var] for var in ROCM_GRANT_VARS if var in base_env}
+        )
         env[PROVISIONED_ENV] = "1"
         env[OPTIONS_ENV] = json.dumps({
             "min_free": options.raw.get("min_free", self._settings().min_free or None),

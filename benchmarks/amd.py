@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--results", help="merge the ratios into this JSON file (make bench)")
     args = parser.parse_args(argv)
 
     sys.path.insert(0, str(REPO))
@@ -129,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for k, v in result.items():
             print(f"{k}: {v}")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from results import record
+
+    record(args.results, {
+        "amd.snapshot_amd_vs_nvidia": result["ratio_amd_vs_nvidia"]["snapshot"],
+        "amd.pick_amd_vs_nvidia": result["ratio_amd_vs_nvidia"]["pick"],
+    })
     return 0
 
 

@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--hours", type=float, default=3.0)
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--scrape-interval", type=int, default=15)
+    ap.add_argument("--results", help="merge p50 / p99 (ms) into this JSON file (make bench)")
     args = ap.parse_args()
     prometheus, promtool = shutil.which("prometheus"), shutil.which("promtool")
     if not prometheus or not promtool:
@@ -263,6 +264,11 @@ def main() -> None:
             lat.append((time.perf_counter() - t) * 1000)
         print(f"  {args.requests} requests: p50 {statistics.median(lat):.0f} ms  "
               f"p99 {pct(lat, 0.99):.0f} ms  max {max(lat):.0f} ms")
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from results import record
+
+        record(args.results, {"cluster.p50_ms": statistics.median(lat),
+                              "cluster.p99_ms": pct(lat, 0.99)})
         fetch, ranking = [], []
         for _ in range(10):
             t = time.perf_counter()

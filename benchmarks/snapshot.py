@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=300, help="timed snapshots per tool and round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (tools alternate)")
+    parser.add_argument("--results", help="merge the ratio into this JSON file (make bench)")
     args = parser.parse_args(argv)
 
     sys.path.insert(0, str(REPO))
@@ -141,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     ratio = med["autogpu"] / med["nvitop"]
     verdict = "met" if ratio <= 1.0 else "NOT met"
     print(f"\nautogpu / nvitop = {ratio:.2f} (goal <= 1.0: {verdict})")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from results import record
+
+    record(args.results, {"snapshot.autogpu_vs_nvitop": ratio})
     return 0
 
 

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 mkdir -p test-artifacts
 status=0
-"$VENV/bin/ruff" check autogpu_jupyter autogpu tests benchmarks || status=1
+"$VENV/bin/ruff" check autogpu_jupyter autogpu tests benchmarks build_backend || status=1
 "$VENV/bin/mypy" autogpu_jupyter || status=1
 (
   cd labextension && export PATH="$PWD/../$VENV/bin:$PATH"

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GRANT_ENV",
+    "GRANT_ROCM_ENV",
+    "ROCM_GRANT_VARS",
     "LEASE_ENV",
     "LEASE_FD_ENV",
     "MOVE_FILE_ENV",
@@ -53,6 +55,11 @@ PROVISIONED_ENV = "AUTOGPU_PROVISIONED"
 OPTIONS_ENV = "AUTOGPU_PICK_OPTIONS"
 #: The ``CUDA_VISIBLE_DEVICES`` the server had (the grant picked within); absent when unset.
 GRANT_ENV = "AUTOGPU_GRANT_CVD"
+#: The ROCm visibility variables the server had (the grant on an AMD host), as a JSON object
+#: of those that were set (``{}``: none). Absent: a provisioner that did not record them.
+GRANT_ROCM_ENV = "AUTOGPU_GRANT_ROCM"
+#: The variables :data:`GRANT_ROCM_ENV` records: what bounds HIP's and ROCr's devices.
+ROCM_GRANT_VARS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL")
 #: Where ``%gpu move`` writes its request for the next restart.
 MOVE_FILE_ENV = "AUTOGPU_MOVE_FILE"
 #: A message for the notebook user about the pick ("started CPU-only because ...").
@@ -95,6 +102,9 @@ class KernelContract:
     move_file: str | None
     #: The inherited lease descriptor's number (``None``: none, or not a number).
     lease_fd: int | None = None
+    #: The server's ROCm visibility variables (``None``: not recorded, or not a JSON object of
+    #: strings: the kernel's own then bound a move, which fails closed).
+    grant_rocm: Mapping[str, str] | None = None
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> KernelContract:
@@ -112,7 +122,23 @@ class KernelContract:
             grant_cvd=env.get(GRANT_ENV),
             move_file=(env.get(MOVE_FILE_ENV) or "").strip() or None,
             lease_fd=_fd(env.get(LEASE_FD_ENV, "")),
+            grant_rocm=_rocm_grant(env.get(GRANT_ROCM_ENV)),
         )
+
+
+def _rocm_grant(raw: str | None) -> Mapping[str, str] | None:
+    """:data:`GRANT_ROCM_ENV` as the provisioner wrote it; ``None`` if absent or malformed."""
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict) or not all(
+        k in ROCM_GRANT_VARS and isinstance(v, str) for k, v in doc.items()
+    ):
+        return None
+    return dict(doc)
 
 
 def _fd(value: str) -> int | None:

@@ -32,6 +32,15 @@ initialising anything, so "mapped" is not "initialised". Decided, without initia
    answers ``HSA_STATUS_ERROR_NOT_INITIALIZED`` (0x100B) before ``hsa_init`` and never
    initialises (ROCr's ``IS_OPEN`` check); anything else means ROCr has started.
 4. What cannot be checked while a ROCm runtime is mapped counts as initialised (as for CUDA).
+
+Both questions are asked before every pick, so the map of this process is read once for both,
+and not at all while no shared object has been loaded or unloaded since it was last read: the
+dynamic linker counts every object it adds and removes (``dlpi_adds`` / ``dlpi_subs`` of
+``dl_iterate_phdr``, glibc and musl), and a driver can only be mapped through it. Read before
+the map, the count can only make the remembered answer older than the map, never the reverse,
+so a library loaded between two picks is always seen. Where the count cannot be read, the map
+is read every time. The driver itself is still asked at every check once it is mapped
+(``cuInit`` can run at any moment without loading anything).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import ctypes
 import logging
 import os
 import sys
+import threading
 from dataclasses import dataclass
 
 __all__ = [
@@ -68,6 +78,10 @@ CUDA_ERRORS = {
 }
 _NOT_INITIALIZED = 3
 _FRAMEWORKS = ("torch", "jax", "cupy", "tensorflow")
+#: This process's memory map (the default of every check here).
+MAPS_PATH = "/proc/self/maps"
+_CUDA_LIBRARIES = ("libcuda.so",)
+_ROCM_LIBRARIES = ("libamdhip64.so", "libhsa-runtime64.so")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,31 +106,120 @@ class CudaState:
     framework: str | None = None
 
 
-def mapped_libcuda(maps_path: str = "/proc/self/maps") -> list[str] | None:
+def mapped_libcuda(maps_path: str = MAPS_PATH) -> list[str] | None:
     """Paths of every ``libcuda.so*`` mapped into this process, in first-mapped order.
 
     Returns ``None`` when the maps file cannot be read (not Linux). ``libcudart`` and other
     ``libcuda…`` look-alikes do not count: only the driver library itself initialises CUDA.
     """
+    mapped = _mapped(maps_path)
+    return None if mapped is None else list(mapped[0])
+
+
+def _scan_maps(raw: bytes) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The mapped CUDA drivers and ROCm runtimes in a memory map, each in first-mapped order."""
+    cuda: list[str] = []
+    rocm: list[str] = []
+    has_cuda = b"libcuda.so" in raw
+    if not has_cuda and b"libamdhip64.so" not in raw and b"libhsa-runtime64.so" not in raw:
+        return (), ()  # the common case, answered without splitting thousands of lines
+    for line in raw.decode(errors="replace").splitlines():  # UTF-8
+        fields = line.split(None, 5)
+        if len(fields) < 6:
+            continue
+        path = fields[5].strip().removesuffix(" (deleted)")
+        name = os.path.basename(path)
+        if has_cuda and name.startswith(_CUDA_LIBRARIES) and path not in cuda:
+            cuda.append(path)
+        elif name.startswith(_ROCM_LIBRARIES) and path not in rocm:
+            rocm.append(path)
+    return tuple(cuda), tuple(rocm)
+
+
+class _DlPhdrInfo(ctypes.Structure):
+    """The start of ``struct dl_phdr_info`` (``<link.h>``), up to the load counters."""
+
+    _fields_ = [
+        ("dlpi_addr", ctypes.c_size_t),  # ElfW(Addr)
+        ("dlpi_name", ctypes.c_char_p),
+        ("dlpi_phdr", ctypes.c_void_p),
+        ("dlpi_phnum", ctypes.c_uint16),  # ElfW(Half)
+        ("dlpi_adds", ctypes.c_ulonglong),
+        ("dlpi_subs", ctypes.c_ulonglong),
+    ]
+
+
+_PHDR_CALLBACK = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.POINTER(_DlPhdrInfo), ctypes.c_size_t, ctypes.c_void_p
+)
+
+
+class _LoadCount:
+    """How many shared objects the dynamic linker has loaded and unloaded in this process
+    (``dl_iterate_phdr``'s ``dlpi_adds`` and ``dlpi_subs``): unchanged, nothing was mapped or
+    unmapped through it. ``None`` where the C library does not tell."""
+
+    def __init__(self) -> None:
+        self._seen = threading.local()  # each thread's answer: no lock (none held at a fork)
+        self._callback = _PHDR_CALLBACK(self._first)
+        self._iterate = None
+        if sys.platform.startswith("linux"):
+            try:
+                self._iterate = ctypes.CDLL(None).dl_iterate_phdr
+            except (OSError, AttributeError):  # a C library without it: read the map each time
+                self._iterate = None
+        if self._iterate is not None:
+            self._iterate.restype = ctypes.c_int
+            self._iterate.argtypes = [_PHDR_CALLBACK, ctypes.c_void_p]
+
+    def _first(self, info: object, size: int, _data: object) -> int:
+        # Only a C library whose struct reaches the counters reports them (glibc >= 2.4, musl).
+        if size >= _DlPhdrInfo.dlpi_subs.offset + _DlPhdrInfo.dlpi_subs.size:
+            entry = info.contents  # type: ignore[attr-defined]
+            self._seen.count = (int(entry.dlpi_adds), int(entry.dlpi_subs))
+        return 1  # the first object is enough: the counters are the linker's, not per object
+
+    def __call__(self) -> tuple[int, int] | None:
+        if self._iterate is None:
+            return None
+        self._seen.count = None
+        self._iterate(self._callback, None)
+        count: tuple[int, int] | None = self._seen.count
+        return count
+
+
+_load_count = _LoadCount()
+_maps_lock = threading.Lock()
+#: (pid, load count) -> what this process's map showed then; one entry, replaced when either
+#: changes (after a fork the child reads its own map once).
+_maps_memo: dict[tuple[int, int, int], tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _mapped(maps_path: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """The CUDA drivers and ROCm runtimes mapped, per :func:`_scan_maps`; ``None`` when the map
+    cannot be read. This process's own map is re-read only when the linker's load count moved
+    (see the module docstring); any other map (a test's) is read every time."""
+    key = None
+    if maps_path == MAPS_PATH:
+        count = _load_count()  # before the map: a load in between only makes the memo older
+        if count is not None:
+            key = (os.getpid(), *count)
+            with _maps_lock:
+                known = _maps_memo.get(key)
+            if known is not None:
+                return known
     try:
         with open(maps_path, "rb") as fh:
             raw = fh.read()
     except OSError as err:
         log.debug("cannot read %s: %s", maps_path, err)
         return None
-    paths: list[str] = []
-    if b"libcuda.so" not in raw:  # the common case, answered without splitting thousands of lines
-        return paths
-    for line in raw.decode(errors="replace").splitlines():  # UTF-8
-        fields = line.split(None, 5)
-        if len(fields) < 6:
-            continue
-        path = fields[5].strip()
-        if path.endswith(" (deleted)"):
-            path = path[: -len(" (deleted)")]
-        if os.path.basename(path).startswith("libcuda.so") and path not in paths:
-            paths.append(path)
-    return paths
+    found = _scan_maps(raw)
+    if key is not None:
+        with _maps_lock:
+            _maps_memo.clear()
+            _maps_memo[key] = found
+    return found
 
 
 def _framework_hint() -> tuple[str | None, str | None]:
@@ -170,7 +273,7 @@ def _ask_driver(path: str) -> tuple[bool, str]:
     return True, f"cuDeviceGetCount returned {name} ({rc}) from {path}: cuInit has run"
 
 
-def cuda_state(maps_path: str = "/proc/self/maps") -> CudaState:
+def cuda_state(maps_path: str = MAPS_PATH) -> CudaState:
     """Whether CUDA is already initialised in this process, without initialising it.
 
     Parameters
@@ -229,40 +332,33 @@ def too_late_message(state: CudaState, where: str = "this kernel") -> str:
 
 _HSA_NOT_INITIALIZED = 0x100B
 _HSA_SYSTEM_INFO_VERSION_MAJOR = 0
-_ROCM_LIBRARIES = ("libamdhip64.so", "libhsa-runtime64.so")
+#: This process's descriptors, and the device ROCr's thunk opens when it initialises.
+FD_DIR = "/proc/self/fd"
+KFD_PATH = "/dev/kfd"
 
 
-def mapped_rocm(maps_path: str = "/proc/self/maps") -> list[str] | None:
+def mapped_rocm(maps_path: str = MAPS_PATH) -> list[str] | None:
     """Paths of every HIP (``libamdhip64.so*``) and ROCr (``libhsa-runtime64.so*``) library
     mapped into this process, in first-mapped order; ``None`` when the maps cannot be read."""
-    try:
-        with open(maps_path, "rb") as fh:
-            raw = fh.read()
-    except OSError as err:
-        log.debug("cannot read %s: %s", maps_path, err)
-        return None
-    if b"libamdhip64.so" not in raw and b"libhsa-runtime64.so" not in raw:
-        return []
-    paths: list[str] = []
-    for line in raw.decode(errors="replace").splitlines():
-        fields = line.split(None, 5)
-        if len(fields) < 6:
-            continue
-        path = fields[5].strip().removesuffix(" (deleted)")
-        if os.path.basename(path).startswith(_ROCM_LIBRARIES) and path not in paths:
-            paths.append(path)
-    return paths
+    mapped = _mapped(maps_path)
+    return None if mapped is None else list(mapped[1])
 
 
-def kfd_open(fd_dir: str = "/proc/self/fd") -> bool:
-    """Whether this process holds ``/dev/kfd`` open (ROCr opened it: it is initialised)."""
+def kfd_open(fd_dir: str = FD_DIR) -> bool:
+    """Whether this process holds ``/dev/kfd`` open (ROCr opened it: it is initialised).
+
+    Where this host has no ``/dev/kfd`` (no amdgpu driver, or a container without it), no
+    descriptor of ours can name it, and this process's descriptors are not listed.
+    """
+    if fd_dir == FD_DIR and not os.path.exists(KFD_PATH):
+        return False
     try:
         names = os.listdir(fd_dir)
     except OSError:
         return False
     for name in names:
         try:
-            if os.readlink(os.path.join(fd_dir, name)) == "/dev/kfd":
+            if os.readlink(os.path.join(fd_dir, name)) == KFD_PATH:
                 return True
         except OSError:
             continue  # closed meanwhile (the listing's own fd, among others)
@@ -289,7 +385,7 @@ def _ask_rocr(path: str) -> tuple[bool, str]:
     return True, f"hsa_system_get_info returned {rc:#x} from {path}: ROCr (HIP) has started"
 
 
-def hip_state(maps_path: str = "/proc/self/maps", fd_dir: str = "/proc/self/fd") -> CudaState:
+def hip_state(maps_path: str = MAPS_PATH, fd_dir: str = FD_DIR) -> CudaState:
     """Whether the ROCm runtime (HIP / ROCr) is already initialised here, without initialising
     it (see the module docstring). Never raises.
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.core import decision
 from autogpu_jupyter.core.backends import Backend, get_backend
-from autogpu_jupyter.core.contract import KernelContract
+from autogpu_jupyter.core.contract import ROCM_GRANT_VARS, KernelContract
 from autogpu_jupyter.core.leasing.store import LeaseStore
 from autogpu_jupyter.core.options import PICK_OPTIONS, parse
 from autogpu_jupyter.core.picker import explain_drops
@@ -268,7 +268,10 @@ def grant_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
     In a provisioned kernel ``CUDA_VISIBLE_DEVICES`` holds the provisioner's pick; the grant it
     picked within is ``AUTOGPU_GRANT_CVD`` (absent: the server had no ``CUDA_VISIBLE_DEVICES``).
-    Elsewhere the environment is returned as is.
+    On an AMD host the pick is in the ROCm variables too, and ``AUTOGPU_GRANT_ROCM`` holds the
+    server's (those that were set); where it is missing or malformed the kernel's own ROCm
+    variables stay, so they bound a move (it fails closed, never widens). Elsewhere the
+    environment is returned as is.
     """
     env = dict(os.environ if environ is None else environ)
     contract = KernelContract.read(env)
@@ -277,6 +280,12 @@ def grant_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
             env.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             env["CUDA_VISIBLE_DEVICES"] = contract.grant_cvd
+        if contract.grant_rocm is not None:
+            for var in ROCM_GRANT_VARS:
+                if var in contract.grant_rocm:
+                    env[var] = contract.grant_rocm[var]
+                else:
+                    env.pop(var, None)
     return env
 
 

@@ -274,6 +274,7 @@ def pick(
         warm_up = getattr(backend, "warm_up", None)
         if warm_up is not None:
             warm_up()
+    waited = False  # in line: a ticket taken and slept on at least once
     try:
         while True:
             made, lease, lease_note = _attempt(
@@ -288,7 +289,8 @@ def pick(
                 smoothed_util,
             )
             if made.chosen:  # our ticket, if any, was released under the lock (again: a no-op)
-                return _result(made, lease, lease_note, store, dry_run, start)
+                waited_s = time.monotonic() - start if waited else 0.0
+                return _result(made, lease, lease_note, store, dry_run, waited_s)
             now = time.monotonic()
             if now >= deadline:
                 raise NoDeviceFitsError(
@@ -310,6 +312,7 @@ def pick(
             if on_progress is not None:
                 on_progress(_waiting_line(made, now - start, wait_s))
             sleep(min(POLL_INTERVAL_S, max(deadline - now, 0.0)))
+            waited = True
     finally:
         if ticket is not None:
             ticket.release()
@@ -381,7 +384,7 @@ def _result(
     lease_note: str | None,
     store: LeaseStore | None,
     dry_run: bool,
-    start: float,
+    waited_s: float,
 ) -> PickResult:
     if store is not None and not dry_run and store.unusable_reason:
         lease_note = store.unusable_reason
@@ -396,7 +399,7 @@ def _result(
         lease=lease,
         lease_note=f"{lease_note}: picked without a lease" if lease_note else None,
         dry_run=dry_run,
-        waited_s=time.monotonic() - start,
+        waited_s=waited_s,
     )
 
 

@@ -217,6 +217,8 @@ class Sampler:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        # smoothed_util's last answer: (window, first entry, newest entry, length, answer)
+        self._smoothed: tuple[float, object, object, int, dict[str, float | None]] | None = None
 
     # -- configuration -------------------------------------------------------------------
     @staticmethod
@@ -571,12 +573,29 @@ class Sampler:
         """Mean utilisation per device UUID over the last ``window_s`` seconds.
 
         ``None`` where no sample in the window knows the utilisation (NOT_SUPPORTED, lost).
-        Devices of the newest sample only.
+        Devices of the newest sample only. Computed once per sample: every pick asks it, and
+        the window only moves when a sample is added (or the history trimmed or backfilled).
         """
-        samples = self._window(window_s)
-        if not samples:
-            return {}
-        return mean_util(_series(samples), samples[-1][1])
+        with self._lock:
+            buf = self._buffer
+            if not buf:
+                return {}
+            ends = (buf[0], buf[-1], len(buf))
+            known = self._smoothed
+            # Entries are never changed in place, only added or dropped at the ends: the same
+            # first and newest entry objects and the same length are the same samples.
+            if (
+                known is not None
+                and known[0] == window_s
+                and known[1] is ends[0]
+                and known[2] is ends[1]
+                and known[3] == ends[2]
+            ):
+                return dict(known[4])
+            samples = self._window(window_s)
+            answer = mean_util(_series(samples), samples[-1][1])
+            self._smoothed = (window_s, *ends, answer)
+            return dict(answer)
 
 
 def _series(

@@ -16,12 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.config import AutoGPU
 from autogpu_jupyter.core import options
-from autogpu_jupyter.core.cluster import (
-    PrometheusClient,
-    fetch_cluster,
-    fetch_history,
-    rank_hosts,
-)
+from autogpu_jupyter.core.cluster import PrometheusClient, fetch_history
 from autogpu_jupyter.core.contract import ProvisionerState
 from autogpu_jupyter.core.holders import holders_by_device
 from autogpu_jupyter.core.moves import grant_environ
@@ -714,7 +709,9 @@ def select_answer(
 
 def cluster_payload(state: AutoGPUServer, constraints: Constraints) -> dict[str, Any]:
     """``GET cluster``: every host Prometheus holds (``core.cluster.fetch_cluster``), ranked for
-    ``constraints`` by the local pick's policy (``rank_hosts``).
+    ``constraints`` by the local pick's policy (``rank_hosts``). The view is the server's
+    shared one (``core.cluster.ClusterCache``: Prometheus is asked at most once per half scrape
+    interval however many sidebars poll), and so is its ranking for the same constraints.
 
     ``configured`` is false when ``c.AutoGPU.prometheus_url`` is empty; a Prometheus that cannot
     be asked gives no hosts and the reason in ``errors`` (the sidebar shows it).
@@ -735,12 +732,13 @@ def cluster_payload(state: AutoGPUServer, constraints: Constraints) -> dict[str,
     if not url:
         return base
     try:
-        view = fetch_cluster(PrometheusClient(url, settings.prometheus_timeout_s))
+        # shared by every sidebar: Prometheus is asked at most once per half scrape interval
+        cached = state.cluster_cache.get(url, settings.prometheus_timeout_s)
     except AutoGPUError as err:
         base["errors"] = [str(err)]
         return base
-    choices = rank_hosts(view, constraints)
-    base.update(view.to_dict())
+    choices = cached.ranking(constraints)
+    base.update(cached.as_dict)
     base["ranking"] = [
         {
             "hostname": c.host.hostname,

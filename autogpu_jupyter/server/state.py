@@ -21,6 +21,7 @@ from traitlets.config import LoggingConfigurable
 from autogpu_jupyter.config import AutoGPU, default_registry_dir
 from autogpu_jupyter.core import procfs
 from autogpu_jupyter.core import sampler as sampler_mod
+from autogpu_jupyter.core.cluster import ClusterCache
 from autogpu_jupyter.core.leasing import LeaseStore, store_for
 from autogpu_jupyter.core.text import redact_command
 from autogpu_jupyter.errors import AutoGPUError
@@ -118,6 +119,9 @@ class AutoGPUServer(LoggingConfigurable):
         )
         self._sampler: Any = None
         self._sampler_error: str | None = None
+        #: The cluster view every sidebar of this server shares (one Prometheus fetch per half
+        #: scrape interval, refreshed on the executor).
+        self.cluster_cache = ClusterCache(submit=self.executor.submit)
         self._lock = threading.Lock()
         self._settings: AutoGPU | None = None
         #: Kernels with a move in progress (touched on the IOLoop only): a second one is refused.

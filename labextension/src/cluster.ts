@@ -20,7 +20,7 @@ import {
   parseClusterHistory
 } from './clustermodel';
 import { sparklinePath } from './model';
-import { requestAPI } from './request';
+import { MISSING_SERVER_EXTENSION, requestAPI } from './request';
 
 /** Least time between two `GET cluster` requests of one sidebar. */
 export const MIN_INTERVAL_MS = 5000;
@@ -79,6 +79,12 @@ export class ClusterSection {
     } catch (reason) {
       const text =
         reason instanceof Error ? reason.message : String(reason ?? '');
+      if (text === MISSING_SERVER_EXTENSION) {
+        // The panel above says it once; the cluster section has nothing to add.
+        this.node.replaceChildren();
+        this.node.hidden = true;
+        return;
+      }
       this._render(null, this._trans.__('cluster view unavailable: %1', text));
     } finally {
       this._busy = false;

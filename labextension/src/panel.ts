@@ -63,7 +63,7 @@ import {
   userTotals,
   waitsEnded
 } from './model';
-import { requestAPI } from './request';
+import { MISSING_SERVER_EXTENSION, requestAPI } from './request';
 import { ClusterSection } from './cluster';
 
 /** What the panel needs to know about the active notebook. */
@@ -121,6 +121,12 @@ function el<K extends keyof HTMLElementTagNameMap>(
 }
 
 function errorText(reason: unknown, trans: TranslationBundle): string {
+  if (
+    reason instanceof ServerConnection.ResponseError &&
+    reason.message === MISSING_SERVER_EXTENSION
+  ) {
+    return trans.__(MISSING_SERVER_EXTENSION); // the whole story: no status code in front
+  }
   if (reason instanceof ServerConnection.ResponseError) {
     return trans.__(
       'server answered %1: %2',

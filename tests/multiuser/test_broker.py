@@ -46,7 +46,11 @@ def area(users: dict[str, tuple[int, int]]) -> Iterator[Area]:
 
 @pytest.fixture
 def broker(area: Area) -> Iterator[BrokerProc]:
-    proc = BrokerProc(area.root, "--max-devices-per-user", "2",
+    # A ticket that could be served lapses after --ticket-grace (5 s by default): these tests
+    # look at waiting tickets for longer than that with CLI runs as other users (seconds each
+    # on a loaded host); the lapse itself is tested in test_broker_attacks.py and
+    # tests/processes/test_broker_bounds.py.
+    proc = BrokerProc(area.root, "--max-devices-per-user", "2", "--ticket-grace", "120",
                       env={"AUTOGPU_RECORD_COMMANDS": "1", "AUTOGPU_SIMULATE": str(area.fleet)})
     try:
         yield proc
@@ -485,7 +489,7 @@ def test_forged_tickets_and_planted_registry_junk_change_nothing(
     """The safety issue's registry attacks have no target: the broker numbers tickets itself,
     and nothing planted in the shared directory is read."""
     uid, gid = users["b"]
-    a_uid = users["a"][0]
+    a_uid, a_gid = users["a"]
     # Junk where the shared-directory registry would look (a non-ASCII digit, a forged
     # directory for A): no pick reads it any more.
     (area.registry / "\u00b9").mkdir()
@@ -494,10 +498,11 @@ def test_forged_tickets_and_planted_registry_junk_change_nothing(
               "constraints": {"min_free_bytes": None, "min_free_fraction": None,
                               "max_util_pct": None, "count": 1, "exclude": [],
                               "exclusive": True, "allowed_uuids": [uuid_of(0)]}}
-    # GPU 0 is taken (for more than a moment), so B's tickets wait for it: a ticket taken while
-    # its device is free, or held by a lease of a moment ago, reserves nothing (a waiter waits
-    # for a job to end, not for another pick).
-    holder = AsUser(uid, gid, _raw_hold, str(area.socket),
+    # GPU 0 is taken by A (for more than a moment), so B's tickets wait for it: a ticket taken
+    # while its device is free, or held by a lease of a moment ago, reserves nothing (a waiter
+    # waits for a job to end, not for another pick). A's lease, not B's: B's own would count
+    # against B's quota with the two tickets.
+    holder = AsUser(a_uid, a_gid, _raw_hold, str(area.socket),
                     {"op": "lease", "devices": [uuid_of(0)], "exclusive": True}, hold=True)
     assert holder.result()[0]["ok"]
     time.sleep(2.5)  # past the broker's SETTLED_S (2 s): the holder's lease now makes B wait
@@ -639,10 +644,25 @@ def test_one_users_tickets_cannot_block_every_gpu(
         "would exceed max_devices_per_user = 2 set by the admin (enforced by the broker). Release "
         "one first (%gpu release, or end the kernel / autogpu run holding it)."
     )
+    # Bob's tickets wait for GPU 0 and GPU 1 while alice's settled leases hold them: a ticket
+    # that a device could serve at once reserves nothing (it is dormant), one that waits does.
+    a_uid, a_gid = users["a"]
+    holds = [AsUser(a_uid, a_gid, _raw_hold, str(area.socket),
+                    {"op": "lease", "devices": [uuid_of(i)], "exclusive": True}, hold=True)
+             for i in (0, 1)]
+    assert [h.result()[0]["ok"] for h in holds] == [True, True]
+    time.sleep(2.5)  # past the broker's SETTLED_S (2 s): only settled leases make a ticket wait
+    waiters = [
+        AsUser(uid, gid, _raw_hold, str(area.socket),
+               {"op": "ticket", "constraints": {**_TICKET, "allowed_uuids": [uuid_of(i)]}},
+               hold=True)
+        for i in (0, 1)
+    ]
     one = {"op": "ticket", "constraints": _TICKET}
-    waiters = [AsUser(uid, gid, _raw_hold, str(area.socket), one, hold=True) for _ in range(2)]
     try:
         assert [w.result()[0]["ok"] for w in waiters] == [True, True]
+        while holds:  # GPU 0 and GPU 1 free now: bob's waiting tickets reserve them
+            holds.pop().stop()
         third = as_user(uid, gid, _raw, str(area.socket), one)
         assert third[0]["type"] == "LeaseLimitError" and third[0]["error"].startswith(
             f"{USER_B} already waits in line with 2 ticket(s); another would exceed "
@@ -662,7 +682,7 @@ def test_one_users_tickets_cannot_block_every_gpu(
             ) in blocked.stderr, blocked.stderr
         assert "another lease" not in blocked.stderr
     finally:
-        for w in waiters:
+        for w in [*waiters, *holds]:
             w.stop()
     broker.wait_for(lambda s: s["tickets"] == [], timeout=10)
 

@@ -114,6 +114,25 @@ def test_a_device_known_before_it_fails_keeps_its_name(fake_amdsmi: FakeAmdSmi) 
         1, amd_uuid(1), MI300X, "0000:25:00.0", False)
 
 
+def test_a_warm_backend_s_warm_up_reads_nothing(fake_amdsmi: FakeAmdSmi) -> None:
+    """The picker's warm-up before the lock takes no second snapshot once amdsmi is up and
+    every device is known (issue 26); a device that failed is read again by the next one."""
+    fleet = fleet_amd_8x(processes=False)
+    fleet["devices"] = fleet["devices"][:2]
+    fake_amdsmi.write(fleet)
+    backend = AmdSmiBackend()
+    backend.warm_up()
+    before = fake_amdsmi.total_calls()
+    backend.warm_up()
+    assert fake_amdsmi.total_calls() == before
+    fake_amdsmi.set(1, lost=True)
+    backend.snapshot()  # device 1 fails: its identity is dropped
+    fake_amdsmi.set(1, lost=False)
+    before = fake_amdsmi.total_calls()
+    backend.warm_up()
+    assert fake_amdsmi.total_calls() > before
+
+
 def test_unsupported_queries_read_as_unknown(fake_amdsmi: FakeAmdSmi) -> None:
     fleet = fleet_amd_8x(processes=False)
     fleet["devices"] = [fleet["devices"][0]]

@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -1277,3 +1278,63 @@ def test_lease_events_of_a_pipe_or_a_closed_fd_are_none() -> None:
         os.close(r)
         os.close(w)
     assert lease_events(999_999) == []  # not open
+
+
+def test_the_booking_views_reservations_are_the_admissions_pseudo_leases() -> None:
+    """The devices the admin reserved away from the caller come apart in the booking view, so
+    the client ranks them out as the admission words them ("reserved for group(s) ml by the
+    admin"), not as "held exclusively by another lease" (a plain row would say that)."""
+    from autogpu_jupyter.core.leasing import admission
+
+    got = brokerclient._reservations({"GPU-r1": ["ml", "staff"]}, "/b.sock")
+    assert [(r.device_uuids, r.exclusive, admission.is_reservation(r)) for r in got] == [
+        (("GPU-r1",), True, True)]
+    assert admission.exclusive_phrase(got[0]) == "reserved for group(s) ml, staff by the admin"
+    assert brokerclient._reservations(None, "/b.sock") == []
+    with pytest.raises(RegistryError, match="sent a bad booking view"):
+        brokerclient._reservations(["GPU-r1"], "/b.sock")
+
+
+# ---- the broker's own checks, in this process (the tests here run as root) ----------------
+
+
+def _person(broker: Broker, uid: int) -> Any:
+    from autogpu_jupyter.broker import Conn
+    from autogpu_jupyter.brokerd.identity import Account
+
+    return Conn(broker, uid, uid, os.getpid(), Account(uid, f"user{uid}", frozenset()))
+
+
+def test_a_barred_person_waits_out_the_bar_and_others_join_the_line() -> None:
+    """Caught: the bar's comparison inverted (every person never barred was refused a place in
+    the line, the barred one let in): only the real-users tests saw it, root being exempt."""
+    from autogpu_jupyter.broker import LINE_BAR_S, BrokerRefusal
+
+    b = Broker(BrokerConfig(socket_path="/nonexistent/b.sock"))
+    alice, bob = _person(b, 1001), _person(b, 1002)
+    b._may_join(alice)  # nobody barred: both join
+    b._may_join(bob)
+    b.line_barred[alice.key] = time.monotonic() + LINE_BAR_S
+    with pytest.raises(BrokerRefusal, match=r"^user1001 left a place in the waiting line"):
+        b._may_join(alice)
+    b._may_join(bob)  # one person's bar is nobody else's
+    b.line_barred[alice.key] = time.monotonic() - 1.0  # the bar is over
+    b._may_join(alice)
+
+
+def test_root_may_name_any_users_process_as_a_leases_holder(reg: BrokerRegistry) -> None:
+    """``set_pid``: a user may name only a process of theirs; root (the provisioner of a root
+    server) any process. Caught: the root exemption inverted (root refused another user's
+    kernel process, the check skipped for everyone else)."""
+    child = subprocess.Popen(["sleep", "30"], user="nobody")
+    try:
+        with reg.locked() as txn:
+            lease = txn.create(devices=["GPU-sp1"])
+        try:
+            lease.set_pid(child.pid)
+            assert lease.record.pid == child.pid
+        finally:
+            lease.release()
+    finally:
+        child.kill()
+        child.wait()

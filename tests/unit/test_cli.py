@@ -246,3 +246,48 @@ def test_the_exporter_refuses_a_port_out_of_range(host: Path, port: str) -> None
     """Caught: the port's bounds off by one."""
     assert cli("exporter", "--port", port) == (
         2, "", f"autogpu: invalid --port {port}: expected 1-65535, e.g. 9445\n")
+
+
+# ---- autogpu broker serve: the admin's limits --------------------------------------------------
+
+
+def _served_config(monkeypatch: pytest.MonkeyPatch, *args: str) -> Any:
+    """The BrokerConfig ``autogpu broker serve ARGS`` would serve with (the daemon not started)."""
+    from autogpu_jupyter import broker
+
+    seen: list[Any] = []
+    monkeypatch.setattr(broker, "main", lambda config: seen.append(config) or 0)
+    code, _, err = cli("broker", "serve", "--socket", "/nonexistent/broker.sock", *args)
+    assert code == 0 and len(seen) == 1, err
+    return seen[0]
+
+
+def test_the_brokers_lease_and_ticket_limits_come_from_config_the_rules_file_and_flags(
+    host: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """max_leases_per_user and max_tickets_per_user: the AutoGPU setting, else the rules file,
+    else the flag, each winning over the one before (as max_devices_per_user)."""
+    monkeypatch.setenv("AUTOGPU_MAX_TICKETS_PER_USER", "3")
+    rules = tmp_path / "rules.json"
+    config = _served_config(monkeypatch, "--rules", str(rules))
+    assert (config.max_leases_per_user, config.max_tickets_per_user) == (0, 3)
+    rules.write_text(json.dumps({"max_leases_per_user": 4, "max_tickets_per_user": 1}))
+    config = _served_config(monkeypatch, "--rules", str(rules))
+    assert (config.max_leases_per_user, config.max_tickets_per_user) == (4, 1)
+    config = _served_config(monkeypatch, "--rules", str(rules), "--max-leases-per-user", "6",
+                            "--max-tickets-per-user", "0")
+    assert (config.max_leases_per_user, config.max_tickets_per_user) == (6, 0)
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
+def test_a_bad_broker_limit_flag_is_one_line_naming_it(
+    host: Path, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["broker", "serve", "--max-tickets-per-user", value])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and out == ""
+    assert err.splitlines()[-1] == (
+        f"autogpu broker: error: argument --max-tickets-per-user: {value!r}: expected a whole "
+        "number >= 0"
+    )

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from autogpu_jupyter.core import session
-from autogpu_jupyter.core.cudastate import CudaState, cuda_state, mapped_libcuda
+from autogpu_jupyter.core import cudastate, session
+from autogpu_jupyter.core.cudastate import CudaState, cuda_state, mapped_libcuda, mapped_rocm
 from autogpu_jupyter.errors import TooLateError
 from tests.fakecuda import build_fake_cuda
 
@@ -367,3 +367,90 @@ def test_a_pick_after_cuinit_is_refused_unless_forced(
         session.check_not_too_late(force=False)
     assert str(info.value) == message
     assert session.check_not_too_late(force=True) == "--force: " + message
+
+
+# ---------------------------------------- this process's map, remembered between checks
+
+
+def test_a_driver_loaded_between_two_checks_is_seen_and_its_unloading_too(
+    initialised_here: Callable[[], str],
+) -> None:
+    """The map is remembered while the linker loads nothing (issue 26); a driver loaded after
+    a check that found none is seen by the next check (the fixture's teardown unloads it and
+    checks that the next check sees it gone)."""
+    assert mapped_libcuda() == []
+    assert cuda_state().initialized is False  # remembered from here on
+    path = initialised_here()
+    assert mapped_libcuda() == [path]
+    assert cuda_state().initialized is True
+
+
+def test_this_process_s_map_is_read_again_only_after_a_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_framework: None
+) -> None:
+    reads: list[str] = []
+    real_open = open
+
+    def counting_open(path: str, *args: object, **kwargs: object) -> object:
+        reads.append(path)
+        return real_open(path, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(cudastate, "open", counting_open, raising=False)
+    mapped_libcuda()
+    reads.clear()
+    for _ in range(3):
+        assert mapped_libcuda() == []
+        assert mapped_rocm() == []
+    assert reads == []
+    # Any new shared object (not a driver here) makes the next check read the map again.
+    lib = tmp_path / f"libunrelated{next(_names)}.so"
+    src = tmp_path / "unrelated.c"
+    src.write_text("int autogpu_unrelated(void) { return 1; }\n")
+    subprocess.run([os.environ.get("CC", "gcc"), "-shared", "-fPIC", "-o", str(lib), str(src)],
+                   check=True, capture_output=True)
+    handle = ctypes.CDLL(str(lib))
+    assert mapped_libcuda() == []
+    assert reads == ["/proc/self/maps"]
+    _ctypes.dlclose(handle._handle)
+    mapped_rocm()
+    assert reads == ["/proc/self/maps"] * 2
+    # A map other than this process's (a test's) is read every time.
+    other = tmp_path / "maps"
+    other.write_text("")
+    mapped_libcuda(str(other))
+    mapped_libcuda(str(other))
+    assert reads[2:] == [str(other)] * 2
+
+
+def test_without_the_linker_s_count_the_map_is_read_every_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reads: list[str] = []
+    real_open = open
+
+    def counting_open(path: str, *args: object, **kwargs: object) -> object:
+        reads.append(path)
+        return real_open(path, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(cudastate, "open", counting_open, raising=False)
+    monkeypatch.setattr(cudastate, "_load_count", lambda: None)
+    mapped_libcuda()
+    mapped_libcuda()
+    mapped_rocm()
+    assert reads == ["/proc/self/maps"] * 3
+
+
+def test_the_linker_s_count_moves_with_every_load_and_unload(tmp_path: Path) -> None:
+    before = cudastate._load_count()
+    assert before is not None  # glibc reports dlpi_adds / dlpi_subs
+    src = tmp_path / "counted.c"
+    src.write_text("int autogpu_counted(void) { return 2; }\n")
+    lib = tmp_path / f"libcounted{next(_names)}.so"
+    subprocess.run([os.environ.get("CC", "gcc"), "-shared", "-fPIC", "-o", str(lib), str(src)],
+                   check=True, capture_output=True)
+    handle = ctypes.CDLL(str(lib))
+    loaded = cudastate._load_count()
+    assert loaded is not None and loaded[0] == before[0] + 1
+    _ctypes.dlclose(handle._handle)
+    unloaded = cudastate._load_count()
+    assert unloaded is not None and unloaded[1] > loaded[1]

@@ -3,9 +3,15 @@ runtime path, with the fake HIP, is in tests/processes/test_amd_host.py)."""
 
 from __future__ import annotations
 
+import _ctypes
+import ctypes
 import os
+import subprocess
 from pathlib import Path
 
+import pytest
+
+from autogpu_jupyter.core import cudastate
 from autogpu_jupyter.core.cudastate import hip_state, hip_too_late_message, kfd_open, mapped_rocm
 
 HIP = "/opt/rocm-6.4.1/lib/libamdhip64.so.6.4.60401"
@@ -63,3 +69,62 @@ def test_the_message_names_the_rocm_variables_and_the_fix(tmp_path: Path) -> Non
         "changed. Restart the kernel and run `%gpu pick` first, before anything uses the GPU "
         "(torch.cuda..., a tensor on the GPU), or start the notebook with the \"Python 3 "
         "(autogpu)\" kernel, which picks before the kernel starts.")
+
+
+def test_kfd_is_looked_for_among_our_descriptors_only_where_the_host_has_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``/dev/kfd`` on the host: no descriptor can name it, so this process's descriptors
+    are not listed (issue 26); where it exists, a descriptor open on it is found."""
+    kfd = tmp_path / "kfd"
+    monkeypatch.setattr(cudastate, "KFD_PATH", str(kfd))
+    listed: list[str] = []
+    real_listdir = os.listdir
+
+    def counting_listdir(path: str) -> list[str]:
+        listed.append(path)
+        return real_listdir(path)
+
+    monkeypatch.setattr(cudastate.os, "listdir", counting_listdir)
+    assert kfd_open() is False
+    assert listed == []
+    kfd.write_bytes(b"")
+    assert kfd_open() is False
+    assert listed == ["/proc/self/fd"]
+    fd = os.open(kfd, os.O_RDONLY)
+    try:
+        assert kfd_open() is True
+    finally:
+        os.close(fd)
+
+
+def test_a_rocr_loaded_between_two_checks_is_seen(tmp_path: Path) -> None:
+    """This process's map is remembered between checks while the linker loads nothing; a ROCr
+    runtime loaded after a check is seen by the next one, and its unloading too."""
+    assert mapped_rocm() == []
+    assert hip_state().initialized is False
+    d = tmp_path / "rocm"
+    d.mkdir()
+    src = d / "rocr.c"
+    src.write_text(
+        "int hsa_system_get_info(int attribute, void *value) { return 0x100B; }\n"
+    )
+    lib = d / "libhsa-runtime64.so.1"
+    subprocess.run([os.environ.get("CC", "gcc"), "-shared", "-fPIC", "-o", str(lib), str(src)],
+                   check=True, capture_output=True)
+    handle = ctypes.CDLL(str(lib))
+    try:
+        assert mapped_rocm() == [str(lib)]
+        state = hip_state()
+        assert (state.initialized, state.evidence) == (
+            False,
+            f"ROCr is mapped ({lib}) but hsa_system_get_info returned "
+            "HSA_STATUS_ERROR_NOT_INITIALIZED (0x100B): hsa_init has not run yet",
+        )
+    finally:
+        # The check reopened it too (RTLD_NOLOAD adds a reference): close until it is unmapped.
+        for _ in range(100):
+            if str(lib) not in (mapped_rocm() or []):
+                break
+            _ctypes.dlclose(handle._handle)
+    assert mapped_rocm() == []

@@ -730,3 +730,61 @@ def test_best_excludes_the_devices_moved_away_from_that_still_exist(
                                         backend.snapshot().devices)
     assert cons == Constraints(exclude=("1", U2, MIG0), count=2)
     assert note == "moved to the best other device at your request"
+
+
+# ---- an AMD host's grant --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("recorded", "rocr", "hip"),
+    [
+        # the server had ROCR_VISIBLE_DEVICES=0,1,2,3: the kernel's pick (2) no longer bounds
+        ('{"ROCR_VISIBLE_DEVICES": "0,1,2,3"}', "0,1,2,3", None),
+        ('{"ROCR_VISIBLE_DEVICES": "1,2", "HIP_VISIBLE_DEVICES": "0,1"}', "1,2", "0,1"),
+        ("{}", None, None),  # the server had none: the whole host
+        # not recorded (an older provisioner) or malformed: the kernel's own stay and bound
+        (None, "2", "0"),
+        ("[1, 2]", "2", "0"),
+        ('{"ROCR_VISIBLE_DEVICES": 3}', "2", "0"),
+        ('{"PATH": "/tmp"}', "2", "0"),
+        ("{not json", "2", "0"),
+    ],
+)
+def test_a_provisioned_amd_kernels_grant_is_the_servers_rocm_variables(
+    recorded: str | None, rocr: str | None, hip: str | None
+) -> None:
+    """Caught: a move planned in a provisioned kernel on an AMD host was bounded by the
+    kernel's own narrowed ROCm variables (only the CUDA grant was recorded), so it was refused."""
+    env = {"AUTOGPU_PROVISIONED": "1", "ROCR_VISIBLE_DEVICES": "2", "HIP_VISIBLE_DEVICES": "0",
+           "CUDA_VISIBLE_DEVICES": "0", "GPU_DEVICE_ORDINAL": "0"}
+    if recorded is not None:
+        env["AUTOGPU_GRANT_ROCM"] = recorded
+    got = moves.grant_environ(env)
+    assert (got.get("ROCR_VISIBLE_DEVICES"), got.get("HIP_VISIBLE_DEVICES")) == (rocr, hip)
+    assert "CUDA_VISIBLE_DEVICES" not in got  # no AUTOGPU_GRANT_CVD: the server had none
+    if recorded is None or rocr == "2":
+        assert got["GPU_DEVICE_ORDINAL"] == "0"
+    else:
+        assert "GPU_DEVICE_ORDINAL" not in got
+
+
+def test_a_move_in_a_provisioned_amd_kernel_plans_within_the_servers_grant() -> None:
+    """On demo-amd, a kernel the provisioner put on one GPU (its ROCm variables name it) moves
+    to another GPU the server's grant allows, and never outside it."""
+    amd = SimulatedBackend("demo-amd")
+    devices = amd.snapshot().devices
+    here, there, outside = devices[0], devices[1], devices[2]
+    kernel_env = {
+        "AUTOGPU_PROVISIONED": "1",
+        "ROCR_VISIBLE_DEVICES": str(here.index),
+        "HIP_VISIBLE_DEVICES": "0",
+        "AUTOGPU_GRANT_ROCM": json.dumps(
+            {"ROCR_VISIBLE_DEVICES": f"{here.index},{there.index}"}),
+    }
+    plan = _plan(amd, there.uuid, current=[here.uuid], environ=moves.grant_environ(kernel_env))
+    assert [d.uuid for d in plan.target] == [there.uuid]
+    with pytest.raises(AutoGPUError):  # outside the server's grant: refused, never widened
+        _plan(amd, outside.uuid, current=[here.uuid], environ=moves.grant_environ(kernel_env))
+    del kernel_env["AUTOGPU_GRANT_ROCM"]  # not recorded: the kernel's own variable bounds
+    with pytest.raises(AutoGPUError):
+        _plan(amd, there.uuid, current=[here.uuid], environ=moves.grant_environ(kernel_env))

@@ -24,7 +24,16 @@ import pytest
 from autogpu_jupyter.core.backends.nvml import NvmlBackend
 from autogpu_jupyter.core.devices import DeviceSnapshot, ProcessSnapshot
 from autogpu_jupyter.errors import NVMLUnavailableError
-from tests.fakenvml import FakeNvml, GiB, MiB, fleet_4x, fleet_8x, fleet_edge_cases, fleet_mig
+from tests.fakenvml import (
+    FakeNvml,
+    GiB,
+    MiB,
+    fleet_4x,
+    fleet_8x,
+    fleet_edge_cases,
+    fleet_mig,
+    preload_fake_nvml,
+)
 
 ME = pwd.getpwuid(os.getuid()).pw_name
 
@@ -709,6 +718,30 @@ def test_warm_up_opens_the_handles_and_never_raises(fake_nvml: FakeNvml) -> None
     fake_nvml.reset_calls()
     assert len(backend.snapshot().devices) == 4
     assert fake_nvml.calls("nvmlDeviceGetHandleByIndex_v2") == 4
+
+
+def test_a_warm_backend_s_warm_up_reads_nothing(fake_nvml: FakeNvml) -> None:
+    """A pick's warm-up before the lock must not take a second snapshot once NVML is up: the
+    snapshot under the lock is the pick's only one (issue 26)."""
+    fake_nvml.write(fleet_4x())
+    backend = NvmlBackend()
+    backend.warm_up()  # cold: initialises NVML and opens every handle
+    total = preload_fake_nvml().fakenvml_total_calls
+    before = total()
+    backend.warm_up()
+    assert total() == before
+    backend.snapshot()
+    after_snapshot = total()
+    assert after_snapshot > before
+    backend.warm_up()
+    assert total() == after_snapshot
+    fake_nvml.set(1, lost=True)  # a GPU that failed is opened again before the lock
+    backend.snapshot()
+    fake_nvml.set(1, lost=False)
+    fake_nvml.reset_calls()
+    backend.warm_up()
+    assert fake_nvml.calls("nvmlDeviceGetHandleByIndex_v2") == 1
+
 
 
 def test_a_failing_gpu_is_looked_up_again_next_time(fake_nvml: FakeNvml) -> None:

@@ -606,3 +606,37 @@ def test_the_waiting_line_names_the_best_device_and_why_it_does_not_fit(tmp_path
         r"only 0 B free < 1\.0 GiB wanted",
         progress[0],
     ), progress
+
+
+def test_a_slow_pick_that_never_waited_in_line_says_it_did_not_wait(
+    two: SimulatedBackend, registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``waited_s`` is the time spent in line, not the pick's duration: a pick that fits at its
+    first try waited 0 s however slow the machine (a loaded host printed "waited 1.1s in line"
+    under picks that never queued). Caught: the whole pick's duration reported as a wait."""
+    clock = iter(range(0, 10_000, 5))  # every reading of the clock is 5 s later
+    monkeypatch.setattr("autogpu_jupyter.core.picker.time.monotonic", lambda: float(next(clock)))
+    result = pick(PickOptions(Constraints.parse(), 60.0), backend=two, environ={},
+                  store=registry)
+    try:
+        assert result.chosen and result.waited_s == 0.0
+    finally:
+        assert result.lease is not None
+        result.lease.release()
+
+
+def test_a_pick_served_after_waiting_in_line_says_how_long(tmp_path: Path) -> None:
+    """The counterpart: a pick that slept in line at least once reports the time since it began."""
+    spec = fleet(1)
+    spec["devices"][0]["memory_used"] = 80 * 1024**3
+    backend = backend_for(tmp_path, spec)
+    path = tmp_path / "fleet.json"
+
+    def free_it(_: float) -> None:  # the device frees up while the picker sleeps in line
+        spec["devices"][0]["memory_used"] = 0
+        path.write_text(json.dumps(spec))
+        os.utime(path, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+
+    result = pick(PickOptions(Constraints.parse(min_free="10G"), 30.0), backend=backend,
+                  environ={}, sleep=free_it)
+    assert result.chosen and result.waited_s > 0.0

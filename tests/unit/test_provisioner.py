@@ -8,6 +8,7 @@ started by the provisioner are ``tests/kernel/test_provisioner.py``.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,6 +94,7 @@ def test_the_kernel_gets_the_picked_device_and_its_lease(host: Host) -> None:
     assert env["AUTOGPU_LEASE_ID"] == lease.lease_id and lease.device_uuids == (A,)
     assert int(env["AUTOGPU_LEASE_FD"]) in kwargs["pass_fds"]  # the kernel inherits the lock
     assert "AUTOGPU_GRANT_CVD" not in env  # the server had no grant
+    assert env["AUTOGPU_GRANT_ROCM"] == "{}"  # nor any ROCm variable
     assert km.provisioner.autogpu_picked == (A,)
     assert lease.kernel_id == km.kernel_id and lease.requested_bytes == 10 * GiB
 
@@ -129,6 +131,15 @@ def test_the_servers_grant_bounds_the_pick_and_is_passed_on(host: Host) -> None:
     _km, kwargs = host.pre_start("agp", CUDA_VISIBLE_DEVICES=B)
     env = kwargs["env"]
     assert (env["CUDA_VISIBLE_DEVICES"], env["AUTOGPU_GRANT_CVD"]) == (B, B)
+
+
+def test_the_servers_rocm_variables_are_recorded_for_a_move(host: Host) -> None:
+    """An AMD host's grant (ROCR_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES) is recorded as the
+    server had it, so a %gpu move in the kernel plans within it (core.moves.grant_environ)."""
+    host.install("agp", min_free="10G")
+    _km, kwargs = host.pre_start("agp", ROCR_VISIBLE_DEVICES="0,1", HIP_VISIBLE_DEVICES="0,1")
+    recorded = json.loads(kwargs["env"]["AUTOGPU_GRANT_ROCM"])
+    assert recorded == {"ROCR_VISIBLE_DEVICES": "0,1", "HIP_VISIBLE_DEVICES": "0,1"}
 
 
 def test_a_restart_stays_on_its_device_while_it_fits(host: Host) -> None:

@@ -300,6 +300,28 @@ def test_smoothed_util_averages_the_last_minute_by_default() -> None:
     assert s.smoothed_util(39) == {A: 2.0, B: None}
 
 
+def test_smoothed_util_is_answered_afresh_whenever_the_window_can_have_moved() -> None:
+    """Every pick asks it, so it is remembered between samples (issue 26): a new sample, a
+    trimmed history, seeded history and another window each give the new answer, and a
+    caller that changes its answer changes nobody else's."""
+    s = Sampler(interval_s=1, history_s=1000)
+    s.add(_snap(0.0, _dev(A, 0, utilization_pct=10.0)), own=())
+    s.add(_snap(1.0, _dev(A, 0, utilization_pct=20.0)), own=())
+    first = s.smoothed_util(60)
+    assert first == {A: 15.0}
+    first[A] = 99.0
+    assert s.smoothed_util(60) == {A: 15.0}
+    assert s.smoothed_util(0) == {A: 20.0}
+    s.add(_snap(2.0, _dev(A, 0, utilization_pct=60.0)), own=())
+    assert s.smoothed_util(60) == {A: 30.0}
+    s.set_history(1)  # one sample a second for one second: the two newest stay
+    assert s.smoothed_util(60) == {A: 40.0}
+    assert s.seed({A: ([1.5], [100.0], [0], 80 * GiB)}) == 0  # not older than the oldest
+    s.set_history(1000)
+    assert s.seed({A: ([0.5], [100.0], [0], 80 * GiB)}) == 1
+    assert s.smoothed_util(60) == {A: 60.0}  # (100 + 20 + 60) / 3
+
+
 def test_series_concatenate_across_changes_of_the_device_list() -> None:
     s = Sampler(interval_s=1, history_s=100)
     s.add(_snap(0.0, _dev(A, 0, utilization_pct=1.0), _dev(B, 1, utilization_pct=2.0)), own=())

@@ -45,3 +45,22 @@ def test_a_sampler_that_has_not_swept_yet_is_waited_for(monkeypatch: pytest.Monk
     sampler = Sampler(backend=_NoDriver())  # type: ignore[arg-type]
     assert payloads.latest_snapshot(SimpleNamespace(sampler=lambda: sampler)) is None
     assert payloads.latest_snapshot(SimpleNamespace(sampler=lambda: None)) is None
+
+
+def test_a_kernel_may_be_offered_only_the_devices_its_environment_allows() -> None:
+    """The sidebar's Pick buttons: the devices of a kernel's starting allocation, its grant for
+    an autogpu kernel. Caught: every device of the host offered (a pick outside the kernel's
+    CUDA_VISIBLE_DEVICES would fail, or worse, widen what a scheduler granted)."""
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+
+    snap = SimulatedBackend("demo-4x").snapshot()
+    uuids = [d.uuid for d in snap.devices]
+    assert payloads.kernel_allowed_uuids(snap, {}) == uuids
+    assert payloads.kernel_allowed_uuids(
+        snap, {"CUDA_VISIBLE_DEVICES": f"{uuids[2]},{uuids[0]}"}) == [uuids[0], uuids[2]]
+    # an autogpu kernel on GPU 2 picked within the server's grant of GPUs 1 and 2
+    assert payloads.kernel_allowed_uuids(snap, {
+        "AUTOGPU_PROVISIONED": "1", "CUDA_VISIBLE_DEVICES": uuids[2],
+        "AUTOGPU_GRANT_CVD": f"{uuids[1]},{uuids[2]}"}) == [uuids[1], uuids[2]]
+    assert payloads.kernel_allowed_uuids(snap, None) is None  # unknown: the server's grant
+    assert payloads.kernel_allowed_uuids(None, {}) is None

@@ -226,7 +226,14 @@ class AmdSmiBackend:
         self._driver_version: str | None = None
 
     def warm_up(self) -> None:
-        """Load and initialise amdsmi now (the picker calls this before the registry lock)."""
+        """Load and initialise amdsmi now (the picker calls this before the registry lock).
+
+        Once amdsmi is initialised and every device's identity is known, this reads nothing:
+        a pick then takes one snapshot per attempt, the one under the lock.
+        """
+        count = self._count  # read without the lock: a wrong answer costs one extra snapshot
+        if _state.module is not None and count is not None and len(self._identity) >= count:
+            return
         with contextlib.suppress(NVMLUnavailableError):
             self.snapshot()
 

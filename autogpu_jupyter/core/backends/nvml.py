@@ -203,9 +203,27 @@ class NvmlBackend:
     # ---- public ----
     def warm_up(self) -> None:
         """Initialise NVML and open the device handles now (the picker calls this before it takes
-        the registry lock, so that NVML's one-time start-up does not hold up other pickers)."""
+        the registry lock, so that NVML's one-time start-up does not hold up other pickers).
+
+        Once NVML is initialised and every GPU's handle and identity are cached, this reads
+        nothing: a pick then takes one snapshot per attempt, the one under the lock (which also
+        notices a changed device count and opens new handles there).
+        """
+        if self._warm():
+            return
         with contextlib.suppress(NVMLUnavailableError):  # the locked snapshot reports it
             self.snapshot()
+
+    def _warm(self) -> bool:
+        """Whether a snapshot now would find NVML initialised and every handle open (read
+        without the lock: a wrong answer costs one extra snapshot, nothing else)."""
+        count = self._count
+        return (
+            _state.module is not None
+            and count is not None
+            and len(self._handles) >= count
+            and len(self._identity) >= count
+        )
 
     def snapshot(self) -> FleetSnapshot:
         """Read every device now.

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from autogpu_jupyter.core.leasing.admission import in_line
+from autogpu_jupyter.core.leasing.admission import in_line, reservation
 from autogpu_jupyter.core.leasing.records import LeaseRecord
 from autogpu_jupyter.core.leasing.store import (
     HeldLease,
@@ -293,6 +293,20 @@ def _view_records(devices: Iterable[Any], path: str) -> list[LeaseRecord]:
     return out
 
 
+def _reservations(reserved: Any, path: str) -> list[LeaseRecord]:
+    """The devices the admin reserved away from us, as the broker's view names them (UUID ->
+    groups): the admission's pseudo-leases, so a ranking words them as the directory would
+    ("reserved for group(s) ml by the admin"), not as another lease."""
+    if reserved is None:
+        return []
+    try:
+        items = list(reserved.items())[:MAX_LIST_RECORDS]
+        return [reservation(str(uuid), [str(g) for g in groups][:64], "")
+                for uuid, groups in items]
+    except (AttributeError, TypeError) as err:
+        raise RegistryError(f"lease broker at {path} sent a bad booking view: {err}") from None
+
+
 def _view_record(uuid: str, n: int, exclusive: bool, pid: int, booked: int | None, user: str,
                  where: str | None, path: str) -> LeaseRecord:
     lease_id = f"view{n:028x}"
@@ -380,8 +394,10 @@ class BrokerTransaction(StoreTransaction):
     def __init__(self, registry: BrokerRegistry, conn: _Conn, reply: Mapping[str, Any]) -> None:
         self.store = registry
         self._conn: _Conn | None = conn
-        self._leases = _records(reply.get("own", ()), registry.path) + _view_records(
-            reply.get("devices", ()), registry.path
+        self._leases = (
+            _records(reply.get("own", ()), registry.path)
+            + _view_records(reply.get("devices", ()), registry.path)
+            + _reservations(reply.get("reserved"), registry.path)
         )
         self._tickets = _records(reply.get("tickets", ()), registry.path)
 
@@ -561,8 +577,7 @@ class BrokerRegistry(LeaseStore):
             payloads = _pages(conn, {"op": "leases", "kind": "ticket"})
         finally:
             conn.close()
-        return sorted(_records(payloads, self.path),
-                      key=lambda r: (r.seq or 0, r.created_s, r.lease_id))
+        return in_line(_records(payloads, self.path))
 
     def take_ticket(
         self,

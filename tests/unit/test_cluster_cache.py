@@ -1,0 +1,173 @@
+"""core.cluster.ClusterCache: one cluster view shared by every sidebar of a server, asked of
+Prometheus at most once per half scrape interval (issue 26). A fake fetch and clock; no timing."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from autogpu_jupyter.core.cluster import ClusterCache, ClusterHost, ClusterView
+from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.errors import AutoGPUError
+
+URL = "http://prometheus.example:9090"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Fetches:
+    """A fake fetch_cluster: each call gives a new view (its number in ``timestamp_s``)."""
+
+    def __init__(self, interval_s: float | None = 10.0) -> None:
+        self.calls = 0
+        self.interval_s = interval_s
+        self.fail: Exception | None = None
+
+    def __call__(self, url: str, timeout_s: float) -> ClusterView:
+        self.calls += 1
+        if self.fail is not None:
+            raise self.fail
+        hosts = () if self.interval_s is None else (
+            ClusterHost("a", ("a:9100",), "ok", 0.0, self.interval_s),
+            ClusterHost("b", ("b:9100",), "ok", 0.0, self.interval_s * 3),
+        )
+        return ClusterView(url, float(self.calls), hosts)
+
+
+class Background:
+    """An executor's submit that runs nothing until told."""
+
+    def __init__(self) -> None:
+        self.queued: list[Callable[[], None]] = []
+
+    def __call__(self, fn: Callable[[], None]) -> None:
+        self.queued.append(fn)
+
+    def run(self) -> None:
+        queued, self.queued = self.queued, []
+        for fn in queued:
+            fn()
+
+
+def test_a_view_is_shared_while_fresh_and_each_ranking_is_made_once() -> None:
+    clock, fetch = Clock(), Fetches(interval_s=10.0)
+    cache = ClusterCache(fetch=fetch, clock=clock)
+    first = cache.get(URL, 5.0)
+    assert (first.fresh_s, first.stale_s) == (5.0, 20.0)  # the shortest host's interval
+    clock.now += 4.9
+    assert cache.get(URL, 5.0) is first
+    assert fetch.calls == 1
+    assert first.as_dict == first.view.to_dict()
+    ten = Constraints.parse(min_free="10G")
+    assert first.ranking(ten) is first.ranking(Constraints.parse(min_free="10G"))
+    assert first.ranking(ten) is not first.ranking(Constraints.parse(min_free="20G"))
+    assert cache.get(URL, 1.0) is not first  # another timeout is another client: asked anew
+    assert fetch.calls == 2
+
+
+def test_past_half_an_interval_it_is_served_while_one_refresh_runs_in_the_background() -> None:
+    """Up to two scrape intervals old; older, the caller waits for a new view."""
+    clock, fetch, background = Clock(), Fetches(interval_s=10.0), Background()
+    cache = ClusterCache(background, fetch=fetch, clock=clock)
+    first = cache.get(URL, 5.0)
+    clock.now += 6.0
+    assert cache.get(URL, 5.0) is first
+    assert cache.get(URL, 5.0) is first
+    assert (fetch.calls, len(background.queued)) == (1, 1)  # one refresh, however many asked
+    background.run()
+    second = cache.get(URL, 5.0)
+    assert second is not first and second.view.timestamp_s == 2.0
+    clock.now += 19.9
+    assert cache.get(URL, 5.0) is second
+    background.queued.clear()
+    clock.now += 0.1  # two intervals old: the caller waits for a new view
+    third = cache.get(URL, 5.0)
+    assert third.view.timestamp_s == 3.0 and background.queued == []
+
+
+def test_without_a_background_a_view_past_half_an_interval_is_fetched_at_once() -> None:
+    clock, fetch = Clock(), Fetches(interval_s=2.0)
+    cache = ClusterCache(fetch=fetch, clock=clock)
+    cache.get(URL, 5.0)
+    clock.now += 1.0
+    assert cache.get(URL, 5.0).view.timestamp_s == 2.0
+
+
+@pytest.mark.parametrize(
+    ("interval", "fresh", "stale"),
+    [(None, 30.0, 120.0), (0.2, 0.5, 1.0), (600.0, 30.0, 120.0), (15.0, 7.5, 30.0)],
+)
+def test_how_long_a_view_is_kept_follows_the_scrape_interval_within_bounds(
+    interval: float | None, fresh: float, stale: float
+) -> None:
+    entry = ClusterCache(fetch=Fetches(interval_s=interval), clock=Clock()).get(URL, 5.0)
+    assert (entry.fresh_s, entry.stale_s) == (fresh, stale)
+
+
+def test_a_failed_fetch_is_never_kept() -> None:
+    clock, fetch, background = Clock(), Fetches(), Background()
+    cache = ClusterCache(background, fetch=fetch, clock=clock)
+    fetch.fail = AutoGPUError("Prometheus at x cannot be reached")
+    with pytest.raises(AutoGPUError, match="cannot be reached"):
+        cache.get(URL, 5.0)
+    with pytest.raises(AutoGPUError, match="cannot be reached"):
+        cache.get(URL, 5.0)
+    assert fetch.calls == 2
+    fetch.fail = None
+    good = cache.get(URL, 5.0)
+    clock.now += 6.0
+    fetch.fail = AutoGPUError("down")
+    assert cache.get(URL, 5.0) is good
+    background.run()  # the refresh failed: the good view stays until a whole interval
+    assert cache.get(URL, 5.0) is good
+    assert len(background.queued) == 1  # and a later caller may start another refresh
+    clock.now += 14.0
+    with pytest.raises(AutoGPUError, match="down"):
+        cache.get(URL, 5.0)
+
+
+def test_callers_that_need_a_view_while_one_is_fetched_wait_for_it_and_share_it() -> None:
+    started, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def slow(url: str, timeout_s: float) -> ClusterView:
+        calls.append(1)
+        started.set()
+        assert release.wait(30)
+        return ClusterView(url, float(len(calls)), ())
+
+    cache = ClusterCache(fetch=slow, clock=Clock())
+    got: list[object] = []
+    threads = [threading.Thread(target=lambda: got.append(cache.get(URL, 5.0)))
+               for _ in range(4)]
+    threads[0].start()
+    assert started.wait(30)
+    for t in threads[1:]:
+        t.start()
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert len(calls) == 1
+    assert len(got) == 4 and all(g is got[0] for g in got)
+
+
+def test_a_background_that_refuses_work_makes_the_caller_fetch() -> None:
+    """A server shutting down refuses new work on its executor: the view is then fetched by the
+    caller, never left to grow old."""
+    clock, fetch = Clock(), Fetches(interval_s=10.0)
+
+    def closed(fn: Callable[[], None]) -> None:
+        raise RuntimeError("cannot schedule new futures after shutdown")
+
+    cache = ClusterCache(closed, fetch=fetch, clock=clock)
+    cache.get(URL, 5.0)
+    clock.now += 6.0
+    assert cache.get(URL, 5.0).view.timestamp_s == 2.0
