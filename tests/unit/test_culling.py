@@ -165,3 +165,50 @@ def test_another_users_lease_naming_our_kernel_does_not_make_it_cullable(
         assert theirs.kernel_id == "k-cpu" and theirs.uid != os.geteuid()
         culling.install(state, kernels)
         assert judged(kernels, "k-gpu", "k-cpu") == {"k-gpu": None, "k-cpu": None}
+
+
+def test_a_limit_under_a_second_still_starts_the_managers_culler_at_one_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """The manager's culler runs only for a positive whole timeout: a GPU limit of 0.4 s starts
+    it at 1 s, never 0 (off) nor more. Caught (mutation run): ``max(2, limit)``."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                      cull_idle_gpu_kernels_s=0.4) as state:
+        assert culling.install(state, kernels) is True
+        assert kernels.cull_idle_timeout == 1
+
+
+@pytest.mark.parametrize(("general", "others"), [(0, "never"), (3600, "after 3600 s")])
+def test_the_log_says_which_kernels_are_culled_after_how_long(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, general: int, others: str
+) -> None:
+    """The admin reads in the server's log what the option does. Caught (mutation run): the
+    message's words, its limit or its other-kernels part changed or dropped."""
+    import logging
+
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    kernels = Kernels("k-gpu", cull_idle_timeout=general)
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    try:
+        with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                          cull_idle_gpu_kernels_s=LIMIT_S) as state:
+            keep, level = Keep(), state.log.level
+            state.log.addHandler(keep)
+            state.log.setLevel(logging.INFO)
+            try:
+                culling.install(state, kernels)
+            finally:
+                state.log.removeHandler(keep)
+                state.log.setLevel(level)
+    finally:
+        kernels.close()
+    assert lines == [
+        "autogpu: kernels holding a GPU are culled after 600 s idle (jupyter_server's culler, "
+        f"every {kernels.cull_interval} s); other kernels: {others}"
+    ]
