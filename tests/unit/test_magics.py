@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 from IPython.core.error import UsageError
@@ -414,6 +416,28 @@ def test_a_pending_overload_is_printed_under_the_next_cell_not_into_the_sidebars
     assert warning in out  # the notebook's next cell prints it
 
 
+def test_a_sidebar_pick_on_a_host_whose_gpus_cannot_be_read_answers_its_first_line(
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No driver (or a lost NVML): the sidebar's answer is the error's first line, its details
+    the rest, and nothing is set. Caught: the error not split into its line and details."""
+    from autogpu_jupyter import api
+    from autogpu_jupyter.errors import NVMLUnavailableError
+    from autogpu_jupyter.magics import SIDEBAR_PICK_MIME
+
+    def unreadable() -> None:
+        raise NVMLUnavailableError("NVIDIA driver not loaded\ninstall it, or use a simulated fleet")
+
+    monkeypatch.setattr(api, "read_snapshot", unreadable)
+    shell.run_cell("%load_ext autogpu")
+    (answer,) = _sidebar_pick(shell, U[1])
+    assert answer[SIDEBAR_PICK_MIME] == {
+        "ok": False, "summary": "autogpu: NVIDIA driver not loaded",
+        "details": "install it, or use a simulated fleet",
+    }
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ and session.current() is None
+
+
 def test_the_sidebar_pick_loads_the_extension_itself_without_a_word(
     shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -532,3 +556,48 @@ def test_a_repeated_pick_line_parses_alike_each_time_with_a_namespace_of_its_own
     for _ in range(2):
         with pytest.raises(UsageError, match="cannot read"):
             magics._split("pick --model 'A100")
+
+
+def test_a_dry_run_on_the_best_device_shows_the_ranking_and_says_nothing_to_change(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After a pick, ``--dry-run`` with the same options: the whole ranking, then one line
+    saying the kernel is already there. Caught: that line replacing the ranking."""
+    shell.run_cell("%load_ext autogpu")
+    _, out, _ = run(shell, "%gpu pick", capsys)
+    label = out.split("picked ", 1)[1].split(" · ", 1)[0]
+    _, out, _ = run(shell, "%gpu pick --dry-run", capsys)
+    lines = out.splitlines()
+    assert lines[-1] == f"  you are already on the best device ({label}): nothing to change"
+    assert sum(1 for ln in lines if re.search(r"\bGPU [0-3]\b", ln)) >= 4  # the ranking stays
+
+
+def test_status_html_keeps_every_cell_but_the_short_uuid(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The notebook's status table drops one column (the short UUID, in the text) and keeps
+    every other cell of every row. Caught: the rows' cells lost while the columns stayed."""
+    from IPython.core.displaypub import DisplayPublisher
+
+    shown: list[Any] = []
+
+    class Capture(DisplayPublisher):
+        def publish(self, data: Any, metadata: Any = None, **kw: Any) -> None:
+            shown.append(data)
+
+    shell.run_cell("%load_ext autogpu")
+    old = shell.display_pub
+    shell.display_pub = Capture(shell=shell)
+    try:
+        with patch.object(magics.GPUMagics, "_in_kernel", return_value=True):
+            shell.run_cell("%gpu status")
+    finally:
+        shell.display_pub = old
+    (data,) = shown
+    html = data["text/html"]
+    for uuid in U:
+        assert uuid[:12] not in html  # the short UUID: only in the text
+    for i, name in enumerate(("NVIDIA A100-SXM4-80GB", "NVIDIA L4")):
+        assert name in html, i
+    assert html.count("<tr") >= 1 + len(U)
+    assert all(f"GPU {i}" in html for i in range(len(U)))
