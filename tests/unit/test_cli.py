@@ -279,6 +279,18 @@ def test_the_brokers_lease_and_ticket_limits_come_from_config_the_rules_file_and
     assert (config.max_leases_per_user, config.max_tickets_per_user) == (6, 0)
 
 
+def test_the_brokers_timing_flags_reach_its_config(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caught: a flag parsed but not handed to the broker (its default then applies silently)."""
+    config = _served_config(monkeypatch)
+    assert (config.ticket_grace_s, config.send_timeout_s) == (5.0, 10.0)
+    config = _served_config(monkeypatch, "--ticket-grace", "9", "--send-timeout", "2.5",
+                            "--max-connections", "100", "--subuid-file", "/dev/null")
+    assert (config.ticket_grace_s, config.send_timeout_s, config.max_connections,
+            config.subuid_path) == (9.0, 2.5, 100, "/dev/null")
+
+
 @pytest.mark.parametrize("value", ["-1", "two", "1.5"])
 def test_a_bad_broker_limit_flag_is_one_line_naming_it(
     host: Path, value: str, capsys: pytest.CaptureFixture[str]

@@ -231,6 +231,9 @@ def test_history_since_a_time_is_strictly_newer_and_keeps_the_newest_points(
     assert [s["timestamp_s"] for s in newer["series"]] == [stamps[2:], stamps[2:]]
     assert (newer["since_s"], newer["until_s"]) == (stamps[1], stamps[3])
     assert (last["series"], last["until_s"]) == ([], stamps[3])
+    # the sidebar draws its time axis with these (interval, window), whatever the series
+    for answer in (full, newer, last):
+        assert (answer["interval_s"], answer["history_s"]) == (600.0, 86400.0)
 
 
 def test_kernel_ids_are_checked_before_they_name_a_file(tmp_path: Path) -> None:
@@ -252,7 +255,8 @@ def test_kernel_ids_are_checked_before_they_name_a_file(tmp_path: Path) -> None:
     ("body", "target", "dry_run"),
     [(b'{"target": "best"}', "best", False), (b'{"target": "--best", "dry_run": true}', "best",
                                               True),
-     (b'{"target": 2}', "2", False), (b'{"target": " GPU-5a1b "}', "GPU-5a1b", False)],
+     (b'{"target": 2}', "2", False), (b'{"target": " GPU-5a1b "}', "GPU-5a1b", False),
+     (b'{"target": 0}', "0", False)],  # GPU 0 is a device like any other
 )
 def test_a_move_body_accepted(body: bytes, target: str, dry_run: bool) -> None:
     from autogpu_jupyter.server.moving import parse_move_body
