@@ -216,6 +216,7 @@ def pick(
         Mapping[str, float | None] | Callable[[], Mapping[str, float | None] | None] | None
     ) = None,
     sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
 ) -> PickResult:
     """Choose device(s) for ``options`` and, unless ``dry_run``, take a lease on them.
 
@@ -242,6 +243,9 @@ def pick(
         The sampler's mean utilisation per UUID, when a sampler runs; or a function returning
         it, called at each try, so that a waiting pick ranks on the load of now, not of the
         moment it started waiting.
+    sleep, clock
+        How a waiting pick sleeps between tries and reads the time (``time.sleep`` and
+        ``time.monotonic``; tests pass their own).
 
     Returns
     -------
@@ -264,7 +268,7 @@ def pick(
         backend = get_backend()
     requester = requester or Requester()
     constraints, wait_s = options.constraints, options.wait_s
-    start = time.monotonic()
+    start = clock()
     deadline = start + max(wait_s, 0.0)
     ticket = None
     promised = None if dry_run else _promises(options, store)
@@ -289,9 +293,9 @@ def pick(
                 smoothed_util,
             )
             if made.chosen:  # our ticket, if any, was released under the lock (again: a no-op)
-                waited_s = time.monotonic() - start if waited else 0.0
+                waited_s = clock() - start if waited else 0.0
                 return _result(made, lease, lease_note, store, dry_run, waited_s)
-            now = time.monotonic()
+            now = clock()
             if now >= deadline:
                 raise NoDeviceFitsError(
                     _no_fit_message(

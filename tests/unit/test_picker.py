@@ -609,15 +609,14 @@ def test_the_waiting_line_names_the_best_device_and_why_it_does_not_fit(tmp_path
 
 
 def test_a_slow_pick_that_never_waited_in_line_says_it_did_not_wait(
-    two: SimulatedBackend, registry: Registry, monkeypatch: pytest.MonkeyPatch
+    two: SimulatedBackend, registry: Registry
 ) -> None:
     """``waited_s`` is the time spent in line, not the pick's duration: a pick that fits at its
     first try waited 0 s however slow the machine (a loaded host printed "waited 1.1s in line"
     under picks that never queued). Caught: the whole pick's duration reported as a wait."""
-    clock = iter(range(0, 10_000, 5))  # every reading of the clock is 5 s later
-    monkeypatch.setattr("autogpu_jupyter.core.picker.time.monotonic", lambda: float(next(clock)))
+    readings = iter(range(0, 10_000, 5))  # every reading of the pick's clock is 5 s later
     result = pick(PickOptions(Constraints.parse(), 60.0), backend=two, environ={},
-                  store=registry)
+                  store=registry, clock=lambda: float(next(readings)))
     try:
         assert result.chosen and result.waited_s == 0.0
     finally:
