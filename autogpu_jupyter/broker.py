@@ -44,8 +44,9 @@ the last ones kept for root), and accept errors back off with one log line
 (:mod:`autogpu_jupyter.brokerd.net`).
 
 **Restarts.** With a state directory (root-only, ``--state-dir``) every change is appended to a
-journal, durable before the reply that announces it (:mod:`autogpu_jupyter.brokerd.journal`). A
-restarted broker takes back each journaled lease or ticket whose socket is still held by some
+journal, written before the reply that announces it (:mod:`autogpu_jupyter.brokerd.journal`;
+a journal of an earlier boot is dropped: no lease outlives the boot). A restarted broker takes
+back each journaled lease or ticket whose socket is still held by some
 process (found by the socket's inode; else by the recorded pids and their start times) as an
 *orphan*: held until no process holds it any more, so no live lease is lost or doubled; nothing
 is handed out on its devices in the meantime.
@@ -139,9 +140,6 @@ LINE_BAR_S = 60.0
 #: A lease younger than this does not make a new ticket wait (see ``Broker._servable_now``).
 SETTLED_S = 2.0
 _FLEET_RECHECK_S = 5.0
-#: Journal syncs faster than this (on average) are made on the event loop, slower ones on a
-#: thread (an fsync of a spinning disk must not stall every other client).
-_INLINE_SYNC_S = 0.0005
 
 
 @dataclass
@@ -250,7 +248,7 @@ def _groups(uuid: str, v: Any) -> list[str]:
 class Conn:
     """One client connection and what it holds.
 
-    Setting :attr:`record` journals the change (a grant is made durable before its reply)."""
+    Setting :attr:`record` journals the change (written before its reply)."""
 
     def __init__(
         self, broker: Broker, uid: int, gid: int, pid: int, account: Account,
@@ -264,6 +262,9 @@ class Conn:
         self.writer: asyncio.StreamWriter = writer  # type: ignore[assignment]
         self._record: LeaseRecord | None = None
         self.holder_pids: list[tuple[int, int]] = []  # (pid, start time)
+        #: The peer's socket inode and the connecting process as (pid, start time): read once,
+        #: neither changes while the connection is open (see ``Broker._holder_ids``).
+        self.ids: tuple[int | None, list[tuple[int, int]]] | None = None
         self.granted: asyncio.Future[None] | None = None
         self.lock_handle: asyncio.TimerHandle | None = None
         self.greeted = False  # the first message's protocol was checked
@@ -361,8 +362,6 @@ class Broker:
         self._snap_at = -1e9
         self._fleet: set[str] | None = None
         self._fleet_checked = -_FLEET_RECHECK_S
-        self._sync_task: asyncio.Future[None] | None = None
-        self._sync_s = 0.0  # how long the journal's syncs take (a moving average)
         #: Bumped by every change of the live records (see :meth:`live`).
         self.version = 0
         self._live: tuple[int, list[tuple[int, LeaseRecord]]] = (-1, [])
@@ -600,6 +599,8 @@ class Broker:
         }
 
     def _end_replaced(self, replaced: set[str]) -> None:
+        if not replaced:
+            return
         for other in list(self.conns):
             if other.record is not None and other.record.lease_id in replaced:
                 other.record = None
@@ -693,8 +694,8 @@ class Broker:
         replaced = self._replaced(conn, msg)
         self._check_lease(conn, rec, replaced)
         self._end_replaced(replaced)
+        conn.holder_pids = list(self._holder_ids(conn)[1])  # before the record: journaled
         conn.record = rec
-        conn.holder_pids = _proc_ids(conn.pid)
         self._journal()
         self._drop_lock(conn)
         return {"ok": True, "record": rec._payload()}
@@ -779,9 +780,9 @@ class Broker:
             raise BrokerRefusal(str(err), type(err).__name__) from None
         if admitted != rec.constraints:
             rec = replace(rec, constraints=admitted)
+        conn.holder_pids = list(self._holder_ids(conn)[1])  # before the record: journaled
         conn.record = rec
         self.seq = rec.seq or self.seq
-        conn.holder_pids = _proc_ids(conn.pid)
         self._journal()
         return {"ok": True, "record": rec._payload()}
 
@@ -1069,9 +1070,12 @@ class Broker:
                 reply = await self.OPS[op](self, conn, msg)
             except BrokerRefusal as err:
                 reply = {"ok": False, "error": str(err), "type": err.kind}
-            await self._durable()
             if not await self._send(conn, reply):
                 return
+            if op == "begin" and conn.ids is None:
+                # The pick decides in its own process now: meanwhile, read what its lease's
+                # journal line will need, off the path of the `lease` that follows.
+                self._holder_ids(conn)
 
     async def _send(self, conn: Conn, msg: dict[str, Any]) -> bool:
         """Send one reply; ``False`` when the connection is gone or the client does not read it
@@ -1087,7 +1091,8 @@ class Broker:
             ) | {"proto": PROTOCOL}).encode() + b"\n"
         try:
             conn.writer.write(data)
-            await asyncio.wait_for(conn.writer.drain(), self.config.send_timeout_s)
+            if conn.writer.transport.get_write_buffer_size():  # not all sent at once: wait
+                await asyncio.wait_for(conn.writer.drain(), self.config.send_timeout_s)
         except asyncio.TimeoutError:
             log.warning("uid %d (pid %d) did not read its reply within %.0f s: dropped",
                         conn.uid, conn.pid, self.config.send_timeout_s)
@@ -1157,7 +1162,7 @@ class Broker:
 
     def _journal(self) -> None:
         """Kept for the operations' call sites: changes are journaled as they happen (setting a
-        connection's record), and made durable before the reply (:meth:`_durable`)."""
+        connection's record), written before the reply."""
 
     def _record_changed(
         self, conn: Conn, old: LeaseRecord | None, new: LeaseRecord | None
@@ -1188,9 +1193,8 @@ class Broker:
         if new is None:
             return
         if began:
-            sock = conn.writer.get_extra_info("socket") if conn.writer is not None else None
-            peer = None if sock is None else jrnl.peer_inode(sock)
-            pids = jrnl.proc_ids(conn.pid)
+            peer = self._holder_ids(conn)[0]
+            pids = list(conn.holder_pids)
             journal.add(jrnl.Entry(new.lease_id, conn.uid, encode(new).decode(), peer, pids),
                         seq=new.seq)
         else:  # the same lease, changed (set_pid): the new record and its holders
@@ -1199,6 +1203,18 @@ class Broker:
             journal.add(jrnl.Entry(new.lease_id, conn.uid, encode(new).decode(), peer,
                                    list(conn.holder_pids)))
 
+    def _holder_ids(self, conn: Conn) -> tuple[int | None, list[tuple[int, int]]]:
+        """``conn``'s peer socket inode (``None`` without a journal: only the journal needs
+        it) and its connecting process as ``[(pid, start time)]``, read from the kernel once
+        per connection."""
+        if conn.ids is None:
+            peer = None
+            if self.journal is not None and conn.writer is not None:
+                sock = conn.writer.get_extra_info("socket")
+                peer = None if sock is None else jrnl.peer_inode(sock)
+            conn.ids = (peer, _proc_ids(conn.pid))
+        return conn.ids
+
     def _forget_orphan(self, lease_id: str) -> None:
         if self.orphans.pop(lease_id, None) is not None:
             self.version += 1
@@ -1206,38 +1222,6 @@ class Broker:
             self.dormant.discard(lease_id)
             if self.journal is not None and not self.stopping:
                 self.journal.remove(lease_id)
-
-    async def _durable(self) -> None:
-        """Wait until every journal line written so far is on disk (``fdatasync`` off the
-        event loop; concurrent callers share one sync)."""
-        journal = self.journal
-        while journal is not None and journal.dirty:
-            if self._sync_task is None or self._sync_task.done():
-                fd = journal.begin_sync()
-                if self._sync_s < _INLINE_SYNC_S:
-                    # A disk that syncs in well under a millisecond: a thread hand-off would
-                    # cost more than the sync itself.
-                    start = time.monotonic()
-                    try:
-                        jrnl.sync_fd(fd)
-                    except OSError as err:
-                        log.error("journal sync failed: %s", err)
-                        return
-                    self._sync_s = 0.8 * self._sync_s + 0.2 * (time.monotonic() - start)
-                    continue
-                loop = asyncio.get_running_loop()
-                self._sync_task = loop.run_in_executor(None, self._timed_sync, fd)
-            task = self._sync_task
-            try:
-                await asyncio.shield(task)
-            except OSError as err:
-                log.error("journal sync failed: %s", err)
-                return
-
-    def _timed_sync(self, fd: int | None) -> None:
-        start = time.monotonic()
-        jrnl.sync_fd(fd)
-        self._sync_s = 0.8 * self._sync_s + 0.2 * (time.monotonic() - start)
 
     def _load_journal(self) -> None:
         assert self.journal is not None
@@ -1269,7 +1253,10 @@ class Broker:
             self.version += 1
             self.journal.set_pids(rec.lease_id, pids)
             kept += 1
-        self.journal.sync()
+        if self.journal.dropped:
+            log.warning("restart: the journal was of an earlier boot (%s): its %d lease(s)/"
+                        "ticket(s) ended with that boot and are dropped",
+                        self.journal.logged_boot, self.journal.dropped)
         log.info("restart: %d lease(s)/ticket(s) taken back from the journal", kept)
 
     async def reap_orphans(self) -> None:
@@ -1307,7 +1294,6 @@ class Broker:
                     self.journal.set_pids(o.record.lease_id, pids)
             else:
                 self._forget_orphan(o.record.lease_id)
-        await self._durable()
 
     def reserving(self, rec: LeaseRecord) -> bool:
         """Whether ``rec`` is a ticket that reserves devices for its waiter (not dormant)."""
@@ -1562,8 +1548,6 @@ async def serve(config: BrokerConfig, ready: Any = None) -> None:
     finally:
         reaper.cancel()
         broker.stopping = True
-        if broker.journal is not None:
-            broker.journal.sync()
         listener.close()
 
 

@@ -4,17 +4,29 @@ An append-only log of JSON lines in the broker's root-only state directory
 (``journal.log``)::
 
     {"seq": 41}                                          the ticket counter (a compaction's head)
+    {"boot": "<boot id>"}                                the boot the log describes (ditto)
     {"add": "<lease id>", "uid": 1000, "record": "...", "peer": 81234, "pids": [[4242, 98765]]}
     {"pids": "<lease id>", "pids": [[4300, 99001]]}      new holders (set_pid)
     {"del": "<lease id>"}
 
-Each change appends one line (one ``write``); a grant is made durable (``fdatasync``) before its
-reply is sent, so a lease a client was told it holds is never forgotten by a crash. Removals are
-not synced on their own: a removal lost in a crash only leaves a lease whose holders are gone,
-and the restarted broker drops those. When the log has grown past four times the live entries
-(and at least :data:`COMPACT_MIN_BYTES`), it is rewritten as a snapshot (temporary file,
-``fsync``, ``rename``, ``fsync`` of the directory): the log's size stays bounded by the live
-state, and the cost per change stays O(1) amortised, however many leases are live.
+Each change appends one line with one ``write`` *before* the broker replies, so a lease a
+client was told it holds is in the file when the broker dies (``kill -9``, a crash, a restart):
+the kernel's page cache keeps what a dead process wrote. When the log has grown past four times
+the live entries (and at least :data:`COMPACT_MIN_BYTES`), it is rewritten as a snapshot
+(temporary file, ``fsync``, ``rename``, ``fsync`` of the directory): the log's size stays
+bounded by the live state, and the cost per change stays O(1) amortised, however many leases
+are live.
+
+**A lease does not outlive the boot.** Every holder of a lease is a process on this host (the
+broker's socket is a Unix socket: only processes of the broker's own kernel can connect), and
+the only event that loses written-but-unsynced lines, a crash of the kernel itself (power loss,
+panic), ends every holder with it. So a grant is not ``fdatasync``-ed before its reply: that
+would cost a disk flush per pick (about 0.4-4 ms here) and protect no live lease. What must not
+happen instead is a journal from an earlier boot taken for this one: socket inodes and pids
+start again at each boot, and a stale entry whose inode or (pid, start time) happens to be
+reused would keep a GPU booked for nobody. The log's head names the boot it describes (the
+kernel's ``boot_id``); a log of another boot is dropped whole at load (logged). A log without a
+head (written by a broker before this one) is read as before: by pid and start time.
 
 A torn last line (a crash mid-``write``) is skipped on reading. The whole-file journal of the
 first broker (``journal.json``) is read once when no log exists yet, then removed.
@@ -51,9 +63,9 @@ __all__ = [
     "holders_alive",
     "peer_inode",
     "proc_ids",
+    "boot_id",
     "scan_socket_holders",
     "start_time",
-    "sync_fd",
 ]
 
 log = logging.getLogger("autogpu.broker")
@@ -64,6 +76,19 @@ LEGACY_NAME = "journal.json"
 COMPACT_MIN_BYTES = 256 * 1024
 #: A journal line longer than this is not ours (records are capped far below): skipped.
 MAX_LINE_BYTES = 256 * 1024
+#: Where the kernel names the current boot (a random UUID, new at each boot).
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id(path: str | None = None) -> str | None:
+    """This boot's id, from ``path`` (default :data:`BOOT_ID_PATH`); ``None`` where the kernel
+    does not say (then no log is dropped as another boot's)."""
+    try:
+        with open(path or BOOT_ID_PATH, encoding="ascii") as f:
+            value = f.read(128).strip()
+    except (OSError, ValueError):
+        return None
+    return value or None
 
 Pids = list[tuple[int, int]]
 
@@ -86,8 +111,12 @@ class Entry:
 class Journal:
     """The append log in ``directory`` (root's, mode 0700; checked by the broker)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, boot: str | None = None) -> None:
+        """``boot``: this boot's id (default: the kernel's, :func:`boot_id`)."""
         self.directory = directory
+        self.boot = boot if boot is not None else boot_id()
+        self.logged_boot: str | None = None  # the boot a loaded log said it describes
+        self.dropped = 0  # entries of another boot dropped at load
         self.path = os.path.join(directory, LOG_NAME)
         self.entries: dict[str, Entry] = {}
         self.seq = 0
@@ -95,18 +124,22 @@ class Journal:
         self._bytes = 0
         self._sizes: dict[str, int] = {}  # encoded size of each live entry's line
         self._live = 0  # their sum
-        self._dirty = False  # written since the last sync
 
     # -- reading -----------------------------------------------------------------------------
 
     def load(self) -> dict[str, Entry]:
-        """Read the log (or the first broker's ``journal.json``); the live entries. Then the
-        log is compacted (rewritten with only them) and opened for appending."""
+        """Read the log (or the first broker's ``journal.json``); the live entries. A log of
+        another boot is dropped (its holders ended with that boot; :attr:`dropped` counts its
+        entries). Then the log is compacted (rewritten with only them, under this boot's head)
+        and opened for appending."""
         legacy = os.path.join(self.directory, LEGACY_NAME)
         if os.path.lexists(self.path):
             self._replay()
         elif os.path.exists(legacy):
             self._read_legacy(legacy)
+        if self.logged_boot is not None and self.boot is not None and self.logged_boot != self.boot:
+            self.dropped = len(self.entries)
+            self.entries.clear()
         self.compact()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(legacy)
@@ -129,6 +162,8 @@ class Journal:
             raise ValueError("not an object")
         if set(doc) == {"seq"}:
             self.seq = max(self.seq, _int(doc["seq"]))
+        elif set(doc) == {"boot"}:
+            self.logged_boot = str(doc["boot"])[:128]
         elif "add" in doc:
             e = Entry(
                 lease_id=str(doc["add"]),
@@ -170,7 +205,7 @@ class Journal:
     # -- writing -----------------------------------------------------------------------------
 
     def add(self, entry: Entry, seq: int | None = None) -> None:
-        """Append a new live entry (call :meth:`sync` before telling the client)."""
+        """Append a new live entry (written when this returns: tell the client after)."""
         self.entries[entry.lease_id] = entry
         line = entry.line()
         if seq is not None:
@@ -188,56 +223,37 @@ class Journal:
         self._append({"holders": lease_id, "pids": [list(p) for p in pids]})
 
     def remove(self, lease_id: str) -> None:
-        """Append the end of an entry (not synced on its own: see the module docstring)."""
+        """Append the end of an entry."""
         if self.entries.pop(lease_id, None) is None:
             return
         self._live -= self._sizes.pop(lease_id, 0)
-        self._append({"del": lease_id}, durable=False)
+        self._append({"del": lease_id})
 
-    def _append(self, doc: Mapping[str, Any], durable: bool = True) -> int:
-        """Write one line; ``durable``: :attr:`dirty` until synced (a removal need not be: a
-        crash that loses it leaves a lease nobody holds, which the next broker drops)."""
+    def _append(self, doc: Mapping[str, Any]) -> int:
+        """Write one line (one ``write``: in the file, for any later reader, when this
+        returns; see the module docstring for why it is not synced)."""
         data = json.dumps(doc, separators=(",", ":")).encode() + b"\n"
         if self._fd < 0:
             self._open()
         _write_all(self._fd, data)
         self._bytes += len(data)
-        self._dirty = self._dirty or durable
         if self._bytes > max(COMPACT_MIN_BYTES, 4 * self._live):
             self.compact()
         return len(data)
 
-    def sync(self) -> None:
-        """Make every line written so far durable (``fdatasync``); a no-op when clean."""
-        fd = self.begin_sync()
-        if fd is not None:
-            sync_fd(fd)
-
-    def begin_sync(self) -> int | None:
-        """Start a sync of what was written so far: a duplicate of the log's descriptor for
-        :func:`sync_fd` (run it off the event loop), or ``None`` when clean. Lines written
-        after this call need another sync. The duplicate keeps the file open even if a
-        compaction replaces the log meanwhile (a compaction syncs its own file)."""
-        if not self._dirty:
-            return None
-        self._dirty = False
-        return os.dup(self._fd) if self._fd >= 0 else None
-
-    @property
-    def dirty(self) -> bool:
-        return self._dirty
-
     def compact(self) -> None:
         """Rewrite the log as the live entries only (atomically), and go on appending to it."""
         tmp = self.path + ".tmp"
-        lines = [json.dumps({"seq": self.seq}).encode() + b"\n"]
-        lines += [json.dumps(e.line(), separators=(",", ":")).encode() + b"\n"
+        head = [json.dumps({"seq": self.seq}).encode() + b"\n"]
+        if self.boot is not None:
+            head.append(json.dumps({"boot": self.boot}).encode() + b"\n")
+        lines = [json.dumps(e.line(), separators=(",", ":")).encode() + b"\n"
                   for e in self.entries.values()]
         self._sizes = {
-            e.lease_id: len(x) for e, x in zip(self.entries.values(), lines[1:], strict=True)
+            e.lease_id: len(x) for e, x in zip(self.entries.values(), lines, strict=True)
         }
         self._live = sum(self._sizes.values())
-        data = b"".join(lines)
+        data = b"".join(head + lines)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
         try:
@@ -250,7 +266,6 @@ class Journal:
         self.close()
         self._open()
         self._bytes = len(data)
-        self._dirty = False
 
     def _open(self) -> None:
         self._fd = os.open(
@@ -272,16 +287,6 @@ class Journal:
     @property
     def size_bytes(self) -> int:
         return self._bytes
-
-
-def sync_fd(fd: int | None) -> None:
-    """``fdatasync`` then close a descriptor from :meth:`Journal.begin_sync`."""
-    if fd is None:
-        return
-    try:
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes) -> None:

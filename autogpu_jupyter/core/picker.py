@@ -49,6 +49,12 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two tries of a waiting pick (NVML utilisation is a ~1 s average anyway).
 POLL_INTERVAL_S = 1.0
+#: A pick reads the devices while the store's pick lock is on its way (the broker's round trip
+#: overlaps the snapshot). When the lock came more than this after the snapshot (the pick
+#: waited behind others), the devices are read again: what the lock's earlier holders did to
+#: them since is seen. Below it, the snapshot is as fresh as one taken after the grant (NVML's
+#: own readings are that coarse, and no lock orders a process's memory use anyway).
+LOCK_WAIT_RESNAPSHOT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -346,7 +352,9 @@ def _attempt(
         if txn is None and promised is not None:
             assert store is not None  # promised implies a store (see _promises)
             raise _fail_closed(promised, store.unusable_reason)
-        snap = backend.snapshot()
+        snap = backend.snapshot()  # while a broker's pick lock is on its way (txn.ready)
+        if txn is not None and txn.ready() > LOCK_WAIT_RESNAPSHOT_S:
+            snap = backend.snapshot()  # waited in line for the lock: the devices of now
         _check_granted(snap, env)
         _check_ids(snap.devices, constraints)
         # FIFO reservations included, in a dry run too: it answers what a pick would do.

@@ -140,8 +140,8 @@ def test_the_client_refuses_an_old_broker_and_words_long_replies_and_timeouts(
     old = _FakeBroker(tmp_path / "old.sock", b'{"ok": true, "leases": [], "tickets": []}\n')
     try:
         with pytest.raises(RegistryUntrustedError) as err:
-            with BrokerRegistry(str(tmp_path / "old.sock")).locked():
-                pass
+            with BrokerRegistry(str(tmp_path / "old.sock")).locked() as txn:
+                txn.ready()  # the lock's answer is read when the pick needs it
         assert str(err.value) == (
             f"the lease broker at {tmp_path / 'old.sock'} speaks an older protocol (no "
             f"version), this autogpu speaks protocol {PROTOCOL}: the broker and this "
@@ -164,8 +164,8 @@ def test_the_client_refuses_an_old_broker_and_words_long_replies_and_timeouts(
         assert holder.call({"op": "begin"})["ok"] is True
         reg = BrokerRegistry(str(broker.socket), lock_timeout_s=0.5)
         with pytest.raises(RegistryUntrustedError) as err3:
-            with reg.locked():
-                pass
+            with reg.locked() as txn:
+                txn.live_leases()
         assert str(err3.value).startswith(
             f"the lease broker at {broker.socket} did not give its pick lock within 0.5 s"
         )

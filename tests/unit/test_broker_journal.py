@@ -37,9 +37,8 @@ def test_changes_are_lines_and_a_new_journal_reads_the_live_ones(tmp_path: Path)
     j.set_pids(entry(2).lease_id, [(9, 99)])
     j.remove(entry(1).lease_id)
     j.remove("no-such-id")  # nothing to end: no line
-    j.sync()
     assert [sorted(d) for d in lines(tmp_path / "journal.log")] == [
-        ["seq"], ["add", "peer", "pids", "record", "uid"],
+        ["seq"], ["boot"], ["add", "peer", "pids", "record", "uid"],
         ["add", "peer", "pids", "record", "seq", "uid"], ["holders", "pids"], ["del"]]
     again = Journal(str(tmp_path))
     live = again.load()
@@ -47,28 +46,75 @@ def test_changes_are_lines_and_a_new_journal_reads_the_live_ones(tmp_path: Path)
     assert live[entry(2).lease_id].pids == [(9, 99)]
     assert live[entry(2).lease_id].uid == 1002
     assert again.seq == 7
-    # loading compacts: only the live entry is left, behind the ticket counter
-    assert [next(iter(d)) for d in lines(tmp_path / "journal.log")] == ["seq", "add"]
+    # loading compacts: only the live entry is left, behind the ticket counter and the boot
+    assert [next(iter(d)) for d in lines(tmp_path / "journal.log")] == ["seq", "boot", "add"]
+    assert lines(tmp_path / "journal.log")[1] == {"boot": jrnl.boot_id()}
     assert oct((tmp_path / "journal.log").stat().st_mode & 0o777) == "0o600"
 
 
-def test_only_grants_make_the_journal_wait_for_a_sync(tmp_path: Path) -> None:
+def test_a_change_is_in_the_file_for_any_reader_when_it_returns(tmp_path: Path) -> None:
+    """Written with one ``write`` before the broker replies: a broker killed right after the
+    reply leaves it in the file (no buffer of the process holds it)."""
     j = Journal(str(tmp_path))
     j.load()
-    assert not j.dirty
     j.add(entry(1))
-    assert j.dirty
-    fd = j.begin_sync()
-    assert fd is not None and not j.dirty
-    jrnl.sync_fd(fd)
-    with pytest.raises(OSError):
-        os.fstat(fd)  # closed by sync_fd
-    assert j.begin_sync() is None
+    assert entry(1).lease_id in (tmp_path / "journal.log").read_text()
+    j.set_pids(entry(1).lease_id, [(3, 33)])
+    assert lines(tmp_path / "journal.log")[-1] == {"holders": entry(1).lease_id, "pids": [[3, 33]]}
     j.remove(entry(1).lease_id)
-    assert not j.dirty  # a removal lost in a crash leaves a lease nobody holds
+    assert lines(tmp_path / "journal.log")[-1] == {"del": entry(1).lease_id}
     j.set_pids(entry(1).lease_id, [(1, 1)])  # not live: nothing written
-    assert not j.dirty
-    jrnl.sync_fd(None)
+    assert lines(tmp_path / "journal.log")[-1] == {"del": entry(1).lease_id}
+
+
+def test_a_log_of_another_boot_is_dropped_whole_and_one_of_this_boot_kept(
+    tmp_path: Path,
+) -> None:
+    """No lease outlives the boot: inodes and pids start again, so a stale entry could only
+    keep a GPU booked for nobody."""
+    j = Journal(str(tmp_path), boot="boot-a")
+    j.load()
+    j.add(entry(1, peer=5))
+    j.add(entry(2), seq=3)
+    same = Journal(str(tmp_path), boot="boot-a")  # a restart in the same boot
+    assert sorted(same.load()) == [entry(1).lease_id, entry(2).lease_id]
+    assert same.dropped == 0 and same.logged_boot == "boot-a"
+    same.close()
+    after = Journal(str(tmp_path), boot="boot-b")  # the host rebooted
+    assert after.load() == {}
+    assert (after.dropped, after.logged_boot) == (2, "boot-a")
+    assert after.seq == 3  # the ticket counter goes on
+    assert lines(tmp_path / "journal.log") == [{"seq": 3}, {"boot": "boot-b"}]
+    after.close()
+    assert Journal(str(tmp_path), boot="boot-b").load() == {}
+
+
+def test_a_log_without_a_boot_head_is_read_by_pids_as_before(tmp_path: Path) -> None:
+    """A log written by an earlier broker (no head) names no boot: nothing is dropped for it,
+    and where the kernel names no boot, no log is."""
+    (tmp_path / "journal.log").write_text(
+        json.dumps({"seq": 4}) + "\n" + json.dumps(entry(1).line()) + "\n"
+    )
+    j = Journal(str(tmp_path), boot="boot-b")
+    assert list(j.load()) == [entry(1).lease_id]
+    assert j.dropped == 0
+    j.close()
+    nowhere = Journal(str(tmp_path / "x"), boot=None)
+    (tmp_path / "x").mkdir()
+    nowhere.boot = None  # the kernel did not say
+    assert nowhere.load() == {}
+    assert lines(tmp_path / "x" / "journal.log") == [{"seq": 0}]
+
+
+def test_the_boot_id_is_the_kernels(tmp_path: Path) -> None:
+    here = jrnl.boot_id()
+    assert here is not None and len(here) == 36 and here.count("-") == 4
+    assert here == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    (tmp_path / "id").write_text("  abc \n")
+    assert jrnl.boot_id(str(tmp_path / "id")) == "abc"
+    (tmp_path / "empty").write_text("")
+    assert jrnl.boot_id(str(tmp_path / "empty")) is None
+    assert jrnl.boot_id(str(tmp_path / "missing")) is None
 
 
 def test_each_change_costs_one_line_and_the_log_stays_bounded(tmp_path: Path) -> None:

@@ -544,15 +544,44 @@ def test_a_lease_dropped_without_release_closes_its_socket_and_ends(reg: BrokerR
     wait_until(lambda: lease_id not in ids(reg.list_leases()))
 
 
+def test_the_pick_lock_is_asked_for_at_once_and_waited_for_when_the_view_is_needed(
+    reg: BrokerRegistry, broker: ThreadBroker
+) -> None:
+    """``locked()`` sends ``begin`` and returns (the pick reads its devices meanwhile); the
+    wait for the lock is the view's, and ``ready`` says how long it was. Caught: a transaction
+    that reads no answer (a view without the lock), or ``ready`` that does not say it waited
+    (a pick that waited in line would rank on devices read before the wait)."""
+    first_cm = reg.locked()
+    first = first_cm.__enter__()
+    assert first.ready() >= 0.0
+    assert first.ready() == 0.0  # held: nothing more to wait for
+    other = BrokerRegistry(broker.path, lock_timeout_s=10.0)
+    second_cm = other.locked()
+    start = time.monotonic()
+    second = second_cm.__enter__()  # the lock is held by `first`, yet this returns at once
+    assert time.monotonic() - start < 1.0
+    timer = threading.Timer(0.3, first_cm.__exit__, (None, None, None))
+    timer.start()
+    try:
+        waited = second.ready()
+        assert waited >= 0.2  # it waited for `first` to give the lock back
+        assert second.live_leases() == []
+        assert second.ready() == 0.0
+    finally:
+        timer.join()
+        second_cm.__exit__(None, None, None)
+
+
 def test_a_transaction_without_a_lease_gives_the_pick_lock_back(
     reg: BrokerRegistry, broker: ThreadBroker
 ) -> None:
     impatient = BrokerRegistry(broker.path, lock_timeout_s=0.05)
     with pytest.raises(RuntimeError, match=r"^boom$"), reg.locked():
         raise RuntimeError("boom")
-    with reg.locked():
-        with pytest.raises(RegistryUntrustedError) as err, impatient.locked():
-            pass
+    with reg.locked() as held:
+        held.ready()  # the lock is asked for at locked() and waited for here
+        with pytest.raises(RegistryUntrustedError) as err, impatient.locked() as txn:
+            txn.live_leases()  # the view needs the lock: its wait times out
         assert str(err.value) == (
             f"the lease broker at {broker.path} did not give its pick lock within 0.05 s (it "
             "is busy, or other picks hold it): nothing was picked; try again"
@@ -579,6 +608,35 @@ def test_a_broker_restart_keeps_the_lease_and_release_frees_it_by_id(short_dir: 
         assert reg.list_leases() == []
         assert reg.status()["orphans"] == 0
     finally:
+        second.crash()
+
+
+def test_a_broker_started_in_another_boot_drops_the_journal_it_finds(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A journal of an earlier boot is dropped whole, even when a socket inode it names is
+    held again (inodes restart at each boot): the lease would be kept for nobody."""
+    from autogpu_jupyter.brokerd import journal as jrnl
+
+    path = str(short_dir / "boot.sock")
+    state = short_dir / "boot-state"
+    first = ThreadBroker(path, state_dir=str(state))
+    reg = BrokerRegistry(path)
+    with reg.locked() as txn:
+        lease = txn.create(devices=["GPU-k1"])
+    first.crash()
+    other = short_dir / "boot_id"
+    other.write_text("00000000-0000-4000-8000-000000000000\n")
+    monkeypatch.setattr(jrnl, "BOOT_ID_PATH", str(other))
+    with caplog.at_level("WARNING", logger="autogpu.broker"):
+        second = ThreadBroker(path, state_dir=str(state))
+    try:
+        assert lease.fileno() >= 0  # its socket is still open here, yet
+        assert reg.list_leases() == []
+        assert reg.status()["orphans"] == 0
+        assert "earlier boot" in caplog.text and "1 lease(s)" in caplog.text
+    finally:
+        lease.detach()
         second.crash()
 
 
@@ -887,8 +945,8 @@ def test_a_pick_lock_lost_once_is_asked_again_on_a_fresh_connection(peer_path: s
 
 def test_a_pick_lock_lost_twice_fails_closed(peer_path: str) -> None:
     peer = Peer(peer_path, [[DROP], [DROP]])
-    with pytest.raises(RegistryUntrustedError) as err, BrokerRegistry(peer_path).locked():
-        pass
+    with pytest.raises(RegistryUntrustedError) as err, BrokerRegistry(peer_path).locked() as txn:
+        txn.ready()  # the lock is asked for at locked(), its answer read here
     assert str(err.value) == (
         f"lost the lease broker at {peer_path} (the broker closed the connection); "
         f"{fix(peer_path)}"
@@ -901,8 +959,8 @@ def test_a_refused_pick_lock_is_not_asked_again(peer_path: str) -> None:
     peer = Peer(peer_path, [[{"ok": False, "error": "no", "type": "UsageErrorBase"}]])
     with pytest.raises(UsageErrorBase, match=r"^lease broker: no$"), BrokerRegistry(
         peer_path
-    ).locked():
-        pass
+    ).locked() as txn:
+        txn.ready()
     peer.close()
     assert peer.requests == [{"op": "begin"}]
 
@@ -1110,9 +1168,11 @@ def test_how_long_each_request_waits_for_the_broker(
     lease.release()
     reg.list_leases()
     peer.close()
-    # begin: the lock timeout; lease: 30 s; set_pid: 10 s; release (and by id): 5 s; each
-    # call leaves its socket blocking again.
-    assert spy.seen == [7.5, None, 30.0, None, 10.0, None, 5.0, None, 5.0, None, 30.0, None]
+    # begin: the lock timeout (its send, then its answer, read when the view is needed);
+    # lease: 30 s; set_pid: 10 s; release (and by id): 5 s; each call leaves its socket
+    # blocking again.
+    assert spy.seen == [7.5, None, 7.5, None, 30.0, None, 10.0, None, 5.0, None, 5.0, None,
+                        30.0, None]
 
 
 def test_lease_events_never_waits(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -639,3 +639,37 @@ def test_a_pick_served_after_waiting_in_line_says_how_long(tmp_path: Path) -> No
     result = pick(PickOptions(Constraints.parse(min_free="10G"), 30.0), backend=backend,
                   environ={}, sleep=free_it)
     assert result.chosen and result.waited_s > 0.0
+
+
+# ------------------------------------------------------------------------- the lock's wait
+
+
+class CountingBackend(SimulatedBackend):
+    """The simulated fleet, counting its snapshots."""
+
+    snapshots = 0
+
+    def snapshot(self) -> FleetSnapshot:
+        self.snapshots += 1
+        return super().snapshot()
+
+
+@pytest.mark.parametrize(("waited", "snapshots"), [(0.0, 1), (0.05, 1), (0.051, 2), (3.0, 2)])
+def test_a_pick_reads_the_devices_again_only_after_a_long_wait_for_the_lock(
+    tmp_path: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch,
+    waited: float, snapshots: int,
+) -> None:
+    """The devices are read while the pick lock is on its way (the broker's round trip);
+    a pick that then waited behind others (over LOCK_WAIT_RESNAPSHOT_S) reads them again, one
+    that did not keeps its one snapshot. Caught: the second read dropped (a waiting pick ranks
+    on devices as they were before the lock's earlier holders used them), or made always (a
+    snapshot per pick wasted)."""
+    from autogpu_jupyter.core.leasing.directory import Transaction
+
+    (tmp_path / "fleet.json").write_text(json.dumps(fleet(2)))
+    backend = CountingBackend(str(tmp_path / "fleet.json"))
+    monkeypatch.setattr(Transaction, "ready", lambda self: waited)
+    result = pick(PickOptions(Constraints()), backend=backend, store=registry)
+    assert result.lease is not None
+    assert backend.snapshots == snapshots
+    result.lease.release()

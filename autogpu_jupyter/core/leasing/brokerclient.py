@@ -124,14 +124,29 @@ class _Conn:
         busy, not down, and is not reported as down.
         """
         op = str(msg.get("op"))
+        with self._talking(op, timeout_s, waiting_for):
+            self._send_line(msg)
+            reply = self._next_reply(op)
+        return self._checked(reply)
+
+    def send(self, msg: Mapping[str, Any], timeout_s: float = 30.0) -> None:
+        """Send ``msg`` without waiting for its reply (:meth:`receive` reads it)."""
+        with self._talking(str(msg.get("op")), timeout_s, ""):
+            self._send_line(msg)
+
+    def receive(self, op: str, timeout_s: float = 30.0, waiting_for: str = "") -> dict[str, Any]:
+        """The reply to ``op``, sent before with :meth:`send` (see :meth:`call`)."""
+        with self._talking(op, timeout_s, waiting_for):
+            reply = self._next_reply(op)
+        return self._checked(reply)
+
+    @contextlib.contextmanager
+    def _talking(self, op: str, timeout_s: float, waiting_for: str) -> Iterator[None]:
+        """Bound the socket's waits by ``timeout_s``; a timeout or a lost broker said in
+        words (fail closed); the socket left blocking again."""
         try:
             self.sock.settimeout(timeout_s)
-            self.sock.sendall(json.dumps({**msg, "proto": PROTOCOL}).encode() + b"\n")
-            while True:
-                reply = self._read_line(op)
-                if "event" in reply:
-                    continue
-                break
+            yield
         except TimeoutError:
             what = waiting_for or f"an answer to {op!r}"
             raise RegistryUntrustedError(
@@ -145,6 +160,17 @@ class _Conn:
         finally:
             with contextlib.suppress(OSError):
                 self.sock.settimeout(None)
+
+    def _send_line(self, msg: Mapping[str, Any]) -> None:
+        self.sock.sendall(json.dumps({**msg, "proto": PROTOCOL}).encode() + b"\n")
+
+    def _next_reply(self, op: str) -> dict[str, Any]:
+        while True:
+            reply = self._read_line(op)
+            if "event" not in reply:  # events such as ``revoked`` are not replies
+                return reply
+
+    def _checked(self, reply: dict[str, Any]) -> dict[str, Any]:
         if reply.get("proto") != PROTOCOL and not self._greeted:
             self.close()
             raise RegistryUntrustedError(_version_mismatch(self.path, reply))
@@ -391,20 +417,61 @@ class BrokerTransaction(StoreTransaction):
 
     store: BrokerRegistry
 
-    def __init__(self, registry: BrokerRegistry, conn: _Conn, reply: Mapping[str, Any]) -> None:
+    def __init__(self, registry: BrokerRegistry, conn: _Conn) -> None:
+        """``conn`` has sent ``begin``; its answer (the pick lock and the booking view) is
+        read when the view is first needed (:meth:`ready`)."""
         self.store = registry
         self._conn: _Conn | None = conn
+        self._leases: list[LeaseRecord] | None = None
+        self._tickets: list[LeaseRecord] = []
+
+    def ready(self) -> float:
+        """Wait for the pick lock asked for at ``begin``; the seconds this call waited.
+
+        Raises
+        ------
+        RegistryUntrustedError
+            The broker was lost twice on the way, or did not grant the lock in time (fail
+            closed; nothing is leased).
+        """
+        if self._leases is not None:
+            return 0.0
+        start = time.monotonic()
+        conn = self._conn
+        if conn is None:
+            raise RegistryError("this broker transaction is closed")
+        registry = self.store
+        try:
+            reply = registry._granted(conn)
+        except RegistryUntrustedError:  # lost (the broker restarted): once more, afresh
+            conn.close()
+            self._conn = conn = registry._conn()
+            try:
+                conn.send({"op": "begin"}, registry.lock_timeout_s)
+                reply = registry._granted(conn)
+            except BaseException:
+                conn.close()
+                self._conn = None
+                raise
+        except BaseException:
+            conn.close()
+            self._conn = None
+            raise
         self._leases = (
             _records(reply.get("own", ()), registry.path)
             + _view_records(reply.get("devices", ()), registry.path)
             + _reservations(reply.get("reserved"), registry.path)
         )
         self._tickets = _records(reply.get("tickets", ()), registry.path)
+        return time.monotonic() - start
 
     def live_leases(self) -> list[LeaseRecord]:
+        self.ready()
+        assert self._leases is not None
         return self.store._visible(self._leases)
 
     def live_tickets(self) -> list[LeaseRecord]:
+        self.ready()
         return in_line(self._tickets)
 
     def create(
@@ -426,6 +493,8 @@ class BrokerTransaction(StoreTransaction):
             booked = list(requested_bytes)
         if self._conn is None:
             raise RegistryError("this broker transaction already made its lease")
+        self.ready()
+        assert self._conn is not None
         reply = self._conn.call(
             {
                 "op": "lease",
@@ -438,6 +507,7 @@ class BrokerTransaction(StoreTransaction):
         )
         rec = _records([reply["record"]], self.store.path)[0]
         conn, self._conn = self._conn, None
+        assert self._leases is not None
         self._leases.append(rec)
         return BrokerLease(rec, conn, self.store)
 
@@ -507,23 +577,27 @@ class BrokerRegistry(LeaseStore):
             txn.close()
 
     def _begin(self) -> BrokerTransaction:
-        """Connect and take the pick lock; a connection lost on the way (the broker restarted)
-        is tried once more on a fresh one."""
+        """Connect and ask for the pick lock, without waiting for it: the caller reads the
+        devices meanwhile, and the transaction waits for the lock when it first needs the
+        view (:meth:`BrokerTransaction.ready`). A connection lost on the way (the broker
+        restarted) is tried once more on a fresh one."""
         conn = self._conn()
         try:
-            return self._begin_on(conn)
+            conn.send({"op": "begin"}, self.lock_timeout_s)
         except RegistryUntrustedError:
-            pass
-        return self._begin_on(self._conn())
-
-    def _begin_on(self, conn: _Conn) -> BrokerTransaction:
-        try:
-            reply = conn.call({"op": "begin"}, timeout_s=self.lock_timeout_s,
-                              waiting_for="its pick lock")
-            return BrokerTransaction(self, conn, reply)
-        except BaseException:
             conn.close()
-            raise
+            conn = self._conn()
+            try:
+                conn.send({"op": "begin"}, self.lock_timeout_s)
+            except BaseException:
+                conn.close()
+                raise
+        return BrokerTransaction(self, conn)
+
+    def _granted(self, conn: _Conn) -> dict[str, Any]:
+        """The broker's answer to ``begin`` on ``conn``: the lock granted, with the view."""
+        return conn.receive("begin", timeout_s=self.lock_timeout_s,
+                            waiting_for="its pick lock")
 
     def _read_unlocked(self) -> list[LeaseRecord]:
         try:

@@ -121,6 +121,16 @@ class StoreTransaction(abc.ABC):
 
     store: LeaseStore
 
+    def ready(self) -> float:
+        """Wait until the pick lock is held; the seconds this call waited.
+
+        A store may ask for its lock in :meth:`LeaseStore.locked` without waiting for it (the
+        broker: the caller reads the devices while the request travels); the first read of the
+        records waits for it anyway. A caller that read something *before* this call and got
+        a long wait here reads it again (what it read may be older than the lock). The
+        default: the lock was taken in ``locked``, nothing to wait for."""
+        return 0.0
+
     @abc.abstractmethod
     def live_leases(self) -> list[LeaseRecord]:
         """Live leases of every user, less those the store's view hides."""
