@@ -1,0 +1,699 @@
+"""The server extension in this process: its loading and every REST handler, through a real
+Jupyter server (pytest-jupyter's ``jp_fetch``: the ``ServerApp``, its tornado application, its
+authentication and XSRF checks, its kernel and session managers, all in the test process).
+
+The GPUs are a simulated fleet file, the leases a real registry. A kernel here is a stand-in
+process (``sleep``) started by the server's own kernel manager through the autogpu kernelspec's
+provisioner, which picks, leases and honours move requests as for a real kernel: no handler
+talks to the kernel itself, so the kernel's own code is left out (real kernels are
+``tests/server/test_move.py``). These are the fast checks mutation testing can judge (mutmut
+runs tests/unit only); ``tests/server/test_rest.py`` has the slower ones over the fake NVML.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import urllib.parse
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tornado.httpclient
+
+from autogpu_jupyter import kernelspec, metrics
+from autogpu_jupyter.core import backends, moves
+from autogpu_jupyter.core import sampler as sampler_mod
+from autogpu_jupyter.core.contract import SERVER_ROOT_ENV
+from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.server import _jupyter_server_extension_points, load_jupyter_server_extension
+from autogpu_jupyter.server import _load_jupyter_server_extension as load_extension
+from tests.payloadhelpers import GiB, write_fleet
+
+A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
+B = "GPU-1b1b1b1b-1111-2222-3333-444444444444"
+V1 = ("autogpu", "api", "v1")
+#: What a move of a kernel the autogpu provisioner did not start answers.
+NOT_AUTOGPU = (
+    "this kernel was not started with the autogpu kernelspec, so no restart would move it; "
+    "choose \"Python 3 (autogpu)\" as the notebook's kernel (install it with "
+    "`autogpu kernelspec install`)"
+)
+#: The dry-run plan of a move off GPU 1 (the pick of a kernel asking 10G: the idler one).
+PLAN_TO_A = (
+    "The kernel will restart on GPU 0 (NVIDIA A100, 20.0 GiB free), the best other device now. "
+    "Restarting loses the kernel's state (variables, imports, data in memory): save what you "
+    "need first."
+)
+PLAN_REQUESTED = PLAN_TO_A.replace("the best other device now", "the requested device now")
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Two A100s: GPU 0 busy (60 of 80 GiB, 90 %), GPU 1 idle (10 of 80 GiB). The variables the
+    extension sets in the server's environment are restored afterwards."""
+    fleet = write_fleet(tmp_path / "fleet.json", [
+        {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+         "memory_used": 60 * GiB, "utilization_pct": 90},
+        {"uuid": B, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+         "memory_used": 10 * GiB, "utilization_pct": 0},
+    ])
+    monkeypatch.setenv("AUTOGPU_SIMULATE", str(fleet))
+    monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(tmp_path / "registry"))
+    monkeypatch.setenv(SERVER_ROOT_ENV, "unset by the test")
+    for var in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "AUTOGPU_PICKED",
+                "AUTOGPU_LEASE_ID", "AUTOGPU_MIN_FREE", "AUTOGPU_WAIT", "AUTOGPU_BROKER_SOCKET",
+                "NVIDIA_VISIBLE_DEVICES", "AUTOGPU_PROMETHEUS_URL"):
+        monkeypatch.delenv(var, raising=False)
+    sampler_mod.stop_sampler()
+    backends._cache.clear()
+    metrics.uninstall()
+    yield fleet
+    metrics.uninstall()
+    sampler_mod.stop_sampler()
+    backends._cache.clear()
+
+
+@pytest.fixture
+def traits() -> dict[str, Any]:
+    """``c.AutoGPUServer`` of the test's server (a test changes it by parametrizing)."""
+    return {}
+
+
+@pytest.fixture
+def jp_server_config(host: Path, traits: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "ServerApp": {"jpserver_extensions": {"autogpu_jupyter": True}},
+        # a long interval: the first sweep is the one every answer here reads
+        "AutoGPUServer": {"interval_s": 5.0, **traits},
+        # a stand-in kernel never answers a shutdown request: stop it at once
+        "KernelManager": {"shutdown_wait_time": 0.0},
+    }
+
+
+@pytest.fixture
+def specs(jp_data_dir: Path, tmp_path: Path, jp_serverapp: Any, jp_asyncio_loop: Any
+          ) -> Iterator[Path]:
+    """Kernelspecs ``agp`` (the autogpu provisioner, min_free 10G) and ``plain`` (jupyter's own
+    provisioner), both starting ``bin/kernel``, a stand-in; returns that script's path.
+
+    Afterwards the kernels are stopped and the server's ZMQ sockets closed at once: a stand-in
+    never reads the requests sent to it, which would hold the context's end for their linger
+    (a second per test)."""
+    script = tmp_path / "bin" / "kernel"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\nexec sleep 600\n")
+    script.chmod(0o755)
+    for name, spec in (
+        ("agp", kernelspec.spec_dict("Python 3 (autogpu)", {"min_free": "10G"})),
+        ("plain", {"display_name": "plain", "language": "python"}),
+    ):
+        spec["argv"] = [str(script)]
+        folder = jp_data_dir / "kernels" / name
+        folder.mkdir(parents=True)
+        (folder / "kernel.json").write_text(json.dumps(spec))
+    yield script
+    km = jp_serverapp.kernel_manager
+    with warnings.catch_warnings():
+        # a restart's reply stream, closed with its socket: pyzmq says so, nothing is wrong
+        warnings.filterwarnings("ignore", "Unregistering FD", UserWarning)
+        km.context.destroy(linger=0)  # first: a closed socket would still linger
+        jp_asyncio_loop.run_until_complete(km.shutdown_all(now=True))
+
+
+async def start_kernel(jp_fetch: Any, name: str = "agp") -> str:
+    response = await jp_fetch("api", "kernels", method="POST", body=json.dumps({"name": name}))
+    assert response.code == 201
+    return str(json.loads(response.body)["id"])
+
+
+async def get_json(jp_fetch: Any, *parts: str, **kwargs: Any) -> Any:
+    response = await jp_fetch(*parts, **kwargs)
+    assert response.code == 200
+    assert response.headers["Content-Type"] == "application/json"
+    return json.loads(response.body)
+
+
+async def refused(jp_fetch: Any, *parts: str, **kwargs: Any) -> tuple[int, dict[str, Any]]:
+    """The status and JSON body of a request that must fail."""
+    with pytest.raises(tornado.httpclient.HTTPClientError) as err:
+        await jp_fetch(*parts, **kwargs)
+    response = err.value.response
+    assert response is not None
+    return err.value.code, json.loads(response.body)
+
+
+def move(kid: str) -> tuple[str, ...]:
+    return (*V1, "kernels", kid, "move")
+
+
+def server_state(serverapp: Any) -> Any:
+    """The extension's ``AutoGPUServer``, as its handlers were given it."""
+    for rule in serverapp.web_app.wildcard_router.rules + serverapp.web_app.default_router.rules:
+        for inner in getattr(rule.target, "rules", [rule]):
+            if "/autogpu/" in getattr(getattr(inner.matcher, "regex", None), "pattern", ""):
+                return inner.target_kwargs["state"]
+    raise AssertionError("the autogpu handlers are not registered")
+
+
+def kernel_provisioner(serverapp: Any, kid: str) -> Any:
+    return serverapp.kernel_manager.get_kernel(kid).provisioner
+
+
+# -- loading the extension -------------------------------------------------------------------
+
+
+def test_the_extension_point_names_the_server_module() -> None:
+    assert _jupyter_server_extension_points() == [{"module": "autogpu_jupyter.server"}]
+    # jupyter_server < 2 looked for the old name
+    assert load_jupyter_server_extension is load_extension
+
+
+class ServerLog(logging.Filter):
+    """Every record the server's logger handles, kept: pytest-jupyter leaves that logger without
+    handlers while the server starts (when the extension loads), but its filters see them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return True
+
+    def said(self, start: str) -> list[str]:
+        return [r.getMessage() for r in self.records if r.getMessage().startswith(start)]
+
+
+@pytest.fixture
+def server_log(host: Path) -> Iterator[ServerLog]:
+    """What the server logs from its start on (request it before ``jp_serverapp``)."""
+    kept = ServerLog()
+    logger = logging.getLogger("ServerApp")
+    logger.addFilter(kept)
+    yield kept
+    logger.removeFilter(kept)
+
+
+def test_loading_says_where_the_api_lives_and_routes_the_package_logs(
+    server_log: ServerLog, jp_serverapp: Any, jp_base_url: str
+) -> None:
+    assert server_log.said("autogpu server extension loaded") == [
+        f"autogpu server extension loaded: {jp_base_url}autogpu/api/v1/ (sampling every 5.0 s)"
+    ]
+    # the package's own records reach the server's log, at its level (DEBUG under pytest-jupyter)
+    package = logging.getLogger("autogpu_jupyter")
+    assert package.level == jp_serverapp.log.getEffectiveLevel() == logging.DEBUG
+    logging.getLogger("autogpu_jupyter.core.sampler").debug("a sweep of %d devices", 2)
+    jp_serverapp.log.setLevel(logging.INFO)  # below the server's level: not handed over
+    logging.getLogger("autogpu_jupyter.core.sampler").debug("a dropped sweep")
+    assert server_log.said("a ") == ["a sweep of 2 devices"]
+
+
+def test_the_server_root_is_exported_to_kernels(jp_serverapp: Any, jp_root_dir: Path) -> None:
+    assert os.environ[SERVER_ROOT_ENV] == os.path.abspath(str(jp_root_dir))
+
+
+@pytest.fixture
+def relative_fleet(host: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The fleet file named relative to the directory the server starts in."""
+    monkeypatch.chdir(host.parent)
+    monkeypatch.setenv("AUTOGPU_SIMULATE", host.name)
+    return host
+
+
+def test_a_relative_fleet_file_is_resolved_once_for_the_kernels(
+    relative_fleet: Path, server_log: ServerLog, jp_serverapp: Any
+) -> None:
+    assert os.environ["AUTOGPU_SIMULATE"] == str(relative_fleet)
+    assert server_log.said("autogpu: AUTOGPU_SIMULATE") == [
+        f"autogpu: AUTOGPU_SIMULATE={relative_fleet} (resolved from 'fleet.json')"]
+
+
+def test_an_absolute_fleet_file_is_left_as_named(
+    host: Path, server_log: ServerLog, jp_serverapp: Any
+) -> None:
+    assert os.environ["AUTOGPU_SIMULATE"] == str(host)
+    assert server_log.said("autogpu: AUTOGPU_SIMULATE") == []
+
+
+def test_no_gpu_culling_unless_configured(jp_serverapp: Any) -> None:
+    km = jp_serverapp.kernel_manager
+    assert km.cull_idle_timeout == 0
+    # jupyter_server's own culler method, not ours
+    assert km.cull_kernel_if_idle.__func__ is type(km).cull_kernel_if_idle
+
+
+@pytest.mark.parametrize("traits", [{"cull_idle_gpu_kernels_s": 0.5}])
+def test_gpu_culling_below_a_second_starts_the_culler(
+    traits: dict[str, Any], jp_serverapp: Any
+) -> None:
+    km = jp_serverapp.kernel_manager
+    # the manager's culler only runs for a positive (integer) timeout
+    assert km.cull_idle_timeout == 1
+    assert getattr(km.cull_kernel_if_idle, "__func__", None) is not type(km).cull_kernel_if_idle
+
+
+def _series(text: str, name: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(name + "{")]
+
+
+@pytest.mark.parametrize("traits", [{"metrics_hostname": "gpu-node-7"}])
+async def test_metrics_are_served_from_the_samplers_sweep(
+    traits: dict[str, Any], jp_fetch: Any
+) -> None:
+    text = (await jp_fetch("metrics")).body.decode()
+    used = _series(text, "autogpu_gpu_memory_used_bytes")
+    assert len(used) == 2
+    assert all('hostname="gpu-node-7"' in line for line in used)
+    assert sorted(float(line.rsplit(" ", 1)[1]) for line in used) == [10 * GiB, 60 * GiB]
+
+
+@pytest.mark.parametrize("traits", [{"metrics": False}])
+async def test_metrics_off_registers_no_autogpu_series(
+    traits: dict[str, Any], jp_fetch: Any
+) -> None:
+    text = (await jp_fetch("metrics")).body.decode()
+    assert "jupyter_server_extension_info" in text  # the server's own series are there
+    assert [line for line in text.splitlines() if line.startswith("autogpu_")] == []
+
+
+async def test_lease_details_follow_the_setting(
+    jp_fetch: Any, specs: Path, jp_serverapp: Any
+) -> None:
+    kid = await start_kernel(jp_fetch)
+    text = (await jp_fetch("metrics")).body.decode()
+    [lease] = _series(text, "autogpu_lease_info")
+    assert f'uuid="{B}"' in lease
+    assert "kernel=" not in lease  # metrics_lease_details is off by default
+    state = server_state(jp_serverapp)
+    assert state.metrics_lease_details is False
+    assert kid
+
+
+@pytest.mark.parametrize("traits", [{"metrics_lease_details": True}])
+async def test_lease_details_on_label_the_kernel(
+    traits: dict[str, Any], jp_fetch: Any, specs: Path
+) -> None:
+    kid = await start_kernel(jp_fetch)
+    text = (await jp_fetch("metrics")).body.decode()
+    [lease] = _series(text, "autogpu_lease_info")
+    assert f'kernel="{kid}"' in lease
+
+
+# -- devices, history ----------------------------------------------------------------------
+
+
+async def test_devices_answers_the_sweep_uncached(jp_fetch: Any) -> None:
+    response = await jp_fetch(*V1, "devices")
+    assert response.headers["Content-Type"] == "application/json"
+    assert response.headers["Cache-Control"] == "no-store"
+    assert "Deprecation" not in response.headers
+    data = json.loads(response.body)
+    assert (data["backend"], data["simulated"], data["errors"], data["interval_s"]) == (
+        "simulated", True, [], 5.0)
+    assert [(d["label"], d["uuid"], d["memory_used_bytes"], d["memory_free_bytes"],
+             d["utilization_pct"]) for d in data["devices"]] == [
+        ("GPU 0", A, 60 * GiB, 20 * GiB, 90.0),
+        ("GPU 1", B, 10 * GiB, 70 * GiB, 0.0),
+    ]
+
+
+async def test_the_unversioned_path_answers_the_same_and_says_it_is_deprecated(
+    jp_fetch: Any, jp_base_url: str
+) -> None:
+    current = await get_json(jp_fetch, *V1, "devices")
+    response = await jp_fetch("autogpu", "devices")
+    assert response.headers["Deprecation"] == "true"
+    assert response.headers["Link"] == (
+        f'<{jp_base_url}autogpu/api/v1/devices>; rel="successor-version"'
+    )
+    old = json.loads(response.body)
+    assert old["devices"] == current["devices"]
+
+
+async def test_history_whole_then_since(jp_fetch: Any) -> None:
+    data = await get_json(jp_fetch, *V1, "history")
+    assert (data["interval_s"], data["history_s"], data["since_s"]) == (5.0, 900.0, None)
+    assert [(s["uuid"], s["utilization_pct"], s["memory_used_bytes"], s["memory_total_bytes"])
+            for s in data["series"]] == [(A, [90.0], [60 * GiB], 80 * GiB),
+                                         (B, [0.0], [10 * GiB], 80 * GiB)]
+    until = data["until_s"]
+    assert until == data["series"][0]["timestamp_s"][-1]
+    # ``since`` is exclusive: nothing newer than the last sample yet
+    newer = await get_json(jp_fetch, *V1, "history", params={"since": repr(until)})
+    assert (newer["series"], newer["since_s"], newer["until_s"]) == ([], until, until)
+    older = await get_json(jp_fetch, *V1, "history", params={"since": repr(until - 1)})
+    assert [s["uuid"] for s in older["series"]] == [A, B]
+
+
+@pytest.mark.parametrize("since", ["yesterday", "nan", "inf", "-inf", "50%"])
+async def test_history_refuses_a_since_that_is_no_timestamp(jp_fetch: Any, since: str) -> None:
+    code, body = await refused(jp_fetch, *V1, "history", params={"since": since})
+    assert code == 400
+    # written as is: a "%" in the value is not taken for a format
+    assert body == {
+        "message": f"invalid since={since!r}: expected a Unix timestamp in seconds, "
+                   "e.g. 1718000000.5",
+        "reason": None,
+    }
+
+
+async def test_an_error_on_a_deprecated_path_says_it_is_deprecated(
+    jp_fetch: Any, jp_base_url: str
+) -> None:
+    with pytest.raises(tornado.httpclient.HTTPClientError) as err:
+        await jp_fetch("autogpu", "history", params={"since": "x"})
+    assert err.value.code == 400
+    assert err.value.response is not None
+    assert err.value.response.headers["Deprecation"] == "true"
+    assert err.value.response.headers["Link"] == (
+        f'<{jp_base_url}autogpu/api/v1/history>; rel="successor-version"'
+    )
+
+
+# -- select ----------------------------------------------------------------------------------
+
+
+async def test_select_get_and_post_rank_by_the_policy(jp_fetch: Any) -> None:
+    data = await get_json(jp_fetch, *V1, "select", params={"min_free": "30G"})
+    assert [c["label"] for c in data["chosen"]] == ["GPU 1"]
+    assert data["constraints_text"] == "min free 30.0 GiB"
+    assert data["message"] is None
+    assert [(c["label"], c["eligible"]) for c in data["candidates"]] == [
+        ("GPU 1", True), ("GPU 0", False)]
+    posted = await get_json(jp_fetch, *V1, "select", method="POST",
+                            body=json.dumps({"min_free": "30G"}))
+    assert posted["chosen"] == data["chosen"]
+    assert posted["constraints"] == data["constraints"]
+
+
+async def test_select_ignores_the_cache_buster_and_jupyters_own_parameters(
+    jp_fetch: Any, jp_serverapp: Any
+) -> None:
+    token = jp_serverapp.identity_provider.token
+    data = await get_json(jp_fetch, *V1, "select",
+                          params={"min_free": "30G", "1718000000123": "", "token": token})
+    assert [c["label"] for c in data["chosen"]] == ["GPU 1"]
+
+
+async def test_select_nothing_fits_is_an_answer(jp_fetch: Any) -> None:
+    data = await get_json(jp_fetch, *V1, "select", params={"min_free": "75G"})
+    assert data["chosen"] == []
+    assert data["message"] == "no device fits (min free 75.0 GiB):"
+    assert [(c["label"], c["eligible"]) for c in data["candidates"]] == [
+        ("GPU 0", False), ("GPU 1", False)]
+
+
+@pytest.mark.parametrize(("method", "request_kwargs", "message"), [
+    ("GET", {"params": {"min_free": "10"}}, "invalid size '10': a bare number is ambiguous"),
+    ("GET", {"params": {"colour": "red"}}, "'colour'"),
+    ("GET", {"params": {"kernel_id": "../etc"}}, "invalid kernel_id '../etc': expected a "
+     "kernel id such as '5e6f7a8b-1c2d-4e5f-8a9b-0c1d2e3f4a5b'"),
+    ("POST", {"body": "{not json"}, "request body is not JSON; expected an object such as "
+     '{"min_free": "10G"}'),
+    ("POST", {"body": "[1, 2]"}, 'expected a JSON object such as {"min_free": "10G"}, got '
+     "[1, 2]"),
+    ("POST", {"body": json.dumps({"gpus": 0})}, "gpus"),
+])
+async def test_select_refuses_bad_input_with_a_message(
+    jp_fetch: Any, method: str, request_kwargs: dict[str, Any], message: str
+) -> None:
+    code, body = await refused(jp_fetch, *V1, "select", method=method, **request_kwargs)
+    assert code == 400
+    assert message in body["message"]
+
+
+async def test_select_for_a_kernel_leaves_its_own_lease_out(
+    jp_fetch: Any, specs: Path, jp_serverapp: Any
+) -> None:
+    kid = await start_kernel(jp_fetch)
+    # the kernel got GPU 1 (the idle one), with a 10G lease on it
+    assert kernel_provisioner(jp_serverapp, kid).autogpu_picked == (B,)
+    free = await get_json(jp_fetch, *V1, "select", params={"min_free": "10G"})
+    assert [c["label"] for c in free["chosen"]] == ["GPU 1"]
+    # 75G fits nowhere, 65G fits GPU 1 only without the kernel's own lease's 10G
+    mine = await get_json(jp_fetch, *V1, "select",
+                          params={"min_free": "65G", "kernel_id": kid})
+    assert [c["label"] for c in mine["chosen"]] == ["GPU 1"]
+    other = await get_json(jp_fetch, *V1, "select", params={"min_free": "65G"})
+    assert other["chosen"] == []
+
+
+# -- cluster -----------------------------------------------------------------------------------
+
+
+async def test_cluster_without_prometheus_says_so(jp_fetch: Any) -> None:
+    data = await get_json(jp_fetch, *V1, "cluster", params={"min_free": "10G"})
+    assert data["configured"] is False
+    assert data["hosts"] == []
+    history = await get_json(jp_fetch, *V1, "cluster", "history")
+    assert history["configured"] is False
+    assert history["seconds"] == 86400
+
+
+async def test_cluster_refuses_bad_input(jp_fetch: Any) -> None:
+    code, body = await refused(jp_fetch, *V1, "cluster", params={"min_free": "lots"})
+    assert code == 400
+    assert body["message"].startswith("invalid size 'lots': not understood")
+    code, body = await refused(jp_fetch, *V1, "cluster", "history", params={"seconds": "soon"})
+    assert code == 400
+    assert "'soon'" in body["message"]
+
+
+# -- holders -----------------------------------------------------------------------------------
+
+
+async def test_holders_join_a_kernels_lease_with_its_notebook(
+    jp_fetch: Any, specs: Path, jp_serverapp: Any
+) -> None:
+    response = await jp_fetch("api", "sessions", method="POST", body=json.dumps({
+        "path": "work/train.ipynb", "type": "notebook", "name": "train.ipynb",
+        "kernel": {"name": "agp"}}))
+    kid = json.loads(response.body)["kernel"]["id"]
+    data = await get_json(jp_fetch, *V1, "holders")
+    [holder] = data["holders"]
+    pid = kernel_provisioner(jp_serverapp, kid).pid
+    assert (holder["kind"], holder["uuid"], holder["label"], holder["kernel_id"],
+            holder["this_server"], holder["notebook_path"], holder["pid"],
+            holder["booked_bytes"]) == (
+        "lease", B, "GPU 1", kid, True, "work/train.ipynb", pid, 10 * GiB)
+    [kernel] = data["kernels"]
+    assert (kernel["kernel_id"], kernel["notebook_path"], kernel["movable"],
+            kernel["picked_uuids"], kernel["allowed_uuids"]) == (
+        kid, "work/train.ipynb", True, [B], [A, B])  # it may move within the server's grant
+
+
+# -- move ----------------------------------------------------------------------------------------
+
+
+async def test_a_dry_run_move_plans_and_records_nothing(
+    jp_fetch: Any, specs: Path, jp_serverapp: Any
+) -> None:
+    kid = await start_kernel(jp_fetch)
+    data = await get_json(jp_fetch, *move(kid), method="POST",
+                          body=json.dumps({"target": "best", "dry_run": True}))
+    assert data == {"dry_run": True, "plan": PLAN_TO_A, "target": [A],
+                    "target_labels": ["GPU 0"], "message": PLAN_TO_A, "picked": None,
+                    "note": None}
+    prov = kernel_provisioner(jp_serverapp, kid)
+    assert moves.read_move(prov.autogpu_move_file) is None
+    assert server_state(jp_serverapp).moving == set()
+
+
+async def test_a_move_the_client_restarts_waits_then_can_be_cancelled(
+    jp_fetch: Any, specs: Path, jp_serverapp: Any
+) -> None:
+    kid = await start_kernel(jp_fetch)
+    pending = {"dry_run": False, "pending": True, "plan": PLAN_REQUESTED, "target": [A],
+               "target_labels": ["GPU 0"],
+               "message": "The move to GPU 0 waits for the kernel's restart.",
+               "picked": None, "note": None}
+    data = await get_json(jp_fetch, *move(kid), method="POST",
+                          body=json.dumps({"target": 0, "restart": False}))
+    assert data == pending
+    assert await get_json(jp_fetch, *move(kid)) == pending
+    prov = kernel_provisioner(jp_serverapp, kid)
+    assert moves.read_move(prov.autogpu_move_file) is not None
+    assert await get_json(jp_fetch, *move(kid), method="DELETE") == {"cancelled": True}
+    assert moves.read_move(prov.autogpu_move_file) is None
+    code, body = await refused(jp_fetch, *move(kid))
+    assert (code, body["message"]) == (404, "no move of this kernel was recorded by this server")
+    # nothing left to cancel
+    assert await get_json(jp_fetch, *move(kid), method="DELETE") == {"cancelled": False}
+
+
+async def test_a_move_the_client_restarts_then_says_where_the_kernel_runs(
+    jp_fetch: Any, specs: Path, jp_serverapp: Any
+) -> None:
+    kid = await start_kernel(jp_fetch)
+    await get_json(jp_fetch, *move(kid), method="POST",
+                   body=json.dumps({"target": A, "restart": False}))
+    await jp_fetch("api", "kernels", kid, "restart", method="POST", body="")
+    data = await get_json(jp_fetch, *move(kid))
+    assert data == {"dry_run": False, "pending": False, "plan": PLAN_REQUESTED,
+        "target": [A], "target_labels": ["GPU 0"],
+        "message": "The kernel restarted on GPU 0; its state (variables) was lost.",
+        "picked": [A], "note": "moved at your request: the kernel's state was lost"}
+    # the answer was given once: the plan is dropped
+    code, _body = await refused(jp_fetch, *move(kid))
+    assert code == 404
+    assert server_state(jp_serverapp).move_plans == {}
+
+
+async def test_a_move_restarts_the_kernel_on_the_target(
+    jp_fetch: Any, specs: Path, jp_serverapp: Any, tmp_path: Path
+) -> None:
+    kid = await start_kernel(jp_fetch)
+    old_pid = kernel_provisioner(jp_serverapp, kid).pid
+    data = await get_json(jp_fetch, *move(kid), method="POST",
+                          body=json.dumps({"target": "--best"}))
+    assert data == {"dry_run": False, "plan": PLAN_TO_A, "target": [A],
+                    "target_labels": ["GPU 0"],
+                    "message": "The kernel restarted on GPU 0; its state (variables) was lost.",
+                    "picked": [A], "note": "moved at your request: the kernel's state was lost"}
+    prov = kernel_provisioner(jp_serverapp, kid)
+    assert prov.pid != old_pid
+    leases = Registry(str(tmp_path / "registry")).list_leases()
+    assert [(r.device_uuids, r.kernel_id, r.pid) for r in leases] == [((A,), kid, prov.pid)]
+    assert server_state(jp_serverapp).moving == set()
+
+
+async def test_a_restart_that_fails_is_500_and_drops_the_request(
+    jp_fetch: Any, specs: Path, jp_serverapp: Any
+) -> None:
+    kid = await start_kernel(jp_fetch)
+    specs.unlink()  # the kernel's program is gone: its restart cannot launch it
+    code, body = await refused(jp_fetch, *move(kid), method="POST",
+                               body=json.dumps({"target": "best"}))
+    assert code == 500
+    assert body["message"].startswith("the kernel could not restart: ")
+    assert str(specs) in body["message"]
+    prov = kernel_provisioner(jp_serverapp, kid)
+    assert moves.read_move(prov.autogpu_move_file) is None
+    assert server_state(jp_serverapp).moving == set()
+
+
+async def test_recorded_moves_are_kept_per_live_kernel(
+    jp_fetch: Any, specs: Path, jp_serverapp: Any
+) -> None:
+    first, second, third = [await start_kernel(jp_fetch) for _ in range(3)]
+    for kid in (first, second):
+        await get_json(jp_fetch, *move(kid), method="POST",
+                       body=json.dumps({"target": "best", "restart": False}))
+    assert (await get_json(jp_fetch, *move(first)))["pending"] is True
+    # a kernel shut down before its restart leaves its plan behind until the next record
+    await jp_fetch("api", "kernels", second, method="DELETE")
+    await get_json(jp_fetch, *move(third), method="POST",
+                   body=json.dumps({"target": "best", "restart": False}))
+    assert sorted(server_state(jp_serverapp).move_plans) == sorted([first, third])
+
+
+async def test_a_second_move_of_the_same_kernel_is_409(
+    jp_fetch: Any, specs: Path, jp_serverapp: Any
+) -> None:
+    kid = await start_kernel(jp_fetch)
+    state = server_state(jp_serverapp)
+    state.moving.add(kid)  # as while the first one restarts the kernel
+    code, body = await refused(jp_fetch, *move(kid), method="POST",
+                               body=json.dumps({"target": "best"}))
+    assert (code, body["message"]) == (409, "a move of this kernel is already in progress")
+    assert state.moving == {kid}  # the first move's mark is the first move's to drop
+
+
+async def test_a_kernel_autogpu_did_not_start_cannot_move(jp_fetch: Any, specs: Path) -> None:
+    kid = await start_kernel(jp_fetch, "plain")
+    for method, body in (("POST", json.dumps({"target": "best"})), ("GET", None),
+                         ("DELETE", None)):
+        code, answer = await refused(jp_fetch, *move(kid), method=method, body=body)
+        assert (code, answer["message"]) == (400, NOT_AUTOGPU)
+
+
+@pytest.mark.parametrize("method", ["POST", "GET", "DELETE"])
+async def test_a_move_of_an_unknown_kernel_is_404(jp_fetch: Any, method: str) -> None:
+    body = json.dumps({"target": "best"}) if method == "POST" else None
+    code, answer = await refused(jp_fetch, *move("no-such-kernel"), method=method, body=body)
+    assert (code, answer["message"]) == (404, "no kernel 'no-such-kernel' on this server")
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"target": ""}, "invalid target '': expected \"best\", an NVML index such as \"2\", or a "
+     "GPU UUID"),
+    ({"target": -1}, "invalid target -1"),
+    ({"target": True}, "invalid target True"),
+    ({"target": "best", "dry_run": "yes"}, "invalid dry_run 'yes': expected true or false"),
+    ({"target": "best", "restart": 0}, "invalid restart 0: expected true or false"),
+    ({"target": "best", "force": True}, "unknown parameter 'force'; accepted: target, "
+     "dry_run, restart"),
+    ({"target": "7"}, "7"),
+])
+async def test_a_bad_move_request_is_400_with_a_message(
+    jp_fetch: Any, specs: Path, body: dict[str, Any], message: str
+) -> None:
+    kid = await start_kernel(jp_fetch)
+    code, answer = await refused(jp_fetch, *move(kid), method="POST", body=json.dumps(body))
+    assert code == 400
+    assert message in answer["message"]
+    assert "\n" not in answer["message"]
+
+
+async def test_a_move_with_nowhere_to_go_is_400_in_one_paragraph(
+    jp_fetch: Any, specs: Path, host: Path
+) -> None:
+    write_fleet(host, [
+        {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+         "memory_used": 75 * GiB, "utilization_pct": 90},
+        {"uuid": B, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+         "memory_used": 10 * GiB, "utilization_pct": 0},
+    ])
+    kid = await start_kernel(jp_fetch)  # on GPU 1; GPU 0 has 5G free, the kernel asks 10G
+    code, answer = await refused(jp_fetch, *move(kid), method="POST",
+                                 body=json.dumps({"target": "best", "dry_run": True}))
+    # the explanation's lines (one per device) as one paragraph
+    assert (code, answer["message"]) == (400, (
+        "no better device to move to (min free 10.0 GiB; the current one excluded): "
+        "GPU 0 (NVIDIA A100): dropped: only 5.0 GiB free < 10.0 GiB wanted. "
+        f"GPU 1 (NVIDIA A100): dropped: excluded by --exclude {B}; 70.0 GiB free >= 10.0 GiB "
+        "wanted"))
+
+
+# -- authentication --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "devices"), ("GET", "history"), ("GET", "holders"), ("GET", "select"),
+    ("POST", "select"), ("GET", "cluster"), ("GET", "cluster/history"),
+    ("POST", "kernels/k/move"), ("GET", "kernels/k/move"), ("DELETE", "kernels/k/move"),
+])
+async def test_every_verb_refuses_an_unauthenticated_request(
+    jp_fetch: Any, method: str, path: str
+) -> None:
+    with pytest.raises(tornado.httpclient.HTTPClientError) as err:
+        await jp_fetch(*V1, *path.split("/"), method=method,
+                       body="{}" if method == "POST" else None, headers={"Authorization": ""})
+    assert err.value.code == 403
+
+
+async def test_a_browser_post_needs_the_xsrf_token(
+    jp_serverapp: Any, http_server_client: Any, jp_base_url: str
+) -> None:
+    token = jp_serverapp.identity_provider.token
+    page = await http_server_client.fetch(jp_base_url + "login", raise_error=False)
+    login = await http_server_client.fetch(
+        jp_base_url + "login?" + urllib.parse.urlencode({"token": token}),
+        follow_redirects=False, raise_error=False,
+    )
+    cookies = [c.split(";", 1)[0] for r in (page, login) for c in r.headers.get_list("Set-Cookie")]
+    xsrf = next(c.split("=", 1)[1] for c in cookies if c.startswith("_xsrf="))
+    url = jp_base_url + "autogpu/api/v1/select"
+    without = await http_server_client.fetch(
+        url, method="POST", body="{}", headers={"Cookie": "; ".join(cookies)},
+        raise_error=False)
+    assert without.code == 403
+    with_xsrf = await http_server_client.fetch(
+        url, method="POST", body="{}",
+        headers={"Cookie": "; ".join(cookies), "X-XSRFToken": xsrf}, raise_error=False)
+    assert with_xsrf.code == 200
