@@ -202,3 +202,22 @@ def test_the_holder_of_a_kernels_lease_names_the_kernel_and_its_notebook(
     h = requester_for_this_process("cli")
     assert (h.kernel_id, h.kind, h.notebook_path, h.command) == (
         None, "cli", None, "train.py --kernel-x.json")
+
+
+def test_a_repick_names_a_vanished_previous_device_by_its_uuid(
+    host: Path, fake_nvml: FakeNvml
+) -> None:
+    """The re-pick's "previously GPU 0" line needs a label; a device that left the host (a
+    reset, a MIG reconfiguration) has none now, so its UUID stands in. Caught (mutation run,
+    issue 22): no stand-in, and the join of a missing label failed with a TypeError."""
+    from autogpu_jupyter.api import pick_options, pick_result
+    from autogpu_jupyter.config import default_settings
+
+    assert [d.uuid for d in ag.pick(min_free="10G")] == [U[0]]
+    fleet = fleet_4x()
+    del fleet["devices"][0]
+    fake_nvml.write(fleet)
+    settings = default_settings()
+    result, _warning = pick_result(pick_options(settings, {"min_free": "10G"}), settings=settings)
+    assert result.previous == U[0]
+    assert [d.uuid for d in result.chosen] == [U[2]]

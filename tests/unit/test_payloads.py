@@ -331,3 +331,21 @@ def test_the_move_answer_says_where_the_kernel_runs_now() -> None:
         "(variables) was lost.")
     planned = result_payload(plan, prov((A,), None), dry_run=True)
     assert (planned["message"], planned["picked"]) == ("Move to GPU 1 (80.0 GiB free)", None)
+
+
+def test_the_move_answer_after_a_restart_that_left_no_autogpu_provisioner() -> None:
+    """After the restart the kernel manager may hand back a provisioner that is not autogpu's
+    (a kernelspec changed in between): nothing was picked, nothing is noted. Caught (mutation
+    run, issue 22): its state read as an autogpu provisioner's (an AttributeError, a 500)."""
+    from types import SimpleNamespace
+
+    from autogpu_jupyter.core.devices import DeviceSnapshot
+    from autogpu_jupyter.server.moving import result_payload
+
+    b = DeviceSnapshot(index=1, uuid=B, name="NVIDIA A100")
+    plan = SimpleNamespace(target=(b,), message="Move to GPU 1 (80.0 GiB free)")
+    for provisioner in (None, SimpleNamespace(pid=4242)):
+        answer = result_payload(plan, provisioner, dry_run=False)
+        assert (answer["message"], answer["picked"], answer["note"]) == (
+            "The kernel restarted on no GPU, not on GPU 1 as planned. Its state (variables) "
+            "was lost.", [], None)
