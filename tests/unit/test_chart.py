@@ -354,3 +354,23 @@ def test_a_panels_window_grows_the_shared_history_and_never_shrinks_it(
         assert s.history_s == 900.0
     finally:
         panel.close()
+
+
+def test_the_table_names_its_columns_and_tells_no_holders_from_unknown_holders() -> None:
+    """A device whose process list was read and is empty has no holders ("none"); one whose
+    list could not be read (None) has unknown ones ("?"). Only the holders cell wraps. Caught
+    (mutation run, issue 22): the two cases swapped, a column's name changed, the holders
+    cell's wrapping style lost."""
+    gib = 1024**3
+
+    def dev(index: int, processes: Any) -> DeviceSnapshot:
+        return DeviceSnapshot(index=index, uuid=f"GPU-{index}", name="A100",
+                              memory_total_bytes=80 * gib, memory_used_bytes=0,
+                              memory_free_bytes=80 * gib, utilization_pct=0.0,
+                              processes=processes)
+
+    table = chart.render_table(FleetSnapshot((dev(0, ()), dev(1, None)), 1.0, "simulated"))
+    heads = re.findall(r"<th style=\"[^\"]*white-space:nowrap\">([^<]*)</th>", table)
+    assert heads == ["GPU", "util", "memory used / total", "temp", "power", "holders"]
+    holders = re.findall(r'white-space:normal;overflow-wrap:anywhere">([^<]*)</td></tr>', table)
+    assert holders == ["none", "?"]

@@ -80,3 +80,20 @@ def test_the_shell_s_settings_win_and_are_read_live(monkeypatch: pytest.MonkeyPa
     finally:
         set_default_settings(None)
     assert default_settings() is env_settings
+
+
+@pytest.mark.parametrize(("value", "exclusive", "use_leases"), [
+    ("true", True, True), ("Yes", True, True), (" ON ", True, True), ("1", True, True),
+    ("false", False, False), ("No", False, False), ("OFF", False, False), ("0", False, False),
+    ("maybe", False, True), ("", False, True),  # not a switch: each setting's own default
+])
+def test_switches_from_the_environment_in_any_case(
+    monkeypatch: pytest.MonkeyPatch, value: str, exclusive: bool, use_leases: bool
+) -> None:
+    """AUTOGPU_EXCLUSIVE (default off) and AUTOGPU_USE_LEASES (default on) read the same words,
+    in any case. Caught (mutation run, issue 22): the value upper-cased before the lower-case
+    words were compared (every switch then fell back), "false" missing from the off words."""
+    monkeypatch.setenv("AUTOGPU_EXCLUSIVE", value)
+    monkeypatch.setenv("AUTOGPU_USE_LEASES", value)
+    settings = AutoGPU()
+    assert (settings.exclusive, settings.use_leases) == (exclusive, use_leases)

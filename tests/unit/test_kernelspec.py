@@ -161,3 +161,10 @@ def test_options_from_python_are_checked_and_unset_ones_left_out(prefix: Path) -
     assert str(info.value) == (
         "invalid on_no_device 'maybe': expected \"cpu\" (start without a GPU) or \"fail\"")
     assert not (prefix / "share/jupyter/kernels/odd").exists()
+
+
+def test_the_kernelspec_help_lists_its_actions(capsys: pytest.CaptureFixture[str]) -> None:
+    """Caught (mutation run, issue 22): an action's help line dropped."""
+    assert main(["kernelspec"]) == 2
+    out = capsys.readouterr().out
+    assert "    install   install an autogpu kernelspec" in out.splitlines()

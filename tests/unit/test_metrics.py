@@ -147,3 +147,20 @@ def test_lease_info_names_notebooks_only_when_the_admin_asks(
     else:  # two leases of one user on one device: one series, the value 2
         want = {tuple(sorted(base.items())): 2.0}
     assert of(got, "autogpu_lease_info") == want
+
+
+@pytest.mark.parametrize(("backend", "vendor"), [("amdsmi", "amd"), ("nvml", "nvidia")])
+def test_a_host_without_devices_is_labelled_by_its_backends_vendor(
+    backend: str, vendor: str
+) -> None:
+    """No device to ask (every GPU hidden, none installed): the backend says the vendor.
+    Caught (mutation run, issue 22): the comparison inverted (an AMD host labelled nvidia)."""
+    from autogpu_jupyter.core.devices import FleetSnapshot
+
+    snap = FleetSnapshot(devices=(), timestamp_s=1.0, backend=backend)
+    prom = CollectorRegistry(auto_describe=False)
+    prom.register(AutoGPUCollector(MetricsSource(
+        latest=lambda: snap, registry=lambda: None, hostname=HOST)))
+    [info] = [s for fam in text_string_to_metric_families(generate_latest(prom).decode())
+              for s in fam.samples if s.name == "autogpu_host_info"]
+    assert (info.labels["backend"], info.labels["vendor"]) == (backend, vendor)

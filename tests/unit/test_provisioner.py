@@ -106,6 +106,8 @@ def test_nothing_fits_starts_the_kernel_cpu_only_with_no_gpu_visible(host: Host)
     km, kwargs = host.pre_start("big")
     env = kwargs["env"]
     assert (env["CUDA_VISIBLE_DEVICES"], env["AUTOGPU_PICKED"]) == ("", "")
+    # CUDA reads the (empty) list in PCI order like any pick's; HIP needs its own empty list
+    assert (env["CUDA_DEVICE_ORDER"], env["ROCR_VISIBLE_DEVICES"]) == ("PCI_BUS_ID", "")
     assert env["AUTOGPU_PICK_NOTE"].startswith(
         'no device fits: kernel started CPU-only (CUDA_VISIBLE_DEVICES="") because no device '
         "fits (min free 75.0 GiB)")
@@ -167,6 +169,9 @@ def test_a_restart_stays_on_its_device_while_it_fits(host: Host) -> None:
         ({"on_no_device": "maybe"},
          "on_no_device='maybe': expected \"cpu\" (start without a GPU) or \"fail\""),
         ({"min_free": "ten"}, "min_free='ten': invalid size 'ten'"),
+        # the JSON names (not the CLI's --count), and JSON's own rule: a size is a string
+        ({"count": 0}, "count=0: invalid count 0: expected a whole number >= 1, e.g. 2"),
+        ({"min_free": 10}, "min_free=10: "),
     ],
 )
 def test_bad_kernelspec_options_name_the_option(config: dict[str, Any], message: str) -> None:
@@ -178,4 +183,7 @@ def test_bad_kernelspec_options_name_the_option(config: dict[str, Any], message:
     assert str(info.value).startswith(
         "autogpu: kernelspec 'gpu-big' has a bad option in metadata.kernel_provisioner.config: "
         + message)
+    assert str(info.value).endswith(
+        ". Fix it with `autogpu kernelspec install --name gpu-big [--min-free 10G] "
+        "[--max-util 50] [--count 1] [--exclusive] [--wait 10m] [--on-no-device cpu|fail]`.")
     assert validate_options({"on_no_device": " FAIL "}).on_no_device == "fail"
