@@ -303,3 +303,12 @@ def test_a_bad_broker_limit_flag_is_one_line_naming_it(
         f"autogpu broker: error: argument --max-tickets-per-user: {value!r}: expected a whole "
         "number >= 0"
     )
+
+
+def test_the_broker_help_names_its_folder_argument(capsys: pytest.CaptureFixture[str]) -> None:
+    """Caught (mutation run, issue 22): the --state-dir placeholder lower-cased (every other
+    placeholder of the CLI is upper case, as argparse writes its own)."""
+    with pytest.raises(SystemExit) as done:
+        main(["broker", "--help"])
+    assert done.value.code == 0
+    assert "--state-dir DIR" in capsys.readouterr().out
