@@ -38,10 +38,10 @@ Operations (``{"op": ..., "proto": 2}``)::
 **Bounded.** Nothing one user sends makes another user's reply or the broker's memory grow
 without a limit: record fields are capped in encoded bytes
 (``core.leasing.records.FIELD_CAPS``), replies are a bounded view or a page, a client that
-does not read its reply within ``send_timeout_s`` is dropped (the transport's write buffer is
-capped, not grown), connections are capped per person and in all (below the descriptor limit,
-the last ones kept for root), and accept errors back off with one log line
-(:mod:`autogpu_jupyter.brokerd.net`).
+does not read its reply within ``send_timeout_s`` is dropped (what is kept for it is capped,
+not grown: :class:`autogpu_jupyter.brokerd.net.Channel`), connections are capped per person
+and in all (below the descriptor limit, the last ones kept for root), and accept errors back
+off with one log line (:mod:`autogpu_jupyter.brokerd.net`).
 
 **Restarts.** With a state directory (root-only, ``--state-dir``) every change is appended to a
 journal, written before the reply that announces it (:mod:`autogpu_jupyter.brokerd.journal`;
@@ -121,8 +121,9 @@ log = logging.getLogger("autogpu.broker")
 
 #: The longest message line accepted; a longer one closes that connection.
 MAX_MESSAGE_BYTES = MAX_REQUEST_BYTES
-#: The transport's write buffer of one connection: past it, the broker waits for the client to
-#: read (at most ``send_timeout_s``) instead of buffering more.
+#: What the broker keeps for a client that does not read, beyond one reply of at most
+#: ``MAX_REPLY_BYTES`` (unsolicited notices): past it the connection is dropped. A reply not
+#: read within ``send_timeout_s`` drops it too.
 OUT_BUFFER_BYTES = 64 * 1024
 #: How much of a holder's name and place (``alice``, ``analysis.ipynb``) the booking view
 #: carries, in encoded bytes.
@@ -252,14 +253,14 @@ class Conn:
 
     def __init__(
         self, broker: Broker, uid: int, gid: int, pid: int, account: Account,
-        writer: asyncio.StreamWriter | None = None,
+        writer: net.Channel | None = None,
     ) -> None:
         self.broker = broker
         self.uid = uid
         self.gid = gid
         self.pid = pid
         self.account = account
-        self.writer: asyncio.StreamWriter = writer  # type: ignore[assignment]
+        self.writer: net.Channel = writer  # type: ignore[assignment]
         self._record: LeaseRecord | None = None
         self.holder_pids: list[tuple[int, int]] = []  # (pid, start time)
         #: The peer's socket inode and the connecting process as (pid, start time): read once,
@@ -962,7 +963,11 @@ class Broker:
         conn = Conn(self, uid, gid, pid, account)
         self.conns.add(conn)
         self.per_key[conn.key] += 1
-        asyncio.get_running_loop().create_task(self._run(conn, sock))
+        task = asyncio.get_running_loop().create_task(self._run(conn))
+        conn.writer = net.Channel(sock, OUT_BUFFER_BYTES + MAX_REPLY_BYTES, task.cancel)
+        # The end of the task, however it ends (even cancelled before it ran), ends the
+        # connection: its lock, its lease or ticket, its socket.
+        task.add_done_callback(lambda _t: self._ended(conn))
 
     def _conn_refusal(self, uid: int, account: Account) -> str | None:
         total = len(self.conns)
@@ -1002,36 +1007,27 @@ class Broker:
                         self.refused, uid, why)
             self.refused = 0
 
-    async def _run(self, conn: Conn, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            reader = asyncio.StreamReader(limit=MAX_REQUEST_BYTES, loop=loop)
-            protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
-            transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock)
-            conn.writer = asyncio.StreamWriter(transport, protocol, reader, loop)
-            transport.set_write_buffer_limits(high=OUT_BUFFER_BYTES)
-            await self._serve(conn, reader)
-        except (OSError, RuntimeError):
-            pass
-        finally:
-            self.conns.discard(conn)
-            self.per_key[conn.key] -= 1
-            if self.per_key[conn.key] <= 0:
-                del self.per_key[conn.key]
-            self._drop_lock(conn)
-            if conn.record is not None:
-                conn.record = None
-            if conn.writer is not None:
-                with contextlib.suppress(OSError, RuntimeError):
-                    conn.writer.close()
-            else:
-                sock.close()
+    async def _run(self, conn: Conn) -> None:
+        with contextlib.suppress(OSError, RuntimeError):  # a connection lost on the way
+            await self._serve(conn)
 
-    async def _serve(self, conn: Conn, reader: asyncio.StreamReader) -> None:
+    def _ended(self, conn: Conn) -> None:
+        self.conns.discard(conn)
+        self.per_key[conn.key] -= 1
+        if self.per_key[conn.key] <= 0:
+            del self.per_key[conn.key]
+        self._drop_lock(conn)
+        if conn.record is not None:
+            conn.record = None
+        conn.writer.shut()
+        with contextlib.suppress(OSError):
+            conn.writer.sock.close()
+
+    async def _serve(self, conn: Conn) -> None:
         while True:
             try:
-                line = await reader.readline()
-            except (ValueError, asyncio.LimitOverrunError):
+                line = await conn.writer.readline(MAX_REQUEST_BYTES)
+            except ValueError:
                 await self._send(
                     conn,
                     _error(f"message longer than {MAX_REQUEST_BYTES} bytes: connection closed"),
@@ -1089,18 +1085,13 @@ class Broker:
                 f"reply too long ({len(data)} bytes, cap {MAX_REPLY_BYTES}): a bug of the "
                 "broker, please report it"
             ) | {"proto": PROTOCOL}).encode() + b"\n"
+        conn.writer.write(data)
         try:
-            conn.writer.write(data)
-            if conn.writer.transport.get_write_buffer_size():  # not all sent at once: wait
-                await asyncio.wait_for(conn.writer.drain(), self.config.send_timeout_s)
-        except asyncio.TimeoutError:
+            return await conn.writer.drain(self.config.send_timeout_s)
+        except TimeoutError:  # the connection was dropped
             log.warning("uid %d (pid %d) did not read its reply within %.0f s: dropped",
                         conn.uid, conn.pid, self.config.send_timeout_s)
-            conn.writer.transport.abort()
             return False
-        except (ConnectionError, OSError, RuntimeError):
-            return False
-        return True
 
     async def _fresh_snapshot(self) -> None:
         """A snapshot at most a second old for :meth:`_servable_now` (none without a fleet)."""
@@ -1210,8 +1201,7 @@ class Broker:
         if conn.ids is None:
             peer = None
             if self.journal is not None and conn.writer is not None:
-                sock = conn.writer.get_extra_info("socket")
-                peer = None if sock is None else jrnl.peer_inode(sock)
+                peer = jrnl.peer_inode(conn.writer.sock)
             conn.ids = (peer, _proc_ids(conn.pid))
         return conn.ids
 

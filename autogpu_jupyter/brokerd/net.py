@@ -15,6 +15,14 @@ back-off that doubles up to :data:`MAX_BACKOFF_S` and logs one line per
 connections (below the process's descriptor limit) keeps descriptors for the broker's own work,
 and the last :data:`ROOT_RESERVE` connections are root's only: a host full of one user's sockets
 still lets the admin run ``autogpu broker status`` and ``revoke``.
+
+**Talking.** Each connection is a :class:`Channel` over its non-blocking socket, read with
+``loop.sock_recv`` and written with ``send``, not an asyncio transport and stream: a message
+that came with the connection (a pick sends ``begin`` right after ``connect``) is read at once,
+and a reply the socket takes whole is sent at once, without extra turns of the event loop (a
+fresh connection's first answer in half the time, measured in docs/benchmarks.md). What a
+client sends while its message is handled stays in the kernel's socket buffer; what it does not
+read is kept up to a cap, past which (or past the sender's timeout) the connection is dropped.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ __all__ = [
     "LOG_EVERY_S",
     "MAX_BACKOFF_S",
     "ROOT_RESERVE",
+    "Channel",
     "Listener",
     "check_socket_dir",
     "connection_cap",
@@ -201,3 +210,164 @@ class Listener:
         with contextlib.suppress(ValueError, OSError):
             self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
+
+
+class Channel:
+    """One client connection: lines in, bytes out, on the non-blocking socket ``sock``.
+
+    ``cap`` bounds what the broker keeps for a client that does not read (past it the
+    connection is dropped); ``on_end`` is called once when the channel is closed or dropped
+    from outside the connection's own task (it stops that task: the task's end releases the
+    connection's lock, lease and socket, see ``Broker.accepted``).
+    """
+
+    def __init__(self, sock: socket.socket, cap: int, on_end: Callable[[], object]) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.cap = cap
+        self.loop = asyncio.get_running_loop()
+        self.closed = False
+        self._on_end = on_end
+        self._in = bytearray()
+        self._out = bytearray()
+        self._writing = False
+        self._closing: asyncio.TimerHandle | None = None
+        self._flushed: asyncio.Future[None] | None = None
+
+    # -- reading ---------------------------------------------------------------------------
+
+    async def readline(self, limit: int) -> bytes:
+        """The next line, with its newline; at the end of the stream, what is left (``b""``
+        or a line without its newline).
+
+        Raises
+        ------
+        ValueError
+            No newline within ``limit`` bytes (the message is too long).
+        OSError
+            The connection failed.
+        """
+        while True:
+            end = self._in.find(b"\n")
+            if end >= 0:
+                if end + 1 > limit:
+                    raise ValueError(f"a line longer than {limit} bytes")
+                line = bytes(self._in[: end + 1])
+                del self._in[: end + 1]
+                return line
+            if len(self._in) > limit:
+                raise ValueError(f"a line longer than {limit} bytes")
+            data = await self.loop.sock_recv(self.sock, 65536)
+            if not data:
+                line = bytes(self._in)
+                self._in.clear()
+                return line
+            self._in += data
+
+    # -- writing ---------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Bytes written but not yet taken by the socket."""
+        return len(self._out)
+
+    def write(self, data: bytes) -> None:
+        """Send ``data`` now if the socket takes it, else keep the rest for when it is
+        writable; past ``cap`` kept bytes the connection is dropped. A closed channel drops
+        it."""
+        if self.closed or self._closing is not None:
+            return
+        if not self._out:
+            try:
+                sent = self.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self.abort()
+                return
+            if sent == len(data):
+                return
+            data = data[sent:]
+        if len(self._out) + len(data) > self.cap:
+            log.warning("a client did not read %d bytes of replies: its connection is dropped",
+                        len(self._out) + len(data))
+            self.abort()
+            return
+        self._out += data
+        if not self._writing:
+            self.loop.add_writer(self.sock.fileno(), self._on_writable)
+            self._writing = True
+
+    def _on_writable(self) -> None:
+        try:
+            sent = self.sock.send(self._out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.abort()
+            return
+        del self._out[:sent]
+        if not self._out:
+            self._stop_writing()
+            if self._flushed is not None and not self._flushed.done():
+                self._flushed.set_result(None)
+            if self._closing is not None:
+                self._end()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until everything written was taken by the socket; ``False`` when the channel
+        was closed meanwhile.
+
+        Raises
+        ------
+        TimeoutError
+            The client did not read within ``timeout_s``: the connection was dropped.
+        """
+        if self._out and not self.closed:
+            if self._flushed is None or self._flushed.done():
+                self._flushed = self.loop.create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._flushed), timeout_s)
+            except asyncio.TimeoutError:
+                self.abort()
+                raise TimeoutError(f"the client did not read within {timeout_s:g} s") from None
+        return not self.closed
+
+    # -- ending ----------------------------------------------------------------------------
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End the connection once what was written is sent (within ``timeout_s``, else it
+        is dropped)."""
+        if self.closed or self._closing is not None:
+            return
+        if not self._out:
+            self._end()
+            return
+        self._closing = self.loop.call_later(timeout_s, self.abort)
+
+    def abort(self) -> None:
+        """Drop the connection now, with whatever was not sent."""
+        self._out.clear()
+        self._end()
+
+    def _end(self) -> None:
+        if self.closed:
+            return
+        self.shut()
+        self._on_end()
+
+    def shut(self) -> None:
+        """Mark the channel closed and stop writing (the socket itself is closed by whoever
+        ends the connection's task, once no read is pending on it)."""
+        self.closed = True
+        self._stop_writing()
+        if self._closing is not None:
+            self._closing.cancel()
+        if self._flushed is not None and not self._flushed.done():
+            self._flushed.set_result(None)
+
+    def _stop_writing(self) -> None:
+        if self._writing:
+            self._writing = False
+            with contextlib.suppress(ValueError, OSError):
+                self.loop.remove_writer(self.sock.fileno())

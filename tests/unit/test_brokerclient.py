@@ -94,7 +94,7 @@ class ThreadBroker:
             self.listener.close()
             for conn in list(self.broker.conns):
                 if conn.writer is not None:
-                    conn.writer.transport.abort()
+                    conn.writer.abort()
             self.loop.call_soon(self.loop.stop)
 
         self.loop.call_soon_threadsafe(down)
