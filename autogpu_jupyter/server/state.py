@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import getpass
+import math
 import os
 import threading
 import time
@@ -15,7 +16,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from traitlets import Bool, Float, Int, Unicode, default
+from traitlets import Bool, Float, Int, Unicode, default, validate
 from traitlets.config import LoggingConfigurable
 
 from autogpu_jupyter.config import AutoGPU, default_registry_dir
@@ -53,6 +54,22 @@ class AutoGPUServer(LoggingConfigurable):
         "utilisation is a 1/6-1 s average, so faster adds nothing. However many browser tabs poll, "
         "the server reads NVML at this rate only.",
     ).tag(config=True)
+
+    @validate("interval_s")
+    def _valid_interval(self, proposal: Any) -> float:
+        """A rate the sampler can keep: a value that is not a number of seconds >= 0.1 is
+        said once in the server's log and replaced (the sidebar's answers carry the rate
+        used; an infinite one could not even be written as JSON)."""
+        value = proposal["value"]
+        if math.isfinite(value) and value >= 0.1:
+            return float(value)
+        used = 0.1 if math.isfinite(value) else 1.0
+        self.log.warning(
+            "autogpu: c.AutoGPUServer.interval_s = %r is not a number of seconds >= 0.1 "
+            "(e.g. 1.0): %s s is used", value, used,
+        )
+        return used
+
     history_s = Float(
         900.0,
         help="Seconds of per-device history the sampler keeps in memory (a bounded ring buffer).",

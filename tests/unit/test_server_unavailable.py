@@ -49,3 +49,24 @@ def test_the_devices_answer_without_a_sample_says_why_and_lists_no_device(
         "backend": None, "simulated": False, "driver_version": None, "errors": [WHY],
         "devices": [], "interval_s": 2.0,
     }
+
+
+@pytest.mark.parametrize(("given", "used"), [(math.inf, 1.0), (math.nan, 1.0), (0.01, 0.1),
+                                             (-2.0, 0.1), (0.1, 0.1), (2.5, 2.5)])
+def test_a_sampling_rate_the_sampler_cannot_keep_is_said_and_replaced(
+    given: float, used: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``c.AutoGPUServer.interval_s = inf`` made every devices answer a 500 (the rate is in
+    the answer, and JSON has no infinity); below 0.1 s the answer named a rate the sampler did
+    not use. Now: one warning naming the value and the accepted form, and the rate used."""
+    with caplog.at_level(logging.WARNING, logger="autogpu-test-server"):
+        server = AutoGPUServer(registry_dir="", interval_s=given,
+                               log=logging.getLogger("autogpu-test-server"))
+    assert server.interval_s == used
+    if given == used:
+        assert caplog.records == []
+    else:
+        assert [r.getMessage() for r in caplog.records] == [
+            f"autogpu: c.AutoGPUServer.interval_s = {given!r} is not a number of seconds >= 0.1 "
+            f"(e.g. 1.0): {used} s is used"
+        ]
