@@ -73,6 +73,7 @@ bench: setup
 	$(PY) benchmarks/pick_latency.py --repeat 300 --results $(BENCH_RESULTS)
 	$(PY) benchmarks/amd.py --results $(BENCH_RESULTS)
 	$(PY) benchmarks/broker_pick.py --results $(BENCH_RESULTS)
+	$(PY) benchmarks/broker_pick.py --backend nvml --results $(BENCH_RESULTS)
 	$(PY) benchmarks/herd.py
 	$(PY) benchmarks/broker_herd.py
 	@if [ "$$(id -u)" = 0 ]; then $(PY) benchmarks/broker_hostile.py; else echo "bench: broker_hostile.py needs root (other uids): skipped"; fi
