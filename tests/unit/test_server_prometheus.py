@@ -23,7 +23,7 @@ class _Slow(http.server.BaseHTTPRequestHandler):
 
     release = threading.Event()
 
-    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+    def do_GET(self) -> None:
         self.release.wait(1.0)
         try:
             self.send_error(503, "late")
