@@ -187,3 +187,30 @@ def test_bad_kernelspec_options_name_the_option(config: dict[str, Any], message:
         ". Fix it with `autogpu kernelspec install --name gpu-big [--min-free 10G] "
         "[--max-util 50] [--count 1] [--exclusive] [--wait 10m] [--on-no-device cpu|fail]`.")
     assert validate_options({"on_no_device": " FAIL "}).on_no_device == "fail"
+
+
+def test_a_move_that_no_longer_fits_at_the_restart_is_said_and_picked_as_usual(
+    host: Host,
+) -> None:
+    """A move to B is requested, then B fills up before the restart: the kernel is picked as
+    usual and its note says why the move was not made, in full (the server's log and the
+    kernel's ``%gpu`` show it). Caught: the note's wording lost (a survivor of the sampled
+    mutation run)."""
+    from autogpu_jupyter.core import moves
+
+    host.install("agp", min_free="10G")
+    km, kwargs = host.pre_start("agp")
+    assert kwargs["env"]["CUDA_VISIBLE_DEVICES"] == A
+    prov = km.provisioner
+    assert prov is not None and prov.autogpu_move_file
+    moves.request_move(prov.autogpu_move_file, B, current_uuids=(A,),
+                       constraints=prov.autogpu_constraints, kernel_id=km.kernel_id)
+    fleet_file(host.fleet, used_a=10, used_b=75)  # B no longer fits 10 GiB
+    os.utime(host.fleet, ns=(1, 2 * 10**18))
+    _km, kwargs = host.pre_start("agp", km=km)
+    env = kwargs["env"]
+    assert env["CUDA_VISIBLE_DEVICES"] == A
+    assert env["AUTOGPU_PICK_NOTE"].startswith("the requested move could not be honoured (")
+    assert env["AUTOGPU_PICK_NOTE"].endswith("); picked again as usual")
+    assert "no device fits" in env["AUTOGPU_PICK_NOTE"]
+    assert [r.device_uuids for r in host.registry.list_leases()] == [(A,)]
