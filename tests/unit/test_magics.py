@@ -601,3 +601,40 @@ def test_status_html_keeps_every_cell_but_the_short_uuid(
         assert name in html, i
     assert html.count("<tr") >= 1 + len(U)
     assert all(f"GPU {i}" in html for i in range(len(U)))
+
+
+def test_a_sidebar_pick_past_the_admins_quota_answers_the_refusals_first_line(
+    shell: InteractiveShell, tmp_path: Path
+) -> None:
+    """The admin's quota refuses the lease (not a device that does not fit): the sidebar's
+    answer is the refusal's first line, its details the rest, and nothing is set. Caught: the
+    refusal's split turned into a TypeError (a survivor of the sampled mutation run: the
+    sidebar got a traceback instead of one line)."""
+    import pwd
+    import subprocess
+
+    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.magics import SIDEBAR_PICK_MIME
+
+    holder = subprocess.Popen(["sleep", "60"])  # another process of this user holds GPU 0
+    other = None
+    try:
+        with Registry(str(tmp_path / "registry")).locked() as txn:
+            assert txn is not None
+            other = txn.create(devices=[U[0]], requester=Requester(pid=holder.pid))
+        shell.run_cell("%load_ext autogpu\n%config AutoGPU.max_devices_per_user = 1")
+        (answer,) = _sidebar_pick(shell, U[1])
+        me = pwd.getpwuid(os.geteuid()).pw_name
+        assert answer[SIDEBAR_PICK_MIME] == {
+            "ok": False,
+            "summary": f"autogpu: {me} already holds leases on 1 device(s) ({U[0]}); taking 1 "
+            "more would exceed max_devices_per_user = 1 set by the admin. Release one first "
+            "(%gpu release, or end the kernel / autogpu run holding it).",
+            "details": "",
+        }
+        assert "CUDA_VISIBLE_DEVICES" not in os.environ and session.current() is None
+    finally:
+        if other is not None:
+            other.release()
+        holder.kill()
+        holder.wait()
