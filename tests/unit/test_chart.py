@@ -374,3 +374,37 @@ def test_the_table_names_its_columns_and_tells_no_holders_from_unknown_holders()
     assert heads == ["GPU", "util", "memory used / total", "temp", "power", "holders"]
     holders = re.findall(r'white-space:normal;overflow-wrap:anywhere">([^<]*)</td></tr>', table)
     assert holders == ["none", "?"]
+
+
+def test_the_panel_names_this_kernels_lease_in_its_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a pick with a lease, the panel's header says which lease this kernel holds (the
+    id an admin revokes by). Caught: the lease's id lost (a survivor of the sampled mutation
+    run: the header said "lease None")."""
+    from autogpu_jupyter import api
+    from autogpu_jupyter.config import default_settings
+    from autogpu_jupyter.core import session
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+    from autogpu_jupyter.core.sampler import Sampler
+    from autogpu_jupyter.widgets.panel import Panel
+
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(_panel_fleet(10)))
+    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "AUTOGPU_PICKED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AUTOGPU_SIMULATE", str(path))
+    monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(tmp_path / "registry"))
+    result, _warning = api.pick_result(api.pick_options(default_settings(), {}))
+    try:
+        assert result.lease is not None
+        lease_id = result.lease.record.lease_id
+        s = Sampler(SimulatedBackend(str(path)), history_s=900.0)
+        panel = Panel(window_s=60, sampler=s)
+        try:
+            assert f" — lease {lease_id}" in panel.header.value
+            assert "lease None" not in panel.header.value
+        finally:
+            panel.close()
+    finally:
+        session.release()
