@@ -351,9 +351,7 @@ def _ranking(result: PickResult) -> list[str]:
     out = [f"autogpu{sim} dry run ({'any device' if asked == 'no constraints' else asked}): "
            "nothing changed"]
     out.extend(to_text(columns, rows, width=shutil.get_terminal_size((100, 24)).columns))
-    if not result.chosen:
-        out.append("no device fits: a real pick would fail now (--wait DURATION waits in line)")
-    return out
+    return out  # nothing fits: the pick raised (exit 3, each device's reason) before this
 
 
 def _cmd_pick(args: argparse.Namespace) -> int:

@@ -312,3 +312,36 @@ def test_the_broker_help_names_its_folder_argument(capsys: pytest.CaptureFixture
         main(["broker", "--help"])
     assert done.value.code == 0
     assert "--state-dir DIR" in capsys.readouterr().out
+
+
+def test_pick_dry_run_ranks_every_device_and_changes_nothing(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``autogpu pick --dry-run``: one line saying nothing changed, then every device with its
+    rank (or "-" when dropped), free memory, load, leases and verdict; no lease taken. Caught
+    by nothing in-process before (the ranking's text was only seen by the slow CLI tests)."""
+    from autogpu_jupyter.core.leasing import Registry
+
+    monkeypatch.setenv("COLUMNS", "120")
+    code, out, err = cli("pick", "--dry-run", "--min-free", "50G")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == "autogpu [SIMULATED] dry run (min free 50.0 GiB): nothing changed"
+    assert [ln.split() for ln in lines[1:]] == [
+        ["rank", "device", "name", "free", "util", "leases", "verdict"],
+        ["1", "GPU", "0", "NVIDIA", "A100", "80.0", "GiB", "0%", "0", "would", "pick:", "80.0",
+         "GiB", "free", ">=", "50.0", "GiB", "wanted"],
+        ["-", "GPU", "1", "NVIDIA", "A100", "40.0", "GiB", "50%", "0", "dropped:", "only", "40.0",
+         "GiB", "free", "<", "50.0", "GiB", "wanted"],
+    ]
+    assert Registry(str(host)).list_leases() == []
+    # nothing fits: exit 3, as the pick would, with each device's reason
+    code, out, err = cli("pick", "--dry-run", "--min-free", "90G")
+    assert (code, out) == (3, "")
+    assert err.splitlines() == [
+        "autogpu: no device fits (min free 90.0 GiB):",
+        "  GPU 0 (NVIDIA A100): dropped: only 80.0 GiB free < 90.0 GiB wanted",
+        "  GPU 1 (NVIDIA A100): dropped: only 40.0 GiB free < 90.0 GiB wanted",
+        "nothing picked; to wait in line until a device fits, add --wait DURATION (e.g. --wait "
+        "10m)",
+    ]
