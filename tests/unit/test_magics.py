@@ -638,3 +638,46 @@ def test_a_sidebar_pick_past_the_admins_quota_answers_the_refusals_first_line(
             other.release()
         holder.kill()
         holder.wait()
+
+
+def test_gpu_panel_in_a_terminal_says_it_needs_a_notebook_and_in_a_kernel_shows_the_panel(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A terminal IPython draws no widgets: one hint, no repr. A kernel (a shell with a
+    ``kernel``) displays a real Panel. Caught: neither was run in-process before (the kernel
+    tests saw the panel, slowly)."""
+    from IPython.core.displaypub import DisplayPublisher
+
+    from autogpu_jupyter.magics import PANEL_NEEDS_FRONTEND
+    from autogpu_jupyter.widgets import Panel
+
+    shell.run_cell("%load_ext autogpu")
+    capsys.readouterr()
+    _, out, err = run(shell, "%gpu panel", capsys)
+    assert (out, err) == (PANEL_NEEDS_FRONTEND + "\n", "")
+    shown: list[Any] = []
+
+    class Capture(DisplayPublisher):
+        def publish(self, data: Any, metadata: Any = None, **kw: Any) -> None:
+            shown.append(data)
+
+    monkeypatch.setattr(shell, "kernel", object(), raising=False)
+    monkeypatch.setattr(shell, "display_pub", Capture(shell=shell))
+    panels: list[Panel] = []
+    monkeypatch.setattr(Panel, "__init__", _recording_init(Panel.__init__, panels))
+    try:
+        result, out, _ = run(shell, "%gpu panel", capsys)
+        assert result.success and PANEL_NEEDS_FRONTEND not in out
+        assert len(panels) == 1 and len(shown) == 1
+        assert "application/vnd.jupyter.widget-view+json" in shown[0]
+    finally:
+        for p in panels:
+            p.close()
+
+
+def _recording_init(init: Any, into: list[Any]) -> Any:
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        into.append(self)
+
+    return recorded
