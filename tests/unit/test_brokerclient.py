@@ -11,6 +11,7 @@ import contextlib
 import gc
 import json
 import os
+import select
 import socket
 import subprocess
 import tempfile
@@ -1398,3 +1399,60 @@ def test_root_may_name_any_users_process_as_a_leases_holder(reg: BrokerRegistry)
     finally:
         child.kill()
         child.wait()
+
+
+# ---- tickets that lapse ----------------------------------------------------------------------
+
+
+GPU_L = "GPU-1a000000-0000-4000-8000-00000000000a"
+
+
+def _one_gpu(path: Path, used_gib: int) -> Path:
+    path.write_text(json.dumps({"driver_version": "550.54.15", "devices": [
+        {"uuid": GPU_L, "name": "NVIDIA A100", "memory_total": 80 * 2**30,
+         "memory_used": used_gib * 2**30, "utilization_pct": 0}]}))
+    return path
+
+
+@pytest.mark.parametrize(("used_gib", "lapses"), [(0, True), (75, False)])
+def test_a_ticket_the_broker_could_serve_but_that_is_not_taken_lapses(
+    short_dir: Path, used_gib: int, lapses: bool
+) -> None:
+    """A place in the line is for waiting: a ticket for which a device is free, not turned
+    into a lease within ``ticket_grace_s``, loses its place (its holder is told, its connection
+    closed); one for which nothing is free keeps it. Caught: neither was run by a fast test
+    before (the broker's line check ran only in the slow multi-user tests)."""
+    from autogpu_jupyter.core import decision  # noqa: PLC0415
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend  # noqa: PLC0415
+    from autogpu_jupyter.core.policy import Constraints  # noqa: PLC0415
+    from autogpu_jupyter.core.units import parse_size  # noqa: PLC0415
+
+    fleet = _one_gpu(short_dir / f"fleet-{used_gib}.json", used_gib)
+    tb = ThreadBroker(str(short_dir / f"lapse-{used_gib}.sock"), ticket_grace_s=0.0)
+    tb.broker.backend = SimulatedBackend(str(fleet))
+    reg = BrokerRegistry(tb.path, connect_timeout_s=2.0)
+    try:
+        wanted = Constraints(min_free=parse_size("10G"))
+        ticket = reg.take_ticket(constraints=decision.ticket_constraints(wanted, [GPU_L]))
+        assert ids(reg.list_tickets()) == [ticket.record.lease_id]
+        asyncio.run_coroutine_threadsafe(
+            tb.broker._lapse_tickets(tb.loop), tb.loop).result(10)
+        fd = ticket.fileno()
+        if lapses:
+            wait_until(lambda: reg.list_tickets() == [])
+            wait_until(lambda: bool(select.select([fd], [], [], 0)[0]))
+            told = [json.loads(line) for line in os.read(fd, 65536).splitlines()]
+            assert [(e["event"], e["lease_id"], e["message"]) for e in told] == [(
+                "ticket_lapsed", ticket.record.lease_id,
+                "your place in the waiting line (ticket 1) lapsed: a device was free for it "
+                "for 0 s but no lease was taken",
+            )]
+            assert os.read(fd, 65536) == b""  # then closed
+            assert tb.broker.lapsed == 1
+        else:
+            assert ids(reg.list_tickets()) == [ticket.record.lease_id]
+            assert select.select([fd], [], [], 0)[0] == []  # told nothing, still open
+            assert tb.broker.lapsed == 0
+        ticket.release()
+    finally:
+        tb.crash()
