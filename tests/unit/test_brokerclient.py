@@ -1422,10 +1422,10 @@ def test_a_ticket_the_broker_could_serve_but_that_is_not_taken_lapses(
     into a lease within ``ticket_grace_s``, loses its place (its holder is told, its connection
     closed); one for which nothing is free keeps it. Caught: neither was run by a fast test
     before (the broker's line check ran only in the slow multi-user tests)."""
-    from autogpu_jupyter.core import decision  # noqa: PLC0415
-    from autogpu_jupyter.core.backends.simulated import SimulatedBackend  # noqa: PLC0415
-    from autogpu_jupyter.core.policy import Constraints  # noqa: PLC0415
-    from autogpu_jupyter.core.units import parse_size  # noqa: PLC0415
+    from autogpu_jupyter.core import decision
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+    from autogpu_jupyter.core.policy import Constraints
+    from autogpu_jupyter.core.units import parse_size
 
     fleet = _one_gpu(short_dir / f"fleet-{used_gib}.json", used_gib)
     tb = ThreadBroker(str(short_dir / f"lapse-{used_gib}.sock"), ticket_grace_s=0.0)
