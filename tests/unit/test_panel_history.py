@@ -36,6 +36,13 @@ def server() -> Iterator[tuple[str, list[str]]]:
                 {"uuid": UUID, "timestamp_s": [1.0, 2.0], "utilization_pct": [10, None],
                  "memory_used_bytes": [1, 2], "memory_total_bytes": 8},
                 {"uuid": 3}, "junk",
+                # one series not a list: the entry is left out whole (never a partial series)
+                {"uuid": "GPU-no-util", "timestamp_s": [1.0], "utilization_pct": None,
+                 "memory_used_bytes": [1]},
+                {"uuid": "GPU-no-ts", "timestamp_s": 1.0, "utilization_pct": [1],
+                 "memory_used_bytes": [1]},
+                {"uuid": "GPU-no-mem", "timestamp_s": [1.0], "utilization_pct": [1],
+                 "memory_used_bytes": "1"},
             ]}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
