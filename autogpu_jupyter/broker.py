@@ -110,6 +110,7 @@ from autogpu_jupyter.core.leasing.records import (
     cut_encoded,
     encode,
     parse_record,
+    record_from_fields,
 )
 from autogpu_jupyter.core.leasing.store import StoreTransaction
 from autogpu_jupyter.core.picker import explain_drops
@@ -457,7 +458,7 @@ class Broker:
         conn.granted = None
         if self.lock_holder is conn:
             self.lock_holder = None
-        with contextlib.suppress(ValueError):
+        if conn in self.waiting:  # (a raised and caught ValueError costs more on every pick)
             self.waiting.remove(conn)
         if self.lock_holder is None:
             self._grant_next()
@@ -576,8 +577,9 @@ class Broker:
         }
         base.update(payload)
         try:
-            data = json.dumps(base, separators=(",", ":")).encode()
-            return parse_record(data, kind=kind, path=f"broker:{base['lease_id']}", live=True)
+            return record_from_fields(
+                base, kind=kind, path=f"broker:{base['lease_id']}", live=True
+            )
         except (Invalid, TypeError, ValueError) as err:
             raise BrokerRefusal(f"{kind} refused: {err}", "UsageErrorBase") from None
 

@@ -413,6 +413,10 @@ _UNIX_DIAG_PEER = 2
 _diag_broken = False
 
 
+_diag: socket.socket | None = None  # the sock_diag socket, opened once and kept
+_diag_seq = 0
+
+
 def peer_inode(sock: socket.socket) -> int | None:
     """The inode of the other end of the connected Unix socket ``sock`` (``sock_diag``), or
     ``None`` where the kernel does not tell (no ``unix_diag``; logged once)."""
@@ -420,21 +424,40 @@ def peer_inode(sock: socket.socket) -> int | None:
     if _diag_broken:
         return None
     try:
-        ino = os.fstat(sock.fileno()).st_ino
-        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG) as nl:
-            nl.settimeout(1.0)
-            req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xFFFFFFFF, ino,
-                              _UDIAG_SHOW_PEER, 0xFFFFFFFF, 0xFFFFFFFF)
-            hdr = struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST,
-                              1, 0)
-            nl.sendto(hdr + req, (0, 0))
-            data = nl.recv(8192)
-        return _parse_peer(data)
+        return _ask_peer(os.fstat(sock.fileno()).st_ino)
     except (OSError, struct.error, ValueError) as err:
         _diag_broken = True
+        _close_diag()
         log.warning("the kernel does not tell the peers of Unix sockets (sock_diag: %s): after "
                     "a restart, leases are kept by the pids that took them", err)
         return None
+
+
+def _ask_peer(ino: int) -> int | None:
+    """One ``SOCK_DIAG_BY_FAMILY`` request for socket ``ino`` on the kept netlink socket (one
+    per broker: opening one per connection cost as much again); its answer is the reply
+    that carries the request's sequence number."""
+    global _diag, _diag_seq
+    if _diag is None:
+        _diag = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG)
+        _diag.settimeout(1.0)
+    _diag_seq = _diag_seq % 0xFFFFFFFF + 1
+    req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xFFFFFFFF, ino,
+                      _UDIAG_SHOW_PEER, 0xFFFFFFFF, 0xFFFFFFFF)
+    hdr = struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST,
+                      _diag_seq, 0)
+    _diag.sendto(hdr + req, (0, 0))
+    while True:
+        data = _diag.recv(8192)
+        if struct.unpack_from("=I", data, 8)[0] == _diag_seq:  # nlmsg_seq
+            return _parse_peer(data)
+
+
+def _close_diag() -> None:
+    global _diag
+    if _diag is not None:
+        _diag.close()
+        _diag = None
 
 
 def _parse_peer(data: bytes) -> int | None:

@@ -27,15 +27,24 @@ __all__ = [
 ]
 
 PROC = "/proc"
+_STAT_READ = 4096  # bytes: /proc/<pid>/stat is 52 numbers and a name of at most 64 bytes
 
 
 def _stat_fields(pid: int, proc: str = PROC) -> list[bytes] | None:
     """The fields of ``/proc/<pid>/stat`` after the command name (field 3 onwards)."""
     try:
-        with open(os.path.join(proc, str(pid), "stat"), "rb") as fh:
-            data = fh.read()
+        fd = os.open(os.path.join(proc, str(pid), "stat"), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        # One read: the kernel writes the whole line (well under 4 KiB) into a buffer that
+        # holds it; a buffered file object would cost twice as much (the broker reads this for
+        # every lease).
+        data = os.read(fd, _STAT_READ)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
     return data[data.rfind(b")") + 2 :].split()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -205,6 +206,34 @@ def test_the_peer_of_a_unix_socket_is_the_other_end() -> None:
     with a, b:
         assert jrnl.peer_inode(a) == os.fstat(b.fileno()).st_ino
         assert jrnl.peer_inode(b) == os.fstat(a.fileno()).st_ino
+
+
+def test_the_kept_sock_diag_socket_answers_each_socket_in_turn() -> None:
+    pairs = [socket.socketpair(socket.AF_UNIX) for _ in range(4)]
+    try:
+        jrnl.peer_inode(pairs[0][0])
+        kept = jrnl._diag
+        for a, b in pairs + pairs[::-1]:
+            assert jrnl.peer_inode(a) == os.fstat(b.fileno()).st_ino
+        assert kept is not None and jrnl._diag is kept  # one socket, kept
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def test_a_stale_sock_diag_answer_is_skipped_by_its_sequence_number() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    c, d = socket.socketpair(socket.AF_UNIX)
+    with a, b, c, d:
+        jrnl.peer_inode(a)  # the kept socket exists
+        assert jrnl._diag is not None
+        # An answer left over (a request whose reply was never read): about socket c.
+        req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xFFFFFFFF,
+                          os.fstat(c.fileno()).st_ino, 4, 0xFFFFFFFF, 0xFFFFFFFF)
+        jrnl._diag.sendto(struct.pack("=IHHII", 16 + len(req), 20, 1, 0xFFFFFFF0, 0) + req,
+                          (0, 0))
+        assert jrnl.peer_inode(a) == os.fstat(b.fileno()).st_ino
 
 
 def test_start_time_and_proc_ids_of_a_process() -> None:

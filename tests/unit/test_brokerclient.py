@@ -451,6 +451,19 @@ def test_a_ticket_the_broker_refuses_raises_its_error(reg: BrokerRegistry) -> No
     )
 
 
+def test_a_ticket_whose_constraint_holds_a_lone_surrogate_is_refused(
+    reg: BrokerRegistry,
+) -> None:
+    # "\udc80" travels as the JSON escape; the broker's reader decodes it to a lone surrogate,
+    # which no journal line or reply could carry: the record's schema refuses it.
+    with pytest.raises(UsageErrorBase) as err:
+        reg.take_ticket(constraints=constraints(exclude=["GPU-\udc80"]))
+    assert str(err.value) == (
+        "lease broker: ticket refused: a lone surrogate (not valid Unicode text)"
+    )
+    assert reg.list_tickets() == []
+
+
 def test_status_and_revoke_as_root(reg: BrokerRegistry) -> None:
     if not ROOT:
         pytest.skip("revoking needs root")

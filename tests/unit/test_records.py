@@ -19,6 +19,7 @@ from autogpu_jupyter.core.leasing.records import (
     field_text,
     parse_checked,
     parse_record,
+    record_from_fields,
 )
 
 LID = "0123456789abcdef"
@@ -705,3 +706,96 @@ def test_a_lone_surrogate_in_a_nested_value_is_refused() -> None:
 )
 def test_cut_encoded_keeps_the_longest_start_that_fits(text: str, limit: int, cut: str) -> None:
     assert records.cut_encoded(text, limit) == cut
+
+
+# ---- records a writer built (the broker): record_from_fields --------------------------------
+
+
+def from_fields(d: dict[str, Any], kind: str = "lease") -> LeaseRecord:
+    return record_from_fields(d, kind=kind, path="/p", live=True)
+
+
+def from_fields_refusal(d: dict[str, Any], kind: str = "lease") -> str:
+    with pytest.raises(Invalid) as err:
+        from_fields(d, kind)
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("d", "kind"),
+    [
+        (lease_dict(), "lease"),
+        (lease_dict(notebook_path="caf\u00e9 \U0001f600.ipynb", command="a\tb"), "lease"),
+        (ticket_dict(constraints=constraints_dict(exclude=["GPU-\u00e9"])), "ticket"),
+    ],
+)
+def test_a_built_record_is_the_record_its_bytes_parse_to(d: dict[str, Any], kind: str) -> None:
+    assert from_fields(d, kind) == parse_record(raw(d), kind=kind, path="/p", live=True)
+
+
+def _as_the_broker_reads(data: bytes) -> Any:
+    """A message's JSON as the broker's reader takes it: NaN, repeated keys and lone
+    surrogates all pass ``json.loads``."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+
+
+@pytest.mark.parametrize(("data", "message"), LEASE_REFUSALS)
+def test_a_built_lease_is_refused_where_its_bytes_are(data: bytes, message: str) -> None:
+    d = _as_the_broker_reads(data)
+    if not isinstance(d, dict) or message.startswith("duplicate key"):
+        return  # only bytes carry these (no dict can repeat a key)
+    from_fields_refusal(d)
+
+
+@pytest.mark.parametrize(("d", "message"), TICKET_REFUSALS)
+def test_a_built_ticket_is_refused_with_the_same_reason(d: dict[str, Any], message: str) -> None:
+    assert from_fields_refusal(d, "ticket") == message
+
+
+@pytest.mark.parametrize(
+    ("d", "kind"),
+    [
+        (lease_dict(notebook_path="nb\udc80.ipynb"), "lease"),
+        (lease_dict(user="\ud800"), "lease"),
+        (ticket_dict(constraints=constraints_dict(exclude=["GPU-\udfff"])), "ticket"),
+        (ticket_dict(constraints=constraints_dict(allowed_uuids=["ok", "x\ud83d"])), "ticket"),
+    ],
+)
+def test_a_built_record_with_a_lone_surrogate_is_refused(d: dict[str, Any], kind: str) -> None:
+    assert from_fields_refusal(d, kind) == "a lone surrogate (not valid Unicode text)"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("min_free_fraction", float("nan"),
+         "constraints.min_free_fraction: expected a number in [0, 1] or null"),
+        ("min_free_fraction", float("inf"),
+         "constraints.min_free_fraction: expected a number in [0, 1] or null"),
+        ("max_util_pct", float("nan"),
+         "constraints.max_util_pct: expected a number in [0, 100] or null"),
+        ("max_util_pct", float("-inf"),
+         "constraints.max_util_pct: expected a number in [0, 100] or null"),
+    ],
+)
+def test_a_built_ticket_with_a_non_finite_limit_is_refused(
+    field: str, value: float, message: str
+) -> None:
+    d = ticket_dict(constraints=constraints_dict(**{field: value}))
+    assert from_fields_refusal(d, "ticket") == message
+
+
+def test_a_built_lease_with_a_non_finite_time_is_refused() -> None:
+    assert from_fields_refusal(lease_dict(created_s=float("nan"))) == "created_s: expected a number"
+
+
+def test_parse_record_still_checks_every_string_of_a_record_with_escapes() -> None:
+    # The fast path skips the Unicode check only where no \u escape could make a surrogate.
+    ok = raw(lease_dict(notebook_path="caf\u00e9"))
+    assert b"\\u00e9" in ok
+    assert parse_record(ok, kind="lease", path="/p", live=True).notebook_path == "caf\u00e9"
+    bad = raw(lease_dict(notebook_path="\u00e9\udc80"))
+    assert refusal(bad) == "a lone surrogate (not valid Unicode text)"

@@ -35,6 +35,7 @@ __all__ = [
     "field_text",
     "parse_checked",
     "parse_record",
+    "record_from_fields",
 ]
 
 LEASE_SUFFIX = ".lease"
@@ -274,7 +275,41 @@ def parse_checked(
 
 def parse_record(data: bytes, *, kind: str, path: str, live: bool) -> LeaseRecord:
     """Strictly parse one record. Raises :class:`Invalid` on anything unexpected."""
-    d = _json_object(data)
+    return _record(_json_object(data), kind=kind, path=path, live=live)
+
+
+def record_from_fields(
+    d: Mapping[str, Any], *, kind: str, path: str, live: bool
+) -> LeaseRecord:
+    """The record a writer built as the dict ``d`` of JSON values (the broker, from a client's
+    message), held to exactly the rules :func:`parse_record` holds its bytes to, without the
+    round trip through text: the same schema, and valid Unicode in every string (a message's
+    ``"\\ud800"`` decodes to a lone surrogate that no file or reply could carry). A non-finite
+    number fails the schema's range checks. Raises :class:`Invalid`."""
+    rec = _record(d, kind=kind, path=path, live=live)
+    _unicode_only(d)
+    return rec
+
+
+def _unicode_only(d: Mapping[str, Any]) -> None:
+    """Every string in ``d`` (a record the schema passed: strings, numbers, flat lists and one
+    nested object) encodes as UTF-8."""
+    todo: list[Any] = [d]
+    while todo:
+        v = todo.pop()
+        for x in v.values() if isinstance(v, dict) else v:
+            if isinstance(x, str):
+                if not x.isascii():
+                    try:
+                        x.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise Invalid("a lone surrogate (not valid Unicode text)") from None
+            elif isinstance(x, (list, dict)):
+                todo.append(x)
+
+
+def _record(d: Mapping[str, Any], *, kind: str, path: str, live: bool) -> LeaseRecord:
+    """The schema's checks of a parsed record (see :func:`parse_record`)."""
     _check_keys(d, kind)
     lease_id = _str(d, "lease_id")
     if not _ID_RE.match(lease_id):
@@ -331,6 +366,9 @@ def _json_object(data: bytes) -> dict[str, Any]:
         raise Invalid(f"not valid JSON ({type(err).__name__})") from None
     if not isinstance(d, dict):
         raise Invalid("not a JSON object")
+    if "\\u" not in text:
+        # Strict UTF-8 never decodes to a surrogate: only a \u escape can make one.
+        return d
     try:
         # "\ud800" is valid JSON, but a lone surrogate cannot be printed or encoded anywhere.
         json.dumps(d, ensure_ascii=False).encode("utf-8")
