@@ -18,6 +18,11 @@ records): the simulated fleet, whose snapshot costs ~0.1 ms, so the stores' own 
 (the strictest form). ``nvml``: the fake 8-GPU ``libnvidia-ml.so.1`` of tests/fakenvml through
 the real pynvml binding, as ``pick_latency.py`` reads it: a snapshot costs what NVML's calls
 cost, as on a user's host.
+
+The floor: a pick through the broker makes two round trips to another process (``begin``,
+``lease``) where the directory makes none, so the run also times a bare round trip between two
+Python processes over a Unix socket (one line out, one line back, blocking reads, nothing else
+done), on the same machine in the same run: ``floor_rtt_ms``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import cProfile
 import json
 import os
 import pstats
+import socket
 import statistics
 import sys
 import tempfile
@@ -59,6 +65,41 @@ def _stats(ms: list[float]) -> dict[str, float]:
         "median_ms": round(statistics.median(ms), 3),
         "p90_ms": round(ms[int(0.9 * (len(ms) - 1))], 3),
     }
+
+
+_ECHO = (
+    "import socket, sys\n"
+    "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f = s.makefile('rb')\n"
+    "for line in f:\n"
+    "    s.sendall(line)\n"
+)
+
+
+def floor_rtt(tmp: Path, repeat: int) -> list[float]:
+    """Milliseconds of ``repeat`` bare round trips to an echoing Python process."""
+    import subprocess
+
+    path = str(tmp / "echo.sock")
+    with socket.socket(socket.AF_UNIX) as srv:
+        srv.bind(path)
+        srv.listen(1)
+        proc = subprocess.Popen([sys.executable, "-c", _ECHO, path])
+        try:
+            conn, _ = srv.accept()
+            with conn:
+                out = []
+                for i in range(repeat + 20):
+                    t0 = time.perf_counter()
+                    conn.sendall(b"ping\n")
+                    got = b""
+                    while not got.endswith(b"\n"):
+                        got += conn.recv(64)
+                    if i >= 20:  # the first ones warm both sides
+                        out.append((time.perf_counter() - t0) * 1000.0)
+        finally:
+            proc.kill()
+            proc.wait(10)
+    return out
 
 
 def main() -> int:
@@ -114,6 +155,7 @@ def main() -> int:
             for _ in range(10):
                 for name, store in stores.items():
                     times[name] += _timed(picker(store), block)
+            floor = floor_rtt(tmp, block * 10)
             if a.profile:
                 prof = cProfile.Profile()
                 one = picker(stores["broker"])
@@ -134,6 +176,7 @@ def main() -> int:
         "ratio_broker_vs_directory": round(
             stats["broker"]["median_ms"] / stats["directory"]["median_ms"], 3
         ),
+        "floor_rtt_ms": _stats(floor)["median_ms"],
     }
     from results import record
 
@@ -145,6 +188,8 @@ def main() -> int:
         for k, v in stats.items():
             print(f"  {k:10} median {v['median_ms']:7.3f} ms  p90 {v['p90_ms']:7.3f} ms")
         print(f"  broker / directory: {result['ratio_broker_vs_directory']:.3f} (goal <= 1.5)")
+        print(f"  a bare round trip between two processes: {result['floor_rtt_ms']:.3f} ms "
+              "(a broker pick makes two)")
     return 0
 
 
