@@ -11,6 +11,7 @@ import io
 import json
 import os
 import pwd
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,16 +66,33 @@ def cli(*args: str) -> tuple[int, str, str]:
      ("kill -HUP $$", 128 + 1)],
 )
 def test_run_exits_with_the_commands_code_and_128_plus_a_signal(
-    host: Path, script: str, code: int
+    host: Path, script: str, code: int, hangups: Any
 ) -> None:
     """A command killed by signal N exits 128 + N, as a shell reports it. Caught: 128 - N (a
     negative return code subtracted twice)."""
     from autogpu_jupyter.core.leasing import Registry
 
+    hangups(signal.SIG_DFL)  # as in a terminal (the runner may be under nohup)
     got, _out, err = cli("run", "--", "sh", "-c", script)
     assert got == code, err
     assert err.startswith(f"GPU 0 NVIDIA A100 {A}: 80.0 GiB free, util 0%\n")
     assert Registry(str(host)).list_leases() == []  # the lease ended with the command
+
+
+@pytest.fixture
+def hangups() -> Iterator[Any]:
+    """Set this process's SIGHUP disposition for one test; the old one comes back after."""
+    old = signal.getsignal(signal.SIGHUP)
+    yield lambda how: signal.signal(signal.SIGHUP, how)
+    signal.signal(signal.SIGHUP, old)
+
+
+def test_run_under_nohup_leaves_the_command_immune_to_hangups(host: Path, hangups: Any) -> None:
+    """``nohup autogpu run -- CMD``: CMD inherits the ignored SIGHUP, as nohup promises (the
+    hangup that autogpu forwards is ignored too)."""
+    hangups(signal.SIG_IGN)
+    got, _out, err = cli("run", "--", "sh", "-c", "kill -HUP $$; exit 5")
+    assert got == 5, err
 
 
 def test_run_without_a_command_is_a_usage_error(host: Path) -> None:
