@@ -424,7 +424,11 @@ def peer_inode(sock: socket.socket) -> int | None:
     if _diag_broken:
         return None
     try:
-        return _ask_peer(os.fstat(sock.fileno()).st_ino)
+        ino = os.fstat(sock.fileno()).st_ino
+    except OSError:
+        return None  # this connection is already gone (closed): nothing to ask the kernel
+    try:
+        return _ask_peer(ino)
     except (OSError, struct.error, ValueError) as err:
         _diag_broken = True
         _close_diag()
