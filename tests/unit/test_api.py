@@ -12,7 +12,12 @@ import pytest
 import autogpu_jupyter as ag
 from autogpu_jupyter.core import session
 from autogpu_jupyter.core.leasing import Registry
-from autogpu_jupyter.errors import DeviceBoundError, NoDeviceFitsError, UsageErrorBase
+from autogpu_jupyter.errors import (
+    DeviceBoundError,
+    NoDeviceFitsError,
+    TooLateError,
+    UsageErrorBase,
+)
 from tests.fakenvml import FakeNvml, fleet_4x, fleet_mig
 
 GiB = 1024**3
@@ -93,6 +98,29 @@ def test_set_visible_devices_validates_and_writes_uuids(host: Path) -> None:
         ag.set_visible_devices("0,,1")
     assert str(info.value).startswith("invalid device list '0,,1': expected NVML indices or UUIDs")
     assert os.environ["CUDA_VISIBLE_DEVICES"] == U[3]
+
+
+def test_set_visible_devices_after_cuda_started_refuses_and_changes_nothing(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA reads CUDA_VISIBLE_DEVICES once: setting it later would silently do nothing, so the
+    API refuses as a pick does (with ``force``, it sets it and says it was too late). Caught:
+    the too-late check dropped from set_visible_devices."""
+    from autogpu_jupyter.core.cudastate import CudaState
+
+    ag.set_visible_devices([3])
+    monkeypatch.setattr(session, "cuda_state",
+                        lambda: CudaState(True, "cuInit has run (test)", None))
+    with pytest.raises(TooLateError) as info:
+        ag.set_visible_devices([2])
+    assert str(info.value).startswith(
+        "CUDA is already initialised in this kernel (cuInit has run (test)). "
+        "CUDA_VISIBLE_DEVICES is read once, when CUDA initialises, so changing it now has no "
+        "effect; nothing was changed."
+    )
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == U[3]
+    assert ag.set_visible_devices([2], force=True) == [U[2]]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == U[2]
 
 
 def test_set_visible_devices_one_mig_only(host: Path, fake_nvml: FakeNvml) -> None:

@@ -1,0 +1,159 @@
+"""The broker's rules about people, in-process: who sees which command line, who may release
+or re-point a lease, how many connections a person holds, which group limit applies and whose
+turn the pick lock is. A ``Broker`` object with connections made by hand (no socket, no
+journal); the same rules over real sockets and real users are in tests/multiuser.
+
+Each test was seen failing with the bug named in its docstring planted by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import subprocess
+from typing import Any
+
+import pytest
+
+from autogpu_jupyter.broker import Broker, BrokerConfig, BrokerRefusal, Conn, Orphan
+from autogpu_jupyter.brokerd.identity import Account
+
+
+def broker(**config: Any) -> Broker:
+    return Broker(BrokerConfig(socket_path="/nonexistent/b.sock", **config))
+
+
+def person(b: Broker, uid: int, *, name: str = "", groups: frozenset[str] = frozenset(),
+           pid: int | None = None) -> Conn:
+    conn = Conn(b, uid, uid, pid or os.getpid(), Account(uid, name or f"user{uid}", groups))
+    b.conns.add(conn)
+    return conn
+
+
+def lease(b: Broker, conn: Conn, device: str, command: str | None = None) -> None:
+    """``conn`` holds a lease on ``device`` (as ``op_lease`` leaves it)."""
+    conn.record = b._make_record(conn, "lease", {
+        "device_uuids": [device], "device_requested_bytes": [None], "exclusive": False,
+        "pid": conn.pid, "kernel_id": None, "notebook_path": None, "command": command,
+        "holder_kind": "process",
+    })
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_the_leases_answer_shows_a_command_line_only_to_its_owner_and_root() -> None:
+    """Caught: the viewer taken from the record (every user saw every command line)."""
+    b = broker(record_commands=True)
+    alice, bob, root = person(b, 1001), person(b, 1002), person(b, 0, name="root")
+    lease(b, alice, "GPU-r1", command="python train.py --token=s3cret")
+    lease(b, bob, "GPU-r2", command="python eval.py")
+
+    def commands(viewer: Conn) -> dict[str, str | None]:
+        got = run(b.op_leases(viewer, {"op": "leases"}))
+        return {r["user"]: r["command"] for r in got["records"]}
+
+    assert commands(alice) == {"user1001": "python train.py --token=s3cret", "user1002": None}
+    assert commands(bob) == {"user1001": None, "user1002": "python eval.py"}
+    assert commands(root) == {"user1001": "python train.py --token=s3cret",
+                              "user1002": "python eval.py"}
+
+
+def test_an_orphaned_lease_is_released_only_by_its_own_person() -> None:
+    """After a restart a lease taken back from the journal may be released by id, by its
+    person only. Caught: the ownership check dropped (anyone freed anyone's orphaned GPU)."""
+    b = broker()
+    alice, bob = person(b, 1001), person(b, 1002)
+    lease(b, alice, "GPU-o1")
+    rec = alice.record
+    assert rec is not None
+    alice.record = None  # its connection ended with the old broker; the journal kept it
+    b.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
+    with pytest.raises(BrokerRefusal, match=f"^release: no lease '{rec.lease_id}' of yours is "
+                                            "orphaned$"):
+        run(b.op_release(bob, {"op": "release", "lease_id": rec.lease_id}))
+    assert rec.lease_id in b.orphans
+    assert run(b.op_release(alice, {"op": "release", "lease_id": rec.lease_id})) == {"ok": True}
+    assert rec.lease_id not in b.orphans
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start another user's process")
+def test_set_pid_may_name_only_a_process_of_the_callers_own() -> None:
+    """Caught: the check made on the caller's own process instead of the one it names (a user
+    could make another user's process the holder of a lease)."""
+    nobody = pwd.getpwnam("nobody")
+    theirs = subprocess.Popen(["sleep", "30"], user=nobody.pw_uid, group=nobody.pw_gid)
+    mine = subprocess.Popen(["sleep", "30"], user=nobody.pw_uid, group=nobody.pw_gid)
+    try:
+        b = broker()
+        # the caller is a process of nobody's (as a kernel of that user would be)
+        caller = person(b, nobody.pw_uid, pid=theirs.pid)
+        lease(b, caller, "GPU-p1")
+        with pytest.raises(BrokerRefusal, match=r"^set_pid: pid 1 is not a process of yours$"):
+            run(b.op_set_pid(caller, {"op": "set_pid", "pid": 1}))
+        got = run(b.op_set_pid(caller, {"op": "set_pid", "pid": mine.pid}))
+        assert got["record"]["pid"] == mine.pid
+    finally:
+        for p in (theirs, mine):
+            p.kill()
+            p.wait()
+
+
+def test_a_persons_connections_stop_at_the_limit_itself() -> None:
+    """``max_connections_per_user = 2``: the second connection is the last one. Caught: one
+    connection more than configured."""
+    b = broker(max_connections_per_user=2)
+    acct = Account(1001, "alice", frozenset())
+    b.per_key[1001] = 1
+    assert b._conn_refusal(1001, acct) is None
+    b.per_key[1001] = 2
+    assert b._conn_refusal(1001, acct) == (
+        "too many connections for alice (max_connections_per_user = 2)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("limits", "expected"),
+    [
+        ({"small": 1, "big": 3}, (3, " for group big")),
+        ({"small": 1, "free": 0}, (0, " for group free")),  # 0 is no limit: the most of all
+        ({"small": 1, "other": 9}, (1, " for group small")),  # only groups the user is in
+    ],
+)
+def test_a_member_of_several_limited_groups_gets_the_most_generous_limit(
+    limits: dict[str, int], expected: tuple[int, str]
+) -> None:
+    """Caught: the strictest group's limit taken (a member of a generous group, or of one
+    without a limit, held to a students' quota)."""
+    b = broker(group_limits=limits, max_devices_per_user=5)
+    conn = person(b, 1001, groups=frozenset({"small", "big", "free"}))
+    assert b.limit_for(conn) == expected
+
+
+def test_the_pick_lock_goes_to_the_person_served_least_recently() -> None:
+    """Two of alice's picks wait before bob's: when alice's first pick is done, bob goes next,
+    then alice's second (a person with many connections cannot starve the others). Caught:
+    the lock handed out in plain arrival order."""
+    b = broker()
+    alice0, alice1 = person(b, 1001), person(b, 1001)
+    bob = person(b, 1002)
+
+    async def go() -> list[Conn]:
+        await b.op_begin(alice0, {"op": "begin"})  # alice is served now
+        order: list[Conn] = []
+
+        async def pick(conn: Conn) -> None:
+            await b.op_begin(conn, {"op": "begin"})
+            order.append(conn)
+            b._drop_lock(conn)
+
+        waiting = [asyncio.create_task(pick(c)) for c in (alice1, bob)]
+        await asyncio.sleep(0)
+        assert list(b.waiting) == [alice1, bob]
+        b._drop_lock(alice0)
+        await asyncio.gather(*waiting)
+        return order
+
+    assert run(go()) == [bob, alice1]
