@@ -194,6 +194,23 @@ def test_the_first_brokers_journal_json_is_read_once(tmp_path: Path) -> None:
     assert Journal(str(tmp_path)).load() == {}
 
 
+def test_a_first_journal_without_a_sequence_number_starts_from_0(tmp_path: Path) -> None:
+    rec = entry(4).record
+    (tmp_path / "journal.json").write_text(json.dumps({"entries": [
+        {"uid": 1004, "record": rec, "pids": []}]}))
+    j = Journal(str(tmp_path))
+    assert list(j.load()) == [entry(4).lease_id]
+    assert j.seq == 0
+
+
+def test_a_process_that_is_gone_holds_no_socket() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    with a, b:
+        ino = os.fstat(a.fileno()).st_ino
+        assert jrnl.holds_socket(os.getpid(), ino) is True
+        assert jrnl.holds_socket(2**22 + 12345, ino) is False  # no such pid: no /proc entry
+
+
 def test_a_log_that_is_not_a_file_of_ours_is_refused(tmp_path: Path) -> None:
     target = tmp_path / "elsewhere"
     target.write_text("")

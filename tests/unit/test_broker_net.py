@@ -200,3 +200,16 @@ def test_out_of_descriptors_the_listener_backs_off_and_logs_once(tmp_path: Path)
     assert got["log"][0].startswith("accept failed (Too many open files); 1 failure(s) since "
                                     "the last note; pausing 0.05 s (out of descriptors")
     assert got["after"] == 3, got  # as many as the freed descriptors allow
+
+
+def test_a_listener_closed_twice_stays_closed(tmp_path: Path) -> None:
+    """Closing is idempotent: the second close (its socket already closed, so no descriptor to
+    stop watching) raises nothing."""
+
+    async def main() -> bool:
+        listener = net.Listener(net.listen(str(tmp_path / "c.sock")), lambda s: s.close())
+        listener.close()
+        listener.close()
+        return listener.sock.fileno() == -1
+
+    assert asyncio.run(main()) is True

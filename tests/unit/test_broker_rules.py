@@ -157,3 +157,32 @@ def test_the_pick_lock_goes_to_the_person_served_least_recently() -> None:
         return order
 
     assert run(go()) == [bob, alice1]
+
+
+def test_a_pick_with_options_that_are_not_an_object_is_a_usage_error() -> None:
+    """The client raises the refusal's kind: a usage error, not a broker failure."""
+    b = broker()
+    conn = person(b, 1001)
+    with pytest.raises(BrokerRefusal, match=r"^options: expected an object$") as err:
+        run(b.op_pick(conn, {"op": "pick", "options": [1]}))
+    assert err.value.kind == "UsageErrorBase"
+
+
+def test_leaving_a_servable_ticket_bars_a_person_who_never_leased() -> None:
+    """A ticket that could have been served, given up by someone who took no lease since it
+    could: that person may not join the line for a while (even one who never leased at all).
+    Caught: the default for "never leased" dropped (the comparison raised)."""
+    b = broker()
+    conn = person(b, 1001)
+    conn.record = b._make_record(conn, "ticket", {
+        "device_uuids": [], "device_requested_bytes": [], "exclusive": False, "seq": 1,
+        "constraints": {"min_free_bytes": None, "min_free_fraction": None,
+                        "max_util_pct": None, "count": 1, "exclude": [], "exclusive": False,
+                        "allowed_uuids": None},
+        "pid": conn.pid, "kernel_id": None, "notebook_path": None, "command": None,
+        "holder_kind": "process",
+    })
+    assert conn.record is not None
+    b.servable_since[conn.record.lease_id] = 1.0  # it could be served from then on
+    conn.record = None  # given up
+    assert 1001 in b.line_barred

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import logging
 import os
 import select
 import socket
@@ -1475,7 +1476,7 @@ def _one_gpu(path: Path, used_gib: int) -> Path:
 
 @pytest.mark.parametrize(("used_gib", "lapses"), [(0, True), (75, False)])
 def test_a_ticket_the_broker_could_serve_but_that_is_not_taken_lapses(
-    short_dir: Path, used_gib: int, lapses: bool
+    short_dir: Path, used_gib: int, lapses: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A place in the line is for waiting: a ticket for which a device is free, not turned
     into a lease within ``ticket_grace_s``, loses its place (its holder is told, its connection
@@ -1487,6 +1488,7 @@ def test_a_ticket_the_broker_could_serve_but_that_is_not_taken_lapses(
     from autogpu_jupyter.core.units import parse_size
 
     fleet = _one_gpu(short_dir / f"fleet-{used_gib}.json", used_gib)
+    caplog.set_level(logging.INFO, logger="autogpu")
     tb = ThreadBroker(str(short_dir / f"lapse-{used_gib}.sock"), ticket_grace_s=0.0)
     tb.broker.backend = SimulatedBackend(str(fleet))
     reg = BrokerRegistry(tb.path, connect_timeout_s=2.0)
@@ -1508,6 +1510,8 @@ def test_a_ticket_the_broker_could_serve_but_that_is_not_taken_lapses(
             )]
             assert os.read(fd, 65536) == b""  # then closed
             assert tb.broker.lapsed == 1
+            assert (f"ticket 1 of {reg.user} lapsed: it could be served for 0 s but was not "
+                    "taken") in [r.getMessage() for r in caplog.records]
         else:
             assert ids(reg.list_tickets()) == [ticket.record.lease_id]
             assert select.select([fd], [], [], 0)[0] == []  # told nothing, still open

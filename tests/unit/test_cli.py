@@ -332,6 +332,15 @@ def test_the_broker_help_names_its_folder_argument(capsys: pytest.CaptureFixture
     assert "--state-dir DIR" in capsys.readouterr().out
 
 
+def test_the_help_names_the_commands_in_one_placeholder(capsys: pytest.CaptureFixture[str]) -> None:
+    """The usage line says COMMAND (the commands are listed below it), not every command's name
+    in braces."""
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: autogpu [-h] [--version] COMMAND ...\n")
+
+
 def test_pick_dry_run_ranks_every_device_and_changes_nothing(
     host: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
