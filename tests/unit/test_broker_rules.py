@@ -160,7 +160,8 @@ def test_the_pick_lock_goes_to_the_person_served_least_recently() -> None:
 
 
 def test_a_pick_with_options_that_are_not_an_object_is_a_usage_error() -> None:
-    """The client raises the refusal's kind: a usage error, not a broker failure."""
+    """The client raises the refusal's kind: a usage error, not a broker failure. Caught: the
+    kind dropped (the refusal became a plain RegistryError)."""
     b = broker()
     conn = person(b, 1001)
     with pytest.raises(BrokerRefusal, match=r"^options: expected an object$") as err:
