@@ -9,6 +9,7 @@ Each test was seen failing with the bug named in its docstring planted by hand.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pwd
 import subprocess
@@ -31,13 +32,18 @@ def person(b: Broker, uid: int, *, name: str = "", groups: frozenset[str] = froz
     return conn
 
 
-def lease(b: Broker, conn: Conn, device: str, command: str | None = None) -> None:
-    """``conn`` holds a lease on ``device`` (as ``op_lease`` leaves it)."""
-    conn.record = b._make_record(conn, "lease", {
+def lease_record(b: Broker, conn: Conn, device: str, command: str | None = None) -> Any:
+    """The record the broker builds for ``conn``'s lease on ``device``."""
+    return b._make_record(conn, "lease", {
         "device_uuids": [device], "device_requested_bytes": [None], "exclusive": False,
         "pid": conn.pid, "kernel_id": None, "notebook_path": None, "command": command,
         "holder_kind": "process",
     })
+
+
+def lease(b: Broker, conn: Conn, device: str, command: str | None = None) -> None:
+    """``conn`` holds a lease on ``device`` (as ``op_lease`` leaves it)."""
+    conn.record = lease_record(b, conn, device, command)
 
 
 def run(coro: Any) -> Any:
@@ -187,3 +193,42 @@ def test_leaving_a_servable_ticket_bars_a_person_who_never_leased() -> None:
     b.servable_since[conn.record.lease_id] = 1.0  # it could be served from then on
     conn.record = None  # given up
     assert 1001 in b.line_barred
+
+
+def test_a_waiter_that_ends_leaves_the_line_and_the_lock_goes_on() -> None:
+    """A connection that ends while it waits for the pick lock (its channel dropped) leaves
+    the line as its task ends. Caught: the wrong connection taken out of the line (the ended
+    one stayed in it, and the error skipped the rest of the connection's ending)."""
+    b = broker()
+    holder, waiter, third = person(b, 1001), person(b, 1002), person(b, 1003)
+
+    async def go() -> None:
+        await b.op_begin(holder, {"op": "begin"})
+        assert b.lock_holder is holder
+        waiting = asyncio.create_task(b.op_begin(waiter, {"op": "begin"}))
+        nxt = asyncio.create_task(b.op_begin(third, {"op": "begin"}))
+        await asyncio.sleep(0)
+        assert list(b.waiting) == [waiter, third]
+        waiting.cancel()  # its channel was dropped: its task is cancelled, then ended
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        b._drop_lock(waiter)  # what the end of its task does
+        assert list(b.waiting) == [third]
+        assert b.lock_holder is holder
+        b._drop_lock(holder)  # the holder is done: the next one in line gets the lock
+        await nxt
+        assert b.lock_holder is third and list(b.waiting) == []
+        b._drop_lock(third)
+
+    run(go())
+
+
+def test_a_record_the_broker_builds_has_a_name_for_a_nameless_user_and_host() -> None:
+    """The record names the user by uid where the account has no name, and the host as "?"
+    where it has none (the schema refuses an empty name); its holder fields come from the
+    connection, its flags from the message. Caught: either fallback changed."""
+    b = broker()
+    b.host = ""
+    conn = Conn(b, 1005, 1005, os.getpid(), Account(1005, "", frozenset()))
+    rec = lease_record(b, conn, "GPU-mk1")
+    assert (rec.user, rec.uid, rec.host, rec.device_uuids) == ("1005", 1005, "?", ("GPU-mk1",))

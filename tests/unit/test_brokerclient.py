@@ -1397,52 +1397,6 @@ def test_a_barred_person_waits_out_the_bar_and_others_join_the_line() -> None:
     b._may_join(alice)
 
 
-def test_a_waiter_that_ends_leaves_the_line_and_the_lock_goes_on() -> None:
-    """A connection that ends while it waits for the pick lock (its channel dropped) leaves
-    the line as its task ends. Caught: the wrong connection taken out of the line (the ended
-    one stayed in it, and the error skipped the rest of the connection's ending)."""
-    b = Broker(BrokerConfig(socket_path="/nonexistent/b.sock"))
-    holder, waiter, third = _person(b, 1001), _person(b, 1002), _person(b, 1003)
-
-    async def go() -> None:
-        await b.op_begin(holder, {"op": "begin"})
-        assert b.lock_holder is holder
-        waiting = asyncio.create_task(b.op_begin(waiter, {"op": "begin"}))
-        nxt = asyncio.create_task(b.op_begin(third, {"op": "begin"}))
-        await asyncio.sleep(0)
-        assert list(b.waiting) == [waiter, third]
-        waiting.cancel()  # its channel was dropped: its task is cancelled, then ended
-        with contextlib.suppress(asyncio.CancelledError):
-            await waiting
-        b._drop_lock(waiter)  # what the end of its task does
-        assert list(b.waiting) == [third]
-        assert b.lock_holder is holder
-        b._drop_lock(holder)  # the holder is done: the next one in line gets the lock
-        await nxt
-        assert b.lock_holder is third and list(b.waiting) == []
-        b._drop_lock(third)
-
-    asyncio.run(go())
-
-
-def test_a_record_the_broker_builds_has_a_name_for_a_nameless_user_and_host() -> None:
-    """The record names the user by uid where the account has no name, and the host as "?"
-    where it has none (the schema refuses an empty name); its holder fields come from the
-    connection, its flags from the message."""
-    from autogpu_jupyter.broker import Conn
-    from autogpu_jupyter.brokerd.identity import Account
-
-    b = Broker(BrokerConfig(socket_path="/nonexistent/b.sock"))
-    b.host = ""
-    conn = Conn(b, 1005, 1005, os.getpid(), Account(1005, "", frozenset()))
-    rec = b._make_record(conn, "lease", {
-        "device_uuids": ["GPU-mk1"], "device_requested_bytes": [None], "exclusive": False,
-        "pid": os.getpid(), "kernel_id": None, "notebook_path": None, "command": None,
-        "holder_kind": "process",
-    })
-    assert (rec.user, rec.uid, rec.host, rec.device_uuids) == ("1005", 1005, "?", ("GPU-mk1",))
-
-
 def test_root_may_name_any_users_process_as_a_leases_holder(reg: BrokerRegistry) -> None:
     """``set_pid``: a user may name only a process of theirs; root (the provisioner of a root
     server) any process. Caught: the root exemption inverted (root refused another user's
