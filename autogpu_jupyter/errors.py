@@ -17,6 +17,7 @@ __all__ = [
     "RegistryError",
     "LeaseLimitError",
     "RegistryUntrustedError",
+    "RegistryUnreachableError",
     "DeviceBoundError",
 ]
 
@@ -76,6 +77,12 @@ class RegistryUntrustedError(RegistryError):
     cannot be used or trusted: it fails closed instead of going on without a lease."""
 
     exit_code = 3
+
+
+class RegistryUnreachableError(RegistryUntrustedError):
+    """The lease broker could not be reached, was lost mid-request or did not answer in time
+    (it may be restarting): nothing was picked. A pick already waiting in line keeps its place
+    and tries again until its wait ends; any other pick fails closed at once."""
 
 
 class DeviceBoundError(AutoGPUError):

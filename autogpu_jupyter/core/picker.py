@@ -36,6 +36,7 @@ from autogpu_jupyter.errors import (
     NoDeviceFitsError,
     NoDeviceGrantedError,
     RegistryError,
+    RegistryUnreachableError,
     RegistryUntrustedError,
     UsageErrorBase,
 )
@@ -265,6 +266,10 @@ def pick(
         Nothing fits (after waiting ``options.wait_s``), or admission refused a device.
     LeaseLimitError
         Past the admin's quota of devices, leases or tickets.
+    RegistryUntrustedError
+        A promise (exclusivity, a wait, a quota) needs the store and it cannot be used. A
+        broker lost while this pick waits in line (:class:`RegistryUnreachableError`: it may be
+        restarting) is tried again, the place kept, until the wait ends.
     UsageErrorBase
         An unknown device id in ``exclude``, a bad count.
     NVMLUnavailableError
@@ -287,17 +292,21 @@ def pick(
     waited = False  # in line: a ticket taken and slept on at least once
     try:
         while True:
-            made, lease, lease_note = _attempt(
-                constraints,
-                backend,
-                environ,
-                store,
-                requester,
-                ticket,
-                dry_run,
-                promised,
-                smoothed_util,
-            )
+            try:
+                made, lease, lease_note = _attempt(
+                    constraints,
+                    backend,
+                    environ,
+                    store,
+                    requester,
+                    ticket,
+                    dry_run,
+                    promised,
+                    smoothed_util,
+                )
+            except RegistryUnreachableError as err:
+                _keep_place(err, ticket is not None, deadline, clock, sleep, on_progress)
+                continue
             if made.chosen:  # our ticket, if any, was released under the lock (again: a no-op)
                 waited_s = clock() - start if waited else 0.0
                 return _result(made, lease, lease_note, store, dry_run, waited_s)
@@ -326,6 +335,25 @@ def pick(
     finally:
         if ticket is not None:
             ticket.release()
+
+
+def _keep_place(
+    err: RegistryUnreachableError,
+    in_line: bool,
+    deadline: float,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    on_progress: Callable[[str], None] | None,
+) -> None:
+    """A try lost its broker (it may be restarting). In line, the restarted broker takes our
+    ticket back (we keep its socket open): keep the place, say so, and sleep until the next try.
+    Otherwise, or once the wait is over, ``err`` is raised (nothing was picked)."""
+    now = clock()
+    if not in_line or now >= deadline:
+        raise err
+    if on_progress is not None:
+        on_progress(f"{err} (still in line: trying again for {format_duration(deadline - now)})")
+    sleep(min(POLL_INTERVAL_S, deadline - now))
 
 
 def _attempt(

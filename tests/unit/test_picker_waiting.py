@@ -14,7 +14,7 @@ from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.units import parse_size
-from autogpu_jupyter.errors import NoDeviceFitsError
+from autogpu_jupyter.errors import NoDeviceFitsError, RegistryUnreachableError
 from tests.leasehelpers import fleet, uuid_of
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
@@ -126,3 +126,80 @@ def test_a_wait_that_times_out_leaves_no_ticket_in_line(
     assert [d.uuid for d in after.chosen] == [uuid_of(0)]
     assert after.lease is not None
     after.lease.release()
+
+
+class _LostOnTries:
+    """The directory registry, its lock lost (as a restarting broker's is) on the tries named:
+    what :class:`~autogpu_jupyter.core.leasing.brokerclient.BrokerRegistry` raises then."""
+
+    def __init__(self, inner: Registry, lost_on: set[int]) -> None:
+        self.inner = inner
+        self.lost_on = lost_on
+        self.tries = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def locked(self) -> object:
+        self.tries += 1
+        if self.tries in self.lost_on:
+            raise RegistryUnreachableError("lost the lease broker at /run/b.sock (refused)")
+        return self.inner.locked()
+
+
+def test_a_broker_lost_while_waiting_in_line_keeps_the_place_and_tries_again(
+    one_gpu: SimulatedBackend, registry_dir: Path
+) -> None:
+    registry = Registry(registry_dir)
+    want = Constraints.parse(min_free="50G")
+    held = pick(PickOptions(want), backend=one_gpu, environ={}, store=registry)
+    assert held.lease is not None
+    store = _LostOnTries(registry, lost_on={2, 3})  # the broker restarts after we joined the line
+    now = [0.0]
+    progress: list[str] = []
+    line: list[list[str]] = []
+
+    def sleep(s: float) -> None:
+        now[0] += s
+        line.append([r.kind for r in registry.list_leases(include_tickets=True)])
+        if store.tries == 3:  # back, and the job that held the GPU ended
+            held.lease.release()  # type: ignore[union-attr]
+
+    result = pick(PickOptions(want, 30), backend=one_gpu, environ={}, store=store,  # type: ignore[arg-type]
+                  sleep=sleep, clock=lambda: now[0], on_progress=progress.append)
+    assert [d.uuid for d in result.chosen] == [uuid_of(0)]
+    assert store.tries == 4
+    # The ticket stayed in line through both lost tries, and was let go with the lease taken.
+    assert line == [["lease", "ticket"]] * 3
+    assert progress[1:] == [
+        "lost the lease broker at /run/b.sock (refused) (still in line: trying again for 29s)",
+        "lost the lease broker at /run/b.sock (refused) (still in line: trying again for 28s)",
+    ]
+    assert [r.kind for r in registry.list_leases(include_tickets=True)] == ["lease"]
+    assert result.lease is not None
+    result.lease.release()
+
+
+@pytest.mark.parametrize("lost_on", [{1}, {2, 3, 4}], ids=["before-the-line", "past-the-wait"])
+def test_a_broker_lost_before_the_line_or_to_the_end_of_the_wait_fails_closed(
+    one_gpu: SimulatedBackend, registry_dir: Path, lost_on: set[int]
+) -> None:
+    registry = Registry(registry_dir)
+    want = Constraints.parse(min_free="50G")
+    held = pick(PickOptions(want), backend=one_gpu, environ={}, store=registry)
+    assert held.lease is not None
+    store = _LostOnTries(registry, lost_on=lost_on)
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    with pytest.raises(RegistryUnreachableError, match="lost the lease broker"):
+        pick(PickOptions(want, 2.5), backend=one_gpu, environ={}, store=store,  # type: ignore[arg-type]
+             sleep=sleep, clock=lambda: now[0])
+    assert store.tries == max(lost_on)  # once at once; else each second until the wait ended
+    assert slept == ([] if lost_on == {1} else [1.0, 1.0, 0.5])  # never past the wait's end
+    assert [r.kind for r in registry.list_leases(include_tickets=True)] == ["lease"]  # no ticket
+    held.lease.release()

@@ -43,6 +43,7 @@ from autogpu_jupyter.errors import (
     LeaseLimitError,
     NoDeviceFitsError,
     RegistryError,
+    RegistryUnreachableError,
     RegistryUntrustedError,
     UsageErrorBase,
 )
@@ -149,11 +150,15 @@ class _Conn:
             yield
         except TimeoutError:
             what = waiting_for or f"an answer to {op!r}"
-            raise RegistryUntrustedError(
+            raise RegistryUnreachableError(
                 f"the lease broker at {self.path} did not give {what} within {timeout_s:g} s "
                 "(it is busy, or other picks hold it): nothing was picked; try again"
             ) from None
-        except (OSError, ValueError) as err:
+        except OSError as err:
+            raise RegistryUnreachableError(
+                f"lost the lease broker at {self.path} ({_why(err)}); {broker_fix(self.path)}"
+            ) from None
+        except ValueError as err:  # a reply that is not JSON: not a broker we can trust
             raise RegistryUntrustedError(
                 f"lost the lease broker at {self.path} ({_why(err)}); {broker_fix(self.path)}"
             ) from None
@@ -232,7 +237,7 @@ def _connect(path: str, timeout_s: float) -> socket.socket:
         except OSError as err:
             sock.close()
             if time.monotonic() + delay > deadline:
-                raise RegistryUntrustedError(
+                raise RegistryUnreachableError(
                     f"the lease broker at {path} cannot be reached ({_why(err)}): nothing was "
                     f"picked; {broker_fix(path)}"
                 ) from None
@@ -443,7 +448,7 @@ class BrokerTransaction(StoreTransaction):
         registry = self.store
         try:
             reply = registry._granted(conn)
-        except RegistryUntrustedError:  # lost (the broker restarted): once more, afresh
+        except RegistryUnreachableError:  # lost (the broker restarted): once more, afresh
             conn.close()
             self._conn = conn = registry._conn()
             try:
@@ -584,7 +589,7 @@ class BrokerRegistry(LeaseStore):
         conn = self._conn()
         try:
             conn.send({"op": "begin"}, self.lock_timeout_s)
-        except RegistryUntrustedError:
+        except RegistryUnreachableError:
             conn.close()
             conn = self._conn()
             try:
