@@ -44,6 +44,7 @@ from autogpu_jupyter.errors import (
     LeaseLimitError,
     NoDeviceFitsError,
     RegistryError,
+    RegistryUnreachableError,
     RegistryUntrustedError,
     UsageErrorBase,
 )
@@ -937,12 +938,22 @@ def test_revoke_answers_the_holders_text_or_nothing(peer_path: str) -> None:
 
 
 def test_a_pick_lock_lost_once_is_asked_again_on_a_fresh_connection(peer_path: str) -> None:
-    begin = {"ok": True, "own": [payload("L1")], "devices": [], "tickets": []}
+    """The view of the second answer is the one read, whole: own leases, the booking rows of
+    others, the admin's reservations and the line (each named by this broker's path)."""
+    begin = {"ok": True, "own": [payload("L1")], "tickets": [payload("T1", kind="ticket")],
+             "devices": [{"uuid": "GPU-q", "rows": [[True, 7, None, "bob", "b.ipynb"]]}],
+             "reserved": {"GPU-r": ["ml"]}}
     peer = Peer(peer_path, [[DROP], [begin, {"ok": True, "record": payload("L2")}]])
     reg = BrokerRegistry(peer_path)
     with reg.locked() as txn:
-        assert ids(txn.live_leases()) == ["L1"]
-        assert txn.live_leases()[0].path == f"{peer_path}#L1"
+        assert 0.0 <= txn.ready() < reg.lock_timeout_s  # the seconds it waited, both tries
+        view = txn.live_leases()
+        assert [(r.device_uuids, r.user, r.exclusive) for r in view] == [
+            (("GPU-p",), "root", False), (("GPU-q",), "bob", True),
+            (("GPU-r",), "reserved for ml", True),
+        ]
+        assert [r.path for r in view[:2]] == [f"{peer_path}#L1", f"{peer_path}#{view[1].lease_id}"]
+        assert ids(txn.live_tickets()) == ["T1"]
         lease = txn.create(devices=["GPU-p"], requester=Requester(pid=5, kernel_id="k",
                                                             notebook_path="n", command="c"))
     assert lease.record.lease_id == "L2"
@@ -958,16 +969,63 @@ def test_a_pick_lock_lost_once_is_asked_again_on_a_fresh_connection(peer_path: s
     ]
 
 
+@pytest.mark.parametrize("lost", [1, 2])
+def test_a_pick_lock_whose_request_could_not_be_sent_is_asked_on_a_fresh_connection(
+    peer_path: str, monkeypatch: pytest.MonkeyPatch, lost: int
+) -> None:
+    """The broker went away between connect and ``begin`` (a restart): the request is sent
+    once more on a new connection; a second loss fails closed, neither connection left open."""
+    begin = {"ok": True, "own": [], "devices": [], "tickets": []}
+    peer = Peer(peer_path, [[CLOSE], [begin] if lost == 1 else [CLOSE]])
+    sent: list[Any] = []
+    real = brokerclient._Conn._send_line
+
+    def send_line(self: Any, msg: Any) -> None:
+        sent.append(msg)
+        if len(sent) <= lost:
+            raise BrokenPipeError(32, "Broken pipe")
+        real(self, msg)
+
+    monkeypatch.setattr(brokerclient._Conn, "_send_line", send_line)
+    reg = BrokerRegistry(peer_path, connect_timeout_s=2.0)
+    if lost == 1:
+        with reg.locked() as txn:
+            assert txn.live_leases() == []
+    else:
+        with pytest.raises(RegistryUnreachableError, match=r"\(Broken pipe\)"), reg.locked():
+            pass
+    peer.close()
+    assert sent == [{"op": "begin"}] * 2
+    assert peer.requests == ([{"op": "begin"}] if lost == 1 else [])
+    assert peer.client_closed == ([True] if lost == 1 else [])
+
+
 def test_a_pick_lock_lost_twice_fails_closed(peer_path: str) -> None:
     peer = Peer(peer_path, [[DROP], [DROP]])
-    with pytest.raises(RegistryUntrustedError) as err, BrokerRegistry(peer_path).locked() as txn:
-        txn.ready()  # the lock is asked for at locked(), its answer read here
+    with pytest.raises(RegistryUnreachableError) as err, BrokerRegistry(peer_path).locked() as txn:
+        try:
+            txn.ready()  # the lock is asked for at locked(), its answer read here
+        finally:  # nothing is asked again on a transaction that lost its broker
+            with pytest.raises(RegistryError, match=r"^this broker transaction is closed$"):
+                txn.live_leases()
     assert str(err.value) == (
         f"lost the lease broker at {peer_path} (the broker closed the connection); "
         f"{fix(peer_path)}"
     )
     peer.close()
     assert peer.requests == [{"op": "begin"}, {"op": "begin"}]
+
+
+@pytest.mark.parametrize("part", ["devices", "reserved"])
+def test_a_bad_booking_view_in_the_pick_locks_answer_names_the_broker(
+    peer_path: str, part: str
+) -> None:
+    begin = {"ok": True, "own": [], "devices": [], "tickets": [], part: ["GPU-r"]}
+    peer = Peer(peer_path, [[begin]])
+    with pytest.raises(RegistryError) as err, BrokerRegistry(peer_path).locked() as txn:
+        txn.ready()
+    assert str(err.value).startswith(f"lease broker at {peer_path} sent a bad booking view: ")
+    peer.close()
 
 
 def test_a_refused_pick_lock_is_not_asked_again(peer_path: str) -> None:
