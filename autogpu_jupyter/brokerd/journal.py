@@ -43,6 +43,7 @@ one given by ``set_pid``) are used instead, checked with their start times and u
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -462,6 +463,9 @@ def _close_diag() -> None:
     if _diag is not None:
         _diag.close()
         _diag = None
+
+
+atexit.register(_close_diag)  # the kept socket ends with the process, not as a ResourceWarning
 
 
 def _parse_peer(data: bytes) -> int | None:

@@ -25,6 +25,8 @@ from autogpu_jupyter.brokerd import journal as jrnl
 from autogpu_jupyter.brokerd.journal import Entry, Journal
 from tests.leasehelpers import AsUser
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def entry(n: int, *, peer: int | None = None, size: int = 10) -> Entry:
     rec = json.dumps({"kind": "lease", "lease_id": f"{n:032x}", "pad": "x" * size})
@@ -304,6 +306,21 @@ def _peer_found_as_this_user() -> Any:
     c, d = socket.socketpair(socket.AF_UNIX)
     with c, d:
         return [jrnl.peer_inode(c) == os.fstat(d.fileno()).st_ino, jrnl._diag_broken]
+
+
+def test_the_kept_sock_diag_socket_closes_with_the_process() -> None:
+    """A process that asked for a peer (the broker, a test run) ends without a
+    ``ResourceWarning: unclosed <socket ... family=16 ...>`` for the kept netlink socket."""
+    code = (
+        "import socket\n"
+        "from autogpu_jupyter.brokerd import journal\n"
+        "a, b = socket.socketpair(socket.AF_UNIX)\n"
+        "print(journal.peer_inode(a) == __import__('os').fstat(b.fileno()).st_ino)\n"
+        "a.close(); b.close()\n"
+    )
+    out = subprocess.run([sys.executable, "-X", "dev", "-c", code], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (out.returncode, out.stdout, out.stderr) == (0, "True\n", "")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
