@@ -864,6 +864,9 @@ def test_a_reply_just_under_the_limit_is_read_and_one_over_it_is_refused_as_such
         (b'{"ok": true, "revoked": "x"}\n', "an older protocol (no version)"),
         (b'{"ok": true, "proto": 1, "revoked": "x"}\n', "protocol 1"),
         (b'{"ok": true, "proto": "2", "revoked": "x"}\n', "protocol '2'"),
+        # an older broker's refusal (of anything) is still an older broker, not its words
+        (b'{"ok": false, "type": "RegistryError", "error": "no"}\n',
+         "an older protocol (no version)"),
     ],
 )
 def test_a_broker_of_another_protocol_is_refused_with_one_line(
@@ -935,6 +938,90 @@ def test_revoke_answers_the_holders_text_or_nothing(peer_path: str) -> None:
     assert reg.revoke("a") == "42"
     assert reg.revoke("b") == ""
     peer.close()
+
+
+def test_revoke_record_says_whether_a_lease_or_a_ticket_was_revoked(peer_path: str) -> None:
+    peer = Peer(peer_path, [[{"ok": True, "kind": "ticket", "revoked": "bob: a.ipynb"}],
+                            [{"ok": True}]])
+    reg = BrokerRegistry(peer_path)
+    assert reg.revoke_record("T1") == ("ticket", "bob: a.ipynb")
+    assert reg.revoke_record("L1") == ("lease", "")  # an older broker says no kind: a lease
+    peer.close()
+
+
+def test_status_reads_every_page_and_splits_leases_from_tickets(peer_path: str) -> None:
+    """The per-user rows, then the records page by page on the same connection; the protocol
+    is checked on the connection's first reply only (the last page here names none)."""
+    peer = Peer(peer_path, [[
+        {"ok": True, "per_user": {"bob": {"leases": 1}}},
+        {"ok": True, "records": [payload("L1")], "next": "L1"},
+        {"ok": True, "records": [payload("T1", kind="ticket")], "proto": None},
+    ]])
+    st = BrokerRegistry(peer_path).status()
+    assert (st["per_user"], [r["lease_id"] for r in st["leases"]],
+            [r["lease_id"] for r in st["tickets"]]) == ({"bob": {"leases": 1}}, ["L1"], ["T1"])
+    peer.close()
+    assert peer.requests == [
+        {"op": "status"},
+        {"op": "leases", "tickets": True, "after": None},
+        {"op": "leases", "tickets": True, "after": "L1"},
+    ]
+
+
+def test_a_list_stops_at_its_cap_of_records(
+    peer_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(brokerclient, "MAX_LIST_RECORDS", 2)
+    pages = [{"ok": True, "records": [payload(f"L{i}")], "next": f"L{i}"} for i in range(3)]
+    peer = Peer(peer_path, [pages])
+    assert ids(BrokerRegistry(peer_path).list_leases()) == ["L0", "L1"]
+    peer.close()
+    assert [r["after"] for r in peer.requests] == [None, "L0"]  # no third page asked for
+
+
+def test_the_waiting_line_names_the_broker_it_came_from(peer_path: str) -> None:
+    peer = Peer(peer_path, [[{"ok": True, "records": [payload("T1", kind="ticket")]}]])
+    assert [t.path for t in BrokerRegistry(peer_path).list_tickets()] == [f"{peer_path}#T1"]
+    peer.close()
+
+
+def test_a_pick_locks_answer_over_the_cap_is_refused_naming_begin(peer_path: str) -> None:
+    peer = Peer(peer_path, [[b"x" * (MAX_REPLY_BYTES + 1) + b"\n"]])
+    with pytest.raises(RegistryError) as err, BrokerRegistry(peer_path).locked() as txn:
+        txn.ready()
+    assert type(err.value) is RegistryError
+    assert str(err.value).startswith(f"the lease broker at {peer_path} sent a reply to 'begin' ")
+    peer.close()
+
+
+@pytest.mark.parametrize("how", ["call", "receive", "send"])
+def test_a_broker_that_does_not_answer_or_read_in_time_is_named_with_the_request(
+    short_dir: Path, how: str
+) -> None:
+    """A broker that accepted but never answers (or never reads what is sent): the error
+    names the request, fail closed. Nobody accepts on this socket; the kernel queues the
+    connection."""
+    path = str(short_dir / f"mute-{how}.sock")
+    mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mute.bind(path)
+    mute.listen(1)
+    conn = brokerclient._Conn(path, 1.0)
+    try:
+        with pytest.raises(RegistryUnreachableError) as err:
+            if how == "call":
+                conn.call({"op": "status"}, timeout_s=0.05)
+            elif how == "receive":
+                conn.receive("status", timeout_s=0.05)
+            else:  # far more than the socket's buffer: the send blocks
+                conn.send({"op": "status", "pad": "x" * 8_000_000}, timeout_s=0.05)
+        assert str(err.value) == (
+            f"the lease broker at {path} did not give an answer to 'status' within 0.05 s (it "
+            "is busy, or other picks hold it): nothing was picked; try again"
+        )
+    finally:
+        conn.close()
+        mute.close()
+        os.unlink(path)
 
 
 def test_a_pick_lock_lost_once_is_asked_again_on_a_fresh_connection(peer_path: str) -> None:
@@ -1161,6 +1248,9 @@ def test_the_booking_view_gives_the_decision_what_the_records_would() -> None:
     assert (got["GPU-b"].lease_count, got["GPU-b"].exclusive) == (1, True)
     with pytest.raises(RegistryError, match="sent a bad booking view"):
         brokerclient._view_records([{"uuid": "GPU-a", "rows": [[True]]}], "/s")
+    # made up for the view: no host, no age, each named by the broker it came from
+    assert {(r.host, r.created_s) for r in recs} == {("", 0.0)}
+    assert [r.path for r in recs] == [f"/s#{r.lease_id}" for r in recs]
 
 
 def test_set_pid_takes_the_record_the_broker_sends_back(peer_path: str) -> None:
@@ -1424,6 +1514,9 @@ def test_the_booking_views_reservations_are_the_admissions_pseudo_leases() -> No
         (("GPU-r1",), True, True)]
     assert admission.exclusive_phrase(got[0]) == "reserved for group(s) ml, staff by the admin"
     assert brokerclient._reservations(None, "/b.sock") == []
+    many = brokerclient._reservations({"GPU-r2": ["g"] * 70}, "/b.sock")
+    assert many[0].user == "reserved for " + ",".join(["g"] * 64)  # at most 64 groups named
+    assert many[0].host == ""
     with pytest.raises(RegistryError, match="sent a bad booking view"):
         brokerclient._reservations(["GPU-r1"], "/b.sock")
 
@@ -1531,3 +1624,46 @@ def test_a_ticket_the_broker_could_serve_but_that_is_not_taken_lapses(
         ticket.release()
     finally:
         tb.crash()
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to act as another user")
+def test_a_pick_through_the_broker_ranks_on_the_view_given_under_its_lock(tmp_path: Path) -> None:
+    """A user outside a reserved device's groups is ranked off it by the view ``begin`` answers
+    under the pick lock. Caught: a pick that ranks on an unlocked read of the leases (which has
+    no reservations) chose the reserved GPU, and the broker refused its lease."""
+    import pwd
+
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+    from autogpu_jupyter.core.options import PickOptions
+    from autogpu_jupyter.core.picker import pick
+    from autogpu_jupyter.core.policy import Constraints
+    from tests.leasehelpers import fleet, uuid_of
+
+    nobody = pwd.getpwnam("nobody")
+    spec = tmp_path / "two.json"
+    spec.write_text(json.dumps(fleet(2)))
+    snap = SimulatedBackend(str(spec)).snapshot()  # read as root: nobody cannot enter tmp_path
+
+    class Fixed:
+        def snapshot(self) -> Any:
+            return snap
+
+    where = Path(tempfile.mkdtemp(prefix="agr-", dir="/tmp"))
+    where.chmod(0o755)  # nobody must reach the socket
+    b = ThreadBroker(str(where / "r.sock"), reserved={uuid_of(0): ["autogpu-test-nogroup"]})
+    try:
+        os.seteuid(nobody.pw_uid)  # the broker reads the caller from its socket: nobody
+        try:
+            result = pick(PickOptions(Constraints()), backend=Fixed(), environ={},  # type: ignore[arg-type]
+                          store=BrokerRegistry(b.path, connect_timeout_s=2.0))
+        finally:
+            os.seteuid(0)
+        assert [d.uuid for d in result.chosen] == [uuid_of(1)]
+        assert result.lease is not None and result.lease_note is None
+        assert result.candidate(uuid_of(0)).reasons == (  # type: ignore[union-attr]
+            "reserved for group(s) autogpu-test-nogroup by the admin",)
+        result.lease.release()
+    finally:
+        b.crash()
+        (where / "r.sock").unlink(missing_ok=True)
+        where.rmdir()

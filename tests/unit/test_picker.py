@@ -673,3 +673,13 @@ def test_a_pick_reads_the_devices_again_only_after_a_long_wait_for_the_lock(
     assert result.lease is not None
     assert backend.snapshots == snapshots
     result.lease.release()
+
+
+def test_a_pick_on_an_amd_host_sets_the_rocm_variables(tmp_path: Path) -> None:
+    """The environment of the result is written for the vendor of the devices picked: on AMD
+    ROCR_VISIBLE_DEVICES names the host's device, and the runtimes' own variables count from 0."""
+    backend = backend_for(tmp_path, {"vendor": "amd", **fleet(2)})
+    result = pick(PickOptions(Constraints.parse(exclude="0")), backend=backend, environ={})
+    assert [d.uuid for d in result.chosen] == [uuid_of(1)]
+    assert result.env["ROCR_VISIBLE_DEVICES"] == "1"  # the device of the host, by its index
+    assert result.env["HIP_VISIBLE_DEVICES"] == result.env["CUDA_VISIBLE_DEVICES"] == "0"
