@@ -232,3 +232,44 @@ def test_a_record_the_broker_builds_has_a_name_for_a_nameless_user_and_host() ->
     conn = Conn(b, 1005, 1005, os.getpid(), Account(1005, "", frozenset()))
     rec = lease_record(b, conn, "GPU-mk1")
     assert (rec.user, rec.uid, rec.host, rec.device_uuids) == ("1005", 1005, "?", ("GPU-mk1",))
+
+
+def test_a_repick_replaces_only_the_callers_own_leases() -> None:
+    """``ignore_ids`` / ``ignore_kernel`` of a lease name what a re-pick replaces: the caller's
+    own leases only. Caught: the owner check dropped (a user ended another user's lease by
+    naming its id or its kernel)."""
+    from dataclasses import replace
+
+    b = broker()
+    alice, bob, bob_kernel = person(b, 1001), person(b, 1002), person(b, 1002)
+    alice.record = replace(lease_record(b, alice, "GPU-p1"), kernel_id="k-1")
+    bob_kernel.record = replace(lease_record(b, bob_kernel, "GPU-p2"), kernel_id="k-1")
+    theirs, mine = alice.record.lease_id, bob_kernel.record.lease_id
+    assert b._replaced(bob, {"ignore_ids": [theirs, mine]}) == {mine}
+    assert b._replaced(bob, {"ignore_kernel": "k-1"}) == {mine}
+    b._end_replaced(b._replaced(bob, {"ignore_ids": [theirs, mine], "ignore_kernel": "k-1"}))
+    assert alice.record is not None and alice.record.lease_id == theirs  # hers, untouched
+    assert bob_kernel.record is None
+
+
+def test_the_leases_pages_neither_repeat_nor_skip_a_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Caught: the page's cursor compared inclusively (the last record of a page came again
+    at the start of the next: every list and status showed it twice)."""
+    import autogpu_jupyter.broker as broker_mod
+
+    monkeypatch.setattr(broker_mod, "PAGE_RECORDS", 2)
+    b = broker()
+    for i in range(5):
+        lease(b, person(b, 1001 + i), f"GPU-q{i}")
+    seen: list[str] = []
+    after = None
+    for _ in range(5):
+        page = run(b.op_leases(person(b, 0, name="root"), {"op": "leases", "after": after}))
+        seen += [r["lease_id"] for r in page["records"]]
+        after = page["next"]
+        if after is None:
+            break
+    assert sorted(seen) == sorted(r.lease_id for _, r in b.live())
+    assert len(seen) == 5

@@ -285,6 +285,17 @@ def test_cell_errors_propagate_after_the_report(
     assert "ZeroDivisionError: division by zero (in the %%gpu cell; traceback above)" in out
 
 
+def test_a_cell_that_cannot_run_fails_the_gpu_cell_too(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A syntax error in the body (an error before it runs) fails the ``%%gpu`` cell, so that
+    "Run all" stops there. Caught: only errors raised while running were passed on."""
+    shell.run_cell("%load_ext autogpu")
+    r, out, _ = run(shell, "%%gpu\ny = (", capsys)
+    assert isinstance(r.error_in_exec, SyntaxError)  # the %%gpu cell itself failed
+    assert "autogpu %%gpu on GPU 0: wall " in out
+
+
 def test_a_kernels_device_that_the_host_no_longer_lists_is_said_not_crashed_on(
     shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -427,6 +427,22 @@ async def test_select_refuses_bad_input_with_a_message(
     assert message in body["message"]
 
 
+async def test_a_gpu_library_that_cannot_be_read_is_503_not_a_bad_request(
+    jp_fetch: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's input was fine, the host cannot answer: 503 with the reason (400 would
+    tell the sidebar the user's request was wrong). Caught: every AutoGPUError answered 400."""
+    from autogpu_jupyter.errors import NVMLUnavailableError
+    from autogpu_jupyter.server import payloads
+
+    def unreadable(*_args: Any) -> Any:
+        raise NVMLUnavailableError("NVML cannot be used: driver not loaded")
+
+    monkeypatch.setattr(payloads, "select_payload", unreadable)
+    code, body = await refused(jp_fetch, *V1, "select", params={"min_free": "10G"})
+    assert (code, body["message"]) == (503, "NVML cannot be used: driver not loaded")
+
+
 async def test_select_for_a_kernel_leaves_its_own_lease_out(
     jp_fetch: Any, specs: Path, jp_serverapp: Any
 ) -> None:
