@@ -133,3 +133,18 @@ def test_a_reachable_broker_is_used_even_with_the_fallback_set(tmp_path: Path) -
     finally:
         server.close()
     assert isinstance(broker, BrokerRegistry) and broker.path == sock
+
+
+def test_the_package_names_its_stores_and_factory_and_nothing_else() -> None:
+    """``core.leasing`` loads each store and the factory when first named; any other name is
+    the usual AttributeError, naming it."""
+    from autogpu_jupyter.core import leasing
+    from autogpu_jupyter.core.leasing import brokerclient, directory, factory
+
+    assert leasing.Registry is directory.Registry
+    assert leasing.BrokerRegistry is brokerclient.BrokerRegistry
+    assert leasing.store_for is factory.store_for
+    with pytest.raises(AttributeError) as err:
+        leasing.Brokerregistry
+    assert str(err.value) == (
+        "module 'autogpu_jupyter.core.leasing' has no attribute 'Brokerregistry'")

@@ -45,3 +45,43 @@ def test_html_escapes_every_cell_and_caption() -> None:
     assert "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;.ipynb" in html
     assert "&lt;script&gt;alert(2)&lt;/script&gt;" in html
     assert html.count('data-mine="1"') == 1
+
+
+def test_the_status_table_marks_the_callers_rows_and_writes_each_unit() -> None:
+    """``%gpu status`` / ``autogpu list``: the caller's devices marked and returned for
+    highlighting, numbers with their unit, unknown readings as ``?`` (never 0), a device's
+    state before its holders, numbers right-aligned and the narrow-screen drop order."""
+    import pandas as pd
+
+    from autogpu_jupyter.core.tables import status_table
+
+    common = {"name": "A100", "mem used": "1.0 GiB", "mem total": "80.0 GiB",
+              "mem free": "79.0 GiB"}
+    frame = pd.DataFrame([
+        {"": "", "gpu": 0, "uuid": "GPU-a", "util %": 37.0, "temp °C": 41.0, "power W": 80.4,
+         "procs": 2, "holders": "bob: a.ipynb", "state": "ok", **common},
+        {"": "▶", "gpu": 1, "uuid": "GPU-b", "util %": None, "temp °C": float("nan"),
+         "power W": None, "procs": None, "holders": "ann: b.ipynb", "state": "lost", **common},
+        {"": "", "gpu": 3, "uuid": "GPU-d", "util %": 0.0, "temp °C": 30.0, "power W": 60.0,
+         "procs": 0, "holders": "", "state": "lost", **common},
+    ])
+    columns, rows, highlight = status_table(frame)
+    assert highlight == {1}
+    assert rows == [
+        ("", "0", "A100", "GPU-a", "37%", "1.0 GiB / 80.0 GiB", "79.0 GiB", "41 °C", "80 W", "2",
+         "bob: a.ipynb"),
+        ("▶", "1", "A100", "GPU-b", "?", "1.0 GiB / 80.0 GiB", "79.0 GiB", "?", "?", "?",
+         "lost; ann: b.ipynb"),
+        ("", "3", "A100", "GPU-d", "0%", "1.0 GiB / 80.0 GiB", "79.0 GiB", "30 °C", "60 W", "0",
+         "lost"),
+    ]
+    # a frame without the state and holders columns: every device ok, nobody holding it
+    bare = frame.drop(columns=["state", "holders"]).head(1)
+    assert status_table(bare)[1][0][-1] == "-"
+    assert [(c.title, c.align, c.wrap, c.drop) for c in columns] == [
+        ("", "left", False, 0), ("gpu", "left", False, 0), ("name", "left", False, 0),
+        ("uuid", "left", False, 1), ("util", "right", False, 0),
+        ("memory used / total", "right", False, 5), ("free", "right", False, 0),
+        ("temp", "right", False, 3), ("power", "right", False, 2), ("procs", "right", False, 4),
+        ("holders", "left", True, 0),
+    ]
