@@ -213,3 +213,33 @@ def test_a_process_list_longer_than_the_first_buffer_is_read_whole(
         (2_000_000 + p, (p + 1) * GiB // 8) for p in range(40)]
     # 32 entries offered first: the library answers "more", the second call reads all 40
     assert FakeAmdSmi.calls("amdsmi_get_gpu_process_list") - before == 2
+
+
+@pytest.mark.parametrize(
+    ("nvidia", "amd", "want"),
+    [(True, True, "nvml"), (False, True, "amdsmi"), (False, False, "nvml")],
+)
+def test_auto_detection_prefers_nvidias_library_then_amds(
+    monkeypatch: pytest.MonkeyPatch, nvidia: bool, amd: bool, want: str
+) -> None:
+    """``auto`` (or nothing): NVML where NVIDIA's library loads, else amdsmi where AMD's
+    does, else NVML (whose error then says no driver is installed); found once per process."""
+    import ctypes
+
+    from autogpu_jupyter.core import backends
+    from autogpu_jupyter.core.backends import amdsmi
+
+    asked: list[object] = []
+
+    def cdll(name: object, *args: object, **kwargs: object) -> object:
+        asked.append(name)
+        if not nvidia:
+            raise OSError(f"{name}: cannot open shared object file")
+        return object()
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    monkeypatch.setattr(amdsmi, "library_present", lambda: amd)
+    monkeypatch.setattr(backends, "_detected", [])
+    assert choose_backend(" Auto ") == want
+    assert choose_backend("") == want
+    assert asked == ["libnvidia-ml.so.1"]  # asked for by name, and once

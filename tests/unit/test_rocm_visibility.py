@@ -168,3 +168,13 @@ def test_no_value_of_any_variable_widens_slurms_grant(slurm: str) -> None:
                 env[var] = v
         alloc = rocm_allocation(GPUS, env)
         assert alloc.uuids is not None and set(alloc.uuids) <= granted, env
+
+
+def test_a_hip_list_that_stops_says_which_variable_stopped_where() -> None:
+    assert parse_hip_visible_devices("1,x,2", GPUS) == (
+        ("amd-1",),
+        ("HIP_VISIBLE_DEVICES: stopped at 'x' (not a GPU index or UUID); later entries are "
+         "ignored, as HIP does",),
+    )
+    _, notes = parse_hip_visible_devices("x", GPUS, var="GPU_DEVICE_ORDINAL")
+    assert notes[0].startswith("GPU_DEVICE_ORDINAL: stopped at 'x'")
