@@ -370,6 +370,9 @@ class Broker:
         #: The rows of a device's leases, by the ids of those leases (a pick on another device
         #: does not change them): bounded, cleared when full.
         self._rows: dict[tuple[str, ...], dict[str, Any]] = {}
+        self._last_encoded: tuple[LeaseRecord | None, bytes] = (None, b"")
+        self._host_texts = ("", "?")  # (host, as records carry it)
+        self._user_texts: dict[str, str] = {}
         self.journal: jrnl.Journal | None = None
         if config.state_dir:
             _check_state_dir(config.state_dir)
@@ -570,9 +573,9 @@ class Broker:
             "kind": kind,
             "lease_id": secrets.token_hex(16),
             "exclusive": False,
-            "user": capped_text(conn.user, "user") or str(conn.uid),
+            "user": self._user_text(conn),
             "uid": conn.uid,
-            "host": capped_text(self.host, "host") or "?",
+            "host": self._host_text(),
             "created_s": time.time(),
         }
         base.update(payload)
@@ -582,6 +585,21 @@ class Broker:
             )
         except (Invalid, TypeError, ValueError) as err:
             raise BrokerRefusal(f"{kind} refused: {err}", "UsageErrorBase") from None
+
+    def _host_text(self) -> str:
+        if self._host_texts[0] != self.host:
+            self._host_texts = (self.host, capped_text(self.host, "host") or "?")
+        return self._host_texts[1]
+
+    def _user_text(self, conn: Conn) -> str:
+        """The user's name as records carry it (capped), kept per name (bounded)."""
+        name = conn.user
+        text = self._user_texts.get(name)
+        if text is None:
+            if len(self._user_texts) >= 4096:
+                self._user_texts.clear()
+            text = self._user_texts[name] = capped_text(name, "user") or ""
+        return text or str(conn.uid)
 
     def _replaced(self, conn: Conn, msg: dict[str, Any]) -> set[str]:
         """The caller's OWN live leases this lease replaces (a re-pick: ``ignore_ids``,
@@ -701,7 +719,7 @@ class Broker:
         conn.record = rec
         self._journal()
         self._drop_lock(conn)
-        return {"ok": True, "record": rec._payload()}
+        return _RecordReply(rec, self._encoded(rec))
 
     async def op_pick(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         """Pick AND lease in one message: the broker ranks with its own snapshot and the one
@@ -787,7 +805,7 @@ class Broker:
         conn.record = rec
         self.seq = rec.seq or self.seq
         self._journal()
-        return {"ok": True, "record": rec._payload()}
+        return _RecordReply(rec, self._encoded(rec))
 
     async def _check_known(self, devices: list[Any]) -> None:
         """Refuse ids that are not devices of this host (a lease on ``gpu-...`` in lower case,
@@ -1079,7 +1097,12 @@ class Broker:
         """Send one reply; ``False`` when the connection is gone or the client does not read it
         within ``send_timeout_s`` (then it is dropped: its buffer is freed, its lease ends)."""
         msg.setdefault("proto", PROTOCOL)
-        data = json.dumps(msg).encode() + b"\n"
+        if isinstance(msg, _RecordReply) and len(msg) == 3:  # ok, record, proto: as built
+            data = b'{"ok":true,"proto":%d,"record":%s}\n' % (PROTOCOL, msg.encoded)
+        elif msg == _OK:
+            data = _OK_LINE
+        else:
+            data = json.dumps(msg).encode() + b"\n"
         if len(data) > MAX_REPLY_BYTES:  # replies are bounded by construction: a bug
             log.error("reply of %d bytes to uid %d not sent (cap %d)", len(data), conn.uid,
                       MAX_REPLY_BYTES)
@@ -1188,13 +1211,22 @@ class Broker:
         if began:
             peer = self._holder_ids(conn)[0]
             pids = list(conn.holder_pids)
-            journal.add(jrnl.Entry(new.lease_id, conn.uid, encode(new).decode(), peer, pids),
-                        seq=new.seq)
+            journal.add(jrnl.Entry(new.lease_id, conn.uid, self._encoded(new).decode(), peer,
+                                   pids), seq=new.seq)
         else:  # the same lease, changed (set_pid): the new record and its holders
             known = journal.entries.get(new.lease_id)
             peer = None if known is None else known.peer
-            journal.add(jrnl.Entry(new.lease_id, conn.uid, encode(new).decode(), peer,
+            journal.add(jrnl.Entry(new.lease_id, conn.uid, self._encoded(new).decode(), peer,
                                    list(conn.holder_pids)))
+
+    def _encoded(self, rec: LeaseRecord) -> bytes:
+        """``encode(rec)``, kept for the last record (records are immutable): a grant's
+        journal line and its reply carry the same bytes, encoded once."""
+        last, data = self._last_encoded
+        if last is not rec:
+            data = encode(rec)
+            self._last_encoded = (rec, data)
+        return data
 
     def _holder_ids(self, conn: Conn) -> tuple[int | None, list[tuple[int, int]]]:
         """``conn``'s peer socket inode (``None`` without a journal: only the journal needs
@@ -1389,6 +1421,19 @@ class Broker:
 
 
 _PICK_KEYS = ("min_free", "max_util", "count", "exclude", "exclusive", "model", "prefer")
+
+
+class _RecordReply(dict):  # type: ignore[type-arg]
+    """``{"ok": true, "record": <payload>}`` for a record just granted: sent as the bytes
+    its journal line carries (:meth:`Broker._encoded`), not encoded a second time."""
+
+    def __init__(self, rec: LeaseRecord, encoded: bytes) -> None:
+        super().__init__(ok=True, record=rec._payload())
+        self.encoded = encoded
+
+
+_OK = {"ok": True, "proto": PROTOCOL}
+_OK_LINE = json.dumps(_OK).encode() + b"\n"
 
 
 class _StateView:

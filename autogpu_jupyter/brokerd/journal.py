@@ -51,8 +51,9 @@ import os
 import socket
 import stat
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _quote  # json.dumps's own, for one str
 from typing import Any
 
 from autogpu_jupyter.core import procfs
@@ -107,6 +108,18 @@ class Entry:
     def line(self) -> dict[str, Any]:
         return {"add": self.lease_id, "uid": self.uid, "record": self.record,
                 "peer": self.peer, "pids": [list(p) for p in self.pids]}
+
+    def encoded(self, seq: int | None = None) -> bytes:
+        """:meth:`line` (plus ``seq`` when given) as its journal line: exactly the bytes
+        ``json.dumps(..., separators=(",", ":"))`` writes, put together by hand (a grant writes
+        one; ``json.dumps`` of a dict costs several times more than the strings it quotes)."""
+        peer = "null" if self.peer is None else str(int(self.peer))
+        tail = "" if seq is None else f',"seq":{int(seq)}'
+        return (
+            f'{{"add":{_quote(self.lease_id)},"uid":{int(self.uid)},'
+            f'"record":{_quote(self.record)},"peer":{peer},"pids":{_pids_text(self.pids)}'
+            f"{tail}}}\n"
+        ).encode()
 
 
 class Journal:
@@ -208,11 +221,9 @@ class Journal:
     def add(self, entry: Entry, seq: int | None = None) -> None:
         """Append a new live entry (written when this returns: tell the client after)."""
         self.entries[entry.lease_id] = entry
-        line = entry.line()
         if seq is not None:
-            line["seq"] = seq
             self.seq = max(self.seq, seq)
-        size = self._append(line)
+        size = self._append(entry.encoded(seq))
         self._live += size - self._sizes.get(entry.lease_id, 0)
         self._sizes[entry.lease_id] = size
 
@@ -221,19 +232,18 @@ class Journal:
         if e is None:
             return
         e.pids = list(pids)
-        self._append({"holders": lease_id, "pids": [list(p) for p in pids]})
+        self._append(f'{{"holders":{_quote(lease_id)},"pids":{_pids_text(pids)}}}\n'.encode())
 
     def remove(self, lease_id: str) -> None:
         """Append the end of an entry."""
         if self.entries.pop(lease_id, None) is None:
             return
         self._live -= self._sizes.pop(lease_id, 0)
-        self._append({"del": lease_id})
+        self._append(f'{{"del":{_quote(lease_id)}}}\n'.encode())
 
-    def _append(self, doc: Mapping[str, Any]) -> int:
-        """Write one line (one ``write``: in the file, for any later reader, when this
-        returns; see the module docstring for why it is not synced)."""
-        data = json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+    def _append(self, data: bytes) -> int:
+        """Write one line, ``data`` with its newline (one ``write``: in the file, for any
+        later reader, when this returns; see the module docstring for why it is not synced)."""
         if self._fd < 0:
             self._open()
         _write_all(self._fd, data)
@@ -248,8 +258,7 @@ class Journal:
         head = [json.dumps({"seq": self.seq}).encode() + b"\n"]
         if self.boot is not None:
             head.append(json.dumps({"boot": self.boot}).encode() + b"\n")
-        lines = [json.dumps(e.line(), separators=(",", ":")).encode() + b"\n"
-                  for e in self.entries.values()]
+        lines = [e.encoded() for e in self.entries.values()]
         self._sizes = {
             e.lease_id: len(x) for e, x in zip(self.entries.values(), lines, strict=True)
         }
@@ -288,6 +297,11 @@ class Journal:
     @property
     def size_bytes(self) -> int:
         return self._bytes
+
+
+def _pids_text(pids: Iterable[Sequence[int]]) -> str:
+    """``[[pid,start],...]`` as ``json.dumps`` writes it compactly."""
+    return "[" + ",".join(f"[{','.join(str(int(x)) for x in p)}]" for p in pids) + "]"
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -17,12 +17,15 @@ and the last :data:`ROOT_RESERVE` connections are root's only: a host full of on
 still lets the admin run ``autogpu broker status`` and ``revoke``.
 
 **Talking.** Each connection is a :class:`Channel` over its non-blocking socket, read with
-``loop.sock_recv`` and written with ``send``, not an asyncio transport and stream: a message
-that came with the connection (a pick sends ``begin`` right after ``connect``) is read at once,
-and a reply the socket takes whole is sent at once, without extra turns of the event loop (a
-fresh connection's first answer in half the time, measured in docs/benchmarks.md). What a
-client sends while its message is handled stays in the kernel's socket buffer; what it does not
-read is kept up to a cap, past which (or past the sender's timeout) the connection is dropped.
+``recv`` and written with ``send``, not an asyncio transport and stream: a message that came
+with the connection (a pick sends ``begin`` right after ``connect``) is read at once, and a
+reply the socket takes whole is sent at once, without extra turns of the event loop (a fresh
+connection's first answer in half the time, measured in docs/benchmarks.md). Once a connection
+first waits for a message, its socket stays watched by the loop until it ends (one
+registration per connection, not one per message). What a client sends ahead is read at most
+one message-size cap ahead (then reading pauses and the rest stays in the kernel's socket
+buffer); what it does not read is kept up to a cap, past which (or past the sender's timeout)
+the connection is dropped.
 """
 
 from __future__ import annotations
@@ -229,6 +232,11 @@ class Channel:
         self.closed = False
         self._on_end = on_end
         self._in = bytearray()
+        self._in_cap = 0  # past this many unread bytes, reading pauses (the last limit asked)
+        self._reading = False  # the loop watches the socket for input
+        self._eof = False
+        self._error: OSError | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self._out = bytearray()
         self._writing = False
         self._closing: asyncio.TimerHandle | None = None
@@ -240,6 +248,10 @@ class Channel:
         """The next line, with its newline; at the end of the stream, what is left (``b""``
         or a line without its newline).
 
+        Input is read as it comes, once a first wait began (the socket stays watched: no
+        registration per message), and never more than ``limit`` bytes ahead: past that,
+        reading pauses and the rest waits in the kernel's socket buffer.
+
         Raises
         ------
         ValueError
@@ -247,6 +259,7 @@ class Channel:
         OSError
             The connection failed.
         """
+        self._in_cap = limit
         while True:
             end = self._in.find(b"\n")
             if end >= 0:
@@ -257,12 +270,56 @@ class Channel:
                 return line
             if len(self._in) > limit:
                 raise ValueError(f"a line longer than {limit} bytes")
-            data = await self.loop.sock_recv(self.sock, 65536)
-            if not data:
+            if self._error is not None:
+                raise self._error
+            if self._eof:
                 line = bytes(self._in)
                 self._in.clear()
                 return line
+            if not self._reading and self._take():
+                continue  # it was there already (a message that came with the connection)
+            self._start_reading()
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def _take(self) -> bool:
+        """One ``recv`` into the input; ``False`` when nothing was there."""
+        try:
+            data = self.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as err:
+            self._error = err
+            self._stop_reading()
+            return True
+        if data:
             self._in += data
+            if len(self._in) > self._in_cap:
+                self._stop_reading()  # the rest stays in the kernel until this is read
+        else:
+            self._eof = True
+            self._stop_reading()
+        return True
+
+    def _on_readable(self) -> None:
+        if self._take():
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    def _start_reading(self) -> None:
+        if not self._reading and not self.closed:
+            self.loop.add_reader(self.sock.fileno(), self._on_readable)
+            self._reading = True
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            with contextlib.suppress(ValueError, OSError):
+                self.loop.remove_reader(self.sock.fileno())
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -361,6 +418,7 @@ class Channel:
         ends the connection's task, once no read is pending on it)."""
         self.closed = True
         self._stop_writing()
+        self._stop_reading()
         if self._closing is not None:
             self._closing.cancel()
         if self._flushed is not None and not self._flushed.done():

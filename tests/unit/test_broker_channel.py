@@ -6,6 +6,7 @@ dropped, a close that sends what was written first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -195,3 +196,69 @@ def test_close_with_nothing_pending_ends_at_once_and_a_lost_client_is_dropped() 
         assert chan.closed and ended == ["end"]
 
     run(lost)
+
+
+def test_input_sent_ahead_is_read_at_most_a_limit_ahead_and_the_rest_stays_in_the_kernel() -> None:
+    """A client that floods lines while its message is handled: the channel keeps at most
+    one ``limit`` (plus one read) of them; the rest waits in the socket buffer and is read as
+    the lines are taken. Caught: reading never paused (a flood held in the broker's memory)."""
+
+    async def body(chan: Channel, peer: socket.socket, ended: list[str]) -> None:
+        peer.setblocking(False)
+        line = b"x" * 99 + b"\n"
+        sent = 0
+        with contextlib.suppress(BlockingIOError):
+            while sent < 1 << 22:
+                sent += peer.send(line * 64)
+        assert await chan.readline(100) == line
+        for _ in range(20):  # the loop runs the reader as often as it likes
+            await asyncio.sleep(0)
+        assert len(chan._in) <= 100 + 65536
+        got = 1
+        while got * 100 < sent:
+            assert await chan.readline(100) == line
+            got += 1
+            assert len(chan._in) <= 100 + 65536
+
+    run(body)
+
+
+def test_the_end_and_a_failure_wake_a_waiting_read() -> None:
+    async def body(chan: Channel, peer: socket.socket, ended: list[str]) -> bytes:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, peer.sendall, b"half")
+        loop.call_later(0.02, peer.shutdown, socket.SHUT_WR)
+        return await chan.readline(100)
+
+    assert run(body) == b"half"
+
+    async def reset(chan: Channel, peer: socket.socket, ended: list[str]) -> None:
+        # a peer that closes with our reply unread: the kernel resets the connection
+        loop = asyncio.get_running_loop()
+        chan.write(b"unread reply\n")
+        loop.call_later(0.01, peer.close)
+        with pytest.raises(ConnectionResetError):
+            await chan.readline(100)
+        with pytest.raises(ConnectionResetError):  # and says so again, not b""
+            await chan.readline(100)
+
+    run(reset)
+
+
+def test_a_shut_channel_stops_watching_its_socket() -> None:
+    """Once a read waited, the socket stays watched (one registration per connection); the
+    end of the channel removes it, before its socket is closed. Caught: the watch left behind
+    (the loop polling a closed, then reused, descriptor)."""
+
+    async def body(chan: Channel, peer: socket.socket, ended: list[str]) -> tuple[bool, bool]:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, peer.sendall, b"a\n")
+        await chan.readline(100)
+        loop.call_later(0.01, peer.sendall, b"b\n")
+        await chan.readline(100)
+        fd = chan.sock.fileno()
+        watched = fd in loop._selector.get_map()  # type: ignore[attr-defined]
+        chan.shut()
+        return watched, fd in loop._selector.get_map()  # type: ignore[attr-defined]
+
+    assert run(body) == (True, False)

@@ -60,6 +60,41 @@ def test_changes_are_lines_and_a_new_journal_reads_the_live_ones(tmp_path: Path)
     assert oct((tmp_path / "journal.log").stat().st_mode & 0o777) == "0o600"
 
 
+@pytest.mark.parametrize(
+    "e",
+    [
+        entry(1, peer=77),
+        Entry("ab" * 16, 0, json.dumps({"notebook": "ü \\ \" \t 🙂", "x": None}), None, []),
+        Entry("x\"y\\z\n", 2**40, '{"a":"\u2028\ud83d"}', 2**63 - 1,
+              [(1, 2), (2**31, 2**60), (7, 0)]),
+    ],
+)
+@pytest.mark.parametrize("seq", [None, 0, 41])
+def test_a_line_written_by_hand_is_the_line_json_dumps_writes(e: Entry, seq: int | None) -> None:
+    """The journal's lines are put together by hand (a grant's cost): byte for byte what
+    ``json.dumps`` writes, whatever the record's text holds (quotes, backslashes, control and
+    non-ASCII characters, a lone surrogate). Caught: a field left out, quoted by hand, in
+    another order, or the newline lost."""
+    doc = e.line() | ({} if seq is None else {"seq": seq})
+    assert e.encoded(seq) == json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+    assert json.loads(e.encoded(seq)) == json.loads(json.dumps(doc))
+
+
+def test_the_holders_and_end_lines_are_the_ones_json_dumps_writes(tmp_path: Path) -> None:
+    j = Journal(str(tmp_path))
+    j.load()
+    odd = Entry('q"\\ü', 5, "{}", None, [])
+    j.add(odd)
+    j.set_pids(odd.lease_id, [(9, 99), (10, 2**40)])
+    j.remove(odd.lease_id)
+    raw = (tmp_path / "journal.log").read_bytes().splitlines(keepends=True)[-2:]
+    assert raw == [
+        json.dumps({"holders": odd.lease_id, "pids": [[9, 99], [10, 2**40]]},
+                   separators=(",", ":")).encode() + b"\n",
+        json.dumps({"del": odd.lease_id}, separators=(",", ":")).encode() + b"\n",
+    ]
+
+
 def test_a_change_is_in_the_file_for_any_reader_when_it_returns(tmp_path: Path) -> None:
     """Written with one ``write`` before the broker replies: a broker killed right after the
     reply leaves it in the file (no buffer of the process holds it)."""

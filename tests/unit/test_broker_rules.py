@@ -273,3 +273,44 @@ def test_the_leases_pages_neither_repeat_nor_skip_a_record(
             break
     assert sorted(seen) == sorted(r.lease_id for _, r in b.live())
     assert len(seen) == 5
+
+
+def test_a_grant_is_answered_with_the_bytes_its_journal_line_carries(tmp_path: Any) -> None:
+    """A lease's reply is not encoded again: the record's bytes are the journal's, put in the
+    reply as they are; a plain ``ok`` is a line kept ready. The client reads the same answer
+    either way. Caught: a reply without its protocol, or a record other than the one granted
+    (the last one encoded, a stale one)."""
+    import json
+    import socket
+
+    from autogpu_jupyter.brokerd import net
+    from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    b = broker(state_dir=str(state))
+
+    async def main() -> list[dict[str, Any]]:
+        ours, theirs = socket.socketpair()
+        conn = person(b, 0, name="root")
+        conn.writer = net.Channel(ours, 1 << 20, lambda: None)
+        other = person(b, 1001)
+        lease(b, other, "GPU-a0")  # encoded last, before ours
+        msg = {"op": "lease", "devices": ["GPU-a1"], "holder": {"kind": "kernel"}}
+        replies = [await b.op_lease(conn, msg), await b.op_release(conn, {"op": "release"})]
+        for reply in replies:
+            assert await b._send(conn, reply)
+        theirs.settimeout(5)
+        got = theirs.recv(1 << 16).decode().splitlines()
+        conn.writer.shut()
+        ours.close()
+        theirs.close()
+        return [json.loads(line) for line in got]
+
+    granted, released = run(main())
+    journal = (state / "journal.log").read_text().splitlines()
+    add = [json.loads(x) for x in journal if '"add"' in x][-1]
+    assert granted == {"ok": True, "proto": PROTOCOL, "record": json.loads(add["record"])}
+    assert granted["record"]["device_uuids"] == ["GPU-a1"]
+    assert granted["record"]["holder_kind"] == "kernel"
+    assert released == {"ok": True, "proto": PROTOCOL}
