@@ -371,8 +371,6 @@ class Broker:
         #: does not change them): bounded, cleared when full.
         self._rows: dict[tuple[str, ...], dict[str, Any]] = {}
         self._last_encoded: tuple[LeaseRecord | None, bytes] = (None, b"")
-        self._host_texts = ("", "?")  # (host, as records carry it)
-        self._user_texts: dict[str, str] = {}
         self.journal: jrnl.Journal | None = None
         if config.state_dir:
             _check_state_dir(config.state_dir)
@@ -573,9 +571,9 @@ class Broker:
             "kind": kind,
             "lease_id": secrets.token_hex(16),
             "exclusive": False,
-            "user": self._user_text(conn),
+            "user": capped_text(conn.user, "user") or str(conn.uid),
             "uid": conn.uid,
-            "host": self._host_text(),
+            "host": capped_text(self.host, "host") or "?",
             "created_s": time.time(),
         }
         base.update(payload)
@@ -585,21 +583,6 @@ class Broker:
             )
         except (Invalid, TypeError, ValueError) as err:
             raise BrokerRefusal(f"{kind} refused: {err}", "UsageErrorBase") from None
-
-    def _host_text(self) -> str:
-        if self._host_texts[0] != self.host:
-            self._host_texts = (self.host, capped_text(self.host, "host") or "?")
-        return self._host_texts[1]
-
-    def _user_text(self, conn: Conn) -> str:
-        """The user's name as records carry it (capped), kept per name (bounded)."""
-        name = conn.user
-        text = self._user_texts.get(name)
-        if text is None:
-            if len(self._user_texts) >= 4096:
-                self._user_texts.clear()
-            text = self._user_texts[name] = capped_text(name, "user") or ""
-        return text or str(conn.uid)
 
     def _replaced(self, conn: Conn, msg: dict[str, Any]) -> set[str]:
         """The caller's OWN live leases this lease replaces (a re-pick: ``ignore_ids``,
@@ -1097,7 +1080,7 @@ class Broker:
         """Send one reply; ``False`` when the connection is gone or the client does not read it
         within ``send_timeout_s`` (then it is dropped: its buffer is freed, its lease ends)."""
         msg.setdefault("proto", PROTOCOL)
-        if isinstance(msg, _RecordReply) and len(msg) == 3:  # ok, record, proto: as built
+        if isinstance(msg, _RecordReply) and len(msg) == 3:  # as built (a pick adds labels)
             data = b'{"ok":true,"proto":%d,"record":%s}\n' % (PROTOCOL, msg.encoded)
         elif msg == _OK:
             data = _OK_LINE

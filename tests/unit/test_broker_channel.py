@@ -199,28 +199,90 @@ def test_close_with_nothing_pending_ends_at_once_and_a_lost_client_is_dropped() 
 
 
 def test_input_sent_ahead_is_read_at_most_a_limit_ahead_and_the_rest_stays_in_the_kernel() -> None:
-    """A client that floods lines while its message is handled: the channel keeps at most
-    one ``limit`` (plus one read) of them; the rest waits in the socket buffer and is read as
-    the lines are taken. Caught: reading never paused (a flood held in the broker's memory)."""
+    """A client that floods lines while the channel watches its socket: the channel keeps at
+    most one ``limit`` (plus one read) of them, pauses, leaves the rest in the socket buffer,
+    and reads on as the lines are taken. Caught: reading never paused (a flood held in the
+    broker's memory), or never resumed after a pause (the connection stuck)."""
 
     async def body(chan: Channel, peer: socket.socket, ended: list[str]) -> None:
         peer.setblocking(False)
+        loop = asyncio.get_running_loop()
         line = b"x" * 99 + b"\n"
-        sent = 0
-        with contextlib.suppress(BlockingIOError):
-            while sent < 1 << 22:
-                sent += peer.send(line * 64)
-        assert await chan.readline(100) == line
+        sent = [0]
+
+        def flood() -> None:
+            with contextlib.suppress(BlockingIOError):
+                while sent[0] < 1 << 22:
+                    sent[0] += peer.send(line * 64)
+
+        loop.call_later(0.01, flood)
+        assert await chan.readline(100) == line  # waited: the socket is watched now
         for _ in range(20):  # the loop runs the reader as often as it likes
             await asyncio.sleep(0)
         assert len(chan._in) <= 100 + 65536
         got = 1
-        while got * 100 < sent:
-            assert await chan.readline(100) == line
+        while got * 100 < sent[0]:
+            assert await asyncio.wait_for(chan.readline(100), 5) == line
             got += 1
             assert len(chan._in) <= 100 + 65536
+        assert got * 100 == sent[0]
 
     run(body)
+
+
+def test_a_line_that_is_there_is_read_without_a_turn_of_the_loop() -> None:
+    """A message that came with the connection (``begin`` right after ``connect``) is read at
+    once. Caught: a first wait for the loop anyway (a turn of the loop per connection)."""
+
+    async def body(chan: Channel, peer: socket.socket, ended: list[str]) -> bytes:
+        peer.sendall(b"begin\n")
+        coro = chan.readline(100)
+        with pytest.raises(StopIteration) as done:
+            coro.send(None)
+        return done.value.value  # type: ignore[no-any-return]
+
+    assert run(body) == b"begin\n"
+
+
+def test_empty_lines_and_a_last_line_of_exactly_the_limit_without_newline() -> None:
+    async def body(chan: Channel, peer: socket.socket, ended: list[str]) -> list[bytes]:
+        peer.sendall(b"\n\n" + b"x" * 10)
+        peer.shutdown(socket.SHUT_WR)
+        return [await chan.readline(10), await chan.readline(10), await chan.readline(10)]
+
+    assert run(body) == [b"\n", b"\n", b"x" * 10]  # the end: what is left, not "too long"
+
+
+def test_input_that_comes_while_nobody_reads_is_kept_without_an_error() -> None:
+    """The socket stays watched between messages: what arrives while the connection's task
+    handles a message is read into the channel, and the loop's callback raises nothing."""
+
+    async def body(chan: Channel, peer: socket.socket, ended: list[str]) -> list[Any]:
+        loop = asyncio.get_running_loop()
+        errors: list[Any] = []
+        loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+        loop.call_later(0.01, peer.sendall, b"one\n")
+        assert await chan.readline(100) == b"one\n"
+        peer.sendall(b"two\n")
+        for _ in range(3):
+            await asyncio.sleep(0.01)  # nobody waits: the reader runs
+        assert bytes(chan._in) == b"two\n"
+        assert await chan.readline(100) == b"two\n"
+        return errors
+
+    assert run(body) == []
+
+
+def test_a_channel_whose_socket_was_closed_first_still_shuts() -> None:
+    async def body(chan: Channel, peer: socket.socket, ended: list[str]) -> bool:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, peer.sendall, b"a\n")
+        await chan.readline(100)  # watched
+        chan.sock.close()
+        chan.shut()
+        return chan.closed
+
+    assert run(body) is True
 
 
 def test_the_end_and_a_failure_wake_a_waiting_read() -> None:

@@ -42,7 +42,9 @@ def test_changes_are_lines_and_a_new_journal_reads_the_live_ones(tmp_path: Path)
     assert j.load() == {}
     j.add(entry(1, peer=77))
     j.add(entry(2), seq=7)
+    assert j.seq == 7
     j.set_pids(entry(2).lease_id, [(9, 99)])
+    assert j.entries[entry(2).lease_id].pids == [(9, 99)]
     j.remove(entry(1).lease_id)
     j.remove("no-such-id")  # nothing to end: no line
     assert [sorted(d) for d in lines(tmp_path / "journal.log")] == [
@@ -78,6 +80,23 @@ def test_a_line_written_by_hand_is_the_line_json_dumps_writes(e: Entry, seq: int
     doc = e.line() | ({} if seq is None else {"seq": seq})
     assert e.encoded(seq) == json.dumps(doc, separators=(",", ":")).encode() + b"\n"
     assert json.loads(e.encoded(seq)) == json.loads(json.dumps(doc))
+
+
+def test_the_live_size_counts_each_entry_once_as_it_changes(tmp_path: Path) -> None:
+    """What decides compaction: the bytes of the live entries' lines. An entry written again
+    (its holders changed) counts once, at its new size; an ended one not at all. Caught: the
+    old size added instead of taken away, or looked up under another key (a log compacted
+    too late, growing past four times the live state)."""
+    j = Journal(str(tmp_path))
+    j.load()
+    first, again = entry(1), entry(1, peer=12345, size=300)
+    j.add(first)
+    j.add(entry(2))
+    j.add(again)
+    assert j._live == len(again.encoded()) + len(entry(2).encoded())
+    j.remove(first.lease_id)
+    j.remove(entry(2).lease_id)
+    assert j._live == 0
 
 
 def test_the_holders_and_end_lines_are_the_ones_json_dumps_writes(tmp_path: Path) -> None:

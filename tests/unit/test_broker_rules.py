@@ -289,6 +289,7 @@ def test_a_grant_is_answered_with_the_bytes_its_journal_line_carries(tmp_path: A
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     b = broker(state_dir=str(state))
+    b._fleet = {"GPU-a0", "GPU-a1"}  # the host's devices, whatever this test process sees
 
     async def main() -> list[dict[str, Any]]:
         ours, theirs = socket.socketpair()
@@ -305,12 +306,125 @@ def test_a_grant_is_answered_with_the_bytes_its_journal_line_carries(tmp_path: A
         conn.writer.shut()
         ours.close()
         theirs.close()
+        raw.extend(got)
         return [json.loads(line) for line in got]
 
+    raw: list[str] = []
     granted, released = run(main())
     journal = (state / "journal.log").read_text().splitlines()
     add = [json.loads(x) for x in journal if '"add"' in x][-1]
     assert granted == {"ok": True, "proto": PROTOCOL, "record": json.loads(add["record"])}
+    assert raw[0] == f'{{"ok":true,"proto":{PROTOCOL},"record":{add["record"]}}}'  # as is
     assert granted["record"]["device_uuids"] == ["GPU-a1"]
     assert granted["record"]["holder_kind"] == "kernel"
     assert released == {"ok": True, "proto": PROTOCOL}
+
+
+def test_a_reply_past_its_cap_is_an_error_that_says_so_and_is_logged(caplog: Any) -> None:
+    """Replies are bounded by construction; one that is not (a bug) is never sent: the client
+    gets one error line naming both sizes, and the log says which uid it was for."""
+    import json
+    import logging
+    import socket
+
+    from autogpu_jupyter import broker as broker_module
+    from autogpu_jupyter.brokerd import net
+    from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
+
+    cap = broker_module.MAX_REPLY_BYTES
+    b = broker()
+
+    async def main(size: int) -> bytes:
+        ours, theirs = socket.socketpair()
+        conn = person(b, 1007)
+        conn.writer = net.Channel(ours, 1 << 22, lambda: None)
+        reply = {"ok": True, "x": ""}
+        reply["x"] = "y" * (size - len(json.dumps(reply | {"proto": PROTOCOL})) - 1)
+        theirs.setblocking(False)
+        loop = asyncio.get_running_loop()
+
+        async def read() -> bytes:
+            got = b""
+            while not got.endswith(b"\n"):
+                got += await loop.sock_recv(theirs, 1 << 22)
+            return got
+
+        reading = asyncio.ensure_future(read())
+        assert await b._send(conn, reply)
+        got = await asyncio.wait_for(reading, 10)
+        conn.writer.shut()
+        ours.close()
+        theirs.close()
+        return got
+
+    assert len(run(main(cap))) == cap  # exactly the cap: sent as it is
+    caplog.set_level(logging.ERROR, logger="autogpu.broker")
+    line = run(main(cap + 1))
+    assert json.loads(line) == {
+        "ok": False, "type": "RegistryError", "proto": PROTOCOL,
+        "error": f"reply too long ({cap + 1} bytes, cap {cap}): a bug of the broker, please "
+                 "report it"}
+    assert [r.getMessage() for r in caplog.records] == [
+        f"reply of {cap + 1} bytes to uid 1007 not sent (cap {cap})"]
+
+
+def test_a_client_that_does_not_read_its_reply_in_time_is_dropped_and_logged(
+    caplog: Any,
+) -> None:
+    import logging
+    import socket
+
+    from autogpu_jupyter.brokerd import net
+
+    b = broker(send_timeout_s=0.05)
+
+    async def main() -> bool:
+        ours, theirs = socket.socketpair()
+        conn = person(b, 1008, pid=4242)
+        conn.writer = net.Channel(ours, 1 << 24, lambda: None)
+        while conn.writer.pending == 0:  # the socket takes no more
+            conn.writer.write(b"z" * 65536)
+        sent = await b._send(conn, {"ok": True})
+        closed = conn.writer.closed
+        ours.close()
+        theirs.close()
+        return sent or not closed
+
+    caplog.set_level(logging.WARNING, logger="autogpu.broker")
+    assert run(main()) is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "uid 1008 (pid 4242) did not read its reply within 0 s: dropped"]
+
+
+def test_the_one_message_pick_answers_its_labels_beside_the_record() -> None:
+    """``{"op": "pick"}`` answers the record it leased and the chosen devices' labels (a
+    grant's reply is otherwise sent as built, from its journal's bytes). Caught: the labels
+    dropped on the way out."""
+    import json
+    import socket
+
+    from autogpu_jupyter.brokerd import net
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+    from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
+
+    b = broker()
+    b.backend = SimulatedBackend("demo-4x")
+
+    async def main() -> dict[str, Any]:
+        ours, theirs = socket.socketpair()
+        conn = person(b, 1009)
+        conn.writer = net.Channel(ours, 1 << 20, lambda: None)
+        reply = await b.op_pick(conn, {"op": "pick", "options": {"min_free": "1G"}})
+        assert await b._send(conn, reply)
+        theirs.settimeout(5)
+        line = theirs.recv(1 << 16)
+        conn.writer.shut()
+        ours.close()
+        theirs.close()
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    got = run(main())
+    assert got["ok"] is True and got["proto"] == PROTOCOL
+    labels = {d.uuid: d.label for d in b._snap.devices}
+    assert got["labels"] == [labels[u] for u in got["record"]["device_uuids"]]
+    assert len(got["labels"]) == 1 and got["record"]["user"] == "user1009"
