@@ -272,7 +272,8 @@ def cpu_s(pid: int) -> float:
 
 def disk_sync_s(directory: Path, n: int = 200) -> float:
     """What ``n`` appends of a journal line, each followed by ``fdatasync``, cost on the disk
-    of ``directory`` alone (the floor under ``n`` durable grants)."""
+    of ``directory`` alone: what ``n`` grants would cost if each were flushed (they are not: no
+    lease outlives the boot, see brokerd/journal.py)."""
     path = directory / "sync-probe"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
@@ -414,8 +415,8 @@ def main() -> int:
     print(f"200 lease/close cycles: {quiet_cycles_s:.2f} s quiet ({quiet_cpu:.2f} s of the "
           f"broker's CPU), {cycles_s:.2f} s with 100 maximal leases live ({fat_cpu:.2f} s of "
           f"its CPU); journal {journal / 1024:.0f} KiB after; broker log {log_lines} lines")
-    print(f"the disk alone: 200 appends with fdatasync {syncs:.2f} s (each cycle's grant waits "
-          "for one)")
+    print(f"the disk alone: 200 appends with fdatasync {syncs:.2f} s (what flushing each grant "
+          "would add; grants are written, not flushed)")
     return 0
 
 
