@@ -194,11 +194,50 @@ def test_each_change_costs_one_line_and_the_log_stays_bounded(tmp_path: Path) ->
         assert grew in range(1000, 1200) or grew < 0  # one line, or a compaction
         j.remove(entry(n).lease_id)
         largest = max(largest, path.stat().st_size)
-    assert path.stat().st_size <= max(jrnl.COMPACT_MIN_BYTES, 4 * live) + 1200
+    assert largest <= max(jrnl.COMPACT_MIN_BYTES, 4 * live) + 1200  # at its largest too
     # and no sooner: a compaction rewrites every live record, so it waits for 4x their size
     # (here past COMPACT_MIN_BYTES), measured against the live entries whatever came and went
     assert 4 * live > jrnl.COMPACT_MIN_BYTES and largest >= 4 * live - 1200
     assert len(Journal(str(tmp_path)).load()) == 100
+
+
+def test_the_log_is_compacted_past_its_bound_not_at_it(tmp_path: Path) -> None:
+    j = Journal(str(tmp_path))
+    j.load()
+    j.add(entry(1))  # a small live state: the bound is COMPACT_MIN_BYTES
+    while j.size_bytes < jrnl.COMPACT_MIN_BYTES - 8000:
+        churn = entry(2, size=2000)
+        j.add(churn)
+        j.remove(churn.lease_id)
+    gap = jrnl.COMPACT_MIN_BYTES - j.size_bytes
+    exact = entry(3, size=gap - len(entry(3, size=0).encoded()))
+    assert len(exact.encoded()) == gap
+    j.add(exact)
+    assert j.size_bytes == jrnl.COMPACT_MIN_BYTES  # at the bound: appended, not rewritten
+    j.add(entry(4))
+    assert j.size_bytes < 16 * 1024  # past it: rewritten as the live entries
+    assert sorted(Journal(str(tmp_path)).load()) == sorted(e.lease_id for e in
+                                                           (entry(1), exact, entry(4)))
+
+
+def test_a_journal_on_descriptor_0_keeps_it(tmp_path: Path) -> None:
+    """A broker started with its stdin closed gets descriptor 0 for its journal: kept, not
+    taken for "not open" and opened again on every change (a descriptor lost per grant)."""
+    saved = os.dup(0)
+    try:
+        os.close(0)
+        j = Journal(str(tmp_path))
+        j.load()
+        assert j._fd == 0
+        open_fds = len(os.listdir("/proc/self/fd"))
+        for n in range(20):
+            j.add(entry(n))
+        assert j._fd == 0 and len(os.listdir("/proc/self/fd")) == open_fds
+        j.close()
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+    assert len(Journal(str(tmp_path)).load()) == 20
 
 
 def test_torn_foreign_and_oversized_lines_are_skipped(
