@@ -156,3 +156,35 @@ def test_lookups_are_cached_briefly_and_the_cache_is_bounded(
     for uid in range(FREE, FREE + 5):
         accounts.account(uid, uid)
     assert len(accounts._cache) <= 3
+
+
+def test_an_owner_name_without_passwd_entry_is_named_by_its_first_32_characters(
+    tmp_path: Path,
+) -> None:
+    """Caught: the name cut at 33 characters (the message's bound changed)."""
+    owner = "n" * 30 + "abcdefghij"  # 40 characters, no such user
+    path = tmp_path / "subuid"
+    path.write_text(f"{owner}:{FREE}:10\n")
+    got = Accounts(str(path)).account(FREE + 3, 1)
+    assert got.via == (
+        f"uid {FREE + 3} (subordinate of {'n' * 30 + 'ab'!r}, who has no passwd entry)")
+
+
+def test_a_line_that_is_not_utf8_is_read_with_replacement_characters(tmp_path: Path) -> None:
+    """A subuid file with bytes that are not UTF-8 (a name in another encoding): its line is
+    read with U+FFFD in their place and the other lines still count. Caught: the decoding's
+    error handler misspelled (every such file raised, and no uid was mapped)."""
+    path = tmp_path / "subuid"
+    path.write_bytes(b"caf\xe9:%d:10\nbin:%d:5\n" % (FREE, FREE + 10))
+    accounts = Accounts(str(path))
+    assert accounts.account(FREE + 1, 1).via == (
+        f"uid {FREE + 1} (subordinate of 'caf\ufffd', who has no passwd entry)")
+    assert accounts.account(FREE + 12, 1).name == "bin"
+
+
+def test_a_range_may_start_at_uid_0(tmp_path: Path) -> None:
+    """Only a negative first uid is a bad line; 0 is a start like any other. Caught: ``first
+    < 0`` made ``first < 1`` (a range from 0 skipped as a bad line)."""
+    path = tmp_path / "subuid"
+    path.write_text("bin:0:10\n")
+    assert identity._read_ranges(str(path)) == [(0, 9, "bin")]

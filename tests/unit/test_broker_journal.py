@@ -489,3 +489,22 @@ def test_holders_are_found_by_the_socket_they_hold_and_checked_by_start_time() -
         child.wait()
         a.close()
     assert jrnl.scan_socket_holders([ino]) == {}
+
+
+def test_a_first_journal_without_entries_starts_empty_with_its_sequence(tmp_path: Path) -> None:
+    """Caught: the default of a missing ``entries`` dropped (loading such a journal raised and
+    the broker could not start)."""
+    (tmp_path / "journal.json").write_text(json.dumps({"seq": 7}))
+    j = Journal(str(tmp_path))
+    assert (j.load(), j.seq) == ({}, 7)
+    assert not (tmp_path / "journal.json").exists()
+
+
+def test_a_sock_diag_answer_is_read_up_to_its_bytes_whatever_its_length_says() -> None:
+    """The header's length is unsigned and bounded by the bytes there: a length past them (up
+    to 2**32 - 1) still finds the peer in what was read. Caught: the header read as signed
+    (a length of 2**31 or more became negative and the peer was never found)."""
+    body = b"\0" * 16 + struct.pack("=HHI", 8, 2, 4242)  # unix_diag_msg, then UNIX_DIAG_PEER
+    for length in (16 + len(body), 2**31, 2**32 - 1):
+        data = struct.pack("=IHHII", length, 20, 0, 0, 0) + body
+        assert jrnl._parse_peer(data) == 4242, length

@@ -13,6 +13,7 @@ import os
 import resource
 import socket
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +214,130 @@ def test_a_listener_closed_twice_stays_closed(tmp_path: Path) -> None:
         return listener.sock.fileno() == -1
 
     assert asyncio.run(main()) is True
+
+
+# ---- the same rules in this process (the forked children above are not seen by mutmut) ----
+
+
+class FakeLimits:
+    """``resource`` for RLIMIT_NOFILE: ``setrlimit`` refuses a soft limit above the hard one
+    with ValueError, as the real one does (and every raise where ``refuse`` is set)."""
+
+    RLIMIT_NOFILE = resource.RLIMIT_NOFILE
+    RLIM_INFINITY = resource.RLIM_INFINITY
+
+    def __init__(self, soft: int, hard: int, refuse: bool = False) -> None:
+        self.soft, self.hard, self.refuse = soft, hard, refuse
+
+    def getrlimit(self, which: int) -> tuple[int, int]:
+        assert which == self.RLIMIT_NOFILE
+        return self.soft, self.hard
+
+    def setrlimit(self, which: int, limits: tuple[int, int]) -> None:
+        assert which == self.RLIMIT_NOFILE
+        soft, hard = limits
+        if self.refuse or (hard != self.RLIM_INFINITY and soft > hard):
+            raise ValueError("current limit exceeds maximum limit")
+        self.soft, self.hard = soft, hard
+
+
+def test_the_cap_raises_the_soft_limit_to_the_hard_one_or_follows_a_refused_raise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Caught: the hard limit ignored (65536 asked for, refused, the cap left at the soft
+    limit), the raise called without its limits, ValueError no longer suppressed (a refused
+    raise stopped the broker)."""
+    limits = FakeLimits(256, 1024)
+    monkeypatch.setattr(net, "resource", limits)
+    assert (net.connection_cap(0), limits.soft) == (1024 - net.FD_RESERVE, 1024)
+    refused = FakeLimits(256, 1024, refuse=True)
+    monkeypatch.setattr(net, "resource", refused)
+    assert (net.connection_cap(0), refused.soft) == (256 - net.FD_RESERVE, 256)
+
+
+def test_without_a_soft_limit_the_cap_counts_65536_descriptors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Caught: 65537 counted for an unlimited soft limit."""
+    unlimited = FakeLimits(resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+    monkeypatch.setattr(net, "resource", unlimited)
+    assert net.connection_cap(100_000) == 65536 - net.FD_RESERVE
+    assert unlimited.soft == resource.RLIM_INFINITY  # nothing to raise
+
+
+def test_the_listener_accepts_at_most_128_connections_per_turn() -> None:
+    """A bounded batch: 130 waiting connections take two turns, 128 then 2. Caught: a batch
+    of 129."""
+    where = tempfile.mkdtemp(prefix="agn-", dir="/tmp")  # a socket path has at most 107 bytes
+    path = os.path.join(where, "b.sock")
+    accepted: list[socket.socket] = []
+    clients = []
+
+    async def main() -> list[int]:
+        listener = net.Listener(net.listen(path, backlog=256), accepted.append)
+        for _ in range(130):
+            c = socket.socket(socket.AF_UNIX)
+            clients.append(c)
+            c.connect(path)
+        counts = []
+        for _ in range(2):
+            listener._on_readable()  # as the loop calls it when the socket is readable
+            counts.append(len(accepted))
+        listener.close()
+        return counts
+
+    try:
+        assert asyncio.run(main()) == [128, 130]
+    finally:
+        for s in accepted + clients:
+            s.close()
+        os.unlink(path)
+        os.rmdir(where)
+
+
+def test_a_failing_accept_pauses_and_is_logged_once_per_ten_seconds(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EMFILE from accept: the listener stops watching its socket for a back-off that doubles,
+    and says so in one line with a count, at most once per :data:`LOG_EVERY_S` (one at
+    exactly that long after the last). Caught: the error not passed on (no line, a crash),
+    no errno for its words, the pause called without its delay, ``>=`` made ``>``."""
+    import errno
+    import types
+
+    clock = [1000.0]
+    monkeypatch.setattr(net, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+
+    class OutOfDescriptors(socket.socket):
+        def accept(self) -> Any:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        listener = net.Listener(OutOfDescriptors(socket.AF_UNIX), lambda s: None)
+        delays = []
+        for now in (1000.0, 1009.99, 1010.0):
+            clock[0] = now
+            before = loop.time()
+            listener._on_readable()
+            after = loop.time()
+            assert listener._paused is not None  # resumed after the back-off:
+            assert before + listener.backoff_s <= listener._paused.when()
+            assert listener._paused.when() <= after + listener.backoff_s
+            delays.append(listener.backoff_s)
+            listener._paused.cancel()
+            listener._resume()
+        listener.close()
+        return delays
+
+    with caplog.at_level(logging.WARNING, logger="autogpu.broker"):
+        delays = asyncio.run(main())
+    assert delays == [0.05, 0.1, 0.2]
+    suffix = (" (out of descriptors: the connection cap is below the limit, see "
+              "--max-connections)")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"accept failed (Too many open files); 1 failure(s) since the last note; pausing "
+        f"0.05 s{suffix}",
+        f"accept failed (Too many open files); 2 failure(s) since the last note; pausing "
+        f"0.20 s{suffix}",
+    ]

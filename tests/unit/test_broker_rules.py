@@ -428,3 +428,279 @@ def test_the_one_message_pick_answers_its_labels_beside_the_record() -> None:
     labels = {d.uuid: d.label for d in b._snap.devices}
     assert got["labels"] == [labels[u] for u in got["record"]["device_uuids"]]
     assert len(got["labels"]) == 1 and got["record"]["user"] == "user1009"
+
+
+# ---- survivors of the mutation sample (issue 22): each test names the change it catches ----
+
+
+def ticket_record(b: Broker, conn: Conn) -> Any:
+    """The record the broker builds for ``conn``'s ticket (one device, any)."""
+    return b._make_record(conn, "ticket", {
+        "device_uuids": [], "device_requested_bytes": [], "exclusive": False, "seq": 1,
+        "constraints": {"min_free_bytes": None, "min_free_fraction": None,
+                        "max_util_pct": None, "count": 1, "exclude": [], "exclusive": False,
+                        "allowed_uuids": None},
+        "pid": conn.pid, "kernel_id": None, "notebook_path": None, "command": None,
+        "holder_kind": "process",
+    })
+
+
+class Written:
+    """A connection's writer that keeps what the broker writes to it."""
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.lines.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_lock_taken_back_after_a_short_slice_does_not_mark_its_person_again() -> None:
+    """Only a lock held for the whole ``lock_timeout_s`` marks its person as one who lets it
+    time out; one taken back after a short slice (someone else waited) does not. Caught: the
+    margin of 1 ms made 1.001 s (with a 1 s timeout every lock taken back marked its person)."""
+    import time
+
+    from autogpu_jupyter.broker import LOCK_SLICE_S
+
+    b = broker(lock_timeout_s=1.0)
+    alice, bob = person(b, 1001), person(b, 1002)
+    b.lock_holder = alice
+    alice.granted_at = time.monotonic() - LOCK_SLICE_S  # it held a slice, then lost it
+    b._expire_lock(alice)
+    assert b.lock_holder is None and b.lock_misuse == {}
+    b.lock_holder = bob
+    bob.granted_at = time.monotonic() - 1.0  # it held the whole timeout
+    b._expire_lock(bob)
+    assert b.lock_holder is None and list(b.lock_misuse) == [1002]
+
+
+def test_a_holder_that_let_the_lock_time_out_gets_a_slice_once_someone_else_waits() -> None:
+    """A person who let the pick lock time out lately keeps it only :data:`LOCK_SLICE_S` once
+    another person asks for it: the holder's timer is set again when the other one begins.
+    Caught: the holder's misuse looked up under no key (the other waited the whole timeout)."""
+    import time
+
+    from autogpu_jupyter.broker import LOCK_SLICE_S
+
+    b = broker(lock_timeout_s=30.0)
+    alice, bob = person(b, 1001), person(b, 1002)
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        await b.op_begin(alice, {"op": "begin"})
+        assert alice.lock_handle is not None
+        assert alice.lock_handle.when() - loop.time() > 20  # alone: the whole timeout
+        b.lock_misuse[1001] = time.monotonic()  # she let it time out a moment ago
+        waiting = asyncio.create_task(b.op_begin(bob, {"op": "begin"}))
+        await asyncio.sleep(0)
+        assert alice.lock_handle is not None
+        assert alice.lock_handle.when() <= loop.time() + LOCK_SLICE_S
+        await asyncio.wait_for(waiting, 5)
+        assert b.lock_holder is bob
+        b._drop_lock(bob)
+
+    run(go())
+
+
+def test_a_holder_that_is_not_an_object_is_a_usage_error() -> None:
+    """Caught: the refusal's kind dropped (the client raised a broker failure, not the usage
+    error it is)."""
+    b = broker()
+    conn = person(b, 1001)
+    with pytest.raises(BrokerRefusal, match=r"^holder: expected an object$") as err:
+        b._holder_fields(conn, {"holder": ["kernel"]})
+    assert err.value.kind == "UsageErrorBase"
+
+
+def test_a_lease_replaced_by_a_repick_tells_its_connection_so() -> None:
+    """The connection of a lease a re-pick replaced gets one ``replaced`` event line (its
+    client reads it with its next reply). Caught: the event's key misspelled."""
+    b = broker()
+    alice, alice_old = person(b, 1001), person(b, 1001)
+    alice_old.writer = Written()  # type: ignore[assignment]
+    lease(b, alice_old, "GPU-rp1")
+    assert alice_old.record is not None
+    b._end_replaced(b._replaced(alice, {"ignore_ids": [alice_old.record.lease_id]}))
+    assert alice_old.record is None
+    assert alice_old.writer.lines == [  # type: ignore[attr-defined]
+        b'{"event": "replaced", "message": "lease replaced by a re-pick"}\n']
+
+
+@pytest.mark.parametrize("pid", [0, -5])
+def test_set_pid_refuses_a_pid_that_is_not_positive(pid: int) -> None:
+    """Caught: ``or pid <= 0`` made ``and`` (0 and negative pids were taken as holders)."""
+    b = broker()
+    conn = person(b, 0, name="root")  # root may name any process: only the value is checked
+    lease(b, conn, "GPU-sp1")
+    with pytest.raises(BrokerRefusal, match=rf"^set_pid: invalid pid '{pid}'$") as err:
+        run(b.op_set_pid(conn, {"op": "set_pid", "pid": pid}))
+    assert err.value.kind == "UsageErrorBase"
+    assert conn.record is not None and conn.record.pid == conn.pid  # unchanged
+
+
+def test_revoke_by_a_user_other_than_root_is_refused_in_those_words() -> None:
+    """Caught: the refusal's text changed."""
+    b = broker()
+    alice, bob = person(b, 1001), person(b, 1002)
+    lease(b, bob, "GPU-rv1")
+    assert bob.record is not None
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_revoke(alice, {"op": "revoke", "lease_id": bob.record.lease_id}))
+    assert (str(err.value), err.value.kind) == ("revoke needs root", "RegistryError")
+    assert bob.record is not None  # still bob's
+
+
+def test_every_accepted_connection_counts_against_its_persons_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three connections of one person with ``max_connections_per_user = 2``: two are served,
+    the third refused with one line; when they end, the count is back to none. Caught: the
+    count set to 1 instead of increased (a person's connections never reached the limit)."""
+    import json
+    import socket
+
+    import autogpu_jupyter.broker as broker_mod
+
+    b = broker(max_connections_per_user=2)
+    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
+    monkeypatch.setattr(b.accounts, "account",
+                        lambda uid, gid: Account(1001, "alice", frozenset()))
+
+    async def go() -> tuple[list[int], dict[str, Any]]:
+        pairs = [socket.socketpair() for _ in range(3)]
+        counts = []
+        for ours, _ in pairs:
+            b.accepted(ours)
+            counts.append(b.per_key[1001])
+        third = pairs[2][1]
+        third.settimeout(5)
+        refusal = json.loads(await asyncio.get_running_loop().run_in_executor(
+            None, third.recv, 65536))
+        for _, theirs in pairs:
+            theirs.close()
+        for _ in range(200):
+            if not b.conns:
+                break
+            await asyncio.sleep(0.01)
+        return counts, refusal
+
+    counts, refusal = run(go())
+    assert counts == [1, 2, 2]
+    assert refusal["error"] == "too many connections for alice (max_connections_per_user = 2)"
+    assert (b.conns, dict(b.per_key)) == (set(), {})
+
+
+def test_a_ticket_given_up_before_it_could_be_served_bars_nobody() -> None:
+    """A ticket that never could be served (no time in ``servable_since``) ends without a
+    bar from the line. Caught: ``and`` made ``or`` (the comparison with no time raised, and
+    the ticket's connection could not end)."""
+    b = broker()
+    conn = person(b, 1001)
+    conn.record = ticket_record(b, conn)
+    conn.record = None
+    assert b.line_barred == {} and b.servable_since == {}
+
+
+def test_a_ticket_the_decision_cannot_judge_is_logged_by_its_id(caplog: Any) -> None:
+    """A ticket the decision fails on reserves as before (it is not dormant), with a debug
+    line naming it. Caught: the ticket's id left out of the line."""
+    import logging
+    import time
+
+    b = broker()
+    b._snap, b._snap_at = object(), time.monotonic()  # a fresh snapshot
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("a constraint it cannot read")
+
+    b._waiters = fails  # type: ignore[method-assign]
+    conn = person(b, 1001)
+    caplog.set_level(logging.DEBUG, logger="autogpu.broker")
+    conn.record = ticket_record(b, conn)
+    assert conn.record is not None
+    assert conn.record.lease_id not in b.dormant
+    assert [r.getMessage() for r in caplog.records if "not judged" in r.getMessage()] == [
+        f"ticket {conn.record.lease_id} not judged: a constraint it cannot read"]
+
+
+def test_the_state_a_pick_decides_on_has_the_devices_reserved_away_from_its_user() -> None:
+    """The store view of a pick's decision counts a device reserved for a group the caller
+    is not in as an exclusive pseudo-lease; a member sees it free. Caught: the reservation
+    asked for no connection (the view raised)."""
+    from autogpu_jupyter.broker import _StateView
+    from autogpu_jupyter.core.leasing import admission
+
+    b = broker(reserved={"GPU-res1": ["ml"]})
+    outsider = person(b, 1001)
+    member = person(b, 1002, groups=frozenset({"ml"}))
+    lease(b, member, "GPU-res0")
+    leases, tickets = _StateView(b, outsider).live_records()
+    assert [(r.device_uuids, r.exclusive, admission.is_reservation(r)) for r in leases] == [
+        (("GPU-res0",), False, False), (("GPU-res1",), True, True)]
+    assert tickets == []
+    leases, _ = _StateView(b, member).live_records()
+    assert [r.device_uuids for r in leases] == [("GPU-res0",)]
+
+
+def test_a_state_directory_that_is_a_symlink_is_refused_in_one_line(tmp_path: Any) -> None:
+    """Caught: the refusal's text dropped (the broker stopped without saying why)."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(SystemExit) as err:
+        broker(state_dir=str(tmp_path / "link"))
+    assert str(err.value) == (
+        f"autogpu broker: state directory {tmp_path / 'link'} is not a directory of ours")
+
+
+def test_serve_listens_answers_and_stops_on_sigterm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve`` (what ``autogpu broker`` runs): it listens, answers a client, and SIGTERM ends
+    it cleanly (its handler, not the default that kills the process). Caught: the listener
+    given no socket, no future to wait on, a signal handler installed without its callback."""
+    import json
+    import signal
+    import tempfile
+
+    import autogpu_jupyter.broker as broker_mod
+    from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
+    from autogpu_jupyter.errors import AutoGPUError
+
+    class NoFleet:
+        def snapshot(self) -> Any:
+            raise AutoGPUError("no GPU library here")
+
+    monkeypatch.setattr(broker_mod, "get_backend", NoFleet)
+    where = tempfile.mkdtemp(prefix="agb-", dir="/tmp")  # a socket path has at most 107 bytes
+    path = os.path.join(where, "b.sock")
+    replies: list[dict[str, Any]] = []
+
+    async def client() -> None:
+        reader, writer = await asyncio.open_unix_connection(path)
+        writer.write(json.dumps({"op": "status", "proto": PROTOCOL}).encode() + b"\n")
+        replies.append(json.loads(await reader.readline()))
+        writer.close()
+        # never the default handler: that would end the test process
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        tasks = []
+        config = BrokerConfig(socket_path=path)
+        await asyncio.wait_for(
+            broker_mod.serve(config, lambda: tasks.append(loop.create_task(client()))), 10)
+        await tasks[0]
+
+    try:
+        run(main())
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.rmdir(where)
+    assert [(r["ok"], r["leases_total"], r["proto"]) for r in replies] == [(True, 0, PROTOCOL)]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
