@@ -11,7 +11,10 @@ import io
 import json
 import os
 import pwd
+import shutil
 import signal
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -372,3 +375,156 @@ def test_pick_dry_run_ranks_every_device_and_changes_nothing(
         "nothing picked; to wait in line until a device fits, add --wait DURATION (e.g. --wait "
         "10m)",
     ]
+
+
+# ---- mutation run (issue 22): what each command shows ------------------------------------------
+
+
+def test_list_titles_a_simulated_fleet_after_its_device_count(host: Path) -> None:
+    """``autogpu list`` says how many devices, from which backend, and that they are simulated.
+    Caught: the simulated note replacing the title instead of following it."""
+    code, out, err = cli("list")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[0] == (
+        "2 device(s) via simulated — SIMULATED fleet (AUTOGPU_SIMULATE), not real GPUs")
+
+
+def test_list_with_an_unreadable_registry_notes_it_on_stderr(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registry that is a symlink is refused: ``autogpu list`` still shows the devices (stdout
+    stays the table a script parses) and says why the leases are missing on stderr. Caught: the
+    note printed to stdout."""
+    real = host.parent / "real-registry"
+    real.mkdir(mode=0o1777)
+    link = host.parent / "link-registry"
+    link.symlink_to(real)
+    monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(link))
+    code, out, err = cli("list")
+    assert code == 0
+    assert out.splitlines()[0].startswith("2 device(s) via simulated")
+    assert "lease registry" not in out
+    assert err == (
+        f"note: lease registry not readable: lease registry {link} is a symlink: refused "
+        "(another user could redirect leases elsewhere); the admin should make it a real "
+        "directory, mode 1777\n")
+
+
+def test_leases_with_none_live_says_where_it_looked(host: Path) -> None:
+    """Caught: the line naming the registry replaced by ``None``."""
+    assert cli("leases") == (0, f"no live leases in {host}\n", "")
+
+
+def test_run_hands_the_command_its_lease_id_and_records_a_cli_holder(
+    host: Path, tmp_path: Path
+) -> None:
+    """The command run sees AUTOGPU_LEASE_ID, the id of the lease file it holds, and that lease
+    says a CLI took it (holder_kind "cli", as ``autogpu leases`` and the panel read it). Caught:
+    the lease test inverted (no AUTOGPU_LEASE_ID for a leased command, a crash without a lease);
+    the holder kind written "CLI"."""
+    seen = tmp_path / "seen"
+    script = 'printf %s "$AUTOGPU_LEASE_ID" > "$0.id"; cat "$1"/*/*.lease > "$0"'
+    code, _out, err = cli("run", "--", "sh", "-c", script, str(seen), str(host))
+    assert code == 0, err
+    record = json.loads(seen.read_text())
+    assert (seen.parent / "seen.id").read_text() == record["lease_id"]
+    assert len(record["lease_id"]) == 32
+    assert record["holder_kind"] == "cli"
+    assert record["device_uuids"] == [A]
+
+
+_HELP_LINES = {
+    "broker": [
+        "--max-devices-per-user N admin limit (default c.AutoGPU.max_devices_per_user)",
+        "--max-tickets-per-user N places in the waiting line one user may hold at once (default "
+        "c.AutoGPU.max_tickets_per_user, 2; 0: no waiting picks)",
+    ],
+    "exporter": [
+        "--host HOST address to listen on (default 127.0.0.1; 0.0.0.0 for all)",
+        "--port PORT port (default 9445)",
+    ],
+}
+
+
+@pytest.mark.parametrize("command", sorted(_HELP_LINES))
+def test_the_help_explains_the_admins_flags(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each flag's help says what it sets and its default (compared with the help's line breaks
+    and indents made single spaces). Caught: a help text dropped or altered."""
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for line in _HELP_LINES[command]:
+        assert line in text
+
+
+def test_the_broker_reads_subordinate_uids_from_etc_subuid_by_default(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caught: the --subuid-file default misspelt (then no subordinate uid counts as its owner,
+    and a user's containers escape the per-user limits)."""
+    assert _served_config(monkeypatch).subuid_path == "/etc/subuid"
+
+
+# ---- autogpu broker status | tickets against a real broker ----------------------------------
+
+
+@pytest.fixture
+def thread_broker() -> Iterator[Any]:
+    """A real broker (as test_brokerclient.py runs it) on a thread of this process, at most 3
+    devices per user, on a short socket path."""
+    from tests.unit.test_brokerclient import ThreadBroker
+
+    short = tempfile.mkdtemp(prefix="agc-", dir="/tmp")
+    b = ThreadBroker(os.path.join(short, "b.sock"), max_devices_per_user=3)
+    try:
+        yield b
+    finally:
+        b.crash()
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def test_broker_status_and_tickets_show_the_leases_waiters_and_per_user_counts(
+    host: Path, thread_broker: Any
+) -> None:
+    """``autogpu broker status``: the broker's counts, each lease and waiter, per user how many
+    leases on how many devices and places in line; ``autogpu broker tickets``: the line. Caught:
+    the status or the ticket list not handed to the printer (a crash), a per-user count read
+    under the wrong key."""
+    from autogpu_jupyter.core.leasing import Requester
+    from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
+    from tests.unit.test_brokerclient import constraints
+
+    path = thread_broker.path
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    pid = os.getpid()
+    assert cli("broker", "status", "--socket", path) == (0, (
+        f"broker {path} (pid {pid}): 1 connection(s), max_devices_per_user 3, 0 lease(s) kept "
+        "from a restart\nleases: 0\nwaiters: 0\nper user:\n"), "")
+    assert cli("broker", "tickets", "--socket", path) == (0, "waiting tickets: 0\n", "")
+    reg = BrokerRegistry(path, connect_timeout_s=2.0)
+    with reg.locked() as txn:
+        lease = txn.create(devices=["GPU-a1", "GPU-a2"], requested_bytes=GiB,
+                           requester=Requester(kernel_id="k-1"))
+    ticket = reg.take_ticket(constraints=constraints(count=1), exclusive=True,
+                             requester=Requester(notebook_path="t.ipynb"))
+    try:
+        lid, tid = lease.record.lease_id, ticket.record.lease_id
+        since = time.strftime("%H:%M:%S", time.localtime(ticket.record.created_s))
+        assert cli("broker", "status", "--socket", path) == (0, (
+            f"broker {path} (pid {pid}): 3 connection(s), max_devices_per_user 3, 0 lease(s) "
+            "kept from a restart\n"
+            "leases: 1\n"
+            f"  {lid[:12]}  GPU-a1,GPU-a2  {me}: kernel k-1\n"
+            "waiters: 1\n"
+            f"  ticket 1  {me}: t.ipynb\n"
+            "per user:\n"
+            f"  {me}: 1 lease(s) on 2 device(s), 1 waiting\n"), "")
+        assert cli("broker", "tickets", "--socket", path) == (0, (
+            "waiting tickets: 1\n"
+            f"  ticket 1  {tid}  1 GPU(s) exclusive, since {since}  {me}: t.ipynb\n"), "")
+    finally:
+        lease.release()
+        ticket.release()

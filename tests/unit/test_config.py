@@ -97,3 +97,17 @@ def test_switches_from_the_environment_in_any_case(
     monkeypatch.setenv("AUTOGPU_USE_LEASES", value)
     settings = AutoGPU()
     assert (settings.exclusive, settings.use_leases) == (exclusive, use_leases)
+
+
+@pytest.mark.parametrize("value", [None, ""])
+def test_the_registry_defaults_to_var_tmp_autogpu(
+    monkeypatch: pytest.MonkeyPatch, value: str | None
+) -> None:
+    """No (or an empty) AUTOGPU_REGISTRY_DIR: the host-wide /var/tmp/autogpu, the directory the
+    admin docs create. Caught (mutation run, issue 22): the path upper-cased."""
+    if value is None:
+        monkeypatch.delenv("AUTOGPU_REGISTRY_DIR", raising=False)
+    else:
+        monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", value)
+    assert config.default_registry_dir() == "/var/tmp/autogpu"
+    assert AutoGPU().registry_dir == "/var/tmp/autogpu"

@@ -168,3 +168,29 @@ def test_the_kernelspec_help_lists_its_actions(capsys: pytest.CaptureFixture[str
     assert main(["kernelspec"]) == 2
     out = capsys.readouterr().out
     assert "    install   install an autogpu kernelspec" in out.splitlines()
+
+
+def test_install_runs_the_kernel_with_the_python_named(
+    prefix: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--python EXE`` is the kernel's interpreter (argv[0] of kernel.json). Caught
+    (mutation run, issue 22): the flag dropped on its way to install (this Python written)."""
+    exe = "/opt/conda/envs/train/bin/python"
+    assert main(["kernelspec", "install", "--prefix", str(prefix), "--python", exe]) == 0
+    capsys.readouterr()
+    spec = json.loads((prefix / "share/jupyter/kernels/python3-autogpu/kernel.json").read_text())
+    assert spec["argv"][:3] == [exe, "-m", "ipykernel_launcher"]
+
+
+def test_list_says_defaults_for_a_kernelspec_without_options(
+    prefix: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A kernelspec with no pick options is listed as using the defaults. Caught (mutation
+    run, issue 22): that word altered."""
+    assert main(["kernelspec", "install", "--user", "--name", "gpu-plain"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "pick options: the server's defaults (c.AutoGPU)")
+    assert main(["kernelspec", "list"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if str(prefix) in ln]
+    dest = prefix / "user-data/kernels/gpu-plain"
+    assert line.split() == ["gpu-plain", "Python", "3", "(autogpu)", "defaults", str(dest)]
