@@ -249,3 +249,55 @@ def test_a_repick_names_a_vanished_previous_device_by_its_uuid(
     result, _warning = pick_result(pick_options(settings, {"min_free": "10G"}), settings=settings)
     assert result.previous == U[0]
     assert [d.uuid for d in result.chosen] == [U[2]]
+
+
+def test_a_provisioned_kernel_whose_device_fits_keeps_it_with_the_whole_ranking(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel the autogpu kernelspec started on GPU 0 asks for what GPU 0 has: it keeps GPU 0,
+    takes no second lease and sets nothing; the result still ranks every device (what the kept
+    summary reads its free memory from). Caught (mutation run, issue 22): the kept result built
+    without its chosen devices or without the ranking (a TypeError instead of the kept pick)."""
+    from autogpu_jupyter.api import pick_options, pick_result
+    from autogpu_jupyter.config import default_settings
+
+    monkeypatch.setenv("AUTOGPU_PICKED", U[0])
+    assert [d.uuid for d in ag.pick(min_free="10G")] == [U[0]]
+    settings = default_settings()
+    result, warning = pick_result(pick_options(settings, {"min_free": "10G"}), settings=settings)
+    assert warning is None and result.kept
+    assert [d.uuid for d in result.chosen] == [U[0]]
+    assert [c.device.uuid for c in result.candidates] == [U[0], U[2], U[3], U[1]]
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    assert Registry(str(host)).list_leases() == []
+
+
+def test_a_dry_run_pick_result_has_no_warning(host: Path) -> None:
+    """``pick_result`` answers ``(result, None)`` when there is nothing to warn about, as its
+    type says. Caught: the dry run's warning answered as ``""``."""
+    from autogpu_jupyter.api import pick_options, pick_result
+    from autogpu_jupyter.config import default_settings
+
+    settings = default_settings()
+    result, warning = pick_result(pick_options(settings, {}), dry_run=True, settings=settings)
+    assert warning is None
+    assert [d.uuid for d in result.chosen] == [U[0]]
+
+
+def test_the_utilisation_a_pick_ranks_by_is_the_samplers_last_30_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The smoothed utilisation a pick ranks by is the mean of the last 30 s of the sampler's
+    history, not of all of it. Caught: the whole history averaged (an old burst would count)."""
+    from autogpu_jupyter import api
+    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+    from autogpu_jupyter.core.sampler import Sampler
+
+    s = Sampler(interval_s=1.0, history_s=900.0)
+    for t, util in ((1000.0, 90.0), (1060.0, 20.0), (1080.0, 10.0)):
+        dev = DeviceSnapshot(index=0, uuid=U[0], name="Fake", utilization_pct=util)
+        s.add(FleetSnapshot(devices=(dev,), timestamp_s=t, backend="test"), own=())
+    monkeypatch.setattr(api, "_running_sampler", lambda: s)
+    assert api._smoothed_util() == {U[0]: 15.0}  # 1060 and 1080; not 1000 (40.0 with it)
+    monkeypatch.setattr(api, "_running_sampler", lambda: None)
+    assert api._smoothed_util() is None

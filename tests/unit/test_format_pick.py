@@ -1,5 +1,6 @@
 """``%gpu pick``'s summary (``magics.format_pick``) for the cases a plain pick does not reach: a
-kernel that kept the device the kernelspec gave it, and a re-pick. Each line checked whole."""
+kernel that kept the device the kernelspec gave it, and a re-pick; and ``--dry-run``'s ranking
+(``magics.format_ranking``). Each line checked whole."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.picker import PickResult, pick
 from autogpu_jupyter.core.policy import Constraints
-from autogpu_jupyter.magics import format_pick
+from autogpu_jupyter.magics import format_pick, format_ranking
 from tests.leasehelpers import fleet, uuid_of
 
 
@@ -48,3 +49,38 @@ def test_a_repick_says_what_the_kernel_had(result: PickResult) -> None:
     assert "  you had GPU 1; now GPU 0 (one lease: the old one was released)" in moved
     same = format_pick(dataclasses.replace(result, previous="GPU 0")).splitlines()
     assert "  you had GPU 0 already: kept it, with a new lease for these options" in same
+
+
+def test_the_dry_run_ranking_is_an_aligned_table_with_the_dropped_devices_unranked(
+    tmp_path: Path,
+) -> None:
+    """Each line whole: the free memory right-aligned, a dropped device without rank or load.
+    Caught: the free column left-aligned, and a dropped device given a rank or a load figure."""
+    data = fleet(3)
+    data["devices"][1]["memory_used"] = 75 * 1024**3
+    data["devices"][2].update(memory_used=50 * 1024**3, utilization_pct=40)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(data))
+    result = pick(PickOptions(Constraints.parse(min_free="10G")),
+                  backend=SimulatedBackend(str(path)), environ={}, dry_run=True)
+    assert format_ranking(result).splitlines() == [
+        "autogpu [SIMULATED] dry run (min free 10.0 GiB): nothing changed",
+        "  rank  device  name                       free  util  load     leases  verdict",
+        "  1     GPU 0   NVIDIA A100-SXM4-80GB  80.0 GiB    0%  0% util       0  would pick: "
+        "80.0 GiB free >= 10.0 GiB wanted",
+        "  2     GPU 2   NVIDIA A100-SXM4-80GB  30.0 GiB   40%  62% mem       0  fits: "
+        "30.0 GiB free >= 10.0 GiB wanted",
+        "  -     GPU 1   NVIDIA A100-SXM4-80GB   5.0 GiB    0%  -             0  dropped: only "
+        "5.0 GiB free < 10.0 GiB wanted",
+        "  why GPU 0 over GPU 2: lower load (0% util vs 62% mem)",
+    ]
+
+
+def test_a_ranking_that_chose_nothing_says_a_real_pick_would_fail(result: PickResult) -> None:
+    """``format_ranking`` of a result without a chosen device (the picker raises instead, so
+    only a direct caller hands it one) ends with why. Caught: that line lost (a TypeError)."""
+    lines = format_ranking(dataclasses.replace(result, chosen=())).splitlines()
+    assert lines[-1] == (
+        "  no device fits: a real pick would fail now (--wait DURATION waits in line)"
+    )
+    assert not [ln for ln in lines if ln.startswith("  why ")]

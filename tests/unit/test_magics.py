@@ -692,3 +692,140 @@ def _recording_init(init: Any, into: list[Any]) -> Any:
         into.append(self)
 
     return recorded
+
+
+# ---- what the surviving mutants of issue 22's sample showed untested -----------------------------
+
+
+def test_status_names_both_devices_of_a_two_device_pick(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caught: the marked devices' labels joined with something else than ", "."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick --count 2")
+    capsys.readouterr()
+    _, out, _ = run(shell, "%gpu status", capsys)
+    assert out.splitlines()[-1] == "this kernel: ▶ GPU 0, GPU 2 (%gpu pick, 2 devices)"
+
+
+def test_release_says_the_lease_went_too_and_only_when_there_was_one(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caught: " and its lease" never said after a pick that held one."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    capsys.readouterr()
+    _, out, _ = run(shell, "%gpu release", capsys)
+    assert out == "autogpu: released GPU 0 and its lease; CUDA_VISIBLE_DEVICES is unset again\n"
+    shell.run_cell("import autogpu_jupyter as ag; ag.set_visible_devices([3])")  # no lease
+    capsys.readouterr()
+    _, out, _ = run(shell, "%gpu release", capsys)
+    assert out == "autogpu: released GPU 3; CUDA_VISIBLE_DEVICES is unset again\n"
+
+
+@pytest.mark.parametrize(("cuda", "hip", "runtime"), [(True, False, "CUDA"),
+                                                     (False, True, "HIP (ROCm)")])
+def test_release_after_the_runtime_started_says_which_keeps_the_device(
+    shell: InteractiveShell,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    cuda: bool,
+    hip: bool,
+    runtime: str,
+) -> None:
+    """The variables are restored, but a runtime already initialised keeps its device until
+    the kernel restarts; the line names that runtime. Caught: the runtime's name lost."""
+    from autogpu_jupyter.core.cudastate import CudaState
+
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    monkeypatch.setattr(magics, "cuda_state", lambda: CudaState(cuda, "test", None))
+    monkeypatch.setattr(magics, "hip_state", lambda: CudaState(hip, "test", None))
+    capsys.readouterr()
+    _, out, _ = run(shell, "%gpu release", capsys)
+    assert out.splitlines() == [
+        "autogpu: released GPU 0 and its lease; CUDA_VISIBLE_DEVICES is unset again",
+        f"  {runtime} is already initialised in this kernel: it keeps using GPU 0 until you "
+        "restart the kernel",
+    ]
+
+
+def test_a_vscode_kernels_lease_names_its_notebook(
+    shell: InteractiveShell, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """VS Code gives its kernels no JPY_SESSION_NAME but ``__vsc_ipynb_file__`` in the user
+    namespace: the lease names that notebook. Caught: the IPython shell never asked."""
+    from autogpu_jupyter.core.leasing import Registry
+
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    monkeypatch.setitem(shell.user_ns, "__vsc_ipynb_file__", "/home/ana/train.ipynb")
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    (lease,) = Registry(str(tmp_path / "registry")).list_leases()
+    assert lease.notebook_path == "/home/ana/train.ipynb"
+
+
+@pytest.mark.parametrize("value", ["", 7, Path("/home/ana/train.ipynb")])
+def test_a_vscode_notebook_variable_that_is_no_path_names_no_notebook(
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch, value: object
+) -> None:
+    """Only a non-empty string is a notebook's path. Caught: any true value (or any string, the
+    empty one too) taken for one."""
+    from autogpu_jupyter.api import notebook_of_this_process
+
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    monkeypatch.setitem(shell.user_ns, "__vsc_ipynb_file__", value)
+    assert notebook_of_this_process() is None
+
+
+def _capture_displays(shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    from IPython.core.displaypub import DisplayPublisher
+
+    shown: list[Any] = []
+
+    class Capture(DisplayPublisher):
+        def publish(self, data: Any, metadata: Any = None, **kw: Any) -> None:
+            shown.append((data, kw.get("update", False)))
+
+    monkeypatch.setattr(shell, "display_pub", Capture(shell=shell))
+    return shown
+
+
+def test_the_waiting_line_in_a_notebook_is_the_text_itself(
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a kernel the waiting line is one display, updated in place, then marked. Caught: its
+    first display not raw (the notebook would show the repr of a dict)."""
+    shown = _capture_displays(shell, monkeypatch)
+    progress = magics._Progress(in_kernel=True)
+    progress.update("waiting for a device (1s)")
+    progress.update("waiting for a device (2s)")
+    progress.done("gave up")
+    assert shown == [
+        ({"text/plain": "waiting for a device (1s)"}, False),
+        ({"text/plain": "waiting for a device (2s)"}, True),
+        ({"text/plain": "waiting for a device: gave up"}, True),
+    ]
+
+
+def test_a_revoke_on_the_inherited_lease_connection_is_said_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A kernel the autogpu kernelspec started holds its lease on the descriptor it inherited
+    (``AUTOGPU_LEASE_FD``): the broker's revoke there is told after the cell, once. Caught: the
+    inherited descriptor never read."""
+    import socket
+
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.setattr(magics, "_ended_lease_fds", set())
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        monkeypatch.setenv("AUTOGPU_LEASE_FD", str(ours.fileno()))
+        theirs.sendall(b'{"event": "revoked", "lease_id": "abc"}\n')
+        magics._lease_events()
+        theirs.sendall(b'{"event": "revoked", "lease_id": "abc"}\n')  # said: not again
+        magics._lease_events()
+    assert capsys.readouterr().out == (
+        "autogpu: your GPU lease abc was revoked by the admin: this kernel no longer holds it; "
+        "others may now be given its GPU\n"
+    )
