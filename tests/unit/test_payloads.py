@@ -349,3 +349,110 @@ def test_the_move_answer_after_a_restart_that_left_no_autogpu_provisioner() -> N
         assert (answer["message"], answer["picked"], answer["note"]) == (
             "The kernel restarted on no GPU, not on GPU 1 as planned. Its state (variables) "
             "was lost.", [], None)
+
+
+# ---- holders: the kernels' overload notification and their wait for a GPU ------------------
+
+C = "GPU-2c2c2c2c-1111-2222-3333-444444444444"
+#: The notification of kernel k-1 on a GPU 0 that bob's process fills (see ``crowded``).
+CROWDED = "GPU 0 (this kernel's GPU) is overloaded: memory 98% full, 1 other process."
+
+
+def crowded(kernels: Kernels, own_gib: int, others_gib: int, *,
+            spare: bool = True) -> list[dict[str, Any]]:
+    """GPU 0 78 of 80 GiB full: kernel k-1's process holds ``own_gib``, bob's ``others_gib``;
+    with ``spare``, GPU 1 idle and empty and GPU 2 half full. One sweep: no utilisation stretch
+    is long enough to count, only the memory."""
+    devices = [{"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+                "memory_used": 78 * GiB, "utilization_pct": 10, "processes": [
+                    {"pid": kernels.pid("k-1"), "used_memory": own_gib * GiB, "user": ME,
+                     "command": "python -m ipykernel_launcher"},
+                    {"pid": 51002, "used_memory": others_gib * GiB, "user": "bob",
+                     "command": "python bob.py"}]}]
+    if spare:
+        devices += [
+            {"uuid": B, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0,
+             "utilization_pct": 0},
+            {"uuid": C, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+             "memory_used": 40 * GiB, "utilization_pct": 0},
+        ]
+    return devices
+
+
+def overload_of(data: dict[str, Any], kid: str = "k-1") -> tuple[Any, Any]:
+    (info,) = [k for k in data["kernels"] if k["kernel_id"] == kid]
+    return info["overload"], info["better"]
+
+
+def test_a_kernel_whose_gpu_others_fill_is_told_where_to_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """Caught (mutation run, issue 22): no snapshot passed to the detection (never a warning);
+    the cause replaced by "busy"; the registry left out of the better device's question (a GPU
+    another kernel's lease books named as free)."""
+    from autogpu_jupyter.core.leasing import Registry, Requester
+
+    fleet_file = write_fleet(tmp_path / "fleet.json", crowded(kernels, 8, 70))
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        free = payloads.holders_payload(state, kernels, {})
+        # another kernel books 70 of GPU 1's 80 GiB: GPU 2's 40 GiB free is the better device
+        with Registry(str(tmp_path / "registry")).locked() as txn:
+            assert txn is not None
+            lease = txn.create(devices=[B], requested_bytes=70 * GiB,
+                               requester=Requester(kernel_id="k-9"))
+        try:
+            booked = payloads.holders_payload(state, kernels, {})
+        finally:
+            lease.release()
+    assert overload_of(free) == (f"{CROWDED} Better now: GPU 1.", {"uuid": B, "label": "GPU 1"})
+    assert overload_of(booked) == (f"{CROWDED} Better now: GPU 2.", {"uuid": C, "label": "GPU 2"})
+    assert overload_of(free, "k-2") == (None, None)  # k-2 holds no GPU
+
+
+def test_an_overload_with_no_better_device_names_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """Caught (mutation run, issue 22): the better device read when there is none (the whole
+    holders answer failed)."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", crowded(kernels, 8, 70, spare=False))
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        data = payloads.holders_payload(state, kernels, {})
+    assert overload_of(data) == (CROWDED, None)
+
+
+def test_a_kernel_that_fills_its_gpu_itself_is_not_warned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """k-1's own process holds 70 of the 78 GiB: the GPU is full because of k-1, not of others.
+    Caught (mutation run, issue 22): the kernel's own GPU processes not counted as its own (its
+    ``pid`` looked up under another key, or only processes of unknown memory counted)."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", crowded(kernels, 70, 8))
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        data = payloads.holders_payload(state, kernels, {})
+    assert overload_of(data) == (None, None)
+
+
+def test_holders_are_dated_by_their_sweep_and_say_which_kernel_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """k-1 is in line for a GPU (a ``--wait`` pick's ticket of the server's user): the sidebar
+    says so. The answer bears the time of the sweep it shows (the sampler's thread may add a
+    sweep meanwhile: one of the sweeps taken). Caught (mutation run, issue 22): ``waiting`` or
+    ``errors`` written under another key; the answer dated now instead of by its sweep."""
+    from autogpu_jupyter.core.decision import ticket_constraints
+    from autogpu_jupyter.core.leasing import Registry, Requester
+
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch, interval_s=600.0) as state:
+        with Registry(str(tmp_path / "registry")).locked() as txn:
+            assert txn is not None
+            ticket = txn.create_ticket(constraints=ticket_constraints(Constraints(), None),
+                                       requester=Requester(kernel_id="k-1"))
+        try:
+            data = payloads.holders_payload(state, kernels, {})
+        finally:
+            ticket.release()
+        swept = set(state.sampler().history_frame()["timestamp_s"])
+    assert {k["kernel_id"]: k["waiting"] for k in data["kernels"]} == {"k-1": True, "k-2": False}
+    assert data["timestamp_s"] in swept
+    assert (data["simulated"], data["errors"]) == (True, [])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import urllib.parse
 import warnings
@@ -23,8 +24,9 @@ from typing import Any
 
 import pytest
 import tornado.httpclient
+import tornado.web
 
-from autogpu_jupyter import kernelspec, metrics
+from autogpu_jupyter import __version__, kernelspec, metrics
 from autogpu_jupyter.core import backends, moves
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.contract import SERVER_ROOT_ENV
@@ -213,6 +215,19 @@ def test_loading_says_where_the_api_lives_and_routes_the_package_logs(
     assert server_log.said("a ") == ["a sweep of 2 devices"]
 
 
+def test_the_log_handler_drops_records_until_a_server_log_is_named() -> None:
+    """Before :func:`route_logs_to` names the server's logger there is nowhere to hand a record:
+    it is dropped, not an error. Caught (mutation run, issue 22): the unset target made ``""``
+    (an AttributeError out of ``emit``)."""
+    from autogpu_jupyter.server import _ToServerLog
+
+    record = logging.makeLogRecord({"name": "autogpu_jupyter.core.sampler",
+                                    "levelno": logging.WARNING, "msg": "a sweep failed"})
+    handler = _ToServerLog()
+    assert handler.target is None
+    handler.handle(record)  # nothing raised, nothing to see
+
+
 def test_the_server_root_is_exported_to_kernels(jp_serverapp: Any, jp_root_dir: Path) -> None:
     assert os.environ[SERVER_ROOT_ENV] == os.path.abspath(str(jp_root_dir))
 
@@ -279,6 +294,21 @@ async def test_metrics_off_registers_no_autogpu_series(
     text = (await jp_fetch("metrics")).body.decode()
     assert "jupyter_server_extension_info" in text  # the server's own series are there
     assert [line for line in text.splitlines() if line.startswith("autogpu_")] == []
+
+
+@pytest.mark.parametrize("traits", [{"history_s": math.inf, "metrics_hostname": "gpu-node-7"}])
+async def test_metrics_without_a_sampler_say_there_is_no_backend(
+    traits: dict[str, Any], jp_fetch: Any
+) -> None:
+    """The sampler cannot run (an unbounded history): ``/metrics`` still answers, the host's
+    series saying there is no backend and no device series. Caught (mutation run, issue 22): the
+    missing sampler read as a sampler (the whole ``/metrics`` page failed)."""
+    response = await jp_fetch("metrics")
+    ours = [line for line in response.body.decode().splitlines() if line.startswith("autogpu_")]
+    assert ours == [
+        'autogpu_host_info{backend="none",hostname="gpu-node-7",simulated="false",'
+        f'vendor="none",version="{__version__}"}} 1.0'
+    ]
 
 
 async def test_lease_details_follow_the_setting(
@@ -373,6 +403,49 @@ async def test_an_error_on_a_deprecated_path_says_it_is_deprecated(
     assert err.value.response.headers["Link"] == (
         f'<{jp_base_url}autogpu/api/v1/history>; rel="successor-version"'
     )
+
+
+def failing(monkeypatch: pytest.MonkeyPatch, err: Exception) -> None:
+    """``GET devices`` raises ``err`` where it builds its answer (on the executor)."""
+    from autogpu_jupyter.server import payloads
+
+    def devices_payload(*_args: Any) -> Any:
+        raise err
+
+    monkeypatch.setattr(payloads, "devices_payload", devices_payload)
+
+
+async def test_an_unexpected_failure_is_jupyters_json_500(
+    jp_fetch: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug's exception (no HTTP error) is left to jupyter_server: its JSON 500. Caught
+    (mutation run, issue 22): any exception taken for an HTTP error (its missing
+    ``log_message`` read: an empty 500)."""
+    failing(monkeypatch, RuntimeError("a bug"))
+    code, body = await refused(jp_fetch, *V1, "devices")
+    assert (code, body) == (500, {"message": "Unhandled error", "reason": None, "traceback": ""})
+
+
+async def test_an_http_errors_text_is_sent_as_written_with_the_apis_headers(
+    jp_fetch: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An HTTP error raised with its text as the format: tornado doubles a "%" in it, the
+    answer says it once (jupyter_server's own ``write_error`` would send "100%% busy"); a format
+    its arguments do not fit is sent unformatted. The error's headers are an ordinary answer's.
+    Caught (mutation run, issue 22): the unformattable message sent as ``null``; the
+    Content-Type header misspelt (a stray header on every error)."""
+    ok = await jp_fetch(*V1, "devices")
+    failing(monkeypatch, tornado.web.HTTPError(503, "GPU 0 is 100% busy"))
+    code, body = await refused(jp_fetch, *V1, "devices")
+    assert (code, body) == (503, {"message": "GPU 0 is 100% busy", "reason": None})
+    failing(monkeypatch, tornado.web.HTTPError(503, "GPU %d is busy", "zero"))
+    with pytest.raises(tornado.httpclient.HTTPClientError) as err:
+        await jp_fetch(*V1, "devices")
+    response = err.value.response
+    assert response is not None and err.value.code == 503
+    assert json.loads(response.body) == {"message": "GPU %d is busy", "reason": None}
+    assert response.headers["Content-Type"] == "application/json"
+    assert set(response.headers) <= set(ok.headers)
 
 
 # -- select ----------------------------------------------------------------------------------
@@ -591,6 +664,29 @@ async def test_a_restart_that_fails_is_500_and_drops_the_request(
     prov = kernel_provisioner(jp_serverapp, kid)
     assert moves.read_move(prov.autogpu_move_file) is None
     assert server_state(jp_serverapp).moving == set()
+
+
+async def test_a_restart_that_raises_is_logged_and_its_request_dropped(
+    server_log: ServerLog, jp_fetch: Any, specs: Path, jp_serverapp: Any,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel manager refuses the restart before the provisioner reads the request: the
+    handler itself must drop it (a later restart would move the kernel by surprise) and log
+    why. Caught (mutation run, issue 22): the request cancelled on no provisioner; the log
+    line's text altered."""
+    kid = await start_kernel(jp_fetch)
+
+    async def restart_kernel(kernel_id: str, **_kwargs: Any) -> None:
+        raise RuntimeError("restarts are off today")
+
+    monkeypatch.setattr(jp_serverapp.kernel_manager, "restart_kernel", restart_kernel)
+    code, body = await refused(jp_fetch, *move(kid), method="POST",
+                               body=json.dumps({"target": "best"}))
+    assert (code, body["message"]) == (500, "the kernel could not restart: restarts are off today")
+    prov = kernel_provisioner(jp_serverapp, kid)
+    assert moves.read_move(prov.autogpu_move_file) is None
+    assert server_log.said("autogpu: restarting") == [
+        f"autogpu: restarting kernel {kid} for a move failed"]
 
 
 async def test_recorded_moves_are_kept_per_live_kernel(

@@ -64,3 +64,45 @@ def test_a_kernel_may_be_offered_only_the_devices_its_environment_allows() -> No
         "AUTOGPU_GRANT_CVD": f"{uuids[1]},{uuids[2]}"}) == [uuids[1], uuids[2]]
     assert payloads.kernel_allowed_uuids(snap, None) is None  # unknown: the server's grant
     assert payloads.kernel_allowed_uuids(None, {}) is None
+
+
+def test_devices_before_any_sweep_says_no_sample_yet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampler that has not swept yet and has failed nothing: the answer says why it lists no
+    device. Caught (mutation run, issue 22): the sidebar's reason text altered."""
+    monkeypatch.setattr(payloads, "FIRST_SAMPLE_WAIT_S", 0.05)
+    sampler = Sampler(backend=_NoDriver())  # type: ignore[arg-type]
+    state = SimpleNamespace(sampler=lambda: sampler, sampler_error=None, interval_s=2.0)
+    answer = payloads.devices_payload(state)  # type: ignore[arg-type]
+    assert {k: v for k, v in answer.items() if k != "timestamp_s"} == {
+        "backend": None, "simulated": False, "driver_version": None,
+        "errors": ["no sample yet"], "devices": [], "interval_s": 2.0,
+    }
+
+
+def test_an_idle_kernel_says_how_long_it_has_been_idle() -> None:
+    """jupyter_server's ``last_activity`` gives ``idle_s`` of an idle kernel (rounded to 0.1 s,
+    never negative); busy or unknown is no idle time. Caught (mutation run, issue 22): the
+    ``last is None`` check inverted (no idle kernel ever had an idle time)."""
+    from datetime import datetime, timezone
+
+    last = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+    now = last.timestamp() + 42.26
+    idle = SimpleNamespace(execution_state="idle", last_activity=last)
+    assert payloads.kernel_activity(idle, now_s=now) == ("idle", 42.3)
+    assert payloads.kernel_activity(idle, now_s=last.timestamp() - 5) == ("idle", 0.0)
+    busy = SimpleNamespace(execution_state="busy", last_activity=last)
+    assert payloads.kernel_activity(busy, now_s=now) == ("busy", None)
+    unknown = SimpleNamespace(execution_state="idle", last_activity=None)
+    assert payloads.kernel_activity(unknown, now_s=now) == ("idle", None)
+    assert payloads.kernel_activity(SimpleNamespace(), now_s=now) == (None, None)
+
+
+def test_a_long_list_or_dict_is_named_by_its_type_from_twenty_items() -> None:
+    """A message shows a body's value: 19 items as written, 20 or more by their type. Caught
+    (mutation run, issue 22): the bound moved to 21 (a 20-item list written out, cut)."""
+    assert payloads.short_repr(list(range(19))) == repr(list(range(19)))[:48] + "…" + repr(
+        list(range(19)))[-10:]
+    assert payloads.short_repr(list(range(20))) == "list"
+    assert payloads.short_repr({str(i): i for i in range(20)}) == "dict"
+    assert payloads.short_repr({str(i): i for i in range(19)}).startswith("{'0': 0, ")
+    assert payloads.short_repr("x" * 20) == repr("x" * 20)

@@ -1,11 +1,14 @@
-"""The server's cluster history asks Prometheus with the admin's timeout
-(``c.AutoGPU.prometheus_timeout_s``), against a real HTTP server that does not answer in time.
-A survivor of the sampled mutation run (issue 22: the timeout not passed, so a slow Prometheus
-held a sidebar request for the client's 5 s default); seen failing with it planted by hand."""
+"""The server's cluster answers ask Prometheus with the admin's timeout
+(``c.AutoGPU.prometheus_timeout_s``), against a real HTTP server that does not answer in time,
+and the history's step against one that answers every range query with no series. Survivors of
+the sampled mutation run (issue 22: the timeout not passed, so a slow Prometheus held a sidebar
+request for the client's 5 s default; the reason or the step left out of the answer); each seen
+failing with it planted by hand."""
 
 from __future__ import annotations
 
 import http.server
+import json
 import logging
 import threading
 from collections.abc import Iterator
@@ -62,3 +65,60 @@ def test_the_cluster_history_gives_up_after_the_admins_timeout(slow_prometheus: 
         state.stop()
     assert answer["configured"] is True and answer["hosts"] == []
     assert answer["errors"] == [f"cannot reach Prometheus at {slow_prometheus}: timed out"]
+
+
+def _state(url: str, timeout_s: float = 0.2) -> AutoGPUServer:
+    config = Config()
+    config.AutoGPU.prometheus_url = url
+    config.AutoGPU.prometheus_timeout_s = timeout_s
+    return AutoGPUServer(parent=Configurable(config=config), registry_dir="",
+                         log=logging.getLogger("autogpu-test-server"))
+
+
+def test_the_cluster_answer_says_why_prometheus_gave_no_hosts(slow_prometheus: str) -> None:
+    """Caught: the reason written under another key than ``errors`` (the sidebar showed an empty
+    cluster with no word of why)."""
+    from autogpu_jupyter.core.policy import Constraints
+
+    state = _state(slow_prometheus)
+    try:
+        answer = payloads.cluster_payload(state, Constraints.parse(min_free="10G"))
+    finally:
+        _Slow.release.set()
+        state.stop()
+    assert (answer["configured"], answer["hosts"], answer["ranking"], answer["best"]) == (
+        True, [], [], None)
+    assert answer["errors"] == [f"cannot reach Prometheus at {slow_prometheus}: timed out"]
+
+
+class _NoSeries(http.server.BaseHTTPRequestHandler):
+    """Answers every range query at once: a matrix with no series (a cluster with no GPU host)."""
+
+    def do_GET(self) -> None:
+        body = json.dumps({"status": "success",
+                           "data": {"resultType": "matrix", "result": []}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_cluster_history_says_its_step() -> None:
+    """Ten minutes in 120 points: one every 5 s, said in ``step_s`` (the sidebar's chart spaces
+    its points by it). Caught: ``step_s`` left ``null`` once Prometheus answered."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoSeries)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    state = _state(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=5.0)
+    try:
+        answer = payloads.cluster_history_payload(state, 600.0)
+    finally:
+        state.stop()
+        server.shutdown()
+        server.server_close()
+    assert {k: v for k, v in answer.items() if k != "prometheus_url"} == {
+        "configured": True, "seconds": 600.0, "step_s": 5.0, "hosts": [], "errors": []}
