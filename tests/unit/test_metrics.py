@@ -7,6 +7,7 @@ server's ``/metrics`` and ``autogpu exporter`` is ``tests/server/test_metrics.py
 from __future__ import annotations
 
 import getpass
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +165,53 @@ def test_a_host_without_devices_is_labelled_by_its_backends_vendor(
     [info] = [s for fam in text_string_to_metric_families(generate_latest(prom).decode())
               for s in fam.samples if s.name == "autogpu_host_info"]
     assert (info.labels["backend"], info.labels["vendor"]) == (backend, vendor)
+
+
+def test_every_family_says_what_it_measures_in_its_help_text(fleet_file: Path) -> None:
+    """The ``# HELP`` line of each series, word for word (Prometheus and Grafana show it as the
+    series' description). Caught (issue 22): help texts upper-cased or wrapped in junk."""
+    snap = SimulatedBackend(str(fleet_file)).snapshot()
+    prom = CollectorRegistry(auto_describe=False)
+    prom.register(AutoGPUCollector(MetricsSource(
+        latest=lambda: snap, registry=lambda: None, hostname=HOST)))
+    helps = {fam.name: fam.documentation
+             for fam in text_string_to_metric_families(generate_latest(prom).decode())}
+    assert helps == {
+        "autogpu_host_info": "This exporter's host: backend (nvml / amdsmi / simulated), GPU "
+                             "vendor and autogpu version.",
+        "autogpu_sample_timestamp_seconds": "Unix time of the sampler sweep these values come "
+                                            "from.",
+        "autogpu_gpu_available": "1 if the device is readable, 0 if lost.",
+        "autogpu_gpu_utilization_ratio": "Share of the last sample period in which a kernel ran "
+                                         "(0..1).",
+        "autogpu_gpu_memory_used_bytes": "GPU memory in use.",
+        "autogpu_gpu_memory_total_bytes": "GPU memory of the device.",
+        "autogpu_gpu_memory_booked_bytes": "GPU memory booked by live autogpu leases and not yet "
+                                           "in use.",
+        "autogpu_gpu_memory_used_ratio": "(Memory used + booked) / total (0..1), what a pick "
+                                         "counts as taken.",
+        "autogpu_gpu_temperature_celsius": "GPU core temperature.",
+        "autogpu_gpu_power_watts": "Board power draw.",
+        "autogpu_gpu_leases": "Live autogpu leases holding the device.",
+        "autogpu_gpu_waiters": "Live autogpu tickets (waiting picks) that may take the device.",
+        "autogpu_lease_info": "1 per live autogpu lease and device it holds.",
+    }
+
+
+class _BrokenRegistry:
+    """A lease store whose scan fails (a registry directory gone, a broker lost)."""
+
+    def live_records(self) -> Any:
+        raise OSError("registry directory gone")
+
+
+def test_an_unreadable_registry_is_logged_and_scraped_without_leases(
+    fleet_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The device series are still served, every lease count 0, and the reason is in the debug
+    log. Caught (issue 22): the log line's text dropped (a record saying only "None")."""
+    with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.metrics"):
+        got = scrape(fleet_file, _BrokenRegistry())  # type: ignore[arg-type]
+    assert of(got, "autogpu_gpu_leases") == {LA: 0.0, LB: 0.0, LMIG: 0.0, LLOST: 0.0}
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        ("autogpu_jupyter.metrics", "metrics without leases: registry directory gone")]

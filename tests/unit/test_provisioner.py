@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 from jupyter_client import AsyncKernelManager
 
 from autogpu_jupyter import kernelspec
-from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.core.leasing import Registry, Requester
 from autogpu_jupyter.errors import NoDeviceFitsError, UsageErrorBase
 from tests.payloadhelpers import GiB, write_fleet
 
@@ -214,3 +215,145 @@ def test_a_move_that_no_longer_fits_at_the_restart_is_said_and_picked_as_usual(
     assert env["AUTOGPU_PICK_NOTE"].endswith("); picked again as usual")
     assert "no device fits" in env["AUTOGPU_PICK_NOTE"]
     assert [r.device_uuids for r in host.registry.list_leases()] == [(A,)]
+
+
+def _restarted(path: Path, used_a: int, used_b: int, at: int) -> None:
+    """The fleet file as it reads at a restart (a new mtime: the backend reads it again)."""
+    fleet_file(path, used_a=used_a, used_b=used_b)
+    os.utime(path, ns=(1, at * 10**18))
+
+
+def test_a_restart_kept_off_its_device_by_the_quota_is_picked_as_usual(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Quota of one device per user, and this user meanwhile holds B with another lease: staying
+    on A would be a second device (refused), so the restart picks as usual and gets B, which
+    the quota allows. Caught: the quota's refusal of the "same device" step not caught (the
+    kernel then started CPU-only though B was free to take)."""
+    monkeypatch.setenv("AUTOGPU_MAX_DEVICES_PER_USER", "1")
+    host.install("agp", min_free="10G")
+    km, kwargs = host.pre_start("agp")
+    assert kwargs["env"]["CUDA_VISIBLE_DEVICES"] == A
+    with host.registry.locked() as txn:
+        assert txn is not None
+        other = txn.create(devices=[B], requester=Requester(kernel_id="another-kernel"))
+    try:
+        _restarted(host.fleet, used_a=50, used_b=0, at=2)
+        _km, kwargs = host.pre_start("agp", km=km)
+        env = kwargs["env"]
+        assert (env["CUDA_VISIBLE_DEVICES"], env["AUTOGPU_PICKED"]) == (B, B)
+        assert "AUTOGPU_PICK_NOTE" not in env
+        assert sorted(r.kernel_id for r in host.registry.list_leases()
+                      if r.device_uuids == (B,)) == sorted(["another-kernel", km.kernel_id])
+    finally:
+        other.release()
+
+
+def test_a_restart_reads_the_devices_of_the_kernels_environment(
+    host: Host, tmp_path: Path
+) -> None:
+    """The kernel's environment (``AUTOGPU_SIMULATE`` here) says which devices the kernel
+    sees, for the restart's "same device" step as for a first pick, not the server's own
+    variables. The server's fleet has A full; the kernel's has A still fitting, so the restart
+    stays on A. Caught: the restart's pick made without the kernel's backend."""
+    _restarted(host.fleet, used_a=79, used_b=0, at=1)
+    kernels_fleet = fleet_file(tmp_path / "kernels-fleet.json")
+    host.install("agp", min_free="10G")
+    km, kwargs = host.pre_start("agp", AUTOGPU_SIMULATE=str(kernels_fleet))
+    assert kwargs["env"]["CUDA_VISIBLE_DEVICES"] == A
+    _restarted(kernels_fleet, used_a=50, used_b=0, at=2)  # B is now the better one
+    _km, kwargs = host.pre_start("agp", km=km, AUTOGPU_SIMULATE=str(kernels_fleet))
+    assert kwargs["env"]["CUDA_VISIBLE_DEVICES"] == A
+    assert [r.device_uuids for r in host.registry.list_leases()] == [(A,)]
+
+
+def test_the_kernel_is_told_its_move_file_and_options(host: Host) -> None:
+    """A move request for the kernel is written to ``autogpu-move-<kernel id>.json`` in the
+    user's runtime directory, which the kernel's ``%gpu move`` is told; the options it picked
+    with are the kernelspec's (its min_free as written). Caught: the move file's path lost
+    ("None", a file in the server's working directory); the kernelspec's min_free replaced by
+    the server's default."""
+    host.install("agp", min_free="10G")
+    km, kwargs = host.pre_start("agp")
+    env = kwargs["env"]
+    want = str(host.tmp / "runtime" / f"autogpu-move-{km.kernel_id}.json")
+    assert (env["AUTOGPU_MOVE_FILE"], km.provisioner.autogpu_move_file) == (want, want)
+    assert json.loads(env["AUTOGPU_PICK_OPTIONS"]) == {
+        "min_free": "10G", "max_util": None, "count": 1, "exclusive": False}
+
+
+def test_the_servers_log_says_which_kernel_gets_which_device(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One info line per start: the kernel, the device(s) (label and UUID) or "no GPU", the
+    constraints and the note. Caught: the kernel id, the devices or the "no GPU" wording lost."""
+    from jupyter_client import AsyncKernelManager
+
+    logger = logging.getLogger("autogpu-test-kernels")
+    host.install("agp", min_free="10G")
+    host.install("big", min_free="75G")
+    kms = [AsyncKernelManager(kernel_name=name, log=logger) for name in ("agp", "big")]
+    host.managers += kms
+    with caplog.at_level(logging.INFO, logger="autogpu-test-kernels"):
+        host.pre_start("agp", km=kms[0])
+        _km, big = host.pre_start("big", km=kms[1])
+    said = [r.getMessage() for r in caplog.records if r.name == "autogpu-test-kernels"
+            and r.getMessage().startswith("autogpu: kernel ")]
+    assert said == [
+        f"autogpu: kernel {kms[0].kernel_id} gets GPU 0 {A} (min free 10.0 GiB)",
+        f"autogpu: kernel {kms[1].kernel_id} gets no GPU (min free 75.0 GiB); "
+        + big["env"]["AUTOGPU_PICK_NOTE"],
+    ]
+
+
+class _Lease:
+    """A lease whose pid cannot be recorded (its file unwritable)."""
+
+    def __init__(self) -> None:
+        self.detached = False
+
+    def set_pid(self, pid: int) -> None:
+        raise OSError(f"cannot record pid {pid}: read-only file system")
+
+    def detach(self) -> None:
+        self.detached = True
+
+
+def test_a_pid_that_cannot_be_recorded_is_logged_and_the_lease_still_handed_over(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The kernel is launched (here: a stand-in for jupyter_client's launch), its lease is
+    handed over all the same (our copy detached), and the warning says why the pid is not in
+    the lease. Caught: the warning's reason dropped (a literal "%s")."""
+    from jupyter_client.provisioning.local_provisioner import LocalProvisioner
+
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    async def launched(self: Any, cmd: list[str], **kwargs: Any) -> dict[str, Any]:
+        self.pid = 4242
+        return {"launched": cmd}
+
+    monkeypatch.setattr(LocalProvisioner, "launch_kernel", launched)
+    prov = AutoGPUProvisioner(kernel_id="k-1", log=logging.getLogger("autogpu-test-kernels"))
+    lease = _Lease()
+    prov._lease = lease  # type: ignore[assignment]
+    with caplog.at_level(logging.WARNING, logger="autogpu-test-kernels"):
+        info = asyncio.run(prov.launch_kernel(["python"]))
+    assert info == {"launched": ["python"]} and lease.detached and prov._lease is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "autogpu: could not record the kernel pid in its lease: cannot record pid 4242: "
+        "read-only file system"]
+
+
+def test_the_pick_is_kept_in_the_provisioners_persisted_info() -> None:
+    """A server that restarts reloads its kernels' picks from the (JSON) provisioner info.
+    Caught: the picked UUIDs not saved (a reloaded kernel forgot its devices)."""
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    prov = AutoGPUProvisioner(kernel_id="k-1")
+    prov.autogpu_picked, prov.autogpu_lease_id = (A, B), "lease-1"
+    info = json.loads(json.dumps(asyncio.run(prov.get_provisioner_info())))
+    assert (info["autogpu_picked"], info["autogpu_lease_id"]) == ([A, B], "lease-1")
+    again = AutoGPUProvisioner(kernel_id="k-1")
+    asyncio.run(again.load_provisioner_info(info))
+    assert (again.autogpu_picked, again.autogpu_lease_id) == ((A, B), "lease-1")

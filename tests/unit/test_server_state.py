@@ -1,12 +1,30 @@
-"""Which kernel a GPU process belongs to (``server.state.owning_kernel``): the walk up the real
-process tree, and its bound. Survivors of ``make mutate SAMPLE=6`` (issue 22)."""
+"""Which kernel a GPU process belongs to (``server.state.owning_kernel``, ``kernel_pid_map``): the
+walk up the real process tree, and its bound; and the server's shared state (``AutoGPUServer``):
+its sampler, settings, labels and executor. Survivors of ``make mutate SAMPLE=6`` and of later
+sampled runs (issue 22), each seen failing with its mutant planted by hand."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
-from autogpu_jupyter.server.state import owning_kernel
+import pytest
+from traitlets.config import Config, Configurable
+
+from autogpu_jupyter.core import sampler as sampler_mod
+from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+from autogpu_jupyter.core.leasing.directory import Registry
+from autogpu_jupyter.server.state import AutoGPUServer, kernel_pid_map, owning_kernel
+from tests.payloadhelpers import GiB, write_fleet
+
+A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
+B = "GPU-1b1b1b1b-1111-2222-3333-444444444444"
 
 
 def test_a_process_belongs_to_the_kernel_among_its_ancestors_in_the_real_proc() -> None:
@@ -33,3 +51,124 @@ def test_the_walk_up_stops_after_max_depth_ancestors(tmp_path: Path) -> None:
     assert owning_kernel(100, kernels, proc_root=str(tmp_path), max_depth=6) == "k-far"
     assert owning_kernel(100, kernels, proc_root=str(tmp_path), max_depth=5) is None
     assert owning_kernel(100, kernels, proc_root=str(tmp_path), max_depth=2) is None
+
+
+def test_the_default_walk_up_finds_a_kernel_63_generations_up_but_not_64(tmp_path: Path) -> None:
+    """The default bound is 64 lookups: the process itself and 63 ancestors. Caught: the default
+    bound moved (65)."""
+    pids = list(range(1000, 1066))
+    _chain(tmp_path, pids)
+    assert owning_kernel(1000, {pids[63]: "k-63"}, proc_root=str(tmp_path)) == "k-63"
+    assert owning_kernel(1000, {pids[64]: "k-64"}, proc_root=str(tmp_path)) is None
+
+
+class _Kernels:
+    """A kernel manager's ``list_kernel_ids`` / ``get_kernel`` over made-up kernel managers."""
+
+    def __init__(self, **kms: Any) -> None:
+        self.kms = kms
+
+    def list_kernel_ids(self) -> list[str]:
+        return [*self.kms, "k-gone"]
+
+    def get_kernel(self, kid: str) -> Any:
+        return self.kms[kid]  # "k-gone" ended meanwhile: KeyError
+
+
+def test_kernel_pids_come_from_the_provisioner_its_process_or_the_kernel_object() -> None:
+    """An older jupyter_client's provisioner has no ``pid``: its Popen (``process``) or the
+    manager's ``kernel`` says it. Caught: the attribute names misspelt (``PROCESS``, a None name,
+    which getattr refuses with TypeError)."""
+    kernels = _Kernels(
+        new=SimpleNamespace(provisioner=SimpleNamespace(pid=11)),
+        popen=SimpleNamespace(provisioner=SimpleNamespace(pid=None,
+                                                          process=SimpleNamespace(pid=12))),
+        bare=SimpleNamespace(provisioner=None, kernel=SimpleNamespace(pid=13)),
+        starting=SimpleNamespace(provisioner=SimpleNamespace(pid=None, process=None)),
+    )
+    assert kernel_pid_map(kernels) == {11: "new", 12: "popen", 13: "bare"}
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    from autogpu_jupyter.core import backends
+
+    path = write_fleet(tmp_path / "fleet.json", [
+        {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0},
+        {"uuid": B, "name": "NVIDIA L4", "memory_total": 24 * GiB, "memory_used": 0},
+    ])
+    monkeypatch.setenv("AUTOGPU_SIMULATE", str(path))
+    monkeypatch.delenv("AUTOGPU_SAMPLE_INTERVAL", raising=False)
+    sampler_mod.stop_sampler()
+    backends._cache.clear()
+    yield path
+    sampler_mod.stop_sampler()
+    backends._cache.clear()
+
+
+def test_the_servers_sampler_runs_at_the_servers_interval_and_history(fleet: Path) -> None:
+    """``c.AutoGPUServer.interval_s`` / ``history_s`` reach the process's sampler (the history
+    at least 1 s). Caught: the interval not passed (the sampler kept AutoGPU's 1 s)."""
+    state = AutoGPUServer(registry_dir="", interval_s=0.5, history_s=0.25,
+                          log=logging.getLogger("autogpu-test-server"))
+    try:
+        s = state.sampler()
+        assert s is sampler_mod.current_sampler() and state.sampler() is s
+        assert (s.interval_s, s.history_s) == (0.5, 1.0)
+    finally:
+        state.stop()
+
+
+class _Sampler:
+    def __init__(self, snap: Any) -> None:
+        self.snap = snap
+
+    def latest(self) -> Any:
+        return self.snap
+
+
+def test_labels_come_from_the_samplers_latest_sweep(fleet: Path) -> None:
+    """UUID -> label from the latest sweep; none before the first sweep, none without a sampler.
+    Caught: the sampler never read (always no labels); a sampler without a sweep yet read as
+    one (AttributeError on None)."""
+    state = AutoGPUServer(registry_dir="", log=logging.getLogger("autogpu-test-server"))
+    try:
+        assert state.labels() == {}
+        state._sampler = _Sampler(None)
+        assert state.labels() == {}
+        state._sampler = _Sampler(SimulatedBackend(str(fleet)).snapshot())
+        assert state.labels() == {A: "GPU 0", B: "GPU 1"}
+    finally:
+        state.stop()
+
+
+def test_blocking_calls_run_on_the_servers_own_executor() -> None:
+    """``run`` uses the extension's threads (``executor_threads``, named autogpu-server), not
+    the IOLoop's default executor. Caught: the default executor used."""
+    state = AutoGPUServer(registry_dir="", log=logging.getLogger("autogpu-test-server"))
+    try:
+        name = asyncio.run(state.run(lambda: threading.current_thread().name))
+    finally:
+        state.stop()
+    assert name.startswith("autogpu-server")
+
+
+def test_a_bad_autogpu_config_leaves_the_server_with_the_env_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``c.AutoGPU.count = "two"`` cannot be read: the sidebar's lease store is still made, from
+    the ``AUTOGPU_*`` defaults (here a quota of 3 devices). Caught: the settings left None (the
+    store's factory then fails on every request)."""
+    monkeypatch.setenv("AUTOGPU_BROKER_SOCKET", "off")
+    monkeypatch.setenv("AUTOGPU_MAX_DEVICES_PER_USER", "3")
+    config = Config()
+    config.AutoGPU.count = "two"
+    config.AutoGPU.max_devices_per_user = 5
+    state = AutoGPUServer(parent=Configurable(config=config), registry_dir=str(tmp_path / "reg"),
+                          log=logging.getLogger("autogpu-test-server"))
+    try:
+        store = state.registry()
+    finally:
+        state.stop()
+    assert isinstance(store, Registry)
+    assert (store.path, store.max_devices_per_user) == (str(tmp_path / "reg"), 3)
