@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
 from autogpu_jupyter.core.overload import Thresholds, detect
-from autogpu_jupyter.core.sampler import METRICS, series_from_frame
+from autogpu_jupyter.core.sampler import METRICS, DeviceSeries, series_from_frame
 from autogpu_jupyter.widgets import chart
 
 GiB = 1024**3
@@ -408,3 +409,202 @@ def test_the_panel_names_this_kernels_lease_in_its_header(
             panel.close()
     finally:
         session.release()
+
+
+def test_a_chart_has_a_thin_border_and_the_kernels_chart_an_accent_one() -> None:
+    """Caught (mutation run, issue 22): the border's style lost (``border:None``)."""
+    series = series_from_frame(_frame([50, 97]))
+    plain = chart.render_device_chart(series[B], label="GPU 1", uuid=B, window_s=60, now_s=100.0)
+    mine = chart.render_device_chart(
+        series[A], label="GPU 0", uuid=A, window_s=60, now_s=100.0, highlight=True
+    )
+    assert plain.startswith(
+        f'<div class="autogpu-device" data-uuid="{B}" style="border:1px solid '
+        'var(--jp-border-color2, #c8c8c8);border-radius:4px;'
+    )
+    assert mine.startswith(
+        f'<div class="autogpu-device" data-uuid="{A}" style="border:2px solid '
+        'var(--jp-brand-color1, #1976d2);border-radius:4px;'
+    )
+
+
+def test_a_device_with_no_memory_at_all_shows_unknown_memory_and_no_numpy_warning() -> None:
+    """0 of 0 bytes is unknown memory, not 0 %, and numpy's "invalid value encountered in
+    divide" is not printed under the user's cell. Caught (mutation run, issue 22): the
+    ``invalid="ignore"`` of the division's errstate lost."""
+    frame = _frame([50, 97], mem_a_gib=0)
+    frame.loc[frame["uuid"] == A, "memory_total_bytes"] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        html = chart.render_device_chart(
+            series_from_frame(frame)[A], label="GPU 0", uuid=A, window_s=60, now_s=100.0
+        )
+    assert "mem ?</span>" in html
+    assert 'class="autogpu-mem"' not in html  # no line at all: unknown is not zero
+    assert 'class="autogpu-util" d="M250.0,44.0 L294.0,10.2"' in html
+
+
+def test_a_sample_newer_than_now_is_drawn_at_now_not_past_the_frame() -> None:
+    """``now_s`` is the caller's (render_charts takes one): a sample after it sits on the right
+    edge. Caught (mutation run, issue 22): the age's lower clip dropped (x = 316, outside the
+    frame)."""
+    series = series_from_frame(_frame([50, 97]))[A]  # t=90 and t=100
+    html = chart.render_device_chart(series, label="GPU 0", uuid=A, window_s=60, now_s=95.0)
+    # t=90 is 5 s old (x = 30 + 264 * (1 - 5/60) = 272); t=100 clamps to now (x = 294)
+    assert 'class="autogpu-util" d="M272.0,44.0 L294.0,10.2"' in html
+
+
+@pytest.mark.parametrize(
+    ("window_s", "text"),
+    [
+        (60.0, "1 min"), (300.0, "5 min"), (900.0, "15 min"), (120.0, "2 min"),
+        (61.0, "61 s"), (90.0, "90 s"), (30.0, "30 s"), (0.5, "0.5 s"),
+    ],
+)
+def test_the_x_axis_says_whole_minutes_in_minutes_and_the_rest_in_seconds(
+    window_s: float, text: str
+) -> None:
+    """Caught (mutation run, issue 22): ``% 60 == 0`` made ``== 1`` (61 s said "1 min", 5 min
+    said "300 s"), ``// 60`` made ``// 61`` ("4 min" for 5). The frame is cached per window
+    (``_grid``): a label drawn earlier in this process would hide a changed text, so clear it."""
+    chart._grid.cache_clear()
+    html = chart.render_device_chart(
+        DeviceSeries.empty(A), label="GPU 0", uuid=A, window_s=window_s, now_s=100.0
+    )
+    assert f">-{text}</text>" in html
+
+
+def test_the_charts_sit_in_one_wrapping_row_each_titled_with_its_model() -> None:
+    """Caught (mutation run, issue 22): the row's markup changed, the model's name lost from a
+    chart's title ("None")."""
+    snap = _snapshot()
+    html = chart.render_charts(_frame([50, 97]), snap.devices, window_s=60)
+    assert html.startswith(
+        '<div class="autogpu-charts" style="display:flex;flex-wrap:wrap">'
+        f'<div class="autogpu-device" data-uuid="{A}" '
+    )
+    assert html.endswith("</div></div></div>")
+    titles = re.findall(r'<span style="[^"]*" title="([^"]*)">([^<]*)</span>', html)
+    assert titles == [(A, "A100"), (B, "A100"), (C, "A100")]
+
+
+def test_a_table_row_is_one_cell_per_column_with_temperature_and_power_in_units() -> None:
+    """Caught (mutation run, issue 22): the power cell lost ("None"), text put between the
+    cells."""
+    border = "border-bottom:1px solid var(--jp-border-color2, #c8c8c8)"
+    fixed = f"padding:1px 8px;text-align:left;{border};white-space:nowrap"
+    wrap = f"padding:1px 8px;text-align:left;{border};white-space:normal;overflow-wrap:anywhere"
+
+    def row(*cells: str) -> str:
+        tds = [f'<td style="{fixed}">{c}</td>' for c in cells[:-1]]
+        return '<tr style="">' + "".join(tds) + f'<td style="{wrap}">{cells[-1]}</td></tr>'
+
+    table = chart.render_table(_snapshot())
+    assert row("GPU 0", "97%", "60.0 GiB / 80.0 GiB", "60 °C", "300 W",
+               "bob: pid 4242 (60.0 GiB used)") in table
+    # GPU 1 has no temperature or power reading
+    assert row("GPU 1", "2%", "1.0 GiB / 80.0 GiB", "?", "?", "none") in table
+
+
+def _clocked_sampler(path: Path, now: list[float]) -> Any:
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+    from autogpu_jupyter.core.sampler import Sampler
+
+    clock = lambda: now[0]  # noqa: E731
+    return Sampler(SimulatedBackend(str(path), clock=clock), history_s=900.0, clock=clock)
+
+
+def test_the_panels_interval_sets_the_samplers_and_pause_says_what_pressing_it_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caught (mutation run, issue 22): the interval dropdown's observer lost (the sampler kept
+    its interval), the pause button still saying "pause" while paused, its icon on resuming
+    "PAUSE" (no such Font Awesome icon: no icon)."""
+    from autogpu_jupyter.widgets.panel import Panel
+
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(_panel_fleet(10)))
+    s = _clocked_sampler(path, [1_000_000.0])
+    panel = Panel(window_s=60, sampler=s, server_history=False)
+    try:
+        assert (panel.pause.description, panel.pause.icon) == ("pause", "pause")
+        assert s.interval_s == 1.0 and panel.update_count == 1
+        panel.interval.value = 2.0
+        assert s.interval_s == 2.0
+        assert panel.update_count == 2  # redrawn: the look-back depends on the interval
+        panel.pause.value = True
+        assert (panel.pause.description, panel.pause.icon) == ("resume", "play")
+        panel.pause.value = False
+        assert (panel.pause.description, panel.pause.icon) == ("pause", "pause")
+    finally:
+        panel.close()
+
+
+def test_a_panel_over_a_simulated_fleet_says_simulated_in_its_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caught (mutation run, issue 22): the snapshot's ``simulated`` not passed to the header
+    (a made-up fleet drawn as if it were the host's GPUs)."""
+    from autogpu_jupyter.widgets.panel import Panel
+
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(_panel_fleet(10)))
+    panel = Panel(window_s=60, sampler=_clocked_sampler(path, [1_000_000.0]),
+                  server_history=False)
+    try:
+        assert '<b>autogpu</b> <span class="autogpu-simulated" ' in panel.header.value
+        assert ">simulated</span> · No GPU picked yet" in panel.header.value
+    finally:
+        panel.close()
+
+
+def test_a_panel_on_a_host_without_gpus_says_no_devices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A readable fleet of no devices has no history to compare with the server's: the panel
+    draws "No devices." (server_history on, the default). Caught (mutation run, issue 22):
+    ``or`` made ``and`` in the seeding's guard (``min()`` of no timestamps: the panel raised)."""
+    from autogpu_jupyter.widgets.panel import Panel
+
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({"devices": []}))
+    panel = Panel(window_s=60, sampler=_clocked_sampler(path, [1_000_000.0]))
+    try:
+        assert panel.charts.value == (
+            '<div style="color:var(--jp-ui-font-color2, #616161)">No devices.</div>'
+        )
+        assert panel.update_count == 1
+    finally:
+        panel.close()
+
+
+def test_the_panels_overload_banner_looks_back_over_the_panels_window_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A redraw reads the history it shows (the window, or the overload window plus three
+    samples when longer), not the sampler's whole history: a load older than that is not
+    counted in the banner's "for ...". Caught (mutation run, issue 22): the look-back dropped
+    (the whole 5 minutes of history read at every redraw)."""
+    from autogpu_jupyter.widgets.panel import Panel
+
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", A)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(_panel_fleet(97)))
+    now = [1_000_000.0]
+    s = _clocked_sampler(path, now)
+    for _ in range(31):  # 97 % for 300 s, a sample each 10 s
+        s.sample_now()
+        now[0] += 10
+    panel = Panel(window_s=60, sampler=s, thresholds=Thresholds(90, 20, 95),
+                  server_history=False)
+    try:
+        assert [w.causes for w in panel.warnings] == [("utilisation 97% for 1m (over 90%)",)]
+    finally:
+        panel.close()

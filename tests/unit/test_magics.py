@@ -829,3 +829,30 @@ def test_a_revoke_on_the_inherited_lease_connection_is_said_once(
         "autogpu: your GPU lease abc was revoked by the admin: this kernel no longer holds it; "
         "others may now be given its GPU\n"
     )
+
+
+def test_a_panel_takes_its_overload_thresholds_from_this_kernels_config(
+    shell: InteractiveShell, tmp_path: Path
+) -> None:
+    """The panel reads the extension's own ``AutoGPU`` configurable (the one the magics register
+    with the shell and the API uses), not a fresh one built from ``shell.config``: a value set
+    on that configurable alone reaches the panel (``%config`` reaches both, so it cannot tell).
+    Caught (mutation run, issue 22): the shell's configurables not looked through (a fresh
+    ``AutoGPU(parent=shell)`` with the defaults)."""
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+    from autogpu_jupyter.core.overload import Thresholds
+    from autogpu_jupyter.core.sampler import Sampler
+    from autogpu_jupyter.widgets import Panel
+
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%config AutoGPU.overload_window_s = 7")
+    (settings,) = [c for c in shell.configurables if isinstance(c, AutoGPU)]
+    settings.overload_util_pct = 50.0
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(fleet_4x()))
+    panel = Panel(window_s=60, sampler=Sampler(SimulatedBackend(str(path))), server_history=False)
+    try:
+        assert panel.thresholds == Thresholds(util_pct=50.0, window_s=7.0, memory_pct=95.0)
+    finally:
+        panel.close()

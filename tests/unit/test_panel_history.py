@@ -4,9 +4,13 @@ server here, answering as ``GET autogpu/history`` does)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import threading
+import time
+import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -88,3 +92,103 @@ def test_the_server_is_the_one_that_started_this_kernel(tmp_path: Path) -> None:
     (tmp_path / f"jpserver-{os.getppid()}.json").write_text("not json")
     assert panel_mod._server_info(str(tmp_path), max_depth=1) is None
     assert panel_mod._server_info(str(tmp_path / "missing")) is None
+
+
+@contextlib.contextmanager
+def _serving(body: bytes) -> Iterator[str]:
+    """A local HTTP server answering every GET with ``body`` (200); yields its URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_fresh_panel_asks_its_server_for_its_window_and_starts_with_that_history(
+    server: tuple[str, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The panel's own sampler has one sample (shorter than the window): it asks the server for
+    the window's last seconds (and 5 more) and seeds its sampler with the answer. Caught
+    (mutation run, issue 22): ``server_history(None)`` (the panel raised a TypeError)."""
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+    from autogpu_jupyter.core.sampler import Sampler
+
+    url, asked = server
+    monkeypatch.setattr(panel_mod, "_server_info", lambda: {"url": url, "token": "t0k"})
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({"devices": [
+        {"uuid": UUID, "name": "A100", "memory_total": 8, "memory_used": 1,
+         "utilization_pct": 10},
+    ]}))
+    clock = lambda: 10.0  # noqa: E731  (the server's samples at 1 s and 2 s are older)
+    s = Sampler(SimulatedBackend(str(path), clock=clock), history_s=900.0, clock=clock)
+    before = time.time()
+    panel = panel_mod.Panel(window_s=60, sampler=s)
+    after = time.time()
+    try:
+        (path_asked,) = asked
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(path_asked).query)
+        since = float(query["since"][0])
+        assert before - 65.0 - 0.001 <= since <= after - 65.0 + 0.001
+        assert len(s) == 3  # the server's two samples before the panel's own
+        assert s.history_series()[UUID].timestamps_s.tolist() == [1.0, 2.0, 10.0]
+    finally:
+        panel.close()
+
+
+def test_the_server_is_looked_for_four_processes_up_and_no_further(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel's parent, its parent, and so on: four processes up (a kernel under a shell
+    under a launcher under the server), not a fifth (some other user-session's server).
+    Caught (mutation run, issue 22): the depth made 5."""
+    parents = {100: 101, 101: 102, 102: 103, 103: 104, 104: 105}
+    monkeypatch.setattr(panel_mod.os, "getppid", lambda: 100)
+    monkeypatch.setattr(panel_mod.procfs, "ppid", parents.get)
+    (tmp_path / "jpserver-104.json").write_text(json.dumps({"url": "http://fifth/"}))
+    assert panel_mod._server_info(str(tmp_path)) is None
+    (tmp_path / "jpserver-103.json").write_text(json.dumps({"url": "http://fourth/"}))
+    assert panel_mod._server_info(str(tmp_path)) == {"url": "http://fourth/"}
+
+
+def test_a_runtime_file_without_a_url_gives_no_history() -> None:
+    """Caught (mutation run, issue 22): ``or`` made ``and`` in the URL check (a missing or
+    non-text ``url`` raised AttributeError instead of giving no history)."""
+    assert panel_mod.server_history(60, info={"token": "t0k"}) == {}
+    assert panel_mod.server_history(60, info={"url": 8888, "token": "t0k"}) == {}
+
+
+def test_an_answer_that_is_not_json_is_logged_with_its_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Caught (mutation run, issue 22): the log line lost its words (only the error's text)."""
+    caplog.set_level(logging.DEBUG, logger=panel_mod.log.name)
+    with _serving(b"<html>not json</html>") as url:
+        assert panel_mod.server_history(60, info={"url": url, "token": "t0k"}) == {}
+    assert [r.getMessage() for r in caplog.records if r.name == panel_mod.log.name] == [
+        "no server history: Expecting value: line 1 column 1 (char 0)"
+    ]
+
+
+def test_an_answer_without_series_gives_no_history() -> None:
+    """A server whose answer has no ``series`` (an older or other extension) gives no history.
+    Caught (mutation run, issue 22): the ``[]`` default of ``data.get("series", [])`` dropped
+    (iterating None raised TypeError)."""
+    with _serving(b'{"other": 1}') as url:
+        assert panel_mod.server_history(60, info={"url": url, "token": "t0k"}) == {}
