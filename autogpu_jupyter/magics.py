@@ -789,7 +789,9 @@ class _Progress:
         self.shown = True
 
     def done(self, word: str) -> None:
-        if self.shown and self.in_kernel and self.handle is not None:
+        # Not `self.shown`: an interrupt during the first display leaves it False although the
+        # line may already be on the page; an update of a display the page never got is ignored.
+        if self.in_kernel and self.handle is not None:
             self.handle.update({"text/plain": f"waiting for a device: {word}"}, raw=True)
 
 

@@ -342,9 +342,9 @@ def test_wait_cancelled_by_kernel_interrupt(k: Kernel, host: dict[str, Any]) -> 
 
     def on_output(msg: dict[str, Any]) -> None:
         text = msg["content"].get("data", {}).get("text/plain", "")
-        # Interrupt at the first UPDATE of the progress line: the kernel holds its display handle
-        # by then. (Interrupting on the first display races with the kernel storing that handle:
-        # the wait is still cancelled, but the line may keep its "waiting" text.)
+        # Interrupt at the first UPDATE of the progress line, so that the line is surely on the
+        # page. (An interrupt during the first display is marked too: tests/unit/test_magics.py,
+        # test_a_waiting_line_interrupted_in_its_first_display_is_still_marked.)
         if msg["msg_type"] == "update_display_data" and text.startswith("waiting for a device ("):
             if len(progress) == 1:
                 k.km.interrupt_kernel()  # what the notebook's stop button does

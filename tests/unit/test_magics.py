@@ -808,6 +808,33 @@ def test_the_waiting_line_in_a_notebook_is_the_text_itself(
     ]
 
 
+def test_a_waiting_line_interrupted_in_its_first_display_is_still_marked(
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt (Ctrl-C, the kernel's interrupt) can land while the first display is being
+    sent: the line may already be on the page, so it is still marked "cancelled". Caught (a bug
+    a mutant of issue 22's sample showed): ``done`` asked whether the display had returned."""
+    from IPython.core.displaypub import DisplayPublisher
+
+    shown: list[Any] = []
+
+    class InterruptedOnce(DisplayPublisher):
+        def publish(self, data: Any, metadata: Any = None, **kw: Any) -> None:
+            shown.append((data, kw.get("update", False)))
+            if len(shown) == 1:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(shell, "display_pub", InterruptedOnce(shell=shell))
+    progress = magics._Progress(in_kernel=True)
+    with pytest.raises(KeyboardInterrupt):
+        progress.update("waiting for a device (1s)")
+    progress.done("cancelled")
+    assert shown == [
+        ({"text/plain": "waiting for a device (1s)"}, False),
+        ({"text/plain": "waiting for a device: cancelled"}, True),
+    ]
+
+
 def test_a_revoke_on_the_inherited_lease_connection_is_said_once(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
