@@ -835,6 +835,17 @@ def test_a_waiting_line_interrupted_in_its_first_display_is_still_marked(
     ]
 
 
+def test_a_wait_that_never_showed_its_line_marks_nothing(
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pick that gave up before its first progress display (the wait shorter than one tick)
+    has no line to mark, and says so by doing nothing. Caught: ``done`` asking for a kernel *or*
+    a display handle (an AttributeError on the missing handle)."""
+    shown = _capture_displays(shell, monkeypatch)
+    magics._Progress(in_kernel=True).done("gave up")
+    assert shown == []
+
+
 def test_a_revoke_on_the_inherited_lease_connection_is_said_once(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
