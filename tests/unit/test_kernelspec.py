@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 
 from autogpu_jupyter.cli import main
+from tests.jupyterpaths import keep_kernelspecs_in
 
 
 @pytest.fixture
 def prefix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share" / "jupyter"))
     monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "user-data"))
+    keep_kernelspecs_in(tmp_path, monkeypatch)
     return tmp_path
 
 

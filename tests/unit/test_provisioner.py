@@ -21,6 +21,7 @@ from jupyter_client import AsyncKernelManager
 from autogpu_jupyter import kernelspec
 from autogpu_jupyter.core.leasing import Registry, Requester
 from autogpu_jupyter.errors import NoDeviceFitsError, UsageErrorBase
+from tests.jupyterpaths import keep_kernelspecs_in
 from tests.payloadhelpers import GiB, write_fleet
 
 A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
@@ -47,6 +48,7 @@ class Host:
         runtime = tmp / "runtime"
         runtime.mkdir(mode=0o700)
         monkeypatch.setenv("JUPYTER_PATH", str(self.prefix / "share" / "jupyter"))
+        keep_kernelspecs_in(tmp, monkeypatch)
         monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
         monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(tmp / "registry"))
         monkeypatch.setenv("AUTOGPU_SIMULATE", str(self.fleet))
