@@ -324,3 +324,36 @@ def test_a_shut_channel_stops_watching_its_socket() -> None:
         return watched, fd in loop._selector.get_map()  # type: ignore[attr-defined]
 
     assert run(body) == (True, False)
+
+
+def test_a_backlog_sent_once_does_not_stop_a_later_backlog_from_being_sent() -> None:
+    """Replies the socket does not take are kept and sent when it is writable, again after a
+    first backlog went out. Caught: the writing flag left set once the first backlog was sent
+    (the second was never watched for: the client waited for its reply until the timeout)."""
+
+    async def body(chan: Channel, peer: socket.socket, ended: list[str]) -> list[int]:
+        loop = asyncio.get_running_loop()
+        got = bytearray()
+
+        def read() -> None:
+            got.extend(peer.recv(1 << 20))
+
+        sizes = []
+        for _ in range(2):
+            total = _fill(chan) + 5
+            chan.write(b"tail\n")
+            assert chan.pending > 0
+            got.clear()
+            loop.add_reader(peer.fileno(), read)
+            try:
+                assert await chan.drain(5.0) is True
+                while len(got) < total:
+                    await asyncio.sleep(0.01)
+            finally:
+                loop.remove_reader(peer.fileno())
+            assert got.endswith(b"tail\n") and chan.pending == 0
+            sizes.append(len(got) - total)
+        assert ended == [] and not chan.closed
+        return sizes
+
+    assert run(body, cap=1 << 22) == [0, 0]

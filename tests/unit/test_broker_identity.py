@@ -188,3 +188,40 @@ def test_a_range_may_start_at_uid_0(tmp_path: Path) -> None:
     path = tmp_path / "subuid"
     path.write_text("bin:0:10\n")
     assert identity._read_ranges(str(path)) == [(0, 9, "bin")]
+
+
+def test_a_subuid_file_past_its_bound_is_read_from_its_start_and_said_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The start is read up to the bound, its cut last line skipped as a bad line. Caught:
+    the warning's text replaced by ``None`` (the line could not be formatted)."""
+    first = f"bin:{FREE}:10\n"
+    bound = len(first) + 3  # the second line cut to "dae"
+    monkeypatch.setattr(identity, "_MAX_SUBUID_BYTES", bound)
+    path = tmp_path / "subuid"
+    path.write_text(first + f"daemon:{FREE + 10}:10\n")
+    with caplog.at_level("WARNING", logger="autogpu.broker"):
+        assert identity._read_ranges(str(path)) == [(FREE, FREE + 9, "bin")]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path} is larger than {bound} bytes: read its start only",
+        f"{path} line 2 is not NAME:FIRST:COUNT: skipped"]
+
+
+def _unused_gid(start: int) -> int:
+    gid = start
+    while True:
+        try:
+            grp.getgrgid(gid)
+        except KeyError:
+            return gid
+        gid += 1
+
+
+def test_a_gid_without_a_group_entry_is_named_by_its_number() -> None:
+    """A caller's primary gid that the group database does not know counts as a group named
+    by its number (a group limit or reservation may name it so). Caught: every such gid
+    named ``None``."""
+    gid = _unused_gid(300000)
+    got = Accounts("/nonexistent/subuid").account(0, gid)
+    others = {grp.getgrgid(g).gr_name for g in os.getgrouplist("root", gid) if g != gid}
+    assert got.groups == frozenset({str(gid), *others})

@@ -508,3 +508,13 @@ def test_a_sock_diag_answer_is_read_up_to_its_bytes_whatever_its_length_says() -
     for length in (16 + len(body), 2**31, 2**32 - 1):
         data = struct.pack("=IHHII", length, 20, 0, 0, 0) + body
         assert jrnl._parse_peer(data) == 4242, length
+
+
+def test_a_journal_not_yet_opened_counts_no_bytes_then_its_files(tmp_path: Path) -> None:
+    """``size_bytes`` is a count from the start: 0 before the log is opened, the file's size
+    once it is. Caught: the count starting as ``None``."""
+    j = Journal(str(tmp_path), boot="boot-a")
+    assert j.size_bytes == 0
+    j.load()
+    assert j.size_bytes == (tmp_path / "journal.log").stat().st_size > 0
+    j.close()

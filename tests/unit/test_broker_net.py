@@ -341,3 +341,55 @@ def test_a_failing_accept_pauses_and_is_logged_once_per_ten_seconds(
         f"accept failed (Too many open files); 2 failure(s) since the last note; pausing "
         f"0.20 s{suffix}",
     ]
+
+
+def test_a_connection_whose_handling_fails_is_closed_logged_and_the_next_accepted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One bad connection never stops the accepting: its socket is closed, the failure logged
+    with its traceback. Caught: the log line's text replaced by ``None``."""
+    where = tempfile.mkdtemp(prefix="agn-", dir="/tmp")  # a socket path has at most 107 bytes
+    path = os.path.join(where, "b.sock")
+    handed: list[socket.socket] = []
+
+    def on_accept(conn: socket.socket) -> None:
+        handed.append(conn)
+        if len(handed) == 1:
+            raise RuntimeError("a bad connection")
+
+    async def main() -> None:
+        listener = net.Listener(net.listen(path), on_accept)
+        clients = [socket.socket(socket.AF_UNIX) for _ in range(2)]
+        for c in clients:
+            c.connect(path)
+        listener._on_readable()  # as the loop calls it when the socket is readable
+        listener.close()
+        for c in clients:
+            c.close()
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="autogpu.broker"):
+            asyncio.run(main())
+    finally:
+        os.unlink(path)
+        os.rmdir(where)
+    assert len(handed) == 2
+    assert handed[0].fileno() == -1 and handed[1].fileno() != -1  # the bad one closed
+    handed[1].close()
+    assert [(r.getMessage(), r.exc_info is not None) for r in caplog.records] == [
+        ("connection handling failed", True)]
+
+
+def test_a_closed_listener_stops_watching_its_socket(tmp_path: Path) -> None:
+    """Caught: the watch left behind (``remove_reader`` given no descriptor; the loop kept a
+    closed descriptor, later reused by another socket, in its selector)."""
+
+    async def main() -> tuple[bool, bool]:
+        loop = asyncio.get_running_loop()
+        listener = net.Listener(net.listen(str(tmp_path / "w.sock")), lambda s: s.close())
+        fd = listener.sock.fileno()
+        watched = fd in loop._selector.get_map()  # type: ignore[attr-defined]
+        listener.close()
+        return watched, fd in loop._selector.get_map()  # type: ignore[attr-defined]
+
+    assert asyncio.run(main()) == (True, False)

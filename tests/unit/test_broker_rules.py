@@ -704,3 +704,279 @@ def test_serve_listens_answers_and_stops_on_sigterm(monkeypatch: pytest.MonkeyPa
         os.rmdir(where)
     assert [(r["ok"], r["leases_total"], r["proto"]) for r in replies] == [(True, 0, PROTOCOL)]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
+
+
+# ---- survivors of seed 52's sample (issue 22) ----
+
+
+@pytest.mark.parametrize(("value", "shown"), [(-1, "-1"), (True, "True"), ("2", "'2'")])
+def test_a_rules_file_with_a_limit_that_is_not_a_count_names_it(
+    tmp_path: Any, value: Any, shown: str
+) -> None:
+    """Caught: the bad value's text dropped from the message (the admin read ``None``)."""
+    import json
+
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps({"max_devices_per_user": value}))
+    with pytest.raises(SystemExit) as err:
+        BrokerConfig(socket_path="/nonexistent/b.sock").load_rules(str(path))
+    assert str(err.value) == (
+        f"autogpu broker: rules file {path}: {shown} is not a whole number >= 0; expected e.g. "
+        '{"max_devices_per_user": 2, "users": {"alice": 4}, "groups": {"students": 1}, '
+        '"reserved": {"GPU-...": ["ml"]}}')
+
+
+def test_a_holder_of_an_unknown_kind_is_a_usage_error_naming_the_kinds() -> None:
+    """Caught: the refusal's kind misspelled (the client raised a broker failure, not the
+    usage error it is)."""
+    b = broker()
+    conn = person(b, 1001)
+    with pytest.raises(BrokerRefusal) as err:
+        b._holder_fields(conn, {"holder": {"kind": "daemon"}})
+    assert (str(err.value), err.value.kind) == (
+        "holder.kind 'daemon' is not one of process, kernel, cli, provisioner, api",
+        "UsageErrorBase")
+
+
+def test_a_second_lease_on_one_connection_is_refused_in_those_words() -> None:
+    """Caught: the refusal's text dropped (the client showed ``None``)."""
+    b = broker()
+    conn = person(b, 1001)
+    lease(b, conn, "GPU-ol1")
+    held = conn.record
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_lease(conn, {"op": "lease", "devices": ["GPU-ol2"]}))
+    assert (str(err.value), err.value.kind) == (
+        "this connection already holds a lease or ticket", "RegistryError")
+    assert conn.record is held
+
+
+def test_a_ticket_past_the_tickets_per_user_is_refused_with_the_admissions_words() -> None:
+    """The admission's refusal reaches the client as it is, with its kind. Caught: its text
+    replaced by ``None``."""
+    b = broker(max_tickets_per_user=0)
+    conn = person(b, 1001)
+    msg = {"op": "ticket", "constraints": {
+        "min_free_bytes": None, "min_free_fraction": None, "max_util_pct": None, "count": 1,
+        "exclude": [], "exclusive": False, "allowed_uuids": None}}
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_ticket(conn, msg))
+    assert (str(err.value), err.value.kind) == (
+        "user1001 already waits in line with 0 ticket(s); another would exceed "
+        "max_tickets_per_user = 0 set by the admin (enforced by the broker). Wait for one of "
+        "them to be served, or cancel it (interrupt the waiting pick).",
+        "LeaseLimitError")
+    assert conn.record is None
+
+
+def test_a_refused_connection_gets_one_line_with_the_protocol_and_is_logged(
+    caplog: Any,
+) -> None:
+    """Caught: the refusal line's ``proto`` key misspelled (a client of this version would
+    take the broker for one of another protocol)."""
+    import json
+    import logging
+    import socket
+
+    from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
+
+    b = broker()
+    ours, theirs = socket.socketpair()
+    caplog.set_level(logging.WARNING, logger="autogpu.broker")
+    try:
+        b._refuse(ours, 1001, "too many connections for alice")
+        theirs.settimeout(5)
+        line = theirs.recv(65536)
+    finally:
+        theirs.close()
+    assert line.endswith(b"\n") and json.loads(line) == {
+        "ok": False, "type": "RegistryError", "error": "too many connections for alice",
+        "proto": PROTOCOL}
+    assert ours.fileno() == -1  # closed
+    assert [r.getMessage() for r in caplog.records] == [
+        "1 connection(s) refused (the last from uid 1001: too many connections for alice)"]
+
+
+def test_a_client_of_another_protocol_gets_an_untrusted_error_and_is_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first message of a connection names the client's protocol; another one is answered
+    with one line of kind ``RegistryUntrustedError`` (the client says the versions differ),
+    then the connection ends. Caught: the line's ``type`` key misspelled."""
+    import json
+    import socket
+
+    import autogpu_jupyter.broker as broker_mod
+    from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
+
+    b = broker()
+    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
+    monkeypatch.setattr(b.accounts, "account",
+                        lambda uid, gid: Account(1001, "alice", frozenset()))
+
+    async def go() -> list[bytes]:
+        ours, theirs = socket.socketpair()
+        b.accepted(ours)
+        theirs.sendall(json.dumps({"op": "status", "proto": PROTOCOL + 1}).encode() + b"\n")
+        theirs.settimeout(5)
+        loop = asyncio.get_running_loop()
+        got = []
+        while chunk := await loop.run_in_executor(None, theirs.recv, 65536):
+            got.append(chunk)  # up to the end: the broker closed the connection
+        theirs.close()
+        return got
+
+    got = b"".join(run(go()))
+    assert json.loads(got) == {
+        "ok": False, "type": "RegistryUntrustedError", "proto": PROTOCOL,
+        "error": broker_mod._protocol_mismatch(PROTOCOL + 1)}
+    assert got.count(b"\n") == 1
+
+
+def test_the_reaper_logs_a_failed_round_and_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: Any,
+) -> None:
+    """A round of the orphan and ticket check that fails is logged with its traceback, and
+    the next round comes. Caught: the log line's text replaced by ``None``."""
+    import logging
+
+    b = broker()
+    rounds: list[int] = []
+
+    class Stop(Exception):
+        pass
+
+    async def sleep(delay: float) -> None:
+        assert delay == 1.0
+        if len(rounds) == 2:
+            raise Stop
+
+    async def reap(loop: Any) -> None:
+        rounds.append(len(rounds))
+        raise RuntimeError("a bad round")
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    monkeypatch.setattr(b, "_reap", reap)
+    caplog.set_level(logging.ERROR, logger="autogpu.broker")
+    with pytest.raises(Stop):
+        run(b.reap_orphans())
+    assert rounds == [0, 1]
+    assert [(r.getMessage(), r.exc_info is not None) for r in caplog.records] == [
+        ("orphan and ticket check failed", True)] * 2
+
+
+def test_an_orphan_whose_recorded_holder_runs_is_kept() -> None:
+    """After a restart, a lease whose socket's inode is not known lives while its recorded
+    holders run (checked by start time and uid). Caught: the holders checked without their
+    socket's inode argument (the check raised, and no orphan was ever reaped)."""
+    from autogpu_jupyter.brokerd import journal as jrnl
+
+    b = broker()
+    alice = person(b, os.getuid())
+    lease(b, alice, "GPU-or1")
+    rec = alice.record
+    assert rec is not None
+    alice.record = None
+    me = jrnl.proc_ids(os.getpid())
+    assert me
+    b.orphans[rec.lease_id] = Orphan(os.getuid(), rec, list(me), key=os.getuid())
+
+    async def go() -> None:
+        await b._reap(asyncio.get_running_loop())
+
+    run(go())
+    assert rec.lease_id in b.orphans and b.orphans[rec.lease_id].holder_pids == list(me)
+
+
+def test_an_orphan_whose_holders_are_gone_but_whose_socket_is_held_is_kept() -> None:
+    """Every recorded holder of an orphan is gone, but a process still holds its socket (as a
+    child the socket was handed to would; here this process): that one becomes its holder,
+    found by one scan of /proc. Caught: the scan's answer looked up by the wrong key (the
+    lookup raised)."""
+    import socket
+
+    from autogpu_jupyter.brokerd import journal as jrnl
+
+    b = broker()
+    alice = person(b, os.getuid())
+    lease(b, alice, "GPU-or2")
+    rec = alice.record
+    assert rec is not None
+    alice.record = None
+    ours, theirs = socket.socketpair()
+    try:
+        inode = os.fstat(theirs.fileno()).st_ino  # held by this process only
+        gone = [(os.getpid(), -1)]  # a start time no process has: that holder is gone
+        b.orphans[rec.lease_id] = Orphan(os.getuid(), rec, gone, key=os.getuid(), peer=inode)
+
+        async def go() -> None:
+            await b._reap(asyncio.get_running_loop())
+
+        run(go())
+    finally:
+        ours.close()
+        theirs.close()
+    assert rec.lease_id in b.orphans
+    assert b.orphans[rec.lease_id].holder_pids == jrnl.proc_ids(os.getpid())
+
+
+def test_a_servable_ticket_behind_one_that_is_not_lapses_after_the_grace() -> None:
+    """The lapse check goes through the whole line: a ticket that is not servable (the first)
+    does not stop the check of those behind it. Caught: ``continue`` made ``break`` (a ticket
+    behind an unservable one kept its place however long a device was free for it)."""
+    from dataclasses import replace
+
+    b = broker(ticket_grace_s=0.0)
+    alice, bob = person(b, 1001), person(b, 1002)
+    alice.record = ticket_record(b, alice)
+    bob.writer = Written()  # type: ignore[assignment]
+    bob.record = replace(ticket_record(b, bob), seq=2)
+    assert [r.seq for r in b._line()] == [1, 2]
+    theirs, mine = alice.record.lease_id, bob.record.lease_id
+
+    def waiters(snap: Any, tickets: list[Any], settled_only: bool = False) -> dict[str, Any]:
+        return {mine: ("GPU-lp1",)} if any(t.lease_id == mine for t in tickets) else {}
+
+    b._snapshot = lambda: "a snapshot"  # type: ignore[method-assign]
+    b._waiters = waiters  # type: ignore[method-assign]
+
+    async def go() -> None:
+        await b._lapse_tickets(asyncio.get_running_loop())
+
+    run(go())
+    assert alice.record is not None and alice.record.lease_id == theirs  # not servable: kept
+    assert bob.record is None and b.lapsed == 1
+    assert bob.writer.closed  # type: ignore[attr-defined]
+    assert [json_event(x) for x in bob.writer.lines] == [  # type: ignore[attr-defined]
+        ("ticket_lapsed", mine)]
+
+
+def json_event(line: bytes) -> tuple[str, str]:
+    import json
+
+    doc = json.loads(line)
+    return doc["event"], doc["lease_id"]
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, None),  # LISTEN_FDS unset: nothing inherited
+        ({"LISTEN_FDS": "0"}, None),
+        ({"LISTEN_FDS": "x"}, None),
+    ],
+)
+def test_no_inherited_socket_without_a_descriptor_count(
+    monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], expected: Any,
+) -> None:
+    """systemd's variables naming this process but no descriptor: none is taken (and
+    descriptor 3 left alone). Caught: an unset LISTEN_FDS read without its default "0" (the
+    broker stopped with a TypeError)."""
+    from autogpu_jupyter.broker import _inherited_socket
+
+    monkeypatch.setenv("LISTEN_PID", str(os.getpid()))
+    monkeypatch.delenv("LISTEN_FDS", raising=False)
+    for k, v in environ.items():
+        monkeypatch.setenv(k, v)
+    assert _inherited_socket() is expected
+    assert os.environ["LISTEN_PID"] == str(os.getpid())  # not taken: left as it was
