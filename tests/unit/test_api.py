@@ -301,3 +301,92 @@ def test_the_utilisation_a_pick_ranks_by_is_the_samplers_last_30_seconds(
     assert api._smoothed_util() == {U[0]: 15.0}  # 1060 and 1080; not 1000 (40.0 with it)
     monkeypatch.setattr(api, "_running_sampler", lambda: None)
     assert api._smoothed_util() is None
+
+
+def test_a_process_without_ipython_names_no_notebook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CLI process never imports IPython; without JPY_SESSION_NAME it runs no notebook.
+    Caught (issue 22, seed 52): get_ipython() asked of the absent module (an AttributeError)."""
+    import sys
+
+    from autogpu_jupyter.api import notebook_of_this_process
+
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    monkeypatch.delitem(sys.modules, "IPython", raising=False)
+    assert notebook_of_this_process() is None
+
+
+def _cuda_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autogpu_jupyter.core.cudastate import CudaState
+
+    monkeypatch.setattr(session, "cuda_state",
+                        lambda: CudaState(True, "cuInit has run (test)", None))
+
+
+def test_a_pick_after_cuda_started_refuses_unless_the_settings_allow_it(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``refuse_when_initialized`` (on by default) refuses a pick once CUDA has started; off,
+    the pick is made and says it was too late. Caught (issue 22, seed 52): the setting read the
+    wrong way round (a too-late pick made by default, refused when allowed)."""
+    from autogpu_jupyter.api import pick_options, pick_result
+    from autogpu_jupyter.config import AutoGPU
+
+    _cuda_started(monkeypatch)
+    with pytest.raises(TooLateError):
+        ag.pick()
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ and ag.current() is None
+    settings = AutoGPU(refuse_when_initialized=False)
+    result, warning = pick_result(pick_options(settings, {}), settings=settings)
+    assert [d.uuid for d in result.chosen] == [U[0]]
+    assert warning is not None and warning.startswith(
+        "--force: CUDA is already initialised in this kernel (cuInit has run (test)).")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == U[0]
+
+
+def test_a_forced_pick_logs_its_too_late_warning(
+    host: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``ag.pick(force=True)`` after CUDA started logs the warning as a WARNING record, its text
+    whole. Caught (issue 22, seed 52): the record logged with no format (its message broken)."""
+    import logging
+
+    _cuda_started(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="autogpu_jupyter.api")
+    assert [d.uuid for d in ag.pick(force=True)] == [U[0]]
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "autogpu_jupyter.api"]
+    assert message.startswith(
+        "--force: CUDA is already initialised in this kernel (cuInit has run (test)).")
+
+
+def test_a_provisioned_kernel_whose_device_does_not_fit_is_told_why_and_where_to_move(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernelspec gave this kernel GPU 1 (39.5 GiB free); it asks for 50 GiB: the error names
+    GPU 1's reason and the ``%gpu move`` line that would fit. Caught (issue 22, seed 52): the
+    reason left out (a TypeError joining it) and the move line written ``%gpu move GPU 0``."""
+    monkeypatch.setenv("AUTOGPU_PICKED", U[1])
+    with pytest.raises(DeviceBoundError) as info:
+        ag.pick(min_free="50G")
+    assert str(info.value) == (
+        "this kernel was started on GPU 1 by the autogpu kernelspec and can use only that (its "
+        "CUDA_VISIBLE_DEVICES was set before it started), and GPU 1 does not meet min free "
+        "50.0 GiB (GPU 1: only 39.5 GiB free < 50.0 GiB wanted); GPU 0 would fit: move there "
+        "with %gpu move 0 (restarts the kernel; its variables are lost). No second lease was "
+        "taken."
+    )
+    assert Registry(str(host)).list_leases() == []
+
+
+def test_set_visible_devices_is_recorded_as_the_apis_choice(host: Path) -> None:
+    """The choice says it came from the API (what ``%gpu status`` words as
+    "autogpu_jupyter.pick"). Caught (issue 22, seed 52): the choice recorded without its source."""
+    ag.set_visible_devices([3])
+    choice = ag.current()
+    assert choice is not None and choice.source == "api" and choice.uuids == (U[3],)
+
+
+def test_status_counts_each_devices_processes(host: Path, fake_nvml: FakeNvml) -> None:
+    """One process on each of GPUs 0-2, none left on GPU 3. Caught (issue 22, seed 52): the
+    procs column always empty."""
+    fake_nvml.set(3, processes=[])
+    assert list(ag.status()["procs"]) == [1, 1, 1, 0]

@@ -84,3 +84,42 @@ def test_a_ranking_that_chose_nothing_says_a_real_pick_would_fail(result: PickRe
         "  no device fits: a real pick would fail now (--wait DURATION waits in line)"
     )
     assert not [ln for ln in lines if ln.startswith("  why ")]
+
+
+def test_a_pick_that_asked_nothing_says_any_device(tmp_path: Path) -> None:
+    """No option given: the summary and the ranking say "any device", not the policy's "no
+    constraints". Caught (issue 22, seed 52): the stand-in never used."""
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(fleet(2)))
+    bare = pick(PickOptions(Constraints()), backend=SimulatedBackend(str(path)), environ={},
+                dry_run=True)
+    assert format_pick(bare).splitlines()[1] == (
+        "  asked: any device · runner-up GPU 1 (80.0 GiB free, util 0%)"
+    )
+    assert format_ranking(bare).splitlines()[0] == (
+        "autogpu [SIMULATED] dry run (any device): nothing changed"
+    )
+
+
+def test_a_kept_device_without_a_visible_devices_variable_shows_it_empty(
+    result: PickResult,
+) -> None:
+    """A kept pick whose process has no CUDA_VISIBLE_DEVICES shows the variable empty. Caught
+    (issue 22, seed 52): ``CUDA_VISIBLE_DEVICES=None`` shown instead."""
+    kept = dataclasses.replace(result, kept=True, env={})
+    assert format_pick(kept).split("\n")[2] == "  CUDA_VISIBLE_DEVICES="
+
+
+def test_a_narrow_ranking_wraps_the_verdict_under_its_own_column(result: PickResult) -> None:
+    """At 80 columns the verdict wraps under itself (never back to column 0, never past the
+    width). Caught (issue 22, seed 52): the verdict column not wrapping (lines past the width).
+    """
+    under = " " * 72  # the verdict column starts at character 73
+    assert format_ranking(result, width=80).splitlines()[2:6] == [
+        "  1     GPU 0   NVIDIA A100-SXM4-80GB  80.0 GiB    0%  0% util       0  "
+        "would pick: 80.0 GiB",
+        f"{under}free >= 10.0 GiB wanted",
+        "  2     GPU 1   NVIDIA A100-SXM4-80GB  80.0 GiB    0%  0% util       0  "
+        "fits: 80.0 GiB free >=",
+        f"{under}10.0 GiB wanted",
+    ]

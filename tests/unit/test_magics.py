@@ -894,3 +894,99 @@ def test_a_panel_takes_its_overload_thresholds_from_this_kernels_config(
         assert panel.thresholds == Thresholds(util_pct=50.0, window_s=7.0, memory_pct=95.0)
     finally:
         panel.close()
+
+
+def test_a_cell_on_a_device_whose_processes_are_unknown_reports_its_peak_unknown() -> None:
+    """NVML lists no processes for the cell's GPU (no permission): this kernel's peak memory is
+    unknown, not a sum of the other devices' processes. Caught (issue 22, seed 52): "unknown"
+    marked as "" (a TypeError in the sampler thread) and the report's word in capitals."""
+    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
+
+    me = os.getpid()
+    snap = FleetSnapshot(
+        devices=(
+            DeviceSnapshot(index=0, uuid=U[0], name="Fake", utilization_pct=40.0, processes=None),
+            DeviceSnapshot(index=1, uuid=U[1], name="Fake", utilization_pct=90.0,
+                           processes=(ProcessSnapshot(pid=me, used_memory_bytes=2 * 1024**3),)),
+        ),
+        timestamp_s=1000.0,
+        backend="test",
+    )
+
+    class LastSweep:  # the sampler's two questions, for its latest sweep
+        def latest(self) -> FleetSnapshot:
+            return snap
+
+        def latest_own_pids(self) -> set[int]:
+            return {me}
+
+    stats = magics._CellStats(uuids=(U[0],), start_s=999.0)
+    stats.add(LastSweep(), snap)  # type: ignore[arg-type]
+    assert stats.peak_own_bytes is None
+    head, peak, _util = stats.report(2.0, "GPU 0", simulated=False).split(" · ")
+    assert head == "autogpu %%gpu on GPU 0: wall 2s"
+    assert peak == "peak GPU memory of this kernel unknown"
+
+
+def test_the_sidebar_pick_of_a_mig_device_takes_that_mig_device(
+    shell: InteractiveShell, fake_nvml: FakeNvml
+) -> None:
+    """Picking MIG device 0:1 from the sidebar leaves out the other GPUs (the idle plain A100
+    GPU 1 among them): the kernel gets GPU 0 MIG 1. Caught (issue 22, seed 52): the MIG
+    device's parent left out of its family (every plain GPU then stayed in the running, and
+    the idle GPU 1 was picked)."""
+    from autogpu_jupyter.magics import SIDEBAR_PICK_MIME
+    from tests.fakenvml import fleet_mig
+
+    fake_nvml.write(fleet_mig())
+    mig1 = fleet_mig()["devices"][0]["mig_devices"][1]["uuid"]
+    shell.run_cell("%load_ext autogpu")
+    (answer,) = _sidebar_pick(shell, mig1)
+    pick = answer[SIDEBAR_PICK_MIME]
+    assert pick["ok"] is True
+    assert pick["summary"].startswith("autogpu: picked GPU 0 MIG 1 · "), pick["summary"]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == mig1
+    choice = session.current()
+    assert choice is not None and choice.uuids == (mig1,) and choice.source == "sidebar"
+
+
+def test_release_in_a_kernel_the_kernelspec_started_says_its_lease_stays(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernelspec picked GPU 0 before the kernel started: ``%gpu release`` cannot undo
+    that, and says so whole. Caught (issue 22, seed 52): the message's wording changed."""
+    monkeypatch.setenv("AUTOGPU_PICKED", U[0])
+    shell.run_cell("%load_ext autogpu")
+    capsys.readouterr()
+    _, out, _ = run(shell, "%gpu release", capsys)
+    assert out == (
+        "this kernel's GPU was picked by the autogpu kernelspec before it started: its lease "
+        "ends when the kernel stops (or restart it with another kernel)\n"
+    )
+    assert session.current() is not None  # still the kernelspec's choice
+
+
+def test_an_overload_check_that_fails_is_logged_not_printed(
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a cell, an overload check that cannot read the devices prints nothing and leaves a
+    debug record saying why. Caught (issue 22, seed 52): the record's text changed."""
+    import logging
+
+    from autogpu_jupyter.core import overload
+    from autogpu_jupyter.errors import NVMLUnavailableError
+
+    def unreadable() -> None:
+        raise NVMLUnavailableError("NVIDIA driver not loaded")
+
+    monkeypatch.setattr(overload, "pending_warning", unreadable)
+    monkeypatch.setattr(magics, "_skip_hook_once", False)
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    caplog.set_level(logging.DEBUG, logger="autogpu_jupyter.magics")
+    magics._overload_hook()
+    assert capsys.readouterr() == ("", "")
+    assert [r.getMessage() for r in caplog.records if r.name == "autogpu_jupyter.magics"] == [
+        "overload check failed: NVIDIA driver not loaded"
+    ]
