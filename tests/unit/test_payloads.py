@@ -456,3 +456,163 @@ def test_holders_are_dated_by_their_sweep_and_say_which_kernel_waits(
     assert {k["kernel_id"]: k["waiting"] for k in data["kernels"]} == {"k-1": True, "k-2": False}
     assert data["timestamp_s"] in swept
     assert (data["simulated"], data["errors"]) == (True, [])
+
+
+def kernels_started_with(environs: dict[str, dict[str, str]]) -> Kernels:
+    """This server's kernels, each a process started with this environment added to ours."""
+    import os
+    import subprocess
+    from types import SimpleNamespace
+
+    k = Kernels()
+    k.procs = {n: subprocess.Popen(["sleep", "300"], env={**os.environ, **extra})
+               for n, extra in environs.items()}
+    k.provisioners = {n: SimpleNamespace(pid=p.pid) for n, p in k.procs.items()}
+    return k
+
+
+def test_the_better_device_stays_within_the_kernels_own_grant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """k-1 started under a scheduler's grant of GPUs 0 and 2 (its CUDA_VISIBLE_DEVICES, read
+    from its process): the empty GPU 1 is outside it, GPU 2 is the better device. Caught
+    (mutation run, issue 22, seed 52): the kernel's environment passed where its own devices
+    belong, so the grant asked was the server's (GPU 1 named, a device the kernel cannot use)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the server itself has none
+    kernels = kernels_started_with({"k-1": {"CUDA_VISIBLE_DEVICES": f"{A},{C}"}})
+    try:
+        fleet_file = write_fleet(tmp_path / "fleet.json", crowded(kernels, 8, 70))
+        with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+            data = payloads.holders_payload(state, kernels, {})
+    finally:
+        kernels.close()
+    assert overload_of(data) == (f"{CROWDED} Better now: GPU 2.", {"uuid": C, "label": "GPU 2"})
+
+
+def test_the_better_device_keeps_the_kernels_own_pick_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """k-1 was picked with ``--models H100`` (its provisioner's options, no lease): the better
+    device is the H100 GPU 2, not the emptier A100 GPU 1. Caught (mutation run, issue 22, seed
+    52): the kernel's options left out of the question (any device named, as for a plain
+    pick)."""
+    from types import SimpleNamespace
+
+    devices = crowded(kernels, 8, 70)
+    devices[2]["name"] = "NVIDIA H100"
+    kernels.provisioners["k-1"] = SimpleNamespace(
+        pid=kernels.pid("k-1"), autogpu_picked=(), autogpu_constraints=Constraints(
+            models=("H100",)), autogpu_note=None, autogpu_lease_id=None, autogpu_move_file=None)
+    fleet_file = write_fleet(tmp_path / "fleet.json", devices)
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        data = payloads.holders_payload(state, kernels, {})
+    assert overload_of(data) == (f"{CROWDED} Better now: GPU 2.", {"uuid": C, "label": "GPU 2"})
+
+
+def test_a_kernels_environment_is_read_from_its_own_process() -> None:
+    """``select?kernel_id=`` bounds the answer by that kernel's environment: the one its process
+    started with, found by its id. Caught (mutation run, issue 22, seed 52): the process looked
+    up under another key (no environment ever found: the server's grant used instead)."""
+    both = kernels_started_with(
+        {"k-1": {"AUTOGPU_TEST_MARK": "first"}, "k-2": {"AUTOGPU_TEST_MARK": "second"}})
+    try:
+        env_1 = payloads.kernel_environ(both, "k-1")
+        env_2 = payloads.kernel_environ(both, "k-2")
+        assert payloads.kernel_environ(both, "k-3") is None
+        assert payloads.kernel_environ(both, None) is None
+        assert payloads.kernel_environ(None, "k-1") is None
+    finally:
+        both.close()
+    assert env_1 is not None and env_1["AUTOGPU_TEST_MARK"] == "first"
+    assert env_2 is not None and env_2["AUTOGPU_TEST_MARK"] == "second"
+
+
+def test_select_answers_from_the_sweep_the_sidebar_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The devices changed after the sampler's sweep (GPU 1 filled, GPU 0 emptied): ``select``
+    ranks the sweep the sidebar shows (GPU 1 the emptier), it reads no device itself. Caught
+    (mutation run, issue 22, seed 52): the sweep's backend not passed to the pick (a fresh read
+    of the devices, an NVML call per request, an answer that disagrees with the table)."""
+    import os
+
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch, interval_s=600.0) as state:
+        swept = state.sampler().latest()
+        now = [dict(d) for d in fleet()]
+        now[0]["memory_used"], now[1]["memory_used"] = 0, 70 * GiB
+        write_fleet(fleet_file, now)
+        stat = os.stat(fleet_file)
+        os.utime(fleet_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # seen as changed
+        answer = payloads.select_payload(state, Constraints())
+        assert state.sampler().latest() is swept  # no sweep in between
+    assert [c["uuid"] for c in answer["chosen"]] == [B]
+    assert {c["uuid"]: c["effective_free_bytes"] for c in answer["candidates"]} == {
+        A: 50 * GiB, B: 80 * GiB}
+
+
+def test_a_pending_move_of_two_devices_names_both() -> None:
+    """Caught (mutation run, issue 22, seed 52): the target labels joined by another separator
+    (the sidebar's "waits for the restart" line garbled for a two-device kernel)."""
+    from types import SimpleNamespace
+
+    from autogpu_jupyter.core.devices import DeviceSnapshot
+    from autogpu_jupyter.server.moving import pending_payload
+
+    plan = SimpleNamespace(
+        target=(DeviceSnapshot(index=0, uuid=A, name="NVIDIA A100"),
+                DeviceSnapshot(index=1, uuid=B, name="NVIDIA A100")),
+        message="Move to GPU 0, GPU 1")
+    assert pending_payload(plan) == {
+        "dry_run": False, "pending": True, "plan": "Move to GPU 0, GPU 1", "target": [A, B],
+        "target_labels": ["GPU 0", "GPU 1"],
+        "message": "The move to GPU 0, GPU 1 waits for the kernel's restart.",
+        "picked": None, "note": None}
+
+
+def test_the_move_answer_names_an_unknown_device_by_its_uuid() -> None:
+    """The provisioner picked a device no sweep labelled (it appeared after the last sweep): the
+    answer names it by its UUID. Caught (mutation run, issue 22, seed 52): the label lookup
+    without the UUID as fallback (a TypeError joining ``None``: the move answered 500)."""
+    from types import SimpleNamespace
+
+    from autogpu_jupyter.core.devices import DeviceSnapshot
+    from autogpu_jupyter.server.moving import result_payload
+
+    plan = SimpleNamespace(target=(DeviceSnapshot(index=1, uuid=B, name="NVIDIA A100"),),
+                           message="Move to GPU 1")
+    prov = SimpleNamespace(autogpu_picked=(C,), autogpu_constraints=None, autogpu_note=None,
+                           autogpu_lease_id=None, autogpu_move_file="/m")
+    answer = result_payload(plan, prov, dry_run=False, labels={A: "GPU 0"})
+    assert answer["message"] == (
+        f"The kernel restarted on {C}, not on GPU 1 as planned. Its state (variables) was lost.")
+
+
+def test_a_move_to_best_counts_the_load_over_the_smoothing_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPU 1 was fully busy in the sampler's sweeps and reads idle only now: a kernel asking
+    ``--max-util 50`` is not moved onto it (GPU 2 is the plan), as its own pick would judge.
+    Caught (mutation run, issue 22, seed 52): the sampler's smoothed load left out of the move's
+    plan (the instant reading decided, GPU 1 planned)."""
+    import os
+    from types import SimpleNamespace
+
+    from autogpu_jupyter.server.moving import MoveBody, plan_or_request
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    devices = fleet()
+    devices[1]["utilization_pct"] = 100
+    devices.append({"uuid": C, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+                    "memory_used": 40 * GiB, "utilization_pct": 0})
+    fleet_file = write_fleet(tmp_path / "fleet.json", devices)
+    prov = SimpleNamespace(autogpu_picked=(A,), autogpu_constraints=Constraints.parse(
+        max_util="50"), autogpu_note=None, autogpu_lease_id=None,
+        autogpu_move_file=str(tmp_path / "move-k-1.json"))
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch, interval_s=600.0) as state:
+        devices[1]["utilization_pct"] = 0  # idle at this instant
+        write_fleet(fleet_file, devices)
+        stat = os.stat(fleet_file)
+        os.utime(fleet_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # seen as changed
+        plan = plan_or_request(state, prov, "k-1", MoveBody("best", dry_run=True))
+    assert [d.uuid for d in plan.target] == [C]

@@ -106,3 +106,22 @@ def test_a_long_list_or_dict_is_named_by_its_type_from_twenty_items() -> None:
     assert payloads.short_repr({str(i): i for i in range(20)}) == "dict"
     assert payloads.short_repr({str(i): i for i in range(19)}).startswith("{'0': 0, ")
     assert payloads.short_repr("x" * 20) == repr("x" * 20)
+
+
+def test_a_request_waiting_for_the_first_sweep_answers_soon_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first sweep lands 50 ms after the request (on a fake clock): the answer follows
+    within the 20 ms poll, not a second later. Caught (mutation run, issue 22, seed 52): the
+    poll stretched to 1.02 s (every sidebar opened with the server waited up to a second more)."""
+    clock = [0.0]
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    snap = object()
+    sampler = SimpleNamespace(errors=[], latest=lambda: snap if clock[0] >= 0.05 else None)
+    monkeypatch.setattr(payloads, "time", SimpleNamespace(monotonic=lambda: clock[0],
+                                                          sleep=sleep))
+    assert payloads.latest_snapshot(SimpleNamespace(sampler=lambda: sampler)) is snap
+    assert 0.05 <= clock[0] <= 0.07

@@ -11,6 +11,7 @@ import http.server
 import json
 import logging
 import threading
+import urllib.parse
 from collections.abc import Iterator
 
 import pytest
@@ -122,3 +123,45 @@ def test_the_cluster_history_says_its_step() -> None:
         server.server_close()
     assert {k: v for k, v in answer.items() if k != "prometheus_url"} == {
         "configured": True, "seconds": 600.0, "step_s": 5.0, "hosts": [], "errors": []}
+
+
+class _NotFinite(http.server.BaseHTTPRequestHandler):
+    """Host gpu-a's utilisation series has one NaN point, its memory series two ``+Inf``; DCGM's
+    queries give no series."""
+
+    def do_GET(self) -> None:
+        query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)["query"][0]
+        bad = {"avg by (hostname) (autogpu_gpu_utilization_ratio)": ["NaN"],
+               "avg by (hostname) (autogpu_gpu_memory_used_ratio)": ["+Inf", "+Inf"]}.get(query)
+        points = [[1000.0 + i, v] for i, v in enumerate(bad or ())]
+        result = [{"metric": {"hostname": "gpu-a"}, "values": points}] if points else []
+        body = json.dumps({"status": "success",
+                           "data": {"resultType": "matrix", "result": result}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_cluster_history_says_which_series_had_points_left_out() -> None:
+    """Two series had points that are not finite numbers: the answer counts them and shows the
+    first. Caught (mutation run, issue 22, seed 52): another series than the first shown (with
+    one series only, an IndexError: the whole answer a 500)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotFinite)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    state = _state(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=5.0)
+    try:
+        answer = payloads.cluster_history_payload(state, 600.0)
+    finally:
+        state.stop()
+        server.shutdown()
+        server.server_close()
+    assert answer["errors"] == [
+        "2 series had points that are not finite numbers, left out (e.g. ? has 1 point(s) that "
+        "are not finite)"]
+    assert [h["hostname"] for h in answer["hosts"]] == ["gpu-a"]
