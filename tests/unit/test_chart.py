@@ -608,3 +608,135 @@ def test_the_panels_overload_banner_looks_back_over_the_panels_window_only(
         assert [w.causes for w in panel.warnings] == [("utilisation 97% for 1m (over 90%)",)]
     finally:
         panel.close()
+
+
+def test_a_point_between_two_different_values_is_kept() -> None:
+    """Only the inner points of a flat run are left out: a point whose neighbours are known but
+    whose value differs from theirs stays. Caught (mutation run, issue 22): ``&`` made ``|`` in
+    the flat-run test (every point after a known one dropped: a bend drawn as a straight line)."""
+    series = series_from_frame(_frame([10, 50, 90]))[A]  # t=80, 90, 100
+    html = chart.render_device_chart(series, label="GPU 0", uuid=A, window_s=60, now_s=100.0)
+    assert 'class="autogpu-util" d="M206.0,72.8 L250.0,44.0 L294.0,15.2"' in html
+    assert 'class="autogpu-mem" d="M206.0,26.0 L294.0,26.0"' in html  # flat: ends only
+
+
+def test_rows_out_of_time_order_are_kept_by_their_time_inside_the_window() -> None:
+    """Rows not in time order (a frame sorted otherwise) are filtered by their timestamps, not
+    cut at a position found by binary search. Caught (mutation run, issue 22): the order check
+    ``ts[:-1] <= ts[1:]`` made ``ts[:+1] <= ts[1:]`` (only the first row compared: the t=100
+    point lost), the window's start ``now - window`` made ``now + window`` (nothing drawn)."""
+    s = series_from_frame(_frame([10, 20, 30, 40, 50]))[A]  # t=60, 70, 80, 90, 100
+    order = [0, 4, 1, 3, 2]  # t=60, 100, 70, 90, 80: the oldest first, the rest shuffled
+    rows = DeviceSeries(A, s.timestamps_s[order], s.values[order])
+    html = chart.render_device_chart(rows, label="GPU 0", uuid=A, window_s=25, now_s=100.0)
+    # t=100, 90 and 80 are inside the last 25 s (in the rows' order); t=60 and t=70 are not
+    assert 'class="autogpu-util" d="M294.0,44.0 L188.4,51.2 L82.8,58.4"' in html
+
+
+def test_the_panels_controls_show_the_samplers_interval_and_the_window_with_their_labels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both dropdowns open on the current values, their labels given the same width, and the
+    pause button says what it does. Caught (mutation run, issue 22): the interval dropdown's
+    value lost (None: nothing selected), the window dropdown's label width lost, the pause
+    button's tooltip upper-cased."""
+    from autogpu_jupyter.widgets.panel import Panel
+
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(_panel_fleet(10)))
+    s = _clocked_sampler(path, [1_000_000.0])
+    s.set_interval(5.0)
+    panel = Panel(window_s=60, sampler=s, server_history=False)
+    try:
+        assert (panel.interval.value, panel.interval.label) == (5.0, "5 s")
+        assert (panel.window.value, panel.window.label) == (60.0, "1 min")
+        assert panel.interval.style.description_width == "52px"
+        assert panel.window.style.description_width == "52px"
+        assert panel.pause.tooltip == (
+            "Freeze this panel (the sampler keeps running for the others)"
+        )
+    finally:
+        panel.close()
+
+
+def test_a_panel_whose_first_read_failed_shows_the_error_and_no_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No sample at all: the reason in the banner, empty charts and table. Caught (mutation
+    run, issue 22): the table's value set to "XXXX" instead of emptied."""
+    from autogpu_jupyter.widgets.panel import Panel
+
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(_panel_fleet(10, broken=True)))
+    panel = Panel(window_s=60, sampler=_clocked_sampler(path, [1_000_000.0]),
+                  server_history=False)
+    try:
+        assert panel.sampler.latest() is None
+        assert "<b>autogpu cannot read the GPUs</b>: fleet file" in panel.banner.value
+        assert panel.banner.layout.display == "block"
+        assert (panel.charts.value, panel.table.value) == ("", "")
+    finally:
+        panel.close()
+
+
+def test_after_the_clock_stepped_back_the_panels_charts_end_at_the_newest_samples_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The charts' "now" is the newest snapshot's time, not the largest timestamp in the history:
+    after the system clock stepped back 10 s, the sample stamped before the step sits on the
+    right edge (as a sample newer than now does). Caught (mutation run, issue 22): the panel's
+    ``now_s=snapshot.timestamp_s`` dropped (the newest sample drawn 10 s in the past)."""
+    from autogpu_jupyter.widgets.panel import Panel
+
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(_panel_fleet(97)))
+    now = [1_000_000.0]
+    s = _clocked_sampler(path, now)
+    s.sample_now()
+    now[0] -= 10  # the clock steps back
+    path.write_text(json.dumps(_panel_fleet(10)))
+    s.sample_now()
+    panel = Panel(window_s=60, sampler=s, server_history=False)
+    try:
+        # 97 % stamped 10 s after "now" clamps to x = 294; 10 % is now (x = 294)
+        assert 'class="autogpu-util" d="M294.0,10.2 L294.0,72.8"' in panel.charts.value
+        assert "util 10%" in panel.charts.value
+    finally:
+        panel.close()
+
+
+def test_the_panels_table_names_the_registrys_leases_as_holders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease of another user on a GPU its process does not use yet is a holder in the
+    table. Caught (mutation run, issue 22): the live leases not passed to the table (the
+    leased GPU said "none")."""
+    from autogpu_jupyter import api
+    from autogpu_jupyter.core.leasing.records import LeaseRecord
+    from autogpu_jupyter.widgets.panel import Panel
+
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    lease = LeaseRecord(
+        lease_id="l1", kind="lease", device_uuids=(B,), device_requested_bytes=(10 * GiB,),
+        exclusive=False, user="mallory", uid=4321, host="h", pid=4243, created_s=1.0,
+        kernel_id="k", notebook_path="train.ipynb",
+    )
+    monkeypatch.setattr(api, "live_leases", lambda: [lease])
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(_panel_fleet(10)))
+    panel = Panel(window_s=60, sampler=_clocked_sampler(path, [1_000_000.0]),
+                  server_history=False)
+    try:
+        assert re.findall(r'overflow-wrap:anywhere">([^<]*)</td></tr>', panel.table.value) == [
+            "bob: pid 4242 (60.0 GiB used)",
+            "mallory: train.ipynb (10.0 GiB booked)",
+        ]
+    finally:
+        panel.close()

@@ -57,7 +57,7 @@ def server() -> Iterator[tuple[str, list[str]]]:
             pass
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{httpd.server_address[1]}/base/", asked
@@ -109,7 +109,7 @@ def _serving(body: bytes) -> Iterator[str]:
             pass
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{httpd.server_address[1]}/"
@@ -191,4 +191,72 @@ def test_an_answer_without_series_gives_no_history() -> None:
     Caught (mutation run, issue 22): the ``[]`` default of ``data.get("series", [])`` dropped
     (iterating None raised TypeError)."""
     with _serving(b'{"other": 1}') as url:
+        assert panel_mod.server_history(60, info={"url": url, "token": "t0k"}) == {}
+
+
+@pytest.mark.parametrize(("span_s", "asks"), [(55.0, True), (56.0, False), (57.0, False)])
+def test_the_server_is_asked_only_while_the_own_history_is_two_samples_short_of_the_window(
+    span_s: float, asks: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a 2 s interval and a 60 s window, own history covering 56 s or more is enough (within
+    two samples of the window): the server is not asked. Caught (mutation run, issue 22): the
+    margin ``2 * interval`` made ``2 / interval`` (1 s: the server asked at 56 and 57 s)."""
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+    from autogpu_jupyter.core.sampler import Sampler
+
+    asked: list[float] = []
+
+    def fake_history(window_s: float) -> dict[str, Any]:
+        asked.append(window_s)
+        return {}
+
+    monkeypatch.setattr(panel_mod, "server_history", fake_history)
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({"devices": [
+        {"uuid": UUID, "name": "A100", "memory_total": 8, "memory_used": 1,
+         "utilization_pct": 10},
+    ]}))
+    now = [1_000_000.0]
+    s = Sampler(SimulatedBackend(str(path), clock=lambda: now[0]), interval_s=2.0,
+                history_s=900.0, clock=lambda: now[0])
+    s.sample_now()
+    now[0] += span_s
+    s.sample_now()
+    panel = panel_mod.Panel(window_s=60, sampler=s)
+    try:
+        assert asked == ([60.0] if asks else [])
+    finally:
+        panel.close()
+
+
+def test_a_server_whose_pid_is_2_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a container the server may well be pid 2 (under an init such as tini, pid 1); only
+    pid 1 (init itself) and below end the search. Caught (mutation run, issue 22): the stop
+    made ``pid <= 2`` (a server of pid 2 never found)."""
+    (tmp_path / "jpserver-1.json").write_text(json.dumps({"url": "http://init/"}))
+    (tmp_path / "jpserver-2.json").write_text(json.dumps({"url": "http://two/"}))
+    monkeypatch.setattr(panel_mod.os, "getppid", lambda: 2)
+    assert panel_mod._server_info(str(tmp_path)) == {"url": "http://two/"}
+    monkeypatch.setattr(panel_mod.os, "getppid", lambda: 1)
+    assert panel_mod._server_info(str(tmp_path)) is None
+
+
+def _answer_of(size: int) -> bytes:
+    """A valid history answer of exactly ``size`` bytes (blanks before its closing brace)."""
+    head = json.dumps({"series": [
+        {"uuid": UUID, "timestamp_s": [1.0], "utilization_pct": [10], "memory_used_bytes": [1]},
+    ]}).encode()[:-1]
+    return head + b" " * (size - len(head) - 1) + b"}"
+
+
+def test_an_answer_of_exactly_the_size_limit_is_read_whole_and_a_longer_one_not_at_all() -> None:
+    """Caught (mutation run, issue 22): the read made ``_MAX_HISTORY_BYTES - 1`` (an answer of
+    exactly the limit lost its last byte: no history)."""
+    limit = panel_mod._MAX_HISTORY_BYTES
+    with _serving(_answer_of(limit)) as url:
+        got = panel_mod.server_history(60, info={"url": url, "token": "t0k"})
+    assert got == {UUID: ([1.0], [10], [1], None)}
+    with _serving(_answer_of(limit + 1)) as url:  # cut at the limit: not JSON, so no history
         assert panel_mod.server_history(60, info={"url": url, "token": "t0k"}) == {}
