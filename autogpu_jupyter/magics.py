@@ -346,15 +346,15 @@ class _CellStats:
             ours = own_pids(p.pid for d in snap.devices for p in (d.processes or ()))
         own: int | None = 0
         for d in snap.devices:
+            if d.uuid in self.uuids and d.utilization_pct is not None:
+                self.util_sum += d.utilization_pct
+                self.util_n += 1
             if d.processes is None:
                 if d.uuid in self.uuids:
                     own = None
                 continue
             if own is not None:
                 own += sum(p.used_memory_bytes or 0 for p in d.processes if p.pid in ours)
-            if d.uuid in self.uuids and d.utilization_pct is not None:
-                self.util_sum += d.utilization_pct
-                self.util_n += 1
         if own is not None:
             self.peak_own_bytes = max(self.peak_own_bytes or 0, own)
 
@@ -491,15 +491,15 @@ class GPUMagics(Magics):
         target = snap.by_uuid(uuid)
         if target is None:
             return False, f"autogpu: no device {uuid!r} on this host (the sidebar is stale?)", ""
-        # every other device is left out, by UUID (a MIG device goes with its GPU)
+        # every other device is left out, by UUID: a GPU's own MIG devices go with it, a MIG
+        # device keeps its GPU (whose exclusion would take its MIG devices with it) but not its
+        # siblings on that GPU
         family = {target.uuid} | {
             d.uuid for d in snap.devices if d.parent_uuid == target.uuid
         }
         if target.parent_uuid is not None:
             family.add(target.parent_uuid)
-        others = ",".join(
-            d.uuid for d in snap.devices if d.uuid not in family and d.parent_uuid not in family
-        )
+        others = ",".join(d.uuid for d in snap.devices if d.uuid not in family)
         try:
             result, warning = api.pick_result(
                 api.pick_options(self.settings, {"exclude": others or None, "wait": 0}),

@@ -898,8 +898,10 @@ def test_a_panel_takes_its_overload_thresholds_from_this_kernels_config(
 
 def test_a_cell_on_a_device_whose_processes_are_unknown_reports_its_peak_unknown() -> None:
     """NVML lists no processes for the cell's GPU (no permission): this kernel's peak memory is
-    unknown, not a sum of the other devices' processes. Caught (issue 22, seed 52): "unknown"
-    marked as "" (a TypeError in the sampler thread) and the report's word in capitals."""
+    unknown, not a sum of the other devices' processes, while the GPU's utilisation, which NVML
+    did report, is still the cell's. Caught (issue 22, seed 52): "unknown" marked as "" (a
+    TypeError in the sampler thread) and the report's word in capitals; and a bug that test
+    showed: the utilisation of such a device skipped with its processes ("unknown")."""
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
 
     me = os.getpid()
@@ -923,31 +925,35 @@ def test_a_cell_on_a_device_whose_processes_are_unknown_reports_its_peak_unknown
     stats = magics._CellStats(uuids=(U[0],), start_s=999.0)
     stats.add(LastSweep(), snap)  # type: ignore[arg-type]
     assert stats.peak_own_bytes is None
-    head, peak, _util = stats.report(2.0, "GPU 0", simulated=False).split(" · ")
+    head, peak, util = stats.report(2.0, "GPU 0", simulated=False).split(" · ")
     assert head == "autogpu %%gpu on GPU 0: wall 2s"
     assert peak == "peak GPU memory of this kernel unknown"
+    assert util == "mean utilisation 40% (1 sample)"
 
 
+@pytest.mark.parametrize("index", [0, 1])
 def test_the_sidebar_pick_of_a_mig_device_takes_that_mig_device(
-    shell: InteractiveShell, fake_nvml: FakeNvml
+    shell: InteractiveShell, fake_nvml: FakeNvml, index: int
 ) -> None:
-    """Picking MIG device 0:1 from the sidebar leaves out the other GPUs (the idle plain A100
-    GPU 1 among them): the kernel gets GPU 0 MIG 1. Caught (issue 22, seed 52): the MIG
-    device's parent left out of its family (every plain GPU then stayed in the running, and
-    the idle GPU 1 was picked)."""
+    """Picking a MIG device from the sidebar leaves out every other device (the idle plain A100
+    GPU 1 and the other MIG device of GPU 0 among them): the kernel gets the one clicked.
+    Caught (issue 22, seed 52): the MIG device's parent left out of its family (every plain GPU
+    then stayed in the running, and the idle GPU 1 was picked); and a bug that mutant showed:
+    the clicked device's sibling on the same GPU stayed in the running, so clicking the busier
+    MIG 0 gave the kernel MIG 1."""
     from autogpu_jupyter.magics import SIDEBAR_PICK_MIME
     from tests.fakenvml import fleet_mig
 
     fake_nvml.write(fleet_mig())
-    mig1 = fleet_mig()["devices"][0]["mig_devices"][1]["uuid"]
+    mig = fleet_mig()["devices"][0]["mig_devices"][index]["uuid"]
     shell.run_cell("%load_ext autogpu")
-    (answer,) = _sidebar_pick(shell, mig1)
+    (answer,) = _sidebar_pick(shell, mig)
     pick = answer[SIDEBAR_PICK_MIME]
     assert pick["ok"] is True
-    assert pick["summary"].startswith("autogpu: picked GPU 0 MIG 1 · "), pick["summary"]
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == mig1
+    assert pick["summary"].startswith(f"autogpu: picked GPU 0 MIG {index} · "), pick["summary"]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == mig
     choice = session.current()
-    assert choice is not None and choice.uuids == (mig1,) and choice.source == "sidebar"
+    assert choice is not None and choice.uuids == (mig,) and choice.source == "sidebar"
 
 
 def test_release_in_a_kernel_the_kernelspec_started_says_its_lease_stays(
