@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -156,10 +156,13 @@ def other_users_lease(registry: Path, uuid: str, kernel_id: str,
 
 @contextlib.contextmanager
 def recorded_prometheus(name: str = "all-up",
-                        rename: dict[str, str] | None = None) -> Iterator[str]:
+                        rename: dict[str, str] | None = None,
+                        edit: Callable[[dict[str, list[dict[str, Any]]]], None] | None = None,
+                        ) -> Iterator[str]:
     """A loopback server replaying recorded scenario ``name`` with its hosts scraped just now,
     once a minute (the recording's own times are long past), hosts renamed as ``rename`` says
-    (old name -> new); yields its URL."""
+    (old name -> new), then ``edit`` applied to the result lists (as ``scenario`` of
+    test_cluster.py takes it); yields its URL."""
     from tests.unit.test_cluster import DCGM_NAMES_Q, SCRAPED_Q, SWEEP_Q, Replay, scenario
 
     def recent(results: dict[str, list[dict[str, Any]]]) -> None:
@@ -175,6 +178,8 @@ def recorded_prometheus(name: str = "all-up",
                 for key in ("hostname", "Hostname"):
                     if labels.get(key) in (rename or {}):
                         labels[key] = (rename or {})[labels[key]]
+        if edit is not None:
+            edit(results)
 
     server = Replay()
     thread = threading.Thread(target=server.serve_forever, daemon=True)

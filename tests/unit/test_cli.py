@@ -528,3 +528,136 @@ def test_broker_status_and_tickets_show_the_leases_waiters_and_per_user_counts(
     finally:
         lease.release()
         ticket.release()
+
+
+# ---- mutation run (issue 22, seed 52): what each command shows ---------------------------------
+
+
+def test_list_json_hides_another_users_process_command_from_a_user(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``autogpu list --json`` run by a user (not root): another user's GPU process keeps its
+    pid and user, its command line is null. In-process (the check as user nobody runs in a
+    forked child). Caught: the redacted command written under another key (the real command
+    line left in "command")."""
+    from autogpu_jupyter import cli as cli_mod
+
+    monkeypatch.setattr(cli_mod, "_is_root", lambda: False)
+    monkeypatch.setattr(cli_mod, "_me", lambda: "alice")
+    code, out, err = cli("list", "--json")
+    assert (code, err) == (0, "")
+    (gpu_a, _b) = json.loads(out)["devices"]
+    assert [(p["pid"], p["user"], p["command"]) for p in gpu_a["processes"]] == [
+        (61001, "bob", None)]
+    assert SECRET not in out
+
+
+def test_pick_says_the_device_and_the_variables_it_would_set(host: Path) -> None:
+    """``autogpu pick`` (no lease): the device, what was asked, the runner-up, then one line of
+    the variables ``eval "$(autogpu pick --export)"`` would set. Caught: the "set:" line's
+    joining broken (a TypeError instead of the line)."""
+    code, out, err = cli("pick", "--min-free", "10G")
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [
+        f"GPU 0 NVIDIA A100 {A}: 80.0 GiB free, util 0%",
+        "asked: min free 10.0 GiB",
+        "runner-up: GPU 1 (40.0 GiB free)",
+        "note: SIMULATED fleet (AUTOGPU_SIMULATE)",
+        f"set: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={A}",
+    ]
+
+
+def test_leases_lists_each_lease_with_its_booking_and_holder(host: Path) -> None:
+    """``autogpu leases``: one line per lease, user, pid, devices, what it books ("-": nothing),
+    "exclusive", then its kernel or notebook; no trailing blank when it has neither. Caught: the
+    booking shown as "?" (the bytes not handed to format_bytes); the line's end stripped on the
+    wrong side (a trailing space)."""
+    from autogpu_jupyter.core.leasing import Registry, Requester
+
+    me, pid = pwd.getpwuid(os.geteuid()).pw_name, os.getpid()
+    reg = Registry(str(host))
+    with reg.locked() as txn:
+        assert txn is not None
+        booked = txn.create(devices=[A], requested_bytes=GiB,
+                            requester=Requester(kernel_id="k-1"))
+        bare = txn.create(devices=[B], exclusive=True, requester=Requester())
+    try:
+        code, out, err = cli("leases")
+    finally:
+        booked.release()
+        bare.release()
+    assert (code, err) == (0, "")
+    assert sorted(out.splitlines()) == sorted([
+        f"{me:<12} pid {pid:<8} {A} booked 1.0 GiB kernel k-1",
+        f"{me:<12} pid {pid:<8} {B} booked - exclusive",
+    ])
+
+
+def test_hosts_shows_a_question_mark_for_an_unknown_load(host: Path) -> None:
+    """A device whose exporter sends no utilisation is still chosen (it fits), its load shown as
+    "?" (never a made-up number). Caught: the unknown load spelt otherwise."""
+    no_util = "GPU-bbbb0002-0000-0000-0000-000000000002"
+
+    def edit(results: dict[str, list[dict[str, Any]]]) -> None:
+        from tests.unit.test_cluster import AUTOGPU_Q
+
+        results[AUTOGPU_Q][:] = [
+            r for r in results[AUTOGPU_Q]
+            if not (r["metric"]["__name__"] == "autogpu_gpu_utilization_ratio"
+                    and r["metric"].get("uuid") == no_util)]
+
+    with recorded_prometheus(edit=edit) as url:
+        code, out, err = cli("hosts", "--prometheus", url, "--min-free", "10G")
+    assert (code, err) == (0, "")
+    assert "  1. gpu-b                ok    GPU 2 NVIDIA L4 (22.0 GiB free, util ?)" in (
+        out.splitlines())
+
+
+def test_broker_status_json_gives_the_counts_then_the_leases_then_the_tickets(
+    host: Path, thread_broker: Any
+) -> None:
+    """``autogpu broker status --json``: the broker's own fields (less its "ok"), then the
+    leases, then the tickets, as records. Caught: the raw "tickets" list not left out of the
+    copied fields (it then came before the leases)."""
+    code, out, err = cli("broker", "status", "--json", "--socket", thread_broker.path)
+    assert (code, err) == (0, "")
+    data = json.loads(out)
+    assert list(data)[:3] == ["leases_total", "tickets_total", "per_user"]
+    assert list(data)[-2:] == ["leases", "tickets"] and "ok" not in data
+    assert (data["leases"], data["tickets"], data["pid"]) == ([], [], os.getpid())
+
+
+def test_broker_status_of_a_broker_that_leaves_counts_out_says_zero(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A status reply without "connections", "orphans" or a limit (another version's broker)
+    reads as 0 connections, no limit, 0 kept. Caught: the missing connection count shown as
+    "None"."""
+    from autogpu_jupyter.cli import _print_broker_status
+
+    assert _print_broker_status({"ok": True, "pid": 7}, "/run/b.sock", as_json=False) == 0
+    assert capsys.readouterr().out == (
+        "broker /run/b.sock (pid 7): 0 connection(s), max_devices_per_user none, 0 lease(s) kept "
+        "from a restart\nleases: 0\nwaiters: 0\nper user:\n")
+
+
+def test_broker_tickets_without_constraints_read_as_one_gpu(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A ticket record that came without its constraints (``from_wire`` makes them None) is
+    shown asking for 1 GPU, the picker's default count. Caught: the default count "None"."""
+    from autogpu_jupyter.cli import _print_broker_tickets
+    from autogpu_jupyter.core.leasing.brokerclient import from_wire
+
+    ticket = from_wire({
+        "lease_id": "t" * 32, "kind": "ticket", "device_uuids": [],
+        "device_requested_bytes": [], "exclusive": False, "user": "bob", "uid": 1001,
+        "host": "node-7", "pid": 4242, "created_s": 1.0e9, "notebook_path": "t.ipynb",
+        "seq": 3,
+    }, "/run/b.sock")
+    assert ticket.constraints is None
+    assert _print_broker_tickets([ticket], as_json=False) == 0
+    since = time.strftime("%H:%M:%S", time.localtime(1.0e9))
+    assert capsys.readouterr().out == (
+        "waiting tickets: 1\n"
+        f"  ticket 3  {'t' * 32}  1 GPU(s), since {since}  bob: t.ipynb\n")

@@ -215,3 +215,28 @@ def test_an_unreadable_registry_is_logged_and_scraped_without_leases(
     assert of(got, "autogpu_gpu_leases") == {LA: 0.0, LB: 0.0, LMIG: 0.0, LLOST: 0.0}
     assert [(r.name, r.getMessage()) for r in caplog.records] == [
         ("autogpu_jupyter.metrics", "metrics without leases: registry directory gone")]
+
+
+def test_uninstall_takes_the_collector_off_the_registry_it_was_installed_on(
+    fleet_file: Path,
+) -> None:
+    """``install(source, registry)`` then ``uninstall(registry)``: the gauges leave that
+    registry (and a later install registers afresh). Caught (issue 22): uninstall always
+    unregistering from prometheus_client's global REGISTRY (a KeyError there, the collector
+    left on the given one)."""
+    from autogpu_jupyter import metrics
+
+    snap = SimulatedBackend(str(fleet_file)).snapshot()
+    source = MetricsSource(latest=lambda: snap, registry=lambda: None, hostname=HOST)
+    prom = CollectorRegistry(auto_describe=False)
+    metrics.uninstall()
+    try:
+        metrics.install(source, prom)
+        assert b"autogpu_gpu_available" in generate_latest(prom)
+        metrics.uninstall(prom)
+        assert b"autogpu_" not in generate_latest(prom)
+        metrics.uninstall(prom)  # none registered now: no error
+        metrics.install(source, prom)
+        assert b"autogpu_gpu_available" in generate_latest(prom)
+    finally:
+        metrics.uninstall(prom)

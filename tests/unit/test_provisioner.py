@@ -359,3 +359,130 @@ def test_the_pick_is_kept_in_the_provisioners_persisted_info() -> None:
     again = AutoGPUProvisioner(kernel_id="k-1")
     asyncio.run(again.load_provisioner_info(info))
     assert (again.autogpu_picked, again.autogpu_lease_id) == ((A, B), "lease-1")
+
+
+# ---- mutation run (issue 22, seed 52): what the provisioner says and records -------------------
+
+
+def test_a_cpu_only_note_says_why_in_full_and_how_long_it_waited(host: Host) -> None:
+    """Nothing fits: the note ends with the reason, plus how long the kernel waited only when
+    the kernelspec asked it to wait. Caught: the "waited" part replaced by ``None`` (the note
+    then ends "...GiB)None")."""
+    host.install("big", min_free="75G")
+    _km, kwargs = host.pre_start("big")
+    assert kwargs["env"]["AUTOGPU_PICK_NOTE"] == (
+        'no device fits: kernel started CPU-only (CUDA_VISIBLE_DEVICES="") because no device '
+        "fits (min free 75.0 GiB):\n"
+        "  GPU 0 (NVIDIA A100): dropped: only 70.0 GiB free < 75.0 GiB wanted\n"
+        "  GPU 1 (NVIDIA A100): dropped: only 40.0 GiB free < 75.0 GiB wanted")
+
+
+def test_a_waiting_kernels_progress_is_logged_with_its_kernel_id(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While a kernel waits in line (here 0.05 s), each waiting line goes to the server's log
+    after the kernel's id; the note then says how long it waited. Caught: the line dropped from
+    the log call's arguments (a logging error instead of the message)."""
+    host.install("big", min_free="75G", wait=0.05)
+    with caplog.at_level(logging.INFO, logger="autogpu_jupyter.provisioner"):
+        km, kwargs = host.pre_start("big")
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "autogpu_jupyter.provisioner"]
+    # the time waited so far (0s, 0.0s or 0.1s) is the clock's
+    assert said.startswith(f"kernel {km.kernel_id}: waiting for a device (min free 75.0 GiB), ")
+    assert said.endswith(" of 0.1s; best now GPU 0: only 70.0 GiB free < 75.0 GiB wanted")
+    assert kwargs["env"]["AUTOGPU_PICK_NOTE"].endswith(
+        "GPU 1 (NVIDIA A100): dropped: only 40.0 GiB free < 75.0 GiB wanted (waited 0.1s)")
+
+
+def test_the_servers_autogpu_config_fills_what_the_kernelspec_leaves_out(host: Host) -> None:
+    """``c.AutoGPU.min_free`` in the server's config (reaching the provisioner through its
+    kernel manager) applies to a kernelspec without min_free. Caught: the options checked
+    against the environment's defaults only (the server's config ignored)."""
+    from traitlets.config import Config
+
+    config = Config()
+    config.AutoGPU.min_free = "75G"
+    host.install("agp")
+    km = AsyncKernelManager(kernel_name="agp", config=config)
+    host.managers.append(km)
+    _km, kwargs = host.pre_start("agp", km=km)
+    assert kwargs["env"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert kwargs["env"]["AUTOGPU_PICK_NOTE"].startswith(
+        'no device fits: kernel started CPU-only (CUDA_VISIBLE_DEVICES="") because no device '
+        "fits (min free 75.0 GiB)")
+
+
+def test_a_bad_kernelspec_option_is_logged_as_the_error_it_raises(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server's log gets the refusal's own text. Caught: the log call's format replaced by
+    ``None`` (a logging error instead of the message)."""
+    logger = logging.getLogger("autogpu-test-kernels")
+    host.install("bad", min_free="10G")
+    spec_file = host.prefix / "share" / "jupyter" / "kernels" / "bad" / "kernel.json"
+    spec = json.loads(spec_file.read_text())
+    spec["metadata"]["kernel_provisioner"]["config"]["min_free"] = "ten"  # edited by hand
+    spec_file.write_text(json.dumps(spec))
+    km = AsyncKernelManager(kernel_name="bad", log=logger)
+    host.managers.append(km)
+    with caplog.at_level(logging.ERROR, logger="autogpu-test-kernels"), \
+            pytest.raises(UsageErrorBase) as info:
+        host.pre_start("bad", km=km)
+    said = [r.getMessage() for r in caplog.records if r.name == "autogpu-test-kernels"]
+    assert said == [str(info.value)]
+    assert str(info.value).startswith(
+        "autogpu: kernelspec 'bad' has a bad option in metadata.kernel_provisioner.config: "
+        "min_free='ten': invalid size 'ten'")
+
+
+def test_the_kernels_lease_says_a_kernel_holds_it(host: Host) -> None:
+    """The lease record's holder kind is "kernel" (``autogpu leases`` and the panel show who
+    holds a device). Caught: the requester's kind left at its default ("process")."""
+    host.install("agp", min_free="10G")
+    km, _kwargs = host.pre_start("agp")
+    (lease,) = host.registry.list_leases()
+    assert (lease.holder_kind, lease.kernel_id) == ("kernel", km.kernel_id)
+
+
+def test_a_move_outside_the_servers_grant_is_not_honoured(host: Host) -> None:
+    """The server was granted A only (CUDA_VISIBLE_DEVICES, as the kernel's environment has
+    it): a move request to B is refused and the kernel picked again within the grant. Caught:
+    the move's pick made without the kernel's environment (B then taken, outside the grant)."""
+    from autogpu_jupyter.core import moves
+
+    host.install("agp", min_free="10G")
+    km, kwargs = host.pre_start("agp", CUDA_VISIBLE_DEVICES=A)
+    assert kwargs["env"]["CUDA_VISIBLE_DEVICES"] == A
+    prov = km.provisioner
+    assert prov is not None and prov.autogpu_move_file
+    moves.request_move(prov.autogpu_move_file, B, current_uuids=(A,),
+                       constraints=prov.autogpu_constraints, kernel_id=km.kernel_id)
+    _km, kwargs = host.pre_start("agp", km=km, CUDA_VISIBLE_DEVICES=A)
+    env = kwargs["env"]
+    assert (env["CUDA_VISIBLE_DEVICES"], env["AUTOGPU_PICKED"]) == (A, A)
+    assert env["AUTOGPU_PICK_NOTE"].startswith("the requested move could not be honoured (")
+    assert [r.device_uuids for r in host.registry.list_leases()] == [(A,)]
+
+
+class _Store:
+    """A lease store whose prune fails as a file system can (the registry's disk gone)."""
+
+    def __init__(self) -> None:
+        self.pruned = 0
+
+    def prune(self) -> list[Any]:
+        self.pruned += 1
+        raise OSError(5, "Input/output error")
+
+
+def test_a_prune_failing_with_an_os_error_does_not_stop_the_kernels_cleanup() -> None:
+    """The dead-lease prune after a kernel ends is a courtesy: an OSError from it is swallowed
+    and the cleanup goes on (the move request is cancelled). Caught: OSError no longer
+    suppressed (the kernel's cleanup then fails)."""
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    prov = AutoGPUProvisioner(kernel_id="k-1")
+    store = _Store()
+    prov._store = store  # type: ignore[assignment]
+    asyncio.run(prov.cleanup(restart=False))
+    assert store.pruned == 1

@@ -62,6 +62,16 @@ def test_the_default_walk_up_finds_a_kernel_63_generations_up_but_not_64(tmp_pat
     assert owning_kernel(1000, {pids[64]: "k-64"}, proc_root=str(tmp_path)) is None
 
 
+def test_a_kernel_at_pid_2_is_found(tmp_path: Path) -> None:
+    """In a container's own pid namespace a kernel may be pid 2 (its server pid 1): the walk up
+    stops only at pid 1. Caught: the walk stopping at pid 2 (that kernel's GPU processes then
+    belonged to no kernel)."""
+    _chain(tmp_path, [40, 2])
+    assert owning_kernel(40, {2: "k-2"}, proc_root=str(tmp_path)) == "k-2"
+    assert owning_kernel(2, {2: "k-2"}, proc_root=str(tmp_path)) == "k-2"
+    assert owning_kernel(1, {1: "k-1"}, proc_root=str(tmp_path)) is None
+
+
 class _Kernels:
     """A kernel manager's ``list_kernel_ids`` / ``get_kernel`` over made-up kernel managers."""
 
@@ -151,6 +161,32 @@ def test_blocking_calls_run_on_the_servers_own_executor() -> None:
     finally:
         state.stop()
     assert name.startswith("autogpu-server")
+
+
+@pytest.mark.parametrize("threads", [1, 0])
+def test_executor_threads_bounds_how_many_blocking_calls_run_at_once(threads: int) -> None:
+    """``c.AutoGPUServer.executor_threads = 1`` (0 counts as 1): a second call waits for the
+    first's thread, never gets one of its own. Caught (issue 22): the setting not handed to the
+    executor (Python's default, several threads)."""
+    state = AutoGPUServer(registry_dir="", executor_threads=threads,
+                          log=logging.getLogger("autogpu-test-server"))
+    started, go = threading.Event(), threading.Event()
+
+    def first() -> str:
+        started.set()
+        go.wait(5)
+        return threading.current_thread().name
+
+    try:
+        one = state.executor.submit(first)
+        assert started.wait(5)
+        two = state.executor.submit(lambda: threading.current_thread().name)
+        go.set()
+        names = [one.result(5), two.result(5)]
+    finally:
+        go.set()
+        state.stop()
+    assert names == ["autogpu-server_0", "autogpu-server_0"]
 
 
 def test_a_bad_autogpu_config_leaves_the_server_with_the_env_defaults(
