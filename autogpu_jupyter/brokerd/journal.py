@@ -493,6 +493,8 @@ def _parse_peer(data: bytes) -> int | None:
         if alen < 4:
             break
         if atype == _UNIX_DIAG_PEER:
+            if alen < 8 or off + 8 > end:
+                return None  # its payload is not all there: a truncated answer names no peer
             peer: int = struct.unpack_from("=I", data, off + 4)[0]
             return peer or None
         off += (alen + 3) & ~3

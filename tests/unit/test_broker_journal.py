@@ -510,6 +510,20 @@ def test_a_sock_diag_answer_is_read_up_to_its_bytes_whatever_its_length_says() -
         assert jrnl._parse_peer(data) == 4242, length
 
 
+def test_a_truncated_sock_diag_peer_attribute_gives_no_peer() -> None:
+    """A peer attribute whose four bytes of payload are not all there (the answer cut short, or
+    the attribute's own length under 8) names no peer, rather than reading past the answer or
+    failing with ``struct.error``. Caught (issue 22, seed 53): only the attribute's header was
+    checked to fit."""
+    diag = b"\0" * 16  # unix_diag_msg
+    cut = diag + struct.pack("=HH", 8, 2)  # UNIX_DIAG_PEER's header, its payload missing
+    short = diag + struct.pack("=HHI", 4, 2, 4242)  # an attribute that says it has no payload
+    for body, length in ((cut, 16 + len(cut)), (cut + struct.pack("=I", 4242), 16 + len(cut)),
+                         (short, 16 + len(short))):
+        data = struct.pack("=IHHII", length, 20, 0, 0, 0) + body
+        assert jrnl._parse_peer(data) is None, (body, length)
+
+
 def test_a_journal_not_yet_opened_counts_no_bytes_then_its_files(tmp_path: Path) -> None:
     """``size_bytes`` is a count from the start: 0 before the log is opened, the file's size
     once it is. Caught: the count starting as ``None``."""
