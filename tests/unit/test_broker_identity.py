@@ -225,3 +225,34 @@ def test_a_gid_without_a_group_entry_is_named_by_its_number() -> None:
     got = Accounts("/nonexistent/subuid").account(0, gid)
     others = {grp.getgrgid(g).gr_name for g in os.getgrouplist("root", gid) if g != gid}
     assert got.groups == frozenset({str(gid), *others})
+
+
+def test_an_unreadable_subuid_file_maps_nothing_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A subordinate id file that cannot be read (here: a directory) maps no uid, and the log
+    names the file and the error. Caught: the error replaced by ``None`` or dropped from the
+    warning, and the warning's text dropped (the line could not be formatted)."""
+    path = tmp_path / "subuid"
+    path.mkdir()
+    with caplog.at_level("WARNING", logger="autogpu.broker"):
+        assert identity._read_ranges(str(path)) == []
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cannot read {path} ([Errno 21] Is a directory: '{path}'): "
+        "no subordinate uids are mapped"]
+
+
+@pytest.mark.parametrize("error", [KeyError("nobody"), OSError("no groups")])
+def test_a_user_whose_group_list_cannot_be_read_keeps_the_primary_group(
+    monkeypatch: pytest.MonkeyPatch, error: Exception,
+) -> None:
+    """``os.getgrouplist`` failing (an account gone, a broken NSS) leaves the primary group
+    only. Caught: the exceptions suppressed replaced by ``None`` (every such failure became
+    a TypeError and the connection was lost)."""
+    gid = _unused_gid(300000)
+
+    def fail(user: str, group: int) -> list[int]:
+        raise error
+
+    monkeypatch.setattr(identity.os, "getgrouplist", fail)
+    assert identity._group_names("nobody-here", gid) == frozenset({str(gid)})

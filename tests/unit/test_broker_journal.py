@@ -532,3 +532,37 @@ def test_a_journal_not_yet_opened_counts_no_bytes_then_its_files(tmp_path: Path)
     j.load()
     assert j.size_bytes == (tmp_path / "journal.log").stat().st_size > 0
     j.close()
+
+
+def test_a_sock_diag_error_answer_raises_with_the_kernels_error_number() -> None:
+    """An NLMSG_ERROR answer carries the negative errno after its 16-byte header: the error
+    says that number. Caught: the errno read from offset 0 (the message length said instead)."""
+    data = struct.pack("=IHHIIi", 36, 2, 0, 0, 0, -13) + b"\0" * 16  # nlmsgerr: errno, request
+    with pytest.raises(ValueError, match=r"^error 13$"):
+        jrnl._parse_peer(data)
+
+
+def test_a_holder_that_vanished_mid_scan_is_skipped_and_the_scan_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process that holds the socket but is gone before its start time is read is nobody;
+    the processes after it are still looked at. Caught: the scan stopped at the first such
+    process (later holders were missed and their orphan dropped)."""
+    real_listdir, real_readlink = os.listdir, os.readlink
+
+    def listdir(path: Any = ".") -> list[str]:
+        if path == "/proc":
+            return ["101", "self", "102"]
+        if path in ("/proc/101/fd", "/proc/102/fd"):
+            return ["0", "5"]
+        return real_listdir(path)
+
+    def readlink(path: Any, *a: Any, **k: Any) -> str:
+        if str(path).startswith(("/proc/101/fd/", "/proc/102/fd/")):
+            return "socket:[777]" if str(path).endswith("/5") else "/dev/null"
+        return real_readlink(path, *a, **k)
+
+    monkeypatch.setattr(jrnl.os, "listdir", listdir)
+    monkeypatch.setattr(jrnl.os, "readlink", readlink)
+    monkeypatch.setattr(jrnl, "start_time", lambda pid: None if pid == 101 else 5555)
+    assert jrnl.scan_socket_holders([777, 888]) == {777: [(102, 5555)]}

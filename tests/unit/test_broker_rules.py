@@ -980,3 +980,131 @@ def test_no_inherited_socket_without_a_descriptor_count(
         monkeypatch.setenv(k, v)
     assert _inherited_socket() is expected
     assert os.environ["LISTEN_PID"] == str(os.getpid())  # not taken: left as it was
+
+
+# ---- survivors of seed 53's sample (issue 22) ----
+
+
+@pytest.mark.parametrize("until", [0.0, 1000.0])  # long past; ending this very moment
+def test_past_4096_bars_the_ended_ones_are_dropped_and_the_new_one_kept(
+    monkeypatch: pytest.MonkeyPatch, until: float,
+) -> None:
+    """The bars are pruned once there are more than 4096 of them: every bar that has ended by
+    now goes (one ending now bars no more), the new one stays. Caught: the bound moved to
+    4097 (the 4097th bar kept the ended ones), and a bar ending now kept by the pruning."""
+    import autogpu_jupyter.broker as broker_mod
+
+    b = broker()
+    conn = person(b, 1001)
+    rec = ticket_record(b, conn)
+    b.line_barred = {10_000 + i: until for i in range(4096)}
+    monkeypatch.setattr(broker_mod.time, "monotonic", lambda: 1000.0)
+    b._bar_from_line(1001, rec)
+    assert b.line_barred == {1001: 1000.0 + broker_mod.LINE_BAR_S}
+
+
+def test_a_users_own_limit_is_the_one_applied_before_any_groups() -> None:
+    """Caught: the user's name lost before the lookup (a person with a limit of their own got
+    the general one)."""
+    b = broker(user_limits={"alice": 2}, group_limits={"lab": 7}, max_devices_per_user=5)
+    assert b.limit_for(person(b, 1001, name="alice", groups=frozenset({"lab"}))) == (
+        2, " for alice")
+
+
+def test_a_leases_page_takes_records_up_to_exactly_its_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A page holds records while their JSON sums to at most PAGE_BYTES: two records of exactly
+    that many bytes fit. Caught: the byte count started at 1 (a page one byte short)."""
+    import json
+
+    import autogpu_jupyter.broker as broker_mod
+
+    b = broker()
+    for i in range(3):
+        lease(b, person(b, 1001 + i), f"GPU-p{i}")
+    root = person(b, 0, name="root")
+    shown = [b._shown(r, 0) for _, r in b.live() if r.kind == "lease"]
+    monkeypatch.setattr(broker_mod, "PAGE_BYTES", len(json.dumps(shown[0])) +
+                        len(json.dumps(shown[1])))
+    page = run(b.op_leases(root, {"op": "leases"}))
+    assert page["records"] == shown[:2]
+    assert page["next"] == [shown[1]["created_s"], shown[1]["lease_id"]]
+
+
+def test_a_pick_books_the_bytes_its_min_free_asks_on_each_device() -> None:
+    """The lease a pick takes records the bytes asked (``min_free``) per device, as a lease
+    asked for by hand does. Caught: the key misspelt (the pick's lease booked nothing)."""
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+
+    b = broker()
+    b.backend = SimulatedBackend("demo-4x")
+    conn = person(b, 1009)
+    run(b.op_pick(conn, {"op": "pick", "options": {"min_free": "1G"}}))
+    assert conn.record is not None
+    assert list(conn.record.device_requested_bytes) == [1 << 30]
+
+
+def test_a_set_pid_keeps_the_journals_peer_of_the_lease(tmp_path: Any) -> None:
+    """A lease changed in place (a new holder pid) is journaled again with the peer inode the
+    journal already had for it. Caught: the known peer dropped (after a restart the orphan
+    could no longer be found by its socket)."""
+    import dataclasses
+
+    from autogpu_jupyter.brokerd.journal import Entry
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    b = broker(state_dir=str(state))
+    assert b.journal is not None
+    conn = person(b, 1001)
+    lease(b, conn, "GPU-j0")
+    rec = conn.record
+    assert rec is not None
+    known = b.journal.entries[rec.lease_id]
+    b.journal.add(Entry(rec.lease_id, known.uid, known.record, 4242, []))
+    conn.record = dataclasses.replace(rec, pid=os.getpid() + 1)
+    assert b.journal.entries[rec.lease_id].peer == 4242
+
+
+def test_a_new_state_directory_is_made_private_not_opened_then_closed(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The state directory is created 0700 (no moment where others may list or enter it):
+    no chmod is needed afterwards. Caught: the mode dropped from its creation (the directory
+    was 0755 until the chmod that followed)."""
+    from autogpu_jupyter.broker import _check_state_dir
+
+    chmods: list[Any] = []
+    monkeypatch.setattr(os, "chmod", lambda *a, **k: chmods.append(a))
+    old = os.umask(0o022)
+    try:
+        _check_state_dir(str(tmp_path / "state"))
+    finally:
+        os.umask(old)
+    assert chmods == []
+    assert os.stat(tmp_path / "state").st_mode & 0o777 == 0o700
+
+
+def test_main_says_whose_files_they_are_when_not_root_and_when_it_listens(
+    monkeypatch: pytest.MonkeyPatch, caplog: Any, capsys: Any,
+) -> None:
+    """``autogpu broker --foreground`` not run as root warns once with its own uid, and says
+    where it listens when ready. Caught: the uid replaced by ``None`` (the warning could not
+    be formatted: the operator saw a logging traceback instead)."""
+    import logging
+
+    import autogpu_jupyter.broker as broker_mod
+
+    async def serve(config: BrokerConfig, ready: Any) -> None:
+        ready()
+
+    monkeypatch.setattr(broker_mod, "serve", serve)
+    monkeypatch.setattr(broker_mod.os, "geteuid", lambda: 1234)
+    with caplog.at_level(logging.WARNING, logger="autogpu.broker"):
+        assert broker_mod.main(BrokerConfig(socket_path="/nonexistent/m.sock")) == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "not running as root: users' identities are still checked, but the journal and "
+        "socket belong to uid 1234"]
+    assert capsys.readouterr().err.endswith(
+        "autogpu broker: listening on /nonexistent/m.sock\n")
