@@ -390,3 +390,77 @@ def test_status_counts_each_devices_processes(host: Path, fake_nvml: FakeNvml) -
     procs column always empty."""
     fake_nvml.set(3, processes=[])
     assert list(ag.status()["procs"]) == [1, 1, 1, 0]
+
+
+def test_a_kept_provisioned_pick_carries_the_constraints_it_was_checked_against(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kept result says what it met (the kept summary reads it: "it meets min free 10.0
+    GiB"). Caught (issue 22, seed 53): the kept result built without its constraints (None)."""
+    from autogpu_jupyter.api import pick_options, pick_result
+    from autogpu_jupyter.config import default_settings
+    from autogpu_jupyter.magics import format_pick
+
+    monkeypatch.setenv("AUTOGPU_PICKED", U[0])
+    settings = default_settings()
+    result, _warning = pick_result(pick_options(settings, {"min_free": "10G"}), settings=settings)
+    assert result.kept and result.constraints.describe() == "min free 10.0 GiB"
+    assert format_pick(result).splitlines()[1].endswith(
+        "it meets min free 10.0 GiB, so nothing changed (no second lease)")
+
+
+def test_a_provisioned_device_failing_two_ways_lists_both_reasons(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPU 1 (39.5 GiB free, 97 % busy) asked for 50 GiB and at most 50 % util: both reasons,
+    joined by "; ". Caught (issue 22, seed 53): the reasons joined by another separator."""
+    monkeypatch.setenv("AUTOGPU_PICKED", U[1])
+    with pytest.raises(DeviceBoundError) as info:
+        ag.pick(min_free="50G", max_util=50)
+    assert "(GPU 1: only 39.5 GiB free < 50.0 GiB wanted; utilisation 97% > max 50%);" in str(
+        info.value)
+
+
+def test_a_dry_run_pick_result_takes_no_lease_and_sets_nothing(host: Path) -> None:
+    """``pick_result(dry_run=True)`` only ranks: no lease taken, no variables in the result.
+    Caught (issue 22, seed 53): the dry run not passed on to the picker (a lease taken)."""
+    from autogpu_jupyter.api import pick_options, pick_result
+    from autogpu_jupyter.config import default_settings
+
+    settings = default_settings()
+    result, _warning = pick_result(pick_options(settings, {}), dry_run=True, settings=settings)
+    assert result.dry_run and result.lease is None and result.env == {}
+    assert Registry(str(host)).list_leases() == []
+
+
+def test_a_magics_lease_is_a_kernels(host: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``%gpu pick`` (source "magic") takes its lease as a kernel even where the command line
+    names no kernel file. Caught (issue 22, seed 53): the holder kind misspelt for the magic."""
+    from autogpu_jupyter.api import pick_options, pick_result
+    from autogpu_jupyter.config import default_settings
+
+    monkeypatch.setattr("sys.argv", ["ipython"])
+    settings = default_settings()
+    pick_result(pick_options(settings, {}), settings=settings, source="magic")
+    (lease,) = Registry(str(host)).list_leases()
+    assert lease.holder_kind == "kernel"
+    session.release()
+    pick_result(pick_options(settings, {}), settings=settings)
+    (lease,) = Registry(str(host)).list_leases()
+    assert lease.holder_kind == "api"
+
+
+def test_status_names_every_column_with_its_values() -> None:
+    """The short UUID, temperature and power columns are filled under their documented names.
+    Caught (issue 22, seed 53): a row key misspelt ("power w"), its column left empty."""
+    from autogpu_jupyter.api import status_frame
+    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+
+    dev = DeviceSnapshot(index=0, uuid=U[0], name="Fake", temperature_c=41.0, power_w=72.5)
+    df = status_frame(FleetSnapshot(devices=(dev,), timestamp_s=1.0, backend="test"), None, [])
+    assert list(df.columns) == [
+        "", "gpu", "name", "uuid", "util %", "mem used", "mem total", "mem free", "temp °C",
+        "power W", "procs", "holders", "state",
+    ]
+    row = df.iloc[0]
+    assert (row["uuid"], row["temp °C"], row["power W"]) == ("GPU-a1000000", 41, 72.5)

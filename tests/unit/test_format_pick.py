@@ -123,3 +123,25 @@ def test_a_narrow_ranking_wraps_the_verdict_under_its_own_column(result: PickRes
         "fits: 80.0 GiB free >=",
         f"{under}10.0 GiB wanted",
     ]
+
+
+def test_a_device_without_a_ranking_is_summed_up_from_its_own_reading(result: PickResult) -> None:
+    """A result with no candidate for its device (``set_visible_devices`` ranks nothing): the
+    summary reads free memory and load off the device itself. Caught (issue 22, seed 53): the
+    missing candidate's free memory read all the same (an AttributeError)."""
+    bare = dataclasses.replace(result, candidates=())
+    assert format_pick(bare).splitlines()[0] == (
+        "autogpu [SIMULATED]: picked GPU 0 · NVIDIA A100-SXM4-80GB · GPU-00000000: 80.0 GiB free "
+        "of 80.0 GiB, util 0%"
+    )
+
+
+def test_an_eligible_device_without_reasons_is_ok_in_the_ranking(tmp_path: Path) -> None:
+    """Nothing asked: a fitting device has no reason to show and its verdict says "ok".
+    Caught (issue 22, seed 53): another word ("OK") shown."""
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(fleet(2)))
+    bare = pick(PickOptions(Constraints()), backend=SimulatedBackend(str(path)), environ={},
+                dry_run=True)
+    assert [ln.split("  ")[-1] for ln in format_ranking(bare).splitlines()[2:4]] == [
+        "would pick: ok", "fits: ok"]

@@ -354,6 +354,81 @@ def test_cell_reports_peak_memory_of_this_process(
     ]
 
 
+def test_a_forced_cell_after_cuda_started_prints_the_warning_with_its_pick(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``%%gpu --force`` once CUDA has started picks, runs the cell and says the pick came too
+    late, under the summary. Caught (issue 22, seed 53): the cell's summary printed without it."""
+    from autogpu_jupyter.core.cudastate import CudaState
+
+    monkeypatch.setattr(session, "cuda_state",
+                        lambda: CudaState(True, "cuInit has run (test)", None))
+    shell.run_cell("%load_ext autogpu")
+    r, out, _ = run(shell, "%%gpu --force\nx = 1", capsys)
+    assert r.success and shell.user_ns["x"] == 1
+    (warning,) = [ln for ln in out.splitlines() if "WARNING" in ln]
+    assert warning.startswith(
+        "  WARNING --force: CUDA is already initialised in this kernel (cuInit has run (test)).")
+
+
+def test_a_cell_without_a_sampler_reports_its_wall_time_only(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where no sampler can start, the cell still runs and its report says the GPU was not
+    readable. Caught (issue 22, seed 53): the sampler's report used without a sampler."""
+    from autogpu_jupyter.core import sampler as sampler_mod
+    from autogpu_jupyter.errors import AutoGPUError
+
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    capsys.readouterr()
+
+    def no_sampler(*_args: Any, **_kwargs: Any) -> Any:
+        raise AutoGPUError("no sampler (test)")
+
+    monkeypatch.setattr(sampler_mod, "get_sampler", no_sampler)
+    r, out, _ = run(shell, "%%gpu\nx = 2", capsys)
+    assert r.success and shell.user_ns["x"] == 2
+    assert re.fullmatch(
+        r"autogpu %%gpu: wall \d+\.\d\ds · GPU not readable \(no sampler\)",
+        out.splitlines()[-1])
+
+
+class _BlindSampler:
+    """A sampler that has read nothing yet and cannot read now (every reading ``None``)."""
+
+    def latest(self) -> None:
+        return None
+
+    def sample_now(self) -> None:
+        return None
+
+    def subscribe(self, _fn: Any) -> None:
+        pass
+
+    def unsubscribe(self, _fn: Any) -> None:
+        pass
+
+
+def test_a_cell_whose_sampler_has_no_reading_names_its_devices_by_uuid(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No reading to take labels from: the report names the device by its UUID. Caught (issue
+    22, seed 53): the UUIDs not joined (a TypeError instead of the report)."""
+    from autogpu_jupyter.core import sampler as sampler_mod
+
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    capsys.readouterr()
+    monkeypatch.setattr(sampler_mod, "get_sampler", lambda *_a, **_k: _BlindSampler())
+    r, out, _ = run(shell, "%%gpu\nx = 3", capsys)
+    assert r.success and shell.user_ns["x"] == 3
+    assert out.splitlines()[-1].startswith(f"autogpu %%gpu on {U[0]}: wall ")
+    assert out.splitlines()[-1].endswith(
+        " · peak GPU memory of this kernel unknown · mean utilisation unknown (not reported for "
+        "this device) (0 samples)")
+
+
 # ---- the sidebar's pick ------------------------------------------------------------------------
 
 
