@@ -639,7 +639,8 @@ def test_the_panels_controls_show_the_samplers_interval_and_the_window_with_thei
     """Both dropdowns open on the current values, their labels given the same width, and the
     pause button says what it does. Caught (mutation run, issue 22): the interval dropdown's
     value lost (None: nothing selected), the window dropdown's label width lost, the pause
-    button's tooltip upper-cased."""
+    button's tooltip upper-cased; (seed 53) the window dropdown's label reworded, the interval
+    dropdown's width lost."""
     from autogpu_jupyter.widgets.panel import Panel
 
     monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
@@ -654,6 +655,8 @@ def test_the_panels_controls_show_the_samplers_interval_and_the_window_with_thei
         assert (panel.window.value, panel.window.label) == (60.0, "1 min")
         assert panel.interval.style.description_width == "52px"
         assert panel.window.style.description_width == "52px"
+        assert (panel.interval.description, panel.window.description) == ("interval", "window")
+        assert panel.interval.layout.width == panel.window.layout.width == "150px"
         assert panel.pause.tooltip == (
             "Freeze this panel (the sampler keeps running for the others)"
         )
@@ -740,3 +743,70 @@ def test_the_panels_table_names_the_registrys_leases_as_holders(
         ]
     finally:
         panel.close()
+
+
+def test_the_banner_names_every_cause_and_who_caused_them_with_no_alternative() -> None:
+    """Caught (mutation run, issue 22, seed 53): the causes lost from the banner ("None")."""
+    from autogpu_jupyter.core.overload import Overload
+
+    warning = Overload(
+        uuid=A, label="GPU 0", causes=("utilisation 97% for 45s (over 90%)", "memory 97% full"),
+        other_process_count=2, other_memory_bytes=None, users=("bob", "eve"),
+        alternative=None, move="",
+    )
+    banner = chart.render_banner([warning])
+    assert (
+        f'<div class="autogpu-overload" data-uuid="{A}">&#9888; '
+        "<b>GPU 0 (this kernel's GPU) is overloaded</b>: "
+        "utilisation 97% for 45s (over 90%); memory 97% full, "
+        "caused by 2 other processes (users bob, eve). No better device right now.</div>"
+    ) in banner
+
+
+def test_charts_of_no_devices_and_no_history_say_no_devices() -> None:
+    """With no sample at all, "now" defaults to 0 and the charts say so. Caught (mutation run,
+    issue 22, seed 53): the default of "now" lost (max() of nothing raised ValueError)."""
+    html = chart.render_charts({}, (), window_s=60)
+    assert html == '<div style="color:var(--jp-ui-font-color2, #616161)">No devices.</div>'
+    empty = {A: DeviceSeries.empty(A)}
+    assert chart.render_charts(empty, (), window_s=60) == html
+
+
+def test_a_lost_devices_reason_sits_in_the_middle_of_its_chart() -> None:
+    """x = 30 + 264 / 2, y = 8 + 72 / 2 + 4. Caught (mutation run, issue 22, seed 53): the
+    reason drawn below the frame (y = 8 + 72 * 2 + 4)."""
+    html = chart.render_device_chart(
+        DeviceSeries.empty(C), label="GPU 2", uuid=C, window_s=60, now_s=100.0,
+        lost_reason="GPU is lost",
+    )
+    assert '<text x="162.0" y="48.0" text-anchor="middle" ' in html
+    assert ">lost: GPU is lost</text>" in html
+
+
+def test_the_header_of_a_kernel_without_a_lease_says_no_lease() -> None:
+    """Caught (mutation run, issue 22, seed 53): "no lease" reworded ("XX — no leaseXX")."""
+    header = chart.render_header(_snapshot().devices, [A])
+    assert header.endswith("· This kernel: GPU 0 · A100 · GPU-aaaaaaaa — no lease</div>")
+
+
+def test_the_table_marks_the_kernels_row_and_names_a_lost_device_with_its_reason() -> None:
+    """The kernel's row is bold in the accent colour; the head is one cell per column with
+    nothing between them; a lost device's row keeps its label. Caught (mutation run, issue 22,
+    seed 53): the accent style never applied, text put between the head cells, a lost
+    device's label lost ("None")."""
+    border = "border-bottom:1px solid var(--jp-border-color2, #c8c8c8)"
+    fixed = f"padding:1px 8px;text-align:left;{border};white-space:nowrap"
+    table = chart.render_table(_snapshot(), highlight=[A])
+    head = "".join(
+        f'<th style="{fixed}">{h}</th>'
+        for h in ("GPU", "util", "memory used / total", "temp", "power", "holders")
+    )
+    assert f"<thead><tr>{head}</tr></thead>" in table
+    accent = "font-weight:600;color:var(--jp-brand-color1, #1976d2)"
+    assert f'<tr style="{accent}"><td style="{fixed}">GPU 0 (this kernel)</td>' in table
+    assert f'<tr style=""><td style="{fixed}">GPU 1</td>' in table
+    assert (
+        f'<tr style=""><td style="{fixed}">GPU 2</td>'
+        f'<td style="padding:1px 8px;text-align:left;{border};'
+        'color:var(--jp-error-color1, #d32f2f)" colspan="5">lost: GPU is lost</td></tr>'
+    ) in table
