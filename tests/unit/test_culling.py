@@ -179,12 +179,14 @@ def test_a_limit_under_a_second_still_starts_the_managers_culler_at_one_second(
         assert kernels.cull_idle_timeout == 1
 
 
-@pytest.mark.parametrize(("general", "others"), [(0, "never"), (3600, "after 3600 s")])
+@pytest.mark.parametrize(("general", "others"),
+                         [(0, "never"), (1, "after 1 s"), (3600, "after 3600 s")])
 def test_the_log_says_which_kernels_are_culled_after_how_long(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, general: int, others: str
 ) -> None:
     """The admin reads in the server's log what the option does. Caught (mutation run): the
-    message's words, its limit or its other-kernels part changed or dropped."""
+    message's words, its limit or its other-kernels part changed or dropped; (seed 53) a
+    one-second timeout called "never"."""
     import logging
 
     fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
@@ -212,3 +214,20 @@ def test_the_log_says_which_kernels_are_culled_after_how_long(
         "autogpu: kernels holding a GPU are culled after 600 s idle (jupyter_server's culler, "
         f"every {kernels.cull_interval} s); other kernels: {others}"
     ]
+
+
+def test_a_one_second_timeout_still_judges_the_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manager's own timeout of 1 s (the smallest it takes) is a timeout, not "never": a
+    kernel without a GPU is judged by it. Caught (issue 22, seed 53): ``timeout <= 1`` taken
+    for off (such a kernel never culled)."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    kernels = Kernels("k-cpu", cull_idle_timeout=1)
+    try:
+        with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                          cull_idle_gpu_kernels_s=LIMIT_S) as state:
+            culling.install(state, kernels)
+            assert judged(kernels, "k-cpu") == {"k-cpu": 1}
+    finally:
+        kernels.close()

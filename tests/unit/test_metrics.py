@@ -240,3 +240,61 @@ def test_uninstall_takes_the_collector_off_the_registry_it_was_installed_on(
         assert b"autogpu_gpu_available" in generate_latest(prom)
     finally:
         metrics.uninstall(prom)
+
+
+def test_a_second_install_reads_the_new_source_afresh(fleet_file: Path) -> None:
+    """A second server extension in the process re-points the one collector: its scrape names
+    the new source's host. Caught (issue 22, seed 53): the re-pointed source left None (every
+    scrape then fails)."""
+    from autogpu_jupyter import metrics
+
+    snap = SimulatedBackend(str(fleet_file)).snapshot()
+    first = MetricsSource(latest=lambda: snap, registry=lambda: None, hostname="node-1")
+    second = MetricsSource(latest=lambda: snap, registry=lambda: None, hostname="node-2")
+    prom = CollectorRegistry(auto_describe=False)
+    metrics.uninstall()
+    try:
+        one = metrics.install(first, prom)
+        assert metrics.install(second, prom) is one
+        text = generate_latest(prom).decode()
+    finally:
+        metrics.uninstall(prom)
+    assert 'hostname="node-2"' in text and 'hostname="node-1"' not in text
+
+
+def test_a_lease_on_a_device_the_sweep_lacks_is_still_listed(
+    fleet_file: Path, tmp_path: Path
+) -> None:
+    """A lease naming a device this sweep does not show (unplugged, hidden): its series has an
+    empty index and model. Caught (issue 22, seed 53): the index asked of the missing device
+    (the scrape fails with AttributeError)."""
+    gone = "GPU-9d9d9d9d-1111-2222-3333-444444444444"
+    registry = Registry(str(tmp_path / "registry"))
+    with registry.locked() as txn:
+        assert txn is not None
+        lease = txn.create(devices=[gone], requester=Requester(kernel_id="k"))
+    try:
+        got = scrape(fleet_file, registry)
+    finally:
+        lease.release()
+    assert of(got, "autogpu_lease_info") == {tuple(sorted(
+        {"hostname": HOST, "uuid": gone, "index": "", "model": "",
+         "user": getpass.getuser()}.items())): 1.0}
+
+
+def test_a_lease_without_a_kernel_has_an_empty_kernel_label(
+    fleet_file: Path, tmp_path: Path
+) -> None:
+    """With ``lease_details``, a lease taken outside a kernel (a script) has kernel="" and
+    notebook="". Caught (issue 22, seed 53): a made-up kernel name for it."""
+    registry = Registry(str(tmp_path / "registry"))
+    with registry.locked() as txn:
+        assert txn is not None
+        lease = txn.create(devices=[A], requester=Requester())
+    try:
+        got = scrape(fleet_file, registry, details=True)
+    finally:
+        lease.release()
+    assert of(got, "autogpu_lease_info") == {tuple(sorted(
+        {"hostname": HOST, "uuid": A, "index": "0", "model": "NVIDIA A100",
+         "user": getpass.getuser(), "kernel": "", "notebook": ""}.items())): 1.0}

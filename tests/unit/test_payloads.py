@@ -549,6 +549,8 @@ def test_select_answers_from_the_sweep_the_sidebar_shows(
     assert [c["uuid"] for c in answer["chosen"]] == [B]
     assert {c["uuid"]: c["effective_free_bytes"] for c in answer["candidates"]} == {
         A: 50 * GiB, B: 80 * GiB}
+    # the sidebar marks a simulated fleet as such (seed 53: the key misspelt "SIMULATED")
+    assert (answer["simulated"], answer["timestamp_s"]) == (True, swept.timestamp_s)
 
 
 def test_a_pending_move_of_two_devices_names_both() -> None:

@@ -486,3 +486,47 @@ def test_a_prune_failing_with_an_os_error_does_not_stop_the_kernels_cleanup() ->
     prov._store = store  # type: ignore[assignment]
     asyncio.run(prov.cleanup(restart=False))
     assert store.pruned == 1
+
+
+class _UnreachableStore:
+    """A lease store whose prune fails as a broker or registry can (an AutoGPUError)."""
+
+    def __init__(self) -> None:
+        self.pruned = 0
+
+    def prune(self) -> list[Any]:
+        from autogpu_jupyter.errors import RegistryError
+
+        self.pruned += 1
+        raise RegistryError("the lease broker is unreachable")
+
+
+def test_a_prune_failing_with_a_registry_error_does_not_stop_the_kernels_cleanup() -> None:
+    """As for an OSError: the store's own error is swallowed and the cleanup goes on. Caught
+    (issue 22, seed 53): only OSError suppressed (the kernel's cleanup then fails)."""
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    prov = AutoGPUProvisioner(kernel_id="k-1")
+    store = _UnreachableStore()
+    prov._store = store  # type: ignore[assignment]
+    asyncio.run(prov.cleanup(restart=False))
+    assert store.pruned == 1
+
+
+def test_a_runtime_dir_that_cannot_be_made_is_logged_and_moves_are_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No move file, and the server's log says for which kernel and why. Caught (issue 22,
+    seed 53): the warning's text altered."""
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(blocker / "runtime"))
+    prov = AutoGPUProvisioner(kernel_id="k-1", log=logging.getLogger("autogpu-test-kernels"))
+    with caplog.at_level(logging.WARNING, logger="autogpu-test-kernels"):
+        assert prov._move_file() is None
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said == (
+        f"autogpu: moves unavailable for kernel k-1: [Errno 20] Not a directory: "
+        f"'{blocker / 'runtime'}'")

@@ -365,6 +365,21 @@ async def test_the_unversioned_path_answers_the_same_and_says_it_is_deprecated(
     assert old["devices"] == current["devices"]
 
 
+async def test_the_debug_log_names_a_deprecated_path_and_its_successor(
+    server_log: ServerLog, jp_fetch: Any, jp_base_url: str
+) -> None:
+    """Caught (issue 22, seed 53): the debug line's text altered."""
+    logger = logging.getLogger("ServerApp")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        await jp_fetch("autogpu", "devices")
+    finally:
+        logger.setLevel(level)
+    assert server_log.said("autogpu: ") == [
+        f"autogpu: {jp_base_url}autogpu/devices is deprecated (until 0.3); use "
+        f"{jp_base_url}autogpu/api/v1/devices"]
+
 async def test_history_whole_then_since(jp_fetch: Any) -> None:
     data = await get_json(jp_fetch, *V1, "history")
     assert (data["interval_s"], data["history_s"], data["since_s"]) == (5.0, 900.0, None)
@@ -532,6 +547,23 @@ async def test_select_for_a_kernel_leaves_its_own_lease_out(
     assert other["chosen"] == []
 
 
+async def test_select_for_a_kernel_is_bounded_by_the_kernels_own_devices(
+    jp_fetch: Any, specs: Path, jp_data_dir: Path
+) -> None:
+    """A kernel started with ``CUDA_VISIBLE_DEVICES`` naming GPU 0 only (its kernelspec's env)
+    is recommended GPU 0, though GPU 1 is the idler. Caught (issue 22, seed 53): the kernel's
+    environment not read (the server's, every GPU, bounding the answer)."""
+    folder = jp_data_dir / "kernels" / "pinned"
+    folder.mkdir(parents=True)
+    (folder / "kernel.json").write_text(json.dumps({
+        "display_name": "pinned", "language": "python", "argv": [str(specs)],
+        "env": {"CUDA_VISIBLE_DEVICES": A}}))
+    kid = await start_kernel(jp_fetch, "pinned")
+    anyone = await get_json(jp_fetch, *V1, "select", params={"min_free": "10G"})
+    assert [c["label"] for c in anyone["chosen"]] == ["GPU 1"]
+    mine = await get_json(jp_fetch, *V1, "select", params={"min_free": "10G", "kernel_id": kid})
+    assert [c["label"] for c in mine["chosen"]] == ["GPU 0"]
+
 # -- cluster -----------------------------------------------------------------------------------
 
 
@@ -688,6 +720,47 @@ async def test_a_restart_that_raises_is_logged_and_its_request_dropped(
     assert server_log.said("autogpu: restarting") == [
         f"autogpu: restarting kernel {kid} for a move failed"]
 
+
+async def test_a_registry_failure_while_planning_a_move_is_503_with_its_reason(
+    jp_fetch: Any, specs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host cannot answer (not the client's fault): 503 with the store's own words.
+    Caught (issue 22, seed 53): the error's text lost (the message "None")."""
+    from autogpu_jupyter.errors import RegistryError
+    from autogpu_jupyter.server import moving
+
+    kid = await start_kernel(jp_fetch)
+
+    def plan_or_request(*_args: Any) -> Any:
+        raise RegistryError("the lease registry cannot be read")
+
+    monkeypatch.setattr(moving, "plan_or_request", plan_or_request)
+    code, body = await refused(jp_fetch, *move(kid), method="POST",
+                               body=json.dumps({"target": "best"}))
+    assert (code, body["message"]) == (503, "the lease registry cannot be read")
+
+
+async def test_a_kernel_restarted_elsewhere_than_planned_is_told_by_label(
+    jp_fetch: Any, specs: Path, jp_serverapp: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The restart picked GPU 1, not the planned GPU 0 (the devices changed meanwhile): the
+    answer names both by their labels from the server's sweep, and why. Caught (issue 22,
+    seed 53): the sweep's labels not passed (GPU 1 named by its UUID)."""
+    kid = await start_kernel(jp_fetch)
+    prov = kernel_provisioner(jp_serverapp, kid)
+
+    async def restart_kernel(kernel_id: str, **_kwargs: Any) -> None:
+        # as the provisioner does when the planned device no longer fits at the restart
+        prov.autogpu_picked = (B,)
+        prov.autogpu_note = "GPU 0 no longer fits: the kernel's state was lost"
+
+    monkeypatch.setattr(jp_serverapp.kernel_manager, "restart_kernel", restart_kernel)
+    data = await get_json(jp_fetch, *move(kid), method="POST",
+                          body=json.dumps({"target": "best"}))
+    assert (data["target_labels"], data["picked"], data["message"]) == (
+        ["GPU 0"], [B],
+        "The kernel restarted on GPU 1, not on GPU 0 as planned: GPU 0 no longer fits. "
+        "Its state (variables) was lost.")
 
 async def test_recorded_moves_are_kept_per_live_kernel(
     jp_fetch: Any, specs: Path, jp_serverapp: Any

@@ -125,3 +125,22 @@ def test_a_request_waiting_for_the_first_sweep_answers_soon_after_it(
                                                           sleep=sleep))
     assert payloads.latest_snapshot(SimpleNamespace(sampler=lambda: sampler)) is snap
     assert 0.05 <= clock[0] <= 0.07
+
+
+class _OldKernels:
+    """A kernel manager whose one kernel object has no ``provisioner`` attribute at all (an
+    older jupyter_client)."""
+
+    def list_kernel_ids(self) -> list[str]:
+        return ["k-old"]
+
+    def get_kernel(self, kid: str) -> Any:
+        return SimpleNamespace(execution_state="busy", last_activity=None)
+
+
+def test_a_kernel_without_a_provisioner_attribute_is_listed_not_movable() -> None:
+    """Caught (issue 22, seed 53): the attribute read without a default (AttributeError, the
+    holders answer fails for every kernel)."""
+    (info,) = payloads.kernel_infos(_OldKernels(), {})
+    assert (info["kernel_id"], info["execution_state"], info["movable"], info["picked_uuids"]) \
+        == ("k-old", "busy", False, [])

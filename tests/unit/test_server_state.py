@@ -99,6 +99,46 @@ def test_kernel_pids_come_from_the_provisioner_its_process_or_the_kernel_object(
     assert kernel_pid_map(kernels) == {11: "new", 12: "popen", 13: "bare"}
 
 
+
+class _KernelsGoneFirst(_Kernels):
+    """As :class:`_Kernels`, the ended kernel listed first."""
+
+    def list_kernel_ids(self) -> list[str]:
+        return ["k-gone", *self.kms]
+
+
+def test_a_kernel_ended_meanwhile_skips_only_itself() -> None:
+    """A kernel listed but gone when asked (KeyError) is left out; those listed after it are
+    still mapped. Caught (issue 22, seed 53): the walk stopped at the gone one."""
+    kernels = _KernelsGoneFirst(new=SimpleNamespace(provisioner=SimpleNamespace(pid=11)))
+    assert kernel_pid_map(kernels) == {11: "new"}
+
+
+def test_a_kernel_object_without_a_provisioner_attribute_gives_its_kernels_pid() -> None:
+    """An older jupyter_client's manager has no ``provisioner`` attribute at all. Caught
+    (issue 22, seed 53): the attribute read without a default (AttributeError)."""
+    kernels = _Kernels(old=SimpleNamespace(kernel=SimpleNamespace(pid=13)))
+    assert kernel_pid_map(kernels) == {13: "old"}
+
+
+def test_the_sidebar_sees_the_leases_even_where_the_server_takes_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``c.AutoGPU.use_leases = False`` (the server itself takes no lease): the sidebar's view
+    of the host's leases is still the shared directory. Caught (issue 22, seed 53): the store
+    asked for without ``view`` (no store: holders and bookings never shown)."""
+    monkeypatch.setenv("AUTOGPU_BROKER_SOCKET", "off")
+    config = Config()
+    config.AutoGPU.use_leases = False
+    state = AutoGPUServer(parent=Configurable(config=config), registry_dir=str(tmp_path / "reg"),
+                          log=logging.getLogger("autogpu-test-server"))
+    try:
+        store = state.registry()
+    finally:
+        state.stop()
+    assert isinstance(store, Registry)
+    assert store.path == str(tmp_path / "reg")
+
 @pytest.fixture
 def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     from autogpu_jupyter.core import backends
