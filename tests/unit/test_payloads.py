@@ -8,6 +8,7 @@ what they say.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -468,6 +469,14 @@ def kernels_started_with(environs: dict[str, dict[str, str]]) -> Kernels:
     k.procs = {n: subprocess.Popen(["sleep", "300"], env={**os.environ, **extra})
                for n, extra in environs.items()}
     k.provisioners = {n: SimpleNamespace(pid=p.pid) for n, p in k.procs.items()}
+    # Popen returns once the child's exec has closed its close-on-exec pipe, which the kernel
+    # does before it lays out the new environment: /proc/<pid>/environ may read empty for a
+    # moment. Wait for what each process was started with (a condition, not a time).
+    for n, extra in environs.items():
+        deadline = time.monotonic() + 10
+        while not extra.items() <= (payloads.process_environ(k.procs[n].pid) or {}).items():
+            assert time.monotonic() < deadline, f"{n}'s environment never showed {extra}"
+            time.sleep(0.001)
     return k
 
 
