@@ -434,7 +434,26 @@ def test_run_hands_the_command_its_lease_id_and_records_a_cli_holder(
 
 
 _HELP_LINES = {
+    "": ["leases list the live leases on this host"],
+    "pick": [
+        'Print the best device(s). No lease outlives this command: use `autogpu run -- CMD` to '
+        'hold one for CMD\'s lifetime. --export prints shell assignments for eval: eval '
+        '"$(autogpu pick --min-free 10G --export)".',
+        "--dry-run show the whole ranking with the reason each device was kept or dropped (as "
+        "%gpu pick --dry-run); changes nothing",
+        "--json machine-readable output",
+    ],
+    "run": [
+        "Pick, take a lease, run CMD with CUDA_VISIBLE_DEVICES set; the lease lasts exactly as "
+        "long as CMD runs. Exits with CMD's exit code.",
+    ],
+    "leases": ["--show-commands show other users' command lines (root only)"],
     "broker": [
+        "--socket PATH the Unix socket (default c.AutoGPU.broker_socket, else "
+        "/run/autogpu/broker.sock)",
+        "--max-connections N connections in all users together",
+        "--subuid-file FILE subordinate uid ranges: such a uid counts as its owner (default "
+        "/etc/subuid)",
         "--max-devices-per-user N admin limit (default c.AutoGPU.max_devices_per_user)",
         "--max-tickets-per-user N places in the waiting line one user may hold at once (default "
         "c.AutoGPU.max_tickets_per_user, 2; 0: no waiting picks)",
@@ -451,9 +470,10 @@ def test_the_help_explains_the_admins_flags(
     command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Each flag's help says what it sets and its default (compared with the help's line breaks
-    and indents made single spaces). Caught: a help text dropped or altered."""
+    and indents made single spaces; "" is ``autogpu --help``). Caught: a help text or a
+    description dropped or altered, a placeholder lower-cased."""
     with pytest.raises(SystemExit) as done:
-        main([command, "--help"])
+        main([*command.split(), "--help"])
     assert done.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     for line in _HELP_LINES[command]:
@@ -661,3 +681,69 @@ def test_broker_tickets_without_constraints_read_as_one_gpu(
     assert capsys.readouterr().out == (
         "waiting tickets: 1\n"
         f"  ticket 3  {'t' * 32}  1 GPU(s), since {since}  bob: t.ipynb\n")
+
+
+def test_list_json_shows_a_users_own_process_command(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``autogpu list --json`` run by bob (not root) shows the command line of bob's own GPU
+    process. Caught: the process's command dropped from the redaction call (null for everyone
+    but root)."""
+    from autogpu_jupyter import cli as cli_mod
+
+    monkeypatch.setattr(cli_mod, "_is_root", lambda: False)
+    monkeypatch.setattr(cli_mod, "_me", lambda: "bob")
+    code, out, err = cli("list", "--json")
+    assert (code, err) == (0, "")
+    (gpu_a, _b) = json.loads(out)["devices"]
+    assert [(p["pid"], p["user"], p["command"]) for p in gpu_a["processes"]] == [
+        (61001, "bob", SECRET)]
+
+
+def test_pick_json_gives_the_variables_it_would_set(host: Path) -> None:
+    """``autogpu pick --json`` carries the environment a pick sets under "env". Caught: "env"
+    written as null."""
+    code, out, err = cli("pick", "--json", "--min-free", "10G")
+    assert (code, err) == (0, "")
+    assert json.loads(out)["env"] == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": A}
+
+
+def test_a_pick_that_fails_suggests_wait_only_when_none_was_given(host: Path) -> None:
+    """Nothing fits: without --wait the error is followed by the hint to add one; with --wait
+    (even 0) there is no hint. Caught: the --wait lookup misspelt (the hint always shown)."""
+    code, _out, err = cli("pick", "--min-free", "100G")
+    assert code == 3
+    assert err.splitlines()[-1] == (
+        "nothing picked; to wait in line until a device fits, add --wait DURATION "
+        "(e.g. --wait 10m)")
+    code, _out, err = cli("pick", "--min-free", "100G", "--wait", "0")
+    assert code == 3
+    assert err.startswith("autogpu: no device fits (min free 100.0 GiB):")
+    assert "--wait" not in err
+
+
+@pytest.mark.parametrize("args", [["--wait", "1m"], ["--exclusive"], ["--exclude", "0"]])
+def test_hosts_refuses_the_pick_options_it_cannot_rank_by(
+    host: Path, args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``autogpu hosts`` takes --min-free, --max-util and --count only; another pick option is
+    an unrecognized argument (exit 2), not silently ignored. Caught: hosts given every pick
+    option."""
+    with pytest.raises(SystemExit) as done:
+        main(["hosts", *args])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"autogpu hosts: error: unrecognized arguments: {' '.join(args)}"
+
+
+def test_main_without_arguments_reads_the_command_line(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``main()`` (the console script) runs the command after the program name in sys.argv.
+    Caught: the first argument skipped as well (`autogpu leases --json` read as `--json`)."""
+    monkeypatch.setattr("sys.argv", ["autogpu", "leases", "--json"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main()
+    assert code == 0
+    assert json.loads(out.getvalue()) == []

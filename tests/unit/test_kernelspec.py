@@ -51,7 +51,9 @@ def test_install_writes_the_provisioner_and_options(
             },
         },
     }
-    assert (dest / "logo-64x64.png").exists()
+    # ipykernel's three logos (the launcher shows one); caught: a logo name altered
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "kernel.json", "logo-32x32.png", "logo-64x64.png", "logo-svg.svg"]
 
 
 def test_user_install_list_and_remove(prefix: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -91,7 +93,8 @@ def test_user_install_list_and_remove(prefix: Path, capsys: pytest.CaptureFixtur
         (["--max-util", "150"], "autogpu: invalid --max-util '150': must be 0-100"),
         (["--count", "two"], "invalid --count 'two': expected a whole number >= 1, e.g. 2"),
         (["--wait", "soon"], "autogpu: invalid duration 'soon': expected seconds"),
-        (["--name", "bad name"], "invalid kernelspec name 'bad name': expected letters, digits"),
+        (["--name", "bad name"], "autogpu: invalid kernelspec name 'bad name': expected "
+         "letters, digits, '.', '_' or '-', e.g. python3-autogpu\n"),
     ],
 )
 def test_bad_install_options_exit_2_with_one_message(
@@ -196,3 +199,54 @@ def test_list_says_defaults_for_a_kernelspec_without_options(
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if str(prefix) in ln]
     dest = prefix / "user-data/kernels/gpu-plain"
     assert line.split() == ["gpu-plain", "Python", "3", "(autogpu)", "defaults", str(dest)]
+
+
+def test_options_from_python_are_checked_as_json(prefix: Path) -> None:
+    """A kernelspec's options are JSON read by the provisioner: a byte count for min_free is
+    refused (in JSON "10" is ambiguous; sizes are strings). Caught: the options checked in
+    another style than JSON keys (the number written into the kernelspec)."""
+    from autogpu_jupyter import kernelspec
+    from autogpu_jupyter.errors import UsageErrorBase
+
+    with pytest.raises(UsageErrorBase) as info:
+        kernelspec.install("big", options={"min_free": 10 * 2**30}, prefix=str(prefix))
+    assert str(info.value) == (
+        "invalid min_free=10737418240: expected a string such as \"10G\"")
+    assert not (prefix / "share/jupyter/kernels/big").exists()
+
+
+def test_sys_prefix_installs_into_this_pythons_prefix(
+    prefix: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--sys-prefix`` is a switch: the kernelspec goes to sys.prefix/share/jupyter/kernels
+    (sys.prefix pointed into tmp here). Caught: --sys-prefix made an option taking a value."""
+    env = prefix / "env"
+    monkeypatch.setattr(sys, "prefix", str(env))
+    assert main(["kernelspec", "install", "--sys-prefix", "--name", "gpu-env"]) == 0
+    dest = env / "share/jupyter/kernels/gpu-env"
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"installed kernelspec 'gpu-env' (Python 3 (autogpu)) in {dest}")
+    assert (dest / "kernel.json").exists()
+
+
+def test_the_kernelspec_help_explains_it_and_its_flags(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What ``autogpu kernelspec [install] --help`` says (line breaks and indents made single
+    spaces). Caught (mutation run, issue 22): the description dropped or upper-cased, a flag's
+    help dropped, a placeholder lower-cased, --sys-prefix taking a value."""
+    shown = {}
+    for argv in (["kernelspec"], ["kernelspec", "install"]):
+        with pytest.raises(SystemExit) as done:
+            main([*argv, "--help"])
+        assert done.value.code == 0
+        shown[argv[-1]] = " ".join(capsys.readouterr().out.split())
+    assert ("A kernelspec whose provisioner picks the GPU before the kernel starts; the lease "
+            "lives exactly as long as the kernel process.") in shown["kernelspec"]
+    for line in [
+        "--on-no-device {cpu,fail} nothing fits: start CPU-only with a note (cpu, default) or "
+        "refuse to start (fail)",
+        f"--sys-prefix install into this Python's prefix ({sys.prefix})",
+        f"--python EXE the Python that runs the kernel (default {sys.executable})",
+    ]:
+        assert line in shown["install"]
