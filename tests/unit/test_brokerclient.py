@@ -923,6 +923,52 @@ def test_a_refusal_raises_the_error_the_broker_names(
     assert peer.requests == [{"op": "revoke", "lease_id": "L1"}]
 
 
+@pytest.mark.parametrize("refusal", [True, False])
+def test_a_connection_refused_before_the_request_is_sent_says_the_brokers_words(
+    peer_path: str, monkeypatch: pytest.MonkeyPatch, refusal: bool
+) -> None:
+    """A broker at its connection caps answers and closes before it reads: the request then
+    meets a broken pipe, and the refusal waiting in the socket is what the user reads."""
+    words = "too many connections for bob (max_connections_per_user = 4)"
+    line = json.dumps({"ok": False, "type": "LeaseLimitError", "error": words,
+                       "proto": PROTOCOL}).encode() + b"\n"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(peer_path)
+    listener.listen(1)
+    closed = threading.Event()
+
+    def refuse() -> None:
+        conn, _ = listener.accept()
+        if refusal:
+            conn.sendall(line)
+        conn.close()
+        closed.set()
+
+    thread = threading.Thread(target=refuse, daemon=True)
+    thread.start()
+    real_connect = brokerclient._connect
+
+    def connect_then_wait(path: str, timeout_s: float) -> socket.socket:
+        sock = real_connect(path, timeout_s)
+        assert closed.wait(10)  # the request goes out only after the broker closed
+        return sock
+
+    monkeypatch.setattr(brokerclient, "_connect", connect_then_wait)
+    try:
+        with pytest.raises(AutoGPUError) as err:
+            BrokerRegistry(peer_path).status()
+    finally:
+        thread.join(10)
+        listener.close()
+    if refusal:
+        assert type(err.value) is LeaseLimitError
+        assert str(err.value) == f"lease broker: {words}"
+    else:  # nothing left behind: the lost broker, said as before
+        assert type(err.value) is RegistryUnreachableError
+        assert str(err.value) == (
+            f"lost the lease broker at {peer_path} (Broken pipe); {fix(peer_path)}")
+
+
 def test_unasked_events_are_kept_and_the_reply_read(peer_path: str) -> None:
     events = b'{"event": "replaced", "message": "m"}\n{"event": "other"}\n'
     reply = json.dumps({"ok": True, "revoked": "bob: nb", "proto": PROTOCOL}).encode()

@@ -167,7 +167,32 @@ class _Conn:
                 self.sock.settimeout(None)
 
     def _send_line(self, msg: Mapping[str, Any]) -> None:
-        self.sock.sendall(json.dumps({**msg, "proto": PROTOCOL}).encode() + b"\n")
+        try:
+            self.sock.sendall(json.dumps({**msg, "proto": PROTOCOL}).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError):
+            # A broker that refuses a connection (its caps) answers and closes at once: a
+            # request sent after that finds the pipe broken, but the refusal waits unread.
+            # Its words, not "Broken pipe", are what the user needs.
+            refusal = self._left_behind()
+            if refusal is not None:
+                self._checked(refusal)
+            raise
+
+    def _left_behind(self) -> dict[str, Any] | None:
+        """The refusal a closed broker left in the socket, if a whole one is there."""
+        try:
+            while b"\n" not in self._buf and len(self._buf) <= _MAX_LINE:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    break
+                self._buf += chunk
+            line = self._buf.partition(b"\n")[0] if b"\n" in self._buf else b""
+            data = json.loads(line) if line else None
+        except (OSError, ValueError):
+            return None
+        if isinstance(data, dict) and data.get("ok") is False:
+            return data
+        return None
 
     def _next_reply(self, op: str) -> dict[str, Any]:
         while True:
