@@ -451,12 +451,14 @@ def test_a_magics_lease_is_a_kernels(host: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_status_names_every_column_with_its_values() -> None:
-    """The short UUID, temperature and power columns are filled under their documented names.
-    Caught (issue 22, seed 53): a row key misspelt ("power w"), its column left empty."""
+    """The short UUID, total memory, temperature and power columns are filled under their
+    documented names. Caught (issue 22, seeds 53 and 54): a row key misspelt ("power w",
+    "MEM TOTAL"), its column left empty."""
     from autogpu_jupyter.api import status_frame
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
 
-    dev = DeviceSnapshot(index=0, uuid=U[0], name="Fake", temperature_c=41.0, power_w=72.5)
+    dev = DeviceSnapshot(index=0, uuid=U[0], name="Fake", temperature_c=41.0, power_w=72.5,
+                         memory_total_bytes=80 * GiB)
     df = status_frame(FleetSnapshot(devices=(dev,), timestamp_s=1.0, backend="test"), None, [])
     assert list(df.columns) == [
         "", "gpu", "name", "uuid", "util %", "mem used", "mem total", "mem free", "temp °C",
@@ -464,3 +466,82 @@ def test_status_names_every_column_with_its_values() -> None:
     ]
     row = df.iloc[0]
     assert (row["uuid"], row["temp °C"], row["power W"]) == ("GPU-a1000000", 41, 72.5)
+    assert row["mem total"] == "80.0 GiB"
+
+
+def test_an_unreadable_lease_store_leaves_status_without_leases_and_logs_why(
+    host: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The registry path is a file (not a directory of leases): ``status()`` still answers, with
+    no lease among the holders, and a DEBUG record says why. Caught (issue 22, seed 54): the
+    record logged without its format (its message broken)."""
+    import logging
+
+    host.write_text("not a directory")
+    caplog.set_level(logging.DEBUG, logger="autogpu_jupyter.api")
+    df = ag.status()
+    assert list(df["holders"])[:2] == ["pid 1000000 (2.0 GiB used)", "pid 1000001 (40.0 GiB used)"]
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "autogpu_jupyter.api"]
+    assert message == (
+        f"lease store unreadable: lease registry {host} is not a directory: refused (another "
+        "user could redirect leases elsewhere); the admin should make it a real directory, "
+        "mode 1777"
+    )
+
+
+def test_a_repick_from_two_devices_names_both_it_had(host: Path) -> None:
+    """The "you had ..." of a re-pick lists every device the kernel had, as labels joined by
+    ", ". Caught (issue 22, seed 54): the labels joined by another separator."""
+    from autogpu_jupyter.api import pick_options, pick_result
+    from autogpu_jupyter.config import default_settings
+    from autogpu_jupyter.magics import format_pick
+
+    assert [d.uuid for d in ag.pick(min_free="10G", count=2)] == [U[0], U[2]]
+    settings = default_settings()
+    result, _warning = pick_result(pick_options(settings, {"min_free": "10G"}), settings=settings)
+    assert result.previous == "GPU 0, GPU 2"
+    assert "  you had GPU 0, GPU 2; now GPU 0 (one lease: the old one was released)" in (
+        format_pick(result).splitlines())
+
+
+def test_set_visible_devices_on_an_amd_host_writes_the_rocm_variables(
+    monkeypatch: pytest.MonkeyPatch, registry_dir: Path
+) -> None:
+    """On an AMD host the devices named are made visible to ROCm: ROCR_VISIBLE_DEVICES names the
+    host's device, HIP and CUDA count from 0. Caught (issue 22, seed 54): the snapshot's devices
+    not passed on (CUDA_VISIBLE_DEVICES set to the UUID, ROCm left seeing every GPU)."""
+    from autogpu_jupyter.core import backends
+    from autogpu_jupyter.core.visibility import ROCM_VARS
+
+    for name in ("CUDA_DEVICE_ORDER", "AUTOGPU_PICKED", *ROCM_VARS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AUTOGPU_SIMULATE", "demo-amd")
+    backends._cache.clear()
+    try:
+        (uuid,) = ag.set_visible_devices([1])
+        assert os.environ["ROCR_VISIBLE_DEVICES"].startswith("GPU-")
+        assert os.environ["ROCR_VISIBLE_DEVICES"] != uuid
+        assert os.environ["HIP_VISIBLE_DEVICES"] == os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    finally:
+        session.release()
+        backends._cache.clear()
+
+
+def test_status_frame_takes_held_leases_as_well_as_their_records(host: Path) -> None:
+    """``status_frame`` accepts the leases a caller holds (``HeldLease``) as it accepts lease
+    records: the holder is named either way. Caught (issue 22, seed 54): the held lease's record
+    never read (the lease missing from its device's holders)."""
+    from autogpu_jupyter.api import read_snapshot, status_frame
+    from autogpu_jupyter.core.leasing import Requester
+
+    with Registry(str(host)).locked() as txn:
+        assert txn is not None
+        held = txn.create(devices=[U[3]], requester=Requester(kernel_id="k-held", kind="kernel"))
+    try:
+        snap = read_snapshot()
+        by_record = status_frame(snap, None, [held.record])
+        by_held = status_frame(snap, None, [held])
+        assert by_held.loc[3, "holders"] == by_record.loc[3, "holders"]
+        assert "k-held" in by_held.loc[3, "holders"]
+    finally:
+        held.release()
