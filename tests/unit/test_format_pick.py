@@ -136,6 +136,30 @@ def test_a_device_without_a_ranking_is_summed_up_from_its_own_reading(result: Pi
     )
 
 
+def test_a_picked_device_is_summed_up_as_it_was_ranked(tmp_path: Path) -> None:
+    """One device picked: its line gives the free memory after other holders' bookings and the
+    smoothed load the pick ranked it by, not the device's raw reading. Caught (issue 22, seed
+    54): the picked device summed up from its raw reading (the booking and the load lost)."""
+    from autogpu_jupyter.core.leasing import Registry
+
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(fleet(1)))
+    registry = Registry(str(tmp_path / "registry"))
+    with registry.locked() as txn:
+        assert txn is not None
+        other = txn.create(devices=[uuid_of(0)], requested_bytes=20 * 1024**3)
+    try:
+        ranked = pick(PickOptions(Constraints()), backend=SimulatedBackend(str(path)),
+                      environ={}, store=registry, dry_run=True,
+                      smoothed_util={uuid_of(0): 30.0})
+    finally:
+        other.release()
+    assert format_pick(ranked).splitlines()[0] == (
+        "autogpu [SIMULATED]: picked GPU 0 · NVIDIA A100-SXM4-80GB · GPU-00000000: 60.0 GiB free "
+        "of 80.0 GiB after 20.0 GiB booked, util 30%"
+    )
+
+
 def test_an_eligible_device_without_reasons_is_ok_in_the_ranking(tmp_path: Path) -> None:
     """Nothing asked: a fitting device has no reason to show and its verdict says "ok".
     Caught (issue 22, seed 53): another word ("OK") shown."""

@@ -98,6 +98,30 @@ def test_reload_keeps_one_sampler_and_unload_leaves_no_thread(
     assert os.environ["CUDA_VISIBLE_DEVICES"] == U[0]
 
 
+def test_unload_leaves_a_gpu_magic_registered_since_by_someone_else(
+    shell: InteractiveShell,
+) -> None:
+    """A ``%gpu`` line magic registered after autogpu's (a plain function, bound to no magics
+    object) is not autogpu's: unloading leaves it in place and succeeds. Caught (issue 22, seed
+    54): the owner check asked for the function's ``__self__`` without a default (the unload
+    failed with an AttributeError)."""
+    shell.run_cell("%load_ext autogpu")
+
+    def gpu(line: str) -> str:
+        return f"theirs: {line}"
+
+    mm = shell.magics_manager
+    shell.register_magic_function(gpu, "line", "gpu")
+    try:
+        assert shell.run_cell("%unload_ext autogpu").success
+        assert shell.find_line_magic("gpu") is gpu
+        assert shell.find_cell_magic("gpu") is None  # autogpu's own cell magic went
+    finally:
+        mm.magics["line"].pop("gpu", None)
+        if hasattr(mm.user_magics, "gpu"):
+            delattr(mm.user_magics, "gpu")
+
+
 def test_line_pick_starts_the_one_sampler_and_reload_keeps_one(
     shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -171,6 +195,44 @@ def test_help_is_written_for_notebook_users(shell: InteractiveShell) -> None:
     assert "(import torch is fine, torch.cuda is not):" in doc
     assert doc.count("usage: %gpu pick [--min-free SIZE]") == 1 and "_pick_options" not in doc
     assert "%gpu move --best" in doc
+
+
+def test_the_pick_help_opens_with_the_whole_usage_of_gpu_pick() -> None:
+    """What ``%gpu?`` ends with: the usage of ``%gpu pick`` (its options in order, wrapped at 90
+    columns), then the options explained. Caught (issue 22, seed 54): the usage built with no
+    list of option groups (a TypeError, so no help; the help is made once, at import)."""
+    text = magics._pick_help()
+    assert text.splitlines()[:4] == [
+        "usage: %gpu pick [--min-free SIZE] [--max-util PCT] [--count N] [--exclude IDS]",
+        "                 [--exclusive] [--wait DURATION] [--model NAMES] [--prefer NAMES]",
+        "                 [--dry-run] [--force]",
+        "",
+    ]
+    assert text.splitlines()[4] == "pick options (also on top of a %%gpu cell):"
+    assert magics.GPUMagics.gpu.__doc__.endswith(text)
+
+
+def test_an_argparse_exit_is_one_usage_line_naming_the_words_not_a_kernel_exit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where argparse exits by itself (its help and version actions call ``exit()``), the magic
+    answers one UsageError line quoting the words it was given, and the kernel lives on.
+    Caught (issue 22, seed 54): the words quoted from nothing (a TypeError instead)."""
+
+    def exits(args: Any) -> Any:
+        magics._PICK_PARSER.exit(2)
+
+    monkeypatch.setattr(magics._PICK_PARSER, "parse_args", exits)
+    magics._parsed.cache_clear()
+    try:
+        with pytest.raises(UsageError) as info:
+            magics._parse_pick(["--count", "2", "--exclusive"], where="%%gpu")
+    finally:
+        magics._parsed.cache_clear()
+    assert str(info.value) == (
+        f"%%gpu: invalid options '--count 2 --exclusive'; accepted options: {magics.PICK_OPTIONS} "
+        "(see %gpu?)"
+    )
 
 
 def test_status_plain_text_in_a_terminal(
@@ -270,6 +332,40 @@ def test_release_when_nothing_was_picked_and_bare_move(
         "UsageError: %gpu move takes one target, got 'none'; expected a device (an NVML index "
         "like 2, or a UUID) or --best, e.g. %gpu move --best\n"
     )
+
+
+def test_a_move_counts_the_other_holders_leases(
+    shell: InteractiveShell,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """``%gpu move --best`` in a kernel the kernelspec started on GPU 1: another kernel's
+    exclusive lease keeps the move off GPU 0 (the idlest), so it goes to GPU 2, and the request
+    is written. Caught (issue 22, seed 54): the move planned without the lease store (onto the
+    device another kernel holds exclusively)."""
+    from autogpu_jupyter.core import moves
+    from autogpu_jupyter.core.leasing import Registry, Requester
+
+    shell.run_cell("%load_ext autogpu")
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    move_file = runtime / "autogpu-move-k-3.json"
+    for name, value in (("AUTOGPU_PROVISIONED", "1"), ("AUTOGPU_MOVE_FILE", str(move_file)),
+                        ("AUTOGPU_PICKED", U[1]), ("CUDA_VISIBLE_DEVICES", U[1])):
+        monkeypatch.setenv(name, value)
+    with Registry(str(tmp_path / "registry")).locked() as txn:
+        assert txn is not None
+        held = txn.create(devices=[U[0]], exclusive=True, requester=Requester(kernel_id="other"))
+    try:
+        capsys.readouterr()
+        r, out, err = run(shell, "%gpu move --best", capsys)
+    finally:
+        held.release()
+    assert r.success, err
+    assert out.startswith("The kernel will restart on GPU 2 (NVIDIA L4, ")
+    request = moves.read_move(move_file)
+    assert request is not None and request.target_uuids == (U[2],)
 
 
 def test_cell_errors_propagate_after_the_report(
@@ -524,6 +620,30 @@ def test_a_sidebar_pick_on_a_host_whose_gpus_cannot_be_read_answers_its_first_li
     assert "CUDA_VISIBLE_DEVICES" not in os.environ and session.current() is None
 
 
+def test_a_sidebar_pick_that_fails_in_several_lines_answers_the_first_and_details_the_rest(
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The devices were read, then the pick itself failed (not a no-fit) with a message of
+    several lines: the answer is its first line, the details the rest, and nothing is set.
+    Caught (issue 22, seed 54): the pick's error split at no line (the whole text as the
+    one-line answer, no details)."""
+    from autogpu_jupyter import api
+    from autogpu_jupyter.errors import RegistryError
+    from autogpu_jupyter.magics import SIDEBAR_PICK_MIME
+
+    def refused(*_args: Any, **_kw: Any) -> None:
+        raise RegistryError("lease registry refused the lease\n  the admin must fix its mode")
+
+    monkeypatch.setattr(api, "pick_result", refused)
+    shell.run_cell("%load_ext autogpu")
+    (answer,) = _sidebar_pick(shell, U[1])
+    assert answer[SIDEBAR_PICK_MIME] == {
+        "ok": False, "summary": "autogpu: lease registry refused the lease",
+        "details": "the admin must fix its mode",
+    }
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ and session.current() is None
+
+
 def test_the_sidebar_pick_loads_the_extension_itself_without_a_word(
     shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -687,6 +807,37 @@ def test_status_html_keeps_every_cell_but_the_short_uuid(
         assert name in html, i
     assert html.count("<tr") >= 1 + len(U)
     assert all(f"GPU {i}" in html for i in range(len(U)))
+
+
+def test_status_in_a_notebook_has_a_plain_text_form_too(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The notebook's status is shown with a text/plain form (what a console front end, or a
+    notebook saved as text, shows): the title, the table, this kernel's line. Caught (issue 22,
+    seed 54): the text form shown as None."""
+    from IPython.core.displaypub import DisplayPublisher
+
+    shown: list[Any] = []
+
+    class Capture(DisplayPublisher):
+        def publish(self, data: Any, metadata: Any = None, **kw: Any) -> None:
+            shown.append(data)
+
+    shell.run_cell("%load_ext autogpu")
+    old = shell.display_pub
+    shell.display_pub = Capture(shell=shell)
+    try:
+        with patch.object(magics.GPUMagics, "_in_kernel", return_value=True):
+            assert shell.run_cell("%gpu status").success
+    finally:
+        shell.display_pub = old
+    (data,) = shown
+    lines = data["text/plain"].splitlines()
+    assert lines[0] == "GPUs on this host"
+    assert lines[1].split()[:3] == ["gpu", "name", "util"]  # sized for 120 columns
+    assert [ln.split()[:2] for ln in lines[2:-1]] == [["GPU", str(i)] for i in range(len(U))]
+    assert all(len(ln) <= 120 for ln in lines)
+    assert lines[-1] == "this kernel: no GPU picked yet (%gpu pick)"
 
 
 def test_a_sidebar_pick_past_the_admins_quota_answers_the_refusals_first_line(
@@ -1004,6 +1155,37 @@ def test_a_cell_on_a_device_whose_processes_are_unknown_reports_its_peak_unknown
     assert head == "autogpu %%gpu on GPU 0: wall 2s"
     assert peak == "peak GPU memory of this kernel unknown"
     assert util == "mean utilisation 40% (1 sample)"
+
+
+def test_a_cell_still_counts_its_device_after_another_whose_processes_are_unknown() -> None:
+    """NVML lists no processes for another GPU (no permission), listed before the cell's: the
+    cell's GPU, read after it, still gives its utilisation and this kernel's memory. Caught
+    (issue 22, seed 54): the devices after such a GPU skipped (utilisation unknown, peak 0 B)."""
+    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
+
+    me = os.getpid()
+    snap = FleetSnapshot(
+        devices=(
+            DeviceSnapshot(index=0, uuid=U[0], name="Fake", utilization_pct=40.0, processes=None),
+            DeviceSnapshot(index=1, uuid=U[1], name="Fake", utilization_pct=90.0,
+                           processes=(ProcessSnapshot(pid=me, used_memory_bytes=2 * 1024**3),)),
+        ),
+        timestamp_s=1000.0,
+        backend="test",
+    )
+
+    class LastSweep:  # the sampler's two questions, for its latest sweep
+        def latest(self) -> FleetSnapshot:
+            return snap
+
+        def latest_own_pids(self) -> set[int]:
+            return {me}
+
+    stats = magics._CellStats(uuids=(U[1],), start_s=999.0)
+    stats.add(LastSweep(), snap)  # type: ignore[arg-type]
+    _head, peak, util = stats.report(2.0, "GPU 1", simulated=False).split(" · ")
+    assert peak == "peak GPU memory of this kernel 2.0 GiB"
+    assert util == "mean utilisation 90% (1 sample)"
 
 
 @pytest.mark.parametrize("index", [0, 1])
