@@ -410,6 +410,32 @@ def test_a_missing_directory_is_made_0755_in_this_process_whatever_the_umask(
     assert oct(stat.S_IMODE(os.stat(path.parent).st_mode)) == "0o755"
 
 
+def test_a_directory_made_by_another_broker_at_the_same_moment_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two brokers (or systemd and a broker) start at once: the socket directory missing
+    when one looks is made by the other before it makes it itself. It listens there all the
+    same. Caught: the directory made without ``exist_ok`` (the broker stopped with
+    FileExistsError)."""
+    path = tmp_path / "raced" / "b.sock"
+    real_isdir = os.path.isdir
+
+    def isdir(p: Any) -> bool:
+        if os.fspath(p) == str(path.parent) and not real_isdir(p):
+            os.mkdir(p, 0o755)  # the other one, between this one's look and its makedirs
+            return False
+        return real_isdir(p)
+
+    monkeypatch.setattr(os.path, "isdir", isdir)  # the os.path net looks with
+    sock = net.listen(str(path))
+    try:
+        with socket.socket(socket.AF_UNIX) as c:
+            c.connect(str(path))
+    finally:
+        sock.close()
+    assert oct(stat.S_IMODE(os.stat(path.parent).st_mode)) == "0o755"
+
+
 def test_an_accept_that_succeeds_ends_the_back_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """After a failed accept (back-off 0.05 s) one that succeeds resets the back-off: the
     next failure pauses 0.05 s again, not more. Caught: the reset made 1.0 (the next failure

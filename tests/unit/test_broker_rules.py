@@ -1108,3 +1108,191 @@ def test_main_says_whose_files_they_are_when_not_root_and_when_it_listens(
         "socket belong to uid 1234"]
     assert capsys.readouterr().err.endswith(
         "autogpu broker: listening on /nonexistent/m.sock\n")
+
+
+# ---- survivors of seed 54's sample (issue 22) ----
+
+
+def test_the_booking_view_shows_the_exclusive_then_the_largest_bookings_and_folds_the_rest(
+) -> None:
+    """A pick's view of a device with more leases than :data:`VIEW_ROWS_PER_DEVICE`: the
+    exclusive lease first, then the largest bookings; the smallest are folded into ``more``.
+    Caught: the leases left in the order they were made (the biggest bookings folded away,
+    the exclusive one last)."""
+    from dataclasses import replace
+
+    from autogpu_jupyter.core.leasing.brokerclient import VIEW_ROWS_PER_DEVICE
+
+    gib = 1 << 30
+    b = broker()
+    n = VIEW_ROWS_PER_DEVICE + 2
+    for i in range(n):  # the smallest booking oldest, the exclusive lease youngest
+        conn = person(b, 2000 + i)
+        conn.record = replace(b._make_record(conn, "lease", {
+            "device_uuids": ["GPU-v"], "device_requested_bytes": [(i + 1) * gib],
+            "exclusive": i == n - 1, "pid": 100 + i, "kernel_id": None,
+            "notebook_path": f"n{i}.ipynb", "command": None, "holder_kind": "kernel",
+        }), created_s=1000.0 + i)
+    viewer = person(b, 1001)
+    got = run(b.op_begin(viewer, {"op": "begin"}))
+    b._drop_lock(viewer)
+    [device] = got["devices"]
+    assert device["uuid"] == "GPU-v"
+    assert [(row[0], row[1], row[2] // gib) for row in device["rows"]] == [
+        (True, 100 + n - 1, n),
+        *[(False, 100 + i, i + 1) for i in range(n - 2, 1, -1)],
+    ]
+    assert device["rows"][0][3:] == [f"user{2000 + n - 1}", f"n{n - 1}.ipynb"]
+    assert device["more"] == {"leases": 2, "exclusive": False, "booked": 3 * gib}
+
+
+def test_a_socket_systemd_passes_is_taken_once_and_its_variables_cleared(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+) -> None:
+    """Socket activation: with ``LISTEN_PID`` naming this process and ``LISTEN_FDS=1`` the
+    broker listens on descriptor 3 (what systemd bound), and clears the variables (its
+    children inherit neither). Caught: the ``LISTEN_PID`` variable misspelled (the passed
+    socket ignored: the broker bound one of its own)."""
+    import socket
+
+    from autogpu_jupyter.broker import _inherited_socket
+
+    path = str(tmp_path / "passed.sock")
+    passed = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    passed.bind(path)
+    passed.listen(1)
+    try:
+        saved = os.dup(3)
+    except OSError:
+        saved = None  # descriptor 3 not open in this process
+    got: socket.socket | None = None
+    try:
+        os.dup2(passed.fileno(), 3)
+        monkeypatch.setenv("LISTEN_PID", str(os.getpid()))
+        monkeypatch.setenv("LISTEN_FDS", "1")
+        monkeypatch.setenv("LISTEN_FDNAMES", "autogpu-broker.socket")
+        got = _inherited_socket()
+        assert got is not None and got.fileno() == 3
+        assert got.getsockname() == path
+        assert [v for v in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES") if v in os.environ] == []
+    finally:
+        if got is not None:
+            got.detach()  # descriptor 3 is put back below, not closed by the socket object
+        if saved is None:
+            os.close(3)
+        else:
+            os.dup2(saved, 3)
+            os.close(saved)
+        passed.close()
+
+
+def test_a_rules_file_with_a_section_that_is_not_an_object_names_it(tmp_path: Any) -> None:
+    """Caught: the message of the bad section dropped (the admin read ``None``)."""
+    import json
+
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps({"users": ["alice"]}))
+    with pytest.raises(SystemExit) as err:
+        BrokerConfig(socket_path="/nonexistent/b.sock").load_rules(str(path))
+    assert str(err.value).startswith(
+        f"autogpu broker: rules file {path}: users: expected an object, got list; expected e.g. ")
+
+
+def test_a_lease_on_a_device_this_host_does_not_have_is_a_usage_error_naming_it() -> None:
+    """Caught: the refusal's kind dropped (the client raised a broker failure, not the usage
+    error a mistyped id is)."""
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+
+    b = broker()
+    b.backend = SimulatedBackend("demo-4x")
+    conn = person(b, 1001)
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_lease(conn, {"op": "lease", "devices": ["gpu-made-up"]}))
+    fleet = ", ".join(sorted(d.uuid for d in b._snap.devices))
+    assert str(err.value) == f"'gpu-made-up' is not a device of this host (its devices: {fleet})"
+    assert err.value.kind == "UsageErrorBase"
+    assert conn.record is None
+
+
+def test_a_waiter_gone_just_as_the_lock_frees_is_passed_over_for_the_next_one() -> None:
+    """A waiter whose task was cancelled (its client went away) while its connection's ending
+    has not run yet, when the holder ends: the lock goes to the next waiter, and the holder's
+    end is answered. Caught: the cancelled waiter given the lock (its future set twice: the
+    holder's end raised, and the lock stayed with a connection that is gone)."""
+    b = broker()
+    holder, gone, third = person(b, 1001), person(b, 1002), person(b, 1003)
+
+    async def go() -> None:
+        await b.op_begin(holder, {"op": "begin"})
+        waiting = asyncio.create_task(b.op_begin(gone, {"op": "begin"}))
+        nxt = asyncio.create_task(b.op_begin(third, {"op": "begin"}))
+        await asyncio.sleep(0)
+        assert list(b.waiting) == [gone, third]
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        assert await b.op_end(holder, {"op": "end"}) == {"ok": True}  # before gone's ending
+        await asyncio.wait_for(nxt, 5)
+        assert b.lock_holder is third and list(b.waiting) == []
+        b._drop_lock(gone)
+        b._drop_lock(third)
+
+    run(go())
+
+
+def test_a_lease_of_a_subordinate_uid_counts_against_its_owners_device_limit() -> None:
+    """A lease held through a subordinate uid of alice's counts as hers: with one device per
+    user, alice's own second lease is refused. Caught: the copy marked with no person (the
+    subordinate uid's lease counted for nobody, and alice held two devices)."""
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+
+    b = broker(max_devices_per_user=1)
+    b.backend = SimulatedBackend("demo-4x")
+    b._snapshot()
+    first, second = sorted(d.uuid for d in b._snap.devices)[:2]
+    sub = Conn(b, 200000, 200000, os.getpid(),
+               Account(1001, "alice", frozenset(), via="subordinate uid 200000 of alice"))
+    b.conns.add(sub)
+    alice = person(b, 1001, name="alice")
+    run(b.op_lease(sub, {"op": "lease", "devices": [first]}))
+    assert sub.record is not None and sub.record.uid == 200000
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_lease(alice, {"op": "lease", "devices": [second]}))
+    assert str(err.value).startswith(
+        f"alice already holds leases on 1 device(s) ({first}); taking 1 more would exceed "
+        "max_devices_per_user = 1 set by the admin")
+    assert err.value.kind == "LeaseLimitError" and alice.record is None
+
+
+def test_the_status_counts_every_device_of_a_persons_leases() -> None:
+    """Caught: a person's devices set to the last lease's count, not summed (two leases, of
+    two devices and one, showed only the last one's)."""
+    b = broker()
+    one, two, other = person(b, 1001), person(b, 1001), person(b, 1002)
+    one.record = b._make_record(one, "lease", {
+        "device_uuids": ["GPU-s0", "GPU-s1"], "device_requested_bytes": [None, None],
+        "exclusive": False, "pid": one.pid, "kernel_id": None, "notebook_path": None,
+        "command": None, "holder_kind": "process",
+    })
+    lease(b, two, "GPU-s2")
+    lease(b, other, "GPU-s3")
+    got = run(b.op_status(one, {"op": "status"}))
+    assert got["per_user"] == {
+        "user1001": {"leases": 2, "devices": 3, "tickets": 0},
+        "user1002": {"leases": 1, "devices": 1, "tickets": 0},
+    }
+    assert (got["leases_total"], got["tickets_total"]) == (3, 0)
+
+
+def test_the_state_a_pick_decides_on_has_the_tickets_that_reserve_in_line_order() -> None:
+    """The pick's state lists live tickets that reserve devices (dormant ones do not).
+    Caught: the reserving check asked of no ticket (any live ticket broke the pick)."""
+    from autogpu_jupyter.broker import _StateView
+
+    b = broker()
+    picker, waiter, sleeper = person(b, 1001), person(b, 1002), person(b, 1003)
+    waiter.record = ticket_record(b, waiter)
+    sleeper.record = ticket_record(b, sleeper)
+    b.dormant.add(sleeper.record.lease_id)
+    leases, tickets = _StateView(b, picker).live_records()
+    assert leases == [] and [t.lease_id for t in tickets] == [waiter.record.lease_id]
