@@ -8,6 +8,7 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import threading
 from pathlib import Path
 
 import pytest
@@ -205,6 +206,42 @@ def test_a_subuid_file_past_its_bound_is_read_from_its_start_and_said_so(
     assert [r.getMessage() for r in caplog.records] == [
         f"{path} is larger than {bound} bytes: read its start only",
         f"{path} line 2 is not NAME:FIRST:COUNT: skipped"]
+
+
+def test_a_subuid_pipe_is_read_one_byte_past_the_bound_and_no_further(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One byte past the bound says the file is larger; no more is waited for: a pipe whose
+    writer gave that much and stays open is done with (the reader gone when it writes again),
+    not waited on. Caught: two bytes past the bound read (the broker blocked on the pipe)."""
+    bound = 16
+    monkeypatch.setattr(identity, "_MAX_SUBUID_BYTES", bound)
+    path = tmp_path / "subuid"
+    os.mkfifo(path)
+    read_done = threading.Event()
+    late: list[BaseException | None] = []
+
+    def writer() -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, f"bin:{FREE}:10\n".encode().ljust(bound + 1, b"#"))
+            read_done.wait(10)  # a bound on the test's run only if the reader waits on
+            try:
+                os.write(fd, b"x")
+                late.append(None)
+            except BrokenPipeError as err:
+                late.append(err)
+        finally:
+            os.close(fd)
+
+    t = threading.Thread(target=writer, daemon=True)  # not left blocked if no reader came
+    t.start()
+    try:
+        assert identity._read_ranges(str(path)) == [(FREE, FREE + 9, "bin")]
+    finally:
+        read_done.set()
+        t.join(10)
+    assert len(late) == 1 and isinstance(late[0], BrokenPipeError)
 
 
 def _unused_gid(start: int) -> int:

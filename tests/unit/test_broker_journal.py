@@ -139,7 +139,8 @@ def test_a_log_of_another_boot_is_dropped_whole_and_one_of_this_boot_kept(
     j.add(entry(1, peer=5))
     j.add(entry(2), seq=3)
     same = Journal(str(tmp_path), boot="boot-a")  # a restart in the same boot
-    assert sorted(same.load()) == [entry(1).lease_id, entry(2).lease_id]
+    # each entry as it was added, the socket's peer inode with it (the holders are found by it)
+    assert same.load() == {entry(1).lease_id: entry(1, peer=5), entry(2).lease_id: entry(2)}
     assert same.dropped == 0 and same.logged_boot == "boot-a"
     same.close()
     after = Journal(str(tmp_path), boot="boot-b")  # the host rebooted
@@ -149,6 +150,21 @@ def test_a_log_of_another_boot_is_dropped_whole_and_one_of_this_boot_kept(
     assert lines(tmp_path / "journal.log") == [{"seq": 3}, {"boot": "boot-b"}]
     after.close()
     assert Journal(str(tmp_path), boot="boot-b").load() == {}
+
+
+def test_a_logged_boot_is_read_as_its_first_128_characters(tmp_path: Path) -> None:
+    """A boot id is at most 128 characters (:func:`boot_id` reads no more): a longer head is
+    cut there, so it names the boot of its first 128. Caught: the cut made at 129 (this
+    boot's log taken for another's, its leases dropped)."""
+    boot = "b" * 128
+    (tmp_path / "journal.log").write_text(
+        json.dumps({"seq": 2}) + "\n" + json.dumps({"boot": boot + "-and-more"}) + "\n"
+        + json.dumps(entry(1).line()) + "\n"
+    )
+    j = Journal(str(tmp_path), boot=boot)
+    assert list(j.load()) == [entry(1).lease_id]
+    assert (j.dropped, j.logged_boot) == (0, boot)
+    j.close()
 
 
 def test_a_log_without_a_boot_head_is_read_by_pids_as_before(tmp_path: Path) -> None:
@@ -234,6 +250,8 @@ def test_a_journal_on_descriptor_0_keeps_it(tmp_path: Path) -> None:
             j.add(entry(n))
         assert j._fd == 0 and len(os.listdir("/proc/self/fd")) == open_fds
         j.close()
+        with pytest.raises(OSError):  # closed with the journal, not left open
+            os.fstat(0)
     finally:
         os.dup2(saved, 0)
         os.close(saved)
@@ -312,6 +330,9 @@ def test_a_log_that_is_not_a_file_of_ours_is_refused(tmp_path: Path) -> None:
     (tmp_path / "journal.log").symlink_to(target)
     with pytest.raises(OSError):
         Journal(str(tmp_path)).load()
+    # nor is it followed when the first change opens the log (no load before it)
+    with pytest.raises(OSError):
+        Journal(str(tmp_path)).add(entry(1))
     assert target.read_text() == ""
 
 
@@ -489,6 +510,25 @@ def test_holders_are_found_by_the_socket_they_hold_and_checked_by_start_time() -
         child.wait()
         a.close()
     assert jrnl.scan_socket_holders([ino]) == {}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_without_an_inode_a_holder_is_kept_by_its_users_uid_or_by_root() -> None:
+    """Where sock_diag named no peer, a recorded holder that still runs is kept for the
+    lease's own uid (a user who is not root) or for root, and not for another uid. Caught:
+    ``uid == 0 or uid in pid_uids(pid)`` made ``and`` (every user's lease lost its holders)."""
+    nobody = pwd.getpwnam("nobody")
+    child = AsUser(nobody.pw_uid, nobody.pw_gid, int, hold=True)
+    try:
+        assert child.result() == 0
+        start = jrnl.start_time(child.pid)
+        assert start is not None
+        held = [(child.pid, start)]
+        assert jrnl.holders_alive(held, None, nobody.pw_uid) == held
+        assert jrnl.holders_alive(held, None, 0) == held
+        assert jrnl.holders_alive(held, None, nobody.pw_uid - 1) == []
+    finally:
+        child.stop()
 
 
 def test_a_first_journal_without_entries_starts_empty_with_its_sequence(tmp_path: Path) -> None:
