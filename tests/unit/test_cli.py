@@ -312,6 +312,20 @@ def test_the_brokers_timing_flags_reach_its_config(
             config.subuid_path) == (9.0, 2.5, 100, "/dev/null")
 
 
+def test_the_brokers_per_user_rate_and_connection_flags_reach_its_config(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--max-connections-per-user and --max-messages-per-s-per-user (a number, fractions
+    allowed) are what the broker serves with; left out, 256 connections and 500 messages a
+    second. Caught (seed 54): the connection flag not handed to the broker (None); the rate
+    read as text ("2.5", which the broker's arithmetic cannot use)."""
+    config = _served_config(monkeypatch)
+    assert (config.max_connections_per_user, config.messages_per_s_per_user) == (256, 500.0)
+    config = _served_config(monkeypatch, "--max-connections-per-user", "3",
+                            "--max-messages-per-s-per-user", "2.5")
+    assert (config.max_connections_per_user, config.messages_per_s_per_user) == (3, 2.5)
+
+
 @pytest.mark.parametrize("value", ["-1", "two", "1.5"])
 def test_a_bad_broker_limit_flag_is_one_line_naming_it(
     host: Path, value: str, capsys: pytest.CaptureFixture[str]
@@ -447,7 +461,10 @@ _HELP_LINES = {
         "Pick, take a lease, run CMD with CUDA_VISIBLE_DEVICES set; the lease lasts exactly as "
         "long as CMD runs. Exits with CMD's exit code.",
     ],
-    "leases": ["--show-commands show other users' command lines (root only)"],
+    "leases": [
+        "--show-commands show other users' command lines (root only)",
+        "--all with --prune, as root: remove every user's dead lease files",
+    ],
     "broker": [
         "--socket PATH the Unix socket (default c.AutoGPU.broker_socket, else "
         "/run/autogpu/broker.sock)",
@@ -457,6 +474,8 @@ _HELP_LINES = {
         "--max-devices-per-user N admin limit (default c.AutoGPU.max_devices_per_user)",
         "--max-tickets-per-user N places in the waiting line one user may hold at once (default "
         "c.AutoGPU.max_tickets_per_user, 2; 0: no waiting picks)",
+        "--max-messages-per-s-per-user N messages per second one non-root uid may send "
+        "(default 500; past it that user's messages wait)",
     ],
     "exporter": [
         "--host HOST address to listen on (default 127.0.0.1; 0.0.0.0 for all)",
@@ -645,6 +664,8 @@ def test_broker_status_json_gives_the_counts_then_the_leases_then_the_tickets(
     assert list(data)[:3] == ["leases_total", "tickets_total", "per_user"]
     assert list(data)[-2:] == ["leases", "tickets"] and "ok" not in data
     assert (data["leases"], data["tickets"], data["pid"]) == ([], [], os.getpid())
+    # indented by two spaces, as every --json of the CLI (caught, seed 54: three)
+    assert out == json.dumps(data, indent=2) + "\n"
 
 
 def test_broker_status_of_a_broker_that_leaves_counts_out_says_zero(
@@ -683,6 +704,27 @@ def test_broker_tickets_without_constraints_read_as_one_gpu(
         f"  ticket 3  {'t' * 32}  1 GPU(s), since {since}  bob: t.ipynb\n")
 
 
+def test_broker_tickets_show_how_many_gpus_each_ticket_asks_for(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A ticket waiting for 2 GPUs says so. Caught (seed 54): the count looked up under another
+    key (every ticket shown asking for 1)."""
+    from autogpu_jupyter.cli import _print_broker_tickets
+    from autogpu_jupyter.core.leasing.brokerclient import from_wire
+
+    ticket = from_wire({
+        "lease_id": "t" * 32, "kind": "ticket", "device_uuids": [],
+        "device_requested_bytes": [], "exclusive": True, "user": "bob", "uid": 1001,
+        "host": "node-7", "pid": 4242, "created_s": 1.0e9, "notebook_path": "t.ipynb",
+        "seq": 4, "constraints": {"count": 2, "min_free_bytes": GiB},
+    }, "/run/b.sock")
+    assert _print_broker_tickets([ticket], as_json=False) == 0
+    since = time.strftime("%H:%M:%S", time.localtime(1.0e9))
+    assert capsys.readouterr().out == (
+        "waiting tickets: 1\n"
+        f"  ticket 4  {'t' * 32}  2 GPU(s) exclusive, since {since}  bob: t.ipynb\n")
+
+
 def test_list_json_shows_a_users_own_process_command(
     host: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -693,6 +735,23 @@ def test_list_json_shows_a_users_own_process_command(
 
     monkeypatch.setattr(cli_mod, "_is_root", lambda: False)
     monkeypatch.setattr(cli_mod, "_me", lambda: "bob")
+    code, out, err = cli("list", "--json")
+    assert (code, err) == (0, "")
+    (gpu_a, _b) = json.loads(out)["devices"]
+    assert [(p["pid"], p["user"], p["command"]) for p in gpu_a["processes"]] == [
+        (61001, "bob", SECRET)]
+
+
+def test_list_json_shows_root_every_users_process_command(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``autogpu list --json`` run by root shows another user's GPU process command line (root
+    may see every process anyway). Caught (seed 54): root's right not handed to the redaction
+    (root shown null, as any user)."""
+    from autogpu_jupyter import cli as cli_mod
+
+    monkeypatch.setattr(cli_mod, "_is_root", lambda: True)
+    monkeypatch.setattr(cli_mod, "_me", lambda: "root")
     code, out, err = cli("list", "--json")
     assert (code, err) == (0, "")
     (gpu_a, _b) = json.loads(out)["devices"]

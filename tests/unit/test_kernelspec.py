@@ -201,6 +201,26 @@ def test_list_says_defaults_for_a_kernelspec_without_options(
     assert line.split() == ["gpu-plain", "Python", "3", "(autogpu)", "defaults", str(dest)]
 
 
+def test_list_joins_a_kernelspecs_options_and_json_is_indented(
+    prefix: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``autogpu kernelspec list``: a kernelspec's pick options as one comma-separated column;
+    ``--json``: the same list, indented by two spaces as every --json of the CLI. Caught
+    (mutation run, issue 22, seed 54): the options' separator altered; the JSON on one line."""
+    assert main(["kernelspec", "install", "--user", "--name", "gpu-two", "--min-free", "10G",
+                 "--max-util", "50"]) == 0
+    capsys.readouterr()
+    assert main(["kernelspec", "list"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if str(prefix) in ln]
+    dest = prefix / "user-data/kernels/gpu-two"
+    assert line.split() == ["gpu-two", "Python", "3", "(autogpu)", "min_free=10G,",
+                            "max_util=50", str(dest)]
+    assert main(["kernelspec", "list", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out == json.dumps(json.loads(out), indent=2) + "\n"
+    assert '\n  {\n    "name": "gpu-two",\n' in out
+
+
 def test_options_from_python_are_checked_as_json(prefix: Path) -> None:
     """A kernelspec's options are JSON read by the provisioner: a byte count for min_free is
     refused (in JSON "10" is ambiguous; sizes are strings). Caught: the options checked in
@@ -232,21 +252,29 @@ def test_sys_prefix_installs_into_this_pythons_prefix(
 def test_the_kernelspec_help_explains_it_and_its_flags(
     capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """What ``autogpu kernelspec [install] --help`` says (line breaks and indents made single
-    spaces). Caught (mutation run, issue 22): the description dropped or upper-cased, a flag's
-    help dropped, a placeholder lower-cased, --sys-prefix taking a value."""
+    """What ``autogpu [kernelspec [install | remove]] --help`` says (line breaks and indents
+    made single spaces). Caught (mutation run, issue 22): the description dropped or
+    upper-cased, a command's, action's, argument's or flag's help dropped or altered, a
+    placeholder lower-cased or dropped, --sys-prefix taking a value."""
     shown = {}
-    for argv in (["kernelspec"], ["kernelspec", "install"]):
+    for argv in ([], ["kernelspec"], ["kernelspec", "install"], ["kernelspec", "remove"]):
         with pytest.raises(SystemExit) as done:
             main([*argv, "--help"])
         assert done.value.code == 0
-        shown[argv[-1]] = " ".join(capsys.readouterr().out.split())
+        shown[" ".join(argv)] = " ".join(capsys.readouterr().out.split())
+    assert ('kernelspec install / list / remove the "Python 3 (autogpu)" kernelspec'
+            in shown[""])
+    assert shown["kernelspec"].startswith("usage: autogpu kernelspec [-h] ACTION ...")
     assert ("A kernelspec whose provisioner picks the GPU before the kernel starts; the lease "
             "lives exactly as long as the kernel process.") in shown["kernelspec"]
+    assert "remove remove an autogpu kernelspec" in shown["kernelspec"]
     for line in [
         "--on-no-device {cpu,fail} nothing fits: start CPU-only with a note (cpu, default) or "
         "refuse to start (fail)",
         f"--sys-prefix install into this Python's prefix ({sys.prefix})",
+        "--prefix DIR install into DIR/share/jupyter/kernels",
         f"--python EXE the Python that runs the kernel (default {sys.executable})",
+        "--no-extension do not load the autogpu IPython extension (%gpu) in the kernel",
     ]:
-        assert line in shown["install"]
+        assert line in shown["kernelspec install"]
+    assert "positional arguments: name the kernelspec name" in shown["kernelspec remove"]
