@@ -664,6 +664,26 @@ def test_the_panels_controls_show_the_samplers_interval_and_the_window_with_thei
         panel.close()
 
 
+def test_a_panel_shows_five_minutes_unless_told_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default window is one of the dropdown's own choices, 5 min, and the charts' x axis
+    says so. Caught (issue 22, seed 54): a default of 301 s (an odd extra choice, "-301 s")."""
+    from autogpu_jupyter.widgets.panel import Panel
+
+    monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(_panel_fleet(10)))
+    panel = Panel(sampler=_clocked_sampler(path, [1_000_000.0]), server_history=False)
+    try:
+        assert (panel.window_s, panel.window.value, panel.window.label) == (300.0, 300.0, "5 min")
+        assert [label for label, _v in panel.window.options] == ["1 min", "5 min", "15 min"]
+        assert ">-5 min</text>" in panel.charts.value
+    finally:
+        panel.close()
+
+
 def test_a_panel_whose_first_read_failed_shows_the_error_and_no_table(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -770,6 +790,19 @@ def test_charts_of_no_devices_and_no_history_say_no_devices() -> None:
     assert html == '<div style="color:var(--jp-ui-font-color2, #616161)">No devices.</div>'
     empty = {A: DeviceSeries.empty(A)}
     assert chart.render_charts(empty, (), window_s=60) == html
+
+
+def test_charts_of_devices_with_no_samples_yet_are_drawn_empty() -> None:
+    """The first sweep has not come back: each device gets its frame and unknown values, no
+    line, as at "now" 0. Caught (issue 22, seed 54): "now" defaulting to ``None`` (a TypeError
+    instead of the charts)."""
+    dev = DeviceSnapshot(index=0, uuid=A, name="NVIDIA A100")
+    html = chart.render_charts({}, [dev], window_s=60)
+    alone = chart.render_device_chart(DeviceSeries.empty(A), label="GPU 0", uuid=A,
+                                      name="NVIDIA A100", window_s=60, now_s=0.0)
+    assert html == f'<div class="autogpu-charts" style="display:flex;flex-wrap:wrap">{alone}</div>'
+    assert "autogpu-util" not in alone and "autogpu-mem" not in alone
+    assert "util ?</span>" in alone and "mem ?</span>" in alone
 
 
 def test_a_lost_devices_reason_sits_in_the_middle_of_its_chart() -> None:

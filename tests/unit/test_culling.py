@@ -220,14 +220,16 @@ def test_a_one_second_timeout_still_judges_the_kernel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The manager's own timeout of 1 s (the smallest it takes) is a timeout, not "never": a
-    kernel without a GPU is judged by it. Caught (issue 22, seed 53): ``timeout <= 1`` taken
-    for off (such a kernel never culled)."""
+    kernel without a GPU is judged by it, and the manager keeps it (its culler already runs).
+    Caught (issue 22, seed 53): ``timeout <= 1`` taken for off (such a kernel never culled);
+    (seed 54) the manager's 1 s replaced by the GPU limit, as if it had none."""
     fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
     kernels = Kernels("k-cpu", cull_idle_timeout=1)
     try:
         with server_state(fleet_file, tmp_path / "registry", monkeypatch,
                           cull_idle_gpu_kernels_s=LIMIT_S) as state:
             culling.install(state, kernels)
+            assert kernels.cull_idle_timeout == 1  # the admin's own timeout stays
             assert judged(kernels, "k-cpu") == {"k-cpu": 1}
     finally:
         kernels.close()

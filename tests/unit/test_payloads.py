@@ -627,3 +627,35 @@ def test_a_move_to_best_counts_the_load_over_the_smoothing_window(
         os.utime(fleet_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # seen as changed
         plan = plan_or_request(state, prov, "k-1", MoveBody("best", dry_run=True))
     assert [d.uuid for d in plan.target] == [C]
+
+
+def test_a_move_to_best_keeps_off_another_kernels_exclusive_lease(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPU 1 is the emptiest, but another kernel of this server holds it exclusively (a lease in
+    the registry the sidebar shows): the move plans GPU 2. Caught (issue 22, seed 54): the
+    registry left out of the move's plan (the other holders' leases not counted, GPU 1
+    planned)."""
+    from types import SimpleNamespace
+
+    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.server.moving import MoveBody, plan_or_request
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    devices = fleet()
+    devices.append({"uuid": C, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+                    "memory_used": 40 * GiB, "utilization_pct": 0})
+    fleet_file = write_fleet(tmp_path / "fleet.json", devices)
+    prov = SimpleNamespace(autogpu_picked=(A,), autogpu_constraints=Constraints.parse(),
+                           autogpu_note=None, autogpu_lease_id=None,
+                           autogpu_move_file=str(tmp_path / "move-k-1.json"))
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        with Registry(str(tmp_path / "registry")).locked() as txn:
+            assert txn is not None
+            theirs = txn.create(devices=[B], exclusive=True,
+                                requester=Requester(kernel_id="k-2"))
+        try:
+            plan = plan_or_request(state, prov, "k-1", MoveBody("best", dry_run=True))
+        finally:
+            theirs.release()
+    assert [d.uuid for d in plan.target] == [C]

@@ -530,3 +530,166 @@ def test_a_runtime_dir_that_cannot_be_made_is_logged_and_moves_are_off(
     assert said == (
         f"autogpu: moves unavailable for kernel k-1: [Errno 20] Not a directory: "
         f"'{blocker / 'runtime'}'")
+
+
+# ---- mutation run (issue 22, seed 54): restarts, cleanup, and what a start is told -----------
+
+
+def test_a_provisioner_that_has_started_no_kernel_yet_has_no_note() -> None:
+    """Before its first start (and reloaded from the persisted info by a restarted server) the
+    provisioner exposes no pick, no note, no lease and no move file: ``None`` for "no message",
+    as ``ProvisionerState`` types it, not an empty one. Caught (issue 22, seed 54): the note
+    starting as ``""``."""
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    prov = AutoGPUProvisioner(kernel_id="k-1")
+    assert (prov.autogpu_picked, prov.autogpu_constraints, prov.autogpu_note,
+            prov.autogpu_lease_id, prov.autogpu_move_file) == ((), None, None, None, None)
+
+
+class _NoDriver:
+    """A backend on a host whose GPUs cannot be read (no driver loaded)."""
+
+    def snapshot(self) -> Any:
+        from autogpu_jupyter.errors import NVMLUnavailableError
+
+        raise NVMLUnavailableError("no NVIDIA driver on this host (NVML: Driver Not Loaded)")
+
+
+def test_a_host_whose_gpus_cannot_be_read_starts_the_kernel_with_its_environment_unchanged(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``on_no_device="cpu"`` (the default): the kernel starts as it would without autogpu (no
+    GPU hidden: the pick could not even look), and its note says why. Caught (issue 22, seed
+    54): the ``on_no_device`` test read the wrong way round (the kernel refused to start)."""
+    from autogpu_jupyter import provisioner
+
+    monkeypatch.setattr(provisioner, "get_backend", lambda _simulate: _NoDriver())
+    host.install("agp", min_free="10G")
+    km, kwargs = host.pre_start("agp")
+    env = kwargs["env"]
+    assert env["AUTOGPU_PICK_NOTE"] == (
+        "no GPU pick: no NVIDIA driver on this host (NVML: Driver Not Loaded); kernel started "
+        "with the environment unchanged")
+    assert "CUDA_VISIBLE_DEVICES" not in env and "AUTOGPU_PICKED" not in env
+    assert km.provisioner.autogpu_picked == () and host.registry.list_leases() == []
+
+
+def test_a_host_whose_gpus_cannot_be_read_refuses_a_fail_kernelspecs_kernel_saying_why(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caught (issue 22, seed 54): the refusal's message replaced by ``None``."""
+    from autogpu_jupyter import provisioner
+    from autogpu_jupyter.errors import NVMLUnavailableError
+
+    monkeypatch.setattr(provisioner, "get_backend", lambda _simulate: _NoDriver())
+    host.install("strict", min_free="10G", on_no_device="fail")
+    with pytest.raises(NVMLUnavailableError) as info:
+        host.pre_start("strict")
+    assert str(info.value) == (
+        "autogpu: kernel not started: no NVIDIA driver on this host (NVML: Driver Not Loaded)")
+
+
+def test_a_kernels_cleanup_removes_its_users_dead_leases(host: Host) -> None:
+    """After a kernel ends, the lease files of this user's gone holders are removed (the store
+    the kernel's pick used is pruned). Caught (issue 22, seed 54): the pick's store not kept
+    (the cleanup then pruned nothing)."""
+    host.install("agp", min_free="10G")
+    km, _kwargs = host.pre_start("agp")
+    with host.registry.locked() as txn:
+        assert txn is not None
+        txn.create(devices=[B], requester=Requester(kernel_id="gone-kernel")).detach()
+    assert [r.kernel_id for r in host.registry.scan().dead] == ["gone-kernel"]
+    asyncio.run(km.provisioner.cleanup(restart=False))
+    host.managers.remove(km)
+    assert host.registry.scan().dead == [] and host.registry.list_leases() == []
+
+
+M = "MIG-5c5c5c5c-1111-2222-3333-444444444444"
+P = "GPU-2c2c2c2c-1111-2222-3333-444444444444"
+
+
+def test_a_restart_stays_on_its_mig_device_though_another_gpu_became_better(
+    host: Host
+) -> None:
+    """The kernel got the MIG device of GPU 0; at its restart GPU 1 is emptier, the MIG device
+    still fits: the kernel stays there, its parent GPU not excluded with the other devices
+    (that would exclude its MIG device too). Caught (issue 22, seed 54): the parent of a kept
+    MIG device told apart by the devices not kept (the restart then hopped to GPU 1)."""
+
+    def mig_fleet(used_b: int) -> None:
+        write_fleet(host.fleet, [
+            {"uuid": P, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+             "memory_used": 5 * GiB, "utilization_pct": 0,
+             "mig_devices": [{"uuid": M, "profile": "3g.40gb", "memory_total": 40 * GiB,
+                              "memory_used": 5 * GiB}]},
+            {"uuid": B, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+             "memory_used": used_b * GiB, "utilization_pct": 0},
+        ])
+
+    mig_fleet(used_b=70)
+    os.utime(host.fleet, ns=(1, 10**18))
+    host.install("agp", min_free="5G")
+    km, kwargs = host.pre_start("agp")
+    assert kwargs["env"]["AUTOGPU_PICKED"] == M
+    mig_fleet(used_b=0)  # GPU 1 is now the better one
+    os.utime(host.fleet, ns=(1, 2 * 10**18))
+    _km, kwargs = host.pre_start("agp", km=km)
+    assert kwargs["env"]["AUTOGPU_PICKED"] == M
+    assert [r.device_uuids for r in host.registry.list_leases()] == [(M,)]
+
+
+def test_a_bad_option_under_a_parent_that_is_no_kernel_manager_names_no_kernelspec() -> None:
+    """A provisioner whose parent carries the configuration but no kernel name (not a kernel
+    manager) still refuses a bad option in words, the kernelspec unnamed. Caught (issue 22,
+    seed 54): the kernel name read with no default (an AttributeError instead)."""
+    from traitlets.config import Configurable
+
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    prov = AutoGPUProvisioner(kernel_id="k-1", parent=Configurable(), min_fre="10G")
+    with pytest.raises(UsageErrorBase) as info:
+        asyncio.run(prov.pre_launch())
+    assert str(info.value).startswith(
+        "autogpu: the kernelspec has a bad option in metadata.kernel_provisioner.config: "
+        "min_fre='10G': unknown option")
+    assert "`autogpu kernelspec install --name NAME [--min-free 10G]" in str(info.value)
+
+
+def test_a_pick_without_a_lease_says_why_in_its_note_alone(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The registry cannot be used: the kernel gets its device, and the note is the lease's
+    note, nothing before it. Caught (issue 22, seed 54): the lease's note always appended to
+    the pick's (``"None; cannot use lease registry ..."``)."""
+    blocker = host.tmp / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(blocker / "registry"))
+    host.install("agp", min_free="10G")
+    km, kwargs = host.pre_start("agp")
+    env = kwargs["env"]
+    assert (env["CUDA_VISIBLE_DEVICES"], env["AUTOGPU_PICKED"]) == (A, A)
+    assert "AUTOGPU_LEASE_ID" not in env
+    assert env["AUTOGPU_PICK_NOTE"] == km.provisioner.autogpu_note == (
+        f"cannot use lease registry {blocker}/registry: Not a directory; ask the admin to "
+        f"create it (install -d -m 1777 -o root {blocker}/registry) or set "
+        "AUTOGPU_REGISTRY_DIR / c.AutoGPU.registry_dir: picked without a lease")
+
+
+def test_the_descriptors_the_caller_passes_to_the_kernel_are_kept_with_the_leases(
+    host: Host
+) -> None:
+    """A caller that hands the kernel descriptors of its own (``pass_fds``, a Popen argument
+    ``start_kernel`` passes on) still gets them passed, the lease's added. Caught (issue 22,
+    seed 54): the caller's ``pass_fds`` read under another name (dropped)."""
+    host.install("agp", min_free="10G")
+    km = AsyncKernelManager(kernel_name="agp")
+    host.managers.append(km)
+    read_end, write_end = os.pipe()
+    try:
+        _cmd, kwargs = asyncio.run(
+            km.pre_start_kernel(env=dict(os.environ), pass_fds=(read_end,)))
+        assert kwargs["pass_fds"] == (read_end, int(kwargs["env"]["AUTOGPU_LEASE_FD"]))
+    finally:
+        os.close(read_end)
+        os.close(write_end)
