@@ -156,15 +156,21 @@ def test_a_read_failure_is_reported_until_a_newer_sweep_succeeds(
 def test_the_cluster_answer_names_no_best_host_when_nothing_fits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Caught: ``best`` set to the first host of the ranking without checking that it fits."""
+    """Caught: ``best`` set to the first host of the ranking without checking that it fits;
+    (issue 22, seed 54) the second host's fit checked instead (no best when only one fits)."""
     fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
     with recorded_prometheus() as url, server_state(fleet_file, tmp_path / "registry",
                                                     monkeypatch) as state:
         monkeypatch.setenv("AUTOGPU_PROMETHEUS_URL", url)
         fits = payloads.cluster_payload(state, Constraints.parse(min_free="10G"))
+        one = payloads.cluster_payload(state, Constraints.parse(min_free="40G"))
         none = payloads.cluster_payload(state, Constraints.parse(min_free="500G"))
     assert fits["configured"] is True and fits["best"] == "gpu-b"
     assert fits["ranking"][0]["hostname"] == "gpu-b" and fits["ranking"][0]["fits"] is True
+    # only gpu-c has a GPU with 40 GiB free
+    assert one["best"] == "gpu-c"
+    assert [(r["hostname"], r["fits"]) for r in one["ranking"]] == [
+        ("gpu-c", True), ("dgx-d", False), ("gpu-a", False), ("gpu-b", False)]
     assert none["best"] is None
     assert [r["fits"] for r in none["ranking"]] == [False] * 4
     assert none["constraints_text"] == "min free 500.0 GiB"
@@ -202,6 +208,33 @@ def test_select_hides_the_kernels_own_lease_only(
         assert (b["eligible"], b["effective_free_bytes"], b["lease_count"]) == (
             False, 20 * GiB, 1)
     assert own["message"] is None and own["constraints_text"] == "min free 30.0 GiB"
+
+
+def test_select_is_a_dry_run_that_takes_no_lease(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recommendation leases nothing: a user at the admin's lease quota still gets one, and
+    the registry holds only the leases it held before. Caught (issue 22, seed 54): the pick made
+    for real (past the quota an error; else a lease file left behind at each request)."""
+    from autogpu_jupyter.core.leasing import Registry, Requester
+
+    monkeypatch.setenv("AUTOGPU_MAX_LEASES_PER_USER", "1")
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    registry = tmp_path / "registry"
+    with server_state(fleet_file, registry, monkeypatch) as state:
+        with Registry(str(registry)).locked() as txn:
+            assert txn is not None
+            lease = txn.create(devices=[A], requested_bytes=GiB,
+                               requester=Requester(kernel_id="k-1"))
+        try:
+            before = sorted(registry.rglob("*"))
+            answer = payloads.select_payload(state, Constraints.parse(min_free="30G"))
+            after = sorted(registry.rglob("*"))
+        finally:
+            lease.release()
+    assert (answer["chosen"], answer["message"]) == (
+        [{"uuid": B, "label": "GPU 1", "name": "NVIDIA A100"}], None)
+    assert after == before
 
 
 # ---- history: what the sidebar's chart asks for -------------------------------------------
@@ -534,6 +567,20 @@ def test_a_kernels_environment_is_read_from_its_own_process() -> None:
         both.close()
     assert env_1 is not None and env_1["AUTOGPU_TEST_MARK"] == "first"
     assert env_2 is not None and env_2["AUTOGPU_TEST_MARK"] == "second"
+
+
+def test_an_environment_with_bytes_that_are_not_utf8_is_still_read(tmp_path: Path) -> None:
+    """A process may be started with any bytes in its variables' names and values (``env`` of
+    a shell, a C program): they are read with U+FFFD for what is not UTF-8, the rest as is.
+    Caught (issue 22, seed 54): the names decoded strictly (UnicodeDecodeError: the select of
+    that kernel failed)."""
+    (tmp_path / "4242").mkdir()
+    (tmp_path / "4242" / "environ").write_bytes(
+        b"PATH=/usr/bin\0\xffODD=v\xfe\0NO_EQUALS_SIGN\0EMPTY=\0")
+    assert payloads.process_environ(4242, proc_root=str(tmp_path)) == {
+        "PATH": "/usr/bin", "\ufffdODD": "v\ufffd", "EMPTY": ""}
+    assert payloads.process_environ(4243, proc_root=str(tmp_path)) is None
+    assert payloads.process_environ(None, proc_root=str(tmp_path)) is None
 
 
 def test_select_answers_from_the_sweep_the_sidebar_shows(

@@ -338,9 +338,13 @@ async def test_lease_details_on_label_the_kernel(
 
 
 async def test_devices_answers_the_sweep_uncached(jp_fetch: Any) -> None:
+    """Its headers are those of Jupyter's own API, and ``Cache-Control``. Caught (issue 22,
+    seed 54): the Content-Type header misspelt (a stray header on every answer)."""
     response = await jp_fetch(*V1, "devices")
     assert response.headers["Content-Type"] == "application/json"
     assert response.headers["Cache-Control"] == "no-store"
+    jupyters = await jp_fetch("api", "status")
+    assert set(response.headers) == {*jupyters.headers, "Cache-Control"}
     assert "Deprecation" not in response.headers
     data = json.loads(response.body)
     assert (data["backend"], data["simulated"], data["errors"], data["interval_s"]) == (
@@ -467,8 +471,9 @@ async def test_an_http_errors_text_is_sent_as_written_with_the_apis_headers(
 
 
 async def test_select_get_and_post_rank_by_the_policy(jp_fetch: Any) -> None:
+    """Caught (issue 22, seed 54): the chosen device's ``name`` key misspelt."""
     data = await get_json(jp_fetch, *V1, "select", params={"min_free": "30G"})
-    assert [c["label"] for c in data["chosen"]] == ["GPU 1"]
+    assert data["chosen"] == [{"uuid": B, "label": "GPU 1", "name": "NVIDIA A100"}]
     assert data["constraints_text"] == "min free 30.0 GiB"
     assert data["message"] is None
     assert [(c["label"], c["eligible"]) for c in data["candidates"]] == [
@@ -845,6 +850,25 @@ async def test_a_move_with_nowhere_to_go_is_400_in_one_paragraph(
         "wanted"))
 
 
+async def test_a_move_with_one_device_dropped_says_why_in_one_line(
+    jp_fetch: Any, specs: Path, host: Path
+) -> None:
+    """A host of one GPU: the explanation has a single device line, kept after the head.
+    Caught (issue 22, seed 54): only explanations of two devices or more joined (this one's
+    reason lost)."""
+    write_fleet(host, [
+        {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+         "memory_used": 10 * GiB, "utilization_pct": 90},
+    ])
+    kid = await start_kernel(jp_fetch)
+    code, answer = await refused(jp_fetch, *move(kid), method="POST",
+                                 body=json.dumps({"target": "best", "dry_run": True}))
+    assert (code, answer["message"]) == (400, (
+        "no better device to move to (min free 10.0 GiB; the current one excluded): "
+        f"GPU 0 (NVIDIA A100): dropped: excluded by --exclude {A}; 70.0 GiB free >= 10.0 GiB "
+        "wanted"))
+
+
 # -- authentication --------------------------------------------------------------------------
 
 
@@ -856,10 +880,16 @@ async def test_a_move_with_nowhere_to_go_is_400_in_one_paragraph(
 async def test_every_verb_refuses_an_unauthenticated_request(
     jp_fetch: Any, method: str, path: str
 ) -> None:
+    """A 403 in JSON with its reason: a read is "Forbidden" (an error without a text of its own
+    is worded by jupyter_server from its status), a write misses its XSRF token first. Caught
+    (issue 22, seed 54): the status not handed on ("Unknown HTTP Error")."""
     with pytest.raises(tornado.httpclient.HTTPClientError) as err:
         await jp_fetch(*V1, *path.split("/"), method=method,
                        body="{}" if method == "POST" else None, headers={"Authorization": ""})
     assert err.value.code == 403
+    assert err.value.response is not None
+    message = "Forbidden" if method == "GET" else "'_xsrf' argument missing from POST"
+    assert json.loads(err.value.response.body) == {"message": message, "reason": None}
 
 
 async def test_a_browser_post_needs_the_xsrf_token(

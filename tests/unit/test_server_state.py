@@ -203,6 +203,54 @@ def test_blocking_calls_run_on_the_servers_own_executor() -> None:
     assert name.startswith("autogpu-server")
 
 
+def test_a_stale_cluster_view_is_refreshed_on_the_servers_own_executor() -> None:
+    """Past half a scrape interval every sidebar gets the kept view at once while one of the
+    server's threads asks Prometheus again (a fake fetch and clock). Caught (issue 22, seed
+    54): the server's cache made without the executor (each sidebar then waited on Prometheus
+    in turn)."""
+    from tests.unit.test_cluster_cache import URL, Clock, Fetches
+
+    state = AutoGPUServer(registry_dir="", log=logging.getLogger("autogpu-test-server"))
+    cache = state.cluster_cache
+    clock, fetch = Clock(), Fetches(interval_s=10.0)
+    threads: list[str] = []
+
+    def fetching(url: str, timeout_s: float) -> Any:
+        threads.append(threading.current_thread().name)
+        return fetch(url, timeout_s)
+
+    cache._clock, cache._fetch = clock, fetching
+    try:
+        first = cache.get(URL, 5.0)
+        clock.now += 6.0
+        kept = cache.get(URL, 5.0)
+    finally:
+        state.executor.shutdown(wait=True)  # the refresh done
+    assert kept is first
+    assert threads == [threading.current_thread().name, "autogpu-server_0"]
+    assert cache.get(URL, 5.0).view.timestamp_s == 2.0  # the refreshed view, now fresh
+
+
+def test_the_servers_autogpu_config_shapes_the_sidebars_lease_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``c.AutoGPU.max_devices_per_user = 5`` in the server's config is the quota of the store
+    the sidebar reads (over ``$AUTOGPU_MAX_DEVICES_PER_USER``). Caught (issue 22, seed 54): the
+    settings made without the server as their parent (the config not read: the env's 3)."""
+    monkeypatch.setenv("AUTOGPU_BROKER_SOCKET", "off")
+    monkeypatch.setenv("AUTOGPU_MAX_DEVICES_PER_USER", "3")
+    config = Config()
+    config.AutoGPU.max_devices_per_user = 5
+    state = AutoGPUServer(parent=Configurable(config=config), registry_dir=str(tmp_path / "reg"),
+                          log=logging.getLogger("autogpu-test-server"))
+    try:
+        store = state.registry()
+    finally:
+        state.stop()
+    assert isinstance(store, Registry)
+    assert (store.path, store.max_devices_per_user) == (str(tmp_path / "reg"), 5)
+
+
 @pytest.mark.parametrize("threads", [1, 0])
 def test_executor_threads_bounds_how_many_blocking_calls_run_at_once(threads: int) -> None:
     """``c.AutoGPUServer.executor_threads = 1`` (0 counts as 1): a second call waits for the
