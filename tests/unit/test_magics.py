@@ -1122,12 +1122,9 @@ def test_a_panel_takes_its_overload_thresholds_from_this_kernels_config(
         panel.close()
 
 
-def test_a_cell_on_a_device_whose_processes_are_unknown_reports_its_peak_unknown() -> None:
-    """NVML lists no processes for the cell's GPU (no permission): this kernel's peak memory is
-    unknown, not a sum of the other devices' processes, while the GPU's utilisation, which NVML
-    did report, is still the cell's. Caught (issue 22, seed 52): "unknown" marked as "" (a
-    TypeError in the sampler thread) and the report's word in capitals; and a bug that test
-    showed: the utilisation of such a device skipped with its processes ("unknown")."""
+def _sweep_with_unknown_processes_on_gpu_0() -> tuple[Any, Any]:
+    """A sweep of two GPUs: GPU 0's processes unknown (no permission), GPU 1 running this kernel
+    (2 GiB); and a sampler answering its two questions for that sweep."""
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
 
     me = os.getpid()
@@ -1148,8 +1145,18 @@ def test_a_cell_on_a_device_whose_processes_are_unknown_reports_its_peak_unknown
         def latest_own_pids(self) -> set[int]:
             return {me}
 
+    return snap, LastSweep()
+
+
+def test_a_cell_on_a_device_whose_processes_are_unknown_reports_its_peak_unknown() -> None:
+    """NVML lists no processes for the cell's GPU (no permission): this kernel's peak memory is
+    unknown, not a sum of the other devices' processes, while the GPU's utilisation, which NVML
+    did report, is still the cell's. Caught (issue 22, seed 52): "unknown" marked as "" (a
+    TypeError in the sampler thread) and the report's word in capitals; and a bug that test
+    showed: the utilisation of such a device skipped with its processes ("unknown")."""
+    snap, sampler = _sweep_with_unknown_processes_on_gpu_0()
     stats = magics._CellStats(uuids=(U[0],), start_s=999.0)
-    stats.add(LastSweep(), snap)  # type: ignore[arg-type]
+    stats.add(sampler, snap)
     assert stats.peak_own_bytes is None
     head, peak, util = stats.report(2.0, "GPU 0", simulated=False).split(" · ")
     assert head == "autogpu %%gpu on GPU 0: wall 2s"
@@ -1161,28 +1168,9 @@ def test_a_cell_still_counts_its_device_after_another_whose_processes_are_unknow
     """NVML lists no processes for another GPU (no permission), listed before the cell's: the
     cell's GPU, read after it, still gives its utilisation and this kernel's memory. Caught
     (issue 22, seed 54): the devices after such a GPU skipped (utilisation unknown, peak 0 B)."""
-    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
-
-    me = os.getpid()
-    snap = FleetSnapshot(
-        devices=(
-            DeviceSnapshot(index=0, uuid=U[0], name="Fake", utilization_pct=40.0, processes=None),
-            DeviceSnapshot(index=1, uuid=U[1], name="Fake", utilization_pct=90.0,
-                           processes=(ProcessSnapshot(pid=me, used_memory_bytes=2 * 1024**3),)),
-        ),
-        timestamp_s=1000.0,
-        backend="test",
-    )
-
-    class LastSweep:  # the sampler's two questions, for its latest sweep
-        def latest(self) -> FleetSnapshot:
-            return snap
-
-        def latest_own_pids(self) -> set[int]:
-            return {me}
-
+    snap, sampler = _sweep_with_unknown_processes_on_gpu_0()
     stats = magics._CellStats(uuids=(U[1],), start_s=999.0)
-    stats.add(LastSweep(), snap)  # type: ignore[arg-type]
+    stats.add(sampler, snap)
     _head, peak, util = stats.report(2.0, "GPU 1", simulated=False).split(" · ")
     assert peak == "peak GPU memory of this kernel 2.0 GiB"
     assert util == "mean utilisation 90% (1 sample)"

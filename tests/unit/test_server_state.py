@@ -231,15 +231,21 @@ def test_a_stale_cluster_view_is_refreshed_on_the_servers_own_executor() -> None
     assert cache.get(URL, 5.0).view.timestamp_s == 2.0  # the refreshed view, now fresh
 
 
+@pytest.mark.parametrize(("bad_count", "quota"), [(False, 5), (True, 3)])
 def test_the_servers_autogpu_config_shapes_the_sidebars_lease_store(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad_count: bool, quota: int
 ) -> None:
     """``c.AutoGPU.max_devices_per_user = 5`` in the server's config is the quota of the store
     the sidebar reads (over ``$AUTOGPU_MAX_DEVICES_PER_USER``). Caught (issue 22, seed 54): the
-    settings made without the server as their parent (the config not read: the env's 3)."""
+    settings made without the server as their parent (the config not read: the env's 3).
+    A config that cannot be read (``c.AutoGPU.count = "two"``) still gives the sidebar a store,
+    from the ``AUTOGPU_*`` defaults (a quota of 3). Caught: the settings left None (the store's
+    factory then fails on every request)."""
     monkeypatch.setenv("AUTOGPU_BROKER_SOCKET", "off")
     monkeypatch.setenv("AUTOGPU_MAX_DEVICES_PER_USER", "3")
     config = Config()
+    if bad_count:
+        config.AutoGPU.count = "two"
     config.AutoGPU.max_devices_per_user = 5
     state = AutoGPUServer(parent=Configurable(config=config), registry_dir=str(tmp_path / "reg"),
                           log=logging.getLogger("autogpu-test-server"))
@@ -248,7 +254,7 @@ def test_the_servers_autogpu_config_shapes_the_sidebars_lease_store(
     finally:
         state.stop()
     assert isinstance(store, Registry)
-    assert (store.path, store.max_devices_per_user) == (str(tmp_path / "reg"), 5)
+    assert (store.path, store.max_devices_per_user) == (str(tmp_path / "reg"), quota)
 
 
 @pytest.mark.parametrize("threads", [1, 0])
@@ -275,24 +281,3 @@ def test_executor_threads_bounds_how_many_blocking_calls_run_at_once(threads: in
         go.set()
         state.stop()
     assert names == ["autogpu-server_0", "autogpu-server_0"]
-
-
-def test_a_bad_autogpu_config_leaves_the_server_with_the_env_defaults(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``c.AutoGPU.count = "two"`` cannot be read: the sidebar's lease store is still made, from
-    the ``AUTOGPU_*`` defaults (here a quota of 3 devices). Caught: the settings left None (the
-    store's factory then fails on every request)."""
-    monkeypatch.setenv("AUTOGPU_BROKER_SOCKET", "off")
-    monkeypatch.setenv("AUTOGPU_MAX_DEVICES_PER_USER", "3")
-    config = Config()
-    config.AutoGPU.count = "two"
-    config.AutoGPU.max_devices_per_user = 5
-    state = AutoGPUServer(parent=Configurable(config=config), registry_dir=str(tmp_path / "reg"),
-                          log=logging.getLogger("autogpu-test-server"))
-    try:
-        store = state.registry()
-    finally:
-        state.stop()
-    assert isinstance(store, Registry)
-    assert (store.path, store.max_devices_per_user) == (str(tmp_path / "reg"), 3)
