@@ -62,11 +62,23 @@ def server_state(fleet_file: Path, registry_dir: Path | str, monkeypatch: pytest
     state = AutoGPUServer(registry_dir=str(registry_dir), interval_s=traits.pop("interval_s", 5.0),
                           **traits)
     try:
+        swept = threading.Event()
+
+        def first_sweep(_sampler: Any, _snapshot: Any) -> None:
+            swept.set()
+
         state.start()
         sampler = state.sampler()
         assert sampler is not None, state.sampler_error
-        if sampler.latest() is None:
-            sampler.sample_now()
+        # The sampler thread's own first sweep, not one of ours beside it: two sweeps at once
+        # land in either order, and a test that holds "the sweep the sidebar shows" saw the
+        # other one replace it (a flake under mutmut's clean run).
+        sampler.subscribe(first_sweep)
+        try:
+            if sampler.latest() is None and not sampler.errors:  # neither came yet
+                assert swept.wait(30), "the sampler's first sweep did not come in 30 s"
+        finally:
+            sampler.unsubscribe(first_sweep)
         yield state
     finally:
         state.stop()
