@@ -778,43 +778,8 @@ def test_a_dry_run_on_the_best_device_shows_the_ranking_and_says_nothing_to_chan
     assert sum(1 for ln in lines if re.search(r"\bGPU [0-3]\b", ln)) >= 4  # the ranking stays
 
 
-def test_status_html_keeps_every_cell_but_the_short_uuid(
-    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The notebook's status table drops one column (the short UUID, in the text) and keeps
-    every other cell of every row. Caught: the rows' cells lost while the columns stayed."""
-    from IPython.core.displaypub import DisplayPublisher
-
-    shown: list[Any] = []
-
-    class Capture(DisplayPublisher):
-        def publish(self, data: Any, metadata: Any = None, **kw: Any) -> None:
-            shown.append(data)
-
-    shell.run_cell("%load_ext autogpu")
-    old = shell.display_pub
-    shell.display_pub = Capture(shell=shell)
-    try:
-        with patch.object(magics.GPUMagics, "_in_kernel", return_value=True):
-            shell.run_cell("%gpu status")
-    finally:
-        shell.display_pub = old
-    (data,) = shown
-    html = data["text/html"]
-    for uuid in U:
-        assert uuid[:12] not in html  # the short UUID: only in the text
-    for i, name in enumerate(("NVIDIA A100-SXM4-80GB", "NVIDIA L4")):
-        assert name in html, i
-    assert html.count("<tr") >= 1 + len(U)
-    assert all(f"GPU {i}" in html for i in range(len(U)))
-
-
-def test_status_in_a_notebook_has_a_plain_text_form_too(
-    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The notebook's status is shown with a text/plain form (what a console front end, or a
-    notebook saved as text, shows): the title, the table, this kernel's line. Caught (issue 22,
-    seed 54): the text form shown as None."""
+def _status_shown_in_a_notebook(shell: InteractiveShell) -> dict[str, Any]:
+    """``%gpu status`` run as in a kernel: the one display it publishes (mimetype -> data)."""
     from IPython.core.displaypub import DisplayPublisher
 
     shown: list[Any] = []
@@ -832,6 +797,31 @@ def test_status_in_a_notebook_has_a_plain_text_form_too(
     finally:
         shell.display_pub = old
     (data,) = shown
+    return data
+
+
+def test_status_html_keeps_every_cell_but_the_short_uuid(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The notebook's status table drops one column (the short UUID, in the text) and keeps
+    every other cell of every row. Caught: the rows' cells lost while the columns stayed."""
+    data = _status_shown_in_a_notebook(shell)
+    html = data["text/html"]
+    for uuid in U:
+        assert uuid[:12] not in html  # the short UUID: only in the text
+    for i, name in enumerate(("NVIDIA A100-SXM4-80GB", "NVIDIA L4")):
+        assert name in html, i
+    assert html.count("<tr") >= 1 + len(U)
+    assert all(f"GPU {i}" in html for i in range(len(U)))
+
+
+def test_status_in_a_notebook_has_a_plain_text_form_too(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The notebook's status is shown with a text/plain form (what a console front end, or a
+    notebook saved as text, shows): the title, the table, this kernel's line. Caught (issue 22,
+    seed 54): the text form shown as None."""
+    data = _status_shown_in_a_notebook(shell)
     lines = data["text/plain"].splitlines()
     assert lines[0] == "GPUs on this host"
     assert lines[1].split()[:3] == ["gpu", "name", "util"]  # sized for 120 columns
