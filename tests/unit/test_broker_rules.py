@@ -1198,6 +1198,109 @@ def test_a_rules_file_with_a_section_that_is_not_an_object_names_it(tmp_path: An
         f"autogpu broker: rules file {path}: users: expected an object, got list; expected e.g. ")
 
 
+# ---- survivors of the broker's full run (issue 22): the admin's rules file ----
+
+_RULES_EXAMPLE = (
+    '; expected e.g. {"max_devices_per_user": 2, "users": {"alice": 4}, "groups": '
+    '{"students": 1}, "reserved": {"GPU-...": ["ml"]}}')
+
+
+def load_rules(tmp_path: Any, doc: Any) -> BrokerConfig:
+    import json
+
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps(doc))
+    config = BrokerConfig(socket_path="/nonexistent/b.sock")
+    config.load_rules(str(path))
+    return config
+
+
+def test_every_section_of_a_rules_file_becomes_the_brokers_rule(tmp_path: Any) -> None:
+    """Caught: a section's name misspelled in the known keys or where it is read (a valid
+    file refused, or a section silently ignored: groups without their limit, reserved GPUs
+    open to all, the unknown uids' bucket at its default), a limit's value or name dropped,
+    and the reserved groups' check turned around (a valid list refused)."""
+    config = load_rules(tmp_path, {
+        "max_devices_per_user": 2, "max_leases_per_user": 3, "max_tickets_per_user": 4,
+        "users": {"alice": 5}, "groups": {"students": 1, "staff": 0},
+        "reserved": {"GPU-a": ["ml"], "GPU-b": ["ml", "vision"]},
+        "unknown_uids": {"max_devices": 0, "max_connections": 7},
+    })
+    assert (config.max_devices_per_user, config.max_leases_per_user,
+            config.max_tickets_per_user) == (2, 3, 4)
+    assert config.user_limits == {"alice": 5}
+    assert config.group_limits == {"students": 1, "staff": 0}
+    assert config.reserved == {"GPU-a": ["ml"], "GPU-b": ["ml", "vision"]}
+    assert (config.unknown_max_devices, config.unknown_max_connections) == (0, 7)
+    # each bucket key alone is read too (not only when both are there)
+    assert load_rules(tmp_path, {"unknown_uids": {"max_devices": 3}}).unknown_max_devices == 3
+    only = load_rules(tmp_path, {"unknown_uids": {"max_connections": 9}})
+    assert (only.unknown_max_devices, only.unknown_max_connections) == (1, 9)
+
+
+@pytest.mark.parametrize(("doc", "why"), [
+    (["alice"], "expected a JSON object"),
+    ({"max_devices_per_user": 1, "max_gpus": 2}, "unknown key 'max_gpus'"),
+    ({"unknown_uids": {"max_gpus": 1}}, "unknown_uids: unknown key 'max_gpus'"),
+    ({"reserved": {"GPU-a": "ml"}},
+     "reserved 'GPU-a': expected a list of group names, got \"ml\""),
+    ({"reserved": {"GPU-a": []}}, "reserved 'GPU-a': expected a list of group names, got []"),
+    ({"reserved": {"GPU-a": ["ml", ""]}},
+     "reserved 'GPU-a': expected a list of group names, got [\"ml\", \"\"]"),
+    ({"reserved": {"GPU-a": [7]}}, "reserved 'GPU-a': expected a list of group names, got [7]"),
+    ({"reserved": {"G" * 100: None}},
+     f"reserved {'G' * 80!r}: expected a list of group names, got null"),
+])
+def test_a_bad_rules_file_is_one_message_naming_the_bad_entry(
+    tmp_path: Any, doc: Any, why: str
+) -> None:
+    """Caught: a message dropped or reworded (the admin read ``None``), the unknown key's
+    check dropped (a typo silently ignored), the reserved groups' check loosened (a string,
+    an empty list, an empty or non-text group name taken: a GPU reserved to nobody or to the
+    letters of a name), and the reserved id not cut to 80 characters."""
+    with pytest.raises(SystemExit) as err:
+        load_rules(tmp_path, doc)
+    assert str(err.value) == f"autogpu broker: rules file {tmp_path / 'rules.json'}: {why}" + (
+        _RULES_EXAMPLE)
+
+
+def test_a_rules_file_is_read_as_utf8_whatever_the_locale(tmp_path: Any) -> None:
+    """A group's or user's name may be non-ASCII. Caught: the file opened in the locale's
+    encoding (under LC_ALL=C the broker refused the admin's file)."""
+    import json
+    import sys
+
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps({"users": {"zoë": 2}}, ensure_ascii=False), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LC_") and k != "LANG"}
+    env.update(LC_ALL="C", PYTHONCOERCECLOCALE="0", PYTHONUTF8="0")
+    code = ("import sys; from autogpu_jupyter.broker import BrokerConfig; c = BrokerConfig(); "
+            "c.load_rules(sys.argv[1]); print(ascii(c.user_limits))")
+    res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                         text=True, env=env, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert (res.returncode, res.stdout, res.stderr) == (0, "{'zo\\xeb': 2}\n", "")
+
+
+@pytest.mark.parametrize(("fleet", "missing", "shown"), [
+    ({"GPU-a", "GPU-c", "GPU-b"}, "GPU-typo", "GPU-a, GPU-b, GPU-c"), (set(), "GPU-a", "none"),
+])
+def test_a_reserved_id_that_is_not_a_device_of_the_host_is_refused_naming_the_devices(
+    fleet: set[str], missing: str, shown: str
+) -> None:
+    """Caught: the check turned around (a valid reservation refused, a typo passed), the
+    message dropped, and the host's devices listed wrongly or as 'none' when it has some."""
+    config = BrokerConfig(socket_path="/nonexistent/b.sock",
+                          reserved={"GPU-z": ["ml"], "GPU-typo": ["ml"], "GPU-a": ["ml"]})
+    with pytest.raises(SystemExit) as err:
+        config.check_reserved(fleet)
+    assert str(err.value) == (
+        f"autogpu broker: reserved device {missing!r} is not a device of this host (its "
+        f"devices: {shown}): fix the rules file")
+    BrokerConfig(reserved={"GPU-b": ["ml"]}).check_reserved({"GPU-a", "GPU-b"})  # all there
+    config.check_reserved(None)  # the fleet unknown: nothing to check against
+
+
 def test_a_lease_on_a_device_this_host_does_not_have_is_a_usage_error_naming_it() -> None:
     """Caught: the refusal's kind dropped (the client raised a broker failure, not the usage
     error a mistyped id is)."""
