@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import pwd
 import subprocess
@@ -83,6 +84,28 @@ def test_an_orphaned_lease_is_released_only_by_its_own_person() -> None:
     assert rec.lease_id in b.orphans
     assert run(b.op_release(alice, {"op": "release", "lease_id": rec.lease_id})) == {"ok": True}
     assert rec.lease_id not in b.orphans
+
+
+def test_a_release_by_id_ends_the_connections_own_lease_and_no_other() -> None:
+    """A release naming the connection's own lease ends it; one naming any other id is
+    refused (its first 64 characters quoted) and the connection keeps its lease. Caught: the
+    id compared with ``!=`` (a release naming another id ended the caller's own lease); the
+    orphans looked up by an id that is not text (a list id raised a TypeError); the id cut at
+    65 characters."""
+    b = broker()
+    alice = person(b, 1001)
+    lease(b, alice, "GPU-rl1")
+    rec = alice.record
+    assert rec is not None
+    long_id = "x" * 70
+    for other, shown in (("0" * 32, repr("0" * 32)), (["a", "b"], repr(str(["a", "b"]))),
+                         (long_id, repr("x" * 64))):
+        with pytest.raises(BrokerRefusal) as err:
+            run(b.op_release(alice, {"op": "release", "lease_id": other}))
+        assert str(err.value) == f"release: no lease {shown} of yours is orphaned"
+        assert alice.record is rec
+    assert run(b.op_release(alice, {"op": "release", "lease_id": rec.lease_id})) == {"ok": True}
+    assert alice.record is None
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start another user's process")
@@ -553,6 +576,64 @@ def test_revoke_by_a_user_other_than_root_is_refused_in_those_words() -> None:
         run(b.op_revoke(alice, {"op": "revoke", "lease_id": bob.record.lease_id}))
     assert (str(err.value), err.value.kind) == ("revoke needs root", "RegistryError")
     assert bob.record is not None  # still bob's
+
+
+class Closing(Written):
+    """A writer whose close fails the way a connection lost on the way fails."""
+
+    def __init__(self, err: type[Exception]) -> None:
+        super().__init__()
+        self.err = err
+
+    def close(self) -> None:
+        raise self.err("the connection is gone")
+
+
+@pytest.mark.parametrize("make", [Written, lambda: None, lambda: Closing(OSError),
+                                  lambda: Closing(RuntimeError)],
+                         ids=["open", "none", "oserror", "runtimeerror"])
+def test_root_revokes_a_live_lease_tells_its_holder_and_says_whose_it_was(make: Any) -> None:
+    """Root's revoke ends the lease, sends its holder one ``revoked`` event line, closes its
+    connection (a connection already lost on the way does not fail the revoke) and answers
+    whose lease it was and its kind. Caught: the event's or the answer's keys misspelled;
+    each error the close may raise no longer suppressed."""
+    b = broker()
+    root, alice = person(b, 0, name="root"), person(b, 1001)
+    alice.writer = writer = make()
+    lease(b, alice, "GPU-rv2")
+    rec = alice.record
+    assert rec is not None
+    got = run(b.op_revoke(root, {"op": "revoke", "lease_id": rec.lease_id}))
+    assert got == {"ok": True, "revoked": f"user1001: pid {alice.pid}", "kind": "lease"}
+    assert alice.record is None
+    if isinstance(writer, Written):
+        assert [json.loads(line) for line in writer.lines] == [{
+            "event": "revoked", "lease_id": rec.lease_id, "kind": "lease",
+            "message": f"lease {rec.lease_id} revoked by the admin"}]
+    if type(writer) is Written:
+        assert writer.closed
+
+
+def test_root_revokes_an_orphaned_lease_by_id_and_an_unknown_id_is_named_in_the_refusal(
+) -> None:
+    """An orphan (a lease taken back from the journal) is revoked by id: gone from the
+    orphans, the answer says whose it was. An id of nothing live is refused with its first 64
+    characters. Caught: the orphan's record or id dropped; the answer's keys misspelled or
+    its ``ok`` false; the id cut at 65 characters."""
+    b = broker()
+    root, alice = person(b, 0, name="root"), person(b, 1001)
+    lease(b, alice, "GPU-rv3")
+    rec = alice.record
+    assert rec is not None
+    alice.record = None
+    b.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
+    got = run(b.op_revoke(root, {"op": "revoke", "lease_id": rec.lease_id}))
+    assert got == {"ok": True, "revoked": f"user1001: pid {alice.pid}", "kind": "lease"}
+    assert b.orphans == {}
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_revoke(root, {"op": "revoke", "lease_id": "y" * 70}))
+    assert str(err.value) == f"revoke: no live lease or ticket {'y' * 64!r}"
+    assert err.value.kind == "UsageErrorBase"
 
 
 def test_every_accepted_connection_counts_against_its_persons_limit(
@@ -1296,3 +1377,88 @@ def test_the_state_a_pick_decides_on_has_the_tickets_that_reserve_in_line_order(
     b.dormant.add(sleeper.record.lease_id)
     leases, tickets = _StateView(b, picker).live_records()
     assert leases == [] and [t.lease_id for t in tickets] == [waiter.record.lease_id]
+
+
+def simulated_broker(**config: Any) -> tuple[Broker, list[str]]:
+    """A broker whose fleet is the simulated ``demo-4x`` host, and its device ids in order."""
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+
+    b = broker(**config)
+    b.backend = SimulatedBackend("demo-4x")
+    b._snapshot()
+    return b, sorted(d.uuid for d in b._snap.devices)
+
+
+def test_a_lease_is_shared_unless_asked_and_an_exclusive_one_needs_a_device_nobody_holds() -> None:
+    """A lease that does not say ``exclusive`` is shared: a second person leases the same
+    device; an exclusive lease on a device someone holds is refused naming the holders.
+    Caught: a lease exclusive by default (the second person was refused); the exclusive wish
+    not handed to the admission (the exclusive lease was granted beside the others)."""
+    b, (dev, _, _, _) = simulated_broker()
+    alice, bob, carol = person(b, 1001), person(b, 1002), person(b, 1003)
+    run(b.op_lease(alice, {"op": "lease", "devices": [dev]}))
+    run(b.op_lease(bob, {"op": "lease", "devices": [dev]}))
+    assert alice.record is not None and alice.record.exclusive is False
+    assert bob.record is not None and bob.record.exclusive is False
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_lease(carol, {"op": "lease", "devices": [dev], "exclusive": True}))
+    assert str(err.value) == (f"no device free: exclusive wanted but {dev} is held by "
+                              f"user1001: pid {alice.pid}, user1002: pid {bob.pid}")
+    assert err.value.kind == "NoDeviceFitsError" and carol.record is None
+
+
+def test_a_persons_leases_stop_at_the_admins_max_leases_per_user() -> None:
+    """Caught: the broker's quota built without ``max_leases_per_user`` (no lease limit)."""
+    b, (first, second, _, _) = simulated_broker(max_leases_per_user=1)
+    one, two = person(b, 1001), person(b, 1001)
+    run(b.op_lease(one, {"op": "lease", "devices": [first]}))
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_lease(two, {"op": "lease", "devices": [second]}))
+    assert str(err.value).startswith(
+        "user1001 already holds 1 lease(s); another would exceed max_leases_per_user = 1 set "
+        "by the admin (enforced by the broker).")
+    assert err.value.kind == "LeaseLimitError" and two.record is None
+
+
+def test_a_subordinate_uid_asking_counts_the_leases_of_its_owner() -> None:
+    """A second connection of alice's subordinate uid is refused a device past alice's limit
+    of one, which the first one holds. Caught: the applicant built without its person (the
+    subordinate uid counted only leases whose uid is its own, none after the marking)."""
+    b, (first, second, _, _) = simulated_broker(max_devices_per_user=1)
+
+    def sub() -> Conn:
+        conn = Conn(b, 200000, 200000, os.getpid(),
+                    Account(1001, "alice", frozenset(), via="subordinate uid 200000 of alice"))
+        b.conns.add(conn)
+        return conn
+
+    one, two = sub(), sub()
+    run(b.op_lease(one, {"op": "lease", "devices": [first]}))
+    with pytest.raises(BrokerRefusal, match=r"^alice already holds leases on 1 device\(s\)"):
+        run(b.op_lease(two, {"op": "lease", "devices": [second]}))
+    assert two.record is None
+
+
+@pytest.mark.parametrize("devices", [[], "GPU-0", None, {"GPU-0": 1}])
+def test_a_lease_whose_devices_are_not_a_non_empty_list_is_a_usage_error(devices: Any) -> None:
+    """Caught: ``and`` for ``or`` between the checks (an empty list or a string went on to
+    the record)."""
+    b, _ = simulated_broker()
+    conn = person(b, 1001)
+    with pytest.raises(BrokerRefusal, match=r"^devices: expected a list of device UUIDs$") as e:
+        run(b.op_lease(conn, {"op": "lease", "devices": devices}))
+    assert e.value.kind == "UsageErrorBase" and conn.record is None
+
+
+def test_a_lease_may_name_as_many_devices_as_the_id_list_holds_and_not_one_more() -> None:
+    """Caught: the bound taken as ``>=`` (a lease of exactly ``MAX_ID_LIST`` was refused)."""
+    from autogpu_jupyter.core.leasing.records import MAX_ID_LIST
+
+    b = broker()
+    ids = [f"GPU-{i:04d}" for i in range(MAX_ID_LIST + 1)]
+    b._fleet = set(ids)
+    conn = person(b, 1001)
+    with pytest.raises(BrokerRefusal, match=r"^devices: expected a list of device UUIDs$"):
+        run(b.op_lease(conn, {"op": "lease", "devices": ids}))
+    run(b.op_lease(conn, {"op": "lease", "devices": ids[:MAX_ID_LIST]}))
+    assert conn.record is not None and list(conn.record.device_uuids) == ids[:MAX_ID_LIST]
