@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import pwd
+import re
 import subprocess
 from typing import Any
 
@@ -45,6 +46,16 @@ def lease_record(b: Broker, conn: Conn, device: str, command: str | None = None)
 def lease(b: Broker, conn: Conn, device: str, command: str | None = None) -> None:
     """``conn`` holds a lease on ``device`` (as ``op_lease`` leaves it)."""
     conn.record = lease_record(b, conn, device, command)
+
+
+def simulated_broker(**config: Any) -> tuple[Broker, list[str]]:
+    """A broker whose fleet is the simulated ``demo-4x`` host, and its device ids in order."""
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+
+    b = broker(**config)
+    b.backend = SimulatedBackend("demo-4x")
+    b._snapshot()
+    return b, sorted(d.uuid for d in b._snap.devices)
 
 
 def run(coro: Any) -> Any:
@@ -1126,6 +1137,111 @@ def test_a_pick_books_the_bytes_its_min_free_asks_on_each_device() -> None:
     assert list(conn.record.device_requested_bytes) == [1 << 30]
 
 
+@pytest.mark.parametrize(("given", "said"), [
+    ({"count": "x"}, "invalid count 'x': expected a whole number >= 1, e.g. 2"),
+    ({"exclude": 5}, 'invalid exclude 5: expected ids like "0,2" or a list'),
+    ({"wait": 5}, "unknown parameter 'wait'; accepted: count, exclude, exclusive, max_util, "
+                  "min_free, model, prefer"),
+])
+def test_a_pick_with_a_bad_option_is_a_usage_error_naming_it_as_a_key(
+    given: dict[str, Any], said: str,
+) -> None:
+    """The options of ``{"op": "pick"}`` are JSON keys: a bad one is named ``count``, not
+    ``--count``; ``wait`` is not one of them (a waiting pick runs in the client). Caught: the
+    style or the accepted keys not passed (or misspelt: an ``exclude`` that is not a list
+    raised a TypeError); the refusal's text or kind changed."""
+    b, _ = simulated_broker()
+    conn = person(b, 1001)
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_pick(conn, {"op": "pick", "options": given}))
+    assert (str(err.value), err.value.kind) == (said, "UsageErrorBase")
+    assert conn.record is None
+
+
+def test_a_pick_that_nothing_fits_is_refused_with_why_each_device_was_dropped() -> None:
+    """Caught: the refusal's text, its explanation or its kind dropped or changed."""
+    b, _ = simulated_broker()
+    conn = person(b, 1001)
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_pick(conn, {"op": "pick", "options": {"min_free": "100G"}}))
+    head, *lines = str(err.value).split("\n")
+    assert head == "no device fits (min free 100.0 GiB):"
+    assert [re.sub(r"only [0-9.]+ GiB", "only N GiB", line) for line in lines] == [
+        f"  GPU {i} (NVIDIA {model}): dropped: only N GiB free < 100.0 GiB wanted"
+        for i, model in enumerate(["A100-SXM4-80GB"] * 2 + ["L4"] * 2)]
+    assert err.value.kind == "NoDeviceFitsError" and conn.record is None
+
+
+def test_a_pick_leases_with_its_exclusive_wish_share_of_memory_and_holder() -> None:
+    """The lease a pick takes is exclusive when asked, books a share (``25%``) of the chosen
+    device's own memory, and records the holder the message names; with no ``min_free`` it
+    books nothing. Caught: the exclusive or holder key misspelt or the holder read under
+    another key (a shared lease of a plain process); the share resolved without the device's
+    memory; no ``min_free`` resolved anyway (an AttributeError)."""
+    b, _ = simulated_broker()
+    one, two = person(b, 1001), person(b, 1002)
+    holder = {"kind": "kernel", "kernel_id": "k-1", "notebook_path": "a.ipynb"}
+    run(b.op_pick(one, {"op": "pick", "options": {"exclusive": True, "min_free": "25%"},
+                        "holder": holder}))
+    rec = one.record
+    assert rec is not None
+    total = {d.uuid: d.memory_total_bytes for d in b._snap.devices}[rec.device_uuids[0]]
+    assert (rec.exclusive, list(rec.device_requested_bytes)) == (True, [total // 4])
+    assert (rec.holder_kind, rec.kernel_id, rec.notebook_path) == ("kernel", "k-1", "a.ipynb")
+    run(b.op_pick(two, {"op": "pick"}))
+    assert two.record is not None
+    assert list(two.record.device_requested_bytes) == [None]
+    assert two.record.device_uuids != rec.device_uuids  # the exclusive one is not shared
+
+
+@pytest.mark.parametrize("away", ["held", "reserved"])
+def test_a_pick_passes_over_the_device_held_exclusively_or_reserved_away_from_its_person(
+    away: str,
+) -> None:
+    """The pick's favourite (GPU 2 of ``demo-4x``) is passed over when someone holds it
+    exclusively or it is reserved for a group its person is not in. Caught: the decision
+    given no view of the broker's state, or a view of nobody's (the pick chose the held
+    device and its lease was refused; the reservation asked of no person raised)."""
+    b, ids = simulated_broker(reserved={})
+    favourite = ids[2]
+    alice, bob = person(b, 1001), person(b, 1002)
+    run(b.op_pick(bob, {"op": "pick"}))
+    assert bob.record is not None and list(bob.record.device_uuids) == [favourite]
+    bob.record = None
+    if away == "held":
+        run(b.op_lease(bob, {"op": "lease", "devices": [favourite], "exclusive": True}))
+    else:
+        b.config.reserved = {favourite: ["ml"]}
+    run(b.op_pick(alice, {"op": "pick"}))
+    assert alice.record is not None and favourite not in alice.record.device_uuids
+
+
+def test_a_pick_is_not_bounded_by_the_brokers_own_visible_devices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broker's own environment (``CUDA_VISIBLE_DEVICES`` of the service) says nothing
+    about which devices a caller may get. Caught: the decision read ``os.environ``."""
+    b, ids = simulated_broker()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    conn = person(b, 1001)
+    run(b.op_pick(conn, {"op": "pick"}))
+    assert conn.record is not None and list(conn.record.device_uuids) == [ids[2]]
+
+
+def test_a_pick_or_a_begin_on_a_connection_that_holds_a_lease_is_refused_in_those_words(
+) -> None:
+    """Caught: the refusal's text dropped (``None``) in ``pick`` or ``begin``."""
+    from autogpu_jupyter.core.leasing import admission
+
+    b, ids = simulated_broker()
+    conn = person(b, 1001)
+    run(b.op_lease(conn, {"op": "lease", "devices": [ids[0]]}))
+    for op in (b.op_pick, b.op_begin):
+        with pytest.raises(BrokerRefusal) as err:
+            run(op(conn, {}))
+        assert str(err.value) == admission.ONE_PER_CONNECTION
+
+
 def test_a_set_pid_keeps_the_journals_peer_of_the_lease(tmp_path: Any) -> None:
     """A lease changed in place (a new holder pid) is journaled again with the peer inode the
     journal already had for it. Caught: the known peer dropped (after a restart the orphan
@@ -1377,16 +1493,6 @@ def test_the_state_a_pick_decides_on_has_the_tickets_that_reserve_in_line_order(
     b.dormant.add(sleeper.record.lease_id)
     leases, tickets = _StateView(b, picker).live_records()
     assert leases == [] and [t.lease_id for t in tickets] == [waiter.record.lease_id]
-
-
-def simulated_broker(**config: Any) -> tuple[Broker, list[str]]:
-    """A broker whose fleet is the simulated ``demo-4x`` host, and its device ids in order."""
-    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-
-    b = broker(**config)
-    b.backend = SimulatedBackend("demo-4x")
-    b._snapshot()
-    return b, sorted(d.uuid for d in b._snap.devices)
 
 
 def test_a_lease_is_shared_unless_asked_and_an_exclusive_one_needs_a_device_nobody_holds() -> None:
