@@ -49,11 +49,12 @@ def lease(b: Broker, conn: Conn, device: str, command: str | None = None) -> Non
 
 
 def simulated_broker(**config: Any) -> tuple[Broker, list[str]]:
-    """A broker whose fleet is the simulated ``demo-4x`` host, and its device ids in order."""
+    """A broker whose fleet is the simulated ``demo-4x`` host at one fixed moment (its free
+    memory and load drift with the clock), and its device ids in order."""
     from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 
     b = broker(**config)
-    b.backend = SimulatedBackend("demo-4x")
+    b.backend = SimulatedBackend("demo-4x", clock=lambda: 1_000_000.0)
     b._snapshot()
     return b, sorted(d.uuid for d in b._snap.devices)
 
