@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import pwd
+import re
 import subprocess
 from typing import Any
 
@@ -44,6 +46,17 @@ def lease_record(b: Broker, conn: Conn, device: str, command: str | None = None)
 def lease(b: Broker, conn: Conn, device: str, command: str | None = None) -> None:
     """``conn`` holds a lease on ``device`` (as ``op_lease`` leaves it)."""
     conn.record = lease_record(b, conn, device, command)
+
+
+def simulated_broker(**config: Any) -> tuple[Broker, list[str]]:
+    """A broker whose fleet is the simulated ``demo-4x`` host at one fixed moment (its free
+    memory and load drift with the clock), and its device ids in order."""
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+
+    b = broker(**config)
+    b.backend = SimulatedBackend("demo-4x", clock=lambda: 1_000_000.0)
+    b._snapshot()
+    return b, sorted(d.uuid for d in b._snap.devices)
 
 
 def run(coro: Any) -> Any:
@@ -83,6 +96,28 @@ def test_an_orphaned_lease_is_released_only_by_its_own_person() -> None:
     assert rec.lease_id in b.orphans
     assert run(b.op_release(alice, {"op": "release", "lease_id": rec.lease_id})) == {"ok": True}
     assert rec.lease_id not in b.orphans
+
+
+def test_a_release_by_id_ends_the_connections_own_lease_and_no_other() -> None:
+    """A release naming the connection's own lease ends it; one naming any other id is
+    refused (its first 64 characters quoted) and the connection keeps its lease. Caught: the
+    id compared with ``!=`` (a release naming another id ended the caller's own lease); the
+    orphans looked up by an id that is not text (a list id raised a TypeError); the id cut at
+    65 characters."""
+    b = broker()
+    alice = person(b, 1001)
+    lease(b, alice, "GPU-rl1")
+    rec = alice.record
+    assert rec is not None
+    long_id = "x" * 70
+    for other, shown in (("0" * 32, repr("0" * 32)), (["a", "b"], repr(str(["a", "b"]))),
+                         (long_id, repr("x" * 64))):
+        with pytest.raises(BrokerRefusal) as err:
+            run(b.op_release(alice, {"op": "release", "lease_id": other}))
+        assert str(err.value) == f"release: no lease {shown} of yours is orphaned"
+        assert alice.record is rec
+    assert run(b.op_release(alice, {"op": "release", "lease_id": rec.lease_id})) == {"ok": True}
+    assert alice.record is None
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start another user's process")
@@ -553,6 +588,64 @@ def test_revoke_by_a_user_other_than_root_is_refused_in_those_words() -> None:
         run(b.op_revoke(alice, {"op": "revoke", "lease_id": bob.record.lease_id}))
     assert (str(err.value), err.value.kind) == ("revoke needs root", "RegistryError")
     assert bob.record is not None  # still bob's
+
+
+class Closing(Written):
+    """A writer whose close fails the way a connection lost on the way fails."""
+
+    def __init__(self, err: type[Exception]) -> None:
+        super().__init__()
+        self.err = err
+
+    def close(self) -> None:
+        raise self.err("the connection is gone")
+
+
+@pytest.mark.parametrize("make", [Written, lambda: None, lambda: Closing(OSError),
+                                  lambda: Closing(RuntimeError)],
+                         ids=["open", "none", "oserror", "runtimeerror"])
+def test_root_revokes_a_live_lease_tells_its_holder_and_says_whose_it_was(make: Any) -> None:
+    """Root's revoke ends the lease, sends its holder one ``revoked`` event line, closes its
+    connection (a connection already lost on the way does not fail the revoke) and answers
+    whose lease it was and its kind. Caught: the event's or the answer's keys misspelled;
+    each error the close may raise no longer suppressed."""
+    b = broker()
+    root, alice = person(b, 0, name="root"), person(b, 1001)
+    alice.writer = writer = make()
+    lease(b, alice, "GPU-rv2")
+    rec = alice.record
+    assert rec is not None
+    got = run(b.op_revoke(root, {"op": "revoke", "lease_id": rec.lease_id}))
+    assert got == {"ok": True, "revoked": f"user1001: pid {alice.pid}", "kind": "lease"}
+    assert alice.record is None
+    if isinstance(writer, Written):
+        assert [json.loads(line) for line in writer.lines] == [{
+            "event": "revoked", "lease_id": rec.lease_id, "kind": "lease",
+            "message": f"lease {rec.lease_id} revoked by the admin"}]
+    if type(writer) is Written:
+        assert writer.closed
+
+
+def test_root_revokes_an_orphaned_lease_by_id_and_an_unknown_id_is_named_in_the_refusal(
+) -> None:
+    """An orphan (a lease taken back from the journal) is revoked by id: gone from the
+    orphans, the answer says whose it was. An id of nothing live is refused with its first 64
+    characters. Caught: the orphan's record or id dropped; the answer's keys misspelled or
+    its ``ok`` false; the id cut at 65 characters."""
+    b = broker()
+    root, alice = person(b, 0, name="root"), person(b, 1001)
+    lease(b, alice, "GPU-rv3")
+    rec = alice.record
+    assert rec is not None
+    alice.record = None
+    b.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
+    got = run(b.op_revoke(root, {"op": "revoke", "lease_id": rec.lease_id}))
+    assert got == {"ok": True, "revoked": f"user1001: pid {alice.pid}", "kind": "lease"}
+    assert b.orphans == {}
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_revoke(root, {"op": "revoke", "lease_id": "y" * 70}))
+    assert str(err.value) == f"revoke: no live lease or ticket {'y' * 64!r}"
+    assert err.value.kind == "UsageErrorBase"
 
 
 def test_every_accepted_connection_counts_against_its_persons_limit(
@@ -1045,6 +1138,111 @@ def test_a_pick_books_the_bytes_its_min_free_asks_on_each_device() -> None:
     assert list(conn.record.device_requested_bytes) == [1 << 30]
 
 
+@pytest.mark.parametrize(("given", "said"), [
+    ({"count": "x"}, "invalid count 'x': expected a whole number >= 1, e.g. 2"),
+    ({"exclude": 5}, 'invalid exclude 5: expected ids like "0,2" or a list'),
+    ({"wait": 5}, "unknown parameter 'wait'; accepted: count, exclude, exclusive, max_util, "
+                  "min_free, model, prefer"),
+])
+def test_a_pick_with_a_bad_option_is_a_usage_error_naming_it_as_a_key(
+    given: dict[str, Any], said: str,
+) -> None:
+    """The options of ``{"op": "pick"}`` are JSON keys: a bad one is named ``count``, not
+    ``--count``; ``wait`` is not one of them (a waiting pick runs in the client). Caught: the
+    style or the accepted keys not passed (or misspelt: an ``exclude`` that is not a list
+    raised a TypeError); the refusal's text or kind changed."""
+    b, _ = simulated_broker()
+    conn = person(b, 1001)
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_pick(conn, {"op": "pick", "options": given}))
+    assert (str(err.value), err.value.kind) == (said, "UsageErrorBase")
+    assert conn.record is None
+
+
+def test_a_pick_that_nothing_fits_is_refused_with_why_each_device_was_dropped() -> None:
+    """Caught: the refusal's text, its explanation or its kind dropped or changed."""
+    b, _ = simulated_broker()
+    conn = person(b, 1001)
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_pick(conn, {"op": "pick", "options": {"min_free": "100G"}}))
+    head, *lines = str(err.value).split("\n")
+    assert head == "no device fits (min free 100.0 GiB):"
+    assert [re.sub(r"only [0-9.]+ GiB", "only N GiB", line) for line in lines] == [
+        f"  GPU {i} (NVIDIA {model}): dropped: only N GiB free < 100.0 GiB wanted"
+        for i, model in enumerate(["A100-SXM4-80GB"] * 2 + ["L4"] * 2)]
+    assert err.value.kind == "NoDeviceFitsError" and conn.record is None
+
+
+def test_a_pick_leases_with_its_exclusive_wish_share_of_memory_and_holder() -> None:
+    """The lease a pick takes is exclusive when asked, books a share (``25%``) of the chosen
+    device's own memory, and records the holder the message names; with no ``min_free`` it
+    books nothing. Caught: the exclusive or holder key misspelt or the holder read under
+    another key (a shared lease of a plain process); the share resolved without the device's
+    memory; no ``min_free`` resolved anyway (an AttributeError)."""
+    b, _ = simulated_broker()
+    one, two = person(b, 1001), person(b, 1002)
+    holder = {"kind": "kernel", "kernel_id": "k-1", "notebook_path": "a.ipynb"}
+    run(b.op_pick(one, {"op": "pick", "options": {"exclusive": True, "min_free": "25%"},
+                        "holder": holder}))
+    rec = one.record
+    assert rec is not None
+    total = {d.uuid: d.memory_total_bytes for d in b._snap.devices}[rec.device_uuids[0]]
+    assert (rec.exclusive, list(rec.device_requested_bytes)) == (True, [total // 4])
+    assert (rec.holder_kind, rec.kernel_id, rec.notebook_path) == ("kernel", "k-1", "a.ipynb")
+    run(b.op_pick(two, {"op": "pick"}))
+    assert two.record is not None
+    assert list(two.record.device_requested_bytes) == [None]
+    assert two.record.device_uuids != rec.device_uuids  # the exclusive one is not shared
+
+
+@pytest.mark.parametrize("away", ["held", "reserved"])
+def test_a_pick_passes_over_the_device_held_exclusively_or_reserved_away_from_its_person(
+    away: str,
+) -> None:
+    """The pick's favourite (GPU 2 of ``demo-4x``) is passed over when someone holds it
+    exclusively or it is reserved for a group its person is not in. Caught: the decision
+    given no view of the broker's state, or a view of nobody's (the pick chose the held
+    device and its lease was refused; the reservation asked of no person raised)."""
+    b, ids = simulated_broker(reserved={})
+    favourite = ids[2]
+    alice, bob = person(b, 1001), person(b, 1002)
+    run(b.op_pick(bob, {"op": "pick"}))
+    assert bob.record is not None and list(bob.record.device_uuids) == [favourite]
+    bob.record = None
+    if away == "held":
+        run(b.op_lease(bob, {"op": "lease", "devices": [favourite], "exclusive": True}))
+    else:
+        b.config.reserved = {favourite: ["ml"]}
+    run(b.op_pick(alice, {"op": "pick"}))
+    assert alice.record is not None and favourite not in alice.record.device_uuids
+
+
+def test_a_pick_is_not_bounded_by_the_brokers_own_visible_devices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broker's own environment (``CUDA_VISIBLE_DEVICES`` of the service) says nothing
+    about which devices a caller may get. Caught: the decision read ``os.environ``."""
+    b, ids = simulated_broker()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    conn = person(b, 1001)
+    run(b.op_pick(conn, {"op": "pick"}))
+    assert conn.record is not None and list(conn.record.device_uuids) == [ids[2]]
+
+
+def test_a_pick_or_a_begin_on_a_connection_that_holds_a_lease_is_refused_in_those_words(
+) -> None:
+    """Caught: the refusal's text dropped (``None``) in ``pick`` or ``begin``."""
+    from autogpu_jupyter.core.leasing import admission
+
+    b, ids = simulated_broker()
+    conn = person(b, 1001)
+    run(b.op_lease(conn, {"op": "lease", "devices": [ids[0]]}))
+    for op in (b.op_pick, b.op_begin):
+        with pytest.raises(BrokerRefusal) as err:
+            run(op(conn, {}))
+        assert str(err.value) == admission.ONE_PER_CONNECTION
+
+
 def test_a_set_pid_keeps_the_journals_peer_of_the_lease(tmp_path: Any) -> None:
     """A lease changed in place (a new holder pid) is journaled again with the peer inode the
     journal already had for it. Caught: the known peer dropped (after a restart the orphan
@@ -1399,3 +1597,78 @@ def test_the_state_a_pick_decides_on_has_the_tickets_that_reserve_in_line_order(
     b.dormant.add(sleeper.record.lease_id)
     leases, tickets = _StateView(b, picker).live_records()
     assert leases == [] and [t.lease_id for t in tickets] == [waiter.record.lease_id]
+
+
+def test_a_lease_is_shared_unless_asked_and_an_exclusive_one_needs_a_device_nobody_holds() -> None:
+    """A lease that does not say ``exclusive`` is shared: a second person leases the same
+    device; an exclusive lease on a device someone holds is refused naming the holders.
+    Caught: a lease exclusive by default (the second person was refused); the exclusive wish
+    not handed to the admission (the exclusive lease was granted beside the others)."""
+    b, (dev, _, _, _) = simulated_broker()
+    alice, bob, carol = person(b, 1001), person(b, 1002), person(b, 1003)
+    run(b.op_lease(alice, {"op": "lease", "devices": [dev]}))
+    run(b.op_lease(bob, {"op": "lease", "devices": [dev]}))
+    assert alice.record is not None and alice.record.exclusive is False
+    assert bob.record is not None and bob.record.exclusive is False
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_lease(carol, {"op": "lease", "devices": [dev], "exclusive": True}))
+    assert str(err.value) == (f"no device free: exclusive wanted but {dev} is held by "
+                              f"user1001: pid {alice.pid}, user1002: pid {bob.pid}")
+    assert err.value.kind == "NoDeviceFitsError" and carol.record is None
+
+
+def test_a_persons_leases_stop_at_the_admins_max_leases_per_user() -> None:
+    """Caught: the broker's quota built without ``max_leases_per_user`` (no lease limit)."""
+    b, (first, second, _, _) = simulated_broker(max_leases_per_user=1)
+    one, two = person(b, 1001), person(b, 1001)
+    run(b.op_lease(one, {"op": "lease", "devices": [first]}))
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_lease(two, {"op": "lease", "devices": [second]}))
+    assert str(err.value).startswith(
+        "user1001 already holds 1 lease(s); another would exceed max_leases_per_user = 1 set "
+        "by the admin (enforced by the broker).")
+    assert err.value.kind == "LeaseLimitError" and two.record is None
+
+
+def test_a_subordinate_uid_asking_counts_the_leases_of_its_owner() -> None:
+    """A second connection of alice's subordinate uid is refused a device past alice's limit
+    of one, which the first one holds. Caught: the applicant built without its person (the
+    subordinate uid counted only leases whose uid is its own, none after the marking)."""
+    b, (first, second, _, _) = simulated_broker(max_devices_per_user=1)
+
+    def sub() -> Conn:
+        conn = Conn(b, 200000, 200000, os.getpid(),
+                    Account(1001, "alice", frozenset(), via="subordinate uid 200000 of alice"))
+        b.conns.add(conn)
+        return conn
+
+    one, two = sub(), sub()
+    run(b.op_lease(one, {"op": "lease", "devices": [first]}))
+    with pytest.raises(BrokerRefusal, match=r"^alice already holds leases on 1 device\(s\)"):
+        run(b.op_lease(two, {"op": "lease", "devices": [second]}))
+    assert two.record is None
+
+
+@pytest.mark.parametrize("devices", [[], "GPU-0", None, {"GPU-0": 1}])
+def test_a_lease_whose_devices_are_not_a_non_empty_list_is_a_usage_error(devices: Any) -> None:
+    """Caught: ``and`` for ``or`` between the checks (an empty list or a string went on to
+    the record)."""
+    b, _ = simulated_broker()
+    conn = person(b, 1001)
+    with pytest.raises(BrokerRefusal, match=r"^devices: expected a list of device UUIDs$") as e:
+        run(b.op_lease(conn, {"op": "lease", "devices": devices}))
+    assert e.value.kind == "UsageErrorBase" and conn.record is None
+
+
+def test_a_lease_may_name_as_many_devices_as_the_id_list_holds_and_not_one_more() -> None:
+    """Caught: the bound taken as ``>=`` (a lease of exactly ``MAX_ID_LIST`` was refused)."""
+    from autogpu_jupyter.core.leasing.records import MAX_ID_LIST
+
+    b = broker()
+    ids = [f"GPU-{i:04d}" for i in range(MAX_ID_LIST + 1)]
+    b._fleet = set(ids)
+    conn = person(b, 1001)
+    with pytest.raises(BrokerRefusal, match=r"^devices: expected a list of device UUIDs$"):
+        run(b.op_lease(conn, {"op": "lease", "devices": ids}))
+    run(b.op_lease(conn, {"op": "lease", "devices": ids[:MAX_ID_LIST]}))
+    assert conn.record is not None and list(conn.record.device_uuids) == ids[:MAX_ID_LIST]
