@@ -120,6 +120,127 @@ def test_a_persons_connections_stop_at_the_limit_itself() -> None:
     )
 
 
+def test_the_last_connections_are_roots_and_unknown_uids_share_one_named_limit() -> None:
+    """With room for 40 connections, the last 16 are root's: a user is refused at 24 in all,
+    root only at 40, each in its own words; uids without a passwd entry share their own limit,
+    and a subordinate uid's refusal says whose it is. Caught: root's check made for uid 1 or
+    ``>`` (root refused early, or let past the cap), the reserve not kept (``>`` or ``+``), the
+    unknown uids held to the per-user limit, or their name, setting or the ``via`` left out."""
+    from autogpu_jupyter.brokerd import net
+    from autogpu_jupyter.brokerd.identity import UNKNOWN_KEY
+
+    b = broker(max_connections_per_user=5, unknown_max_connections=1)
+    b.conn_cap = 40
+    alice = Account(1001, "alice", frozenset())
+    root = Account(0, "root", frozenset())
+
+    def refusal(total: int, uid: int, acct: Account) -> str | None:
+        b.conns = {object() for _ in range(total)}  # type: ignore[misc]
+        return b._conn_refusal(uid, acct)
+
+    assert net.ROOT_RESERVE == 16
+    assert refusal(23, 1001, alice) is None
+    assert refusal(24, 1001, alice) == (
+        "the broker holds its most connections (40, the last 16 kept for root); try again "
+        "shortly")
+    assert refusal(24, 0, root) is None
+    assert refusal(39, 0, root) is None
+    assert refusal(40, 0, root) == "the broker holds its most connections (40); try again"
+    assert refusal(24, 1, Account(1, "daemon", frozenset())) is not None
+    unknown = Account(UNKNOWN_KEY, "uid 70000", frozenset())
+    b.per_key[UNKNOWN_KEY] = 1
+    assert refusal(0, 70000, unknown) == (
+        "too many connections for uids without a passwd entry "
+        "(unknown_uids.max_connections = 1)")
+    sub = Account(1001, "alice", frozenset(), via="subordinate uid 100003 of alice")
+    b.per_key[1001] = 5
+    assert refusal(0, 100003, sub) == (
+        "too many connections for alice (subordinate uid 100003 of alice) "
+        "(max_connections_per_user = 5)")
+    b.per_key[1001] = 4
+    assert refusal(0, 100003, sub) is None
+
+
+class Paced:
+    """The broker's clock, stopped at ``now``, and the delays its message throttle asks for
+    (recorded, not slept)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import types
+
+        import autogpu_jupyter.broker as broker_mod
+
+        self.now = 100.0
+        self.delays: list[Any] = []
+
+        async def sleep(delay: Any) -> None:
+            self.delays.append(delay)
+
+        monkeypatch.setattr(broker_mod, "time", types.SimpleNamespace(monotonic=lambda: self.now))
+        monkeypatch.setattr(broker_mod, "asyncio", types.SimpleNamespace(sleep=sleep))
+
+    def send(self, b: Broker, conn: Conn, count: int = 1) -> list[Any]:
+        """The delays of ``count`` messages of ``conn`` at this moment."""
+        self.delays = []
+        for _ in range(count):
+            coro = b._throttle(conn)
+            with pytest.raises(StopIteration):
+                coro.send(None)
+        return self.delays
+
+
+def test_a_users_flood_delays_only_that_users_messages_past_a_burst_of_the_rate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 4 messages a second, a user's first 4 messages at one moment pass at once, each
+    further one waits a quarter of a second more; another user and root are not delayed, and
+    a second later the bucket has 4 more. Caught: root throttled (``and``, ``!= 0``, uid 1),
+    one bucket for everyone, the refill or the cost of a message miscounted, the test of an
+    empty bucket off by one, the delay not the missing tokens over the rate."""
+    b = broker(messages_per_s_per_user=4.0)
+    clock = Paced(monkeypatch)
+    alice, bob, root = person(b, 1001), person(b, 1002), person(b, 0, name="root")
+    assert clock.send(b, root, 12) == []
+    assert clock.send(b, alice, 4) == []
+    assert clock.send(b, alice, 2) == [0.25, 0.5]
+    assert clock.send(b, bob, 3) == []
+    clock.now += 1.0  # alice's bucket: -2 + 4 tokens
+    assert clock.send(b, alice, 3) == [0.25]
+    clock.now += 0.125  # half a token more: alice's bucket is at -0.5, bob's full
+    assert clock.send(b, bob) == []
+    assert clock.send(b, alice) == [0.375]
+
+
+@pytest.mark.parametrize(("rate", "expected"), [(0.0, []), (1.0, [1.0])])
+def test_a_rate_of_zero_throttles_nobody_and_a_rate_of_one_delays_the_second_message(
+    monkeypatch: pytest.MonkeyPatch, rate: float, expected: list[float],
+) -> None:
+    """Caught: a rate of 0 throttled (a division by zero on the first message) and a rate of
+    1 taken for no limit."""
+    b = broker(messages_per_s_per_user=rate)
+    clock = Paced(monkeypatch)
+    assert clock.send(b, person(b, 1001), 2) == expected
+
+
+def test_the_throttles_buckets_of_people_gone_are_dropped_past_four_per_person_and_64(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two people connected: up to 4 * 2 + 64 = 72 buckets are kept; the 73rd drops those
+    of everyone not connected, and keeps the two. Caught: the bound's ``>``, ``*``, 4 or 64
+    changed, or the buckets of the people connected dropped instead."""
+    b = broker(messages_per_s_per_user=4.0)
+    clock = Paced(monkeypatch)
+    alice, bob = person(b, 1001), person(b, 1002)
+    b.per_key.update({1001: 1, 1002: 1})
+    clock.send(b, alice)
+    clock.send(b, bob)
+    for uid in range(2000, 2070):  # people whose connections ended
+        clock.send(b, person(b, uid))
+    assert len(b.buckets) == 72
+    clock.send(b, person(b, 3000))
+    assert sorted(b.buckets) == [1001, 1002]
+
+
 @pytest.mark.parametrize(
     ("limits", "expected"),
     [
