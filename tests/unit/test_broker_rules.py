@@ -954,6 +954,87 @@ def test_a_client_of_another_protocol_gets_an_untrusted_error_and_is_closed(
     assert got.count(b"\n") == 1
 
 
+def exchange(b: Broker, monkeypatch: pytest.MonkeyPatch, *sent: bytes) -> list[Any]:
+    """The replies of a broker to one connection of alice's that sends ``sent`` then ends."""
+    import json
+    import socket
+
+    import autogpu_jupyter.broker as broker_mod
+
+    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
+    monkeypatch.setattr(b.accounts, "account",
+                        lambda uid, gid: Account(1001, "alice", frozenset()))
+
+    async def go() -> bytes:
+        ours, theirs = socket.socketpair()
+        b.accepted(ours)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, theirs.sendall, b"".join(sent))
+        theirs.shutdown(socket.SHUT_WR)
+        theirs.settimeout(5)
+        got = []
+        while chunk := await loop.run_in_executor(None, theirs.recv, 65536):
+            got.append(chunk)  # up to the end: the broker closed the connection
+        theirs.close()
+        return b"".join(got)
+
+    return [json.loads(line) for line in run(go()).splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("sent", "error"),
+    [
+        (b"x" * (64 * 1024 + 1) + b"\n",
+         "message longer than 65536 bytes: connection closed"),
+        (b"{not json\n", "malformed message (not JSON): connection closed"),
+        (b'{"op": "frobnicate"}\n',
+         'unknown message (op "frobnicate"; expected one of begin, end, lease, pick, ticket, '
+         "set_pid, release, leases, status, revoke): connection closed"),
+        (b'[1]\n',
+         "unknown message (op null; expected one of begin, end, lease, pick, ticket, "
+         "set_pid, release, leases, status, revoke): connection closed"),
+    ],
+)
+def test_a_message_the_broker_cannot_take_is_answered_in_one_line_naming_why_then_closed(
+    monkeypatch: pytest.MonkeyPatch, sent: bytes, error: str,
+) -> None:
+    """Caught: the line too long, not JSON or of an unknown op answered without its words (or
+    not at all), a message that is not an object or an unknown op taken on to the ops."""
+    from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
+
+    b = broker()
+    assert exchange(b, monkeypatch, sent, b'{"op": "leases"}\n') == [
+        {"ok": False, "type": "RegistryError", "error": error, "proto": PROTOCOL}]
+
+
+def test_the_protocol_is_checked_on_the_first_message_and_the_line_bar_on_tickets_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection names its protocol once; a person barred from the waiting line still
+    lists the leases, and a ticket is refused with the bar's words as a ``LeaseLimitError``.
+    Caught: the protocol asked of every message, the bar checked on every op but tickets (or
+    on none), and the refusal's ``ok`` key misspelled."""
+    import json
+    import time
+
+    from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
+
+    b = broker()
+    b.line_barred[1001] = time.monotonic() + 3600
+    replies = exchange(
+        b, monkeypatch,
+        json.dumps({"op": "leases", "proto": PROTOCOL}).encode() + b"\n",
+        b'{"op": "leases"}\n',
+        b'{"op": "ticket"}\n',
+    )
+    assert [r["ok"] for r in replies[:2]] == [True, True]
+    assert replies[2] == {
+        "ok": False, "type": "LeaseLimitError", "proto": PROTOCOL,
+        "error": "alice left a place in the waiting line that could be served, without taking "
+                 "a lease: alice may wait in line again in 3600 s (a pick that does not wait "
+                 "works now)"}
+
+
 def test_the_reaper_logs_a_failed_round_and_goes_on(
     monkeypatch: pytest.MonkeyPatch, caplog: Any,
 ) -> None:
