@@ -918,6 +918,39 @@ def test_a_refused_connection_gets_one_line_with_the_protocol_and_is_logged(
         "1 connection(s) refused (the last from uid 1001: too many connections for alice)"]
 
 
+def test_refused_connections_are_logged_at_most_every_ten_seconds_with_their_count(
+    monkeypatch: pytest.MonkeyPatch, caplog: Any,
+) -> None:
+    """The first refusal is logged; the next ones within 10 s are counted into the next line,
+    logged 10 s after the last. Caught: the count set instead of increased or not started again
+    from 0, the time since the last line miscounted or compared with ``>``."""
+    import logging
+    import socket
+
+    b = broker()
+    clock = Paced(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="autogpu.broker")
+
+    def refuse(uid: int) -> None:
+        ours, theirs = socket.socketpair()
+        b._refuse(ours, uid, "too many connections")
+        theirs.close()
+
+    refuse(1001)
+    clock.now += 5.0
+    refuse(1002)
+    refuse(1003)
+    clock.now += 5.0
+    refuse(1004)
+    refuse(1005)
+    clock.now += 10.0
+    refuse(1006)
+    assert [r.getMessage() for r in caplog.records] == [
+        "1 connection(s) refused (the last from uid 1001: too many connections)",
+        "3 connection(s) refused (the last from uid 1004: too many connections)",
+        "2 connection(s) refused (the last from uid 1006: too many connections)"]
+
+
 def test_a_client_of_another_protocol_gets_an_untrusted_error_and_is_closed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
