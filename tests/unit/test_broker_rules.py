@@ -155,6 +155,127 @@ def test_a_persons_connections_stop_at_the_limit_itself() -> None:
     )
 
 
+def test_the_last_connections_are_roots_and_unknown_uids_share_one_named_limit() -> None:
+    """With room for 40 connections, the last 16 are root's: a user is refused at 24 in all,
+    root only at 40, each in its own words; uids without a passwd entry share their own limit,
+    and a subordinate uid's refusal says whose it is. Caught: root's check made for uid 1 or
+    ``>`` (root refused early, or let past the cap), the reserve not kept (``>`` or ``+``), the
+    unknown uids held to the per-user limit, or their name, setting or the ``via`` left out."""
+    from autogpu_jupyter.brokerd import net
+    from autogpu_jupyter.brokerd.identity import UNKNOWN_KEY
+
+    b = broker(max_connections_per_user=5, unknown_max_connections=1)
+    b.conn_cap = 40
+    alice = Account(1001, "alice", frozenset())
+    root = Account(0, "root", frozenset())
+
+    def refusal(total: int, uid: int, acct: Account) -> str | None:
+        b.conns = {object() for _ in range(total)}  # type: ignore[misc]
+        return b._conn_refusal(uid, acct)
+
+    assert net.ROOT_RESERVE == 16
+    assert refusal(23, 1001, alice) is None
+    assert refusal(24, 1001, alice) == (
+        "the broker holds its most connections (40, the last 16 kept for root); try again "
+        "shortly")
+    assert refusal(24, 0, root) is None
+    assert refusal(39, 0, root) is None
+    assert refusal(40, 0, root) == "the broker holds its most connections (40); try again"
+    assert refusal(24, 1, Account(1, "daemon", frozenset())) is not None
+    unknown = Account(UNKNOWN_KEY, "uid 70000", frozenset())
+    b.per_key[UNKNOWN_KEY] = 1
+    assert refusal(0, 70000, unknown) == (
+        "too many connections for uids without a passwd entry "
+        "(unknown_uids.max_connections = 1)")
+    sub = Account(1001, "alice", frozenset(), via="subordinate uid 100003 of alice")
+    b.per_key[1001] = 5
+    assert refusal(0, 100003, sub) == (
+        "too many connections for alice (subordinate uid 100003 of alice) "
+        "(max_connections_per_user = 5)")
+    b.per_key[1001] = 4
+    assert refusal(0, 100003, sub) is None
+
+
+class Paced:
+    """The broker's clock, stopped at ``now``, and the delays its message throttle asks for
+    (recorded, not slept)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import types
+
+        import autogpu_jupyter.broker as broker_mod
+
+        self.now = 100.0
+        self.delays: list[Any] = []
+
+        async def sleep(delay: Any) -> None:
+            self.delays.append(delay)
+
+        monkeypatch.setattr(broker_mod, "time", types.SimpleNamespace(monotonic=lambda: self.now))
+        monkeypatch.setattr(broker_mod, "asyncio", types.SimpleNamespace(sleep=sleep))
+
+    def send(self, b: Broker, conn: Conn, count: int = 1) -> list[Any]:
+        """The delays of ``count`` messages of ``conn`` at this moment."""
+        self.delays = []
+        for _ in range(count):
+            coro = b._throttle(conn)
+            with pytest.raises(StopIteration):
+                coro.send(None)
+        return self.delays
+
+
+def test_a_users_flood_delays_only_that_users_messages_past_a_burst_of_the_rate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 4 messages a second, a user's first 4 messages at one moment pass at once, each
+    further one waits a quarter of a second more; another user and root are not delayed, and
+    a second later the bucket has 4 more. Caught: root throttled (``and``, ``!= 0``, uid 1),
+    one bucket for everyone, the refill or the cost of a message miscounted, the test of an
+    empty bucket off by one, the delay not the missing tokens over the rate."""
+    b = broker(messages_per_s_per_user=4.0)
+    clock = Paced(monkeypatch)
+    alice, bob, root = person(b, 1001), person(b, 1002), person(b, 0, name="root")
+    assert clock.send(b, root, 12) == []
+    assert clock.send(b, alice, 4) == []
+    assert clock.send(b, alice, 2) == [0.25, 0.5]
+    assert clock.send(b, bob, 3) == []
+    clock.now += 1.0  # alice's bucket: -2 + 4 tokens
+    assert clock.send(b, alice, 3) == [0.25]
+    clock.now += 0.125  # half a token more: alice's bucket is at -0.5, bob's full
+    assert clock.send(b, bob) == []
+    assert clock.send(b, alice) == [0.375]
+
+
+@pytest.mark.parametrize(("rate", "expected"), [(0.0, []), (1.0, [1.0])])
+def test_a_rate_of_zero_throttles_nobody_and_a_rate_of_one_delays_the_second_message(
+    monkeypatch: pytest.MonkeyPatch, rate: float, expected: list[float],
+) -> None:
+    """Caught: a rate of 0 throttled (a division by zero on the first message) and a rate of
+    1 taken for no limit."""
+    b = broker(messages_per_s_per_user=rate)
+    clock = Paced(monkeypatch)
+    assert clock.send(b, person(b, 1001), 2) == expected
+
+
+def test_the_throttles_buckets_of_people_gone_are_dropped_past_four_per_person_and_64(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two people connected: up to 4 * 2 + 64 = 72 buckets are kept; the 73rd drops those
+    of everyone not connected, and keeps the two. Caught: the bound's ``>``, ``*``, 4 or 64
+    changed, or the buckets of the people connected dropped instead."""
+    b = broker(messages_per_s_per_user=4.0)
+    clock = Paced(monkeypatch)
+    alice, bob = person(b, 1001), person(b, 1002)
+    b.per_key.update({1001: 1, 1002: 1})
+    clock.send(b, alice)
+    clock.send(b, bob)
+    for uid in range(2000, 2070):  # people whose connections ended
+        clock.send(b, person(b, uid))
+    assert len(b.buckets) == 72
+    clock.send(b, person(b, 3000))
+    assert sorted(b.buckets) == [1001, 1002]
+
+
 @pytest.mark.parametrize(
     ("limits", "expected"),
     [
@@ -890,6 +1011,39 @@ def test_a_refused_connection_gets_one_line_with_the_protocol_and_is_logged(
         "1 connection(s) refused (the last from uid 1001: too many connections for alice)"]
 
 
+def test_refused_connections_are_logged_at_most_every_ten_seconds_with_their_count(
+    monkeypatch: pytest.MonkeyPatch, caplog: Any,
+) -> None:
+    """The first refusal is logged; the next ones within 10 s are counted into the next line,
+    logged 10 s after the last. Caught: the count set instead of increased or not started again
+    from 0, the time since the last line miscounted or compared with ``>``."""
+    import logging
+    import socket
+
+    b = broker()
+    clock = Paced(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="autogpu.broker")
+
+    def refuse(uid: int) -> None:
+        ours, theirs = socket.socketpair()
+        b._refuse(ours, uid, "too many connections")
+        theirs.close()
+
+    refuse(1001)
+    clock.now += 5.0
+    refuse(1002)
+    refuse(1003)
+    clock.now += 5.0
+    refuse(1004)
+    refuse(1005)
+    clock.now += 10.0
+    refuse(1006)
+    assert [r.getMessage() for r in caplog.records] == [
+        "1 connection(s) refused (the last from uid 1001: too many connections)",
+        "3 connection(s) refused (the last from uid 1004: too many connections)",
+        "2 connection(s) refused (the last from uid 1006: too many connections)"]
+
+
 def test_a_client_of_another_protocol_gets_an_untrusted_error_and_is_closed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -924,6 +1078,87 @@ def test_a_client_of_another_protocol_gets_an_untrusted_error_and_is_closed(
         "ok": False, "type": "RegistryUntrustedError", "proto": PROTOCOL,
         "error": broker_mod._protocol_mismatch(PROTOCOL + 1)}
     assert got.count(b"\n") == 1
+
+
+def exchange(b: Broker, monkeypatch: pytest.MonkeyPatch, *sent: bytes) -> list[Any]:
+    """The replies of a broker to one connection of alice's that sends ``sent`` then ends."""
+    import json
+    import socket
+
+    import autogpu_jupyter.broker as broker_mod
+
+    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
+    monkeypatch.setattr(b.accounts, "account",
+                        lambda uid, gid: Account(1001, "alice", frozenset()))
+
+    async def go() -> bytes:
+        ours, theirs = socket.socketpair()
+        b.accepted(ours)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, theirs.sendall, b"".join(sent))
+        theirs.shutdown(socket.SHUT_WR)
+        theirs.settimeout(5)
+        got = []
+        while chunk := await loop.run_in_executor(None, theirs.recv, 65536):
+            got.append(chunk)  # up to the end: the broker closed the connection
+        theirs.close()
+        return b"".join(got)
+
+    return [json.loads(line) for line in run(go()).splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("sent", "error"),
+    [
+        (b"x" * (64 * 1024 + 1) + b"\n",
+         "message longer than 65536 bytes: connection closed"),
+        (b"{not json\n", "malformed message (not JSON): connection closed"),
+        (b'{"op": "frobnicate"}\n',
+         'unknown message (op "frobnicate"; expected one of begin, end, lease, pick, ticket, '
+         "set_pid, release, leases, status, revoke): connection closed"),
+        (b'[1]\n',
+         "unknown message (op null; expected one of begin, end, lease, pick, ticket, "
+         "set_pid, release, leases, status, revoke): connection closed"),
+    ],
+)
+def test_a_message_the_broker_cannot_take_is_answered_in_one_line_naming_why_then_closed(
+    monkeypatch: pytest.MonkeyPatch, sent: bytes, error: str,
+) -> None:
+    """Caught: the line too long, not JSON or of an unknown op answered without its words (or
+    not at all), a message that is not an object or an unknown op taken on to the ops."""
+    from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
+
+    b = broker()
+    assert exchange(b, monkeypatch, sent, b'{"op": "leases"}\n') == [
+        {"ok": False, "type": "RegistryError", "error": error, "proto": PROTOCOL}]
+
+
+def test_the_protocol_is_checked_on_the_first_message_and_the_line_bar_on_tickets_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection names its protocol once; a person barred from the waiting line still
+    lists the leases, and a ticket is refused with the bar's words as a ``LeaseLimitError``.
+    Caught: the protocol asked of every message, the bar checked on every op but tickets (or
+    on none), and the refusal's ``ok`` key misspelled."""
+    import json
+    import time
+
+    from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
+
+    b = broker()
+    b.line_barred[1001] = time.monotonic() + 3600
+    replies = exchange(
+        b, monkeypatch,
+        json.dumps({"op": "leases", "proto": PROTOCOL}).encode() + b"\n",
+        b'{"op": "leases"}\n',
+        b'{"op": "ticket"}\n',
+    )
+    assert [r["ok"] for r in replies[:2]] == [True, True]
+    assert replies[2] == {
+        "ok": False, "type": "LeaseLimitError", "proto": PROTOCOL,
+        "error": "alice left a place in the waiting line that could be served, without taking "
+                 "a lease: alice may wait in line again in 3600 s (a pick that does not wait "
+                 "works now)"}
 
 
 def test_the_reaper_logs_a_failed_round_and_goes_on(
