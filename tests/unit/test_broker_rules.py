@@ -1296,3 +1296,121 @@ def test_the_state_a_pick_decides_on_has_the_tickets_that_reserve_in_line_order(
     b.dormant.add(sleeper.record.lease_id)
     leases, tickets = _StateView(b, picker).live_records()
     assert leases == [] and [t.lease_id for t in tickets] == [waiter.record.lease_id]
+
+
+def test_a_holder_that_never_let_the_lock_time_out_keeps_the_whole_timeout_while_others_wait(
+) -> None:
+    """The short slice is only for a person who let the lock time out lately: a lock handed on
+    to a person who never did, while a third person still waits, runs the whole
+    ``lock_timeout_s``. Caught: ``and`` made ``or`` (every lock given while someone else waited
+    was cut to a slice)."""
+    b = broker(lock_timeout_s=30.0)
+    alice, bob, carol = person(b, 1001), person(b, 1002), person(b, 1003)
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        await b.op_begin(alice, {"op": "begin"})
+        bobs = asyncio.create_task(b.op_begin(bob, {"op": "begin"}))
+        carols = asyncio.create_task(b.op_begin(carol, {"op": "begin"}))
+        await asyncio.sleep(0)
+        assert alice.lock_handle is not None
+        assert alice.lock_handle.when() - loop.time() > 20
+        await b.op_end(alice, {"op": "end"})
+        await asyncio.wait_for(bobs, 5)
+        assert b.lock_holder is bob and list(b.waiting) == [carol]
+        assert bob.lock_handle is not None
+        assert bob.lock_handle.when() - loop.time() > 20
+        b._drop_lock(bob)
+        await asyncio.wait_for(carols, 5)
+        b._drop_lock(carol)
+
+    run(go())
+
+
+def test_a_device_reserved_for_a_group_is_leased_by_its_members_and_root_only() -> None:
+    """A lease on a device the admin reserved for group ``ml``: refused to a user outside it in
+    the admission's words, granted to a member and to root. Caught: the lease checked without
+    the reservations (anyone took a reserved device); the applicant's uid dropped (root, whose
+    exemption follows the uid, was refused)."""
+    b = broker(reserved={"GPU-rz1": ["ml"]})
+    b._fleet = {"GPU-rz1"}
+    outsider = person(b, 1001, name="olga")
+    member = person(b, 1002, name="mia", groups=frozenset({"ml"}))
+    root = person(b, 0, name="root")
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_lease(outsider, {"op": "lease", "devices": ["GPU-rz1"]}))
+    assert (str(err.value), err.value.kind) == (
+        "no device free: GPU-rz1 is reserved for group(s) ml by the admin", "NoDeviceFitsError")
+    assert outsider.record is None
+    run(b.op_lease(member, {"op": "lease", "devices": ["GPU-rz1"]}))
+    assert member.record is not None
+    member.record = None
+    run(b.op_lease(root, {"op": "lease", "devices": ["GPU-rz1"]}))
+    assert root.record is not None and root.record.device_uuids == ("GPU-rz1",)
+
+
+@pytest.mark.parametrize("record_commands", [False, True])
+def test_a_holders_command_line_is_recorded_only_when_the_admin_says_so(
+    record_commands: bool,
+) -> None:
+    """``record_commands`` off (the default): a lease keeps no command line, whatever the client
+    sends. Caught: the setting ignored (every user's command line, tokens and all, was kept
+    and shown)."""
+    b = broker(record_commands=record_commands)
+    b._fleet = {"GPU-cm1"}
+    conn = person(b, 1001)
+    msg = {"op": "lease", "devices": ["GPU-cm1"],
+           "holder": {"kind": "process", "command": "python train.py --token=s3cret"}}
+    run(b.op_lease(conn, msg))
+    assert conn.record is not None
+    assert conn.record.command == ("python train.py --token=s3cret" if record_commands else None)
+
+
+def test_a_connection_that_ends_ends_its_lease_and_gives_its_person_one_place_back(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two connections of one person (``max_connections_per_user = 2``), the first holding a
+    lease: when it ends, its lease leaves the live state and the journal (a restarted broker
+    must not take it back), and its person may open one connection more, not two. Caught:
+    the count lowered by 2 or dropped while 1 was left (a person went past the limit); the
+    record left set, or set to something other than none (the lease stayed in the journal)."""
+    import socket
+
+    import autogpu_jupyter.broker as broker_mod
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    b = broker(state_dir=str(state), max_connections_per_user=2)
+    assert b.journal is not None
+    acct = Account(1001, "alice", frozenset())
+    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
+    monkeypatch.setattr(b.accounts, "account", lambda uid, gid: acct)
+
+    async def go() -> None:
+        pairs = [socket.socketpair() for _ in range(2)]
+        for ours, _ in pairs:
+            b.accepted(ours)
+        first = next(c for c in b.conns if c.writer.sock is pairs[0][0])
+        lease(b, first, "GPU-e1")
+        assert first.record is not None
+        lease_id = first.record.lease_id
+        assert list(b.journal.entries) == [lease_id]  # type: ignore[union-attr]
+        pairs[0][1].close()
+        for _ in range(200):
+            if len(b.conns) == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert dict(b.per_key) == {1001: 1}
+        assert b._conn_refusal(1001, acct) is None  # one more
+        assert (first.record, b.live(), b.journal.entries) == (None, [], {})  # type: ignore[union-attr]
+        b.per_key[1001] += 1
+        assert b._conn_refusal(1001, acct) is not None  # not two
+        b.per_key[1001] -= 1
+        pairs[1][1].close()
+        for _ in range(200):
+            if not b.conns:
+                break
+            await asyncio.sleep(0.01)
+
+    run(go())
+    assert dict(b.per_key) == {}
