@@ -1414,3 +1414,72 @@ def test_a_connection_that_ends_ends_its_lease_and_gives_its_person_one_place_ba
 
     run(go())
     assert dict(b.per_key) == {}
+
+
+def test_a_restarted_broker_takes_back_what_is_still_held_and_drops_the_rest(
+    tmp_path: Any, caplog: Any,
+) -> None:
+    """A broker restarted over a journal of four entries: one that is no record (skipped,
+    logged, dropped), one whose holder is gone (dropped), one whose recorded holder runs and
+    one whose socket this process still holds though its recorded holder is gone (both taken
+    back as orphans of their person, live, with the holders found, journaled). Then the
+    socket is closed: the next reaper round frees that one and keeps the other. Caught: an
+    entry skipped or dropped by ``break`` (the entries behind it were lost), the skipped or
+    dropped entry left in the journal, the skip's log line changed or without its reason, the
+    socket's holders not looked up (or looked up for entries without a socket), the orphan's
+    uid, holders or socket dropped, the record taken back as not live, the holders found not
+    journaled, the count logged wrong or its line changed."""
+    import logging
+    import socket
+
+    from autogpu_jupyter.brokerd import journal as jrnl
+    from autogpu_jupyter.brokerd.journal import Entry
+    from autogpu_jupyter.core.leasing.records import encode
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    first = broker(state_dir=str(state))
+    assert first.journal is not None
+    uid = os.getuid()
+    me, gone = jrnl.proc_ids(os.getpid()), [(os.getpid(), -1)]
+    assert me
+    owner = person(first, uid)
+    dead, by_pid, by_socket = (lease_record(first, owner, f"GPU-k{n}") for n in range(3))
+    ours, theirs = socket.socketpair()
+    try:
+        inode = os.fstat(theirs.fileno()).st_ino  # held by this process only
+        j = first.journal
+        j.add(Entry("f" * 32, uid, '{"kind": "lease"}', None, me))
+        j.add(Entry(dead.lease_id, uid, encode(dead).decode(), None, gone))
+        j.add(Entry(by_pid.lease_id, uid, encode(by_pid).decode(), None, me))
+        j.add(Entry(by_socket.lease_id, uid, encode(by_socket).decode(), inode, gone))
+        caplog.set_level(logging.INFO, logger="autogpu.broker")
+        second = broker(state_dir=str(state))
+        assert second.journal is not None
+        assert [r.getMessage() for r in caplog.records] == [
+            "journal entry skipped: missing keys ['created_s', 'device_requested_bytes', "
+            "'device_uuids', 'exclusive', 'holder_kind', 'host', 'lease_id', 'pid', 'uid', "
+            "'user', 'version']",
+            "restart: 2 lease(s)/ticket(s) taken back from the journal",
+        ]
+        key = second.accounts.account(uid, uid).key
+        got = {i: (o.uid, o.key, o.peer, o.holder_pids, o.record)
+               for i, o in second.orphans.items()}
+        assert got == {
+            by_pid.lease_id: (uid, key, None, me, by_pid),
+            by_socket.lease_id: (uid, key, inode, me, by_socket),
+        }
+        assert all(o.record.live and o.record.path == f"broker:{i}"
+                   for i, o in second.orphans.items())
+        assert {i: e.pids for i, e in second.journal.entries.items()} == {
+            by_pid.lease_id: me, by_socket.lease_id: me}
+    finally:
+        ours.close()
+        theirs.close()
+
+    async def reap() -> None:
+        await second._reap(asyncio.get_running_loop())
+
+    run(reap())
+    assert list(second.orphans) == [by_pid.lease_id]
+    assert list(second.journal.entries) == [by_pid.lease_id]
