@@ -1483,3 +1483,99 @@ def test_a_restarted_broker_takes_back_what_is_still_held_and_drops_the_rest(
     run(reap())
     assert list(second.orphans) == [by_pid.lease_id]
     assert list(second.journal.entries) == [by_pid.lease_id]
+
+
+@pytest.mark.parametrize("leased", ["after", "at"])
+def test_leaving_a_servable_ticket_after_taking_a_lease_since_bars_nobody(leased: str) -> None:
+    """A person whose ticket could be served took a lease since (on another connection, at
+    the moment it could or after): leaving the ticket then is no place left, no bar. Caught:
+    the lease's time looked up under no person, compared with ``<=``, or never kept (for a
+    record of no kind, of a misspelled kind, or kept as none)."""
+    import time
+
+    b = broker()
+    waiter, picker = person(b, 1001), person(b, 1001)
+    waiter.record = ticket_record(b, waiter)
+    assert waiter.record is not None
+    since = time.monotonic()
+    b.servable_since[waiter.record.lease_id] = since  # it could be served from then on
+    lease(b, picker, "GPU-lb1")  # the person took a lease
+    assert b.last_lease_at[1001] >= since
+    if leased == "at":
+        b.servable_since[waiter.record.lease_id] = b.last_lease_at[1001]
+    waiter.record = None  # then left the ticket
+    assert b.line_barred == {} and b.servable_since == {}
+
+
+def test_a_ticket_taken_while_a_device_is_free_reserves_nothing_and_is_forgotten_when_it_ends(
+) -> None:
+    """A ticket that joins the line while a device is free for it is dormant: another user's
+    pick does not see it reserve anything; when it ends, the broker keeps nothing of it.
+    Caught: the dormant ticket's id not kept (it reserved a device at once), or not let go
+    when it ended (the broker held every such id for good)."""
+    from autogpu_jupyter.broker import _StateView
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+
+    b = broker()
+    b.backend = SimulatedBackend("demo-4x")
+    b._snapshot()
+    waiter, picker = person(b, 1001), person(b, 1002)
+    waiter.record = ticket_record(b, waiter)
+    assert _StateView(b, picker).live_records() == ([], [])
+    waiter.record = None
+    assert (b.dormant, b.servable_since) == (set(), {})
+
+
+def test_a_grant_journals_its_socket_its_holder_and_its_ticket_number_and_set_pid_its_new_holder(
+    tmp_path: Any,
+) -> None:
+    """What a restarted broker needs to take a lease or ticket back is in the journal: the
+    client's end of the socket, the connecting process (pid and start time) as its holder, a
+    ticket's number (the next broker goes on from it); after ``set_pid``, the process named.
+    Caught: the socket or the holders left out of the entry, read for no process, the ticket
+    number not journaled; after ``set_pid`` the holders dropped, kept as before, or read for
+    no process."""
+    import socket
+    import subprocess
+
+    from autogpu_jupyter.brokerd import journal as jrnl
+    from autogpu_jupyter.brokerd import net
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    b = broker(state_dir=str(state))
+    assert b.journal is not None
+    b._fleet = {"GPU-jn1"}
+    me = jrnl.proc_ids(os.getpid())
+    assert me
+    holder, waiter = person(b, os.getuid()), person(b, os.getuid())
+
+    async def go(child: int, pairs: list[tuple[socket.socket, socket.socket]]) -> None:
+        for conn, (ours, _) in zip((holder, waiter), pairs):
+            conn.writer = net.Channel(ours, 1 << 20, lambda: None)
+        await b.op_lease(holder, {"op": "lease", "devices": ["GPU-jn1"]})
+        await b.op_ticket(waiter, {"op": "ticket", "constraints": {
+            "min_free_bytes": None, "min_free_fraction": None, "max_util_pct": None, "count": 1,
+            "exclude": [], "exclusive": False, "allowed_uuids": None}})
+        assert holder.record is not None and waiter.record is not None
+        for conn, (_, theirs) in zip((holder, waiter), pairs):
+            e = b.journal.entries[conn.record.lease_id]  # type: ignore[union-attr]
+            assert (e.peer, e.pids) == (os.fstat(theirs.fileno()).st_ino, me)
+        assert waiter.record.seq == 1
+        assert b.journal.seq == 1  # type: ignore[union-attr]
+        await b.op_set_pid(holder, {"op": "set_pid", "pid": child})
+        assert b.journal.entries[holder.record.lease_id].pids == (  # type: ignore[union-attr]
+            jrnl.proc_ids(child))
+        for conn in (holder, waiter):
+            conn.writer.shut()
+
+    child = subprocess.Popen(["sleep", "30"])
+    pairs = [socket.socketpair() for _ in range(2)]
+    try:
+        run(go(child.pid, pairs))
+    finally:
+        child.kill()
+        child.wait()
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
