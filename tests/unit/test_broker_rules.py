@@ -1907,3 +1907,286 @@ def test_a_lease_may_name_as_many_devices_as_the_id_list_holds_and_not_one_more(
         run(b.op_lease(conn, {"op": "lease", "devices": ids}))
     run(b.op_lease(conn, {"op": "lease", "devices": ids[:MAX_ID_LIST]}))
     assert conn.record is not None and list(conn.record.device_uuids) == ids[:MAX_ID_LIST]
+
+
+def test_a_holder_that_never_let_the_lock_time_out_keeps_the_whole_timeout_while_others_wait(
+) -> None:
+    """The short slice is only for a person who let the lock time out lately: a lock handed on
+    to a person who never did, while a third person still waits, runs the whole
+    ``lock_timeout_s``. Caught: ``and`` made ``or`` (every lock given while someone else waited
+    was cut to a slice)."""
+    b = broker(lock_timeout_s=30.0)
+    alice, bob, carol = person(b, 1001), person(b, 1002), person(b, 1003)
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        await b.op_begin(alice, {"op": "begin"})
+        bobs = asyncio.create_task(b.op_begin(bob, {"op": "begin"}))
+        carols = asyncio.create_task(b.op_begin(carol, {"op": "begin"}))
+        await asyncio.sleep(0)
+        assert alice.lock_handle is not None
+        assert alice.lock_handle.when() - loop.time() > 20
+        await b.op_end(alice, {"op": "end"})
+        await asyncio.wait_for(bobs, 5)
+        assert b.lock_holder is bob and list(b.waiting) == [carol]
+        assert bob.lock_handle is not None
+        assert bob.lock_handle.when() - loop.time() > 20
+        b._drop_lock(bob)
+        await asyncio.wait_for(carols, 5)
+        b._drop_lock(carol)
+
+    run(go())
+
+
+def test_a_device_reserved_for_a_group_is_leased_by_its_members_and_root_only() -> None:
+    """A lease on a device the admin reserved for group ``ml``: refused to a user outside it in
+    the admission's words, granted to a member and to root. Caught: the lease checked without
+    the reservations (anyone took a reserved device); the applicant's uid dropped (root, whose
+    exemption follows the uid, was refused)."""
+    b = broker(reserved={"GPU-rz1": ["ml"]})
+    b._fleet = {"GPU-rz1"}
+    outsider = person(b, 1001, name="olga")
+    member = person(b, 1002, name="mia", groups=frozenset({"ml"}))
+    root = person(b, 0, name="root")
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_lease(outsider, {"op": "lease", "devices": ["GPU-rz1"]}))
+    assert (str(err.value), err.value.kind) == (
+        "no device free: GPU-rz1 is reserved for group(s) ml by the admin", "NoDeviceFitsError")
+    assert outsider.record is None
+    run(b.op_lease(member, {"op": "lease", "devices": ["GPU-rz1"]}))
+    assert member.record is not None
+    member.record = None
+    run(b.op_lease(root, {"op": "lease", "devices": ["GPU-rz1"]}))
+    assert root.record is not None and root.record.device_uuids == ("GPU-rz1",)
+
+
+@pytest.mark.parametrize("record_commands", [False, True])
+def test_a_holders_command_line_is_recorded_only_when_the_admin_says_so(
+    record_commands: bool,
+) -> None:
+    """``record_commands`` off (the default): a lease keeps no command line, whatever the client
+    sends. Caught: the setting ignored (every user's command line, tokens and all, was kept
+    and shown)."""
+    b = broker(record_commands=record_commands)
+    b._fleet = {"GPU-cm1"}
+    conn = person(b, 1001)
+    msg = {"op": "lease", "devices": ["GPU-cm1"],
+           "holder": {"kind": "process", "command": "python train.py --token=s3cret"}}
+    run(b.op_lease(conn, msg))
+    assert conn.record is not None
+    assert conn.record.command == ("python train.py --token=s3cret" if record_commands else None)
+
+
+def test_a_connection_that_ends_ends_its_lease_and_gives_its_person_one_place_back(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two connections of one person (``max_connections_per_user = 2``), the first holding a
+    lease: when it ends, its lease leaves the live state and the journal (a restarted broker
+    must not take it back), and its person may open one connection more, not two. Caught:
+    the count lowered by 2 or dropped while 1 was left (a person went past the limit); the
+    record left set, or set to something other than none (the lease stayed in the journal)."""
+    import socket
+
+    import autogpu_jupyter.broker as broker_mod
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    b = broker(state_dir=str(state), max_connections_per_user=2)
+    assert b.journal is not None
+    acct = Account(1001, "alice", frozenset())
+    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
+    monkeypatch.setattr(b.accounts, "account", lambda uid, gid: acct)
+
+    async def go() -> None:
+        pairs = [socket.socketpair() for _ in range(2)]
+        for ours, _ in pairs:
+            b.accepted(ours)
+        first = next(c for c in b.conns if c.writer.sock is pairs[0][0])
+        lease(b, first, "GPU-e1")
+        assert first.record is not None
+        lease_id = first.record.lease_id
+        assert list(b.journal.entries) == [lease_id]  # type: ignore[union-attr]
+        pairs[0][1].close()
+        for _ in range(200):
+            if len(b.conns) == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert dict(b.per_key) == {1001: 1}
+        assert b._conn_refusal(1001, acct) is None  # one more
+        assert (first.record, b.live(), b.journal.entries) == (None, [], {})  # type: ignore[union-attr]
+        b.per_key[1001] += 1
+        assert b._conn_refusal(1001, acct) is not None  # not two
+        b.per_key[1001] -= 1
+        pairs[1][1].close()
+        for _ in range(200):
+            if not b.conns:
+                break
+            await asyncio.sleep(0.01)
+
+    run(go())
+    assert dict(b.per_key) == {}
+
+
+def test_a_restarted_broker_takes_back_what_is_still_held_and_drops_the_rest(
+    tmp_path: Any, caplog: Any,
+) -> None:
+    """A broker restarted over a journal of four entries: one that is no record (skipped,
+    logged, dropped), one whose holder is gone (dropped), one whose recorded holder runs and
+    one whose socket this process still holds though its recorded holder is gone (both taken
+    back as orphans of their person, live, with the holders found, journaled). Then the
+    socket is closed: the next reaper round frees that one and keeps the other. Caught: an
+    entry skipped or dropped by ``break`` (the entries behind it were lost), the skipped or
+    dropped entry left in the journal, the skip's log line changed or without its reason, the
+    socket's holders not looked up (or looked up for entries without a socket), the orphan's
+    uid, holders or socket dropped, the record taken back as not live, the holders found not
+    journaled, the count logged wrong or its line changed."""
+    import logging
+    import socket
+
+    from autogpu_jupyter.brokerd import journal as jrnl
+    from autogpu_jupyter.brokerd.journal import Entry
+    from autogpu_jupyter.core.leasing.records import encode
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    first = broker(state_dir=str(state))
+    assert first.journal is not None
+    uid = os.getuid()
+    me, gone = jrnl.proc_ids(os.getpid()), [(os.getpid(), -1)]
+    assert me
+    owner = person(first, uid)
+    dead, by_pid, by_socket = (lease_record(first, owner, f"GPU-k{n}") for n in range(3))
+    ours, theirs = socket.socketpair()
+    try:
+        inode = os.fstat(theirs.fileno()).st_ino  # held by this process only
+        j = first.journal
+        j.add(Entry("f" * 32, uid, '{"kind": "lease"}', None, me))
+        j.add(Entry(dead.lease_id, uid, encode(dead).decode(), None, gone))
+        j.add(Entry(by_pid.lease_id, uid, encode(by_pid).decode(), None, me))
+        j.add(Entry(by_socket.lease_id, uid, encode(by_socket).decode(), inode, gone))
+        caplog.set_level(logging.INFO, logger="autogpu.broker")
+        second = broker(state_dir=str(state))
+        assert second.journal is not None
+        assert [r.getMessage() for r in caplog.records] == [
+            "journal entry skipped: missing keys ['created_s', 'device_requested_bytes', "
+            "'device_uuids', 'exclusive', 'holder_kind', 'host', 'lease_id', 'pid', 'uid', "
+            "'user', 'version']",
+            "restart: 2 lease(s)/ticket(s) taken back from the journal",
+        ]
+        key = second.accounts.account(uid, uid).key
+        got = {i: (o.uid, o.key, o.peer, o.holder_pids, o.record)
+               for i, o in second.orphans.items()}
+        assert got == {
+            by_pid.lease_id: (uid, key, None, me, by_pid),
+            by_socket.lease_id: (uid, key, inode, me, by_socket),
+        }
+        assert all(o.record.live and o.record.path == f"broker:{i}"
+                   for i, o in second.orphans.items())
+        assert {i: e.pids for i, e in second.journal.entries.items()} == {
+            by_pid.lease_id: me, by_socket.lease_id: me}
+    finally:
+        ours.close()
+        theirs.close()
+
+    async def reap() -> None:
+        await second._reap(asyncio.get_running_loop())
+
+    run(reap())
+    assert list(second.orphans) == [by_pid.lease_id]
+    assert list(second.journal.entries) == [by_pid.lease_id]
+
+
+@pytest.mark.parametrize("leased", ["after", "at"])
+def test_leaving_a_servable_ticket_after_taking_a_lease_since_bars_nobody(leased: str) -> None:
+    """A person whose ticket could be served took a lease since (on another connection, at
+    the moment it could or after): leaving the ticket then is no place left, no bar. Caught:
+    the lease's time looked up under no person, compared with ``<=``, or never kept (for a
+    record of no kind, of a misspelled kind, or kept as none)."""
+    import time
+
+    b = broker()
+    waiter, picker = person(b, 1001), person(b, 1001)
+    waiter.record = ticket_record(b, waiter)
+    assert waiter.record is not None
+    since = time.monotonic()
+    b.servable_since[waiter.record.lease_id] = since  # it could be served from then on
+    lease(b, picker, "GPU-lb1")  # the person took a lease
+    assert b.last_lease_at[1001] >= since
+    if leased == "at":
+        b.servable_since[waiter.record.lease_id] = b.last_lease_at[1001]
+    waiter.record = None  # then left the ticket
+    assert b.line_barred == {} and b.servable_since == {}
+
+
+def test_a_ticket_taken_while_a_device_is_free_reserves_nothing_and_is_forgotten_when_it_ends(
+) -> None:
+    """A ticket that joins the line while a device is free for it is dormant: another user's
+    pick does not see it reserve anything; when it ends, the broker keeps nothing of it.
+    Caught: the dormant ticket's id not kept (it reserved a device at once), or not let go
+    when it ended (the broker held every such id for good)."""
+    from autogpu_jupyter.broker import _StateView
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+
+    b = broker()
+    b.backend = SimulatedBackend("demo-4x")
+    b._snapshot()
+    waiter, picker = person(b, 1001), person(b, 1002)
+    waiter.record = ticket_record(b, waiter)
+    assert _StateView(b, picker).live_records() == ([], [])
+    waiter.record = None
+    assert (b.dormant, b.servable_since) == (set(), {})
+
+
+def test_a_grant_journals_its_socket_its_holder_and_its_ticket_number_and_set_pid_its_new_holder(
+    tmp_path: Any,
+) -> None:
+    """What a restarted broker needs to take a lease or ticket back is in the journal: the
+    client's end of the socket, the connecting process (pid and start time) as its holder, a
+    ticket's number (the next broker goes on from it); after ``set_pid``, the process named.
+    Caught: the socket or the holders left out of the entry, read for no process, the ticket
+    number not journaled; after ``set_pid`` the holders dropped, kept as before, or read for
+    no process."""
+    import socket
+    import subprocess
+
+    from autogpu_jupyter.brokerd import journal as jrnl
+    from autogpu_jupyter.brokerd import net
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    b = broker(state_dir=str(state))
+    assert b.journal is not None
+    b._fleet = {"GPU-jn1"}
+    me = jrnl.proc_ids(os.getpid())
+    assert me
+    holder, waiter = person(b, os.getuid()), person(b, os.getuid())
+
+    async def go(child: int, pairs: list[tuple[socket.socket, socket.socket]]) -> None:
+        for conn, (ours, _) in zip((holder, waiter), pairs):
+            conn.writer = net.Channel(ours, 1 << 20, lambda: None)
+        await b.op_lease(holder, {"op": "lease", "devices": ["GPU-jn1"]})
+        await b.op_ticket(waiter, {"op": "ticket", "constraints": {
+            "min_free_bytes": None, "min_free_fraction": None, "max_util_pct": None, "count": 1,
+            "exclude": [], "exclusive": False, "allowed_uuids": None}})
+        assert holder.record is not None and waiter.record is not None
+        for conn, (_, theirs) in zip((holder, waiter), pairs):
+            e = b.journal.entries[conn.record.lease_id]  # type: ignore[union-attr]
+            assert (e.peer, e.pids) == (os.fstat(theirs.fileno()).st_ino, me)
+        assert waiter.record.seq == 1
+        assert b.journal.seq == 1  # type: ignore[union-attr]
+        await b.op_set_pid(holder, {"op": "set_pid", "pid": child})
+        assert b.journal.entries[holder.record.lease_id].pids == (  # type: ignore[union-attr]
+            jrnl.proc_ids(child))
+        for conn in (holder, waiter):
+            conn.writer.shut()
+
+    child = subprocess.Popen(["sleep", "30"])
+    pairs = [socket.socketpair() for _ in range(2)]
+    try:
+        run(go(child.pid, pairs))
+    finally:
+        child.kill()
+        child.wait()
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
