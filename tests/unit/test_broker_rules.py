@@ -1296,3 +1296,133 @@ def test_the_state_a_pick_decides_on_has_the_tickets_that_reserve_in_line_order(
     b.dormant.add(sleeper.record.lease_id)
     leases, tickets = _StateView(b, picker).live_records()
     assert leases == [] and [t.lease_id for t in tickets] == [waiter.record.lease_id]
+
+
+def test_a_subordinate_uids_lease_counts_its_owners_leases_against_the_limit() -> None:
+    """alice holds her one device; a lease asked through a subordinate uid of hers is hers
+    too, and refused. Caught: the applicant asked with no person of its own (the subordinate
+    uid counted only its own leases, and alice held two devices)."""
+    b = broker(max_devices_per_user=1)
+    b._fleet = {"GPU-sub0", "GPU-sub1"}
+    alice = person(b, 1001, name="alice")
+    sub = Conn(b, 200000, 200000, os.getpid(),
+               Account(1001, "alice", frozenset(), via="subordinate uid 200000 of alice"))
+    b.conns.add(sub)
+    run(b.op_lease(alice, {"op": "lease", "devices": ["GPU-sub0"]}))
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_lease(sub, {"op": "lease", "devices": ["GPU-sub1"]}))
+    assert str(err.value).startswith(
+        "alice already holds leases on 1 device(s) (GPU-sub0); taking 1 more would exceed "
+        "max_devices_per_user = 1 set by the admin (enforced by the broker)")
+    assert err.value.kind == "LeaseLimitError" and sub.record is None
+
+
+def test_a_lease_on_a_device_reserved_for_a_group_goes_only_to_its_members() -> None:
+    """Caught: the reservations left out of the lease's admission (anyone leased a device the
+    admin reserved for the ml group)."""
+    b = broker(reserved={"GPU-rs0": ["ml"]})
+    b._fleet = {"GPU-rs0"}
+    outsider = person(b, 1001)
+    member = person(b, 1002, groups=frozenset({"ml"}))
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_lease(outsider, {"op": "lease", "devices": ["GPU-rs0"]}))
+    assert "reserved for group(s) ml by the admin" in str(err.value)
+    assert outsider.record is None
+    run(b.op_lease(member, {"op": "lease", "devices": ["GPU-rs0"]}))
+    assert member.record is not None and member.record.device_uuids == ("GPU-rs0",)
+
+
+def test_a_users_own_device_limit_is_named_in_the_refusal() -> None:
+    """Caught: the limit's source left out of the quota (the refusal did not say the limit
+    was alice's own, and she looked for it among the general settings)."""
+    b = broker(user_limits={"alice": 1}, max_devices_per_user=5)
+    b._fleet = {"GPU-ul0", "GPU-ul1"}
+    alice, again = person(b, 1001, name="alice"), person(b, 1001, name="alice")
+    run(b.op_lease(alice, {"op": "lease", "devices": ["GPU-ul0"]}))
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_lease(again, {"op": "lease", "devices": ["GPU-ul1"]}))
+    assert ("would exceed max_devices_per_user = 1 set by the admin for alice (enforced by "
+            "the broker)") in str(err.value)
+
+
+def test_a_repick_that_names_its_orphaned_lease_ends_it() -> None:
+    """A lease taken back from the journal after a restart and named by a re-pick is ended
+    with the new lease granted. Caught: the orphan not forgotten (the person held the old
+    lease and the new one)."""
+    b = broker()
+    b._fleet = {"GPU-or0", "GPU-or1"}
+    alice = person(b, 1001)
+    lease(b, alice, "GPU-or0")
+    rec = alice.record
+    assert rec is not None
+    alice.record = None
+    b.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
+    again = person(b, 1001)
+    run(b.op_lease(again, {"op": "lease", "devices": ["GPU-or1"], "ignore_ids": [rec.lease_id]}))
+    assert rec.lease_id not in b.orphans
+    assert [r.device_uuids for _, r in b.live()] == [("GPU-or1",)]
+
+
+def test_a_repicks_ids_that_are_not_a_list_replace_nothing() -> None:
+    """Caught: ids of the wrong type made None (the lease failed with a TypeError)."""
+    b = broker()
+    alice = person(b, 1001)
+    lease(b, alice, "GPU-nl0")
+    assert b._replaced(person(b, 1001), {"ignore_ids": "GPU-nl0"}) == set()
+
+
+def test_an_unknown_uids_device_limit_says_it_is_for_uids_without_a_passwd_entry() -> None:
+    """Caught: the limit's source text changed."""
+    from autogpu_jupyter.brokerd.identity import UNKNOWN_KEY
+
+    b = broker(unknown_max_devices=1)
+    conn = Conn(b, 77777, 77777, os.getpid(),
+                Account(UNKNOWN_KEY, "unknown uids", frozenset(), "uid 77777 (no passwd entry)"))
+    assert b.limit_for(conn) == (1, " for uids without a passwd entry")
+
+
+def test_a_leases_journal_line_names_the_peer_socket_of_its_connection(tmp_path: Any) -> None:
+    """The journal keeps the inode of the client's end of the socket (after a restart an
+    orphan is held while some process holds that socket). Caught: the peer read only without
+    a journal (every journaled lease had no peer, and was ended by a restart)."""
+    import json
+    import socket
+
+    from autogpu_jupyter.brokerd import net
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    b = broker(state_dir=str(state))
+    b._fleet = {"GPU-pi0"}
+
+    async def main() -> None:
+        conn = person(b, 1001)
+        conn.writer = net.Channel(ours, 1 << 20, lambda: None)
+        await b.op_lease(conn, {"op": "lease", "devices": ["GPU-pi0"]})
+        conn.writer.shut()
+
+    ours, theirs = socket.socketpair()
+    try:
+        run(main())
+        peer = os.fstat(theirs.fileno()).st_ino
+    finally:
+        ours.close()
+        theirs.close()
+    journal = (state / "journal.log").read_text().splitlines()
+    [add] = [json.loads(x) for x in journal if '"add"' in x]
+    assert add["peer"] == peer
+
+
+def test_a_connection_whose_loop_fails_under_it_ends_quietly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """asyncio raises RuntimeError on a socket whose loop is closing: the connection ends
+    like one lost on the way. Caught: only OSError kept quiet (the task died with an error)."""
+    b = broker()
+    conn = person(b, 1001)
+
+    async def failing(_conn: Conn) -> None:
+        raise RuntimeError("Event loop is closed")
+
+    monkeypatch.setattr(b, "_serve", failing)
+    assert run(b._run(conn)) is None
