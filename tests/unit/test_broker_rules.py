@@ -1426,3 +1426,88 @@ def test_a_connection_whose_loop_fails_under_it_ends_quietly(
 
     monkeypatch.setattr(b, "_serve", failing)
     assert run(b._run(conn)) is None
+
+
+def test_the_status_ranks_the_busiest_people_first_and_sums_the_rest_in_one_row(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+) -> None:
+    """Past ``_STATUS_USERS`` people the status keeps the busiest (leases, devices and tickets
+    summed; a tie by name) and folds the others into one "(N more users)" row; every other
+    count of the answer under its own key. Caught: the ranking reversed or by name, the
+    tie compared by counts, the folded row not summed (or not starting at zero), tickets
+    miscounted, the answer's keys misspelled, the journal's size left out, the uptime summed."""
+    import time
+
+    import autogpu_jupyter.broker as broker_mod
+    from autogpu_jupyter import __version__
+
+    monkeypatch.setattr(broker_mod, "_STATUS_USERS", 2)
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    b = broker(state_dir=str(state))
+    assert b.journal is not None
+    p1, p2, p3, p4 = (person(b, uid) for uid in (1001, 1002, 1003, 1004))
+    p5 = [person(b, 1005) for _ in range(3)]
+    p1.record = ticket_record(b, p1)
+    lease(b, p2, "GPU-st2")
+    lease(b, p3, "GPU-st3")
+    p4.record = ticket_record(b, p4)
+    p5[0].record = b._make_record(p5[0], "lease", {
+        "device_uuids": ["GPU-st50", "GPU-st51"], "device_requested_bytes": [None, None],
+        "exclusive": False, "pid": p5[0].pid, "kernel_id": None, "notebook_path": None,
+        "command": None, "holder_kind": "process",
+    })
+    p5[1].record = ticket_record(b, p5[1])
+    p5[2].record = ticket_record(b, p5[2])
+    b.waiting.append(p1)
+    b.lapsed = 3
+    before = time.time()
+    got = run(b.op_status(p1, {"op": "status"}))
+    after = time.time()
+    assert before - b.started <= got.pop("uptime_s") <= after - b.started
+    assert got == {
+        "ok": True,
+        "leases_total": 3,
+        "tickets_total": 4,
+        "per_user": {
+            "user1005": {"leases": 1, "devices": 2, "tickets": 2},
+            "user1002": {"leases": 1, "devices": 1, "tickets": 0},
+            "(3 more users)": {"leases": 1, "devices": 1, "tickets": 2},
+        },
+        "orphans": 0,
+        "connections": 7,
+        "max_connections": b.conn_cap,
+        "waiting_for_lock": 1,
+        "max_devices_per_user": b.config.max_devices_per_user,
+        "tickets_lapsed": 3,
+        "journal_bytes": b.journal.size_bytes,
+        "pid": os.getpid(),
+        "version": __version__,
+    }
+    assert got["journal_bytes"] > 0
+
+
+def test_the_status_folds_no_one_at_exactly_its_most_people() -> None:
+    """Caught: the fold made at ``_STATUS_USERS`` people already (an empty "(0 more users)"
+    row)."""
+    import autogpu_jupyter.broker as broker_mod
+
+    b = broker()
+    for i in range(broker_mod._STATUS_USERS):
+        lease(b, person(b, 1001 + i), f"GPU-f{i}")
+    got = run(b.op_status(person(b, 0, name="root"), {"op": "status"}))
+    assert len(got["per_user"]) == broker_mod._STATUS_USERS
+    assert not any(name.endswith("more users)") for name in got["per_user"])
+
+
+def test_the_status_names_a_record_without_a_user_by_its_account() -> None:
+    """A journal may hold a record with an empty user name: its row is named by the account's
+    number. Caught: the account number lost (the row was named "None")."""
+    from dataclasses import replace
+
+    b = broker()
+    alice = person(b, 1001)
+    rec = replace(lease_record(b, alice, "GPU-nu0"), user="")
+    b.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
+    got = run(b.op_status(alice, {"op": "status"}))
+    assert got["per_user"] == {"1001": {"leases": 1, "devices": 1, "tickets": 0}}
