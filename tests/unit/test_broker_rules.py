@@ -2190,3 +2190,218 @@ def test_a_grant_journals_its_socket_its_holder_and_its_ticket_number_and_set_pi
         for ours, theirs in pairs:
             ours.close()
             theirs.close()
+
+
+def test_a_subordinate_uids_lease_counts_its_owners_leases_against_the_limit() -> None:
+    """alice holds her one device; a lease asked through a subordinate uid of hers is hers
+    too, and refused. Caught: the applicant asked with no person of its own (the subordinate
+    uid counted only its own leases, and alice held two devices)."""
+    b = broker(max_devices_per_user=1)
+    b._fleet = {"GPU-sub0", "GPU-sub1"}
+    alice = person(b, 1001, name="alice")
+    sub = Conn(b, 200000, 200000, os.getpid(),
+               Account(1001, "alice", frozenset(), via="subordinate uid 200000 of alice"))
+    b.conns.add(sub)
+    run(b.op_lease(alice, {"op": "lease", "devices": ["GPU-sub0"]}))
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_lease(sub, {"op": "lease", "devices": ["GPU-sub1"]}))
+    assert str(err.value).startswith(
+        "alice already holds leases on 1 device(s) (GPU-sub0); taking 1 more would exceed "
+        "max_devices_per_user = 1 set by the admin (enforced by the broker)")
+    assert err.value.kind == "LeaseLimitError" and sub.record is None
+
+
+def test_a_lease_on_a_device_reserved_for_a_group_goes_only_to_its_members() -> None:
+    """Caught: the reservations left out of the lease's admission (anyone leased a device the
+    admin reserved for the ml group)."""
+    b = broker(reserved={"GPU-rs0": ["ml"]})
+    b._fleet = {"GPU-rs0"}
+    outsider = person(b, 1001)
+    member = person(b, 1002, groups=frozenset({"ml"}))
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_lease(outsider, {"op": "lease", "devices": ["GPU-rs0"]}))
+    assert "reserved for group(s) ml by the admin" in str(err.value)
+    assert outsider.record is None
+    run(b.op_lease(member, {"op": "lease", "devices": ["GPU-rs0"]}))
+    assert member.record is not None and member.record.device_uuids == ("GPU-rs0",)
+
+
+def test_a_users_own_device_limit_is_named_in_the_refusal() -> None:
+    """Caught: the limit's source left out of the quota (the refusal did not say the limit
+    was alice's own, and she looked for it among the general settings)."""
+    b = broker(user_limits={"alice": 1}, max_devices_per_user=5)
+    b._fleet = {"GPU-ul0", "GPU-ul1"}
+    alice, again = person(b, 1001, name="alice"), person(b, 1001, name="alice")
+    run(b.op_lease(alice, {"op": "lease", "devices": ["GPU-ul0"]}))
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_lease(again, {"op": "lease", "devices": ["GPU-ul1"]}))
+    assert ("would exceed max_devices_per_user = 1 set by the admin for alice (enforced by "
+            "the broker)") in str(err.value)
+
+
+def test_a_repick_that_names_its_orphaned_lease_ends_it() -> None:
+    """A lease taken back from the journal after a restart and named by a re-pick is ended
+    with the new lease granted. Caught: the orphan not forgotten (the person held the old
+    lease and the new one)."""
+    b = broker()
+    b._fleet = {"GPU-or0", "GPU-or1"}
+    alice = person(b, 1001)
+    lease(b, alice, "GPU-or0")
+    rec = alice.record
+    assert rec is not None
+    alice.record = None
+    b.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
+    again = person(b, 1001)
+    run(b.op_lease(again, {"op": "lease", "devices": ["GPU-or1"], "ignore_ids": [rec.lease_id]}))
+    assert rec.lease_id not in b.orphans
+    assert [r.device_uuids for _, r in b.live()] == [("GPU-or1",)]
+
+
+def test_a_repicks_ids_that_are_not_a_list_replace_nothing() -> None:
+    """Caught: ids of the wrong type made None (the lease failed with a TypeError)."""
+    b = broker()
+    alice = person(b, 1001)
+    lease(b, alice, "GPU-nl0")
+    assert b._replaced(person(b, 1001), {"ignore_ids": "GPU-nl0"}) == set()
+
+
+def test_an_unknown_uids_device_limit_says_it_is_for_uids_without_a_passwd_entry() -> None:
+    """Caught: the limit's source text changed."""
+    from autogpu_jupyter.brokerd.identity import UNKNOWN_KEY
+
+    b = broker(unknown_max_devices=1)
+    conn = Conn(b, 77777, 77777, os.getpid(),
+                Account(UNKNOWN_KEY, "unknown uids", frozenset(), "uid 77777 (no passwd entry)"))
+    assert b.limit_for(conn) == (1, " for uids without a passwd entry")
+
+
+def test_a_leases_journal_line_names_the_peer_socket_of_its_connection(tmp_path: Any) -> None:
+    """The journal keeps the inode of the client's end of the socket (after a restart an
+    orphan is held while some process holds that socket). Caught: the peer read only without
+    a journal (every journaled lease had no peer, and was ended by a restart)."""
+    import json
+    import socket
+
+    from autogpu_jupyter.brokerd import net
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    b = broker(state_dir=str(state))
+    b._fleet = {"GPU-pi0"}
+
+    async def main() -> None:
+        conn = person(b, 1001)
+        conn.writer = net.Channel(ours, 1 << 20, lambda: None)
+        await b.op_lease(conn, {"op": "lease", "devices": ["GPU-pi0"]})
+        conn.writer.shut()
+
+    ours, theirs = socket.socketpair()
+    try:
+        run(main())
+        peer = os.fstat(theirs.fileno()).st_ino
+    finally:
+        ours.close()
+        theirs.close()
+    journal = (state / "journal.log").read_text().splitlines()
+    [add] = [json.loads(x) for x in journal if '"add"' in x]
+    assert add["peer"] == peer
+
+
+def test_a_connection_whose_loop_fails_under_it_ends_quietly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """asyncio raises RuntimeError on a socket whose loop is closing: the connection ends
+    like one lost on the way. Caught: only OSError kept quiet (the task died with an error)."""
+    b = broker()
+    conn = person(b, 1001)
+
+    async def failing(_conn: Conn) -> None:
+        raise RuntimeError("Event loop is closed")
+
+    monkeypatch.setattr(b, "_serve", failing)
+    assert run(b._run(conn)) is None
+
+
+def test_the_status_ranks_the_busiest_people_first_and_sums_the_rest_in_one_row(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+) -> None:
+    """Past ``_STATUS_USERS`` people the status keeps the busiest (leases, devices and tickets
+    summed; a tie by name) and folds the others into one "(N more users)" row; every other
+    count of the answer under its own key. Caught: the ranking reversed or by name, the
+    tie compared by counts, the folded row not summed (or not starting at zero), tickets
+    miscounted, the answer's keys misspelled, the journal's size left out, the uptime summed."""
+    import time
+
+    import autogpu_jupyter.broker as broker_mod
+    from autogpu_jupyter import __version__
+
+    monkeypatch.setattr(broker_mod, "_STATUS_USERS", 2)
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    b = broker(state_dir=str(state))
+    assert b.journal is not None
+    p1, p2, p3, p4 = (person(b, uid) for uid in (1001, 1002, 1003, 1004))
+    p5 = [person(b, 1005) for _ in range(3)]
+    p1.record = ticket_record(b, p1)
+    lease(b, p2, "GPU-st2")
+    lease(b, p3, "GPU-st3")
+    p4.record = ticket_record(b, p4)
+    p5[0].record = b._make_record(p5[0], "lease", {
+        "device_uuids": ["GPU-st50", "GPU-st51"], "device_requested_bytes": [None, None],
+        "exclusive": False, "pid": p5[0].pid, "kernel_id": None, "notebook_path": None,
+        "command": None, "holder_kind": "process",
+    })
+    p5[1].record = ticket_record(b, p5[1])
+    p5[2].record = ticket_record(b, p5[2])
+    b.waiting.append(p1)
+    b.lapsed = 3
+    before = time.time()
+    got = run(b.op_status(p1, {"op": "status"}))
+    after = time.time()
+    assert before - b.started <= got.pop("uptime_s") <= after - b.started
+    assert got == {
+        "ok": True,
+        "leases_total": 3,
+        "tickets_total": 4,
+        "per_user": {
+            "user1005": {"leases": 1, "devices": 2, "tickets": 2},
+            "user1002": {"leases": 1, "devices": 1, "tickets": 0},
+            "(3 more users)": {"leases": 1, "devices": 1, "tickets": 2},
+        },
+        "orphans": 0,
+        "connections": 7,
+        "max_connections": b.conn_cap,
+        "waiting_for_lock": 1,
+        "max_devices_per_user": b.config.max_devices_per_user,
+        "tickets_lapsed": 3,
+        "journal_bytes": b.journal.size_bytes,
+        "pid": os.getpid(),
+        "version": __version__,
+    }
+    assert got["journal_bytes"] > 0
+
+
+def test_the_status_folds_no_one_at_exactly_its_most_people() -> None:
+    """Caught: the fold made at ``_STATUS_USERS`` people already (an empty "(0 more users)"
+    row)."""
+    import autogpu_jupyter.broker as broker_mod
+
+    b = broker()
+    for i in range(broker_mod._STATUS_USERS):
+        lease(b, person(b, 1001 + i), f"GPU-f{i}")
+    got = run(b.op_status(person(b, 0, name="root"), {"op": "status"}))
+    assert len(got["per_user"]) == broker_mod._STATUS_USERS
+    assert not any(name.endswith("more users)") for name in got["per_user"])
+
+
+def test_the_status_names_a_record_without_a_user_by_its_account() -> None:
+    """A journal may hold a record with an empty user name: its row is named by the account's
+    number. Caught: the account number lost (the row was named "None")."""
+    from dataclasses import replace
+
+    b = broker()
+    alice = person(b, 1001)
+    rec = replace(lease_record(b, alice, "GPU-nu0"), user="")
+    b.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
+    got = run(b.op_status(alice, {"op": "status"}))
+    assert got["per_user"] == {"1001": {"leases": 1, "devices": 1, "tickets": 0}}
