@@ -1296,3 +1296,88 @@ def test_the_state_a_pick_decides_on_has_the_tickets_that_reserve_in_line_order(
     b.dormant.add(sleeper.record.lease_id)
     leases, tickets = _StateView(b, picker).live_records()
     assert leases == [] and [t.lease_id for t in tickets] == [waiter.record.lease_id]
+
+
+# ---- survivors of the broker's full run (issue 22) ----
+
+
+class Clock:
+    """``time.monotonic`` of the broker module, moved by hand."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, now: float) -> None:
+        import autogpu_jupyter.broker as broker_mod
+
+        self.now = now
+        monkeypatch.setattr(broker_mod.time, "monotonic", lambda: self.now)
+
+
+def refusal(b: Broker, conn: Conn) -> tuple[str, str] | None:
+    """What ``conn`` joining the waiting line now is refused with (``None``: it may join)."""
+    try:
+        b._may_join(conn)
+    except BrokerRefusal as err:
+        return str(err), err.kind
+    return None
+
+
+def test_a_person_joins_the_line_a_burst_of_times_then_at_the_ticket_rate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Eight tickets at once, then two a second, per person; another person has a burst of
+    their own and root is not counted. Caught: the bucket shared by everyone, not refilled,
+    refilled too slowly or too fast, a join costing nothing or two, the refusal's words,
+    kind or seconds changed, and root limited."""
+    clock = Clock(monkeypatch, 1000.0)
+    b = broker()
+    alice, bob, root = person(b, 1001), person(b, 1002), person(b, 0, name="root")
+    assert [refusal(b, alice) for _ in range(8)] == [None] * 8
+    too_many = ("user1001 joined the waiting line 8 times in the last 4 s: wait a moment "
+                "before taking another ticket", "LeaseLimitError")
+    assert refusal(b, alice) == too_many
+    assert refusal(b, bob) is None  # a burst of bob's own
+    assert [refusal(b, root) for _ in range(20)] == [None] * 20
+    clock.now += 0.5  # one ticket more at two a second
+    assert refusal(b, alice) is None
+    assert refusal(b, alice) == too_many
+    clock.now += 100.0  # a full burst again, no more
+    assert [refusal(b, alice) for _ in range(9)] == [None] * 8 + [too_many]
+
+
+def test_a_barred_person_may_join_the_line_again_when_the_bar_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A person barred from the line (a servable ticket left) is refused until the bar ends,
+    told how long is left; one never barred joins even on a clock just past boot. Caught: the
+    refusal's words, seconds or kind changed, the bar kept on its last moment, and a person
+    never barred taken as barred until 1 s after boot."""
+    clock = Clock(monkeypatch, 0.5)
+    b = broker()
+    alice = person(b, 1001)
+    assert refusal(b, alice) is None
+    clock.now = 1000.0
+    b._bar_from_line(alice.key, ticket_record(b, alice))
+    clock.now = 1030.0
+    assert refusal(b, alice) == (
+        "user1001 left a place in the waiting line that could be served, without taking a "
+        "lease: user1001 may wait in line again in 30 s (a pick that does not wait works "
+        "now)", "LeaseLimitError")
+    clock.now = 1060.0
+    assert refusal(b, alice) is None
+
+
+def test_the_line_rates_of_people_who_left_are_dropped_past_their_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broker keeps a rate per person who joined the line: past four per connected
+    person and 64 more, those of people no longer connected are dropped (a stream of uids
+    cannot make it hold more). Caught: the bound moved by one either way, the 64 or the 4
+    changed, and the connected people's rates dropped instead."""
+    Clock(monkeypatch, 1000.0)
+    b = broker()
+    alice, bob, carol = person(b, 1001), person(b, 1002), person(b, 1003)
+    b.per_key.update({1001: 1, 1002: 1})  # carol's connection is not counted: she left
+    b.joined = {10_000 + i: [8.0, 1000.0] for i in range(70)}
+    assert refusal(b, alice) is None and refusal(b, bob) is None
+    assert len(b.joined) == 72  # 4 * 2 + 64: not past the bound
+    assert refusal(b, carol) is None
+    assert sorted(b.joined) == [1001, 1002]
