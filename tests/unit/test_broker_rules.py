@@ -1381,3 +1381,63 @@ def test_the_line_rates_of_people_who_left_are_dropped_past_their_bound(
     assert len(b.joined) == 72  # 4 * 2 + 64: not past the bound
     assert refusal(b, carol) is None
     assert sorted(b.joined) == [1001, 1002]
+
+
+def one_free_device() -> Any:
+    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+
+    dev = DeviceSnapshot(index=0, uuid="GPU-s1", name="Fake", memory_total_bytes=80 << 30,
+                         memory_used_bytes=0, memory_free_bytes=80 << 30, utilization_pct=0.0)
+    return FleetSnapshot(devices=(dev,), timestamp_s=1.0, backend="test")
+
+
+def exclusive_ticket(b: Broker, conn: Conn, seq: int) -> Any:
+    from dataclasses import replace
+
+    rec = ticket_record(b, conn)
+    return replace(rec, seq=seq, constraints={**rec.constraints, "exclusive": True})
+
+
+@pytest.mark.parametrize(
+    ("lease_age_s", "snap_age_s", "earlier", "reserves"),
+    [
+        (None, 0.0, None, False),  # a free device: the ticket is served, it reserves nothing
+        (None, 1.0, None, False),  # a snapshot a second old still judges
+        (None, 1.5, None, True),  # an older one does not: the ticket reserves
+        (2.0, 0.0, None, True),  # a lease held for SETTLED_S takes the device: it waits
+        (1.0, 0.0, None, False),  # a pick of a moment ago does not make it wait
+        (None, 0.0, "reserving", True),  # an earlier waiter that reserves is served first
+        (None, 0.0, "dormant", False),  # an earlier ticket that reserves nothing is not
+    ],
+)
+def test_a_new_ticket_reserves_only_where_a_settled_lease_or_an_earlier_waiter_holds_it(
+    monkeypatch: pytest.MonkeyPatch, lease_age_s: float | None, snap_age_s: float,
+    earlier: str | None, reserves: bool,
+) -> None:
+    """A ticket taken while the one device is free for it is dormant (it reserves nothing);
+    it reserves where a lease held for two seconds at least, or an earlier reserving ticket,
+    takes the device, or where the last snapshot is more than a second old. Caught: the
+    snapshot's age limit moved or ignored, the judgement inverted or given no snapshot or
+    line, young leases counted, settled ones ignored (or only those strictly older), every
+    other ticket put ahead of it or none."""
+    from dataclasses import replace
+
+    import autogpu_jupyter.broker as broker_mod
+
+    clock = Clock(monkeypatch, 1000.0)
+    monkeypatch.setattr(broker_mod.time, "time", lambda: 1e9)
+    b = broker()
+    b._snap, b._snap_at = one_free_device(), clock.now
+    if lease_age_s is not None:
+        carol = person(b, 1003)
+        carol.record = replace(lease_record(b, carol, "GPU-s1"), exclusive=True,
+                               created_s=1e9 - lease_age_s)
+    if earlier is not None:
+        bob = person(b, 1002)
+        b._snap_at = clock.now - (5.0 if earlier == "reserving" else 0.0)
+        bob.record = exclusive_ticket(b, bob, 1)
+        assert b.reserving(bob.record) is (earlier == "reserving")
+    b._snap_at = clock.now - snap_age_s
+    alice = person(b, 1001)
+    alice.record = exclusive_ticket(b, alice, 2)
+    assert b.reserving(alice.record) is reserves
