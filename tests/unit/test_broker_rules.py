@@ -2405,3 +2405,148 @@ def test_the_status_names_a_record_without_a_user_by_its_account() -> None:
     b.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
     got = run(b.op_status(alice, {"op": "status"}))
     assert got["per_user"] == {"1001": {"leases": 1, "devices": 1, "tickets": 0}}
+
+
+# ---- survivors of the broker's full run (issue 22) ----
+
+
+class Clock:
+    """``time.monotonic`` of the broker module, moved by hand."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, now: float) -> None:
+        import autogpu_jupyter.broker as broker_mod
+
+        self.now = now
+        monkeypatch.setattr(broker_mod.time, "monotonic", lambda: self.now)
+
+
+def refusal(b: Broker, conn: Conn) -> tuple[str, str] | None:
+    """What ``conn`` joining the waiting line now is refused with (``None``: it may join)."""
+    try:
+        b._may_join(conn)
+    except BrokerRefusal as err:
+        return str(err), err.kind
+    return None
+
+
+def test_a_person_joins_the_line_a_burst_of_times_then_at_the_ticket_rate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Eight tickets at once, then two a second, per person; another person has a burst of
+    their own and root is not counted. Caught: the bucket shared by everyone, not refilled,
+    refilled too slowly or too fast, a join costing nothing or two, the refusal's words,
+    kind or seconds changed, and root limited."""
+    clock = Clock(monkeypatch, 1000.0)
+    b = broker()
+    alice, bob, root = person(b, 1001), person(b, 1002), person(b, 0, name="root")
+    assert [refusal(b, alice) for _ in range(8)] == [None] * 8
+    too_many = ("user1001 joined the waiting line 8 times in the last 4 s: wait a moment "
+                "before taking another ticket", "LeaseLimitError")
+    assert refusal(b, alice) == too_many
+    assert refusal(b, bob) is None  # a burst of bob's own
+    assert [refusal(b, root) for _ in range(20)] == [None] * 20
+    clock.now += 0.5  # one ticket more at two a second
+    assert refusal(b, alice) is None
+    assert refusal(b, alice) == too_many
+    clock.now += 100.0  # a full burst again, no more
+    assert [refusal(b, alice) for _ in range(9)] == [None] * 8 + [too_many]
+
+
+def test_a_barred_person_may_join_the_line_again_when_the_bar_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A person barred from the line (a servable ticket left) is refused until the bar ends,
+    told how long is left; one never barred joins even on a clock just past boot. Caught: the
+    refusal's words, seconds or kind changed, the bar kept on its last moment, and a person
+    never barred taken as barred until 1 s after boot."""
+    clock = Clock(monkeypatch, 0.5)
+    b = broker()
+    alice = person(b, 1001)
+    assert refusal(b, alice) is None
+    clock.now = 1000.0
+    b._bar_from_line(alice.key, ticket_record(b, alice))
+    clock.now = 1030.0
+    assert refusal(b, alice) == (
+        "user1001 left a place in the waiting line that could be served, without taking a "
+        "lease: user1001 may wait in line again in 30 s (a pick that does not wait works "
+        "now)", "LeaseLimitError")
+    clock.now = 1060.0
+    assert refusal(b, alice) is None
+
+
+def test_the_line_rates_of_people_who_left_are_dropped_past_their_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broker keeps a rate per person who joined the line: past four per connected
+    person and 64 more, those of people no longer connected are dropped (a stream of uids
+    cannot make it hold more). Caught: the bound moved by one either way, the 64 or the 4
+    changed, and the connected people's rates dropped instead."""
+    Clock(monkeypatch, 1000.0)
+    b = broker()
+    alice, bob, carol = person(b, 1001), person(b, 1002), person(b, 1003)
+    b.per_key.update({1001: 1, 1002: 1})  # carol's connection is not counted: she left
+    b.joined = {10_000 + i: [8.0, 1000.0] for i in range(70)}
+    assert refusal(b, alice) is None and refusal(b, bob) is None
+    assert len(b.joined) == 72  # 4 * 2 + 64: not past the bound
+    assert refusal(b, carol) is None
+    assert sorted(b.joined) == [1001, 1002]
+
+
+def one_free_device() -> Any:
+    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+
+    dev = DeviceSnapshot(index=0, uuid="GPU-s1", name="Fake", memory_total_bytes=80 << 30,
+                         memory_used_bytes=0, memory_free_bytes=80 << 30, utilization_pct=0.0)
+    return FleetSnapshot(devices=(dev,), timestamp_s=1.0, backend="test")
+
+
+def exclusive_ticket(b: Broker, conn: Conn, seq: int) -> Any:
+    from dataclasses import replace
+
+    rec = ticket_record(b, conn)
+    return replace(rec, seq=seq, constraints={**rec.constraints, "exclusive": True})
+
+
+@pytest.mark.parametrize(
+    ("lease_age_s", "snap_age_s", "earlier", "reserves"),
+    [
+        (None, 0.0, None, False),  # a free device: the ticket is served, it reserves nothing
+        (None, 1.0, None, False),  # a snapshot a second old still judges
+        (None, 1.5, None, True),  # an older one does not: the ticket reserves
+        (2.0, 0.0, None, True),  # a lease held for SETTLED_S takes the device: it waits
+        (1.0, 0.0, None, False),  # a pick of a moment ago does not make it wait
+        (None, 0.0, "reserving", True),  # an earlier waiter that reserves is served first
+        (None, 0.0, "dormant", False),  # an earlier ticket that reserves nothing is not
+    ],
+)
+def test_a_new_ticket_reserves_only_where_a_settled_lease_or_an_earlier_waiter_holds_it(
+    monkeypatch: pytest.MonkeyPatch, lease_age_s: float | None, snap_age_s: float,
+    earlier: str | None, reserves: bool,
+) -> None:
+    """A ticket taken while the one device is free for it is dormant (it reserves nothing);
+    it reserves where a lease held for two seconds at least, or an earlier reserving ticket,
+    takes the device, or where the last snapshot is more than a second old. Caught: the
+    snapshot's age limit moved or ignored, the judgement inverted or given no snapshot or
+    line, young leases counted, settled ones ignored (or only those strictly older), every
+    other ticket put ahead of it or none."""
+    from dataclasses import replace
+
+    import autogpu_jupyter.broker as broker_mod
+
+    clock = Clock(monkeypatch, 1000.0)
+    monkeypatch.setattr(broker_mod.time, "time", lambda: 1e9)
+    b = broker()
+    b._snap, b._snap_at = one_free_device(), clock.now
+    if lease_age_s is not None:
+        carol = person(b, 1003)
+        carol.record = replace(lease_record(b, carol, "GPU-s1"), exclusive=True,
+                               created_s=1e9 - lease_age_s)
+    if earlier is not None:
+        bob = person(b, 1002)
+        b._snap_at = clock.now - (5.0 if earlier == "reserving" else 0.0)
+        bob.record = exclusive_ticket(b, bob, 1)
+        assert b.reserving(bob.record) is (earlier == "reserving")
+    b._snap_at = clock.now - snap_age_s
+    alice = person(b, 1001)
+    alice.record = exclusive_ticket(b, alice, 2)
+    assert b.reserving(alice.record) is reserves
