@@ -68,6 +68,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import pwd
 import secrets
@@ -351,7 +352,7 @@ class Broker:
         self.accounts = Accounts(config.subuid_path)
         self.conn_cap = net.connection_cap(config.max_connections)
         self.refused = 0  # connections refused since the last log line
-        self._refused_logged = 0.0
+        self._refused_logged = -math.inf  # the first refusal is logged, whatever the clock
         self.lapsed = 0  # tickets that lost their place, in all
         self.servable_since: dict[str, float] = {}  # ticket id -> when it could first be served
         #: Tickets that joined the line while a device was free for them: they reserve nothing

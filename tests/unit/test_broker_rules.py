@@ -1011,17 +1011,21 @@ def test_a_refused_connection_gets_one_line_with_the_protocol_and_is_logged(
         "1 connection(s) refused (the last from uid 1001: too many connections for alice)"]
 
 
+@pytest.mark.parametrize("start", [100.0, 3.0], ids=["running", "just-booted"])
 def test_refused_connections_are_logged_at_most_every_ten_seconds_with_their_count(
-    monkeypatch: pytest.MonkeyPatch, caplog: Any,
+    monkeypatch: pytest.MonkeyPatch, caplog: Any, start: float,
 ) -> None:
-    """The first refusal is logged; the next ones within 10 s are counted into the next line,
-    logged 10 s after the last. Caught: the count set instead of increased or not started again
-    from 0, the time since the last line miscounted or compared with ``>``."""
+    """The first refusal is logged, also on a host booted less than 10 s ago (the monotonic
+    clock counts from boot); the next ones within 10 s are counted into the next line, logged
+    10 s after the last. Caught: the count set instead of increased or not started again from 0,
+    the time since the last line miscounted or compared with ``>``; the last line's time
+    starting at 0 (a broker started in a host's first 10 s kept its first refusals quiet)."""
     import logging
     import socket
 
     b = broker()
     clock = Paced(monkeypatch)
+    clock.now = start
     caplog.set_level(logging.WARNING, logger="autogpu.broker")
 
     def refuse(uid: int) -> None:
