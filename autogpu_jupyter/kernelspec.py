@@ -188,6 +188,9 @@ def _options_from_args(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageErrorBase(
                 f"invalid --count {opts['count']!r}: expected a whole number >= 1, e.g. 2"
             ) from None
+    # Checked here first so that a bad value is named by the flag the user typed; install()
+    # checks again as the provisioner reads it (JSON keys).
+    options.parse(opts, style="flag")
     if args.on_no_device is not None:
         opts["on_no_device"] = args.on_no_device
     return opts

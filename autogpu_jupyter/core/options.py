@@ -249,7 +249,9 @@ def parse(
         _count(merged["count"], style)
     for key in ("min_free", "max_util", "exclude"):
         if key in merged:
-            _attributed(key, merged[key], lambda k=key: Constraints.parse(**{k: merged[k]}))
+            _attributed(
+                key, merged[key], lambda k=key: Constraints.parse(**{k: merged[k]}), style
+            )
     exclusive = _switch(merged.get("exclusive", False), "exclusive", style)
     constraints = Constraints.parse(
         min_free=merged.get("min_free"),
@@ -262,7 +264,7 @@ def parse(
     )
     wait = merged.get("wait")
     wait_s = (
-        0.0 if wait is None else _attributed("wait", wait, lambda: parse_duration(wait))
+        0.0 if wait is None else _attributed("wait", wait, lambda: parse_duration(wait), style)
     )
     return PickOptions(constraints, wait_s)
 
@@ -281,13 +283,18 @@ def _count(value: object, style: str) -> int:
     return n
 
 
-def _attributed(key: str, value: object, check: Any) -> Any:
+def _attributed(key: str, value: object, check: Any, style: str) -> Any:
     try:
         return check()
     except OptionError:
         raise
     except UsageErrorBase as err:
-        raise OptionError(str(err), key, value) from None
+        # The checks below name the command-line flag; a JSON surface names its key instead.
+        flag = f"invalid {_SPECS[key].flag} "
+        message = str(err)
+        if style == "key" and message.startswith(flag):
+            message = f"invalid {key} " + message[len(flag):]
+        raise OptionError(message, key, value) from None
 
 
 _EXAMPLES = {"min_free": '"10G"', "max_util": '"50"', "wait": '"10m"'}

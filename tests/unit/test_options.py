@@ -204,6 +204,27 @@ def test_json_values_of_the_wrong_type_are_refused_with_an_example(
     assert err.value == next(iter(values.values()))
 
 
+@pytest.mark.parametrize(
+    ("values", "flag_words", "key_words"),
+    [
+        ({"max_util": "x"}, "invalid --max-util 'x': expected a number from 0 to 100",
+         "invalid max_util 'x': expected a number from 0 to 100"),
+        ({"exclude": "x,"}, "invalid --exclude 'x,': empty device id",
+         "invalid exclude 'x,': empty device id"),
+        ({"min_free": "x"}, "invalid size 'x': not understood", "invalid size 'x': not understood"),
+    ],
+)
+def test_a_bad_value_is_named_as_the_surface_spells_it(
+    values: dict[str, object], flag_words: str, key_words: str
+) -> None:
+    """The command line names ``--max-util``; JSON (the server's select, a kernelspec) names
+    ``max_util``. Caught: the JSON surfaces' messages named the command-line flag."""
+    for style, words in (("flag", flag_words), ("key", key_words)):
+        err = _error(values, style=style)
+        assert str(err).startswith(words), (style, str(err))
+        assert (err.option, err.value) == (next(iter(values)), next(iter(values.values())))
+
+
 def test_json_numbers_are_fine_where_they_are_not_ambiguous() -> None:
     got = parse({"max_util": 50, "wait": 90, "count": 2, "exclude": [0, "GPU-1"]}, style="key")
     c = got.constraints
