@@ -396,10 +396,6 @@ class Broker:
         shown = rec if viewer_uid in (0, rec.uid) else replace(rec, command=None)
         return shown._payload()
 
-    def _records(self, kind: str, viewer_uid: int) -> list[dict[str, Any]]:
-        """Live records of ``kind`` as their payloads, for a client of ``viewer_uid``."""
-        return [self._shown(rec, viewer_uid) for _, rec in self.live() if rec.kind == kind]
-
     # -- the pick lock ----------------------------------------------------------------------
 
     def _grant_next(self) -> None:
@@ -1506,10 +1502,6 @@ def _notify(conn: Conn, event: dict[str, Any]) -> None:
     client reads it with its next reply."""
     with contextlib.suppress(OSError, RuntimeError, AttributeError):
         conn.writer.write(json.dumps(event).encode() + b"\n")
-
-
-def _opt_str(v: Any) -> str | None:
-    return v if isinstance(v, str) else None
 
 
 def _error(message: str) -> dict[str, Any]:

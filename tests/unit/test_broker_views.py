@@ -269,20 +269,6 @@ def test_the_live_records_are_computed_once_per_change_of_the_state() -> None:
     assert len(b.live()) == 2 and b._live[1] is not kept
 
 
-def test_the_records_of_a_kind_show_other_peoples_command_lines_only_to_root() -> None:
-    """Caught: the records of the other kind listed, the record or the viewer left out (a
-    TypeError, or every command line hidden from its owner)."""
-    b = broker()
-    mine = held(b, person(b, 1001), "lease", created_s=1.0, devices=(("GPU-a", None),),
-                command="mine")
-    theirs = held(b, person(b, 1002), "lease", created_s=2.0, devices=(("GPU-b", None),),
-                  command="theirs")
-    held(b, person(b, 1002), "ticket", created_s=3.0, seq=1)
-    assert b._records("lease", 1001) == [mine._payload(),
-                                         replace(theirs, command=None)._payload()]
-    assert b._records("lease", 0) == [mine._payload(), theirs._payload()]
-
-
 def test_a_ticket_past_the_tickets_per_user_counts_the_persons_tickets_held_elsewhere() -> None:
     """A person waiting on one connection may not wait on a second past
     ``max_tickets_per_user = 1``. Caught: the live tickets misspelt as another kind (no ticket
@@ -336,8 +322,3 @@ def test_a_value_named_in_a_message_is_cut_past_40_characters(value: Any, shown:
     """Caught: the cut made at 40 characters already or only past 41, at 38 characters, with
     another mark than "..." (or a TypeError), and never."""
     assert broker_mod._short(value) == shown
-
-
-def test_an_optional_text_is_kept_only_when_it_is_text() -> None:
-    """Caught: every value kept, or none."""
-    assert [broker_mod._opt_str(v) for v in ("a", 1, None)] == ["a", None, None]
