@@ -277,6 +277,30 @@ def test_an_accept_failure_not_about_resources_is_logged_without_the_cap_hint(
     ]
 
 
+def test_the_first_accept_failure_is_logged_whatever_the_clock_reads(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A broker started within 10 s of the monotonic clock's zero (early in a boot, in a
+    fresh time namespace) still notes its first failed accept at once. Caught: the time of
+    the "last note" starting at 0 (the product's code before this test: the first failure
+    went unlogged until the clock passed 10 s), at 1 or at +10."""
+    monkeypatch.setattr(net, "time", types.SimpleNamespace(monotonic=lambda: 0.0))
+
+    async def main() -> None:
+        sock = Scripted(socket.AF_UNIX)
+        sock.outcomes = [OSError(errno.EMFILE, os.strerror(errno.EMFILE))]
+        listener = net.Listener(sock, lambda s: None)
+        listener._on_readable()
+        listener.close()
+
+    with caplog.at_level(logging.WARNING, logger="autogpu.broker"):
+        asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records] == [
+        "accept failed (Too many open files); 1 failure(s) since the last note; pausing "
+        "0.05 s (out of descriptors: the connection cap is below the limit, see "
+        "--max-connections)"]
+
+
 def test_after_the_back_off_the_listener_accepts_again(short_dir: str) -> None:
     """Driven by the loop: a failed accept stops the watch on the listening socket; the
     back-off's timer, when it fires, watches it again, and the waiting connection is
