@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import math
 import os
 import resource
 import socket
@@ -163,7 +164,7 @@ class Listener:
         self.loop = asyncio.get_running_loop()
         self.backoff_s = 0.0
         self.failed = 0  # accepts failed since the last log line
-        self._last_log = 0.0
+        self._last_log = -math.inf  # the first failure is noted, whatever the clock
         self._paused: asyncio.TimerHandle | None = None
         sock.setblocking(False)
         self.loop.add_reader(sock.fileno(), self._on_readable)
