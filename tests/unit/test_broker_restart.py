@@ -1,0 +1,282 @@
+"""The broker taking its journal back after a restart, and the reaper of what it took back,
+in-process: a journal it cannot use stops it in one line; the ticket counter goes on from the
+journal; a journal of an earlier boot is dropped and said so; each reaper round checks the
+orphans and the tickets on its own loop and hands a free pick lock on; the holders the reaper
+finds by an orphan's socket are journaled; a forgotten orphan leaves nothing behind; and
+``set_pid`` refuses in its own words. A ``Broker`` object built by hand over a temporary state
+directory (the helpers of test_broker_rules), no socket of its own, no sleeps.
+
+Each test was seen failing with the bugs named in its docstring planted by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autogpu_jupyter.broker import Broker, BrokerRefusal, Orphan
+from autogpu_jupyter.brokerd import journal as jrnl
+from autogpu_jupyter.brokerd.journal import Entry
+from autogpu_jupyter.core.leasing.records import encode
+from tests.unit.test_broker_rules import broker, lease, lease_record, person, run, ticket_record
+
+
+def state_dir(tmp_path: Path) -> Path:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    return state
+
+
+def me() -> list[tuple[int, int]]:
+    """This process as a holder: (pid, start time)."""
+    ids = jrnl.proc_ids(os.getpid())
+    assert ids
+    return ids
+
+
+GONE = [(os.getpid(), -1)]  # a start time no process has: a holder that is gone
+
+
+# -- set_pid ---------------------------------------------------------------------------------
+
+
+def test_set_pid_on_a_connection_that_holds_no_lease_is_refused_in_those_words() -> None:
+    """Caught: the refusal's words replaced by none, or changed (in case or by added text)."""
+    b = broker()
+    conn = person(b, 0, name="root")
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_set_pid(conn, {"op": "set_pid", "pid": os.getpid()}))
+    assert (str(err.value), err.value.kind) == (
+        "set_pid: this connection holds no lease", "RegistryError")
+    assert conn.record is None
+
+
+@pytest.mark.parametrize(("pid", "shown"), [
+    ("4242", "'4242'"),
+    (True, "'True'"),
+    (4.0, "'4.0'"),
+    (None, "'None'"),
+    ("7" * 50, repr("7" * 40)),
+])
+def test_set_pid_refuses_a_pid_that_is_not_a_whole_number_naming_its_first_40_characters(
+    pid: Any, shown: str,
+) -> None:
+    """A pid that is text, a bool, a float or missing is a usage error that quotes the first
+    40 characters of what was sent; the lease keeps its holder. Caught: the int check joined
+    to the bool check by ``and`` (text or no pid raised a TypeError, ``True`` and ``4.0`` were
+    taken as the holder's pid); the value cut at 41 characters."""
+    b = broker()
+    conn = person(b, 0, name="root")  # root may name any process: only the value is checked
+    lease(b, conn, "GPU-sp2")
+    with pytest.raises(BrokerRefusal) as err:
+        run(b.op_set_pid(conn, {"op": "set_pid", "pid": pid}))
+    assert (str(err.value), err.value.kind) == (f"set_pid: invalid pid {shown}", "UsageErrorBase")
+    assert conn.record is not None and conn.record.pid == conn.pid  # unchanged
+
+
+# -- forgetting an orphan --------------------------------------------------------------------
+
+
+def test_a_forgotten_orphan_leaves_nothing_of_it_in_the_ticket_checks() -> None:
+    """An orphaned ticket released by its person is gone from the orphans and from the ticket
+    checks (when it became servable, whether it is dormant); another ticket's place there is
+    kept. Caught: its servable time or its dormant mark looked up under no id (the broker kept
+    both for good)."""
+    b = broker()
+    alice = person(b, 1001)
+    alice.record = ticket_record(b, alice)
+    rec = alice.record
+    assert rec is not None
+    alice.record = None  # its connection ended with the old broker; the journal kept it
+    b.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
+    b.servable_since.update({rec.lease_id: 1.0, "other": 2.0})
+    b.dormant.update({rec.lease_id, "other"})
+    version = b.version
+    assert run(b.op_release(alice, {"op": "release", "lease_id": rec.lease_id})) == {"ok": True}
+    assert (b.orphans, b.servable_since, b.dormant) == ({}, {"other": 2.0}, {"other"})
+    assert b.version == version + 1
+
+
+# -- taking the journal back -----------------------------------------------------------------
+
+
+def test_a_journal_the_broker_cannot_use_stops_it_with_one_line_naming_the_directory_and_why(
+    tmp_path: Path,
+) -> None:
+    """A journal log that is a symlink is not followed: the broker stops, its exit message
+    naming the state directory and the error (and the file the link points at is left as it
+    was). Caught: the message replaced by none (the broker exited 0, saying nothing)."""
+    state = state_dir(tmp_path)
+    target = tmp_path / "elsewhere"
+    target.write_text("not a journal\n")
+    (state / jrnl.LOG_NAME).symlink_to(target)
+    with pytest.raises(SystemExit) as err:
+        broker(state_dir=str(state))
+    assert err.value.code == (
+        f"autogpu broker: journal in {state} unusable ([Errno {errno.ELOOP}] "
+        f"{os.strerror(errno.ELOOP)}: '{state / jrnl.LOG_NAME}')")
+    assert target.read_text() == "not a journal\n"
+
+
+@pytest.mark.parametrize(("counter", "ticket_seq", "expected"), [
+    (0, None, 0),  # a lease only: no number
+    (3, 7, 7),  # a ticket numbered past the journal's counter
+    (5, 2, 5),  # the journal's counter past every ticket kept
+])
+def test_a_restarted_broker_goes_on_from_the_journals_counter_or_the_highest_ticket_it_keeps(
+    tmp_path: Path, counter: int, ticket_seq: int | None, expected: int,
+) -> None:
+    """The ticket counter after a restart is the higher of the journal's counter and the
+    number of each record taken back; a lease (no number) counts as 0. Caught: the counter set
+    to none, or a record without a number counted as 1 (a ticket number skipped)."""
+    state = state_dir(tmp_path)
+    first = broker(state_dir=str(state))
+    assert first.journal is not None
+    owner = person(first, os.getuid())
+    rec = lease_record(first, owner, "GPU-rs1")
+    if ticket_seq is not None:
+        rec = replace(ticket_record(first, owner), seq=ticket_seq)
+    first.journal.add(Entry(rec.lease_id, os.getuid(), encode(rec).decode(), None, me()))
+    first.journal.seq = counter
+    first.journal.compact()  # the log's head: {"seq": counter}
+    second = broker(state_dir=str(state))
+    assert list(second.orphans) == [rec.lease_id]
+    assert second.seq == expected
+
+
+def test_a_journal_of_an_earlier_boot_is_dropped_and_said_so_with_its_boot_and_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any,
+) -> None:
+    """A broker started on another boot than the journal's takes nothing back and logs one
+    warning naming the journal's boot and how many records it dropped. Caught: the boot logged
+    as none; either half of the warning's text changed (by added text or in case)."""
+    state = state_dir(tmp_path)
+    boot = tmp_path / "boot_id"
+    boot.write_text("boot-one\n")
+    monkeypatch.setattr(jrnl, "BOOT_ID_PATH", str(boot))
+    first = broker(state_dir=str(state))
+    assert first.journal is not None
+    owner = person(first, os.getuid())
+    for n in range(2):
+        rec = lease_record(first, owner, f"GPU-eb{n}")
+        first.journal.add(Entry(rec.lease_id, os.getuid(), encode(rec).decode(), None, me()))
+    boot.write_text("boot-two\n")
+    caplog.set_level(logging.INFO, logger="autogpu.broker")
+    second = broker(state_dir=str(state))
+    assert second.orphans == {}
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "restart: the journal was of an earlier boot (boot-one): its 2 lease(s)/"
+                    "ticket(s) ended with that boot and are dropped"),
+        ("INFO", "restart: 0 lease(s)/ticket(s) taken back from the journal"),
+    ]
+
+
+# -- the reaper ------------------------------------------------------------------------------
+
+
+class Stop(Exception):
+    pass
+
+
+def one_round(b: Broker, monkeypatch: pytest.MonkeyPatch,
+              before: Callable[[], None] = lambda: None) -> None:
+    """Run ``b.reap_orphans()`` for exactly one round (its sleep made instant), ``before``
+    called first on its loop."""
+    sleeps: list[float] = []
+
+    async def sleep(delay: float) -> None:
+        if sleeps:
+            raise Stop
+        sleeps.append(delay)
+
+    async def go() -> None:
+        before()
+        await b.reap_orphans()
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    with pytest.raises(Stop):
+        run(go())
+    assert sleeps == [1.0]
+
+
+def test_each_reaper_round_checks_the_orphans_then_the_tickets_on_its_own_loop(
+    monkeypatch: pytest.MonkeyPatch, caplog: Any,
+) -> None:
+    """Caught: the round's loop taken as none, or none passed to the orphan check or to the
+    ticket check (the scan of /proc and the snapshot run on that loop's executor: the round
+    failed, or judged no ticket)."""
+    b = broker()
+    seen: list[tuple[str, bool]] = []
+
+    async def reap(loop: Any) -> None:
+        seen.append(("orphans", loop is asyncio.get_running_loop()))
+
+    async def lapse(loop: Any) -> None:
+        seen.append(("tickets", loop is asyncio.get_running_loop()))
+
+    b._reap = reap  # type: ignore[method-assign]
+    b._lapse_tickets = lapse  # type: ignore[method-assign]
+    caplog.set_level(logging.ERROR, logger="autogpu.broker")
+    one_round(b, monkeypatch)
+    assert seen == [("orphans", True), ("tickets", True)]
+    assert caplog.records == []
+
+
+def test_a_reaper_round_gives_a_free_pick_lock_to_the_one_who_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A waiter left in line while nobody holds the pick lock (its holder went away between
+    rounds) is given the lock by the next reaper round. Caught: the lock handed on only while
+    someone holds it (the waiter waited for good)."""
+    b = broker()
+    waiter = person(b, 1001)
+
+    def wait() -> None:
+        waiter.granted = asyncio.get_running_loop().create_future()
+        b.waiting.append(waiter)
+
+    one_round(b, monkeypatch, wait)
+    assert b.lock_holder is waiter and list(b.waiting) == []
+    assert waiter.granted is not None and waiter.granted.done()
+
+
+def test_the_holders_the_reaper_finds_by_an_orphans_socket_are_journaled(tmp_path: Path) -> None:
+    """Every recorded holder of an orphan is gone but this process still holds its socket: the
+    reaper keeps the orphan with this process as its holder and writes that to the journal (a
+    broker restarted next finds it there). Caught: the holders journaled under no id, as none,
+    or without the id or the holders (the round raised)."""
+    state = state_dir(tmp_path)
+    b = broker(state_dir=str(state))
+    assert b.journal is not None
+    alice = person(b, os.getuid())
+    rec = lease_record(b, alice, "GPU-rj1")
+    ours, theirs = socket.socketpair()
+    try:
+        inode = os.fstat(theirs.fileno()).st_ino  # held by this process only
+        b.journal.add(Entry(rec.lease_id, os.getuid(), encode(rec).decode(), inode, GONE))
+        b.orphans[rec.lease_id] = Orphan(os.getuid(), rec, list(GONE), key=os.getuid(),
+                                         peer=inode)
+
+        async def go() -> None:
+            await b._reap(asyncio.get_running_loop())
+
+        run(go())
+    finally:
+        ours.close()
+        theirs.close()
+    assert b.orphans[rec.lease_id].holder_pids == me()
+    assert {i: (e.peer, e.pids) for i, e in b.journal.entries.items()} == {
+        rec.lease_id: (inode, me())}
+    last = (state / jrnl.LOG_NAME).read_bytes().splitlines()[-1]
+    assert json.loads(last) == {"holders": rec.lease_id, "pids": [list(p) for p in me()]}
+
