@@ -1583,13 +1583,16 @@ def test_the_booking_view_shows_the_exclusive_then_the_largest_bookings_and_fold
     assert device["more"] == {"leases": 2, "exclusive": False, "booked": 3 * gib}
 
 
+@pytest.mark.parametrize("names", ["autogpu-broker.socket", None], ids=["named", "unnamed"])
 def test_a_socket_systemd_passes_is_taken_once_and_its_variables_cleared(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, names: str | None,
 ) -> None:
     """Socket activation: with ``LISTEN_PID`` naming this process and ``LISTEN_FDS=1`` the
     broker listens on descriptor 3 (what systemd bound), and clears the variables (its
-    children inherit neither). Caught: the ``LISTEN_PID`` variable misspelled (the passed
-    socket ignored: the broker bound one of its own)."""
+    children inherit neither); systemd before v227 sets no ``LISTEN_FDNAMES``, and the socket
+    is taken all the same. Caught: the ``LISTEN_PID`` variable misspelled (the passed socket
+    ignored: the broker bound one of its own); the variables popped without a default (the
+    missing ``LISTEN_FDNAMES`` raised KeyError and the broker stopped)."""
     import socket
 
     from autogpu_jupyter.broker import _inherited_socket
@@ -1607,7 +1610,10 @@ def test_a_socket_systemd_passes_is_taken_once_and_its_variables_cleared(
         os.dup2(passed.fileno(), 3)
         monkeypatch.setenv("LISTEN_PID", str(os.getpid()))
         monkeypatch.setenv("LISTEN_FDS", "1")
-        monkeypatch.setenv("LISTEN_FDNAMES", "autogpu-broker.socket")
+        if names is None:
+            monkeypatch.delenv("LISTEN_FDNAMES", raising=False)
+        else:
+            monkeypatch.setenv("LISTEN_FDNAMES", names)
         got = _inherited_socket()
         assert got is not None and got.fileno() == 3
         assert got.getsockname() == path

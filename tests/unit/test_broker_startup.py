@@ -105,42 +105,6 @@ def test_a_state_directory_open_to_others_is_made_private_exactly(tmp_path: Any)
     assert os.stat(state).st_mode & 0o7777 == 0o700
 
 
-def test_a_socket_systemd_passes_without_its_names_variable_is_taken(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
-) -> None:
-    """systemd before v227 sets ``LISTEN_PID`` and ``LISTEN_FDS`` but no ``LISTEN_FDNAMES``:
-    the socket is taken all the same and the two variables cleared. Caught: the variables
-    popped without a default (the missing one raised KeyError and the broker stopped)."""
-    from autogpu_jupyter.broker import _inherited_socket
-
-    path = str(tmp_path / "passed.sock")
-    passed = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    passed.bind(path)
-    passed.listen(1)
-    try:
-        saved = os.dup(3)
-    except OSError:
-        saved = None  # descriptor 3 not open in this process
-    got: socket.socket | None = None
-    try:
-        os.dup2(passed.fileno(), 3)
-        monkeypatch.setenv("LISTEN_PID", str(os.getpid()))
-        monkeypatch.setenv("LISTEN_FDS", "1")
-        monkeypatch.delenv("LISTEN_FDNAMES", raising=False)
-        got = _inherited_socket()
-        assert got is not None and got.getsockname() == path
-        assert [v for v in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES") if v in os.environ] == []
-    finally:
-        if got is not None:
-            got.detach()  # descriptor 3 is put back below, not closed by the socket object
-        if saved is None:
-            os.close(3)
-        else:
-            os.dup2(saved, 3)
-            os.close(saved)
-        passed.close()
-
-
 # ---- the fleet at start, serve and main ------------------------------------------------------
 
 
