@@ -334,3 +334,20 @@ def test_hosts_shows_a_printable_hostname_as_it_is_backslash_included(registry: 
     assert (code, err) == (0, "")
     assert out.splitlines()[1] == (
         "  1. gpu\\b                ok    GPU 2 NVIDIA L4 (22.0 GiB free, util 30%)")
+
+
+def test_run_of_a_command_that_cannot_start_leaves_no_lease_file(registry: Path) -> None:
+    """A command that is missing, or not executable, never ran: its lease ends there and then,
+    its file removed (not left behind as a dead lease for ``leases --prune``); the error of a
+    command that cannot be executed still propagates, as before. Caught: the lease of a command
+    that failed to start left in the registry (closed by the garbage collector, its file
+    kept)."""
+    missing = str(registry.parent / "no-such-command")
+    assert cli("run", "--", missing)[0] == 127
+    assert os.listdir(registry / str(os.geteuid())) == []
+    plain = registry.parent / "not-executable"
+    plain.write_text("exit 0\n")
+    plain.chmod(0o644)
+    with pytest.raises(PermissionError):
+        cli("run", "--", str(plain))
+    assert os.listdir(registry / str(os.geteuid())) == []
