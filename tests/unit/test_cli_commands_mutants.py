@@ -1,8 +1,9 @@
 """``autogpu pick``, ``run`` and ``leases`` in this process, to the exact text (mutation run,
 issue 22): what ``pick --export`` / ``--json`` print, what ``run`` hands its command (the lease's
 descriptor, the variables, forwarded signals) and says on stderr, what ``leases`` says when
-leases are off, when it prunes, and how it lists a lease; how ``hosts`` shows another machine's
-name.
+leases are off, when it prunes, and how it lists a lease; what ``hosts`` prints (header, hosts,
+a down host, errors, ``--json``, ``--best``), its defaults and timeout, and how it shows another
+machine's name.
 
 The simulated fleet (two GPUs) and private registry are those of ``tests/unit/test_cli.py``
 (its ``host`` fixture); ``run`` starts a stand-in for ``subprocess.Popen`` where the test must
@@ -351,3 +352,111 @@ def test_run_of_a_command_that_cannot_start_leaves_no_lease_file(registry: Path)
     with pytest.raises(PermissionError):
         cli("run", "--", str(plain))
     assert os.listdir(registry / str(os.geteuid())) == []
+
+
+def _nan_utilisation_on_gpu_a(results: dict[str, list[dict[str, Any]]]) -> None:
+    """A recording edit: gpu-a's GPU 0 reports its utilisation as NaN (a sample skipped)."""
+    from tests.unit.test_cluster import AUTOGPU_Q
+
+    (sample,) = [r for r in results[AUTOGPU_Q]
+                 if r["metric"]["__name__"] == "autogpu_gpu_utilization_ratio"
+                 and r["metric"]["uuid"] == "GPU-aaaa0000-0000-0000-0000-000000000000"]
+    sample["value"][1] = "NaN"
+
+
+def test_hosts_names_its_source_and_ask_then_each_host_and_a_down_ones_reason(
+    registry: Path,
+) -> None:
+    """``autogpu hosts``: a header (how many hosts, which Prometheus, what was asked), one line
+    per host (the devices it would pick, "nothing fits", or why it is not up); it exits 0 when
+    the first host fits, even if the second does not. Caught: the header replaced by ``None``;
+    a down host's line replaced by ``None``, its reason by an empty text (or a crash); the exit
+    code read from the second host."""
+    with recorded_prometheus("gpu-a-down") as url:
+        assert cli("hosts", "--prometheus", url, "--min-free", "39G") == (0, (
+            f"4 host(s) from {url}; for min free 39.0 GiB:\n"
+            "  1. gpu-c                ok    GPU 1 NVIDIA H100 80GB HBM3 (40.0 GiB free, util 0%)\n"
+            "  2. dgx-d                ok    nothing fits\n"
+            "  3. gpu-b                ok    nothing fits\n"
+            "  4. gpu-a                down  exporter down (up == 0)\n"), "")
+        assert cli("hosts", "--prometheus", url, "--min-free", "39G", "--best") == (
+            0, "gpu-c\n", "")
+
+
+def test_hosts_json_gives_the_source_time_ask_best_hosts_and_errors(registry: Path) -> None:
+    """``hosts --json``: the Prometheus asked, when, the constraints, the best host (the first,
+    when it fits: the second need not), every host, and the view's errors, in that order,
+    indented by two; exit 0. Caught: a key misspelt or upper-cased; the best host or the exit
+    code read from the second host; the indent dropped or made 3."""
+    with recorded_prometheus("all-up", edit=_nan_utilisation_on_gpu_a) as url:
+        code, out, err = cli("hosts", "--prometheus", url, "--min-free", "39G", "--json")
+    assert (code, err) == (0, "")
+    data = json.loads(out)
+    assert out == json.dumps(data, indent=2) + "\n"
+    assert list(data) == ["prometheus_url", "timestamp_s", "constraints", "best", "hosts",
+                          "errors"]
+    assert (data["prometheus_url"], data["best"]) == (url, "gpu-c")
+    assert isinstance(data["timestamp_s"], float)
+    assert data["constraints"] == {
+        "min_free": {"bytes": 39 * GiB, "fraction": None, "text": "39G"}, "max_util_pct": None,
+        "count": 1, "exclude": [], "exclusive": False, "models": [], "prefer": []}
+    assert [(h["hostname"], h["fits"]) for h in data["hosts"]] == [
+        ("gpu-c", True), ("dgx-d", False), ("gpu-a", False), ("gpu-b", False)]
+    assert data["errors"] == [
+        "gpu-a: 1 sample(s) skipped, not finite numbers (e.g. autogpu_gpu_utilization_ratio = "
+        "NaN)"]
+
+
+def test_hosts_lists_several_devices_of_a_host_and_then_the_views_errors(
+    registry: Path,
+) -> None:
+    """With ``--count 2`` a host's line names both devices, separated by ", "; after the hosts,
+    each error of the view is one "note:" line. Caught: the devices joined by other text; the
+    error lines replaced by ``None``."""
+    with recorded_prometheus("all-up", edit=_nan_utilisation_on_gpu_a) as url:
+        code, out, err = cli("hosts", "--prometheus", url, "--count", "2")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[1:] == [
+        "  1. gpu-b                ok    GPU 2 NVIDIA L4 (22.0 GiB free, util 30%), GPU 0 NVIDIA "
+        "L4 (20.0 GiB free, util 50%)",
+        "  2. gpu-c                ok    GPU 1 NVIDIA H100 80GB HBM3 (40.0 GiB free, util 0%), "
+        "GPU 0 NVIDIA H100 80GB HBM3 (40.0 GiB free, util 20%)",
+        "  3. gpu-a                ok    GPU 0 NVIDIA A100-SXM4-80GB (20.0 GiB free, util ?), "
+        "GPU 1 NVIDIA A100-SXM4-80GB (5.0 GiB free, util 10%)",
+        "  4. dgx-d                ok    nothing fits",
+        "note: gpu-a: 1 sample(s) skipped, not finite numbers (e.g. "
+        "autogpu_gpu_utilization_ratio = NaN)",
+    ]
+
+
+def test_hosts_takes_the_configured_pick_defaults_under_its_own_flags(
+    registry: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``$AUTOGPU_MIN_FREE`` (the settings' min_free) is the default of ``hosts --min-free``;
+    the flag wins over it. Caught: the settings' defaults dropped, or only those hosts cannot
+    rank by kept."""
+    monkeypatch.setenv("AUTOGPU_MIN_FREE", "39G")
+    with recorded_prometheus("all-up") as url:
+        assert cli("hosts", "--prometheus", url, "--best") == (0, "gpu-c\n", "")
+        assert cli("hosts", "--prometheus", url, "--best", "--min-free", "10G") == (
+            0, "gpu-b\n", "")
+        code, out, _err = cli("hosts", "--prometheus", url)
+    assert (code, out.splitlines()[0]) == (0, f"4 host(s) from {url}; for min free 39.0 GiB:")
+
+
+def test_hosts_asks_prometheus_with_the_settings_timeout(
+    registry: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each request to Prometheus may take ``prometheus_timeout_s`` (5 s), never forever.
+    Caught: the timeout handed over as ``None`` (urllib's "wait forever")."""
+    clients: list[Any] = []
+    real = cli_mod.PrometheusClient
+
+    def client(*args: Any, **kwargs: Any) -> Any:
+        clients.append(real(*args, **kwargs))
+        return clients[-1]
+
+    monkeypatch.setattr(cli_mod, "PrometheusClient", client)
+    with recorded_prometheus("all-up") as url:
+        assert cli("hosts", "--prometheus", url, "--best")[:2] == (0, "gpu-b\n")
+    assert [(c.url, c.timeout_s) for c in clients] == [(url, 5.0)]
