@@ -398,7 +398,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     pass_fds = () if result.lease is None else (result.lease.fileno(),)
     try:
         proc = subprocess.Popen(cmd, env=env, pass_fds=pass_fds)
-    except FileNotFoundError:
+    except OSError as err:
+        if result.lease is not None:  # CMD never ran: its lease ends now, not as a dead file
+            result.lease.release()
+        if not isinstance(err, FileNotFoundError):
+            raise
         print(f"autogpu: error: command not found: {cmd[0]!r}", file=sys.stderr)
         return 127
     forward = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
