@@ -401,10 +401,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except OSError as err:
         if result.lease is not None:  # CMD never ran: its lease ends now, not as a dead file
             result.lease.release()
-        if not isinstance(err, FileNotFoundError):
-            raise
-        print(f"autogpu: error: command not found: {cmd[0]!r}", file=sys.stderr)
-        return 127
+        if isinstance(err, FileNotFoundError):
+            print(f"autogpu: error: command not found: {cmd[0]!r}", file=sys.stderr)
+            return 127
+        # As a shell does: found, but not executable (no x bit, a directory, a bad format).
+        why = err.strerror or type(err).__name__
+        print(f"autogpu: error: cannot run {cmd[0]!r}: {why}", file=sys.stderr)
+        return 126
     forward = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     old = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum)) for s in forward}
     try:

@@ -339,18 +339,22 @@ def test_hosts_shows_a_printable_hostname_as_it_is_backslash_included(registry: 
 
 def test_run_of_a_command_that_cannot_start_leaves_no_lease_file(registry: Path) -> None:
     """A command that is missing, or not executable, never ran: its lease ends there and then,
-    its file removed (not left behind as a dead lease for ``leases --prune``); the error of a
-    command that cannot be executed still propagates, as before. Caught: the lease of a command
-    that failed to start left in the registry (closed by the garbage collector, its file
-    kept)."""
+    its file removed (not left behind as a dead lease for ``leases --prune``); a command that
+    exists but cannot be executed (no x bit, a directory) exits 126 as in a shell, with one line
+    naming it and why, not a traceback. Caught: the lease of a command that failed to start left
+    in the registry (closed by the garbage collector, its file kept); a PermissionError's
+    traceback for a file without an x bit."""
     missing = str(registry.parent / "no-such-command")
     assert cli("run", "--", missing)[0] == 127
     assert os.listdir(registry / str(os.geteuid())) == []
     plain = registry.parent / "not-executable"
     plain.write_text("exit 0\n")
     plain.chmod(0o644)
-    with pytest.raises(PermissionError):
-        cli("run", "--", str(plain))
+    assert cli("run", "--", str(plain), "--its-argument") == (126, "", SUMMARY + (
+        f"autogpu: error: cannot run {str(plain)!r}: Permission denied\n"))
+    assert os.listdir(registry / str(os.geteuid())) == []
+    assert cli("run", "--", str(registry.parent)) == (126, "", SUMMARY + (
+        f"autogpu: error: cannot run {str(registry.parent)!r}: Permission denied\n"))
     assert os.listdir(registry / str(os.geteuid())) == []
 
 
