@@ -1,15 +1,24 @@
 """What the mutation run of ``api.py`` and ``provisioner.py`` (issue 22) found untested, in this
-process: the fit check of a kernel's own device (its grant, the other holders' leases, its own
-lease hidden, the sampler's utilisation, its own processes), the refusal a provisioned kernel
-gets, the choice ``set_visible_devices`` records, the status table's columns and types, and the
-first line of a provisioner error. The fake ``libnvidia-ml.so.1`` through the real pynvml binding
-and a private lease registry, or snapshots built by hand."""
+process. The API: the sampler a pick reads (only a running one, its 30-second mean), what
+``pick_result`` passes on (force, progress lines, the sampler's mean) and records (forced), the
+fit check of a kernel's own device (its grant, the other holders' leases, its own lease hidden,
+the sampler's mean, its own processes), the refusal a provisioned kernel gets, the choice
+``set_visible_devices`` records, and the status table's columns and types. The provisioner: the
+whole environment a kernel starts with (a pick, CPU-only), the whole refusal of a "fail"
+kernelspec, the runtime directory it makes, the arguments it keeps for itself, the lease around
+a launch, cleanup before a restart, and the option refusals. The fake ``libnvidia-ml.so.1``
+through the real pynvml binding with a private lease registry, ``test_provisioner``'s simulated
+two-GPU server, or snapshots and leases built by hand."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +31,7 @@ from autogpu_jupyter.core.leasing import Registry, Requester
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.errors import DeviceBoundError, NoDeviceFitsError, UsageErrorBase
 from tests.fakenvml import FakeNvml, fleet_4x
+from tests.unit.test_provisioner import A, Host
 
 GiB = 1024**3
 U = [d["uuid"] for d in fleet_4x()["devices"]]
@@ -70,6 +80,124 @@ def test_read_snapshot_takes_the_running_samplers_latest_sweep(
     assert api.read_snapshot() is sweep
     monkeypatch.setattr(api, "_running_sampler", lambda: Running(None))
     assert [d.uuid for d in api.read_snapshot().devices] == U
+
+
+# -- the sampler a pick reads, and pick_result ---------------------------------------------------
+
+
+class _Sampler:
+    """A stand-in for the process's sampler: running or not; its mean is the window asked."""
+
+    def __init__(self, running: bool) -> None:
+        self.running = running
+
+    def smoothed_util(self, window_s: float) -> dict[str, float | None]:
+        return {U[0]: window_s}
+
+
+def test_only_a_running_sampler_is_the_processs_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process's sampler is used while it runs; a stopped one, or none, is no sampler; its
+    mean is over the last 30 seconds. Caught: the sampler never looked up, a running one
+    ignored, the window changed."""
+    from autogpu_jupyter.core import sampler as sampler_mod
+
+    running, stopped = _Sampler(True), _Sampler(False)
+    for current, want in ((running, running), (stopped, None), (None, None)):
+        monkeypatch.setattr(sampler_mod, "current_sampler", lambda c=current: c)
+        assert api._running_sampler() is want
+    monkeypatch.setattr(sampler_mod, "current_sampler", lambda: running)
+    assert api._smoothed_util() == {U[0]: 30.0}
+
+
+def _cuda_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autogpu_jupyter.core.cudastate import CudaState
+
+    monkeypatch.setattr(session, "cuda_state",
+                        lambda: CudaState(True, "cuInit has run (test)", None))
+
+
+def test_pick_result_is_not_forced_unless_asked(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After CUDA started, ``pick_result`` without ``force`` refuses (the settings refuse by
+    default). Caught: ``force`` on by default."""
+    from autogpu_jupyter.errors import TooLateError
+
+    _cuda_started(monkeypatch)
+    settings = default_settings()
+    with pytest.raises(TooLateError):
+        api.pick_result(api.pick_options(settings, {}), settings=settings)
+    assert ag.current() is None and "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_a_pick_records_whether_it_was_forced(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pick made in time is recorded as not forced; one made after CUDA started (the settings
+    allowing it) as forced. Caught: ``forced`` not passed on, or read the wrong way round."""
+    settings = AutoGPU(refuse_when_initialized=False)
+    api.pick_result(api.pick_options(settings, {}), settings=settings)
+    choice = ag.current()
+    assert choice is not None and choice.forced is False
+    _cuda_started(monkeypatch)
+    api.pick_result(api.pick_options(settings, {}), settings=settings)
+    choice = ag.current()
+    assert choice is not None and choice.forced is True
+
+
+def test_pick_result_ranks_by_the_samplers_mean(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPU 0 reads 3 % busy now, but the sampler's mean is 90 %: a pick for at most 50 % leaves
+    it out and takes GPU 2. Caught: the pick made without the sampler's mean."""
+    monkeypatch.setattr(api, "_smoothed_util", lambda: {U[0]: 90.0})
+    settings = default_settings()
+    result, _warning = api.pick_result(
+        api.pick_options(settings, {"max_util": 50}), dry_run=True, settings=settings)
+    assert [d.uuid for d in result.chosen] == [U[2]]
+
+
+def test_pick_result_passes_the_waiting_lines_on(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pick waiting in line tells its caller each try (what ``%gpu pick --wait`` prints).
+    Here a pretend clock: 200 GiB never fits, the pick waits 2 s in two tries. Caught: the
+    caller's ``on_progress`` not passed on to the picker."""
+    import functools
+
+    from autogpu_jupyter.core import picker
+
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    monkeypatch.setattr(api, "_pick", functools.partial(
+        picker.pick, sleep=sleep, clock=lambda: now[0]))
+    said: list[str] = []
+    settings = default_settings()
+    with pytest.raises(NoDeviceFitsError):
+        api.pick_result(api.pick_options(settings, {"min_free": "200G", "wait": "2s"}),
+                        settings=settings, on_progress=said.append)
+    assert said == [
+        f"waiting for a device (min free 200.0 GiB), {t} of 2s; best now GPU 0: only 77.5 GiB "
+        "free < 200.0 GiB wanted"
+        for t in ("0s", "1s")
+    ]
+
+
+def test_a_processs_lease_holder_is_the_api_and_its_command_line_at_most_500_characters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Outside a kernel the holder kind is "api" by default; the command line recorded is cut
+    at 500 characters (and is None when there is none). Caught: the default kind misspelt, the
+    cut moved."""
+    monkeypatch.setattr("sys.argv", ["train.py", "x" * 600])
+    who = api.requester_for_this_process()
+    assert (who.kind, who.kernel_id) == ("api", None)
+    assert who.command == "train.py " + "x" * 491
+    monkeypatch.setattr("sys.argv", [])
+    assert api.requester_for_this_process().command is None
 
 
 # -- current_fit: the one decision over this process's own device(s) ------------------------------
@@ -303,3 +431,287 @@ def test_the_first_line_of_an_error_without_text_is_its_type() -> None:
 
     assert _first_line(NoDeviceFitsError("")) == "NoDeviceFitsError"
     assert _first_line(NoDeviceFitsError("no device fits\n  GPU 0: busy")) == "no device fits"
+
+
+@pytest.fixture
+def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Host]:
+    """test_provisioner's host: two simulated A100s (A: 70 GiB free, B: 40 GiB), a private
+    registry, runtime directory and kernelspec folder."""
+    h = Host(tmp_path, monkeypatch)
+    yield h
+    h.close()
+
+
+def _started_with(env: dict[str, str]) -> dict[str, str]:
+    """What the provisioner set or changed in the kernel's environment."""
+    return {k: v for k, v in env.items() if os.environ.get(k) != v}
+
+
+def test_a_kernel_is_started_with_exactly_the_picks_variables(server: Host) -> None:
+    """The whole of what a start adds to the kernel's environment, and nothing else: the pick
+    (device order, devices, picked UUIDs), its lease and descriptor, the (empty) ROCm grant,
+    that it was provisioned, its options and its move file; the notes and grant a server
+    inherited from a kernel of its own are dropped. The provisioner's attributes say the same.
+    Caught: any of those values altered or left out, an inherited note or grant passed on."""
+    server.install("agp", min_free="10G")
+    km, kwargs = server.pre_start("agp", AUTOGPU_PICK_NOTE="stale", AUTOGPU_GRANT_CVD="0")
+    (lease,) = server.registry.list_leases()
+    fd = kwargs["pass_fds"][-1]
+    move_file = str(server.tmp / "runtime" / f"autogpu-move-{km.kernel_id}.json")
+    assert _started_with(kwargs["env"]) == {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": A,
+        "AUTOGPU_PICKED": A,
+        "AUTOGPU_LEASE_ID": lease.lease_id,
+        "AUTOGPU_LEASE_FD": str(fd),
+        "AUTOGPU_GRANT_ROCM": "{}",
+        "AUTOGPU_PROVISIONED": "1",
+        "AUTOGPU_PICK_OPTIONS": '{"min_free": "10G", "max_util": null, "count": 1, '
+                                '"exclusive": false}',
+        "AUTOGPU_MOVE_FILE": move_file,
+    }
+    assert "AUTOGPU_PICK_NOTE" not in kwargs["env"] and "AUTOGPU_GRANT_CVD" not in kwargs["env"]
+    assert kwargs["pass_fds"] == (fd,)
+    prov = km.provisioner
+    assert (prov.autogpu_picked, prov.autogpu_constraints.describe(), prov.autogpu_note,
+            prov.autogpu_lease_id, prov.autogpu_move_file) == (
+        (A,), "min free 10.0 GiB", None, lease.lease_id, move_file)
+
+
+def test_a_cpu_only_kernel_is_started_with_exactly_the_hiding_variables(server: Host) -> None:
+    """Nothing fits: the start adds every GPU hidden (empty CUDA and ROCr lists, in PCI order),
+    no picked device, the note, and no lease; the provisioner keeps the note and no pick.
+    Caught: a hiding variable or the note altered, a lease variable set without a lease."""
+    server.install("big", min_free="75G")
+    km, kwargs = server.pre_start("big")
+    note = (
+        'no device fits: kernel started CPU-only (CUDA_VISIBLE_DEVICES="") because no device '
+        "fits (min free 75.0 GiB):\n"
+        "  GPU 0 (NVIDIA A100): dropped: only 70.0 GiB free < 75.0 GiB wanted\n"
+        "  GPU 1 (NVIDIA A100): dropped: only 40.0 GiB free < 75.0 GiB wanted"
+    )
+    assert _started_with(kwargs["env"]) == {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": "",
+        "ROCR_VISIBLE_DEVICES": "",
+        "AUTOGPU_PICKED": "",
+        "AUTOGPU_PICK_NOTE": note,
+        "AUTOGPU_GRANT_ROCM": "{}",
+        "AUTOGPU_PROVISIONED": "1",
+        "AUTOGPU_PICK_OPTIONS": '{"min_free": "75G", "max_util": null, "count": 1, '
+                                '"exclusive": false}',
+        "AUTOGPU_MOVE_FILE": str(server.tmp / "runtime" / f"autogpu-move-{km.kernel_id}.json"),
+    }
+    assert "pass_fds" not in kwargs
+    prov = km.provisioner
+    assert (prov.autogpu_picked, prov.autogpu_note, prov.autogpu_lease_id) == ((), note, None)
+
+
+def test_a_fail_kernelspec_refuses_with_the_whole_reason(server: Host) -> None:
+    """``on_no_device="fail"`` and nothing fits: the refusal is the pick's reason in full, then
+    what to do, and no "waited" part (the kernelspec did not wait). Caught: the message's words
+    altered, or a "waited" part added without a wait."""
+    server.install("strict", min_free="75G", on_no_device="fail")
+    with pytest.raises(NoDeviceFitsError) as info:
+        server.pre_start("strict")
+    assert str(info.value) == (
+        "autogpu: kernel not started: no device fits (min free 75.0 GiB):\n"
+        "  GPU 0 (NVIDIA A100): dropped: only 70.0 GiB free < 75.0 GiB wanted\n"
+        "  GPU 1 (NVIDIA A100): dropped: only 40.0 GiB free < 75.0 GiB wanted. The kernelspec "
+        'says on_no_device="fail"; try again later, or use a kernelspec with other options.'
+    )
+
+
+def test_the_servers_min_free_is_the_one_the_kernel_is_told_when_the_kernelspec_has_none(
+    server: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The options the kernel is told name the server's min_free where the kernelspec has none,
+    and null where neither has one. Caught: the server's setting not read, or read the wrong
+    way (null in place of it, or "" in place of null)."""
+    server.install("agp")
+    _km, kwargs = server.pre_start("agp")
+    assert json.loads(kwargs["env"]["AUTOGPU_PICK_OPTIONS"])["min_free"] is None
+    monkeypatch.setenv("AUTOGPU_MIN_FREE", "10G")
+    _km, kwargs = server.pre_start("agp")
+    assert json.loads(kwargs["env"]["AUTOGPU_PICK_OPTIONS"])["min_free"] == "10G"
+
+
+def test_a_missing_runtime_directory_is_made_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user's runtime directory, where move requests are written, is created mode 0700
+    when it does not exist yet. Caught: it created with another mode."""
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    runtime = tmp_path / "not-yet" / "runtime"
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
+    old = os.umask(0o022)
+    try:
+        assert AutoGPUProvisioner(kernel_id="k-1")._move_file() == str(
+            runtime / "autogpu-move-k-1.json")
+    finally:
+        os.umask(old)
+    assert runtime.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_kernel_without_a_move_file_is_still_given_its_device(
+    server: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runtime directory cannot be made (a file is in the way): moves are off, no move
+    request is looked for, and the kernel starts on its device all the same, told no move
+    file. Caught: a move request looked for with no file (a TypeError stopping the start)."""
+    blocker = server.tmp / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(blocker / "runtime"))
+    server.install("agp", min_free="10G")
+    km, kwargs = server.pre_start("agp")
+    env = kwargs["env"]
+    assert (env["CUDA_VISIBLE_DEVICES"], env["AUTOGPU_PICKED"]) == (A, A)
+    assert "AUTOGPU_MOVE_FILE" not in env and km.provisioner.autogpu_move_file is None
+
+
+def test_the_provisioners_own_arguments_are_not_taken_for_kernelspec_options() -> None:
+    """What jupyter_client and traitlets pass a provisioner (kernel id, kernelspec, parent,
+    config, log) are not kernelspec options; anything else is. Caught: one of those names
+    misspelt (then refused as an unknown option, or lost for the provisioner)."""
+    from traitlets.config import Config
+
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    log = logging.getLogger("autogpu-test-kernels")
+    config = Config()
+    prov = AutoGPUProvisioner(kernel_id="k-1", kernel_spec=None, parent=None, config=config,
+                              log=log, min_free="10G")
+    assert prov._options_raw == {"min_free": "10G"}
+    assert (prov.kernel_id, prov.log) == ("k-1", log)
+
+
+class _Handed:
+    """A stand-in lease that records what was done with it."""
+
+    def __init__(self) -> None:
+        self.calls: list[object] = []
+
+    def set_pid(self, pid: int) -> None:
+        self.calls.append(("set_pid", pid))
+
+    def detach(self) -> None:
+        self.calls.append("detach")
+
+    def release(self) -> None:
+        self.calls.append("release")
+
+
+def test_a_launched_kernels_pid_is_recorded_and_our_copy_of_its_lease_detached(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After the launch the kernel's pid goes into its lease, then our copy is detached (never
+    released: the kernel holds the lock). Caught: the pid not recorded, or the lease released."""
+    from jupyter_client.provisioning.local_provisioner import LocalProvisioner
+
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    async def launched(self: Any, cmd: list[str], **kwargs: Any) -> dict[str, Any]:
+        self.pid = 4242
+        return {"launched": cmd}
+
+    monkeypatch.setattr(LocalProvisioner, "launch_kernel", launched)
+    prov = AutoGPUProvisioner(kernel_id="k-1")
+    lease = _Handed()
+    prov._lease = lease  # type: ignore[assignment]
+    assert asyncio.run(prov.launch_kernel(["python"])) == {"launched": ["python"]}
+    assert lease.calls == [("set_pid", 4242), "detach"] and prov._lease is None
+
+
+def test_a_kernel_that_fails_to_launch_gives_its_lease_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No kernel started: nobody will hold the lease, so it is released (its file removed),
+    and the launch's error goes on. Caught: the lease only detached (left to be pruned)."""
+    from jupyter_client.provisioning.local_provisioner import LocalProvisioner
+
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    async def failed(self: Any, cmd: list[str], **kwargs: Any) -> dict[str, Any]:
+        raise OSError(2, "No such file or directory", cmd[0])
+
+    monkeypatch.setattr(LocalProvisioner, "launch_kernel", failed)
+    prov = AutoGPUProvisioner(kernel_id="k-1")
+    lease = _Handed()
+    prov._lease = lease  # type: ignore[assignment]
+    with pytest.raises(OSError, match="No such file or directory"):
+        asyncio.run(prov.launch_kernel(["no-such-python"]))
+    assert lease.calls == ["release"] and prov._lease is None
+
+
+def test_dropping_a_lease_detaches_it_unless_told_to_unlink() -> None:
+    """The provisioner's own copy of a lease is detached by default (a restart: the old kernel
+    still holds it) and released only when told. Caught: the two ways swapped."""
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    prov = AutoGPUProvisioner(kernel_id="k-1")
+    first, second = _Handed(), _Handed()
+    prov._lease = first  # type: ignore[assignment]
+    prov._drop_lease()
+    prov._lease = second  # type: ignore[assignment]
+    prov._drop_lease(unlink=True)
+    assert (first.calls, second.calls, prov._lease) == (["detach"], ["release"], None)
+
+
+def test_a_restarts_cleanup_keeps_the_move_request_and_a_shutdowns_cancels_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A move request waits for the kernel's restart: the cleanup before a restart keeps it,
+    the cleanup of a shutdown (the default) removes it; either way our copy of the lease is
+    released and jupyter_client's own cleanup is told whether it is a restart. Caught: the
+    restart flag read the wrong way round, on by default, or not passed on; the lease only
+    detached."""
+    from jupyter_client.provisioning.local_provisioner import LocalProvisioner
+
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    told: list[object] = []
+
+    async def cleaned(self: Any, restart: bool = False) -> None:
+        told.append(restart)
+
+    monkeypatch.setattr(LocalProvisioner, "cleanup", cleaned)
+    request = tmp_path / "autogpu-move-k-1.json"
+    request.write_text("{}")
+    prov = AutoGPUProvisioner(kernel_id="k-1")
+    prov.autogpu_move_file = str(request)
+    lease = _Handed()
+    prov._lease = lease  # type: ignore[assignment]
+    asyncio.run(prov.cleanup(restart=True))
+    assert request.exists() and lease.calls == ["release"] and prov._lease is None
+    asyncio.run(prov.cleanup())
+    assert not request.exists()
+    assert told == [True, False]
+
+
+def test_an_unknown_kernelspec_option_is_refused_with_every_accepted_name() -> None:
+    """The refusal of an unknown option lists the accepted ones, joined by ", ". Caught: the
+    list joined by another separator."""
+    from autogpu_jupyter.provisioner import validate_options
+
+    with pytest.raises(UsageErrorBase) as info:
+        validate_options({"min_fre": "10G", "zz": 1}, spec="gpu-big")
+    assert str(info.value) == (
+        "autogpu: kernelspec 'gpu-big' has a bad option in metadata.kernel_provisioner.config: "
+        "min_fre='10G': unknown option; accepted: min_free, max_util, count, exclusive, wait, "
+        "model, prefer, on_no_device. Fix it with `autogpu kernelspec install --name gpu-big "
+        "[--min-free 10G] [--max-util 50] [--count 1] [--exclusive] [--wait 10m] "
+        "[--on-no-device cpu|fail]`."
+    )
+
+
+def test_an_on_no_device_that_is_no_string_is_refused() -> None:
+    """``on_no_device`` must be one of the two words; a number is refused as a bad option (not
+    a crash). Caught: the type check joined to the word check by "and" (an AttributeError)."""
+    from autogpu_jupyter.provisioner import validate_options
+
+    with pytest.raises(UsageErrorBase) as info:
+        validate_options({"on_no_device": 1})
+    assert str(info.value).startswith(
+        "autogpu: the kernelspec has a bad option in metadata.kernel_provisioner.config: "
+        'on_no_device=1: expected "cpu" (start without a GPU) or "fail". Fix it with')
