@@ -31,7 +31,8 @@ from autogpu_jupyter.core.leasing import Registry, Requester
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.errors import DeviceBoundError, NoDeviceFitsError, UsageErrorBase
 from tests.fakenvml import FakeNvml, fleet_4x
-from tests.unit.test_provisioner import A, Host
+from tests.payloadhelpers import write_fleet
+from tests.unit.test_provisioner import A, B, Host, fleet_file
 
 GiB = 1024**3
 U = [d["uuid"] for d in fleet_4x()["devices"]]
@@ -568,6 +569,85 @@ def test_a_kernel_without_a_move_file_is_still_given_its_device(
     env = kwargs["env"]
     assert (env["CUDA_VISIBLE_DEVICES"], env["AUTOGPU_PICKED"]) == (A, A)
     assert "AUTOGPU_MOVE_FILE" not in env and km.provisioner.autogpu_move_file is None
+
+
+def _pick_for_kernel(
+    previous: tuple[str, ...], config: dict[str, Any], environ: dict[str, str],
+    move_file: str | None = None,
+) -> tuple[Any, str | None]:
+    """What ``_pick_blocking`` picks for kernel k-1 that last had ``previous``, in a kernel
+    environment of the server's plus ``environ``."""
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner, validate_options
+
+    prov = AutoGPUProvisioner(kernel_id="k-1")
+    prov.autogpu_picked = previous
+    return prov._pick_blocking(validate_options(config), {**os.environ, **environ},
+                               Requester(kernel_id="k-1", kind="kernel"), move_file)
+
+
+C = "GPU-3c3c3c3c-1111-2222-3333-444444444444"
+
+
+def test_a_restart_asking_fewer_devices_than_it_had_picks_as_usual(server: Host) -> None:
+    """The kernel had A and B; its kernelspec now asks for one device: the restart does not
+    stay within A and B, it takes the best of all (C, the emptiest). Caught: the "same
+    devices" step taken whenever there was a previous pick, whatever the count."""
+    fleet = write_fleet(server.tmp / "three.json", [
+        {"uuid": u, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+         "memory_used": used * GiB, "utilization_pct": 0}
+        for u, used in ((A, 40), (B, 40), (C, 0))
+    ])
+    result, note = _pick_for_kernel((A, B), {"count": 1}, {"AUTOGPU_SIMULATE": str(fleet)})
+    try:
+        assert [d.uuid for d in result.chosen] == [C] and note is None
+    finally:
+        result.lease.release()
+
+
+def test_a_restart_stays_within_the_kernels_grant_and_leases_as_the_kernel(
+    server: Host,
+) -> None:
+    """The kernel had B, but its environment now grants only A: the restart does not stay on
+    B (outside the grant), it picks A; a restart that stays leases as the kernel. Caught: the
+    "same devices" step made without the kernel's environment (B kept, outside the grant) or
+    without the kernel as requester (a lease no kernel is named in)."""
+    result, note = _pick_for_kernel((B,), {"min_free": "10G"}, {"CUDA_VISIBLE_DEVICES": A})
+    try:
+        assert [d.uuid for d in result.chosen] == [A] and note is None
+    finally:
+        result.lease.release()
+    result, note = _pick_for_kernel((B,), {"min_free": "10G"}, {})
+    try:
+        assert [d.uuid for d in result.chosen] == [B] and note is None
+        assert (result.lease.record.kernel_id, result.lease.record.holder_kind) == (
+            "k-1", "kernel")
+    finally:
+        result.lease.release()
+
+
+def test_an_honoured_move_picks_from_the_kernels_devices_and_says_so(server: Host) -> None:
+    """A move to B is requested; the kernel's environment sees a fleet where B fits (the
+    server's own has B full): the move is made, and the note says the kernel's state was lost.
+    Caught: the move's pick made without the kernel's backend (the server's fleet read, the
+    move refused)."""
+    from autogpu_jupyter.core import moves
+    from autogpu_jupyter.core.backends import get_backend
+    from autogpu_jupyter.provisioner import validate_options
+
+    servers = fleet_file(server.fleet, used_a=10, used_b=79)  # the server's: B full
+    os.utime(servers, ns=(1, 2 * 10**18))
+    kernels = fleet_file(server.tmp / "kernels-fleet.json")  # A 10 GiB used, B 40
+    move_file = str(server.tmp / "runtime" / "autogpu-move-k-1.json")
+    moves.request_move(move_file, B, current_uuids=(A,),
+                       constraints=validate_options({"min_free": "10G"}).constraints,
+                       kernel_id="k-1", backend=get_backend(str(kernels)))
+    result, note = _pick_for_kernel((A,), {"min_free": "10G"},
+                                    {"AUTOGPU_SIMULATE": str(kernels)}, move_file)
+    try:
+        assert [d.uuid for d in result.chosen] == [B]
+        assert note == "moved at your request: the kernel's state was lost"
+    finally:
+        result.lease.release()
 
 
 def test_the_provisioners_own_arguments_are_not_taken_for_kernelspec_options() -> None:
