@@ -508,6 +508,20 @@ def test_a_cpu_only_kernel_is_started_with_exactly_the_hiding_variables(server: 
     assert (prov.autogpu_picked, prov.autogpu_note, prov.autogpu_lease_id) == ((), note, None)
 
 
+def test_a_kernels_lease_names_the_notebook_of_the_kernels_session(
+    server: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """jupyter_server names the notebook in the kernel's environment (``JPY_SESSION_NAME``),
+    not in its own: the kernel's lease names it. Caught: the lease taken without a notebook,
+    or with the server's own (none)."""
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    monkeypatch.delenv("AUTOGPU_SERVER_ROOT", raising=False)
+    server.install("agp", min_free="10G")
+    server.pre_start("agp", JPY_SESSION_NAME="work/train.ipynb")
+    (lease,) = server.registry.list_leases()
+    assert lease.notebook_path == "work/train.ipynb"
+
+
 def test_a_fail_kernelspec_refuses_with_the_whole_reason(server: Host) -> None:
     """``on_no_device="fail"`` and nothing fits: the refusal is the pick's reason in full, then
     what to do, and no "waited" part (the kernelspec did not wait). Caught: the message's words
