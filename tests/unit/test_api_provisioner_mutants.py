@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jupyter_client import AsyncKernelManager
 
 import autogpu_jupyter as ag
 from autogpu_jupyter import api
@@ -506,6 +507,56 @@ def test_a_cpu_only_kernel_is_started_with_exactly_the_hiding_variables(server: 
     assert "pass_fds" not in kwargs
     prov = km.provisioner
     assert (prov.autogpu_picked, prov.autogpu_note, prov.autogpu_lease_id) == ((), note, None)
+
+
+def test_a_two_device_kernel_is_told_both_uuids_joined_by_a_comma(server: Host) -> None:
+    """Caught: the picked UUIDs joined by another separator."""
+    server.install("two", count=2)
+    km, kwargs = server.pre_start("two")
+    assert kwargs["env"]["AUTOGPU_PICKED"] == f"{A},{B}"
+    assert km.provisioner.autogpu_picked == (A, B)
+
+
+def test_a_move_made_without_a_lease_says_both_in_its_note(
+    server: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A move to B is honoured while the registry cannot be used: the note says both, the
+    move's first, joined by "; ". Caught: the pick's own note dropped when a lease note
+    follows."""
+    from autogpu_jupyter.core import moves
+
+    server.install("agp", min_free="10G")
+    km, _kwargs = server.pre_start("agp")
+    prov = km.provisioner
+    moves.request_move(prov.autogpu_move_file, B, current_uuids=(A,),
+                       constraints=prov.autogpu_constraints, kernel_id=km.kernel_id)
+    blocker = server.tmp / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(blocker / "registry"))
+    _km, kwargs = server.pre_start("agp", km=km)
+    assert kwargs["env"]["AUTOGPU_PICKED"] == B
+    assert kwargs["env"]["AUTOGPU_PICK_NOTE"] == (
+        "moved at your request: the kernel's state was lost; cannot use lease registry "
+        f"{blocker}/registry: Not a directory; ask the admin to create it (install -d -m 1777 "
+        f"-o root {blocker}/registry) or set AUTOGPU_REGISTRY_DIR / c.AutoGPU.registry_dir: "
+        "picked without a lease"
+    )
+
+
+def test_a_refused_start_is_logged_as_the_error_it_raises(
+    server: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing fits a "fail" kernelspec: the server's log gets the refusal's own text, once.
+    Caught: the log call's argument or format changed (None, a bare "%s", other words)."""
+    logger = logging.getLogger("autogpu-test-kernels")
+    server.install("strict", min_free="75G", on_no_device="fail")
+    km = AsyncKernelManager(kernel_name="strict", log=logger)
+    server.managers.append(km)
+    with caplog.at_level(logging.ERROR, logger="autogpu-test-kernels"), \
+            pytest.raises(NoDeviceFitsError) as info:
+        server.pre_start("strict", km=km)
+    assert [r.getMessage() for r in caplog.records if r.name == "autogpu-test-kernels"] == [
+        str(info.value)]
 
 
 def test_a_kernels_lease_names_the_notebook_of_the_kernels_session(
