@@ -509,12 +509,21 @@ def test_a_cpu_only_kernel_is_started_with_exactly_the_hiding_variables(server: 
     assert (prov.autogpu_picked, prov.autogpu_note, prov.autogpu_lease_id) == ((), note, None)
 
 
-def test_a_two_device_kernel_is_told_both_uuids_joined_by_a_comma(server: Host) -> None:
-    """Caught: the picked UUIDs joined by another separator."""
+def test_a_two_device_kernel_is_told_both_uuids_and_the_log_names_both_devices(
+    server: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The kernel is told its UUIDs joined by ","; the server's log line names both devices
+    (label and UUID) joined by ", ". Caught: either joined by another separator."""
+    logger = logging.getLogger("autogpu-test-kernels")
     server.install("two", count=2)
-    km, kwargs = server.pre_start("two")
+    km = AsyncKernelManager(kernel_name="two", log=logger)
+    server.managers.append(km)
+    with caplog.at_level(logging.INFO, logger="autogpu-test-kernels"):
+        _km, kwargs = server.pre_start("two", km=km)
     assert kwargs["env"]["AUTOGPU_PICKED"] == f"{A},{B}"
     assert km.provisioner.autogpu_picked == (A, B)
+    assert [r.getMessage() for r in caplog.records if r.name == "autogpu-test-kernels"] == [
+        f"autogpu: kernel {km.kernel_id} gets GPU 0 {A}, GPU 1 {B} (2 devices)"]
 
 
 def test_a_move_made_without_a_lease_says_both_in_its_note(
