@@ -472,13 +472,14 @@ def test_a_bad_count_for_a_kernelspec_is_named_by_its_flag(
 def test_install_from_python_writes_an_indented_kernel_json_loading_the_extension(
     jupyter: Path,
 ) -> None:
-    """``kernelspec.install(NAME, prefix=...)`` from Python: the kernel loads the autogpu
-    extension unless told not to, kernel.json is indented by one space (readable, as Jupyter
-    writes its own), and a name with capitals is accepted (letters are either case). Caught:
-    the extension off by default; kernel.json on one line or indented by 2; the name check
-    made lower-case only."""
+    """``kernelspec.install(NAME, prefix=...)`` (and ``spec_dict()``) from Python: the kernel
+    loads the autogpu extension unless told not to, kernel.json is indented by one space
+    (readable, as Jupyter writes its own), and a name with capitals is accepted (letters are
+    either case). Caught: the extension off by default in install or in spec_dict; kernel.json
+    on one line or indented by 2; the name check made lower-case only."""
     from autogpu_jupyter import kernelspec
 
+    assert kernelspec.spec_dict()["argv"][-1] == "--ext=autogpu_jupyter"
     dest = Path(kernelspec.install("GPU-Big", prefix=str(jupyter)))
     assert dest == jupyter / "share/jupyter/kernels/gpu-big"
     text = (dest / "kernel.json").read_text(encoding="utf-8")
@@ -735,7 +736,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                "max_connections_per_user": 256, "max_connections": 0, "ticket_grace": 5.0,
                "send_timeout": 10.0, "subuid_file": "/etc/subuid",
                "max_messages_per_s_per_user": 500.0, "rules": "/etc/autogpu/broker.json",
-               "json": False, "handler": cli_mod._cmd_broker},
+               "json": False},
     "hosts": {"prometheus": None, "min_free": None, "max_util": None, "count": None,
               "json": False, "best": False},
     "exporter": {"host": "127.0.0.1", "port": 9445, "interval": None, "hostname": "",
@@ -755,6 +756,7 @@ def test_each_command_starts_from_its_documented_defaults(command: str) -> None:
     assert seen.pop("command") == command
     assert sorted(seen.pop("_subparsers")) == [
         "broker", "exporter", "hosts", "kernelspec", "leases", "list", "pick", "run"]
+    assert seen.pop("handler", None) is (cli_mod._cmd_broker if command == "broker" else None)
     assert seen == DEFAULTS[command]
 
 
