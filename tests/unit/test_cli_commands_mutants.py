@@ -464,3 +464,20 @@ def test_hosts_asks_prometheus_with_the_settings_timeout(
     with recorded_prometheus("all-up") as url:
         assert cli("hosts", "--prometheus", url, "--best")[:2] == (0, "gpu-b\n")
     assert [(c.url, c.timeout_s) for c in clients] == [(url, 5.0)]
+
+
+def test_run_of_a_command_the_system_refuses_without_a_reason_names_the_error_kind(
+    registry: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OSError that carries no text (``strerror`` None: raised bare by a wrapper or a
+    sandbox) still gives one line naming the command and the kind of error, exit 126, and no
+    lease left behind. Caught: the kind of ``None`` (``NoneType``) named instead of the
+    error's."""
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise OSError
+
+    monkeypatch.setattr(cli_mod, "subprocess", types.SimpleNamespace(Popen=refuse))
+    assert cli("run", "--", "train") == (126, "", SUMMARY + (
+        "autogpu: error: cannot run 'train': OSError\n"))
+    assert os.listdir(registry / str(os.geteuid())) == []
