@@ -91,22 +91,11 @@ def _other_holders_lease(registry: Path, uuid: str, notebook: str) -> Any:
 
 def _displays(shell: InteractiveShell, code: str) -> list[dict[str, Any]]:
     """Run ``code`` as in a notebook's kernel; the displays it published (mimetype -> data)."""
-    from IPython.core.displaypub import DisplayPublisher
-
-    shown: list[dict[str, Any]] = []
-
-    class Capture(DisplayPublisher):
-        def publish(self, data: Any, metadata: Any = None, **kw: Any) -> None:
-            shown.append(data)
-
-    old = shell.display_pub
-    shell.display_pub = Capture(shell=shell)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        shown = _capture_displays(shell, mp)
         with patch.object(magics.GPUMagics, "_in_kernel", return_value=True):
             assert shell.run_cell(code).success
-    finally:
-        shell.display_pub = old
-    return shown
+    return [data for data, _update in shown]
 
 
 def _me() -> str:
