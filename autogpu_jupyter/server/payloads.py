@@ -14,6 +14,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from traitlets import TraitError
+
 from autogpu_jupyter.config import AutoGPU
 from autogpu_jupyter.core import options
 from autogpu_jupyter.core.cluster import PrometheusClient, fetch_history
@@ -367,7 +369,7 @@ def kernel_overloads(
         return {}
     try:
         thresholds = Thresholds.from_config(AutoGPU(parent=state.parent))
-    except (ValueError, TypeError):  # a bad threshold in the config: the defaults
+    except (ValueError, TypeError, TraitError):  # a bad threshold in the config: the defaults
         thresholds = Thresholds()
     history = sampler.history_series(since_s=thresholds.window_s + 3 * state.interval_s)
     smoothed = sampler.smoothed_util(60.0)
