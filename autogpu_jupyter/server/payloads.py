@@ -373,7 +373,6 @@ def kernel_overloads(
         thresholds = Thresholds()
     history = sampler.history_series(since_s=thresholds.window_s + 3 * state.interval_s)
     smoothed = sampler.smoothed_util(60.0)
-    movable = {k["kernel_id"] for k in kernels if k.get("movable")}
     options = options or {}
     environs = environs or {}
     uid = os.geteuid()
@@ -383,11 +382,6 @@ def kernel_overloads(
         registry = None
     out: dict[str, tuple[str, dict[str, str] | None]] = {}
     for kid, uuids in held.items():
-        move = (
-            "use Move to best GPU in the GPU sidebar"
-            if kid in movable
-            else "restart the kernel and run %gpu pick"
-        )
         lease = next(
             (r for r in records if r.kernel_id == kid and r.uid == uid), None
         )
@@ -403,8 +397,7 @@ def kernel_overloads(
                 store=view, environ=grant, self_pids=pids,
             )
 
-        found = detect(history, snap, uuids, pids, thresholds,
-                       smoothed_util=smoothed, move=move, alternative=alternative)
+        found = detect(history, snap, uuids, pids, thresholds, alternative=alternative)
         if found:
             better = next((w.alternative for w in found if w.alternative is not None), None)
             out[kid] = (

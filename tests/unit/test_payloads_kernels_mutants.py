@@ -28,8 +28,6 @@ from tests.unit.test_payloads import CROWDED, A, B, C
 
 D = "GPU-3d3d3d3d-1111-2222-3333-444444444444"
 KERNEL_PID, OTHER_KERNEL_PID, BOB_PID = 7001, 7002, 51002
-MOVE = "use Move to best GPU in the GPU sidebar"
-RESTART = "restart the kernel and run %gpu pick"
 
 
 # ---- kernel_overloads ----------------------------------------------------------------------
@@ -224,29 +222,6 @@ def test_two_overloaded_gpus_make_one_notification_of_two_sentences() -> None:
     assert overloads(_state(_Sampler()), holders=holders) == {"k-1": (
         f"{CROWDED} Better now: GPU 1. GPU 3 (this kernel's GPU) is overloaded: memory 98% "
         "full, 1 other process. Better now: GPU 1.", {"uuid": B, "label": "GPU 1"})}
-
-
-def test_the_warning_says_how_each_kernel_moves(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The warnings the server detects (``Overload.message()``, as the notebook prints it) say
-    how to move: the sidebar's Move for a kernel of the autogpu provisioner, a restart and a
-    pick for another; the detection gets the sampler's smoothed load. Caught: the move text
-    altered, dropped, inverted, or the ``movable`` flag read under another key."""
-    seen: dict[tuple[str, ...], tuple[list[str], Any]] = {}
-    detect = payloads.detect
-
-    def spy(history: Any, snap: Any, uuids: Any, *args: Any, **kwargs: Any) -> Any:
-        found = detect(history, snap, uuids, *args, **kwargs)
-        seen[tuple(uuids)] = ([w.move for w in found], kwargs.get("smoothed_util"))
-        return found
-
-    monkeypatch.setattr(payloads, "detect", spy)
-    sampler = _Sampler({B: 0.0})
-    kernels = [{"kernel_id": "k-1", "movable": True, "picked_uuids": []},
-               {"kernel_id": "k-2", "movable": False, "picked_uuids": []}]
-    holders = [holder("k-1"), holder("k-2", uuid=D, pid=OTHER_KERNEL_PID)]
-    got = overloads(_state(sampler), kernels=kernels, holders=holders)
-    assert set(got) == {"k-1", "k-2"}
-    assert seen == {(A,): ([MOVE], sampler.smoothed), (D,): ([RESTART], sampler.smoothed)}
 
 
 # ---- the kernels' rows: kernel_infos, kernel_options, gpu_kernel_ids -----------------------
