@@ -543,7 +543,8 @@ def _snapshot(dev: _Acc, now_s: float) -> ClusterDevice:
     used_b = None if used_mib is None else int(used_mib * MiB)
     free_b = None if free_mib is None else int(free_mib * MiB)
     total_b = None if used_b is None or free_b is None else used_b + free_b
-    parent = dev.uuid.partition("/")[0] if mig_index is not None else None
+    # the GPU_I_ID after the last "/" (decimal, else no MIG index): a UUID label may hold one
+    parent = dev.uuid.rpartition("/")[0] if mig_index is not None else None
     snap = DeviceSnapshot(
         index=-1 if index is None else index,
         uuid=dev.uuid,
