@@ -441,7 +441,7 @@ def test_a_fleet_that_cannot_be_listed_is_one_message(
     host: Any, errors: list[int], message: str
 ) -> None:
     sm = host(Dev(**full()))
-    sm.handle_errors = errors
+    sm.handle_errors = list(errors)  # a copy: the parameter list is shared by every run
     with pytest.raises(NVMLUnavailableError) as err:
         AmdSmiBackend().snapshot()
     assert str(err.value) == message
