@@ -28,8 +28,17 @@ reused would keep a GPU booked for nobody. The log's head names the boot it desc
 kernel's ``boot_id``); a log of another boot is dropped whole at load (logged). A log without a
 head (written by a broker before this one) is read as before: by pid and start time.
 
-A torn last line (a crash mid-``write``) is skipped on reading. The whole-file journal of the
-first broker (``journal.json``) is read once when no log exists yet, then removed.
+**A full disk.** A change that cannot be written (``ENOSPC``, ``EIO``, a quota) leaves nothing
+of itself in the file: the log is cut back to its last whole line and :class:`NotRecorded` is
+raised, so the broker refuses that grant (a lease it cannot write is a lease a restart would not
+know). The end of a lease and its new holders cannot be refused (the client is gone, or the
+holder already runs): they are kept and written with the next change that can be, or by the next
+compaction. A compaction that cannot be written is left for later; the log appended to is whole.
+
+A torn last line (a crash mid-``write``) is skipped on reading; where a line was written after a
+torn fragment (its piece never cut back), each whole line in it is still read: a top-level
+``{"`` only ever starts a line (every quote inside a string is escaped). The whole-file journal
+of the first broker (``journal.json``) is read once when no log exists yet, then removed.
 
 **Holders.** A lease lives as long as *its socket* is open anywhere, not as long as the process
 that connected: ``autogpu run`` and the provisioner hand the socket to a child and may exit. So
@@ -62,6 +71,7 @@ __all__ = [
     "COMPACT_MIN_BYTES",
     "Entry",
     "Journal",
+    "NotRecorded",
     "holders_alive",
     "peer_inode",
     "proc_ids",
@@ -93,6 +103,30 @@ def boot_id(path: str | None = None) -> str | None:
     return value or None
 
 Pids = list[tuple[int, int]]
+
+
+class NotRecorded(OSError):
+    """A change the journal could not write (its disk full, an I/O error): nothing of it is in
+    the file, and the journal's entries are as before the call."""
+
+    def __init__(self, directory: str, err: OSError) -> None:
+        if err.strerror:
+            why = f"{err.strerror[:1].lower()}{err.strerror[1:]} in {directory}"
+        else:  # ours, naming the path already
+            why = str(err) or type(err).__name__
+        super().__init__(err.errno, why)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+    def refusal(self, kind: str, new: bool = True) -> str:
+        """The one line a client is told: what could not be recorded, why, and that it was not
+        granted (``new``) or not changed."""
+        if new:
+            return (f"cannot record the {kind}: {self} (the broker's state directory); "
+                    f"the {kind} was not granted")
+        return (f"cannot record the change of the {kind}: {self} (the broker's state "
+                f"directory); the {kind} is kept as it was")
 
 
 @dataclass
@@ -138,6 +172,12 @@ class Journal:
         self._bytes = 0
         self._sizes: dict[str, int] = {}  # encoded size of each live entry's line
         self._live = 0  # their sum
+        #: Lines not written yet (the disk was full), by lease: the end of a lease or its new
+        #: holders, written before the next change (or made moot by the next compaction).
+        self._owed: dict[str, bytes] = {}
+        self._torn = False  # a failed write's piece could not be cut back: cut it first
+        self._compact_from = 0  # a compaction failed: not tried again below this size
+        self._whole = 0  # where the last whole line of the replayed log ends
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -154,7 +194,20 @@ class Journal:
         if self.logged_boot is not None and self.boot is not None and self.logged_boot != self.boot:
             self.dropped = len(self.entries)
             self.entries.clear()
-        self.compact()
+        try:
+            self.compact()
+        except OSError as err:
+            # A full disk at a restart: a log of this very boot is kept as it is (its torn
+            # tail cut off) and appended to; anything else must be rewritten, so cannot start.
+            if self.logged_boot is None or self.logged_boot != self.boot:
+                raise
+            log.warning("journal %s not compacted at start (%s): appended to as it is",
+                        self.path, err)
+            self._open()
+            if self._bytes > self._whole:
+                os.ftruncate(self._fd, self._whole)
+                self._bytes = self._whole
+            return dict(self.entries)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(legacy)
         return dict(self.entries)
@@ -163,13 +216,44 @@ class Journal:
         fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # ours, not a link
         with os.fdopen(fd, "rb") as f:
             for n, raw in enumerate(f, 1):
-                if len(raw) > MAX_LINE_BYTES or not raw.endswith(b"\n"):
+                whole = raw.endswith(b"\n")
+                if whole:
+                    self._whole += len(raw)
+                if len(raw) > MAX_LINE_BYTES or not whole:
                     log.warning("journal line %d skipped (torn or too long)", n)
                     continue
                 try:
-                    self._apply(json.loads(raw))
+                    doc = json.loads(raw)
+                except ValueError as err:
+                    if not self._apply_pieces(raw, n):
+                        log.warning("journal line %d skipped: %s", n, str(err)[:200])
+                    continue
+                try:
+                    self._apply(doc)
                 except (ValueError, TypeError, KeyError) as err:
                     log.warning("journal line %d skipped: %s", n, str(err)[:200])
+
+    def _apply_pieces(self, raw: bytes, n: int) -> bool:
+        """A line that is not JSON: a torn fragment with whole lines written after it (each
+        starts with ``{"``, which nothing inside a line contains: every quote in a string is
+        escaped). Each piece that parses is applied; ``False`` when there are no pieces."""
+        starts = []
+        at = raw.find(b'{"')
+        while at >= 0:
+            starts.append(at)
+            at = raw.find(b'{"', at + 2)
+        if len(starts) < 2:
+            return False
+        read = 0
+        for a, b in zip(starts, [*starts[1:], len(raw)], strict=True):
+            try:
+                self._apply(json.loads(raw[a:b]))
+            except (ValueError, TypeError, KeyError):
+                continue
+            read += 1
+        log.warning("journal line %d: a torn piece skipped, %d whole line(s) after it read",
+                    n, read)
+        return True
 
     def _apply(self, doc: Any) -> None:
         if not isinstance(doc, dict):
@@ -219,38 +303,85 @@ class Journal:
     # -- writing -----------------------------------------------------------------------------
 
     def add(self, entry: Entry, seq: int | None = None) -> None:
-        """Append a new live entry (written when this returns: tell the client after)."""
+        """Append a new live entry, or a changed one (written when this returns: tell the
+        client after). :class:`NotRecorded` when it cannot be written: then nothing changed,
+        in the file or here (refuse what it was for)."""
+        size = self._append(entry.encoded(seq))
         self.entries[entry.lease_id] = entry
         if seq is not None:
             self.seq = max(self.seq, seq)
-        size = self._append(entry.encoded(seq))
         self._live += size - self._sizes.get(entry.lease_id, 0)
         self._sizes[entry.lease_id] = size
+        self._maybe_compact()
 
     def set_pids(self, lease_id: str, pids: Pids) -> None:
+        """New holders of a live entry (written now, or with the next change that can be)."""
         e = self.entries.get(lease_id)
         if e is None:
             return
         e.pids = list(pids)
-        self._append(f'{{"holders":{_quote(lease_id)},"pids":{_pids_text(pids)}}}\n'.encode())
+        self._append_or_owe(
+            lease_id, f'{{"holders":{_quote(lease_id)},"pids":{_pids_text(pids)}}}\n'.encode())
 
     def remove(self, lease_id: str) -> None:
-        """Append the end of an entry."""
+        """Append the end of an entry (now, or with the next change that can be written)."""
         if self.entries.pop(lease_id, None) is None:
             return
         self._live -= self._sizes.pop(lease_id, 0)
-        self._append(f'{{"del":{_quote(lease_id)}}}\n'.encode())
+        self._append_or_owe(lease_id, f'{{"del":{_quote(lease_id)}}}\n'.encode())
+
+    def _append_or_owe(self, lease_id: str, data: bytes) -> None:
+        """A line that cannot be refused: written, or kept for the next write (a lease whose
+        end is not written yet is kept by a restart only while its holders still run)."""
+        try:
+            self._append(data)
+        except NotRecorded as err:
+            self._owed[lease_id] = data
+            log.warning("journal: a line of %s kept to be written later (%s)", lease_id, err)
+            return
+        self._maybe_compact()
 
     def _append(self, data: bytes) -> int:
-        """Write one line, ``data`` with its newline (one ``write``: in the file, for any
-        later reader, when this returns; see the module docstring for why it is not synced)."""
-        if self._fd < 0:
-            self._open()
-        _write_all(self._fd, data)
-        self._bytes += len(data)
-        if self._bytes > max(COMPACT_MIN_BYTES, 4 * self._live):
-            self.compact()
+        """Write one line, ``data`` with its newline, after the lines owed (one ``write``: in
+        the file, for any later reader, when this returns; see the module docstring for why it
+        is not synced). :class:`NotRecorded` when it cannot: what was written of it is cut off
+        again, so the next line starts where the last whole one ended."""
+        owed = b"".join(self._owed.values())
+        try:
+            if self._fd < 0:
+                self._open()
+            if self._torn:
+                os.ftruncate(self._fd, self._bytes)
+                self._torn = False
+            _write_all(self._fd, owed + data)
+        except OSError as err:
+            self._cut_back()
+            raise NotRecorded(self.directory, err) from None
+        self._owed.clear()
+        self._bytes += len(owed) + len(data)
         return len(data)
+
+    def _cut_back(self) -> None:
+        """Cut the log back to its last whole line after a failed write (shrinking a file
+        needs no space); where even that fails, before the next write."""
+        if self._fd < 0:
+            return
+        try:
+            os.ftruncate(self._fd, self._bytes)
+        except OSError as err:
+            self._torn = True
+            log.warning("journal %s: a failed write not cut back yet (%s)", self.path, err)
+
+    def _maybe_compact(self) -> None:
+        """Compact once the log is past its bound; one that cannot be written (a full disk) is
+        logged and tried again when the log has grown as much again."""
+        if self._bytes <= max(COMPACT_MIN_BYTES, 4 * self._live, self._compact_from):
+            return
+        try:
+            self.compact()
+        except OSError as err:
+            self._compact_from = 2 * self._bytes
+            log.warning("journal %s not compacted (%s): appended to as it is", self.path, err)
 
     def compact(self) -> None:
         """Rewrite the log as the live entries only (atomically), and go on appending to it."""
@@ -267,15 +398,24 @@ class Journal:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
         try:
-            _write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # its space back: the old log stays, whole
+            raise
         os.replace(tmp, self.path)
-        _fsync_dir(self.directory)
         self.close()
-        self._open()
+        self._owed.clear()  # the snapshot has only the live entries: nothing is owed
+        self._torn = False
+        self._compact_from = 0
+        with contextlib.suppress(OSError):
+            _fsync_dir(self.directory)
         self._bytes = len(data)
+        self._open()
 
     def _open(self) -> None:
         self._fd = os.open(

@@ -6,10 +6,14 @@ processes, the kernel's sock_diag and /proc.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import pwd
+import resource
+import signal
 import socket
 import struct
 import subprocess
@@ -606,3 +610,141 @@ def test_a_holder_that_vanished_mid_scan_is_skipped_and_the_scan_goes_on(
     monkeypatch.setattr(jrnl.os, "readlink", readlink)
     monkeypatch.setattr(jrnl, "start_time", lambda pid: None if pid == 101 else 5555)
     assert jrnl.scan_socket_holders([777, 888]) == {777: [(102, 5555)]}
+
+
+# ---- a disk that fills up ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """No file of this process may grow past ``limit`` bytes (``RLIMIT_FSIZE``): the kernel
+    writes a line that crosses it in part and fails the next write (``EFBIG``), as a full disk
+    does (``ENOSPC``). ``SIGXFSZ`` ignored meanwhile (it would end the process)."""
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_change_that_cannot_be_written_leaves_nothing_of_itself_and_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A grant the disk has no room for: the piece the kernel wrote is cut off again, the
+    journal raises its own error (naming the cause and the directory) and keeps its entries as
+    they were, and the next change, once there is room, is read back after a restart. Caught
+    (issue 39): the torn piece left in the file swallowed the next line, so a lease granted
+    after the disk had room again was lost at the restart."""
+    log_path = tmp_path / "journal.log"
+    j = Journal(str(tmp_path), boot="boot-a")
+    j.load()
+    j.add(entry(1))
+    good = log_path.read_bytes()
+    with file_size_limit(len(good) + 10), pytest.raises(OSError) as err:
+        j.add(entry(2, size=100), seq=9)
+    assert log_path.read_bytes() == good  # not a byte of it
+    assert list(j.entries) == [entry(1).lease_id] and j.seq == 0
+    assert isinstance(err.value, jrnl.NotRecorded)
+    assert str(err.value) == f"file too large in {tmp_path}"
+    assert err.value.errno == errno.EFBIG
+    assert err.value.refusal("lease") == (
+        f"cannot record the lease: file too large in {tmp_path} (the broker's state "
+        "directory); the lease was not granted")
+    j.add(entry(3))
+    assert list(Journal(str(tmp_path), boot="boot-a").load()) == [
+        entry(1).lease_id, entry(3).lease_id]
+
+
+def test_an_end_that_cannot_be_written_is_written_with_the_next_change(tmp_path: Path) -> None:
+    """The end of a lease (its holder gone) and its new holders cannot be refused: with the
+    disk full they are kept, and written before the next change that fits. Caught: the write's
+    error raised out of the end of a connection (the broker's callback that closes the
+    socket), leaving the client hanging."""
+    log_path = tmp_path / "journal.log"
+    j = Journal(str(tmp_path), boot="boot-a")
+    j.load()
+    j.add(entry(1))
+    j.add(entry(2))
+    good = log_path.read_bytes()
+    with file_size_limit(len(good) + 3):
+        j.set_pids(entry(2).lease_id, [(7, 70)])
+        j.remove(entry(1).lease_id)
+    assert log_path.read_bytes() == good
+    assert list(j.entries) == [entry(2).lease_id]
+    j.add(entry(3))
+    again = Journal(str(tmp_path), boot="boot-a").load()
+    assert list(again) == [entry(2).lease_id, entry(3).lease_id]
+    assert again[entry(2).lease_id].pids == [(7, 70)]
+
+
+def test_whole_lines_written_after_a_torn_piece_are_all_read(tmp_path: Path) -> None:
+    """A piece of a line the kernel wrote and nobody cut back (a crash mid-write, the disk
+    full), then whole lines after it on the same line of the file: each whole one is read, the
+    piece skipped (a top-level ``{"`` only ever starts a line). Caught (issue 39): the whole
+    line after the piece was skipped with it: a live exclusive lease lost at a restart."""
+    one, two, three = entry(1), entry(2), entry(3)
+    torn = two.encoded()[:37]
+    (tmp_path / "journal.log").write_bytes(
+        b'{"seq":4}\n{"boot":"boot-a"}\n' + one.encoded()
+        + torn + three.encoded()  # the piece, then a whole line
+        + b'{"del":' + json.dumps(one.lease_id).encode() + b"}"  # whole but for its newline
+        + b'{"holders":' + json.dumps(three.lease_id).encode() + b',"pids":[[5,6]]}\n'
+        + two.encoded()[:20]  # a torn last line
+    )
+    live = Journal(str(tmp_path), boot="boot-a").load()
+    assert list(live) == [three.lease_id]
+    assert live[three.lease_id].pids == [(5, 6)]
+
+
+def test_a_restart_on_a_full_disk_keeps_this_boots_log_and_cuts_its_torn_tail(
+    tmp_path: Path,
+) -> None:
+    """A broker restarted while the disk is still full cannot compact (the snapshot needs
+    room): a log of this boot is kept as it is, its torn last line cut off, and appended to
+    once there is room. Caught: the broker refused to start ("journal unusable")."""
+    log_path = tmp_path / "journal.log"
+    head = b'{"seq":4}\n{"boot":"boot-a"}\n' + entry(1).encoded()
+    log_path.write_bytes(head + entry(2).encoded()[:30])
+    j = Journal(str(tmp_path), boot="boot-a")
+    with file_size_limit(20):
+        assert list(j.load()) == [entry(1).lease_id]
+    assert log_path.read_bytes() == head
+    assert not (tmp_path / "journal.log.tmp").exists()
+    j.add(entry(3))
+    assert list(Journal(str(tmp_path), boot="boot-a").load()) == [
+        entry(1).lease_id, entry(3).lease_id]
+    # A log of another boot must be rewritten (its entries are dropped): that cannot wait.
+    with file_size_limit(20), pytest.raises(OSError):
+        Journal(str(tmp_path), boot="boot-b").load()
+
+
+def test_a_compaction_that_cannot_be_written_leaves_the_log_whole_and_waits(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Past its bound the log is rewritten as a snapshot; where the snapshot cannot be written
+    (here its temporary path is taken by a directory), the change is not refused, the log
+    appended to stays whole, and the next try waits until the log has grown as much again.
+    Caught: the snapshot's error raised out of a change that was written."""
+    log_path = tmp_path / "journal.log"
+    j = Journal(str(tmp_path), boot="boot-a")
+    j.load()
+    j.add(entry(1))
+    (tmp_path / "journal.log.tmp").mkdir()
+    big = entry(2, size=jrnl.COMPACT_MIN_BYTES)
+    with caplog.at_level("WARNING"):
+        j.add(big)
+        j.remove(big.lease_id)  # past the bound, four times the live entries: compact
+        for n in range(3, 8):  # not tried again for each change
+            j.add(entry(n))
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        f"journal {log_path} not compacted"]
+    assert log_path.stat().st_size > jrnl.COMPACT_MIN_BYTES
+    (tmp_path / "journal.log.tmp").rmdir()
+    while log_path.stat().st_size > jrnl.COMPACT_MIN_BYTES:  # grown as much again: compacted
+        j.add(big)
+        j.remove(big.lease_id)
+    assert list(Journal(str(tmp_path), boot="boot-a").load()) == [
+        entry(n).lease_id for n in (1, 3, 4, 5, 6, 7)]
