@@ -694,9 +694,9 @@ class Broker:
         )
         replaced = self._replaced(conn, msg)
         self._check_lease(conn, rec, replaced)
-        self._end_replaced(replaced)
         conn.holder_pids = list(self._holder_ids(conn)[1])  # before the record: journaled
-        conn.record = rec
+        conn.record = rec  # BrokerRefusal when it cannot be journaled: replaced ones kept
+        self._end_replaced(replaced)
         self._journal()
         self._drop_lock(conn)
         return _RecordReply(rec, self._encoded(rec))
@@ -1188,16 +1188,22 @@ class Broker:
             journal.remove(old.lease_id)
         if new is None:
             return
-        if began:
-            peer = self._holder_ids(conn)[0]
-            pids = list(conn.holder_pids)
-            journal.add(jrnl.Entry(new.lease_id, conn.uid, self._encoded(new).decode(), peer,
-                                   pids), seq=new.seq)
-        else:  # the same lease, changed (set_pid): the new record and its holders
-            known = journal.entries.get(new.lease_id)
-            peer = None if known is None else known.peer
-            journal.add(jrnl.Entry(new.lease_id, conn.uid, self._encoded(new).decode(), peer,
-                                   list(conn.holder_pids)))
+        try:
+            if began:
+                peer = self._holder_ids(conn)[0]
+                pids = list(conn.holder_pids)
+                journal.add(jrnl.Entry(new.lease_id, conn.uid, self._encoded(new).decode(),
+                                       peer, pids), seq=new.seq)
+            else:  # the same lease, changed (set_pid): the new record and its holders
+                known = journal.entries.get(new.lease_id)
+                peer = None if known is None else known.peer
+                journal.add(jrnl.Entry(new.lease_id, conn.uid, self._encoded(new).decode(),
+                                       peer, list(conn.holder_pids)))
+        except jrnl.NotRecorded as err:  # not in the journal: not granted (nor changed)
+            conn._record = None if ended else old
+            self.version += 1
+            self.dormant.discard(new.lease_id)
+            raise BrokerRefusal(err.refusal(new.kind, began), "RegistryUntrustedError") from None
 
     def _encoded(self, rec: LeaseRecord) -> bytes:
         """``encode(rec)``, kept for the last record (records are immutable): a grant's

@@ -161,7 +161,9 @@ def _no_fit_message(
 def _create_lease(
     txn: StoreTransaction, chosen: list[Candidate], constraints: Constraints, requester: Requester
 ) -> tuple[HeldLease | None, str | None]:
-    """Write the lease; a store that refuses the write means no lease, said once (a note)."""
+    """Write the lease; a store that refuses the write means no lease, said once (a note). A
+    broker that answers it cannot record the lease (:class:`RegistryUntrustedError`: its disk is
+    full) fails the pick closed: a lease it did not grant is no lease to go on without."""
     try:
         lease = txn.create(
             devices=[c.device for c in chosen],
@@ -174,6 +176,13 @@ def _create_lease(
             exclusive=constraints.exclusive,
             requester=requester,
         )
+    except RegistryUntrustedError as err:
+        if not isinstance(err, RegistryUnreachableError):
+            raise RegistryUntrustedError(
+                f"{err}. Nothing was picked and the environment is unchanged"
+            ) from None
+        log.info("no lease: %s", err)
+        return None, str(err)
     except RegistryError as err:
         log.info("no lease: %s", err)
         return None, str(err)

@@ -96,6 +96,8 @@ _ERRORS: dict[str, type[AutoGPUError]] = {
     "LeaseLimitError": LeaseLimitError,
     "NoDeviceFitsError": NoDeviceFitsError,
     "UsageErrorBase": UsageErrorBase,
+    # a lease the broker cannot record (its disk full): the pick fails closed, even a plain one
+    "RegistryUntrustedError": RegistryUntrustedError,
 }
 
 
