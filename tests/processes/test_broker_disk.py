@@ -7,7 +7,8 @@ line naming the cause (not a client left hanging on an open socket), a plain pic
 broker fails closed with that line (no pick without the lease it asked for), grants resume when
 there is room again, and a ``kill -9`` and restart takes back every lease still held (the torn
 piece of the failed write does not swallow the next line): an exclusive lease's device is not
-given to another user.
+given to another user. A broker killed while the disk is still full starts again and takes its
+leases back too.
 """
 
 from __future__ import annotations
@@ -69,8 +70,16 @@ def fill(directory: Path) -> Path:
         os.close(fd)
 
 
+TICKET = {"op": "ticket", "exclusive": False, "constraints": {
+    "min_free_bytes": None, "min_free_fraction": None, "max_util_pct": None, "count": 1,
+    "exclude": [], "exclusive": False, "allowed_uuids": [uuid_of(2)]}}
+
+
 def lease(conn: RawConn, device: str, exclusive: bool = False) -> Any:
-    return conn.call({"op": "lease", "devices": [device], "exclusive": exclusive})
+    """A lease whose journal line is no longer than the plain pick's below (the same kind of
+    holder, and no booking where the pick books 1 GiB): one refused means the pick's is too."""
+    return conn.call({"op": "lease", "devices": [device], "exclusive": exclusive,
+                      "holder": {"kind": "cli"}})
 
 
 def _lease_as_other(path: str, device: str) -> Any:
@@ -103,6 +112,11 @@ def test_a_full_state_disk_refuses_grants_in_one_line_and_a_restart_loses_no_lea
             f"cannot record the lease: no space left on device in {small_state} (the broker's "
             "state directory); the lease was not granted"), reply
         assert [r["lease_id"] for r in broker.status()["leases"]] == granted  # none half-made
+        with RawConn(broker.socket, timeout=REPLY_TIMEOUT_S) as waiter:  # a place in line too
+            reply = waiter.call(TICKET)
+        assert reply["error"] == (
+            f"cannot record the ticket: no space left on device in {small_state} (the broker's "
+            "state directory); the ticket was not granted"), reply
 
         # A plain pick through the broker asked for a lease and was refused: it fails closed,
         # in one line, and sets nothing up (no pick "without a lease").
@@ -110,8 +124,8 @@ def test_a_full_state_disk_refuses_grants_in_one_line_and_a_restart_loses_no_lea
                "AUTOGPU_BROKER_SOCKET": str(broker.socket), "PYTHONPATH": str(REPO)}
         env.pop("CUDA_VISIBLE_DEVICES", None)
         pick = subprocess.run(
-            [sys.executable, "-m", "autogpu_jupyter.cli", "run", "--", "sh", "-c",
-             "echo ran with $CUDA_VISIBLE_DEVICES"],
+            [sys.executable, "-m", "autogpu_jupyter.cli", "run", "--min-free", "1G", "--",
+             "sh", "-c", "echo ran with $CUDA_VISIBLE_DEVICES"],
             env=env, capture_output=True, text=True, timeout=REPLY_TIMEOUT_S,
         )
         assert pick.returncode == 3, (pick.stdout, pick.stderr)
@@ -121,6 +135,14 @@ def test_a_full_state_disk_refuses_grants_in_one_line_and_a_restart_loses_no_lea
         assert (f"cannot record the lease: no space left on device in {small_state}"
                 in pick.stderr), pick.stderr
         assert "without a lease" not in pick.stderr
+
+        # kill -9 while the disk is still full: the broker starts again (it cannot compact its
+        # journal, it appends to it as it is) and takes back every lease held; still refuses.
+        broker.restart()
+        assert sorted(r["lease_id"] for r in broker.status()["leases"]) == sorted(granted)
+        conn = RawConn(broker.socket, timeout=REPLY_TIMEOUT_S)
+        held.append(conn)
+        assert lease(conn, uuid_of(1))["type"] == "RegistryUntrustedError"
 
         # Room again: the same connection is granted, and an exclusive lease too.
         filler.unlink()
@@ -140,6 +162,8 @@ def test_a_full_state_disk_refuses_grants_in_one_line_and_a_restart_loses_no_lea
         other = as_user(NOBODY.pw_uid, NOBODY.pw_gid, _lease_as_other, str(broker.socket),
                         uuid_of(0))
         assert other["ok"] is False, other
+        assert other["error"].startswith(f"no device free: {uuid_of(0)} is held exclusively by "
+                                         "root"), other
     finally:
         for c in held:
             with contextlib.suppress(OSError):
