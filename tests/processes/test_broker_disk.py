@@ -8,7 +8,7 @@ broker fails closed with that line (no pick without the lease it asked for), gra
 there is room again, and a ``kill -9`` and restart takes back every lease still held (the torn
 piece of the failed write does not swallow the next line): an exclusive lease's device is not
 given to another user. A broker killed while the disk is still full starts again and takes its
-leases back too.
+leases back too; a re-pick refused for want of room keeps the lease it would have replaced.
 """
 
 from __future__ import annotations
@@ -93,10 +93,13 @@ def test_a_full_state_disk_refuses_grants_in_one_line_and_a_restart_loses_no_lea
     broker = BrokerProc(area, env={"AUTOGPU_SIMULATE": str(area / "fleet.json")})
     held: list[RawConn] = []
     try:
+        mine = RawConn(broker.socket, timeout=REPLY_TIMEOUT_S)
+        held.append(mine)
+        mine_id = lease(mine, uuid_of(3))["record"]["lease_id"]
         filler = fill(small_state)
         # The journal's last page may still have room for a line or two: lease until the disk
         # is really full for the next line (a few at most).
-        granted, refused = [], None
+        granted, refused = [mine_id], None
         for _ in range(20):
             c = RawConn(broker.socket, timeout=REPLY_TIMEOUT_S)
             held.append(c)
@@ -143,6 +146,12 @@ def test_a_full_state_disk_refuses_grants_in_one_line_and_a_restart_loses_no_lea
         conn = RawConn(broker.socket, timeout=REPLY_TIMEOUT_S)
         held.append(conn)
         assert lease(conn, uuid_of(1))["type"] == "RegistryUntrustedError"
+        # A re-pick refused so keeps the lease it would have replaced.
+        with RawConn(broker.socket, timeout=REPLY_TIMEOUT_S) as repick:
+            reply = repick.call({"op": "lease", "devices": [uuid_of(2)], "ignore_ids": [mine_id],
+                                 "holder": {"kind": "cli"}})
+        assert reply["type"] == "RegistryUntrustedError", reply
+        assert sorted(r["lease_id"] for r in broker.status()["leases"]) == sorted(granted)
 
         # Room again: the same connection is granted, and an exclusive lease too.
         filler.unlink()
