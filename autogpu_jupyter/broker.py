@@ -70,7 +70,6 @@ import json
 import logging
 import math
 import os
-import pwd
 import secrets
 import signal
 import socket
@@ -955,7 +954,7 @@ class Broker:
         except OSError:
             sock.close()
             return
-        account = self.accounts.account(uid, gid)
+        account = self.accounts.account(uid)
         why = self._conn_refusal(uid, account)
         if why is not None:
             self._refuse(sock, uid, why)
@@ -1252,7 +1251,7 @@ class Broker:
                 continue
             rec = replace(rec, path=f"broker:{rec.lease_id}")
             self.seq = max(self.seq, rec.seq or 0)
-            key = self.accounts.account(e.uid, _primary_gid(e.uid)).key
+            key = self.accounts.account(e.uid).key
             self.orphans[rec.lease_id] = Orphan(e.uid, rec, pids, key, e.peer)
             self.version += 1
             self.journal.set_pids(rec.lease_id, pids)
@@ -1484,13 +1483,6 @@ def _protocol_mismatch(theirs: Any) -> str | None:
         f"{__version__}): the broker and this environment come from different autogpu "
         "versions; upgrade autogpu here (or ask the admin to run the same version for both)"
     )
-
-
-def _primary_gid(uid: int) -> int:
-    try:
-        return pwd.getpwuid(uid).pw_gid
-    except (KeyError, OverflowError):
-        return uid
 
 
 def _proc_ids(pid: int) -> list[tuple[int, int]]:

@@ -783,7 +783,7 @@ def test_every_accepted_connection_counts_against_its_persons_limit(
     b = broker(max_connections_per_user=2)
     monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
     monkeypatch.setattr(b.accounts, "account",
-                        lambda uid, gid: Account(1001, "alice", frozenset()))
+                        lambda uid: Account(1001, "alice", frozenset()))
 
     async def go() -> tuple[list[int], dict[str, Any]]:
         pairs = [socket.socketpair() for _ in range(3)]
@@ -1063,7 +1063,7 @@ def test_a_client_of_another_protocol_gets_an_untrusted_error_and_is_closed(
     b = broker()
     monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
     monkeypatch.setattr(b.accounts, "account",
-                        lambda uid, gid: Account(1001, "alice", frozenset()))
+                        lambda uid: Account(1001, "alice", frozenset()))
 
     async def go() -> list[bytes]:
         ours, theirs = socket.socketpair()
@@ -1093,7 +1093,7 @@ def exchange(b: Broker, monkeypatch: pytest.MonkeyPatch, *sent: bytes) -> list[A
 
     monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
     monkeypatch.setattr(b.accounts, "account",
-                        lambda uid, gid: Account(1001, "alice", frozenset()))
+                        lambda uid: Account(1001, "alice", frozenset()))
 
     async def go() -> bytes:
         ours, theirs = socket.socketpair()
@@ -2005,7 +2005,7 @@ def test_a_connection_that_ends_ends_its_lease_and_gives_its_person_one_place_ba
     assert b.journal is not None
     acct = Account(1001, "alice", frozenset())
     monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
-    monkeypatch.setattr(b.accounts, "account", lambda uid, gid: acct)
+    monkeypatch.setattr(b.accounts, "account", lambda uid: acct)
 
     async def go() -> None:
         pairs = [socket.socketpair() for _ in range(2)]
@@ -2083,7 +2083,7 @@ def test_a_restarted_broker_takes_back_what_is_still_held_and_drops_the_rest(
             "'user', 'version']",
             "restart: 2 lease(s)/ticket(s) taken back from the journal",
         ]
-        key = second.accounts.account(uid, uid).key
+        key = second.accounts.account(uid).key
         got = {i: (o.uid, o.key, o.peer, o.holder_pids, o.record)
                for i, o in second.orphans.items()}
         assert got == {
