@@ -348,6 +348,7 @@ class Broker:
         self.stopping = False
         self.backend: Any = None
         self.buckets: dict[int, list[float]] = {}  # account -> [tokens, last refill]
+        self.paced = 0  # messages that waited for their person's rate (status: messages_paced)
         self.accounts = Accounts(config.subuid_path)
         self.conn_cap = net.connection_cap(config.max_connections)
         self.refused = 0  # connections refused since the last log line
@@ -899,6 +900,7 @@ class Broker:
             "waiting_for_lock": len(self.waiting),
             "max_devices_per_user": self.config.max_devices_per_user,
             "tickets_lapsed": self.lapsed,
+            "messages_paced": self.paced,
             "journal_bytes": None if self.journal is None else self.journal.size_bytes,
             "uptime_s": time.time() - self.started,
             "pid": os.getpid(),
@@ -1147,6 +1149,7 @@ class Broker:
         bucket[0] = min(rate, bucket[0] + (now - bucket[1]) * rate) - 1.0
         bucket[1] = now
         if bucket[0] < 0:
+            self.paced += 1
             await asyncio.sleep(-bucket[0] / rate)
         if len(self.buckets) > 4 * len(self.per_key) + 64:  # people who left: bounded
             full = [k for k, b in self.buckets.items() if k not in self.per_key]

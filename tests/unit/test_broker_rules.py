@@ -2384,6 +2384,7 @@ def test_the_status_ranks_the_busiest_people_first_and_sums_the_rest_in_one_row(
         "waiting_for_lock": 1,
         "max_devices_per_user": b.config.max_devices_per_user,
         "tickets_lapsed": 3,
+        "messages_paced": 0,
         "journal_bytes": b.journal.size_bytes,
         "pid": os.getpid(),
         "version": __version__,
