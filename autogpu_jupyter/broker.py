@@ -73,7 +73,6 @@ import os
 import secrets
 import signal
 import socket
-import stat
 import struct
 import sys
 import time
@@ -84,7 +83,7 @@ from typing import Any, ClassVar
 
 from autogpu_jupyter._version import __version__
 from autogpu_jupyter.brokerd import journal as jrnl
-from autogpu_jupyter.brokerd import net
+from autogpu_jupyter.brokerd import net, startup
 from autogpu_jupyter.brokerd.identity import Account, Accounts
 from autogpu_jupyter.core import decision, options
 from autogpu_jupyter.core.backends import get_backend
@@ -374,7 +373,7 @@ class Broker:
         self._last_encoded: tuple[LeaseRecord | None, bytes] = (None, b"")
         self.journal: jrnl.Journal | None = None
         if config.state_dir:
-            _check_state_dir(config.state_dir)
+            startup.check_state_dir(config.state_dir)
             self.journal = jrnl.Journal(config.state_dir)
             self._load_journal()
 
@@ -1501,15 +1500,6 @@ def _notify(conn: Conn, event: dict[str, Any]) -> None:
 
 def _error(message: str) -> dict[str, Any]:
     return {"ok": False, "error": message, "type": "RegistryError"}
-
-
-def _check_state_dir(path: str) -> None:
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise SystemExit(f"autogpu broker: state directory {path} is not a directory of ours")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(path, 0o700)
 
 
 def _inherited_socket() -> socket.socket | None:

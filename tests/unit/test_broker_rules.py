@@ -869,7 +869,9 @@ def test_a_state_directory_that_is_a_symlink_is_refused_in_one_line(tmp_path: An
     with pytest.raises(SystemExit) as err:
         broker(state_dir=str(tmp_path / "link"))
     assert str(err.value) == (
-        f"autogpu broker: state directory {tmp_path / 'link'} is not a directory of ours")
+        f"autogpu broker: state directory {tmp_path / 'link'}: {tmp_path / 'link'} is a "
+        "symlink: refused (root would write the journal wherever it points); name the real "
+        f"path, --state-dir {real}")
 
 
 def test_serve_listens_answers_and_stops_on_sigterm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1510,13 +1512,13 @@ def test_a_new_state_directory_is_made_private_not_opened_then_closed(
     """The state directory is created 0700 (no moment where others may list or enter it):
     no chmod is needed afterwards. Caught: the mode dropped from its creation (the directory
     was 0755 until the chmod that followed)."""
-    from autogpu_jupyter.broker import _check_state_dir
+    from autogpu_jupyter.brokerd.startup import check_state_dir
 
     chmods: list[Any] = []
     monkeypatch.setattr(os, "chmod", lambda *a, **k: chmods.append(a))
     old = os.umask(0o022)
     try:
-        _check_state_dir(str(tmp_path / "state"))
+        check_state_dir(str(tmp_path / "state"))
     finally:
         os.umask(old)
     assert chmods == []
