@@ -70,11 +70,9 @@ import json
 import logging
 import math
 import os
-import pwd
 import secrets
 import signal
 import socket
-import stat
 import struct
 import sys
 import time
@@ -85,7 +83,7 @@ from typing import Any, ClassVar
 
 from autogpu_jupyter._version import __version__
 from autogpu_jupyter.brokerd import journal as jrnl
-from autogpu_jupyter.brokerd import net
+from autogpu_jupyter.brokerd import net, startup
 from autogpu_jupyter.brokerd.identity import Account, Accounts
 from autogpu_jupyter.core import decision, options
 from autogpu_jupyter.core.backends import get_backend
@@ -349,6 +347,7 @@ class Broker:
         self.stopping = False
         self.backend: Any = None
         self.buckets: dict[int, list[float]] = {}  # account -> [tokens, last refill]
+        self.paced = 0  # messages that waited for their person's rate (status: messages_paced)
         self.accounts = Accounts(config.subuid_path)
         self.conn_cap = net.connection_cap(config.max_connections)
         self.refused = 0  # connections refused since the last log line
@@ -374,7 +373,7 @@ class Broker:
         self._last_encoded: tuple[LeaseRecord | None, bytes] = (None, b"")
         self.journal: jrnl.Journal | None = None
         if config.state_dir:
-            _check_state_dir(config.state_dir)
+            startup.check_state_dir(config.state_dir)
             self.journal = jrnl.Journal(config.state_dir)
             self._load_journal()
 
@@ -900,6 +899,7 @@ class Broker:
             "waiting_for_lock": len(self.waiting),
             "max_devices_per_user": self.config.max_devices_per_user,
             "tickets_lapsed": self.lapsed,
+            "messages_paced": self.paced,
             "journal_bytes": None if self.journal is None else self.journal.size_bytes,
             "uptime_s": time.time() - self.started,
             "pid": os.getpid(),
@@ -955,7 +955,7 @@ class Broker:
         except OSError:
             sock.close()
             return
-        account = self.accounts.account(uid, gid)
+        account = self.accounts.account(uid)
         why = self._conn_refusal(uid, account)
         if why is not None:
             self._refuse(sock, uid, why)
@@ -1148,6 +1148,7 @@ class Broker:
         bucket[0] = min(rate, bucket[0] + (now - bucket[1]) * rate) - 1.0
         bucket[1] = now
         if bucket[0] < 0:
+            self.paced += 1
             await asyncio.sleep(-bucket[0] / rate)
         if len(self.buckets) > 4 * len(self.per_key) + 64:  # people who left: bounded
             full = [k for k, b in self.buckets.items() if k not in self.per_key]
@@ -1258,7 +1259,7 @@ class Broker:
                 continue
             rec = replace(rec, path=f"broker:{rec.lease_id}")
             self.seq = max(self.seq, rec.seq or 0)
-            key = self.accounts.account(e.uid, _primary_gid(e.uid)).key
+            key = self.accounts.account(e.uid).key
             self.orphans[rec.lease_id] = Orphan(e.uid, rec, pids, key, e.peer)
             self.version += 1
             self.journal.set_pids(rec.lease_id, pids)
@@ -1492,13 +1493,6 @@ def _protocol_mismatch(theirs: Any) -> str | None:
     )
 
 
-def _primary_gid(uid: int) -> int:
-    try:
-        return pwd.getpwuid(uid).pw_gid
-    except (KeyError, OverflowError):
-        return uid
-
-
 def _proc_ids(pid: int) -> list[tuple[int, int]]:
     return jrnl.proc_ids(pid)
 
@@ -1512,15 +1506,6 @@ def _notify(conn: Conn, event: dict[str, Any]) -> None:
 
 def _error(message: str) -> dict[str, Any]:
     return {"ok": False, "error": message, "type": "RegistryError"}
-
-
-def _check_state_dir(path: str) -> None:
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise SystemExit(f"autogpu broker: state directory {path} is not a directory of ours")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(path, 0o700)
 
 
 def _inherited_socket() -> socket.socket | None:

@@ -180,10 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_broker.add_argument("--max-messages-per-s-per-user", type=float, default=500.0,
                           metavar="N", help="messages per second one non-root uid may send "
                           "(default 500; past it that user's messages wait)")
-    p_broker.add_argument("--rules", metavar="FILE", default="/etc/autogpu/broker.json",
+    p_broker.add_argument("--rules", metavar="FILE", default=None,
                           help="the admin's rules (JSON: max_devices_per_user, per-user and "
-                          "per-group limits, devices reserved for groups); read when it exists "
-                          "(default /etc/autogpu/broker.json)")
+                          "per-group limits, devices reserved for groups); a file named here "
+                          "must exist ('' for none); default /etc/autogpu/broker.json, read "
+                          "when it exists")
     p_broker.add_argument("--json", action="store_true", help="status: machine-readable output")
     p_broker.set_defaults(handler=_cmd_broker)
 
@@ -597,8 +598,11 @@ def _cmd_broker(args: argparse.Namespace) -> int:
             messages_per_s_per_user=args.max_messages_per_s_per_user,
             record_commands=settings.record_commands,
         )
-        if args.rules and os.path.exists(args.rules):
-            config.load_rules(args.rules)
+        from autogpu_jupyter.brokerd import startup  # noqa: PLC0415
+
+        rules = startup.rules_to_read(args.rules)
+        if rules:
+            config.load_rules(rules)
             if limit is not None:  # the command line wins over the file
                 config.max_devices_per_user = limit
         if args.max_leases_per_user is not None:

@@ -325,3 +325,53 @@ def _read_reply(s: socket.socket, buf: bytes, replies: list[Any]) -> tuple[bytes
     one, _, buf = buf.partition(b"\n")
     replies.append(json.loads(one))
     return buf, False
+
+
+def _subid_ranges() -> list[tuple[str, int, int]]:
+    """Every ``name:first:count`` line of ``/etc/subuid`` and ``/etc/subgid``."""
+    return _ranges_of("/etc/subuid") + _ranges_of("/etc/subgid")
+
+
+def free_subid_first(count: int = 65536, above: int = 200000) -> int:
+    """The first id of ``count`` ids from ``above`` on that no line of ``/etc/subuid`` or
+    ``/etc/subgid`` covers and no passwd user or group has: a shared host's files hold other
+    people's ranges (a fixed first id may be someone's already)."""
+    import grp
+    import pwd
+
+    taken = [(first, first + n - 1) for _name, first, n in _subid_ranges()]
+    taken += [(p.pw_uid, p.pw_uid) for p in pwd.getpwall()]
+    taken += [(g.gr_gid, g.gr_gid) for g in grp.getgrall()]
+    first = above
+    while True:
+        last = first + count - 1
+        clash = [hi for lo, hi in taken if lo <= last and hi >= first]
+        if not clash:
+            return first
+        first = max(clash) + 1
+
+
+def ensure_subids(user: str, count: int = 65536) -> tuple[int, int]:
+    """Give ``user`` subordinate uids and gids (one free range, the same numbers in both
+    files) unless they have ranges already; (first, count) of their ``/etc/subgid`` range."""
+    mine = {path: [(f, n) for name, f, n in _ranges_of(path) if name == user]
+            for path in ("/etc/subuid", "/etc/subgid")}
+    if not mine["/etc/subuid"] or not mine["/etc/subgid"]:
+        first = free_subid_first(count)
+        for path, flag in (("/etc/subuid", "--add-subuids"), ("/etc/subgid", "--add-subgids")):
+            if not mine[path]:
+                subprocess.run(["usermod", flag, f"{first}-{first + count - 1}", user],
+                               check=True, capture_output=True)
+        mine["/etc/subgid"] = [(f, n) for name, f, n in _ranges_of("/etc/subgid")
+                               if name == user]
+    return mine["/etc/subgid"][0]
+
+
+def _ranges_of(path: str) -> list[tuple[str, int, int]]:
+    out = []
+    with contextlib.suppress(FileNotFoundError):
+        for ln in Path(path).read_text().splitlines():
+            parts = ln.strip().split(":")
+            if len(parts) == 3 and parts[1].isdecimal() and parts[2].isdecimal():
+                out.append((parts[0], int(parts[1]), int(parts[2])))
+    return out

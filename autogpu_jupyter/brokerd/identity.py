@@ -13,8 +13,15 @@ message limits, its own turn at the pick lock). So every uid is *accounted* to a
 * any other unknown uid falls into one shared bucket, :data:`UNKNOWN`, with small limits
   of its own (admin-configurable: ``unknown_uids`` in the rules file).
 
-A uid that has a passwd entry wins over a subordinate range that happens to contain it. The
-file is re-read when it changes (checked at most once a second); lookups are cached briefly,
+A uid that has a passwd entry wins over a subordinate range that happens to contain it.
+
+An account's groups come from the account database only: the person's primary group (passwd)
+and their supplementary groups (``getgrouplist``), never the gid the caller runs with. With
+``uidmap`` a user maps any gid of their ``/etc/subgid`` range (``newgidmap``) and ``setgid``s to
+it: where a real group's gid lies in that range, ``SO_PEERCRED`` reports that group's gid for a
+process of someone who is no member of it.
+
+The file is re-read when it changes (checked at most once a second); lookups are cached briefly,
 with a bounded cache (a flood of fresh uids cannot grow it).
 """
 
@@ -74,28 +81,29 @@ class Accounts:
         self._ranges: list[tuple[int, int, str]] = []  # (first, last, owner name or uid)
         self._stamp: tuple[int, int, int, int] | None = None
         self._checked = 0.0
-        self._cache: dict[tuple[int, int], tuple[float, Account]] = {}
+        self._cache: dict[int, tuple[float, Account]] = {}
 
-    def account(self, uid: int, gid: int) -> Account:
-        """The account of a caller with ``uid`` and primary ``gid`` (from ``SO_PEERCRED``)."""
+    def account(self, uid: int) -> Account:
+        """The account of a caller with ``uid`` (from ``SO_PEERCRED``; the caller's gid is not
+        asked for: see the module docstring)."""
         now = time.monotonic()
         self._refresh(now)
-        hit = self._cache.get((uid, gid))
+        hit = self._cache.get(uid)
         if hit is not None and now - hit[0] < _CACHE_TTL_S:
             return hit[1]
-        acct = self._lookup(uid, gid)
+        acct = self._lookup(uid)
         if len(self._cache) >= _CACHE_MAX:
             self._cache.clear()
-        self._cache[(uid, gid)] = (now, acct)
+        self._cache[uid] = (now, acct)
         return acct
 
-    def _lookup(self, uid: int, gid: int) -> Account:
+    def _lookup(self, uid: int) -> Account:
         try:
             pw = pwd.getpwuid(uid)
         except (KeyError, OverflowError):
             pw = None
         if pw is not None:
-            return Account(uid, pw.pw_name, _group_names(pw.pw_name, gid))
+            return Account(uid, pw.pw_name, _group_names(pw.pw_name, pw.pw_gid))
         owner = self._owner_of(uid)
         if owner is None:
             return Account(UNKNOWN_KEY, "unknown uids", frozenset(), f"uid {uid} (no passwd entry)")
@@ -109,8 +117,6 @@ class Accounts:
         return Account(
             opw.pw_uid,
             opw.pw_name,
-            # The owner's own groups only: the subordinate gid the caller runs with is not a
-            # group of the host (a user may not claim a group through a mapped gid).
             _group_names(opw.pw_name, opw.pw_gid),
             f"subordinate uid {uid} of {opw.pw_name}",
         )
@@ -167,6 +173,8 @@ def _read_ranges(path: str) -> list[tuple[int, int, str]]:
 
 
 def _group_names(user: str, gid: int) -> frozenset[str]:
+    """The names of ``user``'s groups: ``gid`` (their primary group from passwd) and every
+    group that lists them (``getgrouplist``)."""
     gids = {gid}
     with contextlib.suppress(KeyError, OSError):
         gids.update(os.getgrouplist(user, gid))

@@ -98,7 +98,7 @@ def area(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def broker_proc(area: Path) -> Iterator[BrokerProc]:
     root = area / "broker"
     (root / "run").mkdir(parents=True)
-    proc = BrokerProc(root, "--max-devices-per-user", "2", "--rules", str(area / "no-rules"),
+    proc = BrokerProc(root, "--max-devices-per-user", "2", "--rules", "",
                       env={**RULES, "AUTOGPU_SIMULATE": str(area / "fleet.json")})
     yield proc
     proc.stop()

@@ -48,20 +48,20 @@ def subuid(tmp_path: Path) -> Path:
 
 def test_a_passwd_user_is_itself_with_its_groups(subuid: Path) -> None:
     accounts = Accounts(str(subuid))
-    assert accounts.account(0, 0) == Account(0, "root", _groups("root", 0))
-    got = accounts.account(DAEMON.pw_uid, DAEMON.pw_gid)
+    assert accounts.account(0) == Account(0, "root", _groups("root", 0))
+    got = accounts.account(DAEMON.pw_uid)
     assert got == Account(DAEMON.pw_uid, "daemon", _groups("daemon", DAEMON.pw_gid))
     assert not got.unknown
 
 
 def test_a_subordinate_uid_is_its_owner_by_name_or_by_number(subuid: Path) -> None:
     accounts = Accounts(str(subuid))
-    first = accounts.account(FREE, FREE)
+    first = accounts.account(FREE)
     assert first == Account(DAEMON.pw_uid, "daemon", _groups("daemon", DAEMON.pw_gid),
                             f"subordinate uid {FREE} of daemon")
-    assert accounts.account(FREE + 99, 12345).key == DAEMON.pw_uid  # the range's last uid
-    assert accounts.account(FREE + 99, 12345).groups == first.groups  # never a mapped gid
-    by_number = accounts.account(FREE + 105, 7)
+    assert accounts.account(FREE + 99).key == DAEMON.pw_uid  # the range's last uid
+    assert accounts.account(FREE + 99).groups == first.groups
+    by_number = accounts.account(FREE + 105)
     assert (by_number.key, by_number.name) == (BIN.pw_uid, "bin")
     assert by_number.via == f"subordinate uid {FREE + 105} of bin"
 
@@ -69,7 +69,7 @@ def test_a_subordinate_uid_is_its_owner_by_name_or_by_number(subuid: Path) -> No
 def test_other_unknown_uids_share_one_bucket(subuid: Path) -> None:
     accounts = Accounts(str(subuid))
     for uid in (FREE + 110, FREE - 1, 4_000_000_000):
-        got = accounts.account(uid, uid)
+        got = accounts.account(uid)
         assert got == Account(UNKNOWN_KEY, "unknown uids", frozenset(),
                               f"uid {uid} (no passwd entry)")
         assert got.unknown
@@ -78,17 +78,17 @@ def test_other_unknown_uids_share_one_bucket(subuid: Path) -> None:
 def test_a_passwd_entry_wins_over_a_range_that_contains_it(tmp_path: Path) -> None:
     path = tmp_path / "subuid"
     path.write_text(f"bin:{DAEMON.pw_uid}:1\n")
-    assert Accounts(str(path)).account(DAEMON.pw_uid, DAEMON.pw_gid).name == "daemon"
+    assert Accounts(str(path)).account(DAEMON.pw_uid).name == "daemon"
 
 
 def test_a_range_whose_owner_has_no_passwd_entry_is_unknown(tmp_path: Path) -> None:
     path = tmp_path / "subuid"
     path.write_text(f"nosuchuser-ag:{FREE}:10\n{FREE + 50}:{FREE + 20}:10\n")
     accounts = Accounts(str(path))
-    assert accounts.account(FREE + 1, 1) == Account(
+    assert accounts.account(FREE + 1) == Account(
         UNKNOWN_KEY, "unknown uids", frozenset(),
         f"uid {FREE + 1} (subordinate of 'nosuchuser-ag', who has no passwd entry)")
-    assert accounts.account(FREE + 21, 1).key == UNKNOWN_KEY
+    assert accounts.account(FREE + 21).key == UNKNOWN_KEY
 
 
 def test_bad_lines_are_skipped_and_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -105,14 +105,14 @@ def test_bad_lines_are_skipped_and_named(tmp_path: Path, caplog: pytest.LogCaptu
     )
     with caplog.at_level("WARNING", logger="autogpu.broker"):
         accounts = Accounts(str(path))
-        assert accounts.account(FREE + 12, 1).name == "bin"
-        assert accounts.account(FREE, 1).key == UNKNOWN_KEY
+        assert accounts.account(FREE + 12).name == "bin"
+        assert accounts.account(FREE).key == UNKNOWN_KEY
     assert [r.getMessage() for r in caplog.records] == [
         f"{path} line {n} is not NAME:FIRST:COUNT: skipped" for n in (3, 4, 5, 6, 7, 8)]
 
 
 def test_a_missing_file_maps_nothing(tmp_path: Path) -> None:
-    assert Accounts(str(tmp_path / "none")).account(FREE, 1).key == UNKNOWN_KEY
+    assert Accounts(str(tmp_path / "none")).account(FREE).key == UNKNOWN_KEY
 
 
 def test_the_file_is_read_again_when_it_changes(
@@ -121,16 +121,16 @@ def test_the_file_is_read_again_when_it_changes(
     clock = [1000.0]
     monkeypatch.setattr(identity.time, "monotonic", lambda: clock[0])
     accounts = Accounts(str(subuid))
-    assert accounts.account(FREE, 1).name == "daemon"
+    assert accounts.account(FREE).name == "daemon"
     subuid.write_text(f"bin:{FREE}:1\n")
     os.utime(subuid, ns=(1, 1))  # a new stamp, whatever the clock's resolution
     clock[0] += 0.5  # checked at most once a second: the old answer (cached) stands
-    assert accounts.account(FREE, 1).name == "daemon"
+    assert accounts.account(FREE).name == "daemon"
     clock[0] += 1.0
-    assert accounts.account(FREE, 1).name == "bin"
+    assert accounts.account(FREE).name == "bin"
     clock[0] += 2.0
     subuid.unlink()
-    assert accounts.account(FREE, 1).key == UNKNOWN_KEY
+    assert accounts.account(FREE).key == UNKNOWN_KEY
 
 
 def test_lookups_are_cached_briefly_and_the_cache_is_bounded(
@@ -148,14 +148,14 @@ def test_lookups_are_cached_briefly_and_the_cache_is_bounded(
 
     monkeypatch.setattr(identity.pwd, "getpwuid", counting)
     accounts = Accounts(str(subuid))
-    accounts.account(0, 0)
-    accounts.account(0, 0)
+    accounts.account(0)
+    accounts.account(0)
     assert calls == [0]
     clock[0] += identity._CACHE_TTL_S
-    accounts.account(0, 0)
+    accounts.account(0)
     assert calls == [0, 0]
     for uid in range(FREE, FREE + 5):
-        accounts.account(uid, uid)
+        accounts.account(uid)
     assert len(accounts._cache) <= 3
 
 
@@ -166,7 +166,7 @@ def test_an_owner_name_without_passwd_entry_is_named_by_its_first_32_characters(
     owner = "n" * 30 + "abcdefghij"  # 40 characters, no such user
     path = tmp_path / "subuid"
     path.write_text(f"{owner}:{FREE}:10\n")
-    got = Accounts(str(path)).account(FREE + 3, 1)
+    got = Accounts(str(path)).account(FREE + 3)
     assert got.via == (
         f"uid {FREE + 3} (subordinate of {'n' * 30 + 'ab'!r}, who has no passwd entry)")
 
@@ -178,9 +178,9 @@ def test_a_line_that_is_not_utf8_is_read_with_replacement_characters(tmp_path: P
     path = tmp_path / "subuid"
     path.write_bytes(b"caf\xe9:%d:10\nbin:%d:5\n" % (FREE, FREE + 10))
     accounts = Accounts(str(path))
-    assert accounts.account(FREE + 1, 1).via == (
+    assert accounts.account(FREE + 1).via == (
         f"uid {FREE + 1} (subordinate of 'caf\ufffd', who has no passwd entry)")
-    assert accounts.account(FREE + 12, 1).name == "bin"
+    assert accounts.account(FREE + 12).name == "bin"
 
 
 def test_a_range_may_start_at_uid_0(tmp_path: Path) -> None:
@@ -254,12 +254,18 @@ def _unused_gid(start: int) -> int:
         gid += 1
 
 
-def test_a_gid_without_a_group_entry_is_named_by_its_number() -> None:
-    """A caller's primary gid that the group database does not know counts as a group named
-    by its number (a group limit or reservation may name it so). Caught: every such gid
-    named ``None``."""
+def test_a_gid_without_a_group_entry_is_named_by_its_number(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A primary gid in passwd that the group database does not know (an LDAP user's, say)
+    counts as a group named by its number (a group limit or reservation may name it so).
+    Caught: every such gid named ``None``."""
     gid = _unused_gid(300000)
-    got = Accounts("/nonexistent/subuid").account(0, gid)
+    root = pwd.getpwuid(0)
+    entry = pwd.struct_passwd((root.pw_name, root.pw_passwd, 0, gid, root.pw_gecos,
+                               root.pw_dir, root.pw_shell))
+    monkeypatch.setattr(identity.pwd, "getpwuid", lambda uid: entry)
+    got = Accounts("/nonexistent/subuid").account(0)
     others = {grp.getgrgid(g).gr_name for g in os.getgrouplist("root", gid) if g != gid}
     assert got.groups == frozenset({str(gid), *others})
 

@@ -458,7 +458,7 @@ def test_the_first_lookup_reads_the_subuid_file_whatever_the_clock_reads(
     path = tmp_path / "subuid"
     path.write_text(f"daemon:{FREE}:10\n")
     clock[0] = 0.5
-    assert Accounts(str(path)).account(FREE + 1, 1).name == "daemon"
+    assert Accounts(str(path)).account(FREE + 1).name == "daemon"
 
 
 def test_a_subuid_file_that_appears_is_read_at_the_next_check_a_second_later(
@@ -469,12 +469,12 @@ def test_a_subuid_file_that_appears_is_read_at_the_next_check_a_second_later(
     lookup), ``<`` made ``<=`` (the check a second later skipped)."""
     path = tmp_path / "subuid"
     accounts = Accounts(str(path))
-    assert accounts.account(FREE, 1).key == UNKNOWN_KEY
+    assert accounts.account(FREE).key == UNKNOWN_KEY
     path.write_text(f"daemon:{FREE}:10\n")
     clock[0] = 1000.5
-    assert accounts.account(FREE, 1).key == UNKNOWN_KEY
+    assert accounts.account(FREE).key == UNKNOWN_KEY
     clock[0] = 1001.0
-    assert accounts.account(FREE, 1).name == "daemon"
+    assert accounts.account(FREE).name == "daemon"
 
 
 def test_the_lookup_cache_is_emptied_when_it_reaches_its_bound(
@@ -486,7 +486,7 @@ def test_the_lookup_cache_is_emptied_when_it_reaches_its_bound(
     accounts = Accounts(str(tmp_path / "none"))
     sizes = []
     for uid in range(FREE, FREE + 4):
-        accounts.account(uid, 1)
+        accounts.account(uid)
         sizes.append(len(accounts._cache))
     assert sizes == [1, 2, 3, 1]
 

@@ -783,7 +783,7 @@ def test_every_accepted_connection_counts_against_its_persons_limit(
     b = broker(max_connections_per_user=2)
     monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
     monkeypatch.setattr(b.accounts, "account",
-                        lambda uid, gid: Account(1001, "alice", frozenset()))
+                        lambda uid: Account(1001, "alice", frozenset()))
 
     async def go() -> tuple[list[int], dict[str, Any]]:
         pairs = [socket.socketpair() for _ in range(3)]
@@ -869,7 +869,9 @@ def test_a_state_directory_that_is_a_symlink_is_refused_in_one_line(tmp_path: An
     with pytest.raises(SystemExit) as err:
         broker(state_dir=str(tmp_path / "link"))
     assert str(err.value) == (
-        f"autogpu broker: state directory {tmp_path / 'link'} is not a directory of ours")
+        f"autogpu broker: state directory {tmp_path / 'link'}: {tmp_path / 'link'} is a "
+        "symlink: refused (root would write the journal wherever it points); name the real "
+        f"path, --state-dir {real}")
 
 
 def test_serve_listens_answers_and_stops_on_sigterm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1063,7 +1065,7 @@ def test_a_client_of_another_protocol_gets_an_untrusted_error_and_is_closed(
     b = broker()
     monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
     monkeypatch.setattr(b.accounts, "account",
-                        lambda uid, gid: Account(1001, "alice", frozenset()))
+                        lambda uid: Account(1001, "alice", frozenset()))
 
     async def go() -> list[bytes]:
         ours, theirs = socket.socketpair()
@@ -1093,7 +1095,7 @@ def exchange(b: Broker, monkeypatch: pytest.MonkeyPatch, *sent: bytes) -> list[A
 
     monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
     monkeypatch.setattr(b.accounts, "account",
-                        lambda uid, gid: Account(1001, "alice", frozenset()))
+                        lambda uid: Account(1001, "alice", frozenset()))
 
     async def go() -> bytes:
         ours, theirs = socket.socketpair()
@@ -1510,13 +1512,13 @@ def test_a_new_state_directory_is_made_private_not_opened_then_closed(
     """The state directory is created 0700 (no moment where others may list or enter it):
     no chmod is needed afterwards. Caught: the mode dropped from its creation (the directory
     was 0755 until the chmod that followed)."""
-    from autogpu_jupyter.broker import _check_state_dir
+    from autogpu_jupyter.brokerd.startup import check_state_dir
 
     chmods: list[Any] = []
     monkeypatch.setattr(os, "chmod", lambda *a, **k: chmods.append(a))
     old = os.umask(0o022)
     try:
-        _check_state_dir(str(tmp_path / "state"))
+        check_state_dir(str(tmp_path / "state"))
     finally:
         os.umask(old)
     assert chmods == []
@@ -2005,7 +2007,7 @@ def test_a_connection_that_ends_ends_its_lease_and_gives_its_person_one_place_ba
     assert b.journal is not None
     acct = Account(1001, "alice", frozenset())
     monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
-    monkeypatch.setattr(b.accounts, "account", lambda uid, gid: acct)
+    monkeypatch.setattr(b.accounts, "account", lambda uid: acct)
 
     async def go() -> None:
         pairs = [socket.socketpair() for _ in range(2)]
@@ -2083,7 +2085,7 @@ def test_a_restarted_broker_takes_back_what_is_still_held_and_drops_the_rest(
             "'user', 'version']",
             "restart: 2 lease(s)/ticket(s) taken back from the journal",
         ]
-        key = second.accounts.account(uid, uid).key
+        key = second.accounts.account(uid).key
         got = {i: (o.uid, o.key, o.peer, o.holder_pids, o.record)
                for i, o in second.orphans.items()}
         assert got == {
@@ -2384,6 +2386,7 @@ def test_the_status_ranks_the_busiest_people_first_and_sums_the_rest_in_one_row(
         "waiting_for_lock": 1,
         "max_devices_per_user": b.config.max_devices_per_user,
         "tickets_lapsed": 3,
+        "messages_paced": 0,
         "journal_bytes": b.journal.size_bytes,
         "pid": os.getpid(),
         "version": __version__,

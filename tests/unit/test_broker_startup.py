@@ -96,12 +96,12 @@ def test_a_state_directory_open_to_others_is_made_private_exactly(tmp_path: Any)
     """An existing state directory that others may list is made 0700 (not 0701, not left
     0755). Caught: the chmod given no path, no mode, ``None`` for either (the broker stopped
     with a TypeError), or the mode written 449 (0701: others could still enter it)."""
-    from autogpu_jupyter.broker import _check_state_dir
+    from autogpu_jupyter.brokerd.startup import check_state_dir
 
     state = tmp_path / "state"
     state.mkdir()
     os.chmod(state, 0o755)
-    _check_state_dir(str(state))
+    check_state_dir(str(state))
     assert os.stat(state).st_mode & 0o7777 == 0o700
 
 

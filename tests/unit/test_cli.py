@@ -290,7 +290,7 @@ def test_the_brokers_lease_and_ticket_limits_come_from_config_the_rules_file_and
     else the flag, each winning over the one before (as max_devices_per_user)."""
     monkeypatch.setenv("AUTOGPU_MAX_TICKETS_PER_USER", "3")
     rules = tmp_path / "rules.json"
-    config = _served_config(monkeypatch, "--rules", str(rules))
+    config = _served_config(monkeypatch, "--rules", "")
     assert (config.max_leases_per_user, config.max_tickets_per_user) == (0, 3)
     rules.write_text(json.dumps({"max_leases_per_user": 4, "max_tickets_per_user": 1}))
     config = _served_config(monkeypatch, "--rules", str(rules))

@@ -59,13 +59,13 @@ def cli(*args: str, stderr: io.StringIO | None = None) -> tuple[int, str, str]:
 
 
 def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str) -> Any:
-    """The BrokerConfig ``autogpu broker serve ARGS`` starts the daemon with (not started; the
-    rules file is a private one unless ARGS name another)."""
+    """The BrokerConfig ``autogpu broker serve ARGS`` starts the daemon with (not started; no
+    rules file unless ARGS name one)."""
     from autogpu_jupyter import broker
 
     seen: list[Any] = []
     monkeypatch.setattr(broker, "main", lambda config: seen.append(config) or 0)
-    code, _, err = cli("broker", "serve", "--rules", str(tmp_path / "no-rules.json"), *args)
+    code, _, err = cli("broker", "serve", "--rules", "", *args)
     assert (code, err, len(seen)) == (0, "", 1)
     return seen[0]
 

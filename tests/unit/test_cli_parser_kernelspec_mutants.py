@@ -626,7 +626,8 @@ HELP = {
         'owner (default /etc/subuid) --max-messages-per-s-per-user N messages per second one '
         "non-root uid may send (default 500; past it that user's messages wait) --rules FILE "
         "the admin's rules (JSON: max_devices_per_user, per-user and per-group limits, "
-        'devices reserved for groups); read when it exists (default /etc/autogpu/broker.json) '
+        "devices reserved for groups); a file named here must exist ('' for none); default "
+        '/etc/autogpu/broker.json, read when it exists '
         '--json status: machine-readable output'
     ),
     'hosts': (
@@ -735,7 +736,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                "max_leases_per_user": None, "max_tickets_per_user": None,
                "max_connections_per_user": 256, "max_connections": 0, "ticket_grace": 5.0,
                "send_timeout": 10.0, "subuid_file": "/etc/subuid",
-               "max_messages_per_s_per_user": 500.0, "rules": "/etc/autogpu/broker.json",
+               "max_messages_per_s_per_user": 500.0, "rules": None,
                "json": False},
     "hosts": {"prometheus": None, "min_free": None, "max_util": None, "count": None,
               "json": False, "best": False},
