@@ -66,6 +66,7 @@ REQUIRED_MODULES = [
     "autogpu_jupyter/core/leasing/admission.py",
     "autogpu_jupyter/core/leasing/records.py",
     "autogpu_jupyter/core/leasing/directory.py",
+    "autogpu_jupyter/core/leasing/safefs.py",
     "autogpu_jupyter/core/leasing/brokerclient.py",
     "autogpu_jupyter/core/leasing/factory.py",
     "autogpu_jupyter/broker.py",
