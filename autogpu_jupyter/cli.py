@@ -25,27 +25,35 @@ from autogpu_jupyter import kernelspec
 from autogpu_jupyter._version import __version__
 from autogpu_jupyter.api import pick_options, requester_for_this_process, status_frame
 from autogpu_jupyter.config import AutoGPU
-from autogpu_jupyter.core import contract
+from autogpu_jupyter.core import (
+    PICK_OPTIONS,
+    PickResult,
+    PrometheusClient,
+    contract,
+    fetch_cluster,
+    format_bytes,
+    get_backend,
+    join_negative_values,
+    parse_options,
+    pick,
+    rank_hosts,
+    redact_command,
+    status_table,
+    terminal_safe,
+    visible_env,
+)
+from autogpu_jupyter.core import TableColumn as Column
+from autogpu_jupyter.core import add_pick_arguments as add_arguments
+from autogpu_jupyter.core import cell_text as visible
+from autogpu_jupyter.core import current_session as current
+from autogpu_jupyter.core import narrow_table as narrow
+from autogpu_jupyter.core import option_defaults_from as defaults_from
+from autogpu_jupyter.core import options_from_namespace as from_namespace
 from autogpu_jupyter.core import sampler as sampler_mod
-from autogpu_jupyter.core.backends import get_backend
-from autogpu_jupyter.core.cluster import PrometheusClient, fetch_cluster, rank_hosts
+from autogpu_jupyter.core import table_text as to_text
 from autogpu_jupyter.core.leasing import BrokerRegistry, Requester, store_for
 from autogpu_jupyter.core.leasing.brokerclient import DEFAULT_SOCKET, from_wire
 from autogpu_jupyter.core.leasing.factory import configured_socket
-from autogpu_jupyter.core.options import (
-    PICK_OPTIONS,
-    add_arguments,
-    defaults_from,
-    from_namespace,
-    join_negative_values,
-)
-from autogpu_jupyter.core.options import parse as parse_options
-from autogpu_jupyter.core.picker import PickResult, pick
-from autogpu_jupyter.core.session import current
-from autogpu_jupyter.core.tables import Column, narrow, status_table, to_text, visible
-from autogpu_jupyter.core.text import redact_command, terminal_safe
-from autogpu_jupyter.core.units import format_bytes
-from autogpu_jupyter.core.visibility import visible_env
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBase
 
 __all__ = ["main", "build_parser"]
