@@ -158,10 +158,9 @@ def door_names(door: str) -> frozenset[str]:
     """The names in ``door``'s ``__all__``, read from its source."""
     tree = ast.parse(modules()[door].read_text())
     for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (
-            node.targets[0] if isinstance(node, ast.Assign) else None)
-        if isinstance(target, ast.Name) and target.id == "__all__" and node.value is not None:
-            return frozenset(ast.literal_eval(node.value))
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id == "__all__":
+                return frozenset(ast.literal_eval(node.value))
     raise AssertionError(f"{door} has no __all__")
 
 
