@@ -51,9 +51,13 @@ from autogpu_jupyter.core import option_defaults_from as defaults_from
 from autogpu_jupyter.core import options_from_namespace as from_namespace
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core import table_text as to_text
-from autogpu_jupyter.core.leasing import BrokerRegistry, Requester, store_for
-from autogpu_jupyter.core.leasing.brokerclient import DEFAULT_SOCKET, from_wire
-from autogpu_jupyter.core.leasing.factory import configured_socket
+from autogpu_jupyter.core.leasing import (
+    Requester,
+    broker_at,
+    broker_socket,
+    status_records,
+    store_for,
+)
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBase
 
 __all__ = ["main", "build_parser"]
@@ -441,7 +445,7 @@ def _cmd_leases(args: argparse.Namespace) -> int:
             print("autogpu: error: --prune --all needs root", file=sys.stderr)
             return EXIT_USAGE
         removed = reg.prune(all_users=args.all)
-        if not removed and isinstance(reg, BrokerRegistry):
+        if not removed and not reg.leaves_dead_entries:
             print(f"nothing to prune: the lease broker at {reg.path} frees a lease the moment its "
                   "holder's connection closes")
             return EXIT_OK
@@ -566,7 +570,7 @@ def _cmd_exporter(args: argparse.Namespace) -> int:
 def _broker_socket(args: argparse.Namespace, settings: AutoGPU) -> str:
     """The socket ``autogpu broker`` serves or asks: ``--socket``, else the configured one
     (any spelling of "off" counts as not configured), else the default."""
-    return args.socket or configured_socket(settings) or DEFAULT_SOCKET
+    return broker_socket(settings, args.socket)
 
 
 def _limit_arg(text: str) -> int:
@@ -614,7 +618,7 @@ def _cmd_broker(args: argparse.Namespace) -> int:
         if args.max_tickets_per_user is not None:
             config.max_tickets_per_user = args.max_tickets_per_user
         return broker.main(config)
-    reg = BrokerRegistry(path, connect_timeout_s=1.0)
+    reg = broker_at(path, connect_timeout_s=1.0)
     if args.action == "revoke":
         if not args.lease_id:
             print("autogpu: error: broker revoke needs a LEASE_ID or ticket id (see autogpu "
@@ -644,7 +648,7 @@ def _print_broker_tickets(tickets: list[Any], as_json: bool) -> int:
 
 
 def _print_broker_status(st: dict[str, Any], path: str, as_json: bool) -> int:
-    recs = [from_wire(item, path) for item in [*st.get("leases", []), *st.get("tickets", [])]]
+    recs = status_records(st, path)
     if as_json:
         out = {k: v for k, v in st.items() if k not in ("leases", "tickets", "ok")}
         out["leases"] = [r.to_dict() for r in recs if r.kind == "lease"]

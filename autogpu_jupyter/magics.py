@@ -919,7 +919,7 @@ def _lease_events() -> None:
     if not fds:
         return
     # The lease stores come with a lease: never for a kernel that holds none.
-    from autogpu_jupyter.core.leasing.brokerclient import lease_events  # noqa: PLC0415
+    from autogpu_jupyter.core.leasing import lease_events  # noqa: PLC0415
 
     for fd in fds:
         if fd in _ended_lease_fds:

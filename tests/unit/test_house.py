@@ -148,8 +148,6 @@ DOORS = ("autogpu_jupyter.core", "autogpu_jupyter.core.leasing")
 #: everything in it).
 DOOR_EXCEPTIONS: dict[str, str] = {
     "autogpu_jupyter.broker": "being cut in issue 39: its imports move with the cut",
-    "autogpu_jupyter.cli": "names the broker client's internals until issue 42's item 2",
-    "autogpu_jupyter.magics": "names the broker client's lease_events until issue 42's item 2",
 }
 
 
@@ -271,6 +269,21 @@ def test_every_name_of_the_door_loads_and_the_door_alone_loads_nothing() -> None
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True, cwd=str(PACKAGE.parent))
     assert out.stdout.strip() == "[]"
+
+
+#: The modules that may name the broker client, each with why.
+BROKER_CLIENT_NAMED_BY = {
+    "autogpu_jupyter.core.leasing": "the port's package: names each store lazily, for the tests",
+    "autogpu_jupyter.core.leasing.factory": "chooses the store the settings select",
+    "autogpu_jupyter.core.leasing.admin": "the broker's own abilities (status, tickets, revoke)",
+    "autogpu_jupyter.broker": "the daemon speaks the client's wire format (being cut in issue 39)",
+}
+
+
+def test_only_the_factory_and_the_admin_module_name_the_broker_client() -> None:
+    client = "autogpu_jupyter.core.leasing.brokerclient"
+    naming = sorted(a for (a, b) in arrows() if b == client)
+    assert [m for m in naming if m not in BROKER_CLIENT_NAMED_BY] == []
 
 
 def main() -> int:
