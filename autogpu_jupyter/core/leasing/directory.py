@@ -48,7 +48,6 @@ what a scan reports and what ``prune`` removes.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
@@ -522,23 +521,7 @@ class Registry(LeaseStore):
 
     def _unlink_own(self, name: str, fd: int) -> None:
         """Remove our file ``name`` if it is still the inode ``fd`` holds."""
-        try:
-            top = os.open(self.path, safefs.O_DIR)
-        except OSError as err:
-            log.debug("cannot reopen registry to remove %s: %s", name, err)
-            return
-        try:
-            ufd = self._open_user_dir(top, create=False)
-            if ufd is None:
-                return
-            try:
-                safefs.unlink_if_same(ufd, name, fd)
-            finally:
-                os.close(ufd)
-        except (OSError, RegistryError) as err:
-            log.debug("cannot remove lease %s: %s", name, err)
-        finally:
-            os.close(top)
+        safefs.unlink_own(self.path, self.uid, name, fd)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -569,26 +552,11 @@ class Registry(LeaseStore):
                 continue
             upath = f"{self.path}/{uname}"
             dir_uid = int(uname)
-            try:
-                ufd = os.open(uname, safefs.O_DIR | os.O_NONBLOCK, dir_fd=top_fd)
-            except OSError as err:
-                why = (
-                    "a symlink or not a directory"
-                    if err.errno in (errno.ELOOP, errno.ENOTDIR)
-                    else err.strerror
-                )
-                result.ignored.append((upath, f"unreadable user directory: {why}"))
+            ufd = safefs.open_peer_dir(top_fd, uname, dir_uid)
+            if isinstance(ufd, str):
+                result.ignored.append((upath, ufd))
                 continue
             try:
-                st = os.fstat(ufd)
-                if st.st_uid != dir_uid:
-                    result.ignored.append(
-                        (upath, f"forged: owned by uid {st.st_uid}, named for uid {dir_uid}")
-                    )
-                    continue
-                if stat.S_IMODE(st.st_mode) & (stat.S_IWGRP | stat.S_IWOTH):
-                    result.ignored.append((upath, "writable by others: its leases are untrusted"))
-                    continue
                 prune = (prune_own and dir_uid == self.uid) or prune_all
                 self._scan_user(ufd, upath, dir_uid, result, prune=prune, user_names=user_names)
             finally:
@@ -605,11 +573,9 @@ class Registry(LeaseStore):
         prune: bool,
         user_names: dict[int, str],
     ) -> None:
-        try:
-            with os.scandir(ufd) as it:
-                entries = {e.name: e.inode() for e in it}
-        except OSError as err:
-            result.ignored.append((upath, f"cannot list: {err.strerror}"))
+        entries = safefs.list_inodes(ufd)
+        if isinstance(entries, str):
+            result.ignored.append((upath, entries))
             return
         names = list(entries)
         if len(names) > MAX_FILES_PER_USER:

@@ -48,6 +48,8 @@ __all__ = [
     "held",
     "held_only_by_others",
     "known_bad",
+    "list_inodes",
+    "open_peer_dir",
     "open_top",
     "open_user_dir",
     "prune_tmp",
@@ -57,6 +59,7 @@ __all__ = [
     "remove_if_held_by_others",
     "shown",
     "unlink_if_same",
+    "unlink_own",
     "user_name",
     "write_all",
 ]
@@ -348,6 +351,44 @@ def _user_dir_error(where: str, err: OSError) -> RegistryError:
     return RegistryError(f"cannot open {where}: {err.strerror}")
 
 
+def open_peer_dir(top_fd: int, name: str, dir_uid: int) -> int | str:
+    """The directory ``name`` of the top directory, named for ``dir_uid``, opened for reading
+    its entries; or why it is ignored: not a directory (a symlink), owned by another uid than
+    the one it is named for (forged), or writable by others (its files are untrusted)."""
+    try:
+        fd = os.open(name, O_DIR | os.O_NONBLOCK, dir_fd=top_fd)
+    except OSError as err:
+        why = (
+            "a symlink or not a directory"
+            if err.errno in (errno.ELOOP, errno.ENOTDIR)
+            else err.strerror
+        )
+        return f"unreadable user directory: {why}"
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    why = None
+    if st.st_uid != dir_uid:
+        why = f"forged: owned by uid {st.st_uid}, named for uid {dir_uid}"
+    elif stat.S_IMODE(st.st_mode) & (stat.S_IWGRP | stat.S_IWOTH):
+        why = "writable by others: its leases are untrusted"
+    if why is not None:
+        os.close(fd)
+        return why
+    return fd
+
+
+def list_inodes(dir_fd: int) -> dict[str, int] | str:
+    """Each entry of the directory ``dir_fd`` with its inode number; or why it cannot be listed."""
+    try:
+        with os.scandir(dir_fd) as it:
+            return {e.name: e.inode() for e in it}
+    except OSError as err:
+        return f"cannot list: {err.strerror}"
+
+
 # --------------------------------------------------------------------------------------------
 # Reading another user's file
 
@@ -406,6 +447,28 @@ def unlink_if_same(ufd: int, name: str, fd: int) -> None:
             os.unlink(name, dir_fd=ufd)
     except FileNotFoundError:
         pass
+
+
+def unlink_own(path: str, uid: int, name: str, fd: int) -> None:
+    """Remove file ``name`` of ``uid``'s directory under the top directory ``path`` if it is
+    still the inode ``fd`` holds (reopening both directories safely); failures are logged."""
+    try:
+        top = os.open(path, O_DIR)
+    except OSError as err:
+        log.debug("cannot reopen registry to remove %s: %s", name, err)
+        return
+    try:
+        ufd = open_user_dir(path, top, uid, create=False)
+        if ufd is None:
+            return
+        try:
+            unlink_if_same(ufd, name, fd)
+        finally:
+            os.close(ufd)
+    except (OSError, RegistryError) as err:
+        log.debug("cannot remove lease %s: %s", name, err)
+    finally:
+        os.close(top)
 
 
 def remove_dead(ufd: int, name: str) -> None:
