@@ -271,6 +271,27 @@ def test_every_name_of_the_door_loads_and_the_door_alone_loads_nothing() -> None
     assert out.stdout.strip() == "[]"
 
 
+def test_every_name_of_the_door_is_typed_and_loaded_from_the_module_it_names() -> None:
+    """mypy reads the façade's ``TYPE_CHECKING`` imports; its ``__getattr__`` reads ``_LAZY``.
+    A name in one and not the other would be typed ``Any`` or not load: both list ``__all__``,
+    from the same module and attribute."""
+    tree = ast.parse(modules()["autogpu_jupyter.core"].read_text())
+    typed: dict[str, tuple[str, str | None]] = {}
+    lazy: dict[str, tuple[str, str | None]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom) and imp.module is not None
+                for a in imp.names:
+                    sub = imp.module.removeprefix("autogpu_jupyter.core").lstrip(".")
+                    typed[a.asname or a.name] = (sub, a.name) if sub else (a.name, None)
+        elif isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "_LAZY":
+            assert node.value is not None
+            lazy = ast.literal_eval(node.value)
+    assert typed == lazy
+    assert set(lazy) == door_names("autogpu_jupyter.core")
+
+
 #: The modules that may name the broker client, each with why.
 BROKER_CLIENT_NAMED_BY = {
     "autogpu_jupyter.core.leasing": "the port's package: names each store lazily, for the tests",
