@@ -18,25 +18,30 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.config import AutoGPU, default_settings
-from autogpu_jupyter.core import decision, options, session
-from autogpu_jupyter.core.backends import get_backend
-from autogpu_jupyter.core.contract import notebook_path
-from autogpu_jupyter.core.holders import holders_by_device
+from autogpu_jupyter.core import (
+    Constraints,
+    PickOptions,
+    PickResult,
+    current_allocation,
+    decision,
+    format_bytes,
+    get_backend,
+    grant_environ,
+    holders_by_device,
+    matches_id,
+    notebook_path,
+    options,
+    session,
+    visible_env,
+)
+from autogpu_jupyter.core import pick as _pick
 from autogpu_jupyter.core.leasing import LeaseRecord, LeaseStore, Requester, store_for
-from autogpu_jupyter.core.moves import grant_environ
-from autogpu_jupyter.core.options import PickOptions
-from autogpu_jupyter.core.picker import PickResult
-from autogpu_jupyter.core.picker import pick as _pick
-from autogpu_jupyter.core.policy import Constraints, matches_id
-from autogpu_jupyter.core.units import format_bytes
-from autogpu_jupyter.core.visibility import current_allocation, visible_env
 from autogpu_jupyter.errors import AutoGPUError, DeviceBoundError, UsageErrorBase
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from autogpu_jupyter.core.decision import Decision
-    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+    from autogpu_jupyter.core import Decision, DeviceSnapshot, FleetSnapshot
 
 __all__ = [
     "current",

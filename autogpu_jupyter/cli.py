@@ -25,27 +25,39 @@ from autogpu_jupyter import kernelspec
 from autogpu_jupyter._version import __version__
 from autogpu_jupyter.api import pick_options, requester_for_this_process, status_frame
 from autogpu_jupyter.config import AutoGPU
-from autogpu_jupyter.core import contract
-from autogpu_jupyter.core import sampler as sampler_mod
-from autogpu_jupyter.core.backends import get_backend
-from autogpu_jupyter.core.cluster import PrometheusClient, fetch_cluster, rank_hosts
-from autogpu_jupyter.core.leasing import BrokerRegistry, Requester, store_for
-from autogpu_jupyter.core.leasing.brokerclient import DEFAULT_SOCKET, from_wire
-from autogpu_jupyter.core.leasing.factory import configured_socket
-from autogpu_jupyter.core.options import (
+from autogpu_jupyter.core import (
     PICK_OPTIONS,
-    add_arguments,
-    defaults_from,
-    from_namespace,
+    PickResult,
+    PrometheusClient,
+    contract,
+    fetch_cluster,
+    format_bytes,
+    get_backend,
     join_negative_values,
+    parse_options,
+    pick,
+    rank_hosts,
+    redact_command,
+    status_table,
+    terminal_safe,
+    visible_env,
 )
-from autogpu_jupyter.core.options import parse as parse_options
-from autogpu_jupyter.core.picker import PickResult, pick
-from autogpu_jupyter.core.session import current
-from autogpu_jupyter.core.tables import Column, narrow, status_table, to_text, visible
-from autogpu_jupyter.core.text import redact_command, terminal_safe
-from autogpu_jupyter.core.units import format_bytes
-from autogpu_jupyter.core.visibility import visible_env
+from autogpu_jupyter.core import TableColumn as Column
+from autogpu_jupyter.core import add_pick_arguments as add_arguments
+from autogpu_jupyter.core import cell_text as visible
+from autogpu_jupyter.core import current_session as current
+from autogpu_jupyter.core import narrow_table as narrow
+from autogpu_jupyter.core import option_defaults_from as defaults_from
+from autogpu_jupyter.core import options_from_namespace as from_namespace
+from autogpu_jupyter.core import sampler as sampler_mod
+from autogpu_jupyter.core import table_text as to_text
+from autogpu_jupyter.core.leasing import (
+    Requester,
+    broker_at,
+    broker_socket,
+    status_records,
+    store_for,
+)
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBase
 
 __all__ = ["main", "build_parser"]
@@ -434,7 +446,7 @@ def _cmd_leases(args: argparse.Namespace) -> int:
             print("autogpu: error: --prune --all needs root", file=sys.stderr)
             return EXIT_USAGE
         removed = reg.prune(all_users=args.all)
-        if not removed and isinstance(reg, BrokerRegistry):
+        if not removed and not reg.leaves_dead_entries:
             print(f"nothing to prune: the lease broker at {reg.path} frees a lease the moment its "
                   "holder's connection closes")
             return EXIT_OK
@@ -559,7 +571,7 @@ def _cmd_exporter(args: argparse.Namespace) -> int:
 def _broker_socket(args: argparse.Namespace, settings: AutoGPU) -> str:
     """The socket ``autogpu broker`` serves or asks: ``--socket``, else the configured one
     (any spelling of "off" counts as not configured), else the default."""
-    return args.socket or configured_socket(settings) or DEFAULT_SOCKET
+    return broker_socket(settings, args.socket)
 
 
 def _limit_arg(text: str) -> int:
@@ -610,7 +622,7 @@ def _cmd_broker(args: argparse.Namespace) -> int:
         if args.max_tickets_per_user is not None:
             config.max_tickets_per_user = args.max_tickets_per_user
         return broker.main(config)
-    reg = BrokerRegistry(path, connect_timeout_s=1.0)
+    reg = broker_at(path, connect_timeout_s=1.0)
     if args.action == "revoke":
         if not args.lease_id:
             print("autogpu: error: broker revoke needs a LEASE_ID or ticket id (see autogpu "
@@ -640,7 +652,7 @@ def _print_broker_tickets(tickets: list[Any], as_json: bool) -> int:
 
 
 def _print_broker_status(st: dict[str, Any], path: str, as_json: bool) -> int:
-    recs = [from_wire(item, path) for item in [*st.get("leases", []), *st.get("tickets", [])]]
+    recs = status_records(st, path)
     if as_json:
         out = {k: v for k, v in st.items() if k not in ("leases", "tickets", "ok")}
         out["leases"] = [r.to_dict() for r in recs if r.kind == "lease"]

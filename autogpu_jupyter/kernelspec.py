@@ -23,9 +23,9 @@ import sys
 import tempfile
 from typing import Any
 
-from autogpu_jupyter.core import options
-from autogpu_jupyter.core.contract import ON_NO_DEVICE, PROVISIONER_NAME
-from autogpu_jupyter.core.options import add_arguments, from_namespace
+from autogpu_jupyter.core import ON_NO_DEVICE, PROVISIONER_NAME, options
+from autogpu_jupyter.core import add_pick_arguments as add_arguments
+from autogpu_jupyter.core import options_from_namespace as from_namespace
 from autogpu_jupyter.errors import UsageErrorBase
 
 __all__ = ["DEFAULT_NAME", "DEFAULT_DISPLAY_NAME", "add_cli", "install", "list_specs", "remove",

@@ -31,21 +31,34 @@ from IPython.utils.process import arg_split  # type: ignore[attr-defined]
 from IPython.utils.text import dedent
 
 from autogpu_jupyter.config import AutoGPU, set_default_settings
+from autogpu_jupyter.core import (
+    SIMULATE_ENV,
+    KernelContract,
+    cuda_state,
+    format_bytes,
+    format_duration,
+    hip_state,
+    session,
+    status_table,
+    terminal_safe,
+)
+from autogpu_jupyter.core import TableColumn as Column
+from autogpu_jupyter.core import cell_text as visible
+from autogpu_jupyter.core import narrow_table as narrow
 from autogpu_jupyter.core import options as _options
-from autogpu_jupyter.core import session
-from autogpu_jupyter.core.backends import SIMULATE_ENV
-from autogpu_jupyter.core.contract import KernelContract
-from autogpu_jupyter.core.cudastate import cuda_state, hip_state
-from autogpu_jupyter.core.tables import Column, narrow, status_table, to_html, to_text, visible
-from autogpu_jupyter.core.text import terminal_safe
-from autogpu_jupyter.core.units import format_bytes, format_duration
+from autogpu_jupyter.core import table_html as to_html
+from autogpu_jupyter.core import table_text as to_text
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError
 
 if TYPE_CHECKING:
-    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.picker import PickResult
-    from autogpu_jupyter.core.policy import Candidate, Constraints
-    from autogpu_jupyter.core.sampler import Sampler
+    from autogpu_jupyter.core import (
+        Candidate,
+        Constraints,
+        DeviceSnapshot,
+        FleetSnapshot,
+        PickResult,
+        Sampler,
+    )
 
 __all__ = ["GPUMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -252,7 +265,7 @@ def format_ranking(result: PickResult, width: int = 120) -> str:
     table fits ``width`` characters; control characters in any cell are made visible.
     """
     # The decision pipeline comes with the first pick.
-    from autogpu_jupyter.core.decision import deciding_term, describe_load  # noqa: PLC0415
+    from autogpu_jupyter.core import deciding_term, describe_load  # noqa: PLC0415
 
     sim = " [SIMULATED]" if result.snapshot.simulated else ""
     chosen = {d.uuid for d in result.chosen}
@@ -341,7 +354,7 @@ class _CellStats:
         ours = sampler.latest_own_pids() if sampler.latest() is snap else None
         if ours is None:
             # Numpy: only with a sampler.
-            from autogpu_jupyter.core.sampler import own_pids  # noqa: PLC0415
+            from autogpu_jupyter.core import own_pids  # noqa: PLC0415
 
             ours = own_pids(p.pid for d in snap.devices for p in (d.processes or ()))
         own: int | None = 0
@@ -868,7 +881,7 @@ def _watch() -> None:
     """Start the kernel's one sampler once it has a device, so that the overload warning
     reaches users without the panel too (the cell hook reads it; it never starts a thread)."""
     # Numpy: only once a sampler runs.
-    from autogpu_jupyter.core.sampler import get_sampler  # noqa: PLC0415
+    from autogpu_jupyter.core import get_sampler  # noqa: PLC0415
 
     try:
         sampler = get_sampler()
@@ -906,7 +919,7 @@ def _lease_events() -> None:
     if not fds:
         return
     # The lease stores come with a lease: never for a kernel that holds none.
-    from autogpu_jupyter.core.leasing.brokerclient import lease_events  # noqa: PLC0415
+    from autogpu_jupyter.core.leasing import lease_events  # noqa: PLC0415
 
     for fd in fds:
         if fd in _ended_lease_fds:
@@ -931,7 +944,7 @@ def _overload_hook(*_args: Any) -> None:
         return
     _pick_note_once()
     _lease_events()
-    from autogpu_jupyter.core.overload import pending_warning  # noqa: PLC0415 (numpy: a cell ran)
+    from autogpu_jupyter.core import pending_warning  # noqa: PLC0415 (numpy: a cell ran)
 
     try:
         text = pending_warning()
@@ -960,7 +973,7 @@ def load_ipython_extension(ipython: Any) -> None:
 
     if KernelContract.read().provisioned:
         # numpy comes with the overload notice: only in a kernel the autogpu kernelspec started.
-        from autogpu_jupyter.core.overload import set_move_hint  # noqa: PLC0415
+        from autogpu_jupyter.core import set_move_hint  # noqa: PLC0415
 
         set_move_hint("run %gpu move --best, then restart the kernel (its state is lost)")
     if session.current() is not None:  # e.g. picked by the kernel provisioner
@@ -983,7 +996,7 @@ def unload_ipython_extension(ipython: Any) -> None:
     if state is None:
         return
     # Numpy: the sampler is stopped only if it ran.
-    from autogpu_jupyter.core.sampler import stop_sampler  # noqa: PLC0415
+    from autogpu_jupyter.core import stop_sampler  # noqa: PLC0415
 
     mm = ipython.magics_manager
     for kind in ("line", "cell"):
@@ -996,7 +1009,7 @@ def unload_ipython_extension(ipython: Any) -> None:
         ipython.configurables.remove(state.settings)
     set_default_settings(None)
     stop_sampler()
-    from autogpu_jupyter.core.overload import reset_pending  # noqa: PLC0415 (numpy: at unload)
+    from autogpu_jupyter.core import reset_pending  # noqa: PLC0415 (numpy: at unload)
 
     reset_pending()
 

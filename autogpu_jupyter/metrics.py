@@ -43,11 +43,11 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from autogpu_jupyter._version import __version__
-from autogpu_jupyter.core.decision import bookings_for
+from autogpu_jupyter.core import bookings_for
 from autogpu_jupyter.errors import AutoGPUError
 
 if TYPE_CHECKING:
-    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
+    from autogpu_jupyter.core import DeviceSnapshot, FleetSnapshot
     from autogpu_jupyter.core.leasing import LeaseRecord, LeaseStore
 
 log = logging.getLogger(__name__)

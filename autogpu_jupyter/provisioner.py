@@ -38,10 +38,7 @@ from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 from jupyter_core.paths import jupyter_runtime_dir
 
 from autogpu_jupyter.config import AutoGPU
-from autogpu_jupyter.core import moves
-from autogpu_jupyter.core import options as pick_options
-from autogpu_jupyter.core.backends import SIMULATE_ENV, get_backend
-from autogpu_jupyter.core.contract import (
+from autogpu_jupyter.core import (
     GRANT_ENV,
     GRANT_ROCM_ENV,
     LEASE_ENV,
@@ -54,13 +51,18 @@ from autogpu_jupyter.core.contract import (
     PROVISIONED_ENV,
     PROVISIONER_NAME,
     ROCM_GRANT_VARS,
+    SIMULATE_ENV,
+    Constraints,
+    PickOptions,
+    PickResult,
+    format_duration,
+    get_backend,
+    moves,
     notebook_path,
+    pick,
 )
+from autogpu_jupyter.core import options as pick_options
 from autogpu_jupyter.core.leasing import HeldLease, LeaseStore, Requester, store_for
-from autogpu_jupyter.core.options import PickOptions
-from autogpu_jupyter.core.picker import PickResult, pick
-from autogpu_jupyter.core.policy import Constraints
-from autogpu_jupyter.core.units import format_duration
 from autogpu_jupyter.errors import (
     AutoGPUError,
     LeaseLimitError,

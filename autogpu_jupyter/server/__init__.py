@@ -86,9 +86,11 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
 def _load_jupyter_server_extension(server_app: Any) -> None:
     """Create the shared state (one sampler per server process) and register the handlers."""
     # Imported here so that listing the extension point stays cheap (no tornado, no pynvml).
-    from autogpu_jupyter.core.backends import SIMULATE_ENV  # noqa: PLC0415
-    from autogpu_jupyter.core.backends.simulated import resolve_fleet_source  # noqa: PLC0415
-    from autogpu_jupyter.core.contract import SERVER_ROOT_ENV  # noqa: PLC0415
+    from autogpu_jupyter.core import (  # noqa: PLC0415
+        SERVER_ROOT_ENV,
+        SIMULATE_ENV,
+        resolve_fleet_source,
+    )
     from autogpu_jupyter.server.handlers import setup_handlers  # noqa: PLC0415
     from autogpu_jupyter.server.state import AutoGPUServer  # noqa: PLC0415
 

@@ -20,7 +20,7 @@ import tornado.web
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
-from autogpu_jupyter.core.cluster import check_history_s
+from autogpu_jupyter.core import check_history_s
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBase
 from autogpu_jupyter.server import moving, payloads
 from autogpu_jupyter.server.state import AutoGPUServer

@@ -22,8 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from autogpu_jupyter.core import moves
-from autogpu_jupyter.core.contract import ProvisionerState
+from autogpu_jupyter.core import ProvisionerState, moves
 from autogpu_jupyter.errors import UsageErrorBase
 from autogpu_jupyter.server.payloads import parse_json_object, short_repr
 

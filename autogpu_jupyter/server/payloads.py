@@ -17,22 +17,23 @@ from typing import TYPE_CHECKING, Any
 from traitlets import TraitError
 
 from autogpu_jupyter.config import AutoGPU
-from autogpu_jupyter.core import options
-from autogpu_jupyter.core.cluster import PrometheusClient, fetch_history
-from autogpu_jupyter.core.contract import ProvisionerState
-from autogpu_jupyter.core.holders import holders_by_device
-from autogpu_jupyter.core.moves import grant_environ
-from autogpu_jupyter.core.options import PickOptions
-from autogpu_jupyter.core.overload import (
+from autogpu_jupyter.core import (
+    Constraints,
+    PickOptions,
+    PrometheusClient,
+    ProvisionerState,
     Thresholds,
     alternative_constraints,
     best_alternative,
-    detect,
+    current_allocation,
+    fetch_history,
+    grant_environ,
+    holders_by_device,
     kernel_grant,
+    options,
+    pick,
 )
-from autogpu_jupyter.core.picker import pick
-from autogpu_jupyter.core.policy import Constraints
-from autogpu_jupyter.core.visibility import current_allocation
+from autogpu_jupyter.core import detect_overload as detect
 from autogpu_jupyter.errors import (
     AutoGPUError,
     NoDeviceFitsError,
@@ -43,7 +44,7 @@ from autogpu_jupyter.errors import (
 from autogpu_jupyter.server.state import kernel_pid_map, owning_kernel, redact
 
 if TYPE_CHECKING:
-    from autogpu_jupyter.core.devices import FleetSnapshot
+    from autogpu_jupyter.core import FleetSnapshot
     from autogpu_jupyter.server.state import AutoGPUServer
 
 __all__ = [

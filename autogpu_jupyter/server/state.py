@@ -20,11 +20,9 @@ from traitlets import Bool, Float, Int, Unicode, default, validate
 from traitlets.config import LoggingConfigurable
 
 from autogpu_jupyter.config import AutoGPU, default_registry_dir
-from autogpu_jupyter.core import procfs
+from autogpu_jupyter.core import ClusterCache, procfs, redact_command
 from autogpu_jupyter.core import sampler as sampler_mod
-from autogpu_jupyter.core.cluster import ClusterCache
 from autogpu_jupyter.core.leasing import LeaseStore, store_for
-from autogpu_jupyter.core.text import redact_command
 from autogpu_jupyter.errors import AutoGPUError
 
 __all__ = ["AutoGPUServer", "current_user"]

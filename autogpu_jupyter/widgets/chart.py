@@ -16,17 +16,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autogpu_jupyter.core.holders import holders_by_device, holders_text
-from autogpu_jupyter.core.sampler import METRICS, DeviceSeries, series_from_frame
-from autogpu_jupyter.core.units import format_bytes
+from autogpu_jupyter.core import SAMPLED_METRICS as METRICS
+from autogpu_jupyter.core import (
+    DeviceSeries,
+    format_bytes,
+    holders_by_device,
+    holders_text,
+    series_from_frame,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.leasing.records import LeaseRecord
-    from autogpu_jupyter.core.overload import Overload
-    from autogpu_jupyter.core.sampler import DeviceSeries
+    from autogpu_jupyter.core import DeviceSeries, DeviceSnapshot, FleetSnapshot, Overload
+    from autogpu_jupyter.core.leasing import LeaseRecord
 
 __all__ = [
     "render_charts",

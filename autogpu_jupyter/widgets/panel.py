@@ -25,18 +25,20 @@ from jupyter_core.paths import jupyter_runtime_dir
 
 from autogpu_jupyter import api
 from autogpu_jupyter.config import AutoGPU
-from autogpu_jupyter.core import procfs, session
-from autogpu_jupyter.core.overload import (
+from autogpu_jupyter.core import (
     Overload,
+    Sampler,
     Thresholds,
-    detect,
+    get_sampler,
     kernel_device_uuids,
+    procfs,
+    session,
 )
-from autogpu_jupyter.core.sampler import Sampler, get_sampler
+from autogpu_jupyter.core import detect_overload as detect
 from autogpu_jupyter.widgets import chart
 
 if TYPE_CHECKING:
-    from autogpu_jupyter.core.devices import FleetSnapshot
+    from autogpu_jupyter.core import FleetSnapshot
 
 __all__ = ["Panel"]
 

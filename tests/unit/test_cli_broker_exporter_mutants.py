@@ -27,7 +27,7 @@ from autogpu_jupyter._version import __version__
 from autogpu_jupyter.cli import _print_broker_status, main
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-from autogpu_jupyter.core.leasing import Registry, Requester
+from autogpu_jupyter.core.leasing import Registry, Requester, brokerclient
 from tests.payloadhelpers import GiB, write_fleet
 
 A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
@@ -80,11 +80,11 @@ def test_broker_serve_listens_on_the_flag_else_the_configured_socket_else_the_de
     path, and "" when none is configured)."""
     assert served(monkeypatch, env, "--socket", "/srv/a/broker.sock").socket_path == (
         "/srv/a/broker.sock")
-    assert served(monkeypatch, env).socket_path == cli_mod.DEFAULT_SOCKET
+    assert served(monkeypatch, env).socket_path == brokerclient.DEFAULT_SOCKET
     monkeypatch.setenv("AUTOGPU_BROKER_SOCKET", "/srv/b/broker.sock")
     assert served(monkeypatch, env).socket_path == "/srv/b/broker.sock"
     monkeypatch.setenv("AUTOGPU_BROKER_SOCKET", "OFF")
-    assert served(monkeypatch, env).socket_path == cli_mod.DEFAULT_SOCKET
+    assert served(monkeypatch, env).socket_path == brokerclient.DEFAULT_SOCKET
 
 
 def test_broker_serve_keeps_its_journal_in_the_state_dir_and_none_for_an_empty_one(
@@ -185,7 +185,7 @@ class _Broker:
 @pytest.fixture
 def broker_client(env: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Broker]:
     fake = _Broker()
-    monkeypatch.setattr(cli_mod, "BrokerRegistry", fake)
+    monkeypatch.setattr(brokerclient, "BrokerRegistry", fake)
     yield fake
 
 

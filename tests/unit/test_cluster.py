@@ -25,7 +25,6 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core import cluster
 from autogpu_jupyter.core.cluster import (
     ClusterError,
     ClusterView,
@@ -36,6 +35,7 @@ from autogpu_jupyter.core.cluster import (
     check_url,
     fetch_cluster,
     fetch_history,
+    prometheus,
     rank_hosts,
 )
 from autogpu_jupyter.core.policy import Constraints
@@ -1267,7 +1267,7 @@ def test_an_answer_past_the_byte_or_series_cap_is_refused_in_one_line(
     prom: Replay, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client, now = scenario(prom, "all-up")
-    monkeypatch.setattr(cluster, "MAX_BODY_BYTES", 1000)
+    monkeypatch.setattr(prometheus, "MAX_BODY_BYTES", 1000)
     with pytest.raises(ClusterError) as err:
         fetch_cluster(client, now_s=now)
     assert str(err.value) == (
@@ -1275,8 +1275,8 @@ def test_an_answer_past_the_byte_or_series_cap_is_refused_in_one_line(
         "the cluster view reads no more; scrape fewer targets into this Prometheus, or point "
         "c.AutoGPU.prometheus_url at one that holds only the GPU hosts"
     )
-    monkeypatch.setattr(cluster, "MAX_BODY_BYTES", 16 * 1024 * 1024)
-    monkeypatch.setattr(cluster, "MAX_SERIES", 3)
+    monkeypatch.setattr(prometheus, "MAX_BODY_BYTES", 16 * 1024 * 1024)
+    monkeypatch.setattr(prometheus, "MAX_SERIES", 3)
     with pytest.raises(ClusterError) as err:
         fetch_cluster(client, now_s=now)
     n = len(load("all-up")["exchanges"][0]["body"]["data"]["result"])

@@ -1,6 +1,9 @@
 """The house drawing of autogpu_jupyter (docs/design.md, "The house"), read from the source with
 ``ast``: every import (top-level, function-local and ``TYPE_CHECKING`` alike) is an arrow, no
-arrow closes a circle, and none runs up the layers.
+arrow closes a circle, and none runs up the layers. Above core, every import of core goes
+through its door: the façade ``autogpu_jupyter.core`` or the lease store port
+``autogpu_jupyter.core.leasing`` (names in their ``__all__``), never a module inside (exceptions
+named in :data:`DOOR_EXCEPTIONS`, each with why).
 
 Run it as a script to print the drawing, the arrows between layers and the lazy imports::
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -137,6 +141,57 @@ def circles(edges: set[tuple[str, str]]) -> list[list[str]]:
     return found
 
 
+#: The doors into core a module above core may import names from.
+DOORS = ("autogpu_jupyter.core", "autogpu_jupyter.core.leasing")
+
+#: Modules above core that may still reach inside it, each with why (a module, or a package and
+#: everything in it).
+DOOR_EXCEPTIONS: dict[str, str] = {
+    "autogpu_jupyter.broker": "being cut in issue 39: its imports move with the cut",
+}
+
+
+@functools.cache
+def door_names(door: str) -> frozenset[str]:
+    """The names in ``door``'s ``__all__``, read from its source."""
+    tree = ast.parse(modules()[door].read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id == "__all__":
+                return frozenset(ast.literal_eval(node.value))
+    raise AssertionError(f"{door} has no __all__")
+
+
+def door_breaches(mod: str, source: str) -> list[str]:
+    """The imports of core in ``source`` (of module ``mod``) that pass by the doors."""
+    package = mod if modules().get(mod, Path()).name == "__init__.py" else mod.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [f"{mod}:{node.lineno}: import {a.name}" for a in node.names
+                      if a.name.startswith("autogpu_jupyter.core")
+                      and a.name not in DOORS]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            if not (base == "autogpu_jupyter.core" or base.startswith("autogpu_jupyter.core.")):
+                continue
+            for a in node.names:
+                if base not in DOORS or a.name not in door_names(base):
+                    found.append(f"{mod}:{node.lineno}: from {base} import {a.name}")
+    return found
+
+
+def above_core(mod: str) -> bool:
+    return layer_of(mod) > layer_of("autogpu_jupyter.core")
+
+
+def excepted(mod: str) -> bool:
+    return any(mod == e or mod.startswith(e + ".") for e in DOOR_EXCEPTIONS)
+
+
 def test_every_module_has_a_place_in_the_house() -> None:
     for mod in modules():
         layer_of(mod)
@@ -166,6 +221,90 @@ def test_the_checks_see_circles_and_up_arrows() -> None:
     assert seen[("autogpu_jupyter.core.picker", "autogpu_jupyter.core.decision")] == "top"
     assert seen[("autogpu_jupyter.api", "autogpu_jupyter.core.sampler")] == "lazy"
     assert seen[("autogpu_jupyter.core.moves", "autogpu_jupyter.core.devices")] == "typing"
+
+
+def test_front_ends_enter_core_by_its_door() -> None:
+    breaches = [
+        line
+        for mod, path in modules().items()
+        if above_core(mod) and not excepted(mod)
+        for line in door_breaches(mod, path.read_text())
+    ]
+    assert breaches == []
+
+
+def test_every_exception_to_the_door_still_needs_it() -> None:
+    stale = [
+        e for e in DOOR_EXCEPTIONS
+        if not any(door_breaches(m, p.read_text()) for m, p in modules().items()
+                   if m == e or m.startswith(e + "."))
+    ]
+    assert stale == []
+
+
+def test_the_door_check_sees_a_deep_import() -> None:
+    mod = "autogpu_jupyter.cli"
+    assert door_breaches(mod, "from autogpu_jupyter.core.picker import pick\n") == [
+        f"{mod}:1: from autogpu_jupyter.core.picker import pick"]
+    assert door_breaches(mod, "def f():\n    import autogpu_jupyter.core.units\n") == [
+        f"{mod}:2: import autogpu_jupyter.core.units"]
+    assert door_breaches(mod, "from autogpu_jupyter.core import no_such_name\n") == [
+        f"{mod}:1: from autogpu_jupyter.core import no_such_name"]
+    assert door_breaches("autogpu_jupyter.server.state", "from ..core.units import x\n") == [
+        "autogpu_jupyter.server.state:1: from autogpu_jupyter.core.units import x"]
+    assert door_breaches(mod, "from autogpu_jupyter.core import pick, options\n"
+                              "from autogpu_jupyter.core.leasing import store_for\n") == []
+    assert above_core("autogpu_jupyter.magics") and not above_core("autogpu_jupyter.core.picker")
+
+
+def test_every_name_of_the_door_loads_and_the_door_alone_loads_nothing() -> None:
+    import autogpu_jupyter.core as core
+
+    for name in core.__all__:
+        assert getattr(core, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        _ = core.nothing_here
+    probe = ("import sys, autogpu_jupyter.core\n"
+             "print(sorted(m for m in sys.modules if m.startswith('autogpu_jupyter.core.')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, cwd=str(PACKAGE.parent))
+    assert out.stdout.strip() == "[]"
+
+
+def test_every_name_of_the_door_is_typed_and_loaded_from_the_module_it_names() -> None:
+    """mypy reads the façade's ``TYPE_CHECKING`` imports; its ``__getattr__`` reads ``_LAZY``.
+    A name in one and not the other would be typed ``Any`` or not load: both list ``__all__``,
+    from the same module and attribute."""
+    tree = ast.parse(modules()["autogpu_jupyter.core"].read_text())
+    typed: dict[str, tuple[str, str | None]] = {}
+    lazy: dict[str, tuple[str, str | None]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom) and imp.module is not None
+                for a in imp.names:
+                    sub = imp.module.removeprefix("autogpu_jupyter.core").lstrip(".")
+                    typed[a.asname or a.name] = (sub, a.name) if sub else (a.name, None)
+        elif isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "_LAZY":
+            assert node.value is not None
+            lazy = ast.literal_eval(node.value)
+    assert typed == lazy
+    assert set(lazy) == door_names("autogpu_jupyter.core")
+
+
+#: The modules that may name the broker client, each with why.
+BROKER_CLIENT_NAMED_BY = {
+    "autogpu_jupyter.core.leasing": "the port's package: names each store lazily, for the tests",
+    "autogpu_jupyter.core.leasing.factory": "chooses the store the settings select",
+    "autogpu_jupyter.core.leasing.admin": "the broker's own abilities (status, tickets, revoke)",
+    "autogpu_jupyter.broker": "the daemon speaks the client's wire format (being cut in issue 39)",
+}
+
+
+def test_only_the_factory_and_the_admin_module_name_the_broker_client() -> None:
+    client = "autogpu_jupyter.core.leasing.brokerclient"
+    naming = sorted(a for (a, b) in arrows() if b == client)
+    assert [m for m in naming if m not in BROKER_CLIENT_NAMED_BY] == []
 
 
 def main() -> int:

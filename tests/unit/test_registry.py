@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter.core import procfs
-from autogpu_jupyter.core.leasing import Requester, records
+from autogpu_jupyter.core.leasing import Requester, records, safefs
 from autogpu_jupyter.core.leasing import directory as regmod
 from autogpu_jupyter.core.leasing.directory import (
     MAX_FILES_PER_USER,
@@ -66,10 +66,10 @@ CONSTRAINTS = {
 @pytest.fixture(autouse=True)
 def _fresh_caches() -> Iterator[None]:
     """The negative cache and the record cache are per process: no test sees another's."""
-    regmod._REJECTED.clear()
+    safefs.REJECTED.clear()
     records._RECORD_CACHE.clear()
     yield
-    regmod._REJECTED.clear()
+    safefs.REJECTED.clear()
     records._RECORD_CACHE.clear()
 
 
@@ -197,7 +197,7 @@ def test_a_user_directory_not_owned_by_its_uid_or_writable_by_others_is_not_read
     _plant_record(reg, uid=NOBODY, user=pwd.getpwuid(NOBODY).pw_name)
     os.chmod(Path(reg.path) / str(NOBODY), 0o775)  # group-writable: anyone in it could plant
     _plant_record(reg)  # ours, unheld: dead
-    _plant_record(reg, uid=7, user=regmod._user_name(7))  # read after the refused ones
+    _plant_record(reg, uid=7, user=safefs.user_name(7))  # read after the refused ones
     scan = reg.scan()
     p = reg.path
     assert scan.ignored == [
@@ -669,8 +669,8 @@ def test_write_all_continues_short_writes_at_the_right_offsets(
     monkeypatch.setattr(os, "write", lambda f, d: real_write(f, bytes(d[:2])))
     monkeypatch.setattr(os, "pwrite", lambda f, d, o: real_pwrite(f, bytes(d[:3]), o))
     try:
-        regmod._write_all(fd, b"abcde")
-        regmod._write_all(fd, b"WXYZ", offset=3)
+        safefs.write_all(fd, b"abcde")
+        safefs.write_all(fd, b"WXYZ", offset=3)
     finally:
         monkeypatch.undo()
         os.close(fd)
@@ -1149,8 +1149,8 @@ def test_a_registry_owned_by_another_user_is_refused_with_the_fix(tmp_path: Path
         "directory"
     )
     assert os.listdir(d) == []
-    assert regmod._describe_owner(4_000_000_000) == "4000000000 (uid 4000000000)"
-    assert regmod._describe_owner(0) == "root (uid 0)"
+    assert safefs.describe_owner(4_000_000_000) == "4000000000 (uid 4000000000)"
+    assert safefs.describe_owner(0) == "root (uid 0)"
 
 
 def test_our_user_directory_is_made_0755_and_its_mode_repaired(reg: Registry) -> None:
@@ -1397,11 +1397,11 @@ def test_a_zero_or_negative_timeout_tries_the_lock_once(tmp_path: Path, clock: _
     fcntl.flock(holder, fcntl.LOCK_EX)
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        assert regmod._flock_wait(fd, -1.0) is False
-        assert regmod._flock_wait(fd, 0.0) is False
+        assert safefs.flock_wait(fd, -1.0) is False
+        assert safefs.flock_wait(fd, 0.0) is False
         assert clock.sleeps == []
         os.close(holder)
-        assert regmod._flock_wait(fd, 0.0) is True
+        assert safefs.flock_wait(fd, 0.0) is True
     finally:
         os.close(fd)
 
@@ -1609,7 +1609,7 @@ def test_unheld_junk_is_remembered_by_inode_and_a_new_file_is_read_again(reg: Re
     with open(path, "r+b") as f:  # fixed in place, same inode: an owner hiding their own lease
         f.write(good)
     assert reg.scan().ignored == [(str(path), why)]
-    assert list(regmod._REJECTED.values()) == [why]
+    assert list(safefs.REJECTED.values()) == [why]
     fresh = path.with_name(".new.tmp")
     fresh.write_bytes(good)
     fresh.rename(path)  # a new file (a new inode, as our writer makes): read
@@ -1621,7 +1621,7 @@ def test_a_held_file_that_fails_is_never_remembered(reg: Registry) -> None:
     held = _Held(path)
     try:
         assert reg.scan().ignored[0][1] == "malformed: not valid JSON (JSONDecodeError)"
-        assert regmod._REJECTED == {}
+        assert safefs.REJECTED == {}
         path.write_bytes(json.dumps(_payload("a" * 32)).encode())
         assert [r.lease_id for r in reg.scan().live] == ["a" * 32]
     finally:
@@ -1639,24 +1639,24 @@ def test_forged_and_oversized_files_are_remembered_too(reg: Registry) -> None:
         (str(forged), f"forged: owned by uid {NOBODY} in the directory of uid {ME}"),
         (str(big), f"larger than {MAX_RECORD_BYTES} bytes"),
     ])
-    assert sorted(regmod._REJECTED.values()) == sorted(why for _, why in scan.ignored)
-    assert {k[:2] for k in regmod._REJECTED} == {(ME, forged.name), (ME, big.name)}
-    assert {k[2] for k in regmod._REJECTED} == {os.stat(forged).st_ino, os.stat(big).st_ino}
+    assert sorted(safefs.REJECTED.values()) == sorted(why for _, why in scan.ignored)
+    assert {k[:2] for k in safefs.REJECTED} == {(ME, forged.name), (ME, big.name)}
+    assert {k[2] for k in safefs.REJECTED} == {os.stat(forged).st_ino, os.stat(big).st_ino}
 
 
 def test_the_negative_cache_is_bounded(reg: Registry) -> None:
-    for i in range(regmod._REJECTED_MAX - 1):
-        regmod._REJECTED[(999, str(i), i)] = "x"
+    for i in range(safefs.REJECTED_MAX - 1):
+        safefs.REJECTED[(999, str(i), i)] = "x"
     _plant(reg, "a" * 32 + ".lease", "[]")
     reg.scan()
-    assert len(regmod._REJECTED) == regmod._REJECTED_MAX  # one more fits
+    assert len(safefs.REJECTED) == safefs.REJECTED_MAX  # one more fits
     _plant(reg, "b" * 32 + ".lease", "[]")
-    regmod._REJECTED.pop((ME, "a" * 32 + ".lease", os.stat(
+    safefs.REJECTED.pop((ME, "a" * 32 + ".lease", os.stat(
         Path(reg.path) / str(ME) / ("a" * 32 + ".lease")).st_ino))
-    regmod._REJECTED[(999, "extra", 0)] = "x"
+    safefs.REJECTED[(999, "extra", 0)] = "x"
     reg.scan()  # full: cleared, then the new entries remembered
-    assert sorted(k[1] for k in regmod._REJECTED) == ["a" * 32 + ".lease", "b" * 32 + ".lease"]
-    assert set(regmod._REJECTED.values()) == {"malformed: not a JSON object"}
+    assert sorted(k[1] for k in safefs.REJECTED) == ["a" * 32 + ".lease", "b" * 32 + ".lease"]
+    assert set(safefs.REJECTED.values()) == {"malformed: not a JSON object"}
 
 
 def test_an_entry_replaced_between_listing_and_reading_is_not_remembered(
@@ -1684,7 +1684,7 @@ def test_an_entry_replaced_between_listing_and_reading_is_not_remembered(
 
     monkeypatch.setattr(os, "scandir", scandir_then_replace)
     assert reg.scan().ignored == [(str(path), "malformed: not a JSON object")]
-    assert regmod._REJECTED == {}
+    assert safefs.REJECTED == {}
 
 
 # ---- pruning --------------------------------------------------------------------------------
@@ -2051,11 +2051,11 @@ def test_a_lease_locked_only_by_another_users_process_counts_as_held_by_others(
     st = _st(tmp_path)
     held = _Held(tmp_path / "locked")
     try:
-        assert regmod._held_only_by_others(st, ME) is False
-        assert regmod._held_only_by_others(st, ME + 1) is True
+        assert safefs.held_only_by_others(st, ME) is False
+        assert safefs.held_only_by_others(st, ME + 1) is True
     finally:
         held.close()
-    assert regmod._held_only_by_others(st, ME + 1) is False  # nobody holds it
+    assert safefs.held_only_by_others(st, ME + 1) is False  # nobody holds it
 
 
 # ---- names as shown ---------------------------------------------------------------------------
@@ -2066,9 +2066,9 @@ def test_a_lease_locked_only_by_another_users_process_counts_as_held_by_others(
     [("plain", "plain"), ("é", "é"), (os.fsdecode(b"x\xff"), "x\\xff"), ("", "")],
 )
 def test_entry_names_are_shown_printable(name: str, shown: str) -> None:
-    assert regmod._shown(name) == shown
+    assert safefs.shown(name) == shown
 
 
 def test_a_uid_without_a_name_is_shown_as_its_number() -> None:
-    assert regmod._user_name(0) == "root"
-    assert regmod._user_name(4_000_000_001) == "4000000001"
+    assert safefs.user_name(0) == "root"
+    assert safefs.user_name(4_000_000_001) == "4000000001"

@@ -7,10 +7,16 @@
 * :mod:`.records` -- the record format (writer and readers);
 * :mod:`.directory` -- the shared-directory store (:class:`Registry`);
 * :mod:`.brokerclient` -- the trusted broker's client (:class:`BrokerRegistry`);
-* :mod:`.factory` -- :func:`store_for`, which store the settings select.
+* :mod:`.factory` -- :func:`store_for`, which store the settings select;
+* :mod:`.admin` -- what only the broker can do (its status, waiting line, revokes and the events
+  on a lease connection): :func:`broker_socket`, :func:`broker_at`, :func:`status_records`,
+  :func:`lease_events`;
+* :mod:`.safefs` -- the hardened filesystem calls under the shared directory.
 
-Front ends ask :func:`store_for` and code against the port; only the factory and the tests name
-a store class. The port, the records and the admission load with this package; the stores and
+Front ends ask :func:`store_for` and code against the port (what differs between stores is a
+capability of the port, e.g. :attr:`LeaseStore.leaves_dead_entries`), and reach the broker's own
+abilities through :mod:`.admin`; only the factory, the admin module and the tests name a store
+class. The port, the records and the admission load with this package; the stores and
 the factory (sockets, ``flock``, ``secrets``) when first named, so that the ranking, which words
 its reasons with the admission's phrases, does not bring them along.
 """
@@ -30,6 +36,12 @@ from autogpu_jupyter.core.leasing.store import (
 )
 
 if TYPE_CHECKING:
+    from autogpu_jupyter.core.leasing.admin import (
+        broker_at,
+        broker_socket,
+        lease_events,
+        status_records,
+    )
     from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
     from autogpu_jupyter.core.leasing.directory import Registry
     from autogpu_jupyter.core.leasing.factory import store_for
@@ -45,7 +57,14 @@ __all__ = [
     "ScanResult",
     "StoreTransaction",
     "store_for",
+    # the broker's own abilities (core.leasing.admin)
+    "broker_at",
+    "broker_socket",
+    "lease_events",
+    "status_records",
 ]
+
+_ADMIN = frozenset({"broker_at", "broker_socket", "lease_events", "status_records"})
 
 
 def __getattr__(name: str) -> Any:
@@ -62,4 +81,8 @@ def __getattr__(name: str) -> Any:
         from autogpu_jupyter.core.leasing.factory import store_for  # noqa: PLC0415
 
         return store_for
+    if name in _ADMIN:
+        from autogpu_jupyter.core.leasing import admin  # noqa: PLC0415
+
+        return getattr(admin, name)
     raise AttributeError(f"module 'autogpu_jupyter.core.leasing' has no attribute {name!r}")

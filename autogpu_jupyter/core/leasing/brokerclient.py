@@ -565,6 +565,8 @@ class BrokerTransaction(StoreTransaction):
 class BrokerRegistry(LeaseStore):
     """The broker at ``socket_path`` seen as a lease store (see the module docstring)."""
 
+    leaves_dead_entries = False  # a lease ends the moment its holder's connection closes
+
     def __init__(
         self, socket_path: str, *, lock_timeout_s: float = 10.0, connect_timeout_s: float = 5.0
     ) -> None:

@@ -37,17 +37,20 @@ directory uid == the uid in the record, else ignored as forged) and is never put
 A registry that cannot be used safely makes :meth:`Registry.locked` yield ``None`` with
 :attr:`Registry.unusable_reason` set: a plain pick goes on without a lease and says why; one that
 promised exclusivity, a wait or a quota fails closed (see :mod:`autogpu_jupyter.core.picker`).
+
+The hardened filesystem calls themselves (``openat`` with ``O_NOFOLLOW``, the owner and mode
+checks on descriptors, the ``flock`` tests and waits, the inode-checked removals, the negative
+cache of rejected entries) are :mod:`~autogpu_jupyter.core.leasing.safefs`'s; this module keeps
+the store's rules: the layout, which files are leases and tickets, what a transaction may write,
+what a scan reports and what ``prune`` removes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
-import pwd
-import random
 import secrets
 import socket
 import stat
@@ -56,8 +59,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from autogpu_jupyter.core import procfs
-from autogpu_jupyter.core.leasing import admission
+from autogpu_jupyter.core.leasing import admission, safefs
 from autogpu_jupyter.core.leasing.records import (
     LEASE_SUFFIX,
     MAX_RECORD_BYTES,
@@ -97,26 +99,10 @@ log = logging.getLogger(__name__)
 
 #: Most entries read from one user's directory per scan (a flood of files cannot stall a pick).
 MAX_FILES_PER_USER = 4096
-_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 # --------------------------------------------------------------------------------------------
 # Held files
-
-
-def _write_all(fd: int, data: bytes, offset: int | None = None) -> None:
-    """Write every byte of ``data`` (a short write, e.g. on a nearly full disk, is continued;
-    no progress raises): a record is complete on disk or the write fails."""
-    view = memoryview(data)
-    done = 0
-    while done < len(view):
-        if offset is None:
-            n = os.write(fd, view[done:])
-        else:
-            n = os.pwrite(fd, view[done:], offset + done)
-        if n <= 0:
-            raise OSError(errno.ENOSPC, "no space left on device (short write)")
-        done += n
 
 
 class Lease(HeldLease):
@@ -182,7 +168,7 @@ class Lease(HeldLease):
                 return
             # Same length or longer (a pid only grows in digits, rarely): write, then cut. A
             # short write raises (ENOSPC, EFBIG) and leaves the old, still valid, record.
-            _write_all(self._fd, data, offset=0)
+            safefs.write_all(self._fd, data, offset=0)
             os.ftruncate(self._fd, len(data))
         self.record = record
 
@@ -203,97 +189,6 @@ class Ticket(Lease):
 
 # --------------------------------------------------------------------------------------------
 # The registry
-
-
-def _held(fd: int) -> bool:
-    """Whether another open file description holds an ``flock`` on the file of ``fd``."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError as err:  # ENOLCK and friends: cannot tell, so count it (conservative)
-        log.debug("cannot test lease liveness: %s", err)
-        return True
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    return False
-
-
-def _flock_wait(fd: int, timeout_s: float) -> bool:
-    """Try ``flock(fd, LOCK_EX | LOCK_NB)`` until it succeeds or ``timeout_s`` passes.
-
-    Polled with a short, growing, jittered sleep (0.2 ms doubling up to 20 ms): no helper
-    thread and no extra descriptor, so a registry lock held by a stuck or hostile process costs
-    a timed-out pick nothing that outlives it (a thread blocked in ``flock`` could never be
-    cancelled: one thread and one fd would leak per attempt). Raises the ``OSError`` of the
-    ``flock`` call (``ENOLCK``, ...).
-    """
-    deadline = time.monotonic() + max(timeout_s, 0.0)
-    delay = 0.0002
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            pass
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        time.sleep(min(delay * (0.5 + random.random()), left))  # noqa: S311 (jitter only)
-        delay = min(delay * 2, 0.02)
-
-
-def _shown(name: str) -> str:
-    """A directory entry's name as printable text (undecodable bytes spelled out), for the
-    paths a scan reports: another user picks these names."""
-    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-
-
-#: Entries a scan rejected that nobody holds (no ``flock``), by (directory uid, name, inode),
-#: with why: planted junk then costs a dictionary look-up per scan, not open, read, parse and
-#: close. Safe because a record only counts while its holder holds its ``flock``, and our writer
-#: never makes a file valid in place: it creates a new name (new inode), locked before it is
-#: visible. A held file that fails is never remembered (it is read again every scan), so a torn
-#: read of a lease being rewritten (``set_pid``) cannot hide it. Only its owner can rewrite a file
-#: in its directory; the owner hiding their own lease from others harms nobody else.
-_REJECTED: dict[tuple[int, str, int], str] = {}
-_REJECTED_MAX = 16384
-
-
-def _remember_bad(key: tuple[int, str, int] | None, st: os.stat_result, why: str) -> str:
-    if key is not None and key[2] == st.st_ino:
-        if len(_REJECTED) >= _REJECTED_MAX:
-            _REJECTED.clear()
-        _REJECTED[key] = why
-    return why
-
-
-def _known_bad(key: tuple[int, str, int]) -> str | None:
-    """Why the unheld entry ``key`` was rejected before (``None``: read it)."""
-    return _REJECTED.get(key)
-
-
-def _held_only_by_others(st: os.stat_result, owner_uid: int) -> bool:
-    """True when the file's ``flock`` is held, and every holder runs as a uid other than
-    ``owner_uid`` (a lease kept looking alive by someone else). Unknown holders: False."""
-    pids = procfs.flock_holders(st)
-    if not pids:
-        return False
-    for pid in pids:
-        uids = procfs.uids(pid)  # None for a pid of 0 or less too: /proc has no such entry
-        if uids is None or owner_uid in uids:
-            return False
-    return True
-
-
-def _user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
-def _describe_owner(uid: int) -> str:
-    return f"{_user_name(uid)} (uid {uid})"
 
 
 def _kind_of(name: str) -> str | None:
@@ -449,7 +344,7 @@ class Registry(LeaseStore):
         self.lock_timeout_s = lock_timeout_s
         self.record_commands = bool(record_commands)
         self.uid = os.geteuid()
-        self.user = _user_name(self.uid)
+        self.user = safefs.user_name(self.uid)
         self.host = socket.gethostname()
         #: Why the last :meth:`locked` yielded ``None`` (``None`` when the registry worked).
         self.unusable_reason: str | None = None
@@ -476,118 +371,11 @@ class Registry(LeaseStore):
 
     def _open_top(self, create: bool) -> int:
         """Open the top directory (creating it 1777 when missing) and check it is safe."""
-        try:
-            fd = os.open(self.path, _O_DIR)
-        except FileNotFoundError:
-            if not create:
-                raise RegistryError(f"lease registry {self.path} does not exist") from None
-            try:
-                os.mkdir(self.path, 0o700)  # tightened before anyone else can use it
-                fd = os.open(self.path, _O_DIR)
-                if os.fstat(fd).st_uid == self.uid:  # (whatever the umask left of 0700)
-                    os.fchmod(fd, 0o1777)
-                    log.info("created lease registry %s (mode 1777)", self.path)
-            except FileExistsError:
-                fd = self._open_existing_top()
-            except OSError as err:
-                raise RegistryError(
-                    f"cannot create lease registry {self.path}: {err.strerror}; ask the admin to "
-                    f"create it (install -d -m 1777 -o root {self.path}) or set "
-                    "AUTOGPU_REGISTRY_DIR / c.AutoGPU.registry_dir"
-                ) from None
-        except OSError as err:
-            raise self._open_error(err) from None
-        try:
-            self._check_top(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _open_existing_top(self) -> int:
-        try:
-            return os.open(self.path, _O_DIR)
-        except OSError as err:
-            raise self._open_error(err) from None
-
-    def _open_error(self, err: OSError) -> RegistryError:
-        final_is_odd = os.path.islink(self.path) or (
-            os.path.lexists(self.path) and not os.path.isdir(self.path)
-        )
-        if err.errno in (errno.ELOOP, errno.ENOTDIR) and final_is_odd:
-            what = "a symlink" if os.path.islink(self.path) else "not a directory"
-            return RegistryError(
-                f"lease registry {self.path} is {what}: refused (another user could redirect "
-                "leases elsewhere); the admin should make it a real directory, mode 1777"
-            )
-        return RegistryError(
-            f"cannot use lease registry {self.path}: {err.strerror}; ask the admin to create it "
-            f"(install -d -m 1777 -o root {self.path}) or set AUTOGPU_REGISTRY_DIR / "
-            "c.AutoGPU.registry_dir"
-        )
-
-    def _check_top(self, fd: int) -> None:
-        st = os.fstat(fd)
-        mode = stat.S_IMODE(st.st_mode)
-        if st.st_uid not in (0, self.uid):
-            raise RegistryError(
-                f"lease registry {self.path} is owned by {_describe_owner(st.st_uid)}, not by root "
-                f"or you: its owner could hide or replace other users' leases, so it is refused. "
-                f"Ask the admin to create it as root (install -d -m 1777 -o root {self.path}), "
-                "or set AUTOGPU_REGISTRY_DIR to another directory"
-            )
-        if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
-            raise RegistryError(
-                f"lease registry {self.path} is writable by others without the sticky bit "
-                f"(mode {mode:04o}): any user could delete or replace other users' leases, so it "
-                f"is refused. Fix: chmod 1777 {self.path}"
-            )
+        return safefs.open_top(self.path, self.uid, create)
 
     def _open_user_dir(self, top_fd: int, create: bool) -> int | None:
         """Our directory ``<top>/<uid>`` (ours, 0755); ``None`` if missing and not ``create``."""
-        name = str(self.uid)
-        where = os.path.join(self.path, name)
-        try:
-            fd = os.open(name, _O_DIR, dir_fd=top_fd)
-        except FileNotFoundError:
-            if not create:
-                return None
-            try:
-                os.mkdir(name, 0o755, dir_fd=top_fd)
-            except FileExistsError:
-                pass
-            except OSError as err:
-                raise RegistryError(
-                    f"cannot create {where} in the lease registry: {err.strerror}"
-                ) from None
-            try:
-                fd = os.open(name, _O_DIR, dir_fd=top_fd)
-            except OSError as err:
-                raise self._user_dir_error(where, err) from None
-        except OSError as err:
-            raise self._user_dir_error(where, err) from None
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != self.uid:
-                raise RegistryError(
-                    f"{where} is owned by {_describe_owner(st.st_uid)}, not by you: someone "
-                    "created your lease directory before you did, so it is refused. Ask the admin "
-                    f"to remove it (rm -r {where})"
-                )
-            if stat.S_IMODE(st.st_mode) != 0o755:
-                os.fchmod(fd, 0o755)  # umask, or a chmod of ours: others must read, not write
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _user_dir_error(self, where: str, err: OSError) -> RegistryError:
-        if err.errno in (errno.ELOOP, errno.ENOTDIR):
-            return RegistryError(
-                f"{where} is a symlink or not a directory (planted by another user?): refused; "
-                "nothing was written. Ask the admin to remove it"
-            )
-        return RegistryError(f"cannot open {where}: {err.strerror}")
+        return safefs.open_user_dir(self.path, top_fd, self.uid, create)
 
     # -- the lock -----------------------------------------------------------------------------
 
@@ -624,35 +412,10 @@ class Registry(LeaseStore):
             os.close(top_fd)  # also drops the flock
 
     def _acquire(self, top_fd: int) -> None:
-        """Take the registry-wide ``flock``, waiting at most :attr:`lock_timeout_s`.
-
-        The uncontended case is one non-blocking ``flock``; otherwise :func:`_flock_wait` polls
-        with a short growing sleep (no helper thread: a stuck holder costs a timed-out pick
-        nothing that outlives it).
-        """
-        try:
-            fcntl.flock(top_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            pass
-        except OSError as err:
-            raise self._lock_error(err) from None
-        try:
-            acquired = _flock_wait(top_fd, self.lock_timeout_s)
-        except OSError as err:
-            raise self._lock_error(err) from None
-        if not acquired:
-            raise RegistryError(
-                f"lease registry {self.path} stayed locked by another process for more than "
-                f"{self.lock_timeout_s:g} s (the admin can find the holder with "
-                f"`lslocks | grep {self.path}` and stop it)"
-            )
-
-    def _lock_error(self, err: OSError) -> RegistryError:
-        return RegistryError(
-            f"cannot lock lease registry {self.path}: {err.strerror} (a filesystem "
-            "without flock, e.g. some NFS mounts? Use a local AUTOGPU_REGISTRY_DIR)"
-        )
+        """Take the registry-wide ``flock``, waiting at most :attr:`lock_timeout_s`
+        (:func:`safefs.acquire`: no helper thread, so a stuck holder costs a timed-out pick
+        nothing that outlives it)."""
+        safefs.acquire(top_fd, self.path, self.lock_timeout_s)
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -718,7 +481,7 @@ class Registry(LeaseStore):
             if st.st_uid != self.uid or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
                 raise RegistryError(f"lease file {record.path} is not ours after creation")
             os.fchmod(fd, 0o644)
-            _write_all(fd, data)
+            safefs.write_all(fd, data)
             # Rename keeps the inode and its flock: readers see whole records only.
             os.rename(tmp, name, src_dir_fd=user_fd, dst_dir_fd=user_fd)
         except OSError as err:
@@ -758,28 +521,7 @@ class Registry(LeaseStore):
 
     def _unlink_own(self, name: str, fd: int) -> None:
         """Remove our file ``name`` if it is still the inode ``fd`` holds."""
-        try:
-            top = os.open(self.path, _O_DIR)
-        except OSError as err:
-            log.debug("cannot reopen registry to remove %s: %s", name, err)
-            return
-        try:
-            ufd = self._open_user_dir(top, create=False)
-            if ufd is None:
-                return
-            try:
-                st = os.lstat(name, dir_fd=ufd)
-                mine = os.fstat(fd)
-                if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
-                    os.unlink(name, dir_fd=ufd)
-            except FileNotFoundError:
-                pass
-            finally:
-                os.close(ufd)
-        except (OSError, RegistryError) as err:
-            log.debug("cannot remove lease %s: %s", name, err)
-        finally:
-            os.close(top)
+        safefs.unlink_own(self.path, self.uid, name, fd)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -803,32 +545,18 @@ class Registry(LeaseStore):
             # isdecimal() alone is true for '¹' or '٣' (int() then fails or differs): ASCII only.
             if not (uname.isascii() and uname.isdecimal()) or len(uname) > 10:
                 if keep_ignored:
-                    result.ignored.append(
-                        (f"{self.path}/{_shown(uname)}", "not a user directory (name is not a uid)")
-                    )
+                    result.ignored.append((
+                        f"{self.path}/{safefs.shown(uname)}",
+                        "not a user directory (name is not a uid)",
+                    ))
                 continue
             upath = f"{self.path}/{uname}"
             dir_uid = int(uname)
-            try:
-                ufd = os.open(uname, _O_DIR | os.O_NONBLOCK, dir_fd=top_fd)
-            except OSError as err:
-                why = (
-                    "a symlink or not a directory"
-                    if err.errno in (errno.ELOOP, errno.ENOTDIR)
-                    else err.strerror
-                )
-                result.ignored.append((upath, f"unreadable user directory: {why}"))
+            ufd = safefs.open_peer_dir(top_fd, uname, dir_uid)
+            if isinstance(ufd, str):
+                result.ignored.append((upath, ufd))
                 continue
             try:
-                st = os.fstat(ufd)
-                if st.st_uid != dir_uid:
-                    result.ignored.append(
-                        (upath, f"forged: owned by uid {st.st_uid}, named for uid {dir_uid}")
-                    )
-                    continue
-                if stat.S_IMODE(st.st_mode) & (stat.S_IWGRP | stat.S_IWOTH):
-                    result.ignored.append((upath, "writable by others: its leases are untrusted"))
-                    continue
                 prune = (prune_own and dir_uid == self.uid) or prune_all
                 self._scan_user(ufd, upath, dir_uid, result, prune=prune, user_names=user_names)
             finally:
@@ -845,11 +573,9 @@ class Registry(LeaseStore):
         prune: bool,
         user_names: dict[int, str],
     ) -> None:
-        try:
-            with os.scandir(ufd) as it:
-                entries = {e.name: e.inode() for e in it}
-        except OSError as err:
-            result.ignored.append((upath, f"cannot list: {err.strerror}"))
+        entries = safefs.list_inodes(ufd)
+        if isinstance(entries, str):
+            result.ignored.append((upath, entries))
             return
         names = list(entries)
         if len(names) > MAX_FILES_PER_USER:
@@ -861,13 +587,14 @@ class Registry(LeaseStore):
             if kind is None:
                 if name.startswith(".") and name.endswith(".tmp"):
                     if prune:
-                        self._prune_tmp(ufd, name)
+                        safefs.prune_tmp(ufd, name)
                 elif result.keep_ignored:
-                    result.ignored.append((prefix + _shown(name), "not a lease or ticket file"))
+                    why = "not a lease or ticket file"
+                    result.ignored.append((prefix + safefs.shown(name), why))
                 continue
-            path = prefix + (name if name.isascii() else _shown(name))
+            path = prefix + (name if name.isascii() else safefs.shown(name))
             key = (dir_uid, name, entries[name])
-            known = _known_bad(key)
+            known = safefs.known_bad(key)
             rec = (
                 known
                 if known is not None
@@ -881,7 +608,7 @@ class Registry(LeaseStore):
             else:
                 result.dead.append(rec)
                 if prune:
-                    self._remove_dead(ufd, name)
+                    safefs.remove_dead(ufd, name)
 
     def _read_one(
         self,
@@ -895,76 +622,26 @@ class Registry(LeaseStore):
     ) -> LeaseRecord | str:
         """The record in file ``name``, or why it is ignored. ``user_names``: the scan's
         uid -> user name look-ups, each uid looked up once per scan."""
+        got = safefs.read_untrusted(ufd, name, dir_uid, MAX_RECORD_BYTES, key)
+        if isinstance(got, str):
+            return got
+        real_user = user_names.get(dir_uid)
+        if real_user is None:
+            real_user = user_names[dir_uid] = safefs.user_name(dir_uid)
         try:
-            fd = os.open(
-                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ufd
+            return parse_checked(
+                got.data,
+                kind=kind,
+                name=name,
+                path=path,
+                dir_uid=dir_uid,
+                real_user=real_user,
+                live=got.live,
             )
-        except OSError as err:
-            if err.errno == errno.ELOOP:
-                return "a symlink"
-            return f"unreadable: {err.strerror}"
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return "not a regular file"
-            if st.st_uid != dir_uid:
-                why = f"forged: owned by uid {st.st_uid} in the directory of uid {dir_uid}"
-                return _remember_bad(key, st, why)
-            if st.st_size > MAX_RECORD_BYTES:
-                return _remember_bad(key, st, f"larger than {MAX_RECORD_BYTES} bytes")
-            data = os.read(fd, MAX_RECORD_BYTES + 1)
-            if len(data) > MAX_RECORD_BYTES:
-                return f"larger than {MAX_RECORD_BYTES} bytes"
-            live = _held(fd)
-            real_user = user_names.get(dir_uid)
-            if real_user is None:
-                real_user = user_names[dir_uid] = _user_name(dir_uid)
-            try:
-                rec = parse_checked(
-                    data,
-                    kind=kind,
-                    name=name,
-                    path=path,
-                    dir_uid=dir_uid,
-                    real_user=real_user,
-                    live=live,
-                )
-            except Invalid as err:
-                why = str(err)
-                why = why if why.startswith("forged: ") else f"malformed: {why}"
-                return why if live else _remember_bad(key, st, why)
-            return rec
-        except OSError as err:
-            return f"unreadable: {err.strerror}"
-        finally:
-            os.close(fd)
-
-    def _remove_dead(self, ufd: int, name: str) -> None:
-        """Unlink a file whose holder is gone, re-checking under its own lock (race-free)."""
-        try:
-            fd = os.open(
-                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ufd
-            )
-        except OSError:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
-            mine = os.fstat(fd)
-            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
-                os.unlink(name, dir_fd=ufd)
-        except OSError as err:
-            log.debug("not removing %s: %s", name, err)
-        finally:
-            os.close(fd)
-
-    def _prune_tmp(self, ufd: int, name: str) -> None:
-        try:
-            st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
-        except OSError:
-            return
-        if time.time() - st.st_mtime > 60:  # a writer crashed between create and rename
-            self._remove_dead(ufd, name)
+        except Invalid as err:
+            why = str(err)
+            why = why if why.startswith("forged: ") else f"malformed: {why}"
+            return why if got.live else safefs.remember_bad(key, got.st, why)
 
     def scan(self) -> ScanResult:
         """Read the registry without the lock: live, dead and ignored entries (for diagnostics).
@@ -1065,28 +742,4 @@ class Registry(LeaseStore):
     def _remove_if_held_by_others(self, top_fd: int, rec: LeaseRecord) -> bool:
         """Unlink ``rec``'s file if only other users' processes hold its ``flock``."""
         name = rec.lease_id + (TICKET_SUFFIX if rec.kind == "ticket" else LEASE_SUFFIX)
-        try:
-            ufd = os.open(str(rec.uid), _O_DIR, dir_fd=top_fd)
-        except OSError:
-            return False
-        try:
-            fd = os.open(
-                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ufd
-            )
-            try:
-                st = os.fstat(fd)
-                if st.st_uid != rec.uid or not _held_only_by_others(st, rec.uid):
-                    return False
-                now = os.lstat(name, dir_fd=ufd)
-                if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-                    return False
-                os.unlink(name, dir_fd=ufd)
-                log.info("removed %s: its lock is held only by other users' processes", rec.path)
-                return True
-            finally:
-                os.close(fd)
-        except OSError as err:
-            log.debug("not removing %s: %s", rec.path, err)
-            return False
-        finally:
-            os.close(ufd)
+        return safefs.remove_if_held_by_others(top_fd, rec.uid, name, rec.path)

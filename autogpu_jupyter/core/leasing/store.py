@@ -224,6 +224,9 @@ class LeaseStore(abc.ABC):
     path: str
     uid: int
     user: str
+    #: Whether a holder that dies leaves an entry behind for :meth:`prune` to remove (the shared
+    #: directory's files); ``False`` where a lease ends with its holder's connection (the broker).
+    leaves_dead_entries: bool = True
     max_devices_per_user: int = 0
     lock_timeout_s: float = 10.0
     unusable_reason: str | None = None
