@@ -89,6 +89,7 @@ from autogpu_jupyter.brokerd import net
 from autogpu_jupyter.brokerd.identity import Account, Accounts
 from autogpu_jupyter.core import decision, options
 from autogpu_jupyter.core.backends import get_backend
+from autogpu_jupyter.core.devices import mig_parents
 from autogpu_jupyter.core.leasing import admission
 from autogpu_jupyter.core.leasing.brokerclient import (
     DEFAULT_SOCKET,
@@ -364,6 +365,7 @@ class Broker:
         self._snap: Any = None
         self._snap_at = -1e9
         self._fleet: set[str] | None = None
+        self.parents: dict[str, str] = {}  # the host's MIG layout, by the last snapshot
         self._fleet_checked = -_FLEET_RECHECK_S
         #: Bumped by every change of the live records (see :meth:`live`).
         self.version = 0
@@ -521,7 +523,7 @@ class Broker:
             "reserved": {
                 uuid: list(groups)
                 for uuid, groups in admission.reserved_away(
-                    self.config.reserved, self._applicant(conn)
+                    self.config.reserved, self._applicant(conn), self.parents
                 ).items()
             },
         }
@@ -645,6 +647,7 @@ class Broker:
                 exclusive=rec.exclusive,
                 quota=self._quota(conn),
                 reserved=self.config.reserved,
+                parents=self.parents,
             )
         except AutoGPUError as err:
             raise BrokerRefusal(str(err), type(err).__name__) from None
@@ -669,7 +672,7 @@ class Broker:
         admission ("reserved for group(s) ml by the admin"), with no rule of its own."""
         if not self.config.reserved:
             return []
-        away = admission.reserved_away(self.config.reserved, self._applicant(conn))
+        away = admission.reserved_away(self.config.reserved, self._applicant(conn), self.parents)
         return [admission.reservation(u, groups, self.host) for u, groups in away.items()]
 
     async def op_lease(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
@@ -744,6 +747,7 @@ class Broker:
             self.backend = get_backend()
         snap = self.backend.snapshot()
         self._fleet = _fleet_ids(snap)
+        self.parents = mig_parents(snap.devices)
         self._fleet_checked = self._snap_at = time.monotonic()
         self._snap = snap
         return snap
@@ -776,6 +780,7 @@ class Broker:
                 constraints=rec.constraints or {},
                 quota=self._quota(conn),
                 reserved=self.config.reserved,
+                parents=self.parents,
             )
         except AutoGPUError as err:
             raise BrokerRefusal(str(err), type(err).__name__) from None

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.core import decision
 from autogpu_jupyter.core.backends import Backend, get_backend
+from autogpu_jupyter.core.devices import mig_parents
 from autogpu_jupyter.core.leasing.store import (
     HeldLease,
     LeaseStore,
@@ -159,9 +160,14 @@ def _no_fit_message(
 
 
 def _create_lease(
-    txn: StoreTransaction, chosen: list[Candidate], constraints: Constraints, requester: Requester
+    txn: StoreTransaction,
+    chosen: list[Candidate],
+    constraints: Constraints,
+    requester: Requester,
+    parents: Mapping[str, str],
 ) -> tuple[HeldLease | None, str | None]:
-    """Write the lease; a store that refuses the write means no lease, said once (a note)."""
+    """Write the lease; a store that refuses the write means no lease, said once (a note).
+    ``parents``: the host's MIG layout, for the admission's physical-GPU rules."""
     try:
         lease = txn.create(
             devices=[c.device for c in chosen],
@@ -173,6 +179,7 @@ def _create_lease(
             ],
             exclusive=constraints.exclusive,
             requester=requester,
+            parents=parents,
         )
     except RegistryError as err:
         log.info("no lease: %s", err)
@@ -398,7 +405,9 @@ def _attempt(
         made = decision.decide(context, constraints)
         lease = None
         if made.chosen and not dry_run and txn is not None:
-            lease, lease_note = _create_lease(txn, list(made.chosen), constraints, requester)
+            lease, lease_note = _create_lease(
+                txn, list(made.chosen), constraints, requester, mig_parents(snap.devices)
+            )
             if lease is None and promised is not None:
                 raise _fail_closed(promised, lease_note)
         if made.chosen and ticket is not None:

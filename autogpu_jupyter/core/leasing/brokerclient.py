@@ -511,9 +511,11 @@ class BrokerTransaction(StoreTransaction):
         requested_bytes: int | Sequence[int | None] | None = None,
         exclusive: bool = False,
         requester: Requester | None = None,
+        parents: Mapping[str, str] | None = None,
     ) -> BrokerLease:
         """Ask the broker for a lease on ``devices``; it admits it by the one admission's rules
-        (see :meth:`StoreTransaction.create`; ``RegistryError``: refused or lost)."""
+        (see :meth:`StoreTransaction.create`; ``RegistryError``: refused or lost). ``parents``
+        is not sent: the broker reads the host's MIG layout from its own snapshot."""
         uuids = [d if isinstance(d, str) else d.uuid for d in devices]
         if not uuids:
             raise ValueError("a lease needs at least one device")
