@@ -520,13 +520,12 @@ class Broker:
             "devices": devices,
             "tickets": tickets,
             "tickets_not_shown": len(waiting) - len(tickets),
-            "reserved": {
-                uuid: list(groups)
-                for uuid, groups in admission.reserved_away(
-                    self.config.reserved, self._applicant(conn), self.parents
-                ).items()
-            },
+            "reserved": self.reserved_reply(conn),
         }
+
+    def reserved_reply(self, conn: Conn) -> dict[str, list[str]]:
+        """The devices reserved away from ``conn``'s user, as a client ranks them out."""
+        return admission.reserved_reply(self.config.reserved, self._applicant(conn), self.parents)
 
     def _rows_of(self, uuid: str, recs: list[LeaseRecord]) -> dict[str, Any]:
         """:func:`_device_rows`, kept for the same leases of the same device."""
@@ -869,7 +868,9 @@ class Broker:
                 nxt = [last["created_s"], last["lease_id"]]
                 break
             out.append(payload)
-        return {"ok": True, "records": out, "next": nxt, "total": len(records)}
+        reserved = self.reserved_reply(conn)  # a dry run ranks them out as a pick does
+        return {"ok": True, "records": out, "next": nxt, "total": len(records),
+                **({"reserved": reserved} if reserved else {})}
 
     async def op_status(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         """Counts only (the records come page by page from ``leases``): per person, at most

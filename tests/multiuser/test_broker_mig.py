@@ -143,8 +143,9 @@ def test_a_reservation_covers_the_gpu_and_every_mig_device_of_it(
         assert only_1.returncode == 3, only_1.stderr
         for i in (0, 1):
             assert _dropped(i, reserved) in only_1.stderr, only_1.stderr
-        dry = area.cli(BOB, "pick", "--dry-run", "--exclude", "0")
-        assert MIG0 not in dry.stdout and MIG1 not in dry.stdout, dry.stdout
+        dry = area.cli(BOB, "pick", "--dry-run", "--exclude", "0")  # proposed MIG device 0
+        assert dry.returncode == 3, dry.stdout
+        assert _dropped(1, reserved) in dry.stderr, dry.stderr
         for mig in (MIG0, MIG1):
             for exclusive in (False, True):
                 reply = _bob_leases(users, area, mig, exclusive)

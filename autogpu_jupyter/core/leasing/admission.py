@@ -74,6 +74,7 @@ __all__ = [
     "line_key",
     "reservation",
     "reserved_away",
+    "reserved_reply",
     "ticket_count",
     "ticket_text",
 ]
@@ -191,6 +192,17 @@ def reserved_away(
         for dev in _covered(uuid, parents or {}):
             away[dev] = tuple(dict.fromkeys([*away.get(dev, ()), *groups]))
     return dict(sorted(away.items()))
+
+
+def reserved_reply(
+    reserved: Mapping[str, Sequence[str]],
+    applicant: Applicant,
+    parents: Mapping[str, str] | None = None,
+) -> dict[str, list[str]]:
+    """:func:`reserved_away` as the broker sends it to a client (UUID -> group names), which
+    ranks those devices out as :func:`reservation` pseudo-leases."""
+    away = reserved_away(reserved, applicant, parents)
+    return {uuid: list(groups) for uuid, groups in away.items()}
 
 
 def _covered(uuid: str, parents: Mapping[str, str]) -> list[str]:

@@ -632,10 +632,20 @@ class BrokerRegistry(LeaseStore):
                             waiting_for="its pick lock")
 
     def _read_unlocked(self) -> list[LeaseRecord]:
+        """Every live record, and the devices reserved away from us as the broker's pseudo-
+        leases: a dry run ranks them out as a pick does (an older broker sends none)."""
         try:
-            return self.list_leases(include_tickets=True)
+            conn = self._conn()
+            try:
+                first: dict[str, Any] = {}
+                payloads = _pages(conn, {"op": "leases", "tickets": True}, first)
+            finally:
+                conn.close()
         except AutoGPUError:
             return []
+        return sorted(
+            self._visible(_records(payloads, self.path)), key=lambda r: (r.created_s, r.lease_id)
+        ) + _reservations(first.get("reserved"), self.path)
 
     def list_leases(self, *, include_tickets: bool = False) -> list[LeaseRecord]:
         """Live leases of every user, oldest first (other users' command lines never sent)."""
@@ -732,12 +742,17 @@ class BrokerRegistry(LeaseStore):
         return ScanResult(live=self.list_leases(include_tickets=True))
 
 
-def _pages(conn: _Conn, msg: Mapping[str, Any]) -> list[Any]:
-    """Every record of a paged ``leases`` request (at most :data:`MAX_LIST_RECORDS`)."""
+def _pages(
+    conn: _Conn, msg: Mapping[str, Any], first: dict[str, Any] | None = None
+) -> list[Any]:
+    """Every record of a paged ``leases`` request (at most :data:`MAX_LIST_RECORDS`);
+    ``first`` gets the first page's reply."""
     out: list[Any] = []
     after = None
     while True:
         reply = conn.call({**msg, "after": after})
+        if first is not None and after is None:
+            first.update(reply)
         out += list(reply.get("records") or ())
         after = reply.get("next")
         if after is None or len(out) >= MAX_LIST_RECORDS:
