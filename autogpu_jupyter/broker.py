@@ -87,6 +87,7 @@ from autogpu_jupyter.brokerd import net, startup
 from autogpu_jupyter.brokerd.identity import Account, Accounts
 from autogpu_jupyter.core import decision, options
 from autogpu_jupyter.core.backends import get_backend
+from autogpu_jupyter.core.devices import mig_parents
 from autogpu_jupyter.core.leasing import admission
 from autogpu_jupyter.core.leasing.brokerclient import (
     DEFAULT_SOCKET,
@@ -363,6 +364,7 @@ class Broker:
         self._snap: Any = None
         self._snap_at = -1e9
         self._fleet: set[str] | None = None
+        self.parents: dict[str, str] = {}  # the host's MIG layout, by the last snapshot
         self._fleet_checked = -_FLEET_RECHECK_S
         #: Bumped by every change of the live records (see :meth:`live`).
         self.version = 0
@@ -517,13 +519,12 @@ class Broker:
             "devices": devices,
             "tickets": tickets,
             "tickets_not_shown": len(waiting) - len(tickets),
-            "reserved": {
-                uuid: list(groups)
-                for uuid, groups in admission.reserved_away(
-                    self.config.reserved, self._applicant(conn)
-                ).items()
-            },
+            "reserved": self.reserved_reply(conn),
         }
+
+    def reserved_reply(self, conn: Conn) -> dict[str, list[str]]:
+        """The devices reserved away from ``conn``'s user, as a client ranks them out."""
+        return admission.reserved_reply(self.config.reserved, self._applicant(conn), self.parents)
 
     def _rows_of(self, uuid: str, recs: list[LeaseRecord]) -> dict[str, Any]:
         """:func:`_device_rows`, kept for the same leases of the same device."""
@@ -644,6 +645,7 @@ class Broker:
                 exclusive=rec.exclusive,
                 quota=self._quota(conn),
                 reserved=self.config.reserved,
+                parents=self.parents,
             )
         except AutoGPUError as err:
             raise BrokerRefusal(str(err), type(err).__name__) from None
@@ -668,7 +670,7 @@ class Broker:
         admission ("reserved for group(s) ml by the admin"), with no rule of its own."""
         if not self.config.reserved:
             return []
-        away = admission.reserved_away(self.config.reserved, self._applicant(conn))
+        away = admission.reserved_away(self.config.reserved, self._applicant(conn), self.parents)
         return [admission.reservation(u, groups, self.host) for u, groups in away.items()]
 
     async def op_lease(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
@@ -743,6 +745,7 @@ class Broker:
             self.backend = get_backend()
         snap = self.backend.snapshot()
         self._fleet = _fleet_ids(snap)
+        self.parents = mig_parents(snap.devices)
         self._fleet_checked = self._snap_at = time.monotonic()
         self._snap = snap
         return snap
@@ -775,6 +778,7 @@ class Broker:
                 constraints=rec.constraints or {},
                 quota=self._quota(conn),
                 reserved=self.config.reserved,
+                parents=self.parents,
             )
         except AutoGPUError as err:
             raise BrokerRefusal(str(err), type(err).__name__) from None
@@ -863,7 +867,9 @@ class Broker:
                 nxt = [last["created_s"], last["lease_id"]]
                 break
             out.append(payload)
-        return {"ok": True, "records": out, "next": nxt, "total": len(records)}
+        reserved = self.reserved_reply(conn)  # a dry run ranks them out as a pick does
+        return {"ok": True, "records": out, "next": nxt, "total": len(records),
+                **({"reserved": reserved} if reserved else {})}
 
     async def op_status(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         """Counts only (the records come page by page from ``leases``): per person, at most

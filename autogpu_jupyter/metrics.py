@@ -43,7 +43,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from autogpu_jupyter._version import __version__
-from autogpu_jupyter.core import bookings_for
+from autogpu_jupyter.core import bookings_for, is_reservation
 from autogpu_jupyter.errors import AutoGPUError
 
 if TYPE_CHECKING:
@@ -125,6 +125,8 @@ class AutoGPUCollector(Collector):
             if registry is not None:
                 try:
                     leases, tickets = registry.live_records()
+                    # the admin's reservations a broker shows for ranking are no leases
+                    leases = [r for r in leases if not is_reservation(r)]
                 except (AutoGPUError, OSError) as err:
                     log.debug("metrics without leases: %s", err)
             self._cache_ts, self._cache = snap_ts, (leases, tickets)

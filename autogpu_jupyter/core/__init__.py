@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import FleetSnapshot as FleetSnapshot
     from autogpu_jupyter.core.holders import holders_by_device as holders_by_device
     from autogpu_jupyter.core.holders import holders_text as holders_text
+    from autogpu_jupyter.core.leasing.admission import is_reservation as is_reservation
     from autogpu_jupyter.core.moves import grant_environ as grant_environ
     from autogpu_jupyter.core.options import PICK_OPTIONS as PICK_OPTIONS
     from autogpu_jupyter.core.options import PickOptions as PickOptions
@@ -117,6 +118,7 @@ __all__ = [
     "PickResult",
     "Decision",
     "bookings_for",
+    "is_reservation",
     "deciding_term",
     "describe_load",
     "Candidate",
@@ -215,6 +217,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "PickResult": ("picker", "PickResult"),
     "Decision": ("decision", "Decision"),
     "bookings_for": ("decision", "bookings_for"),
+    "is_reservation": ("leasing.admission", "is_reservation"),
     "deciding_term": ("decision", "deciding_term"),
     "describe_load": ("decision", "describe_load"),
     "Candidate": ("policy", "Candidate"),

@@ -190,9 +190,14 @@ def bookings_for(
 def ticket_constraints(
     constraints: Constraints | None, allowed_uuids: Sequence[str] | None
 ) -> dict[str, Any]:
-    """A waiter's request as its ticket stores it (read back by :func:`reserve_for_waiters`)."""
+    """A waiter's request as its ticket stores it (read back by :func:`reserve_for_waiters`):
+    the whole request, so that older waiters are served, and reserved for, as they asked.
+
+    ``models`` and ``prefer`` are written only when set: a ticket without them has the shape
+    older clients and brokers read.
+    """
     mf = None if constraints is None else constraints.min_free
-    return {
+    out: dict[str, Any] = {
         "min_free_bytes": None if mf is None else mf.bytes,
         "min_free_fraction": None if mf is None else mf.fraction,
         "max_util_pct": None if constraints is None else constraints.max_util_pct,
@@ -201,6 +206,11 @@ def ticket_constraints(
         "exclusive": bool(constraints is not None and constraints.exclusive),
         "allowed_uuids": None if allowed_uuids is None else list(allowed_uuids),
     }
+    if constraints is not None and constraints.models:
+        out["models"] = list(constraints.models)
+    if constraints is not None and constraints.prefer:
+        out["prefer"] = list(constraints.prefer)
+    return out
 
 
 def _ticket_request(c: Mapping[str, Any]) -> Constraints:
@@ -215,6 +225,8 @@ def _ticket_request(c: Mapping[str, Any]) -> Constraints:
         count=int(c.get("count", 1)),
         exclude=tuple(c.get("exclude", ())),
         exclusive=bool(c.get("exclusive")),
+        models=tuple(c.get("models", ())),
+        prefer=tuple(c.get("prefer", ())),
     )
 
 
@@ -275,7 +287,8 @@ def _serve_waiters(
         ]
         try:
             cons = _ticket_request(c)
-            chosen = select(rank(pool, cons, bookings=out, smoothed_util=smoothed_util), cons.count)
+            ranked = rank(pool, cons, bookings=out, smoothed_util=smoothed_util, fleet=devices)
+            chosen = select(ranked, cons.count)
         except (AutoGPUError, TypeError, ValueError) as err:  # another user's ticket never
             log.debug("ignoring ticket %s: %s", t.lease_id, err)  # breaks our pick
             continue

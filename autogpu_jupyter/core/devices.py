@@ -9,6 +9,7 @@ for people only.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,14 @@ if TYPE_CHECKING:
     import pandas as pd
 
 
-__all__ = ["ProcessSnapshot", "DeviceSnapshot", "FleetSnapshot", "COMPUTE_MODES"]
+__all__ = [
+    "ProcessSnapshot",
+    "DeviceSnapshot",
+    "FleetSnapshot",
+    "COMPUTE_MODES",
+    "mig_parents",
+    "physical_gpu",
+]
 
 #: NVML compute modes by their NVML number.
 COMPUTE_MODES = {0: "DEFAULT", 1: "EXCLUSIVE_THREAD", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
@@ -155,3 +163,18 @@ class FleetSnapshot:
         df.attrs["simulated"] = self.simulated
         df.attrs["backend"] = self.backend
         return df.set_index("uuid", drop=False)
+
+
+def mig_parents(devices: Iterable[DeviceSnapshot]) -> dict[str, str]:
+    """The fleet's MIG layout: each MIG device's UUID -> its parent GPU's UUID.
+
+    A MIG UUID (``MIG-<uuid>``, as drivers since R470 print it) does not say which GPU it is a
+    slice of; only a snapshot does. Lease rules that follow physical GPUs (a reservation, an
+    exclusive lease: :mod:`autogpu_jupyter.core.leasing.admission`) read this map.
+    """
+    return {d.uuid: d.parent_uuid for d in devices if d.is_mig and d.parent_uuid}
+
+
+def physical_gpu(uuid: str, parents: Mapping[str, str]) -> str:
+    """The physical GPU ``uuid`` is on: its parent for a MIG device, itself otherwise."""
+    return parents.get(uuid, uuid)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.core import decision
 from autogpu_jupyter.core.backends import Backend, get_backend
+from autogpu_jupyter.core.devices import mig_parents
 from autogpu_jupyter.core.leasing.store import (
     HeldLease,
     LeaseStore,
@@ -159,11 +160,16 @@ def _no_fit_message(
 
 
 def _create_lease(
-    txn: StoreTransaction, chosen: list[Candidate], constraints: Constraints, requester: Requester
+    txn: StoreTransaction,
+    chosen: list[Candidate],
+    constraints: Constraints,
+    requester: Requester,
+    parents: Mapping[str, str],
 ) -> tuple[HeldLease | None, str | None]:
     """Write the lease; a store that refuses the write means no lease, said once (a note). A
     broker that answers it cannot record the lease (:class:`RegistryUntrustedError`: its disk is
-    full) fails the pick closed: a lease it did not grant is no lease to go on without."""
+    full) fails the pick closed: a lease it did not grant is no lease to go on without.
+    ``parents``: the host's MIG layout, for the admission's physical-GPU rules."""
     try:
         lease = txn.create(
             devices=[c.device for c in chosen],
@@ -175,6 +181,7 @@ def _create_lease(
             ],
             exclusive=constraints.exclusive,
             requester=requester,
+            parents=parents,
         )
     except RegistryUntrustedError as err:
         if not isinstance(err, RegistryUnreachableError):
@@ -407,7 +414,9 @@ def _attempt(
         made = decision.decide(context, constraints)
         lease = None
         if made.chosen and not dry_run and txn is not None:
-            lease, lease_note = _create_lease(txn, list(made.chosen), constraints, requester)
+            lease, lease_note = _create_lease(
+                txn, list(made.chosen), constraints, requester, mig_parents(snap.devices)
+            )
             if lease is None and promised is not None:
                 raise _fail_closed(promised, lease_note)
         if made.chosen and ticket is not None:

@@ -9,7 +9,11 @@ Hard filters (a device failing one is dropped, with the reason in words):
 * a GPU in MIG mode is used through its MIG devices, not directly;
 * its effective free memory (free memory minus memory booked by live leases) fits ``min_free``;
 * its utilisation is at most ``max_util``;
-* for ``exclusive``: no other live lease holds it; and nobody holds it exclusively.
+* for ``exclusive``: no other live lease holds it; and nobody holds it exclusively;
+* physical GPUs decide: the same two rules across a MIG device, its parent GPU and its sibling
+  MIG devices (a lease held exclusively on one keeps the others out; an exclusive pick wants
+  the whole physical GPU free), worded as the admission words its refusals
+  (:mod:`autogpu_jupyter.core.leasing.admission`).
 
 A value that is unknown (``None``, e.g. utilisation on MIG devices) neither passes nor fails a
 filter silently: a ``max_util`` filter keeps such a device and says "utilisation unknown", a
@@ -39,7 +43,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from autogpu_jupyter.core.leasing.admission import EXCLUSIVE_LEASE
+from autogpu_jupyter.core.devices import mig_parents, physical_gpu
+from autogpu_jupyter.core.leasing.admission import EXCLUSIVE_LEASE, kin_phrase, kin_relation
 from autogpu_jupyter.core.units import Size, format_bytes, parse_percent, parse_size
 from autogpu_jupyter.errors import UsageErrorBase
 
@@ -221,6 +226,7 @@ def rank(
     bookings: Mapping[str, Booking] | None = None,
     smoothed_util: Mapping[str, float | None] | None = None,
     self_pids: Iterable[int] = (),
+    fleet: Sequence[DeviceSnapshot] | None = None,
 ) -> list[Candidate]:
     """Rank ``devices`` for ``constraints``: eligible candidates first, best first.
 
@@ -238,6 +244,9 @@ def rank(
         Mean utilisation per UUID over the sampler's window; falls back to the snapshot's reading.
     self_pids
         PIDs that are "us" (an EXCLUSIVE_PROCESS GPU we already use is not "occupied by others").
+    fleet
+        Every device of the host, when ``devices`` is a part of it: the other devices of a
+        physical GPU (a MIG device's parent and siblings) are looked up there.
 
     Returns
     -------
@@ -247,6 +256,7 @@ def rank(
     bookings = bookings or {}
     smoothed_util = smoothed_util or {}
     mine = set(self_pids)
+    kin = _Kin(devices if fleet is None else fleet, bookings)
     migs_by_parent: dict[str, int] = {}
     for d in devices:
         if d.parent_uuid:  # only a MIG device has a parent
@@ -268,6 +278,7 @@ def rank(
             _check_memory(v, dev, constraints, eff_free, booking)
             _check_utilisation(v, util, constraints)
             _check_leases(v, constraints, booking)
+            kin.check(v, dev, constraints, booking)
         key = (
             float(_preference(dev, constraints.prefer)),
             float(_load_step(util, eff_free, dev.memory_total_bytes)),
@@ -412,6 +423,40 @@ def _check_leases(v: _Verdict, constraints: Constraints, booking: Booking) -> No
         v.drop("; ".join(booking.exclusive_by) or EXCLUSIVE_LEASE)
     if booking.lease_count and v.ok:
         v.note(f"{booking.lease_count} live lease(s)")
+
+
+class _Kin:
+    """The other devices on each device's physical GPU, and what their bookings forbid."""
+
+    def __init__(self, fleet: Sequence[DeviceSnapshot], bookings: Mapping[str, Booking]) -> None:
+        self.parents = mig_parents(fleet)
+        self.bookings = bookings
+        self.by_gpu: dict[str, list[DeviceSnapshot]] = {}
+        if self.parents:
+            for d in fleet:
+                self.by_gpu.setdefault(physical_gpu(d.uuid, self.parents), []).append(d)
+
+    def check(
+        self, v: _Verdict, dev: DeviceSnapshot, constraints: Constraints, booking: Booking
+    ) -> None:
+        """:func:`_check_leases` across the physical GPU: a device held exclusively there
+        drops ``dev``; so does any lease there when exclusive is wanted. A device already
+        out for being held exclusively itself is not judged again."""
+        if not self.parents or booking.exclusive:
+            return
+        for other in self.by_gpu.get(physical_gpu(dev.uuid, self.parents), ()):
+            b = self.bookings.get(other.uuid)
+            if other.uuid == dev.uuid or b is None or not b.lease_count:
+                continue
+            rel = kin_relation(dev.uuid, other.uuid, self.parents)
+            if b.exclusive:
+                for phrase in b.exclusive_by or (EXCLUSIVE_LEASE,):
+                    v.drop(kin_phrase(rel, other.label, phrase))
+            elif constraints.exclusive:
+                leases = b.lease_count - len(b.waiting)
+                held = [f"held by {leases} lease(s)"] if leases > 0 else []
+                what = " and ".join([*held, *(f"reserved for {w}" for w in b.waiting)])
+                v.drop("exclusive wanted but " + kin_phrase(rel, other.label, what))
 
 
 def _model_matches(dev: DeviceSnapshot, names: Sequence[str]) -> bool:

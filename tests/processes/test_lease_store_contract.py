@@ -234,6 +234,26 @@ def test_a_device_a_waiting_ticket_takes_names_the_ticket(contract: Contract) ->
         assert G[3] not in [c.device.uuid for c in made.chosen]
 
 
+def test_a_ticket_keeps_its_model_and_reserves_nothing_of_another(contract: Contract) -> None:
+    """Issue 39: a waiter's ticket keeps ``models`` and ``prefer``, in both stores; a waiter for
+    a model this host does not have holds back none of its GPUs. Seen failing: the ticket was
+    stored without them and reserved a GPU as if any model would do."""
+    snap = SimulatedBackend(str(contract.fleet_file), clock=lambda: 0.0).snapshot()
+    wanted = Constraints(exclusive=True, models=("L4",), prefer=("L4", "T4"))
+    held = contract.store.take_ticket(
+        constraints=decision.ticket_constraints(wanted, None), exclusive=True
+    )
+    assert held is not None
+    with held as waiting:
+        (stored,) = [t for t in contract.store.live_records()[1]
+                     if t.lease_id == waiting.record.lease_id]
+        assert (stored.constraints or {}).get("models") == ["L4"]
+        assert (stored.constraints or {}).get("prefer") == ["L4", "T4"]
+        made = decision.decide(decision.gather(snap, environ={}, store=contract.store),
+                               Constraints(count=4, exclusive=True))
+        assert sorted(c.device.uuid for c in made.chosen) == G
+
+
 # ---- hiding, release, set_pid, a holder's death -----------------------------------------------
 
 

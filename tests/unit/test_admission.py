@@ -85,6 +85,89 @@ def test_a_reserved_device_goes_to_members_and_root_only() -> None:
     assert str(err.value) == "no device free: G0 is reserved for group(s) ml, ops by the admin"
 
 
+# ---- physical GPUs decide (issue 39): a MIG device belongs to its parent ----------------------
+
+#: GPU G1 in MIG mode, with MIG devices M0 and M1; G0 a plain GPU.
+PARENTS = {"M0": "G1", "M1": "G1"}
+
+
+def refusal(leases: list[LeaseRecord], device: str, exclusive: bool = False,
+            who: Applicant = ANN, **kw: Any) -> str | None:
+    """What the admission says to ``who`` for a lease on ``device`` (``None``: admitted)."""
+    try:
+        admission.admit_lease(leases, applicant=who, devices=[device], exclusive=exclusive,
+                              quota=Quota(), parents=PARENTS, **kw)
+    except NoDeviceFitsError as err:
+        return str(err)
+    return None
+
+
+def test_a_lease_held_exclusively_keeps_its_whole_physical_gpu_off() -> None:
+    """Break 4: an exclusive lease on MIG device M0 keeps its parent G1 and its sibling M1
+    off, and one on G1 keeps both MIG devices off; a plain GPU beside them is free. Without
+    the fleet's MIG layout each id is judged alone (as before). Seen failing: all granted."""
+    on_m0 = [lease(("M0",), exclusive=True)]
+    for exclusive in (False, True):
+        assert refusal(on_m0, "G1", exclusive) == (
+            "no device free: G1: its MIG device M0 is held exclusively by bo: bo.ipynb")
+        assert refusal(on_m0, "M1", exclusive) == (
+            "no device free: M1: its sibling MIG device M0 is held exclusively by bo: bo.ipynb")
+        assert refusal(on_m0, "G0", exclusive) is None
+    on_g1 = [lease(("G0", "G1"), exclusive=True)]
+    assert refusal(on_g1, "M1") == (
+        "no device free: M1: its parent G1 is held exclusively by bo: bo.ipynb")
+    admission.admit_lease(on_m0, applicant=ANN, devices=["M1"], exclusive=True, quota=Quota())
+
+
+def test_exclusive_wanted_needs_the_whole_physical_gpu_unused() -> None:
+    """An exclusive lease is refused where any lease uses the physical GPU (parent, sibling,
+    MIG device), naming the device and its holder; shared leases on siblings go together."""
+    on_m0 = [lease(("M0",))]
+    assert refusal(on_m0, "M1", exclusive=True) == (
+        "no device free: exclusive wanted but M1: its sibling MIG device M0 is held by bo: "
+        "bo.ipynb")
+    assert refusal(on_m0, "G1", exclusive=True) == (
+        "no device free: exclusive wanted but G1: its MIG device M0 is held by bo: bo.ipynb")
+    assert refusal([lease(("G1",))], "M0", exclusive=True) == (
+        "no device free: exclusive wanted but M0: its parent G1 is held by bo: bo.ipynb")
+    assert refusal(on_m0, "M1") is None
+    assert refusal(on_m0, "G1") is None
+
+
+def test_a_reservation_covers_its_physical_gpu() -> None:
+    """Break 3: a reserved GPU's MIG devices are reserved with it, and a reserved MIG device
+    reserves its parent (not its siblings); members and root pass. Seen failing: the MIG
+    devices of a reserved GPU were admitted for a non-member."""
+    on_gpu = {"G1": ["ml"]}
+    for mig in ("M0", "M1", "G1"):
+        assert refusal([], mig, who=BO, reserved=on_gpu) == (
+            f"no device free: {mig} is reserved for group(s) ml by the admin")
+        assert refusal([], mig, who=ANN, reserved=on_gpu) is None
+        assert refusal([], mig, who=ROOT, reserved=on_gpu) is None
+    on_slice = {"M1": ["ops"]}
+    assert refusal([], "M0", who=BO, reserved=on_slice) is None
+    assert refusal([], "G1", who=BO, reserved=on_slice) == (
+        "no device free: G1 is reserved for group(s) ops by the admin")
+    both = {"G1": ["ml"], "M1": ["ops"]}
+    assert admission.reserved_away(both, BO, PARENTS) == {
+        "G1": ("ml", "ops"), "M0": ("ml",), "M1": ("ml", "ops")}
+    assert admission.reserved_away(both, ANN, PARENTS) == {"G1": ("ops",), "M1": ("ops",)}
+    assert admission.reserved_away(both, BO) == {"G1": ("ml",), "M1": ("ops",)}
+
+
+def test_a_ticket_may_not_name_a_mig_device_of_a_reserved_gpu() -> None:
+    """A ticket naming a MIG device of a GPU reserved away is refused; one that does not is
+    admitted with the reserved GPU excluded (the ranking's exclusion of a GPU covers its MIG
+    devices)."""
+    with pytest.raises(NoDeviceFitsError) as err:
+        admission.admit_ticket([], [], applicant=BO, constraints=request(allowed_uuids=["M1"]),
+                               quota=Quota(), reserved={"G1": ["ml"]}, parents=PARENTS)
+    assert str(err.value) == "no device free: M1 is reserved for group(s) ml by the admin"
+    got = admission.admit_ticket([], [], applicant=BO, constraints=request(), quota=Quota(),
+                                 reserved={"G1": ["ml"]}, parents=PARENTS)
+    assert got["exclude"] == ["G1"]
+
+
 def test_the_device_quota_counts_distinct_devices_of_the_applicant_only() -> None:
     mine = [lease(("G0", "G1"), who=ANN), lease(("G0",), who=ANN, lid="c" * 32)]
     theirs = [lease(("G2", "G3"), lid="d" * 32)]

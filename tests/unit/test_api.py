@@ -156,24 +156,39 @@ def test_release_restores_env(host: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert ag.release() is None
 
 
-def test_a_mig_devices_own_exclusive_lease_keeps_a_pick_off_it(
+def test_a_mig_devices_own_lease_keeps_a_pick_off_it(
     host: Path, fake_nvml: FakeNvml
 ) -> None:
-    """Issue 22: another holder's exclusive lease on MIG device 0:1 keeps this pick off it,
+    """Issue 22: another holder's lease booking 5 GiB of MIG device 0:1 keeps this pick off it,
     though its parent GPU has no lease at all; the busier MIG device 0:0 is chosen. Caught: a
-    MIG device ranked (or its bookings folded) under its parent's UUID."""
+    MIG device ranked (or its bookings folded) under its parent's UUID. Issue 39: held
+    exclusively, it keeps the pick off the sibling too (one physical GPU), as worded."""
     from autogpu_jupyter.core.leasing import Requester
 
     fake_nvml.write(fleet_mig())
     mig0, mig1 = (m["uuid"] for m in fleet_mig()["devices"][0]["mig_devices"])
     with Registry(str(host)).locked() as txn:
         assert txn is not None
-        held = txn.create(devices=[mig1], exclusive=True, requester=Requester(kernel_id="another"))
+        held = txn.create(devices=[mig1], requested_bytes=5 * 1024**3,
+                          requester=Requester(kernel_id="another"))
     try:
         # GPU 1, the idle plain A100, is left out: only the two MIG devices compete
         assert [d.uuid for d in ag.pick(min_free="5G", exclude="1", dry_run=True)] == [mig0]
         assert [d.uuid for d in ag.pick(min_free="5G", exclude="1")] == [mig0]
         assert os.environ["CUDA_VISIBLE_DEVICES"] == mig0
+    finally:
+        held.release()
+    with Registry(str(host)).locked() as txn:
+        assert txn is not None
+        held = txn.create(devices=[mig1], exclusive=True, requester=Requester(kernel_id="another"))
+    try:
+        with pytest.raises(NoDeviceFitsError) as info:
+            ag.pick(min_free="5G", exclude="1", dry_run=True)
+        assert (
+            "GPU 0 MIG 0 (NVIDIA A100-SXM4-80GB MIG 3g.40gb): dropped: 29.5 GiB free >= 5.0 GiB "
+            "wanted; utilisation unknown: ranked by memory and leases; its sibling MIG device "
+            "GPU 0 MIG 1 is held exclusively by another lease"
+        ) in str(info.value)
     finally:
         held.release()
 

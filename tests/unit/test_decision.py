@@ -202,6 +202,34 @@ def test_a_stored_ticket_request_reads_back_as_constraints(stored, cons) -> None
     assert decision._ticket_request(stored) == cons
 
 
+def test_a_ticket_keeps_the_whole_request_through_its_record() -> None:
+    """Issue 39: a ticket stored its request in a shape of its own that dropped ``models`` and
+    ``prefer`` (a waiter for an A100 was served as if any model would do). Every field of the
+    request survives the record, as the readers of both stores parse it; a field added to
+    :class:`Constraints` and not to the ticket fails here."""
+    from autogpu_jupyter.core.leasing.records import encode, parse_record
+
+    full = Constraints(min_free=Size(bytes=5), max_util_pct=30.0, count=2, exclude=("GPU-9",),
+                       exclusive=True, models=("A100", "H100"), prefer=("H100",))
+    for f in dataclasses.fields(Constraints):
+        assert getattr(full, f.name) != getattr(Constraints(), f.name), f.name
+    rec = dataclasses.replace(ticket_rec(1, ticket_constraints(full, ["GPU-1"])), lease_id="a" * 32)
+    back = parse_record(encode(rec), kind="ticket", path="", live=True)
+    assert decision._ticket_request(back.constraints or {}) == full
+    # Without a model or a preference the record has the shape older readers know.
+    assert "models" not in ticket_constraints(Constraints(), None)
+
+
+def test_a_waiter_for_one_model_reserves_nothing_of_another() -> None:
+    """An exclusive waiter for an A100 is served the A100 only: the L4 stays free for others."""
+    devices = [dev(0, name="NVIDIA A100-SXM4-80GB", util=90.0), dev(1, name="NVIDIA L4")]
+    t = ticket_rec(1, ticket_constraints(Constraints(exclusive=True, models=("A100",)), None))
+    out = reserve_for_waiters(devices, empty(devices), [t])
+    assert (out["GPU-0"].exclusive, out["GPU-1"].lease_count) == (True, 0)
+    held = bookings_for(devices, [lease(("GPU-0",), (None,), exclusive=True)])
+    assert served_waiters(devices, held, [t]) == {}
+
+
 def ticket_rec(
     seq: int, cons: dict[str, Any], *, user: str = "wa", lid: str | None = None
 ) -> LeaseRecord:

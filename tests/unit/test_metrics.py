@@ -217,6 +217,24 @@ def test_an_unreadable_registry_is_logged_and_scraped_without_leases(
         ("autogpu_jupyter.metrics", "metrics without leases: registry directory gone")]
 
 
+class _ReservingRegistry:
+    """What the broker's client reads without the lock since issue 39: the live leases, and the
+    devices the admin reserved away from this user as pseudo-leases (for ranking)."""
+
+    def live_records(self) -> Any:
+        from autogpu_jupyter.core.leasing.admission import reservation
+
+        return [reservation(A, ["ml"], "h"), reservation(MIG, ["ml"], "h")], []
+
+
+def test_a_reservation_is_no_lease_in_the_gauges(fleet_file: Path) -> None:
+    """A device reserved for a group shows no lease, no lease info. Caught: a reservation
+    counted as a live lease of root on the device."""
+    got = scrape(fleet_file, _ReservingRegistry())  # type: ignore[arg-type]
+    assert of(got, "autogpu_gpu_leases") == {LA: 0.0, LB: 0.0, LMIG: 0.0, LLOST: 0.0}
+    assert of(got, "autogpu_lease_info") == {}
+
+
 def test_uninstall_takes_the_collector_off_the_registry_it_was_installed_on(
     fleet_file: Path,
 ) -> None:

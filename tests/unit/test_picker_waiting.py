@@ -128,6 +128,44 @@ def test_a_wait_that_times_out_leaves_no_ticket_in_line(
     after.lease.release()
 
 
+def test_a_waiter_for_one_model_leaves_the_other_models_to_others(
+    tmp_path: Path, registry_dir: Path
+) -> None:
+    """Issue 39: a waiting ticket keeps its whole request. Alice's exclusive pick for an A100
+    waits (the only A100 is held); meanwhile another pick (any model) gets the idle L4, which
+    her ticket does not want; when the A100 frees, she gets it. Seen failing: the ticket was
+    stored without its model, read back as "any model", and reserved the L4 for her (the
+    other pick was refused)."""
+    path = tmp_path / "models.json"
+    path.write_text(json.dumps({"devices": [
+        {"name": "NVIDIA A100-SXM4-80GB", "uuid": A, "memory_total": "80GiB",
+         "memory_used": 0, "utilization_pct": 0},
+        {"name": "NVIDIA L4", "uuid": B, "memory_total": "24GiB", "memory_used": 0,
+         "utilization_pct": 0},
+    ]}))
+    backend = SimulatedBackend(str(path))
+    registry = Registry(registry_dir)
+    a100 = Constraints(exclusive=True, models=("A100",))
+    holder = pick(PickOptions(a100), backend=backend, environ={}, store=registry)
+    assert holder.lease is not None
+    others = []
+
+    def sleep(_s: float) -> None:  # while alice waits in line
+        if not others:
+            others.append(pick(PickOptions(Constraints()), backend=backend, environ={},
+                               store=registry))
+            assert holder.lease is not None
+            holder.lease.release()
+
+    waited = pick(PickOptions(a100, 30), backend=backend, environ={}, store=registry,
+                  sleep=sleep)
+    assert [d.uuid for d in others[0].chosen] == [B]
+    assert [d.uuid for d in waited.chosen] == [A]
+    for result in (waited, *others):
+        assert result.lease is not None
+        result.lease.release()
+
+
 class _LostOnTries:
     """The directory registry, its lock lost (as a restarting broker's is) on the tries named:
     what :class:`~autogpu_jupyter.core.leasing.brokerclient.BrokerRegistry` raises then."""

@@ -247,26 +247,104 @@ def test_unknown_utilisation_ranks_by_memory_and_says_so() -> None:
     assert ranked[0].reasons == ("utilisation unknown: ranked by memory and leases",)
 
 
-def test_a_mig_device_is_ranked_by_its_own_leases_not_its_parents() -> None:
-    """Issue 22: a MIG device is booked by the leases naming it, never by its parent's (separate
-    memory, separate holders). Caught: ``rank`` reading the booking of ``parent_uuid or uuid``
-    (MIG 1's own exclusive lease ignored, and the parent's lease count charged to both MIGs)."""
+def _mig_family() -> list[DeviceSnapshot]:
     parent = dev(0, 80, None, uuid="GPU-parent", mig_enabled=True)
     mig_a = dev(0, 30, None, uuid="MIG-aaaa", total_gib=40, is_mig=True, parent_uuid="GPU-parent",
                 mig_index=0, mig_enabled=True)
     mig_b = dev(0, 10, None, uuid="MIG-bbbb", total_gib=10, is_mig=True, parent_uuid="GPU-parent",
                 mig_index=1, mig_enabled=True)
-    devices = [parent, mig_a, mig_b]
-    held = {"MIG-bbbb": Booking("MIG-bbbb", lease_count=1, exclusive=True)}
+    return [parent, mig_a, mig_b, dev(1, 80, 0.0)]
+
+
+def test_a_mig_device_is_ranked_by_its_own_leases_not_its_parents() -> None:
+    """Issue 22: a MIG device is booked by the leases naming it, never by its parent's or its
+    siblings' (separate memory, separate holders). Caught: ``rank`` reading the booking of
+    ``parent_uuid or uuid`` (MIG 1's own lease ignored, the parent's lease count charged to
+    both MIGs)."""
+    devices = _mig_family()
+    held = {"MIG-bbbb": Booking("MIG-bbbb", lease_count=1, booked_bytes=2 * GiB)}
     ranked = rank(devices, Constraints(), bookings=held)
-    assert labels(ranked) == ["GPU 0 MIG 0"]
-    (b,) = [c for c in ranked if c.device.uuid == "MIG-bbbb"]
-    assert (b.eligible, b.lease_count, b.reasons[-1]) == (
-        False, 1, "held exclusively by another lease")
+    assert sorted((c.device.label, c.eligible, c.lease_count, c.effective_free_bytes)
+                  for c in ranked if c.device.is_mig) == [
+        ("GPU 0 MIG 0", True, 0, 30 * GiB), ("GPU 0 MIG 1", True, 1, 8 * GiB)]
     # A booking under the parent's UUID (a lease written before MIG mode was switched on) books
     # neither MIG device: both keep their own free memory and lease count.
-    on_parent = {"GPU-parent": Booking("GPU-parent", lease_count=3, booked_bytes=70 * GiB,
-                                       exclusive=True)}
+    on_parent = {"GPU-parent": Booking("GPU-parent", lease_count=3, booked_bytes=70 * GiB)}
     ranked = rank(devices, Constraints(min_free=parse_size("8G")), bookings=on_parent)
-    assert [(c.device.label, c.lease_count, c.effective_free_bytes) for c in ranked
-            if c.eligible] == [("GPU 0 MIG 1", 0, 10 * GiB), ("GPU 0 MIG 0", 0, 30 * GiB)]
+    assert sorted((c.device.label, c.lease_count, c.effective_free_bytes) for c in ranked
+                  if c.eligible) == [
+        ("GPU 0 MIG 0", 0, 30 * GiB), ("GPU 0 MIG 1", 0, 10 * GiB), ("GPU 1", 0, 80 * GiB)]
+
+
+def reasons_of(ranked: list, uuid: str) -> tuple[bool, tuple[str, ...]]:
+    (c,) = [c for c in ranked if c.device.uuid == uuid]
+    return c.eligible, c.reasons
+
+
+def test_exclusivity_follows_the_physical_gpu_across_parent_and_siblings() -> None:
+    """Issue 39, break 4: a lease held exclusively on a MIG device keeps its siblings and its
+    parent out, and one on the parent keeps every MIG device of it out, in the admission's
+    words; a plain GPU beside them is untouched. Seen failing: both MIG devices stayed
+    eligible beside an exclusive lease on their parent."""
+    devices = _mig_family()
+    note = "utilisation unknown: ranked by memory and leases"
+    on_b = {"MIG-bbbb": Booking("MIG-bbbb", lease_count=1, exclusive=True)}
+    ranked = rank(devices, Constraints(), bookings=on_b)
+    assert labels(ranked) == ["GPU 1"]
+    assert reasons_of(ranked, "MIG-aaaa") == (False, (
+        note, "its sibling MIG device GPU 0 MIG 1 is held exclusively by another lease"))
+    assert reasons_of(ranked, "MIG-bbbb") == (False, (note, "held exclusively by another lease"))
+    assert reasons_of(ranked, "GPU-parent")[1][-1] == (
+        "its MIG device GPU 0 MIG 1 is held exclusively by another lease")
+    on_parent = {"GPU-parent": Booking("GPU-parent", lease_count=1, exclusive=True,
+                                       exclusive_by=("reserved for group(s) ml by the admin",))}
+    ranked = rank(devices, Constraints(), bookings=on_parent)
+    assert labels(ranked) == ["GPU 1"]
+    for uuid in ("MIG-aaaa", "MIG-bbbb"):
+        assert reasons_of(ranked, uuid) == (False, (
+            note, "its parent GPU 0 is reserved for group(s) ml by the admin"))
+
+
+def test_an_exclusive_pick_wants_the_whole_physical_gpu_free() -> None:
+    """Exclusive wanted: a MIG device whose sibling or parent any lease or waiting ticket
+    uses is dropped, naming them; a shared pick still takes it (leases stay per device)."""
+    devices = _mig_family()
+    note = "utilisation unknown: ranked by memory and leases"
+    waiting = "rt3b's waiting ticket (1 GPU, since 12:01)"
+    held = {
+        "MIG-bbbb": Booking("MIG-bbbb", lease_count=2, waiting=(waiting,)),
+    }
+    ranked = rank(devices, Constraints(exclusive=True), bookings=held)
+    assert labels(ranked) == ["GPU 1"]
+    assert reasons_of(ranked, "MIG-aaaa") == (False, (
+        note, "exclusive wanted but its sibling MIG device GPU 0 MIG 1 is held by 1 lease(s) "
+        f"and reserved for {waiting}"))
+    only_ticket = {"GPU-parent": Booking("GPU-parent", lease_count=1, waiting=(waiting,))}
+    ranked = rank(devices, Constraints(exclusive=True), bookings=only_ticket)
+    assert reasons_of(ranked, "MIG-bbbb") == (False, (
+        note, f"exclusive wanted but its parent GPU 0 is reserved for {waiting}"))
+    assert sorted(labels(rank(devices, Constraints(), bookings=held))) == [
+        "GPU 0 MIG 0", "GPU 0 MIG 1", "GPU 1"]
+
+
+def test_a_mig_device_reserved_itself_is_not_worded_twice() -> None:
+    """A device already out for its own exclusive booking (a reservation that covers the
+    whole physical GPU) keeps that one reason, not its parent's again."""
+    devices = _mig_family()
+    phrase = "reserved for group(s) ml by the admin"
+    bookings = {u: Booking(u, lease_count=1, exclusive=True, exclusive_by=(phrase,))
+                for u in ("GPU-parent", "MIG-aaaa", "MIG-bbbb")}
+    ranked = rank(devices, Constraints(), bookings=bookings)
+    assert reasons_of(ranked, "MIG-aaaa") == (False, (
+        "utilisation unknown: ranked by memory and leases", phrase))
+
+
+def test_the_fleet_names_the_physical_gpu_when_only_a_part_is_ranked() -> None:
+    """A waiting ticket ranks only the devices it may use: the parent's exclusive lease is
+    found through ``fleet``, the whole host."""
+    parent, mig_a, mig_b, _plain = _mig_family()
+    on_parent = {"GPU-parent": Booking("GPU-parent", lease_count=1, exclusive=True)}
+    assert labels(rank([mig_a], Constraints(), bookings=on_parent)) == ["GPU 0 MIG 0"]
+    ranked = rank([mig_a], Constraints(), bookings=on_parent, fleet=[parent, mig_a, mig_b])
+    assert reasons_of(ranked, "MIG-aaaa")[1][-1] == (
+        "its parent GPU 0 is held exclusively by another lease")

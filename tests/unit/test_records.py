@@ -309,7 +309,7 @@ def test_a_lease_record_is_refused_with_its_reason(data: bytes, message: str) ->
 
 CKEYS = (
     "['allowed_uuids', 'count', 'exclude', 'exclusive', 'max_util_pct', 'min_free_bytes', "
-    "'min_free_fraction']"
+    "'min_free_fraction'] and optionally ['models', 'prefer']"
 )
 TICKET_REFUSALS = [
     (ticket_dict(kind="lease"), "kind 'lease' in a ticket file"),
@@ -317,10 +317,10 @@ TICKET_REFUSALS = [
     (ticket_dict(seq=-1), "seq: expected an integer from 0 to 9007199254740991"),
     (ticket_dict(seq=2**53), "seq: expected an integer from 0 to 9007199254740991"),
     (ticket_dict(seq=None), "seq: expected an integer from 0 to 9007199254740991"),
-    (ticket_dict(constraints=[]), f"constraints: expected exactly the keys {CKEYS}"),
+    (ticket_dict(constraints=[]), f"constraints: expected the keys {CKEYS}"),
     (
         ticket_dict(constraints={**constraints_dict(), "x": 1}),
-        f"constraints: expected exactly the keys {CKEYS}",
+        f"constraints: expected the keys {CKEYS}",
     ),
     (
         ticket_dict(constraints=constraints_dict(min_free_bytes=-1)),
@@ -399,12 +399,28 @@ TICKET_REFUSALS = [
         ticket_dict(constraints=constraints_dict(allowed_uuids=["G"] * 65)),
         "constraints.allowed_uuids: expected a short list of device ids",
     ),
+    *(
+        (ticket_dict(constraints=constraints_dict(**{key: bad})),
+         f"constraints.{key}: expected a short list of model names")
+        for key in ("models", "prefer")
+        for bad in ("A100", None, ["A100"] * 65, ["x" * 65], [""], [1], ["A\x1f100"])
+    ),
 ]
 
 
 @pytest.mark.parametrize(("d", "message"), TICKET_REFUSALS)
 def test_a_ticket_record_is_refused_with_its_reason(d: dict[str, Any], message: str) -> None:
     assert refusal(raw(d), kind="ticket") == message
+
+
+def test_a_ticket_keeps_its_models_and_preferences_and_reads_without_them() -> None:
+    """Issue 39: a ticket's request keeps ``models`` and ``prefer``; a ticket written before
+    (without them) still reads, as "any model"."""
+    full = constraints_dict(models=["A100", "H100"], prefer=["H100"])
+    rec = parse_record(raw(ticket_dict(constraints=full)), kind="ticket", path="", live=True)
+    assert rec.constraints == full
+    old = parse_record(raw(ticket_dict()), kind="ticket", path="", live=True)
+    assert old.constraints == constraints_dict()
 
 
 def test_a_ticket_needs_no_devices_but_a_lease_does() -> None:

@@ -720,6 +720,45 @@ def test_exclusive_leases_refuse_with_who_holds_the_device(reg: Registry) -> Non
         lease.release()
 
 
+def test_exclusivity_follows_the_physical_gpu_with_the_fleets_mig_layout(reg: Registry) -> None:
+    """Issue 39: the directory's admission judges a MIG device with its parent and siblings,
+    by the MIG layout the pick passes (``parents``) or, where the devices are snapshots, by
+    theirs; without either, each id is a GPU of its own."""
+    from autogpu_jupyter.core.devices import DeviceSnapshot
+
+    parents = {"MIG-a": "GPU-p", "MIG-b": "GPU-p"}
+    held = _lease(reg, uuid="MIG-a", exclusive=True,
+                  requester=Requester(pid=12, notebook_path="a.ipynb"))
+    try:
+        with reg.locked() as txn:
+            assert txn is not None
+            with pytest.raises(NoDeviceFitsError) as err:
+                txn.create(devices=["GPU-p"], parents=parents)
+            assert str(err.value) == (
+                f"no device free: GPU-p: its MIG device MIG-a is held exclusively by "
+                f"{ME_NAME}: a.ipynb"
+            )
+            with pytest.raises(NoDeviceFitsError, match="its sibling MIG device MIG-a is held"):
+                txn.create(devices=["MIG-b"], parents=parents)
+            alone = txn.create(devices=["MIG-b"])
+        alone.release()
+    finally:
+        held.release()
+    on_parent = _lease(reg, uuid="GPU-p", exclusive=True, requester=Requester(pid=12))
+    try:
+        with reg.locked() as txn:
+            assert txn is not None
+            mig = DeviceSnapshot(index=0, uuid="MIG-b", name="A100 MIG 1g.10gb", is_mig=True,
+                                 parent_uuid="GPU-p", mig_index=1)
+            with pytest.raises(NoDeviceFitsError) as err:
+                txn.create(devices=[mig])
+            assert str(err.value) == (
+                f"no device free: MIG-b: its parent GPU-p is held exclusively by {ME_NAME}: pid 12"
+            )
+    finally:
+        on_parent.release()
+
+
 def test_every_exclusive_holder_of_a_device_is_named(reg: Registry) -> None:
     helds = []
     for lease_id, path in (("a" * 32, "a.ipynb"), ("b" * 32, "b.ipynb")):
@@ -904,8 +943,8 @@ def test_a_ticket_readers_would_reject_is_refused_at_the_writer(reg: Registry) -
     with pytest.raises(RegistryError) as err:
         reg.take_ticket(constraints={"count": 1})
     assert str(err.value) == (
-        "lease record refused: readers would reject it (constraints: expected exactly the keys "
-        f"{sorted(CONSTRAINTS)})"
+        "lease record refused: readers would reject it (constraints: expected the keys "
+        f"{sorted(CONSTRAINTS)} and optionally ['models', 'prefer'])"
     )
     assert os.listdir(Path(reg.path) / str(ME)) == []
 

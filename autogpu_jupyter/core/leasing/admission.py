@@ -5,12 +5,21 @@ One module answers, for every store: the shared directory
 trusted broker (``autogpu_jupyter.broker``, in its event loop) and the broker's in-memory view
 of its state (what its own ``pick`` ranks against). The rules, in the order they are checked:
 
+Physical GPUs decide. A MIG device is a slice of its parent GPU, and its UUID does not say
+which (``MIG-<uuid>``): the store passes the fleet's MIG layout (``parents``, MIG UUID -> parent
+UUID, :func:`autogpu_jupyter.core.devices.mig_parents` of a snapshot). Two devices are *on the
+same physical GPU* when they are the same device, a GPU and one of its MIG devices, or two MIG
+devices of one GPU.
+
 A **lease** on devices ``D`` for applicant ``A``:
 
-1. *exclusive held* -- no device of ``D`` is held exclusively by another live lease;
-2. *exclusive wanted* -- an exclusive lease takes only devices no live lease holds;
+1. *exclusive held* -- no device of ``D`` is on the same physical GPU as a device another live
+   lease holds exclusively (a MIG device, its parent, its siblings: both ways);
+2. *exclusive wanted* -- an exclusive lease takes only devices whose physical GPU no live lease
+   uses (through the device itself, its parent or another MIG device of it);
 3. *reserved groups* -- a device the admin reserved for groups (the broker's rules file) goes
-   only to their members (and root);
+   only to their members (and root); a reservation covers the physical GPU: a reserved GPU's
+   MIG devices, and the parent of a reserved MIG device (:func:`reserved_away`);
 4. *quota* -- the distinct devices of ``A``'s live leases, with ``D``, stay within
    ``max_devices_per_user``; ``A``'s live leases, with this one, within ``max_leases_per_user``.
 
@@ -43,6 +52,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autogpu_jupyter.core.devices import physical_gpu
 from autogpu_jupyter.core.leasing.records import MAX_DEVICES, LeaseRecord
 from autogpu_jupyter.errors import LeaseLimitError, NoDeviceFitsError, UsageErrorBase
 
@@ -59,9 +69,12 @@ __all__ = [
     "in_line",
     "requested_count",
     "is_reservation",
+    "kin_phrase",
+    "kin_relation",
     "line_key",
     "reservation",
     "reserved_away",
+    "reserved_reply",
     "ticket_count",
     "ticket_text",
 ]
@@ -157,17 +170,48 @@ def ticket_text(rec: LeaseRecord) -> str:
 
 
 def reserved_away(
-    reserved: Mapping[str, Sequence[str]], applicant: Applicant
+    reserved: Mapping[str, Sequence[str]],
+    applicant: Applicant,
+    parents: Mapping[str, str] | None = None,
 ) -> dict[str, tuple[str, ...]]:
     """The devices reserved for groups ``applicant`` is not in (UUID -> those groups); root
-    and members pass."""
+    and members pass.
+
+    With the fleet's MIG layout (``parents``: MIG UUID -> parent UUID), a reservation covers
+    its physical GPU: a reserved GPU's MIG devices are reserved with it, and so is the parent
+    of a reserved MIG device (a lease on it would take the reserved slice too); not its
+    siblings. A device several reservations cover is away when any of them excludes the
+    applicant, and names the groups of each.
+    """
     if applicant.root:
         return {}
-    return {
-        uuid: tuple(groups)
-        for uuid, groups in sorted(reserved.items())
-        if not applicant.groups & set(groups)
-    }
+    away: dict[str, tuple[str, ...]] = {}
+    for uuid, groups in sorted(reserved.items()):
+        if applicant.groups & set(groups):
+            continue
+        for dev in _covered(uuid, parents or {}):
+            away[dev] = tuple(dict.fromkeys([*away.get(dev, ()), *groups]))
+    return dict(sorted(away.items()))
+
+
+def reserved_reply(
+    reserved: Mapping[str, Sequence[str]],
+    applicant: Applicant,
+    parents: Mapping[str, str] | None = None,
+) -> dict[str, list[str]]:
+    """:func:`reserved_away` as the broker sends it to a client (UUID -> group names), which
+    ranks those devices out as :func:`reservation` pseudo-leases."""
+    away = reserved_away(reserved, applicant, parents)
+    return {uuid: list(groups) for uuid, groups in away.items()}
+
+
+def _covered(uuid: str, parents: Mapping[str, str]) -> list[str]:
+    """What a reservation of ``uuid`` covers: it, its MIG devices, or its parent GPU."""
+    out = [uuid]
+    if uuid in parents:
+        out.append(parents[uuid])
+    out += sorted(mig for mig, parent in parents.items() if parent == uuid)
+    return out
 
 
 def _reserved_phrase(groups: Sequence[str]) -> str:
@@ -198,6 +242,22 @@ def is_reservation(rec: LeaseRecord) -> bool:
     return rec.lease_id == RESERVATION_ID and rec.uid == 0 and rec.holder_kind == "reserved"
 
 
+def kin_relation(uuid: str, other: str, parents: Mapping[str, str]) -> str:
+    """What ``other`` is to ``uuid``, two devices on the same physical GPU, in words:
+    ``its parent``, ``its MIG device`` or ``its sibling MIG device``."""
+    if parents.get(uuid) == other:
+        return "its parent"
+    if parents.get(other) == uuid:
+        return "its MIG device"
+    return "its sibling MIG device"
+
+
+def kin_phrase(relation: str, name: str, phrase: str) -> str:
+    """Why a device is out because of another device on its physical GPU, in the words both
+    the admission and the ranking use: ``its parent GPU 3 is held exclusively by ...``."""
+    return f"{relation} {name} is {phrase}"
+
+
 def exclusive_phrase(rec: LeaseRecord) -> str:
     """Why a device ``rec`` holds exclusively is out of a ranking, in words."""
     if is_reservation(rec):
@@ -219,6 +279,7 @@ def admit_lease(
     exclusive: bool,
     quota: Quota,
     reserved: Mapping[str, Sequence[str]] | None = None,
+    parents: Mapping[str, str] | None = None,
 ) -> None:
     """Refuse a lease on ``devices`` that the rules forbid (see the module docstring).
 
@@ -226,14 +287,19 @@ def admit_lease(
     ----------
     leases
         The live leases that count (a re-pick leaves out the one it replaces).
+    parents
+        The fleet's MIG layout (MIG UUID -> parent UUID); without it a MIG device is judged
+        as a GPU of its own.
 
     Raises
     ------
     NoDeviceFitsError
-        A device is held exclusively, held at all when ``exclusive`` is wanted, or reserved.
+        A device's physical GPU is held exclusively, or used at all when ``exclusive`` is
+        wanted; or a device is reserved.
     LeaseLimitError
         Past the applicant's quota.
     """
+    parents = parents or {}
     for u in devices:
         holders = [r for r in leases if u in r.device_uuids]
         if any(r.exclusive for r in holders):
@@ -244,7 +310,8 @@ def admit_lease(
                 f"no device free: exclusive wanted but {u} is held by "
                 + ", ".join(r.holder_text() for r in holders)
             )
-    away = reserved_away(reserved or {}, applicant)
+        _check_kin(leases, u, exclusive, parents)
+    away = reserved_away(reserved or {}, applicant, parents)
     for u in devices:
         if u in away:
             raise NoDeviceFitsError(f"no device free: {u} is {_reserved_phrase(away[u])}")
@@ -266,6 +333,32 @@ def admit_lease(
         )
 
 
+def _check_kin(
+    leases: Sequence[LeaseRecord], uuid: str, exclusive: bool, parents: Mapping[str, str]
+) -> None:
+    """Exclusivity across the other devices of ``uuid``'s physical GPU (its parent, its MIG
+    devices, its siblings): a lease held exclusively there keeps ``uuid`` off; an exclusive
+    lease wanted on ``uuid`` is kept off by any lease there."""
+    if not parents:
+        return
+    gpu = physical_gpu(uuid, parents)
+    for rec in leases:
+        for other in rec.device_uuids:
+            if other == uuid or physical_gpu(other, parents) != gpu:
+                continue
+            kin = kin_relation(uuid, other, parents)
+            if rec.exclusive:
+                raise NoDeviceFitsError(
+                    f"no device free: {uuid}: "
+                    + kin_phrase(kin, other, f"held exclusively by {rec.holder_text()}")
+                )
+            if exclusive:
+                raise NoDeviceFitsError(
+                    f"no device free: exclusive wanted but {uuid}: "
+                    + kin_phrase(kin, other, f"held by {rec.holder_text()}")
+                )
+
+
 # --------------------------------------------------------------------------------------------
 # Tickets
 
@@ -278,6 +371,7 @@ def admit_ticket(
     constraints: Mapping[str, Any],
     quota: Quota,
     reserved: Mapping[str, Sequence[str]] | None = None,
+    parents: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Refuse a ticket the rules forbid; the request it is admitted with.
 
@@ -288,6 +382,8 @@ def admit_ticket(
     constraints
         The waiter's request in the record's schema
         (:func:`autogpu_jupyter.core.decision.ticket_constraints`).
+    parents
+        The fleet's MIG layout: a named MIG device of a GPU reserved away is refused too.
 
     Returns
     -------
@@ -311,14 +407,16 @@ def admit_ticket(
             "cancel it (interrupt the waiting pick)."
         )
     out = dict(constraints)
-    away = reserved_away(reserved or {}, applicant)
+    covered = reserved_away(reserved or {}, applicant, parents)
     allowed = out.get("allowed_uuids")
     if isinstance(allowed, list):
-        named = [u for u in allowed if u in away]
+        named = [u for u in allowed if u in covered]
         if named:
             raise NoDeviceFitsError(
-                f"no device free: {named[0]} is {_reserved_phrase(away[named[0]])}"
+                f"no device free: {named[0]} is {_reserved_phrase(covered[named[0]])}"
             )
+    # The reserved ids themselves: the ranking's --exclude of a GPU drops its MIG devices too.
+    away = reserved_away(reserved or {}, applicant)
     if away:
         exclude = list(dict.fromkeys([*out.get("exclude", ()), *away]))
         if len(exclude) > MAX_DEVICES:

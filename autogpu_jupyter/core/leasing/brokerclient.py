@@ -513,9 +513,11 @@ class BrokerTransaction(StoreTransaction):
         requested_bytes: int | Sequence[int | None] | None = None,
         exclusive: bool = False,
         requester: Requester | None = None,
+        parents: Mapping[str, str] | None = None,
     ) -> BrokerLease:
         """Ask the broker for a lease on ``devices``; it admits it by the one admission's rules
-        (see :meth:`StoreTransaction.create`; ``RegistryError``: refused or lost)."""
+        (see :meth:`StoreTransaction.create`; ``RegistryError``: refused or lost). ``parents``
+        is not sent: the broker reads the host's MIG layout from its own snapshot."""
         uuids = [d if isinstance(d, str) else d.uuid for d in devices]
         if not uuids:
             raise ValueError("a lease needs at least one device")
@@ -634,10 +636,20 @@ class BrokerRegistry(LeaseStore):
                             waiting_for="its pick lock")
 
     def _read_unlocked(self) -> list[LeaseRecord]:
+        """Every live record, and the devices reserved away from us as the broker's pseudo-
+        leases: a dry run ranks them out as a pick does (an older broker sends none)."""
         try:
-            return self.list_leases(include_tickets=True)
+            conn = self._conn()
+            try:
+                first: dict[str, Any] = {}
+                payloads = _pages(conn, {"op": "leases", "tickets": True}, first)
+            finally:
+                conn.close()
         except AutoGPUError:
             return []
+        return sorted(
+            self._visible(_records(payloads, self.path)), key=lambda r: (r.created_s, r.lease_id)
+        ) + _reservations(first.get("reserved"), self.path)
 
     def list_leases(self, *, include_tickets: bool = False) -> list[LeaseRecord]:
         """Live leases of every user, oldest first (other users' command lines never sent)."""
@@ -734,12 +746,17 @@ class BrokerRegistry(LeaseStore):
         return ScanResult(live=self.list_leases(include_tickets=True))
 
 
-def _pages(conn: _Conn, msg: Mapping[str, Any]) -> list[Any]:
-    """Every record of a paged ``leases`` request (at most :data:`MAX_LIST_RECORDS`)."""
+def _pages(
+    conn: _Conn, msg: Mapping[str, Any], first: dict[str, Any] | None = None
+) -> list[Any]:
+    """Every record of a paged ``leases`` request (at most :data:`MAX_LIST_RECORDS`);
+    ``first`` gets the first page's reply."""
     out: list[Any] = []
     after = None
     while True:
         reply = conn.call({**msg, "after": after})
+        if first is not None and after is None:
+            first.update(reply)
         out += list(reply.get("records") or ())
         after = reply.get("next")
         if after is None or len(out) >= MAX_LIST_RECORDS:

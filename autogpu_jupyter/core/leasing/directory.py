@@ -59,6 +59,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from autogpu_jupyter.core.devices import mig_parents
 from autogpu_jupyter.core.leasing import admission, safefs
 from autogpu_jupyter.core.leasing.records import (
     LEASE_SUFFIX,
@@ -232,10 +233,13 @@ class Transaction(StoreTransaction):
         requested_bytes: int | Sequence[int | None] | None = None,
         exclusive: bool = False,
         requester: Requester | None = None,
+        parents: Mapping[str, str] | None = None,
     ) -> Lease:
         """Write and hold a lease on ``devices``, if :func:`admission.admit_lease` allows it
         (see :meth:`StoreTransaction.create` for the parameters and errors; ``RegistryError``:
         the file cannot be written)."""
+        if parents is None:
+            parents = mig_parents(d for d in devices if not isinstance(d, str))
         uuids = [d if isinstance(d, str) else d.uuid for d in devices]
         if not uuids:
             raise ValueError("a lease needs at least one device")
@@ -251,6 +255,7 @@ class Transaction(StoreTransaction):
             devices=uuids,
             exclusive=exclusive,
             quota=self.store.quota,
+            parents=parents,
         )
         lease = self.store._write_held(
             Lease,

@@ -234,6 +234,11 @@ _CONSTRAINT_KEYS = {
     "exclusive",
     "allowed_uuids",
 }
+#: A request's keys that may be missing (a ticket written before they were kept: any model).
+_OPTIONAL_CONSTRAINT_KEYS = {"models", "prefer"}
+#: Most model names a request lists, and the longest (as the pick options accept them).
+MAX_MODEL_NAMES = 64
+_MAX_MODEL_NAME = 64
 
 
 #: Validated records by their exact bytes and where they were found (see :func:`_parse_cached`).
@@ -413,8 +418,13 @@ def _devices(d: Mapping[str, Any], kind: str) -> tuple[list[str], list[int | Non
 
 
 def _parse_constraints(c: Any) -> dict[str, Any]:
-    if not isinstance(c, dict) or set(c) != _CONSTRAINT_KEYS:
-        raise Invalid(f"constraints: expected exactly the keys {sorted(_CONSTRAINT_KEYS)}")
+    if not isinstance(c, dict) or not (
+        _CONSTRAINT_KEYS <= set(c) <= _CONSTRAINT_KEYS | _OPTIONAL_CONSTRAINT_KEYS
+    ):
+        raise Invalid(
+            f"constraints: expected the keys {sorted(_CONSTRAINT_KEYS)} and optionally "
+            f"{sorted(_OPTIONAL_CONSTRAINT_KEYS)}"
+        )
     _int(c, "min_free_bytes", optional=True)
     frac = c["min_free_fraction"]
     if frac is not None and (
@@ -443,6 +453,17 @@ def _parse_constraints(c: Any) -> dict[str, Any]:
             )
         ):
             raise Invalid(f"constraints.{key}: expected a short list of device ids")
+    for key in _OPTIONAL_CONSTRAINT_KEYS & set(c):
+        v = c[key]
+        if (
+            not isinstance(v, list)
+            or len(v) > MAX_MODEL_NAMES
+            or not all(
+                isinstance(x, str) and 0 < len(x) <= _MAX_MODEL_NAME and not _CONTROL_RE.search(x)
+                for x in v
+            )
+        ):
+            raise Invalid(f"constraints.{key}: expected a short list of model names")
     return dict(c)
 
 

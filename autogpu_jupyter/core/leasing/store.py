@@ -147,6 +147,7 @@ class StoreTransaction(abc.ABC):
         requested_bytes: int | Sequence[int | None] | None = None,
         exclusive: bool = False,
         requester: Requester | None = None,
+        parents: Mapping[str, str] | None = None,
     ) -> HeldLease:
         """Hold a lease on ``devices``, if admission allows it.
 
@@ -158,9 +159,15 @@ class StoreTransaction(abc.ABC):
             Memory booked on each device: one value for all, or one per device; ``None``:
             nothing.
         exclusive
-            Keep every other lease off these devices.
+            Keep every other lease off these devices (and off the rest of their physical
+            GPUs: a MIG device's parent and siblings).
         requester
             Who the lease is for (default: this process).
+        parents
+            The host's MIG layout (MIG UUID -> parent UUID,
+            :func:`autogpu_jupyter.core.devices.mig_parents` of the pick's snapshot), for the
+            rules that follow physical GPUs. A store that reads the fleet itself (the broker)
+            ignores it; without it, a MIG device named by a snapshot brings its own parent.
 
         Raises
         ------
