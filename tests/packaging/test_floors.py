@@ -174,7 +174,8 @@ def test_lab_extra_at_its_floors_serves_the_sidebar_and_notebook_7(
                 break
             except OSError:
                 time.sleep(0.5)
-        assert answer is not None, server.stderr.read() if server.poll() is not None else "no answer"
+        failed = server.poll() is not None
+        assert answer is not None, server.stderr.read() if failed else "no answer"
         assert "GPU-1b1b1b1b-1111-2222-3333-444444444444" in json.dumps(answer)
     finally:
         server.terminate()
