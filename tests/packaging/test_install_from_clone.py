@@ -108,3 +108,6 @@ def test_a_clone_installs_without_node_and_both_extensions_are_ok(tmp_path: Path
     assert server[i + 1:i + 3] == [
         "    - Validating autogpu_jupyter...", f"      autogpu_jupyter {version} OK"
     ], server
+    # Notebook 7 came with [lab]: `jupyter notebook` is there, and lists the same extension
+    notebook = _output(run([str(venv_bin / "jupyter"), "notebook", "--version"], env, tmp_path))
+    assert notebook.strip().startswith("7."), notebook

@@ -152,6 +152,17 @@ def test_make_lab_then_the_readme_cli_sees_the_notebooks_lease(
     while f"{url}/lab/tree/demo/quickstart.ipynb?token=" not in log.read_text():
         assert time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.3)
+    # Nothing covers the quickstart's first outputs: JupyterLab's "get notified about official
+    # Jupyter news?" toast (asked whatever news_url says) is answered "never" for this
+    # environment, in the settings the front end reads (Notebook 7 reads the same directory).
+    req = urllib.request.Request(
+        f"{url}/lab/api/settings/@jupyterlab/apputils-extension:notification",
+        headers={"Authorization": f"token {token}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        notification = json.loads(resp.read())
+    # (overrides become the schema's defaults; this user has set nothing)
+    news = notification["schema"]["properties"]["fetchNews"]["default"]
+    assert (news, notification["settings"]) == ("false", {})
     # The autogpu kernel is in the Launcher: installed into the environment by make lab.
     specs = _api(url, token, "kernelspecs")["kernelspecs"]
     assert specs["python3-autogpu"]["spec"]["display_name"] == "Python 3 (autogpu)"

@@ -1,6 +1,6 @@
 """A fresh ``%gpu panel`` starts with the history its Jupyter server already has: the server is
 found through its runtime file (``jpserver-<pid>.json``) and asked over HTTP (a real local HTTP
-server here, answering as ``GET autogpu/history`` does)."""
+server here, answering as ``GET autogpu/api/v1/history`` does)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ UUID = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 
 @pytest.fixture
 def server() -> Iterator[tuple[str, list[str]]]:
-    """A local HTTP server answering ``/autogpu/history`` to the token ``t0k``; yields its URL
+    """A local HTTP server answering ``autogpu/api/v1/history`` to the token ``t0k``; yields its URL
     and the paths it was asked for."""
     asked: list[str] = []
 
@@ -71,7 +71,7 @@ def test_the_history_comes_from_the_servers_own_api(server: tuple[str, list[str]
     got = panel_mod.server_history(60, info={"url": url, "token": "t0k"})
     assert got == {UUID: ([1.0, 2.0], [10, None], [1, 2], 8)}  # malformed entries left out
     (path,) = asked
-    assert path.startswith("/base/autogpu/history?since=")
+    assert path.startswith("/base/autogpu/api/v1/history?since=")
 
 
 def test_no_history_without_a_server_that_answers(server: tuple[str, list[str]]) -> None:

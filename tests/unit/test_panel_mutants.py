@@ -182,7 +182,7 @@ def test_the_history_is_asked_under_the_servers_base_url_with_its_token_only(
     with _server(body) as (url, asked):
         assert panel_mod.server_history(60, info={"url": url, "token": token}) == GOT
     ((path, headers),) = asked
-    assert path.startswith("/base/autogpu/history?since=")
+    assert path.startswith("/base/autogpu/api/v1/history?since=")
     assert headers.get("Authorization") == authorization
 
 

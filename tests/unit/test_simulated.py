@@ -215,3 +215,30 @@ def test_a_fleet_file_that_cannot_be_read_is_one_clear_message(
     assert len(backend.snapshot().devices) == 4
     gone.write_bytes(json.dumps(FLEET).encode()[:-3] + b"\xc3")
     assert len(backend.snapshot().devices) == 4
+
+
+def test_a_fleet_stopped_at_an_instant_shows_what_the_moving_fleet_shows_then(
+    tmp_path: Path,
+) -> None:
+    """The README's samples run on demo-4x stopped at one instant (``fleet_at``): every
+    snapshot of the stopped fleet is the moving fleet's snapshot at that instant."""
+    from autogpu_jupyter.core.backends.simulated import builtin_fleet, fleet_at
+
+    at = 1_000_000.0
+    moving = SimulatedBackend("demo-4x", clock=lambda: at).snapshot()
+    path = tmp_path / "stopped.json"
+    path.write_text(json.dumps(fleet_at(builtin_fleet("demo-4x"), at)))
+    for later in (at, at + 45.0, at + 3600.0):
+        stopped = SimulatedBackend(str(path), clock=lambda t=later: t).snapshot()
+        assert [(d.uuid, d.utilization_pct, d.memory_used_bytes, d.memory_free_bytes)
+                for d in stopped.devices] == [
+            (d.uuid, d.utilization_pct, d.memory_used_bytes, d.memory_free_bytes)
+            for d in moving.devices]
+        assert [[(p.pid, p.used_memory_bytes) for p in d.processes or ()]
+                for d in stopped.devices] == [
+            [(p.pid, p.used_memory_bytes) for p in d.processes or ()] for d in moving.devices]
+    # the moving fleet itself is left as it was (the caller's copy is not changed)
+    assert "load" in builtin_fleet("demo-4x")["devices"][0]
+    fleet = builtin_fleet("demo-4x")
+    fleet_at(fleet, at)
+    assert "load" in fleet["devices"][0]

@@ -8,6 +8,7 @@ docs/fleet-files.md.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -22,7 +23,8 @@ from autogpu_jupyter.core.units import parse_size
 from autogpu_jupyter.errors import UsageErrorBase
 
 __all__ = [
-    "SimulatedBackend", "BUILTIN_FLEETS", "AMD_FLEETS", "builtin_fleet", "resolve_fleet_source",
+    "SimulatedBackend", "BUILTIN_FLEETS", "AMD_FLEETS", "builtin_fleet", "fleet_at",
+    "resolve_fleet_source",
 ]
 
 GiB = 1024**3
@@ -120,6 +122,38 @@ def _bytes(value: Any, what: str) -> int | None:
         return parse_size(value).resolve(None)
     except UsageErrorBase as err:
         raise UsageErrorBase(f"{what}: {err}") from None
+
+
+def _load_at(
+    load: dict[str, Any], util: Any, total: int | None, used: int | None, now: float
+) -> tuple[float, int | None]:
+    """A moving ``load``'s utilisation and memory in use at ``now`` (a sine of its period)."""
+    period = float(load.get("period_s", 120.0))
+    wave = 0.5 + 0.5 * math.sin(2 * math.pi * now / period + float(load.get("phase", 0.0)))
+    lo, hi = load.get("utilization_pct", [util or 0, util or 0])
+    util = round(lo + (hi - lo) * wave, 1)
+    if total is not None and "memory_used_fraction" in load:
+        flo, fhi = load["memory_used_fraction"]
+        used = int(total * (flo + (fhi - flo) * wave))
+    return util, used
+
+
+def fleet_at(fleet: dict[str, Any], now: float) -> dict[str, Any]:
+    """``fleet`` with every moving load stopped where it is at ``now`` (Unix seconds): a fleet
+    whose every snapshot is the one the moving fleet shows at that instant. What the README's
+    samples run on (``scripts/readme_samples.py``): the demo's fleet, reproducibly."""
+    out = copy.deepcopy(fleet)
+    for spec in out.get("devices", []):
+        load = spec.pop("load", None)
+        if not load or spec.get("lost"):
+            continue
+        total = _bytes(spec.get("memory_total"), "memory_total")
+        used = _bytes(spec.get("memory_used"), "memory_used")
+        spec["utilization_pct"], frozen = _load_at(
+            load, spec.get("utilization_pct"), total, used, now)
+        if frozen is not None:
+            spec["memory_used"] = frozen
+    return out
 
 
 class SimulatedBackend:
@@ -220,13 +254,7 @@ class SimulatedBackend:
         util = spec.get("utilization_pct")
         load = spec.get("load")
         if load:
-            period = float(load.get("period_s", 120.0))
-            wave = 0.5 + 0.5 * math.sin(2 * math.pi * now / period + float(load.get("phase", 0.0)))
-            lo, hi = load.get("utilization_pct", [util or 0, util or 0])
-            util = round(lo + (hi - lo) * wave, 1)
-            if total is not None and "memory_used_fraction" in load:
-                flo, fhi = load["memory_used_fraction"]
-                used = int(total * (flo + (fhi - flo) * wave))
+            util, used = _load_at(load, util, total, used, now)
         if used is None and total is not None:
             used = sum(
                 _bytes(p.get("used_memory"), f"{where} process used_memory") or 0
