@@ -22,6 +22,10 @@ import pytest
 
 import autogpu_jupyter.broker as broker_mod
 from autogpu_jupyter.broker import Broker, BrokerRefusal, Conn, Orphan
+from autogpu_jupyter.brokerd import book as book_mod
+from autogpu_jupyter.brokerd import connections as conn_mod
+from autogpu_jupyter.brokerd import fleet as fleet_mod
+from autogpu_jupyter.brokerd import picklock as picklock_mod
 from tests.unit.test_broker_rules import (
     Written,
     broker,
@@ -40,8 +44,9 @@ class Clock:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, now: float) -> None:
         self.now = now
-        monkeypatch.setattr(broker_mod, "time", types.SimpleNamespace(
-            monotonic=lambda: self.now, time=time.time))
+        clock = types.SimpleNamespace(monotonic=lambda: self.now, time=time.time)
+        for mod in (broker_mod, book_mod, picklock_mod, fleet_mod, conn_mod):
+            monkeypatch.setattr(mod, "time", clock)
 
 
 class Fleet:

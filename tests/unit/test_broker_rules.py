@@ -20,7 +20,11 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter.broker import Broker, BrokerConfig, BrokerRefusal, Conn, Orphan
+from autogpu_jupyter.brokerd import connections as conn_mod
+from autogpu_jupyter.brokerd import fleet as fleet_mod
+from autogpu_jupyter.brokerd import ops as ops_mod
 from autogpu_jupyter.brokerd.identity import Account
+from autogpu_jupyter.core.leasing.brokerclient import MAX_REPLY_BYTES
 
 
 def broker(**config: Any) -> Broker:
@@ -203,7 +207,6 @@ class Paced:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         import types
 
-        import autogpu_jupyter.broker as broker_mod
 
         self.now = 100.0
         self.delays: list[Any] = []
@@ -211,8 +214,10 @@ class Paced:
         async def sleep(delay: Any) -> None:
             self.delays.append(delay)
 
-        monkeypatch.setattr(broker_mod, "time", types.SimpleNamespace(monotonic=lambda: self.now))
-        monkeypatch.setattr(broker_mod, "asyncio", types.SimpleNamespace(sleep=sleep))
+        from autogpu_jupyter.brokerd import connections as conn_mod
+
+        monkeypatch.setattr(conn_mod, "time", types.SimpleNamespace(monotonic=lambda: self.now))
+        monkeypatch.setattr(conn_mod, "asyncio", types.SimpleNamespace(sleep=sleep))
 
     def send(self, b: Broker, conn: Conn, count: int = 1) -> list[Any]:
         """The delays of ``count`` messages of ``conn`` at this moment."""
@@ -413,9 +418,8 @@ def test_the_leases_pages_neither_repeat_nor_skip_a_record(
 ) -> None:
     """Caught: the page's cursor compared inclusively (the last record of a page came again
     at the start of the next: every list and status showed it twice)."""
-    import autogpu_jupyter.broker as broker_mod
 
-    monkeypatch.setattr(broker_mod, "PAGE_RECORDS", 2)
+    monkeypatch.setattr(ops_mod, "PAGE_RECORDS", 2)
     b = broker()
     for i in range(5):
         lease(b, person(b, 1001 + i), f"GPU-q{i}")
@@ -483,11 +487,10 @@ def test_a_reply_past_its_cap_is_an_error_that_says_so_and_is_logged(caplog: Any
     import logging
     import socket
 
-    from autogpu_jupyter import broker as broker_module
     from autogpu_jupyter.brokerd import net
     from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
 
-    cap = broker_module.MAX_REPLY_BYTES
+    cap = MAX_REPLY_BYTES
     b = broker()
 
     async def main(size: int) -> bytes:
@@ -778,10 +781,9 @@ def test_every_accepted_connection_counts_against_its_persons_limit(
     import json
     import socket
 
-    import autogpu_jupyter.broker as broker_mod
 
     b = broker(max_connections_per_user=2)
-    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
+    monkeypatch.setattr(conn_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
     monkeypatch.setattr(b.accounts, "account",
                         lambda uid, gid: Account(1001, "alice", frozenset()))
 
@@ -888,7 +890,7 @@ def test_serve_listens_answers_and_stops_on_sigterm(monkeypatch: pytest.MonkeyPa
         def snapshot(self) -> Any:
             raise AutoGPUError("no GPU library here")
 
-    monkeypatch.setattr(broker_mod, "get_backend", NoFleet)
+    monkeypatch.setattr(fleet_mod, "get_backend", NoFleet)
     where = tempfile.mkdtemp(prefix="agb-", dir="/tmp")  # a socket path has at most 107 bytes
     path = os.path.join(where, "b.sock")
     replies: list[dict[str, Any]] = []
@@ -1061,7 +1063,7 @@ def test_a_client_of_another_protocol_gets_an_untrusted_error_and_is_closed(
     from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
 
     b = broker()
-    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
+    monkeypatch.setattr(conn_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
     monkeypatch.setattr(b.accounts, "account",
                         lambda uid, gid: Account(1001, "alice", frozenset()))
 
@@ -1089,9 +1091,8 @@ def exchange(b: Broker, monkeypatch: pytest.MonkeyPatch, *sent: bytes) -> list[A
     import json
     import socket
 
-    import autogpu_jupyter.broker as broker_mod
 
-    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
+    monkeypatch.setattr(conn_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
     monkeypatch.setattr(b.accounts, "account",
                         lambda uid, gid: Account(1001, "alice", frozenset()))
 
@@ -1350,14 +1351,13 @@ def test_a_leases_page_takes_records_up_to_exactly_its_bytes(
     that many bytes fit. Caught: the byte count started at 1 (a page one byte short)."""
     import json
 
-    import autogpu_jupyter.broker as broker_mod
 
     b = broker()
     for i in range(3):
         lease(b, person(b, 1001 + i), f"GPU-p{i}")
     root = person(b, 0, name="root")
     shown = [b._shown(r, 0) for _, r in b.live() if r.kind == "lease"]
-    monkeypatch.setattr(broker_mod, "PAGE_BYTES", len(json.dumps(shown[0])) +
+    monkeypatch.setattr(ops_mod, "PAGE_BYTES", len(json.dumps(shown[0])) +
                         len(json.dumps(shown[1])))
     page = run(b.op_leases(root, {"op": "leases"}))
     assert page["records"] == shown[:2]
@@ -1997,14 +1997,13 @@ def test_a_connection_that_ends_ends_its_lease_and_gives_its_person_one_place_ba
     record left set, or set to something other than none (the lease stayed in the journal)."""
     import socket
 
-    import autogpu_jupyter.broker as broker_mod
 
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     b = broker(state_dir=str(state), max_connections_per_user=2)
     assert b.journal is not None
     acct = Account(1001, "alice", frozenset())
-    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
+    monkeypatch.setattr(conn_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
     monkeypatch.setattr(b.accounts, "account", lambda uid, gid: acct)
 
     async def go() -> None:
@@ -2342,10 +2341,9 @@ def test_the_status_ranks_the_busiest_people_first_and_sums_the_rest_in_one_row(
     miscounted, the answer's keys misspelled, the journal's size left out, the uptime summed."""
     import time
 
-    import autogpu_jupyter.broker as broker_mod
     from autogpu_jupyter import __version__
 
-    monkeypatch.setattr(broker_mod, "_STATUS_USERS", 2)
+    monkeypatch.setattr(ops_mod, "_STATUS_USERS", 2)
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     b = broker(state_dir=str(state))
@@ -2394,13 +2392,12 @@ def test_the_status_ranks_the_busiest_people_first_and_sums_the_rest_in_one_row(
 def test_the_status_folds_no_one_at_exactly_its_most_people() -> None:
     """Caught: the fold made at ``_STATUS_USERS`` people already (an empty "(0 more users)"
     row)."""
-    import autogpu_jupyter.broker as broker_mod
 
     b = broker()
-    for i in range(broker_mod._STATUS_USERS):
+    for i in range(ops_mod._STATUS_USERS):
         lease(b, person(b, 1001 + i), f"GPU-f{i}")
     got = run(b.op_status(person(b, 0, name="root"), {"op": "status"}))
-    assert len(got["per_user"]) == broker_mod._STATUS_USERS
+    assert len(got["per_user"]) == ops_mod._STATUS_USERS
     assert not any(name.endswith("more users)") for name in got["per_user"])
 
 

@@ -30,8 +30,12 @@ import pytest
 import autogpu_jupyter.broker as broker_mod
 from autogpu_jupyter import __version__
 from autogpu_jupyter.broker import BrokerConfig, BrokerRefusal, Conn
+from autogpu_jupyter.brokerd import book as book_mod
+from autogpu_jupyter.brokerd import connections as conn_mod
+from autogpu_jupyter.brokerd import fleet as fleet_mod
 from autogpu_jupyter.brokerd import journal as jrnl
 from autogpu_jupyter.brokerd import net
+from autogpu_jupyter.brokerd import picklock as picklock_mod
 from autogpu_jupyter.brokerd.identity import Account
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.leasing.brokerclient import MAX_REPLY_BYTES, PROTOCOL
@@ -63,8 +67,9 @@ class Clock:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, now: float) -> None:
         self.now = now
-        monkeypatch.setattr(broker_mod, "time", types.SimpleNamespace(
-            monotonic=lambda: self.now, time=time.time))
+        clock = types.SimpleNamespace(monotonic=lambda: self.now, time=time.time)
+        for mod in (broker_mod, book_mod, picklock_mod, fleet_mod, conn_mod):
+            monkeypatch.setattr(mod, "time", clock)
 
 
 def short_socket_dir() -> str:
@@ -114,7 +119,7 @@ def test_a_broker_that_cannot_see_the_fleet_says_so_in_one_warning(
     """Caught: the warning's text reworded or dropped, its reason left out or ``None``."""
     from autogpu_jupyter.broker import _initial_fleet
 
-    monkeypatch.setattr(broker_mod, "get_backend", NoFleet)
+    monkeypatch.setattr(fleet_mod, "get_backend", NoFleet)
     b = broker(reserved={"GPU-typo": ["ml"]})
     with caplog.at_level(logging.WARNING, logger="autogpu.broker"):
         _initial_fleet(b)  # nothing to check the reserved ids against: no exit
@@ -130,7 +135,7 @@ def test_serve_stops_before_listening_on_a_reserved_id_the_host_does_not_have(
     broker before it listens. Caught: the broker not given to the start's fleet check, or the
     check given no fleet (the typo silently reserved nothing)."""
     backend = Counted()
-    monkeypatch.setattr(broker_mod, "get_backend", lambda: backend)
+    monkeypatch.setattr(fleet_mod, "get_backend", lambda: backend)
     where = short_socket_dir()
     config = BrokerConfig(socket_path=os.path.join(where, "b.sock"),
                           reserved={"GPU-typo": ["ml"]})
@@ -161,7 +166,7 @@ def test_sigterm_twice_stops_serve_once_and_keeps_the_journal_of_what_is_still_h
     ``None`` at the stop (the shutdown erased the journal), and the handler that sets the
     stop without asking whether it is set already (the second signal raised
     InvalidStateError in the loop)."""
-    monkeypatch.setattr(broker_mod, "get_backend", NoFleet)
+    monkeypatch.setattr(fleet_mod, "get_backend", NoFleet)
     where = short_socket_dir()
     path = os.path.join(where, "b.sock")
     state = tmp_path / "state"
@@ -294,7 +299,7 @@ def test_root_is_accepted_in_the_connections_kept_for_it(
     b = broker()
     b.conn_cap = 20
     b.conns = {person(b, 1000 + i) for i in range(20 - net.ROOT_RESERVE)}
-    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 0, 0))
+    monkeypatch.setattr(conn_mod, "peer_credentials", lambda sock: (os.getpid(), 0, 0))
 
     async def go() -> list[int]:
         ours, theirs = socket.socketpair()
@@ -319,9 +324,9 @@ def test_a_client_that_does_not_read_is_kept_up_to_one_reply_and_the_notices_buf
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)  # whatever the host's default
         with contextlib.ExitStack() as stack:
             stack.callback(theirs.close)
-            original = broker_mod.peer_credentials
-            broker_mod.peer_credentials = lambda sock: (os.getpid(), 1001, 1001)
-            stack.callback(setattr, broker_mod, "peer_credentials", original)
+            original = conn_mod.peer_credentials
+            conn_mod.peer_credentials = lambda sock: (os.getpid(), 1001, 1001)
+            stack.callback(setattr, conn_mod, "peer_credentials", original)
             b.accepted(ours)
             (conn,) = b.conns
             conn.writer.write(b"x" * MAX_REPLY_BYTES)  # more than the socket's buffer takes
@@ -419,7 +424,7 @@ def test_the_broker_makes_its_backend_once_and_reads_the_fleet_from_it() -> None
 
     b = broker()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(broker_mod, "get_backend", get_backend)
+        mp.setattr(fleet_mod, "get_backend", get_backend)
         first = b._snapshot()
         b._snapshot()
     assert len(made) == 1 and b.backend is made[0] and made[0].snapshots == 2

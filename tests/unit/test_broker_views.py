@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
-import autogpu_jupyter.broker as broker_mod
 from autogpu_jupyter.broker import Broker, BrokerRefusal, Conn
+from autogpu_jupyter.brokerd import connections as conn_mod
+from autogpu_jupyter.brokerd import ops as ops_mod
+from autogpu_jupyter.brokerd import views as views_mod
 from tests.unit.test_broker_rules import broker, lease_record, person, run
 
 GIB = 1 << 30
@@ -123,7 +125,7 @@ def test_the_booking_view_shows_waiters_up_to_exactly_its_bytes_and_counts_the_r
     subtracted."""
     b = broker()
     shown = three_waiters(b)
-    monkeypatch.setattr(broker_mod, "VIEW_TICKET_BYTES",
+    monkeypatch.setattr(views_mod, "VIEW_TICKET_BYTES",
                         len(json.dumps(shown[0])) + len(json.dumps(shown[1])))
     got = view(b, person(b, 1001))
     assert (got["tickets"], got["tickets_not_shown"]) == (shown[:2], 1)
@@ -137,7 +139,7 @@ def test_the_booking_view_shows_at_most_view_tickets_waiters_and_counts_the_rest
     stopped the line), and ``return`` for ``break`` (the view was None: the pick failed)."""
     b = broker()
     shown = three_waiters(b)
-    monkeypatch.setattr(broker_mod, "VIEW_TICKETS", 2)
+    monkeypatch.setattr(views_mod, "VIEW_TICKETS", 2)
     got = view(b, person(b, 1001))
     assert (got["tickets"], got["tickets_not_shown"]) == (shown[:2], 1)
 
@@ -171,7 +173,7 @@ def test_a_devices_rows_put_a_booked_lease_before_an_unbooked_one_and_fold_none_
     holder is named at is all that follows the user's ": " (a notebook named with ": " kept
     whole). Caught: an unbooked lease ranked as booking 1 byte (it stayed first), the folded
     unbooked leases summed as 1 byte each, the place cut at the last ": "."""
-    monkeypatch.setattr(broker_mod, "VIEW_ROWS_PER_DEVICE", 2)
+    monkeypatch.setattr(views_mod, "VIEW_ROWS_PER_DEVICE", 2)
     b = broker()
     recs = [
         held(b, person(b, 1002), "lease", created_s=1.0, devices=(("GPU-a", None),),
@@ -180,7 +182,7 @@ def test_a_devices_rows_put_a_booked_lease_before_an_unbooked_one_and_fold_none_
         held(b, person(b, 1004), "lease", created_s=3.0, devices=(("GPU-a", None),)),
         held(b, person(b, 1005), "lease", created_s=4.0, devices=(("GPU-a", None),)),
     ]
-    assert broker_mod._device_rows("GPU-a", recs) == {
+    assert views_mod.device_rows("GPU-a", recs) == {
         "uuid": "GPU-a",
         "rows": [[False, recs[1].pid, 1, "user1003", f"pid {recs[1].pid}"],
                  [False, recs[0].pid, None, "user1002", "a: b.ipynb"]],
@@ -198,7 +200,7 @@ def test_a_leases_page_holds_exactly_page_records_and_points_at_its_last(
     total of all. Caught: the cap compared with ``>`` (one record too many), ``next`` taken
     from the page's second record (the third came again on the next page), the key "total"
     misspelt."""
-    monkeypatch.setattr(broker_mod, "PAGE_RECORDS", 3)
+    monkeypatch.setattr(ops_mod, "PAGE_RECORDS", 3)
     b = broker()
     recs = [held(b, person(b, 1001 + i), "lease", created_s=1.0 + i,
                  devices=((f"GPU-{i}", None),)) for i in range(4)]
@@ -242,7 +244,7 @@ def test_status_past_its_users_ranks_ties_by_name_and_sums_the_rest(
     """Past _STATUS_USERS people, the largest come first and people of the same size by name;
     the rest are summed in one row. Caught: ties ranked by their counts (dicts compared: a
     TypeError)."""
-    monkeypatch.setattr(broker_mod, "_STATUS_USERS", 2)
+    monkeypatch.setattr(ops_mod, "_STATUS_USERS", 2)
     b = broker()
     for i, name in enumerate(["dora", "bo", "cy", "al"]):
         held(b, person(b, 1001 + i, name=name), "lease", created_s=1.0 + i,
@@ -321,4 +323,4 @@ def test_a_holders_fields_keep_text_fields_only_when_text_and_name_a_long_kind_b
 def test_a_value_named_in_a_message_is_cut_past_40_characters(value: Any, shown: str) -> None:
     """Caught: the cut made at 40 characters already or only past 41, at 38 characters, with
     another mark than "..." (or a TypeError), and never."""
-    assert broker_mod._short(value) == shown
+    assert conn_mod._short(value) == shown
