@@ -45,12 +45,17 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
+import errno
+import fcntl
+import functools
 import json
 import logging
 import os
 import socket
 import stat
 import struct
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _quote  # json.dumps's own, for one str
@@ -426,6 +431,10 @@ _NLMSG_ERROR = 2
 _UDIAG_SHOW_PEER = 0x4
 _UNIX_DIAG_PEER = 2
 _diag_broken = False
+_SIOCGSKNS = 0x894C  # the network namespace of a socket, as a descriptor (Linux 4.9)
+_CLONE_NEWNET = 0x40000000
+_MAX_NS_DIAGS = 64
+_ns_diags: dict[int, socket.socket] = {}  # network namespace inode -> its sock_diag socket
 
 
 _diag: socket.socket | None = None  # the sock_diag socket, opened once and kept
@@ -434,7 +443,12 @@ _diag_seq = 0
 
 def peer_inode(sock: socket.socket) -> int | None:
     """The inode of the other end of the connected Unix socket ``sock`` (``sock_diag``), or
-    ``None`` where the kernel does not tell (no ``unix_diag``; logged once)."""
+    ``None`` where the kernel does not tell (no ``unix_diag``: logged once, not asked again).
+
+    A client in another network namespace (a container, ``unshare -n``) connects through
+    the socket's path, and both ends of its connection live in *its* namespace, where a
+    ``sock_diag`` socket of the broker's does not see them: that one socket is asked about in
+    its own namespace (:func:`_peer_elsewhere`); nothing changes for any other connection."""
     global _diag_broken
     if _diag_broken:
         return None
@@ -444,6 +458,8 @@ def peer_inode(sock: socket.socket) -> int | None:
         return None  # this connection is already gone (closed): nothing to ask the kernel
     try:
         return _ask_peer(ino)
+    except _NotHere:
+        return _peer_elsewhere(sock, ino)
     except (OSError, struct.error, ValueError) as err:
         _diag_broken = True
         _close_diag()
@@ -452,22 +468,81 @@ def peer_inode(sock: socket.socket) -> int | None:
         return None
 
 
-def _ask_peer(ino: int) -> int | None:
-    """One ``SOCK_DIAG_BY_FAMILY`` request for socket ``ino`` on the kept netlink socket (one
-    per broker: opening one per connection cost as much again); its answer is the reply
-    that carries the request's sequence number."""
+class _NotHere(ValueError):
+    """``sock_diag`` knows no such socket in the namespace it was asked in (``ENOENT``)."""
+
+
+def _peer_elsewhere(sock: socket.socket, ino: int) -> int | None:
+    """:func:`peer_inode` for a socket of another network namespace: asked there, on a
+    ``sock_diag`` socket made in that namespace (kept, one per namespace, at most
+    :data:`_MAX_NS_DIAGS`). ``None`` where that cannot be done (not root, no such socket)."""
+    try:
+        nsfd = fcntl.ioctl(sock.fileno(), _SIOCGSKNS)
+    except OSError as err:
+        log.debug("no network namespace for socket %d: %s", ino, err)
+        return None
+    try:
+        ns = os.fstat(nsfd).st_ino
+        diag = _ns_diags.get(ns)
+        if diag is None:
+            diag = _diag_in(nsfd)
+            if len(_ns_diags) >= _MAX_NS_DIAGS:
+                _ns_diags.pop(next(iter(_ns_diags))).close()
+            _ns_diags[ns] = diag
+        return _ask_peer(ino, diag)
+    except (OSError, struct.error, ValueError) as err:
+        log.debug("socket %d: no peer in its own network namespace: %s", ino, err)
+        return None
+    finally:
+        os.close(nsfd)
+
+
+def _diag_in(nsfd: int) -> socket.socket:
+    """A ``sock_diag`` socket of the network namespace ``nsfd`` (made by a thread of its own
+    that enters it, so no thread of the broker ever changes its namespace)."""
+    made: list[Any] = []
+
+    def enter() -> None:
+        try:
+            if _libc().setns(nsfd, _CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            made.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG))
+        except OSError as err:
+            made.append(err)
+
+    t = threading.Thread(target=enter, name="autogpu-sock-diag")
+    t.start()
+    t.join()
+    if not made or isinstance(made[0], OSError):
+        raise made[0] if made else OSError("no sock_diag socket made")
+    diag: socket.socket = made[0]
+    diag.settimeout(1.0)
+    return diag
+
+
+@functools.cache
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _ask_peer(ino: int, diag: socket.socket | None = None) -> int | None:
+    """One ``SOCK_DIAG_BY_FAMILY`` request for socket ``ino`` on ``diag`` (default: the kept
+    netlink socket of the broker's namespace, one per broker: opening one per connection cost
+    as much again); its answer is the reply that carries the request's sequence number."""
     global _diag, _diag_seq
-    if _diag is None:
-        _diag = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG)
-        _diag.settimeout(1.0)
+    if diag is None:
+        if _diag is None:
+            _diag = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG)
+            _diag.settimeout(1.0)
+        diag = _diag
     _diag_seq = _diag_seq % 0xFFFFFFFF + 1
     req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xFFFFFFFF, ino,
                       _UDIAG_SHOW_PEER, 0xFFFFFFFF, 0xFFFFFFFF)
     hdr = struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST,
                       _diag_seq, 0)
-    _diag.sendto(hdr + req, (0, 0))
+    diag.sendto(hdr + req, (0, 0))
     while True:
-        data = _diag.recv(8192)
+        data = diag.recv(8192)
         if struct.unpack_from("=I", data, 8)[0] == _diag_seq:  # nlmsg_seq
             return _parse_peer(data)
 
@@ -477,6 +552,8 @@ def _close_diag() -> None:
     if _diag is not None:
         _diag.close()
         _diag = None
+    while _ns_diags:
+        _ns_diags.popitem()[1].close()
 
 
 atexit.register(_close_diag)  # the kept socket ends with the process, not as a ResourceWarning
@@ -485,7 +562,8 @@ atexit.register(_close_diag)  # the kept socket ends with the process, not as a 
 def _parse_peer(data: bytes) -> int | None:
     length, kind = struct.unpack_from("=IH", data)
     if kind == _NLMSG_ERROR:
-        raise ValueError(f"error {-struct.unpack_from('=i', data, 16)[0]}")
+        code = -struct.unpack_from("=i", data, 16)[0]
+        raise (_NotHere if code == errno.ENOENT else ValueError)(f"error {code}")
     off = 16 + 16  # nlmsghdr, unix_diag_msg
     end = min(length, len(data))
     while off + 4 <= end:
