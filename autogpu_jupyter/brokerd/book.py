@@ -67,14 +67,17 @@ class Holder(Protocol):
 
 @dataclass(eq=False)
 class Orphan:
-    """A lease or ticket taken back from the journal after a restart: held while some process
-    holds its socket (or, where that cannot be known, while its recorded holders run)."""
+    """A lease or ticket taken back from the journal after a restart: held while its socket
+    exists (``peer``; some process holds it), or, where no socket is known, while its recorded
+    holders run. ``netns``: the network namespace its socket was found in (``None``: not
+    looked for yet, or no socket)."""
 
     uid: int
     record: LeaseRecord
     holder_pids: list[tuple[int, int]]
     key: int = 0
     peer: int | None = None
+    netns: int | None = None
 
 
 class LeaseBook:

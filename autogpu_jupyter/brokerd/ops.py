@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from autogpu_jupyter._version import __version__
-from autogpu_jupyter.brokerd import journal as jrnl
+from autogpu_jupyter.brokerd import peers
 from autogpu_jupyter.brokerd.book import BrokerRefusal
 from autogpu_jupyter.brokerd.views import StateView, shown, view
 from autogpu_jupyter.core import decision, options
@@ -260,13 +260,13 @@ class SetPid(Op):
             raise BrokerRefusal("set_pid: this connection holds no lease")
         if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
             raise BrokerRefusal(f"set_pid: invalid pid {str(pid)[:40]!r}", "UsageErrorBase")
-        if conn.uid != 0 and conn.uid not in jrnl.pid_uids(pid):
+        if conn.uid != 0 and conn.uid not in peers.pid_uids(pid):
             raise BrokerRefusal(f"set_pid: pid {pid} is not a process of yours")
         return pid
 
     async def execute(self, ctx: Any, conn: Any, args: Any) -> dict[str, Any]:
         pid = args
-        conn.holder_pids = jrnl.proc_ids(pid) or conn.holder_pids
+        conn.holder_pids = peers.proc_ids(pid) or conn.holder_pids
         conn.record = replace(conn.record, pid=pid)  # journaled with its new holders
         return {"ok": True, "record": conn.record._payload()}
 

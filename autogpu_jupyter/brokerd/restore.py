@@ -12,19 +12,25 @@ reaper frees the orphans whose holders are gone and lets servable tickets lapse.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import pwd
 from dataclasses import replace
 from typing import Any
 
 from autogpu_jupyter.brokerd import journal as jrnl
+from autogpu_jupyter.brokerd import peers
 from autogpu_jupyter.brokerd.book import LeaseBook, Orphan
 from autogpu_jupyter.core.leasing.records import Invalid, LeaseRecord, parse_record
 
 __all__ = ["Restorer"]
 
 log = logging.getLogger("autogpu.broker")
+
+#: Orphans whose socket one reaper round asks about (the rest in the next rounds, in turn).
+POLLS_PER_ROUND = 256
 
 
 class Restorer:
@@ -36,6 +42,10 @@ class Restorer:
         self.journal = journal
         self.book.on_change = self.record_changed
         self.book.on_forget = self._forgotten
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watched: dict[str, dict[int, int]] = {}  # orphan -> {holder pid: its pidfd}
+        self._unsettled: set[str] = set()  # orphans whose holders a scan must find
+        self._cursor = 0  # where the next round's socket checks start
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -69,6 +79,7 @@ class Restorer:
                                    list(conn.holder_pids)))
 
     def _forgotten(self, lease_id: str) -> None:
+        self._unwatch(lease_id)
         journal = self._writing()
         if journal is not None:
             journal.remove(lease_id)
@@ -80,8 +91,8 @@ class Restorer:
         if conn.ids is None:
             peer = None
             if self.journal is not None and conn.writer is not None:
-                peer = jrnl.peer_inode(conn.writer.sock)
-            conn.ids = (peer, jrnl.proc_ids(conn.pid))
+                peer = peers.peer_inode(conn.writer.sock)
+            conn.ids = (peer, peers.proc_ids(conn.pid))
         ids: tuple[int | None, list[tuple[int, int]]] = conn.ids
         return ids
 
@@ -90,7 +101,11 @@ class Restorer:
     # -- reading ----------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Replay the journal: every entry whose holder still lives becomes an orphan."""
+        """Replay the journal: every entry whose socket still exists (one ``sock_diag``
+        request, in the namespace it lives in), or, without a socket, whose recorded holders
+        still run, becomes an orphan. Nothing here reads a process's descriptors: the holders
+        of a socket whose recorded ones are gone are found later, off the event loop
+        (:meth:`settle`)."""
         journal = self.journal
         assert journal is not None
         try:
@@ -101,7 +116,7 @@ class Restorer:
             ) from None
         book = self.book
         book.seq = journal.seq
-        held = jrnl.scan_socket_holders(e.peer for e in entries.values() if e.peer)
+        namespaces: dict[int, int] | None = None
         kept = 0
         for e in entries.values():
             try:
@@ -111,13 +126,27 @@ class Restorer:
                 log.warning("journal entry skipped: %s", err)
                 journal.remove(e.lease_id)
                 continue
-            pids = held.get(e.peer, []) if e.peer else jrnl.holders_alive(e.pids, None, e.uid)
-            if not pids:
+            netns = None
+            if e.peer:
+                pids = [(p, t) for p, t in e.pids if peers.start_time(p) == t]
+                try:
+                    netns = peers.find_socket(e.peer, [p for p, _ in pids])
+                    if netns is None:  # not where its holders are: anywhere on the host?
+                        if namespaces is None:
+                            namespaces = peers.host_namespaces()
+                        netns = peers.find_socket(e.peer, (), namespaces)
+                    alive = netns is not None
+                except OSError:  # the kernel cannot tell: held while a holder is found
+                    alive = True
+            else:
+                pids = peers.holders_alive(e.pids, None, e.uid)
+                alive = bool(pids)
+            if not alive:
                 journal.remove(e.lease_id)
                 continue
             rec = replace(rec, path=f"broker:{rec.lease_id}")
             key = self.broker.accounts.account(e.uid, _primary_gid(e.uid)).key
-            book.adopt(Orphan(e.uid, rec, pids, key, e.peer))
+            book.adopt(Orphan(e.uid, rec, pids, key, e.peer, netns))
             journal.set_pids(rec.lease_id, pids)
             kept += 1
         if journal.dropped:
@@ -125,6 +154,113 @@ class Restorer:
                         "ticket(s) ended with that boot and are dropped",
                         journal.logged_boot, journal.dropped)
         log.info("restart: %d lease(s)/ticket(s) taken back from the journal", kept)
+
+    # -- liveness ---------------------------------------------------------------------------
+
+    async def settle(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Watch the holders of orphans not watched yet (a ``pidfd`` each, on the loop: it
+        becomes readable when that process ends; a pid is taken only with its recorded start
+        time); find, by one scan of ``/proc`` off the loop, the holders of orphans whose
+        socket exists but whose known holders are all gone (a child the socket was handed to);
+        free the orphans that nobody holds."""
+        if self._loop is not loop:  # a new loop: what was watched on another is not
+            self._unwatch_all()
+            self._loop = loop
+        book = self.book
+        unsettled: list[Orphan] = []
+        for o in list(book.orphans.values()):
+            lease_id = o.record.lease_id
+            if lease_id in self._watched:
+                if lease_id in self._unsettled:
+                    unsettled.append(o)
+                continue
+            o.holder_pids = [(p, t) for p, t in o.holder_pids if peers.start_time(p) == t]
+            self._watched[lease_id] = {}
+            for pid, start in o.holder_pids:
+                self._watch(loop, lease_id, pid, start)
+            if o.peer and not o.holder_pids:
+                if self._located(o) is False:
+                    book.forget_orphan(lease_id)
+                else:
+                    unsettled.append(o)
+            elif not o.peer and not o.holder_pids:
+                book.forget_orphan(lease_id)
+        self._unsettled.clear()
+        if not unsettled:
+            return
+        wanted = [o.peer for o in unsettled if o.peer]
+        held = await loop.run_in_executor(None, peers.scan_socket_holders, wanted)
+        for o in unsettled:
+            lease_id = o.record.lease_id
+            pids = held.get(o.peer, []) if o.peer else []
+            if lease_id not in book.orphans:
+                continue
+            if pids:
+                o.holder_pids = pids
+                if self.journal is not None:
+                    self.journal.set_pids(lease_id, pids)
+                for pid, start in pids:
+                    self._watch(loop, lease_id, pid, start)
+            elif o.netns is None:  # held by nobody, and no sock_diag to say otherwise
+                book.forget_orphan(lease_id)
+
+    def _located(self, o: Orphan) -> bool | None:
+        """Whether ``o``'s socket still exists (found again where it moved from a namespace
+        no longer kept); ``None`` where the kernel cannot tell."""
+        assert o.peer is not None
+        try:
+            if o.netns is not None:
+                with contextlib.suppress(OSError):
+                    return peers.socket_exists(o.peer, o.netns)
+            o.netns = peers.find_socket(o.peer, [p for p, _ in o.holder_pids])
+        except OSError:
+            return None
+        return o.netns is not None
+
+    def _watch(self, loop: asyncio.AbstractEventLoop, lease_id: str, pid: int,
+               start: int) -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return  # gone already (the next check sees it)
+        if peers.start_time(pid) != start:  # the pid was reused before it was opened
+            os.close(fd)
+            return
+        self._watched.setdefault(lease_id, {})[pid] = fd
+        loop.add_reader(fd, self._exited, lease_id, pid)
+
+    def _exited(self, lease_id: str, pid: int) -> None:
+        """A watched holder ended: the orphan loses it, and ends at once when its socket is
+        gone (or, without a socket, when it has no holder left)."""
+        fd = self._watched.get(lease_id, {}).pop(pid, None)
+        if fd is not None and self._loop is not None:
+            self._loop.remove_reader(fd)
+            os.close(fd)
+        o = self.book.orphans.get(lease_id)
+        if o is None:
+            return
+        o.holder_pids = [(p, t) for p, t in o.holder_pids if p != pid]
+        if self.journal is not None and not self.broker.stopping:
+            self.journal.set_pids(lease_id, o.holder_pids)
+        if o.peer:
+            gone = self._located(o) is False
+            if not gone and not o.holder_pids:
+                self._unsettled.add(lease_id)  # a child may hold it: found next round
+        else:
+            gone = not o.holder_pids
+        if gone:
+            self.book.forget_orphan(lease_id)
+
+    def _unwatch(self, lease_id: str) -> None:
+        for fd in self._watched.pop(lease_id, {}).values():
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(fd)
+            os.close(fd)
+        self._unsettled.discard(lease_id)
+
+    def _unwatch_all(self) -> None:
+        for lease_id in list(self._watched):
+            self._unwatch(lease_id)
 
     # -- the reaper -------------------------------------------------------------------------
 
@@ -158,27 +294,19 @@ class Restorer:
         book.lapse_tickets(snap)
 
     async def _reap(self, loop: asyncio.AbstractEventLoop) -> None:
-        book = self.book
-        lost: list[Orphan] = []
-        for o in list(book.orphans.values()):
-            alive = jrnl.holders_alive(o.holder_pids, o.peer, o.uid)
-            if alive:
-                o.holder_pids = alive
-            else:
-                lost.append(o)
-        if not lost:
+        """One round: :meth:`settle`, then at most :data:`POLLS_PER_ROUND` orphans, in turn,
+        asked whether their socket still exists (a holder may close it and live on): one
+        ``sock_diag`` request each, nothing per descriptor."""
+        await self.settle(loop)
+        orphans = [o for o in self.book.orphans.values() if o.peer]
+        if not orphans:
             return
-        # Every known holder is gone; a child it forked may still hold the socket: one scan.
-        peers = [o.peer for o in lost if o.peer]
-        held = await loop.run_in_executor(None, jrnl.scan_socket_holders, peers) if peers else {}
-        for o in lost:
-            pids = held.get(o.peer, []) if o.peer else []
-            if pids and o.record.lease_id in book.orphans:
-                o.holder_pids = pids
-                if self.journal is not None:
-                    self.journal.set_pids(o.record.lease_id, pids)
-            else:
-                book.forget_orphan(o.record.lease_id)
+        start = self._cursor % len(orphans)
+        turn = (orphans[start:] + orphans[:start])[:POLLS_PER_ROUND]
+        self._cursor = start + len(turn)
+        for o in turn:
+            if self._located(o) is False:
+                self.book.forget_orphan(o.record.lease_id)
 
 
 def _primary_gid(uid: int) -> int:

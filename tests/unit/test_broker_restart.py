@@ -280,3 +280,86 @@ def test_the_holders_the_reaper_finds_by_an_orphans_socket_are_journaled(tmp_pat
     last = (state / jrnl.LOG_NAME).read_bytes().splitlines()[-1]
     assert json.loads(last) == {"holders": rec.lease_id, "pids": [list(p) for p in me()]}
 
+
+
+# -- orphan liveness costs nothing per descriptor (issue 39, break 6) ---------------------------
+
+
+def _orphan_of(b: Broker, device: str, holders: list[tuple[int, int]],
+               peer: int | None = None) -> str:
+    alice = person(b, os.getuid())
+    rec = lease_record(b, alice, device)
+    b.book.adopt(Orphan(os.getuid(), rec, list(holders), key=os.getuid(), peer=peer))
+    return rec.lease_id
+
+
+def test_reaper_rounds_read_no_descriptor_of_a_live_holder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Orphans whose holders live, one by its socket and one by its pid: three reaper rounds
+    keep both and list no process's descriptors (``/proc/PID/fd``): a holder with 20,000 open
+    files costs a round what a holder with three does. Caught: each round walked
+    ``/proc/PID/fd`` of every holder on the event loop (issue 39: 120 holders x 20,000
+    descriptors froze the broker for seconds)."""
+    b = broker()
+    ours, theirs = socket.socketpair()
+    by_socket = _orphan_of(b, "GPU-fd1", me(), os.fstat(theirs.fileno()).st_ino)
+    by_pid = _orphan_of(b, "GPU-fd2", me())
+    read: list[str] = []
+    real_listdir, real_readlink = os.listdir, os.readlink
+
+    def listdir(path: Any = ".") -> list[str]:
+        read.append(str(path))
+        return real_listdir(path)
+
+    def readlink(path: Any, *args: Any, **kw: Any) -> str:
+        read.append(str(path))
+        return real_readlink(path, *args, **kw)
+
+    async def rounds() -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(3):
+            await b._reap(loop)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    monkeypatch.setattr(os, "readlink", readlink)
+    try:
+        run(rounds())
+    finally:
+        ours.close()
+        theirs.close()
+    assert set(b.orphans) == {by_socket, by_pid}
+    assert [p for p in read if "/fd" in p] == []
+
+
+def test_an_orphan_ends_as_soon_as_its_holder_does_without_waiting_for_a_round() -> None:
+    """The holder of an orphan (a real process) is watched by the event loop itself: when it
+    is killed, the orphan ends, its journal line with it, with no reaper round run. A holder
+    taken with the start time of another process (its pid reused) holds nothing. Caught: the
+    orphans checked only by the once-a-second reaper (or not at all without one)."""
+    import subprocess
+    import sys
+
+    b = broker()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = jrnl.start_time(child.pid)
+        assert start is not None
+        held = _orphan_of(b, "GPU-pf1", [(child.pid, start)])
+        reused = _orphan_of(b, "GPU-pf2", [(child.pid, start + 1)])
+
+        async def go() -> None:
+            loop = asyncio.get_running_loop()
+            await b.restorer.settle(loop)
+            assert set(b.orphans) == {held}  # the reused pid: its orphan ended at once
+            child.kill()
+            for _ in range(1000):  # ends by the loop's own reader, no round in between
+                if held not in b.orphans:
+                    return
+                await asyncio.sleep(0.01)
+
+        run(go())
+        assert reused not in b.orphans and held not in b.orphans
+    finally:
+        child.kill()
+        child.wait(10)
