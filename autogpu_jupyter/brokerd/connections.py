@@ -27,7 +27,7 @@ from autogpu_jupyter._version import __version__
 from autogpu_jupyter.brokerd import net
 from autogpu_jupyter.brokerd.book import BrokerRefusal
 from autogpu_jupyter.brokerd.identity import Account
-from autogpu_jupyter.brokerd.ops import OPS, RecordReply
+from autogpu_jupyter.brokerd.ops import OLDER, OPS, RecordReply, older_reply
 from autogpu_jupyter.core.leasing.brokerclient import (
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
@@ -69,6 +69,7 @@ class Conn:
         self.granted: asyncio.Future[None] | None = None
         self.lock_handle: asyncio.TimerHandle | None = None
         self.greeted = False  # the first message's protocol was checked
+        self.proto = PROTOCOL  # the protocol the client speaks (its first message's)
         self.granted_at = 0.0  # when it was last given the pick lock (monotonic)
 
     @property
@@ -226,6 +227,7 @@ class Connections:
                                             "error": mismatch})
                     return
                 conn.greeted = True
+                conn.proto = PROTOCOL if msg.get("proto") == PROTOCOL else OLDER
             try:
                 if op == "ticket":
                     broker.book._may_join(conn)
@@ -233,6 +235,8 @@ class Connections:
                 reply = await OPS[op](broker, conn, msg)
             except BrokerRefusal as err:
                 reply = {"ok": False, "error": str(err), "type": err.kind}
+            if conn.proto == OLDER:
+                reply = await older_reply(broker, conn, op, reply)
             if not await self._send(conn, reply):
                 return
             if op == "begin" and conn.ids is None:
@@ -307,14 +311,14 @@ def _error(message: str) -> dict[str, Any]:
 
 
 def _protocol_mismatch(theirs: Any) -> str | None:
-    """One line when a client speaks another protocol than :data:`PROTOCOL` (``None``: same)."""
-    if theirs == PROTOCOL and not isinstance(theirs, bool):
+    """One line when a client speaks neither :data:`PROTOCOL` nor the one before it
+    (:data:`OLDER`: its messages carry no version); ``None`` when the broker speaks its
+    protocol."""
+    if theirs is None or (theirs in (PROTOCOL, OLDER) and not isinstance(theirs, bool)):
         return None
-    spoken = "no protocol version (an autogpu older than 0.2)" if theirs is None else (
-        f"protocol {_short(theirs)}"
-    )
     return (
-        f"this autogpu speaks {spoken}, the lease broker speaks protocol {PROTOCOL} (autogpu "
-        f"{__version__}): the broker and this environment come from different autogpu "
-        "versions; upgrade autogpu here (or ask the admin to run the same version for both)"
+        f"this autogpu speaks protocol {_short(theirs)}, the lease broker speaks protocol "
+        f"{PROTOCOL} and {OLDER} (autogpu {__version__}): the broker and this environment "
+        "come from different autogpu versions; upgrade autogpu here (or ask the admin to run "
+        "the same version for both)"
     )

@@ -30,6 +30,8 @@ from autogpu_jupyter.core.leasing.brokerclient import (
     HOLDER_KINDS,
     PAGE_BYTES,
     PAGE_RECORDS,
+    PROTOCOL,
+    _view_records,
 )
 from autogpu_jupyter.core.leasing.records import (
     MAX_ID_LIST,
@@ -42,7 +44,7 @@ from autogpu_jupyter.core.leasing.records import (
 from autogpu_jupyter.core.picker import explain_drops
 from autogpu_jupyter.errors import AutoGPUError
 
-__all__ = ["OPS", "Op", "RecordReply"]
+__all__ = ["OLDER", "OPS", "Op", "RecordReply", "older_reply"]
 
 _STATUS_USERS = 256
 _PICK_KEYS = ("min_free", "max_util", "count", "exclude", "exclusive", "model", "prefer")
@@ -396,3 +398,31 @@ OPS: dict[str, Op] = {
     for op in (Begin(), End(), Lease(), Pick(), Ticket(), SetPid(), Release(), Leases(),
                Status(), Revoke())
 }
+
+
+#: The protocol before :data:`PROTOCOL` (autogpu before 0.2: messages without ``"proto"``).
+#: Its clients are served too, their replies in the shapes they read (:func:`older_reply`),
+#: so the broker and users' environments need not be upgraded on the same day.
+OLDER = PROTOCOL - 1
+
+
+async def older_reply(ctx: Any, conn: Any, op: str, reply: dict[str, Any]) -> dict[str, Any]:
+    """``reply`` as a client of protocol :data:`OLDER` reads it. That protocol's ``begin``
+    answered every live lease as a record (``leases``) beside the waiting ``tickets``, and
+    ``status`` carried the records too; everything else has the same shape. The records it
+    gets are the booking view's, turned back into records as the current client does (a
+    device's folded leases as one record that books them all): bounded as the view is."""
+    if reply.get("ok") is not True:
+        return reply
+    if op == "begin":
+        devices = [{**d, "more": {**d["more"], "leases": min(1, d["more"]["leases"])}}
+                   for d in reply["devices"]]
+        others = [r._payload() for r in _view_records(devices, "broker")]
+        away = [r._payload() for r in ctx.book.reserved_away(conn)]
+        return {**reply, "leases": reply["own"] + others + away}
+    if op == "status":
+        page = await OPS["leases"](ctx, conn, {"op": "leases", "tickets": True})
+        return {**reply,
+                "leases": [r for r in page["records"] if r["kind"] == "lease"],
+                "tickets": [r for r in page["records"] if r["kind"] == "ticket"]}
+    return reply

@@ -1112,6 +1112,42 @@ def exchange(b: Broker, monkeypatch: pytest.MonkeyPatch, *sent: bytes) -> list[A
     return [json.loads(line) for line in run(go()).splitlines()]
 
 
+def test_a_client_of_the_older_protocol_is_served_in_the_shapes_it_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client of the protocol before this one (autogpu before 0.2: no ``proto`` in its
+    messages) picks through a broker of this one: its ``begin`` lists the leases of others
+    as records (``leases``, with the tickets beside them), its lease is granted on a free
+    device and refused on an exclusive one, its ``status`` carries the records. Caught: the
+    older protocol refused in one line (the broker and users' environments had to be
+    upgraded on the same day), or answered with the booking view only (an older client saw
+    every device free and took bob's exclusive GPU)."""
+    import json
+
+    b, ids = simulated_broker()
+    bob = person(b, 1002)
+    bob.record = b._make_record(bob, "lease", {
+        "device_uuids": [ids[0]], "device_requested_bytes": [None], "exclusive": True,
+        "pid": bob.pid, "kernel_id": None, "notebook_path": None, "command": None,
+        "holder_kind": "process"})
+
+    def older(msg: dict[str, Any]) -> bytes:
+        return json.dumps(msg).encode() + b"\n"
+
+    begin, taken, status = exchange(
+        b, monkeypatch, older({"op": "begin"}),
+        older({"op": "lease", "devices": [ids[0]], "exclusive": True}),
+        older({"op": "status"}),
+    )
+    assert begin["ok"] is True and begin["tickets"] == []
+    assert [(r["device_uuids"], r["exclusive"], r["user"]) for r in begin["leases"]] == [
+        ([ids[0]], True, "user1002")]
+    assert taken["ok"] is False and "exclusive" in taken["error"], taken
+    assert [r["user"] for r in status["leases"]] == ["user1002"] and status["tickets"] == []
+    (mine,) = exchange(b, monkeypatch, older({"op": "lease", "devices": [ids[1]]}))
+    assert mine["ok"] is True and mine["record"]["device_uuids"] == [ids[1]]
+
+
 @pytest.mark.parametrize(
     ("sent", "error"),
     [

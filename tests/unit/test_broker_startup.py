@@ -517,21 +517,26 @@ def test_an_unknown_id_is_refused_naming_its_first_80_characters_and_16_devices(
 
 
 @pytest.mark.parametrize(("theirs", "spoken"), [
-    (None, "no protocol version (an autogpu older than 0.2)"),
     (PROTOCOL + 1, f"protocol {PROTOCOL + 1}"),
+    (PROTOCOL - 2, f"protocol {PROTOCOL - 2}"),
     (True, "protocol true"),
     ("x" * 50, f'protocol "{"x" * 36}...'),
 ])
-def test_a_protocol_mismatch_says_what_each_side_speaks_and_what_to_do(
+def test_a_protocol_mismatch_names_both_sides_versions_and_what_to_do(
     theirs: Any, spoken: str,
 ) -> None:
-    """Caught: the client's side dropped (``None``), always or never said to be no version,
-    the check turned around, the client's version shown as ``null``, and the advice's or the
-    no-version text reworded."""
+    """The broker speaks its protocol and the one before it (messages without a version, or
+    with that one); anything else gets one line naming the client's version and both of the
+    broker's. Caught: the older protocol refused (a broker upgraded before its users'
+    environments refused every one of them), ``True`` taken for 1, the client's version
+    shown as ``null``, the advice reworded."""
     from autogpu_jupyter.broker import _protocol_mismatch
 
     assert _protocol_mismatch(theirs) == (
-        f"this autogpu speaks {spoken}, the lease broker speaks protocol {PROTOCOL} (autogpu "
-        f"{__version__}): the broker and this environment come from different autogpu "
-        "versions; upgrade autogpu here (or ask the admin to run the same version for both)")
+        f"this autogpu speaks {spoken}, the lease broker speaks protocol {PROTOCOL} and "
+        f"{PROTOCOL - 1} (autogpu {__version__}): the broker and this environment come from "
+        "different autogpu versions; upgrade autogpu here (or ask the admin to run the same "
+        "version for both)")
     assert _protocol_mismatch(PROTOCOL) is None
+    assert _protocol_mismatch(PROTOCOL - 1) is None
+    assert _protocol_mismatch(None) is None  # the older protocol's messages carry no version
