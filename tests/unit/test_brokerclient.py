@@ -1511,6 +1511,9 @@ def _revoked(lease_id: str) -> str:
          [_revoked("7"), _revoked("b")]),
         (b'junk\n{"event": "replaced"}\n["revoked"]\n{"lease_id": "c"}\n', []),
         (b'junk\n{"event": "revoked", "lease_id": "d"}', [_revoked("d")]),
+        (b'{"event": "ticket_lapsed", "lease_id": "' + b"e" * 40 + b'", "message": "x"}\n',
+         [f"your place in the GPU waiting line (ticket {'e' * 32}) lapsed: a device was free "
+          "for it but no lease was taken; pick again to wait again"]),
     ],
 )
 def test_lease_events_says_what_the_broker_sent(sent: bytes, events: list[str]) -> None:
