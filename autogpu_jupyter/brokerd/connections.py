@@ -27,7 +27,7 @@ from autogpu_jupyter._version import __version__
 from autogpu_jupyter.brokerd import net
 from autogpu_jupyter.brokerd.book import BrokerRefusal
 from autogpu_jupyter.brokerd.identity import Account
-from autogpu_jupyter.brokerd.ops import OLDER, OPS, RecordReply, older_reply
+from autogpu_jupyter.brokerd.ops import OLDER, OPS, RecordReply, before, older_reply
 from autogpu_jupyter.core.leasing.brokerclient import (
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
@@ -229,9 +229,7 @@ class Connections:
                 conn.greeted = True
                 conn.proto = PROTOCOL if msg.get("proto") == PROTOCOL else OLDER
             try:
-                if op == "ticket":
-                    broker.book._may_join(conn)
-                    await broker.fleet._fresh_snapshot()  # to judge whether the ticket waits
+                await before(broker, conn, op)
                 reply = await OPS[op](broker, conn, msg)
             except BrokerRefusal as err:
                 reply = {"ok": False, "error": str(err), "type": err.kind}

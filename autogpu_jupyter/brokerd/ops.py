@@ -44,7 +44,7 @@ from autogpu_jupyter.core.leasing.records import (
 from autogpu_jupyter.core.picker import explain_drops
 from autogpu_jupyter.errors import AutoGPUError
 
-__all__ = ["OLDER", "OPS", "Op", "RecordReply", "older_reply"]
+__all__ = ["OLDER", "OPS", "Op", "RecordReply", "before", "older_reply"]
 
 _STATUS_USERS = 256
 _PICK_KEYS = ("min_free", "max_util", "count", "exclude", "exclusive", "model", "prefer")
@@ -390,6 +390,15 @@ class Revoke(Op):
                 f"revoke: no live lease or ticket {str(args)[:64]!r}", "UsageErrorBase"
             )
         return {"ok": True, "revoked": rec.holder_text(), "kind": rec.kind}
+
+
+async def before(ctx: Any, conn: Any, op: str) -> None:
+    """What comes before an op of a connection, whoever serves it: a ticket is a turn in the
+    waiting line (a person joins it at most so often, :meth:`LeaseBook._may_join`) and is
+    judged by a snapshot at most a second old (whether it waits at all)."""
+    if op == "ticket":
+        ctx.book._may_join(conn)
+        await ctx.fleet._fresh_snapshot()
 
 
 #: The protocol's operations by name, in the order the protocol lists them.
