@@ -33,12 +33,9 @@ first broker (``journal.json``) is read once when no log exists yet, then remove
 
 **Holders.** A lease lives as long as *its socket* is open anywhere, not as long as the process
 that connected: ``autogpu run`` and the provisioner hand the socket to a child and may exit. So
-the journal records the inode of the client's end of the connection (its *peer*, from the
-kernel's ``sock_diag`` interface) and the holder processes seen so far, as (pid, start time).
-After a restart, the processes that still hold that inode (found in ``/proc/*/fd``) are the
-holders; a pid is only ever trusted together with its start time, so a reused pid never keeps a
-lease alive. Where ``sock_diag`` is unavailable, the recorded pids (connecting process, and the
-one given by ``set_pid``) are used instead, checked with their start times and uid.
+the journal records the inode of the client's end of the connection (its *peer*) and the holder
+processes seen so far, as (pid, start time); :mod:`autogpu_jupyter.brokerd.peers` finds them
+and :mod:`autogpu_jupyter.brokerd.restore` reads them back.
 """
 
 from __future__ import annotations
