@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autogpu_jupyter.brokerd import journal as jrnl
-from autogpu_jupyter.brokerd import net, ops, views
+from autogpu_jupyter.brokerd import net
 from autogpu_jupyter.brokerd.book import (  # noqa: F401 (the broker's names, re-exported)
     LINE_BAR_S,
     SETTLED_S,
@@ -261,47 +261,6 @@ class Broker:
 
     def accepted(self, sock: socket.socket) -> None:
         self.connections.accepted(sock)
-
-    def _make_record(self, conn: Conn, kind: str, payload: dict[str, Any]) -> Any:
-        return ops.make_record(self, conn, kind, payload)
-
-    def _holder_fields(self, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
-        return ops.holder_fields(self, conn, msg)
-
-    def _shown(self, rec: Any, viewer_uid: int) -> dict[str, Any]:
-        return views.shown(rec, viewer_uid)
-
-    # -- the rooms' names, read and set through the broker (older callers) ------------------
-
-    _ROOMS = ("book", "lock", "fleet", "connections", "restorer", "ops_cache")
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("op_") and name[3:] in OPS:
-            op = name[3:]
-            return lambda conn, msg: self.run_op(op, conn, msg)
-        for room in Broker._ROOMS:
-            obj = self.__dict__.get(room)
-            if obj is not None and hasattr(obj, name):
-                return getattr(obj, name)
-        raise AttributeError(name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name not in self.__dict__ and name not in Broker._ROOMS:
-            for room in Broker._ROOMS:
-                obj = self.__dict__.get(room)
-                if obj is not None and hasattr(obj, name):
-                    setattr(obj, name, value)
-                    return
-        object.__setattr__(self, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if name not in self.__dict__:
-            for room in Broker._ROOMS:
-                obj = self.__dict__.get(room)
-                if obj is not None and name in getattr(obj, "__dict__", {}):
-                    delattr(obj, name)
-                    return
-        object.__delattr__(self, name)
 
 
 def _check_state_dir(path: str) -> None:

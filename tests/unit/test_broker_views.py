@@ -41,14 +41,14 @@ def held(b: Broker, conn: Conn, kind: str, *, created_s: float, seq: int = 0,
     }
     if kind == "ticket":
         fields.update(seq=seq, constraints=CONSTRAINTS)
-    conn.record = replace(b._make_record(conn, kind, fields), created_s=created_s)
+    conn.record = replace(ops_mod.make_record(b, conn, kind, fields), created_s=created_s)
     return conn.record
 
 
 def view(b: Broker, conn: Conn) -> dict[str, Any]:
     """What ``begin`` answers ``conn`` (the lock is given back at once)."""
-    got = run(b.op_begin(conn, {"op": "begin"}))
-    b._drop_lock(conn)
+    got = run(b.run_op("begin", conn, {"op": "begin"}))
+    b.lock.release(conn)
     return got
 
 
@@ -69,7 +69,7 @@ def test_the_booking_view_shows_the_persons_own_leases_in_full_and_only_others_p
     me = person(b, 1001)
     mine = held(b, me, "lease", created_s=10.0, devices=(("GPU-m", None),), command="python x")
     held(b, person(b, 1001), "ticket", created_s=11.0, seq=1)
-    b.dormant.add(b.live()[-1][1].lease_id)  # a dormant ticket: in no line
+    b.book.dormant.add(b.book.live()[-1][1].lease_id)  # a dormant ticket: in no line
     held(b, person(b, 1002), "lease", created_s=12.0, devices=(("GPU-b", 2 * GIB),),
          notebook="b.ipynb")
     held(b, person(b, 1003), "lease", created_s=13.0, devices=(("GPU-a", GIB),),
@@ -158,11 +158,11 @@ def test_the_rows_cache_holds_256_devices_and_is_cleared_for_the_257th() -> None
     """Caught: the cache cleared only past 257 entries (``>`` or 257: it grew one too many)."""
     b = broker()
     rec = lease_record(b, person(b, 1002), "GPU-a")
-    b._rows = {("GPU-old", str(i)): {} for i in range(255)}
-    b._rows_of("GPU-a", [rec])
-    assert len(b._rows) == 256
-    b._rows_of("GPU-b", [rec])
-    assert list(b._rows) == [("GPU-b", f"{rec.lease_id}:{rec.pid}")]
+    b.ops_cache._rows = {("GPU-old", str(i)): {} for i in range(255)}
+    b.ops_cache._rows_of("GPU-a", [rec])
+    assert len(b.ops_cache._rows) == 256
+    b.ops_cache._rows_of("GPU-b", [rec])
+    assert list(b.ops_cache._rows) == [("GPU-b", f"{rec.lease_id}:{rec.pid}")]
 
 
 def test_a_devices_rows_put_a_booked_lease_before_an_unbooked_one_and_fold_none_as_zero(
@@ -204,7 +204,7 @@ def test_a_leases_page_holds_exactly_page_records_and_points_at_its_last(
     b = broker()
     recs = [held(b, person(b, 1001 + i), "lease", created_s=1.0 + i,
                  devices=((f"GPU-{i}", None),)) for i in range(4)]
-    page = run(b.op_leases(person(b, 0, name="root"), {"op": "leases"}))
+    page = run(b.run_op("leases", person(b, 0, name="root"), {"op": "leases"}))
     assert page == {"ok": True, "records": [r._payload() for r in recs[:3]],
                     "next": [3.0, recs[2].lease_id], "total": 4}
 
@@ -215,7 +215,7 @@ def test_a_leases_request_for_one_kind_gets_only_that_kind_even_with_tickets_ask
     b = broker()
     rec = held(b, person(b, 1001), "lease", created_s=1.0, devices=(("GPU-a", None),))
     held(b, person(b, 1002), "ticket", created_s=2.0, seq=1)
-    page = run(b.op_leases(person(b, 0, name="root"),
+    page = run(b.run_op("leases", person(b, 0, name="root"),
                            {"op": "leases", "kind": "lease", "tickets": True}))
     assert page == {"ok": True, "records": [rec._payload()], "next": None, "total": 1}
 
@@ -230,7 +230,7 @@ def test_a_leases_cursor_that_is_not_a_time_and_an_id_is_a_usage_error_in_those_
     on), the refusal's text or kind dropped, misspelt or in other case."""
     b = broker()
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_leases(person(b, 1001), {"op": "leases", "after": after}))
+        run(b.run_op("leases", person(b, 1001), {"op": "leases", "after": after}))
     assert (str(err.value), err.value.kind) == (
         "leases: after: expected [created_s, lease_id]", "UsageErrorBase")
 
@@ -249,7 +249,7 @@ def test_status_past_its_users_ranks_ties_by_name_and_sums_the_rest(
     for i, name in enumerate(["dora", "bo", "cy", "al"]):
         held(b, person(b, 1001 + i, name=name), "lease", created_s=1.0 + i,
              devices=((f"GPU-{i}", None),))
-    per_user = run(b.op_status(person(b, 0, name="root"), {"op": "status"}))["per_user"]
+    per_user = run(b.run_op("status", person(b, 0, name="root"), {"op": "status"}))["per_user"]
     one = {"leases": 1, "devices": 1, "tickets": 0}
     assert per_user == {"al": one, "bo": one,
                         "(2 more users)": {"leases": 2, "devices": 2, "tickets": 0}}
@@ -264,11 +264,11 @@ def test_the_live_records_are_computed_once_per_change_of_the_state() -> None:
     records again)."""
     b = broker()
     held(b, person(b, 1001), "lease", created_s=1.0, devices=(("GPU-a", None),))
-    first = b.live()
-    kept = b._live[1]
-    assert b.live() == first and b._live[1] is kept
+    first = b.book.live()
+    kept = b.book._live[1]
+    assert b.book.live() == first and b.book._live[1] is kept
     held(b, person(b, 1002), "lease", created_s=2.0, devices=(("GPU-b", None),))
-    assert len(b.live()) == 2 and b._live[1] is not kept
+    assert len(b.book.live()) == 2 and b.book._live[1] is not kept
 
 
 def test_a_ticket_past_the_tickets_per_user_counts_the_persons_tickets_held_elsewhere() -> None:
@@ -279,7 +279,7 @@ def test_a_ticket_past_the_tickets_per_user_counts_the_persons_tickets_held_else
     held(b, person(b, 1001), "ticket", created_s=1.0, seq=1)
     conn = person(b, 1001)
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_ticket(conn, {"op": "ticket", "constraints": CONSTRAINTS}))
+        run(b.run_op("ticket", conn, {"op": "ticket", "constraints": CONSTRAINTS}))
     assert (str(err.value), err.value.kind) == (
         "user1001 already waits in line with 1 ticket(s); another would exceed "
         "max_tickets_per_user = 1 set by the admin (enforced by the broker). Wait for one of "
@@ -291,7 +291,7 @@ def test_a_ticket_past_the_tickets_per_user_counts_the_persons_tickets_held_else
 def test_a_device_reserved_away_is_a_pseudo_lease_of_this_host() -> None:
     """Caught: the pseudo-lease made with no host."""
     b = broker(reserved={"GPU-r": ["ml"]})
-    [rec] = b.reserved_away(person(b, 1001))
+    [rec] = b.book.reserved_away(person(b, 1001))
     assert (rec.device_uuids, rec.exclusive, rec.host) == (("GPU-r",), True, b.host)
 
 
@@ -302,12 +302,12 @@ def test_a_holders_fields_keep_text_fields_only_when_text_and_name_a_long_kind_b
     cut at 41 characters."""
     b = broker()
     conn = person(b, 1001)
-    assert b._holder_fields(conn, {"holder": {"kernel_id": 123, "notebook_path": "n.ipynb",
+    assert ops_mod.holder_fields(b, conn, {"holder": {"kernel_id": 123, "notebook_path": "n.ipynb",
                                               "kind": "kernel"}}) == {
         "pid": conn.pid, "kernel_id": None, "notebook_path": "n.ipynb", "command": None,
         "holder_kind": "kernel"}
     with pytest.raises(BrokerRefusal) as err:
-        b._holder_fields(conn, {"holder": {"kind": "k" * 39 + "XYZ"}})
+        ops_mod.holder_fields(b, conn, {"holder": {"kind": "k" * 39 + "XYZ"}})
     assert str(err.value) == (
         f"holder.kind '{'k' * 39}X' is not one of process, kernel, cli, provisioner, api")
 
