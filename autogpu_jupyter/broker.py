@@ -295,7 +295,7 @@ def _initial_fleet(broker: Broker) -> None:
         log.warning("the broker cannot see this host's devices (%s): reserved ids and leased "
                     "ids are not checked against the fleet", err)
         return
-    broker.config.check_reserved(broker.fleet._fleet)
+    broker.config.check_reserved(broker.fleet.ids)
 
 
 async def serve(config: BrokerConfig, ready: Any = None) -> None:

@@ -105,8 +105,8 @@ class LeaseBook:
         #: bounded by it); the broker's connections set it.
         self.active: Mapping[int, int] = {}
         #: The last fleet snapshot and when it was taken (monotonic); set by the broker's fleet.
-        self._snap: Any = None
-        self._snap_at = -1e9
+        self.snap: Any = None
+        self.snap_at = -1e9
         #: Told of every change: ``(holder, old, new)`` (the journal writes it).
         self.on_change: Callable[[Any, LeaseRecord | None, LeaseRecord | None], None] | None = None
         #: Told of an orphan that ended (the journal forgets it).
@@ -128,7 +128,7 @@ class LeaseBook:
             self._live = (self.version, out)
         return list(self._live[1])
 
-    def _encoded(self, rec: LeaseRecord) -> bytes:
+    def encoded(self, rec: LeaseRecord) -> bytes:
         """``encode(rec)``, kept for the last record (records are immutable): a grant's
         journal line and its reply carry the same bytes, encoded once."""
         last, data = self._last_encoded
@@ -161,10 +161,10 @@ class LeaseBook:
             self.dormant.discard(old.lease_id)
             if (old.kind == "ticket" and since is not None
                     and self.last_lease_at.get(holder.key, -1e9) < since):
-                self._bar_from_line(holder.key, old)  # left a place it could have taken
+                self.bar_from_line(holder.key, old)  # left a place it could have taken
         if began and new is not None and new.kind == "lease":
             self.last_lease_at[holder.key] = time.monotonic()
-        if began and new is not None and new.kind == "ticket" and self._servable_now(new):
+        if began and new is not None and new.kind == "ticket" and self.servable_now(new):
             self.dormant.add(new.lease_id)
         if self.on_change is not None:
             self.on_change(holder, old, new)
@@ -175,7 +175,7 @@ class LeaseBook:
         self.seq = max(self.seq, orphan.record.seq or 0)
         self.version += 1
 
-    def _forget_orphan(self, lease_id: str) -> None:
+    def forget_orphan(self, lease_id: str) -> None:
         if self.orphans.pop(lease_id, None) is not None:
             self.version += 1
             self.servable_since.pop(lease_id, None)
@@ -183,16 +183,14 @@ class LeaseBook:
             if self.on_forget is not None:
                 self.on_forget(lease_id)
 
-    forget_orphan = _forget_orphan
-
     # -- admission --------------------------------------------------------------------------
 
-    def _applicant(self, conn: Holder) -> admission.Applicant:
+    def applicant(self, conn: Holder) -> admission.Applicant:
         """Who asks, for the admission: the quota and the lines count the *person*
         (``conn.key``: a subordinate uid is its owner), the root check is the uid itself."""
         return admission.Applicant(conn.uid, conn.user, frozenset(conn.groups), key=conn.key)
 
-    def _quota(self, conn: Holder) -> admission.Quota:
+    def quota(self, conn: Holder) -> admission.Quota:
         limit, why = self.limit_for(conn)
         return admission.Quota(
             max_devices=limit,
@@ -222,10 +220,10 @@ class LeaseBook:
         admission ("reserved for group(s) ml by the admin"), with no rule of its own."""
         if not self.config.reserved:
             return []
-        away = admission.reserved_away(self.config.reserved, self._applicant(conn))
+        away = admission.reserved_away(self.config.reserved, self.applicant(conn))
         return [admission.reservation(u, groups, self.host) for u, groups in away.items()]
 
-    def _replaced(self, conn: Holder, msg: Mapping[str, Any]) -> set[str]:
+    def replaced(self, conn: Holder, msg: Mapping[str, Any]) -> set[str]:
         """The caller's OWN live leases this lease replaces (a re-pick: ``ignore_ids``,
         ``ignore_kernel``). They end when the new lease is granted, so a re-pick can never hold
         both (nor exceed the quota by "replacing" leases it keeps); other users' are never
@@ -252,11 +250,9 @@ class LeaseBook:
                 self._notify(other, {"event": "replaced",
                                      "message": "lease replaced by a re-pick"})
         for lease_id in replaced:
-            self._forget_orphan(lease_id)
+            self.forget_orphan(lease_id)
 
-    _end_replaced = end_replaced
-
-    def _live_split(self, replaced: set[str]) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
+    def live_split(self, replaced: set[str]) -> tuple[list[LeaseRecord], list[LeaseRecord]]:
         """Live leases (less the ``replaced`` ones of a re-pick) and tickets, for admission,
         each marked with its person: the copies' ``uid`` is the account key of the uid that
         holds it (a subordinate uid's owner), as :attr:`admission.Applicant.key` counts."""
@@ -266,14 +262,14 @@ class LeaseBook:
 
     def check_lease(self, conn: Holder, rec: LeaseRecord, replaced: set[str]) -> None:
         """The one admission's verdict on ``rec`` (:func:`admission.admit_lease`)."""
-        leases, _ = self._live_split(replaced)
+        leases, _ = self.live_split(replaced)
         try:
             admission.admit_lease(
                 leases,
-                applicant=self._applicant(conn),
+                applicant=self.applicant(conn),
                 devices=rec.device_uuids,
                 exclusive=rec.exclusive,
-                quota=self._quota(conn),
+                quota=self.quota(conn),
                 reserved=self.config.reserved,
             )
         except AutoGPUError as err:
@@ -282,14 +278,14 @@ class LeaseBook:
     def check_ticket(self, conn: Holder, rec: LeaseRecord, replaced: set[str]) -> LeaseRecord:
         """The one admission's verdict on a ticket (:func:`admission.admit_ticket`): ``rec``
         with the constraints it admitted."""
-        leases, tickets = self._live_split(replaced)
+        leases, tickets = self.live_split(replaced)
         try:
             admitted = admission.admit_ticket(
                 leases,
                 tickets,
-                applicant=self._applicant(conn),
+                applicant=self.applicant(conn),
                 constraints=rec.constraints or {},
-                quota=self._quota(conn),
+                quota=self.quota(conn),
                 reserved=self.config.reserved,
             )
         except AutoGPUError as err:
@@ -302,11 +298,11 @@ class LeaseBook:
         """Whether ``rec`` is a ticket that reserves devices for its waiter (not dormant)."""
         return rec.kind == "ticket" and rec.lease_id not in self.dormant
 
-    def _line(self) -> list[LeaseRecord]:
+    def line(self) -> list[LeaseRecord]:
         tickets = [r for _, r in self.live() if r.kind == "ticket"]
         return admission.in_line(tickets)
 
-    def _waiters(
+    def waiters(
         self, snap: Any, tickets: list[LeaseRecord], settled_only: bool = False
     ) -> dict[str, tuple[str, ...]]:
         """The tickets of ``tickets`` (in line order) the one decision would serve now;
@@ -316,23 +312,23 @@ class LeaseBook:
         bookings = decision.bookings_for(snap.devices, leases)
         return decision.served_waiters(snap.devices, bookings, tickets)
 
-    def _servable_now(self, ticket: LeaseRecord) -> bool:
+    def servable_now(self, ticket: LeaseRecord) -> bool:
         """Whether a device is free for a ticket, behind the reserving tickets (by the last
         snapshot, at most a second old; without one: no), counting only leases held for
         :data:`SETTLED_S` at least: a waiter waits for a job to end, not for another user's
         pick of a moment ago (a ticket taken while such a pick held its device would otherwise
         reserve every device the moment that pick let go)."""
-        snap = self._snap
-        if snap is None or time.monotonic() - self._snap_at > 1.0:
+        snap = self.snap
+        if snap is None or time.monotonic() - self.snap_at > 1.0:
             return False
-        line = [r for r in self._line() if self.reserving(r) and r.lease_id != ticket.lease_id]
+        line = [r for r in self.line() if self.reserving(r) and r.lease_id != ticket.lease_id]
         try:
-            return ticket.lease_id in self._waiters(snap, [*line, ticket], settled_only=True)
+            return ticket.lease_id in self.waiters(snap, [*line, ticket], settled_only=True)
         except Exception as err:  # a ticket the decision cannot read reserves as before
             log.debug("ticket %s not judged: %s", ticket.lease_id, err)
             return False
 
-    def _may_join(self, conn: Holder) -> None:
+    def may_join(self, conn: Holder) -> None:
         """A person joins the waiting line at most :data:`TICKETS_PER_S` times a second (a
         burst of :data:`TICKET_BURST`): a waiting pick takes one ticket; each costs the broker
         a decision."""
@@ -365,26 +361,26 @@ class LeaseBook:
         starts reserving (it waits now); a ticket (dormant or reserving) the broker could serve,
         for longer than ``ticket_grace_s``, but that was not turned into a lease loses its
         place (its holder is told, then closed)."""
-        for rec in self._line():
-            if rec.lease_id in self.dormant and not self._servable_now(rec):
+        for rec in self.line():
+            if rec.lease_id in self.dormant and not self.servable_now(rec):
                 self.dormant.discard(rec.lease_id)  # leases that stay block it: it waits now
-        reserving = [r for r in self._line() if self.reserving(r)]
-        servable = set(self._waiters(snap, reserving))
-        for rec in self._line():  # a dormant ticket could be served too, behind the others
-            if rec.lease_id in self.dormant and rec.lease_id in self._waiters(
+        reserving = [r for r in self.line() if self.reserving(r)]
+        servable = set(self.waiters(snap, reserving))
+        for rec in self.line():  # a dormant ticket could be served too, behind the others
+            if rec.lease_id in self.dormant and rec.lease_id in self.waiters(
                 snap, [*reserving, rec]
             ):
                 servable.add(rec.lease_id)
         now = time.monotonic()
-        for rec in self._line():
+        for rec in self.line():
             if rec.lease_id not in servable:
                 self.servable_since.pop(rec.lease_id, None)
                 continue
             since = self.servable_since.setdefault(rec.lease_id, now)
             if now - since >= self.config.ticket_grace_s:
-                self._lapse(rec)
+                self.lapse(rec)
 
-    def _bar_from_line(self, key: int, rec: LeaseRecord) -> None:
+    def bar_from_line(self, key: int, rec: LeaseRecord) -> None:
         """A person whose ticket could be served but was not taken (it lapsed, or was dropped
         while servable) may not join the line for :data:`LINE_BAR_S`: otherwise a stream of
         tickets taken and left would keep a place ahead of everyone."""
@@ -395,17 +391,17 @@ class LeaseBook:
         log.info("%s left ticket %d that could be served: barred from the line for %.0f s",
                  rec.user, rec.seq or 0, LINE_BAR_S)
 
-    def _lapse(self, rec: LeaseRecord) -> None:
+    def lapse(self, rec: LeaseRecord) -> None:
         self.lapsed += 1
         self.servable_since.pop(rec.lease_id, None)
         key = next((k for k, r in self.live() if r.lease_id == rec.lease_id), None)
         if key is not None:
-            self._bar_from_line(key, rec)
+            self.bar_from_line(key, rec)
         log.info("ticket %d of %s lapsed: it could be served for %.0f s but was not taken",
                  rec.seq or 0, rec.user, self.config.ticket_grace_s)
         holder = self.holder_of(rec.lease_id)
         if holder is None:
-            self._forget_orphan(rec.lease_id)
+            self.forget_orphan(rec.lease_id)
             return
         holder.record = None
         self._notify(holder, {
@@ -431,7 +427,7 @@ class LeaseBook:
             return rec
         if isinstance(lease_id, str) and lease_id in self.orphans:
             rec = self.orphans[lease_id].record
-            self._forget_orphan(lease_id)
+            self.forget_orphan(lease_id)
             return rec
         return None
 

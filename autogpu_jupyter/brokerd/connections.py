@@ -123,9 +123,9 @@ class Connections:
             sock.close()
             return
         account = self.broker.accounts.account(uid, gid)
-        why = self._conn_refusal(uid, account)
+        why = self.refusal(uid, account)
         if why is not None:
-            self._refuse(sock, uid, why)
+            self.refuse(sock, uid, why)
             return
         conn = Conn(self.broker, uid, gid, pid, account)
         self.conns.add(conn)
@@ -134,9 +134,9 @@ class Connections:
         conn.writer = net.Channel(sock, OUT_BUFFER_BYTES + MAX_REPLY_BYTES, task.cancel)
         # The end of the task, however it ends (even cancelled before it ran), ends the
         # connection: its lock, its lease or ticket, its socket.
-        task.add_done_callback(lambda _t: self._ended(conn))
+        task.add_done_callback(lambda _t: self.ended(conn))
 
-    def _conn_refusal(self, uid: int, account: Account) -> str | None:
+    def refusal(self, uid: int, account: Account) -> str | None:
         total = len(self.conns)
         if uid == 0:
             if total >= self.conn_cap:
@@ -159,7 +159,7 @@ class Connections:
             return f"too many connections for {name}{via} ({setting} = {limit})"
         return None
 
-    def _refuse(self, sock: socket.socket, uid: int, why: str) -> None:
+    def refuse(self, sock: socket.socket, uid: int, why: str) -> None:
         line = json.dumps({"ok": False, "type": "RegistryError", "error": why,
                            "proto": PROTOCOL}).encode() + b"\n"
         with contextlib.suppress(OSError):
@@ -176,9 +176,9 @@ class Connections:
 
     async def _run(self, conn: Conn) -> None:
         with contextlib.suppress(OSError, RuntimeError):  # a connection lost on the way
-            await self._serve(conn)
+            await self.serve(conn)
 
-    def _ended(self, conn: Conn) -> None:
+    def ended(self, conn: Conn) -> None:
         self.conns.discard(conn)
         self.per_key[conn.key] -= 1
         if self.per_key[conn.key] <= 0:
@@ -190,13 +190,13 @@ class Connections:
         with contextlib.suppress(OSError):
             conn.writer.sock.close()
 
-    async def _serve(self, conn: Conn) -> None:
+    async def serve(self, conn: Conn) -> None:
         broker = self.broker
         while True:
             try:
                 line = await conn.writer.readline(MAX_REQUEST_BYTES)
             except ValueError:
-                await self._send(
+                await self.send(
                     conn,
                     _error(f"message longer than {MAX_REQUEST_BYTES} bytes: connection closed"),
                 )
@@ -210,12 +210,12 @@ class Connections:
             try:
                 msg = json.loads(line)
             except (ValueError, RecursionError):
-                await self._send(conn, _error("malformed message (not JSON): connection closed"))
+                await self.send(conn, _error("malformed message (not JSON): connection closed"))
                 return
-            await self._throttle(conn)
+            await self.throttle(conn)
             op = msg.get("op") if isinstance(msg, dict) else None
             if not isinstance(op, str) or op not in OPS:
-                await self._send(conn, _error(
+                await self.send(conn, _error(
                     f"unknown message (op {_short(op)}; expected one of "
                     f"{', '.join(OPS)}): connection closed"
                 ))
@@ -223,7 +223,7 @@ class Connections:
             if not conn.greeted:
                 mismatch = _protocol_mismatch(msg.get("proto"))
                 if mismatch:
-                    await self._send(conn, {"ok": False, "type": "RegistryUntrustedError",
+                    await self.send(conn, {"ok": False, "type": "RegistryUntrustedError",
                                             "error": mismatch})
                     return
                 conn.greeted = True
@@ -235,14 +235,14 @@ class Connections:
                 reply = {"ok": False, "error": str(err), "type": err.kind}
             if conn.proto == OLDER:
                 reply = await older_reply(broker, conn, op, reply)
-            if not await self._send(conn, reply):
+            if not await self.send(conn, reply):
                 return
             if op == "begin" and conn.ids is None:
                 # The pick decides in its own process now: meanwhile, read what its lease's
                 # journal line will need, off the path of the `lease` that follows.
-                broker.restorer._holder_ids(conn)
+                broker.restorer.holder_ids(conn)
 
-    async def _send(self, conn: Conn, msg: dict[str, Any]) -> bool:
+    async def send(self, conn: Conn, msg: dict[str, Any]) -> bool:
         """Send one reply; ``False`` when the connection is gone or the client does not read it
         within ``send_timeout_s`` (then it is dropped: its buffer is freed, its lease ends)."""
         msg.setdefault("proto", PROTOCOL)
@@ -267,7 +267,7 @@ class Connections:
                         conn.uid, conn.pid, self.config.send_timeout_s)
             return False
 
-    async def _throttle(self, conn: Conn) -> None:
+    async def throttle(self, conn: Conn) -> None:
         """A token bucket per person: a flood from one user (and their subordinate uids)
         delays that user's own messages."""
         rate = self.config.messages_per_s_per_user

@@ -29,52 +29,50 @@ class Fleet:
     def __init__(self, book: LeaseBook) -> None:
         self.book = book
         self.backend: Any = None
-        self._fleet: set[str] | None = None
-        self._fleet_checked = -_FLEET_RECHECK_S
+        self.ids: set[str] | None = None
+        self.checked_at = -_FLEET_RECHECK_S
 
-    def _snapshot(self) -> Any:
+    def snapshot(self) -> Any:
         """The fleet now, from the broker's own backend (NVML, or ``AUTOGPU_SIMULATE``)."""
         if self.backend is None:
             self.backend = get_backend()
         snap = self.backend.snapshot()
-        self._fleet = fleet_ids(snap)
-        self._fleet_checked = self.book._snap_at = time.monotonic()
-        self.book._snap = snap
+        self.ids = fleet_ids(snap)
+        self.checked_at = self.book.snap_at = time.monotonic()
+        self.book.snap = snap
         return snap
 
-    snapshot = _snapshot
-
-    async def _fresh_snapshot(self) -> None:
+    async def fresh_snapshot(self) -> None:
         """A snapshot at most a second old for judging a new ticket (none without a fleet)."""
-        if time.monotonic() - self.book._snap_at <= 1.0:
+        if time.monotonic() - self.book.snap_at <= 1.0:
             return
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(None, self._snapshot)
+            await loop.run_in_executor(None, self.snapshot)
         except Exception as err:  # no GPU library: tickets reserve as they always did
             log.debug("no snapshot for a new ticket: %s", err)
-            self.book._snap, self.book._snap_at = None, time.monotonic()
+            self.book.snap, self.book.snap_at = None, time.monotonic()
 
-    async def _check_known(self, devices: list[Any]) -> None:
+    async def check_known(self, devices: list[Any]) -> None:
         """Refuse ids that are not devices of this host (a lease on ``gpu-...`` in lower case,
         or on a made-up id, would count against nothing real). Where the broker cannot see
         the fleet (no GPU library), ids are only checked by the record schema."""
-        unknown = [d for d in devices if self._fleet is None or d not in self._fleet]
+        unknown = [d for d in devices if self.ids is None or d not in self.ids]
         if not unknown:
             return
         now = time.monotonic()
-        if now - self._fleet_checked >= _FLEET_RECHECK_S:
-            self._fleet_checked = now
+        if now - self.checked_at >= _FLEET_RECHECK_S:
+            self.checked_at = now
             loop = asyncio.get_running_loop()
             with contextlib.suppress(Exception):  # any backend failure: the fleet stays unknown
-                await loop.run_in_executor(None, self._snapshot)
-        if self._fleet is None:
+                await loop.run_in_executor(None, self.snapshot)
+        if self.ids is None:
             return
         for d in devices:
-            if d not in self._fleet:
+            if d not in self.ids:
                 raise BrokerRefusal(
                     f"{str(d)[:80]!r} is not a device of this host (its devices: "
-                    f"{', '.join(sorted(self._fleet)[:16]) or 'none'})",
+                    f"{', '.join(sorted(self.ids)[:16]) or 'none'})",
                     "UsageErrorBase",
                 )
 

@@ -73,7 +73,7 @@ def _no_record(conn: Any) -> None:
 
 class RecordReply(dict):  # type: ignore[type-arg]
     """``{"ok": true, "record": <payload>}`` for a record just granted: sent as the bytes
-    its journal line carries (:meth:`LeaseBook._encoded`), not encoded a second time."""
+    its journal line carries (:meth:`LeaseBook.encoded`), not encoded a second time."""
 
     def __init__(self, rec: LeaseRecord, encoded: bytes) -> None:
         super().__init__(ok=True, record=rec._payload())
@@ -160,7 +160,7 @@ class Lease(Op):
     async def execute(self, ctx: Any, conn: Any, args: Any) -> dict[str, Any]:
         msg = args
         devices = msg["devices"]
-        await ctx.fleet._check_known(devices)
+        await ctx.fleet.check_known(devices)
         booked = msg.get("requested_bytes")
         if booked is None:
             booked = [None] * len(devices)
@@ -171,13 +171,13 @@ class Lease(Op):
             **holder_fields(ctx, conn, msg),
         })
         book = ctx.book
-        replaced = book._replaced(conn, msg)
+        replaced = book.replaced(conn, msg)
         book.check_lease(conn, rec, replaced)
         book.end_replaced(replaced)
-        conn.holder_pids = list(ctx.restorer._holder_ids(conn)[1])  # before the record
+        conn.holder_pids = list(ctx.restorer.holder_ids(conn)[1])  # before the record
         conn.record = rec
         ctx.lock.release(conn)
-        return RecordReply(rec, book._encoded(rec))
+        return RecordReply(rec, book.encoded(rec))
 
 
 class Pick(Op):
@@ -200,7 +200,7 @@ class Pick(Op):
 
     async def execute(self, ctx: Any, conn: Any, args: Any) -> dict[str, Any]:
         msg, opts = args
-        snap = await asyncio.get_running_loop().run_in_executor(None, ctx.fleet._snapshot)
+        snap = await asyncio.get_running_loop().run_in_executor(None, ctx.fleet.snapshot)
         # From here to the lease nothing awaits: the decision and the lease see one state.
         context = decision.gather(snap, environ={}, store=StateView(ctx.book, conn))
         made = decision.decide(context, opts.constraints)
@@ -246,11 +246,11 @@ class Ticket(Op):
             "constraints": msg.get("constraints"),
             **holder_fields(ctx, conn, msg),
         })
-        rec = book.check_ticket(conn, rec, book._replaced(conn, msg))
-        conn.holder_pids = list(ctx.restorer._holder_ids(conn)[1])  # before the record
+        rec = book.check_ticket(conn, rec, book.replaced(conn, msg))
+        conn.holder_pids = list(ctx.restorer.holder_ids(conn)[1])  # before the record
         conn.record = rec
         book.seq = rec.seq or book.seq
-        return RecordReply(rec, book._encoded(rec))
+        return RecordReply(rec, book.encoded(rec))
 
 
 class SetPid(Op):
@@ -394,11 +394,11 @@ class Revoke(Op):
 
 async def before(ctx: Any, conn: Any, op: str) -> None:
     """What comes before an op of a connection, whoever serves it: a ticket is a turn in the
-    waiting line (a person joins it at most so often, :meth:`LeaseBook._may_join`) and is
+    waiting line (a person joins it at most so often, :meth:`LeaseBook.may_join`) and is
     judged by a snapshot at most a second old (whether it waits at all)."""
     if op == "ticket":
-        ctx.book._may_join(conn)
-        await ctx.fleet._fresh_snapshot()
+        ctx.book.may_join(conn)
+        await ctx.fleet.fresh_snapshot()
 
 
 #: The protocol's operations by name, in the order the protocol lists them.

@@ -45,12 +45,12 @@ class PickLock:
         conn.granted = asyncio.get_running_loop().create_future()
         self.waiting.append(conn)
         holder = self.lock_holder
-        if holder is not None and holder.key != conn.key and self._suspect(holder.key):
-            self._arm_lock_timer(holder)  # a short slice now that someone else waits
-        self._grant_next()
+        if holder is not None and holder.key != conn.key and self.suspect(holder.key):
+            self.arm_timer(holder)  # a short slice now that someone else waits
+        self.grant_next()
         await conn.granted
 
-    def _grant_next(self) -> None:
+    def grant_next(self) -> None:
         """Give the lock to the waiter of the person served least recently."""
         while self.lock_holder is None and self.waiting:
             best = min(
@@ -65,28 +65,26 @@ class PickLock:
             now = time.monotonic()
             self.last_grant[conn.key] = now
             conn.granted_at = now
-            self._arm_lock_timer(conn)
+            self.arm_timer(conn)
             conn.granted.set_result(None)
 
-    grant_next = _grant_next
-
-    def _arm_lock_timer(self, conn: Any) -> None:
+    def arm_timer(self, conn: Any) -> None:
         """How long ``conn`` may keep the lock: ``lock_timeout_s``; only :data:`LOCK_SLICE_S`
         when its person let the lock time out lately and someone else is waiting."""
         if conn.lock_handle is not None:
             conn.lock_handle.cancel()
         hold = self.config.lock_timeout_s
-        if self._suspect(conn.key) and any(w.key != conn.key for w in self.waiting):
+        if self.suspect(conn.key) and any(w.key != conn.key for w in self.waiting):
             hold = LOCK_SLICE_S
         left = max(0.0, conn.granted_at + hold - time.monotonic())
         loop = asyncio.get_running_loop()
-        conn.lock_handle = loop.call_later(left, self._expire_lock, conn)
+        conn.lock_handle = loop.call_later(left, self.expire, conn)
 
-    def _suspect(self, key: int) -> bool:
+    def suspect(self, key: int) -> bool:
         since = self.lock_misuse.get(key)
         return since is not None and time.monotonic() - since < LOCK_MISUSE_MEMORY_S
 
-    def _expire_lock(self, conn: Any) -> None:
+    def expire(self, conn: Any) -> None:
         if self.lock_holder is conn:
             log.warning(
                 "uid %d (pid %d) held the pick lock too long: taken back", conn.uid, conn.pid
@@ -98,9 +96,9 @@ class PickLock:
             if len(self.lock_misuse) > 4096:  # people who misused it long ago: forgotten
                 self.lock_misuse = {k: t for k, t in self.lock_misuse.items()
                                     if now - t < LOCK_MISUSE_MEMORY_S}
-            self._drop_lock(conn)
+            self.release(conn)
 
-    def _drop_lock(self, conn: Any) -> None:
+    def release(self, conn: Any) -> None:
         """``conn`` neither holds nor waits for the lock any more; the next waiter gets it."""
         if conn.lock_handle is not None:
             conn.lock_handle.cancel()
@@ -113,6 +111,4 @@ class PickLock:
         if conn in self.waiting:  # (a raised and caught ValueError costs more on every pick)
             self.waiting.remove(conn)
         if self.lock_holder is None:
-            self._grant_next()
-
-    release = _drop_lock
+            self.grant_next()

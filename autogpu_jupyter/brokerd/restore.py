@@ -67,7 +67,7 @@ class Restorer:
             journal.remove(old.lease_id)
         if new is None:
             return
-        encoded = self.book._encoded(new).decode()
+        encoded = self.book.encoded(new).decode()
         if began:
             peer = self.holder_ids(conn)[0]
             journal.add(jrnl.Entry(new.lease_id, conn.uid, encoded, peer,
@@ -95,8 +95,6 @@ class Restorer:
             conn.ids = (peer, peers.proc_ids(conn.pid))
         ids: tuple[int | None, list[tuple[int, int]]] = conn.ids
         return ids
-
-    _holder_ids = holder_ids
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -272,28 +270,28 @@ class Restorer:
         while True:
             await asyncio.sleep(1.0)
             try:
-                await self._reap(loop)
-                await self._lapse_tickets(loop)
+                await self.reap(loop)
+                await self.lapse_round(loop)
             except Exception:  # the reaper must outlive any one bad round
                 log.exception("orphan and ticket check failed")
             if lock.waiting and lock.lock_holder is None:
                 lock.grant_next()
 
-    async def _lapse_tickets(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def lapse_round(self, loop: asyncio.AbstractEventLoop) -> None:
         """With a fresh snapshot, the book's tickets lapse or start to wait
         (:meth:`LeaseBook.lapse_tickets`)."""
         book = self.book
-        if not book._line():
+        if not book.line():
             book.servable_since.clear()
             return
         try:
-            snap = await loop.run_in_executor(None, self.broker.fleet._snapshot)
+            snap = await loop.run_in_executor(None, self.broker.fleet.snapshot)
         except Exception as err:  # no fleet to judge by: no ticket lapses
             log.debug("no snapshot for the ticket check: %s", err)
             return
         book.lapse_tickets(snap)
 
-    async def _reap(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def reap(self, loop: asyncio.AbstractEventLoop) -> None:
         """One round: :meth:`settle`, then at most :data:`POLLS_PER_ROUND` orphans, in turn,
         asked whether their socket still exists (a holder may close it and live on): one
         ``sock_diag`` request each, nothing per descriptor."""

@@ -70,7 +70,7 @@ def view(ctx: Any, conn: Any) -> dict[str, Any]:
         "reserved": {
             uuid: list(groups)
             for uuid, groups in admission.reserved_away(
-                ctx.config.reserved, book._applicant(conn)
+                ctx.config.reserved, book.applicant(conn)
             ).items()
         },
     }
@@ -81,20 +81,18 @@ class RowCache:
     does not change them): bounded, cleared when full."""
 
     def __init__(self) -> None:
-        self._rows: dict[tuple[str, ...], dict[str, Any]] = {}
+        self.rows: dict[tuple[str, ...], dict[str, Any]] = {}
 
     def rows_of(self, uuid: str, recs: list[LeaseRecord]) -> dict[str, Any]:
         """:func:`device_rows`, kept for the same leases of the same device."""
         # a record changes only by set_pid (its pid); a lease id names the rest
         key = (uuid, *(f"{r.lease_id}:{r.pid}" for r in recs))
-        rows = self._rows.get(key)
+        rows = self.rows.get(key)
         if rows is None:
-            if len(self._rows) >= 256:
-                self._rows.clear()
-            rows = self._rows[key] = device_rows(uuid, recs)
+            if len(self.rows) >= 256:
+                self.rows.clear()
+            rows = self.rows[key] = device_rows(uuid, recs)
         return rows
-
-    _rows_of = rows_of
 
 
 def device_rows(uuid: str, recs: list[LeaseRecord]) -> dict[str, Any]:

@@ -59,7 +59,7 @@ class Fleet:
 def check_line(b: Broker) -> None:
     """One round of the reaper's ticket check."""
     async def go() -> None:
-        await b.restorer._lapse_tickets(asyncio.get_running_loop())
+        await b.restorer.lapse_round(asyncio.get_running_loop())
 
     run(go())
 
@@ -98,7 +98,7 @@ def test_a_ticket_that_lapses_is_counted_bars_only_its_person_and_says_so_once(
     b.book.lapsed = 0
     caplog.set_level(logging.INFO, logger="autogpu.broker")
     b.book.servable_since = {bobs: 990.0, carols: 990.0}
-    b.book._waiters = lambda snap, tickets, settled_only=False: {  # type: ignore[method-assign]
+    b.book.waiters = lambda snap, tickets, settled_only=False: {  # type: ignore[method-assign]
         t.lease_id: ("GPU-s1",) for t in tickets}
     check_line(b)
     assert b.book.lapsed == 2
@@ -159,7 +159,7 @@ def test_a_dormant_ticket_starts_to_reserve_once_a_settled_lease_takes_its_devic
     clock = Clock(monkeypatch, 1000.0)
     b = broker(ticket_grace_s=100.0)
     b.fleet.backend = Fleet()
-    b.book._snap, b.book._snap_at = one_free_device(), clock.now
+    b.book.snap, b.book.snap_at = one_free_device(), clock.now
     alice, carol = person(b, 1001), person(b, 1003)
     alice.record = exclusive_ticket(b, alice, 1)
     lease_id = alice.record.lease_id
@@ -183,7 +183,7 @@ def test_a_dormant_ticket_whose_device_is_still_free_stays_dormant_and_is_timed(
     clock = Clock(monkeypatch, 1000.0)
     b = broker(ticket_grace_s=100.0)
     b.fleet.backend = Fleet()
-    b.book._snap, b.book._snap_at = one_free_device(), clock.now
+    b.book.snap, b.book.snap_at = one_free_device(), clock.now
     alice = person(b, 1001)
     alice.record = exclusive_ticket(b, alice, 1)
     lease_id = alice.record.lease_id
@@ -204,7 +204,7 @@ def test_a_dormant_ticket_whose_device_was_just_leased_stays_dormant_and_does_no
     clock = Clock(monkeypatch, 1000.0)
     b = broker(ticket_grace_s=0.0)
     b.fleet.backend = Fleet()
-    b.book._snap, b.book._snap_at = one_free_device(), clock.now
+    b.book.snap, b.book.snap_at = one_free_device(), clock.now
     alice, carol = person(b, 1001), person(b, 1003)
     alice.writer = Written()  # type: ignore[assignment]
     alice.record = exclusive_ticket(b, alice, 1)
@@ -312,7 +312,7 @@ def test_a_ticket_whose_connection_is_lost_on_the_way_lapses_all_the_same(
     carol.writer = Written()  # type: ignore[assignment]
     bob.record = replace(ticket_record(b, bob), seq=1)
     carol.record = replace(ticket_record(b, carol), seq=2)
-    b.book._waiters = lambda snap, tickets, settled_only=False: {  # type: ignore[method-assign]
+    b.book.waiters = lambda snap, tickets, settled_only=False: {  # type: ignore[method-assign]
         t.lease_id: ("GPU-s1",) for t in tickets}
     check_line(b)
     assert (bob.record, carol.record, b.book.lapsed) == (None, None, 2)
@@ -330,7 +330,7 @@ def test_exactly_4096_bars_are_all_kept(monkeypatch: pytest.MonkeyPatch) -> None
     conn = person(b, 1001)
     ended = {10_000 + i: 0.0 for i in range(4095)}
     b.book.line_barred = dict(ended)
-    b.book._bar_from_line(1001, ticket_record(b, conn))
+    b.book.bar_from_line(1001, ticket_record(b, conn))
     assert b.book.line_barred == {**ended, 1001: 1060.0}
 
 
@@ -449,10 +449,10 @@ def test_a_lock_held_the_whole_timeout_is_taken_back_logged_and_marked_with_its_
     b.lock.lock_holder = bob
     bob.granted_at = 0.0
     caplog.set_level(logging.INFO, logger="autogpu.broker")
-    b.lock._expire_lock(bob)
+    b.lock.expire(bob)
     assert b.lock.lock_holder is None
     assert b.lock.lock_misuse == {1002: clock.now}
-    assert b.lock._suspect(1002)
+    assert b.lock.suspect(1002)
     assert messages(caplog, logging.WARNING) == [
         "uid 1002 (pid 4242) held the pick lock too long: taken back"]
 
@@ -472,7 +472,7 @@ def test_the_lock_misuse_marks_are_pruned_past_4096_of_the_minute_just_ended(
     b.lock.lock_misuse = dict(old) if case == "4096" else {**old, 20_000: 940.5}
     b.lock.lock_holder = bob
     bob.granted_at = 990.0
-    b.lock._expire_lock(bob)
+    b.lock.expire(bob)
     if case == "4096":
         assert b.lock.lock_misuse == {**old, 1002: 1000.0}
     else:
@@ -521,7 +521,7 @@ def test_a_connection_whose_socket_fails_to_close_still_ends() -> None:
 
     conn.writer = Channel()  # type: ignore[assignment]
     conn.record = ticket_record(b, conn)
-    b.connections._ended(conn)
+    b.connections.ended(conn)
     assert (b.connections.conns, dict(b.connections.per_key), conn.record, b.book.live()) == (
         set(), {}, None, [])
     assert conn.writer.shut_down  # type: ignore[attr-defined]

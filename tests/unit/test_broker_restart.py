@@ -227,8 +227,8 @@ def test_each_reaper_round_checks_the_orphans_then_the_tickets_on_its_own_loop(
     async def lapse(loop: Any) -> None:
         seen.append(("tickets", loop is asyncio.get_running_loop()))
 
-    b.restorer._reap = reap  # type: ignore[method-assign]
-    b.restorer._lapse_tickets = lapse  # type: ignore[method-assign]
+    b.restorer.reap = reap  # type: ignore[method-assign]
+    b.restorer.lapse_round = lapse  # type: ignore[method-assign]
     caplog.set_level(logging.ERROR, logger="autogpu.broker")
     one_round(b, monkeypatch)
     assert seen == [("orphans", True), ("tickets", True)]
@@ -271,7 +271,7 @@ def test_the_holders_the_reaper_finds_by_an_orphans_socket_are_journaled(tmp_pat
                                          peer=inode)
 
         async def go() -> None:
-            await b.restorer._reap(asyncio.get_running_loop())
+            await b.restorer.reap(asyncio.get_running_loop())
 
         run(go())
     finally:
@@ -322,7 +322,7 @@ def test_reaper_rounds_read_no_descriptor_of_a_live_holder(
     async def rounds() -> None:
         loop = asyncio.get_running_loop()
         for _ in range(3):
-            await b.restorer._reap(loop)
+            await b.restorer.reap(loop)
 
     monkeypatch.setattr(os, "listdir", listdir)
     monkeypatch.setattr(os, "readlink", readlink)

@@ -60,8 +60,8 @@ def simulated_broker(**config: Any) -> tuple[Broker, list[str]]:
 
     b = broker(**config)
     b.fleet.backend = SimulatedBackend("demo-4x", clock=lambda: 1_000_000.0)
-    b.fleet._snapshot()
-    return b, sorted(d.uuid for d in b.book._snap.devices)
+    b.fleet.snapshot()
+    return b, sorted(d.uuid for d in b.book.snap.devices)
 
 
 def run(coro: Any) -> Any:
@@ -155,9 +155,9 @@ def test_a_persons_connections_stop_at_the_limit_itself() -> None:
     b = broker(max_connections_per_user=2)
     acct = Account(1001, "alice", frozenset())
     b.connections.per_key[1001] = 1
-    assert b.connections._conn_refusal(1001, acct) is None
+    assert b.connections.refusal(1001, acct) is None
     b.connections.per_key[1001] = 2
-    assert b.connections._conn_refusal(1001, acct) == (
+    assert b.connections.refusal(1001, acct) == (
         "too many connections for alice (max_connections_per_user = 2)"
     )
 
@@ -178,7 +178,7 @@ def test_the_last_connections_are_roots_and_unknown_uids_share_one_named_limit()
 
     def refusal(total: int, uid: int, acct: Account) -> str | None:
         b.connections.conns = {object() for _ in range(total)}  # type: ignore[misc]
-        return b.connections._conn_refusal(uid, acct)
+        return b.connections.refusal(uid, acct)
 
     assert net.ROOT_RESERVE == 16
     assert refusal(23, 1001, alice) is None
@@ -226,7 +226,7 @@ class Paced:
         """The delays of ``count`` messages of ``conn`` at this moment."""
         self.delays = []
         for _ in range(count):
-            coro = b.connections._throttle(conn)
+            coro = b.connections.throttle(conn)
             with pytest.raises(StopIteration):
                 coro.send(None)
         return self.delays
@@ -409,10 +409,10 @@ def test_a_repick_replaces_only_the_callers_own_leases() -> None:
     alice.record = replace(lease_record(b, alice, "GPU-p1"), kernel_id="k-1")
     bob_kernel.record = replace(lease_record(b, bob_kernel, "GPU-p2"), kernel_id="k-1")
     theirs, mine = alice.record.lease_id, bob_kernel.record.lease_id
-    assert b.book._replaced(bob, {"ignore_ids": [theirs, mine]}) == {mine}
-    assert b.book._replaced(bob, {"ignore_kernel": "k-1"}) == {mine}
+    assert b.book.replaced(bob, {"ignore_ids": [theirs, mine]}) == {mine}
+    assert b.book.replaced(bob, {"ignore_kernel": "k-1"}) == {mine}
     b.book.end_replaced(
-        b.book._replaced(bob, {"ignore_ids": [theirs, mine], "ignore_kernel": "k-1"}))
+        b.book.replaced(bob, {"ignore_ids": [theirs, mine], "ignore_kernel": "k-1"}))
     assert alice.record is not None and alice.record.lease_id == theirs  # hers, untouched
     assert bob_kernel.record is None
 
@@ -453,7 +453,7 @@ def test_a_grant_is_answered_with_the_bytes_its_journal_line_carries(tmp_path: A
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     b = broker(state_dir=str(state))
-    b.fleet._fleet = {"GPU-a0", "GPU-a1"}  # the host's devices, whatever this test process sees
+    b.fleet.ids = {"GPU-a0", "GPU-a1"}  # the host's devices, whatever this test process sees
 
     async def main() -> list[dict[str, Any]]:
         ours, theirs = socket.socketpair()
@@ -465,7 +465,7 @@ def test_a_grant_is_answered_with_the_bytes_its_journal_line_carries(tmp_path: A
         replies = [await b.run_op("lease", conn, msg),
                    await b.run_op("release", conn, {"op": "release"})]
         for reply in replies:
-            assert await b.connections._send(conn, reply)
+            assert await b.connections.send(conn, reply)
         theirs.settimeout(5)
         got = theirs.recv(1 << 16).decode().splitlines()
         conn.writer.shut()
@@ -514,7 +514,7 @@ def test_a_reply_past_its_cap_is_an_error_that_says_so_and_is_logged(caplog: Any
             return got
 
         reading = asyncio.ensure_future(read())
-        assert await b.connections._send(conn, reply)
+        assert await b.connections.send(conn, reply)
         got = await asyncio.wait_for(reading, 10)
         conn.writer.shut()
         ours.close()
@@ -548,7 +548,7 @@ def test_a_client_that_does_not_read_its_reply_in_time_is_dropped_and_logged(
         conn.writer = net.Channel(ours, 1 << 24, lambda: None)
         while conn.writer.pending == 0:  # the socket takes no more
             conn.writer.write(b"z" * 65536)
-        sent = await b.connections._send(conn, {"ok": True})
+        sent = await b.connections.send(conn, {"ok": True})
         closed = conn.writer.closed
         ours.close()
         theirs.close()
@@ -579,7 +579,7 @@ def test_the_one_message_pick_answers_its_labels_beside_the_record() -> None:
         conn = person(b, 1009)
         conn.writer = net.Channel(ours, 1 << 20, lambda: None)
         reply = await b.run_op("pick", conn, {"op": "pick", "options": {"min_free": "1G"}})
-        assert await b.connections._send(conn, reply)
+        assert await b.connections.send(conn, reply)
         theirs.settimeout(5)
         line = theirs.recv(1 << 16)
         conn.writer.shut()
@@ -589,7 +589,7 @@ def test_the_one_message_pick_answers_its_labels_beside_the_record() -> None:
 
     got = run(main())
     assert got["ok"] is True and got["proto"] == PROTOCOL
-    labels = {d.uuid: d.label for d in b.book._snap.devices}
+    labels = {d.uuid: d.label for d in b.book.snap.devices}
     assert got["labels"] == [labels[u] for u in got["record"]["device_uuids"]]
     assert len(got["labels"]) == 1 and got["record"]["user"] == "user1009"
 
@@ -635,11 +635,11 @@ def test_a_lock_taken_back_after_a_short_slice_does_not_mark_its_person_again() 
     alice, bob = person(b, 1001), person(b, 1002)
     b.lock.lock_holder = alice
     alice.granted_at = time.monotonic() - LOCK_SLICE_S  # it held a slice, then lost it
-    b.lock._expire_lock(alice)
+    b.lock.expire(alice)
     assert b.lock.lock_holder is None and b.lock.lock_misuse == {}
     b.lock.lock_holder = bob
     bob.granted_at = time.monotonic() - 1.0  # it held the whole timeout
-    b.lock._expire_lock(bob)
+    b.lock.expire(bob)
     assert b.lock.lock_holder is None and list(b.lock.lock_misuse) == [1002]
 
 
@@ -689,7 +689,7 @@ def test_a_lease_replaced_by_a_repick_tells_its_connection_so() -> None:
     alice_old.writer = Written()  # type: ignore[assignment]
     lease(b, alice_old, "GPU-rp1")
     assert alice_old.record is not None
-    b.book.end_replaced(b.book._replaced(alice, {"ignore_ids": [alice_old.record.lease_id]}))
+    b.book.end_replaced(b.book.replaced(alice, {"ignore_ids": [alice_old.record.lease_id]}))
     assert alice_old.record is None
     assert alice_old.writer.lines == [  # type: ignore[attr-defined]
         b'{"event": "replaced", "message": "lease replaced by a re-pick"}\n']
@@ -834,12 +834,12 @@ def test_a_ticket_the_decision_cannot_judge_is_logged_by_its_id(caplog: Any) -> 
     import time
 
     b = broker()
-    b.book._snap, b.book._snap_at = object(), time.monotonic()  # a fresh snapshot
+    b.book.snap, b.book.snap_at = object(), time.monotonic()  # a fresh snapshot
 
     def fails(*args: Any, **kwargs: Any) -> Any:
         raise ValueError("a constraint it cannot read")
 
-    b.book._waiters = fails  # type: ignore[method-assign]
+    b.book.waiters = fails  # type: ignore[method-assign]
     conn = person(b, 1001)
     caplog.set_level(logging.DEBUG, logger="autogpu.broker")
     conn.record = ticket_record(b, conn)
@@ -1005,7 +1005,7 @@ def test_a_refused_connection_gets_one_line_with_the_protocol_and_is_logged(
     ours, theirs = socket.socketpair()
     caplog.set_level(logging.WARNING, logger="autogpu.broker")
     try:
-        b.connections._refuse(ours, 1001, "too many connections for alice")
+        b.connections.refuse(ours, 1001, "too many connections for alice")
         theirs.settimeout(5)
         line = theirs.recv(65536)
     finally:
@@ -1037,7 +1037,7 @@ def test_refused_connections_are_logged_at_most_every_ten_seconds_with_their_cou
 
     def refuse(uid: int) -> None:
         ours, theirs = socket.socketpair()
-        b.connections._refuse(ours, uid, "too many connections")
+        b.connections.refuse(ours, uid, "too many connections")
         theirs.close()
 
     refuse(1001)
@@ -1230,7 +1230,7 @@ def test_the_reaper_logs_a_failed_round_and_goes_on(
         raise RuntimeError("a bad round")
 
     monkeypatch.setattr(asyncio, "sleep", sleep)
-    monkeypatch.setattr(b.restorer, "_reap", reap)
+    monkeypatch.setattr(b.restorer, "reap", reap)
     caplog.set_level(logging.ERROR, logger="autogpu.broker")
     with pytest.raises(Stop):
         run(b.restorer.reap_orphans())
@@ -1256,7 +1256,7 @@ def test_an_orphan_whose_recorded_holder_runs_is_kept() -> None:
     b.book.orphans[rec.lease_id] = Orphan(os.getuid(), rec, list(me), key=os.getuid())
 
     async def go() -> None:
-        await b.restorer._reap(asyncio.get_running_loop())
+        await b.restorer.reap(asyncio.get_running_loop())
 
     run(go())
     assert rec.lease_id in b.book.orphans and b.book.orphans[rec.lease_id].holder_pids == list(me)
@@ -1284,7 +1284,7 @@ def test_an_orphan_whose_holders_are_gone_but_whose_socket_is_held_is_kept() -> 
         b.book.orphans[rec.lease_id] = Orphan(os.getuid(), rec, gone, key=os.getuid(), peer=inode)
 
         async def go() -> None:
-            await b.restorer._reap(asyncio.get_running_loop())
+            await b.restorer.reap(asyncio.get_running_loop())
 
         run(go())
     finally:
@@ -1305,17 +1305,17 @@ def test_a_servable_ticket_behind_one_that_is_not_lapses_after_the_grace() -> No
     alice.record = ticket_record(b, alice)
     bob.writer = Written()  # type: ignore[assignment]
     bob.record = replace(ticket_record(b, bob), seq=2)
-    assert [r.seq for r in b.book._line()] == [1, 2]
+    assert [r.seq for r in b.book.line()] == [1, 2]
     theirs, mine = alice.record.lease_id, bob.record.lease_id
 
     def waiters(snap: Any, tickets: list[Any], settled_only: bool = False) -> dict[str, Any]:
         return {mine: ("GPU-lp1",)} if any(t.lease_id == mine for t in tickets) else {}
 
-    b.fleet._snapshot = lambda: "a snapshot"  # type: ignore[method-assign]
-    b.book._waiters = waiters  # type: ignore[method-assign]
+    b.fleet.snapshot = lambda: "a snapshot"  # type: ignore[method-assign]
+    b.book.waiters = waiters  # type: ignore[method-assign]
 
     async def go() -> None:
-        await b.restorer._lapse_tickets(asyncio.get_running_loop())
+        await b.restorer.lapse_round(asyncio.get_running_loop())
 
     run(go())
     assert alice.record is not None and alice.record.lease_id == theirs  # not servable: kept
@@ -1373,7 +1373,7 @@ def test_past_4096_bars_the_ended_ones_are_dropped_and_the_new_one_kept(
     rec = ticket_record(b, conn)
     b.book.line_barred = {10_000 + i: until for i in range(4096)}
     monkeypatch.setattr(broker_mod.time, "monotonic", lambda: 1000.0)
-    b.book._bar_from_line(1001, rec)
+    b.book.bar_from_line(1001, rec)
     assert b.book.line_barred == {1001: 1000.0 + broker_mod.LINE_BAR_S}
 
 
@@ -1466,7 +1466,7 @@ def test_a_pick_leases_with_its_exclusive_wish_share_of_memory_and_holder() -> N
                         "holder": holder}))
     rec = one.record
     assert rec is not None
-    total = {d.uuid: d.memory_total_bytes for d in b.book._snap.devices}[rec.device_uuids[0]]
+    total = {d.uuid: d.memory_total_bytes for d in b.book.snap.devices}[rec.device_uuids[0]]
     assert (rec.exclusive, list(rec.device_requested_bytes)) == (True, [total // 4])
     assert (rec.holder_kind, rec.kernel_id, rec.notebook_path) == ("kernel", "k-1", "a.ipynb")
     run(b.run_op("pick", two, {"op": "pick"}))
@@ -1795,7 +1795,7 @@ def test_a_lease_on_a_device_this_host_does_not_have_is_a_usage_error_naming_it(
     conn = person(b, 1001)
     with pytest.raises(BrokerRefusal) as err:
         run(b.run_op("lease", conn, {"op": "lease", "devices": ["gpu-made-up"]}))
-    fleet = ", ".join(sorted(d.uuid for d in b.book._snap.devices))
+    fleet = ", ".join(sorted(d.uuid for d in b.book.snap.devices))
     assert str(err.value) == f"'gpu-made-up' is not a device of this host (its devices: {fleet})"
     assert err.value.kind == "UsageErrorBase"
     assert conn.record is None
@@ -1835,8 +1835,8 @@ def test_a_lease_of_a_subordinate_uid_counts_against_its_owners_device_limit() -
 
     b = broker(max_devices_per_user=1)
     b.fleet.backend = SimulatedBackend("demo-4x")
-    b.fleet._snapshot()
-    first, second = sorted(d.uuid for d in b.book._snap.devices)[:2]
+    b.fleet.snapshot()
+    first, second = sorted(d.uuid for d in b.book.snap.devices)[:2]
     sub = Conn(b, 200000, 200000, os.getpid(),
                Account(1001, "alice", frozenset(), via="subordinate uid 200000 of alice"))
     b.connections.conns.add(sub)
@@ -1952,7 +1952,7 @@ def test_a_lease_may_name_as_many_devices_as_the_id_list_holds_and_not_one_more(
 
     b = broker()
     ids = [f"GPU-{i:04d}" for i in range(MAX_ID_LIST + 1)]
-    b.fleet._fleet = set(ids)
+    b.fleet.ids = set(ids)
     conn = person(b, 1001)
     with pytest.raises(BrokerRefusal, match=r"^devices: expected a list of device UUIDs$"):
         run(b.run_op("lease", conn, {"op": "lease", "devices": ids}))
@@ -1995,7 +1995,7 @@ def test_a_device_reserved_for_a_group_is_leased_by_its_members_and_root_only() 
     the reservations (anyone took a reserved device); the applicant's uid dropped (root, whose
     exemption follows the uid, was refused)."""
     b = broker(reserved={"GPU-rz1": ["ml"]})
-    b.fleet._fleet = {"GPU-rz1"}
+    b.fleet.ids = {"GPU-rz1"}
     outsider = person(b, 1001, name="olga")
     member = person(b, 1002, name="mia", groups=frozenset({"ml"}))
     root = person(b, 0, name="root")
@@ -2019,7 +2019,7 @@ def test_a_holders_command_line_is_recorded_only_when_the_admin_says_so(
     sends. Caught: the setting ignored (every user's command line, tokens and all, was kept
     and shown)."""
     b = broker(record_commands=record_commands)
-    b.fleet._fleet = {"GPU-cm1"}
+    b.fleet.ids = {"GPU-cm1"}
     conn = person(b, 1001)
     msg = {"op": "lease", "devices": ["GPU-cm1"],
            "holder": {"kind": "process", "command": "python train.py --token=s3cret"}}
@@ -2062,10 +2062,10 @@ def test_a_connection_that_ends_ends_its_lease_and_gives_its_person_one_place_ba
                 break
             await asyncio.sleep(0.01)
         assert dict(b.connections.per_key) == {1001: 1}
-        assert b.connections._conn_refusal(1001, acct) is None  # one more
+        assert b.connections.refusal(1001, acct) is None  # one more
         assert (first.record, b.book.live(), b.restorer.journal.entries) == (None, [], {})  # type: ignore[union-attr]
         b.connections.per_key[1001] += 1
-        assert b.connections._conn_refusal(1001, acct) is not None  # not two
+        assert b.connections.refusal(1001, acct) is not None  # not two
         b.connections.per_key[1001] -= 1
         pairs[1][1].close()
         for _ in range(200):
@@ -2150,7 +2150,7 @@ def test_a_restarted_broker_takes_back_what_is_still_held_and_drops_the_rest(
         theirs.close()
 
     async def reap() -> None:
-        await second.restorer._reap(asyncio.get_running_loop())
+        await second.restorer.reap(asyncio.get_running_loop())
 
     run(reap())
     assert list(second.book.orphans) == [by_pid.lease_id]
@@ -2190,7 +2190,7 @@ def test_a_ticket_taken_while_a_device_is_free_reserves_nothing_and_is_forgotten
 
     b = broker()
     b.fleet.backend = SimulatedBackend("demo-4x")
-    b.fleet._snapshot()
+    b.fleet.snapshot()
     waiter, picker = person(b, 1001), person(b, 1002)
     waiter.record = ticket_record(b, waiter)
     assert _StateView(b.book, picker).live_records() == ([], [])
@@ -2217,7 +2217,7 @@ def test_a_grant_journals_its_socket_its_holder_and_its_ticket_number_and_set_pi
     state.mkdir(mode=0o700)
     b = broker(state_dir=str(state))
     assert b.restorer.journal is not None
-    b.fleet._fleet = {"GPU-jn1"}
+    b.fleet.ids = {"GPU-jn1"}
     me = jrnl.proc_ids(os.getpid())
     assert me
     holder, waiter = person(b, os.getuid()), person(b, os.getuid())
@@ -2258,7 +2258,7 @@ def test_a_subordinate_uids_lease_counts_its_owners_leases_against_the_limit() -
     too, and refused. Caught: the applicant asked with no person of its own (the subordinate
     uid counted only its own leases, and alice held two devices)."""
     b = broker(max_devices_per_user=1)
-    b.fleet._fleet = {"GPU-sub0", "GPU-sub1"}
+    b.fleet.ids = {"GPU-sub0", "GPU-sub1"}
     alice = person(b, 1001, name="alice")
     sub = Conn(b, 200000, 200000, os.getpid(),
                Account(1001, "alice", frozenset(), via="subordinate uid 200000 of alice"))
@@ -2276,7 +2276,7 @@ def test_a_lease_on_a_device_reserved_for_a_group_goes_only_to_its_members() -> 
     """Caught: the reservations left out of the lease's admission (anyone leased a device the
     admin reserved for the ml group)."""
     b = broker(reserved={"GPU-rs0": ["ml"]})
-    b.fleet._fleet = {"GPU-rs0"}
+    b.fleet.ids = {"GPU-rs0"}
     outsider = person(b, 1001)
     member = person(b, 1002, groups=frozenset({"ml"}))
     with pytest.raises(BrokerRefusal) as err:
@@ -2291,7 +2291,7 @@ def test_a_users_own_device_limit_is_named_in_the_refusal() -> None:
     """Caught: the limit's source left out of the quota (the refusal did not say the limit
     was alice's own, and she looked for it among the general settings)."""
     b = broker(user_limits={"alice": 1}, max_devices_per_user=5)
-    b.fleet._fleet = {"GPU-ul0", "GPU-ul1"}
+    b.fleet.ids = {"GPU-ul0", "GPU-ul1"}
     alice, again = person(b, 1001, name="alice"), person(b, 1001, name="alice")
     run(b.run_op("lease", alice, {"op": "lease", "devices": ["GPU-ul0"]}))
     with pytest.raises(BrokerRefusal) as err:
@@ -2305,7 +2305,7 @@ def test_a_repick_that_names_its_orphaned_lease_ends_it() -> None:
     with the new lease granted. Caught: the orphan not forgotten (the person held the old
     lease and the new one)."""
     b = broker()
-    b.fleet._fleet = {"GPU-or0", "GPU-or1"}
+    b.fleet.ids = {"GPU-or0", "GPU-or1"}
     alice = person(b, 1001)
     lease(b, alice, "GPU-or0")
     rec = alice.record
@@ -2324,7 +2324,7 @@ def test_a_repicks_ids_that_are_not_a_list_replace_nothing() -> None:
     b = broker()
     alice = person(b, 1001)
     lease(b, alice, "GPU-nl0")
-    assert b.book._replaced(person(b, 1001), {"ignore_ids": "GPU-nl0"}) == set()
+    assert b.book.replaced(person(b, 1001), {"ignore_ids": "GPU-nl0"}) == set()
 
 
 def test_an_unknown_uids_device_limit_says_it_is_for_uids_without_a_passwd_entry() -> None:
@@ -2349,7 +2349,7 @@ def test_a_leases_journal_line_names_the_peer_socket_of_its_connection(tmp_path:
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     b = broker(state_dir=str(state))
-    b.fleet._fleet = {"GPU-pi0"}
+    b.fleet.ids = {"GPU-pi0"}
 
     async def main() -> None:
         conn = person(b, 1001)
@@ -2380,7 +2380,7 @@ def test_a_connection_whose_loop_fails_under_it_ends_quietly(
     async def failing(_conn: Conn) -> None:
         raise RuntimeError("Event loop is closed")
 
-    monkeypatch.setattr(b.connections, "_serve", failing)
+    monkeypatch.setattr(b.connections, "serve", failing)
     assert run(b.connections._run(conn)) is None
 
 
@@ -2483,7 +2483,7 @@ class Clock:
 def refusal(b: Broker, conn: Conn) -> tuple[str, str] | None:
     """What ``conn`` joining the waiting line now is refused with (``None``: it may join)."""
     try:
-        b.book._may_join(conn)
+        b.book.may_join(conn)
     except BrokerRefusal as err:
         return str(err), err.kind
     return None
@@ -2524,7 +2524,7 @@ def test_a_barred_person_may_join_the_line_again_when_the_bar_ends(
     alice = person(b, 1001)
     assert refusal(b, alice) is None
     clock.now = 1000.0
-    b.book._bar_from_line(alice.key, ticket_record(b, alice))
+    b.book.bar_from_line(alice.key, ticket_record(b, alice))
     clock.now = 1030.0
     assert refusal(b, alice) == (
         "user1001 left a place in the waiting line that could be served, without taking a "
@@ -2596,17 +2596,17 @@ def test_a_new_ticket_reserves_only_where_a_settled_lease_or_an_earlier_waiter_h
     clock = Clock(monkeypatch, 1000.0)
     monkeypatch.setattr(broker_mod.time, "time", lambda: 1e9)
     b = broker()
-    b.book._snap, b.book._snap_at = one_free_device(), clock.now
+    b.book.snap, b.book.snap_at = one_free_device(), clock.now
     if lease_age_s is not None:
         carol = person(b, 1003)
         carol.record = replace(lease_record(b, carol, "GPU-s1"), exclusive=True,
                                created_s=1e9 - lease_age_s)
     if earlier is not None:
         bob = person(b, 1002)
-        b.book._snap_at = clock.now - (5.0 if earlier == "reserving" else 0.0)
+        b.book.snap_at = clock.now - (5.0 if earlier == "reserving" else 0.0)
         bob.record = exclusive_ticket(b, bob, 1)
         assert b.book.reserving(bob.record) is (earlier == "reserving")
-    b.book._snap_at = clock.now - snap_age_s
+    b.book.snap_at = clock.now - snap_age_s
     alice = person(b, 1001)
     alice.record = exclusive_ticket(b, alice, 2)
     assert b.book.reserving(alice.record) is reserves

@@ -362,7 +362,7 @@ def test_a_refused_client_that_does_not_read_never_blocks_the_broker(caplog: Any
                 socket.socket.send(guarded, b"x" * 65536)  # the client reads none of it
         guarded.setblocking(True)
         with caplog.at_level(logging.WARNING, logger="autogpu.broker"):
-            b.connections._refuse(guarded, 1001, "too many connections for alice")
+            b.connections.refuse(guarded, 1001, "too many connections for alice")
         assert guarded.fileno() == -1
     finally:
         guarded.close()
@@ -382,7 +382,7 @@ def test_a_connection_lost_under_its_loop_with_an_oserror_ends_quietly(
     async def failing(_conn: Conn) -> None:
         raise ConnectionResetError("Connection reset by peer")
 
-    monkeypatch.setattr(b.connections, "_serve", failing)
+    monkeypatch.setattr(b.connections, "serve", failing)
     assert run(b.connections._run(conn)) is None
 
 
@@ -395,13 +395,13 @@ def test_a_begin_reads_its_holders_ids_ahead_and_no_other_message_does(
     misspelled, or asked only of a connection that read them already)."""
     b = broker()
     read: list[int] = []
-    holder_ids = b.restorer._holder_ids
+    holder_ids = b.restorer.holder_ids
 
     def spy(conn: Conn) -> Any:
         read.append(conn.uid)
         return holder_ids(conn)
 
-    monkeypatch.setattr(b.restorer, "_holder_ids", spy)
+    monkeypatch.setattr(b.restorer, "holder_ids", spy)
     status = json.dumps({"op": "status", "proto": PROTOCOL}).encode() + b"\n"
     begin = json.dumps({"op": "begin", "proto": PROTOCOL}).encode() + b"\n"
     assert [r["ok"] for r in exchange(b, monkeypatch, status)] == [True]
@@ -425,10 +425,10 @@ def test_the_broker_makes_its_backend_once_and_reads_the_fleet_from_it() -> None
     b = broker()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fleet_mod, "get_backend", get_backend)
-        first = b.fleet._snapshot()
-        b.fleet._snapshot()
+        first = b.fleet.snapshot()
+        b.fleet.snapshot()
     assert len(made) == 1 and b.fleet.backend is made[0] and made[0].snapshots == 2
-    assert b.fleet._fleet == {d.uuid for d in first.devices} and len(b.fleet._fleet) == 4
+    assert b.fleet.ids == {d.uuid for d in first.devices} and len(b.fleet.ids) == 4
 
 
 def test_a_first_ticket_reads_the_fleet_and_later_ones_within_a_second_do_not(
@@ -442,16 +442,16 @@ def test_a_first_ticket_reads_the_fleet_and_later_ones_within_a_second_do_not(
     clock = Clock(monkeypatch, 3.0)  # a host booted 3 s ago
     b = broker()
     b.fleet.backend = Counted()
-    run(b.fleet._fresh_snapshot())
-    assert (b.fleet.backend.snapshots, b.book._snap is not None, b.book._snap_at) == (1, True, 3.0)
+    run(b.fleet.fresh_snapshot())
+    assert (b.fleet.backend.snapshots, b.book.snap is not None, b.book.snap_at) == (1, True, 3.0)
     clock.now = 4.0  # exactly a second later: still fresh
-    run(b.fleet._fresh_snapshot())
+    run(b.fleet.fresh_snapshot())
     assert b.fleet.backend.snapshots == 1
     clock.now = 5.5
-    run(b.fleet._fresh_snapshot())
-    assert (b.fleet.backend.snapshots, b.book._snap_at) == (2, 5.5)
+    run(b.fleet.fresh_snapshot())
+    assert (b.fleet.backend.snapshots, b.book.snap_at) == (2, 5.5)
     clock.now = 6.6
-    run(b.fleet._fresh_snapshot())
+    run(b.fleet.fresh_snapshot())
     assert b.fleet.backend.snapshots == 3
 
 
@@ -464,12 +464,12 @@ def test_a_ticket_without_a_fleet_logs_why_and_does_not_ask_again_within_a_secon
     b = broker()
     b.fleet.backend = NoFleet()
     with caplog.at_level(logging.DEBUG, logger="autogpu.broker"):
-        run(b.fleet._fresh_snapshot())
+        run(b.fleet.fresh_snapshot())
         clock.now = 101.0
-        run(b.fleet._fresh_snapshot())
+        run(b.fleet.fresh_snapshot())
     assert [r.getMessage() for r in caplog.records] == [
         "no snapshot for a new ticket: no GPU library here"]
-    assert (b.book._snap, b.book._snap_at) == (None, 100.0)
+    assert (b.book.snap, b.book.snap_at) == (None, 100.0)
 
 
 def test_an_unknown_id_reads_the_fleet_again_at_most_every_five_seconds(
@@ -483,15 +483,15 @@ def test_an_unknown_id_reads_the_fleet_again_at_most_every_five_seconds(
     b = broker()
     backend = b.fleet.backend = Counted()
     with pytest.raises(BrokerRefusal):
-        run(b.fleet._check_known(["gpu-made-up"]))
+        run(b.fleet.check_known(["gpu-made-up"]))
     assert backend.snapshots == 1
     clock.now = 7.9
     with pytest.raises(BrokerRefusal):
-        run(b.fleet._check_known(["gpu-made-up"]))
+        run(b.fleet.check_known(["gpu-made-up"]))
     assert backend.snapshots == 1
     clock.now = 8.0
     with pytest.raises(BrokerRefusal):
-        run(b.fleet._check_known(["gpu-made-up"]))
+        run(b.fleet.check_known(["gpu-made-up"]))
     assert backend.snapshots == 2
 
 
@@ -503,11 +503,11 @@ def test_an_unknown_id_is_refused_naming_its_first_80_characters_and_16_devices(
     (``none`` for a host without any). Caught: 81 characters or 17 devices shown, and
     ``none`` reworded."""
     b = broker()
-    b.fleet._fleet = {f"GPU-{i:02d}" for i in range(size)}
-    b.fleet._fleet_checked = time.monotonic()  # just read: not read again
+    b.fleet.ids = {f"GPU-{i:02d}" for i in range(size)}
+    b.fleet.checked_at = time.monotonic()  # just read: not read again
     asked = "g" * 100
     with pytest.raises(BrokerRefusal) as err:
-        run(b.fleet._check_known([asked]))
+        run(b.fleet.check_known([asked]))
     shown = ", ".join(f"GPU-{i:02d}" for i in range(min(size, 16))) or "none"
     assert str(err.value) == (
         f"{'g' * 80!r} is not a device of this host (its devices: {shown})")

@@ -158,11 +158,11 @@ def test_the_rows_cache_holds_256_devices_and_is_cleared_for_the_257th() -> None
     """Caught: the cache cleared only past 257 entries (``>`` or 257: it grew one too many)."""
     b = broker()
     rec = lease_record(b, person(b, 1002), "GPU-a")
-    b.ops_cache._rows = {("GPU-old", str(i)): {} for i in range(255)}
-    b.ops_cache._rows_of("GPU-a", [rec])
-    assert len(b.ops_cache._rows) == 256
-    b.ops_cache._rows_of("GPU-b", [rec])
-    assert list(b.ops_cache._rows) == [("GPU-b", f"{rec.lease_id}:{rec.pid}")]
+    b.ops_cache.rows = {("GPU-old", str(i)): {} for i in range(255)}
+    b.ops_cache.rows_of("GPU-a", [rec])
+    assert len(b.ops_cache.rows) == 256
+    b.ops_cache.rows_of("GPU-b", [rec])
+    assert list(b.ops_cache.rows) == [("GPU-b", f"{rec.lease_id}:{rec.pid}")]
 
 
 def test_a_devices_rows_put_a_booked_lease_before_an_unbooked_one_and_fold_none_as_zero(

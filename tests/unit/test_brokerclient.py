@@ -185,10 +185,10 @@ class Peer:
                 os.seteuid(0)
         else:
             self.sock.listen(8)
-        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread = threading.Thread(target=self.serve, daemon=True)
         self.thread.start()
 
-    def _serve(self) -> None:
+    def serve(self) -> None:
         for items in self.script:
             try:
                 conn, _ = self.sock.accept()
@@ -1590,14 +1590,14 @@ def test_a_barred_person_waits_out_the_bar_and_others_join_the_line() -> None:
 
     b = Broker(BrokerConfig(socket_path="/nonexistent/b.sock"))
     alice, bob = _person(b, 1001), _person(b, 1002)
-    b.book._may_join(alice)  # nobody barred: both join
-    b.book._may_join(bob)
+    b.book.may_join(alice)  # nobody barred: both join
+    b.book.may_join(bob)
     b.book.line_barred[alice.key] = time.monotonic() + LINE_BAR_S
     with pytest.raises(BrokerRefusal, match=r"^user1001 left a place in the waiting line"):
-        b.book._may_join(alice)
-    b.book._may_join(bob)  # one person's bar is nobody else's
+        b.book.may_join(alice)
+    b.book.may_join(bob)  # one person's bar is nobody else's
     b.book.line_barred[alice.key] = time.monotonic() - 1.0  # the bar is over
-    b.book._may_join(alice)
+    b.book.may_join(alice)
 
 
 def test_root_may_name_any_users_process_as_a_leases_holder(reg: BrokerRegistry) -> None:
@@ -1654,7 +1654,7 @@ def test_a_ticket_the_broker_could_serve_but_that_is_not_taken_lapses(
         ticket = reg.take_ticket(constraints=decision.ticket_constraints(wanted, [GPU_L]))
         assert ids(reg.list_tickets()) == [ticket.record.lease_id]
         asyncio.run_coroutine_threadsafe(
-            tb.broker.restorer._lapse_tickets(tb.loop), tb.loop).result(10)
+            tb.broker.restorer.lapse_round(tb.loop), tb.loop).result(10)
         fd = ticket.fileno()
         if lapses:
             wait_until(lambda: reg.list_tickets() == [])
