@@ -141,7 +141,7 @@ _UNIX_DIAG_PEER = 2
 _diag_broken = False
 _SIOCGSKNS = 0x894C  # the network namespace of a socket, as a descriptor (Linux 4.9)
 _CLONE_NEWNET = 0x40000000
-_MAX_NS_DIAGS = 64
+_MAX_NS_DIAGS = 256
 _ns_diags: dict[int, socket.socket] = {}  # network namespace inode -> its sock_diag socket
 
 

@@ -1540,7 +1540,9 @@ def test_lease_events_says_when_the_broker_closed_the_lease() -> None:
     with ours:
         theirs.close()
         assert lease_events(ours.fileno()) == [
-            "the lease broker closed this kernel's lease connection: the lease has ended"
+            "the lease broker closed this kernel's lease connection: a broker that restarted "
+            "keeps the lease while this kernel runs (`autogpu leases` shows it); else the lease "
+            "has ended"
         ]
 
 

@@ -763,7 +763,9 @@ def lease_events(fd: int) -> list[str]:
     except OSError:
         return []
     if not data:
-        return ["the lease broker closed this kernel's lease connection: the lease has ended"]
+        return ["the lease broker closed this kernel's lease connection: a broker that "
+                "restarted keeps the lease while this kernel runs (`autogpu leases` shows it); "
+                "else the lease has ended"]
     out = []
     for line in data.splitlines():
         try:
