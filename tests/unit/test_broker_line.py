@@ -273,8 +273,7 @@ def test_an_orphaned_ticket_that_lapses_is_forgotten(monkeypatch: pytest.MonkeyP
     conn = person(b, 1003)
     rec = ticket_record(b, conn)
     b.connections.conns.discard(conn)
-    b.book.orphans[rec.lease_id] = Orphan(1003, rec, [], key=1003)
-    b.book.version += 1
+    b.book.adopt(Orphan(1003, rec, [], key=1003))
     check_line(b)
     assert b.book.orphans == {} and b.book.live() == [] and b.book.lapsed == 1
     assert b.book.line_barred == {1003: 1060.0}

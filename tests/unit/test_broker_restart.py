@@ -98,7 +98,7 @@ def test_a_forgotten_orphan_leaves_nothing_of_it_in_the_ticket_checks() -> None:
     rec = alice.record
     assert rec is not None
     alice.record = None  # its connection ended with the old broker; the journal kept it
-    b.book.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
+    b.book.adopt(Orphan(1001, rec, [], key=1001))
     b.book.servable_since.update({rec.lease_id: 1.0, "other": 2.0})
     b.book.dormant.update({rec.lease_id, "other"})
     version = b.book.version
@@ -267,8 +267,7 @@ def test_the_holders_the_reaper_finds_by_an_orphans_socket_are_journaled(tmp_pat
     try:
         inode = os.fstat(theirs.fileno()).st_ino  # held by this process only
         b.restorer.journal.add(Entry(rec.lease_id, os.getuid(), encode(rec).decode(), inode, GONE))
-        b.book.orphans[rec.lease_id] = Orphan(os.getuid(), rec, list(GONE), key=os.getuid(),
-                                         peer=inode)
+        b.book.adopt(Orphan(os.getuid(), rec, list(GONE), key=os.getuid(), peer=inode))
 
         async def go() -> None:
             await b.restorer.reap(asyncio.get_running_loop())

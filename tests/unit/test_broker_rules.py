@@ -94,7 +94,7 @@ def test_an_orphaned_lease_is_released_only_by_its_own_person() -> None:
     rec = alice.record
     assert rec is not None
     alice.record = None  # its connection ended with the old broker; the journal kept it
-    b.book.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
+    b.book.adopt(Orphan(1001, rec, [], key=1001))
     with pytest.raises(BrokerRefusal, match=f"^release: no lease '{rec.lease_id}' of yours is "
                                             "orphaned$"):
         run(b.run_op("release", bob, {"op": "release", "lease_id": rec.lease_id}))
@@ -767,7 +767,7 @@ def test_root_revokes_an_orphaned_lease_by_id_and_an_unknown_id_is_named_in_the_
     rec = alice.record
     assert rec is not None
     alice.record = None
-    b.book.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
+    b.book.adopt(Orphan(1001, rec, [], key=1001))
     got = run(b.run_op("revoke", root, {"op": "revoke", "lease_id": rec.lease_id}))
     assert got == {"ok": True, "revoked": f"user1001: pid {alice.pid}", "kind": "lease"}
     assert b.book.orphans == {}
@@ -1253,7 +1253,7 @@ def test_an_orphan_whose_recorded_holder_runs_is_kept() -> None:
     alice.record = None
     me = jrnl.proc_ids(os.getpid())
     assert me
-    b.book.orphans[rec.lease_id] = Orphan(os.getuid(), rec, list(me), key=os.getuid())
+    b.book.adopt(Orphan(os.getuid(), rec, list(me), key=os.getuid()))
 
     async def go() -> None:
         await b.restorer.reap(asyncio.get_running_loop())
@@ -1281,7 +1281,7 @@ def test_an_orphan_whose_holders_are_gone_but_whose_socket_is_held_is_kept() -> 
     try:
         inode = os.fstat(theirs.fileno()).st_ino  # held by this process only
         gone = [(os.getpid(), -1)]  # a start time no process has: that holder is gone
-        b.book.orphans[rec.lease_id] = Orphan(os.getuid(), rec, gone, key=os.getuid(), peer=inode)
+        b.book.adopt(Orphan(os.getuid(), rec, gone, key=os.getuid(), peer=inode))
 
         async def go() -> None:
             await b.restorer.reap(asyncio.get_running_loop())
@@ -2311,7 +2311,7 @@ def test_a_repick_that_names_its_orphaned_lease_ends_it() -> None:
     rec = alice.record
     assert rec is not None
     alice.record = None
-    b.book.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
+    b.book.adopt(Orphan(1001, rec, [], key=1001))
     again = person(b, 1001)
     run(b.run_op("lease", again,
                  {"op": "lease", "devices": ["GPU-or1"], "ignore_ids": [rec.lease_id]}))
@@ -2462,7 +2462,7 @@ def test_the_status_names_a_record_without_a_user_by_its_account() -> None:
     b = broker()
     alice = person(b, 1001)
     rec = replace(lease_record(b, alice, "GPU-nu0"), user="")
-    b.book.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
+    b.book.adopt(Orphan(1001, rec, [], key=1001))
     got = run(b.run_op("status", alice, {"op": "status"}))
     assert got["per_user"] == {"1001": {"leases": 1, "devices": 1, "tickets": 0}}
 
