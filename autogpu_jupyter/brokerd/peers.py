@@ -191,6 +191,8 @@ def _peer_elsewhere(sock: socket.socket, ino: int) -> int | None:
         return None
     try:
         ns = os.fstat(nsfd).st_ino
+        if ns == _own_ns():
+            return None  # asked there already: no such socket (closed on the way)
         diag = _ns_diags.get(ns)
         if diag is None:
             diag = _diag_in(nsfd)
