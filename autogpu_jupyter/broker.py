@@ -4,8 +4,9 @@ A small daemon, run by root, on a Unix socket every user may connect to. It alon
 lease state of the host; clients (:mod:`autogpu_jupyter.core.leasing.brokerclient`) talk to it in
 newline-delimited JSON, one object per line: requests of at most ``MAX_REQUEST_BYTES``, replies
 of at most ``MAX_REPLY_BYTES`` (both defined there: the two sides agree). Every request and reply
-carries ``"proto"``: the first message of a connection with another protocol is answered with
-one line naming both versions, and the connection is closed.
+carries ``"proto"``; the protocol before it (messages without a version) is served too, its
+replies in the shapes it reads. The first message of a connection with any other protocol is
+answered with one line naming both sides' versions, and the connection is closed.
 
 Identity comes only from the kernel (``SO_PEERCRED``: uid, gid, pid of the connecting process);
 ``user``, ``uid`` or ``pid`` fields in a message are never read as identity. A uid is *accounted*
@@ -46,10 +47,10 @@ off with one log line (:mod:`autogpu_jupyter.brokerd.net`).
 **Restarts.** With a state directory (root-only, ``--state-dir``) every change is appended to a
 journal, written before the reply that announces it (:mod:`autogpu_jupyter.brokerd.journal`;
 a journal of an earlier boot is dropped: no lease outlives the boot). A restarted broker takes
-back each journaled lease or ticket whose socket is still held by some
-process (found by the socket's inode; else by the recorded pids and their start times) as an
-*orphan*: held until no process holds it any more, so no live lease is lost or doubled; nothing
-is handed out on its devices in the meantime.
+back each journaled lease or ticket whose socket still exists, in whatever namespace its holder
+runs (else: whose recorded holders still run, by pid and start time) as an *orphan*: held
+until no process holds it any more, so no live lease is lost or doubled; nothing is handed out
+on its devices in the meantime (:mod:`autogpu_jupyter.brokerd.restore`).
 
 **Tickets lapse.** A ticket taken while a device is free for it (counting only leases held for
 :data:`SETTLED_S`) reserves nothing (a waiter only waits when nothing fits) until nothing fits it

@@ -35,7 +35,7 @@ class PickLock:
         self.lock_holder: Any = None
         self.waiting: deque[Any] = deque()
         self.last_grant: dict[int, float] = {}
-        #: When each person last let the pick lock time out (see :meth:`_arm_lock_timer`).
+        #: When each person last let the pick lock time out (see :meth:`arm_timer`).
         self.lock_misuse: dict[int, float] = {}
 
     async def acquire(self, conn: Any) -> None:
