@@ -29,6 +29,7 @@ from autogpu_jupyter.brokerd import picklock as picklock_mod
 from tests.unit.test_broker_rules import (
     Written,
     broker,
+    counted,
     exclusive_ticket,
     lease_record,
     one_free_device,
@@ -95,13 +96,12 @@ def test_a_ticket_that_lapses_is_counted_bars_only_its_person_and_says_so_once(
     bob.record = replace(ticket_record(b, bob), seq=seq)
     carol.record = replace(ticket_record(b, carol), seq=None if seq is None else seq + 1)
     bobs, carols = bob.record.lease_id, carol.record.lease_id
-    b.book.lapsed = 0
     caplog.set_level(logging.INFO, logger="autogpu.broker")
     b.book.servable_since = {bobs: 990.0, carols: 990.0}
     b.book.waiters = lambda snap, tickets, settled_only=False: {  # type: ignore[method-assign]
         t.lease_id: ("GPU-s1",) for t in tickets}
     check_line(b)
-    assert b.book.lapsed == 2
+    assert counted(b, "tickets_lapsed") == 2
     assert (bob.record, carol.record) == (None, None)
     assert b.book.line_barred == {1002: 1060.0, 1003: 1060.0}
     assert b.book.servable_since == {}
@@ -145,7 +145,8 @@ def test_a_servable_ticket_lapses_only_when_the_whole_grace_has_passed(
     assert b.book.servable_since == {lease_id: 1000.0} and alice.record is not None
     clock.now = 1005.0
     check_line(b)
-    assert alice.record is None and b.book.lapsed == 1 and b.book.servable_since == {}
+    assert alice.record is None and counted(b, "tickets_lapsed") == 1
+    assert b.book.servable_since == {}
 
 
 def test_a_dormant_ticket_starts_to_reserve_once_a_settled_lease_takes_its_device(
@@ -213,7 +214,7 @@ def test_a_dormant_ticket_whose_device_was_just_leased_stays_dormant_and_does_no
     carol.record = replace(lease_record(b, carol, "GPU-s1"), exclusive=True,
                            created_s=time.time() - 1)
     check_line(b)
-    assert alice.record is rec and b.book.lapsed == 0
+    assert alice.record is rec and counted(b, "tickets_lapsed") == 0
     assert (b.book.dormant, b.book.servable_since) == ({rec.lease_id}, {})
     assert alice.writer.lines == []  # type: ignore[attr-defined]
 
@@ -235,7 +236,8 @@ def test_a_lease_of_a_moment_ago_keeps_a_waiting_ticket_from_lapsing(
                            created_s=time.time() - 1)
     rec = alice.record
     check_line(b)
-    assert alice.record is rec and b.book.lapsed == 0 and b.book.servable_since == {}
+    assert alice.record is rec and counted(b, "tickets_lapsed") == 0
+    assert b.book.servable_since == {}
     assert alice.writer.lines == []  # type: ignore[attr-defined]
 
 
@@ -275,7 +277,8 @@ def test_an_orphaned_ticket_that_lapses_is_forgotten(monkeypatch: pytest.MonkeyP
     b.connections.conns.discard(conn)
     b.book.adopt(Orphan(1003, rec, [], key=1003))
     check_line(b)
-    assert b.book.orphans == {} and b.book.live() == [] and b.book.lapsed == 1
+    assert b.book.live() == [] and counted(b, "tickets_lapsed") == 1
+    assert counted(b, "orphans") == 0
     assert b.book.line_barred == {1003: 1060.0}
 
 
@@ -314,7 +317,7 @@ def test_a_ticket_whose_connection_is_lost_on_the_way_lapses_all_the_same(
     b.book.waiters = lambda snap, tickets, settled_only=False: {  # type: ignore[method-assign]
         t.lease_id: ("GPU-s1",) for t in tickets}
     check_line(b)
-    assert (bob.record, carol.record, b.book.lapsed) == (None, None, 2)
+    assert (bob.record, carol.record, counted(b, "tickets_lapsed")) == (None, None, 2)
     assert carol.writer.closed
 
 
