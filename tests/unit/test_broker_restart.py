@@ -28,7 +28,15 @@ from autogpu_jupyter.broker import Broker, BrokerRefusal, Orphan
 from autogpu_jupyter.brokerd import journal as jrnl
 from autogpu_jupyter.brokerd.journal import Entry
 from autogpu_jupyter.core.leasing.records import encode
-from tests.unit.test_broker_rules import broker, lease, lease_record, person, run, ticket_record
+from tests.unit.test_broker_rules import (
+    broker,
+    lease,
+    lease_record,
+    live_ids,
+    person,
+    run,
+    ticket_record,
+)
 
 
 def state_dir(tmp_path: Path) -> Path:
@@ -152,7 +160,7 @@ def test_a_restarted_broker_goes_on_from_the_journals_counter_or_the_highest_tic
     first.restorer.journal.seq = counter
     first.restorer.journal.compact()  # the log's head: {"seq": counter}
     second = broker(state_dir=str(state))
-    assert list(second.book.orphans) == [rec.lease_id]
+    assert live_ids(second) == {rec.lease_id}
     assert second.book.seq == expected
 
 
@@ -330,7 +338,7 @@ def test_reaper_rounds_read_no_descriptor_of_a_live_holder(
     finally:
         ours.close()
         theirs.close()
-    assert set(b.book.orphans) == {by_socket, by_pid}
+    assert live_ids(b) == {by_socket, by_pid}
     assert [p for p in read if "/fd" in p] == []
 
 
@@ -353,15 +361,15 @@ def test_an_orphan_ends_as_soon_as_its_holder_does_without_waiting_for_a_round()
         async def go() -> None:
             loop = asyncio.get_running_loop()
             await b.restorer.settle(loop)
-            assert set(b.book.orphans) == {held}  # the reused pid: its orphan ended at once
+            assert live_ids(b) == {held}  # the reused pid: its orphan ended at once
             child.kill()
             for _ in range(1000):  # ends by the loop's own reader, no round in between
-                if held not in b.book.orphans:
+                if held not in live_ids(b):
                     return
                 await asyncio.sleep(0.01)
 
         run(go())
-        assert reused not in b.book.orphans and held not in b.book.orphans
+        assert not {reused, held} & live_ids(b)
     finally:
         child.kill()
         child.wait(10)
