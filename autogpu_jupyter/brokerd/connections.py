@@ -130,7 +130,7 @@ class Connections:
         conn = Conn(self.broker, uid, gid, pid, account)
         self.conns.add(conn)
         self.per_key[conn.key] += 1
-        task = asyncio.get_running_loop().create_task(self._run(conn))
+        task = asyncio.get_running_loop().create_task(self.run(conn))
         conn.writer = net.Channel(sock, OUT_BUFFER_BYTES + MAX_REPLY_BYTES, task.cancel)
         # The end of the task, however it ends (even cancelled before it ran), ends the
         # connection: its lock, its lease or ticket, its socket.
@@ -174,7 +174,7 @@ class Connections:
                         self.refused, uid, why)
             self.refused = 0
 
-    async def _run(self, conn: Conn) -> None:
+    async def run(self, conn: Conn) -> None:
         with contextlib.suppress(OSError, RuntimeError):  # a connection lost on the way
             await self.serve(conn)
 

@@ -2392,7 +2392,7 @@ def test_a_connection_whose_loop_fails_under_it_ends_quietly(
         raise RuntimeError("Event loop is closed")
 
     monkeypatch.setattr(b.connections, "serve", failing)
-    assert run(b.connections._run(conn)) is None
+    assert run(b.connections.run(conn)) is None
 
 
 def test_the_status_ranks_the_busiest_people_first_and_sums_the_rest_in_one_row(

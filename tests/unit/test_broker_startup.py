@@ -383,7 +383,7 @@ def test_a_connection_lost_under_its_loop_with_an_oserror_ends_quietly(
         raise ConnectionResetError("Connection reset by peer")
 
     monkeypatch.setattr(b.connections, "serve", failing)
-    assert run(b.connections._run(conn)) is None
+    assert run(b.connections.run(conn)) is None
 
 
 def test_a_begin_reads_its_holders_ids_ahead_and_no_other_message_does(
