@@ -42,30 +42,32 @@ of the first broker (``journal.json``) is read once when no log exists yet, then
 
 **Holders.** A lease lives as long as *its socket* is open anywhere, not as long as the process
 that connected: ``autogpu run`` and the provisioner hand the socket to a child and may exit. So
-the journal records the inode of the client's end of the connection (its *peer*, from the
-kernel's ``sock_diag`` interface) and the holder processes seen so far, as (pid, start time).
-After a restart, the processes that still hold that inode (found in ``/proc/*/fd``) are the
-holders; a pid is only ever trusted together with its start time, so a reused pid never keeps a
-lease alive. Where ``sock_diag`` is unavailable, the recorded pids (connecting process, and the
-one given by ``set_pid``) are used instead, checked with their start times and uid.
+the journal records the inode of the client's end of the connection (its *peer*) and the holder
+processes seen so far, as (pid, start time); :mod:`autogpu_jupyter.brokerd.peers` finds them
+and :mod:`autogpu_jupyter.brokerd.restore` reads them back.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import logging
 import os
-import socket
 import stat
-import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _quote  # json.dumps's own, for one str
 from typing import Any
 
-from autogpu_jupyter.core import procfs
+from autogpu_jupyter.brokerd.peers import (  # noqa: F401 (the journal's names, kept)
+    holders_alive,
+    holds_socket,
+    peer_inode,
+    pid_uids,
+    proc_ids,
+    scan_socket_holders,
+    start_time,
+)
 
 __all__ = [
     "COMPACT_MIN_BYTES",
@@ -469,173 +471,3 @@ def _pids(v: Any) -> Pids:
     if not isinstance(v, list):
         raise TypeError("pids: expected a list")
     return [(_int(p), _int(s)) for p, s in v][:64]
-
-
-# -- processes and sockets -------------------------------------------------------------------
-
-
-def start_time(pid: int) -> int | None:
-    """The start time (clock ticks after boot) of ``pid``, or ``None`` if it is gone
-    (:func:`autogpu_jupyter.core.procfs.start_time`: one reader of ``/proc``)."""
-    return procfs.start_time(pid)
-
-
-def proc_ids(pid: int) -> Pids:
-    """``[(pid, start time)]``, or ``[]`` when ``pid`` is gone."""
-    start = start_time(pid)
-    return [] if start is None else [(pid, start)]
-
-
-def pid_uids(pid: int) -> set[int]:
-    """The uids of ``pid`` (none when it is gone or hidden)."""
-    return procfs.uids(pid) or set()
-
-
-def holds_socket(pid: int, inode: int) -> bool:
-    """Whether process ``pid`` has the socket ``inode`` open."""
-    target = f"socket:[{inode}]"
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
-                return True
-    return False
-
-
-def holders_alive(pids: Sequence[tuple[int, int]], peer: int | None, uid: int) -> Pids:
-    """The recorded holders that still run (same start time) and, when the socket's inode is
-    known, still hold it; without an inode, those of ``uid`` (root: any)."""
-    out = []
-    for pid, start in pids:
-        if start_time(pid) != start:
-            continue
-        if peer is not None:
-            if holds_socket(pid, peer):
-                out.append((pid, start))
-        elif uid == 0 or uid in pid_uids(pid):
-            out.append((pid, start))
-    return out
-
-
-def scan_socket_holders(inodes: Iterable[int]) -> dict[int, Pids]:
-    """Every process holding one of ``inodes`` (one pass over ``/proc/*/fd``): inode -> holders.
-
-    Costs one ``readlink`` per open descriptor on the host: run it rarely (at a restart, and
-    when every known holder of an orphan has gone) and off the event loop.
-    """
-    wanted = {f"socket:[{i}]": i for i in inodes}
-    out: dict[int, Pids] = {}
-    if not wanted:
-        return out
-    try:
-        pids = [p for p in os.listdir("/proc") if p.isascii() and p.isdecimal()]
-    except OSError:
-        return out
-    for p in pids:
-        try:
-            fds = os.listdir(f"/proc/{p}/fd")
-        except OSError:
-            continue
-        found: set[int] = set()
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{p}/fd/{fd}")
-            except OSError:
-                continue
-            ino = wanted.get(link)
-            if ino is not None:
-                found.add(ino)
-        if found:
-            start = start_time(int(p))
-            if start is None:
-                continue
-            for ino in found:
-                out.setdefault(ino, []).append((int(p), start))
-    return out
-
-
-# -- the peer of a Unix socket (sock_diag) ---------------------------------------------------
-
-_NETLINK_SOCK_DIAG = 4
-_SOCK_DIAG_BY_FAMILY = 20
-_NLM_F_REQUEST = 1
-_NLMSG_ERROR = 2
-_UDIAG_SHOW_PEER = 0x4
-_UNIX_DIAG_PEER = 2
-_diag_broken = False
-
-
-_diag: socket.socket | None = None  # the sock_diag socket, opened once and kept
-_diag_seq = 0
-
-
-def peer_inode(sock: socket.socket) -> int | None:
-    """The inode of the other end of the connected Unix socket ``sock`` (``sock_diag``), or
-    ``None`` where the kernel does not tell (no ``unix_diag``; logged once)."""
-    global _diag_broken
-    if _diag_broken:
-        return None
-    try:
-        ino = os.fstat(sock.fileno()).st_ino
-    except OSError:
-        return None  # this connection is already gone (closed): nothing to ask the kernel
-    try:
-        return _ask_peer(ino)
-    except (OSError, struct.error, ValueError) as err:
-        _diag_broken = True
-        _close_diag()
-        log.warning("the kernel does not tell the peers of Unix sockets (sock_diag: %s): after "
-                    "a restart, leases are kept by the pids that took them", err)
-        return None
-
-
-def _ask_peer(ino: int) -> int | None:
-    """One ``SOCK_DIAG_BY_FAMILY`` request for socket ``ino`` on the kept netlink socket (one
-    per broker: opening one per connection cost as much again); its answer is the reply
-    that carries the request's sequence number."""
-    global _diag, _diag_seq
-    if _diag is None:
-        _diag = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG)
-        _diag.settimeout(1.0)
-    _diag_seq = _diag_seq % 0xFFFFFFFF + 1
-    req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xFFFFFFFF, ino,
-                      _UDIAG_SHOW_PEER, 0xFFFFFFFF, 0xFFFFFFFF)
-    hdr = struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST,
-                      _diag_seq, 0)
-    _diag.sendto(hdr + req, (0, 0))
-    while True:
-        data = _diag.recv(8192)
-        if struct.unpack_from("=I", data, 8)[0] == _diag_seq:  # nlmsg_seq
-            return _parse_peer(data)
-
-
-def _close_diag() -> None:
-    global _diag
-    if _diag is not None:
-        _diag.close()
-        _diag = None
-
-
-atexit.register(_close_diag)  # the kept socket ends with the process, not as a ResourceWarning
-
-
-def _parse_peer(data: bytes) -> int | None:
-    length, kind = struct.unpack_from("=IH", data)
-    if kind == _NLMSG_ERROR:
-        raise ValueError(f"error {-struct.unpack_from('=i', data, 16)[0]}")
-    off = 16 + 16  # nlmsghdr, unix_diag_msg
-    end = min(length, len(data))
-    while off + 4 <= end:
-        alen, atype = struct.unpack_from("=HH", data, off)
-        if alen < 4:
-            break
-        if atype == _UNIX_DIAG_PEER:
-            if alen < 8 or off + 8 > end:
-                return None  # its payload is not all there: a truncated answer names no peer
-            peer: int = struct.unpack_from("=I", data, off + 4)[0]
-            return peer or None
-        off += (alen + 3) & ~3
-    return None

@@ -74,7 +74,8 @@ class AutoGPUServer(LoggingConfigurable):
     ).tag(config=True)
     max_history_points = Int(
         900,
-        help="Most samples per device one /autogpu/api/v1/history answer contains (the newest are kept).",
+        help="Most samples per device one /autogpu/api/v1/history answer contains (the newest "
+        "are kept).",
     ).tag(config=True)
     smoothing_window_s = Float(
         30.0,

@@ -319,11 +319,11 @@ def test_odd_requests_from_a_user_get_one_line_each(
                       {"op": []},
                       {"op": "lease", "devices": [uuid_of(0).lower()]},
                       {"op": "lease", "devices": [uuid_of(0)], "holder": {"kind": "reserved"}},
-                      json.dumps({"op": "status"}).encode() + b"\n")
+                      json.dumps({"op": "status", "proto": 99}).encode() + b"\n")
     assert [r["ok"] for r in replies] == [False] * 4, replies
     assert replies[0]["error"].startswith("unknown message (op []; expected one of")
     assert "is not a device of this host" in replies[1]["error"]
     assert replies[2]["error"].startswith("holder.kind 'reserved' is not one of")
-    assert replies[3]["error"].startswith("this autogpu speaks no protocol version")
+    assert replies[3]["error"].startswith("this autogpu speaks protocol 99, the lease broker")
     assert broker.status()["leases"] == []
     assert "Traceback" not in broker.log.read_text()

@@ -94,19 +94,29 @@ def test_an_op_of_any_json_shape_gets_one_line_and_no_traceback(broker: BrokerPr
     assert broker.proc is not None and broker.proc.poll() is None
 
 
-def test_a_client_of_another_protocol_is_refused_with_both_versions(broker: BrokerProc) -> None:
+def test_the_older_protocol_is_served_and_any_other_refused_with_both_versions(
+    broker: BrokerProc,
+) -> None:
+    """A client of the protocol before this one (no version in its messages) picks and
+    leases; a client of any other gets one line naming its version and both of the broker's,
+    and the connection ends."""
     with RawConn(broker.socket) as c:
         c.send(json.dumps({"op": "begin"}).encode() + b"\n")  # an autogpu before versions
         reply = c.read()
-        assert reply is not None and reply["ok"] is False
-        assert reply["error"].startswith("this autogpu speaks no protocol version")
-        assert f"the lease broker speaks protocol {PROTOCOL}" in reply["error"]
-        assert c.read() is None
+        assert reply is not None and reply["ok"] is True, reply
+        assert reply["leases"] == [] and reply["tickets"] == []
+        c.send(json.dumps({"op": "lease", "devices": [uuid_of(0)]}).encode() + b"\n")
+        reply = c.read()
+        assert reply is not None and reply["ok"] is True, reply
+        assert broker.status()["leases_total"] == 1
     with RawConn(broker.socket) as c:
         c.send(json.dumps({"op": "status", "proto": PROTOCOL + 1}).encode() + b"\n")
         reply = c.read()
-        assert reply is not None
-        assert f"this autogpu speaks protocol {PROTOCOL + 1}, the lease broker" in reply["error"]
+        assert reply is not None and reply["ok"] is False
+        assert reply["error"].startswith(
+            f"this autogpu speaks protocol {PROTOCOL + 1}, the lease broker speaks protocol "
+            f"{PROTOCOL} and {PROTOCOL - 1}"), reply
+        assert c.read() is None
 
 
 class _FakeBroker:

@@ -1,8 +1,10 @@
-"""The lease store contract: the same cases, the same answers, from both stores.
+"""The lease store contract: the same cases, the same answers, from every holder of lease state.
 
-Every test runs twice, against the shared directory (``core.leasing.directory.Registry``) and
-against the client of a real ``autogpu broker`` process (``core.leasing.brokerclient``), both
-configured with the same rules (2 devices, 3 leases and 2 tickets per user). What the broker's own
+Every test runs three times: against the shared directory (``core.leasing.directory.Registry``),
+against the client of a real ``autogpu broker`` process (``core.leasing.brokerclient``), and
+against the broker's lease book in memory behind the same transaction interface
+(``brokerd.bookstore.BookStore``: the broker's own ops, no socket), all configured with the same
+rules (2 devices, 3 leases and 2 tickets per user). What the broker's own
 view of its state decides (its one-message ``pick``) is checked against the same waiting line.
 The words of each refusal are the one admission module's; only the broker's client adds
 "lease broker: " and the broker " (enforced by the broker)".
@@ -23,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from autogpu_jupyter.broker import Broker, BrokerConfig
+from autogpu_jupyter.brokerd.bookstore import BookLease, BookStore
 from autogpu_jupyter.core import decision
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.leasing import (
@@ -58,7 +62,7 @@ class Contract:
             return text
         if quota:
             text = text.replace(" set by the admin.", " set by the admin (enforced by the broker).")
-        return f"lease broker: {text}"
+        return text if self.kind == "book" else f"lease broker: {text}"
 
     def lease(self, *devices: str, exclusive: bool = False, **who: Any) -> HeldLease:
         with self.store.locked() as txn:
@@ -104,13 +108,19 @@ def broker_proc(area: Path) -> Iterator[BrokerProc]:
     proc.stop()
 
 
-@pytest.fixture(params=["directory", "broker"])
+@pytest.fixture(params=["directory", "broker", "book"])
 def contract(
     request: pytest.FixtureRequest, tmp_path: Path, area: Path
 ) -> Iterator[Contract]:
     if request.param == "directory":
         store: LeaseStore = Registry(tmp_path / "registry", max_devices_per_user=2,
                                      max_leases_per_user=3, max_tickets_per_user=2)
+    elif request.param == "book":
+        broker = Broker(BrokerConfig(socket_path=str(tmp_path / "none.sock"),
+                                     max_devices_per_user=2, max_leases_per_user=3,
+                                     max_tickets_per_user=2))
+        broker.fleet.backend = SimulatedBackend(str(area / "fleet.json"))
+        store = BookStore(broker)
     else:
         proc: BrokerProc = request.getfixturevalue("broker_proc")
         store = BrokerRegistry(str(proc.socket), connect_timeout_s=5.0)
@@ -306,6 +316,14 @@ time.sleep(120)
 
 
 def test_a_killed_holder_frees_its_lease_with_no_cleanup(contract: Contract) -> None:
+    if isinstance(contract.store, BookStore):  # in memory: its holder hangs up
+        held = contract.lease(G[2])
+        assert isinstance(held, BookLease) and held.record.lease_id in contract.live_ids()
+        contract.store.hang_up(held)
+        contract.wait_gone(held.record.lease_id)
+        with contract.lease(G[2], exclusive=True):
+            pass
+        return
     child = subprocess.Popen(
         [sys.executable, "-c", _HOLD, contract.kind, contract.store.path, G[2]],
         stdout=subprocess.PIPE, text=True, cwd=str(REPO),

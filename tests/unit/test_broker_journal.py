@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter.brokerd import journal as jrnl
+from autogpu_jupyter.brokerd import peers
 from autogpu_jupyter.brokerd.journal import Entry, Journal
 from tests.leasehelpers import AsUser
 
@@ -324,8 +325,8 @@ def test_a_process_that_is_gone_holds_no_socket() -> None:
     a, b = socket.socketpair(socket.AF_UNIX)
     with a, b:
         ino = os.fstat(a.fileno()).st_ino
-        assert jrnl.holds_socket(os.getpid(), ino) is True
-        assert jrnl.holds_socket(2**22 + 12345, ino) is False  # no such pid: no /proc entry
+        assert peers.holds_socket(os.getpid(), ino) is True
+        assert peers.holds_socket(2**22 + 12345, ino) is False  # no such pid: no /proc entry
 
 
 def test_a_log_that_is_not_a_file_of_ours_is_refused(tmp_path: Path) -> None:
@@ -346,27 +347,27 @@ def test_a_log_that_is_not_a_file_of_ours_is_refused(tmp_path: Path) -> None:
 def test_the_peer_of_a_unix_socket_is_the_other_end() -> None:
     a, b = socket.socketpair(socket.AF_UNIX)
     with a, b:
-        assert jrnl.peer_inode(a) == os.fstat(b.fileno()).st_ino
-        assert jrnl.peer_inode(b) == os.fstat(a.fileno()).st_ino
+        assert peers.peer_inode(a) == os.fstat(b.fileno()).st_ino
+        assert peers.peer_inode(b) == os.fstat(a.fileno()).st_ino
 
 
 @pytest.fixture
 def fresh_diag(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No kept sock_diag socket yet, sock_diag not marked broken (both restored after)."""
-    jrnl._close_diag()
-    monkeypatch.setattr(jrnl, "_diag_broken", False)
+    peers._close_diag()
+    monkeypatch.setattr(peers, "_diag_broken", False)
     yield
-    jrnl._close_diag()
+    peers._close_diag()
 
 
 def test_the_kept_sock_diag_socket_answers_each_socket_in_turn(fresh_diag: None) -> None:
     pairs = [socket.socketpair(socket.AF_UNIX) for _ in range(4)]
     try:
-        jrnl.peer_inode(pairs[0][0])
-        kept = jrnl._diag
+        peers.peer_inode(pairs[0][0])
+        kept = peers._diag
         for a, b in pairs + pairs[::-1]:
-            assert jrnl.peer_inode(a) == os.fstat(b.fileno()).st_ino
-        assert kept is not None and jrnl._diag is kept  # one socket, kept
+            assert peers.peer_inode(a) == os.fstat(b.fileno()).st_ino
+        assert kept is not None and peers._diag is kept  # one socket, kept
     finally:
         for a, b in pairs:
             a.close()
@@ -379,11 +380,11 @@ def test_the_sequence_numbers_wrap_inside_32_bits_and_never_reach_0(
     a, b = socket.socketpair(socket.AF_UNIX)
     with a, b:
         for start, seen in ((1, [2, 3]), (0xFFFFFFFE, [0xFFFFFFFF, 1])):
-            monkeypatch.setattr(jrnl, "_diag_seq", start)
+            monkeypatch.setattr(peers, "_diag_seq", start)
             got = []
             for _ in seen:
-                assert jrnl.peer_inode(a) == os.fstat(b.fileno()).st_ino
-                got.append(jrnl._diag_seq)
+                assert peers.peer_inode(a) == os.fstat(b.fileno()).st_ino
+                got.append(peers._diag_seq)
             assert got == seen
 
 
@@ -394,24 +395,24 @@ def test_a_connection_already_closed_has_no_peer_and_breaks_nothing(
     gone.close()
     other.close()
     with caplog.at_level(logging.WARNING):
-        assert jrnl.peer_inode(gone) is None
+        assert peers.peer_inode(gone) is None
     assert caplog.records == []
     a, b = socket.socketpair(socket.AF_UNIX)
     with a, b:
-        assert jrnl.peer_inode(a) == os.fstat(b.fileno()).st_ino  # sock_diag still asked
+        assert peers.peer_inode(a) == os.fstat(b.fileno()).st_ino  # sock_diag still asked
 
 
 def test_a_kernel_without_sock_diag_is_said_once_and_not_asked_again(
     fresh_diag: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(jrnl, "_NETLINK_SOCK_DIAG", 4095)  # no such netlink family
+    monkeypatch.setattr(peers, "_NETLINK_SOCK_DIAG", 4095)  # no such netlink family
     a, b = socket.socketpair(socket.AF_UNIX)
-    with a, b, caplog.at_level(logging.WARNING, logger=jrnl.log.name):
-        assert jrnl.peer_inode(a) is None
-        assert jrnl._diag is None and jrnl._diag_broken is True
-        monkeypatch.setattr(jrnl, "_NETLINK_SOCK_DIAG", 4)  # would work now: not tried again
-        assert jrnl.peer_inode(a) is None
-        assert jrnl._diag is None
+    with a, b, caplog.at_level(logging.WARNING, logger=peers.log.name):
+        assert peers.peer_inode(a) is None
+        assert peers._diag is None and peers._diag_broken is True
+        monkeypatch.setattr(peers, "_NETLINK_SOCK_DIAG", 4)  # would work now: not tried again
+        assert peers.peer_inode(a) is None
+        assert peers._diag is None
     assert [r.getMessage() for r in caplog.records] == [
         "the kernel does not tell the peers of Unix sockets (sock_diag: [Errno 93] Protocol "
         "not supported): after a restart, leases are kept by the pids that took them"
@@ -419,11 +420,11 @@ def test_a_kernel_without_sock_diag_is_said_once_and_not_asked_again(
 
 
 def _peer_found_as_this_user() -> Any:
-    jrnl._close_diag()  # this user's own sock_diag socket, as a broker not run as root has
-    jrnl._diag_broken = False
+    peers._close_diag()  # this user's own sock_diag socket, as a broker not run as root has
+    peers._diag_broken = False
     c, d = socket.socketpair(socket.AF_UNIX)
     with c, d:
-        return [jrnl.peer_inode(c) == os.fstat(d.fileno()).st_ino, jrnl._diag_broken]
+        return [peers.peer_inode(c) == os.fstat(d.fileno()).st_ino, peers._diag_broken]
 
 
 def test_the_kept_sock_diag_socket_closes_with_the_process() -> None:
@@ -448,7 +449,7 @@ def test_a_broker_not_run_as_root_is_told_the_peers_too(fresh_diag: None) -> Non
     every peer unknown)."""
     a, b = socket.socketpair(socket.AF_UNIX)
     with a, b:
-        assert jrnl.peer_inode(a) == os.fstat(b.fileno()).st_ino
+        assert peers.peer_inode(a) == os.fstat(b.fileno()).st_ino
     nobody = pwd.getpwnam("nobody")
     child = AsUser(nobody.pw_uid, nobody.pw_gid, _peer_found_as_this_user)
     try:
@@ -461,14 +462,14 @@ def test_a_stale_sock_diag_answer_is_skipped_by_its_sequence_number(fresh_diag: 
     a, b = socket.socketpair(socket.AF_UNIX)
     c, d = socket.socketpair(socket.AF_UNIX)
     with a, b, c, d:
-        jrnl.peer_inode(a)  # the kept socket exists
-        assert jrnl._diag is not None
+        peers.peer_inode(a)  # the kept socket exists
+        assert peers._diag is not None
         # An answer left over (a request whose reply was never read): about socket c.
         req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xFFFFFFFF,
                           os.fstat(c.fileno()).st_ino, 4, 0xFFFFFFFF, 0xFFFFFFFF)
-        jrnl._diag.sendto(struct.pack("=IHHII", 16 + len(req), 20, 1, 0xFFFFFFF0, 0) + req,
+        peers._diag.sendto(struct.pack("=IHHII", 16 + len(req), 20, 1, 0xFFFFFFF0, 0) + req,
                           (0, 0))
-        assert jrnl.peer_inode(a) == os.fstat(b.fileno()).st_ino
+        assert peers.peer_inode(a) == os.fstat(b.fileno()).st_ino
 
 
 def test_start_time_and_proc_ids_of_a_process() -> None:
@@ -496,24 +497,24 @@ def test_holders_are_found_by_the_socket_they_hold_and_checked_by_start_time() -
             time.sleep(0.01)
         start = jrnl.start_time(child.pid)
         assert start is not None
-        assert jrnl.scan_socket_holders([ino]) == {ino: [(child.pid, start)]}
-        assert jrnl.scan_socket_holders([]) == {}
-        assert jrnl.holds_socket(child.pid, ino)
-        assert not jrnl.holds_socket(os.getpid(), ino)
-        assert jrnl.holders_alive([(child.pid, start)], ino, 12345) == [(child.pid, start)]
-        assert jrnl.holders_alive([(child.pid, start + 1)], ino, 0) == []  # a reused pid
-        assert jrnl.holders_alive([(os.getpid(), jrnl.start_time(os.getpid()) or 0)], ino,
+        assert peers.scan_socket_holders([ino]) == {ino: [(child.pid, start)]}
+        assert peers.scan_socket_holders([]) == {}
+        assert peers.holds_socket(child.pid, ino)
+        assert not peers.holds_socket(os.getpid(), ino)
+        assert peers.holders_alive([(child.pid, start)], ino, 12345) == [(child.pid, start)]
+        assert peers.holders_alive([(child.pid, start + 1)], ino, 0) == []  # a reused pid
+        assert peers.holders_alive([(os.getpid(), jrnl.start_time(os.getpid()) or 0)], ino,
                                   0) == []  # runs, but does not hold it
         # without an inode: the pid, its start time and its uid (root: any)
         uid = os.getuid()
-        assert jrnl.holders_alive([(child.pid, start)], None, uid) == [(child.pid, start)]
-        assert jrnl.holders_alive([(child.pid, start)], None, uid + 4242) == (
+        assert peers.holders_alive([(child.pid, start)], None, uid) == [(child.pid, start)]
+        assert peers.holders_alive([(child.pid, start)], None, uid + 4242) == (
             [(child.pid, start)] if uid + 4242 == 0 else [])
     finally:
         child.kill()
         child.wait()
         a.close()
-    assert jrnl.scan_socket_holders([ino]) == {}
+    assert peers.scan_socket_holders([ino]) == {}
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
@@ -528,9 +529,9 @@ def test_without_an_inode_a_holder_is_kept_by_its_users_uid_or_by_root() -> None
         start = jrnl.start_time(child.pid)
         assert start is not None
         held = [(child.pid, start)]
-        assert jrnl.holders_alive(held, None, nobody.pw_uid) == held
-        assert jrnl.holders_alive(held, None, 0) == held
-        assert jrnl.holders_alive(held, None, nobody.pw_uid - 1) == []
+        assert peers.holders_alive(held, None, nobody.pw_uid) == held
+        assert peers.holders_alive(held, None, 0) == held
+        assert peers.holders_alive(held, None, nobody.pw_uid - 1) == []
     finally:
         child.stop()
 
@@ -551,7 +552,7 @@ def test_a_sock_diag_answer_is_read_up_to_its_bytes_whatever_its_length_says() -
     body = b"\0" * 16 + struct.pack("=HHI", 8, 2, 4242)  # unix_diag_msg, then UNIX_DIAG_PEER
     for length in (16 + len(body), 2**31, 2**32 - 1):
         data = struct.pack("=IHHII", length, 20, 0, 0, 0) + body
-        assert jrnl._parse_peer(data) == 4242, length
+        assert peers._parse_peer(data) == 4242, length
 
 
 def test_a_truncated_sock_diag_peer_attribute_gives_no_peer() -> None:
@@ -565,7 +566,7 @@ def test_a_truncated_sock_diag_peer_attribute_gives_no_peer() -> None:
     for body, length in ((cut, 16 + len(cut)), (cut + struct.pack("=I", 4242), 16 + len(cut)),
                          (short, 16 + len(short))):
         data = struct.pack("=IHHII", length, 20, 0, 0, 0) + body
-        assert jrnl._parse_peer(data) is None, (body, length)
+        assert peers._parse_peer(data) is None, (body, length)
 
 
 def test_a_journal_not_yet_opened_counts_no_bytes_then_its_files(tmp_path: Path) -> None:
@@ -583,7 +584,7 @@ def test_a_sock_diag_error_answer_raises_with_the_kernels_error_number() -> None
     says that number. Caught: the errno read from offset 0 (the message length said instead)."""
     data = struct.pack("=IHHIIi", 36, 2, 0, 0, 0, -13) + b"\0" * 16  # nlmsgerr: errno, request
     with pytest.raises(ValueError, match=r"^error 13$"):
-        jrnl._parse_peer(data)
+        peers._parse_peer(data)
 
 
 def test_a_holder_that_vanished_mid_scan_is_skipped_and_the_scan_goes_on(
@@ -608,8 +609,8 @@ def test_a_holder_that_vanished_mid_scan_is_skipped_and_the_scan_goes_on(
 
     monkeypatch.setattr(jrnl.os, "listdir", listdir)
     monkeypatch.setattr(jrnl.os, "readlink", readlink)
-    monkeypatch.setattr(jrnl, "start_time", lambda pid: None if pid == 101 else 5555)
-    assert jrnl.scan_socket_holders([777, 888]) == {777: [(102, 5555)]}
+    monkeypatch.setattr(peers, "start_time", lambda pid: None if pid == 101 else 5555)
+    assert peers.scan_socket_holders([777, 888]) == {777: [(102, 5555)]}
 
 
 # ---- a disk that fills up ----------------------------------------------------------------------

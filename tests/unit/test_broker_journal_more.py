@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter.brokerd import journal as jrnl
+from autogpu_jupyter.brokerd import peers
 from autogpu_jupyter.brokerd.journal import Entry, Journal
 from tests.unit.test_broker_journal import entry, lines
 
@@ -291,7 +292,7 @@ def test_a_recorded_holder_of_another_start_time_is_passed_over_not_the_end_of_t
     me = os.getpid()
     start = jrnl.start_time(me)
     assert start is not None
-    assert jrnl.holders_alive([(me, start + 1), (me, start)], None, 0) == [(me, start)]
+    assert peers.holders_alive([(me, start + 1), (me, start)], None, 0) == [(me, start)]
 
 
 def test_the_socket_scan_goes_on_past_a_process_or_descriptor_it_cannot_read(
@@ -321,8 +322,8 @@ def test_the_socket_scan_goes_on_past_a_process_or_descriptor_it_cannot_read(
 
     monkeypatch.setattr(jrnl.os, "listdir", listdir)
     monkeypatch.setattr(jrnl.os, "readlink", readlink)
-    monkeypatch.setattr(jrnl, "start_time", lambda pid: 5555)
-    assert jrnl.scan_socket_holders([777]) == {777: [(102, 5555)]}
+    monkeypatch.setattr(peers, "start_time", lambda pid: 5555)
+    assert peers.scan_socket_holders([777]) == {777: [(102, 5555)]}
 
 
 def _answer(attrs: bytes, length: int | None = None) -> bytes:
@@ -344,7 +345,7 @@ def test_a_sock_diag_answer_without_attributes_names_no_peer() -> None:
     """An answer that ends with its unix_diag_msg (no attribute at all) names no peer, and is
     no error (an error would mark sock_diag broken for good). Caught: the loop's bound
     ``off - 4 <= end`` (a header read past the answer: struct.error)."""
-    assert jrnl._parse_peer(_answer(b"")) is None
+    assert peers._parse_peer(_answer(b"")) is None
 
 
 def test_the_peer_is_found_after_other_attributes_by_their_padded_lengths() -> None:
@@ -355,7 +356,7 @@ def test_the_peer_is_found_after_other_attributes_by_their_padded_lengths() -> N
     ``alen + 4``; the inode read signed (2**32 - 1 became -1)."""
     attrs = (_attr(4, struct.pack("=II", 0, 0)) + _attr(0, b"/s") + _attr(3, b"")
              + _attr(2, struct.pack("=I", 0xFFFFFFFF)))
-    assert jrnl._parse_peer(_answer(attrs)) == 0xFFFFFFFF
+    assert peers._parse_peer(_answer(attrs)) == 0xFFFFFFFF
 
 
 def test_an_attributes_length_is_unsigned() -> None:
@@ -363,4 +364,4 @@ def test_an_attributes_length_is_unsigned() -> None:
     set still names the peer its four bytes hold (the payload is there). Caught: the length
     read signed (negative, so taken for the end of the attributes)."""
     attrs = _attr(2, struct.pack("=I", 4242), alen=0x8008)
-    assert jrnl._parse_peer(_answer(attrs)) == 4242
+    assert peers._parse_peer(_answer(attrs)) == 4242

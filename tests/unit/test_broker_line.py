@@ -22,9 +22,14 @@ import pytest
 
 import autogpu_jupyter.broker as broker_mod
 from autogpu_jupyter.broker import Broker, BrokerRefusal, Conn, Orphan
+from autogpu_jupyter.brokerd import book as book_mod
+from autogpu_jupyter.brokerd import connections as conn_mod
+from autogpu_jupyter.brokerd import fleet as fleet_mod
+from autogpu_jupyter.brokerd import picklock as picklock_mod
 from tests.unit.test_broker_rules import (
     Written,
     broker,
+    counted,
     exclusive_ticket,
     lease_record,
     one_free_device,
@@ -40,8 +45,9 @@ class Clock:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, now: float) -> None:
         self.now = now
-        monkeypatch.setattr(broker_mod, "time", types.SimpleNamespace(
-            monotonic=lambda: self.now, time=time.time))
+        clock = types.SimpleNamespace(monotonic=lambda: self.now, time=time.time)
+        for mod in (broker_mod, book_mod, picklock_mod, fleet_mod, conn_mod):
+            monkeypatch.setattr(mod, "time", clock)
 
 
 class Fleet:
@@ -54,7 +60,7 @@ class Fleet:
 def check_line(b: Broker) -> None:
     """One round of the reaper's ticket check."""
     async def go() -> None:
-        await b._lapse_tickets(asyncio.get_running_loop())
+        await b.restorer.lapse_round(asyncio.get_running_loop())
 
     run(go())
 
@@ -82,7 +88,7 @@ def test_a_ticket_that_lapses_is_counted_bars_only_its_person_and_says_so_once(
     changed."""
     Clock(monkeypatch, 1000.0)
     b = broker(ticket_grace_s=0.0)
-    b.backend = Fleet()
+    b.fleet.backend = Fleet()
     alice, bob, carol = person(b, 1001), person(b, 1002), person(b, 1003)
     alice.record = replace(lease_record(b, alice, "GPU-other"), created_s=time.time() - 100)
     bob.writer = Written()  # type: ignore[assignment]
@@ -90,16 +96,15 @@ def test_a_ticket_that_lapses_is_counted_bars_only_its_person_and_says_so_once(
     bob.record = replace(ticket_record(b, bob), seq=seq)
     carol.record = replace(ticket_record(b, carol), seq=None if seq is None else seq + 1)
     bobs, carols = bob.record.lease_id, carol.record.lease_id
-    b.lapsed = 0
     caplog.set_level(logging.INFO, logger="autogpu.broker")
-    b.servable_since = {bobs: 990.0, carols: 990.0}
-    b._waiters = lambda snap, tickets, settled_only=False: {  # type: ignore[method-assign]
+    b.book.servable_since = {bobs: 990.0, carols: 990.0}
+    b.book.waiters = lambda snap, tickets, settled_only=False: {  # type: ignore[method-assign]
         t.lease_id: ("GPU-s1",) for t in tickets}
     check_line(b)
-    assert b.lapsed == 2
+    assert counted(b, "tickets_lapsed") == 2
     assert (bob.record, carol.record) == (None, None)
-    assert b.line_barred == {1002: 1060.0, 1003: 1060.0}
-    assert b.servable_since == {}
+    assert b.book.line_barred == {1002: 1060.0, 1003: 1060.0}
+    assert b.book.servable_since == {}
     n_bob, n_carol = (0, 0) if seq is None else (seq, seq + 1)
     assert messages(caplog) == [
         f"user1002 left ticket {n_bob} that could be served: barred from the line for 60 s",
@@ -127,20 +132,21 @@ def test_a_servable_ticket_lapses_only_when_the_whole_grace_has_passed(
     once)."""
     clock = Clock(monkeypatch, 1000.0)
     b = broker(ticket_grace_s=5.0)
-    b.backend = Fleet()
+    b.fleet.backend = Fleet()
     alice = person(b, 1001)
     alice.writer = Written()  # type: ignore[assignment]
     alice.record = exclusive_ticket(b, alice, 1)  # no snapshot yet: it reserves
     lease_id = alice.record.lease_id
-    assert lease_id not in b.dormant
+    assert lease_id not in b.book.dormant
     check_line(b)
-    assert b.servable_since == {lease_id: 1000.0} and alice.record is not None
+    assert b.book.servable_since == {lease_id: 1000.0} and alice.record is not None
     clock.now = 1004.9
     check_line(b)
-    assert b.servable_since == {lease_id: 1000.0} and alice.record is not None
+    assert b.book.servable_since == {lease_id: 1000.0} and alice.record is not None
     clock.now = 1005.0
     check_line(b)
-    assert alice.record is None and b.lapsed == 1 and b.servable_since == {}
+    assert alice.record is None and counted(b, "tickets_lapsed") == 1
+    assert b.book.servable_since == {}
 
 
 def test_a_dormant_ticket_starts_to_reserve_once_a_settled_lease_takes_its_device(
@@ -153,18 +159,18 @@ def test_a_dormant_ticket_starts_to_reserve_once_a_settled_lease_takes_its_devic
     under no id (kept for it, it would lapse at once the next time it could be served)."""
     clock = Clock(monkeypatch, 1000.0)
     b = broker(ticket_grace_s=100.0)
-    b.backend = Fleet()
-    b._snap, b._snap_at = one_free_device(), clock.now
+    b.fleet.backend = Fleet()
+    b.book.snap, b.book.snap_at = one_free_device(), clock.now
     alice, carol = person(b, 1001), person(b, 1003)
     alice.record = exclusive_ticket(b, alice, 1)
     lease_id = alice.record.lease_id
-    assert b.dormant == {lease_id}
+    assert b.book.dormant == {lease_id}
     carol.record = replace(lease_record(b, carol, "GPU-s1"), exclusive=True,
                            created_s=time.time() - 10)
-    b.servable_since[lease_id] = 990.0
+    b.book.servable_since[lease_id] = 990.0
     check_line(b)
-    assert b.dormant == set() and b.reserving(alice.record)
-    assert b.servable_since == {}
+    assert b.book.dormant == set() and b.book.reserving(alice.record)
+    assert b.book.servable_since == {}
     assert alice.record.lease_id == lease_id
 
 
@@ -177,15 +183,15 @@ def test_a_dormant_ticket_whose_device_is_still_free_stays_dormant_and_is_timed(
     its device)."""
     clock = Clock(monkeypatch, 1000.0)
     b = broker(ticket_grace_s=100.0)
-    b.backend = Fleet()
-    b._snap, b._snap_at = one_free_device(), clock.now
+    b.fleet.backend = Fleet()
+    b.book.snap, b.book.snap_at = one_free_device(), clock.now
     alice = person(b, 1001)
     alice.record = exclusive_ticket(b, alice, 1)
     lease_id = alice.record.lease_id
-    assert b.dormant == {lease_id}
+    assert b.book.dormant == {lease_id}
     check_line(b)
-    assert b.dormant == {lease_id}
-    assert b.servable_since == {lease_id: 1000.0}
+    assert b.book.dormant == {lease_id}
+    assert b.book.servable_since == {lease_id: 1000.0}
 
 
 def test_a_dormant_ticket_whose_device_was_just_leased_stays_dormant_and_does_not_lapse(
@@ -198,18 +204,18 @@ def test_a_dormant_ticket_whose_device_was_just_leased_stays_dormant_and_does_no
     while its device was held)."""
     clock = Clock(monkeypatch, 1000.0)
     b = broker(ticket_grace_s=0.0)
-    b.backend = Fleet()
-    b._snap, b._snap_at = one_free_device(), clock.now
+    b.fleet.backend = Fleet()
+    b.book.snap, b.book.snap_at = one_free_device(), clock.now
     alice, carol = person(b, 1001), person(b, 1003)
     alice.writer = Written()  # type: ignore[assignment]
     alice.record = exclusive_ticket(b, alice, 1)
     rec = alice.record
-    assert b.dormant == {rec.lease_id}
+    assert b.book.dormant == {rec.lease_id}
     carol.record = replace(lease_record(b, carol, "GPU-s1"), exclusive=True,
                            created_s=time.time() - 1)
     check_line(b)
-    assert alice.record is rec and b.lapsed == 0
-    assert (b.dormant, b.servable_since) == ({rec.lease_id}, {})
+    assert alice.record is rec and counted(b, "tickets_lapsed") == 0
+    assert (b.book.dormant, b.book.servable_since) == ({rec.lease_id}, {})
     assert alice.writer.lines == []  # type: ignore[attr-defined]
 
 
@@ -222,7 +228,7 @@ def test_a_lease_of_a_moment_ago_keeps_a_waiting_ticket_from_lapsing(
     left out by default, or always (the ticket lapsed while its device was held)."""
     Clock(monkeypatch, 1000.0)
     b = broker(ticket_grace_s=0.0)
-    b.backend = Fleet()
+    b.fleet.backend = Fleet()
     alice, carol = person(b, 1001), person(b, 1003)
     alice.writer = Written()  # type: ignore[assignment]
     alice.record = exclusive_ticket(b, alice, 1)  # no snapshot yet: it reserves
@@ -230,7 +236,8 @@ def test_a_lease_of_a_moment_ago_keeps_a_waiting_ticket_from_lapsing(
                            created_s=time.time() - 1)
     rec = alice.record
     check_line(b)
-    assert alice.record is rec and b.lapsed == 0 and b.servable_since == {}
+    assert alice.record is rec and counted(b, "tickets_lapsed") == 0
+    assert b.book.servable_since == {}
     assert alice.writer.lines == []  # type: ignore[attr-defined]
 
 
@@ -246,16 +253,16 @@ def test_a_ticket_check_without_a_snapshot_is_logged_and_lapses_nothing(
         def snapshot(self) -> Any:
             raise RuntimeError("NVML is not loaded")
 
-    b.backend = NoFleet()
+    b.fleet.backend = NoFleet()
     alice = person(b, 1001)
     alice.record = ticket_record(b, alice)
     rec = alice.record
-    b.servable_since[rec.lease_id] = 1.0
+    b.book.servable_since[rec.lease_id] = 1.0
     caplog.set_level(logging.DEBUG, logger="autogpu.broker")
     check_line(b)
     assert messages(caplog, logging.DEBUG) == [
         "no snapshot for the ticket check: NVML is not loaded"]
-    assert alice.record is rec and b.servable_since == {rec.lease_id: 1.0}
+    assert alice.record is rec and b.book.servable_since == {rec.lease_id: 1.0}
 
 
 def test_an_orphaned_ticket_that_lapses_is_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -264,15 +271,15 @@ def test_an_orphaned_ticket_that_lapses_is_forgotten(monkeypatch: pytest.MonkeyP
     under no id (the lapsed ticket stayed in the line for good)."""
     Clock(monkeypatch, 1000.0)
     b = broker(ticket_grace_s=0.0)
-    b.backend = Fleet()
+    b.fleet.backend = Fleet()
     conn = person(b, 1003)
     rec = ticket_record(b, conn)
-    b.conns.discard(conn)
-    b.orphans[rec.lease_id] = Orphan(1003, rec, [], key=1003)
-    b.version += 1
+    b.connections.conns.discard(conn)
+    b.book.adopt(Orphan(1003, rec, [], key=1003))
     check_line(b)
-    assert b.orphans == {} and b.live() == [] and b.lapsed == 1
-    assert b.line_barred == {1003: 1060.0}
+    assert b.book.live() == [] and counted(b, "tickets_lapsed") == 1
+    assert counted(b, "orphans") == 0
+    assert b.book.line_barred == {1003: 1060.0}
 
 
 class Failing(Written):
@@ -301,16 +308,16 @@ def test_a_ticket_whose_connection_is_lost_on_the_way_lapses_all_the_same(
     connection closed."""
     Clock(monkeypatch, 1000.0)
     b = broker(ticket_grace_s=0.0)
-    b.backend = Fleet()
+    b.fleet.backend = Fleet()
     bob, carol = person(b, 1002), person(b, 1003)
     bob.writer = make()
     carol.writer = Written()  # type: ignore[assignment]
     bob.record = replace(ticket_record(b, bob), seq=1)
     carol.record = replace(ticket_record(b, carol), seq=2)
-    b._waiters = lambda snap, tickets, settled_only=False: {  # type: ignore[method-assign]
+    b.book.waiters = lambda snap, tickets, settled_only=False: {  # type: ignore[method-assign]
         t.lease_id: ("GPU-s1",) for t in tickets}
     check_line(b)
-    assert (bob.record, carol.record, b.lapsed) == (None, None, 2)
+    assert (bob.record, carol.record, counted(b, "tickets_lapsed")) == (None, None, 2)
     assert carol.writer.closed
 
 
@@ -324,9 +331,9 @@ def test_exactly_4096_bars_are_all_kept(monkeypatch: pytest.MonkeyPatch) -> None
     b = broker()
     conn = person(b, 1001)
     ended = {10_000 + i: 0.0 for i in range(4095)}
-    b.line_barred = dict(ended)
-    b._bar_from_line(1001, ticket_record(b, conn))
-    assert b.line_barred == {**ended, 1001: 1060.0}
+    b.book.line_barred = dict(ended)
+    b.book.bar_from_line(1001, ticket_record(b, conn))
+    assert b.book.line_barred == {**ended, 1001: 1060.0}
 
 
 # ---- a ticket's admission --------------------------------------------------------------------
@@ -340,7 +347,7 @@ def test_a_ticket_on_a_connection_that_holds_one_is_refused_in_those_words() -> 
     conn = person(b, 1001)
     conn.record = ticket_record(b, conn)
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_ticket(conn, {"op": "ticket"}))
+        run(b.run_op("ticket", conn, {"op": "ticket"}))
     assert str(err.value) == admission.ONE_PER_CONNECTION
 
 
@@ -355,13 +362,13 @@ def test_a_ticket_is_shared_unless_asked_and_never_served_from_devices_reserved_
     alice = person(b, 1001)
     member = person(b, 1002, groups=frozenset({"ml"}))
     asked = dict(ticket_record(b, alice).constraints)
-    reply = run(b.op_ticket(alice, {"op": "ticket", "constraints": asked}))
+    reply = run(b.run_op("ticket", alice, {"op": "ticket", "constraints": asked}))
     assert reply["record"]["constraints"] == {**asked, "exclude": ["GPU-rsv"]}
     assert reply["record"]["exclusive"] is False
     assert alice.record is not None
     assert alice.record.constraints == {**asked, "exclude": ["GPU-rsv"]}
     assert alice.record.exclusive is False
-    theirs = run(b.op_ticket(member, {"op": "ticket", "constraints": asked}))
+    theirs = run(b.run_op("ticket", member, {"op": "ticket", "constraints": asked}))
     assert theirs["record"]["constraints"] == asked
     assert member.record is not None and member.record.constraints == asked
 
@@ -380,19 +387,19 @@ def test_a_person_never_served_goes_before_one_served_just_after_boot(
     alice0, alice1, bob = person(b, 1001), person(b, 1001), person(b, 1002)
 
     async def go() -> list[Conn]:
-        await b.op_begin(alice0, {"op": "begin"})
-        assert b.last_grant == {1001: 0.5}
+        await b.run_op("begin", alice0, {"op": "begin"})
+        assert b.lock.last_grant == {1001: 0.5}
         order: list[Conn] = []
 
         async def pick(conn: Conn) -> None:
-            await b.op_begin(conn, {"op": "begin"})
+            await b.run_op("begin", conn, {"op": "begin"})
             order.append(conn)
-            b._drop_lock(conn)
+            b.lock.release(conn)
 
         waiting = [asyncio.create_task(pick(c)) for c in (alice1, bob)]
         await asyncio.sleep(0)
-        assert list(b.waiting) == [alice1, bob]
-        b._drop_lock(alice0)
+        assert list(b.lock.waiting) == [alice1, bob]
+        b.lock.release(alice0)
         await asyncio.wait_for(asyncio.gather(*waiting), 5)
         return order
 
@@ -414,18 +421,18 @@ def test_a_lock_misuse_is_remembered_for_exactly_a_minute(
 
     async def go() -> None:
         loop = asyncio.get_running_loop()
-        await b.op_begin(alice, {"op": "begin"})
-        b.lock_misuse[1001] = 1000.0 - ago
-        waiting = asyncio.create_task(b.op_begin(bob, {"op": "begin"}))
+        await b.run_op("begin", alice, {"op": "begin"})
+        b.lock.lock_misuse[1001] = 1000.0 - ago
+        waiting = asyncio.create_task(b.run_op("begin", bob, {"op": "begin"}))
         await asyncio.sleep(0)
         assert alice.lock_handle is not None
         left = alice.lock_handle.when() - loop.time()
         assert (left <= LOCK_SLICE_S) is sliced and (left > 20) is not sliced
         if not sliced:
-            b._drop_lock(alice)
+            b.lock.release(alice)
         await asyncio.wait_for(waiting, 5)
-        assert b.lock_holder is bob
-        b._drop_lock(bob)
+        assert b.lock.lock_holder is bob
+        b.lock.release(bob)
 
     run(go())
 
@@ -441,13 +448,13 @@ def test_a_lock_held_the_whole_timeout_is_taken_back_logged_and_marked_with_its_
     clock = Clock(monkeypatch, 2.0 - 0.001)
     b = broker(lock_timeout_s=2.0)
     bob = person(b, 1002, pid=4242)
-    b.lock_holder = bob
+    b.lock.lock_holder = bob
     bob.granted_at = 0.0
     caplog.set_level(logging.INFO, logger="autogpu.broker")
-    b._expire_lock(bob)
-    assert b.lock_holder is None
-    assert b.lock_misuse == {1002: clock.now}
-    assert b._suspect(1002)
+    b.lock.expire(bob)
+    assert b.lock.lock_holder is None
+    assert b.lock.lock_misuse == {1002: clock.now}
+    assert b.lock.suspect(1002)
     assert messages(caplog, logging.WARNING) == [
         "uid 1002 (pid 4242) held the pick lock too long: taken back"]
 
@@ -464,14 +471,14 @@ def test_the_lock_misuse_marks_are_pruned_past_4096_of_the_minute_just_ended(
     b = broker(lock_timeout_s=2.0)
     bob = person(b, 1002)
     old = {10_000 + i: 940.0 for i in range(4095)}  # exactly a minute ago
-    b.lock_misuse = dict(old) if case == "4096" else {**old, 20_000: 940.5}
-    b.lock_holder = bob
+    b.lock.lock_misuse = dict(old) if case == "4096" else {**old, 20_000: 940.5}
+    b.lock.lock_holder = bob
     bob.granted_at = 990.0
-    b._expire_lock(bob)
+    b.lock.expire(bob)
     if case == "4096":
-        assert b.lock_misuse == {**old, 1002: 1000.0}
+        assert b.lock.lock_misuse == {**old, 1002: 1000.0}
     else:
-        assert b.lock_misuse == {20_000: 940.5, 1002: 1000.0}
+        assert b.lock.lock_misuse == {20_000: 940.5, 1002: 1000.0}
 
 
 def test_a_begin_answers_the_view_and_the_persons_device_limit() -> None:
@@ -482,8 +489,8 @@ def test_a_begin_answers_the_view_and_the_persons_device_limit() -> None:
     alice = person(b, 1001)
 
     async def go() -> dict[str, Any]:
-        got = await b.op_begin(alice, {"op": "begin"})
-        b._drop_lock(alice)
+        got = await b.run_op("begin", alice, {"op": "begin"})
+        b.lock.release(alice)
         return got
 
     assert run(go()) == {
@@ -501,7 +508,7 @@ def test_a_connection_whose_socket_fails_to_close_still_ends() -> None:
     end raised)."""
     b = broker()
     conn = person(b, 1001)
-    b.per_key[1001] = 1
+    b.connections.per_key[1001] = 1
 
     class Sock:
         def close(self) -> None:
@@ -516,6 +523,7 @@ def test_a_connection_whose_socket_fails_to_close_still_ends() -> None:
 
     conn.writer = Channel()  # type: ignore[assignment]
     conn.record = ticket_record(b, conn)
-    b._ended(conn)
-    assert (b.conns, dict(b.per_key), conn.record, b.live()) == (set(), {}, None, [])
+    b.connections.ended(conn)
+    assert (b.connections.conns, dict(b.connections.per_key), conn.record, b.book.live()) == (
+        set(), {}, None, [])
     assert conn.writer.shut_down  # type: ignore[attr-defined]

@@ -28,7 +28,15 @@ from autogpu_jupyter.broker import Broker, BrokerRefusal, Orphan
 from autogpu_jupyter.brokerd import journal as jrnl
 from autogpu_jupyter.brokerd.journal import Entry
 from autogpu_jupyter.core.leasing.records import encode
-from tests.unit.test_broker_rules import broker, lease, lease_record, person, run, ticket_record
+from tests.unit.test_broker_rules import (
+    broker,
+    lease,
+    lease_record,
+    live_ids,
+    person,
+    run,
+    ticket_record,
+)
 
 
 def state_dir(tmp_path: Path) -> Path:
@@ -55,7 +63,7 @@ def test_set_pid_on_a_connection_that_holds_no_lease_is_refused_in_those_words()
     b = broker()
     conn = person(b, 0, name="root")
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_set_pid(conn, {"op": "set_pid", "pid": os.getpid()}))
+        run(b.run_op("set_pid", conn, {"op": "set_pid", "pid": os.getpid()}))
     assert (str(err.value), err.value.kind) == (
         "set_pid: this connection holds no lease", "RegistryError")
     assert conn.record is None
@@ -79,7 +87,7 @@ def test_set_pid_refuses_a_pid_that_is_not_a_whole_number_naming_its_first_40_ch
     conn = person(b, 0, name="root")  # root may name any process: only the value is checked
     lease(b, conn, "GPU-sp2")
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_set_pid(conn, {"op": "set_pid", "pid": pid}))
+        run(b.run_op("set_pid", conn, {"op": "set_pid", "pid": pid}))
     assert (str(err.value), err.value.kind) == (f"set_pid: invalid pid {shown}", "UsageErrorBase")
     assert conn.record is not None and conn.record.pid == conn.pid  # unchanged
 
@@ -98,13 +106,15 @@ def test_a_forgotten_orphan_leaves_nothing_of_it_in_the_ticket_checks() -> None:
     rec = alice.record
     assert rec is not None
     alice.record = None  # its connection ended with the old broker; the journal kept it
-    b.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
-    b.servable_since.update({rec.lease_id: 1.0, "other": 2.0})
-    b.dormant.update({rec.lease_id, "other"})
-    version = b.version
-    assert run(b.op_release(alice, {"op": "release", "lease_id": rec.lease_id})) == {"ok": True}
-    assert (b.orphans, b.servable_since, b.dormant) == ({}, {"other": 2.0}, {"other"})
-    assert b.version == version + 1
+    b.book.adopt(Orphan(1001, rec, [], key=1001))
+    b.book.servable_since.update({rec.lease_id: 1.0, "other": 2.0})
+    b.book.dormant.update({rec.lease_id, "other"})
+    version = b.book.version
+    released = run(b.run_op("release", alice, {"op": "release", "lease_id": rec.lease_id}))
+    assert released == {"ok": True}
+    assert (b.book.orphans, b.book.servable_since, b.book.dormant) == (
+        {}, {"other": 2.0}, {"other"})
+    assert b.book.version == version + 1
 
 
 # -- taking the journal back -----------------------------------------------------------------
@@ -141,17 +151,17 @@ def test_a_restarted_broker_goes_on_from_the_journals_counter_or_the_highest_tic
     to none, or a record without a number counted as 1 (a ticket number skipped)."""
     state = state_dir(tmp_path)
     first = broker(state_dir=str(state))
-    assert first.journal is not None
+    assert first.restorer.journal is not None
     owner = person(first, os.getuid())
     rec = lease_record(first, owner, "GPU-rs1")
     if ticket_seq is not None:
         rec = replace(ticket_record(first, owner), seq=ticket_seq)
-    first.journal.add(Entry(rec.lease_id, os.getuid(), encode(rec).decode(), None, me()))
-    first.journal.seq = counter
-    first.journal.compact()  # the log's head: {"seq": counter}
+    first.restorer.journal.add(Entry(rec.lease_id, os.getuid(), encode(rec).decode(), None, me()))
+    first.restorer.journal.seq = counter
+    first.restorer.journal.compact()  # the log's head: {"seq": counter}
     second = broker(state_dir=str(state))
-    assert list(second.orphans) == [rec.lease_id]
-    assert second.seq == expected
+    assert live_ids(second) == {rec.lease_id}
+    assert second.book.seq == expected
 
 
 def test_a_journal_of_an_earlier_boot_is_dropped_and_said_so_with_its_boot_and_count(
@@ -165,15 +175,16 @@ def test_a_journal_of_an_earlier_boot_is_dropped_and_said_so_with_its_boot_and_c
     boot.write_text("boot-one\n")
     monkeypatch.setattr(jrnl, "BOOT_ID_PATH", str(boot))
     first = broker(state_dir=str(state))
-    assert first.journal is not None
+    assert first.restorer.journal is not None
     owner = person(first, os.getuid())
     for n in range(2):
         rec = lease_record(first, owner, f"GPU-eb{n}")
-        first.journal.add(Entry(rec.lease_id, os.getuid(), encode(rec).decode(), None, me()))
+        first.restorer.journal.add(
+            Entry(rec.lease_id, os.getuid(), encode(rec).decode(), None, me()))
     boot.write_text("boot-two\n")
     caplog.set_level(logging.INFO, logger="autogpu.broker")
     second = broker(state_dir=str(state))
-    assert second.orphans == {}
+    assert second.book.orphans == {}
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("WARNING", "restart: the journal was of an earlier boot (boot-one): its 2 lease(s)/"
                     "ticket(s) ended with that boot and are dropped"),
@@ -190,7 +201,7 @@ class Stop(Exception):
 
 def one_round(b: Broker, monkeypatch: pytest.MonkeyPatch,
               before: Callable[[], None] = lambda: None) -> None:
-    """Run ``b.reap_orphans()`` for exactly one round (its sleep made instant), ``before``
+    """Run ``b.restorer.reap_orphans()`` for exactly one round (its sleep made instant), ``before``
     called first on its loop."""
     sleeps: list[float] = []
 
@@ -201,7 +212,7 @@ def one_round(b: Broker, monkeypatch: pytest.MonkeyPatch,
 
     async def go() -> None:
         before()
-        await b.reap_orphans()
+        await b.restorer.reap_orphans()
 
     monkeypatch.setattr(asyncio, "sleep", sleep)
     with pytest.raises(Stop):
@@ -224,8 +235,8 @@ def test_each_reaper_round_checks_the_orphans_then_the_tickets_on_its_own_loop(
     async def lapse(loop: Any) -> None:
         seen.append(("tickets", loop is asyncio.get_running_loop()))
 
-    b._reap = reap  # type: ignore[method-assign]
-    b._lapse_tickets = lapse  # type: ignore[method-assign]
+    b.restorer.reap = reap  # type: ignore[method-assign]
+    b.restorer.lapse_round = lapse  # type: ignore[method-assign]
     caplog.set_level(logging.ERROR, logger="autogpu.broker")
     one_round(b, monkeypatch)
     assert seen == [("orphans", True), ("tickets", True)]
@@ -243,10 +254,10 @@ def test_a_reaper_round_gives_a_free_pick_lock_to_the_one_who_waits(
 
     def wait() -> None:
         waiter.granted = asyncio.get_running_loop().create_future()
-        b.waiting.append(waiter)
+        b.lock.waiting.append(waiter)
 
     one_round(b, monkeypatch, wait)
-    assert b.lock_holder is waiter and list(b.waiting) == []
+    assert b.lock.lock_holder is waiter and list(b.lock.waiting) == []
     assert waiter.granted is not None and waiter.granted.done()
 
 
@@ -257,26 +268,108 @@ def test_the_holders_the_reaper_finds_by_an_orphans_socket_are_journaled(tmp_pat
     or without the id or the holders (the round raised)."""
     state = state_dir(tmp_path)
     b = broker(state_dir=str(state))
-    assert b.journal is not None
+    assert b.restorer.journal is not None
     alice = person(b, os.getuid())
     rec = lease_record(b, alice, "GPU-rj1")
     ours, theirs = socket.socketpair()
     try:
         inode = os.fstat(theirs.fileno()).st_ino  # held by this process only
-        b.journal.add(Entry(rec.lease_id, os.getuid(), encode(rec).decode(), inode, GONE))
-        b.orphans[rec.lease_id] = Orphan(os.getuid(), rec, list(GONE), key=os.getuid(),
-                                         peer=inode)
+        b.restorer.journal.add(Entry(rec.lease_id, os.getuid(), encode(rec).decode(), inode, GONE))
+        b.book.adopt(Orphan(os.getuid(), rec, list(GONE), key=os.getuid(), peer=inode))
 
         async def go() -> None:
-            await b._reap(asyncio.get_running_loop())
+            await b.restorer.reap(asyncio.get_running_loop())
 
         run(go())
     finally:
         ours.close()
         theirs.close()
-    assert b.orphans[rec.lease_id].holder_pids == me()
-    assert {i: (e.peer, e.pids) for i, e in b.journal.entries.items()} == {
+    assert b.book.orphans[rec.lease_id].holder_pids == me()
+    assert {i: (e.peer, e.pids) for i, e in b.restorer.journal.entries.items()} == {
         rec.lease_id: (inode, me())}
     last = (state / jrnl.LOG_NAME).read_bytes().splitlines()[-1]
     assert json.loads(last) == {"holders": rec.lease_id, "pids": [list(p) for p in me()]}
 
+
+
+# -- orphan liveness costs nothing per descriptor (issue 39, break 6) ---------------------------
+
+
+def _orphan_of(b: Broker, device: str, holders: list[tuple[int, int]],
+               peer: int | None = None) -> str:
+    alice = person(b, os.getuid())
+    rec = lease_record(b, alice, device)
+    b.book.adopt(Orphan(os.getuid(), rec, list(holders), key=os.getuid(), peer=peer))
+    return rec.lease_id
+
+
+def test_reaper_rounds_read_no_descriptor_of_a_live_holder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Orphans whose holders live, one by its socket and one by its pid: three reaper rounds
+    keep both and list no process's descriptors (``/proc/PID/fd``): a holder with 20,000 open
+    files costs a round what a holder with three does. Caught: each round walked
+    ``/proc/PID/fd`` of every holder on the event loop (issue 39: 120 holders x 20,000
+    descriptors froze the broker for seconds)."""
+    b = broker()
+    ours, theirs = socket.socketpair()
+    by_socket = _orphan_of(b, "GPU-fd1", me(), os.fstat(theirs.fileno()).st_ino)
+    by_pid = _orphan_of(b, "GPU-fd2", me())
+    read: list[str] = []
+    real_listdir, real_readlink = os.listdir, os.readlink
+
+    def listdir(path: Any = ".") -> list[str]:
+        read.append(str(path))
+        return real_listdir(path)
+
+    def readlink(path: Any, *args: Any, **kw: Any) -> str:
+        read.append(str(path))
+        return real_readlink(path, *args, **kw)
+
+    async def rounds() -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(3):
+            await b.restorer.reap(loop)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    monkeypatch.setattr(os, "readlink", readlink)
+    try:
+        run(rounds())
+    finally:
+        ours.close()
+        theirs.close()
+    assert live_ids(b) == {by_socket, by_pid}
+    assert [p for p in read if "/fd" in p] == []
+
+
+def test_an_orphan_ends_as_soon_as_its_holder_does_without_waiting_for_a_round() -> None:
+    """The holder of an orphan (a real process) is watched by the event loop itself: when it
+    is killed, the orphan ends, its journal line with it, with no reaper round run. A holder
+    taken with the start time of another process (its pid reused) holds nothing. Caught: the
+    orphans checked only by the once-a-second reaper (or not at all without one)."""
+    import subprocess
+    import sys
+
+    b = broker()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = jrnl.start_time(child.pid)
+        assert start is not None
+        held = _orphan_of(b, "GPU-pf1", [(child.pid, start)])
+        reused = _orphan_of(b, "GPU-pf2", [(child.pid, start + 1)])
+
+        async def go() -> None:
+            loop = asyncio.get_running_loop()
+            await b.restorer.settle(loop)
+            assert live_ids(b) == {held}  # the reused pid: its orphan ended at once
+            child.kill()
+            for _ in range(1000):  # ends by the loop's own reader, no round in between
+                if held not in live_ids(b):
+                    return
+                await asyncio.sleep(0.01)
+
+        run(go())
+        assert not {reused, held} & live_ids(b)
+    finally:
+        child.kill()
+        child.wait(10)

@@ -20,7 +20,12 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter.broker import Broker, BrokerConfig, BrokerRefusal, Conn, Orphan
+from autogpu_jupyter.brokerd import connections as conn_mod
+from autogpu_jupyter.brokerd import fleet as fleet_mod
+from autogpu_jupyter.brokerd import ops as ops_mod
+from autogpu_jupyter.brokerd import views as views_mod
 from autogpu_jupyter.brokerd.identity import Account
+from autogpu_jupyter.core.leasing.brokerclient import MAX_REPLY_BYTES
 
 
 def broker(**config: Any) -> Broker:
@@ -30,13 +35,13 @@ def broker(**config: Any) -> Broker:
 def person(b: Broker, uid: int, *, name: str = "", groups: frozenset[str] = frozenset(),
            pid: int | None = None) -> Conn:
     conn = Conn(b, uid, uid, pid or os.getpid(), Account(uid, name or f"user{uid}", groups))
-    b.conns.add(conn)
+    b.connections.conns.add(conn)
     return conn
 
 
 def lease_record(b: Broker, conn: Conn, device: str, command: str | None = None) -> Any:
     """The record the broker builds for ``conn``'s lease on ``device``."""
-    return b._make_record(conn, "lease", {
+    return ops_mod.make_record(b, conn, "lease", {
         "device_uuids": [device], "device_requested_bytes": [None], "exclusive": False,
         "pid": conn.pid, "kernel_id": None, "notebook_path": None, "command": command,
         "holder_kind": "process",
@@ -54,9 +59,20 @@ def simulated_broker(**config: Any) -> tuple[Broker, list[str]]:
     from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 
     b = broker(**config)
-    b.backend = SimulatedBackend("demo-4x", clock=lambda: 1_000_000.0)
-    b._snapshot()
-    return b, sorted(d.uuid for d in b._snap.devices)
+    b.fleet.backend = SimulatedBackend("demo-4x", clock=lambda: 1_000_000.0)
+    b.fleet.snapshot()
+    return b, sorted(d.uuid for d in b.book.snap.devices)
+
+
+def counted(b: Broker, key: str) -> Any:
+    """What ``autogpu broker status`` says of ``key`` (root's ``status``: counts only)."""
+    root = Conn(b, 0, 0, os.getpid(), Account(0, "root", frozenset()))
+    return asyncio.run(b.run_op("status", root, {"op": "status"}))[key]
+
+
+def live_ids(b: Broker) -> set[str]:
+    """The ids of the book's live leases and tickets (its connections' and its orphans')."""
+    return {rec.lease_id for _, rec in b.book.live()}
 
 
 def run(coro: Any) -> Any:
@@ -71,7 +87,7 @@ def test_the_leases_answer_shows_a_command_line_only_to_its_owner_and_root() -> 
     lease(b, bob, "GPU-r2", command="python eval.py")
 
     def commands(viewer: Conn) -> dict[str, str | None]:
-        got = run(b.op_leases(viewer, {"op": "leases"}))
+        got = run(b.run_op("leases", viewer, {"op": "leases"}))
         return {r["user"]: r["command"] for r in got["records"]}
 
     assert commands(alice) == {"user1001": "python train.py --token=s3cret", "user1002": None}
@@ -89,13 +105,14 @@ def test_an_orphaned_lease_is_released_only_by_its_own_person() -> None:
     rec = alice.record
     assert rec is not None
     alice.record = None  # its connection ended with the old broker; the journal kept it
-    b.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
+    b.book.adopt(Orphan(1001, rec, [], key=1001))
     with pytest.raises(BrokerRefusal, match=f"^release: no lease '{rec.lease_id}' of yours is "
                                             "orphaned$"):
-        run(b.op_release(bob, {"op": "release", "lease_id": rec.lease_id}))
-    assert rec.lease_id in b.orphans
-    assert run(b.op_release(alice, {"op": "release", "lease_id": rec.lease_id})) == {"ok": True}
-    assert rec.lease_id not in b.orphans
+        run(b.run_op("release", bob, {"op": "release", "lease_id": rec.lease_id}))
+    assert rec.lease_id in live_ids(b)
+    released = run(b.run_op("release", alice, {"op": "release", "lease_id": rec.lease_id}))
+    assert released == {"ok": True}
+    assert rec.lease_id not in live_ids(b)
 
 
 def test_a_release_by_id_ends_the_connections_own_lease_and_no_other() -> None:
@@ -113,10 +130,11 @@ def test_a_release_by_id_ends_the_connections_own_lease_and_no_other() -> None:
     for other, shown in (("0" * 32, repr("0" * 32)), (["a", "b"], repr(str(["a", "b"]))),
                          (long_id, repr("x" * 64))):
         with pytest.raises(BrokerRefusal) as err:
-            run(b.op_release(alice, {"op": "release", "lease_id": other}))
+            run(b.run_op("release", alice, {"op": "release", "lease_id": other}))
         assert str(err.value) == f"release: no lease {shown} of yours is orphaned"
         assert alice.record is rec
-    assert run(b.op_release(alice, {"op": "release", "lease_id": rec.lease_id})) == {"ok": True}
+    released = run(b.run_op("release", alice, {"op": "release", "lease_id": rec.lease_id}))
+    assert released == {"ok": True}
     assert alice.record is None
 
 
@@ -133,8 +151,8 @@ def test_set_pid_may_name_only_a_process_of_the_callers_own() -> None:
         caller = person(b, nobody.pw_uid, pid=theirs.pid)
         lease(b, caller, "GPU-p1")
         with pytest.raises(BrokerRefusal, match=r"^set_pid: pid 1 is not a process of yours$"):
-            run(b.op_set_pid(caller, {"op": "set_pid", "pid": 1}))
-        got = run(b.op_set_pid(caller, {"op": "set_pid", "pid": mine.pid}))
+            run(b.run_op("set_pid", caller, {"op": "set_pid", "pid": 1}))
+        got = run(b.run_op("set_pid", caller, {"op": "set_pid", "pid": mine.pid}))
         assert got["record"]["pid"] == mine.pid
     finally:
         for p in (theirs, mine):
@@ -147,10 +165,10 @@ def test_a_persons_connections_stop_at_the_limit_itself() -> None:
     connection more than configured."""
     b = broker(max_connections_per_user=2)
     acct = Account(1001, "alice", frozenset())
-    b.per_key[1001] = 1
-    assert b._conn_refusal(1001, acct) is None
-    b.per_key[1001] = 2
-    assert b._conn_refusal(1001, acct) == (
+    b.connections.per_key[1001] = 1
+    assert b.connections.refusal(1001, acct) is None
+    b.connections.per_key[1001] = 2
+    assert b.connections.refusal(1001, acct) == (
         "too many connections for alice (max_connections_per_user = 2)"
     )
 
@@ -165,13 +183,13 @@ def test_the_last_connections_are_roots_and_unknown_uids_share_one_named_limit()
     from autogpu_jupyter.brokerd.identity import UNKNOWN_KEY
 
     b = broker(max_connections_per_user=5, unknown_max_connections=1)
-    b.conn_cap = 40
+    b.connections.conn_cap = 40
     alice = Account(1001, "alice", frozenset())
     root = Account(0, "root", frozenset())
 
     def refusal(total: int, uid: int, acct: Account) -> str | None:
-        b.conns = {object() for _ in range(total)}  # type: ignore[misc]
-        return b._conn_refusal(uid, acct)
+        b.connections.conns = {object() for _ in range(total)}  # type: ignore[misc]
+        return b.connections.refusal(uid, acct)
 
     assert net.ROOT_RESERVE == 16
     assert refusal(23, 1001, alice) is None
@@ -183,16 +201,16 @@ def test_the_last_connections_are_roots_and_unknown_uids_share_one_named_limit()
     assert refusal(40, 0, root) == "the broker holds its most connections (40); try again"
     assert refusal(24, 1, Account(1, "daemon", frozenset())) is not None
     unknown = Account(UNKNOWN_KEY, "uid 70000", frozenset())
-    b.per_key[UNKNOWN_KEY] = 1
+    b.connections.per_key[UNKNOWN_KEY] = 1
     assert refusal(0, 70000, unknown) == (
         "too many connections for uids without a passwd entry "
         "(unknown_uids.max_connections = 1)")
     sub = Account(1001, "alice", frozenset(), via="subordinate uid 100003 of alice")
-    b.per_key[1001] = 5
+    b.connections.per_key[1001] = 5
     assert refusal(0, 100003, sub) == (
         "too many connections for alice (subordinate uid 100003 of alice) "
         "(max_connections_per_user = 5)")
-    b.per_key[1001] = 4
+    b.connections.per_key[1001] = 4
     assert refusal(0, 100003, sub) is None
 
 
@@ -203,7 +221,6 @@ class Paced:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         import types
 
-        import autogpu_jupyter.broker as broker_mod
 
         self.now = 100.0
         self.delays: list[Any] = []
@@ -211,14 +228,16 @@ class Paced:
         async def sleep(delay: Any) -> None:
             self.delays.append(delay)
 
-        monkeypatch.setattr(broker_mod, "time", types.SimpleNamespace(monotonic=lambda: self.now))
-        monkeypatch.setattr(broker_mod, "asyncio", types.SimpleNamespace(sleep=sleep))
+        from autogpu_jupyter.brokerd import connections as conn_mod
+
+        monkeypatch.setattr(conn_mod, "time", types.SimpleNamespace(monotonic=lambda: self.now))
+        monkeypatch.setattr(conn_mod, "asyncio", types.SimpleNamespace(sleep=sleep))
 
     def send(self, b: Broker, conn: Conn, count: int = 1) -> list[Any]:
         """The delays of ``count`` messages of ``conn`` at this moment."""
         self.delays = []
         for _ in range(count):
-            coro = b._throttle(conn)
+            coro = b.connections.throttle(conn)
             with pytest.raises(StopIteration):
                 coro.send(None)
         return self.delays
@@ -266,14 +285,14 @@ def test_the_throttles_buckets_of_people_gone_are_dropped_past_four_per_person_a
     b = broker(messages_per_s_per_user=4.0)
     clock = Paced(monkeypatch)
     alice, bob = person(b, 1001), person(b, 1002)
-    b.per_key.update({1001: 1, 1002: 1})
+    b.connections.per_key.update({1001: 1, 1002: 1})
     clock.send(b, alice)
     clock.send(b, bob)
     for uid in range(2000, 2070):  # people whose connections ended
         clock.send(b, person(b, uid))
-    assert len(b.buckets) == 72
+    assert len(b.connections.buckets) == 72
     clock.send(b, person(b, 3000))
-    assert sorted(b.buckets) == [1001, 1002]
+    assert sorted(b.connections.buckets) == [1001, 1002]
 
 
 @pytest.mark.parametrize(
@@ -291,7 +310,7 @@ def test_a_member_of_several_limited_groups_gets_the_most_generous_limit(
     without a limit, held to a students' quota)."""
     b = broker(group_limits=limits, max_devices_per_user=5)
     conn = person(b, 1001, groups=frozenset({"small", "big", "free"}))
-    assert b.limit_for(conn) == expected
+    assert b.book.limit_for(conn) == expected
 
 
 def test_the_pick_lock_goes_to_the_person_served_least_recently() -> None:
@@ -303,18 +322,18 @@ def test_the_pick_lock_goes_to_the_person_served_least_recently() -> None:
     bob = person(b, 1002)
 
     async def go() -> list[Conn]:
-        await b.op_begin(alice0, {"op": "begin"})  # alice is served now
+        await b.run_op("begin", alice0, {"op": "begin"})  # alice is served now
         order: list[Conn] = []
 
         async def pick(conn: Conn) -> None:
-            await b.op_begin(conn, {"op": "begin"})
+            await b.run_op("begin", conn, {"op": "begin"})
             order.append(conn)
-            b._drop_lock(conn)
+            b.lock.release(conn)
 
         waiting = [asyncio.create_task(pick(c)) for c in (alice1, bob)]
         await asyncio.sleep(0)
-        assert list(b.waiting) == [alice1, bob]
-        b._drop_lock(alice0)
+        assert list(b.lock.waiting) == [alice1, bob]
+        b.lock.release(alice0)
         await asyncio.gather(*waiting)
         return order
 
@@ -327,7 +346,7 @@ def test_a_pick_with_options_that_are_not_an_object_is_a_usage_error() -> None:
     b = broker()
     conn = person(b, 1001)
     with pytest.raises(BrokerRefusal, match=r"^options: expected an object$") as err:
-        run(b.op_pick(conn, {"op": "pick", "options": [1]}))
+        run(b.run_op("pick", conn, {"op": "pick", "options": [1]}))
     assert err.value.kind == "UsageErrorBase"
 
 
@@ -337,7 +356,7 @@ def test_leaving_a_servable_ticket_bars_a_person_who_never_leased() -> None:
     Caught: the default for "never leased" dropped (the comparison raised)."""
     b = broker()
     conn = person(b, 1001)
-    conn.record = b._make_record(conn, "ticket", {
+    conn.record = ops_mod.make_record(b, conn, "ticket", {
         "device_uuids": [], "device_requested_bytes": [], "exclusive": False, "seq": 1,
         "constraints": {"min_free_bytes": None, "min_free_fraction": None,
                         "max_util_pct": None, "count": 1, "exclude": [], "exclusive": False,
@@ -346,9 +365,9 @@ def test_leaving_a_servable_ticket_bars_a_person_who_never_leased() -> None:
         "holder_kind": "process",
     })
     assert conn.record is not None
-    b.servable_since[conn.record.lease_id] = 1.0  # it could be served from then on
+    b.book.servable_since[conn.record.lease_id] = 1.0  # it could be served from then on
     conn.record = None  # given up
-    assert 1001 in b.line_barred
+    assert 1001 in b.book.line_barred
 
 
 def test_a_waiter_that_ends_leaves_the_line_and_the_lock_goes_on() -> None:
@@ -359,22 +378,22 @@ def test_a_waiter_that_ends_leaves_the_line_and_the_lock_goes_on() -> None:
     holder, waiter, third = person(b, 1001), person(b, 1002), person(b, 1003)
 
     async def go() -> None:
-        await b.op_begin(holder, {"op": "begin"})
-        assert b.lock_holder is holder
-        waiting = asyncio.create_task(b.op_begin(waiter, {"op": "begin"}))
-        nxt = asyncio.create_task(b.op_begin(third, {"op": "begin"}))
+        await b.run_op("begin", holder, {"op": "begin"})
+        assert b.lock.lock_holder is holder
+        waiting = asyncio.create_task(b.run_op("begin", waiter, {"op": "begin"}))
+        nxt = asyncio.create_task(b.run_op("begin", third, {"op": "begin"}))
         await asyncio.sleep(0)
-        assert list(b.waiting) == [waiter, third]
+        assert list(b.lock.waiting) == [waiter, third]
         waiting.cancel()  # its channel was dropped: its task is cancelled, then ended
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
-        b._drop_lock(waiter)  # what the end of its task does
-        assert list(b.waiting) == [third]
-        assert b.lock_holder is holder
-        b._drop_lock(holder)  # the holder is done: the next one in line gets the lock
+        b.lock.release(waiter)  # what the end of its task does
+        assert list(b.lock.waiting) == [third]
+        assert b.lock.lock_holder is holder
+        b.lock.release(holder)  # the holder is done: the next one in line gets the lock
         await nxt
-        assert b.lock_holder is third and list(b.waiting) == []
-        b._drop_lock(third)
+        assert b.lock.lock_holder is third and list(b.lock.waiting) == []
+        b.lock.release(third)
 
     run(go())
 
@@ -401,9 +420,10 @@ def test_a_repick_replaces_only_the_callers_own_leases() -> None:
     alice.record = replace(lease_record(b, alice, "GPU-p1"), kernel_id="k-1")
     bob_kernel.record = replace(lease_record(b, bob_kernel, "GPU-p2"), kernel_id="k-1")
     theirs, mine = alice.record.lease_id, bob_kernel.record.lease_id
-    assert b._replaced(bob, {"ignore_ids": [theirs, mine]}) == {mine}
-    assert b._replaced(bob, {"ignore_kernel": "k-1"}) == {mine}
-    b._end_replaced(b._replaced(bob, {"ignore_ids": [theirs, mine], "ignore_kernel": "k-1"}))
+    assert b.book.replaced(bob, {"ignore_ids": [theirs, mine]}) == {mine}
+    assert b.book.replaced(bob, {"ignore_kernel": "k-1"}) == {mine}
+    b.book.end_replaced(
+        b.book.replaced(bob, {"ignore_ids": [theirs, mine], "ignore_kernel": "k-1"}))
     assert alice.record is not None and alice.record.lease_id == theirs  # hers, untouched
     assert bob_kernel.record is None
 
@@ -413,21 +433,20 @@ def test_the_leases_pages_neither_repeat_nor_skip_a_record(
 ) -> None:
     """Caught: the page's cursor compared inclusively (the last record of a page came again
     at the start of the next: every list and status showed it twice)."""
-    import autogpu_jupyter.broker as broker_mod
 
-    monkeypatch.setattr(broker_mod, "PAGE_RECORDS", 2)
+    monkeypatch.setattr(ops_mod, "PAGE_RECORDS", 2)
     b = broker()
     for i in range(5):
         lease(b, person(b, 1001 + i), f"GPU-q{i}")
     seen: list[str] = []
     after = None
     for _ in range(5):
-        page = run(b.op_leases(person(b, 0, name="root"), {"op": "leases", "after": after}))
+        page = run(b.run_op("leases", person(b, 0, name="root"), {"op": "leases", "after": after}))
         seen += [r["lease_id"] for r in page["records"]]
         after = page["next"]
         if after is None:
             break
-    assert sorted(seen) == sorted(r.lease_id for _, r in b.live())
+    assert sorted(seen) == sorted(r.lease_id for _, r in b.book.live())
     assert len(seen) == 5
 
 
@@ -445,7 +464,7 @@ def test_a_grant_is_answered_with_the_bytes_its_journal_line_carries(tmp_path: A
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     b = broker(state_dir=str(state))
-    b._fleet = {"GPU-a0", "GPU-a1"}  # the host's devices, whatever this test process sees
+    b.fleet.ids = {"GPU-a0", "GPU-a1"}  # the host's devices, whatever this test process sees
 
     async def main() -> list[dict[str, Any]]:
         ours, theirs = socket.socketpair()
@@ -454,9 +473,10 @@ def test_a_grant_is_answered_with_the_bytes_its_journal_line_carries(tmp_path: A
         other = person(b, 1001)
         lease(b, other, "GPU-a0")  # encoded last, before ours
         msg = {"op": "lease", "devices": ["GPU-a1"], "holder": {"kind": "kernel"}}
-        replies = [await b.op_lease(conn, msg), await b.op_release(conn, {"op": "release"})]
+        replies = [await b.run_op("lease", conn, msg),
+                   await b.run_op("release", conn, {"op": "release"})]
         for reply in replies:
-            assert await b._send(conn, reply)
+            assert await b.connections.send(conn, reply)
         theirs.settimeout(5)
         got = theirs.recv(1 << 16).decode().splitlines()
         conn.writer.shut()
@@ -483,11 +503,10 @@ def test_a_reply_past_its_cap_is_an_error_that_says_so_and_is_logged(caplog: Any
     import logging
     import socket
 
-    from autogpu_jupyter import broker as broker_module
     from autogpu_jupyter.brokerd import net
     from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
 
-    cap = broker_module.MAX_REPLY_BYTES
+    cap = MAX_REPLY_BYTES
     b = broker()
 
     async def main(size: int) -> bytes:
@@ -506,7 +525,7 @@ def test_a_reply_past_its_cap_is_an_error_that_says_so_and_is_logged(caplog: Any
             return got
 
         reading = asyncio.ensure_future(read())
-        assert await b._send(conn, reply)
+        assert await b.connections.send(conn, reply)
         got = await asyncio.wait_for(reading, 10)
         conn.writer.shut()
         ours.close()
@@ -540,7 +559,7 @@ def test_a_client_that_does_not_read_its_reply_in_time_is_dropped_and_logged(
         conn.writer = net.Channel(ours, 1 << 24, lambda: None)
         while conn.writer.pending == 0:  # the socket takes no more
             conn.writer.write(b"z" * 65536)
-        sent = await b._send(conn, {"ok": True})
+        sent = await b.connections.send(conn, {"ok": True})
         closed = conn.writer.closed
         ours.close()
         theirs.close()
@@ -564,14 +583,14 @@ def test_the_one_message_pick_answers_its_labels_beside_the_record() -> None:
     from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
 
     b = broker()
-    b.backend = SimulatedBackend("demo-4x")
+    b.fleet.backend = SimulatedBackend("demo-4x")
 
     async def main() -> dict[str, Any]:
         ours, theirs = socket.socketpair()
         conn = person(b, 1009)
         conn.writer = net.Channel(ours, 1 << 20, lambda: None)
-        reply = await b.op_pick(conn, {"op": "pick", "options": {"min_free": "1G"}})
-        assert await b._send(conn, reply)
+        reply = await b.run_op("pick", conn, {"op": "pick", "options": {"min_free": "1G"}})
+        assert await b.connections.send(conn, reply)
         theirs.settimeout(5)
         line = theirs.recv(1 << 16)
         conn.writer.shut()
@@ -581,7 +600,7 @@ def test_the_one_message_pick_answers_its_labels_beside_the_record() -> None:
 
     got = run(main())
     assert got["ok"] is True and got["proto"] == PROTOCOL
-    labels = {d.uuid: d.label for d in b._snap.devices}
+    labels = {d.uuid: d.label for d in b.book.snap.devices}
     assert got["labels"] == [labels[u] for u in got["record"]["device_uuids"]]
     assert len(got["labels"]) == 1 and got["record"]["user"] == "user1009"
 
@@ -591,7 +610,7 @@ def test_the_one_message_pick_answers_its_labels_beside_the_record() -> None:
 
 def ticket_record(b: Broker, conn: Conn) -> Any:
     """The record the broker builds for ``conn``'s ticket (one device, any)."""
-    return b._make_record(conn, "ticket", {
+    return ops_mod.make_record(b, conn, "ticket", {
         "device_uuids": [], "device_requested_bytes": [], "exclusive": False, "seq": 1,
         "constraints": {"min_free_bytes": None, "min_free_fraction": None,
                         "max_util_pct": None, "count": 1, "exclude": [], "exclusive": False,
@@ -625,14 +644,14 @@ def test_a_lock_taken_back_after_a_short_slice_does_not_mark_its_person_again() 
 
     b = broker(lock_timeout_s=1.0)
     alice, bob = person(b, 1001), person(b, 1002)
-    b.lock_holder = alice
+    b.lock.lock_holder = alice
     alice.granted_at = time.monotonic() - LOCK_SLICE_S  # it held a slice, then lost it
-    b._expire_lock(alice)
-    assert b.lock_holder is None and b.lock_misuse == {}
-    b.lock_holder = bob
+    b.lock.expire(alice)
+    assert b.lock.lock_holder is None and b.lock.lock_misuse == {}
+    b.lock.lock_holder = bob
     bob.granted_at = time.monotonic() - 1.0  # it held the whole timeout
-    b._expire_lock(bob)
-    assert b.lock_holder is None and list(b.lock_misuse) == [1002]
+    b.lock.expire(bob)
+    assert b.lock.lock_holder is None and list(b.lock.lock_misuse) == [1002]
 
 
 def test_a_holder_that_let_the_lock_time_out_gets_a_slice_once_someone_else_waits() -> None:
@@ -648,17 +667,17 @@ def test_a_holder_that_let_the_lock_time_out_gets_a_slice_once_someone_else_wait
 
     async def go() -> None:
         loop = asyncio.get_running_loop()
-        await b.op_begin(alice, {"op": "begin"})
+        await b.run_op("begin", alice, {"op": "begin"})
         assert alice.lock_handle is not None
         assert alice.lock_handle.when() - loop.time() > 20  # alone: the whole timeout
-        b.lock_misuse[1001] = time.monotonic()  # she let it time out a moment ago
-        waiting = asyncio.create_task(b.op_begin(bob, {"op": "begin"}))
+        b.lock.lock_misuse[1001] = time.monotonic()  # she let it time out a moment ago
+        waiting = asyncio.create_task(b.run_op("begin", bob, {"op": "begin"}))
         await asyncio.sleep(0)
         assert alice.lock_handle is not None
         assert alice.lock_handle.when() <= loop.time() + LOCK_SLICE_S
         await asyncio.wait_for(waiting, 5)
-        assert b.lock_holder is bob
-        b._drop_lock(bob)
+        assert b.lock.lock_holder is bob
+        b.lock.release(bob)
 
     run(go())
 
@@ -669,7 +688,7 @@ def test_a_holder_that_is_not_an_object_is_a_usage_error() -> None:
     b = broker()
     conn = person(b, 1001)
     with pytest.raises(BrokerRefusal, match=r"^holder: expected an object$") as err:
-        b._holder_fields(conn, {"holder": ["kernel"]})
+        ops_mod.holder_fields(b, conn, {"holder": ["kernel"]})
     assert err.value.kind == "UsageErrorBase"
 
 
@@ -681,7 +700,7 @@ def test_a_lease_replaced_by_a_repick_tells_its_connection_so() -> None:
     alice_old.writer = Written()  # type: ignore[assignment]
     lease(b, alice_old, "GPU-rp1")
     assert alice_old.record is not None
-    b._end_replaced(b._replaced(alice, {"ignore_ids": [alice_old.record.lease_id]}))
+    b.book.end_replaced(b.book.replaced(alice, {"ignore_ids": [alice_old.record.lease_id]}))
     assert alice_old.record is None
     assert alice_old.writer.lines == [  # type: ignore[attr-defined]
         b'{"event": "replaced", "message": "lease replaced by a re-pick"}\n']
@@ -694,7 +713,7 @@ def test_set_pid_refuses_a_pid_that_is_not_positive(pid: int) -> None:
     conn = person(b, 0, name="root")  # root may name any process: only the value is checked
     lease(b, conn, "GPU-sp1")
     with pytest.raises(BrokerRefusal, match=rf"^set_pid: invalid pid '{pid}'$") as err:
-        run(b.op_set_pid(conn, {"op": "set_pid", "pid": pid}))
+        run(b.run_op("set_pid", conn, {"op": "set_pid", "pid": pid}))
     assert err.value.kind == "UsageErrorBase"
     assert conn.record is not None and conn.record.pid == conn.pid  # unchanged
 
@@ -706,7 +725,7 @@ def test_revoke_by_a_user_other_than_root_is_refused_in_those_words() -> None:
     lease(b, bob, "GPU-rv1")
     assert bob.record is not None
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_revoke(alice, {"op": "revoke", "lease_id": bob.record.lease_id}))
+        run(b.run_op("revoke", alice, {"op": "revoke", "lease_id": bob.record.lease_id}))
     assert (str(err.value), err.value.kind) == ("revoke needs root", "RegistryError")
     assert bob.record is not None  # still bob's
 
@@ -736,7 +755,7 @@ def test_root_revokes_a_live_lease_tells_its_holder_and_says_whose_it_was(make: 
     lease(b, alice, "GPU-rv2")
     rec = alice.record
     assert rec is not None
-    got = run(b.op_revoke(root, {"op": "revoke", "lease_id": rec.lease_id}))
+    got = run(b.run_op("revoke", root, {"op": "revoke", "lease_id": rec.lease_id}))
     assert got == {"ok": True, "revoked": f"user1001: pid {alice.pid}", "kind": "lease"}
     assert alice.record is None
     if isinstance(writer, Written):
@@ -759,12 +778,12 @@ def test_root_revokes_an_orphaned_lease_by_id_and_an_unknown_id_is_named_in_the_
     rec = alice.record
     assert rec is not None
     alice.record = None
-    b.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
-    got = run(b.op_revoke(root, {"op": "revoke", "lease_id": rec.lease_id}))
+    b.book.adopt(Orphan(1001, rec, [], key=1001))
+    got = run(b.run_op("revoke", root, {"op": "revoke", "lease_id": rec.lease_id}))
     assert got == {"ok": True, "revoked": f"user1001: pid {alice.pid}", "kind": "lease"}
-    assert b.orphans == {}
+    assert counted(b, "orphans") == 0
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_revoke(root, {"op": "revoke", "lease_id": "y" * 70}))
+        run(b.run_op("revoke", root, {"op": "revoke", "lease_id": "y" * 70}))
     assert str(err.value) == f"revoke: no live lease or ticket {'y' * 64!r}"
     assert err.value.kind == "UsageErrorBase"
 
@@ -778,10 +797,9 @@ def test_every_accepted_connection_counts_against_its_persons_limit(
     import json
     import socket
 
-    import autogpu_jupyter.broker as broker_mod
 
     b = broker(max_connections_per_user=2)
-    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
+    monkeypatch.setattr(conn_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
     monkeypatch.setattr(b.accounts, "account",
                         lambda uid: Account(1001, "alice", frozenset()))
 
@@ -790,7 +808,7 @@ def test_every_accepted_connection_counts_against_its_persons_limit(
         counts = []
         for ours, _ in pairs:
             b.accepted(ours)
-            counts.append(b.per_key[1001])
+            counts.append(b.connections.per_key[1001])
         third = pairs[2][1]
         third.settimeout(5)
         refusal = json.loads(await asyncio.get_running_loop().run_in_executor(
@@ -798,7 +816,7 @@ def test_every_accepted_connection_counts_against_its_persons_limit(
         for _, theirs in pairs:
             theirs.close()
         for _ in range(200):
-            if not b.conns:
+            if not b.connections.conns:
                 break
             await asyncio.sleep(0.01)
         return counts, refusal
@@ -806,7 +824,7 @@ def test_every_accepted_connection_counts_against_its_persons_limit(
     counts, refusal = run(go())
     assert counts == [1, 2, 2]
     assert refusal["error"] == "too many connections for alice (max_connections_per_user = 2)"
-    assert (b.conns, dict(b.per_key)) == (set(), {})
+    assert (b.connections.conns, dict(b.connections.per_key)) == (set(), {})
 
 
 def test_a_ticket_given_up_before_it_could_be_served_bars_nobody() -> None:
@@ -817,7 +835,7 @@ def test_a_ticket_given_up_before_it_could_be_served_bars_nobody() -> None:
     conn = person(b, 1001)
     conn.record = ticket_record(b, conn)
     conn.record = None
-    assert b.line_barred == {} and b.servable_since == {}
+    assert b.book.line_barred == {} and b.book.servable_since == {}
 
 
 def test_a_ticket_the_decision_cannot_judge_is_logged_by_its_id(caplog: Any) -> None:
@@ -827,17 +845,17 @@ def test_a_ticket_the_decision_cannot_judge_is_logged_by_its_id(caplog: Any) -> 
     import time
 
     b = broker()
-    b._snap, b._snap_at = object(), time.monotonic()  # a fresh snapshot
+    b.book.snap, b.book.snap_at = object(), time.monotonic()  # a fresh snapshot
 
     def fails(*args: Any, **kwargs: Any) -> Any:
         raise ValueError("a constraint it cannot read")
 
-    b._waiters = fails  # type: ignore[method-assign]
+    b.book.waiters = fails  # type: ignore[method-assign]
     conn = person(b, 1001)
     caplog.set_level(logging.DEBUG, logger="autogpu.broker")
     conn.record = ticket_record(b, conn)
     assert conn.record is not None
-    assert conn.record.lease_id not in b.dormant
+    assert conn.record.lease_id not in b.book.dormant
     assert [r.getMessage() for r in caplog.records if "not judged" in r.getMessage()] == [
         f"ticket {conn.record.lease_id} not judged: a constraint it cannot read"]
 
@@ -853,11 +871,11 @@ def test_the_state_a_pick_decides_on_has_the_devices_reserved_away_from_its_user
     outsider = person(b, 1001)
     member = person(b, 1002, groups=frozenset({"ml"}))
     lease(b, member, "GPU-res0")
-    leases, tickets = _StateView(b, outsider).live_records()
+    leases, tickets = _StateView(b.book, outsider).live_records()
     assert [(r.device_uuids, r.exclusive, admission.is_reservation(r)) for r in leases] == [
         (("GPU-res0",), False, False), (("GPU-res1",), True, True)]
     assert tickets == []
-    leases, _ = _StateView(b, member).live_records()
+    leases, _ = _StateView(b.book, member).live_records()
     assert [r.device_uuids for r in leases] == [("GPU-res0",)]
 
 
@@ -890,7 +908,7 @@ def test_serve_listens_answers_and_stops_on_sigterm(monkeypatch: pytest.MonkeyPa
         def snapshot(self) -> Any:
             raise AutoGPUError("no GPU library here")
 
-    monkeypatch.setattr(broker_mod, "get_backend", NoFleet)
+    monkeypatch.setattr(fleet_mod, "get_backend", NoFleet)
     where = tempfile.mkdtemp(prefix="agb-", dir="/tmp")  # a socket path has at most 107 bytes
     path = os.path.join(where, "b.sock")
     replies: list[dict[str, Any]] = []
@@ -948,7 +966,7 @@ def test_a_holder_of_an_unknown_kind_is_a_usage_error_naming_the_kinds() -> None
     b = broker()
     conn = person(b, 1001)
     with pytest.raises(BrokerRefusal) as err:
-        b._holder_fields(conn, {"holder": {"kind": "daemon"}})
+        ops_mod.holder_fields(b, conn, {"holder": {"kind": "daemon"}})
     assert (str(err.value), err.value.kind) == (
         "holder.kind 'daemon' is not one of process, kernel, cli, provisioner, api",
         "UsageErrorBase")
@@ -961,7 +979,7 @@ def test_a_second_lease_on_one_connection_is_refused_in_those_words() -> None:
     lease(b, conn, "GPU-ol1")
     held = conn.record
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_lease(conn, {"op": "lease", "devices": ["GPU-ol2"]}))
+        run(b.run_op("lease", conn, {"op": "lease", "devices": ["GPU-ol2"]}))
     assert (str(err.value), err.value.kind) == (
         "this connection already holds a lease or ticket", "RegistryError")
     assert conn.record is held
@@ -976,7 +994,7 @@ def test_a_ticket_past_the_tickets_per_user_is_refused_with_the_admissions_words
         "min_free_bytes": None, "min_free_fraction": None, "max_util_pct": None, "count": 1,
         "exclude": [], "exclusive": False, "allowed_uuids": None}}
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_ticket(conn, msg))
+        run(b.run_op("ticket", conn, msg))
     assert (str(err.value), err.value.kind) == (
         "user1001 already waits in line with 0 ticket(s); another would exceed "
         "max_tickets_per_user = 0 set by the admin (enforced by the broker). Wait for one of "
@@ -1000,7 +1018,7 @@ def test_a_refused_connection_gets_one_line_with_the_protocol_and_is_logged(
     ours, theirs = socket.socketpair()
     caplog.set_level(logging.WARNING, logger="autogpu.broker")
     try:
-        b._refuse(ours, 1001, "too many connections for alice")
+        b.connections.refuse(ours, 1001, "too many connections for alice")
         theirs.settimeout(5)
         line = theirs.recv(65536)
     finally:
@@ -1032,7 +1050,7 @@ def test_refused_connections_are_logged_at_most_every_ten_seconds_with_their_cou
 
     def refuse(uid: int) -> None:
         ours, theirs = socket.socketpair()
-        b._refuse(ours, uid, "too many connections")
+        b.connections.refuse(ours, uid, "too many connections")
         theirs.close()
 
     refuse(1001)
@@ -1063,7 +1081,7 @@ def test_a_client_of_another_protocol_gets_an_untrusted_error_and_is_closed(
     from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
 
     b = broker()
-    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
+    monkeypatch.setattr(conn_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
     monkeypatch.setattr(b.accounts, "account",
                         lambda uid: Account(1001, "alice", frozenset()))
 
@@ -1091,9 +1109,8 @@ def exchange(b: Broker, monkeypatch: pytest.MonkeyPatch, *sent: bytes) -> list[A
     import json
     import socket
 
-    import autogpu_jupyter.broker as broker_mod
 
-    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
+    monkeypatch.setattr(conn_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
     monkeypatch.setattr(b.accounts, "account",
                         lambda uid: Account(1001, "alice", frozenset()))
 
@@ -1111,6 +1128,42 @@ def exchange(b: Broker, monkeypatch: pytest.MonkeyPatch, *sent: bytes) -> list[A
         return b"".join(got)
 
     return [json.loads(line) for line in run(go()).splitlines()]
+
+
+def test_a_client_of_the_older_protocol_is_served_in_the_shapes_it_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client of the protocol before this one (autogpu before 0.2: no ``proto`` in its
+    messages) picks through a broker of this one: its ``begin`` lists the leases of others
+    as records (``leases``, with the tickets beside them), its lease is granted on a free
+    device and refused on an exclusive one, its ``status`` carries the records. Caught: the
+    older protocol refused in one line (the broker and users' environments had to be
+    upgraded on the same day), or answered with the booking view only (an older client saw
+    every device free and took bob's exclusive GPU)."""
+    import json
+
+    b, ids = simulated_broker()
+    bob = person(b, 1002)
+    bob.record = ops_mod.make_record(b, bob, "lease", {
+        "device_uuids": [ids[0]], "device_requested_bytes": [None], "exclusive": True,
+        "pid": bob.pid, "kernel_id": None, "notebook_path": None, "command": None,
+        "holder_kind": "process"})
+
+    def older(msg: dict[str, Any]) -> bytes:
+        return json.dumps(msg).encode() + b"\n"
+
+    begin, taken, status = exchange(
+        b, monkeypatch, older({"op": "begin"}),
+        older({"op": "lease", "devices": [ids[0]], "exclusive": True}),
+        older({"op": "status"}),
+    )
+    assert begin["ok"] is True and begin["tickets"] == []
+    assert [(r["device_uuids"], r["exclusive"], r["user"]) for r in begin["leases"]] == [
+        ([ids[0]], True, "user1002")]
+    assert taken["ok"] is False and "exclusive" in taken["error"], taken
+    assert [r["user"] for r in status["leases"]] == ["user1002"] and status["tickets"] == []
+    (mine,) = exchange(b, monkeypatch, older({"op": "lease", "devices": [ids[1]]}))
+    assert mine["ok"] is True and mine["record"]["device_uuids"] == [ids[1]]
 
 
 @pytest.mark.parametrize(
@@ -1152,7 +1205,7 @@ def test_the_protocol_is_checked_on_the_first_message_and_the_line_bar_on_ticket
     from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
 
     b = broker()
-    b.line_barred[1001] = time.monotonic() + 3600
+    b.book.line_barred[1001] = time.monotonic() + 3600
     replies = exchange(
         b, monkeypatch,
         json.dumps({"op": "leases", "proto": PROTOCOL}).encode() + b"\n",
@@ -1190,10 +1243,10 @@ def test_the_reaper_logs_a_failed_round_and_goes_on(
         raise RuntimeError("a bad round")
 
     monkeypatch.setattr(asyncio, "sleep", sleep)
-    monkeypatch.setattr(b, "_reap", reap)
+    monkeypatch.setattr(b.restorer, "reap", reap)
     caplog.set_level(logging.ERROR, logger="autogpu.broker")
     with pytest.raises(Stop):
-        run(b.reap_orphans())
+        run(b.restorer.reap_orphans())
     assert rounds == [0, 1]
     assert [(r.getMessage(), r.exc_info is not None) for r in caplog.records] == [
         ("orphan and ticket check failed", True)] * 2
@@ -1213,13 +1266,13 @@ def test_an_orphan_whose_recorded_holder_runs_is_kept() -> None:
     alice.record = None
     me = jrnl.proc_ids(os.getpid())
     assert me
-    b.orphans[rec.lease_id] = Orphan(os.getuid(), rec, list(me), key=os.getuid())
+    b.book.adopt(Orphan(os.getuid(), rec, list(me), key=os.getuid()))
 
     async def go() -> None:
-        await b._reap(asyncio.get_running_loop())
+        await b.restorer.reap(asyncio.get_running_loop())
 
     run(go())
-    assert rec.lease_id in b.orphans and b.orphans[rec.lease_id].holder_pids == list(me)
+    assert rec.lease_id in b.book.orphans and b.book.orphans[rec.lease_id].holder_pids == list(me)
 
 
 def test_an_orphan_whose_holders_are_gone_but_whose_socket_is_held_is_kept() -> None:
@@ -1241,17 +1294,17 @@ def test_an_orphan_whose_holders_are_gone_but_whose_socket_is_held_is_kept() -> 
     try:
         inode = os.fstat(theirs.fileno()).st_ino  # held by this process only
         gone = [(os.getpid(), -1)]  # a start time no process has: that holder is gone
-        b.orphans[rec.lease_id] = Orphan(os.getuid(), rec, gone, key=os.getuid(), peer=inode)
+        b.book.adopt(Orphan(os.getuid(), rec, gone, key=os.getuid(), peer=inode))
 
         async def go() -> None:
-            await b._reap(asyncio.get_running_loop())
+            await b.restorer.reap(asyncio.get_running_loop())
 
         run(go())
     finally:
         ours.close()
         theirs.close()
-    assert rec.lease_id in b.orphans
-    assert b.orphans[rec.lease_id].holder_pids == jrnl.proc_ids(os.getpid())
+    assert rec.lease_id in live_ids(b)
+    assert b.book.orphans[rec.lease_id].holder_pids == jrnl.proc_ids(os.getpid())
 
 
 def test_a_servable_ticket_behind_one_that_is_not_lapses_after_the_grace() -> None:
@@ -1265,21 +1318,21 @@ def test_a_servable_ticket_behind_one_that_is_not_lapses_after_the_grace() -> No
     alice.record = ticket_record(b, alice)
     bob.writer = Written()  # type: ignore[assignment]
     bob.record = replace(ticket_record(b, bob), seq=2)
-    assert [r.seq for r in b._line()] == [1, 2]
+    assert [r.seq for r in b.book.line()] == [1, 2]
     theirs, mine = alice.record.lease_id, bob.record.lease_id
 
     def waiters(snap: Any, tickets: list[Any], settled_only: bool = False) -> dict[str, Any]:
         return {mine: ("GPU-lp1",)} if any(t.lease_id == mine for t in tickets) else {}
 
-    b._snapshot = lambda: "a snapshot"  # type: ignore[method-assign]
-    b._waiters = waiters  # type: ignore[method-assign]
+    b.fleet.snapshot = lambda: "a snapshot"  # type: ignore[method-assign]
+    b.book.waiters = waiters  # type: ignore[method-assign]
 
     async def go() -> None:
-        await b._lapse_tickets(asyncio.get_running_loop())
+        await b.restorer.lapse_round(asyncio.get_running_loop())
 
     run(go())
     assert alice.record is not None and alice.record.lease_id == theirs  # not servable: kept
-    assert bob.record is None and b.lapsed == 1
+    assert bob.record is None and counted(b, "tickets_lapsed") == 1
     assert bob.writer.closed  # type: ignore[attr-defined]
     assert [json_event(x) for x in bob.writer.lines] == [  # type: ignore[attr-defined]
         ("ticket_lapsed", mine)]
@@ -1331,17 +1384,17 @@ def test_past_4096_bars_the_ended_ones_are_dropped_and_the_new_one_kept(
     b = broker()
     conn = person(b, 1001)
     rec = ticket_record(b, conn)
-    b.line_barred = {10_000 + i: until for i in range(4096)}
+    b.book.line_barred = {10_000 + i: until for i in range(4096)}
     monkeypatch.setattr(broker_mod.time, "monotonic", lambda: 1000.0)
-    b._bar_from_line(1001, rec)
-    assert b.line_barred == {1001: 1000.0 + broker_mod.LINE_BAR_S}
+    b.book.bar_from_line(1001, rec)
+    assert b.book.line_barred == {1001: 1000.0 + broker_mod.LINE_BAR_S}
 
 
 def test_a_users_own_limit_is_the_one_applied_before_any_groups() -> None:
     """Caught: the user's name lost before the lookup (a person with a limit of their own got
     the general one)."""
     b = broker(user_limits={"alice": 2}, group_limits={"lab": 7}, max_devices_per_user=5)
-    assert b.limit_for(person(b, 1001, name="alice", groups=frozenset({"lab"}))) == (
+    assert b.book.limit_for(person(b, 1001, name="alice", groups=frozenset({"lab"}))) == (
         2, " for alice")
 
 
@@ -1352,16 +1405,15 @@ def test_a_leases_page_takes_records_up_to_exactly_its_bytes(
     that many bytes fit. Caught: the byte count started at 1 (a page one byte short)."""
     import json
 
-    import autogpu_jupyter.broker as broker_mod
 
     b = broker()
     for i in range(3):
         lease(b, person(b, 1001 + i), f"GPU-p{i}")
     root = person(b, 0, name="root")
-    shown = [b._shown(r, 0) for _, r in b.live() if r.kind == "lease"]
-    monkeypatch.setattr(broker_mod, "PAGE_BYTES", len(json.dumps(shown[0])) +
+    shown = [views_mod.shown(r, 0) for _, r in b.book.live() if r.kind == "lease"]
+    monkeypatch.setattr(ops_mod, "PAGE_BYTES", len(json.dumps(shown[0])) +
                         len(json.dumps(shown[1])))
-    page = run(b.op_leases(root, {"op": "leases"}))
+    page = run(b.run_op("leases", root, {"op": "leases"}))
     assert page["records"] == shown[:2]
     assert page["next"] == [shown[1]["created_s"], shown[1]["lease_id"]]
 
@@ -1372,9 +1424,9 @@ def test_a_pick_books_the_bytes_its_min_free_asks_on_each_device() -> None:
     from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 
     b = broker()
-    b.backend = SimulatedBackend("demo-4x")
+    b.fleet.backend = SimulatedBackend("demo-4x")
     conn = person(b, 1009)
-    run(b.op_pick(conn, {"op": "pick", "options": {"min_free": "1G"}}))
+    run(b.run_op("pick", conn, {"op": "pick", "options": {"min_free": "1G"}}))
     assert conn.record is not None
     assert list(conn.record.device_requested_bytes) == [1 << 30]
 
@@ -1395,7 +1447,7 @@ def test_a_pick_with_a_bad_option_is_a_usage_error_naming_it_as_a_key(
     b, _ = simulated_broker()
     conn = person(b, 1001)
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_pick(conn, {"op": "pick", "options": given}))
+        run(b.run_op("pick", conn, {"op": "pick", "options": given}))
     assert (str(err.value), err.value.kind) == (said, "UsageErrorBase")
     assert conn.record is None
 
@@ -1405,7 +1457,7 @@ def test_a_pick_that_nothing_fits_is_refused_with_why_each_device_was_dropped() 
     b, _ = simulated_broker()
     conn = person(b, 1001)
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_pick(conn, {"op": "pick", "options": {"min_free": "100G"}}))
+        run(b.run_op("pick", conn, {"op": "pick", "options": {"min_free": "100G"}}))
     head, *lines = str(err.value).split("\n")
     assert head == "no device fits (min free 100.0 GiB):"
     assert [re.sub(r"only [0-9.]+ GiB", "only N GiB", line) for line in lines] == [
@@ -1423,14 +1475,14 @@ def test_a_pick_leases_with_its_exclusive_wish_share_of_memory_and_holder() -> N
     b, _ = simulated_broker()
     one, two = person(b, 1001), person(b, 1002)
     holder = {"kind": "kernel", "kernel_id": "k-1", "notebook_path": "a.ipynb"}
-    run(b.op_pick(one, {"op": "pick", "options": {"exclusive": True, "min_free": "25%"},
+    run(b.run_op("pick", one, {"op": "pick", "options": {"exclusive": True, "min_free": "25%"},
                         "holder": holder}))
     rec = one.record
     assert rec is not None
-    total = {d.uuid: d.memory_total_bytes for d in b._snap.devices}[rec.device_uuids[0]]
+    total = {d.uuid: d.memory_total_bytes for d in b.book.snap.devices}[rec.device_uuids[0]]
     assert (rec.exclusive, list(rec.device_requested_bytes)) == (True, [total // 4])
     assert (rec.holder_kind, rec.kernel_id, rec.notebook_path) == ("kernel", "k-1", "a.ipynb")
-    run(b.op_pick(two, {"op": "pick"}))
+    run(b.run_op("pick", two, {"op": "pick"}))
     assert two.record is not None
     assert list(two.record.device_requested_bytes) == [None]
     assert two.record.device_uuids != rec.device_uuids  # the exclusive one is not shared
@@ -1447,14 +1499,14 @@ def test_a_pick_passes_over_the_device_held_exclusively_or_reserved_away_from_it
     b, ids = simulated_broker(reserved={})
     favourite = ids[2]
     alice, bob = person(b, 1001), person(b, 1002)
-    run(b.op_pick(bob, {"op": "pick"}))
+    run(b.run_op("pick", bob, {"op": "pick"}))
     assert bob.record is not None and list(bob.record.device_uuids) == [favourite]
     bob.record = None
     if away == "held":
-        run(b.op_lease(bob, {"op": "lease", "devices": [favourite], "exclusive": True}))
+        run(b.run_op("lease", bob, {"op": "lease", "devices": [favourite], "exclusive": True}))
     else:
         b.config.reserved = {favourite: ["ml"]}
-    run(b.op_pick(alice, {"op": "pick"}))
+    run(b.run_op("pick", alice, {"op": "pick"}))
     assert alice.record is not None and favourite not in alice.record.device_uuids
 
 
@@ -1466,7 +1518,7 @@ def test_a_pick_is_not_bounded_by_the_brokers_own_visible_devices(
     b, ids = simulated_broker()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     conn = person(b, 1001)
-    run(b.op_pick(conn, {"op": "pick"}))
+    run(b.run_op("pick", conn, {"op": "pick"}))
     assert conn.record is not None and list(conn.record.device_uuids) == [ids[2]]
 
 
@@ -1477,10 +1529,10 @@ def test_a_pick_or_a_begin_on_a_connection_that_holds_a_lease_is_refused_in_thos
 
     b, ids = simulated_broker()
     conn = person(b, 1001)
-    run(b.op_lease(conn, {"op": "lease", "devices": [ids[0]]}))
-    for op in (b.op_pick, b.op_begin):
+    run(b.run_op("lease", conn, {"op": "lease", "devices": [ids[0]]}))
+    for op in ("pick", "begin"):
         with pytest.raises(BrokerRefusal) as err:
-            run(op(conn, {}))
+            run(b.run_op(op, conn, {}))
         assert str(err.value) == admission.ONE_PER_CONNECTION
 
 
@@ -1495,15 +1547,15 @@ def test_a_set_pid_keeps_the_journals_peer_of_the_lease(tmp_path: Any) -> None:
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     b = broker(state_dir=str(state))
-    assert b.journal is not None
+    assert b.restorer.journal is not None
     conn = person(b, 1001)
     lease(b, conn, "GPU-j0")
     rec = conn.record
     assert rec is not None
-    known = b.journal.entries[rec.lease_id]
-    b.journal.add(Entry(rec.lease_id, known.uid, known.record, 4242, []))
+    known = b.restorer.journal.entries[rec.lease_id]
+    b.restorer.journal.add(Entry(rec.lease_id, known.uid, known.record, 4242, []))
     conn.record = dataclasses.replace(rec, pid=os.getpid() + 1)
-    assert b.journal.entries[rec.lease_id].peer == 4242
+    assert b.restorer.journal.entries[rec.lease_id].peer == 4242
 
 
 def test_a_new_state_directory_is_made_private_not_opened_then_closed(
@@ -1567,14 +1619,14 @@ def test_the_booking_view_shows_the_exclusive_then_the_largest_bookings_and_fold
     n = VIEW_ROWS_PER_DEVICE + 2
     for i in range(n):  # the smallest booking oldest, the exclusive lease youngest
         conn = person(b, 2000 + i)
-        conn.record = replace(b._make_record(conn, "lease", {
+        conn.record = replace(ops_mod.make_record(b, conn, "lease", {
             "device_uuids": ["GPU-v"], "device_requested_bytes": [(i + 1) * gib],
             "exclusive": i == n - 1, "pid": 100 + i, "kernel_id": None,
             "notebook_path": f"n{i}.ipynb", "command": None, "holder_kind": "kernel",
         }), created_s=1000.0 + i)
     viewer = person(b, 1001)
-    got = run(b.op_begin(viewer, {"op": "begin"}))
-    b._drop_lock(viewer)
+    got = run(b.run_op("begin", viewer, {"op": "begin"}))
+    b.lock.release(viewer)
     [device] = got["devices"]
     assert device["uuid"] == "GPU-v"
     assert [(row[0], row[1], row[2] // gib) for row in device["rows"]] == [
@@ -1752,11 +1804,11 @@ def test_a_lease_on_a_device_this_host_does_not_have_is_a_usage_error_naming_it(
     from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 
     b = broker()
-    b.backend = SimulatedBackend("demo-4x")
+    b.fleet.backend = SimulatedBackend("demo-4x")
     conn = person(b, 1001)
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_lease(conn, {"op": "lease", "devices": ["gpu-made-up"]}))
-    fleet = ", ".join(sorted(d.uuid for d in b._snap.devices))
+        run(b.run_op("lease", conn, {"op": "lease", "devices": ["gpu-made-up"]}))
+    fleet = ", ".join(sorted(d.uuid for d in b.book.snap.devices))
     assert str(err.value) == f"'gpu-made-up' is not a device of this host (its devices: {fleet})"
     assert err.value.kind == "UsageErrorBase"
     assert conn.record is None
@@ -1771,19 +1823,19 @@ def test_a_waiter_gone_just_as_the_lock_frees_is_passed_over_for_the_next_one() 
     holder, gone, third = person(b, 1001), person(b, 1002), person(b, 1003)
 
     async def go() -> None:
-        await b.op_begin(holder, {"op": "begin"})
-        waiting = asyncio.create_task(b.op_begin(gone, {"op": "begin"}))
-        nxt = asyncio.create_task(b.op_begin(third, {"op": "begin"}))
+        await b.run_op("begin", holder, {"op": "begin"})
+        waiting = asyncio.create_task(b.run_op("begin", gone, {"op": "begin"}))
+        nxt = asyncio.create_task(b.run_op("begin", third, {"op": "begin"}))
         await asyncio.sleep(0)
-        assert list(b.waiting) == [gone, third]
+        assert list(b.lock.waiting) == [gone, third]
         waiting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
-        assert await b.op_end(holder, {"op": "end"}) == {"ok": True}  # before gone's ending
+        assert await b.run_op("end", holder, {"op": "end"}) == {"ok": True}  # before gone's ending
         await asyncio.wait_for(nxt, 5)
-        assert b.lock_holder is third and list(b.waiting) == []
-        b._drop_lock(gone)
-        b._drop_lock(third)
+        assert b.lock.lock_holder is third and list(b.lock.waiting) == []
+        b.lock.release(gone)
+        b.lock.release(third)
 
     run(go())
 
@@ -1795,17 +1847,17 @@ def test_a_lease_of_a_subordinate_uid_counts_against_its_owners_device_limit() -
     from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 
     b = broker(max_devices_per_user=1)
-    b.backend = SimulatedBackend("demo-4x")
-    b._snapshot()
-    first, second = sorted(d.uuid for d in b._snap.devices)[:2]
+    b.fleet.backend = SimulatedBackend("demo-4x")
+    b.fleet.snapshot()
+    first, second = sorted(d.uuid for d in b.book.snap.devices)[:2]
     sub = Conn(b, 200000, 200000, os.getpid(),
                Account(1001, "alice", frozenset(), via="subordinate uid 200000 of alice"))
-    b.conns.add(sub)
+    b.connections.conns.add(sub)
     alice = person(b, 1001, name="alice")
-    run(b.op_lease(sub, {"op": "lease", "devices": [first]}))
+    run(b.run_op("lease", sub, {"op": "lease", "devices": [first]}))
     assert sub.record is not None and sub.record.uid == 200000
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_lease(alice, {"op": "lease", "devices": [second]}))
+        run(b.run_op("lease", alice, {"op": "lease", "devices": [second]}))
     assert str(err.value).startswith(
         f"alice already holds leases on 1 device(s) ({first}); taking 1 more would exceed "
         "max_devices_per_user = 1 set by the admin")
@@ -1817,14 +1869,14 @@ def test_the_status_counts_every_device_of_a_persons_leases() -> None:
     two devices and one, showed only the last one's)."""
     b = broker()
     one, two, other = person(b, 1001), person(b, 1001), person(b, 1002)
-    one.record = b._make_record(one, "lease", {
+    one.record = ops_mod.make_record(b, one, "lease", {
         "device_uuids": ["GPU-s0", "GPU-s1"], "device_requested_bytes": [None, None],
         "exclusive": False, "pid": one.pid, "kernel_id": None, "notebook_path": None,
         "command": None, "holder_kind": "process",
     })
     lease(b, two, "GPU-s2")
     lease(b, other, "GPU-s3")
-    got = run(b.op_status(one, {"op": "status"}))
+    got = run(b.run_op("status", one, {"op": "status"}))
     assert got["per_user"] == {
         "user1001": {"leases": 2, "devices": 3, "tickets": 0},
         "user1002": {"leases": 1, "devices": 1, "tickets": 0},
@@ -1841,8 +1893,8 @@ def test_the_state_a_pick_decides_on_has_the_tickets_that_reserve_in_line_order(
     picker, waiter, sleeper = person(b, 1001), person(b, 1002), person(b, 1003)
     waiter.record = ticket_record(b, waiter)
     sleeper.record = ticket_record(b, sleeper)
-    b.dormant.add(sleeper.record.lease_id)
-    leases, tickets = _StateView(b, picker).live_records()
+    b.book.dormant.add(sleeper.record.lease_id)
+    leases, tickets = _StateView(b.book, picker).live_records()
     assert leases == [] and [t.lease_id for t in tickets] == [waiter.record.lease_id]
 
 
@@ -1853,12 +1905,12 @@ def test_a_lease_is_shared_unless_asked_and_an_exclusive_one_needs_a_device_nobo
     not handed to the admission (the exclusive lease was granted beside the others)."""
     b, (dev, _, _, _) = simulated_broker()
     alice, bob, carol = person(b, 1001), person(b, 1002), person(b, 1003)
-    run(b.op_lease(alice, {"op": "lease", "devices": [dev]}))
-    run(b.op_lease(bob, {"op": "lease", "devices": [dev]}))
+    run(b.run_op("lease", alice, {"op": "lease", "devices": [dev]}))
+    run(b.run_op("lease", bob, {"op": "lease", "devices": [dev]}))
     assert alice.record is not None and alice.record.exclusive is False
     assert bob.record is not None and bob.record.exclusive is False
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_lease(carol, {"op": "lease", "devices": [dev], "exclusive": True}))
+        run(b.run_op("lease", carol, {"op": "lease", "devices": [dev], "exclusive": True}))
     assert str(err.value) == (f"no device free: exclusive wanted but {dev} is held by "
                               f"user1001: pid {alice.pid}, user1002: pid {bob.pid}")
     assert err.value.kind == "NoDeviceFitsError" and carol.record is None
@@ -1868,9 +1920,9 @@ def test_a_persons_leases_stop_at_the_admins_max_leases_per_user() -> None:
     """Caught: the broker's quota built without ``max_leases_per_user`` (no lease limit)."""
     b, (first, second, _, _) = simulated_broker(max_leases_per_user=1)
     one, two = person(b, 1001), person(b, 1001)
-    run(b.op_lease(one, {"op": "lease", "devices": [first]}))
+    run(b.run_op("lease", one, {"op": "lease", "devices": [first]}))
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_lease(two, {"op": "lease", "devices": [second]}))
+        run(b.run_op("lease", two, {"op": "lease", "devices": [second]}))
     assert str(err.value).startswith(
         "user1001 already holds 1 lease(s); another would exceed max_leases_per_user = 1 set "
         "by the admin (enforced by the broker).")
@@ -1886,13 +1938,13 @@ def test_a_subordinate_uid_asking_counts_the_leases_of_its_owner() -> None:
     def sub() -> Conn:
         conn = Conn(b, 200000, 200000, os.getpid(),
                     Account(1001, "alice", frozenset(), via="subordinate uid 200000 of alice"))
-        b.conns.add(conn)
+        b.connections.conns.add(conn)
         return conn
 
     one, two = sub(), sub()
-    run(b.op_lease(one, {"op": "lease", "devices": [first]}))
+    run(b.run_op("lease", one, {"op": "lease", "devices": [first]}))
     with pytest.raises(BrokerRefusal, match=r"^alice already holds leases on 1 device\(s\)"):
-        run(b.op_lease(two, {"op": "lease", "devices": [second]}))
+        run(b.run_op("lease", two, {"op": "lease", "devices": [second]}))
     assert two.record is None
 
 
@@ -1903,7 +1955,7 @@ def test_a_lease_whose_devices_are_not_a_non_empty_list_is_a_usage_error(devices
     b, _ = simulated_broker()
     conn = person(b, 1001)
     with pytest.raises(BrokerRefusal, match=r"^devices: expected a list of device UUIDs$") as e:
-        run(b.op_lease(conn, {"op": "lease", "devices": devices}))
+        run(b.run_op("lease", conn, {"op": "lease", "devices": devices}))
     assert e.value.kind == "UsageErrorBase" and conn.record is None
 
 
@@ -1913,11 +1965,11 @@ def test_a_lease_may_name_as_many_devices_as_the_id_list_holds_and_not_one_more(
 
     b = broker()
     ids = [f"GPU-{i:04d}" for i in range(MAX_ID_LIST + 1)]
-    b._fleet = set(ids)
+    b.fleet.ids = set(ids)
     conn = person(b, 1001)
     with pytest.raises(BrokerRefusal, match=r"^devices: expected a list of device UUIDs$"):
-        run(b.op_lease(conn, {"op": "lease", "devices": ids}))
-    run(b.op_lease(conn, {"op": "lease", "devices": ids[:MAX_ID_LIST]}))
+        run(b.run_op("lease", conn, {"op": "lease", "devices": ids}))
+    run(b.run_op("lease", conn, {"op": "lease", "devices": ids[:MAX_ID_LIST]}))
     assert conn.record is not None and list(conn.record.device_uuids) == ids[:MAX_ID_LIST]
 
 
@@ -1932,20 +1984,20 @@ def test_a_holder_that_never_let_the_lock_time_out_keeps_the_whole_timeout_while
 
     async def go() -> None:
         loop = asyncio.get_running_loop()
-        await b.op_begin(alice, {"op": "begin"})
-        bobs = asyncio.create_task(b.op_begin(bob, {"op": "begin"}))
-        carols = asyncio.create_task(b.op_begin(carol, {"op": "begin"}))
+        await b.run_op("begin", alice, {"op": "begin"})
+        bobs = asyncio.create_task(b.run_op("begin", bob, {"op": "begin"}))
+        carols = asyncio.create_task(b.run_op("begin", carol, {"op": "begin"}))
         await asyncio.sleep(0)
         assert alice.lock_handle is not None
         assert alice.lock_handle.when() - loop.time() > 20
-        await b.op_end(alice, {"op": "end"})
+        await b.run_op("end", alice, {"op": "end"})
         await asyncio.wait_for(bobs, 5)
-        assert b.lock_holder is bob and list(b.waiting) == [carol]
+        assert b.lock.lock_holder is bob and list(b.lock.waiting) == [carol]
         assert bob.lock_handle is not None
         assert bob.lock_handle.when() - loop.time() > 20
-        b._drop_lock(bob)
+        b.lock.release(bob)
         await asyncio.wait_for(carols, 5)
-        b._drop_lock(carol)
+        b.lock.release(carol)
 
     run(go())
 
@@ -1956,19 +2008,19 @@ def test_a_device_reserved_for_a_group_is_leased_by_its_members_and_root_only() 
     the reservations (anyone took a reserved device); the applicant's uid dropped (root, whose
     exemption follows the uid, was refused)."""
     b = broker(reserved={"GPU-rz1": ["ml"]})
-    b._fleet = {"GPU-rz1"}
+    b.fleet.ids = {"GPU-rz1"}
     outsider = person(b, 1001, name="olga")
     member = person(b, 1002, name="mia", groups=frozenset({"ml"}))
     root = person(b, 0, name="root")
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_lease(outsider, {"op": "lease", "devices": ["GPU-rz1"]}))
+        run(b.run_op("lease", outsider, {"op": "lease", "devices": ["GPU-rz1"]}))
     assert (str(err.value), err.value.kind) == (
         "no device free: GPU-rz1 is reserved for group(s) ml by the admin", "NoDeviceFitsError")
     assert outsider.record is None
-    run(b.op_lease(member, {"op": "lease", "devices": ["GPU-rz1"]}))
+    run(b.run_op("lease", member, {"op": "lease", "devices": ["GPU-rz1"]}))
     assert member.record is not None
     member.record = None
-    run(b.op_lease(root, {"op": "lease", "devices": ["GPU-rz1"]}))
+    run(b.run_op("lease", root, {"op": "lease", "devices": ["GPU-rz1"]}))
     assert root.record is not None and root.record.device_uuids == ("GPU-rz1",)
 
 
@@ -1980,11 +2032,11 @@ def test_a_holders_command_line_is_recorded_only_when_the_admin_says_so(
     sends. Caught: the setting ignored (every user's command line, tokens and all, was kept
     and shown)."""
     b = broker(record_commands=record_commands)
-    b._fleet = {"GPU-cm1"}
+    b.fleet.ids = {"GPU-cm1"}
     conn = person(b, 1001)
     msg = {"op": "lease", "devices": ["GPU-cm1"],
            "holder": {"kind": "process", "command": "python train.py --token=s3cret"}}
-    run(b.op_lease(conn, msg))
+    run(b.run_op("lease", conn, msg))
     assert conn.record is not None
     assert conn.record.command == ("python train.py --token=s3cret" if record_commands else None)
 
@@ -1999,44 +2051,43 @@ def test_a_connection_that_ends_ends_its_lease_and_gives_its_person_one_place_ba
     record left set, or set to something other than none (the lease stayed in the journal)."""
     import socket
 
-    import autogpu_jupyter.broker as broker_mod
 
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     b = broker(state_dir=str(state), max_connections_per_user=2)
-    assert b.journal is not None
+    assert b.restorer.journal is not None
     acct = Account(1001, "alice", frozenset())
-    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
+    monkeypatch.setattr(conn_mod, "peer_credentials", lambda sock: (os.getpid(), 1001, 1001))
     monkeypatch.setattr(b.accounts, "account", lambda uid: acct)
 
     async def go() -> None:
         pairs = [socket.socketpair() for _ in range(2)]
         for ours, _ in pairs:
             b.accepted(ours)
-        first = next(c for c in b.conns if c.writer.sock is pairs[0][0])
+        first = next(c for c in b.connections.conns if c.writer.sock is pairs[0][0])
         lease(b, first, "GPU-e1")
         assert first.record is not None
         lease_id = first.record.lease_id
-        assert list(b.journal.entries) == [lease_id]  # type: ignore[union-attr]
+        assert list(b.restorer.journal.entries) == [lease_id]  # type: ignore[union-attr]
         pairs[0][1].close()
         for _ in range(200):
-            if len(b.conns) == 1:
+            if len(b.connections.conns) == 1:
                 break
             await asyncio.sleep(0.01)
-        assert dict(b.per_key) == {1001: 1}
-        assert b._conn_refusal(1001, acct) is None  # one more
-        assert (first.record, b.live(), b.journal.entries) == (None, [], {})  # type: ignore[union-attr]
-        b.per_key[1001] += 1
-        assert b._conn_refusal(1001, acct) is not None  # not two
-        b.per_key[1001] -= 1
+        assert dict(b.connections.per_key) == {1001: 1}
+        assert b.connections.refusal(1001, acct) is None  # one more
+        assert (first.record, b.book.live(), b.restorer.journal.entries) == (None, [], {})  # type: ignore[union-attr]
+        b.connections.per_key[1001] += 1
+        assert b.connections.refusal(1001, acct) is not None  # not two
+        b.connections.per_key[1001] -= 1
         pairs[1][1].close()
         for _ in range(200):
-            if not b.conns:
+            if not b.connections.conns:
                 break
             await asyncio.sleep(0.01)
 
     run(go())
-    assert dict(b.per_key) == {}
+    assert dict(b.connections.per_key) == {}
 
 
 def test_a_restarted_broker_takes_back_what_is_still_held_and_drops_the_rest(
@@ -2062,7 +2113,7 @@ def test_a_restarted_broker_takes_back_what_is_still_held_and_drops_the_rest(
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     first = broker(state_dir=str(state))
-    assert first.journal is not None
+    assert first.restorer.journal is not None
     uid = os.getuid()
     me, gone = jrnl.proc_ids(os.getpid()), [(os.getpid(), -1)]
     assert me
@@ -2071,14 +2122,14 @@ def test_a_restarted_broker_takes_back_what_is_still_held_and_drops_the_rest(
     ours, theirs = socket.socketpair()
     try:
         inode = os.fstat(theirs.fileno()).st_ino  # held by this process only
-        j = first.journal
+        j = first.restorer.journal
         j.add(Entry("f" * 32, uid, '{"kind": "lease"}', None, me))
         j.add(Entry(dead.lease_id, uid, encode(dead).decode(), None, gone))
         j.add(Entry(by_pid.lease_id, uid, encode(by_pid).decode(), None, me))
         j.add(Entry(by_socket.lease_id, uid, encode(by_socket).decode(), inode, gone))
         caplog.set_level(logging.INFO, logger="autogpu.broker")
         second = broker(state_dir=str(state))
-        assert second.journal is not None
+        assert second.restorer.journal is not None
         assert [r.getMessage() for r in caplog.records] == [
             "journal entry skipped: missing keys ['created_s', 'device_requested_bytes', "
             "'device_uuids', 'exclusive', 'holder_kind', 'host', 'lease_id', 'pid', 'uid', "
@@ -2086,26 +2137,37 @@ def test_a_restarted_broker_takes_back_what_is_still_held_and_drops_the_rest(
             "restart: 2 lease(s)/ticket(s) taken back from the journal",
         ]
         key = second.accounts.account(uid).key
+        # The holders of a socket whose recorded ones are gone are found off the loop, by the
+        # reaper's first round (one scan of /proc), not while the journal is read.
         got = {i: (o.uid, o.key, o.peer, o.holder_pids, o.record)
-               for i, o in second.orphans.items()}
+               for i, o in second.book.orphans.items()}
         assert got == {
             by_pid.lease_id: (uid, key, None, me, by_pid),
-            by_socket.lease_id: (uid, key, inode, me, by_socket),
+            by_socket.lease_id: (uid, key, inode, [], by_socket),
         }
+        assert {i: e.pids for i, e in second.restorer.journal.entries.items()} == {
+            by_pid.lease_id: me, by_socket.lease_id: []}
+
+        async def settle() -> None:
+            await second.restorer.settle(asyncio.get_running_loop())
+
+        run(settle())
+        assert {i: o.holder_pids for i, o in second.book.orphans.items()} == {
+            by_pid.lease_id: me, by_socket.lease_id: me}
         assert all(o.record.live and o.record.path == f"broker:{i}"
-                   for i, o in second.orphans.items())
-        assert {i: e.pids for i, e in second.journal.entries.items()} == {
+                   for i, o in second.book.orphans.items())
+        assert {i: e.pids for i, e in second.restorer.journal.entries.items()} == {
             by_pid.lease_id: me, by_socket.lease_id: me}
     finally:
         ours.close()
         theirs.close()
 
     async def reap() -> None:
-        await second._reap(asyncio.get_running_loop())
+        await second.restorer.reap(asyncio.get_running_loop())
 
     run(reap())
-    assert list(second.orphans) == [by_pid.lease_id]
-    assert list(second.journal.entries) == [by_pid.lease_id]
+    assert live_ids(second) == {by_pid.lease_id}
+    assert list(second.restorer.journal.entries) == [by_pid.lease_id]
 
 
 @pytest.mark.parametrize("leased", ["after", "at"])
@@ -2121,13 +2183,13 @@ def test_leaving_a_servable_ticket_after_taking_a_lease_since_bars_nobody(leased
     waiter.record = ticket_record(b, waiter)
     assert waiter.record is not None
     since = time.monotonic()
-    b.servable_since[waiter.record.lease_id] = since  # it could be served from then on
+    b.book.servable_since[waiter.record.lease_id] = since  # it could be served from then on
     lease(b, picker, "GPU-lb1")  # the person took a lease
-    assert b.last_lease_at[1001] >= since
+    assert b.book.last_lease_at[1001] >= since
     if leased == "at":
-        b.servable_since[waiter.record.lease_id] = b.last_lease_at[1001]
+        b.book.servable_since[waiter.record.lease_id] = b.book.last_lease_at[1001]
     waiter.record = None  # then left the ticket
-    assert b.line_barred == {} and b.servable_since == {}
+    assert b.book.line_barred == {} and b.book.servable_since == {}
 
 
 def test_a_ticket_taken_while_a_device_is_free_reserves_nothing_and_is_forgotten_when_it_ends(
@@ -2140,13 +2202,13 @@ def test_a_ticket_taken_while_a_device_is_free_reserves_nothing_and_is_forgotten
     from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 
     b = broker()
-    b.backend = SimulatedBackend("demo-4x")
-    b._snapshot()
+    b.fleet.backend = SimulatedBackend("demo-4x")
+    b.fleet.snapshot()
     waiter, picker = person(b, 1001), person(b, 1002)
     waiter.record = ticket_record(b, waiter)
-    assert _StateView(b, picker).live_records() == ([], [])
+    assert _StateView(b.book, picker).live_records() == ([], [])
     waiter.record = None
-    assert (b.dormant, b.servable_since) == (set(), {})
+    assert (b.book.dormant, b.book.servable_since) == (set(), {})
 
 
 def test_a_grant_journals_its_socket_its_holder_and_its_ticket_number_and_set_pid_its_new_holder(
@@ -2167,8 +2229,8 @@ def test_a_grant_journals_its_socket_its_holder_and_its_ticket_number_and_set_pi
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     b = broker(state_dir=str(state))
-    assert b.journal is not None
-    b._fleet = {"GPU-jn1"}
+    assert b.restorer.journal is not None
+    b.fleet.ids = {"GPU-jn1"}
     me = jrnl.proc_ids(os.getpid())
     assert me
     holder, waiter = person(b, os.getuid()), person(b, os.getuid())
@@ -2176,18 +2238,18 @@ def test_a_grant_journals_its_socket_its_holder_and_its_ticket_number_and_set_pi
     async def go(child: int, pairs: list[tuple[socket.socket, socket.socket]]) -> None:
         for conn, (ours, _) in zip((holder, waiter), pairs):
             conn.writer = net.Channel(ours, 1 << 20, lambda: None)
-        await b.op_lease(holder, {"op": "lease", "devices": ["GPU-jn1"]})
-        await b.op_ticket(waiter, {"op": "ticket", "constraints": {
+        await b.run_op("lease", holder, {"op": "lease", "devices": ["GPU-jn1"]})
+        await b.run_op("ticket", waiter, {"op": "ticket", "constraints": {
             "min_free_bytes": None, "min_free_fraction": None, "max_util_pct": None, "count": 1,
             "exclude": [], "exclusive": False, "allowed_uuids": None}})
         assert holder.record is not None and waiter.record is not None
         for conn, (_, theirs) in zip((holder, waiter), pairs):
-            e = b.journal.entries[conn.record.lease_id]  # type: ignore[union-attr]
+            e = b.restorer.journal.entries[conn.record.lease_id]  # type: ignore[union-attr]
             assert (e.peer, e.pids) == (os.fstat(theirs.fileno()).st_ino, me)
         assert waiter.record.seq == 1
-        assert b.journal.seq == 1  # type: ignore[union-attr]
-        await b.op_set_pid(holder, {"op": "set_pid", "pid": child})
-        assert b.journal.entries[holder.record.lease_id].pids == (  # type: ignore[union-attr]
+        assert b.restorer.journal.seq == 1  # type: ignore[union-attr]
+        await b.run_op("set_pid", holder, {"op": "set_pid", "pid": child})
+        assert b.restorer.journal.entries[holder.record.lease_id].pids == (  # type: ignore[union-attr]
             jrnl.proc_ids(child))
         for conn in (holder, waiter):
             conn.writer.shut()
@@ -2209,14 +2271,14 @@ def test_a_subordinate_uids_lease_counts_its_owners_leases_against_the_limit() -
     too, and refused. Caught: the applicant asked with no person of its own (the subordinate
     uid counted only its own leases, and alice held two devices)."""
     b = broker(max_devices_per_user=1)
-    b._fleet = {"GPU-sub0", "GPU-sub1"}
+    b.fleet.ids = {"GPU-sub0", "GPU-sub1"}
     alice = person(b, 1001, name="alice")
     sub = Conn(b, 200000, 200000, os.getpid(),
                Account(1001, "alice", frozenset(), via="subordinate uid 200000 of alice"))
-    b.conns.add(sub)
-    run(b.op_lease(alice, {"op": "lease", "devices": ["GPU-sub0"]}))
+    b.connections.conns.add(sub)
+    run(b.run_op("lease", alice, {"op": "lease", "devices": ["GPU-sub0"]}))
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_lease(sub, {"op": "lease", "devices": ["GPU-sub1"]}))
+        run(b.run_op("lease", sub, {"op": "lease", "devices": ["GPU-sub1"]}))
     assert str(err.value).startswith(
         "alice already holds leases on 1 device(s) (GPU-sub0); taking 1 more would exceed "
         "max_devices_per_user = 1 set by the admin (enforced by the broker)")
@@ -2227,14 +2289,14 @@ def test_a_lease_on_a_device_reserved_for_a_group_goes_only_to_its_members() -> 
     """Caught: the reservations left out of the lease's admission (anyone leased a device the
     admin reserved for the ml group)."""
     b = broker(reserved={"GPU-rs0": ["ml"]})
-    b._fleet = {"GPU-rs0"}
+    b.fleet.ids = {"GPU-rs0"}
     outsider = person(b, 1001)
     member = person(b, 1002, groups=frozenset({"ml"}))
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_lease(outsider, {"op": "lease", "devices": ["GPU-rs0"]}))
+        run(b.run_op("lease", outsider, {"op": "lease", "devices": ["GPU-rs0"]}))
     assert "reserved for group(s) ml by the admin" in str(err.value)
     assert outsider.record is None
-    run(b.op_lease(member, {"op": "lease", "devices": ["GPU-rs0"]}))
+    run(b.run_op("lease", member, {"op": "lease", "devices": ["GPU-rs0"]}))
     assert member.record is not None and member.record.device_uuids == ("GPU-rs0",)
 
 
@@ -2242,11 +2304,11 @@ def test_a_users_own_device_limit_is_named_in_the_refusal() -> None:
     """Caught: the limit's source left out of the quota (the refusal did not say the limit
     was alice's own, and she looked for it among the general settings)."""
     b = broker(user_limits={"alice": 1}, max_devices_per_user=5)
-    b._fleet = {"GPU-ul0", "GPU-ul1"}
+    b.fleet.ids = {"GPU-ul0", "GPU-ul1"}
     alice, again = person(b, 1001, name="alice"), person(b, 1001, name="alice")
-    run(b.op_lease(alice, {"op": "lease", "devices": ["GPU-ul0"]}))
+    run(b.run_op("lease", alice, {"op": "lease", "devices": ["GPU-ul0"]}))
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_lease(again, {"op": "lease", "devices": ["GPU-ul1"]}))
+        run(b.run_op("lease", again, {"op": "lease", "devices": ["GPU-ul1"]}))
     assert ("would exceed max_devices_per_user = 1 set by the admin for alice (enforced by "
             "the broker)") in str(err.value)
 
@@ -2256,17 +2318,18 @@ def test_a_repick_that_names_its_orphaned_lease_ends_it() -> None:
     with the new lease granted. Caught: the orphan not forgotten (the person held the old
     lease and the new one)."""
     b = broker()
-    b._fleet = {"GPU-or0", "GPU-or1"}
+    b.fleet.ids = {"GPU-or0", "GPU-or1"}
     alice = person(b, 1001)
     lease(b, alice, "GPU-or0")
     rec = alice.record
     assert rec is not None
     alice.record = None
-    b.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
+    b.book.adopt(Orphan(1001, rec, [], key=1001))
     again = person(b, 1001)
-    run(b.op_lease(again, {"op": "lease", "devices": ["GPU-or1"], "ignore_ids": [rec.lease_id]}))
-    assert rec.lease_id not in b.orphans
-    assert [r.device_uuids for _, r in b.live()] == [("GPU-or1",)]
+    run(b.run_op("lease", again,
+                 {"op": "lease", "devices": ["GPU-or1"], "ignore_ids": [rec.lease_id]}))
+    assert rec.lease_id not in live_ids(b)
+    assert [r.device_uuids for _, r in b.book.live()] == [("GPU-or1",)]
 
 
 def test_a_repicks_ids_that_are_not_a_list_replace_nothing() -> None:
@@ -2274,7 +2337,7 @@ def test_a_repicks_ids_that_are_not_a_list_replace_nothing() -> None:
     b = broker()
     alice = person(b, 1001)
     lease(b, alice, "GPU-nl0")
-    assert b._replaced(person(b, 1001), {"ignore_ids": "GPU-nl0"}) == set()
+    assert b.book.replaced(person(b, 1001), {"ignore_ids": "GPU-nl0"}) == set()
 
 
 def test_an_unknown_uids_device_limit_says_it_is_for_uids_without_a_passwd_entry() -> None:
@@ -2284,7 +2347,7 @@ def test_an_unknown_uids_device_limit_says_it_is_for_uids_without_a_passwd_entry
     b = broker(unknown_max_devices=1)
     conn = Conn(b, 77777, 77777, os.getpid(),
                 Account(UNKNOWN_KEY, "unknown uids", frozenset(), "uid 77777 (no passwd entry)"))
-    assert b.limit_for(conn) == (1, " for uids without a passwd entry")
+    assert b.book.limit_for(conn) == (1, " for uids without a passwd entry")
 
 
 def test_a_leases_journal_line_names_the_peer_socket_of_its_connection(tmp_path: Any) -> None:
@@ -2299,12 +2362,12 @@ def test_a_leases_journal_line_names_the_peer_socket_of_its_connection(tmp_path:
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     b = broker(state_dir=str(state))
-    b._fleet = {"GPU-pi0"}
+    b.fleet.ids = {"GPU-pi0"}
 
     async def main() -> None:
         conn = person(b, 1001)
         conn.writer = net.Channel(ours, 1 << 20, lambda: None)
-        await b.op_lease(conn, {"op": "lease", "devices": ["GPU-pi0"]})
+        await b.run_op("lease", conn, {"op": "lease", "devices": ["GPU-pi0"]})
         conn.writer.shut()
 
     ours, theirs = socket.socketpair()
@@ -2330,8 +2393,8 @@ def test_a_connection_whose_loop_fails_under_it_ends_quietly(
     async def failing(_conn: Conn) -> None:
         raise RuntimeError("Event loop is closed")
 
-    monkeypatch.setattr(b, "_serve", failing)
-    assert run(b._run(conn)) is None
+    monkeypatch.setattr(b.connections, "serve", failing)
+    assert run(b.connections.run(conn)) is None
 
 
 def test_the_status_ranks_the_busiest_people_first_and_sums_the_rest_in_one_row(
@@ -2344,31 +2407,30 @@ def test_the_status_ranks_the_busiest_people_first_and_sums_the_rest_in_one_row(
     miscounted, the answer's keys misspelled, the journal's size left out, the uptime summed."""
     import time
 
-    import autogpu_jupyter.broker as broker_mod
     from autogpu_jupyter import __version__
 
-    monkeypatch.setattr(broker_mod, "_STATUS_USERS", 2)
+    monkeypatch.setattr(ops_mod, "_STATUS_USERS", 2)
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     b = broker(state_dir=str(state))
-    assert b.journal is not None
+    assert b.restorer.journal is not None
     p1, p2, p3, p4 = (person(b, uid) for uid in (1001, 1002, 1003, 1004))
     p5 = [person(b, 1005) for _ in range(3)]
     p1.record = ticket_record(b, p1)
     lease(b, p2, "GPU-st2")
     lease(b, p3, "GPU-st3")
     p4.record = ticket_record(b, p4)
-    p5[0].record = b._make_record(p5[0], "lease", {
+    p5[0].record = ops_mod.make_record(b, p5[0], "lease", {
         "device_uuids": ["GPU-st50", "GPU-st51"], "device_requested_bytes": [None, None],
         "exclusive": False, "pid": p5[0].pid, "kernel_id": None, "notebook_path": None,
         "command": None, "holder_kind": "process",
     })
     p5[1].record = ticket_record(b, p5[1])
     p5[2].record = ticket_record(b, p5[2])
-    b.waiting.append(p1)
-    b.lapsed = 3
+    b.lock.waiting.append(p1)
+    b.book.lapsed = 3
     before = time.time()
-    got = run(b.op_status(p1, {"op": "status"}))
+    got = run(b.run_op("status", p1, {"op": "status"}))
     after = time.time()
     assert before - b.started <= got.pop("uptime_s") <= after - b.started
     assert got == {
@@ -2382,12 +2444,12 @@ def test_the_status_ranks_the_busiest_people_first_and_sums_the_rest_in_one_row(
         },
         "orphans": 0,
         "connections": 7,
-        "max_connections": b.conn_cap,
+        "max_connections": b.connections.conn_cap,
         "waiting_for_lock": 1,
         "max_devices_per_user": b.config.max_devices_per_user,
         "tickets_lapsed": 3,
         "messages_paced": 0,
-        "journal_bytes": b.journal.size_bytes,
+        "journal_bytes": b.restorer.journal.size_bytes,
         "pid": os.getpid(),
         "version": __version__,
     }
@@ -2397,13 +2459,12 @@ def test_the_status_ranks_the_busiest_people_first_and_sums_the_rest_in_one_row(
 def test_the_status_folds_no_one_at_exactly_its_most_people() -> None:
     """Caught: the fold made at ``_STATUS_USERS`` people already (an empty "(0 more users)"
     row)."""
-    import autogpu_jupyter.broker as broker_mod
 
     b = broker()
-    for i in range(broker_mod._STATUS_USERS):
+    for i in range(ops_mod._STATUS_USERS):
         lease(b, person(b, 1001 + i), f"GPU-f{i}")
-    got = run(b.op_status(person(b, 0, name="root"), {"op": "status"}))
-    assert len(got["per_user"]) == broker_mod._STATUS_USERS
+    got = run(b.run_op("status", person(b, 0, name="root"), {"op": "status"}))
+    assert len(got["per_user"]) == ops_mod._STATUS_USERS
     assert not any(name.endswith("more users)") for name in got["per_user"])
 
 
@@ -2415,8 +2476,8 @@ def test_the_status_names_a_record_without_a_user_by_its_account() -> None:
     b = broker()
     alice = person(b, 1001)
     rec = replace(lease_record(b, alice, "GPU-nu0"), user="")
-    b.orphans[rec.lease_id] = Orphan(1001, rec, [], key=1001)
-    got = run(b.op_status(alice, {"op": "status"}))
+    b.book.adopt(Orphan(1001, rec, [], key=1001))
+    got = run(b.run_op("status", alice, {"op": "status"}))
     assert got["per_user"] == {"1001": {"leases": 1, "devices": 1, "tickets": 0}}
 
 
@@ -2436,7 +2497,7 @@ class Clock:
 def refusal(b: Broker, conn: Conn) -> tuple[str, str] | None:
     """What ``conn`` joining the waiting line now is refused with (``None``: it may join)."""
     try:
-        b._may_join(conn)
+        b.book.may_join(conn)
     except BrokerRefusal as err:
         return str(err), err.kind
     return None
@@ -2477,7 +2538,7 @@ def test_a_barred_person_may_join_the_line_again_when_the_bar_ends(
     alice = person(b, 1001)
     assert refusal(b, alice) is None
     clock.now = 1000.0
-    b._bar_from_line(alice.key, ticket_record(b, alice))
+    b.book.bar_from_line(alice.key, ticket_record(b, alice))
     clock.now = 1030.0
     assert refusal(b, alice) == (
         "user1001 left a place in the waiting line that could be served, without taking a "
@@ -2497,12 +2558,12 @@ def test_the_line_rates_of_people_who_left_are_dropped_past_their_bound(
     Clock(monkeypatch, 1000.0)
     b = broker()
     alice, bob, carol = person(b, 1001), person(b, 1002), person(b, 1003)
-    b.per_key.update({1001: 1, 1002: 1})  # carol's connection is not counted: she left
-    b.joined = {10_000 + i: [8.0, 1000.0] for i in range(70)}
+    b.connections.per_key.update({1001: 1, 1002: 1})  # carol's connection is not counted: she left
+    b.book.joined = {10_000 + i: [8.0, 1000.0] for i in range(70)}
     assert refusal(b, alice) is None and refusal(b, bob) is None
-    assert len(b.joined) == 72  # 4 * 2 + 64: not past the bound
+    assert len(b.book.joined) == 72  # 4 * 2 + 64: not past the bound
     assert refusal(b, carol) is None
-    assert sorted(b.joined) == [1001, 1002]
+    assert sorted(b.book.joined) == [1001, 1002]
 
 
 def one_free_device() -> Any:
@@ -2549,17 +2610,17 @@ def test_a_new_ticket_reserves_only_where_a_settled_lease_or_an_earlier_waiter_h
     clock = Clock(monkeypatch, 1000.0)
     monkeypatch.setattr(broker_mod.time, "time", lambda: 1e9)
     b = broker()
-    b._snap, b._snap_at = one_free_device(), clock.now
+    b.book.snap, b.book.snap_at = one_free_device(), clock.now
     if lease_age_s is not None:
         carol = person(b, 1003)
         carol.record = replace(lease_record(b, carol, "GPU-s1"), exclusive=True,
                                created_s=1e9 - lease_age_s)
     if earlier is not None:
         bob = person(b, 1002)
-        b._snap_at = clock.now - (5.0 if earlier == "reserving" else 0.0)
+        b.book.snap_at = clock.now - (5.0 if earlier == "reserving" else 0.0)
         bob.record = exclusive_ticket(b, bob, 1)
-        assert b.reserving(bob.record) is (earlier == "reserving")
-    b._snap_at = clock.now - snap_age_s
+        assert b.book.reserving(bob.record) is (earlier == "reserving")
+    b.book.snap_at = clock.now - snap_age_s
     alice = person(b, 1001)
     alice.record = exclusive_ticket(b, alice, 2)
-    assert b.reserving(alice.record) is reserves
+    assert b.book.reserving(alice.record) is reserves

@@ -30,8 +30,12 @@ import pytest
 import autogpu_jupyter.broker as broker_mod
 from autogpu_jupyter import __version__
 from autogpu_jupyter.broker import BrokerConfig, BrokerRefusal, Conn
+from autogpu_jupyter.brokerd import book as book_mod
+from autogpu_jupyter.brokerd import connections as conn_mod
+from autogpu_jupyter.brokerd import fleet as fleet_mod
 from autogpu_jupyter.brokerd import journal as jrnl
 from autogpu_jupyter.brokerd import net
+from autogpu_jupyter.brokerd import picklock as picklock_mod
 from autogpu_jupyter.brokerd.identity import Account
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.leasing.brokerclient import MAX_REPLY_BYTES, PROTOCOL
@@ -63,8 +67,9 @@ class Clock:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, now: float) -> None:
         self.now = now
-        monkeypatch.setattr(broker_mod, "time", types.SimpleNamespace(
-            monotonic=lambda: self.now, time=time.time))
+        clock = types.SimpleNamespace(monotonic=lambda: self.now, time=time.time)
+        for mod in (broker_mod, book_mod, picklock_mod, fleet_mod, conn_mod):
+            monkeypatch.setattr(mod, "time", clock)
 
 
 def short_socket_dir() -> str:
@@ -114,7 +119,7 @@ def test_a_broker_that_cannot_see_the_fleet_says_so_in_one_warning(
     """Caught: the warning's text reworded or dropped, its reason left out or ``None``."""
     from autogpu_jupyter.broker import _initial_fleet
 
-    monkeypatch.setattr(broker_mod, "get_backend", NoFleet)
+    monkeypatch.setattr(fleet_mod, "get_backend", NoFleet)
     b = broker(reserved={"GPU-typo": ["ml"]})
     with caplog.at_level(logging.WARNING, logger="autogpu.broker"):
         _initial_fleet(b)  # nothing to check the reserved ids against: no exit
@@ -130,7 +135,7 @@ def test_serve_stops_before_listening_on_a_reserved_id_the_host_does_not_have(
     broker before it listens. Caught: the broker not given to the start's fleet check, or the
     check given no fleet (the typo silently reserved nothing)."""
     backend = Counted()
-    monkeypatch.setattr(broker_mod, "get_backend", lambda: backend)
+    monkeypatch.setattr(fleet_mod, "get_backend", lambda: backend)
     where = short_socket_dir()
     config = BrokerConfig(socket_path=os.path.join(where, "b.sock"),
                           reserved={"GPU-typo": ["ml"]})
@@ -161,7 +166,7 @@ def test_sigterm_twice_stops_serve_once_and_keeps_the_journal_of_what_is_still_h
     ``None`` at the stop (the shutdown erased the journal), and the handler that sets the
     stop without asking whether it is set already (the second signal raised
     InvalidStateError in the loop)."""
-    monkeypatch.setattr(broker_mod, "get_backend", NoFleet)
+    monkeypatch.setattr(fleet_mod, "get_backend", NoFleet)
     where = short_socket_dir()
     path = os.path.join(where, "b.sock")
     state = tmp_path / "state"
@@ -292,14 +297,14 @@ def test_root_is_accepted_in_the_connections_kept_for_it(
     """With every connection but the last 16 in use, root's connection is still served.
     Caught: the caps asked about no uid (root held to a user's cap and refused)."""
     b = broker()
-    b.conn_cap = 20
-    b.conns = {person(b, 1000 + i) for i in range(20 - net.ROOT_RESERVE)}
-    monkeypatch.setattr(broker_mod, "peer_credentials", lambda sock: (os.getpid(), 0, 0))
+    b.connections.conn_cap = 20
+    b.connections.conns = {person(b, 1000 + i) for i in range(20 - net.ROOT_RESERVE)}
+    monkeypatch.setattr(conn_mod, "peer_credentials", lambda sock: (os.getpid(), 0, 0))
 
     async def go() -> list[int]:
         ours, theirs = socket.socketpair()
         b.accepted(ours)
-        uids = sorted(c.uid for c in b.conns)
+        uids = sorted(c.uid for c in b.connections.conns)
         theirs.close()
         return uids
 
@@ -319,11 +324,11 @@ def test_a_client_that_does_not_read_is_kept_up_to_one_reply_and_the_notices_buf
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)  # whatever the host's default
         with contextlib.ExitStack() as stack:
             stack.callback(theirs.close)
-            original = broker_mod.peer_credentials
-            broker_mod.peer_credentials = lambda sock: (os.getpid(), 1001, 1001)
-            stack.callback(setattr, broker_mod, "peer_credentials", original)
+            original = conn_mod.peer_credentials
+            conn_mod.peer_credentials = lambda sock: (os.getpid(), 1001, 1001)
+            stack.callback(setattr, conn_mod, "peer_credentials", original)
             b.accepted(ours)
-            (conn,) = b.conns
+            (conn,) = b.connections.conns
             conn.writer.write(b"x" * MAX_REPLY_BYTES)  # more than the socket's buffer takes
             kept = len(conn.writer._out)
             assert 0 < kept < cap
@@ -357,7 +362,7 @@ def test_a_refused_client_that_does_not_read_never_blocks_the_broker(caplog: Any
                 socket.socket.send(guarded, b"x" * 65536)  # the client reads none of it
         guarded.setblocking(True)
         with caplog.at_level(logging.WARNING, logger="autogpu.broker"):
-            b._refuse(guarded, 1001, "too many connections for alice")
+            b.connections.refuse(guarded, 1001, "too many connections for alice")
         assert guarded.fileno() == -1
     finally:
         guarded.close()
@@ -377,8 +382,8 @@ def test_a_connection_lost_under_its_loop_with_an_oserror_ends_quietly(
     async def failing(_conn: Conn) -> None:
         raise ConnectionResetError("Connection reset by peer")
 
-    monkeypatch.setattr(b, "_serve", failing)
-    assert run(b._run(conn)) is None
+    monkeypatch.setattr(b.connections, "serve", failing)
+    assert run(b.connections.run(conn)) is None
 
 
 def test_a_begin_reads_its_holders_ids_ahead_and_no_other_message_does(
@@ -390,13 +395,13 @@ def test_a_begin_reads_its_holders_ids_ahead_and_no_other_message_does(
     misspelled, or asked only of a connection that read them already)."""
     b = broker()
     read: list[int] = []
-    holder_ids = b._holder_ids
+    holder_ids = b.restorer.holder_ids
 
     def spy(conn: Conn) -> Any:
         read.append(conn.uid)
         return holder_ids(conn)
 
-    monkeypatch.setattr(b, "_holder_ids", spy)
+    monkeypatch.setattr(b.restorer, "holder_ids", spy)
     status = json.dumps({"op": "status", "proto": PROTOCOL}).encode() + b"\n"
     begin = json.dumps({"op": "begin", "proto": PROTOCOL}).encode() + b"\n"
     assert [r["ok"] for r in exchange(b, monkeypatch, status)] == [True]
@@ -419,11 +424,11 @@ def test_the_broker_makes_its_backend_once_and_reads_the_fleet_from_it() -> None
 
     b = broker()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(broker_mod, "get_backend", get_backend)
-        first = b._snapshot()
-        b._snapshot()
-    assert len(made) == 1 and b.backend is made[0] and made[0].snapshots == 2
-    assert b._fleet == {d.uuid for d in first.devices} and len(b._fleet) == 4
+        mp.setattr(fleet_mod, "get_backend", get_backend)
+        first = b.fleet.snapshot()
+        b.fleet.snapshot()
+    assert len(made) == 1 and b.fleet.backend is made[0] and made[0].snapshots == 2
+    assert b.fleet.ids == {d.uuid for d in first.devices} and len(b.fleet.ids) == 4
 
 
 def test_a_first_ticket_reads_the_fleet_and_later_ones_within_a_second_do_not(
@@ -436,18 +441,18 @@ def test_a_first_ticket_reads_the_fleet_and_later_ones_within_a_second_do_not(
     executor (the snapshot never made)."""
     clock = Clock(monkeypatch, 3.0)  # a host booted 3 s ago
     b = broker()
-    b.backend = Counted()
-    run(b._fresh_snapshot())
-    assert (b.backend.snapshots, b._snap is not None, b._snap_at) == (1, True, 3.0)
+    b.fleet.backend = Counted()
+    run(b.fleet.fresh_snapshot())
+    assert (b.fleet.backend.snapshots, b.book.snap is not None, b.book.snap_at) == (1, True, 3.0)
     clock.now = 4.0  # exactly a second later: still fresh
-    run(b._fresh_snapshot())
-    assert b.backend.snapshots == 1
+    run(b.fleet.fresh_snapshot())
+    assert b.fleet.backend.snapshots == 1
     clock.now = 5.5
-    run(b._fresh_snapshot())
-    assert (b.backend.snapshots, b._snap_at) == (2, 5.5)
+    run(b.fleet.fresh_snapshot())
+    assert (b.fleet.backend.snapshots, b.book.snap_at) == (2, 5.5)
     clock.now = 6.6
-    run(b._fresh_snapshot())
-    assert b.backend.snapshots == 3
+    run(b.fleet.fresh_snapshot())
+    assert b.fleet.backend.snapshots == 3
 
 
 def test_a_ticket_without_a_fleet_logs_why_and_does_not_ask_again_within_a_second(
@@ -457,14 +462,14 @@ def test_a_ticket_without_a_fleet_logs_why_and_does_not_ask_again_within_a_secon
     and ``<`` for ``<=`` (asked again, and logged again, at exactly a second)."""
     clock = Clock(monkeypatch, 100.0)
     b = broker()
-    b.backend = NoFleet()
+    b.fleet.backend = NoFleet()
     with caplog.at_level(logging.DEBUG, logger="autogpu.broker"):
-        run(b._fresh_snapshot())
+        run(b.fleet.fresh_snapshot())
         clock.now = 101.0
-        run(b._fresh_snapshot())
+        run(b.fleet.fresh_snapshot())
     assert [r.getMessage() for r in caplog.records] == [
         "no snapshot for a new ticket: no GPU library here"]
-    assert (b._snap, b._snap_at) == (None, 100.0)
+    assert (b.book.snap, b.book.snap_at) == (None, 100.0)
 
 
 def test_an_unknown_id_reads_the_fleet_again_at_most_every_five_seconds(
@@ -476,17 +481,17 @@ def test_an_unknown_id_reads_the_fleet_again_at_most_every_five_seconds(
     since added instead of subtracted (read on every unknown id), and ``>`` for ``>=``."""
     clock = Clock(monkeypatch, 3.0)
     b = broker()
-    backend = b.backend = Counted()
+    backend = b.fleet.backend = Counted()
     with pytest.raises(BrokerRefusal):
-        run(b._check_known(["gpu-made-up"]))
+        run(b.fleet.check_known(["gpu-made-up"]))
     assert backend.snapshots == 1
     clock.now = 7.9
     with pytest.raises(BrokerRefusal):
-        run(b._check_known(["gpu-made-up"]))
+        run(b.fleet.check_known(["gpu-made-up"]))
     assert backend.snapshots == 1
     clock.now = 8.0
     with pytest.raises(BrokerRefusal):
-        run(b._check_known(["gpu-made-up"]))
+        run(b.fleet.check_known(["gpu-made-up"]))
     assert backend.snapshots == 2
 
 
@@ -498,11 +503,11 @@ def test_an_unknown_id_is_refused_naming_its_first_80_characters_and_16_devices(
     (``none`` for a host without any). Caught: 81 characters or 17 devices shown, and
     ``none`` reworded."""
     b = broker()
-    b._fleet = {f"GPU-{i:02d}" for i in range(size)}
-    b._fleet_checked = time.monotonic()  # just read: not read again
+    b.fleet.ids = {f"GPU-{i:02d}" for i in range(size)}
+    b.fleet.checked_at = time.monotonic()  # just read: not read again
     asked = "g" * 100
     with pytest.raises(BrokerRefusal) as err:
-        run(b._check_known([asked]))
+        run(b.fleet.check_known([asked]))
     shown = ", ".join(f"GPU-{i:02d}" for i in range(min(size, 16))) or "none"
     assert str(err.value) == (
         f"{'g' * 80!r} is not a device of this host (its devices: {shown})")
@@ -512,21 +517,26 @@ def test_an_unknown_id_is_refused_naming_its_first_80_characters_and_16_devices(
 
 
 @pytest.mark.parametrize(("theirs", "spoken"), [
-    (None, "no protocol version (an autogpu older than 0.2)"),
     (PROTOCOL + 1, f"protocol {PROTOCOL + 1}"),
+    (PROTOCOL - 2, f"protocol {PROTOCOL - 2}"),
     (True, "protocol true"),
     ("x" * 50, f'protocol "{"x" * 36}...'),
 ])
-def test_a_protocol_mismatch_says_what_each_side_speaks_and_what_to_do(
+def test_a_protocol_mismatch_names_both_sides_versions_and_what_to_do(
     theirs: Any, spoken: str,
 ) -> None:
-    """Caught: the client's side dropped (``None``), always or never said to be no version,
-    the check turned around, the client's version shown as ``null``, and the advice's or the
-    no-version text reworded."""
+    """The broker speaks its protocol and the one before it (messages without a version, or
+    with that one); anything else gets one line naming the client's version and both of the
+    broker's. Caught: the older protocol refused (a broker upgraded before its users'
+    environments refused every one of them), ``True`` taken for 1, the client's version
+    shown as ``null``, the advice reworded."""
     from autogpu_jupyter.broker import _protocol_mismatch
 
     assert _protocol_mismatch(theirs) == (
-        f"this autogpu speaks {spoken}, the lease broker speaks protocol {PROTOCOL} (autogpu "
-        f"{__version__}): the broker and this environment come from different autogpu "
-        "versions; upgrade autogpu here (or ask the admin to run the same version for both)")
+        f"this autogpu speaks {spoken}, the lease broker speaks protocol {PROTOCOL} and "
+        f"{PROTOCOL - 1} (autogpu {__version__}): the broker and this environment come from "
+        "different autogpu versions; upgrade autogpu here (or ask the admin to run the same "
+        "version for both)")
     assert _protocol_mismatch(PROTOCOL) is None
+    assert _protocol_mismatch(PROTOCOL - 1) is None
+    assert _protocol_mismatch(None) is None  # the older protocol's messages carry no version

@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
-import autogpu_jupyter.broker as broker_mod
 from autogpu_jupyter.broker import Broker, BrokerRefusal, Conn
+from autogpu_jupyter.brokerd import connections as conn_mod
+from autogpu_jupyter.brokerd import ops as ops_mod
+from autogpu_jupyter.brokerd import views as views_mod
 from tests.unit.test_broker_rules import broker, lease_record, person, run
 
 GIB = 1 << 30
@@ -39,14 +41,14 @@ def held(b: Broker, conn: Conn, kind: str, *, created_s: float, seq: int = 0,
     }
     if kind == "ticket":
         fields.update(seq=seq, constraints=CONSTRAINTS)
-    conn.record = replace(b._make_record(conn, kind, fields), created_s=created_s)
+    conn.record = replace(ops_mod.make_record(b, conn, kind, fields), created_s=created_s)
     return conn.record
 
 
 def view(b: Broker, conn: Conn) -> dict[str, Any]:
     """What ``begin`` answers ``conn`` (the lock is given back at once)."""
-    got = run(b.op_begin(conn, {"op": "begin"}))
-    b._drop_lock(conn)
+    got = run(b.run_op("begin", conn, {"op": "begin"}))
+    b.lock.release(conn)
     return got
 
 
@@ -67,7 +69,7 @@ def test_the_booking_view_shows_the_persons_own_leases_in_full_and_only_others_p
     me = person(b, 1001)
     mine = held(b, me, "lease", created_s=10.0, devices=(("GPU-m", None),), command="python x")
     held(b, person(b, 1001), "ticket", created_s=11.0, seq=1)
-    b.dormant.add(b.live()[-1][1].lease_id)  # a dormant ticket: in no line
+    b.book.dormant.add(b.book.live()[-1][1].lease_id)  # a dormant ticket: in no line
     held(b, person(b, 1002), "lease", created_s=12.0, devices=(("GPU-b", 2 * GIB),),
          notebook="b.ipynb")
     held(b, person(b, 1003), "lease", created_s=13.0, devices=(("GPU-a", GIB),),
@@ -123,7 +125,7 @@ def test_the_booking_view_shows_waiters_up_to_exactly_its_bytes_and_counts_the_r
     subtracted."""
     b = broker()
     shown = three_waiters(b)
-    monkeypatch.setattr(broker_mod, "VIEW_TICKET_BYTES",
+    monkeypatch.setattr(views_mod, "VIEW_TICKET_BYTES",
                         len(json.dumps(shown[0])) + len(json.dumps(shown[1])))
     got = view(b, person(b, 1001))
     assert (got["tickets"], got["tickets_not_shown"]) == (shown[:2], 1)
@@ -137,7 +139,7 @@ def test_the_booking_view_shows_at_most_view_tickets_waiters_and_counts_the_rest
     stopped the line), and ``return`` for ``break`` (the view was None: the pick failed)."""
     b = broker()
     shown = three_waiters(b)
-    monkeypatch.setattr(broker_mod, "VIEW_TICKETS", 2)
+    monkeypatch.setattr(views_mod, "VIEW_TICKETS", 2)
     got = view(b, person(b, 1001))
     assert (got["tickets"], got["tickets_not_shown"]) == (shown[:2], 1)
 
@@ -156,11 +158,11 @@ def test_the_rows_cache_holds_256_devices_and_is_cleared_for_the_257th() -> None
     """Caught: the cache cleared only past 257 entries (``>`` or 257: it grew one too many)."""
     b = broker()
     rec = lease_record(b, person(b, 1002), "GPU-a")
-    b._rows = {("GPU-old", str(i)): {} for i in range(255)}
-    b._rows_of("GPU-a", [rec])
-    assert len(b._rows) == 256
-    b._rows_of("GPU-b", [rec])
-    assert list(b._rows) == [("GPU-b", f"{rec.lease_id}:{rec.pid}")]
+    b.ops_cache.rows = {("GPU-old", str(i)): {} for i in range(255)}
+    b.ops_cache.rows_of("GPU-a", [rec])
+    assert len(b.ops_cache.rows) == 256
+    b.ops_cache.rows_of("GPU-b", [rec])
+    assert list(b.ops_cache.rows) == [("GPU-b", f"{rec.lease_id}:{rec.pid}")]
 
 
 def test_a_devices_rows_put_a_booked_lease_before_an_unbooked_one_and_fold_none_as_zero(
@@ -171,7 +173,7 @@ def test_a_devices_rows_put_a_booked_lease_before_an_unbooked_one_and_fold_none_
     holder is named at is all that follows the user's ": " (a notebook named with ": " kept
     whole). Caught: an unbooked lease ranked as booking 1 byte (it stayed first), the folded
     unbooked leases summed as 1 byte each, the place cut at the last ": "."""
-    monkeypatch.setattr(broker_mod, "VIEW_ROWS_PER_DEVICE", 2)
+    monkeypatch.setattr(views_mod, "VIEW_ROWS_PER_DEVICE", 2)
     b = broker()
     recs = [
         held(b, person(b, 1002), "lease", created_s=1.0, devices=(("GPU-a", None),),
@@ -180,7 +182,7 @@ def test_a_devices_rows_put_a_booked_lease_before_an_unbooked_one_and_fold_none_
         held(b, person(b, 1004), "lease", created_s=3.0, devices=(("GPU-a", None),)),
         held(b, person(b, 1005), "lease", created_s=4.0, devices=(("GPU-a", None),)),
     ]
-    assert broker_mod._device_rows("GPU-a", recs) == {
+    assert views_mod.device_rows("GPU-a", recs) == {
         "uuid": "GPU-a",
         "rows": [[False, recs[1].pid, 1, "user1003", f"pid {recs[1].pid}"],
                  [False, recs[0].pid, None, "user1002", "a: b.ipynb"]],
@@ -198,11 +200,11 @@ def test_a_leases_page_holds_exactly_page_records_and_points_at_its_last(
     total of all. Caught: the cap compared with ``>`` (one record too many), ``next`` taken
     from the page's second record (the third came again on the next page), the key "total"
     misspelt."""
-    monkeypatch.setattr(broker_mod, "PAGE_RECORDS", 3)
+    monkeypatch.setattr(ops_mod, "PAGE_RECORDS", 3)
     b = broker()
     recs = [held(b, person(b, 1001 + i), "lease", created_s=1.0 + i,
                  devices=((f"GPU-{i}", None),)) for i in range(4)]
-    page = run(b.op_leases(person(b, 0, name="root"), {"op": "leases"}))
+    page = run(b.run_op("leases", person(b, 0, name="root"), {"op": "leases"}))
     assert page == {"ok": True, "records": [r._payload() for r in recs[:3]],
                     "next": [3.0, recs[2].lease_id], "total": 4}
 
@@ -213,7 +215,7 @@ def test_a_leases_request_for_one_kind_gets_only_that_kind_even_with_tickets_ask
     b = broker()
     rec = held(b, person(b, 1001), "lease", created_s=1.0, devices=(("GPU-a", None),))
     held(b, person(b, 1002), "ticket", created_s=2.0, seq=1)
-    page = run(b.op_leases(person(b, 0, name="root"),
+    page = run(b.run_op("leases", person(b, 0, name="root"),
                            {"op": "leases", "kind": "lease", "tickets": True}))
     assert page == {"ok": True, "records": [rec._payload()], "next": None, "total": 1}
 
@@ -228,7 +230,7 @@ def test_a_leases_cursor_that_is_not_a_time_and_an_id_is_a_usage_error_in_those_
     on), the refusal's text or kind dropped, misspelt or in other case."""
     b = broker()
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_leases(person(b, 1001), {"op": "leases", "after": after}))
+        run(b.run_op("leases", person(b, 1001), {"op": "leases", "after": after}))
     assert (str(err.value), err.value.kind) == (
         "leases: after: expected [created_s, lease_id]", "UsageErrorBase")
 
@@ -242,12 +244,12 @@ def test_status_past_its_users_ranks_ties_by_name_and_sums_the_rest(
     """Past _STATUS_USERS people, the largest come first and people of the same size by name;
     the rest are summed in one row. Caught: ties ranked by their counts (dicts compared: a
     TypeError)."""
-    monkeypatch.setattr(broker_mod, "_STATUS_USERS", 2)
+    monkeypatch.setattr(ops_mod, "_STATUS_USERS", 2)
     b = broker()
     for i, name in enumerate(["dora", "bo", "cy", "al"]):
         held(b, person(b, 1001 + i, name=name), "lease", created_s=1.0 + i,
              devices=((f"GPU-{i}", None),))
-    per_user = run(b.op_status(person(b, 0, name="root"), {"op": "status"}))["per_user"]
+    per_user = run(b.run_op("status", person(b, 0, name="root"), {"op": "status"}))["per_user"]
     one = {"leases": 1, "devices": 1, "tickets": 0}
     assert per_user == {"al": one, "bo": one,
                         "(2 more users)": {"leases": 2, "devices": 2, "tickets": 0}}
@@ -262,11 +264,11 @@ def test_the_live_records_are_computed_once_per_change_of_the_state() -> None:
     records again)."""
     b = broker()
     held(b, person(b, 1001), "lease", created_s=1.0, devices=(("GPU-a", None),))
-    first = b.live()
-    kept = b._live[1]
-    assert b.live() == first and b._live[1] is kept
+    first = b.book.live()
+    kept = b.book._live[1]
+    assert b.book.live() == first and b.book._live[1] is kept
     held(b, person(b, 1002), "lease", created_s=2.0, devices=(("GPU-b", None),))
-    assert len(b.live()) == 2 and b._live[1] is not kept
+    assert len(b.book.live()) == 2 and b.book._live[1] is not kept
 
 
 def test_a_ticket_past_the_tickets_per_user_counts_the_persons_tickets_held_elsewhere() -> None:
@@ -277,7 +279,7 @@ def test_a_ticket_past_the_tickets_per_user_counts_the_persons_tickets_held_else
     held(b, person(b, 1001), "ticket", created_s=1.0, seq=1)
     conn = person(b, 1001)
     with pytest.raises(BrokerRefusal) as err:
-        run(b.op_ticket(conn, {"op": "ticket", "constraints": CONSTRAINTS}))
+        run(b.run_op("ticket", conn, {"op": "ticket", "constraints": CONSTRAINTS}))
     assert (str(err.value), err.value.kind) == (
         "user1001 already waits in line with 1 ticket(s); another would exceed "
         "max_tickets_per_user = 1 set by the admin (enforced by the broker). Wait for one of "
@@ -289,7 +291,7 @@ def test_a_ticket_past_the_tickets_per_user_counts_the_persons_tickets_held_else
 def test_a_device_reserved_away_is_a_pseudo_lease_of_this_host() -> None:
     """Caught: the pseudo-lease made with no host."""
     b = broker(reserved={"GPU-r": ["ml"]})
-    [rec] = b.reserved_away(person(b, 1001))
+    [rec] = b.book.reserved_away(person(b, 1001))
     assert (rec.device_uuids, rec.exclusive, rec.host) == (("GPU-r",), True, b.host)
 
 
@@ -300,12 +302,12 @@ def test_a_holders_fields_keep_text_fields_only_when_text_and_name_a_long_kind_b
     cut at 41 characters."""
     b = broker()
     conn = person(b, 1001)
-    assert b._holder_fields(conn, {"holder": {"kernel_id": 123, "notebook_path": "n.ipynb",
+    assert ops_mod.holder_fields(b, conn, {"holder": {"kernel_id": 123, "notebook_path": "n.ipynb",
                                               "kind": "kernel"}}) == {
         "pid": conn.pid, "kernel_id": None, "notebook_path": "n.ipynb", "command": None,
         "holder_kind": "kernel"}
     with pytest.raises(BrokerRefusal) as err:
-        b._holder_fields(conn, {"holder": {"kind": "k" * 39 + "XYZ"}})
+        ops_mod.holder_fields(b, conn, {"holder": {"kind": "k" * 39 + "XYZ"}})
     assert str(err.value) == (
         f"holder.kind '{'k' * 39}X' is not one of process, kernel, cli, provisioner, api")
 
@@ -321,4 +323,4 @@ def test_a_holders_fields_keep_text_fields_only_when_text_and_name_a_long_kind_b
 def test_a_value_named_in_a_message_is_cut_past_40_characters(value: Any, shown: str) -> None:
     """Caught: the cut made at 40 characters already or only past 41, at 38 characters, with
     another mark than "..." (or a TypeError), and never."""
-    assert broker_mod._short(value) == shown
+    assert conn_mod._short(value) == shown

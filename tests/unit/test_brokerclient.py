@@ -68,7 +68,7 @@ class ThreadBroker:
         self.broker = Broker(self.config)
         # No GPU library here: the broker cannot see the fleet, so the made-up ids of these
         # tests are checked by the record schema only (tests/processes checks the fleet).
-        self.broker.backend = _NoFleet()
+        self.broker.fleet.backend = _NoFleet()
         started = threading.Event()
 
         async def listen() -> None:
@@ -95,7 +95,7 @@ class ThreadBroker:
         def down() -> None:
             self.broker.stopping = True
             self.listener.close()
-            for conn in list(self.broker.conns):
+            for conn in list(self.broker.connections.conns):
                 if conn.writer is not None:
                     conn.writer.abort()
             self.loop.call_soon(self.loop.stop)
@@ -185,10 +185,10 @@ class Peer:
                 os.seteuid(0)
         else:
             self.sock.listen(8)
-        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread = threading.Thread(target=self.serve, daemon=True)
         self.thread.start()
 
-    def _serve(self) -> None:
+    def serve(self) -> None:
         for items in self.script:
             try:
                 conn, _ = self.sock.accept()
@@ -1511,6 +1511,9 @@ def _revoked(lease_id: str) -> str:
          [_revoked("7"), _revoked("b")]),
         (b'junk\n{"event": "replaced"}\n["revoked"]\n{"lease_id": "c"}\n', []),
         (b'junk\n{"event": "revoked", "lease_id": "d"}', [_revoked("d")]),
+        (b'{"event": "ticket_lapsed", "lease_id": "' + b"e" * 40 + b'", "message": "x"}\n',
+         [f"your place in the GPU waiting line (ticket {'e' * 32}) lapsed: a device was free "
+          "for it but no lease was taken; pick again to wait again"]),
     ],
 )
 def test_lease_events_says_what_the_broker_sent(sent: bytes, events: list[str]) -> None:
@@ -1537,7 +1540,9 @@ def test_lease_events_says_when_the_broker_closed_the_lease() -> None:
     with ours:
         theirs.close()
         assert lease_events(ours.fileno()) == [
-            "the lease broker closed this kernel's lease connection: the lease has ended"
+            "the lease broker closed this kernel's lease connection: a broker that restarted "
+            "keeps the lease while this kernel runs (`autogpu leases` shows it); else the lease "
+            "has ended"
         ]
 
 
@@ -1587,14 +1592,14 @@ def test_a_barred_person_waits_out_the_bar_and_others_join_the_line() -> None:
 
     b = Broker(BrokerConfig(socket_path="/nonexistent/b.sock"))
     alice, bob = _person(b, 1001), _person(b, 1002)
-    b._may_join(alice)  # nobody barred: both join
-    b._may_join(bob)
-    b.line_barred[alice.key] = time.monotonic() + LINE_BAR_S
+    b.book.may_join(alice)  # nobody barred: both join
+    b.book.may_join(bob)
+    b.book.line_barred[alice.key] = time.monotonic() + LINE_BAR_S
     with pytest.raises(BrokerRefusal, match=r"^user1001 left a place in the waiting line"):
-        b._may_join(alice)
-    b._may_join(bob)  # one person's bar is nobody else's
-    b.line_barred[alice.key] = time.monotonic() - 1.0  # the bar is over
-    b._may_join(alice)
+        b.book.may_join(alice)
+    b.book.may_join(bob)  # one person's bar is nobody else's
+    b.book.line_barred[alice.key] = time.monotonic() - 1.0  # the bar is over
+    b.book.may_join(alice)
 
 
 def test_root_may_name_any_users_process_as_a_leases_holder(reg: BrokerRegistry) -> None:
@@ -1644,14 +1649,14 @@ def test_a_ticket_the_broker_could_serve_but_that_is_not_taken_lapses(
     fleet = _one_gpu(short_dir / f"fleet-{used_gib}.json", used_gib)
     caplog.set_level(logging.INFO, logger="autogpu")
     tb = ThreadBroker(str(short_dir / f"lapse-{used_gib}.sock"), ticket_grace_s=0.0)
-    tb.broker.backend = SimulatedBackend(str(fleet))
+    tb.broker.fleet.backend = SimulatedBackend(str(fleet))
     reg = BrokerRegistry(tb.path, connect_timeout_s=2.0)
     try:
         wanted = Constraints(min_free=parse_size("10G"))
         ticket = reg.take_ticket(constraints=decision.ticket_constraints(wanted, [GPU_L]))
         assert ids(reg.list_tickets()) == [ticket.record.lease_id]
         asyncio.run_coroutine_threadsafe(
-            tb.broker._lapse_tickets(tb.loop), tb.loop).result(10)
+            tb.broker.restorer.lapse_round(tb.loop), tb.loop).result(10)
         fd = ticket.fileno()
         if lapses:
             wait_until(lambda: reg.list_tickets() == [])
@@ -1663,13 +1668,13 @@ def test_a_ticket_the_broker_could_serve_but_that_is_not_taken_lapses(
                 "for 0 s but no lease was taken",
             )]
             assert os.read(fd, 65536) == b""  # then closed
-            assert tb.broker.lapsed == 1
+            assert tb.broker.book.lapsed == 1
             assert (f"ticket 1 of {reg.user} lapsed: it could be served for 0 s but was not "
                     "taken") in [r.getMessage() for r in caplog.records]
         else:
             assert ids(reg.list_tickets()) == [ticket.record.lease_id]
             assert select.select([fd], [], [], 0)[0] == []  # told nothing, still open
-            assert tb.broker.lapsed == 0
+            assert tb.broker.book.lapsed == 0
         ticket.release()
     finally:
         tb.crash()

@@ -147,7 +147,11 @@ DOORS = ("autogpu_jupyter.core", "autogpu_jupyter.core.leasing")
 #: Modules above core that may still reach inside it, each with why (a module, or a package and
 #: everything in it).
 DOOR_EXCEPTIONS: dict[str, str] = {
-    "autogpu_jupyter.broker": "being cut in issue 39: its imports move with the cut",
+    # The broker is the lease store's trusted side: like the stores inside core.leasing, it
+    # runs the one admission over the records it writes, and its rooms read the backends and
+    # the devices' MIG layout the way core.decision does.
+    "autogpu_jupyter.broker": "the lease store's trusted side (the daemon's wiring)",
+    "autogpu_jupyter.brokerd": "the lease store's trusted side (its rooms)",
 }
 
 
@@ -297,7 +301,10 @@ BROKER_CLIENT_NAMED_BY = {
     "autogpu_jupyter.core.leasing": "the port's package: names each store lazily, for the tests",
     "autogpu_jupyter.core.leasing.factory": "chooses the store the settings select",
     "autogpu_jupyter.core.leasing.admin": "the broker's own abilities (status, tickets, revoke)",
-    "autogpu_jupyter.broker": "the daemon speaks the client's wire format (being cut in issue 39)",
+    "autogpu_jupyter.broker": "the daemon speaks the client's wire format (its socket path)",
+    "autogpu_jupyter.brokerd.connections": "the wire's limits (request size, protocol version)",
+    "autogpu_jupyter.brokerd.ops": "the wire's replies and protocol versions",
+    "autogpu_jupyter.brokerd.views": "the booking view's wire shape, which the client reads",
 }
 
 

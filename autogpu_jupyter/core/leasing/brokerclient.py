@@ -765,7 +765,8 @@ def _pages(
 
 def lease_events(fd: int) -> list[str]:
     """Messages the broker sent, unasked, on a lease connection this process holds (``fd``):
-    ``lease ... revoked by the admin``; also when the broker closed it. Never blocks; an fd
+    ``lease ... revoked by the admin``, a place in the waiting line that lapsed; also when the
+    broker closed it. Never blocks; an fd
     that is not a socket (a lease file of the shared-directory registry) has none.
 
     Returns
@@ -783,16 +784,26 @@ def lease_events(fd: int) -> list[str]:
     except OSError:
         return []
     if not data:
-        return ["the lease broker closed this kernel's lease connection: the lease has ended"]
+        return ["the lease broker closed this kernel's lease connection: a broker that "
+                "restarted keeps the lease while this kernel runs (`autogpu leases` shows it); "
+                "else the lease has ended"]
     out = []
     for line in data.splitlines():
         try:
             event = json.loads(line)
         except ValueError:
             continue
-        if isinstance(event, dict) and event.get("event") == "revoked":
+        if not isinstance(event, dict):
+            continue
+        if event.get("event") == "revoked":
             out.append(
                 f"your GPU lease {str(event.get('lease_id', ''))[:32]} was revoked by the admin: "
                 "this kernel no longer holds it; others may now be given its GPU"
+            )
+        elif event.get("event") == "ticket_lapsed":
+            out.append(
+                f"your place in the GPU waiting line (ticket "
+                f"{str(event.get('lease_id', ''))[:32]}) lapsed: a device was free for it but "
+                "no lease was taken; pick again to wait again"
             )
     return out
