@@ -528,7 +528,7 @@ def main(argv: list[str]) -> int:
     p = _parser()
     args = p.parse_args(argv)
     if args.action is None:
-        p.print_usage()
+        p.print_usage(sys.stderr)
         print("autogpu broker tenant: error: expected add, list or remove", file=sys.stderr)
         return 2
     try:
