@@ -46,7 +46,7 @@ SOCKET_DIR = os.path.dirname(DEFAULT_SOCKET)
 SYSTEM_PYTHON = "/usr/bin/python3"
 _CONF = (
     '[containers]\ndefault_ulimits = ["nofile=4096:4096", "nproc=4096:4096"]\n'
-    '[engine]\ncgroup_manager = "cgroupfs"\n'
+    '[engine]\ncgroup_manager = "cgroupfs"\nruntime = "runc"\n'
 )
 
 __all__ = ["Container", "KernelInContainer", "container_problem", "podman_env"]
