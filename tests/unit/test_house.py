@@ -305,6 +305,7 @@ BROKER_CLIENT_NAMED_BY = {
     "autogpu_jupyter.brokerd.connections": "the wire's limits (request size, protocol version)",
     "autogpu_jupyter.brokerd.ops": "the wire's replies and protocol versions",
     "autogpu_jupyter.brokerd.views": "the booking view's wire shape, which the client reads",
+    "autogpu_jupyter.brokerd.tenants": "a tenant's socket is the client's default socket path",
 }
 
 

@@ -274,15 +274,37 @@ def _connect(path: str, timeout_s: float) -> socket.socket:
 
 def _check_broker_owner(sock: socket.socket, path: str) -> None:
     """The process serving ``path`` must be root's (or our own: a test or a private broker):
-    a broker run by another user could hand out fake leases, so it is refused."""
+    a broker run by another user could hand out fake leases, so it is refused.
+
+    In a container with its own user namespace the host's root is not mapped: the kernel
+    reports it (``SO_PEERCRED``) as the overflow uid (65534). That uid is accepted only there,
+    and only when the socket and its directory are the overflow uid's or root's and nobody can
+    write the directory (a host root's directory bind-mounted in: no process of the container
+    can have put a socket there)."""
     data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     _pid, uid, _gid = _UCRED.unpack(data)
-    if uid not in (0, os.geteuid()):
+    if uid not in (0, os.geteuid()) and not _host_root_seen_from_a_user_namespace(uid, path):
         sock.close()
         raise RegistryUntrustedError(
             f"the lease broker at {path} runs as uid {uid}, not root: refused (another user "
             f"could hand out fake leases); {broker_fix(path)}"
         )
+
+
+def _host_root_seen_from_a_user_namespace(uid: int, path: str) -> bool:
+    """See :func:`_check_broker_owner`."""
+    try:
+        with open("/proc/sys/kernel/overflowuid", encoding="ascii") as f:
+            overflow = int(f.read().strip() or 65534)
+        with open("/proc/self/uid_map", encoding="ascii") as f:
+            initial = f.read().split() == ["0", "0", "4294967295"]
+        where = os.stat(os.path.dirname(os.path.abspath(path)))
+        sock = os.stat(path)
+    except (OSError, ValueError):
+        return False
+    owners = (0, overflow)
+    return (uid == overflow and not initial and where.st_uid in owners and sock.st_uid in owners
+            and not stat.S_IMODE(where.st_mode) & 0o022)
 
 
 def _records(items: Iterable[Any], path: str) -> list[LeaseRecord]:

@@ -1,0 +1,251 @@
+"""The tenants of the broker (issue 40, brokerd/tenants.py): names, the table in the state
+directory, the rules file's section, the socket directories.
+
+Everything here is what another program or the admin observes: the table file (its JSON, its
+mode), the directories and sockets on disk and their modes, one-line refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import stat
+from pathlib import Path
+
+import pytest
+
+from autogpu_jupyter.broker import BrokerConfig
+from autogpu_jupyter.brokerd import tenants
+from autogpu_jupyter.brokerd.tenants import NAME_FORM, Tenant, TenantError
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> tuple[str, str]:
+    """A state directory and a socket root that do not exist yet (root's tmp_path is 0700)."""
+    return str(tmp_path / "state"), str(tmp_path / "tenant-sockets")
+
+
+@pytest.mark.parametrize("name", ["alice", "_svc", "a", "jupyter-bob", "u_1-x", "a" * 32])
+def test_names_of_the_unix_user_form_are_accepted(name: str) -> None:
+    assert tenants.validate_name(name) == name
+
+
+@pytest.mark.parametrize(
+    "name", ["", "Alice", "1abc", "-x", "a" * 33, "al ice", "al/ice", "..", "ali\nce", "é"],
+)
+def test_bad_names_get_one_line_naming_the_value_and_the_form(name: str) -> None:
+    with pytest.raises(TenantError) as err:
+        tenants.validate_name(name)
+    message = str(err.value)
+    assert "\n" not in message
+    assert repr(name)[:60] in message
+    assert NAME_FORM in message
+
+
+@pytest.mark.parametrize("name", ["root", "unknown"])
+def test_names_that_read_as_the_admin_or_the_unknown_bucket_are_reserved(name: str) -> None:
+    with pytest.raises(TenantError, match=f"{name!r} is reserved"):
+        tenants.validate_name(name)
+
+
+def test_a_tenant_has_sorted_unique_valid_groups_and_a_bounded_limit() -> None:
+    t = Tenant.make("alice", ["ml", "students", "ml"], 2)
+    assert (t.name, t.groups, t.max_devices) == ("alice", ("ml", "students"), 2)
+    assert t.account(-7).name == "alice"
+    assert t.account(-7).groups == frozenset({"ml", "students"})
+    with pytest.raises(TenantError, match=r"tenant alice: group 'ML' is not accepted"):
+        Tenant.make("alice", ["ML"])
+    with pytest.raises(TenantError, match="at most 32"):
+        Tenant.make("alice", [f"g{i}" for i in range(33)])
+    for bad in (-1, 4097, True, 1.5, "2"):
+        with pytest.raises(TenantError, match=r"max_devices .* expected a whole number"):
+            Tenant.make("alice", [], bad)
+
+
+def test_the_rules_file_section_is_read_by_the_broker_config(tmp_path: Path) -> None:
+    rules = tmp_path / "broker.json"
+    rules.write_text(json.dumps({
+        "max_devices_per_user": 2,
+        "tenants": {"alice": {"groups": ["ml"], "max_devices": 1}, "bob": {}, "carol": None},
+    }))
+    config = BrokerConfig()
+    config.load_rules(str(rules))
+    assert config.tenants == {
+        "alice": Tenant("alice", ("ml",), 1, "rules"),
+        "bob": Tenant("bob", (), None, "rules"),
+        "carol": Tenant("carol", (), None, "rules"),
+    }
+    assert config.max_devices_per_user == 2
+
+
+@pytest.mark.parametrize(("section", "says"), [
+    ({"Bob": {}}, "tenant name 'Bob' is not accepted"),
+    ({"bob": {"max_devices": -2}}, "max_devices '-2' is not accepted"),
+    ({"bob": {"gpus": 1}}, "unknown key 'gpus'"),
+    ({"bob": ["ml"]}, "expected an object such as"),
+    (["bob"], "expected an object of tenants"),
+])
+def test_a_bad_rules_section_stops_the_broker_with_one_line_naming_the_file(
+    tmp_path: Path, section: object, says: str,
+) -> None:
+    rules = tmp_path / "broker.json"
+    rules.write_text(json.dumps({"tenants": section}))
+    with pytest.raises(SystemExit) as err:
+        BrokerConfig().load_rules(str(rules))
+    message = str(err.value)
+    assert message.startswith(f"autogpu broker: rules file {rules}: ")
+    assert says in message
+    assert "\n" not in message
+
+
+def test_add_update_and_remove_write_a_root_only_table(dirs: tuple[str, str]) -> None:
+    state, root = dirs
+    assert tenants.load_table(state) == {}
+    _t, what = tenants.add_tenant("alice", ["ml"], 2, state_dir=state, socket_root=root)
+    assert what == "added"
+    assert tenants.add_tenant("alice", ["ml"], 2, state_dir=state, socket_root=root)[1] == (
+        "unchanged")
+    assert tenants.add_tenant("alice", [], None, state_dir=state, socket_root=root)[1] == "updated"
+    tenants.add_tenant("bob", state_dir=state, socket_root=root)
+    table = Path(state) / tenants.TABLE_FILE
+    assert stat.S_IMODE(os.stat(state).st_mode) == 0o700
+    assert stat.S_IMODE(table.stat().st_mode) == 0o600
+    assert json.loads(table.read_text()) == {"version": 1, "tenants": {
+        "alice": {"groups": [], "max_devices": None},
+        "bob": {"groups": [], "max_devices": None},
+    }}
+    assert sorted(tenants.load_table(state)) == ["alice", "bob"]
+    assert tenants.remove_tenant("alice", state_dir=state, socket_root=root) == ""
+    assert sorted(tenants.load_table(state)) == ["bob"]
+    assert not os.path.exists(os.path.join(root, "alice"))
+    with pytest.raises(TenantError, match=r"no tenant 'alice' in the table \(tenants: bob;"):
+        tenants.remove_tenant("alice", state_dir=state, socket_root=root)
+
+
+def test_the_table_is_bounded(dirs: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    state, root = dirs
+    monkeypatch.setattr(tenants, "MAX_TENANTS", 3)
+    for name in ("a", "b", "c"):
+        tenants.add_tenant(name, state_dir=state, socket_root=root)
+    with pytest.raises(TenantError, match=r"holds 3 tenants, the most allowed \(3\)"):
+        tenants.add_tenant("d", state_dir=state, socket_root=root)
+    assert tenants.add_tenant("c", ["g"], state_dir=state, socket_root=root)[1] == "updated"
+    assert sorted(tenants.load_table(state)) == ["a", "b", "c"]
+
+
+def _add(args: tuple[str, str, str]) -> str:
+    name, state, root = args
+    return tenants.add_tenant(name, state_dir=state, socket_root=root)[1]
+
+
+def test_adds_at_once_from_many_processes_lose_no_tenant(dirs: tuple[str, str]) -> None:
+    """A hub spawning many servers at once adds their tenants at once: each write keeps the
+    others' entries (the table's lock)."""
+    state, root = dirs
+    names = [f"user{i}" for i in range(24)]
+    with multiprocessing.get_context("fork").Pool(8) as pool:
+        assert pool.map(_add, [(n, state, root) for n in names]) == ["added"] * len(names)
+    assert sorted(tenants.load_table(state)) == sorted(names)
+    assert sorted(os.listdir(root)) == sorted(names)
+
+
+def test_a_table_that_is_a_link_or_not_json_is_refused_in_one_line(
+    dirs: tuple[str, str], tmp_path: Path,
+) -> None:
+    state, root = dirs
+    tenants.add_tenant("alice", state_dir=state, socket_root=root)
+    table = Path(state) / tenants.TABLE_FILE
+    table.write_text("{not json")
+    with pytest.raises(TenantError, match=f"tenants table {table}: ") as err:
+        tenants.load_table(state)
+    assert "\n" not in str(err.value)
+    table.unlink()
+    other = tmp_path / "elsewhere.json"
+    other.write_text(json.dumps({"version": 1, "tenants": {"mallory": {}}}))
+    table.symlink_to(other)
+    with pytest.raises(TenantError, match="refused"):
+        tenants.load_table(state)
+    with pytest.raises(TenantError, match="refused"):
+        tenants.add_tenant("bob", state_dir=state, socket_root=root)
+    assert json.loads(other.read_text()) == {"version": 1, "tenants": {"mallory": {}}}
+
+
+def test_a_state_directory_others_can_write_is_refused(dirs: tuple[str, str]) -> None:
+    state, root = dirs
+    os.makedirs(state)
+    os.chmod(state, 0o777)
+    with pytest.raises(TenantError, match=r"mode 0777: refused"):
+        tenants.add_tenant("alice", state_dir=state, socket_root=root)
+    assert os.listdir(state) == []
+
+
+def test_rules_file_tenants_are_not_changed_or_removed_from_the_command_line(
+    dirs: tuple[str, str],
+) -> None:
+    state, root = dirs
+    rules = {"alice": Tenant("alice", ("ml",), 1, "rules")}
+    assert tenants.add_tenant("alice", ["ml"], 1, state_dir=state, socket_root=root,
+                              rules=rules)[1] == "unchanged"
+    assert os.path.isdir(os.path.join(root, "alice"))
+    with pytest.raises(TenantError, match="defined in the rules file"):
+        tenants.add_tenant("alice", [], 3, state_dir=state, socket_root=root, rules=rules)
+    with pytest.raises(TenantError, match="defined in the rules file: remove it there"):
+        tenants.remove_tenant("alice", state_dir=state, socket_root=root, rules=rules)
+    assert tenants.load_table(state) == {}
+
+
+def test_socket_directories_are_reachable_only_through_the_mount(dirs: tuple[str, str]) -> None:
+    """The root is 0700 (no host user traverses it); the tenant's directory is 0755 (the
+    container's user, given it as a mount, does); its socket is 0666 and carries the default
+    socket's file name."""
+    _state, root = dirs
+    path = tenants.ensure_tenant_dir(root, "alice")
+    assert path == os.path.join(root, "alice")
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o755
+    sock = tenants.listen_tenant(root, "alice")
+    try:
+        where = tenants.tenant_socket(root, "alice")
+        assert os.path.basename(where) == "broker.sock"
+        assert stat.S_ISSOCK(os.stat(where).st_mode)
+        assert stat.S_IMODE(os.stat(where).st_mode) == 0o666
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(where)
+    finally:
+        sock.close()
+    assert tenants.remove_tenant_dir(root, "alice") == ""
+    assert os.listdir(root) == []
+    assert tenants.remove_tenant_dir(root, "alice") == ""  # nothing left to remove
+
+
+def test_a_socket_root_others_can_reach_or_a_linked_tenant_dir_is_refused(
+    dirs: tuple[str, str], tmp_path: Path,
+) -> None:
+    _state, root = dirs
+    os.makedirs(root, mode=0o755)
+    os.chmod(root, 0o755)
+    with pytest.raises(TenantError, match=r"mode 0755: refused .*expected 0700"):
+        tenants.ensure_tenant_dir(root, "alice")
+    os.chmod(root, 0o700)
+    target = tmp_path / "target"
+    target.mkdir()
+    os.symlink(target, os.path.join(root, "alice"))
+    with pytest.raises(TenantError, match="refused"):
+        tenants.listen_tenant(root, "alice")
+    assert list(target.iterdir()) == []
+
+
+def test_removal_leaves_what_it_did_not_make(dirs: tuple[str, str]) -> None:
+    _state, root = dirs
+    path = tenants.ensure_tenant_dir(root, "alice")
+    Path(path, "broker.sock").write_text("not a socket")
+    assert tenants.remove_tenant_dir(root, "alice") == f"{path} holds other files: left as it is"
+    assert Path(path, "broker.sock").read_text() == "not a socket"
+
+
+def test_the_refusal_of_a_removed_tenants_socket_is_one_line() -> None:
+    line = tenants.removed_refusal("alice")
+    assert "\n" not in line
+    assert line.startswith("tenant alice was removed by the admin")
