@@ -176,7 +176,7 @@ class Child:
                 os.write(w, json.dumps(out).encode() + b"\n")
                 os.close(w)
                 signal.pause()  # until stop(): whatever fn opened stays open
-            except BaseException as err:  # noqa: BLE001 (reported to the parent)
+            except BaseException as err:  # reported to the parent
                 with contextlib.suppress(OSError):
                     os.write(w, json.dumps({"error": f"{type(err).__name__}: {err}"}).encode()
                              + b"\n")
@@ -629,7 +629,8 @@ def table(out: dict[str, Any], fig: dict[str, Any]) -> str:
         f"| pick under load ({out['loaders']} users picking), p50 / p99 / max ms | "
         f"{pk(fig['load_broker'])} | {pk(fig['load_directory'])} | "
         f"{r['pick_p50_load_vs_directory']:.3f} / {r['pick_p99_load_vs_directory']:.3f} | |",
-        f"| the loaders' picks (from 1 s before the measured picks to their end) | {out['load_broker']['loader_picks']} in "
+        "| the loaders' picks (from 1 s before the measured picks to their end) | "
+        f"{out['load_broker']['loader_picks']} in "
         f"{out['load_broker']['wall_s']:.1f} s | {out['load_directory']['loader_picks']} in "
         f"{out['load_directory']['wall_s']:.1f} s | | |",
         f"| restart (kill -9, start, all {out['leases']:,} taken back) | "
