@@ -29,7 +29,7 @@ Measured, in this order:
   by ``brokerd/journal.py``'s ``Journal`` (replay, then ``compact``: what a restart does first,
   and what the broker does whenever the log passes four times its live entries);
 * restart: ``kill -9``, start again on the same state directory, until it answers ``status``
-  with every lease taken back (``orphans``), beside the first start with an empty journal;
+  with every lease taken back (``orphans``), beside a restart with an empty journal;
 * after the restart: ``nobody``'s picks again, now that the 10,000 leases are orphans the broker
   re-checks every second (bounded: at most ``--after-picks`` picks or 30 s).
 
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import pwd
 import resource
@@ -81,6 +82,14 @@ LOADER_USERS = ("www-data", "backup", "list", "irc")
 # ---- small pieces ------------------------------------------------------------------------------
 
 
+_T0 = time.monotonic()
+
+
+def say(what: str) -> None:
+    """Progress, on stderr (the table goes to stdout)."""
+    print(f"[{time.monotonic() - _T0:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def raise_nofile(want: int) -> int:
     """Raise this process's descriptor limit (its children inherit it) to ``want`` where the
     hard limit (or, as root, ``nr_open``) allows; the soft limit reached."""
@@ -110,10 +119,24 @@ def wire(msg: dict[str, Any]) -> bytes:
 
 
 def connect(path: str, timeout: float = 60.0) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(timeout)
-    s.connect(path)
-    return s
+    """A connection to ``path``; while the listen backlog is full (``EAGAIN``: thousands of
+    connections at once), tried again after a moment, as a client would."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(timeout)
+        try:
+            s.connect(path)
+            return s
+        except BlockingIOError:
+            s.close()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path}: the listen backlog stayed full for "
+                                   f"{timeout:g} s") from None
+            time.sleep(0.005)
+        except BaseException:
+            s.close()
+            raise
 
 
 def ask(path: str, msg: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
@@ -128,7 +151,7 @@ def ask(path: str, msg: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]
 
 
 def quantile(values: Sequence[float], q: float) -> float:
-    """The nearest-rank ``q`` quantile (p99 of 200 values: the second largest)."""
+    """The nearest-rank ``q`` quantile (p99 of 100 values: the 99th, the second largest)."""
     ordered = sorted(values)
     return ordered[max(0, min(len(ordered), round(q * len(ordered))) - 1)]
 
@@ -283,27 +306,24 @@ class Broker:
 
 
 def hold_leases(path: str, devices: list[str], first: int, n: int) -> dict[str, Any]:
-    """``n`` connections, each with one shared lease (raw ``lease``, requests sent first, the
-    replies read after), kept open and never read again."""
+    """``n`` connections, each with one shared lease (raw ``lease``, one after another), kept
+    open and never read again."""
     t0 = time.perf_counter()
-    socks = []
+    ok = 0
+    first_error = None
     for i in range(first, first + n):
-        s = connect(path)
+        s = connect(path, timeout=600.0)
         s.sendall(wire({"op": "lease", "devices": [devices[i % len(devices)]],
                         "requested_bytes": [BOOKED],
                         "holder": {"kind": "kernel", "kernel_id": f"{i:032x}",
                                    "notebook_path": f"projects/user-{i % 97}/nb-{i}.ipynb"}}))
-        socks.append(s)
-    ok = 0
-    first_error = None
-    for s in socks:
         line = s.makefile("rb").readline()
         reply = json.loads(line) if line else {"error": "connection closed"}
         if reply.get("ok"):
             ok += 1
         elif first_error is None:
             first_error = str(reply.get("error"))[:300]
-    HELD.extend(socks)
+        HELD.append(s)
     return {"ok": ok, "first_error": first_error, "s": time.perf_counter() - t0}
 
 
@@ -486,7 +506,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                    for u in LOADER_USERS[: a.loaders]]
         time.sleep(1.0)  # under way
         cpu0, t0 = cpu_s(broker.pid), time.perf_counter()
-        got = measure([(kind, where, a.load_picks)], min(90.0, left()))
+        got = measure([(kind, where, a.load_picks)], min(a.phase_s * 0.75, left()))
         wall = time.perf_counter() - t0
         cpu = cpu_s(broker.pid) - cpu0
         stop_file.touch()
@@ -496,9 +516,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         return got, done, cpu, wall
 
     try:
-        out["start_empty"] = broker.start()
+        say("starting the broker")
+        broker.start()  # the first start reads the modules from disk: not the baseline
+        broker.kill9()
+        out["start_empty"] = broker.start()  # a restart with an empty journal
         # the 10,000 leases: 10 holders at once, 1,000 each
         t0 = time.perf_counter()
+        say(f"{a.leases} leases")
         holders = [Child(*account(u), hold_leases, broker.socket, devices, i * per_holder,
                          min(per_holder, a.leases - i * per_holder))
                    for i, u in enumerate(HOLDER_USERS) if i * per_holder < a.leases]
@@ -509,6 +533,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         errors = [g["first_error"] for g in granted if g["first_error"]]
         if out["granted"] < a.leases:
             raise SystemExit(f"only {out['granted']} of {a.leases} leases granted: {errors[:1]}")
+        say("leases granted; idle clients")
         idle = Child(*account(IDLE_USER), hold_idle, broker.socket, a.idle)
         children.append(idle)
         idle.result()
@@ -520,6 +545,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         time.sleep(5.0)
         out["idle_cpu_pct"] = 100.0 * (cpu_s(broker.pid) - cpu0) / 5.0
         out["memory_setup"] = memory_mib(broker.pid)
+        say("idle CPU measured; lease files")
         # the same leases in the shared directory
         owners = [account(u)[0] for u in HOLDER_USERS]
         files = Child(0 if root else os.geteuid(), 0 if root else os.getegid(),
@@ -527,39 +553,45 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         children.append(files)
         files.result()
 
+        say("quiet picks")
         # quiet: broker and directory alternate in 10 blocks
         block = max(1, a.picks // 10)
         cpu0 = cpu_s(broker.pid)
         quiet = measure([(k, w, block) for _ in range(10)
                          for k, w in (("broker", broker.socket), ("directory", reg))],
-                        min(150.0, left()))
+                        min(a.phase_s, left()))
         out["quiet"] = quiet
         out["quiet_broker_cpu_s_per_pick"] = (
             (cpu_s(broker.pid) - cpu0) / max(1, len(quiet["times"]["broker"])))
         out["memory_quiet"] = memory_mib(broker.pid)
 
+        say("picks under load, broker")
         # under load
         got, done, cpu, wall = loaded("broker", broker.socket)
         out["load_broker"] = {**got, "loader_picks": done, "broker_cpu_pct": 100 * cpu / wall,
                               "wall_s": wall}
         out["memory_load"] = memory_mib(broker.pid)
+        say("picks under load, directory")
         got, done, _cpu, wall = loaded("directory", reg)
         out["load_directory"] = {**got, "loader_picks": done, "wall_s": wall}
         files.stop()
         children.remove(files)
 
+        say("compaction")
         # compaction of the journal the broker wrote
         out["compaction"] = timed_compaction(area / "state", area / "journal-copy")
 
+        say("restart")
         # restart
         broker.kill9()
         out["restart"] = broker.start(expect_orphans=a.leases, timeout=min(180.0, left()))
+        say("restarted; picks after the restart")
         out["memory_restart"] = memory_mib(broker.pid)
         st = broker.status()
         out["status_after_restart"] = {k: st.get(k) for k in ("leases_total", "orphans")}
         cpu0, t0 = cpu_s(broker.pid), time.perf_counter()
         out["after_restart"] = measure([("broker", broker.socket, a.after_picks)],
-                                       min(30.0, left()))
+                                       min(a.phase_s / 2, left()))
         out["after_restart_broker_cpu_pct"] = (
             100 * (cpu_s(broker.pid) - cpu0) / (time.perf_counter() - t0))
         out["memory_end"] = memory_mib(broker.pid)
@@ -593,13 +625,40 @@ def figures(out: dict[str, Any]) -> dict[str, Any]:
         "compaction": out["compaction"],
     }
     fig["ratios"] = {
-        "pick_p50_quiet_vs_directory": q["broker"]["p50_ms"] / q["directory"]["p50_ms"],
-        "pick_p99_quiet_vs_directory": q["broker"]["p99_ms"] / q["directory"]["p99_ms"],
-        "pick_p50_load_vs_directory": lb["p50_ms"] / ld["p50_ms"],
-        "pick_p99_load_vs_directory": lb["p99_ms"] / ld["p99_ms"],
-        "restart_vs_empty_start": fig["restart_s"] / fig["start_empty_s"],
+        "pick_p50_quiet_vs_directory": ratio(q["broker"], q["directory"], "p50_ms"),
+        "pick_p99_quiet_vs_directory": ratio(q["broker"], q["directory"], "p99_ms"),
+        "pick_p50_load_vs_directory": ratio(lb, ld, "p50_ms"),
+        "pick_p99_load_vs_directory": ratio(lb, ld, "p99_ms"),
+        "restart_vs_empty_start": ratio(fig, fig, "restart_s", "start_empty_s"),
     }
     return fig
+
+
+def num(x: float, spec: str) -> str:
+    """``x`` formatted, or ``-`` where it was not measured (``nan``)."""
+    return format(x, spec) if math.isfinite(x) else "-"
+
+
+def secs(x: float) -> str:
+    """Seconds, or what an unfinished wait was (``inf``: not within the run's bound)."""
+    return f"{x:.2f} s" if math.isfinite(x) else "not within the bound"
+
+
+def ratio(a: dict[str, Any], b: dict[str, Any], key: str, key_b: str | None = None) -> float:
+    """``a[key] / b[key_b or key]``; ``nan`` where either is missing or not finite (no pick
+    made, a restart that did not finish)."""
+    x, y = a.get(key), b.get(key_b or key)
+    if x is None or y is None or not (math.isfinite(x) and math.isfinite(y)) or y <= 0:
+        return math.nan
+    return float(x) / float(y)
+
+
+def results_of(fig: dict[str, Any]) -> dict[str, float]:
+    """What ``--results`` records (every figure lower-is-better, for scripts/bench_compare.py):
+    the ratios, and the broker's RSS under load in MiB."""
+    out = {f"broker_scale.{k}": float(v) for k, v in fig["ratios"].items()}
+    out["broker_scale.rss_mib"] = float(fig["rss_mib"])
+    return {k: v for k, v in out.items() if math.isfinite(v)}  # not measured: left out
 
 
 def table(out: dict[str, Any], fig: dict[str, Any]) -> str:
@@ -624,19 +683,20 @@ def table(out: dict[str, Any], fig: dict[str, Any]) -> str:
         "| measure | broker | shared directory | broker / directory | goal |",
         "|---|---:|---:|---:|---|",
         f"| pick quiet, p50 / p99 / max ms | {pk(fig['quiet_broker'])} | "
-        f"{pk(fig['quiet_directory'])} | {r['pick_p50_quiet_vs_directory']:.3f} / "
-        f"{r['pick_p99_quiet_vs_directory']:.3f} | p99 <= 20 ms |",
+        f"{pk(fig['quiet_directory'])} | {num(r['pick_p50_quiet_vs_directory'], '.3f')} / "
+        f"{num(r['pick_p99_quiet_vs_directory'], '.3f')} | p99 <= 20 ms |",
         f"| pick under load ({out['loaders']} users picking), p50 / p99 / max ms | "
         f"{pk(fig['load_broker'])} | {pk(fig['load_directory'])} | "
-        f"{r['pick_p50_load_vs_directory']:.3f} / {r['pick_p99_load_vs_directory']:.3f} | |",
+        f"{num(r['pick_p50_load_vs_directory'], '.3f')} / "
+        f"{num(r['pick_p99_load_vs_directory'], '.3f')} | |",
         "| the loaders' picks (from 1 s before the measured picks to their end) | "
         f"{out['load_broker']['loader_picks']} in "
         f"{out['load_broker']['wall_s']:.1f} s | {out['load_directory']['loader_picks']} in "
         f"{out['load_directory']['wall_s']:.1f} s | | |",
         f"| restart (kill -9, start, all {out['leases']:,} taken back) | "
-        f"{fig['restart_s']:.2f} s (answers at {fig['restart_answer_s']:.2f} s) | - | "
-        f"{r['restart_vs_empty_start']:.2f}x the first start ({fig['start_empty_s']:.2f} s, "
-        "empty journal) | <= 1 s |",
+        f"{secs(fig['restart_s'])} (answers at {secs(fig['restart_answer_s'])}) | - | "
+        f"{num(r['restart_vs_empty_start'], '.2f')}x a restart with an empty journal "
+        f"({fig['start_empty_s']:.2f} s) | <= 1 s |",
         f"| pick after the restart (the leases now orphans), p50 / p99 / max ms | "
         f"{pk(fig['after_restart'])} | - | | |",
         f"| broker RSS under load / peak | {fig['rss_mib']:.1f} / {fig['hwm_mib']:.1f} MiB "
@@ -665,11 +725,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--leases", type=int, default=10_000)
     ap.add_argument("--idle", type=int, default=1_000, help="connected clients holding nothing")
     ap.add_argument("--gpus", type=int, default=64)
-    ap.add_argument("--picks", type=int, default=200, help="quiet picks per store")
-    ap.add_argument("--load-picks", type=int, default=100, help="picks per store under load")
+    ap.add_argument("--picks", type=int, default=100, help="quiet picks per store")
+    ap.add_argument("--load-picks", type=int, default=50, help="picks per store under load")
     ap.add_argument("--after-picks", type=int, default=50, help="picks after the restart")
+    ap.add_argument("--phase-s", type=float, default=60.0,
+                    help="the quiet picks' bound in seconds (under load: 3/4 of it each, "
+                    "after the restart: 1/2)")
     ap.add_argument("--loaders", type=int, default=4, choices=range(0, len(LOADER_USERS) + 1))
-    ap.add_argument("--max-s", type=float, default=420.0, help="the run's bound in seconds")
+    ap.add_argument("--max-s", type=float, default=600.0,
+                    help="no phase starts a measure past this many seconds")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--results", help="merge the ratios into this JSON file (make bench)")
     a = ap.parse_args(argv)
@@ -684,10 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     fig = figures(out)
     from results import record
 
-    record(a.results, {
-        **{f"broker_scale.{k}": v for k, v in fig["ratios"].items()},
-        "broker_scale.rss_mib": fig["rss_mib"],
-    })
+    record(a.results, results_of(fig))
     if a.json:
         print(json.dumps({"figures": fig, "raw": {k: v for k, v in out.items()
                                                   if k not in ("quiet", "load_broker",
