@@ -239,6 +239,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--socket-at", choices=("last", "first"), default="last")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--results", help="merge the ratios into this JSON file (make bench)")
+    ap.add_argument("--raw", metavar="FILE", help="also write the run's raw measures here")
+    ap.add_argument("--from-raw", metavar="FILE",
+                    help="no run: the table (and --results) of measures written by --raw")
     a = ap.parse_args(argv)
     if not 1 <= a.holders <= 240 or a.fds < 16 or not 1 <= a.seconds <= 300:
         ap.error("--holders 1-240, --fds >= 16, --seconds 1-300")
@@ -247,10 +250,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    if os.geteuid() != 0:
+    if a.from_raw:
+        out = json.loads(Path(a.from_raw).read_text())
+    elif os.geteuid() != 0:
         raise SystemExit("broker_orphans.py: run as root (the holders and the picker are "
                          "other users)")
-    out = run(a)
+    else:
+        out = run(a)
+    if a.raw:
+        Path(a.raw).write_text(json.dumps(out))
     fig = figures(out)
     from results import record
 

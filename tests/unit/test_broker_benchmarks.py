@@ -110,6 +110,7 @@ def test_scale_table_and_results_beside_the_directory() -> None:
         "broker_scale.pick_p99_load_vs_directory": 0.5,
         "broker_scale.restart_vs_empty_start": 2.0,
         "broker_scale.rss_mib": 110.0,
+        "broker_scale.broker_cpu_ms_per_quiet_pick": 2.0,
     })
 
 
