@@ -77,6 +77,8 @@ bench: setup
 	$(PY) benchmarks/herd.py
 	$(PY) benchmarks/broker_herd.py
 	@if [ "$$(id -u)" = 0 ]; then $(PY) benchmarks/broker_hostile.py; else echo "bench: broker_hostile.py needs root (other uids): skipped"; fi
+	@if [ "$$(id -u)" = 0 ]; then $(PY) benchmarks/broker_scale.py --results $(BENCH_RESULTS); else echo "bench: broker_scale.py needs root (16 users, 12,000 descriptors): skipped"; fi
+	@if [ "$$(id -u)" = 0 ]; then $(PY) benchmarks/broker_orphans.py --results $(BENCH_RESULTS); else echo "bench: broker_orphans.py needs root (other uids): skipped"; fi
 	$(PY) benchmarks/placement.py
 	$(PY) benchmarks/sampler.py
 	$(PY) benchmarks/server.py
