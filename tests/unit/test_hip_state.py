@@ -7,12 +7,21 @@ import _ctypes
 import ctypes
 import os
 import subprocess
+import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from autogpu_jupyter.core import cudastate
-from autogpu_jupyter.core.cudastate import hip_state, hip_too_late_message, kfd_open, mapped_rocm
+from autogpu_jupyter.core.cudastate import (
+    CudaState,
+    _ask_rocr,
+    hip_state,
+    hip_too_late_message,
+    kfd_open,
+    mapped_rocm,
+)
 
 HIP = "/opt/rocm-6.4.1/lib/libamdhip64.so.6.4.60401"
 HSA = "/opt/rocm-6.4.1/lib/libhsa-runtime64.so.1.15.60401"
@@ -128,3 +137,69 @@ def test_a_rocr_loaded_between_two_checks_is_seen(tmp_path: Path) -> None:
                 break
             _ctypes.dlclose(handle._handle)
     assert mapped_rocm() == []
+
+
+# ---- what the ROCr check hands hsa_system_get_info, and the too-late message naming a ----
+# framework (found by the mutation run of issue 22)
+ROCR = "/opt/rocm/lib/libhsa-runtime64.so.1"
+NOT_INITIALIZED = 0x100B
+INVALID_ARGUMENT = 0x1001
+
+
+class FakeRocr:
+    """Stands for ``ctypes.CDLL`` and the ROCr it opens: ``hsa_system_get_info`` answers ``rc``
+    to the one valid call, ``(0, byref(c_uint16))`` (anything else is an invalid argument), and
+    every opening and call is recorded."""
+
+    def __init__(self, rc: int) -> None:
+        self.rc = rc
+        self.opened: list[tuple[str, int | None]] = []
+        self.calls: list[tuple[Any, ...]] = []
+        self.restype: Any = None
+
+    def cdll(self, path: str, mode: int | None = None) -> Any:
+        self.opened.append((path, mode))
+        return types.SimpleNamespace(hsa_system_get_info=self)
+
+    def __call__(self, *args: Any) -> int:
+        self.calls.append(tuple(
+            (type(a._obj).__name__, a._obj.value) if hasattr(a, "_obj") else a for a in args))
+        if [type(a) for a in args] != [int, type(ctypes.byref(ctypes.c_int()))] or args[0]:
+            return INVALID_ARGUMENT
+        if self.rc == 0:
+            args[1]._obj.value = 1
+        return self.rc
+
+
+@pytest.mark.parametrize(
+    ("rc", "expected"),
+    [
+        (NOT_INITIALIZED, (False, f"ROCr is mapped ({ROCR}) but hsa_system_get_info returned "
+                                  "HSA_STATUS_ERROR_NOT_INITIALIZED (0x100B): hsa_init has not "
+                                  "run yet")),
+        (0, (True, f"hsa_system_get_info returned 0x0 from {ROCR}: ROCr (HIP) has started")),
+        (0x1008, (True, f"hsa_system_get_info returned 0x1008 from {ROCR}: ROCr (HIP) has "
+                        "started")),
+    ],
+)
+def test_rocr_is_reopened_without_loading_and_asked_for_its_major_version(
+    monkeypatch: pytest.MonkeyPatch, rc: int, expected: tuple[bool, str]
+) -> None:
+    fake = FakeRocr(rc)
+    monkeypatch.setattr(ctypes, "CDLL", fake.cdll)
+    assert _ask_rocr(ROCR) == expected
+    assert fake.opened == [(ROCR, os.RTLD_NOLOAD | os.RTLD_LAZY)]
+    assert fake.calls == [(0, ("c_ushort", 0))]
+    assert fake.restype is ctypes.c_int
+
+
+def test_the_hip_message_names_the_framework_that_probably_started_it() -> None:
+    state = CudaState(True, "hsa_system_get_info returned 0x0 from /x: ROCr (HIP) has started",
+                      "torch")
+    assert hip_too_late_message(state, "kernel 'k'") == (
+        "HIP (ROCm) is already initialised in kernel 'k', probably by torch (hsa_system_get_info "
+        "returned 0x0 from /x: ROCr (HIP) has started). ROCR_VISIBLE_DEVICES and "
+        "HIP_VISIBLE_DEVICES are read once, when ROCm initialises, so changing them now has no "
+        "effect; nothing was changed. Restart the kernel and run `%gpu pick` first, before "
+        "importing torch or anything that uses the GPU, or start the notebook with the \"Python "
+        "3 (autogpu)\" kernel, which picks before the kernel starts.")
