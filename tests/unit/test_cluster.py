@@ -30,8 +30,11 @@ from autogpu_jupyter.core.cluster import (
     ClusterError,
     ClusterView,
     PrometheusClient,
+    RangeSeries,
+    Rejected,
     Sample,
     _duration_s,
+    _short,
     check_history_s,
     check_url,
     fetch_cluster,
@@ -1300,3 +1303,83 @@ def test_malformed_answers_of_the_targets_api_are_no_targets(prom: Replay) -> No
     for data in ([1, 2], {"activeTargets": "x"}, {"activeTargets": [7, {"labels": "x"}]}):
         prom.answer("/api/v1/targets", None, {"status": "success", "data": data})
         assert PrometheusClient(prom.url).scrape_intervals() in ({}, {"": 60.0})
+
+
+# ---- rejected samples' shortened values and names, the range query's bad points ----
+# Found by the mutation run of issue 22; Prometheus's answers are handed to the client's _get.
+@pytest.mark.parametrize(("raw", "text"), [
+    ("a" * 24, "a" * 24),  # 24 characters are kept whole
+    ("0123456789" * 2 + "abcde", "0123456789" * 2 + "a..."),  # 25: 21 and "..."
+    ("0123456789" * 5, "0123456789" * 2 + "0..."),
+    ([1, "x"], '[1, "x"]'),  # not a string: its JSON
+    (complex(1, 2), '"(1+2j)"'),  # not JSON: its str, as a JSON string
+    ({"v": list(range(20))}, '{"v": [0, 1, 2, 3, 4,...'),
+])
+def test_a_rejected_value_is_shown_as_json_in_24_characters_at_most(raw: Any, text: str) -> None:
+    """Caught: the bound moved (< 24, <= 25), the cut at 22, "..." reworded or subtracted, the
+    JSON of None or of nothing, no ``default=str``, the raw value kept as is."""
+    assert _short(raw) == text
+
+
+def test_a_rejected_sample_of_an_instant_query_names_its_short_value() -> None:
+    client = PrometheusClient("http://prometheus.example:9090")
+    long = "not a number, " * 3
+    client._get = lambda path, params: {  # type: ignore[method-assign]
+        "resultType": "vector", "result": [
+            {"metric": {"__name__": "m"}, "value": [1.0, long]},
+            {"metric": {"__name__": "n"}, "value": [1.0, [1, "x"]]},
+        ]}
+    assert client.query("m") == []
+    assert [r.text() for r in client.rejected] == [f"m = {long[:21]}...", 'n = [1, "x"]']
+
+
+def test_a_rejected_series_name_is_cut_at_60_characters() -> None:
+    name = "".join(chr(ord("a") + i % 26) for i in range(70))
+    assert Rejected({"__name__": name}, "= NaN").text() == f"{name[:60]} = NaN"
+    assert Rejected({}, "= NaN").text() == "? = NaN"
+
+
+def _ranged(data: object) -> tuple[PrometheusClient, list[tuple[str, dict[str, str]]]]:
+    client = PrometheusClient("http://prometheus.example:9090")
+    asked: list[tuple[str, dict[str, str]]] = []
+
+    def get(path: str, params: dict[str, str]) -> object:
+        asked.append((path, dict(params)))
+        return data
+
+    client._get = get  # type: ignore[method-assign,assignment]
+    return client, asked
+
+
+def test_range_points_that_are_not_finite_are_counted_per_series() -> None:
+    """Caught: the count set to 1 rather than added to; a series without a ``values`` list
+    walked over anyway (it is one bad point)."""
+    client, asked = _ranged({"resultType": "matrix", "result": [
+        {"metric": {"__name__": "u", "hostname": "a"},
+         "values": [[0, "1"], [15, "NaN"], [30, "x"], [45, "+Inf"], [60, "0.5"]]},
+        {"metric": {"__name__": "v"}},
+        {"metric": {"__name__": "w"}, "values": "12"},
+        {"metric": {"__name__": "z"}, "values": [[0, "2"]]},
+    ]})
+    assert client.query_range("u", 0.0, 60.0, 15.0) == [
+        RangeSeries({"__name__": "u", "hostname": "a"}, ((0.0, 1.0), (60.0, 0.5))),
+        RangeSeries({"__name__": "v"}, ()),
+        RangeSeries({"__name__": "w"}, ()),
+        RangeSeries({"__name__": "z"}, ((0.0, 2.0),)),
+    ]
+    assert [r.text() for r in client.rejected] == [
+        "u has 3 point(s) that are not finite",
+        "v has 1 point(s) that are not finite",
+        "w has 1 point(s) that are not finite",
+    ]
+    assert asked == [("/api/v1/query_range",
+                      {"query": "u", "start": "0.000", "end": "60.000", "step": "15.000"})]
+
+
+def test_a_range_answer_without_a_result_list_names_the_query() -> None:
+    """Caught: the query not handed on to the series check (the message said ``None``)."""
+    client, _ = _ranged({"resultType": "matrix", "result": "nope"})
+    with pytest.raises(ClusterError) as err:
+        client.query_range("up", 0.0, 60.0, 15.0)
+    assert str(err.value) == (
+        "Prometheus at http://prometheus.example:9090: 'up' gave no result list")

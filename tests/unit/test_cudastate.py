@@ -462,8 +462,9 @@ def test_the_linker_s_count_moves_with_every_load_and_unload(tmp_path: Path) -> 
     assert unloaded is not None and unloaded[1] > loaded[1]
 
 
-# ---- the linker's load counter built afresh, also where the C library lacks dl_iterate_phdr ----
-# or the system is not Linux (found by the mutation run of issue 22)
+# ---- a load counter built afresh ----
+# Also where the C library lacks dl_iterate_phdr or the system is not Linux (found by the
+# mutation run of issue 22).
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="dl_iterate_phdr (Linux)")
 def test_a_new_load_counter_reads_the_linker_s_counts() -> None:
     count = cudastate._LoadCount()

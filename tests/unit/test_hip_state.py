@@ -139,8 +139,8 @@ def test_a_rocr_loaded_between_two_checks_is_seen(tmp_path: Path) -> None:
     assert mapped_rocm() == []
 
 
-# ---- what the ROCr check hands hsa_system_get_info, and the too-late message naming a ----
-# framework (found by the mutation run of issue 22)
+# ---- asking ROCr, and the too-late message naming a framework ----
+# What the ROCr check hands hsa_system_get_info (found by the mutation run of issue 22).
 ROCR = "/opt/rocm/lib/libhsa-runtime64.so.1"
 NOT_INITIALIZED = 0x100B
 INVALID_ARGUMENT = 0x1001
@@ -203,3 +203,38 @@ def test_the_hip_message_names_the_framework_that_probably_started_it() -> None:
         "effect; nothing was changed. Restart the kernel and run `%gpu pick` first, before "
         "importing torch or anything that uses the GPU, or start the notebook with the \"Python "
         "3 (autogpu)\" kernel, which picks before the kernel starts.")
+
+
+# ---- every verdict with a framework imported (found by the mutation run of issue 22) ----
+HINT = "torch.cuda.is_initialized() is True"
+
+
+@pytest.fixture
+def torch_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cudastate, "_framework_hint", lambda: ("torch", HINT))
+
+
+def test_an_open_kfd_names_the_framework_and_its_hint(torch_hint: None, tmp_path: Path) -> None:
+    assert hip_state(maps(tmp_path), fds(tmp_path, "/dev/kfd")) == CudaState(
+        True, f"this process holds /dev/kfd open: the ROCr runtime has initialised ({HINT})",
+        "torch")
+
+
+def test_an_unreadable_map_names_the_framework(torch_hint: None, tmp_path: Path) -> None:
+    absent = str(tmp_path / "no-maps")
+    assert hip_state(absent, fds(tmp_path)) == CudaState(
+        False, f"cannot read {absent} (not Linux?): no sign of HIP", "torch")
+
+
+def test_nothing_mapped_names_the_framework(torch_hint: None, tmp_path: Path) -> None:
+    assert hip_state(maps(tmp_path, "/usr/lib/libc.so.6"), fds(tmp_path)) == CudaState(
+        False, "no HIP or ROCr runtime mapped in this process: nothing has initialised HIP",
+        "torch")
+
+
+def test_hip_without_rocr_names_the_framework_and_its_hint(
+    torch_hint: None, tmp_path: Path
+) -> None:
+    assert hip_state(maps(tmp_path, HIP), fds(tmp_path)) == CudaState(
+        True, f"HIP is mapped ({HIP}) without ROCr, which cannot be asked; assuming HIP is "
+        f"initialised ({HINT})", "torch")
