@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from autogpu_jupyter.core import backends
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
@@ -194,7 +195,6 @@ def test_the_fifty_most_recent_errors_are_kept_oldest_first(tmp_path: Path) -> N
 def test_a_sampler_without_a_backend_reads_the_configured_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from autogpu_jupyter.core import backends
 
     monkeypatch.setenv("AUTOGPU_SIMULATE", _fleet_file(tmp_path, ONE_GPU))
     backends._cache.clear()
@@ -579,7 +579,6 @@ def test_stop_before_start_is_harmless() -> None:
 def test_the_process_sampler_takes_its_defaults_from_the_settings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from autogpu_jupyter.core import backends
 
     monkeypatch.setenv("AUTOGPU_SIMULATE", _fleet_file(tmp_path, ONE_GPU))
     monkeypatch.setenv("AUTOGPU_SAMPLE_INTERVAL", "0.25")
@@ -614,7 +613,6 @@ def test_the_first_process_sampler_registers_one_exit_handler(
     """In this process, as in a fresh one (the subprocess test below runs the real exit)."""
     import atexit
 
-    from autogpu_jupyter.core import backends
 
     monkeypatch.setenv("AUTOGPU_SIMULATE", _fleet_file(tmp_path, ONE_GPU))
     backends._cache.clear()
@@ -693,3 +691,19 @@ def test_seed_keeps_to_the_room_left_and_needs_a_first_sample() -> None:
     stamps = [95.0 + k for k in range(5)]  # 95..99, five of them, room for four
     assert s.seed({A: (stamps, [7.0] * 5, [0] * 5, None)}) == 4
     assert s.history_series()[A].timestamps_s.tolist() == [96.0, 97.0, 98.0, 99.0, 100.0, 101.0]
+
+
+# ---- stop's wait (found by the mutation run of issue 22) ----
+def test_stop_waits_five_seconds_for_the_thread_by_default() -> None:
+    joined: list[float | None] = []
+
+    class Thread:
+        def join(self, timeout: float | None = None) -> None:
+            joined.append(timeout)
+
+    sampler = Sampler()
+    # a stand-in for the private thread: the bound on stop's wait shows otherwise only as time
+    # spent on a stuck thread, and timed assertions are not allowed
+    sampler._thread = Thread()  # type: ignore[assignment]
+    sampler.stop()
+    assert joined == [5.0]
