@@ -8,15 +8,20 @@ what they say.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from traitlets.config import Config, Configurable
 
+from autogpu_jupyter.core.cluster import ClusterCache, ClusterDevice, ClusterHost, ClusterView
+from autogpu_jupyter.core.devices import DeviceSnapshot
 from autogpu_jupyter.core.policy import Constraints
-from autogpu_jupyter.errors import UsageErrorBase
+from autogpu_jupyter.errors import AutoGPUError, UsageErrorBase
 from autogpu_jupyter.server import payloads
 from autogpu_jupyter.server.state import current_user
 from tests.payloadhelpers import (
@@ -706,3 +711,161 @@ def test_a_move_to_best_keeps_off_another_kernels_exclusive_lease(
         finally:
             theirs.release()
     assert [d.uuid for d in plan.target] == [C]
+
+
+# ---- the cluster answers over a real ClusterCache whose fetch returns a fixed view ----
+# Found by the mutation run of issue 22.
+GiB = 1024**3
+URL = "http://prometheus.example.org:9090"
+D = "GPU-3d3d3d3d-1111-2222-3333-444444444444"
+
+
+def _state(monkeypatch: pytest.MonkeyPatch, url: str | None, view: Any = None,
+           calls: list[tuple[str, float]] | None = None) -> Any:
+    """What the cluster answers read of ``AutoGPUServer``: its config parent and its cluster
+    cache (a real one whose fetch returns ``view``, or raises it when it is an exception)."""
+    monkeypatch.delenv("AUTOGPU_PROMETHEUS_URL", raising=False)
+    config = Config()
+    if url is not None:
+        config.AutoGPU.prometheus_url = url
+    config.AutoGPU.prometheus_timeout_s = 2.5
+
+    def fetch(u: str, timeout_s: float) -> ClusterView:
+        if calls is not None:
+            calls.append((u, timeout_s))
+        if isinstance(view, Exception):
+            raise view
+        return view
+
+    return SimpleNamespace(parent=Configurable(config=config),
+                           cluster_cache=ClusterCache(fetch=fetch))
+
+
+def _view() -> ClusterView:
+    """Host gpu-a: one A100, 20 of 80 GiB in use; host gpu-b: down."""
+    dev = DeviceSnapshot(index=0, uuid=A, name="NVIDIA A100", memory_total_bytes=80 * GiB,
+                         memory_used_bytes=20 * GiB, memory_free_bytes=60 * GiB,
+                         utilization_pct=10.0)
+    up = ClusterHost(hostname="gpu-a", instances=("gpu-a:9100",), state="ok", as_of_s=99.0,
+                     scrape_interval_s=60.0, devices=(ClusterDevice(dev, "autogpu"),))
+    down = ClusterHost(hostname="gpu-b", instances=("gpu-b:9100",), state="down", as_of_s=None,
+                       scrape_interval_s=60.0)
+    return ClusterView(prometheus_url=URL, timestamp_s=100.0, hosts=(up, down))
+
+
+def _timed(answer: dict[str, Any], before: float) -> dict[str, Any]:
+    """``answer`` less its ``timestamp_s``, checked to be the time it was made."""
+    assert before <= answer.pop("timestamp_s") <= time.time()
+    return answer
+
+
+def test_an_unconfigured_cluster_answer_is_empty_with_every_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No ``prometheus_url``: the whole answer, every key the sidebar reads present.
+    Caught: a key misspelt (``timestamp_s``, ``constraints``, ``errors``,
+    ``prometheus_url``), the empty URL given as "" instead of null."""
+    cons = Constraints.parse(min_free="10G")
+    before = time.time()
+    answer = payloads.cluster_payload(_state(monkeypatch, None), cons)
+    assert _timed(answer, before) == {
+        "configured": False, "prometheus_url": None, "constraints": cons.to_json(),
+        "constraints_text": "min free 10.0 GiB", "hosts": [], "ranking": [], "best": None,
+        "errors": []}
+
+
+def test_the_cluster_answer_ranks_the_hosts_prometheus_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The whole answer over a view: the view's own keys, the ranking with each chosen device's
+    uuid, label and effective free memory, the best host. Caught: those keys misspelt (the
+    sidebar showed no device), a key of the base answer left beside the view's."""
+    calls: list[tuple[str, float]] = []
+    cons = Constraints.parse(min_free="10G")
+    view = _view()
+    answer = payloads.cluster_payload(_state(monkeypatch, URL, view, calls), cons)
+    assert calls == [(URL, 2.5)]
+    assert answer == {
+        "configured": True, "prometheus_url": URL, "timestamp_s": 100.0,
+        "constraints": cons.to_json(), "constraints_text": "min free 10.0 GiB",
+        "hosts": [h.to_dict() for h in view.hosts], "errors": [],
+        "ranking": [
+            {"hostname": "gpu-a", "fits": True,
+             "chosen": [{"uuid": A, "label": "GPU 0", "effective_free_bytes": 60 * GiB}]},
+            {"hostname": "gpu-b", "fits": False, "chosen": []},
+        ],
+        "best": "gpu-a",
+    }
+
+
+def test_a_cluster_answer_prometheus_refused_names_the_url_and_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Caught: ``prometheus_url`` null (``url and None``) when Prometheus cannot be asked."""
+    cons = Constraints()
+    err = AutoGPUError(f"cannot reach Prometheus at {URL}: refused")
+    before = time.time()
+    answer = payloads.cluster_payload(_state(monkeypatch, URL, err), cons)
+    assert _timed(answer, before) == {
+        "configured": True, "prometheus_url": URL, "constraints": cons.to_json(),
+        "constraints_text": cons.describe(), "hosts": [], "ranking": [], "best": None,
+        "errors": [str(err)]}
+
+
+def test_an_unconfigured_cluster_history_is_empty_with_a_null_url(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Caught: the empty URL given as "" instead of null (``url and None``)."""
+    answer = payloads.cluster_history_payload(_state(monkeypatch, None), 600.0)
+    assert answer == {"configured": False, "prometheus_url": None, "seconds": 600.0,
+                      "step_s": None, "hosts": [], "errors": []}
+
+
+def test_a_cluster_history_prometheus_refused_names_the_url(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Prometheus port nothing listens on: the URL is in the answer (``url and None`` made it
+    null) and the reason in ``errors``."""
+    with socket.socket() as s:  # a port just freed: the connection is refused at once
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    answer = payloads.cluster_history_payload(_state(monkeypatch, url), 600.0)
+    (error,) = answer.pop("errors")
+    assert error.startswith(f"cannot reach Prometheus at {url}")
+    assert answer == {"configured": True, "prometheus_url": url, "seconds": 600.0,
+                      "step_s": None, "hosts": []}
+
+
+# ---- a request's JSON body (found by the mutation run of issue 22) ----
+EX = '{"target": "best"}'
+LIMIT = payloads.MAX_BODY_BYTES
+
+
+def _object_of_size(n: int) -> bytes:
+    body = b'{"pad": "' + b"x" * (n - 11) + b'"}'
+    assert len(body) == n
+    return body
+
+
+@pytest.mark.parametrize(("body", "want"), [
+    (None, {}), (b"", {}), (b'{"a": 1}', {"a": 1}),
+    (_object_of_size(LIMIT), {"pad": "x" * (LIMIT - 11)}),
+])
+def test_a_json_body_accepted(body: bytes | None, want: dict[str, Any]) -> None:
+    """No body is an empty object; a body of exactly the limit is accepted. Caught: the
+    default body junk (not JSON), the limit itself refused (``>=``)."""
+    assert payloads.parse_json_object(body, EX) == want
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    (_object_of_size(LIMIT + 1),
+     f"request body too large ({LIMIT + 1} bytes, at most {LIMIT}); expected a small JSON object "
+     f"such as {EX}"),
+    (b"[" * 50000,
+     f"request body nested too deeply; expected a flat JSON object such as {EX}"),
+])
+def test_a_json_body_refused_says_why(body: bytes, message: str) -> None:
+    """Caught: the messages dropped (a 400 saying only "None")."""
+    with pytest.raises(UsageErrorBase) as info:
+        payloads.parse_json_object(body, EX)
+    assert str(info.value) == message
