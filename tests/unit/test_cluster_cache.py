@@ -4,8 +4,10 @@ Prometheus at most once per half scrape interval (issue 26). A fake fetch and cl
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -284,3 +286,54 @@ def test_fetches_from_two_prometheus_do_not_wait_for_each_other() -> None:
     finally:
         release.set()
         slow.join(30)
+
+
+# ---- the background refresh (found by the mutation run of issue 22) ----
+def test_a_failed_background_refresh_is_logged_with_its_url_and_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Caught: the record's format or either argument lost, reworded or the key's timeout
+    named instead of its URL."""
+    clock, fetch, background = Clock(), Fetches(interval_s=10.0), Background()
+    cache = ClusterCache(background, fetch=fetch, clock=clock)
+    cache.get(URL, 5.0)
+    clock.now += 6.0
+    fetch.fail = RuntimeError("connection refused")
+    cache.get(URL, 5.0)
+    caplog.set_level(logging.DEBUG, logger="autogpu_jupyter.core.cluster")
+    background.run()
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("autogpu_jupyter.core.cluster", logging.DEBUG,
+         f"cluster view refresh from {URL} failed: connection refused"),
+    ]
+
+
+def test_a_refresh_fetches_under_the_gate_of_its_own_key() -> None:
+    """A caller that needs the same view waits on that gate (and shares the result). Caught:
+    the gate kept under ``None``."""
+    clock, fetch, background = Clock(), Fetches(interval_s=10.0), Background()
+    cache = ClusterCache(background, fetch=fetch, clock=clock)
+    key = (URL, 5.0)
+    held: list[bool] = []
+
+    def watched(url: str, timeout_s: float) -> Any:
+        held.append(cache._fetching[key].locked())
+        return fetch(url, timeout_s)
+
+    cache._fetch = watched
+    cache.get(URL, 5.0)
+    clock.now += 6.0
+    cache.get(URL, 5.0)
+    background.run()
+    assert held == [True, True]
+    assert set(cache._fetching) == {key}
+
+
+def test_a_refresh_of_a_key_never_fetched_before_stores_its_view() -> None:
+    """Caught: the gate made ``None`` (no lock: the refresh failed, nothing stored)."""
+    clock, fetch = Clock(), Fetches(interval_s=10.0)
+    cache = ClusterCache(fetch=fetch, clock=clock)
+    cache._refresh((URL, 5.0))
+    assert fetch.calls == 1
+    assert cache.get(URL, 5.0).view.timestamp_s == 1.0  # the refreshed one, not fetched again
+    assert fetch.calls == 1

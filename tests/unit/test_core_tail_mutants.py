@@ -28,9 +28,9 @@ from autogpu_jupyter.core.decision import reserve_for_waiters
 from autogpu_jupyter.core.leasing.directory import Registry
 from autogpu_jupyter.core.sampler import Sampler
 from autogpu_jupyter.errors import TooLateError
-from tests.unit.test_core_misc_mutants import B, _add
 from tests.unit.test_decision import dev, empty, ticket_rec
 from tests.unit.test_hip_state import HSA, fds, maps
+from tests.unit.test_sampler import B, _add
 
 # ---- core.backends.simulated: SimulatedBackend.snapshot ---------------------------------------
 

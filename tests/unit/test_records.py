@@ -14,6 +14,7 @@ from autogpu_jupyter.core.leasing import records
 from autogpu_jupyter.core.leasing.records import (
     Invalid,
     LeaseRecord,
+    _encoded_len,
     capped_text,
     encode,
     field_text,
@@ -799,3 +800,15 @@ def test_parse_record_still_checks_every_string_of_a_record_with_escapes() -> No
     assert parse_record(ok, kind="lease", path="/p", live=True).notebook_path == "caf\u00e9"
     bad = raw(lease_dict(notebook_path="\u00e9\udc80"))
     assert refusal(bad) == "a lone surrogate (not valid Unicode text)"
+
+
+# ---- the encoded length of lease fields (found by the mutation run of issue 22) ----
+# _encoded_len itself: a field's cap is met within a few characters of it whichever way one
+# escaped character is counted, so no record's refusal tells these mutants apart.
+@pytest.mark.parametrize(
+    "ch", ["a", "X", "~", '"', "\\", "\x80", "\xff", "\u20ac", "\uffff", "\U00010000",
+           "\U00010001", "\U0010ffff"],
+)
+def test_encoded_len_is_the_length_json_dumps_writes(ch: str) -> None:
+    """Caught: ``X`` counted as an escaped character, U+0080 and U+10000 on the wrong side."""
+    assert _encoded_len(ch) == len(json.dumps(ch)) - 2
