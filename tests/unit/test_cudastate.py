@@ -498,3 +498,27 @@ def test_without_dl_iterate_phdr_the_counter_says_it_cannot_tell(
     count = cudastate._LoadCount()
     assert count._iterate is None
     assert count() is None
+
+
+# ---- the load counter's reading of the linker's struct ----
+# Found by the mutation run of issue 22.
+# The counter's callback itself: the bound on the struct's size it trusts has no effect this
+# process's real linker can show (it always hands a whole struct).
+def test_a_linker_that_reports_no_counts_gives_none() -> None:
+    count = cudastate._LoadCount()
+    count._iterate = lambda callback, data: 0  # type: ignore[assignment]
+    assert count() is None
+
+
+END = cudastate._DlPhdrInfo.dlpi_subs.offset + cudastate._DlPhdrInfo.dlpi_subs.size
+
+
+@pytest.mark.parametrize(("size", "seen"), [(END, (7, 2)), (END + 8, (7, 2)), (END - 1, None)])
+def test_the_counts_are_read_only_from_a_struct_that_reaches_them(
+    size: int, seen: tuple[int, int] | None
+) -> None:
+    count = cudastate._LoadCount()
+    count._seen.count = None
+    info = ctypes.pointer(cudastate._DlPhdrInfo(dlpi_adds=7, dlpi_subs=2))
+    assert count._first(info, size, None) == 1  # 1: stop after the first object
+    assert count._seen.count == seen

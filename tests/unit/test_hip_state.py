@@ -238,3 +238,46 @@ def test_hip_without_rocr_names_the_framework_and_its_hint(
     assert hip_state(maps(tmp_path, HIP), fds(tmp_path)) == CudaState(
         True, f"HIP is mapped ({HIP}) without ROCr, which cannot be asked; assuming HIP is "
         f"initialised ({HINT})", "torch")
+
+
+# ---- the evidence, the descriptor and map readers (found by the mutation run of issue 22) ----
+HINT_NOT_YET = "torch.cuda.is_initialized() is False"
+HSA2 = HSA.replace("/opt/rocm-6.4.1/", "/opt/rocm-6.2.0/")
+
+
+def test_every_rocr_s_evidence_is_joined_and_the_framework_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cudastate, "_framework_hint", lambda: ("torch", HINT_NOT_YET))
+    monkeypatch.setattr(cudastate, "_ask_rocr", lambda p: (False, f"not yet at {p}"))
+    assert hip_state(maps(tmp_path, HSA, HSA2), fds(tmp_path)) == CudaState(
+        False, f"not yet at {HSA}; not yet at {HSA2} ({HINT_NOT_YET})", "torch")
+
+
+def test_a_descriptor_folder_that_cannot_be_listed_holds_no_kfd(tmp_path: Path) -> None:
+    assert kfd_open(str(tmp_path / "absent")) is False
+
+
+def test_a_descriptor_that_is_no_link_does_not_stop_the_search(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = Path(fds(tmp_path, "/dev/kfd"))  # "3"
+    (d / "0").write_text("")  # readlink fails on it (EINVAL), listed first
+    real = os.listdir
+    monkeypatch.setattr(cudastate.os, "listdir", lambda p: sorted(real(p)))
+    assert kfd_open(str(d)) is True
+
+
+def test_an_unreadable_map_has_no_rocm_runtimes(tmp_path: Path) -> None:
+    assert mapped_rocm(str(tmp_path / "no-maps")) is None
+
+
+# pins the private memo: reading another process's map must not replace this process's, and
+# only the memo shows which map it holds
+def test_reading_another_map_leaves_this_process_s_remembered_map_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mine = {(1, 2, 3): ((), ())}
+    monkeypatch.setattr(cudastate, "_maps_memo", mine)
+    assert mapped_rocm(maps(tmp_path, HSA)) == [HSA]
+    assert mine == {(1, 2, 3): ((), ())}

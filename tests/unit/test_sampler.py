@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from autogpu_jupyter.core import backends
+from autogpu_jupyter.core import backends, sampler
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
@@ -847,3 +847,26 @@ def test_seed_adds_nothing_when_the_devices_changed_meanwhile() -> None:
         s.set_history(100)  # and room again
 
     assert _seeded([100.0], meanwhile) == (0, [float(t) for t in range(101, 107)])
+
+
+# ---- the remembered smoothing (found by the mutation run of issue 22) ----
+def test_the_smoothed_utilisation_is_computed_once_per_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[Any] = []
+    real = sampler.mean_util
+
+    def counting(*args: Any) -> Any:
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(sampler, "mean_util", counting)
+    s = Sampler()
+    _add(s, 100.0, B)
+    _add(s, 101.0, B)
+    first = s.smoothed_util(60.0)
+    assert first == {B: 1.0} and len(calls) == 1
+    assert s.smoothed_util(60.0) == first and len(calls) == 1
+    assert s.smoothed_util(30.0) == first and len(calls) == 2
+    _add(s, 102.0, B)
+    assert s.smoothed_util(30.0) == first and len(calls) == 3

@@ -239,3 +239,19 @@ def test_the_simulated_amd_fleet_is_demo_8x_with_mi300x_and_mi210_in_its_places(
     assert AMD_DEVICES[0][1] == "5aff74a1-0000-1000-8000-d3a0a3d00000"
     assert AMD_DEVICES[7][1:4] == ("5aff74a8-0000-1000-8007-d3a0a3d00007",
                                    "GPU-4d0a3d0000000007", "0000:e5:00.0")
+
+
+# ---- an AMD fleet's compute modes (found by the mutation run of issue 22) ----
+def test_an_amd_fleet_s_devices_have_the_compute_mode_the_file_gives_else_none(
+    tmp_path: Path,
+) -> None:
+    """AMD GPUs have no compute modes: a device of an AMD fleet file has the one its entry
+    names, else none (not NVML's ``DEFAULT``)."""
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({"vendor": "amd", "devices": [
+        {"uuid": "u0", "runtime_uuid": "GPU-r0", "compute_mode": "EXCLUSIVE_PROCESS"},
+        {"uuid": "u1"},
+    ]}))
+    snap = SimulatedBackend(str(path), clock=lambda: 5.0).snapshot()
+    assert [(d.uuid, d.vendor, d.runtime_uuid, d.compute_mode) for d in snap.devices] == [
+        ("u0", "amd", "GPU-r0", "EXCLUSIVE_PROCESS"), ("u1", "amd", None, None)]
