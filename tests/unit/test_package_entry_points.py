@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 
 import autogpu_jupyter
+from autogpu_jupyter import widgets
+from autogpu_jupyter.widgets.panel import Panel
 
 
 def test_the_package_gives_panel_lazily_and_refuses_other_names() -> None:
@@ -50,3 +52,12 @@ def test_the_server_extension_entry_point_passes_the_server_app_on(
     app = object()
     assert autogpu_jupyter._load_jupyter_server_extension(app) is None
     assert got == [app]
+
+
+# ---- the widgets package's lazy attribute (found by the mutation run of issue 22) ----
+def test_the_widgets_package_names_a_missing_attribute_in_its_error() -> None:
+    """Caught: ``widgets.__getattr__``'s error lost its text (``AttributeError(None)``)."""
+    assert widgets.Panel is Panel
+    with pytest.raises(AttributeError) as err:
+        _ = widgets.Nope  # type: ignore[attr-defined]
+    assert str(err.value) == "module 'autogpu_jupyter.widgets' has no attribute 'Nope'"
