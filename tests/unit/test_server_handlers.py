@@ -12,6 +12,7 @@ runs tests/unit only); ``tests/server/test_rest.py`` has the slower ones over th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -384,12 +385,32 @@ async def test_the_debug_log_names_a_deprecated_path_and_its_successor(
         f"autogpu: {jp_base_url}autogpu/devices is deprecated (until 0.3); use "
         f"{jp_base_url}autogpu/api/v1/devices"]
 
+async def _first_sweep(jp_fetch: Any) -> sampler_mod.Sampler:
+    """The server's sampler once its first sweep is in, then stopped: what the history answers
+    hold is then the sweeps it took, whatever the time between the requests (waited for on the
+    sweep itself, bounded so that a sampler that never sweeps fails rather than hangs)."""
+    await get_json(jp_fetch, *V1, "history")  # the server's sampler runs from here on
+    sampler = sampler_mod.current_sampler()
+    assert sampler is not None
+    for _ in range(3000):
+        if sampler.latest() is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert sampler.latest() is not None, "the server's sampler took no sweep"
+    sampler.stop()
+    return sampler
+
+
 async def test_history_whole_then_since(jp_fetch: Any) -> None:
+    sampler = await _first_sweep(jp_fetch)
+    swept = sampler.history_series()[A].timestamps_s.tolist()  # one sweep, unless it was slow
+    n = len(swept)
     data = await get_json(jp_fetch, *V1, "history")
     assert (data["interval_s"], data["history_s"], data["since_s"]) == (5.0, 900.0, None)
-    assert [(s["uuid"], s["utilization_pct"], s["memory_used_bytes"], s["memory_total_bytes"])
-            for s in data["series"]] == [(A, [90.0], [60 * GiB], 80 * GiB),
-                                         (B, [0.0], [10 * GiB], 80 * GiB)]
+    assert [(s["uuid"], s["timestamp_s"], s["utilization_pct"], s["memory_used_bytes"],
+             s["memory_total_bytes"]) for s in data["series"]] == [
+        (A, swept, [90.0] * n, [60 * GiB] * n, 80 * GiB),
+        (B, swept, [0.0] * n, [10 * GiB] * n, 80 * GiB)]
     until = data["until_s"]
     assert until == data["series"][0]["timestamp_s"][-1]
     # ``since`` is exclusive: nothing newer than the last sample yet
