@@ -743,12 +743,24 @@ def _as_the_broker_reads(data: bytes) -> Any:
         return None
 
 
-@pytest.mark.parametrize(("data", "message"), LEASE_REFUSALS)
+#: The refusals of LEASE_REFUSALS that a dict of fields can carry too: not the bytes that are no
+#: JSON object, nor a repeated key (no dict can repeat one).
+BUILT_LEASE_REFUSALS = [
+    (data, message) for data, message in LEASE_REFUSALS
+    if isinstance(_as_the_broker_reads(data), dict) and not message.startswith("duplicate key")
+]
+
+
+def test_only_the_bytes_only_refusals_are_left_out_of_the_built_ones() -> None:
+    assert [m for d, m in LEASE_REFUSALS if (d, m) not in BUILT_LEASE_REFUSALS] == [
+        "not valid JSON (UnicodeDecodeError)", "not valid JSON (JSONDecodeError)",
+        "not valid JSON (RecursionError)", "not a JSON object", "duplicate key 'a'",
+        f"duplicate key {'k' * 40!r}"]
+
+
+@pytest.mark.parametrize(("data", "message"), BUILT_LEASE_REFUSALS)
 def test_a_built_lease_is_refused_where_its_bytes_are(data: bytes, message: str) -> None:
-    d = _as_the_broker_reads(data)
-    if not isinstance(d, dict) or message.startswith("duplicate key"):
-        return  # only bytes carry these (no dict can repeat a key)
-    from_fields_refusal(d)
+    from_fields_refusal(_as_the_broker_reads(data))
 
 
 @pytest.mark.parametrize(("d", "message"), TICKET_REFUSALS)
