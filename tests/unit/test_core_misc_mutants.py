@@ -1,8 +1,6 @@
-"""Survivors of the full mutation run (issue 22) in core/: the cluster cache's background refresh,
-the overload alternative's constraints (the kernel's own lease), the sampler's seeding from the
-server's history, the refusal a closed broker left in the socket, the encoded length of lease
-fields, the table narrowing and the waiting line's smoothed load. All in process, no timing:
-a concurrent change of the sampler is made from inside ``seed`` by the series mapping itself."""
+"""Survivors of the full mutation run (issue 22) in core/tables.py: the table narrowing. The rest
+of this round's core/ tests went to the files of their subjects (issue 42); these wait until the
+tables' own tests settle, to go into test_table_layout.py or test_tables.py."""
 
 from __future__ import annotations
 
