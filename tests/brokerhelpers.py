@@ -217,17 +217,6 @@ def broker_area(n_gpus: int = 4) -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def ensure_subuids(user: str, first: int, count: int = 65536) -> None:
-    """Give ``user`` the subordinate uids and gids ``first``.. (``usermod``), unless it has
-    a range already (as Debian's ``useradd`` gives every user that is not a system user)."""
-    for path, flag in (("/etc/subuid", "--add-subuids"), ("/etc/subgid", "--add-subgids")):
-        with contextlib.suppress(FileNotFoundError):
-            if any(ln.split(":")[0] == user for ln in Path(path).read_text().splitlines()):
-                continue
-        subprocess.run(["usermod", flag, f"{first}-{first + count - 1}", user],
-                       check=True, capture_output=True)
-
-
 class SubuidAgent:
     """tests/subuid_agent.py run by ``user`` inside ``unshare --map-auto --map-root-user``:
     ``uids`` children acting as the user's subordinate uids (see that script)."""

@@ -705,3 +705,16 @@ def test_dataframe_rows_columns_and_attributes() -> None:
     assert math.isnan(df.loc["GPU-2", "process_count"])  # no process list: unknown
     assert list(df["label"]) == ["GPU 1", "GPU 2"]
     assert df.attrs == {"simulated": False, "backend": "nvml"}
+
+
+# ---- each vendor's backend cached under its own key (found by the mutation run of issue 22) ----
+@pytest.mark.parametrize(("vendor", "key"), [("nvml", ""), ("amdsmi", "amdsmi:")])
+def test_each_vendor_backend_is_kept_under_its_own_key(
+    monkeypatch: pytest.MonkeyPatch, vendor: str, key: str
+) -> None:
+    nvml, amd = object(), object()
+    cache: dict[Any, Any] = {"": nvml, "amdsmi:": amd}
+    monkeypatch.setattr(backends, "_cache", cache)
+    monkeypatch.setenv(backends.BACKEND_ENV, vendor)
+    assert backends.get_backend("") is cache[key]
+    assert cache == {"": nvml, "amdsmi:": amd}

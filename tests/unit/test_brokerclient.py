@@ -39,6 +39,8 @@ from autogpu_jupyter.core.leasing.brokerclient import (
 )
 from autogpu_jupyter.core.leasing.directory import ScanResult
 from autogpu_jupyter.core.leasing.records import LeaseRecord
+from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.core.units import parse_size
 from autogpu_jupyter.errors import (
     AutoGPUError,
     LeaseLimitError,
@@ -1643,8 +1645,6 @@ def test_a_ticket_the_broker_could_serve_but_that_is_not_taken_lapses(
     before (the broker's line check ran only in the slow multi-user tests)."""
     from autogpu_jupyter.core import decision
     from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-    from autogpu_jupyter.core.policy import Constraints
-    from autogpu_jupyter.core.units import parse_size
 
     fleet = _one_gpu(short_dir / f"fleet-{used_gib}.json", used_gib)
     caplog.set_level(logging.INFO, logger="autogpu")
@@ -1690,7 +1690,6 @@ def test_a_pick_through_the_broker_ranks_on_the_view_given_under_its_lock(tmp_pa
     from autogpu_jupyter.core.backends.simulated import SimulatedBackend
     from autogpu_jupyter.core.options import PickOptions
     from autogpu_jupyter.core.picker import pick
-    from autogpu_jupyter.core.policy import Constraints
     from tests.leasehelpers import fleet, uuid_of
 
     nobody = pwd.getpwnam("nobody")
@@ -1721,3 +1720,66 @@ def test_a_pick_through_the_broker_ranks_on_the_view_given_under_its_lock(tmp_pa
         b.crash()
         (where / "r.sock").unlink(missing_ok=True)
         where.rmdir()
+
+
+# ---- the refusal a closed broker left in the socket (found by the mutation run of issue 22) ----
+# _Conn._left_behind over a stand-in socket: the number of reads it makes (its wait) has no other
+# reading short of timing it.
+_MAX = brokerclient._MAX_LINE
+_REFUSAL = {"ok": False, "error": "too many connections"}
+_LINE = json.dumps(_REFUSAL).encode() + b"\n"
+
+
+class _Sock:
+    """A socket with chunks waiting; reading past them times out (a broker still there)."""
+
+    def __init__(self, *chunks: bytes) -> None:
+        self.chunks = list(chunks)
+        self.sizes: list[int] = []
+
+    def recv(self, size: int) -> bytes:
+        self.sizes.append(size)
+        if not self.chunks:
+            raise TimeoutError("timed out")
+        return self.chunks.pop(0)
+
+
+def _left(*chunks: bytes) -> tuple[dict[str, Any] | None, int]:
+    conn = object.__new__(brokerclient._Conn)
+    conn.path = "/run/broker.sock"
+    conn.sock = _Sock(*chunks)  # type: ignore[assignment]
+    conn._buf = b""
+    got = conn._left_behind()
+    sizes = conn.sock.sizes  # type: ignore[attr-defined]
+    assert set(sizes) <= {65536}
+    return got, len(sizes)
+
+
+_PREFIX = b'{"ok": false, "error": "'
+
+
+@pytest.mark.parametrize(
+    ("chunks", "got", "reads"),
+    [
+        # a whole line: no waiting for more (it would time out)
+        ((_LINE,), _REFUSAL, 1),
+        # in two pieces
+        ((_LINE[:10], _LINE[10:]), _REFUSAL, 2),
+        # the first line only, whatever follows
+        ((_LINE + b'{"ok": true}\n',), _REFUSAL, 1),
+        # no line end before the broker closed: no whole refusal
+        ((_LINE[:-1], b""), None, 2),
+        # exactly the longest line without its end: one more read
+        ((_PREFIX + b"x" * (_MAX - len(_PREFIX)), b'"}\n'),
+         {"ok": False, "error": "x" * (_MAX - len(_PREFIX))}, 2),
+        # longer: no more reads
+        ((_PREFIX + b"x" * (_MAX + 1 - len(_PREFIX)), b'"}\n'), None, 1),
+    ],
+)
+def test_the_refusal_left_behind_is_one_whole_first_line(
+    chunks: tuple[bytes, ...], got: dict[str, Any] | None, reads: int
+) -> None:
+    """Caught: reading on after a line end (``or``, a misspelt separator: it waited and timed
+    out), ``< _MAX_LINE``, 65537 bytes a read, a chunk replacing the buffer, a line without its
+    end parsed, the last line taken (``rpartition``) or no line split at all."""
+    assert _left(*chunks) == (got, reads)

@@ -1,9 +1,9 @@
 """What the mutation run (issue 22) found unchecked in ``autogpu list``, ``autogpu pick`` (its
 summary, its ``--dry-run`` ranking, its progress while waiting, its dry run), ``autogpu run``'s
-lease holder, the CLI's terminal-safe streams and user name, and ``autogpu kernelspec``
-(``list``, ``remove``, the options' messages). In-process: a simulated fleet file, a private
-lease registry and Jupyter paths under ``tmp_path``; a backend that reports errors or real
-(not simulated) devices is a stub handing out a simulated snapshot so edited.
+lease holder, the CLI's terminal-safe streams and user name, and the parser (the kernelspec
+command's list, remove and install refusals are in test_kernelspec.py). In-process: a simulated
+fleet file and a private lease registry under ``tmp_path``; a backend that reports errors or
+real (not simulated) devices is a stub handing out a simulated snapshot so edited.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter import cli as cli_mod
-from tests.jupyterpaths import keep_kernelspecs_in
 from tests.payloadhelpers import GiB, write_fleet
 
 A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
@@ -157,7 +156,6 @@ def test_list_shows_the_table_then_a_note_for_each_backend_error(
         "note: GPU 2 fell off the bus\\x1b[2J",
         "note: nvml: Unknown Error",
     ]
-
 
 
 #: A GPU process of a user with a long name: the holders column (the one that wraps) then
@@ -382,150 +380,6 @@ def test_pick_dry_run_on_real_devices_wraps_each_verdict_in_the_terminal(
         f"{under}10.0 GiB wanted; utilisation",
         f"{under}90% > max 50%",
     ]
-
-
-# ---- autogpu kernelspec ------------------------------------------------------------------------
-
-
-@pytest.fixture
-def jupyter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Jupyter's user, path and system kernelspec folders under ``tmp_path``."""
-    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share" / "jupyter"))
-    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "user-data"))
-    keep_kernelspecs_in(tmp_path, monkeypatch)
-    return tmp_path
-
-
-def _ours_elsewhere() -> list[str]:
-    """The autogpu kernelspec ``make lab`` puts into this environment's own prefix (which
-    Jupyter always searches), if it is there."""
-    made = os.path.join(sys.prefix, "share", "jupyter", "kernels", "python3-autogpu")
-    return ["python3-autogpu"] if os.path.isdir(made) else []
-
-
-def test_kernelspec_list_goes_on_past_a_kernelspec_that_is_not_ours(
-    jupyter: Path, capsys: pytest.CaptureFixture[str],
-) -> None:
-    """A kernelspec of another kind whose name sorts first is skipped, and the autogpu one after
-    it still listed. Caught: the first foreign kernelspec ending the listing."""
-    plain = jupyter / "share/jupyter/kernels/a-plain"
-    plain.mkdir(parents=True)
-    (plain / "kernel.json").write_text(json.dumps(
-        {"argv": ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-         "display_name": "Plain", "language": "python"}))
-    assert cli_mod.main(["kernelspec", "install", "--user", "--name", "b-gpu"]) == 0
-    capsys.readouterr()
-    assert cli_mod.main(["kernelspec", "list", "--json"]) == 0
-    listed = json.loads(capsys.readouterr().out)
-    assert [s["name"] for s in listed if s["resource_dir"].startswith(str(jupyter))] == ["b-gpu"]
-
-
-def test_removing_an_unknown_kernelspec_names_every_autogpu_one(
-    jupyter: Path, capsys: pytest.CaptureFixture[str],
-) -> None:
-    """``autogpu kernelspec remove NAME`` of no such kernelspec exits 2 naming the autogpu
-    kernelspecs there are, comma separated. Caught: the names' separator altered; the name
-    looked up under another key (a KeyError)."""
-    for name in ("gpu-a", "gpu-b"):
-        assert cli_mod.main(["kernelspec", "install", "--user", "--name", name]) == 0
-    capsys.readouterr()
-    assert cli_mod.main(["kernelspec", "remove", "nope"]) == 2
-    ours = ", ".join(sorted(["gpu-a", "gpu-b", *_ours_elsewhere()]))
-    assert capsys.readouterr().err == (
-        f"autogpu: no kernelspec named 'nope' (autogpu kernelspecs: {ours})\n")
-
-
-def test_removing_a_kernelspec_without_the_right_says_why_and_where(
-    jupyter: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-) -> None:
-    """A kernelspec the user may not remove (another user's, the system's): exit 2 with one
-    line naming it, the reason and the folder, no traceback (the refusal is Jupyter's, made
-    here to happen as root too). Caught: the message replaced by None."""
-    from jupyter_client.kernelspec import KernelSpecManager
-
-    assert cli_mod.main(["kernelspec", "install", "--user", "--name", "gpu-a"]) == 0
-    capsys.readouterr()
-    dest = jupyter / "user-data/kernels/gpu-a"
-
-    def refuse(_self: Any, name: str) -> str:
-        raise PermissionError(errno.EACCES, "Permission denied", str(dest / "kernel.json"))
-
-    monkeypatch.setattr(KernelSpecManager, "remove_kernel_spec", refuse)
-    assert cli_mod.main(["kernelspec", "remove", "gpu-a"]) == 2
-    assert capsys.readouterr() == ("", (
-        f"autogpu: cannot remove kernelspec 'gpu-a': Permission denied ({dest}/kernel.json)\n"))
-    assert dest.is_dir()
-
-
-def test_a_bad_count_for_a_kernelspec_is_named_by_its_flag(
-    jupyter: Path, capsys: pytest.CaptureFixture[str],
-) -> None:
-    """``autogpu kernelspec install --count 0``: exit 2, the message naming ``--count`` as the
-    user typed it (not the kernelspec's JSON key), nothing installed. Caught: the options
-    checked in another style than "flag" (None or an altered word: "invalid count 0")."""
-    assert cli_mod.main(["kernelspec", "install", "--prefix", str(jupyter), "--count", "0"]) == 2
-    assert capsys.readouterr() == (
-        "", "autogpu: invalid --count 0: expected a whole number >= 1, e.g. 2\n")
-    assert not (jupyter / "share/jupyter/kernels/python3-autogpu").exists()
-
-
-def test_install_from_python_writes_an_indented_kernel_json_loading_the_extension(
-    jupyter: Path,
-) -> None:
-    """``kernelspec.install(NAME, prefix=...)`` (and ``spec_dict()``) from Python: the kernel
-    loads the autogpu extension unless told not to, kernel.json is indented by one space
-    (readable, as Jupyter writes its own), and a name with capitals is accepted (letters are
-    either case). Caught: the extension off by default in install or in spec_dict; kernel.json
-    on one line or indented by 2; the name check made lower-case only."""
-    from autogpu_jupyter import kernelspec
-
-    assert kernelspec.spec_dict()["argv"][-1] == "--ext=autogpu_jupyter"
-    dest = Path(kernelspec.install("GPU-Big", prefix=str(jupyter)))
-    assert dest == jupyter / "share/jupyter/kernels/gpu-big"
-    text = (dest / "kernel.json").read_text(encoding="utf-8")
-    spec = json.loads(text)
-    assert spec["argv"][-1] == "--ext=autogpu_jupyter"
-    assert text == json.dumps(spec, indent=1)
-
-
-def test_install_without_ipykernel_to_hand_writes_the_spec_without_logos(
-    jupyter: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-) -> None:
-    """Installing from an environment where ipykernel cannot be found (the kernel's Python is
-    another one, ``--python EXE``): the kernelspec is written all the same, without the logos
-    ipykernel would have lent it. Caught: the "ipykernel found" test made "or" (an
-    AttributeError on None)."""
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "ipykernel" else real(name, *a))
-    assert cli_mod.main(["kernelspec", "install", "--prefix", str(jupyter), "--name",
-                         "gpu-bare"]) == 0
-    dest = jupyter / "share/jupyter/kernels/gpu-bare"
-    assert capsys.readouterr().err == ""
-    assert sorted(p.name for p in dest.iterdir()) == ["kernel.json"]
-
-
-def test_installing_where_the_user_may_not_write_says_where_to_install_instead(
-    jupyter: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-) -> None:
-    """An install into a folder the user may not write (the system's, without root): exit 2
-    with one line naming the kernelspec, the reason and the folder, and the flags that install
-    elsewhere (the refusal is Jupyter's, made here to happen as root too). Caught: the message
-    replaced by None; its advice altered or upper-cased."""
-    from jupyter_client.kernelspec import KernelSpecManager
-
-    where = "/usr/local/share/jupyter/kernels/gpu-a"
-
-    def refuse(_self: Any, _source: str, **_kw: Any) -> str:
-        raise PermissionError(errno.EACCES, "Permission denied", where)
-
-    monkeypatch.setattr(KernelSpecManager, "install_kernel_spec", refuse)
-    assert cli_mod.main(["kernelspec", "install", "--name", "gpu-a"]) == 2
-    assert capsys.readouterr() == ("", (
-        f"autogpu: cannot install kernelspec 'gpu-a': Permission denied ({where}); use --user, "
-        "--sys-prefix or --prefix DIR\n"))
 
 
 # ---- the parser: every command's help, defaults and value types --------------------------------

@@ -3,12 +3,21 @@ Prometheus at most once per half scrape interval (issue 26). A fake fetch and cl
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.cluster import ClusterCache, ClusterHost, ClusterView
+from autogpu_jupyter.core.cluster import (
+    CachedView,
+    ClusterCache,
+    ClusterHost,
+    ClusterView,
+    rank_hosts,
+)
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.errors import AutoGPUError
 
@@ -171,3 +180,160 @@ def test_a_background_that_refuses_work_makes_the_caller_fetch() -> None:
     cache.get(URL, 5.0)
     clock.now += 6.0
     assert cache.get(URL, 5.0).view.timestamp_s == 2.0
+
+
+# ---- per-constraints rankings and per-Prometheus entries ----
+# Their bounds, the key each gate and refresh is kept under (found by the mutation run of
+# issue 22).
+def _cached() -> CachedView:
+    view = ClusterView(URL, 1.0, ())
+    return CachedView(view, view.to_dict(), 0.0, 5.0, 20.0)
+
+
+def test_rankings_are_remembered_under_their_sorted_json_sixteen_at_most() -> None:
+    """Caught: the key not sorted (``sort_keys`` False, None or left out); the 17th ranking
+    kept, or the bound at 17."""
+    cached = _cached()
+    wants = [Constraints.parse(count=n) for n in range(1, 18)]
+    rankings = [cached.ranking(c) for c in wants[:16]]
+    assert list(cached.rankings) == [json.dumps(c.to_json(), sort_keys=True) for c in wants[:16]]
+    assert next(iter(cached.rankings)) == (
+        '{"count": 1, "exclude": [], "exclusive": false, "max_util_pct": null, '
+        '"min_free": null, "models": [], "prefer": []}')
+    assert all(cached.ranking(c) is r for c, r in zip(wants, rankings, strict=False))
+    assert rankings[0] == rank_hosts(cached.view, wants[0])
+    last = cached.ranking(wants[16])  # the 17th: the 16 before it are forgotten
+    assert list(cached.rankings.values()) == [last]
+    assert cached.ranking(wants[0]) is not rankings[0]
+    assert len(cached.rankings) == 2
+
+
+def test_views_of_several_prometheus_are_kept_side_by_side_eight_at_most() -> None:
+    """Caught: a new key clearing the others at once; the bound at 9 (``>``), or only a key
+    already kept clearing them (a view fetched anew in place then forgot the other 7, and a
+    9th grew the cache past 8)."""
+    clock, asked = Clock(), []
+
+    def fetch(url: str, timeout_s: float) -> ClusterView:
+        asked.append(timeout_s)
+        interval = 2.0 if timeout_s == 8.0 else 10.0  # the 8th is fresh for 1 s, the rest 5 s
+        return ClusterView(url, float(len(asked)),
+                           (ClusterHost("a", ("a:9100",), "ok", 0.0, interval),))
+
+    cache = ClusterCache(fetch=fetch, clock=clock)
+    first = [cache.get(URL, float(t)) for t in range(1, 9)]
+    assert all(cache.get(URL, float(t)) is v for t, v in zip(range(1, 9), first, strict=True))
+    clock.now += 1.5
+    eighth = cache.get(URL, 8.0)  # fetched anew, in place: the other 7 stay
+    assert eighth is not first[7]
+    assert all(cache.get(URL, float(t)) is v for t, v in zip(range(1, 8), first[:7], strict=True))
+    ninth = cache.get(URL, 9.0)  # a 9th: the 8 kept are forgotten
+    assert cache.get(URL, 9.0) is ninth
+    assert cache.get(URL, 1.0) is not first[0]
+    assert asked == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 8.0, 9.0, 1.0]
+
+
+def test_a_refused_background_refresh_lets_the_next_caller_start_one() -> None:
+    """Caught: the key left marked as refreshing when the executor refused the work (every
+    later caller then got the old view and no refresh was ever started again)."""
+    clock, fetch, queue = Clock(), Fetches(interval_s=10.0), Background()
+    refuse = iter([True])  # refuse once, then queue
+
+    def submit(fn: Callable[[], None]) -> None:
+        if next(refuse, False):
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        queue(fn)
+
+    cache = ClusterCache(submit, fetch=fetch, clock=clock)
+    cache.get(URL, 5.0)
+    clock.now += 6.0
+    second = cache.get(URL, 5.0)  # refused: fetched here
+    assert (second.view.timestamp_s, fetch.calls) == (2.0, 2)
+    clock.now += 6.0
+    assert cache.get(URL, 5.0) is second
+    assert len(queue.queued) == 1  # this time in the background
+    queue.run()
+    assert cache.get(URL, 5.0).view.timestamp_s == 3.0
+
+
+def test_fetches_from_two_prometheus_do_not_wait_for_each_other() -> None:
+    """Caught: every fetch under one gate (kept under ``None``, not under its own key)."""
+    slow_url = "http://slow.example:9090"
+    started, release = threading.Event(), threading.Event()
+
+    def fetch(url: str, timeout_s: float) -> ClusterView:
+        if url == slow_url:
+            started.set()
+            assert release.wait(30)
+        return ClusterView(url, 1.0, ())
+
+    cache = ClusterCache(fetch=fetch, clock=Clock())
+    got: list[CachedView] = []
+    done = threading.Event()
+
+    def other() -> None:
+        got.append(cache.get(URL, 5.0))
+        done.set()
+
+    slow = threading.Thread(target=cache.get, args=(slow_url, 5.0), daemon=True)
+    slow.start()
+    try:
+        assert started.wait(30)
+        fast = threading.Thread(target=other, daemon=True)
+        fast.start()
+        assert done.wait(5), "a fetch from another Prometheus waited for the slow one"
+        assert got[0].view.prometheus_url == URL
+    finally:
+        release.set()
+        slow.join(30)
+
+
+# ---- the background refresh (found by the mutation run of issue 22) ----
+def test_a_failed_background_refresh_is_logged_with_its_url_and_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Caught: the record's format or either argument lost, reworded or the key's timeout
+    named instead of its URL."""
+    clock, fetch, background = Clock(), Fetches(interval_s=10.0), Background()
+    cache = ClusterCache(background, fetch=fetch, clock=clock)
+    cache.get(URL, 5.0)
+    clock.now += 6.0
+    fetch.fail = RuntimeError("connection refused")
+    cache.get(URL, 5.0)
+    caplog.set_level(logging.DEBUG, logger="autogpu_jupyter.core.cluster")
+    background.run()
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("autogpu_jupyter.core.cluster", logging.DEBUG,
+         f"cluster view refresh from {URL} failed: connection refused"),
+    ]
+
+
+def test_a_refresh_fetches_under_the_gate_of_its_own_key() -> None:
+    """A caller that needs the same view waits on that gate (and shares the result). Caught:
+    the gate kept under ``None``."""
+    clock, fetch, background = Clock(), Fetches(interval_s=10.0), Background()
+    cache = ClusterCache(background, fetch=fetch, clock=clock)
+    key = (URL, 5.0)
+    held: list[bool] = []
+
+    def watched(url: str, timeout_s: float) -> Any:
+        held.append(cache._fetching[key].locked())
+        return fetch(url, timeout_s)
+
+    cache._fetch = watched
+    cache.get(URL, 5.0)
+    clock.now += 6.0
+    cache.get(URL, 5.0)
+    background.run()
+    assert held == [True, True]
+    assert set(cache._fetching) == {key}
+
+
+def test_a_refresh_of_a_key_never_fetched_before_stores_its_view() -> None:
+    """Caught: the gate made ``None`` (no lock: the refresh failed, nothing stored)."""
+    clock, fetch = Clock(), Fetches(interval_s=10.0)
+    cache = ClusterCache(fetch=fetch, clock=clock)
+    cache._refresh((URL, 5.0))
+    assert fetch.calls == 1
+    assert cache.get(URL, 5.0).view.timestamp_s == 1.0  # the refreshed one, not fetched again
+    assert fetch.calls == 1

@@ -21,11 +21,17 @@ import sys
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from autogpu_jupyter.core import cudastate, session
-from autogpu_jupyter.core.cudastate import CudaState, cuda_state, mapped_libcuda, mapped_rocm
+from autogpu_jupyter.core.cudastate import (
+    CudaState,
+    cuda_state,
+    mapped_libcuda,
+    mapped_rocm,
+)
 from autogpu_jupyter.errors import TooLateError
 from tests.fakecuda import build_fake_cuda
 
@@ -454,3 +460,65 @@ def test_the_linker_s_count_moves_with_every_load_and_unload(tmp_path: Path) -> 
     _ctypes.dlclose(handle._handle)
     unloaded = cudastate._load_count()
     assert unloaded is not None and unloaded[1] > loaded[1]
+
+
+# ---- a load counter built afresh ----
+# Also where the C library lacks dl_iterate_phdr or the system is not Linux (found by the
+# mutation run of issue 22).
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="dl_iterate_phdr (Linux)")
+def test_a_new_load_counter_reads_the_linker_s_counts() -> None:
+    count = cudastate._LoadCount()
+    # checked before it is called: a counter without its callback would crash the process
+    assert isinstance(count._callback, cudastate._PHDR_CALLBACK)
+    assert count._iterate.restype is ctypes.c_int  # type: ignore[union-attr]
+    assert count._iterate.argtypes == [  # type: ignore[union-attr]
+        cudastate._PHDR_CALLBACK, ctypes.c_void_p]
+    adds_subs = count()
+    assert adds_subs is not None and adds_subs == cudastate._load_count()
+    assert all(type(n) is int for n in adds_subs) and adds_subs[0] > 0
+
+
+def no_libc(name: str | None) -> Any:
+    raise OSError("no C library")
+
+
+@pytest.mark.parametrize("libc", [
+    pytest.param(lambda name: types.SimpleNamespace(), id="no-dl_iterate_phdr"),
+    pytest.param(no_libc, id="no-libc"),
+    pytest.param(None, id="not-linux"),
+])
+def test_without_dl_iterate_phdr_the_counter_says_it_cannot_tell(
+    monkeypatch: pytest.MonkeyPatch, libc: Any
+) -> None:
+    if libc is None:
+        monkeypatch.setattr(sys, "platform", "darwin")
+    else:
+        monkeypatch.setattr(sys, "platform", "linux")
+        monkeypatch.setattr(ctypes, "CDLL", libc)
+    count = cudastate._LoadCount()
+    assert count._iterate is None
+    assert count() is None
+
+
+# ---- the load counter's reading of the linker's struct ----
+# Found by the mutation run of issue 22.
+# The counter's callback itself: the bound on the struct's size it trusts has no effect this
+# process's real linker can show (it always hands a whole struct).
+def test_a_linker_that_reports_no_counts_gives_none() -> None:
+    count = cudastate._LoadCount()
+    count._iterate = lambda callback, data: 0  # type: ignore[assignment]
+    assert count() is None
+
+
+END = cudastate._DlPhdrInfo.dlpi_subs.offset + cudastate._DlPhdrInfo.dlpi_subs.size
+
+
+@pytest.mark.parametrize(("size", "seen"), [(END, (7, 2)), (END + 8, (7, 2)), (END - 1, None)])
+def test_the_counts_are_read_only_from_a_struct_that_reaches_them(
+    size: int, seen: tuple[int, int] | None
+) -> None:
+    count = cudastate._LoadCount()
+    count._seen.count = None
+    info = ctypes.pointer(cudastate._DlPhdrInfo(dlpi_adds=7, dlpi_subs=2))
+    assert count._first(info, size, None) == 1  # 1: stop after the first object
+    assert count._seen.count == seen

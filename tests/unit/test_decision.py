@@ -657,3 +657,25 @@ def test_the_waiting_line_goes_by_seq_not_by_list_position() -> None:
     older = ticket_rec(3, {}, lid="b" * 16)
     out = reserve_for_waiters(devices, empty(devices), [Mine.record, later, older], ticket=Mine())  # type: ignore[arg-type]
     assert out["GPU-0"].holders == ("wa: waiting (ticket 3)",)
+
+
+# ---- the waiting line's smoothed load (found by the mutation run of issue 22) ----
+def test_served_waiters_rank_on_the_smoothed_utilisation() -> None:
+    """Caught: the smoothed utilisation not passed on (``None``)."""
+    devices = [dev(0, util=0.0), dev(1, util=0.0)]
+    t = ticket_rec(1, {})
+    assert served_waiters(devices, empty(devices), [t]) == {t.lease_id: ("GPU-0",)}
+    assert served_waiters(devices, empty(devices), [t], smoothed_util={"GPU-0": 90.0}) == {
+        t.lease_id: ("GPU-1",)}
+
+
+# ---- the waiting line's own ticket (found by the mutation run of issue 22) ----
+def test_our_own_ticket_without_a_seq_is_not_served_before_us() -> None:
+    devices = [dev(0)]
+    mine_rec = dataclasses.replace(ticket_rec(0, {}, lid="f" * 16), seq=None)
+
+    class Mine:
+        record = mine_rec
+
+    out = reserve_for_waiters(devices, empty(devices), [mine_rec], ticket=Mine())  # type: ignore[arg-type]
+    assert out == empty(devices)

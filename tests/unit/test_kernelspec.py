@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from autogpu_jupyter import cli as cli_mod
+from autogpu_jupyter import kernelspec
 from autogpu_jupyter.cli import main
 from tests.jupyterpaths import keep_kernelspecs_in
 
@@ -278,3 +282,166 @@ def test_the_kernelspec_help_explains_it_and_its_flags(
     ]:
         assert line in shown["kernelspec install"]
     assert "positional arguments: name the kernelspec name" in shown["kernelspec remove"]
+
+
+# ---- the parser of autogpu kernelspec (kernelspec.add_cli) ----
+# The namespace each action reads: the action recorded, its handler and every default of install,
+# list and remove; in-process, the parser only, nothing installed. Found by the mutation run of
+# issue 22.
+#: What ``autogpu kernelspec ACTION`` reads when given nothing else (its defaults).
+DEFAULTS: dict[str, tuple[list[str], dict[str, Any]]] = {
+    "install": ([], {
+        "handler": kernelspec._cmd_install, "name": "python3-autogpu",
+        "display_name": "Python 3 (autogpu)", "min_free": None, "max_util": None,
+        "count": None, "exclusive": None, "wait": None, "model": None, "prefer": None,
+        "on_no_device": None, "user": False, "sys_prefix": False, "prefix": None,
+        "python": None, "no_extension": False}),
+    "list": ([], {"handler": kernelspec._cmd_list, "json": False}),
+    "remove": (["gpu-big"], {"handler": kernelspec._cmd_remove, "name": "gpu-big"}),
+}
+
+
+@pytest.mark.parametrize("action", sorted(DEFAULTS))
+def test_each_kernelspec_action_is_recorded_and_starts_from_its_defaults(action: str) -> None:
+    """``autogpu kernelspec ACTION`` reads exactly these values: the action under
+    ``kernelspec_command``, the action's handler, and its documented defaults (the name and
+    display name of the kernelspec, every pick option unset, no --exclude, which a kernelspec
+    does not take). Caught (issue 22): the action's destination dropped or renamed; --exclude
+    no longer skipped (dropped or misspelled skip), so the install namespace gained it."""
+    extra, expected = DEFAULTS[action]
+    seen = vars(cli_mod.build_parser().parse_args(["kernelspec", action, *extra]))
+    del seen["_subparsers"]
+    assert seen == {"command": "kernelspec", "kernelspec_command": action, **expected}
+
+
+# ---- list, remove and the refusals of install, found by the mutation run of issue 22 ----
+def _ours_elsewhere() -> list[str]:
+    """The autogpu kernelspec ``make lab`` puts into this environment's own prefix (which
+    Jupyter always searches), if it is there."""
+    made = os.path.join(sys.prefix, "share", "jupyter", "kernels", "python3-autogpu")
+    return ["python3-autogpu"] if os.path.isdir(made) else []
+
+
+def test_kernelspec_list_goes_on_past_a_kernelspec_that_is_not_ours(
+    prefix: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A kernelspec of another kind whose name sorts first is skipped, and the autogpu one after
+    it still listed. Caught: the first foreign kernelspec ending the listing."""
+    plain = prefix / "share/jupyter/kernels/a-plain"
+    plain.mkdir(parents=True)
+    (plain / "kernel.json").write_text(json.dumps(
+        {"argv": ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+         "display_name": "Plain", "language": "python"}))
+    assert cli_mod.main(["kernelspec", "install", "--user", "--name", "b-gpu"]) == 0
+    capsys.readouterr()
+    assert cli_mod.main(["kernelspec", "list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [s["name"] for s in listed if s["resource_dir"].startswith(str(prefix))] == ["b-gpu"]
+
+
+def test_removing_an_unknown_kernelspec_names_every_autogpu_one(
+    prefix: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``autogpu kernelspec remove NAME`` of no such kernelspec exits 2 naming the autogpu
+    kernelspecs there are, comma separated. Caught: the names' separator altered; the name
+    looked up under another key (a KeyError)."""
+    for name in ("gpu-a", "gpu-b"):
+        assert cli_mod.main(["kernelspec", "install", "--user", "--name", name]) == 0
+    capsys.readouterr()
+    assert cli_mod.main(["kernelspec", "remove", "nope"]) == 2
+    ours = ", ".join(sorted(["gpu-a", "gpu-b", *_ours_elsewhere()]))
+    assert capsys.readouterr().err == (
+        f"autogpu: no kernelspec named 'nope' (autogpu kernelspecs: {ours})\n")
+
+
+def test_removing_a_kernelspec_without_the_right_says_why_and_where(
+    prefix: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A kernelspec the user may not remove (another user's, the system's): exit 2 with one
+    line naming it, the reason and the folder, no traceback (the refusal is Jupyter's, made
+    here to happen as root too). Caught: the message replaced by None."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    assert cli_mod.main(["kernelspec", "install", "--user", "--name", "gpu-a"]) == 0
+    capsys.readouterr()
+    dest = prefix / "user-data/kernels/gpu-a"
+
+    def refuse(_self: Any, name: str) -> str:
+        raise PermissionError(errno.EACCES, "Permission denied", str(dest / "kernel.json"))
+
+    monkeypatch.setattr(KernelSpecManager, "remove_kernel_spec", refuse)
+    assert cli_mod.main(["kernelspec", "remove", "gpu-a"]) == 2
+    assert capsys.readouterr() == ("", (
+        f"autogpu: cannot remove kernelspec 'gpu-a': Permission denied ({dest}/kernel.json)\n"))
+    assert dest.is_dir()
+
+
+def test_a_bad_count_for_a_kernelspec_is_named_by_its_flag(
+    prefix: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``autogpu kernelspec install --count 0``: exit 2, the message naming ``--count`` as the
+    user typed it (not the kernelspec's JSON key), nothing installed. Caught: the options
+    checked in another style than "flag" (None or an altered word: "invalid count 0")."""
+    assert cli_mod.main(["kernelspec", "install", "--prefix", str(prefix), "--count", "0"]) == 2
+    assert capsys.readouterr() == (
+        "", "autogpu: invalid --count 0: expected a whole number >= 1, e.g. 2\n")
+    assert not (prefix / "share/jupyter/kernels/python3-autogpu").exists()
+
+
+def test_install_from_python_writes_an_indented_kernel_json_loading_the_extension(
+    prefix: Path,
+) -> None:
+    """``kernelspec.install(NAME, prefix=...)`` (and ``spec_dict()``) from Python: the kernel
+    loads the autogpu extension unless told not to, kernel.json is indented by one space
+    (readable, as Jupyter writes its own), and a name with capitals is accepted (letters are
+    either case). Caught: the extension off by default in install or in spec_dict; kernel.json
+    on one line or indented by 2; the name check made lower-case only."""
+    from autogpu_jupyter import kernelspec
+
+    assert kernelspec.spec_dict()["argv"][-1] == "--ext=autogpu_jupyter"
+    dest = Path(kernelspec.install("GPU-Big", prefix=str(prefix)))
+    assert dest == prefix / "share/jupyter/kernels/gpu-big"
+    text = (dest / "kernel.json").read_text(encoding="utf-8")
+    spec = json.loads(text)
+    assert spec["argv"][-1] == "--ext=autogpu_jupyter"
+    assert text == json.dumps(spec, indent=1)
+
+
+def test_install_without_ipykernel_to_hand_writes_the_spec_without_logos(
+    prefix: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Installing from an environment where ipykernel cannot be found (the kernel's Python is
+    another one, ``--python EXE``): the kernelspec is written all the same, without the logos
+    ipykernel would have lent it. Caught: the "ipykernel found" test made "or" (an
+    AttributeError on None)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ipykernel" else real(name, *a))
+    assert cli_mod.main(["kernelspec", "install", "--prefix", str(prefix), "--name",
+                         "gpu-bare"]) == 0
+    dest = prefix / "share/jupyter/kernels/gpu-bare"
+    assert capsys.readouterr().err == ""
+    assert sorted(p.name for p in dest.iterdir()) == ["kernel.json"]
+
+
+def test_installing_where_the_user_may_not_write_says_where_to_install_instead(
+    prefix: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An install into a folder the user may not write (the system's, without root): exit 2
+    with one line naming the kernelspec, the reason and the folder, and the flags that install
+    elsewhere (the refusal is Jupyter's, made here to happen as root too). Caught: the message
+    replaced by None; its advice altered or upper-cased."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    where = "/usr/local/share/jupyter/kernels/gpu-a"
+
+    def refuse(_self: Any, _source: str, **_kw: Any) -> str:
+        raise PermissionError(errno.EACCES, "Permission denied", where)
+
+    monkeypatch.setattr(KernelSpecManager, "install_kernel_spec", refuse)
+    assert cli_mod.main(["kernelspec", "install", "--name", "gpu-a"]) == 2
+    assert capsys.readouterr() == ("", (
+        f"autogpu: cannot install kernelspec 'gpu-a': Permission denied ({where}); use --user, "
+        "--sys-prefix or --prefix DIR\n"))

@@ -15,8 +15,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from autogpu_jupyter import metrics
+from autogpu_jupyter._version import __version__
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.decision import ticket_constraints
+from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
 from autogpu_jupyter.core.leasing import Registry, Requester
 from autogpu_jupyter.metrics import AutoGPUCollector, MetricsSource
 from tests.payloadhelpers import GiB, write_fleet
@@ -316,3 +319,84 @@ def test_a_lease_without_a_kernel_has_an_empty_kernel_label(
     assert of(got, "autogpu_lease_info") == {tuple(sorted(
         {"hostname": HOST, "uuid": A, "index": "0", "model": "NVIDIA A100",
          "user": getpass.getuser(), "kernel": "", "notebook": ""}.items())): 1.0}
+
+
+# ---- whole expositions over a hand-made sweep (found by the mutation run of issue 22) ----
+TS = 1_700_000_000.0
+C = LOST
+D = "GPU-3d3d3d3d-1111-2222-3333-444444444444"
+
+
+def _samples(snap: FleetSnapshot, hostname: str = HOST) -> dict[tuple[str, tuple[Any, ...]], float]:
+    """``(name, sorted labels) -> value`` of every sample one scrape exposes."""
+    prom = CollectorRegistry(auto_describe=False)
+    prom.register(AutoGPUCollector(MetricsSource(
+        latest=lambda: snap, registry=lambda: None, hostname=hostname)))
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(generate_latest(prom).decode())
+            for s in fam.samples}
+
+
+def _dev(index: int, uuid: str, **kw: Any) -> DeviceSnapshot:
+    return DeviceSnapshot(index=index, uuid=uuid, name="NVIDIA A100", **kw)
+
+
+def test_a_whole_scrape_of_a_sweep_with_a_lost_first_gpu_and_unknown_memory() -> None:
+    """GPU 0 lost, GPU 1 with its memory in use unknown, GPU 2 with its total unknown, GPU 3
+    known: every sample of the scrape. Caught: the lost GPU ending the loop (``break``: the
+    GPUs after it unlisted), the used ratio computed with one of the two unknown (``or``: a
+    TypeError, the scrape failed), the sweep's timestamp without its ``hostname`` label (or
+    under another label name)."""
+    snap = FleetSnapshot(devices=(
+        _dev(0, A, available=False),
+        _dev(1, B, memory_total_bytes=80 * GiB, utilization_pct=50.0, temperature_c=40.0),
+        _dev(2, C, memory_used_bytes=GiB),
+        _dev(3, D, memory_total_bytes=40 * GiB, memory_used_bytes=10 * GiB, power_w=100.0),
+    ), timestamp_s=TS, backend="nvml")
+
+    def lab(uuid: str, index: int) -> tuple[Any, ...]:
+        return tuple(sorted({"hostname": HOST, "uuid": uuid, "index": str(index),
+                             "model": "NVIDIA A100"}.items()))
+
+    la, lb, lc, ld = lab(A, 0), lab(B, 1), lab(C, 2), lab(D, 3)
+    every = {la: 0.0, lb: 0.0, lc: 0.0, ld: 0.0}
+    want: dict[tuple[str, tuple[Any, ...]], float] = {
+        ("autogpu_host_info", (("backend", "nvml"), ("hostname", HOST), ("simulated", "false"),
+                               ("vendor", "nvidia"), ("version", __version__))): 1.0,
+        ("autogpu_sample_timestamp_seconds", (("hostname", HOST),)): TS,
+    }
+    for name, values in {
+        "autogpu_gpu_available": {la: 0.0, lb: 1.0, lc: 1.0, ld: 1.0},
+        "autogpu_gpu_utilization_ratio": {lb: 0.5},
+        "autogpu_gpu_memory_used_bytes": {lc: float(GiB), ld: 10.0 * GiB},
+        "autogpu_gpu_memory_total_bytes": {lb: 80.0 * GiB, ld: 40.0 * GiB},
+        "autogpu_gpu_memory_booked_bytes": {lb: 0.0, lc: 0.0, ld: 0.0},
+        "autogpu_gpu_memory_used_ratio": {ld: 0.25},
+        "autogpu_gpu_temperature_celsius": {lb: 40.0},
+        "autogpu_gpu_power_watts": {ld: 100.0},
+        "autogpu_gpu_leases": every,
+        "autogpu_gpu_waiters": every,
+    }.items():
+        want.update({(name, k): v for k, v in values.items()})
+    assert _samples(snap) == want
+
+
+def test_a_host_of_one_amd_gpu_is_labelled_amd() -> None:
+    """The vendor is the first device's. Caught: the second device's asked (an IndexError on a
+    host of one GPU: the scrape failed)."""
+    snap = FleetSnapshot(devices=(_dev(0, A, vendor="amd"),), timestamp_s=TS, backend="amdsmi")
+    [info] = [k[1] for k in _samples(snap) if k[0] == "autogpu_host_info"]
+    assert dict(info)["vendor"] == "amd"
+
+
+@pytest.mark.parametrize(("name", "short"), [
+    ("gpu-node-3.cluster.example.org", "gpu-node-3"), ("gpu-node-3", "gpu-node-3")])
+def test_the_default_hostname_label_is_the_short_host_name(
+    monkeypatch: pytest.MonkeyPatch, name: str, short: str
+) -> None:
+    """As DCGM exporter's ``Hostname``: the host name up to its first dot. Caught: the whole
+    name kept (split on whitespace, or on a junk separator)."""
+    monkeypatch.setattr(metrics.socket, "gethostname", lambda: name)
+    assert MetricsSource(latest=lambda: None, registry=lambda: None).hostname == short
+    assert MetricsSource(latest=lambda: None, registry=lambda: None,
+                         hostname="given").hostname == "given"

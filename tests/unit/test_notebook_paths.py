@@ -3,6 +3,7 @@ lies under it (as JupyterLab and the sidebar show it), in the leases every view 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,17 @@ def test_a_kernels_lease_names_its_notebook_as_the_sidebar_does(
     assert requester_for_this_process().notebook_path == "notebooks/train.ipynb"
     monkeypatch.delenv(SESSION_NAME_ENV)
     assert requester_for_this_process().notebook_path is None
+
+
+# ---- without the server's root (found by the mutation run of issue 22) ----
+def test_an_absolute_notebook_path_without_a_server_root_is_kept_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the server's root, an absolute path is not made relative to anything (not to
+    the current directory, nor to a made-up root under it)."""
+    monkeypatch.chdir(tmp_path)
+    nb = str(tmp_path / "XXXX" / "nb.ipynb")
+    assert notebook_path({SESSION_NAME_ENV: nb}) == nb
+    assert notebook_path({SESSION_NAME_ENV: nb, SERVER_ROOT_ENV: "  "}) == nb
+    assert notebook_path({SESSION_NAME_ENV: nb, SERVER_ROOT_ENV: str(tmp_path)}) == os.path.join(
+        "XXXX", "nb.ipynb")

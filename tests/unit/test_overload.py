@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -700,3 +701,122 @@ def test_a_pick_that_excluded_every_other_gpu_still_gets_a_better_one(tmp_path: 
     got = overload.best_alternative(snap, [U0], store=None)
     assert got is not None and got.uuid == U1
     session.release(environ=env)
+
+
+# ---- the better device's constraints: the kernel's own lease ----
+# Found by the mutation run of issue 22.
+class _Store:
+    """A lease store's ``list_leases``, counting the reads."""
+
+    def __init__(self, records: list[Any]) -> None:
+        self.records = records
+        self.reads = 0
+
+    def list_leases(self) -> list[Any]:
+        self.reads += 1
+        return self.records
+
+
+_A = SimpleNamespace(lease_id="aaaa")
+_B = SimpleNamespace(lease_id="bbbb")
+_NONE_ID = SimpleNamespace(lease_id=None)
+
+
+def test_own_lease_is_the_picks_lease_else_the_stores_record_by_id() -> None:
+    held = SimpleNamespace(lease=SimpleNamespace(record="the held record"), lease_id="bbbb")
+    store = _Store([_NONE_ID, _A, _B])
+    assert overload._own_lease(held, store) == "the held record"
+    assert store.reads == 0
+    provisioned = SimpleNamespace(lease=None, lease_id="bbbb")
+    assert overload._own_lease(provisioned, store) is _B
+    assert overload._own_lease(SimpleNamespace(lease=None, lease_id="aaaa"), store) is _A
+    assert overload._own_lease(SimpleNamespace(lease=None, lease_id="cccc"), store) is None
+    assert store.reads == 3
+    assert overload._own_lease(provisioned, None) is None
+
+
+@pytest.mark.parametrize("lease_id", [None, ""])
+def test_own_lease_without_a_lease_id_reads_no_store(lease_id: str | None) -> None:
+    store = _Store([_NONE_ID, SimpleNamespace(lease_id="")])
+    assert overload._own_lease(SimpleNamespace(lease=None, lease_id=lease_id), store) is None
+    assert store.reads == 0
+
+
+@pytest.fixture
+def _kernel(registry_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Registry]:
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    session.release()
+    yield Registry(registry_dir)
+    session.release()
+
+
+def _own(registry: Registry, device: str, gib: int) -> Any:
+    with registry.locked() as txn:
+        assert txn is not None
+        return txn.create(devices=[device], requested_bytes=gib * GiB)
+
+
+def _with_u1(used_gib: int) -> FleetSnapshot:
+    return _snap(None, _gpu(1, U1, used_gib=used_gib))
+
+
+def test_a_provisioned_kernels_alternative_needs_what_its_lease_books(
+    _kernel: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease the provisioner took (70 GiB on GPU 0), read from the configured store by the
+    id passed down: GPU 1 with 40 GiB free is no alternative, with 75 GiB it is. Caught: the
+    kernel's constraints asked afresh when given, or never, or without its lease (``None``, no
+    choice, no store)."""
+    own = _own(_kernel, U0, 70)
+    try:
+        monkeypatch.setenv("AUTOGPU_PICKED", U0)
+        monkeypatch.setenv("AUTOGPU_LEASE_ID", own.record.lease_id)
+        assert overload.best_alternative(_with_u1(40), [U0]) is None
+        assert overload.best_alternative(_with_u1(5), [U0]) == Alternative(
+            U1, "GPU 1", 75 * GiB, 2.0)
+        # constraints the caller gives are used as given
+        assert overload.best_alternative(
+            _with_u1(40), [U0], constraints=Constraints()) == Alternative(
+            U1, "GPU 1", 40 * GiB, 2.0)
+    finally:
+        own.release()
+
+
+@pytest.mark.parametrize("store", ["config", None])
+def test_a_kernels_alternative_needs_what_its_held_lease_books(
+    _kernel: Registry, monkeypatch: pytest.MonkeyPatch, store: str | None
+) -> None:
+    """A pick made in the kernel holds its lease (70 GiB): its record bounds the alternative,
+    with the configured store or none. Caught: the held lease's record not looked up (``None``,
+    a misspelt ``lease`` or ``record``)."""
+    own = _own(_kernel, U0, 70)
+    try:
+        monkeypatch.setattr(session, "_current", session.Choice(uuids=(U0,), lease=own))
+        assert overload.best_alternative(_with_u1(40), [U0], store=store) is None
+        assert overload.best_alternative(_with_u1(5), [U0], store=store) == Alternative(
+            U1, "GPU 1", 75 * GiB, 2.0)
+    finally:
+        own.release()
+
+
+def test_without_a_lease_the_alternative_needs_the_picks_own_options(
+    _kernel: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caught: the pick's constraints dropped (``None``) or passed as the lease."""
+    choice = session.Choice(uuids=(U0,), constraints=Constraints(min_free=parse_size("50G")))
+    monkeypatch.setattr(session, "_current", choice)
+    assert overload.best_alternative(_with_u1(40), [U0]) is None
+    assert overload.best_alternative(_with_u1(20), [U0]) == Alternative(
+        U1, "GPU 1", 60 * GiB, 2.0)
+
+
+def test_the_processes_the_caller_names_are_the_kernels_own() -> None:
+    """The server asks for its kernels: their PIDs, not its own, make an exclusive GPU theirs.
+    Caught: ``self_pids`` ignored (this process's PID used)."""
+    pid = os.getpid() + 1_000_000
+    mine = ProcessSnapshot(pid=pid, used_memory_bytes=GiB)
+    b = _gpu(1, U1, compute_mode="EXCLUSIVE_PROCESS", procs=(mine,))
+    got = overload.best_alternative(_snap(None, b), [U0], store=None, self_pids=[pid])
+    assert got is not None and got.uuid == U1
+    assert overload.best_alternative(_snap(None, b), [U0], store=None) is None

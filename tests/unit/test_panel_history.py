@@ -4,6 +4,7 @@ server here, answering as ``GET autogpu/api/v1/history`` does)."""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import logging
@@ -11,6 +12,7 @@ import os
 import threading
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -18,7 +20,10 @@ from typing import Any
 
 import pytest
 
+from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+from autogpu_jupyter.core.sampler import Sampler
 from autogpu_jupyter.widgets import panel as panel_mod
+from tests.unit.test_chart import A
 
 UUID = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 
@@ -124,8 +129,6 @@ def test_a_fresh_panel_asks_its_server_for_its_window_and_starts_with_that_histo
     """The panel's own sampler has one sample (shorter than the window): it asks the server for
     the window's last seconds (and 5 more) and seeds its sampler with the answer. Caught
     (mutation run, issue 22): ``server_history(None)`` (the panel raised a TypeError)."""
-    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-    from autogpu_jupyter.core.sampler import Sampler
 
     url, asked = server
     monkeypatch.setattr(panel_mod, "_server_info", lambda: {"url": url, "token": "t0k"})
@@ -201,8 +204,6 @@ def test_the_server_is_asked_only_while_the_own_history_is_two_samples_short_of_
     """At a 2 s interval and a 60 s window, own history covering 56 s or more is enough (within
     two samples of the window): the server is not asked. Caught (mutation run, issue 22): the
     margin ``2 * interval`` made ``2 / interval`` (1 s: the server asked at 56 and 57 s)."""
-    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-    from autogpu_jupyter.core.sampler import Sampler
 
     asked: list[float] = []
 
@@ -260,3 +261,136 @@ def test_an_answer_of_exactly_the_size_limit_is_read_whole_and_a_longer_one_not_
     assert got == {UUID: ([1.0], [10], [1], None)}
     with _serving(_answer_of(limit + 1)) as url:  # cut at the limit: not JSON, so no history
         assert panel_mod.server_history(60, info={"url": url, "token": "t0k"}) == {}
+
+
+# ---- the runtime file and the history request, read whole ----
+# Found by the mutation run of issue 22.
+def test_the_runtime_file_is_read_as_utf8_whatever_the_locale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a Latin-1 locale (``open`` without an encoding decodes Latin-1) a token with
+    non-ASCII characters still reads back as written. Caught: ``encoding="utf-8"`` made
+    ``None`` or dropped."""
+
+    def latin1_locale_open(file: Any, mode: str = "r", buffering: int = -1,
+                           encoding: str | None = None, **kw: Any) -> Any:
+        return builtins.open(file, mode, buffering, encoding=encoding or "latin-1", **kw)
+
+    monkeypatch.setattr(panel_mod, "open", latin1_locale_open, raising=False)
+    monkeypatch.setattr(panel_mod.os, "getppid", lambda: 4000)
+    info = {"url": "http://h/", "token": "tök€n"}
+    (tmp_path / "jpserver-4000.json").write_text(json.dumps(info, ensure_ascii=False),
+                                                encoding="utf-8")
+    assert panel_mod._server_info(str(tmp_path)) == info
+
+
+def test_a_runtime_file_that_is_not_an_object_is_no_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caught: the ``isinstance(info, dict)`` check made always true (a JSON list returned)."""
+    monkeypatch.setattr(panel_mod.os, "getppid", lambda: 4000)
+    (tmp_path / "jpserver-4000.json").write_text('["http://h/"]')
+    assert panel_mod._server_info(str(tmp_path)) is None
+
+
+SERIES = {"uuid": A, "timestamp_s": [1.0], "utilization_pct": [10], "memory_used_bytes": [1]}
+GOT = {A: ([1.0], [10], [1], None)}
+
+
+@contextlib.contextmanager
+def _server(body: bytes, *, hold: bool = False) -> Iterator[tuple[str, list[tuple[str, Any]]]]:
+    """A local HTTP/1.0 server answering every GET with ``body`` and no Content-Length; yields
+    its URL (no trailing slash) and the (path, headers) it was asked with. ``hold``: the
+    connection stays open after the body (the answer's end never comes) until the server
+    stops."""
+    asked: list[tuple[str, Any]] = []
+    done = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append((self.path, self.headers))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                self.wfile.write(body)
+            if hold:
+                done.wait(10)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/base", asked
+    finally:
+        done.set()
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.parametrize(("token", "authorization"), [
+    ("t0k", "token t0k"), ("", None), (None, None), (123, None),
+])
+def test_the_history_is_asked_under_the_servers_base_url_with_its_token_only(
+    token: Any, authorization: str | None
+) -> None:
+    """A base URL without a trailing slash keeps its last segment; only a non-empty text token
+    is sent. Caught: the ``/`` never added (``or True``: the request went to ``/autogpu/...``),
+    ``url - "/"`` (TypeError), ``"XX/XX"`` added; the token check made always true or
+    ``isinstance(token, str) or token`` (``token `` / ``token None`` sent)."""
+    body = json.dumps({"series": [SERIES]}).encode()
+    with _server(body) as (url, asked):
+        assert panel_mod.server_history(60, info={"url": url, "token": token}) == GOT
+    ((path, headers),) = asked
+    assert path.startswith("/base/autogpu/api/v1/history?since=")
+    assert headers.get("Authorization") == authorization
+
+
+def test_the_history_request_waits_as_long_as_it_is_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``SERVER_HISTORY_TIMEOUT_S`` unless ``timeout_s`` says otherwise. Caught: the timeout
+    made ``None`` or dropped (a silent server blocked the panel for good), the choice
+    inverted or made always one side."""
+    seen: list[Any] = []
+    real = urllib.request.urlopen
+
+    def spy(request: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("timeout", "none given"))
+        return real(request, *args, **kwargs)
+
+    monkeypatch.setattr(panel_mod.urllib.request, "urlopen", spy)
+    with _server(json.dumps({"series": [SERIES]}).encode()) as (url, _):
+        assert panel_mod.server_history(60, info={"url": url}) == GOT
+        assert panel_mod.server_history(60, info={"url": url}, timeout_s=0.25) == GOT
+    assert seen == [panel_mod.SERVER_HISTORY_TIMEOUT_S, 0.25]
+
+
+def test_an_answer_is_read_no_further_than_one_byte_past_the_limit() -> None:
+    """A server that sends one byte more than the limit and then never ends its answer: the
+    panel stops reading there (the first ``limit`` bytes, valid JSON here, are the history)
+    instead of waiting for the end. Caught: ``read(None)`` (read to the end: timed out, no
+    history), ``read(limit + 2)`` (waited for a byte that never came)."""
+    limit = panel_mod._MAX_HISTORY_BYTES
+    head = json.dumps({"series": [SERIES]}).encode()
+    body = head + b" " * (limit + 1 - len(head))
+    with _server(body, hold=True) as (url, _):
+        assert panel_mod.server_history(60, info={"url": url}, timeout_s=0.5) == GOT
+
+
+def test_an_answer_that_is_not_an_object_gives_no_history() -> None:
+    """Caught: the ``isinstance(data, dict)`` check made always true (``[].get``: the panel
+    raised AttributeError)."""
+    with _server(b"[1, 2]") as (url, _):
+        assert panel_mod.server_history(60, info={"url": url}) == {}
+
+
+def test_a_malformed_series_is_skipped_and_the_ones_after_it_kept() -> None:
+    """Caught: ``continue`` made ``break`` (every series after a malformed one lost)."""
+    body = json.dumps({"series": ["junk", {"uuid": 3}, SERIES]}).encode()
+    with _server(body) as (url, _):
+        assert panel_mod.server_history(60, info={"url": url}) == GOT

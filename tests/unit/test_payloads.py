@@ -7,16 +7,32 @@ what they say.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import os
+import socket
 import time
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from traitlets.config import Config, Configurable
 
+from autogpu_jupyter.core.cluster import ClusterCache, ClusterDevice, ClusterHost, ClusterView
+from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
 from autogpu_jupyter.core.policy import Constraints
-from autogpu_jupyter.errors import UsageErrorBase
+from autogpu_jupyter.core.sampler import SampleError, Sampler
+from autogpu_jupyter.errors import (
+    AutoGPUError,
+    NoDeviceFitsError,
+    NVMLUnavailableError,
+    RegistryError,
+    UsageErrorBase,
+)
 from autogpu_jupyter.server import payloads
 from autogpu_jupyter.server.state import current_user
 from tests.payloadhelpers import (
@@ -706,3 +722,1026 @@ def test_a_move_to_best_keeps_off_another_kernels_exclusive_lease(
         finally:
             theirs.release()
     assert [d.uuid for d in plan.target] == [C]
+
+
+# ---- the cluster answers over a real ClusterCache whose fetch returns a fixed view ----
+# Found by the mutation run of issue 22.
+GiB = 1024**3
+URL = "http://prometheus.example.org:9090"
+D = "GPU-3d3d3d3d-1111-2222-3333-444444444444"
+
+
+def _state(monkeypatch: pytest.MonkeyPatch, url: str | None, view: Any = None,
+           calls: list[tuple[str, float]] | None = None) -> Any:
+    """What the cluster answers read of ``AutoGPUServer``: its config parent and its cluster
+    cache (a real one whose fetch returns ``view``, or raises it when it is an exception)."""
+    monkeypatch.delenv("AUTOGPU_PROMETHEUS_URL", raising=False)
+    config = Config()
+    if url is not None:
+        config.AutoGPU.prometheus_url = url
+    config.AutoGPU.prometheus_timeout_s = 2.5
+
+    def fetch(u: str, timeout_s: float) -> ClusterView:
+        if calls is not None:
+            calls.append((u, timeout_s))
+        if isinstance(view, Exception):
+            raise view
+        return view
+
+    return SimpleNamespace(parent=Configurable(config=config),
+                           cluster_cache=ClusterCache(fetch=fetch))
+
+
+def _view() -> ClusterView:
+    """Host gpu-a: one A100, 20 of 80 GiB in use; host gpu-b: down."""
+    dev = DeviceSnapshot(index=0, uuid=A, name="NVIDIA A100", memory_total_bytes=80 * GiB,
+                         memory_used_bytes=20 * GiB, memory_free_bytes=60 * GiB,
+                         utilization_pct=10.0)
+    up = ClusterHost(hostname="gpu-a", instances=("gpu-a:9100",), state="ok", as_of_s=99.0,
+                     scrape_interval_s=60.0, devices=(ClusterDevice(dev, "autogpu"),))
+    down = ClusterHost(hostname="gpu-b", instances=("gpu-b:9100",), state="down", as_of_s=None,
+                       scrape_interval_s=60.0)
+    return ClusterView(prometheus_url=URL, timestamp_s=100.0, hosts=(up, down))
+
+
+def _timed(answer: dict[str, Any], before: float) -> dict[str, Any]:
+    """``answer`` less its ``timestamp_s``, checked to be the time it was made."""
+    assert before <= answer.pop("timestamp_s") <= time.time()
+    return answer
+
+
+def test_an_unconfigured_cluster_answer_is_empty_with_every_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No ``prometheus_url``: the whole answer, every key the sidebar reads present.
+    Caught: a key misspelt (``timestamp_s``, ``constraints``, ``errors``,
+    ``prometheus_url``), the empty URL given as "" instead of null."""
+    cons = Constraints.parse(min_free="10G")
+    before = time.time()
+    answer = payloads.cluster_payload(_state(monkeypatch, None), cons)
+    assert _timed(answer, before) == {
+        "configured": False, "prometheus_url": None, "constraints": cons.to_json(),
+        "constraints_text": "min free 10.0 GiB", "hosts": [], "ranking": [], "best": None,
+        "errors": []}
+
+
+def test_the_cluster_answer_ranks_the_hosts_prometheus_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The whole answer over a view: the view's own keys, the ranking with each chosen device's
+    uuid, label and effective free memory, the best host. Caught: those keys misspelt (the
+    sidebar showed no device), a key of the base answer left beside the view's."""
+    calls: list[tuple[str, float]] = []
+    cons = Constraints.parse(min_free="10G")
+    view = _view()
+    answer = payloads.cluster_payload(_state(monkeypatch, URL, view, calls), cons)
+    assert calls == [(URL, 2.5)]
+    assert answer == {
+        "configured": True, "prometheus_url": URL, "timestamp_s": 100.0,
+        "constraints": cons.to_json(), "constraints_text": "min free 10.0 GiB",
+        "hosts": [h.to_dict() for h in view.hosts], "errors": [],
+        "ranking": [
+            {"hostname": "gpu-a", "fits": True,
+             "chosen": [{"uuid": A, "label": "GPU 0", "effective_free_bytes": 60 * GiB}]},
+            {"hostname": "gpu-b", "fits": False, "chosen": []},
+        ],
+        "best": "gpu-a",
+    }
+
+
+def test_a_cluster_answer_prometheus_refused_names_the_url_and_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Caught: ``prometheus_url`` null (``url and None``) when Prometheus cannot be asked."""
+    cons = Constraints()
+    err = AutoGPUError(f"cannot reach Prometheus at {URL}: refused")
+    before = time.time()
+    answer = payloads.cluster_payload(_state(monkeypatch, URL, err), cons)
+    assert _timed(answer, before) == {
+        "configured": True, "prometheus_url": URL, "constraints": cons.to_json(),
+        "constraints_text": cons.describe(), "hosts": [], "ranking": [], "best": None,
+        "errors": [str(err)]}
+
+
+def test_an_unconfigured_cluster_history_is_empty_with_a_null_url(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Caught: the empty URL given as "" instead of null (``url and None``)."""
+    answer = payloads.cluster_history_payload(_state(monkeypatch, None), 600.0)
+    assert answer == {"configured": False, "prometheus_url": None, "seconds": 600.0,
+                      "step_s": None, "hosts": [], "errors": []}
+
+
+def test_a_cluster_history_prometheus_refused_names_the_url(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Prometheus port nothing listens on: the URL is in the answer (``url and None`` made it
+    null) and the reason in ``errors``."""
+    with socket.socket() as s:  # a port just freed: the connection is refused at once
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    answer = payloads.cluster_history_payload(_state(monkeypatch, url), 600.0)
+    (error,) = answer.pop("errors")
+    assert error.startswith(f"cannot reach Prometheus at {url}")
+    assert answer == {"configured": True, "prometheus_url": url, "seconds": 600.0,
+                      "step_s": None, "hosts": []}
+
+
+# ---- a request's JSON body (found by the mutation run of issue 22) ----
+EX = '{"target": "best"}'
+LIMIT = payloads.MAX_BODY_BYTES
+
+
+def _object_of_size(n: int) -> bytes:
+    body = b'{"pad": "' + b"x" * (n - 11) + b'"}'
+    assert len(body) == n
+    return body
+
+
+@pytest.mark.parametrize(("body", "want"), [
+    (None, {}), (b"", {}), (b'{"a": 1}', {"a": 1}),
+    (_object_of_size(LIMIT), {"pad": "x" * (LIMIT - 11)}),
+])
+def test_a_json_body_accepted(body: bytes | None, want: dict[str, Any]) -> None:
+    """No body is an empty object; a body of exactly the limit is accepted. Caught: the
+    default body junk (not JSON), the limit itself refused (``>=``)."""
+    assert payloads.parse_json_object(body, EX) == want
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    (_object_of_size(LIMIT + 1),
+     f"request body too large ({LIMIT + 1} bytes, at most {LIMIT}); expected a small JSON object "
+     f"such as {EX}"),
+    (b"[" * 50000,
+     f"request body nested too deeply; expected a flat JSON object such as {EX}"),
+])
+def test_a_json_body_refused_says_why(body: bytes, message: str) -> None:
+    """Caught: the messages dropped (a 400 saying only "None")."""
+    with pytest.raises(UsageErrorBase) as info:
+        payloads.parse_json_object(body, EX)
+    assert str(info.value) == message
+
+
+# ---- the kernels' answers, found by the mutation run of issue 22 ----
+# The overload notification of this server's kernels (kernel_overloads: which GPUs a kernel holds,
+# the thresholds of the server's config, the sampler's history and smoothing, the better device
+# asked as the kernel asks it; how the warning says to move), the kernels' rows of the holders
+# answer, the kernels that hold a GPU, a kernel's environment from /proc, the wait for the first
+# sweep and the one-line repr of a request value. Snapshots, samplers and kernel managers built
+# by hand.
+KERNEL_PID, OTHER_KERNEL_PID, BOB_PID = 7001, 7002, 51002
+
+
+def _dev(index: int, uuid: str, used_gib: int, procs: tuple[tuple[int, int, str], ...] = (),
+         mode: str | None = None) -> DeviceSnapshot:
+    return DeviceSnapshot(
+        index=index, uuid=uuid, name="NVIDIA A100", memory_total_bytes=80 * GiB,
+        memory_used_bytes=used_gib * GiB, memory_free_bytes=(80 - used_gib) * GiB,
+        utilization_pct=0.0, compute_mode=mode,
+        processes=tuple(ProcessSnapshot(pid, gib * GiB, user) for pid, gib, user in procs))
+
+
+def overload_fleet(*, b_used: int = 0, c_used: int = 40, b_mode: str | None = None,
+          b_procs: tuple[tuple[int, int, str], ...] = ()) -> FleetSnapshot:
+    """GPU 0 (A) 78 of 80 GiB full, bob's 70 GiB and the kernel k-1's 8 GiB (the warning
+    ``CROWDED``); GPU 1 (B) empty, GPU 2 (C) half full; GPU 3 (D) crowded like A, by bob and
+    kernel k-2's process."""
+    return FleetSnapshot(devices=(
+        _dev(0, A, 78, ((KERNEL_PID, 8, "me"), (BOB_PID, 70, "bob"))),
+        _dev(1, B, b_used, b_procs, b_mode),
+        _dev(2, C, c_used),
+        _dev(3, D, 78, ((OTHER_KERNEL_PID, 8, "me"), (BOB_PID + 1, 70, "bob"))),
+    ), timestamp_s=1000.0, backend="simulated", simulated=True)
+
+
+class _Sampler:
+    """The sampler's two reads the overload check makes, recorded."""
+
+    def __init__(self, smoothed: dict[str, float | None] | None = None) -> None:
+        self.asked: list[tuple[str, Any]] = []
+        self.smoothed = smoothed if smoothed is not None else {}
+
+    def history_series(self, since_s: float | None = None) -> dict[str, Any]:
+        self.asked.append(("history_series", since_s))
+        return {}  # no utilisation history: the memory alone decides
+
+    def smoothed_util(self, window_s: float | None = None) -> dict[str, float | None]:
+        self.asked.append(("smoothed_util", window_s))
+        return self.smoothed
+
+
+def _overload_state(sampler: Any, *, parent: Any = None, registry: Any = None) -> Any:
+    return SimpleNamespace(sampler=lambda: sampler, parent=parent, interval_s=2.0,
+                           registry=registry or (lambda: None))
+
+
+def holder(kid: str, uuid: str = A, pid: int | None = KERNEL_PID, used: int | None = 8 * GiB,
+           ours: bool = True) -> dict[str, Any]:
+    return {"kind": "process", "uuid": uuid, "kernel_id": kid, "this_server": ours, "pid": pid,
+            "used_memory_bytes": used}
+
+
+K1 = [{"kernel_id": "k-1", "movable": False, "picked_uuids": []}]
+TO_B = {"k-1": (f"{CROWDED} Better now: GPU 1.", {"uuid": B, "label": "GPU 1"})}
+
+
+def overloads(state: Any, *, kernels: Any = None, holders: Any = None, snap: Any = "fleet",
+              records: Any = (), options: Any = None) -> Any:
+    return payloads.kernel_overloads(
+        state, K1 if kernels is None else kernels, [holder("k-1")] if holders is None else holders,
+        overload_fleet() if snap == "fleet" else snap, records, options, {"k-1": {}, "k-2": {}})
+
+
+def test_no_sweep_or_no_sampler_is_no_warning_and_no_work() -> None:
+    """Caught: with no sweep yet the sampler's history still read (and thresholds, registry);
+    with no sampler the check went on (an AttributeError: the holders answer failed)."""
+    sampler = _Sampler()
+    assert overloads(_overload_state(sampler), snap=None) == {}
+    assert sampler.asked == []
+    assert overloads(_overload_state(None)) == {}
+    assert overloads(_overload_state(sampler), kernels=[]) == {}
+
+
+def test_only_this_servers_kernels_with_a_pid_and_memory_are_held() -> None:
+    """Another server's kernel k-x (listed first) on the same GPU is not warned and does not stop
+    the look at ours; a holder row of k-1 without a pid is not one of its processes (no
+    ``int(None)``). Caught: the ``this_server`` check made an "and"; the first foreign holder
+    ending the loop; the pid check made an "or"."""
+    holders = [holder("k-x", pid=None, used=None, ours=False),  # its lease: no process
+               holder("k-1", pid=None), holder("k-1")]
+    assert overloads(_overload_state(_Sampler()), holders=holders) == TO_B
+
+
+def test_a_kernels_pick_counts_as_held_once() -> None:
+    """k-1's provisioner picked GPU 0 and no process of it is there yet: bob's fill is still its
+    overload; a pick that a process also holds is one device, not two warnings. Caught: the
+    picked UUIDs read under another key, not at all, added under another kernel, as ``None``,
+    or only when already held."""
+    picked = [{"kernel_id": "k-1", "movable": False, "picked_uuids": [A]}]
+    only_bob = [holder("k-x", pid=BOB_PID, used=70 * GiB, ours=False)]
+    pick_only = overloads(_overload_state(_Sampler()), kernels=picked, holders=only_bob)
+    assert pick_only == {"k-1": ("GPU 0 (this kernel's GPU) is overloaded: memory 98% full, 2 "
+                                 "other processes. Better now: GPU 1.",
+                                 {"uuid": B, "label": "GPU 1"})}
+    assert overloads(_overload_state(_Sampler()), kernels=picked) == TO_B
+
+
+def test_the_thresholds_and_windows_come_from_the_servers_config() -> None:
+    """``c.AutoGPU.overload_memory_pct = 99``: 98% full is no overload; the history read covers
+    the configured window plus three sweeps, the better device ranked over a minute. Caught:
+    the config's parent dropped (the defaults), the history window mis-summed, the smoothing
+    window altered."""
+    parent = Configurable(config=Config(
+        {"AutoGPU": {"overload_memory_pct": 99.0, "overload_window_s": 100.0}}))
+    sampler = _Sampler()
+    assert overloads(_overload_state(sampler, parent=parent)) == {}
+    assert sampler.asked == [("history_series", 106.0), ("smoothed_util", 60.0)]
+
+
+def test_a_bad_threshold_in_the_config_means_the_defaults() -> None:
+    """``c.AutoGPU.overload_util_pct = "high"``: traitlets refuses it (a ``TraitError``, neither a
+    ValueError nor a TypeError). Bug found (mutation run, issue 22): it escaped, and the holders
+    answer failed for every kernel that held a GPU; now the defaults are used. Also caught: no
+    thresholds at all in that case."""
+    parent = Configurable(config=Config({"AutoGPU": {"overload_util_pct": "high"}}))
+    sampler = _Sampler()
+    assert overloads(_overload_state(sampler, parent=parent)) == TO_B
+    assert sampler.asked[0] == ("history_series", 36.0)
+
+
+def test_the_better_device_is_ranked_by_the_smoothed_load() -> None:
+    """k-1 asked ``--max-util 50``; GPU 1 reads idle now but averaged 100% over the minute: GPU 2
+    is the better device. Caught: the sampler's smoothed load not passed to the question."""
+    sampler = _Sampler({B: 100.0, C: 0.0})
+    got = overloads(_overload_state(sampler), options={"k-1": Constraints.parse(max_util="50")})
+    assert got == {"k-1": (f"{CROWDED} Better now: GPU 2.", {"uuid": C, "label": "GPU 2"})}
+
+
+def test_the_kernels_own_processes_do_not_occupy_an_exclusive_gpu() -> None:
+    """GPU 1 is EXCLUSIVE_PROCESS and k-1's own process is on it: it is still k-1's better
+    device. Caught: the kernel's pids not passed (this process's pid used: GPU 1 "occupied")."""
+    snap = overload_fleet(b_used=1, b_mode="EXCLUSIVE_PROCESS", b_procs=((KERNEL_PID, 1, "me"),))
+    assert overloads(_overload_state(_Sampler()), snap=snap) == TO_B
+
+
+def test_the_better_device_offers_what_the_kernels_own_lease_books() -> None:
+    """k-1's lease (of this server's uid) books 50 GiB: neither GPU 1 (45 GiB free) nor GPU 2
+    fits, so no better device. Another user's lease naming k-1 (booking nothing) is not it.
+    Caught: the lease not looked up, or by another uid, or not passed on."""
+    records = [
+        SimpleNamespace(kernel_id="k-1", uid=os.geteuid() + 1, device_requested_bytes=(0,),
+                        device_uuids=(A,), exclusive=False),
+        SimpleNamespace(kernel_id="k-1", uid=os.geteuid(), device_requested_bytes=(50 * GiB,),
+                        device_uuids=(A,), exclusive=False),
+    ]
+    got = overloads(_overload_state(_Sampler()), snap=overload_fleet(b_used=35), records=records)
+    assert got == {"k-1": (CROWDED, None)}
+
+
+@pytest.mark.parametrize("failure", [None, OSError(13, "Permission denied")])
+def test_without_a_usable_registry_the_better_device_is_still_named(
+        failure: OSError | None) -> None:
+    """Caught: a registry that is ``None`` or failed to open still asked for its view (an
+    AttributeError: the holders answer failed)."""
+    def registry() -> Any:
+        if failure is not None:
+            raise failure
+        return None
+
+    assert overloads(_overload_state(_Sampler(), registry=registry)) == TO_B
+
+
+def test_the_better_device_counts_other_leases_and_hides_the_kernels_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, registry_dir: Path) -> None:
+    """k-1 (``--min-free 30G``) has its own lease on GPU 2 (30 of its 40 free GiB), another
+    kernel books 70 GiB of GPU 1: GPU 2 is the better device. Caught: the kernel's own lease not
+    hidden (nothing fits); the server's registry not passed (the config's, empty: GPU 1)."""
+    from autogpu_jupyter.core.leasing import Registry, Requester
+
+    monkeypatch.delenv("AUTOGPU_BROKER_SOCKET", raising=False)
+    leases = tmp_path / "leases"
+    with Registry(str(leases)).locked() as txn:
+        assert txn is not None
+        theirs = txn.create(devices=[B], requested_bytes=70 * GiB,
+                            requester=Requester(kernel_id="k-9"))
+        own = txn.create(devices=[C], requested_bytes=30 * GiB,
+                         requester=Requester(kernel_id="k-1"))
+    try:
+        got = overloads(_overload_state(_Sampler(), registry=lambda: Registry(str(leases))),
+                        options={"k-1": Constraints.parse(min_free="30G")})
+    finally:
+        theirs.release()
+        own.release()
+    assert got == {"k-1": (f"{CROWDED} Better now: GPU 2.", {"uuid": C, "label": "GPU 2"})}
+
+
+def test_two_overloaded_gpus_make_one_notification_of_two_sentences() -> None:
+    """Caught: the sentences joined by another separator."""
+    holders = [holder("k-1"), holder("k-1", uuid=D, pid=OTHER_KERNEL_PID)]
+    assert overloads(_overload_state(_Sampler()), holders=holders) == {"k-1": (
+        f"{CROWDED} Better now: GPU 1. GPU 3 (this kernel's GPU) is overloaded: memory 98% "
+        "full, 1 other process. Better now: GPU 1.", {"uuid": B, "label": "GPU 1"})}
+
+
+class _Id(str):
+    """A kernel id whose place in a set is its given hash (set order fixed, whatever the seed)."""
+
+    def __new__(cls, text: str, slot: int) -> _Id:
+        self = super().__new__(cls, text)
+        self.slot = slot
+        return self
+
+    def __hash__(self) -> int:
+        return self.slot
+
+    def __eq__(self, other: object) -> bool:
+        return str.__eq__(self, other)
+
+
+class _Manager:
+    """A kernel manager: ``None`` is a kernel gone between the listing and the lookup."""
+
+    def __init__(self, kernels: dict[str, Any]) -> None:
+        self.kernels = kernels
+
+    def list_kernel_ids(self) -> list[str]:
+        return list(self.kernels)
+
+    def get_kernel(self, kid: str) -> Any:
+        if self.kernels[kid] is None:
+            raise KeyError(kid)
+        return self.kernels[kid]
+
+
+def _prov(move_file: str | None, picked: tuple[str, ...] = (A,),
+          constraints: Constraints | None = None, note: str | None = None) -> Any:
+    return SimpleNamespace(autogpu_picked=picked, autogpu_constraints=constraints,
+                           autogpu_note=note, autogpu_lease_id=None, autogpu_move_file=move_file)
+
+
+WANT = Constraints.parse(min_free="10G")
+
+
+def manager(gone_first: Any = "k-gone") -> _Manager:
+    busy = {"execution_state": "busy", "last_activity": None}
+    return _Manager({
+        gone_first: None,
+        "k-move": SimpleNamespace(provisioner=_prov("/m", constraints=WANT, note="GPU 1 filled"),
+                                  **busy),
+        "k-fixed": SimpleNamespace(provisioner=_prov(None, constraints=WANT, note="kept"), **busy),
+        "k-plain": SimpleNamespace(provisioner=_prov("/m", picked=()), **busy),
+        "k-old": SimpleNamespace(**busy),  # no provisioner attribute (an older jupyter_client)
+    })
+
+
+def test_each_kernels_row_says_what_only_a_movable_kernel_has() -> None:
+    """A kernel gone since the listing is skipped (not the end of the list); a movable kernel
+    shows its pick, options and note; a kernel not movable (no move file) shows none of them,
+    even where its provisioner has them. Caught: the row's keys misspelt; the options or note
+    never shown, or shown for a kernel that cannot move; the picked UUIDs of any kernel shown."""
+    row = {"notebook_path": None, "execution_state": "busy", "idle_s": None,
+           "allowed_uuids": None}
+    assert payloads.kernel_infos(manager(), {"k-move": {"path": "a.ipynb"}}) == [
+        {**row, "kernel_id": "k-move", "notebook_path": "a.ipynb", "movable": True,
+         "picked_uuids": [A], "constraints_text": "min free 10.0 GiB", "note": "GPU 1 filled"},
+        {**row, "kernel_id": "k-fixed", "movable": False, "picked_uuids": [],
+         "constraints_text": None, "note": None},
+        {**row, "kernel_id": "k-plain", "movable": True, "picked_uuids": [],
+         "constraints_text": None, "note": None},
+        {**row, "kernel_id": "k-old", "movable": False, "picked_uuids": [],
+         "constraints_text": None, "note": None},
+    ]
+
+
+def test_the_pick_options_are_those_of_the_autogpu_kernels() -> None:
+    """Caught: a gone kernel ending the loop; a kernel without a ``provisioner`` attribute read
+    without a default (AttributeError)."""
+    assert payloads.kernel_options(manager()) == {"k-move": WANT, "k-fixed": WANT}
+    assert payloads.kernel_options(None) == {}
+
+
+def test_the_kernels_that_hold_a_gpu_by_their_pick() -> None:
+    """Their provisioner's pick: a gone kernel (first in the set) and one without a
+    ``provisioner`` attribute are skipped, not the end. Caught: ``break`` for the gone kernel;
+    the attribute read without a default."""
+    state = SimpleNamespace(registry=lambda: None, sampler=lambda: None)
+    got = payloads.gpu_kernel_ids(state, manager(gone_first=_Id("k-gone", 0)))
+    assert sorted(got) == ["k-fixed", "k-move"]
+    # the same set whatever the order: k-gone's slot 0 comes first in the set
+    assert next(iter({_Id("k-gone", 0), _Id("k-move", 1)})) == "k-gone"
+
+
+def test_the_sessions_name_each_kernels_notebook() -> None:
+    """Caught: a session's ``name`` or ``type`` read or written under another key."""
+    class Sessions:
+        async def list_sessions(self) -> list[dict[str, Any]]:
+            return [{"kernel": {"id": "k-1"}, "path": "a.ipynb", "name": "a", "type": "notebook"},
+                    {"kernel": None, "path": "b.ipynb", "name": "b", "type": "console"},
+                    {"kernel": {"id": "k-2"}, "path": "c.py", "type": "console"}]
+
+    assert asyncio.run(payloads.kernel_sessions(Sessions())) == {
+        "k-1": {"path": "a.ipynb", "name": "a", "type": "notebook"},
+        "k-2": {"path": "c.py", "name": None, "type": "console"},
+    }
+    assert asyncio.run(payloads.kernel_sessions(None)) == {}
+
+
+def test_a_kernels_activity_against_the_clock_and_odd_values() -> None:
+    """Idle since 30 s ago by the real clock; a ``last_activity`` that is no time and an
+    ``execution_state`` that is no text are unknown. Caught: the clock not read when no time is
+    given (a TypeError); the timestamp check made an "and" (an AttributeError); any state
+    passed on."""
+    last = datetime.now(timezone.utc) - timedelta(seconds=30)
+    state, idle_s = payloads.kernel_activity(
+        SimpleNamespace(execution_state="idle", last_activity=last))
+    assert state == "idle" and idle_s is not None and 29.5 <= idle_s <= 31.0
+    assert payloads.kernel_activity(
+        SimpleNamespace(execution_state="idle", last_activity="a while ago")) == ("idle", None)
+    assert payloads.kernel_activity(SimpleNamespace(execution_state=3)) == (None, None)
+
+
+def test_a_process_environment_is_read_up_to_one_mib_and_split_at_the_first_equals(
+        tmp_path: Path) -> None:
+    """Caught: the read not bounded to 1 MiB (or to 2 MiB); the name split at the last "="."""
+    (tmp_path / "42").mkdir()
+    big = b"B" * (3 << 19)  # 1.5 MiB
+    (tmp_path / "42" / "environ").write_bytes(b"OPTS=a=b\0BIG=" + big + b"\0LAST=1\0")
+    env = payloads.process_environ(42, proc_root=str(tmp_path))
+    cut = (1 << 20) - len(b"OPTS=a=b\0BIG=")
+    assert env == {"OPTS": "a=b", "BIG": "B" * cut}
+
+
+def test_a_zero_wait_for_the_first_sweep_does_not_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait's end is exclusive: at its deadline no further poll. Caught: ``<=``."""
+    slept: list[float] = []
+    monkeypatch.setattr(payloads, "FIRST_SAMPLE_WAIT_S", 0.0)
+    monkeypatch.setattr(payloads, "time", SimpleNamespace(
+        monotonic=lambda: 5.0 + sum(slept), sleep=slept.append))
+    sampler = SimpleNamespace(errors=[], latest=lambda: None)
+    assert payloads.latest_snapshot(SimpleNamespace(sampler=lambda: sampler)) is None
+    assert slept == []
+
+
+def test_a_repr_of_exactly_the_limit_is_not_cut() -> None:
+    """Caught: ``<`` for ``<=`` (a 60-character value cut)."""
+    assert payloads.short_repr("x" * 58) == repr("x" * 58)
+    assert payloads.short_repr("x" * 59) == "'" + "x" * 47 + "…" + "x" * 9 + "'"
+
+
+def test_the_latest_sweeps_backend_is_named_as_the_sweep_says() -> None:
+    """``select`` picks on a backend standing for the sampler's sweep: its ``name`` and
+    ``simulated`` are the sweep's. Caught: either left ``None``."""
+    for simulated in (True, False):
+        snap = FleetSnapshot(devices=(), timestamp_s=1.0, backend="nvml", simulated=simulated)
+        backend = payloads._LatestBackend(snap)
+        assert (backend.name, backend.simulated, backend.snapshot()) == ("nvml", simulated, snap)
+
+
+# ---- the select, holders and history answers, found by the mutation run of issue 22 ----
+# Whole answers of select_payload, select_answer, holders_payload, history_payload,
+# parse_constraints and their helpers. Most drive the payloads with a stand-in for the server's
+# state (a real Sampler fed snapshots at chosen times, no thread); the holders tests use the real
+# state of tests.payloadhelpers.server_state.
+#: Device uuids whose device order is the reverse of their sorted order.
+LATE = "GPU-ffffffff-1111-2222-3333-444444444444"
+
+
+EARLY = "GPU-00000000-1111-2222-3333-444444444444"
+
+
+def device(index: int, uuid: str, used_gib: int = 0, util: float | None = 0.0, *,
+           total_gib: int | None = 80) -> DeviceSnapshot:
+    total = None if total_gib is None else total_gib * GiB
+    return DeviceSnapshot(
+        index=index, uuid=uuid, name="NVIDIA A100", memory_total_bytes=total,
+        memory_used_bytes=used_gib * GiB,
+        memory_free_bytes=None if total is None else total - used_gib * GiB,
+        utilization_pct=util)
+
+
+def fleet_at(t: float, *devices: DeviceSnapshot) -> FleetSnapshot:
+    return FleetSnapshot(devices=devices, timestamp_s=t, backend="simulated", simulated=True)
+
+
+#: GPU 0 30 of 80 GiB used at 40 %, GPU 1 empty and idle, swept at t = 100 s.
+SNAP = fleet_at(100.0, device(0, A, 30, 40.0), device(1, B))
+
+
+def sampler_of(*snaps: FleetSnapshot) -> Sampler:
+    """A sampler that holds these sweeps (no thread, no backend)."""
+    sampler = Sampler(interval_s=1.0, history_s=86400.0)
+    for snap in snaps:
+        sampler.add(snap, own=())
+    return sampler
+
+
+def state_of(sampler: Any, **traits: Any) -> Any:
+    """The server's state as the payloads read it."""
+    values: dict[str, Any] = {
+        "interval_s": 1.0, "history_s": 900.0, "max_history_points": 100,
+        "smoothing_window_s": 60.0, "sampler_error": None, "user": ME,
+        "expose_commands": False, "registry_dir": "/srv/autogpu/registry", "parent": None,
+        "registry": lambda: None, **traits}
+    return SimpleNamespace(sampler=lambda: sampler, **values)
+
+
+def failing(err: BaseException) -> Any:
+    def raise_it(*_args: Any, **_kwargs: Any) -> Any:
+        raise err
+    return raise_it
+
+
+def candidate(uuid: str, label: str, free_gib: int, util: float | None, *,
+              reasons: tuple[str, ...] = (), leases: int = 0) -> dict[str, Any]:
+    return {"uuid": uuid, "label": label, "name": "NVIDIA A100", "eligible": not reasons,
+            "reasons": list(reasons), "effective_free_bytes": free_gib * GiB,
+            "smoothed_util_pct": util, "lease_count": leases}
+
+
+NO_CONSTRAINTS = {"count": 1, "exclude": [], "exclusive": False, "max_util_pct": None,
+                  "min_free": None, "models": [], "prefer": []}
+
+
+def test_numbers_of_the_history_are_finite_or_none() -> None:
+    """Caught: an infinite value kept (JSON has no infinity: the answer would not serialise);
+    ``None`` turned into ``int(None)`` (a TypeError for every unknown memory reading)."""
+    values = (None, "x", [1], float("nan"), float("inf"), -math.inf, "2.5", 3)
+    assert [payloads._finite(v) for v in values] == [None, None, None, None, None, None, 2.5,
+                                                     3.0]
+    assert [payloads._int_or_none(v) for v in (None, float("nan"), 7.9, "12")] == [
+        None, None, 7, 12]
+
+
+def warning(causes: tuple[str, ...], others: int, better: str | None) -> Any:
+    return SimpleNamespace(label="GPU 0", causes=causes, other_process_count=others,
+                           alternative=None if better is None else SimpleNamespace(label=better))
+
+
+@pytest.mark.parametrize(("w", "text"), [
+    (warning(("memory 98% full (over 95%)", "util 99%"), 1, None),
+     "GPU 0 (this kernel's GPU) is overloaded: memory 98% full, 1 other process."),
+    (warning((), 2, "GPU 1"),
+     "GPU 0 (this kernel's GPU) is overloaded: busy, 2 other processes. Better now: GPU 1."),
+    (warning(("util 99% for 60 s",), 0, None),
+     "GPU 0 (this kernel's GPU) is overloaded: util 99% for 60 s, 0 other processes."),
+])
+def test_an_overload_is_one_short_sentence(w: Any, text: str) -> None:
+    """Caught: the plural's "es" altered or never written; a warning without causes read at
+    its first cause (an IndexError) or called "BUSY"."""
+    assert payloads._overload_summary(w) == text
+
+
+def test_a_read_failure_at_the_time_of_the_newest_sweep_is_current() -> None:
+    """A failure stamped the same second as the newest good sweep is not healed by it (no sweep
+    came after it). Caught: the comparison made strict (the failure hidden)."""
+    latest = SimpleNamespace(timestamp_s=5.0)
+    for when, current in ((5.0, True), (4.0, False), (6.0, True)):
+        sampler = SimpleNamespace(errors=(SampleError(when, "read failed"),),
+                                  latest=lambda: latest)
+        state = state_of(sampler, sampler_error="backend gone")
+        assert payloads._sampler_errors(state) == (
+            ["backend gone", "read failed"] if current else ["backend gone"])
+
+
+def test_lease_records_leave_tickets_out_unless_asked() -> None:
+    """Caught: tickets listed by default (``gpu_kernel_ids`` would count a kernel waiting in
+    line as holding a GPU)."""
+    asked: list[bool] = []
+
+    def list_leases(include_tickets: bool) -> list[str]:
+        asked.append(include_tickets)
+        return ["record"]
+
+    state = state_of(None, registry=lambda: SimpleNamespace(list_leases=list_leases))
+    assert payloads._lease_records(state) == (["record"], [])
+    assert payloads._lease_records(state, include_tickets=True) == (["record"], [])
+    assert asked == [False, True]
+
+
+@pytest.mark.parametrize(("err", "message"), [
+    (PermissionError(13, "Permission denied", "/srv/autogpu/registry"),
+     "lease registry '/srv/autogpu/registry': Permission denied"),
+    (OSError("disk gone"), "lease registry '/srv/autogpu/registry': disk gone"),
+    (RegistryError("registry is world-writable"), "lease registry: registry is world-writable"),
+])
+def test_an_unreadable_registry_is_named_with_the_reason(err: Exception, message: str) -> None:
+    """Caught: the OS error's own words replaced by its repr-like text (``[Errno 13] ...``) or
+    by ``None`` when it has none."""
+    state = state_of(None, registry=failing(err))
+    assert payloads._lease_records(state) == ([], [message])
+
+
+@pytest.mark.parametrize("params", [{"wait": "5s"}, {"wait": None}, {"min_free": "1G",
+                                                                    "wait": 0}])
+def test_select_takes_no_wait_and_names_its_parameters_as_json_keys(params: dict[str, Any]
+                                                                    ) -> None:
+    """A dry run never waits: ``wait`` is an unknown parameter of ``select``, and the accepted
+    ones are named as the request writes them. Caught: every pick option accepted (``wait``
+    too); the names given as the magic's flags (``--min-free``)."""
+    with pytest.raises(UsageErrorBase) as info:
+        payloads.parse_constraints(params)
+    assert str(info.value) == ("unknown parameter 'wait'; accepted: count, exclude, exclusive, "
+                               "kernel_id, max_util, min_free, model, prefer")
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"min_free": 1024}, 'invalid min_free=1024: expected a string such as "10G"'),
+    ({"count": True}, "invalid count True: expected a whole number >= 1"),
+    ({"count": "zero"}, "invalid count 'zero': expected a whole number >= 1, e.g. 2"),
+])
+def test_select_constraints_are_checked_as_json_values(params: dict[str, Any],
+                                                       message: str) -> None:
+    """In JSON a bare number of bytes is ambiguous ("10" of what?): a string is asked for.
+    Caught: the values checked as the magic's (flag style: 1024 taken as 1 KiB, a boolean as a
+    count, the message naming ``--count``)."""
+    got = payloads.parse_constraints({"min_free": "10G", "count": 2, "kernel_id": "k-1"})
+    assert got == Constraints.parse(min_free="10G", count=2)
+    with pytest.raises(UsageErrorBase) as info:
+        payloads.parse_constraints(params)
+    assert str(info.value) == message
+
+
+def test_the_select_answer_whole() -> None:
+    """Caught: any key of the answer or of a candidate misspelt (``notes``, ``allocation``,
+    ``name``, ``reasons``, ``smoothed_util_pct``); no notes given answered as ``null``."""
+    assert payloads.select_answer(SNAP, Constraints(), None, environ={}) == {
+        "constraints": NO_CONSTRAINTS, "constraints_text": "no constraints",
+        "simulated": True, "timestamp_s": 100.0, "notes": [],
+        "chosen": [{"uuid": B, "label": "GPU 1", "name": "NVIDIA A100"}],
+        "candidates": [candidate(B, "GPU 1", 80, 0.0), candidate(A, "GPU 0", 50, 40.0)],
+        "allocation": "no GPU restriction (CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES and "
+                      "SLURM_*_GPUS set no limit): every GPU is granted",
+        "message": None,
+    }
+
+
+def test_the_select_answer_when_nothing_fits_whole() -> None:
+    answer = payloads.select_answer(SNAP, Constraints.parse(min_free="500G"), None, environ={},
+                                    notes=["lease registry unusable"])
+    assert {k: v for k, v in answer.items() if k != "constraints"} == {
+        "constraints_text": "min free 500.0 GiB", "simulated": True, "timestamp_s": 100.0,
+        "notes": ["lease registry unusable"], "chosen": [],
+        "candidates": [
+            candidate(A, "GPU 0", 50, 40.0, reasons=("only 50.0 GiB free < 500.0 GiB wanted",)),
+            candidate(B, "GPU 1", 80, 0.0, reasons=("only 80.0 GiB free < 500.0 GiB wanted",))],
+        "message": "no device fits (min free 500.0 GiB):",
+    }
+
+
+def test_the_select_answer_when_the_server_is_granted_no_gpu_whole() -> None:
+    """Caught: ``chosen``, ``candidates`` or ``message`` misspelt, or the message lost, in the
+    answer of a server whose own allocation grants no GPU."""
+    answer = payloads.select_answer(SNAP, Constraints(), None,
+                                    environ={"CUDA_VISIBLE_DEVICES": "-1"})
+    assert answer == {
+        "constraints": NO_CONSTRAINTS, "constraints_text": "no constraints", "simulated": True,
+        "timestamp_s": 100.0, "notes": [], "chosen": [], "candidates": [],
+        "message": "no GPU granted to this process: CUDA_VISIBLE_DEVICES='-1' grants no GPU to "
+                   "this process (CUDA_VISIBLE_DEVICES='-1' hides every GPU from CUDA)",
+    }
+
+
+def test_select_answer_keeps_the_notes_it_is_given() -> None:
+    """Caught: the caller's notes replaced by an empty list (the registry's trouble unsaid)."""
+    notes = ["lease registry unusable, bookings not counted: no flock"]
+    answer = payloads.select_answer(SNAP, Constraints(), None, notes=notes, environ={})
+    assert answer["notes"] is notes and notes == [
+        "lease registry unusable, bookings not counted: no flock"]
+
+
+def test_select_answer_without_a_registry_hides_nothing() -> None:
+    """A kernel's own lease is hidden only where there is a registry. Caught: ``hiding`` asked
+    of no registry (an AttributeError for a server without one)."""
+    answer = payloads.select_answer(SNAP, Constraints(), None, ignore_kernel_id="k-1",
+                                    environ={})
+    assert answer["chosen"] == [{"uuid": B, "label": "GPU 1", "name": "NVIDIA A100"}]
+
+
+def test_select_answer_ranks_on_the_smoothed_load() -> None:
+    """GPU 1 reads idle now but was busy over the window: ``--max-util 50`` keeps off it.
+    Caught: the smoothed load not passed to the pick (the instant reading decided)."""
+    answer = payloads.select_answer(SNAP, Constraints.parse(max_util="50"), None,
+                                    smoothed={A: 20.0, B: 90.0}, environ={})
+    assert answer["chosen"] == [{"uuid": A, "label": "GPU 0", "name": "NVIDIA A100"}]
+    assert [(c["uuid"], c["eligible"], c["smoothed_util_pct"]) for c in answer["candidates"]] \
+        == [(A, True, 20.0), (B, False, 90.0)]
+
+
+@pytest.mark.parametrize("ranking", [None, ["not", "a", "tuple"]])
+def test_a_no_fit_without_a_ranking_lists_no_candidates(
+    monkeypatch: pytest.MonkeyPatch, ranking: Any
+) -> None:
+    """A ``NoDeviceFitsError`` may carry anything as its candidates (``object``): only a tuple
+    of candidates is listed. Caught: whatever it carries read as candidates."""
+    monkeypatch.setattr(payloads, "pick", failing(NoDeviceFitsError(
+        "no device free: GPU 1 is held exclusively\nby bob", candidates=ranking)))
+    answer = payloads.select_answer(SNAP, Constraints(), None, environ={})
+    assert (answer["chosen"], answer["candidates"], answer["message"]) == (
+        [], [], "no device free: GPU 1 is held exclusively")
+
+
+def test_select_before_any_sweep_says_why() -> None:
+    """Caught: the message lost, altered, or its reasons joined otherwise."""
+    with pytest.raises(NVMLUnavailableError) as info:
+        payloads.select_payload(state_of(None), Constraints())
+    assert str(info.value) == "no GPU data: the sampler has no sample yet"
+    failed = SimpleNamespace(latest=lambda: None, errors=(SampleError(5.0, "read failed"),))
+    with pytest.raises(NVMLUnavailableError) as info:
+        payloads.select_payload(state_of(failed, sampler_error="backend gone"), Constraints())
+    assert str(info.value) == "no GPU data: backend gone; read failed"
+
+
+def test_select_ranks_on_the_load_over_the_servers_smoothing_window() -> None:
+    """GPU 1 was fully busy until t = 100 s and idle at 130 s: over a 60 s window its load is
+    50 % (``--max-util 40`` keeps off it), over a 10 s window 0 %. Caught: the smoothed load
+    left out (the instant reading decided), or asked over the whole history."""
+    busy = [fleet_at(t, device(0, A, 30, 20.0), device(1, B, 0, 100.0)) for t in (0.0, 100.0)]
+    idle = fleet_at(130.0, device(0, A, 30, 20.0), device(1, B, 0, 0.0))
+    sampler = sampler_of(*busy, idle)
+    want = Constraints.parse(max_util="40")
+    wide = payloads.select_payload(state_of(sampler, smoothing_window_s=60.0), want, environ={})
+    narrow = payloads.select_payload(state_of(sampler, smoothing_window_s=10.0), want,
+                                     environ={})
+    assert [(c["uuid"], c["eligible"], c["smoothed_util_pct"]) for c in wide["candidates"]] \
+        == [(A, True, 20.0), (B, False, 50.0)]
+    assert [c["uuid"] for c in narrow["chosen"]] == [B]
+    assert {c["uuid"]: c["smoothed_util_pct"] for c in narrow["candidates"]} == {A: 20.0, B: 0.0}
+
+
+def test_select_with_a_sampler_that_does_not_smooth() -> None:
+    """A sampler without ``smoothed_util`` (an older one): the instant reading ranks. Caught: it
+    asked all the same (an AttributeError)."""
+    plain = SimpleNamespace(latest=lambda: SNAP, errors=())
+    answer = payloads.select_payload(state_of(plain), Constraints(), environ={})
+    assert answer["chosen"] == [{"uuid": B, "label": "GPU 1", "name": "NVIDIA A100"}]
+
+
+def test_select_with_an_unusable_registry_answers_with_a_note() -> None:
+    """Caught: the note lost, written as ``null``, or no list to write it to; the failed
+    registry passed on as a store (an AttributeError, the select answered 500)."""
+    state = state_of(sampler_of(SNAP), registry=failing(RegistryError("no flock on /nfs")))
+    answer = payloads.select_payload(state, Constraints(), ignore_kernel_id="k-1", environ={})
+    assert answer["notes"] == ["lease registry unusable, bookings not counted: no flock on /nfs"]
+    assert answer["chosen"] == [{"uuid": B, "label": "GPU 1", "name": "NVIDIA A100"}]
+
+
+def test_select_for_an_autogpu_kernel_ranks_within_its_grant(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An autogpu kernel on GPU 2 was picked within the server's grant of GPUs 1 and 2: its
+    recommendation ranks both (GPU 1 the emptier), not only the one it holds. Caught: the
+    kernel's environment taken as is (its own pick as the whole grant)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    snap = fleet_at(100.0, device(0, A, 0), device(1, B, 10), device(2, C, 60))
+    kernel = {"AUTOGPU_PROVISIONED": "1", "CUDA_VISIBLE_DEVICES": C,
+              "AUTOGPU_GRANT_CVD": f"{B},{C}"}
+    answer = payloads.select_payload(state_of(sampler_of(snap)), Constraints(), environ=kernel)
+    assert answer["chosen"] == [{"uuid": B, "label": "GPU 1", "name": "NVIDIA A100"}]
+    assert [c["uuid"] for c in answer["candidates"] if c["eligible"]] == [B, C]
+
+
+def empty_history(since_s: float | None, errors: list[str]) -> dict[str, Any]:
+    return {"interval_s": 2.0, "history_s": 600.0, "since_s": since_s, "until_s": since_s,
+            "series": [], "errors": errors}
+
+
+def test_history_without_a_sampler_or_a_sample_whole() -> None:
+    """Caught: ``until_s`` or ``series`` misspelt in the answer before any sample."""
+    traits = {"interval_s": 2.0, "history_s": 600.0, "sampler_error": "no NVML"}
+    assert payloads.history_payload(state_of(None, **traits), 7.5) == empty_history(
+        7.5, ["no NVML"])
+    assert payloads.history_payload(state_of(sampler_of(), **traits), None) == empty_history(
+        None, ["no NVML"])
+
+
+def test_history_of_one_sample_whole() -> None:
+    """Caught: a history of one row answered as empty; unknown readings not ``null``."""
+    snap = fleet_at(100.0, device(0, A, 30, None))
+    state = state_of(sampler_of(snap), interval_s=2.0, history_s=600.0)
+    assert payloads.history_payload(state, None) == {
+        "interval_s": 2.0, "history_s": 600.0, "since_s": None, "until_s": 100.0,
+        "series": [{"uuid": A, "timestamp_s": [100.0], "utilization_pct": [None],
+                    "memory_used_bytes": [30 * GiB], "memory_total_bytes": 80 * GiB}],
+        "errors": [],
+    }
+
+
+def test_history_series_in_device_order_each_capped_to_its_newest_points() -> None:
+    """LATE (GPU 0) and EARLY (GPU 1, its total memory unknown) at t = 100 s, then LATE alone at
+    101 s. One point per series: the newest. Caught: the series sorted by uuid, two points kept
+    where one is asked, an unknown total read (an IndexError), the end of the answer taken from
+    the last series rather than the newest point."""
+    first = fleet_at(100.0, device(0, LATE, 10, 5.0), device(1, EARLY, 20, 7.0, total_gib=None))
+    second = fleet_at(101.0, device(0, LATE, 11, 6.0))
+    state = state_of(sampler_of(first, second), max_history_points=1)
+    answer = payloads.history_payload(state, None)
+    assert answer["series"] == [
+        {"uuid": LATE, "timestamp_s": [101.0], "utilization_pct": [6.0],
+         "memory_used_bytes": [11 * GiB], "memory_total_bytes": 80 * GiB},
+        {"uuid": EARLY, "timestamp_s": [100.0], "utilization_pct": [7.0],
+         "memory_used_bytes": [20 * GiB], "memory_total_bytes": None},
+    ]
+    assert answer["until_s"] == 101.0
+    # max_history_points 0 still answers the newest point
+    assert [s["timestamp_s"] for s in payloads.history_payload(
+        state_of(sampler_of(first, second), max_history_points=0), None)["series"]] == [
+        [101.0], [100.0]]
+
+
+def test_history_ends_at_the_first_of_two_equal_newest_points() -> None:
+    """Two series that end at the same time (-0.0 and 0.0 compare equal): the answer's end is
+    the first one's. Caught: a later series' equal end taken (``>=``)."""
+    state = state_of(sampler_of(fleet_at(-0.0, device(0, A)), fleet_at(0.0, device(1, B))))
+    until = payloads.history_payload(state, None)["until_s"]
+    assert until == 0.0 and math.copysign(1.0, until) == -1.0
+
+
+def test_history_since_asks_the_sampler_only_for_the_window_since_then() -> None:
+    """The window is relative to the newest sample: since - one interval. After the clock
+    stepped back (a sweep at 300 s, then 98.5 s and 100 s) a client that last saw 250 s gets no
+    point: the old one ahead of the clock is not in the window. Caught: the window left out,
+    widened (``latest + since``, at least 1 s instead of 0), or computed only without a latest
+    sample; in a plain history, the sampler asked for everything."""
+    sweeps = [fleet_at(t, device(0, A)) for t in (300.0, 98.5, 100.0)]
+    state = state_of(sampler_of(*sweeps), interval_s=1.0)
+    assert payloads.history_payload(state, 250.0) == {
+        **empty_history(250.0, []), "interval_s": 1.0, "history_s": 900.0}
+
+    sampler = sampler_of(*[fleet_at(float(t), device(0, A)) for t in range(100, 111)])
+    asked: list[float | None] = []
+    frame = sampler.history_frame
+
+    def history_frame(since_s: float | None = None) -> Any:
+        asked.append(since_s)
+        return frame(since_s)
+
+    sampler.history_frame = history_frame  # type: ignore[method-assign]
+    state = state_of(sampler, interval_s=1.0)
+    (series,) = payloads.history_payload(state, 105.0)["series"]
+    assert series["timestamp_s"] == [106.0, 107.0, 108.0, 109.0, 110.0]
+    assert payloads.history_payload(state, 200.0)["series"] == []  # a client ahead of us
+    assert asked == [6.0, 1.0]
+
+
+def test_holders_without_kernels_or_a_sample_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server with no kernel manager before its first sweep; the registry fails. Caught: the
+    kernel manager's kernels asked of ``None``; the answer dated or marked simulated from a
+    sweep there is none of; the registry's error left out, or listed as ``null``."""
+    state = state_of(None, sampler_error="no NVML",
+                     registry=failing(AutoGPUError("registry is world-writable")))
+    before = time.time()
+    answer = payloads.holders_payload(state, None, {})
+    assert before <= answer.pop("timestamp_s") <= time.time()
+    assert answer == {"simulated": False, "user": ME, "holders": [], "kernels": [],
+                      "errors": ["no NVML", "lease registry: registry is world-writable"]}
+
+
+def holders_fleet(kernels: Kernels) -> list[dict[str, Any]]:
+    """GPU 0 with k-1's process and bob's, GPU 1 empty."""
+    return [
+        {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 30 * GiB,
+         "utilization_pct": 10, "processes": [
+             {"pid": kernels.pid("k-1"), "used_memory": 8 * GiB, "user": ME,
+              "command": "python -m ipykernel_launcher"},
+             {"pid": 51002, "used_memory": 10 * GiB, "user": "bob",
+              "command": "python bob.py --key=b"}]},
+        {"uuid": B, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0,
+         "utilization_pct": 0},
+    ]
+
+
+def test_holders_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                       kernels: Kernels) -> None:
+    """Our lease on GPU 0 naming k-2, exclusive; a lease of ours on GPU 1 naming kernel k-9 (not
+    this server's) that claims k-1's pid, a process on GPU 0 only. Commands exposed; a session
+    without a kernel id. Caught: ``exclusive`` or ``created_s`` misspelt, ``created_s`` never
+    given; the admin's ``expose_commands`` dropped; a lease counted as a wait (the ticket test
+    loosened); a lease claiming a pid joined to the kernel that runs it on another device; a
+    notebook looked up for a holder that is not ours."""
+    from autogpu_jupyter.core.leasing import Registry, Requester
+
+    fleet_file = write_fleet(tmp_path / "fleet.json", holders_fleet(kernels))
+    sessions: dict[Any, dict[str, Any]] = {
+        "k-2": {"path": "two.ipynb"}, None: {"path": "stray.ipynb"}}
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                      expose_commands=True) as state:
+        with Registry(str(tmp_path / "registry"), record_commands=True).locked() as txn:
+            assert txn is not None
+            ours = txn.create(devices=[A], requested_bytes=4 * GiB, exclusive=True,
+                              requester=Requester(kernel_id="k-2", command="python two.py"))
+            claim = txn.create(devices=[B], requested_bytes=GiB,
+                               requester=Requester(pid=kernels.pid("k-1"), kernel_id="k-9"))
+        try:
+            data = payloads.holders_payload(state, kernels, sessions)
+        finally:
+            ours.release()
+            claim.release()
+    holders = {(h["uuid"], h["pid"], h["kind"]): h for h in data["holders"]}
+    k1 = kernels.pid("k-1")
+    base = {"user": ME, "booked_bytes": None, "exclusive": False, "created_s": None}
+    assert holders == {
+        (A, k1, "process"): {
+            **base, "kind": "process", "uuid": A, "label": "GPU 0", "pid": k1,
+            "kernel_id": "k-1", "this_server": True, "notebook_path": None,
+            "used_memory_bytes": 8 * GiB, "command": "python -m ipykernel_launcher"},
+        (A, 51002, "process"): {
+            **base, "kind": "process", "uuid": A, "label": "GPU 0", "user": "bob", "pid": 51002,
+            "kernel_id": None, "this_server": False, "notebook_path": None,
+            "used_memory_bytes": 10 * GiB, "command": "python bob.py --key=b"},
+        (A, ours.record.pid, "lease"): {
+            **base, "kind": "lease", "uuid": A, "label": "GPU 0", "pid": ours.record.pid,
+            "kernel_id": "k-2", "this_server": True, "notebook_path": "two.ipynb",
+            "booked_bytes": 4 * GiB, "used_memory_bytes": None, "exclusive": True,
+            "created_s": ours.record.created_s, "command": "python two.py"},
+        (B, k1, "lease"): {
+            **base, "kind": "lease", "uuid": B, "label": "GPU 1", "pid": k1,
+            "kernel_id": "k-9", "this_server": False, "notebook_path": None,
+            "booked_bytes": GiB, "used_memory_bytes": None,
+            "created_s": claim.record.created_s, "command": None},
+    }
+    assert {k["kernel_id"]: k["waiting"] for k in data["kernels"]} == {"k-1": False,
+                                                                      "k-2": False}
+
+
+def test_a_kernel_known_only_by_id_owns_its_lease(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel whose process the kernel manager does not show (no pid yet): our lease naming it
+    is still this server's. Caught: only kernels with a known pid counted as ours."""
+    from autogpu_jupyter.core.leasing import Registry, Requester
+
+    kernels = Kernels("k-1")
+    kernels.provisioners["k-1"] = SimpleNamespace(pid=None)
+    try:
+        fleet_file = write_fleet(tmp_path / "fleet.json", holders_fleet(kernels)[1:])
+        with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+            with Registry(str(tmp_path / "registry")).locked() as txn:
+                assert txn is not None
+                lease = txn.create(devices=[B], requester=Requester(kernel_id="k-1"))
+            try:
+                data = payloads.holders_payload(state, kernels, {"k-1": {"path": "one.ipynb"}})
+            finally:
+                lease.release()
+    finally:
+        kernels.close()
+    (holder,) = data["holders"]
+    assert (holder["kernel_id"], holder["this_server"], holder["notebook_path"]) == (
+        "k-1", True, "one.ipynb")
+
+
+def test_a_process_of_a_kernel_with_an_empty_id_keeps_that_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel id is what the kernel manager says, even an empty one. Caught: the kernel of
+    each pid not passed to the holder join (the holder's own kernel id lost)."""
+    kernels = Kernels("", "k-1")
+    try:
+        fleet_file = write_fleet(tmp_path / "fleet.json", [{
+            "uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+            "memory_used": 8 * GiB, "utilization_pct": 0, "processes": [
+                {"pid": kernels.pid(""), "used_memory": 8 * GiB, "user": ME}]}])
+        with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+            data = payloads.holders_payload(state, kernels, {})
+    finally:
+        kernels.close()
+    (holder,) = data["holders"]
+    assert (holder["kernel_id"], holder["this_server"]) == ("", True)

@@ -693,3 +693,445 @@ def test_the_descriptors_the_caller_passes_to_the_kernel_are_kept_with_the_lease
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+# ---- whole environments, refusals and leases around a launch ----
+# The whole environment a kernel starts with (a pick, CPU-only), the whole refusal of a "fail"
+# kernelspec, the runtime directory it makes, the arguments it keeps for itself, the lease around
+# a launch, cleanup before a restart, and the option refusals. Found by the mutation run of
+# issue 22.
+def test_the_first_line_of_an_error_without_text_is_its_type() -> None:
+    """The note of a move that could not be honoured quotes the first line of the error; an
+    error with no text is named by its type. Caught: the text's first line taken even when
+    there is none (an IndexError), and the type's name taken from None ("NoneType")."""
+    from autogpu_jupyter.provisioner import _first_line
+
+    assert _first_line(NoDeviceFitsError("")) == "NoDeviceFitsError"
+    assert _first_line(NoDeviceFitsError("no device fits\n  GPU 0: busy")) == "no device fits"
+
+
+def _started_with(env: dict[str, str]) -> dict[str, str]:
+    """What the provisioner set or changed in the kernel's environment."""
+    return {k: v for k, v in env.items() if os.environ.get(k) != v}
+
+
+def test_a_kernel_is_started_with_exactly_the_picks_variables(host: Host) -> None:
+    """The whole of what a start adds to the kernel's environment, and nothing else: the pick
+    (device order, devices, picked UUIDs), its lease and descriptor, the (empty) ROCm grant,
+    that it was provisioned, its options and its move file; the notes and grant a server
+    inherited from a kernel of its own are dropped. The provisioner's attributes say the same.
+    Caught: any of those values altered or left out, an inherited note or grant passed on."""
+    host.install("agp", min_free="10G")
+    km, kwargs = host.pre_start("agp", AUTOGPU_PICK_NOTE="stale", AUTOGPU_GRANT_CVD="0")
+    (lease,) = host.registry.list_leases()
+    fd = kwargs["pass_fds"][-1]
+    move_file = str(host.tmp / "runtime" / f"autogpu-move-{km.kernel_id}.json")
+    assert _started_with(kwargs["env"]) == {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": A,
+        "AUTOGPU_PICKED": A,
+        "AUTOGPU_LEASE_ID": lease.lease_id,
+        "AUTOGPU_LEASE_FD": str(fd),
+        "AUTOGPU_GRANT_ROCM": "{}",
+        "AUTOGPU_PROVISIONED": "1",
+        "AUTOGPU_PICK_OPTIONS": '{"min_free": "10G", "max_util": null, "count": 1, '
+                                '"exclusive": false}',
+        "AUTOGPU_MOVE_FILE": move_file,
+    }
+    assert "AUTOGPU_PICK_NOTE" not in kwargs["env"] and "AUTOGPU_GRANT_CVD" not in kwargs["env"]
+    assert kwargs["pass_fds"] == (fd,)
+    prov = km.provisioner
+    assert (prov.autogpu_picked, prov.autogpu_constraints.describe(), prov.autogpu_note,
+            prov.autogpu_lease_id, prov.autogpu_move_file) == (
+        (A,), "min free 10.0 GiB", None, lease.lease_id, move_file)
+
+
+def test_a_cpu_only_kernel_is_started_with_exactly_the_hiding_variables(host: Host) -> None:
+    """Nothing fits: the start adds every GPU hidden (empty CUDA and ROCr lists, in PCI order),
+    no picked device, the note, and no lease; the provisioner keeps the note and no pick.
+    Caught: a hiding variable or the note altered, a lease variable set without a lease."""
+    host.install("big", min_free="75G")
+    km, kwargs = host.pre_start("big")
+    note = (
+        'no device fits: kernel started CPU-only (CUDA_VISIBLE_DEVICES="") because no device '
+        "fits (min free 75.0 GiB):\n"
+        "  GPU 0 (NVIDIA A100): dropped: only 70.0 GiB free < 75.0 GiB wanted\n"
+        "  GPU 1 (NVIDIA A100): dropped: only 40.0 GiB free < 75.0 GiB wanted"
+    )
+    assert _started_with(kwargs["env"]) == {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": "",
+        "ROCR_VISIBLE_DEVICES": "",
+        "AUTOGPU_PICKED": "",
+        "AUTOGPU_PICK_NOTE": note,
+        "AUTOGPU_GRANT_ROCM": "{}",
+        "AUTOGPU_PROVISIONED": "1",
+        "AUTOGPU_PICK_OPTIONS": '{"min_free": "75G", "max_util": null, "count": 1, '
+                                '"exclusive": false}',
+        "AUTOGPU_MOVE_FILE": str(host.tmp / "runtime" / f"autogpu-move-{km.kernel_id}.json"),
+    }
+    assert "pass_fds" not in kwargs
+    prov = km.provisioner
+    assert (prov.autogpu_picked, prov.autogpu_note, prov.autogpu_lease_id) == ((), note, None)
+
+
+def test_a_two_device_kernel_is_told_both_uuids_and_the_log_names_both_devices(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The kernel is told its UUIDs joined by ","; the server's log line names both devices
+    (label and UUID) joined by ", ". Caught: either joined by another separator."""
+    logger = logging.getLogger("autogpu-test-kernels")
+    host.install("two", count=2)
+    km = AsyncKernelManager(kernel_name="two", log=logger)
+    host.managers.append(km)
+    with caplog.at_level(logging.INFO, logger="autogpu-test-kernels"):
+        _km, kwargs = host.pre_start("two", km=km)
+    assert kwargs["env"]["AUTOGPU_PICKED"] == f"{A},{B}"
+    assert km.provisioner.autogpu_picked == (A, B)
+    assert [r.getMessage() for r in caplog.records if r.name == "autogpu-test-kernels"] == [
+        f"autogpu: kernel {km.kernel_id} gets GPU 0 {A}, GPU 1 {B} (2 devices)"]
+
+
+def test_a_move_made_without_a_lease_says_both_in_its_note(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A move to B is honoured while the registry cannot be used: the note says both, the
+    move's first, joined by "; ". Caught: the pick's own note dropped when a lease note
+    follows."""
+    from autogpu_jupyter.core import moves
+
+    host.install("agp", min_free="10G")
+    km, _kwargs = host.pre_start("agp")
+    prov = km.provisioner
+    moves.request_move(prov.autogpu_move_file, B, current_uuids=(A,),
+                       constraints=prov.autogpu_constraints, kernel_id=km.kernel_id)
+    blocker = host.tmp / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(blocker / "registry"))
+    _km, kwargs = host.pre_start("agp", km=km)
+    assert kwargs["env"]["AUTOGPU_PICKED"] == B
+    assert kwargs["env"]["AUTOGPU_PICK_NOTE"] == (
+        "moved at your request: the kernel's state was lost; cannot use lease registry "
+        f"{blocker}/registry: Not a directory; ask the admin to create it (install -d -m 1777 "
+        f"-o root {blocker}/registry) or set AUTOGPU_REGISTRY_DIR / c.AutoGPU.registry_dir: "
+        "picked without a lease"
+    )
+
+
+def test_a_refused_start_is_logged_as_the_error_it_raises(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing fits a "fail" kernelspec: the server's log gets the refusal's own text, once.
+    Caught: the log call's argument or format changed (None, a bare "%s", other words)."""
+    logger = logging.getLogger("autogpu-test-kernels")
+    host.install("strict", min_free="75G", on_no_device="fail")
+    km = AsyncKernelManager(kernel_name="strict", log=logger)
+    host.managers.append(km)
+    with caplog.at_level(logging.ERROR, logger="autogpu-test-kernels"), \
+            pytest.raises(NoDeviceFitsError) as info:
+        host.pre_start("strict", km=km)
+    assert [r.getMessage() for r in caplog.records if r.name == "autogpu-test-kernels"] == [
+        str(info.value)]
+
+
+def test_a_kernels_lease_names_the_notebook_of_the_kernels_session(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """jupyter_server names the notebook in the kernel's environment (``JPY_SESSION_NAME``),
+    not in its own: the kernel's lease names it. Caught: the lease taken without a notebook,
+    or with the server's own (none)."""
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    monkeypatch.delenv("AUTOGPU_SERVER_ROOT", raising=False)
+    host.install("agp", min_free="10G")
+    host.pre_start("agp", JPY_SESSION_NAME="work/train.ipynb")
+    (lease,) = host.registry.list_leases()
+    assert lease.notebook_path == "work/train.ipynb"
+
+
+def test_a_fail_kernelspec_refuses_with_the_whole_reason(host: Host) -> None:
+    """``on_no_device="fail"`` and nothing fits: the refusal is the pick's reason in full, then
+    what to do, and no "waited" part (the kernelspec did not wait). Caught: the message's words
+    altered, or a "waited" part added without a wait."""
+    host.install("strict", min_free="75G", on_no_device="fail")
+    with pytest.raises(NoDeviceFitsError) as info:
+        host.pre_start("strict")
+    assert str(info.value) == (
+        "autogpu: kernel not started: no device fits (min free 75.0 GiB):\n"
+        "  GPU 0 (NVIDIA A100): dropped: only 70.0 GiB free < 75.0 GiB wanted\n"
+        "  GPU 1 (NVIDIA A100): dropped: only 40.0 GiB free < 75.0 GiB wanted. The kernelspec "
+        'says on_no_device="fail"; try again later, or use a kernelspec with other options.'
+    )
+
+
+def test_the_servers_min_free_is_the_one_the_kernel_is_told_when_the_kernelspec_has_none(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The options the kernel is told name the server's min_free where the kernelspec has none,
+    and null where neither has one. Caught: the server's setting not read, or read the wrong
+    way (null in place of it, or "" in place of null)."""
+    host.install("agp")
+    _km, kwargs = host.pre_start("agp")
+    assert json.loads(kwargs["env"]["AUTOGPU_PICK_OPTIONS"])["min_free"] is None
+    monkeypatch.setenv("AUTOGPU_MIN_FREE", "10G")
+    _km, kwargs = host.pre_start("agp")
+    assert json.loads(kwargs["env"]["AUTOGPU_PICK_OPTIONS"])["min_free"] == "10G"
+
+
+def test_a_missing_runtime_directory_is_made_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user's runtime directory, where move requests are written, is created mode 0700
+    when it does not exist yet. Caught: it created with another mode."""
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    runtime = tmp_path / "not-yet" / "runtime"
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
+    old = os.umask(0o022)
+    try:
+        assert AutoGPUProvisioner(kernel_id="k-1")._move_file() == str(
+            runtime / "autogpu-move-k-1.json")
+    finally:
+        os.umask(old)
+    assert runtime.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_kernel_without_a_move_file_is_still_given_its_device(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runtime directory cannot be made (a file is in the way): moves are off, no move
+    request is looked for, and the kernel starts on its device all the same, told no move
+    file. Caught: a move request looked for with no file (a TypeError stopping the start)."""
+    blocker = host.tmp / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(blocker / "runtime"))
+    host.install("agp", min_free="10G")
+    km, kwargs = host.pre_start("agp")
+    env = kwargs["env"]
+    assert (env["CUDA_VISIBLE_DEVICES"], env["AUTOGPU_PICKED"]) == (A, A)
+    assert "AUTOGPU_MOVE_FILE" not in env and km.provisioner.autogpu_move_file is None
+
+
+def _pick_for_kernel(
+    previous: tuple[str, ...], config: dict[str, Any], environ: dict[str, str],
+    move_file: str | None = None,
+) -> tuple[Any, str | None]:
+    """What ``_pick_blocking`` picks for kernel k-1 that last had ``previous``, in a kernel
+    environment of the server's plus ``environ``."""
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner, validate_options
+
+    prov = AutoGPUProvisioner(kernel_id="k-1")
+    prov.autogpu_picked = previous
+    return prov._pick_blocking(validate_options(config), {**os.environ, **environ},
+                               Requester(kernel_id="k-1", kind="kernel"), move_file)
+
+
+C = "GPU-3c3c3c3c-1111-2222-3333-444444444444"
+
+
+def test_a_restart_asking_fewer_devices_than_it_had_picks_as_usual(host: Host) -> None:
+    """The kernel had A and B; its kernelspec now asks for one device: the restart does not
+    stay within A and B, it takes the best of all (C, the emptiest). Caught: the "same
+    devices" step taken whenever there was a previous pick, whatever the count."""
+    fleet = write_fleet(host.tmp / "three.json", [
+        {"uuid": u, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+         "memory_used": used * GiB, "utilization_pct": 0}
+        for u, used in ((A, 40), (B, 40), (C, 0))
+    ])
+    result, note = _pick_for_kernel((A, B), {"count": 1}, {"AUTOGPU_SIMULATE": str(fleet)})
+    try:
+        assert [d.uuid for d in result.chosen] == [C] and note is None
+    finally:
+        result.lease.release()
+
+
+def test_a_restart_stays_within_the_kernels_grant_and_leases_as_the_kernel(
+    host: Host,
+) -> None:
+    """The kernel had B, but its environment now grants only A: the restart does not stay on
+    B (outside the grant), it picks A; a restart that stays leases as the kernel. Caught: the
+    "same devices" step made without the kernel's environment (B kept, outside the grant) or
+    without the kernel as requester (a lease no kernel is named in)."""
+    result, note = _pick_for_kernel((B,), {"min_free": "10G"}, {"CUDA_VISIBLE_DEVICES": A})
+    try:
+        assert [d.uuid for d in result.chosen] == [A] and note is None
+    finally:
+        result.lease.release()
+    result, note = _pick_for_kernel((B,), {"min_free": "10G"}, {})
+    try:
+        assert [d.uuid for d in result.chosen] == [B] and note is None
+        assert (result.lease.record.kernel_id, result.lease.record.holder_kind) == (
+            "k-1", "kernel")
+    finally:
+        result.lease.release()
+
+
+def test_an_honoured_move_picks_from_the_kernels_devices_and_says_so(host: Host) -> None:
+    """A move to B is requested; the kernel's environment sees a fleet where B fits (the
+    server's own has B full): the move is made, and the note says the kernel's state was lost.
+    Caught: the move's pick made without the kernel's backend (the server's fleet read, the
+    move refused)."""
+    from autogpu_jupyter.core import moves
+    from autogpu_jupyter.core.backends import get_backend
+    from autogpu_jupyter.provisioner import validate_options
+
+    servers = fleet_file(host.fleet, used_a=10, used_b=79)  # the server's: B full
+    os.utime(servers, ns=(1, 2 * 10**18))
+    kernels = fleet_file(host.tmp / "kernels-fleet.json")  # A 10 GiB used, B 40
+    move_file = str(host.tmp / "runtime" / "autogpu-move-k-1.json")
+    moves.request_move(move_file, B, current_uuids=(A,),
+                       constraints=validate_options({"min_free": "10G"}).constraints,
+                       kernel_id="k-1", backend=get_backend(str(kernels)))
+    result, note = _pick_for_kernel((A,), {"min_free": "10G"},
+                                    {"AUTOGPU_SIMULATE": str(kernels)}, move_file)
+    try:
+        assert [d.uuid for d in result.chosen] == [B]
+        assert note == "moved at your request: the kernel's state was lost"
+    finally:
+        result.lease.release()
+
+
+def test_the_provisioners_own_arguments_are_not_taken_for_kernelspec_options() -> None:
+    """What jupyter_client and traitlets pass a provisioner (kernel id, kernelspec, parent,
+    config, log) are not kernelspec options; anything else is. Caught: one of those names
+    misspelt (then refused as an unknown option, or lost for the provisioner)."""
+    from traitlets.config import Config
+
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    log = logging.getLogger("autogpu-test-kernels")
+    config = Config()
+    prov = AutoGPUProvisioner(kernel_id="k-1", kernel_spec=None, parent=None, config=config,
+                              log=log, min_free="10G")
+    assert prov._options_raw == {"min_free": "10G"}
+    assert (prov.kernel_id, prov.log) == ("k-1", log)
+
+
+class _Handed:
+    """A stand-in lease that records what was done with it."""
+
+    def __init__(self) -> None:
+        self.calls: list[object] = []
+
+    def set_pid(self, pid: int) -> None:
+        self.calls.append(("set_pid", pid))
+
+    def detach(self) -> None:
+        self.calls.append("detach")
+
+    def release(self) -> None:
+        self.calls.append("release")
+
+
+def test_a_launched_kernels_pid_is_recorded_and_our_copy_of_its_lease_detached(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After the launch the kernel's pid goes into its lease, then our copy is detached (never
+    released: the kernel holds the lock). Caught: the pid not recorded, or the lease released."""
+    from jupyter_client.provisioning.local_provisioner import LocalProvisioner
+
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    async def launched(self: Any, cmd: list[str], **kwargs: Any) -> dict[str, Any]:
+        self.pid = 4242
+        return {"launched": cmd}
+
+    monkeypatch.setattr(LocalProvisioner, "launch_kernel", launched)
+    prov = AutoGPUProvisioner(kernel_id="k-1")
+    lease = _Handed()
+    prov._lease = lease  # type: ignore[assignment]
+    assert asyncio.run(prov.launch_kernel(["python"])) == {"launched": ["python"]}
+    assert lease.calls == [("set_pid", 4242), "detach"] and prov._lease is None
+
+
+def test_a_kernel_that_fails_to_launch_gives_its_lease_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No kernel started: nobody will hold the lease, so it is released (its file removed),
+    and the launch's error goes on. Caught: the lease only detached (left to be pruned)."""
+    from jupyter_client.provisioning.local_provisioner import LocalProvisioner
+
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    async def failed(self: Any, cmd: list[str], **kwargs: Any) -> dict[str, Any]:
+        raise OSError(2, "No such file or directory", cmd[0])
+
+    monkeypatch.setattr(LocalProvisioner, "launch_kernel", failed)
+    prov = AutoGPUProvisioner(kernel_id="k-1")
+    lease = _Handed()
+    prov._lease = lease  # type: ignore[assignment]
+    with pytest.raises(OSError, match="No such file or directory"):
+        asyncio.run(prov.launch_kernel(["no-such-python"]))
+    assert lease.calls == ["release"] and prov._lease is None
+
+
+def test_dropping_a_lease_detaches_it_unless_told_to_unlink() -> None:
+    """The provisioner's own copy of a lease is detached by default (a restart: the old kernel
+    still holds it) and released only when told. Caught: the two ways swapped."""
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    prov = AutoGPUProvisioner(kernel_id="k-1")
+    first, second = _Handed(), _Handed()
+    prov._lease = first  # type: ignore[assignment]
+    prov._drop_lease()
+    prov._lease = second  # type: ignore[assignment]
+    prov._drop_lease(unlink=True)
+    assert (first.calls, second.calls, prov._lease) == (["detach"], ["release"], None)
+
+
+def test_a_restarts_cleanup_keeps_the_move_request_and_a_shutdowns_cancels_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A move request waits for the kernel's restart: the cleanup before a restart keeps it,
+    the cleanup of a shutdown (the default) removes it; either way our copy of the lease is
+    released and jupyter_client's own cleanup is told whether it is a restart. Caught: the
+    restart flag read the wrong way round, on by default, or not passed on; the lease only
+    detached."""
+    from jupyter_client.provisioning.local_provisioner import LocalProvisioner
+
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+
+    told: list[object] = []
+
+    async def cleaned(self: Any, restart: bool = False) -> None:
+        told.append(restart)
+
+    monkeypatch.setattr(LocalProvisioner, "cleanup", cleaned)
+    request = tmp_path / "autogpu-move-k-1.json"
+    request.write_text("{}")
+    prov = AutoGPUProvisioner(kernel_id="k-1")
+    prov.autogpu_move_file = str(request)
+    lease = _Handed()
+    prov._lease = lease  # type: ignore[assignment]
+    asyncio.run(prov.cleanup(restart=True))
+    assert request.exists() and lease.calls == ["release"] and prov._lease is None
+    asyncio.run(prov.cleanup())
+    assert not request.exists()
+    assert told == [True, False]
+
+
+def test_an_unknown_kernelspec_option_is_refused_with_every_accepted_name() -> None:
+    """The refusal of an unknown option lists the accepted ones, joined by ", ". Caught: the
+    list joined by another separator."""
+    from autogpu_jupyter.provisioner import validate_options
+
+    with pytest.raises(UsageErrorBase) as info:
+        validate_options({"min_fre": "10G", "zz": 1}, spec="gpu-big")
+    assert str(info.value) == (
+        "autogpu: kernelspec 'gpu-big' has a bad option in metadata.kernel_provisioner.config: "
+        "min_fre='10G': unknown option; accepted: min_free, max_util, count, exclusive, wait, "
+        "model, prefer, on_no_device. Fix it with `autogpu kernelspec install --name gpu-big "
+        "[--min-free 10G] [--max-util 50] [--count 1] [--exclusive] [--wait 10m] "
+        "[--on-no-device cpu|fail]`."
+    )
+
+
+def test_an_on_no_device_that_is_no_string_is_refused() -> None:
+    """``on_no_device`` must be one of the two words; a number is refused as a bad option (not
+    a crash). Caught: the type check joined to the word check by "and" (an AttributeError)."""
+    from autogpu_jupyter.provisioner import validate_options
+
+    with pytest.raises(UsageErrorBase) as info:
+        validate_options({"on_no_device": 1})
+    assert str(info.value).startswith(
+        "autogpu: the kernelspec has a bad option in metadata.kernel_provisioner.config: "
+        'on_no_device=1: expected "cpu" (start without a GPU) or "fail". Fix it with')

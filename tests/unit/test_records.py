@@ -14,6 +14,7 @@ from autogpu_jupyter.core.leasing import records
 from autogpu_jupyter.core.leasing.records import (
     Invalid,
     LeaseRecord,
+    _encoded_len,
     capped_text,
     encode,
     field_text,
@@ -758,12 +759,24 @@ def _as_the_broker_reads(data: bytes) -> Any:
         return None
 
 
-@pytest.mark.parametrize(("data", "message"), LEASE_REFUSALS)
+#: The refusals of LEASE_REFUSALS that a dict of fields can carry too: not the bytes that are no
+#: JSON object, nor a repeated key (no dict can repeat one).
+BUILT_LEASE_REFUSALS = [
+    (data, message) for data, message in LEASE_REFUSALS
+    if isinstance(_as_the_broker_reads(data), dict) and not message.startswith("duplicate key")
+]
+
+
+def test_only_the_bytes_only_refusals_are_left_out_of_the_built_ones() -> None:
+    assert [m for d, m in LEASE_REFUSALS if (d, m) not in BUILT_LEASE_REFUSALS] == [
+        "not valid JSON (UnicodeDecodeError)", "not valid JSON (JSONDecodeError)",
+        "not valid JSON (RecursionError)", "not a JSON object", "duplicate key 'a'",
+        f"duplicate key {'k' * 40!r}"]
+
+
+@pytest.mark.parametrize(("data", "message"), BUILT_LEASE_REFUSALS)
 def test_a_built_lease_is_refused_where_its_bytes_are(data: bytes, message: str) -> None:
-    d = _as_the_broker_reads(data)
-    if not isinstance(d, dict) or message.startswith("duplicate key"):
-        return  # only bytes carry these (no dict can repeat a key)
-    from_fields_refusal(d)
+    from_fields_refusal(_as_the_broker_reads(data))
 
 
 @pytest.mark.parametrize(("d", "message"), TICKET_REFUSALS)
@@ -815,3 +828,15 @@ def test_parse_record_still_checks_every_string_of_a_record_with_escapes() -> No
     assert parse_record(ok, kind="lease", path="/p", live=True).notebook_path == "caf\u00e9"
     bad = raw(lease_dict(notebook_path="\u00e9\udc80"))
     assert refusal(bad) == "a lone surrogate (not valid Unicode text)"
+
+
+# ---- the encoded length of lease fields (found by the mutation run of issue 22) ----
+# _encoded_len itself: a field's cap is met within a few characters of it whichever way one
+# escaped character is counted, so no record's refusal tells these mutants apart.
+@pytest.mark.parametrize(
+    "ch", ["a", "X", "~", '"', "\\", "\x80", "\xff", "\u20ac", "\uffff", "\U00010000",
+           "\U00010001", "\U0010ffff"],
+)
+def test_encoded_len_is_the_length_json_dumps_writes(ch: str) -> None:
+    """Caught: ``X`` counted as an escaped character, U+0080 and U+10000 on the wrong side."""
+    assert _encoded_len(ch) == len(json.dumps(ch)) - 2

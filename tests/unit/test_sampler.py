@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from autogpu_jupyter.core import backends, sampler
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
@@ -26,6 +28,7 @@ from autogpu_jupyter.core.sampler import (
     DeviceSeries,
     SampleError,
     Sampler,
+    _seed_num,
     mean_util,
     own_pids,
     series_from_frame,
@@ -194,7 +197,6 @@ def test_the_fifty_most_recent_errors_are_kept_oldest_first(tmp_path: Path) -> N
 def test_a_sampler_without_a_backend_reads_the_configured_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from autogpu_jupyter.core import backends
 
     monkeypatch.setenv("AUTOGPU_SIMULATE", _fleet_file(tmp_path, ONE_GPU))
     backends._cache.clear()
@@ -579,7 +581,6 @@ def test_stop_before_start_is_harmless() -> None:
 def test_the_process_sampler_takes_its_defaults_from_the_settings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from autogpu_jupyter.core import backends
 
     monkeypatch.setenv("AUTOGPU_SIMULATE", _fleet_file(tmp_path, ONE_GPU))
     monkeypatch.setenv("AUTOGPU_SAMPLE_INTERVAL", "0.25")
@@ -614,7 +615,6 @@ def test_the_first_process_sampler_registers_one_exit_handler(
     """In this process, as in a fresh one (the subprocess test below runs the real exit)."""
     import atexit
 
-    from autogpu_jupyter.core import backends
 
     monkeypatch.setenv("AUTOGPU_SIMULATE", _fleet_file(tmp_path, ONE_GPU))
     backends._cache.clear()
@@ -693,3 +693,180 @@ def test_seed_keeps_to_the_room_left_and_needs_a_first_sample() -> None:
     stamps = [95.0 + k for k in range(5)]  # 95..99, five of them, room for four
     assert s.seed({A: (stamps, [7.0] * 5, [0] * 5, None)}) == 4
     assert s.history_series()[A].timestamps_s.tolist() == [96.0, 97.0, 98.0, 99.0, 100.0, 101.0]
+
+
+# ---- stop's wait (found by the mutation run of issue 22) ----
+def test_stop_waits_five_seconds_for_the_thread_by_default() -> None:
+    joined: list[float | None] = []
+
+    class Thread:
+        def join(self, timeout: float | None = None) -> None:
+            joined.append(timeout)
+
+    sampler = Sampler()
+    # a stand-in for the private thread: the bound on stop's wait shows otherwise only as time
+    # spent on a stuck thread, and timed assertions are not allowed
+    sampler._thread = Thread()  # type: ignore[assignment]
+    sampler.stop()
+    assert joined == [5.0]
+
+
+# ---- seeding from the server's history ----
+# Found by the mutation run of issue 22. No timing: a concurrent change of the sampler is made
+# from inside seed by the series mapping itself.
+C = "GPU-cccccccc-0000-0000-0000-000000000000"
+
+
+def _seed_dev(uuid: str, index: int, util: float = 1.0) -> DeviceSnapshot:
+    return DeviceSnapshot(index=index, uuid=uuid, name="Fake", utilization_pct=util,
+                          memory_used_bytes=0, memory_free_bytes=8 * GiB,
+                          memory_total_bytes=8 * GiB)
+
+
+def _add(s: Sampler, t: float, *uuids: str) -> None:
+    s.add(FleetSnapshot(devices=tuple(_seed_dev(u, i) for i, u in enumerate(uuids or (A,))),
+                        timestamp_s=t, backend="test"), own=())
+
+
+@pytest.mark.parametrize(
+    ("value", "number"),
+    [(3, 3.0), (2.5, 2.5), (math.inf, None), (-math.inf, None), (math.nan, None),
+     (True, None), ("4", None), (None, None)],
+)
+def test_seed_num_keeps_finite_numbers_only(value: object, number: float | None) -> None:
+    got = _seed_num(value)
+    assert (None if math.isnan(got) else got) == number
+
+
+def _rows(s: Sampler, uuid: str) -> list[tuple[float, list[float | None]]]:
+    series = s.history_series()[uuid]
+    return [(t, [None if math.isnan(v) else v for v in row])
+            for t, row in zip(series.timestamps_s.tolist(), series.values.tolist(), strict=True)]
+
+
+def test_seed_fills_every_metric_it_knows_and_marks_a_sample_available() -> None:
+    """Whole rows: utilisation, memory used, free (total less used) and total, nothing for
+    temperature, power and own memory, ``available`` 1.0 where the utilisation or the memory
+    is known. Caught: a device not in the sampler ending the seeding (``break``), the lengths
+    of the three lists not all bounding a device's samples, two devices at one timestamp each
+    given a row of their own (the first's values lost), ``available`` never, always, inverted,
+    2.0 or needing both values, an infinite utilisation kept."""
+    s = Sampler(interval_s=1, history_s=100)
+    _add(s, 1000.0, A, B, C)
+    added = s.seed({
+        "GPU-unknown": ([990.0], [5.0], [0], None),
+        # A: more values than timestamps; B: fewer utilisations; C: fewer memory values
+        A: ([990.0, 991.0, 992.0, 993.0], [10.0, None, None, math.inf, 1.0],
+            [GiB, 2 * GiB, None, None, 0], 8 * GiB),
+        B: ([990.0, 991.0], [20.0], [3 * GiB, 0], 8 * GiB),
+        C: ([990.0, 994.0], [30.0, 31.0], [0], None),
+    })
+    assert added == 4
+    n = None
+    assert _rows(s, A)[:4] == [
+        (990.0, [10.0, GiB, 7 * GiB, 8 * GiB, n, n, n, 1.0]),
+        (991.0, [n, 2 * GiB, 6 * GiB, 8 * GiB, n, n, n, 1.0]),
+        (992.0, [n, n, n, 8 * GiB, n, n, n, n]),
+        (993.0, [n, n, n, 8 * GiB, n, n, n, n]),
+    ]
+    assert _rows(s, B)[:2] == [
+        (990.0, [20.0, 3 * GiB, 5 * GiB, 8 * GiB, n, n, n, 1.0]),
+        (991.0, [n] * len(METRICS)),
+    ]
+    assert _rows(s, C)[0] == (990.0, [30.0, 0.0, n, n, n, n, n, 1.0])
+    assert [t for t, _ in _rows(s, C)] == [990.0, 991.0, 992.0, 993.0, 1000.0]
+
+
+def test_seed_with_room_for_one_keeps_the_newest_older_sample() -> None:
+    """A timestamp equal to the oldest sample's takes no room. Caught: ``t <= oldest`` (the
+    room taken by it), and room for one counted as none (before and after reading)."""
+    s = Sampler(interval_s=1, history_s=5)  # 6 slots
+    for t in (100.0, 101.0, 102.0, 103.0, 104.0):
+        _add(s, t)
+    assert s.seed({A: ([97.0, 98.0, 99.0, 100.0], [7.0] * 4, [0] * 4, None)}) == 1
+    assert s.history_series()[A].timestamps_s.tolist() == [99.0, 100.0, 101.0, 102.0, 103.0,
+                                                           104.0]
+
+
+class _Moving(dict[str, Any]):
+    """Series whose reading first changes the sampler: what another thread may do between
+    ``seed``'s two looks at the buffer."""
+
+    def __init__(self, data: dict[str, Any], meanwhile: Callable[[], None]) -> None:
+        super().__init__(data)
+        self._meanwhile = meanwhile
+
+    def items(self) -> Any:
+        self._meanwhile()
+        return super().items()
+
+
+# interval 10 s, 50 s of history: 6 slots. The series: 60..95, all within the history.
+_OLDER = {A: ([60.0, 70.0, 80.0, 90.0, 95.0], [1.0] * 5, [0] * 5, None)}
+
+
+def _seeded(samples: list[float], meanwhile: Callable[[Sampler], None]) -> tuple[int, list[float]]:
+    s = Sampler(interval_s=10, history_s=50)
+    for t in samples:
+        _add(s, t)
+    added = s.seed(_Moving(_OLDER, lambda: meanwhile(s)))
+    return added, s.history_series()[A].timestamps_s.tolist()
+
+
+@pytest.mark.parametrize(
+    ("samples", "meanwhile", "added", "stamps"),
+    [
+        # another seed put 90 first: only what is older than it, within the room left (3)
+        ([100.0, 110.0], lambda s: s.seed({A: ([90.0], [1.0], [0], None)}), 2,
+         [70.0, 80.0, 90.0, 100.0, 110.0]),
+        # a new sample took one slot: the newest three, the newest sample kept
+        ([100.0, 110.0], lambda s: _add(s, 120.0), 3, [80.0, 90.0, 95.0, 100.0, 110.0, 120.0]),
+        # new samples filled the buffer: nothing
+        ([100.0, 110.0], lambda s: [_add(s, t) for t in (120.0, 130.0, 140.0, 150.0)], 0,
+         [100.0, 110.0, 120.0, 130.0, 140.0, 150.0]),
+        # a full buffer when first looked at: nothing, though the history grew meanwhile
+        ([100.0, 101.0, 102.0, 103.0, 104.0, 105.0], lambda s: s.set_history(100), 0,
+         [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]),
+    ],
+)
+def test_seed_keeps_to_the_buffer_as_it_is_when_it_adds(
+    samples: list[float], meanwhile: Callable[[Sampler], None], added: int, stamps: list[float]
+) -> None:
+    """Caught: ``t <= first`` (a timestamp twice), the room counted as capacity plus samples
+    (before or after reading: too many kept, the newest sample pushed out), no room taken
+    for some (``or True``, ``>= 0``: the newest samples pushed out)."""
+    assert _seeded(samples, meanwhile) == (added, stamps)
+
+
+def test_seed_adds_nothing_when_the_devices_changed_meanwhile() -> None:
+    """Caught: the check ``or`` made ``and``, and 1 returned instead of 0."""
+
+    def meanwhile(s: Sampler) -> None:
+        for t in range(101, 107):
+            _add(s, float(t), A, B)  # the (A,) samples all pushed out
+        s.set_history(100)  # and room again
+
+    assert _seeded([100.0], meanwhile) == (0, [float(t) for t in range(101, 107)])
+
+
+# ---- the remembered smoothing (found by the mutation run of issue 22) ----
+def test_the_smoothed_utilisation_is_computed_once_per_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[Any] = []
+    real = sampler.mean_util
+
+    def counting(*args: Any) -> Any:
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(sampler, "mean_util", counting)
+    s = Sampler()
+    _add(s, 100.0, B)
+    _add(s, 101.0, B)
+    first = s.smoothed_util(60.0)
+    assert first == {B: 1.0} and len(calls) == 1
+    assert s.smoothed_util(60.0) == first and len(calls) == 1
+    assert s.smoothed_util(30.0) == first and len(calls) == 2
+    _add(s, 102.0, B)
+    assert s.smoothed_util(30.0) == first and len(calls) == 3

@@ -6,6 +6,7 @@ sampled runs (issue 22), each seen failing with its mutant planted by hand."""
 from __future__ import annotations
 
 import asyncio
+import getpass
 import logging
 import os
 import threading
@@ -20,6 +21,7 @@ from traitlets.config import Config, Configurable
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.leasing.directory import Registry
+from autogpu_jupyter.server import state
 from autogpu_jupyter.server.state import AutoGPUServer, kernel_pid_map, owning_kernel
 from tests.payloadhelpers import GiB, write_fleet
 
@@ -281,3 +283,29 @@ def test_executor_threads_bounds_how_many_blocking_calls_run_at_once(threads: in
         go.set()
         state.stop()
     assert names == ["autogpu-server_0", "autogpu-server_0"]
+
+
+# ---- the user, and stop (found by the mutation run of issue 22) ----
+def test_the_user_is_the_uid_where_it_has_no_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    def nameless() -> str:
+        raise KeyError("getpwuid(): uid not found: 4242")
+
+    monkeypatch.setattr(getpass, "getuser", nameless)
+    assert state.current_user() == str(os.getuid())
+
+
+def test_stop_does_not_wait_for_a_running_call() -> None:
+    """The server's shutdown is not held by a blocking call on the executor (an NVML read
+    that hangs); that call ends on its own. And no sampler error before a sampler was asked."""
+    server = AutoGPUServer(registry_dir="")
+    assert server.sampler_error is None
+    release = threading.Event()
+    running = server.executor.submit(release.wait, 10)
+    stopper = threading.Thread(target=server.stop)
+    stopper.start()
+    stopper.join(1.0)
+    stopped_at_once = not stopper.is_alive()
+    release.set()
+    stopper.join()
+    assert stopped_at_once
+    assert running.result(5) is True

@@ -14,10 +14,15 @@ import pytest
 
 from autogpu_jupyter.core import session
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+from autogpu_jupyter.core.cudastate import (
+    CudaState,
+    hip_too_late_message,
+)
 from autogpu_jupyter.core.leasing import Registry
 from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.errors import TooLateError
 from tests.leasehelpers import fleet, uuid_of
 
 ORDER = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
@@ -202,3 +207,19 @@ def test_this_process_s_own_choice_comes_before_the_provisioner_s(
     session.release(environ=env)
     provisioner = session.current()
     assert provisioner is not None and provisioner.uuids == ("GPU-from-provisioner",)
+
+
+# ---- the HIP too-late refusal (found by the mutation run of issue 22) ----
+def test_a_pick_after_hip_started_is_refused_with_the_hip_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rocm = CudaState(True, "this process holds /dev/kfd open", "torch")
+    monkeypatch.setattr(session, "cuda_state", lambda: CudaState(False, "no libcuda"))
+    monkeypatch.setattr(session, "hip_state", lambda: rocm)
+    message = hip_too_late_message(rocm)
+    assert message.startswith("HIP (ROCm) is already initialised in this kernel, probably by "
+                              "torch (this process holds /dev/kfd open). ")
+    with pytest.raises(TooLateError) as info:
+        session.check_not_too_late(force=False)
+    assert str(info.value) == message
+    assert session.check_not_too_late(force=True) == "--force: " + message

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from autogpu_jupyter.core.backends import get_backend
-from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+from autogpu_jupyter.core.backends.simulated import SimulatedBackend, _demo, builtin_fleet
 from autogpu_jupyter.errors import UsageErrorBase
 
 GiB = 1024**3
@@ -145,7 +146,6 @@ def test_a_fleet_file_is_utf8_whatever_the_locale(tmp_path: Path) -> None:
     start-up."""
     import locale
     import subprocess
-    import sys
 
     root = Path(__file__).resolve().parents[2]
     path = tmp_path / "fleet.json"
@@ -242,3 +242,43 @@ def test_a_fleet_stopped_at_an_instant_shows_what_the_moving_fleet_shows_then(
     fleet = builtin_fleet("demo-4x")
     fleet_at(fleet, at)
     assert "load" in fleet["devices"][0]
+
+
+# ---- the simulated AMD fleet, device by device (found by the mutation run of issue 22) ----
+#: What ``demo-amd`` changes in ``demo-8x``'s devices, GPU by GPU.
+AMD_DEVICES = [
+    (name, f"5aff74a{1 + i}-0000-1000-800{i}-d3a0a3d0000{i}", f"GPU-4d0a3d000000000{i}",
+     f"0000:{pci}:00.0", mem, watts)
+    for i, (name, pci, mem, watts) in enumerate(
+        [("AMD Instinct MI300X", pci, 192 * GiB, 750.0) for pci in ("05", "25", "45", "65")]
+        + [("AMD Instinct MI210", pci, 64 * GiB, 300.0) for pci in ("85", "a5", "c5", "e5")]
+    )
+]
+
+
+def test_the_simulated_amd_fleet_is_demo_8x_with_mi300x_and_mi210_in_its_places() -> None:
+    devices = _demo(4, 4)["devices"]
+    for dev, (name, uuid, runtime_uuid, pci, mem, watts) in zip(devices, AMD_DEVICES):
+        dev.update(name=name, uuid=uuid, runtime_uuid=runtime_uuid, pci_bus_id=pci,
+                   memory_total=mem, power_limit_w=watts)
+    assert builtin_fleet("demo-amd") == {
+        "vendor": "amd", "driver_version": "6.10.5 (simulated)", "devices": devices}
+    assert AMD_DEVICES[0][1] == "5aff74a1-0000-1000-8000-d3a0a3d00000"
+    assert AMD_DEVICES[7][1:4] == ("5aff74a8-0000-1000-8007-d3a0a3d00007",
+                                   "GPU-4d0a3d0000000007", "0000:e5:00.0")
+
+
+# ---- an AMD fleet's compute modes (found by the mutation run of issue 22) ----
+def test_an_amd_fleet_s_devices_have_the_compute_mode_the_file_gives_else_none(
+    tmp_path: Path,
+) -> None:
+    """AMD GPUs have no compute modes: a device of an AMD fleet file has the one its entry
+    names, else none (not NVML's ``DEFAULT``)."""
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({"vendor": "amd", "devices": [
+        {"uuid": "u0", "runtime_uuid": "GPU-r0", "compute_mode": "EXCLUSIVE_PROCESS"},
+        {"uuid": "u1"},
+    ]}))
+    snap = SimulatedBackend(str(path), clock=lambda: 5.0).snapshot()
+    assert [(d.uuid, d.vendor, d.runtime_uuid, d.compute_mode) for d in snap.devices] == [
+        ("u0", "amd", "GPU-r0", "EXCLUSIVE_PROCESS"), ("u1", "amd", None, None)]

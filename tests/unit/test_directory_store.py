@@ -2111,3 +2111,16 @@ def test_entry_names_are_shown_printable(name: str, shown: str) -> None:
 def test_a_uid_without_a_name_is_shown_as_its_number() -> None:
     assert safefs.user_name(0) == "root"
     assert safefs.user_name(4_000_000_001) == "4000000001"
+
+
+# ---- the ticket bound (found by the mutation run of issue 22) ----
+@pytest.mark.parametrize(("given", "kept"), [(0, 0), (-3, 0), (2, 2)])
+def test_the_ticket_bound_is_kept_at_zero_or_more(tmp_path: Path, given: int, kept: int) -> None:
+    assert Registry(tmp_path, max_tickets_per_user=given).max_tickets_per_user == kept
+
+
+# ---- the transaction's default wait (found by the mutation run of issue 22) ----
+def test_a_directory_transaction_has_no_lock_to_wait_for(tmp_path: Path) -> None:
+    with Registry(tmp_path / "registry").locked() as txn:
+        assert txn is not None
+        assert txn.ready() == 0.0

@@ -1,17 +1,15 @@
-"""The live panel (``widgets/panel.py``) and the lazy ``widgets`` package: what the survivors of
-the full mutation run (issue 22) showed untested. Each test names the mutants it catches."""
+"""The live panel (``widgets/panel.py``) in this process: its configuration, its listener, its
+construction, its status and banner, and its table; and what it takes of its server's history
+(the request itself is ``test_panel_history.py``). Found by the mutation run of issue 22; each
+test names the mutants it catches."""
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import json
 import logging
-import threading
 import time
-import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,6 @@ import ipywidgets as w
 import pytest
 from traitlets.config import Config, Configurable
 
-from autogpu_jupyter import widgets
 from autogpu_jupyter.config import AutoGPU
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.overload import Thresholds
@@ -60,17 +57,6 @@ def _panel(*args: Any, **kwargs: Any) -> Iterator[Panel]:
         p.close()
 
 
-# -- the package's lazy attribute -------------------------------------------------------------
-
-
-def test_the_widgets_package_names_a_missing_attribute_in_its_error() -> None:
-    """Caught: ``widgets.__getattr__``'s error lost its text (``AttributeError(None)``)."""
-    assert widgets.Panel is Panel
-    with pytest.raises(AttributeError) as err:
-        _ = widgets.Nope  # type: ignore[attr-defined]
-    assert str(err.value) == "module 'autogpu_jupyter.widgets' has no attribute 'Nope'"
-
-
 # -- the AutoGPU configurable ------------------------------------------------------------------
 
 
@@ -84,8 +70,6 @@ def test_the_panels_thresholds_come_from_the_kernels_config(
     shell = Configurable(config=Config({"AutoGPU": {"overload_util_pct": 42.0,
                                                      "overload_window_s": 7.0}}))
     monkeypatch.setattr(panel_mod, "get_ipython", lambda: shell)
-    cfg = panel_mod._config()
-    assert isinstance(cfg, AutoGPU) and cfg.parent is shell
     path = tmp_path / "fleet.json"
     path.write_text(json.dumps(_fleet(10)))
     with _panel(window_s=60, sampler=_clocked_sampler(path, [T0]), server_history=False) as p:
@@ -93,143 +77,11 @@ def test_the_panels_thresholds_come_from_the_kernels_config(
     # a shell that holds one already: that one
     mine = AutoGPU(overload_util_pct=55.0)
     shell.configurables = [object(), mine]  # type: ignore[attr-defined]
-    assert panel_mod._config() is mine
-
-
-# -- the runtime file --------------------------------------------------------------------------
-
-
-def test_the_runtime_file_is_read_as_utf8_whatever_the_locale(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Under a Latin-1 locale (``open`` without an encoding decodes Latin-1) a token with
-    non-ASCII characters still reads back as written. Caught: ``encoding="utf-8"`` made
-    ``None`` or dropped."""
-
-    def latin1_locale_open(file: Any, mode: str = "r", buffering: int = -1,
-                           encoding: str | None = None, **kw: Any) -> Any:
-        return builtins.open(file, mode, buffering, encoding=encoding or "latin-1", **kw)
-
-    monkeypatch.setattr(panel_mod, "open", latin1_locale_open, raising=False)
-    monkeypatch.setattr(panel_mod.os, "getppid", lambda: 4000)
-    info = {"url": "http://h/", "token": "tök€n"}
-    (tmp_path / "jpserver-4000.json").write_text(json.dumps(info, ensure_ascii=False),
-                                                encoding="utf-8")
-    assert panel_mod._server_info(str(tmp_path)) == info
-
-
-def test_a_runtime_file_that_is_not_an_object_is_no_server(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Caught: the ``isinstance(info, dict)`` check made always true (a JSON list returned)."""
-    monkeypatch.setattr(panel_mod.os, "getppid", lambda: 4000)
-    (tmp_path / "jpserver-4000.json").write_text('["http://h/"]')
-    assert panel_mod._server_info(str(tmp_path)) is None
+    with _panel(window_s=60, sampler=_clocked_sampler(path, [T0]), server_history=False) as p:
+        assert p.thresholds == Thresholds(55.0, 30.0, 95.0)  # its own, not the shell's config
 
 
 # -- the server's history ----------------------------------------------------------------------
-
-SERIES = {"uuid": A, "timestamp_s": [1.0], "utilization_pct": [10], "memory_used_bytes": [1]}
-GOT = {A: ([1.0], [10], [1], None)}
-
-
-@contextlib.contextmanager
-def _server(body: bytes, *, hold: bool = False) -> Iterator[tuple[str, list[tuple[str, Any]]]]:
-    """A local HTTP/1.0 server answering every GET with ``body`` and no Content-Length; yields
-    its URL (no trailing slash) and the (path, headers) it was asked with. ``hold``: the
-    connection stays open after the body (the answer's end never comes) until the server
-    stops."""
-    asked: list[tuple[str, Any]] = []
-    done = threading.Event()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            asked.append((self.path, self.headers))
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            with contextlib.suppress(OSError):
-                self.wfile.write(body)
-            if hold:
-                done.wait(10)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}/base", asked
-    finally:
-        done.set()
-        httpd.shutdown()
-        httpd.server_close()
-
-
-@pytest.mark.parametrize(("token", "authorization"), [
-    ("t0k", "token t0k"), ("", None), (None, None), (123, None),
-])
-def test_the_history_is_asked_under_the_servers_base_url_with_its_token_only(
-    token: Any, authorization: str | None
-) -> None:
-    """A base URL without a trailing slash keeps its last segment; only a non-empty text token
-    is sent. Caught: the ``/`` never added (``or True``: the request went to ``/autogpu/...``),
-    ``url - "/"`` (TypeError), ``"XX/XX"`` added; the token check made always true or
-    ``isinstance(token, str) or token`` (``token `` / ``token None`` sent)."""
-    body = json.dumps({"series": [SERIES]}).encode()
-    with _server(body) as (url, asked):
-        assert panel_mod.server_history(60, info={"url": url, "token": token}) == GOT
-    ((path, headers),) = asked
-    assert path.startswith("/base/autogpu/api/v1/history?since=")
-    assert headers.get("Authorization") == authorization
-
-
-def test_the_history_request_waits_as_long_as_it_is_told(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``SERVER_HISTORY_TIMEOUT_S`` unless ``timeout_s`` says otherwise. Caught: the timeout
-    made ``None`` or dropped (a silent server blocked the panel for good), the choice
-    inverted or made always one side."""
-    seen: list[Any] = []
-    real = urllib.request.urlopen
-
-    def spy(request: Any, *args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs.get("timeout", "none given"))
-        return real(request, *args, **kwargs)
-
-    monkeypatch.setattr(panel_mod.urllib.request, "urlopen", spy)
-    with _server(json.dumps({"series": [SERIES]}).encode()) as (url, _):
-        assert panel_mod.server_history(60, info={"url": url}) == GOT
-        assert panel_mod.server_history(60, info={"url": url}, timeout_s=0.25) == GOT
-    assert seen == [panel_mod.SERVER_HISTORY_TIMEOUT_S, 0.25]
-
-
-def test_an_answer_is_read_no_further_than_one_byte_past_the_limit() -> None:
-    """A server that sends one byte more than the limit and then never ends its answer: the
-    panel stops reading there (the first ``limit`` bytes, valid JSON here, are the history)
-    instead of waiting for the end. Caught: ``read(None)`` (read to the end: timed out, no
-    history), ``read(limit + 2)`` (waited for a byte that never came)."""
-    limit = panel_mod._MAX_HISTORY_BYTES
-    head = json.dumps({"series": [SERIES]}).encode()
-    body = head + b" " * (limit + 1 - len(head))
-    with _server(body, hold=True) as (url, _):
-        assert panel_mod.server_history(60, info={"url": url}, timeout_s=0.5) == GOT
-
-
-def test_an_answer_that_is_not_an_object_gives_no_history() -> None:
-    """Caught: the ``isinstance(data, dict)`` check made always true (``[].get``: the panel
-    raised AttributeError)."""
-    with _server(b"[1, 2]") as (url, _):
-        assert panel_mod.server_history(60, info={"url": url}) == {}
-
-
-def test_a_malformed_series_is_skipped_and_the_ones_after_it_kept() -> None:
-    """Caught: ``continue`` made ``break`` (every series after a malformed one lost)."""
-    body = json.dumps({"series": ["junk", {"uuid": 3}, SERIES]}).encode()
-    with _server(body) as (url, _):
-        assert panel_mod.server_history(60, info={"url": url}) == GOT
 
 
 def test_the_panel_logs_how_many_of_the_servers_samples_it_took(
