@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -57,8 +56,12 @@ def _state(monkeypatch: pytest.MonkeyPatch, url: str | None, view: Any = None,
             raise view
         return view
 
-    return SimpleNamespace(parent=Configurable(config=config),
-                           cluster_cache=ClusterCache(fetch=fetch))
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.server.state import ServerContext
+
+    parent = Configurable(config=config)
+    return ServerContext(settings=lambda: AutoGPU(parent=parent),
+                         cluster_cache=ClusterCache(fetch=fetch))
 
 
 def _view() -> ClusterView:

@@ -75,7 +75,7 @@ def test_devices_show_only_the_server_users_command_lines(
     fleet_file = write_fleet(tmp_path / "fleet.json", fleet(PROCESSES))
     with server_state(fleet_file, tmp_path / "registry", monkeypatch,
                       expose_commands=expose) as state:
-        data = payloads.devices_payload(state)
+        data = payloads.devices_payload(state.context())
     (gpu_a,) = [d for d in data["devices"] if d["uuid"] == A]
     assert commands(gpu_a["processes"]) == {
         51001: "python mine.py",
@@ -89,7 +89,7 @@ def test_holders_show_only_the_server_users_command_lines(
 ) -> None:
     fleet_file = write_fleet(tmp_path / "fleet.json", fleet(PROCESSES))
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-        data = payloads.holders_payload(state, kernels, {})
+        data = payloads.holders_payload(state.context(), kernels, {})
     procs = [h for h in data["holders"] if h["kind"] == "process"]
     assert commands(procs) == {51001: "python mine.py", 51002: None, 51003: None}
     assert {h["pid"]: h["user"] for h in procs} == {51001: ME, 51002: "bob", 51003: None}
@@ -113,7 +113,7 @@ def test_another_users_lease_is_never_one_of_our_kernels(
             mine = txn.create(devices=[A], requested_bytes=4 * GiB,
                               requester=Requester(kernel_id="k-1", command="python mine.py"))
         try:
-            data = payloads.holders_payload(state, kernels, sessions)
+            data = payloads.holders_payload(state.context(), kernels, sessions)
         finally:
             mine.release()
     leases = {h["uuid"]: h for h in data["holders"] if h["kind"] == "lease"}
@@ -135,22 +135,22 @@ def test_a_read_failure_is_reported_until_a_newer_sweep_succeeds(
     fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
         sampler = state.sampler()
-        assert payloads.devices_payload(state)["errors"] == []
+        assert payloads.devices_payload(state.context())["errors"] == []
         good = json.loads(fleet_file.read_text())
         bad = json.loads(fleet_file.read_text())
         bad["devices"][1]["memory_total"] = "lots"
         fleet_file.write_text(json.dumps(bad))
         assert sampler.sample_now() is None
-        data = payloads.devices_payload(state)
+        data = payloads.devices_payload(state.context())
         (error,) = data["errors"]
         assert error.startswith(f"fleet file {str(fleet_file)!r}, device 1 ({B}) memory_total: "
                                 "invalid size 'lots'")
         assert [d["uuid"] for d in data["devices"]] == [A, B]  # the last good sweep
-        assert payloads.history_payload(state, None)["errors"] == [error]
+        assert payloads.history_payload(state.context(), None)["errors"] == [error]
         fleet_file.write_text(json.dumps(good))
         assert sampler.sample_now() is not None
-        assert payloads.devices_payload(state)["errors"] == []
-        assert payloads.history_payload(state, None)["errors"] == []
+        assert payloads.devices_payload(state.context())["errors"] == []
+        assert payloads.history_payload(state.context(), None)["errors"] == []
 
 
 def test_the_cluster_answer_names_no_best_host_when_nothing_fits(
@@ -162,9 +162,9 @@ def test_the_cluster_answer_names_no_best_host_when_nothing_fits(
     with recorded_prometheus() as url, server_state(fleet_file, tmp_path / "registry",
                                                     monkeypatch) as state:
         monkeypatch.setenv("AUTOGPU_PROMETHEUS_URL", url)
-        fits = payloads.cluster_payload(state, Constraints.parse(min_free="10G"))
-        one = payloads.cluster_payload(state, Constraints.parse(min_free="40G"))
-        none = payloads.cluster_payload(state, Constraints.parse(min_free="500G"))
+        fits = payloads.cluster_payload(state.context(), Constraints.parse(min_free="10G"))
+        one = payloads.cluster_payload(state.context(), Constraints.parse(min_free="40G"))
+        none = payloads.cluster_payload(state.context(), Constraints.parse(min_free="500G"))
     assert fits["configured"] is True and fits["best"] == "gpu-b"
     assert fits["ranking"][0]["hostname"] == "gpu-b" and fits["ranking"][0]["fits"] is True
     # only gpu-c has a GPU with 40 GiB free
@@ -194,9 +194,9 @@ def test_select_hides_the_kernels_own_lease_only(
                                requester=Requester(kernel_id="k-1"))
         try:
             want = Constraints.parse(min_free="30G")
-            own = payloads.select_payload(state, want, ignore_kernel_id="k-1")
-            other = payloads.select_payload(state, want, ignore_kernel_id="k-2")
-            plain = payloads.select_payload(state, want)
+            own = payloads.select_payload(state.context(), want, ignore_kernel_id="k-1")
+            other = payloads.select_payload(state.context(), want, ignore_kernel_id="k-2")
+            plain = payloads.select_payload(state.context(), want)
         finally:
             lease.release()
     assert [c["uuid"] for c in own["chosen"]] == [B]
@@ -228,7 +228,7 @@ def test_select_is_a_dry_run_that_takes_no_lease(
                                requester=Requester(kernel_id="k-1"))
         try:
             before = sorted(registry.rglob("*"))
-            answer = payloads.select_payload(state, Constraints.parse(min_free="30G"))
+            answer = payloads.select_payload(state.context(), Constraints.parse(min_free="30G"))
             after = sorted(registry.rglob("*"))
         finally:
             lease.release()
@@ -255,9 +255,9 @@ def test_history_since_a_time_is_strictly_newer_and_keeps_the_newest_points(
             snap = sampler.sample_now()
             stamps.append(snap.timestamp_s)
         assert stamps == sorted(set(stamps))  # four sweeps, one after the other
-        full = payloads.history_payload(state, None)
-        newer = payloads.history_payload(state, stamps[1])
-        last = payloads.history_payload(state, stamps[3])
+        full = payloads.history_payload(state.context(), None)
+        newer = payloads.history_payload(state.context(), stamps[1])
+        last = payloads.history_payload(state.context(), stamps[3])
     assert [s["uuid"] for s in full["series"]] == [A, B]
     assert [s["timestamp_s"] for s in full["series"]] == [stamps[2:], stamps[2:]]
     assert full["series"][0]["memory_used_bytes"] == [30 * GiB, 30 * GiB]
@@ -428,14 +428,14 @@ def test_a_kernel_whose_gpu_others_fill_is_told_where_to_go(
 
     fleet_file = write_fleet(tmp_path / "fleet.json", crowded(kernels, 8, 70))
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-        free = payloads.holders_payload(state, kernels, {})
+        free = payloads.holders_payload(state.context(), kernels, {})
         # another kernel books 70 of GPU 1's 80 GiB: GPU 2's 40 GiB free is the better device
         with Registry(str(tmp_path / "registry")).locked() as txn:
             assert txn is not None
             lease = txn.create(devices=[B], requested_bytes=70 * GiB,
                                requester=Requester(kernel_id="k-9"))
         try:
-            booked = payloads.holders_payload(state, kernels, {})
+            booked = payloads.holders_payload(state.context(), kernels, {})
         finally:
             lease.release()
     assert overload_of(free) == (f"{CROWDED} Better now: GPU 1.", {"uuid": B, "label": "GPU 1"})
@@ -450,7 +450,7 @@ def test_an_overload_with_no_better_device_names_none(
     holders answer failed)."""
     fleet_file = write_fleet(tmp_path / "fleet.json", crowded(kernels, 8, 70, spare=False))
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-        data = payloads.holders_payload(state, kernels, {})
+        data = payloads.holders_payload(state.context(), kernels, {})
     assert overload_of(data) == (CROWDED, None)
 
 
@@ -462,7 +462,7 @@ def test_a_kernel_that_fills_its_gpu_itself_is_not_warned(
     ``pid`` looked up under another key, or only processes of unknown memory counted)."""
     fleet_file = write_fleet(tmp_path / "fleet.json", crowded(kernels, 70, 8))
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-        data = payloads.holders_payload(state, kernels, {})
+        data = payloads.holders_payload(state.context(), kernels, {})
     assert overload_of(data) == (None, None)
 
 
@@ -483,7 +483,7 @@ def test_holders_are_dated_by_their_sweep_and_say_which_kernel_waits(
             ticket = txn.create_ticket(constraints=ticket_constraints(Constraints(), None),
                                        requester=Requester(kernel_id="k-1"))
         try:
-            data = payloads.holders_payload(state, kernels, {})
+            data = payloads.holders_payload(state.context(), kernels, {})
         finally:
             ticket.release()
         swept = set(state.sampler().history_frame()["timestamp_s"])
@@ -525,7 +525,7 @@ def test_the_better_device_stays_within_the_kernels_own_grant(
     try:
         fleet_file = write_fleet(tmp_path / "fleet.json", crowded(kernels, 8, 70))
         with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-            data = payloads.holders_payload(state, kernels, {})
+            data = payloads.holders_payload(state.context(), kernels, {})
     finally:
         kernels.close()
     assert overload_of(data) == (f"{CROWDED} Better now: GPU 2.", {"uuid": C, "label": "GPU 2"})
@@ -547,7 +547,7 @@ def test_the_better_device_keeps_the_kernels_own_pick_options(
             models=("H100",)), autogpu_note=None, autogpu_lease_id=None, autogpu_move_file=None)
     fleet_file = write_fleet(tmp_path / "fleet.json", devices)
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-        data = payloads.holders_payload(state, kernels, {})
+        data = payloads.holders_payload(state.context(), kernels, {})
     assert overload_of(data) == (f"{CROWDED} Better now: GPU 2.", {"uuid": C, "label": "GPU 2"})
 
 
@@ -600,7 +600,7 @@ def test_select_answers_from_the_sweep_the_sidebar_shows(
         write_fleet(fleet_file, now)
         stat = os.stat(fleet_file)
         os.utime(fleet_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # seen as changed
-        answer = payloads.select_payload(state, Constraints())
+        answer = payloads.select_payload(state.context(), Constraints())
         assert state.sampler().latest() is swept  # no sweep in between
     assert [c["uuid"] for c in answer["chosen"]] == [B]
     assert {c["uuid"]: c["effective_free_bytes"] for c in answer["candidates"]} == {
@@ -672,7 +672,7 @@ def test_a_move_to_best_counts_the_load_over_the_smoothing_window(
         write_fleet(fleet_file, devices)
         stat = os.stat(fleet_file)
         os.utime(fleet_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # seen as changed
-        plan = plan_or_request(state, prov, "k-1", MoveBody("best", dry_run=True))
+        plan = plan_or_request(state.context(), prov, "k-1", MoveBody("best", dry_run=True))
     assert [d.uuid for d in plan.target] == [C]
 
 
@@ -702,7 +702,7 @@ def test_a_move_to_best_keeps_off_another_kernels_exclusive_lease(
             theirs = txn.create(devices=[B], exclusive=True,
                                 requester=Requester(kernel_id="k-2"))
         try:
-            plan = plan_or_request(state, prov, "k-1", MoveBody("best", dry_run=True))
+            plan = plan_or_request(state.context(), prov, "k-1", MoveBody("best", dry_run=True))
         finally:
             theirs.release()
     assert [d.uuid for d in plan.target] == [C]

@@ -23,6 +23,7 @@ from traitlets.config import Config, Configurable
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.server import payloads
+from autogpu_jupyter.server.state import ServerContext
 from tests.payloadhelpers import GiB
 from tests.unit.test_payloads import CROWDED, A, B, C
 
@@ -72,8 +73,10 @@ class _Sampler:
 
 
 def _state(sampler: Any, *, parent: Any = None, registry: Any = None) -> Any:
-    return SimpleNamespace(sampler=lambda: sampler, parent=parent, interval_s=2.0,
-                           registry=registry or (lambda: None))
+    from autogpu_jupyter.config import AutoGPU
+
+    return ServerContext(sampler=sampler, interval_s=2.0, store=registry or (lambda: None),
+                         settings=lambda: AutoGPU(parent=parent))
 
 
 def holder(kid: str, uuid: str = A, pid: int | None = KERNEL_PID, used: int | None = 8 * GiB,
@@ -284,7 +287,7 @@ def test_each_kernels_row_says_what_only_a_movable_kernel_has() -> None:
     even where its provisioner has them. Caught: the row's keys misspelt; the options or note
     never shown, or shown for a kernel that cannot move; the picked UUIDs of any kernel shown."""
     row = {"notebook_path": None, "execution_state": "busy", "idle_s": None,
-           "allowed_uuids": None}
+           "allowed_uuids": None, "overload": None, "better": None, "waiting": False}
     assert payloads.kernel_infos(manager(), {"k-move": {"path": "a.ipynb"}}) == [
         {**row, "kernel_id": "k-move", "notebook_path": "a.ipynb", "movable": True,
          "picked_uuids": [A], "constraints_text": "min free 10.0 GiB", "note": "GPU 1 filled"},
@@ -308,8 +311,7 @@ def test_the_kernels_that_hold_a_gpu_by_their_pick() -> None:
     """Their provisioner's pick: a gone kernel (first in the set) and one without a
     ``provisioner`` attribute are skipped, not the end. Caught: ``break`` for the gone kernel;
     the attribute read without a default."""
-    state = SimpleNamespace(registry=lambda: None, sampler=lambda: None)
-    got = payloads.gpu_kernel_ids(state, manager(gone_first=_Id("k-gone", 0)))
+    got = payloads.gpu_kernel_ids(_state(None), manager(gone_first=_Id("k-gone", 0)))
     assert sorted(got) == ["k-fixed", "k-move"]
     # the same set whatever the order: k-gone's slot 0 comes first in the set
     assert next(iter({_Id("k-gone", 0), _Id("k-move", 1)})) == "k-gone"
@@ -365,7 +367,7 @@ def test_a_zero_wait_for_the_first_sweep_does_not_sleep(monkeypatch: pytest.Monk
     monkeypatch.setattr(payloads, "time", SimpleNamespace(
         monotonic=lambda: 5.0 + sum(slept), sleep=slept.append))
     sampler = SimpleNamespace(errors=[], latest=lambda: None)
-    assert payloads.latest_snapshot(SimpleNamespace(sampler=lambda: sampler)) is None
+    assert payloads.latest_snapshot(ServerContext(sampler=sampler)) is None
     assert slept == []
 
 

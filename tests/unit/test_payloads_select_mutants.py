@@ -68,13 +68,19 @@ def sampler_of(*snaps: FleetSnapshot) -> Sampler:
 
 
 def state_of(sampler: Any, **traits: Any) -> Any:
-    """The server's state as the payloads read it."""
+    """The server's context as the payloads read it (``registry``: the store's factory,
+    ``parent``: the config the ``c.AutoGPU`` settings read)."""
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.server.state import ServerContext
+
+    parent = traits.pop("parent", None)
     values: dict[str, Any] = {
         "interval_s": 1.0, "history_s": 900.0, "max_history_points": 100,
         "smoothing_window_s": 60.0, "sampler_error": None, "user": ME,
-        "expose_commands": False, "registry_dir": "/srv/autogpu/registry", "parent": None,
-        "registry": lambda: None, **traits}
-    return SimpleNamespace(sampler=lambda: sampler, **values)
+        "expose_commands": False, "registry_dir": "/srv/autogpu/registry",
+        "store": traits.pop("registry", lambda: None),
+        "settings": lambda: AutoGPU(parent=parent), **traits}
+    return ServerContext(sampler=sampler, **values)
 
 
 def failing(err: BaseException) -> Any:
@@ -489,7 +495,7 @@ def test_holders_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
             claim = txn.create(devices=[B], requested_bytes=GiB,
                                requester=Requester(pid=kernels.pid("k-1"), kernel_id="k-9"))
         try:
-            data = payloads.holders_payload(state, kernels, sessions)
+            data = payloads.holders_payload(state.context(), kernels, sessions)
         finally:
             ours.release()
             claim.release()
@@ -535,7 +541,8 @@ def test_a_kernel_known_only_by_id_owns_its_lease(tmp_path: Path,
                 assert txn is not None
                 lease = txn.create(devices=[B], requester=Requester(kernel_id="k-1"))
             try:
-                data = payloads.holders_payload(state, kernels, {"k-1": {"path": "one.ipynb"}})
+                data = payloads.holders_payload(
+                    state.context(), kernels, {"k-1": {"path": "one.ipynb"}})
             finally:
                 lease.release()
     finally:
@@ -557,7 +564,7 @@ def test_a_process_of_a_kernel_with_an_empty_id_keeps_that_id(
             "memory_used": 8 * GiB, "utilization_pct": 0, "processes": [
                 {"pid": kernels.pid(""), "used_memory": 8 * GiB, "user": ME}]}])
         with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-            data = payloads.holders_payload(state, kernels, {})
+            data = payloads.holders_payload(state.context(), kernels, {})
     finally:
         kernels.close()
     (holder,) = data["holders"]

@@ -622,7 +622,7 @@ async def test_a_dry_run_move_plans_and_records_nothing(
     kid = await start_kernel(jp_fetch)
     data = await get_json(jp_fetch, *move(kid), method="POST",
                           body=json.dumps({"target": "best", "dry_run": True}))
-    assert data == {"dry_run": True, "plan": PLAN_TO_A, "target": [A],
+    assert data == {"dry_run": True, "pending": False, "plan": PLAN_TO_A, "target": [A],
                     "target_labels": ["GPU 0"], "message": PLAN_TO_A, "picked": None,
                     "note": None}
     prov = kernel_provisioner(jp_serverapp, kid)
@@ -677,7 +677,7 @@ async def test_a_move_restarts_the_kernel_on_the_target(
     old_pid = kernel_provisioner(jp_serverapp, kid).pid
     data = await get_json(jp_fetch, *move(kid), method="POST",
                           body=json.dumps({"target": "--best"}))
-    assert data == {"dry_run": False, "plan": PLAN_TO_A, "target": [A],
+    assert data == {"dry_run": False, "pending": False, "plan": PLAN_TO_A, "target": [A],
                     "target_labels": ["GPU 0"],
                     "message": "The kernel restarted on GPU 0; its state (variables) was lost.",
                     "picked": [A], "note": "moved at your request: the kernel's state was lost"}

@@ -32,7 +32,7 @@ from autogpu_jupyter.core.contract import SERVER_ROOT_ENV
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.errors import NVMLUnavailableError, UsageErrorBase
 from autogpu_jupyter.server import _TO_SERVER_LOG, handlers, moving, payloads, state
-from autogpu_jupyter.server.state import AutoGPUServer
+from autogpu_jupyter.server.state import AutoGPUServer, ServerContext
 from tests.unit import test_server_handlers as th
 
 # the Jupyter server of the handler tests: a simulated fleet of two A100s, the extension on
@@ -160,8 +160,7 @@ def test_a_move_is_planned_by_the_server_over_the_servers_smoothing_window(
     sampler's mean utilisation is taken over ``smoothing_window_s``, and a server whose sampler
     cannot run plans without it."""
     sampler = _Sampler() if with_sampler else None
-    server = SimpleNamespace(registry=lambda: None, sampler=lambda: sampler,
-                             smoothing_window_s=12.5)
+    server = ServerContext(sampler=sampler, smoothing_window_s=12.5)  # type: ignore[arg-type]
     prov = _provisioner(tmp_path / "move.json")
     plan = moving.plan_or_request(server, prov, "k-1", moving.MoveBody("best", dry_run))
     assert (plan.message, plan.request.source, plan.request.kernel_id,
@@ -217,7 +216,7 @@ async def test_a_move_answers_where_the_restarted_kernel_runs(
     monkeypatch.setattr(jp_serverapp.kernel_manager, "restart_kernel", restart_kernel)
     data = await th.get_json(jp_fetch, *th.move("k-1"), method="POST",
                              body=json.dumps({"target": "best"}))
-    assert data == {"dry_run": False, "plan": th.PLAN_TO_A, "target": [A],
+    assert data == {"dry_run": False, "pending": False, "plan": th.PLAN_TO_A, "target": [A],
                     "target_labels": ["GPU 0"],
                     "message": "The kernel restarted on GPU 0; its state (variables) was lost.",
                     "picked": [A], "note": MOVED}
