@@ -454,6 +454,46 @@ def test_an_overload_with_no_better_device_names_none(
     assert overload_of(data) == (CROWDED, None)
 
 
+def test_a_listing_ranks_each_overloaded_kernels_question_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """k-1 holds GPUs 0 and 1, both filled by bob: its warning names each and the same better
+    device (GPU 2), asked through the one decision pipeline once for the whole listing, not
+    once per overloaded device (and never for k-2, which holds no GPU). Counted at
+    ``core.decision.decide``, the pipeline's ranking step."""
+    from autogpu_jupyter.core import decision
+
+    def full(uuid: str, pid: int) -> dict[str, Any]:
+        return {"uuid": uuid, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+                "memory_used": 78 * GiB, "utilization_pct": 10, "processes": [
+                    {"pid": kernels.pid("k-1"), "used_memory": 8 * GiB, "user": ME},
+                    {"pid": pid, "used_memory": 70 * GiB, "user": "bob"}]}
+
+    spare = {"uuid": C, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0,
+             "utilization_pct": 0}
+    fleet_file = write_fleet(tmp_path / "fleet.json", [full(A, 51002), full(B, 51003), spare])
+    ranked: list[Constraints] = []
+    decide = decision.decide
+
+    def counting(context: decision.Context, constraints: Constraints) -> decision.Decision:
+        ranked.append(constraints)
+        return decide(context, constraints)
+
+    monkeypatch.setattr(decision, "decide", counting)
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        data = payloads.holders_payload(state.context(), kernels, {})
+        assert len(ranked) == 1  # one listing, one overloaded kernel: one ranking
+        payloads.holders_payload(state.context(), kernels, {})
+        assert len(ranked) == 2  # the next listing asks again (nothing kept between requests)
+    overload, better = overload_of(data)
+    assert better == {"uuid": C, "label": "GPU 2"}
+    assert overload == (
+        "GPU 0 (this kernel's GPU) is overloaded: memory 98% full, 1 other process. Better "
+        "now: GPU 2. GPU 1 (this kernel's GPU) is overloaded: memory 98% full, 1 other "
+        "process. Better now: GPU 2.")
+    assert overload_of(data, "k-2") == (None, None)
+
+
 def test_a_kernel_that_fills_its_gpu_itself_is_not_warned(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
 ) -> None:
