@@ -64,9 +64,8 @@ from autogpu_jupyter.server.state import (
 )
 
 if TYPE_CHECKING:
-    from autogpu_jupyter.core import Candidate, FleetSnapshot, Overload
+    from autogpu_jupyter.core import Alternative, Candidate, FleetSnapshot, Overload
     from autogpu_jupyter.core.leasing import LeaseRecord, LeaseStore
-    from autogpu_jupyter.core.overload import Alternative
 
 __all__ = [
     "devices_payload",
