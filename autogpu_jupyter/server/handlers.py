@@ -133,7 +133,7 @@ class DevicesHandler(_BaseHandler):
 
     @tornado.web.authenticated
     async def get(self) -> None:
-        payload = await self.state.run(payloads.devices_payload, self.state.context())
+        payload = await self.state.answer(payloads.devices_payload)
         self._finish_json(payload)
 
 
@@ -155,7 +155,7 @@ class HistoryHandler(_BaseHandler):
                     f"invalid since={payloads.short_repr(raw)}: expected a Unix timestamp in "
                     "seconds, e.g. 1718000000.5",
                 )
-        payload = await self.state.run(payloads.history_payload, self.state.context(), since)
+        payload = await self.state.answer(payloads.history_payload, since)
         self._finish_json(payload)
 
 
@@ -165,9 +165,7 @@ class HoldersHandler(_BaseHandler):
     @tornado.web.authenticated
     async def get(self) -> None:
         sessions = await payloads.kernel_sessions(self.session_manager)
-        payload = await self.state.run(
-            payloads.holders_payload, self.state.context(), self.kernel_manager, sessions
-        )
+        payload = await self.state.answer(payloads.holders_payload, self.kernel_manager, sessions)
         self._finish_json(payload)
 
 
@@ -182,8 +180,8 @@ class SelectHandler(_BaseHandler):
             environ = await self.state.run(
                 payloads.kernel_environ, self.kernel_manager, kernel_id
             )
-            payload = await self.state.run(
-                payloads.select_payload, self.state.context(), constraints, kernel_id, environ
+            payload = await self.state.answer(
+                payloads.select_payload, constraints, kernel_id, environ
             )
         except AutoGPUError as err:
             raise self._http_error(err) from err
@@ -222,7 +220,7 @@ class ClusterHandler(_BaseHandler):
         except AutoGPUError as err:
             raise self._http_error(err) from err
         # urllib blocks: on the executor, never on the IOLoop.
-        payload = await self.state.run(payloads.cluster_payload, self.state.context(), constraints)
+        payload = await self.state.answer(payloads.cluster_payload, constraints)
         self._finish_json(payload)
 
 
@@ -235,9 +233,7 @@ class ClusterHistoryHandler(_BaseHandler):
             seconds = check_history_s(self.get_argument("seconds", "86400"))
         except AutoGPUError as err:
             raise self._http_error(err) from err
-        payload = await self.state.run(
-            payloads.cluster_history_payload, self.state.context(), seconds
-        )
+        payload = await self.state.answer(payloads.cluster_history_payload, seconds)
         self._finish_json(payload)
 
 
@@ -309,9 +305,7 @@ class MoveHandler(_BaseHandler):
 
     async def _move(self, kernel_id: str, prov: Any, body: moving.MoveBody) -> MoveAnswer:
         try:
-            plan = await self.state.run(
-                moving.plan_or_request, self.state.context(), prov, kernel_id, body
-            )
+            plan = await self.state.answer(moving.plan_or_request, prov, kernel_id, body)
         except (UsageErrorBase, NoDeviceFitsError) as err:
             raise http_error(400, _one_paragraph(err)) from err
         except AutoGPUError as err:

@@ -266,6 +266,11 @@ class AutoGPUServer(LoggingConfigurable):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, func, *args)
 
+    async def answer(self, func: Callable[..., T], *args: Any) -> T:
+        """``func(self.context(), *args)`` on the executor: a payload function with this
+        server's context (made there: making it may start the sampler, which may call NVML)."""
+        return await self.run(lambda: func(self.context(), *args))
+
     def stop(self) -> None:
         self.executor.shutdown(wait=False)
 
