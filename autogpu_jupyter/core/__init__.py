@@ -76,6 +76,7 @@ if TYPE_CHECKING:
     from autogpu_jupyter.core.options import from_namespace as options_from_namespace
     from autogpu_jupyter.core.options import join_negative_values as join_negative_values
     from autogpu_jupyter.core.options import parse as parse_options
+    from autogpu_jupyter.core.overload import Alternative as Alternative
     from autogpu_jupyter.core.overload import Overload as Overload
     from autogpu_jupyter.core.overload import Thresholds as Thresholds
     from autogpu_jupyter.core.overload import alternative_constraints as alternative_constraints
@@ -161,6 +162,7 @@ __all__ = [
     "SERVER_ROOT_ENV",
     # Moves and overload
     "grant_environ",
+    "Alternative",
     "Overload",
     "Thresholds",
     "detect_overload",
@@ -260,6 +262,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "SERVER_ROOT_ENV": ("contract", "SERVER_ROOT_ENV"),
     # Moves and overload
     "grant_environ": ("moves", "grant_environ"),
+    "Alternative": ("overload", "Alternative"),
     "Overload": ("overload", "Overload"),
     "Thresholds": ("overload", "Thresholds"),
     "detect_overload": ("overload", "detect"),

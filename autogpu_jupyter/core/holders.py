@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from autogpu_jupyter.core.units import format_bytes
 
@@ -38,7 +38,7 @@ class Holder:
     mine: bool = False
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> Literal["lease", "process", "lease+process"]:
         """``lease``, ``process`` or ``lease+process`` (a lease whose holder uses the GPU)."""
         if self.lease_id is not None and self.used_memory_bytes is not None:
             return "lease+process"

@@ -37,7 +37,7 @@ def install(state: AutoGPUServer, kernel_manager: Any) -> bool:
         kernel_manager.cull_idle_timeout = int(max(1, limit))
 
     async def cull_kernel_if_idle(kernel_id: str) -> None:
-        holders = await state.run(payloads.gpu_kernel_ids, state, kernel_manager)
+        holders = await state.answer(payloads.gpu_kernel_ids, kernel_manager)
         timeout = limit if kernel_id in holders else general
         if timeout <= 0:
             return

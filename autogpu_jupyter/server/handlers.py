@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import tornado.web
@@ -23,6 +24,17 @@ from jupyter_server.utils import url_path_join
 from autogpu_jupyter.core import check_history_s
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBase
 from autogpu_jupyter.server import moving, payloads
+from autogpu_jupyter.server.schema import (
+    CancelAnswer,
+    ClusterAnswer,
+    ClusterHistoryAnswer,
+    DevicesAnswer,
+    ErrorAnswer,
+    HistoryAnswer,
+    HoldersAnswer,
+    MoveAnswer,
+    SelectAnswer,
+)
 from autogpu_jupyter.server.state import AutoGPUServer
 
 __all__ = ["API_PREFIX", "HANDLERS", "NAMESPACE", "setup_handlers"]
@@ -31,6 +43,11 @@ NAMESPACE = "autogpu"
 #: Where the current API lives under the namespace: ``{base_url}/autogpu/api/v1/<path>``.
 API_PREFIX = "api/v1"
 _AUTH_PARAMS = frozenset({"token", "_xsrf"})
+#: What a handler answers with 200 (server/schema.py).
+Answer = (
+    DevicesAnswer | HistoryAnswer | HoldersAnswer | SelectAnswer | ClusterAnswer
+    | ClusterHistoryAnswer | MoveAnswer | CancelAnswer
+)
 
 
 class _BaseHandler(APIHandler):
@@ -71,7 +88,7 @@ class _BaseHandler(APIHandler):
         # jupyter_server's prepare is a coroutine (tornado awaits what this returns)
         return super().prepare(**kwargs)
 
-    def _finish_json(self, payload: dict[str, Any]) -> None:
+    def _finish_json(self, payload: Answer) -> None:
         self.set_header("Content-Type", "application/json")
         self.set_header("Cache-Control", "no-store")
         self.finish(json.dumps(payload, allow_nan=False))
@@ -90,7 +107,8 @@ class _BaseHandler(APIHandler):
             except (TypeError, ValueError):
                 message = exc.log_message
             self.set_header("Content-Type", "application/json")
-            self.finish(json.dumps({"message": message, "reason": exc.reason}))
+            answer: ErrorAnswer = {"message": message, "reason": exc.reason}
+            self.finish(json.dumps(answer))
             return
         super().write_error(status_code, **kwargs)
 
@@ -115,7 +133,7 @@ class DevicesHandler(_BaseHandler):
 
     @tornado.web.authenticated
     async def get(self) -> None:
-        payload = await self.state.run(payloads.devices_payload, self.state)
+        payload = await self.state.answer(payloads.devices_payload)
         self._finish_json(payload)
 
 
@@ -137,7 +155,7 @@ class HistoryHandler(_BaseHandler):
                     f"invalid since={payloads.short_repr(raw)}: expected a Unix timestamp in "
                     "seconds, e.g. 1718000000.5",
                 )
-        payload = await self.state.run(payloads.history_payload, self.state, since)
+        payload = await self.state.answer(payloads.history_payload, since)
         self._finish_json(payload)
 
 
@@ -147,16 +165,14 @@ class HoldersHandler(_BaseHandler):
     @tornado.web.authenticated
     async def get(self) -> None:
         sessions = await payloads.kernel_sessions(self.session_manager)
-        payload = await self.state.run(
-            payloads.holders_payload, self.state, self.kernel_manager, sessions
-        )
+        payload = await self.state.answer(payloads.holders_payload, self.kernel_manager, sessions)
         self._finish_json(payload)
 
 
 class SelectHandler(_BaseHandler):
     """``GET|POST select``: a dry-run pick (no lease), the same policy as ``%gpu pick``."""
 
-    async def _select(self, params: dict[str, Any]) -> None:
+    async def _select(self, params: Mapping[str, object]) -> None:
         try:
             constraints = payloads.parse_constraints(params)
             kernel_id = payloads.parse_kernel_id(params.get("kernel_id"))
@@ -164,8 +180,8 @@ class SelectHandler(_BaseHandler):
             environ = await self.state.run(
                 payloads.kernel_environ, self.kernel_manager, kernel_id
             )
-            payload = await self.state.run(
-                payloads.select_payload, self.state, constraints, kernel_id, environ
+            payload = await self.state.answer(
+                payloads.select_payload, constraints, kernel_id, environ
             )
         except AutoGPUError as err:
             raise self._http_error(err) from err
@@ -204,7 +220,7 @@ class ClusterHandler(_BaseHandler):
         except AutoGPUError as err:
             raise self._http_error(err) from err
         # urllib blocks: on the executor, never on the IOLoop.
-        payload = await self.state.run(payloads.cluster_payload, self.state, constraints)
+        payload = await self.state.answer(payloads.cluster_payload, constraints)
         self._finish_json(payload)
 
 
@@ -217,7 +233,7 @@ class ClusterHistoryHandler(_BaseHandler):
             seconds = check_history_s(self.get_argument("seconds", "86400"))
         except AutoGPUError as err:
             raise self._http_error(err) from err
-        payload = await self.state.run(payloads.cluster_history_payload, self.state, seconds)
+        payload = await self.state.answer(payloads.cluster_history_payload, seconds)
         self._finish_json(payload)
 
 
@@ -275,8 +291,7 @@ class MoveHandler(_BaseHandler):
             self._finish_json(moving.pending_payload(plan))
             return
         self.state.move_plans.pop(kernel_id, None)
-        payload = moving.result_payload(plan, prov, False, self.state.labels())
-        self._finish_json({**payload, "pending": False})
+        self._finish_json(moving.result_payload(plan, prov, False, self.state.labels()))
 
     @tornado.web.authenticated
     async def delete(self, kernel_id: str) -> None:
@@ -285,11 +300,12 @@ class MoveHandler(_BaseHandler):
         was = await self.state.run(moving.pending, prov)
         await self.state.run(moving.cancel, prov)
         self.state.move_plans.pop(kernel_id, None)
-        self._finish_json({"cancelled": was})
+        cancelled: CancelAnswer = {"cancelled": was}
+        self._finish_json(cancelled)
 
-    async def _move(self, kernel_id: str, prov: Any, body: moving.MoveBody) -> dict[str, Any]:
+    async def _move(self, kernel_id: str, prov: Any, body: moving.MoveBody) -> MoveAnswer:
         try:
-            plan = await self.state.run(moving.plan_or_request, self.state, prov, kernel_id, body)
+            plan = await self.state.answer(moving.plan_or_request, prov, kernel_id, body)
         except (UsageErrorBase, NoDeviceFitsError) as err:
             raise http_error(400, _one_paragraph(err)) from err
         except AutoGPUError as err:

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 from autogpu_jupyter.core import ProvisionerState, moves
 from autogpu_jupyter.errors import UsageErrorBase
 from autogpu_jupyter.server.payloads import parse_json_object, short_repr
+from autogpu_jupyter.server.schema import MoveAnswer
 
 if TYPE_CHECKING:
-    from autogpu_jupyter.server.state import AutoGPUServer
+    from autogpu_jupyter.server.state import ServerContext
 
 __all__ = [
     "MoveBody", "cancel", "is_movable", "parse_move_body", "pending", "pending_payload",
@@ -94,7 +95,7 @@ def is_movable(provisioner: Any) -> bool:
 
 
 def plan_or_request(
-    state: AutoGPUServer, provisioner: Any, kernel_id: str, body: MoveBody
+    ctx: ServerContext, provisioner: Any, kernel_id: str, body: MoveBody
 ) -> moves.MovePlan:
     """Plan the move (``dry_run``) or plan and record it for the kernel's next restart.
 
@@ -108,10 +109,10 @@ def plan_or_request(
     NoDeviceFitsError
         ``best`` and no other device fits.
     """
-    registry = state.registry()
+    registry = ctx.store()
     if registry is not None:  # the kernel's own lease does not count against its move
         registry = registry.hiding(kernel_id=kernel_id)
-    sampler = state.sampler()
+    sampler = ctx.sampler
     kwargs: dict[str, Any] = {
         "current_uuids": tuple(provisioner.autogpu_picked or ()),
         "constraints": provisioner.autogpu_constraints,
@@ -119,7 +120,7 @@ def plan_or_request(
         "store": registry,
         "source": "server",
         "smoothed_util": None if sampler is None else sampler.smoothed_util(
-            state.smoothing_window_s
+            ctx.smoothing_window_s
         ),
     }
     if body.dry_run:
@@ -141,8 +142,9 @@ def _labels(uuids: tuple[str, ...], known: Mapping[str, str]) -> str:
 def result_payload(
     plan: moves.MovePlan, provisioner: Any, dry_run: bool,
     labels: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
-    """The endpoint's answer, with the message the sidebar shows.
+) -> MoveAnswer:
+    """The endpoint's answer, with the message the sidebar shows (``pending`` false: the move
+    is planned or done; :func:`pending_payload` answers while it waits).
 
     ``target`` is where the plan meant to go; ``picked`` is where the restarted kernel is now
     (the provisioner's pick, which differs from the plan only if the devices changed in between:
@@ -150,14 +152,18 @@ def result_payload(
     """
     planned = tuple(d.uuid for d in plan.target)
     known = {**(labels or {}), **{d.uuid: d.label for d in plan.target}}
-    out: dict[str, Any] = {
+    out: MoveAnswer = {
         "dry_run": dry_run,
+        "pending": False,
         "plan": plan.message,
         "target": list(planned),
         "target_labels": [d.label for d in plan.target],
+        "message": plan.message,
+        "picked": None,
+        "note": None,
     }
     if dry_run:
-        return {**out, "message": plan.message, "picked": None, "note": None}
+        return out
     state = provisioner if isinstance(provisioner, ProvisionerState) else None
     picked = tuple(state.autogpu_picked or ()) if state is not None else ()
     note = state.autogpu_note if state is not None else None
@@ -175,7 +181,10 @@ def result_payload(
             + (f": {why}" if why else "")
             + ". Its state (variables) was lost."
         )
-    return {**out, "message": message, "picked": list(picked), "note": note}
+    out["message"] = message
+    out["picked"] = list(picked)
+    out["note"] = note
+    return out
 
 
 def pending(provisioner: Any) -> bool:
@@ -184,7 +193,7 @@ def pending(provisioner: Any) -> bool:
     return bool(path) and path is not None and moves.read_move(path) is not None
 
 
-def pending_payload(plan: moves.MovePlan) -> dict[str, Any]:
+def pending_payload(plan: moves.MovePlan) -> MoveAnswer:
     """The answer while a recorded move waits for the kernel's restart."""
     labels = ", ".join(d.label for d in plan.target)
     return {

@@ -12,11 +12,10 @@ import os
 import re
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from traitlets import TraitError
 
-from autogpu_jupyter.config import AutoGPU
 from autogpu_jupyter.core import (
     Constraints,
     PickOptions,
@@ -41,11 +40,32 @@ from autogpu_jupyter.errors import (
     NVMLUnavailableError,
     UsageErrorBase,
 )
-from autogpu_jupyter.server.state import kernel_pid_map, owning_kernel, redact
+from autogpu_jupyter.server.schema import (
+    BetterDevice,
+    CandidateJSON,
+    ClusterAnswer,
+    ClusterHistoryAnswer,
+    ConstraintsJSON,
+    DevicesAnswer,
+    HistoryAnswer,
+    HistorySeries,
+    HolderJSON,
+    HoldersAnswer,
+    HostHistoryJSON,
+    KernelJSON,
+    SelectAnswer,
+)
+from autogpu_jupyter.server.state import (
+    KernelSource,
+    ServerContext,
+    kernel_pid_map,
+    owning_kernel,
+    redact,
+)
 
 if TYPE_CHECKING:
-    from autogpu_jupyter.core import FleetSnapshot
-    from autogpu_jupyter.server.state import AutoGPUServer
+    from autogpu_jupyter.core import Alternative, Candidate, FleetSnapshot, Overload
+    from autogpu_jupyter.core.leasing import LeaseRecord, LeaseStore
 
 __all__ = [
     "devices_payload",
@@ -76,9 +96,9 @@ class _LatestBackend:
         return self._snapshot
 
 
-def latest_snapshot(state: AutoGPUServer) -> FleetSnapshot | None:
+def latest_snapshot(ctx: ServerContext) -> FleetSnapshot | None:
     """The sampler's latest snapshot, waiting (on the executor) for its first sweep."""
-    sampler = state.sampler()
+    sampler = ctx.sampler
     if sampler is None:
         return None
     deadline = time.monotonic() + FIRST_SAMPLE_WAIT_S
@@ -91,11 +111,11 @@ def latest_snapshot(state: AutoGPUServer) -> FleetSnapshot | None:
     return snap
 
 
-def _sampler_errors(state: AutoGPUServer) -> list[str]:
+def _sampler_errors(ctx: ServerContext) -> list[str]:
     errors: list[str] = []
-    if state.sampler_error:
-        errors.append(state.sampler_error)
-    sampler = state.sampler()
+    if ctx.sampler_error:
+        errors.append(ctx.sampler_error)
+    sampler = ctx.sampler
     if sampler is None or not sampler.errors:
         return errors
     last = sampler.errors[-1]
@@ -106,13 +126,13 @@ def _sampler_errors(state: AutoGPUServer) -> list[str]:
     return errors
 
 
-def devices_payload(state: AutoGPUServer) -> dict[str, Any]:
+def devices_payload(ctx: ServerContext) -> DevicesAnswer:
     """``GET devices``: ``FleetSnapshot.to_dict()`` plus the sampling interval.
 
     Other users' process command lines are ``null`` unless ``expose_commands``.
     """
-    snap = latest_snapshot(state)
-    errors = _sampler_errors(state)
+    snap = latest_snapshot(ctx)
+    errors = _sampler_errors(ctx)
     if snap is None:
         return {
             "timestamp_s": time.time(),
@@ -121,47 +141,46 @@ def devices_payload(state: AutoGPUServer) -> dict[str, Any]:
             "driver_version": None,
             "errors": errors or ["no sample yet"],
             "devices": [],
-            "interval_s": state.interval_s,
+            "interval_s": ctx.interval_s,
         }
-    payload = snap.to_dict()
+    # FleetSnapshot.to_dict is core's (untyped) JSON; schema.DeviceJSON names its fields
+    # (tests/unit/test_wire_schema.py holds the two together)
+    payload = cast("DevicesAnswer", {**snap.to_dict(), "interval_s": ctx.interval_s})
     for dev in payload["devices"]:
-        for proc in dev.get("processes") or ():
-            proc["command"] = redact(
-                proc.get("user"), proc.get("command"), state.user, state.expose_commands
-            )
+        for proc in dev["processes"] or ():
+            proc["command"] = redact(proc["user"], proc["command"], ctx.user, ctx.expose_commands)
     payload["errors"] = list(payload["errors"]) + [e for e in errors if e not in payload["errors"]]
-    payload["interval_s"] = state.interval_s
     return payload
 
 
-def _finite(value: Any) -> float | None:
+def _finite(value: object) -> float | None:
     if value is None:
         return None
     try:
-        f = float(value)
+        f = float(value)  # type: ignore[arg-type]  # a pandas cell: any number, NaN, None
     except (TypeError, ValueError):
         return None
     return f if math.isfinite(f) else None
 
 
-def _int_or_none(value: Any) -> int | None:
+def _int_or_none(value: object) -> int | None:
     f = _finite(value)
     return None if f is None else int(f)
 
 
-def history_payload(state: AutoGPUServer, since_s: float | None) -> dict[str, Any]:
+def history_payload(ctx: ServerContext, since_s: float | None) -> HistoryAnswer:
     """``GET history``: one series per device (oldest first), newer than ``since_s``.
 
     Each series holds at most ``max_history_points`` samples (the newest).
     """
-    sampler = state.sampler()
-    out: dict[str, Any] = {
-        "interval_s": state.interval_s,
-        "history_s": state.history_s,
+    sampler = ctx.sampler
+    out: HistoryAnswer = {
+        "interval_s": ctx.interval_s,
+        "history_s": ctx.history_s,
         "since_s": since_s,
         "until_s": since_s,
         "series": [],
-        "errors": _sampler_errors(state),
+        "errors": _sampler_errors(ctx),
     }
     if sampler is None:
         return out
@@ -169,14 +188,14 @@ def history_payload(state: AutoGPUServer, since_s: float | None) -> dict[str, An
     window_s = None
     if since_s is not None and latest is not None:
         # history_frame takes a window relative to the newest sample; ``since`` is absolute.
-        window_s = max(latest.timestamp_s - since_s, 0.0) + state.interval_s
+        window_s = max(latest.timestamp_s - since_s, 0.0) + ctx.interval_s
     frame = sampler.history_frame(since_s=window_s)
     if len(frame) == 0:
         return out
     if since_s is not None:  # ``since`` is exclusive: the client passes its last timestamp
         frame = frame[frame["timestamp_s"] > since_s]
-    cap = max(1, state.max_history_points)
-    series = []
+    cap = max(1, ctx.max_history_points)
+    series: list[HistorySeries] = []
     until = since_s
     for uuid, rows in frame.groupby("uuid", sort=False):
         group = rows.sort_values("timestamp_s").tail(cap)
@@ -198,40 +217,52 @@ def history_payload(state: AutoGPUServer, since_s: float | None) -> dict[str, An
     return out
 
 
-async def kernel_sessions(session_manager: Any) -> dict[str, dict[str, Any]]:
+class SessionSource(Protocol):
+    """What :func:`kernel_sessions` reads of jupyter_server's ``SessionManager``."""
+
+    async def list_sessions(self) -> list[dict[str, Any]]: ...  # jupyter_server's JSON
+
+
+#: Kernel id -> its session's ``path``, ``name`` and ``type`` (``None`` where not said).
+Sessions = Mapping[str, Mapping[str, "str | None"]]
+
+
+async def kernel_sessions(
+    session_manager: SessionSource | None,
+) -> dict[str, dict[str, str | None]]:
     """Kernel id -> ``{"path", "name", "type"}`` of this server's sessions (notebooks, consoles)."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, dict[str, str | None]] = {}
     if session_manager is None:
         return out
     for session in await session_manager.list_sessions():
         kernel = session.get("kernel") or {}
         kid = kernel.get("id")
         if kid:
-            out[kid] = {
-                "path": session.get("path"),
-                "name": session.get("name"),
-                "type": session.get("type"),
-            }
+            out[kid] = {key: _str_or_none(session.get(key)) for key in ("path", "name", "type")}
     return out
 
 
+def _str_or_none(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
 def _lease_records(
-    state: AutoGPUServer, include_tickets: bool = False
-) -> tuple[list[Any], list[str]]:
+    ctx: ServerContext, include_tickets: bool = False
+) -> tuple[list[LeaseRecord], list[str]]:
     try:
-        registry = state.registry()
+        registry = ctx.store()
         if registry is None:
             return [], []
         return registry.list_leases(include_tickets=include_tickets), []
     except AutoGPUError as err:
         return [], [f"lease registry: {err}"]
     except OSError as err:
-        return [], [f"lease registry {state.registry_dir!r}: {err.strerror or err}"]
+        return [], [f"lease registry {ctx.registry_dir!r}: {err.strerror or err}"]
 
 
 def holders_payload(
-    state: AutoGPUServer, kernel_manager: Any, sessions: Mapping[str, Mapping[str, Any]]
-) -> dict[str, Any]:
+    ctx: ServerContext, kernel_manager: KernelSource | None, sessions: Sessions
+) -> HoldersAnswer:
     """``GET holders``: per device, who holds it, joined by :mod:`core.holders` (the one holder
     model of ``%gpu``, the panel and ``autogpu list``): a lease, a GPU process, or both matched
     by pid (``kind`` ``lease``, ``process``, ``lease+process``), each with the memory it books
@@ -241,13 +272,13 @@ def holders_payload(
     trees (or a lease of this server's uid naming one of its kernels) is ``this_server``, with
     that kernel's id and its session's notebook path.
     """
-    snap = latest_snapshot(state)
-    errors = _sampler_errors(state)
+    snap = latest_snapshot(ctx)
+    errors = _sampler_errors(ctx)
     kernel_pids = kernel_pid_map(kernel_manager) if kernel_manager is not None else {}
     our_kernels = set(kernel_pids.values())
     if kernel_manager is not None:
         our_kernels.update(kernel_manager.list_kernel_ids())
-    everything, lease_errors = _lease_records(state, include_tickets=True)
+    everything, lease_errors = _lease_records(ctx, include_tickets=True)
     server_uid = os.geteuid()
     for e in lease_errors:
         if e not in errors:
@@ -260,7 +291,7 @@ def holders_payload(
         for r in everything
         if r.kind == "ticket" and r.kernel_id and r.uid == server_uid
     }
-    holders: list[dict[str, Any]] = []
+    holders: list[HolderJSON] = []
     if snap is not None:
         kernel_of_pid = {}
         for dev in snap.devices:
@@ -301,7 +332,7 @@ def holders_payload(
                         "used_memory_bytes": h.used_memory_bytes,
                         "exclusive": h.exclusive,
                         "created_s": rec.created_s if rec is not None else None,
-                        "command": redact(h.user, command, state.user, state.expose_commands),
+                        "command": redact(h.user, command, ctx.user, ctx.expose_commands),
                     }
                 )
     # each kernel's environment as it started: its allocation, the grant it would move within
@@ -312,7 +343,7 @@ def holders_payload(
         else []
     )
     overloads = kernel_overloads(
-        state, kernels, holders, snap, records, kernel_options(kernel_manager), environs
+        ctx, kernels, holders, snap, records, kernel_options(kernel_manager), environs
     )
     for info in kernels:
         found = overloads.get(info["kernel_id"])
@@ -322,7 +353,7 @@ def holders_payload(
     return {
         "timestamp_s": snap.timestamp_s if snap is not None else time.time(),
         "simulated": snap.simulated if snap is not None else False,
-        "user": state.user,
+        "user": ctx.user,
         "holders": holders,
         "kernels": kernels,
         "errors": errors,
@@ -330,14 +361,14 @@ def holders_payload(
 
 
 def kernel_overloads(
-    state: AutoGPUServer,
-    kernels: list[dict[str, Any]],
-    holders: list[dict[str, Any]],
+    ctx: ServerContext,
+    kernels: Sequence[KernelJSON],
+    holders: Sequence[HolderJSON],
     snap: FleetSnapshot | None,
-    records: Sequence[Any] = (),
+    records: Sequence[LeaseRecord] = (),
     options: Mapping[str, Constraints] | None = None,
     environs: Mapping[str, Mapping[str, str] | None] | None = None,
-) -> dict[str, tuple[str, dict[str, str] | None]]:
+) -> dict[str, tuple[str, BetterDevice | None]]:
     """Kernel id -> the overload warning for the GPU(s) it holds (the panel's own words, from
     :func:`core.overload.detect` over the server's sampler history) and the better device, for
     this server's kernels whose GPU other processes overload. The sidebar turns the warning
@@ -348,55 +379,67 @@ def kernel_overloads(
     of the kernel's lease, the kernel's own lease hidden, the server's grant), so the warning
     printed in the notebook, the notification and the sidebar name the same device. The grant
     is the kernel's own (its environment as it started, from ``environs``), else the server's.
+
+    Each kernel's question is ranked once per request (:func:`core.decision.decide` through
+    ``best_alternative``), however many of its devices are overloaded: :func:`core.overload.detect`
+    asks it once per overloaded device, with the same devices.
     """
-    sampler = state.sampler()
+    sampler = ctx.sampler
     if snap is None or sampler is None or not kernels:
         return {}
     held: dict[str, list[str]] = {}
     own: dict[str, set[int]] = {}
     for h in holders:
-        kid = h.get("kernel_id")
-        if not kid or not h.get("this_server"):
+        kid = h["kernel_id"]
+        if not kid or not h["this_server"]:
             continue
         if h["uuid"] not in held.setdefault(kid, []):
             held[kid].append(h["uuid"])
-        if h.get("used_memory_bytes") is not None and h.get("pid") is not None:
-            own.setdefault(kid, set()).add(int(h["pid"]))
+        pid = h["pid"]
+        if h["used_memory_bytes"] is not None and pid is not None:
+            own.setdefault(kid, set()).add(int(pid))
     for info in kernels:
-        for uuid in info.get("picked_uuids") or ():
+        for uuid in info["picked_uuids"] or ():
             if uuid not in held.setdefault(info["kernel_id"], []):
                 held[info["kernel_id"]].append(uuid)
     if not held:
         return {}
     try:
-        thresholds = Thresholds.from_config(AutoGPU(parent=state.parent))
+        thresholds = Thresholds.from_config(ctx.settings())
     except (ValueError, TypeError, TraitError):  # a bad threshold in the config: the defaults
         thresholds = Thresholds()
-    history = sampler.history_series(since_s=thresholds.window_s + 3 * state.interval_s)
+    history = sampler.history_series(since_s=thresholds.window_s + 3 * ctx.interval_s)
     smoothed = sampler.smoothed_util(60.0)
     options = options or {}
     environs = environs or {}
     uid = os.geteuid()
     try:
-        registry = state.registry()
+        registry = ctx.store()
     except (AutoGPUError, OSError):
         registry = None
-    out: dict[str, tuple[str, dict[str, str] | None]] = {}
+    out: dict[str, tuple[str, BetterDevice | None]] = {}
     for kid, uuids in held.items():
         lease = next(
             (r for r in records if r.kernel_id == kid and r.uid == uid), None
         )
         pids = own.get(kid, set())
 
-        def alternative(kernel_uuids: Any, kid: str = kid, lease: Any = lease,
-                        pids: set[int] = pids) -> Any:
-            view = registry.hiding(kernel_id=kid) if registry is not None else None
-            grant = kernel_grant(snap, tuple(kernel_uuids), environs.get(kid))
-            return best_alternative(
-                snap, kernel_uuids, smoothed,
-                constraints=alternative_constraints(lease, options.get(kid)),
-                store=view, environ=grant, self_pids=pids,
-            )
+        asked: dict[tuple[str, ...], Alternative | None] = {}
+
+        def alternative(kernel_uuids: Sequence[str], kid: str = kid,
+                        lease: LeaseRecord | None = lease, pids: set[int] = pids,
+                        asked: dict[tuple[str, ...], Alternative | None] = asked,
+                        ) -> Alternative | None:
+            key = tuple(kernel_uuids)
+            if key not in asked:  # the same question for each overloaded device: ranked once
+                view = registry.hiding(kernel_id=kid) if registry is not None else None
+                grant = kernel_grant(snap, key, environs.get(kid))
+                asked[key] = best_alternative(
+                    snap, key, smoothed,
+                    constraints=alternative_constraints(lease, options.get(kid)),
+                    store=view, environ=grant, self_pids=pids,
+                )
+            return asked[key]
 
         found = detect(history, snap, uuids, pids, thresholds, alternative=alternative)
         if found:
@@ -408,7 +451,7 @@ def kernel_overloads(
     return out
 
 
-def _overload_summary(w: Any) -> str:
+def _overload_summary(w: Overload) -> str:
     """The overload in one short sentence (JupyterLab notifications keep 140 characters):
     "GPU 0 (this kernel's GPU) is overloaded: memory 98% full, 1 other process. Better: GPU 1."
     """
@@ -421,7 +464,7 @@ def _overload_summary(w: Any) -> str:
     )
 
 
-def kernel_activity(km: Any, now_s: float | None = None) -> tuple[str | None, float | None]:
+def kernel_activity(km: object, now_s: float | None = None) -> tuple[str | None, float | None]:
     """A kernel's ``execution_state`` and how long it has been idle, in seconds, from
     jupyter_server's own bookkeeping (``last_activity``, the clock its idle culler uses).
     ``idle_s`` is ``None`` unless the kernel is idle now (busy is not idle; unknown is unknown)."""
@@ -433,7 +476,7 @@ def kernel_activity(km: Any, now_s: float | None = None) -> tuple[str | None, fl
     return state, max(0.0, round(now - float(last.timestamp()), 1))
 
 
-def kernel_options(kernel_manager: Any) -> dict[str, Constraints]:
+def kernel_options(kernel_manager: KernelSource | None) -> dict[str, Constraints]:
     """Kernel id -> the pick options of this server's autogpu kernels (their provisioners')."""
     out: dict[str, Constraints] = {}
     if kernel_manager is None:
@@ -466,7 +509,9 @@ def process_environ(pid: int | None, proc_root: str = "/proc") -> dict[str, str]
     return env
 
 
-def kernel_environ(kernel_manager: Any, kernel_id: str | None) -> dict[str, str] | None:
+def kernel_environ(
+    kernel_manager: KernelSource | None, kernel_id: str | None
+) -> dict[str, str] | None:
     """The environment one of this server's kernels started with (see
     :func:`process_environ`); ``None`` for an unknown kernel or an unreadable one."""
     if kernel_manager is None or not kernel_id:
@@ -493,11 +538,11 @@ def kernel_allowed_uuids(
 
 
 def kernel_infos(
-    kernel_manager: Any,
-    sessions: Mapping[str, Mapping[str, Any]],
+    kernel_manager: KernelSource,
+    sessions: Sessions,
     snap: FleetSnapshot | None = None,
     environs: Mapping[str, Mapping[str, str] | None] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[KernelJSON]:
     """This server's kernels: which can be moved (started by the autogpu provisioner) and where,
     their ``execution_state`` and ``idle_s`` (see :func:`kernel_activity`).
 
@@ -508,7 +553,7 @@ def kernel_infos(
     environment in ``environs``).
     """
     environs = environs or {}
-    out: list[dict[str, Any]] = []
+    out: list[KernelJSON] = []
     for kid in list(kernel_manager.list_kernel_ids()):
         try:
             km = kernel_manager.get_kernel(kid)
@@ -531,6 +576,10 @@ def kernel_infos(
                 "constraints_text": constraints.describe() if movable and constraints else None,
                 "note": state.autogpu_note if state is not None and movable else None,
                 "allowed_uuids": kernel_allowed_uuids(snap, environs.get(kid)),
+                # said by holders_payload, which knows the overloads and the waiting line
+                "overload": None,
+                "better": None,
+                "waiting": False,
             }
         )
     return out
@@ -543,7 +592,7 @@ _SELECT_EXTRA = ("kernel_id",)
 MAX_BODY_BYTES = 64 * 1024
 
 
-def parse_json_object(body: bytes | None, example: str) -> dict[str, Any]:
+def parse_json_object(body: bytes | None, example: str) -> dict[str, object]:
     """A request body as a JSON object, bounded in size and depth.
 
     Raises
@@ -574,7 +623,7 @@ def parse_json_object(body: bytes | None, example: str) -> dict[str, Any]:
     return value
 
 
-def short_repr(value: Any, limit: int = 60) -> str:
+def short_repr(value: object, limit: int = 60) -> str:
     """``repr(value)`` cut to ``limit`` characters (a message must stay one readable line)."""
     r = (
         repr(value)
@@ -584,7 +633,7 @@ def short_repr(value: Any, limit: int = 60) -> str:
     return r if len(r) <= limit else r[: limit - 12] + "…" + r[-10:]
 
 
-def parse_constraints(params: Mapping[str, Any]) -> Constraints:
+def parse_constraints(params: Mapping[str, object]) -> Constraints:
     """Constraints from query arguments or a JSON body: the one options boundary
     (:func:`autogpu_jupyter.core.options.parse`, JSON-style names), the magic's units and
     messages. ``kernel_id`` is accepted and left to :func:`parse_kernel_id`."""
@@ -592,7 +641,7 @@ def parse_constraints(params: Mapping[str, Any]) -> Constraints:
     return options.parse(params, style="key", ignore=_SELECT_EXTRA, accept=accept).constraints
 
 
-def _candidate_json(c: Any) -> dict[str, Any]:
+def _candidate_json(c: Candidate) -> CandidateJSON:
     return {
         "uuid": c.device.uuid,
         "label": c.device.label,
@@ -609,7 +658,7 @@ def _candidate_json(c: Any) -> dict[str, Any]:
 _KERNEL_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
-def parse_kernel_id(value: Any) -> str | None:
+def parse_kernel_id(value: object) -> str | None:
     """The ``kernel_id`` parameter of ``select``: ``None`` when absent, else a safe id."""
     if value is None or value == "":
         return None
@@ -622,11 +671,11 @@ def parse_kernel_id(value: Any) -> str | None:
 
 
 def select_payload(
-    state: AutoGPUServer,
+    ctx: ServerContext,
     constraints: Constraints,
     ignore_kernel_id: str | None = None,
     environ: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
+) -> SelectAnswer:
     """``select``: :func:`select_answer` over the sampler's latest sweep and the registry.
 
     A request nothing fits is a normal answer (``chosen`` empty, ``message`` says why), not an
@@ -636,19 +685,19 @@ def select_payload(
     ``environ``: that kernel's environment as it started, whose allocation bounds the answer (a
     notebook is never recommended a GPU its kernel cannot use); default the server's.
     """
-    snap = latest_snapshot(state)
+    snap = latest_snapshot(ctx)
     if snap is None:
         raise NVMLUnavailableError(
-            "no GPU data: " + ("; ".join(_sampler_errors(state)) or "the sampler has no sample yet")
+            "no GPU data: " + ("; ".join(_sampler_errors(ctx)) or "the sampler has no sample yet")
         )
-    sampler = state.sampler()
+    sampler = ctx.sampler
     smoothed = None
     if sampler is not None and hasattr(sampler, "smoothed_util"):
-        smoothed = sampler.smoothed_util(state.smoothing_window_s)
+        smoothed = sampler.smoothed_util(ctx.smoothing_window_s)
     registry = None
     notes: list[str] = []
     try:
-        registry = state.registry()
+        registry = ctx.store()
     except (AutoGPUError, OSError) as err:
         notes.append(f"lease registry unusable, bookings not counted: {err}")
     if environ is not None:
@@ -661,21 +710,24 @@ def select_payload(
 def select_answer(
     snap: FleetSnapshot,
     constraints: Constraints,
-    registry: Any,
-    smoothed: Mapping[str, float | None] | None = None,
+    registry: LeaseStore | None,
+    smoothed: dict[str, float | None] | None = None,
     ignore_kernel_id: str | None = None,
     notes: list[str] | None = None,
     environ: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
+) -> SelectAnswer:
     """The ``select`` answer for ``snap``: a dry-run pick through the one decision pipeline."""
     backend = _LatestBackend(snap)
     notes = [] if notes is None else notes
-    base: dict[str, Any] = {
-        "constraints": constraints.to_json(),
+    base: SelectAnswer = {
+        "constraints": _constraints_json(constraints),
         "constraints_text": constraints.describe(),
         "simulated": snap.simulated,
         "timestamp_s": snap.timestamp_s,
         "notes": notes,
+        "chosen": [],
+        "candidates": [],
+        "message": None,
     }
     if registry is not None and ignore_kernel_id is not None:
         registry = registry.hiding(kernel_id=ignore_kernel_id)
@@ -686,24 +738,25 @@ def select_answer(
         )
     except NoDeviceFitsError as err:
         candidates = err.candidates if isinstance(err.candidates, tuple) else ()
-        return {
-            **base,
-            "chosen": [],
-            "candidates": [_candidate_json(c) for c in candidates],
-            "message": str(err).splitlines()[0],
-        }
+        base["candidates"] = [_candidate_json(c) for c in candidates]
+        base["message"] = str(err).splitlines()[0]
+        return base
     except NoDeviceGrantedError as err:  # the server's own allocation grants no GPU
-        return {**base, "chosen": [], "candidates": [], "message": str(err)}
-    return {
-        **base,
-        "chosen": [{"uuid": d.uuid, "label": d.label, "name": d.name} for d in result.chosen],
-        "candidates": [_candidate_json(c) for c in result.candidates],
-        "allocation": result.allocation.describe(),
-        "message": None,
-    }
+        base["message"] = str(err)
+        return base
+    base["chosen"] = [{"uuid": d.uuid, "label": d.label, "name": d.name} for d in result.chosen]
+    base["candidates"] = [_candidate_json(c) for c in result.candidates]
+    base["allocation"] = result.allocation.describe()
+    return base
 
 
-def cluster_payload(state: AutoGPUServer, constraints: Constraints) -> dict[str, Any]:
+def _constraints_json(constraints: Constraints) -> ConstraintsJSON:
+    """``Constraints.to_json`` (core's untyped JSON) as the wire's type; schema.ConstraintsJSON
+    names its fields (tests/unit/test_wire_schema.py holds the two together)."""
+    return cast("ConstraintsJSON", constraints.to_json())
+
+
+def cluster_payload(ctx: ServerContext, constraints: Constraints) -> ClusterAnswer:
     """``GET cluster``: every host Prometheus holds (``core.cluster.fetch_cluster``), ranked for
     ``constraints`` by the local pick's policy (``rank_hosts``). The view is the server's
     shared one (``core.cluster.ClusterCache``: Prometheus is asked at most once per half scrape
@@ -712,29 +765,34 @@ def cluster_payload(state: AutoGPUServer, constraints: Constraints) -> dict[str,
     ``configured`` is false when ``c.AutoGPU.prometheus_url`` is empty; a Prometheus that cannot
     be asked gives no hosts and the reason in ``errors`` (the sidebar shows it).
     """
-    settings = AutoGPU(parent=state.parent)
+    settings = ctx.settings()
     url = settings.prometheus_url
-    base: dict[str, Any] = {
+    base: ClusterAnswer = {
         "configured": bool(url),
         "prometheus_url": url or None,
         "timestamp_s": time.time(),
-        "constraints": constraints.to_json(),
+        "constraints": _constraints_json(constraints),
         "constraints_text": constraints.describe(),
         "hosts": [],
         "ranking": [],
         "best": None,
         "errors": [],
     }
-    if not url:
+    if not url or ctx.cluster_cache is None:
         return base
     try:
         # shared by every sidebar: Prometheus is asked at most once per half scrape interval
-        cached = state.cluster_cache.get(url, settings.prometheus_timeout_s)
+        cached = ctx.cluster_cache.get(url, settings.prometheus_timeout_s)
     except AutoGPUError as err:
         base["errors"] = [str(err)]
         return base
     choices = cached.ranking(constraints)
-    base.update(cached.as_dict)
+    # ClusterView.to_dict: prometheus_url, timestamp_s, hosts (schema.ClusterHostJSON), errors
+    view = cached.as_dict
+    base["prometheus_url"] = view["prometheus_url"]
+    base["timestamp_s"] = view["timestamp_s"]
+    base["hosts"] = view["hosts"]
+    base["errors"] = view["errors"]
     base["ranking"] = [
         {
             "hostname": c.host.hostname,
@@ -751,12 +809,12 @@ def cluster_payload(state: AutoGPUServer, constraints: Constraints) -> dict[str,
     return base
 
 
-def cluster_history_payload(state: AutoGPUServer, seconds: float) -> dict[str, Any]:
+def cluster_history_payload(ctx: ServerContext, seconds: float) -> ClusterHistoryAnswer:
     """``GET cluster/history?seconds=<s>``: each host's mean GPU utilisation and memory taken
     over the last ``seconds`` from Prometheus range queries (``core.cluster.fetch_history``)."""
-    settings = AutoGPU(parent=state.parent)
+    settings = ctx.settings()
     url = settings.prometheus_url
-    base: dict[str, Any] = {
+    base: ClusterHistoryAnswer = {
         "configured": bool(url),
         "prometheus_url": url or None,
         "seconds": seconds,
@@ -773,7 +831,7 @@ def cluster_history_payload(state: AutoGPUServer, seconds: float) -> dict[str, A
         base["errors"] = [str(err)]
         return base
     base["step_s"] = step
-    base["hosts"] = [h.to_dict() for h in histories]
+    base["hosts"] = [_host_history_json(h.to_dict()) for h in histories]
     if client.rejected:  # a target's +Inf or NaN: left out of the history, and said so
         base["errors"] = [f"{len(client.rejected)} series had points that are not finite "
                           f"numbers, left out (e.g. {client.rejected[0].text()})"]
@@ -781,17 +839,22 @@ def cluster_history_payload(state: AutoGPUServer, seconds: float) -> dict[str, A
 
 
 
-def gpu_kernel_ids(state: AutoGPUServer, kernel_manager: Any) -> set[str]:
+def _host_history_json(host: Mapping[str, object]) -> HostHistoryJSON:
+    """``HostHistory.to_dict`` (core's untyped JSON) as the wire's type."""
+    return cast("HostHistoryJSON", host)
+
+
+def gpu_kernel_ids(ctx: ServerContext, kernel_manager: KernelSource) -> set[str]:
     """This server's kernels that hold a GPU: a live lease naming the kernel, a GPU process in
     the kernel's process tree (NVML), or the autogpu provisioner's pick at its start."""
     held: set[str] = set()
     ours = set(kernel_manager.list_kernel_ids())
-    records, _ = _lease_records(state)
+    records, _ = _lease_records(ctx)
     # a lease's kernel id is its writer's claim: only our own uid's leases count, so that
     # another user cannot get one of our kernels culled early by naming it
     uid = os.geteuid()
     held.update(rec.kernel_id for rec in records if rec.kernel_id in ours and rec.uid == uid)
-    snap = latest_snapshot(state)
+    snap = latest_snapshot(ctx)
     if snap is not None:
         pids = kernel_pid_map(kernel_manager)
         for dev in snap.devices:

@@ -12,9 +12,10 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from traitlets import Bool, Float, Int, Unicode, default, validate
 from traitlets.config import LoggingConfigurable
@@ -25,7 +26,10 @@ from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.leasing import LeaseStore, store_for
 from autogpu_jupyter.errors import AutoGPUError
 
-__all__ = ["AutoGPUServer", "current_user"]
+if TYPE_CHECKING:
+    from autogpu_jupyter.core import FleetSnapshot, Sampler
+
+__all__ = ["AutoGPUServer", "KernelSource", "ServerContext", "current_user"]
 
 T = TypeVar("T")
 
@@ -36,6 +40,44 @@ def current_user() -> str:
         return getpass.getuser()
     except (KeyError, OSError):
         return str(os.getuid())
+
+
+class KernelSource(Protocol):
+    """What the payloads read of jupyter_server's ``MappingKernelManager``: the kernel ids and
+    each kernel's manager (its ``provisioner``, ``execution_state``, ``last_activity``)."""
+
+    def list_kernel_ids(self) -> Iterable[str]: ...
+
+    def get_kernel(self, kernel_id: str) -> Any: ...  # jupyter_client's, untyped
+
+
+def _no_store() -> LeaseStore | None:
+    return None
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """What a payload function may read of the server, made per request by
+    :meth:`AutoGPUServer.context`: the sampler (``None`` if it cannot run) and the reason it
+    cannot, the lease store's factory, the ``c.AutoGPU`` settings' factory, the cluster cache
+    and the ``c.AutoGPUServer`` values the answers carry. Frozen: a payload never changes the
+    server's state."""
+
+    sampler: Sampler | None = None
+    sampler_error: str | None = None
+    #: The Unix user the server runs as (whose command lines are always shown).
+    user: str = ""
+    expose_commands: bool = False
+    interval_s: float = 1.0
+    history_s: float = 900.0
+    max_history_points: int = 900
+    smoothing_window_s: float = 30.0
+    registry_dir: str = ""
+    #: The lease store, read-only (``None``: leases off); may raise AutoGPUError / OSError.
+    store: Callable[[], LeaseStore | None] = field(default=_no_store)
+    #: The server's ``c.AutoGPU`` settings (made anew: a bad value raises here, where asked).
+    settings: Callable[[], AutoGPU] = field(default=AutoGPU)
+    cluster_cache: ClusterCache | None = None
 
 
 class AutoGPUServer(LoggingConfigurable):
@@ -133,7 +175,7 @@ class AutoGPUServer(LoggingConfigurable):
         self.executor = ThreadPoolExecutor(
             max_workers=max(1, self.executor_threads), thread_name_prefix="autogpu-server"
         )
-        self._sampler: Any = None
+        self._sampler: Sampler | None = None
         self._sampler_error: str | None = None
         #: The cluster view every sidebar of this server shares (one Prometheus fetch per half
         #: scrape interval, refreshed on the executor).
@@ -146,13 +188,32 @@ class AutoGPUServer(LoggingConfigurable):
         #: false``), until the client asks where the kernel runs now (IOLoop only; one per kernel).
         self.move_plans: dict[str, Any] = {}
 
+    def context(self) -> ServerContext:
+        """The typed view of this server that the payload functions read (one per request;
+        starts the sampler if it has not started)."""
+        sampler = self.sampler()
+        return ServerContext(
+            sampler=sampler,
+            sampler_error=self._sampler_error,
+            user=self.user,
+            expose_commands=self.expose_commands,
+            interval_s=self.interval_s,
+            history_s=self.history_s,
+            max_history_points=self.max_history_points,
+            smoothing_window_s=self.smoothing_window_s,
+            registry_dir=self.registry_dir,
+            store=self.registry,
+            settings=lambda: AutoGPU(parent=self.parent),
+            cluster_cache=self.cluster_cache,
+        )
+
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
         """Start (or join) the process's one sampler; errors are kept and reported, not raised."""
         self.sampler()
 
-    def sampler(self) -> Any:
+    def sampler(self) -> Sampler | None:
         """The process-wide sampler (``core.sampler.get_sampler()``), ``None`` if it cannot run."""
         with self._lock:
             if self._sampler is None:
@@ -191,16 +252,25 @@ class AutoGPUServer(LoggingConfigurable):
                     self._settings = AutoGPU()
             return self._settings
 
+    def latest(self) -> FleetSnapshot | None:
+        """The sampler's latest sweep, if it started (no NVML call, no start, no wait)."""
+        sampler = self._sampler
+        return sampler.latest() if sampler is not None else None
+
     def labels(self) -> dict[str, str]:
         """UUID -> label ("GPU 2") from the sampler's latest sweep (no NVML call)."""
-        sampler = self._sampler
-        snap = sampler.latest() if sampler is not None else None
+        snap = self.latest()
         return {d.uuid: d.label for d in snap.devices} if snap is not None else {}
 
     async def run(self, func: Callable[..., T], *args: Any) -> T:
         """Run a blocking call on the executor."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, func, *args)
+
+    async def answer(self, func: Callable[..., T], *args: Any) -> T:
+        """``func(self.context(), *args)`` on the executor: a payload function with this
+        server's context (made there: making it may start the sampler, which may call NVML)."""
+        return await self.run(lambda: func(self.context(), *args))
 
     def stop(self) -> None:
         self.executor.shutdown(wait=False)
@@ -215,7 +285,7 @@ def now_s() -> float:
     return time.time()
 
 
-def kernel_pid_map(kernel_manager: Any) -> dict[int, str]:
+def kernel_pid_map(kernel_manager: KernelSource) -> dict[int, str]:
     """PID of each of this server's running kernels -> kernel id (from their provisioners)."""
     pids: dict[int, str] = {}
     for kid in list(kernel_manager.list_kernel_ids()):

@@ -140,8 +140,8 @@ async def test_move_restarts_the_kernel_on_the_target_with_the_lease_moved(
             "memory): save what you need first."
         )
         assert json.loads(response.body) == {
-            "dry_run": True, "plan": plan_best, "message": plan_best, "target": [uuid_of(1)],
-            "target_labels": ["GPU 1"], "picked": None, "note": None,
+            "dry_run": True, "pending": False, "plan": plan_best, "message": plan_best,
+            "target": [uuid_of(1)], "target_labels": ["GPU 1"], "picked": None, "note": None,
         }
         assert kernel_pid(jp_serverapp, kid) == old_pid
         assert not (Path(os.environ["JUPYTER_RUNTIME_DIR"]) / f"autogpu-move-{kid}.json").exists()
@@ -150,7 +150,7 @@ async def test_move_restarts_the_kernel_on_the_target_with_the_lease_moved(
         response = await post_move(jp_fetch, kid, {"target": "2"})
         assert response.code == 200
         assert json.loads(response.body) == {
-            "dry_run": False,
+            "dry_run": False, "pending": False,
             "plan": "The kernel will restart on GPU 2 (NVIDIA A100-SXM4-80GB, 80.0 GiB free), "
                     "the requested device now. Restarting loses the kernel's state (variables, "
                     "imports, data in memory): save what you need first.",

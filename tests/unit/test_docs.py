@@ -26,6 +26,30 @@ def test_the_configuration_reference_is_up_to_date() -> None:
         "docs/configuration.md is out of date: run scripts/config_reference.py --write")
 
 
+def _wire_schema() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("wire_schema",
+                                                  ROOT / "scripts" / "wire_schema.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_sidebars_wire_types_and_the_rest_page_follow_the_schema() -> None:
+    """labextension/src/schema.ts and docs/rest.md's field tables are generated from
+    autogpu_jupyter/server/schema.py: a field added, renamed or retyped there fails here until
+    both follow (and the TypeScript compiler then checks the sidebar against schema.ts)."""
+    wire = _wire_schema()
+    ts = (ROOT / "labextension" / "src" / "schema.ts").read_text()
+    assert wire.typescript() == ts, (
+        "labextension/src/schema.ts is out of date: run scripts/wire_schema.py --write")
+    page = (ROOT / "docs" / "rest.md").read_text()
+    assert wire.render(page) == page, (
+        "docs/rest.md is out of date: run scripts/wire_schema.py --write")
+    for endpoint in ("GET devices", "GET holders", "DELETE kernels/<kernel_id>/move"):
+        assert f"| `{endpoint}` |" in page, endpoint  # the hand-written table keeps its rows
+
+
 def test_every_trait_is_in_the_configuration_reference() -> None:
     from autogpu_jupyter.config import AutoGPU
     from autogpu_jupyter.server.state import AutoGPUServer

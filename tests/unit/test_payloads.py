@@ -91,7 +91,7 @@ def test_devices_show_only_the_server_users_command_lines(
     fleet_file = write_fleet(tmp_path / "fleet.json", fleet(PROCESSES))
     with server_state(fleet_file, tmp_path / "registry", monkeypatch,
                       expose_commands=expose) as state:
-        data = payloads.devices_payload(state)
+        data = payloads.devices_payload(state.context())
     (gpu_a,) = [d for d in data["devices"] if d["uuid"] == A]
     assert commands(gpu_a["processes"]) == {
         51001: "python mine.py",
@@ -105,7 +105,7 @@ def test_holders_show_only_the_server_users_command_lines(
 ) -> None:
     fleet_file = write_fleet(tmp_path / "fleet.json", fleet(PROCESSES))
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-        data = payloads.holders_payload(state, kernels, {})
+        data = payloads.holders_payload(state.context(), kernels, {})
     procs = [h for h in data["holders"] if h["kind"] == "process"]
     assert commands(procs) == {51001: "python mine.py", 51002: None, 51003: None}
     assert {h["pid"]: h["user"] for h in procs} == {51001: ME, 51002: "bob", 51003: None}
@@ -129,7 +129,7 @@ def test_another_users_lease_is_never_one_of_our_kernels(
             mine = txn.create(devices=[A], requested_bytes=4 * GiB,
                               requester=Requester(kernel_id="k-1", command="python mine.py"))
         try:
-            data = payloads.holders_payload(state, kernels, sessions)
+            data = payloads.holders_payload(state.context(), kernels, sessions)
         finally:
             mine.release()
     leases = {h["uuid"]: h for h in data["holders"] if h["kind"] == "lease"}
@@ -151,22 +151,22 @@ def test_a_read_failure_is_reported_until_a_newer_sweep_succeeds(
     fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
         sampler = state.sampler()
-        assert payloads.devices_payload(state)["errors"] == []
+        assert payloads.devices_payload(state.context())["errors"] == []
         good = json.loads(fleet_file.read_text())
         bad = json.loads(fleet_file.read_text())
         bad["devices"][1]["memory_total"] = "lots"
         fleet_file.write_text(json.dumps(bad))
         assert sampler.sample_now() is None
-        data = payloads.devices_payload(state)
+        data = payloads.devices_payload(state.context())
         (error,) = data["errors"]
         assert error.startswith(f"fleet file {str(fleet_file)!r}, device 1 ({B}) memory_total: "
                                 "invalid size 'lots'")
         assert [d["uuid"] for d in data["devices"]] == [A, B]  # the last good sweep
-        assert payloads.history_payload(state, None)["errors"] == [error]
+        assert payloads.history_payload(state.context(), None)["errors"] == [error]
         fleet_file.write_text(json.dumps(good))
         assert sampler.sample_now() is not None
-        assert payloads.devices_payload(state)["errors"] == []
-        assert payloads.history_payload(state, None)["errors"] == []
+        assert payloads.devices_payload(state.context())["errors"] == []
+        assert payloads.history_payload(state.context(), None)["errors"] == []
 
 
 def test_the_cluster_answer_names_no_best_host_when_nothing_fits(
@@ -178,9 +178,9 @@ def test_the_cluster_answer_names_no_best_host_when_nothing_fits(
     with recorded_prometheus() as url, server_state(fleet_file, tmp_path / "registry",
                                                     monkeypatch) as state:
         monkeypatch.setenv("AUTOGPU_PROMETHEUS_URL", url)
-        fits = payloads.cluster_payload(state, Constraints.parse(min_free="10G"))
-        one = payloads.cluster_payload(state, Constraints.parse(min_free="40G"))
-        none = payloads.cluster_payload(state, Constraints.parse(min_free="500G"))
+        fits = payloads.cluster_payload(state.context(), Constraints.parse(min_free="10G"))
+        one = payloads.cluster_payload(state.context(), Constraints.parse(min_free="40G"))
+        none = payloads.cluster_payload(state.context(), Constraints.parse(min_free="500G"))
     assert fits["configured"] is True and fits["best"] == "gpu-b"
     assert fits["ranking"][0]["hostname"] == "gpu-b" and fits["ranking"][0]["fits"] is True
     # only gpu-c has a GPU with 40 GiB free
@@ -210,9 +210,9 @@ def test_select_hides_the_kernels_own_lease_only(
                                requester=Requester(kernel_id="k-1"))
         try:
             want = Constraints.parse(min_free="30G")
-            own = payloads.select_payload(state, want, ignore_kernel_id="k-1")
-            other = payloads.select_payload(state, want, ignore_kernel_id="k-2")
-            plain = payloads.select_payload(state, want)
+            own = payloads.select_payload(state.context(), want, ignore_kernel_id="k-1")
+            other = payloads.select_payload(state.context(), want, ignore_kernel_id="k-2")
+            plain = payloads.select_payload(state.context(), want)
         finally:
             lease.release()
     assert [c["uuid"] for c in own["chosen"]] == [B]
@@ -244,7 +244,7 @@ def test_select_is_a_dry_run_that_takes_no_lease(
                                requester=Requester(kernel_id="k-1"))
         try:
             before = sorted(registry.rglob("*"))
-            answer = payloads.select_payload(state, Constraints.parse(min_free="30G"))
+            answer = payloads.select_payload(state.context(), Constraints.parse(min_free="30G"))
             after = sorted(registry.rglob("*"))
         finally:
             lease.release()
@@ -271,9 +271,9 @@ def test_history_since_a_time_is_strictly_newer_and_keeps_the_newest_points(
             snap = sampler.sample_now()
             stamps.append(snap.timestamp_s)
         assert stamps == sorted(set(stamps))  # four sweeps, one after the other
-        full = payloads.history_payload(state, None)
-        newer = payloads.history_payload(state, stamps[1])
-        last = payloads.history_payload(state, stamps[3])
+        full = payloads.history_payload(state.context(), None)
+        newer = payloads.history_payload(state.context(), stamps[1])
+        last = payloads.history_payload(state.context(), stamps[3])
     assert [s["uuid"] for s in full["series"]] == [A, B]
     assert [s["timestamp_s"] for s in full["series"]] == [stamps[2:], stamps[2:]]
     assert full["series"][0]["memory_used_bytes"] == [30 * GiB, 30 * GiB]
@@ -444,14 +444,14 @@ def test_a_kernel_whose_gpu_others_fill_is_told_where_to_go(
 
     fleet_file = write_fleet(tmp_path / "fleet.json", crowded(kernels, 8, 70))
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-        free = payloads.holders_payload(state, kernels, {})
+        free = payloads.holders_payload(state.context(), kernels, {})
         # another kernel books 70 of GPU 1's 80 GiB: GPU 2's 40 GiB free is the better device
         with Registry(str(tmp_path / "registry")).locked() as txn:
             assert txn is not None
             lease = txn.create(devices=[B], requested_bytes=70 * GiB,
                                requester=Requester(kernel_id="k-9"))
         try:
-            booked = payloads.holders_payload(state, kernels, {})
+            booked = payloads.holders_payload(state.context(), kernels, {})
         finally:
             lease.release()
     assert overload_of(free) == (f"{CROWDED} Better now: GPU 1.", {"uuid": B, "label": "GPU 1"})
@@ -466,8 +466,48 @@ def test_an_overload_with_no_better_device_names_none(
     holders answer failed)."""
     fleet_file = write_fleet(tmp_path / "fleet.json", crowded(kernels, 8, 70, spare=False))
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-        data = payloads.holders_payload(state, kernels, {})
+        data = payloads.holders_payload(state.context(), kernels, {})
     assert overload_of(data) == (CROWDED, None)
+
+
+def test_a_listing_ranks_each_overloaded_kernels_question_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """k-1 holds GPUs 0 and 1, both filled by bob: its warning names each and the same better
+    device (GPU 2), asked through the one decision pipeline once for the whole listing, not
+    once per overloaded device (and never for k-2, which holds no GPU). Counted at
+    ``core.decision.decide``, the pipeline's ranking step."""
+    from autogpu_jupyter.core import decision
+
+    def full(uuid: str, pid: int) -> dict[str, Any]:
+        return {"uuid": uuid, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+                "memory_used": 78 * GiB, "utilization_pct": 10, "processes": [
+                    {"pid": kernels.pid("k-1"), "used_memory": 8 * GiB, "user": ME},
+                    {"pid": pid, "used_memory": 70 * GiB, "user": "bob"}]}
+
+    spare = {"uuid": C, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0,
+             "utilization_pct": 0}
+    fleet_file = write_fleet(tmp_path / "fleet.json", [full(A, 51002), full(B, 51003), spare])
+    ranked: list[Constraints] = []
+    decide = decision.decide
+
+    def counting(context: decision.Context, constraints: Constraints) -> decision.Decision:
+        ranked.append(constraints)
+        return decide(context, constraints)
+
+    monkeypatch.setattr(decision, "decide", counting)
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        data = payloads.holders_payload(state.context(), kernels, {})
+        assert len(ranked) == 1  # one listing, one overloaded kernel: one ranking
+        payloads.holders_payload(state.context(), kernels, {})
+        assert len(ranked) == 2  # the next listing asks again (nothing kept between requests)
+    overload, better = overload_of(data)
+    assert better == {"uuid": C, "label": "GPU 2"}
+    assert overload == (
+        "GPU 0 (this kernel's GPU) is overloaded: memory 98% full, 1 other process. Better "
+        "now: GPU 2. GPU 1 (this kernel's GPU) is overloaded: memory 98% full, 1 other "
+        "process. Better now: GPU 2.")
+    assert overload_of(data, "k-2") == (None, None)
 
 
 def test_a_kernel_that_fills_its_gpu_itself_is_not_warned(
@@ -478,7 +518,7 @@ def test_a_kernel_that_fills_its_gpu_itself_is_not_warned(
     ``pid`` looked up under another key, or only processes of unknown memory counted)."""
     fleet_file = write_fleet(tmp_path / "fleet.json", crowded(kernels, 70, 8))
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-        data = payloads.holders_payload(state, kernels, {})
+        data = payloads.holders_payload(state.context(), kernels, {})
     assert overload_of(data) == (None, None)
 
 
@@ -499,7 +539,7 @@ def test_holders_are_dated_by_their_sweep_and_say_which_kernel_waits(
             ticket = txn.create_ticket(constraints=ticket_constraints(Constraints(), None),
                                        requester=Requester(kernel_id="k-1"))
         try:
-            data = payloads.holders_payload(state, kernels, {})
+            data = payloads.holders_payload(state.context(), kernels, {})
         finally:
             ticket.release()
         swept = set(state.sampler().history_frame()["timestamp_s"])
@@ -541,7 +581,7 @@ def test_the_better_device_stays_within_the_kernels_own_grant(
     try:
         fleet_file = write_fleet(tmp_path / "fleet.json", crowded(kernels, 8, 70))
         with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-            data = payloads.holders_payload(state, kernels, {})
+            data = payloads.holders_payload(state.context(), kernels, {})
     finally:
         kernels.close()
     assert overload_of(data) == (f"{CROWDED} Better now: GPU 2.", {"uuid": C, "label": "GPU 2"})
@@ -563,7 +603,7 @@ def test_the_better_device_keeps_the_kernels_own_pick_options(
             models=("H100",)), autogpu_note=None, autogpu_lease_id=None, autogpu_move_file=None)
     fleet_file = write_fleet(tmp_path / "fleet.json", devices)
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-        data = payloads.holders_payload(state, kernels, {})
+        data = payloads.holders_payload(state.context(), kernels, {})
     assert overload_of(data) == (f"{CROWDED} Better now: GPU 2.", {"uuid": C, "label": "GPU 2"})
 
 
@@ -616,7 +656,7 @@ def test_select_answers_from_the_sweep_the_sidebar_shows(
         write_fleet(fleet_file, now)
         stat = os.stat(fleet_file)
         os.utime(fleet_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # seen as changed
-        answer = payloads.select_payload(state, Constraints())
+        answer = payloads.select_payload(state.context(), Constraints())
         assert state.sampler().latest() is swept  # no sweep in between
     assert [c["uuid"] for c in answer["chosen"]] == [B]
     assert {c["uuid"]: c["effective_free_bytes"] for c in answer["candidates"]} == {
@@ -688,7 +728,7 @@ def test_a_move_to_best_counts_the_load_over_the_smoothing_window(
         write_fleet(fleet_file, devices)
         stat = os.stat(fleet_file)
         os.utime(fleet_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # seen as changed
-        plan = plan_or_request(state, prov, "k-1", MoveBody("best", dry_run=True))
+        plan = plan_or_request(state.context(), prov, "k-1", MoveBody("best", dry_run=True))
     assert [d.uuid for d in plan.target] == [C]
 
 
@@ -718,7 +758,7 @@ def test_a_move_to_best_keeps_off_another_kernels_exclusive_lease(
             theirs = txn.create(devices=[B], exclusive=True,
                                 requester=Requester(kernel_id="k-2"))
         try:
-            plan = plan_or_request(state, prov, "k-1", MoveBody("best", dry_run=True))
+            plan = plan_or_request(state.context(), prov, "k-1", MoveBody("best", dry_run=True))
         finally:
             theirs.release()
     assert [d.uuid for d in plan.target] == [C]
@@ -748,8 +788,12 @@ def _state(monkeypatch: pytest.MonkeyPatch, url: str | None, view: Any = None,
             raise view
         return view
 
-    return SimpleNamespace(parent=Configurable(config=config),
-                           cluster_cache=ClusterCache(fetch=fetch))
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.server.state import ServerContext
+
+    parent = Configurable(config=config)
+    return ServerContext(settings=lambda: AutoGPU(parent=parent),
+                         cluster_cache=ClusterCache(fetch=fetch))
 
 
 def _view() -> ClusterView:
@@ -931,8 +975,11 @@ class _Sampler:
 
 
 def _overload_state(sampler: Any, *, parent: Any = None, registry: Any = None) -> Any:
-    return SimpleNamespace(sampler=lambda: sampler, parent=parent, interval_s=2.0,
-                           registry=registry or (lambda: None))
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.server.state import ServerContext
+
+    return ServerContext(sampler=sampler, interval_s=2.0, store=registry or (lambda: None),
+                         settings=lambda: AutoGPU(parent=parent))
 
 
 def holder(kid: str, uuid: str = A, pid: int | None = KERNEL_PID, used: int | None = 8 * GiB,
@@ -1140,7 +1187,7 @@ def test_each_kernels_row_says_what_only_a_movable_kernel_has() -> None:
     even where its provisioner has them. Caught: the row's keys misspelt; the options or note
     never shown, or shown for a kernel that cannot move; the picked UUIDs of any kernel shown."""
     row = {"notebook_path": None, "execution_state": "busy", "idle_s": None,
-           "allowed_uuids": None}
+           "allowed_uuids": None, "overload": None, "better": None, "waiting": False}
     assert payloads.kernel_infos(manager(), {"k-move": {"path": "a.ipynb"}}) == [
         {**row, "kernel_id": "k-move", "notebook_path": "a.ipynb", "movable": True,
          "picked_uuids": [A], "constraints_text": "min free 10.0 GiB", "note": "GPU 1 filled"},
@@ -1164,8 +1211,7 @@ def test_the_kernels_that_hold_a_gpu_by_their_pick() -> None:
     """Their provisioner's pick: a gone kernel (first in the set) and one without a
     ``provisioner`` attribute are skipped, not the end. Caught: ``break`` for the gone kernel;
     the attribute read without a default."""
-    state = SimpleNamespace(registry=lambda: None, sampler=lambda: None)
-    got = payloads.gpu_kernel_ids(state, manager(gone_first=_Id("k-gone", 0)))
+    got = payloads.gpu_kernel_ids(_overload_state(None), manager(gone_first=_Id("k-gone", 0)))
     assert sorted(got) == ["k-fixed", "k-move"]
     # the same set whatever the order: k-gone's slot 0 comes first in the set
     assert next(iter({_Id("k-gone", 0), _Id("k-move", 1)})) == "k-gone"
@@ -1218,7 +1264,9 @@ def test_a_zero_wait_for_the_first_sweep_does_not_sleep(monkeypatch: pytest.Monk
     monkeypatch.setattr(payloads, "time", SimpleNamespace(
         monotonic=lambda: 5.0 + sum(slept), sleep=slept.append))
     sampler = SimpleNamespace(errors=[], latest=lambda: None)
-    assert payloads.latest_snapshot(SimpleNamespace(sampler=lambda: sampler)) is None
+    from autogpu_jupyter.server.state import ServerContext
+
+    assert payloads.latest_snapshot(ServerContext(sampler=sampler)) is None  # type: ignore[arg-type]
     assert slept == []
 
 
@@ -1276,13 +1324,19 @@ def sampler_of(*snaps: FleetSnapshot) -> Sampler:
 
 
 def state_of(sampler: Any, **traits: Any) -> Any:
-    """The server's state as the payloads read it."""
+    """The server's context as the payloads read it (``registry``: the store's factory,
+    ``parent``: the config the ``c.AutoGPU`` settings read)."""
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.server.state import ServerContext
+
+    parent = traits.pop("parent", None)
     values: dict[str, Any] = {
         "interval_s": 1.0, "history_s": 900.0, "max_history_points": 100,
         "smoothing_window_s": 60.0, "sampler_error": None, "user": ME,
-        "expose_commands": False, "registry_dir": "/srv/autogpu/registry", "parent": None,
-        "registry": lambda: None, **traits}
-    return SimpleNamespace(sampler=lambda: sampler, **values)
+        "expose_commands": False, "registry_dir": "/srv/autogpu/registry",
+        "store": traits.pop("registry", lambda: None),
+        "settings": lambda: AutoGPU(parent=parent), **traits}
+    return ServerContext(sampler=sampler, **values)
 
 
 def failing(err: BaseException) -> Any:
@@ -1672,7 +1726,7 @@ def test_holders_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
             claim = txn.create(devices=[B], requested_bytes=GiB,
                                requester=Requester(pid=kernels.pid("k-1"), kernel_id="k-9"))
         try:
-            data = payloads.holders_payload(state, kernels, sessions)
+            data = payloads.holders_payload(state.context(), kernels, sessions)
         finally:
             ours.release()
             claim.release()
@@ -1718,7 +1772,8 @@ def test_a_kernel_known_only_by_id_owns_its_lease(tmp_path: Path,
                 assert txn is not None
                 lease = txn.create(devices=[B], requester=Requester(kernel_id="k-1"))
             try:
-                data = payloads.holders_payload(state, kernels, {"k-1": {"path": "one.ipynb"}})
+                data = payloads.holders_payload(
+                    state.context(), kernels, {"k-1": {"path": "one.ipynb"}})
             finally:
                 lease.release()
     finally:
@@ -1740,7 +1795,7 @@ def test_a_process_of_a_kernel_with_an_empty_id_keeps_that_id(
             "memory_used": 8 * GiB, "utilization_pct": 0, "processes": [
                 {"pid": kernels.pid(""), "used_memory": 8 * GiB, "user": ME}]}])
         with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-            data = payloads.holders_payload(state, kernels, {})
+            data = payloads.holders_payload(state.context(), kernels, {})
     finally:
         kernels.close()
     (holder,) = data["holders"]

@@ -656,7 +656,7 @@ async def test_a_dry_run_move_plans_and_records_nothing(
     kid = await start_kernel(jp_fetch)
     data = await get_json(jp_fetch, *move(kid), method="POST",
                           body=json.dumps({"target": "best", "dry_run": True}))
-    assert data == {"dry_run": True, "plan": PLAN_TO_A, "target": [A],
+    assert data == {"dry_run": True, "pending": False, "plan": PLAN_TO_A, "target": [A],
                     "target_labels": ["GPU 0"], "message": PLAN_TO_A, "picked": None,
                     "note": None}
     prov = kernel_provisioner(jp_serverapp, kid)
@@ -711,7 +711,7 @@ async def test_a_move_restarts_the_kernel_on_the_target(
     old_pid = kernel_provisioner(jp_serverapp, kid).pid
     data = await get_json(jp_fetch, *move(kid), method="POST",
                           body=json.dumps({"target": "--best"}))
-    assert data == {"dry_run": False, "plan": PLAN_TO_A, "target": [A],
+    assert data == {"dry_run": False, "pending": False, "plan": PLAN_TO_A, "target": [A],
                     "target_labels": ["GPU 0"],
                     "message": "The kernel restarted on GPU 0; its state (variables) was lost.",
                     "picked": [A], "note": "moved at your request: the kernel's state was lost"}
@@ -1066,8 +1066,9 @@ def test_a_move_is_planned_by_the_server_over_the_servers_smoothing_window(
     sampler's mean utilisation is taken over ``smoothing_window_s``, and a server whose sampler
     cannot run plans without it."""
     sampler = _Sampler() if with_sampler else None
-    server = SimpleNamespace(registry=lambda: None, sampler=lambda: sampler,
-                             smoothing_window_s=12.5)
+    from autogpu_jupyter.server.state import ServerContext
+
+    server = ServerContext(sampler=sampler, smoothing_window_s=12.5)  # type: ignore[arg-type]
     prov = _provisioner(tmp_path / "move.json")
     plan = moving.plan_or_request(server, prov, "k-1", moving.MoveBody("best", dry_run))
     assert (plan.message, plan.request.source, plan.request.kernel_id,
@@ -1123,7 +1124,7 @@ async def test_a_move_answers_where_the_restarted_kernel_runs(
     monkeypatch.setattr(jp_serverapp.kernel_manager, "restart_kernel", restart_kernel)
     data = await get_json(jp_fetch, *move("k-1"), method="POST",
                              body=json.dumps({"target": "best"}))
-    assert data == {"dry_run": False, "plan": PLAN_TO_A, "target": [A],
+    assert data == {"dry_run": False, "pending": False, "plan": PLAN_TO_A, "target": [A],
                     "target_labels": ["GPU 0"],
                     "message": "The kernel restarted on GPU 0; its state (variables) was lost.",
                     "picked": [A], "note": MOVED}

@@ -11,6 +11,7 @@ import pytest
 
 from autogpu_jupyter.core.sampler import Sampler
 from autogpu_jupyter.server import payloads
+from autogpu_jupyter.server.state import ServerContext
 
 
 class _NoDriver:
@@ -30,7 +31,7 @@ def test_a_failed_first_sweep_is_answered_at_once(monkeypatch: pytest.MonkeyPatc
     sampler.sample_now()
     assert sampler.latest() is None and sampler.errors
     monkeypatch.setattr(payloads, "FIRST_SAMPLE_WAIT_S", 3600.0)
-    state = SimpleNamespace(sampler=lambda: sampler)
+    state = ServerContext(sampler=sampler)
     done: list[Any] = []
     worker = threading.Thread(
         target=lambda: done.append(payloads.latest_snapshot(state)), daemon=True
@@ -43,8 +44,8 @@ def test_a_failed_first_sweep_is_answered_at_once(monkeypatch: pytest.MonkeyPatc
 def test_a_sampler_that_has_not_swept_yet_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(payloads, "FIRST_SAMPLE_WAIT_S", 0.2)
     sampler = Sampler(backend=_NoDriver())  # type: ignore[arg-type]
-    assert payloads.latest_snapshot(SimpleNamespace(sampler=lambda: sampler)) is None
-    assert payloads.latest_snapshot(SimpleNamespace(sampler=lambda: None)) is None
+    assert payloads.latest_snapshot(ServerContext(sampler=sampler)) is None
+    assert payloads.latest_snapshot(ServerContext(sampler=None)) is None
 
 
 def test_a_kernel_may_be_offered_only_the_devices_its_environment_allows() -> None:
@@ -71,8 +72,7 @@ def test_devices_before_any_sweep_says_no_sample_yet(monkeypatch: pytest.MonkeyP
     device. Caught (mutation run, issue 22): the sidebar's reason text altered."""
     monkeypatch.setattr(payloads, "FIRST_SAMPLE_WAIT_S", 0.05)
     sampler = Sampler(backend=_NoDriver())  # type: ignore[arg-type]
-    state = SimpleNamespace(sampler=lambda: sampler, sampler_error=None, interval_s=2.0)
-    answer = payloads.devices_payload(state)  # type: ignore[arg-type]
+    answer = payloads.devices_payload(ServerContext(sampler=sampler, interval_s=2.0))
     assert {k: v for k, v in answer.items() if k != "timestamp_s"} == {
         "backend": None, "simulated": False, "driver_version": None,
         "errors": ["no sample yet"], "devices": [], "interval_s": 2.0,
@@ -123,7 +123,7 @@ def test_a_request_waiting_for_the_first_sweep_answers_soon_after_it(
     sampler = SimpleNamespace(errors=[], latest=lambda: snap if clock[0] >= 0.05 else None)
     monkeypatch.setattr(payloads, "time", SimpleNamespace(monotonic=lambda: clock[0],
                                                           sleep=sleep))
-    assert payloads.latest_snapshot(SimpleNamespace(sampler=lambda: sampler)) is snap
+    assert payloads.latest_snapshot(ServerContext(sampler=sampler)) is snap
     assert 0.05 <= clock[0] <= 0.07
 
 

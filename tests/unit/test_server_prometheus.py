@@ -60,7 +60,7 @@ def test_the_cluster_history_gives_up_after_the_admins_timeout(slow_prometheus: 
     state = AutoGPUServer(parent=parent, registry_dir="",
                           log=logging.getLogger("autogpu-test-server"))
     try:
-        answer = payloads.cluster_history_payload(state, 600.0)
+        answer = payloads.cluster_history_payload(state.context(), 600.0)
     finally:
         _Slow.release.set()
         state.stop()
@@ -83,7 +83,7 @@ def test_the_cluster_answer_says_why_prometheus_gave_no_hosts(slow_prometheus: s
 
     state = _state(slow_prometheus)
     try:
-        answer = payloads.cluster_payload(state, Constraints.parse(min_free="10G"))
+        answer = payloads.cluster_payload(state.context(), Constraints.parse(min_free="10G"))
     finally:
         _Slow.release.set()
         state.stop()
@@ -116,7 +116,7 @@ def test_the_cluster_history_says_its_step() -> None:
     thread.start()
     state = _state(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=5.0)
     try:
-        answer = payloads.cluster_history_payload(state, 600.0)
+        answer = payloads.cluster_history_payload(state.context(), 600.0)
     finally:
         state.stop()
         server.shutdown()
@@ -156,7 +156,7 @@ def test_the_cluster_history_says_which_series_had_points_left_out() -> None:
     thread.start()
     state = _state(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=5.0)
     try:
-        answer = payloads.cluster_history_payload(state, 600.0)
+        answer = payloads.cluster_history_payload(state.context(), 600.0)
     finally:
         state.stop()
         server.shutdown()

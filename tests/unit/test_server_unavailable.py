@@ -44,7 +44,7 @@ def test_the_devices_answer_without_a_sample_says_why_and_lists_no_device(
 ) -> None:
     """Caught: the "devices" key misspelt on this path (the sidebar reads it on every poll)."""
     state.start()
-    answer = payloads.devices_payload(state)
+    answer = payloads.devices_payload(state.context())
     assert {k: v for k, v in answer.items() if k != "timestamp_s"} == {
         "backend": None, "simulated": False, "driver_version": None, "errors": [WHY],
         "devices": [], "interval_s": 2.0,
