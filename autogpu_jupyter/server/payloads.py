@@ -21,7 +21,7 @@ from autogpu_jupyter.core import options
 from autogpu_jupyter.core.cluster import PrometheusClient, fetch_history
 from autogpu_jupyter.core.contract import ProvisionerState
 from autogpu_jupyter.core.holders import holders_by_device
-from autogpu_jupyter.core.moves import grant_environ
+from autogpu_jupyter.core.moves import best_move_target, grant_environ
 from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.overload import (
     Thresholds,
@@ -313,11 +313,20 @@ def holders_payload(
     overloads = kernel_overloads(
         state, kernels, holders, snap, records, kernel_options(kernel_manager), environs
     )
+    best_moves = kernel_best_moves(state, kernels, snap, kernel_options(kernel_manager))
     for info in kernels:
         found = overloads.get(info["kernel_id"])
         info["overload"] = found[0] if found else None
         info["better"] = found[1] if found else None
         info["waiting"] = info["kernel_id"] in waiting
+        better = info["better"]
+        # an overloaded kernel is offered the overload's better device (the warning's, the
+        # notification's), named; else where the move plan for "best" would go
+        info["best_move"] = (
+            {"target": better["uuid"], "uuids": [better["uuid"]], "labels": [better["label"]]}
+            if better is not None and info.get("movable")
+            else best_moves.get(info["kernel_id"])
+        )
     return {
         "timestamp_s": snap.timestamp_s if snap is not None else time.time(),
         "simulated": snap.simulated if snap is not None else False,
@@ -326,6 +335,47 @@ def holders_payload(
         "kernels": kernels,
         "errors": errors,
     }
+
+
+def kernel_best_moves(
+    state: AutoGPUServer,
+    kernels: list[dict[str, Any]],
+    snap: FleetSnapshot | None,
+    options: Mapping[str, Constraints],
+) -> dict[str, dict[str, Any]]:
+    """Kernel id -> ``{"target": "best", "uuids", "labels"}`` for this server's movable kernels
+    that a move to "the best device" would take elsewhere now: the move plan's own question
+    (:func:`core.moves.best_move_target`: the kernel's options, its own lease hidden, the
+    server's grant and smoothing) over the latest sweep. A kernel on the best device already
+    is not listed: the sidebar offers "Move to best GPU" only to the listed ones (issue 41's
+    ping-pong: the best device's own card offered a move away from it)."""
+    movable = [k for k in kernels if k.get("movable") and k.get("picked_uuids")]
+    if snap is None or not movable:
+        return {}
+    sampler = state.sampler()
+    smoothed = None if sampler is None else sampler.smoothed_util(state.smoothing_window_s)
+    try:
+        registry = state.registry()
+    except (AutoGPUError, OSError):
+        registry = None
+    out: dict[str, dict[str, Any]] = {}
+    for info in movable:
+        kid = info["kernel_id"]
+        try:
+            target = best_move_target(
+                snap, info["picked_uuids"], options.get(kid) or Constraints(),
+                store=None if registry is None else registry.hiding(kernel_id=kid),
+                smoothed_util=smoothed,
+            )
+        except (AutoGPUError, OSError):  # the registry unreadable: no offer, the errors say why
+            continue
+        if target:
+            out[kid] = {
+                "target": "best",
+                "uuids": [d.uuid for d in target],
+                "labels": [d.label for d in target],
+            }
+    return out
 
 
 def kernel_overloads(

@@ -159,6 +159,7 @@ def test_a_move_is_planned_by_the_server_over_the_servers_smoothing_window(
     """The plan (and the request recorded for the restart) says the server asked for it; the
     sampler's mean utilisation is taken over ``smoothing_window_s``, and a server whose sampler
     cannot run plans without it."""
+    th.fill_gpu1(host)  # the kernel's GPU 1 no longer fits: "best" plans GPU 0
     sampler = _Sampler() if with_sampler else None
     server = SimpleNamespace(registry=lambda: None, sampler=lambda: sampler,
                              smoothing_window_s=12.5)
@@ -198,11 +199,12 @@ MOVED = "moved at your request: the kernel's state was lost"
 @pytest.mark.parametrize("after", ["a new provisioner", "no provisioner attribute"])
 async def test_a_move_answers_where_the_restarted_kernel_runs(
     jp_fetch: Any, jp_serverapp: Any, kernel: dict[str, Any], tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch, after: str,
+    monkeypatch: pytest.MonkeyPatch, after: str, host: Path,
 ) -> None:
     """After the restart the answer reads the kernel's provisioner again (a kernel manager may
     make a new one per start); a kernel object without one leaves the provisioner the move
     started with (jupyter_client's, updated in place)."""
+    th.fill_gpu1(host)  # the kernel's GPU 1 no longer fits: "best" plans GPU 0
     old = _provisioner(tmp_path / "move.json")
     kernel["k-1"] = SimpleNamespace(provisioner=old)
 
