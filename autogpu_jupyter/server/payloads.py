@@ -314,6 +314,12 @@ def holders_payload(
         state, kernels, holders, snap, records, kernel_options(kernel_manager), environs
     )
     best_moves = kernel_best_moves(state, kernels, snap, kernel_options(kernel_manager))
+    held_labels: dict[str, list[str]] = {}
+    for entry in holders:
+        kid = entry["kernel_id"]
+        if entry["this_server"] and kid and entry["label"] not in held_labels.get(kid, []):
+            held_labels.setdefault(kid, []).append(entry["label"])
+    warnings = cull_warnings(state, kernel_manager, kernels, held_labels, snap)
     for info in kernels:
         found = overloads.get(info["kernel_id"])
         info["overload"] = found[0] if found else None
@@ -327,6 +333,7 @@ def holders_payload(
             if better is not None and info.get("movable")
             else best_moves.get(info["kernel_id"])
         )
+        info["cull_warning"] = warnings.get(info["kernel_id"])
     return {
         "timestamp_s": snap.timestamp_s if snap is not None else time.time(),
         "simulated": snap.simulated if snap is not None else False,
@@ -335,6 +342,69 @@ def holders_payload(
         "kernels": kernels,
         "errors": errors,
     }
+
+
+def _duration(seconds: float) -> str:
+    """``4 min``, ``2 h 5 min``, ``less than a minute``: a countdown, rounded up."""
+    if seconds <= 60:
+        return "less than a minute"
+    minutes = math.ceil(seconds / 60)
+    if minutes < 120:
+        return f"{minutes} min"
+    hours, rest = divmod(minutes, 60)
+    return f"{hours} h {rest} min" if rest else f"{hours} h"
+
+
+def cull_warnings(
+    state: AutoGPUServer,
+    kernel_manager: Any,
+    kernels: list[dict[str, Any]],
+    held_labels: Mapping[str, Sequence[str]],
+    snap: FleetSnapshot | None,
+) -> dict[str, str]:
+    """Kernel id -> the warning that the server will soon shut the idle kernel down and free
+    its GPU (``c.AutoGPUServer.cull_idle_gpu_kernels_s``, :mod:`server.culling`), for the
+    kernels that hold a GPU and are within ``cull_warning_s`` of their limit. The sidebar and
+    the status bar show it as a notification (at most 140 characters, as JupyterLab keeps).
+
+    It follows jupyter_server's culler, which judges these kernels: only an idle kernel is
+    culled (``idle_s``, from its ``last_activity``), a busy one only with ``cull_busy``, a
+    kernel with open connections only with ``cull_connected``.
+    """
+    lead = state.cull_warning_lead_s()
+    if lead <= 0 or kernel_manager is None:
+        return {}
+    limit = float(state.cull_idle_gpu_kernels_s)
+    connected = bool(getattr(kernel_manager, "cull_connected", False))
+    # jupyter_server's own count of each kernel's open websockets (what its culler reads)
+    connections = getattr(kernel_manager, "_kernel_connections", None) or {}
+    labels_of = {d.uuid: d.label for d in snap.devices} if snap is not None else {}
+    out: dict[str, str] = {}
+    for info in kernels:
+        kid = info["kernel_id"]
+        idle_s = info.get("idle_s")
+        named = list(held_labels.get(kid) or ())
+        try:  # the provisioner's pick counts, as for the culler (gpu_kernel_ids)
+            prov = getattr(kernel_manager.get_kernel(kid), "provisioner", None)
+        except KeyError:
+            continue
+        picked = prov.autogpu_picked if isinstance(prov, ProvisionerState) else None
+        for uuid in picked or ():
+            if labels_of.get(uuid, uuid) not in named:
+                named.append(labels_of.get(uuid, uuid))
+        label = ", ".join(named)
+        if not label or idle_s is None:  # no GPU, or not idle (busy, starting, unknown)
+            continue
+        if not connected and connections.get(kid, 0) > 0:
+            continue  # open in a browser: jupyter_server's culler leaves it alone
+        remaining = limit - float(idle_s)
+        if remaining > lead:
+            continue
+        out[kid] = (
+            f"{label}: this idle kernel will be shut down in {_duration(remaining)} (idle "
+            f"limit {_duration(limit)}), freeing the GPU. Run any cell to keep it."
+        )
+    return out
 
 
 def kernel_best_moves(

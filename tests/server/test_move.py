@@ -127,6 +127,7 @@ async def test_move_restarts_the_kernel_on_the_target_with_the_lease_moved(
         assert info.pop("waiting") is False
         # three identical idle GPUs: GPU 0 is as good as any, no move offered (issue 41)
         assert info.pop("best_move") is None
+        assert info.pop("cull_warning") is None  # no culling here
         # the grant the kernel picked within (not its pick): every GPU of this server
         assert info.pop("allowed_uuids") == [uuid_of(i) for i in range(3)]
         assert info == {
@@ -326,6 +327,7 @@ async def test_move_of_a_kernel_not_started_by_autogpu_is_400(
         assert info.pop("better") is None
         assert info.pop("waiting") is False
         assert info.pop("best_move") is None  # it cannot move
+        assert info.pop("cull_warning") is None
         assert info.pop("allowed_uuids") == [uuid_of(i) for i in range(3)]
         assert info == {
             "kernel_id": kid, "notebook_path": "plain.ipynb", "movable": False,
