@@ -168,7 +168,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
         .then(settings => {
           panel.updateSettings(readSettings(settings));
           if (status !== null) {
-            status.interval = Math.max(readSettings(settings).refreshInterval, 2);
+            status.interval = Math.max(
+              readSettings(settings).refreshInterval,
+              2
+            );
           }
           settings.changed.connect(() => {
             panel.updateSettings(readSettings(settings));

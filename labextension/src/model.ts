@@ -777,7 +777,11 @@ export function kernelSelection(
   }
   const named = (uuid: string, label: string | undefined) => {
     const device = devices.find(d => d.uuid === uuid);
-    return { uuid, label: label ?? device?.label ?? uuid, name: device?.name ?? '' };
+    return {
+      uuid,
+      label: label ?? device?.label ?? uuid,
+      name: device?.name ?? ''
+    };
   };
   const best = kernel.best_move;
   return {

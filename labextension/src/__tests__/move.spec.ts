@@ -319,7 +319,13 @@ describe('the recommendation line carries its action (issue 41)', () => {
 
   it('offers nothing without a notebook', () => {
     expect(
-      recommendationAction(select('GPU-2', 'GPU 2'), null, holders, null, devices)
+      recommendationAction(
+        select('GPU-2', 'GPU 2'),
+        null,
+        holders,
+        null,
+        devices
+      )
     ).toBeNull();
   });
 });

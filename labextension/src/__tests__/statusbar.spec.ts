@@ -31,7 +31,10 @@ const fleet: IFleet = parseFleet({
   simulated: false,
   errors: [],
   interval_s: 1,
-  devices: [gpu(0), gpu(1, { utilization_pct: 98.4, memory_used_bytes: 78 * GiB })]
+  devices: [
+    gpu(0),
+    gpu(1, { utilization_pct: 98.4, memory_used_bytes: 78 * GiB })
+  ]
 });
 
 function holdersWith(kernel: Record<string, unknown>, holders: unknown[] = []) {
@@ -60,7 +63,11 @@ describe('gpuStatus: the status-bar item of the active notebook', () => {
   it('marks an overloaded GPU and says why in the tooltip', () => {
     const overload =
       "GPU 1 (this kernel's GPU) is overloaded: memory 98% full, 1 other process.";
-    const holders = holdersWith({ movable: true, picked_uuids: ['GPU-1'], overload });
+    const holders = holdersWith({
+      movable: true,
+      picked_uuids: ['GPU-1'],
+      overload
+    });
     expect(gpuStatus(holders, fleet, 'k-1')).toMatchObject({
       title: overload,
       overloaded: true
@@ -68,7 +75,10 @@ describe('gpuStatus: the status-bar item of the active notebook', () => {
   });
 
   it('shows every GPU of a kernel on two', () => {
-    const holders = holdersWith({ movable: true, picked_uuids: ['GPU-0', 'GPU-1'] });
+    const holders = holdersWith({
+      movable: true,
+      picked_uuids: ['GPU-0', 'GPU-1']
+    });
     expect(gpuStatus(holders, fleet, 'k-1')?.text).toBe(
       'GPU 0 · 35% · 20.0 GiB / 80.0 GiB | GPU 1 · 98% · 78.0 GiB / 80.0 GiB'
     );
@@ -120,7 +130,11 @@ describe('cullWarningToNotify', () => {
   });
 
   it('puts the warning in the status item tooltip', () => {
-    const holders = holdersWith({ picked_uuids: ['GPU-1'], movable: true, cull_warning: warning });
+    const holders = holdersWith({
+      picked_uuids: ['GPU-1'],
+      movable: true,
+      cull_warning: warning
+    });
     expect(gpuStatus(holders, fleet, 'k-1')?.title).toBe(warning);
   });
 });
