@@ -62,7 +62,6 @@ export class GPUStatusItem extends Widget {
     this.node.tabIndex = 0;
     this._mark = document.createElement('span');
     this._mark.className = 'jp-AutoGPU-statusMark';
-    this._mark.textContent = '⚠';
     this._text = document.createElement('span');
     this._text.className = 'jp-AutoGPU-statusText';
     this.node.append(this._mark, this._text);
@@ -158,7 +157,9 @@ export class GPUStatusItem extends Widget {
       'jp-AutoGPU-statusOverloaded',
       status?.overloaded === true
     );
+    // the mark is text only while shown (a reader of the item's text gets no stray sign)
     this._mark.hidden = status?.overloaded !== true;
+    this._mark.textContent = status?.overloaded === true ? '⚠' : '';
     this._text.textContent = status?.text ?? '';
     this.node.title = status?.title ?? '';
     this.node.setAttribute(
