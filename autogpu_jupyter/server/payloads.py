@@ -344,11 +344,14 @@ def holders_payload(
     }
 
 
-def _duration(seconds: float) -> str:
-    """``4 min``, ``2 h 5 min``, ``less than a minute``: a countdown, rounded up."""
-    if seconds <= 60:
+def _duration(seconds: float, countdown: bool = True) -> str:
+    """``4 min``, ``2 h 5 min``; a countdown (rounded up) under a minute is ``less than a
+    minute``, a length (rounded) ``45 s``."""
+    if countdown and seconds <= 60:
         return "less than a minute"
-    minutes = math.ceil(seconds / 60)
+    if not countdown and seconds < 59.5:
+        return f"{round(seconds)} s"
+    minutes = math.ceil(seconds / 60) if countdown else round(seconds / 60)
     if minutes < 120:
         return f"{minutes} min"
     hours, rest = divmod(minutes, 60)
@@ -402,7 +405,7 @@ def cull_warnings(
             continue
         out[kid] = (
             f"{label}: this idle kernel will be shut down in {_duration(remaining)} (idle "
-            f"limit {_duration(limit)}), freeing the GPU. Run any cell to keep it."
+            f"limit {_duration(limit, countdown=False)}), freeing the GPU. Run any cell to keep it."
         )
     return out
 

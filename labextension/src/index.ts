@@ -149,7 +149,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
           activeStateChanged: status.activeChanged
         });
       } else if (labShell === null) {
-        app.shell.add(status, 'top', { rank: 800 });
+        app.shell.add(status, 'top', { rank: 10000 });
       }
     }
     tracker?.currentChanged.connect(() => {

@@ -231,7 +231,12 @@ def test_the_notebooks_user_is_warned_before_its_idle_gpu_kernel_is_culled(
         expect(item).to_have_text(re.compile(r"^GPU 2 · "), timeout=60_000)
         if app == "notebook":  # Notebook 7 has no status bar: the item is in its top bar
             assert page.evaluate("document.body.dataset.notebook") == "notebooks"
-            expect(page.locator(f"#jp-top-panel {ITEM}")).to_be_visible()
+            assert page.locator("#jp-main-statusbar").count() == 0
+            expect(item).to_be_visible()
+            box, title = item.bounding_box(), page.locator("#jp-title").bounding_box()
+            assert box is not None and title is not None
+            assert box["y"] < title["y"] + title["height"], (box, title)  # the top bar
+            assert box["x"] > title["x"] + title["width"], (box, title)  # after the title
         # idle for 5 s of its minute: the warning names the GPU and how to keep it
         toast = page.locator(".Toastify__toast", has_text="this idle kernel will be shut down")
         toast.wait_for(timeout=60_000)

@@ -382,3 +382,23 @@ def test_a_cull_warning_that_is_no_number_of_seconds_is_said_and_replaced(
             "300 s) is used"]
     finally:
         state.stop()
+
+
+def test_the_warning_words_the_limit_as_a_length_and_the_rest_as_a_countdown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idle_kernels: IdleKernels
+) -> None:
+    """Caught in the browser (issue 41): a one-minute limit said "less than a minute"."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    idle_kernels.idle_s["k-gpu"] = 5.0
+    got = {}
+    for limit in (60.0, 45.0, 7500.0):
+        idle_kernels.idle_s["k-gpu"] = limit - 30
+        with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                          cull_idle_gpu_kernels_s=limit, cull_warning_s=limit) as state:
+            lease = take_lease(tmp_path / "registry", A, "k-gpu")
+            try:
+                got[limit] = warnings_of(state, idle_kernels)["k-gpu"]
+            finally:
+                lease.release()
+    assert got == {60.0: warned(30, limit="1 min"), 45.0: warned(15, limit="45 s"),
+                   7500.0: warned(7470, limit="2 h 5 min")}
