@@ -5,7 +5,8 @@ JupyterLab shows the item in its status bar; Notebook 7, which has no status bar
 bar. The item names the GPU the notebook's kernel holds, its utilisation and memory, carries a
 warning mark while other processes overload that GPU, is absent for a kernel without a GPU, and
 opens the GPU sidebar when clicked. With ``c.AutoGPUServer.cull_idle_gpu_kernels_s`` set, the
-notebook's user gets a notification before the idle kernel is shut down.
+notebook's user gets a notification before the idle kernel is shut down. And in Notebook 7, the
+sidebar's one decision: no move off the best GPU, the recommended GPU's pick the first button.
 
 One fake NVIDIA host (``libnvidia-ml.so.1`` of ``tests/fakenvml``) for the module; the autogpu
 kernelspec (min free 10G) picks the idle GPU 2. Screenshots: ``test-artifacts/statusbar-*.png``.
@@ -254,3 +255,54 @@ def test_the_notebooks_user_is_warned_before_its_idle_gpu_kernel_is_culled(
             expect(page.locator("#jp-AutoGPU-panel")).to_be_visible(timeout=30_000)
             page.locator(".jp-AutoGPU-card").nth(2).wait_for(timeout=30_000)
             _both_themes(page, "notebook7-sidebar")
+
+
+# --- the sidebar's one decision and its button, in Notebook 7 (issue 41, items 1 and 6) -------
+
+
+@pytest.fixture(scope="module")
+def notebook7(host: FakeNvml, tmp_path_factory: pytest.TempPathFactory) -> Iterator[browser.Lab]:
+    with _serve(tmp_path_factory.mktemp("statusbar-nb7"), host, "notebook",
+                "statusbar-nb7") as server:
+        _write_notebooks(server.root)
+        yield server
+
+
+def test_notebook7_offers_no_move_off_the_best_gpu_and_the_recommended_pick_first(
+    page: Any, notebook7: browser.Lab
+) -> None:
+    from playwright.sync_api import expect
+
+    with browser.screenshot_on_failure(page, "statusbar-nb7-sidebar-failure.png"):
+        # the autogpu kernel picked the best GPU, 2: its card offers no move away from it
+        _open(page, notebook7, "gpu.ipynb", "notebook")
+        page.locator(ITEM).click()
+        panel = page.locator("#jp-AutoGPU-panel")
+        expect(panel).to_be_visible(timeout=30_000)
+        gpu1, gpu2 = browser.card(page, "GPU 1"), browser.card(page, "GPU 2")
+        expect(gpu2.locator(".jp-AutoGPU-holder-current .jp-AutoGPU-what")).to_have_text(
+            "gpu.ipynb", timeout=30_000)
+        expect(page.locator(".jp-AutoGPU-advice")).to_have_text(
+            "you are already on the best device for 10.0 GiB: GPU\u00a02")
+        expect(gpu2.locator(".jp-AutoGPU-move")).to_have_count(0)
+        expect(gpu1.locator(".jp-AutoGPU-move")).to_have_text("Move here")
+        expect(page.locator(".jp-AutoGPU-recommendAction")).to_have_count(0)
+        _both_themes(page, "nb7-on-best")
+
+        # a plain notebook without a GPU: the first button is the recommended GPU's pick
+        # (GPU 0, 98 % busy, comes first among the cards; GPU 2 has gpu.ipynb's lease: GPU 1)
+        _open(page, notebook7, "cpu.ipynb", "notebook")
+        expect(page.locator(ITEM)).to_be_hidden()
+        browser.menu(page, "View", "Left Sidebar", "Show GPUs (autogpu)")
+        expect(panel).to_be_visible(timeout=30_000)
+        action = page.locator(".jp-AutoGPU-recommendation .jp-AutoGPU-recommendAction")
+        expect(action).to_have_text("Pick GPU 1", timeout=30_000)
+        first = page.locator("#jp-AutoGPU-panel button:visible").first
+        assert first.inner_text() == "Pick GPU 1", first.inner_text()
+        _both_themes(page, "nb7-pick")
+        action.click()
+        expect(page.locator(".jp-AutoGPU-moveMessage")).to_have_text(
+            re.compile(r"^autogpu: picked GPU 1 · NVIDIA L4"), timeout=60_000)
+        # now it holds GPU 1: the status item says so, the button is gone
+        expect(page.locator(ITEM)).to_have_text(re.compile(r"^GPU 1 · "), timeout=30_000)
+        expect(action).to_have_count(0)
