@@ -374,8 +374,10 @@ def cull_warnings(
     culled (``idle_s``, from its ``last_activity``), a busy one only with ``cull_busy``, a
     kernel with open connections only with ``cull_connected``.
     """
+    if kernel_manager is None or not kernels:
+        return {}
     lead = state.cull_warning_lead_s()
-    if lead <= 0 or kernel_manager is None:
+    if lead <= 0:
         return {}
     limit = float(state.cull_idle_gpu_kernels_s)
     connected = bool(getattr(kernel_manager, "cull_connected", False))
