@@ -624,6 +624,12 @@ export class GPUPanel extends Widget {
       overload !== null
     );
     this._recommendation.appendChild(el('div', 'jp-AutoGPU-advice', text));
+    if (kernel !== null && kernel.cull_warning !== null) {
+      // the server will soon shut this idle kernel down (its notification says the same)
+      this._recommendation.appendChild(
+        el('div', 'jp-AutoGPU-cullWarning', kernel.cull_warning)
+      );
+    }
     // the line carries its action: the first button a newcomer sees is the right one
     const action = recommendationAction(
       selection,

@@ -249,12 +249,17 @@ def test_the_notebooks_user_is_warned_before_its_idle_gpu_kernel_is_culled(
         assert page.locator(".Toastify__toast",
                             has_text="this idle kernel will be shut down").count() == 1
         _both_themes(page, f"cull-{app}")
-        if app == "notebook":  # the item opens the sidebar here too (closed on a new page)
-            expect(page.locator("#jp-AutoGPU-panel")).to_be_hidden()
-            item.click()
-            expect(page.locator("#jp-AutoGPU-panel")).to_be_visible(timeout=30_000)
-            page.locator(".jp-AutoGPU-card").nth(2).wait_for(timeout=30_000)
-            _both_themes(page, "notebook7-sidebar")
+        # the item opens the sidebar (closed on a new page), which says the same under its
+        # recommendation
+        if page.locator("#jp-AutoGPU-panel").is_visible():
+            page.locator('.lm-TabBar-tab[data-id="jp-AutoGPU-panel"]').click()
+        expect(page.locator("#jp-AutoGPU-panel")).to_be_hidden()
+        item.click()
+        expect(page.locator("#jp-AutoGPU-panel")).to_be_visible(timeout=30_000)
+        page.locator(".jp-AutoGPU-card").nth(2).wait_for(timeout=30_000)
+        expect(page.locator(".jp-AutoGPU-recommendation .jp-AutoGPU-cullWarning")).to_have_text(
+            WARNING, timeout=30_000)
+        _both_themes(page, f"cull-{app}-sidebar")
 
 
 # --- the sidebar's one decision and its button, in Notebook 7 (issue 41, items 1 and 6) -------
