@@ -232,6 +232,8 @@ def autogpu_lab(
     log_artifact: str,
     kernelspecs: Mapping[str, dict[str, Any]] | None = None,
     unset: tuple[str, ...] = ("AUTOGPU_SIMULATE",),
+    app: str = "jupyterlab",
+    server_args: tuple[str, ...] = (),
 ) -> Iterator[Lab]:
     """``jupyter lab`` with the built lab extension (sidebar refreshing every second) and the
     autogpu server extension (sampling every 0.5 s), on ``fake_nvml`` showing ``fleet``, news and
@@ -240,6 +242,9 @@ def autogpu_lab(
     Its root dir holds ``notebook`` as ``train.ipynb``; ``kernelspecs`` (name to ``kernel.json``
     content) are installed on its ``JUPYTER_PATH``. Config, runtime, IPython and registry dirs are
     under ``tmp_path``; the log is copied to ``test-artifacts/<log_artifact>``.
+
+    ``app="notebook"`` serves Notebook 7 instead (the same front end, ``/notebooks/<path>``);
+    ``server_args`` are added to the server's command line (``--AutoGPUServer.…=…``).
     """
     require_lab_extension()
     require_chromium()
@@ -271,12 +276,16 @@ def autogpu_lab(
         "IPYTHONDIR": str(tmp_path / "ipython"),
         "PYTHONPATH": str(ROOT),
     }
+    lab_args = (
+        (f"--LabApp.app_settings_dir={settings}", "--LabApp.news_url=None",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate")
+        if app == "jupyterlab"
+        else (f"--JupyterNotebookApp.app_settings_dir={settings}",)
+    )
     with jupyter_server(
-        "jupyterlab", root,
-        f"--LabApp.app_settings_dir={settings}",
+        app, root, *lab_args,
         "--ServerApp.jpserver_extensions={'autogpu_jupyter': True}",
-        "--AutoGPUServer.interval_s=0.5", "--LabApp.news_url=None",
-        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--AutoGPUServer.interval_s=0.5", *server_args,
         token=token, env=env, unset=unset, log=tmp_path / "lab.log", log_artifact=log_artifact,
     ) as url:
         yield Lab(url=url, token=token, root=root, registry_dir=registry)

@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     from autogpu_jupyter.core.holders import holders_by_device as holders_by_device
     from autogpu_jupyter.core.holders import holders_text as holders_text
     from autogpu_jupyter.core.leasing.admission import is_reservation as is_reservation
+    from autogpu_jupyter.core.moves import best_move_target as best_move_target
     from autogpu_jupyter.core.moves import grant_environ as grant_environ
     from autogpu_jupyter.core.options import PICK_OPTIONS as PICK_OPTIONS
     from autogpu_jupyter.core.options import PickOptions as PickOptions
@@ -162,6 +163,7 @@ __all__ = [
     "SERVER_ROOT_ENV",
     # Moves and overload
     "grant_environ",
+    "best_move_target",
     "Alternative",
     "Overload",
     "Thresholds",
@@ -262,6 +264,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "SERVER_ROOT_ENV": ("contract", "SERVER_ROOT_ENV"),
     # Moves and overload
     "grant_environ": ("moves", "grant_environ"),
+    "best_move_target": ("moves", "best_move_target"),
     "Alternative": ("overload", "Alternative"),
     "Overload": ("overload", "Overload"),
     "Thresholds": ("overload", "Thresholds"),

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from autogpu_jupyter.core import decision
 from autogpu_jupyter.core.backends import Backend, get_backend
 from autogpu_jupyter.core.contract import ROCM_GRANT_VARS, KernelContract
-from autogpu_jupyter.core.leasing.store import LeaseStore
+from autogpu_jupyter.core.leasing.store import LeaseStore, RecordView
 from autogpu_jupyter.core.options import PICK_OPTIONS, parse
 from autogpu_jupyter.core.picker import explain_drops
 from autogpu_jupyter.core.policy import Constraints, matches_id
@@ -49,12 +49,13 @@ from autogpu_jupyter.core.units import format_bytes
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBase
 
 if TYPE_CHECKING:
-    from autogpu_jupyter.core.devices import DeviceSnapshot
+    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
 
 __all__ = [
     "BEST",
     "MovePlan",
     "MoveRequest",
+    "best_move_target",
     "cancel_move",
     "grant_environ",
     "pending_move_text",
@@ -315,6 +316,76 @@ def _resolve_target(target: str, devices: Sequence[DeviceSnapshot]) -> list[Devi
     return out
 
 
+def _best_target(
+    context: decision.Context, current: Sequence[str], constraints: Constraints
+) -> tuple[tuple[DeviceSnapshot, ...], bool]:
+    """Where a move to "the best device" goes: the one decision for the kernel's own options,
+    its current device(s) included, and whether that is "the best *other* device" (its current
+    device no longer fits: overloaded, excluded, lost).
+
+    Raises
+    ------
+    UsageErrorBase
+        The decision names the kernel's own device(s): it is already on the best device.
+    NoDeviceFitsError
+        Its device no longer fits and no other device does.
+    """
+    snap = context.snapshot
+    present = tuple(u for u in current if snap.by_uuid(u) is not None)
+    made = decision.decide(context, constraints)
+    chosen = tuple(c.device for c in made.chosen)
+    mine = [made.candidate(u) for u in present]
+    still_fits = bool(present) and all(c is not None and c.eligible for c in mine)
+    # A device that ranks only by its UUID ahead of the kernel's own (identical idle GPUs) is
+    # no better: the kernel stays, or every move would invite the next one.
+    if still_fits and chosen and (
+        {d.uuid for d in chosen} == set(present)
+        or sorted(c.key[:-1] for c in mine if c is not None)
+        == sorted(c.key[:-1] for c in made.chosen)
+    ):
+        labels = ", ".join(
+            f"{c.device.label} ({c.device.name}, {format_bytes(c.effective_free_bytes)} free)"
+            for c in mine if c is not None
+        )
+        raise UsageErrorBase(
+            f"the kernel is already on the best device: {labels}; nothing to move"
+        )
+    if still_fits and chosen:
+        return chosen, False
+    # the current device(s) no longer fit (or the kernel has none): the best of the others
+    cons = replace(constraints, exclude=tuple(constraints.exclude) + present)
+    made = decision.decide(context, cons)
+    if not made.chosen:
+        raise NoDeviceFitsError(
+            f"no better device to move to ({constraints.describe()}; "
+            "the current one excluded):\n"
+            + explain_drops(list(made.ranked)),
+            candidates=tuple(made.ranked),
+        )
+    return tuple(c.device for c in made.chosen), bool(present)
+
+
+def best_move_target(
+    snapshot: FleetSnapshot,
+    current_uuids: Sequence[str],
+    constraints: Constraints,
+    *,
+    environ: Mapping[str, str] | None = None,
+    store: RecordView | None = None,
+    smoothed_util: Mapping[str, float | None] | None = None,
+) -> tuple[DeviceSnapshot, ...]:
+    """Where :func:`plan_move` ``"best"`` would move a kernel on ``current_uuids`` now, on
+    ``snapshot`` (the server's latest sweep): empty when it is already on the best device, or
+    when nothing fits. The sidebar offers "Move to best GPU" only when this names a device."""
+    context = decision.gather(
+        snapshot, environ=environ, store=store, smoothed_util=smoothed_util
+    )
+    try:
+        return _best_target(context, tuple(current_uuids), constraints)[0]
+    except AutoGPUError:
+        return ()
+
+
 def plan_move(
     target: str,
     *,
@@ -332,7 +403,8 @@ def plan_move(
     Parameters
     ----------
     target
-        ``"best"`` / ``"--best"``: the best device(s) other than the current ones; else NVML
+        ``"best"`` / ``"--best"``: the best device(s) for the kernel's options (the one
+        decision); the best *other* device(s) where the current ones no longer fit; else NVML
         indices or UUIDs (``"2"``, ``"GPU-5a1b"``; ``count`` of them, comma-separated).
     current_uuids
         The kernel's device(s) now (``AUTOGPU_PICKED``); empty for a CPU-only kernel.
@@ -347,7 +419,8 @@ def plan_move(
     Raises
     ------
     UsageErrorBase
-        Unknown device, outside the grant, already there, or the target does not fit.
+        Unknown device, outside the grant, already there (also ``best`` when the decision names
+        the current device(s): "already on the best device"), or the target does not fit.
     NoDeviceFitsError
         ``best`` and no other device fits.
     """
@@ -363,18 +436,7 @@ def plan_move(
     text = target.strip()
     best = text.lower() in (BEST, "--best")
     if best:
-        avoid = tuple(u for u in current if snap.by_uuid(u) is not None)
-        cons = replace(constraints, exclude=tuple(constraints.exclude) + avoid)
-        made = decision.decide(context, cons)
-        ranked, chosen = list(made.ranked), list(made.chosen)
-        if not chosen:
-            raise NoDeviceFitsError(
-                f"no better device to move to ({constraints.describe()}; "
-                "the current one excluded):\n"
-                + explain_drops(ranked),
-                candidates=tuple(ranked),
-            )
-        target_devs = tuple(c.device for c in chosen)
+        target_devs, other = _best_target(context, current, constraints)
         # The plan names the devices it was shown with ("Restart on GPU 3"): the restart goes
         # there while they still fit, not to whatever ranks first a moment later.
         req = MoveRequest(
@@ -408,7 +470,12 @@ def plan_move(
     labels = ", ".join(
         f"{d.label} ({d.name}, {format_bytes(d.memory_free_bytes)} free)" for d in target_devs
     )
-    where = "the best other device" if best else "the requested device"
+    if not best:
+        where = "the requested device"
+    elif other:
+        where = "the best other device"
+    else:
+        where = "the best device" if len(target_devs) == 1 else "the best devices"
     message = (
         f"The kernel will restart on {labels}, {where} now. Restarting loses the kernel's state "
         "(variables, imports, data in memory): save what you need first."

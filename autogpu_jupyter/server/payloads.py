@@ -24,6 +24,7 @@ from autogpu_jupyter.core import (
     Thresholds,
     alternative_constraints,
     best_alternative,
+    best_move_target,
     current_allocation,
     fetch_history,
     grant_environ,
@@ -41,6 +42,7 @@ from autogpu_jupyter.errors import (
     UsageErrorBase,
 )
 from autogpu_jupyter.server.schema import (
+    BestMoveJSON,
     BetterDevice,
     CandidateJSON,
     ClusterAnswer,
@@ -345,11 +347,27 @@ def holders_payload(
     overloads = kernel_overloads(
         ctx, kernels, holders, snap, records, kernel_options(kernel_manager), environs
     )
+    best_moves = kernel_best_moves(ctx, kernels, snap, kernel_options(kernel_manager))
+    held_labels: dict[str, list[str]] = {}
+    for entry in holders:
+        kid = entry["kernel_id"]
+        if entry["this_server"] and kid and entry["label"] not in held_labels.get(kid, []):
+            held_labels.setdefault(kid, []).append(entry["label"])
+    warnings = cull_warnings(ctx, kernel_manager, kernels, held_labels, snap)
     for info in kernels:
         found = overloads.get(info["kernel_id"])
         info["overload"] = found[0] if found else None
         info["better"] = found[1] if found else None
         info["waiting"] = info["kernel_id"] in waiting
+        better = info["better"]
+        # an overloaded kernel is offered the overload's better device (the warning's, the
+        # notification's), named; else where the move plan for "best" would go
+        info["best_move"] = (
+            {"target": better["uuid"], "uuids": [better["uuid"]], "labels": [better["label"]]}
+            if better is not None and info.get("movable")
+            else best_moves.get(info["kernel_id"])
+        )
+        info["cull_warning"] = warnings.get(info["kernel_id"])
     return {
         "timestamp_s": snap.timestamp_s if snap is not None else time.time(),
         "simulated": snap.simulated if snap is not None else False,
@@ -358,6 +376,115 @@ def holders_payload(
         "kernels": kernels,
         "errors": errors,
     }
+
+
+def _duration(seconds: float, countdown: bool = True) -> str:
+    """``4 min``, ``2 h 5 min``; a countdown (rounded up) under a minute is ``less than a
+    minute``, a length (rounded) ``45 s``."""
+    if countdown and seconds <= 60:
+        return "less than a minute"
+    if not countdown and seconds < 59.5:
+        return f"{round(seconds)} s"
+    minutes = math.ceil(seconds / 60) if countdown else round(seconds / 60)
+    if minutes < 120:
+        return f"{minutes} min"
+    hours, rest = divmod(minutes, 60)
+    return f"{hours} h {rest} min" if rest else f"{hours} h"
+
+
+def cull_warnings(
+    ctx: ServerContext,
+    kernel_manager: Any,
+    kernels: Sequence[KernelJSON],
+    held_labels: Mapping[str, Sequence[str]],
+    snap: FleetSnapshot | None,
+) -> dict[str, str]:
+    """Kernel id -> the warning that the server will soon shut the idle kernel down and free
+    its GPU (``c.AutoGPUServer.cull_idle_gpu_kernels_s``, :mod:`server.culling`), for the
+    kernels that hold a GPU and are within ``cull_warning_s`` of their limit. The sidebar and
+    the status bar show it as a notification (at most 140 characters, as JupyterLab keeps).
+
+    It follows jupyter_server's culler, which judges these kernels: only an idle kernel is
+    culled (``idle_s``, from its ``last_activity``), a busy one only with ``cull_busy``, a
+    kernel with open connections only with ``cull_connected``.
+    """
+    if kernel_manager is None or not kernels:
+        return {}
+    lead = ctx.cull_warning_lead_s
+    if lead <= 0:
+        return {}
+    limit = float(ctx.cull_idle_gpu_kernels_s)
+    connected = bool(getattr(kernel_manager, "cull_connected", False))
+    # jupyter_server's own count of each kernel's open websockets (what its culler reads)
+    connections = getattr(kernel_manager, "_kernel_connections", None) or {}
+    labels_of = {d.uuid: d.label for d in snap.devices} if snap is not None else {}
+    out: dict[str, str] = {}
+    for info in kernels:
+        kid = info["kernel_id"]
+        idle_s = info.get("idle_s")
+        named = list(held_labels.get(kid) or ())
+        try:  # the provisioner's pick counts, as for the culler (gpu_kernel_ids)
+            prov = getattr(kernel_manager.get_kernel(kid), "provisioner", None)
+        except KeyError:
+            continue
+        picked = prov.autogpu_picked if isinstance(prov, ProvisionerState) else None
+        for uuid in picked or ():
+            if labels_of.get(uuid, uuid) not in named:
+                named.append(labels_of.get(uuid, uuid))
+        label = ", ".join(named)
+        if not label or idle_s is None:  # no GPU, or not idle (busy, starting, unknown)
+            continue
+        if not connected and connections.get(kid, 0) > 0:
+            continue  # open in a browser: jupyter_server's culler leaves it alone
+        remaining = limit - float(idle_s)
+        if remaining > lead:
+            continue
+        out[kid] = (
+            f"{label}: this idle kernel will be shut down in {_duration(remaining)} (idle "
+            f"limit {_duration(limit, countdown=False)}), freeing the GPU. Run any cell to keep it."
+        )
+    return out
+
+
+def kernel_best_moves(
+    ctx: ServerContext,
+    kernels: Sequence[KernelJSON],
+    snap: FleetSnapshot | None,
+    options: Mapping[str, Constraints],
+) -> dict[str, BestMoveJSON]:
+    """Kernel id -> ``{"target": "best", "uuids", "labels"}`` for this server's movable kernels
+    that a move to "the best device" would take elsewhere now: the move plan's own question
+    (:func:`core.moves.best_move_target`: the kernel's options, its own lease hidden, the
+    server's grant and smoothing) over the latest sweep. A kernel on the best device already
+    is not listed: the sidebar offers "Move to best GPU" only to the listed ones (issue 41's
+    ping-pong: the best device's own card offered a move away from it)."""
+    movable = [k for k in kernels if k.get("movable") and k.get("picked_uuids")]
+    if snap is None or not movable:
+        return {}
+    sampler = ctx.sampler
+    smoothed = None if sampler is None else sampler.smoothed_util(ctx.smoothing_window_s)
+    try:
+        registry = ctx.store()
+    except (AutoGPUError, OSError):
+        registry = None
+    out: dict[str, BestMoveJSON] = {}
+    for info in movable:
+        kid = info["kernel_id"]
+        try:
+            target = best_move_target(
+                snap, info["picked_uuids"], options.get(kid) or Constraints(),
+                store=None if registry is None else registry.hiding(kernel_id=kid),
+                smoothed_util=smoothed,
+            )
+        except (AutoGPUError, OSError):  # the registry unreadable: no offer, the errors say why
+            continue
+        if target:
+            out[kid] = {
+                "target": "best",
+                "uuids": [d.uuid for d in target],
+                "labels": [d.label for d in target],
+            }
+    return out
 
 
 def kernel_overloads(
@@ -580,6 +707,8 @@ def kernel_infos(
                 "overload": None,
                 "better": None,
                 "waiting": False,
+                "best_move": None,
+                "cull_warning": None,
             }
         )
     return out

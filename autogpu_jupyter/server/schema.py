@@ -149,6 +149,15 @@ class BetterDevice(TypedDict):
     label: str
 
 
+class BestMoveJSON(TypedDict):
+    """Where "Move to best GPU" would take a movable kernel now (only when elsewhere):
+    ``target`` as the move endpoint takes it, and the devices' UUIDs and labels."""
+
+    target: str
+    uuids: list[str]
+    labels: list[str]
+
+
 class KernelJSON(TypedDict):
     """One of this server's kernels."""
 
@@ -164,6 +173,10 @@ class KernelJSON(TypedDict):
     overload: str | None
     better: BetterDevice | None
     waiting: bool
+    #: where a move to the best device would take it (``None``: it is on the best device)
+    best_move: BestMoveJSON | None
+    #: the warning that the server will soon cull this idle kernel and free its GPU
+    cull_warning: str | None
 
 
 class HoldersAnswer(TypedDict):

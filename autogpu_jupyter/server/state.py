@@ -78,6 +78,10 @@ class ServerContext:
     #: The server's ``c.AutoGPU`` settings (made anew: a bad value raises here, where asked).
     settings: Callable[[], AutoGPU] = field(default=AutoGPU)
     cluster_cache: ClusterCache | None = None
+    #: ``c.AutoGPUServer.cull_idle_gpu_kernels_s`` (0: no culling) and how long before the
+    #: cull its warning starts (:meth:`AutoGPUServer.cull_warning_lead_s`; 0: no warning).
+    cull_idle_gpu_kernels_s: float = 0.0
+    cull_warning_lead_s: float = 0.0
 
 
 class AutoGPUServer(LoggingConfigurable):
@@ -142,6 +146,38 @@ class AutoGPUServer(LoggingConfigurable):
         "MappingKernelManager.cull_interval, cull_connected and cull_busy apply, and kernels "
         "without a GPU keep MappingKernelManager.cull_idle_timeout (0: never culled).",
     ).tag(config=True)
+    cull_warning_s = Float(
+        None,
+        allow_none=True,
+        help="With cull_idle_gpu_kernels_s set: how many seconds before an idle GPU kernel is "
+        "shut down its notebook's user is warned (a JupyterLab / Notebook 7 notification naming "
+        "the GPU and how to keep it: run a cell). None (the default): a tenth of "
+        "cull_idle_gpu_kernels_s, at most 300; 0: no warning.",
+    ).tag(config=True)
+
+    @validate("cull_warning_s")
+    def _valid_cull_warning(self, proposal: Any) -> float | None:
+        """``None`` or a number of seconds >= 0; anything else is said once in the server's log
+        and replaced by ``None`` (the default)."""
+        value = proposal["value"]
+        if value is None or (math.isfinite(value) and value >= 0):
+            return value if value is None else float(value)
+        self.log.warning(
+            "autogpu: c.AutoGPUServer.cull_warning_s = %r is not None or a number of seconds "
+            ">= 0 (e.g. 300): the default (a tenth of cull_idle_gpu_kernels_s, at most 300 s) "
+            "is used", value,
+        )
+        return None
+
+    def cull_warning_lead_s(self) -> float:
+        """Seconds before the cull that the warning starts: :attr:`cull_warning_s`, or its
+        default; 0 when culling is off or the warning is."""
+        limit = float(self.cull_idle_gpu_kernels_s)
+        if limit <= 0:
+            return 0.0
+        if self.cull_warning_s is None:
+            return min(300.0, limit / 10)
+        return min(float(self.cull_warning_s), limit)
     metrics = Bool(
         True,
         help="Register the autogpu_* gauges on jupyter_server's Prometheus registry (served at "
@@ -205,6 +241,8 @@ class AutoGPUServer(LoggingConfigurable):
             store=self.registry,
             settings=lambda: AutoGPU(parent=self.parent),
             cluster_cache=self.cluster_cache,
+            cull_idle_gpu_kernels_s=float(self.cull_idle_gpu_kernels_s or 0.0),
+            cull_warning_lead_s=self.cull_warning_lead_s(),
         )
 
     # -- lifecycle -------------------------------------------------------------------------

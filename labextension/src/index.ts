@@ -5,6 +5,9 @@
  * It runs in JupyterLab (the left sidebar, with the other panels) and in Notebook 7, whose shell
  * has a left area too but no `ILabShell`: there the panel is added through `app.shell` and shown
  * from View → Left Sidebar → Show GPUs (autogpu).
+ *
+ * The active notebook's GPU is also shown in JupyterLab's status bar (`IStatusBar`), and in
+ * Notebook 7, which has no status bar, in its top bar; a click opens the sidebar.
  */
 import {
   ILabShell,
@@ -13,6 +16,7 @@ import {
 } from '@jupyterlab/application';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
+import { IStatusBar } from '@jupyterlab/statusbar';
 import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 import { LabIcon } from '@jupyterlab/ui-components';
 
@@ -25,6 +29,7 @@ import {
   IPanelSettings
 } from './panel';
 import { PICK_MIME, parsePickOutcome } from './model';
+import { GPUStatusItem } from './statusbar';
 
 /** The sidebar's icon. */
 export const gpuIcon = new LabIcon({ name: 'autogpu:gpu', svgstr: gpuSvg });
@@ -82,13 +87,20 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description:
     'A left-sidebar panel with every GPU on the server, its holders and a recommendation.',
   autoStart: true,
-  optional: [ILabShell, ISettingRegistry, INotebookTracker, ITranslator],
+  optional: [
+    ILabShell,
+    ISettingRegistry,
+    INotebookTracker,
+    ITranslator,
+    IStatusBar
+  ],
   activate: (
     app: JupyterFrontEnd,
     labShell: ILabShell | null,
     settingRegistry: ISettingRegistry | null,
     tracker: INotebookTracker | null,
-    translator: ITranslator | null
+    translator: ITranslator | null,
+    statusBar: IStatusBar | null
   ) => {
     const activeNotebook = (): IActiveNotebook | null => {
       const current = tracker?.currentWidget ?? null;
@@ -116,19 +128,60 @@ const plugin: JupyterFrontEndPlugin<void> = {
       .__('GPUs (autogpu)');
     // JupyterLab's shell, or any shell with a left area (Notebook 7's INotebookShell).
     (labShell ?? app.shell).add(panel, 'left', { rank: 850 });
+    // The active notebook's GPU: JupyterLab's status bar, or Notebook 7's top bar.
+    const status =
+      tracker === null
+        ? null
+        : new GPUStatusItem({
+            serverSettings: app.serviceManager.serverSettings,
+            activeKernelId: () =>
+              tracker.currentWidget?.sessionContext.session?.kernel?.id ?? null,
+            openSidebar: () => app.shell.activateById(panel.id),
+            translator: translator ?? undefined
+          });
+    if (status !== null) {
+      if (statusBar !== null) {
+        statusBar.registerStatusItem('autogpu-jupyter:status', {
+          item: status,
+          align: 'left',
+          rank: 50,
+          isActive: () => status.active,
+          activeStateChanged: status.activeChanged
+        });
+      } else if (labShell === null) {
+        app.shell.add(status, 'top', { rank: 10000 });
+      }
+    }
     tracker?.currentChanged.connect(() => {
       if (panel.isVisible) {
         void panel.poll.refresh();
       }
+      status?.refreshNow();
+    });
+    // a kernel started, restarted elsewhere or changed: its GPU changes
+    tracker?.widgetAdded.connect((_, widget) => {
+      widget.sessionContext.kernelChanged.connect(() => status?.refreshNow());
     });
     if (settingRegistry) {
       settingRegistry
         .load(PLUGIN_ID)
         .then(settings => {
           panel.updateSettings(readSettings(settings));
-          settings.changed.connect(() =>
-            panel.updateSettings(readSettings(settings))
-          );
+          if (status !== null) {
+            status.interval = Math.max(
+              readSettings(settings).refreshInterval,
+              2
+            );
+          }
+          settings.changed.connect(() => {
+            panel.updateSettings(readSettings(settings));
+            if (status !== null) {
+              status.interval = Math.max(
+                readSettings(settings).refreshInterval,
+                2
+              );
+            }
+          });
         })
         .catch(reason => {
           console.error('autogpu: could not load the sidebar settings', reason);

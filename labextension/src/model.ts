@@ -135,6 +135,25 @@ export interface IKernelInfo {
   waiting: boolean;
   /** The devices the kernel's process may use (its allocation); null: unknown (any). */
   allowed_uuids: string[] | null;
+  /**
+   * Where "Move to best GPU" takes this kernel, by the server's one decision (its move plan
+   * for `best`, or the overload's better device by UUID); null: it is on the best GPU
+   * already, or cannot move.
+   */
+  best_move: IBestMove | null;
+  /**
+   * The server's warning that this idle kernel's GPU will be freed soon (it culls idle GPU
+   * kernels: `cull_idle_gpu_kernels_s`), in words, with how to keep it; null otherwise.
+   */
+  cull_warning: string | null;
+}
+
+/** A movable kernel's better place, as the server names it (`best_move`). */
+export interface IBestMove {
+  /** The move endpoint's `target`: `best`, or a UUID. */
+  target: string;
+  uuids: string[];
+  labels: string[];
 }
 
 /** `GET /autogpu/holders`. */
@@ -515,7 +534,9 @@ export function parseHolders(raw: unknown): IHolders {
           waiting: k.waiting === true,
           allowed_uuids: Array.isArray(k.allowed_uuids)
             ? stringList(k.allowed_uuids)
-            : null
+            : null,
+          best_move: parseBestMove(k.best_move),
+          cull_warning: strOrNull(k.cull_warning)
         };
       })
     : [];
@@ -527,6 +548,17 @@ export function parseHolders(raw: unknown): IHolders {
     kernels,
     errors: stringList(raw.errors)
   };
+}
+
+function parseBestMove(raw: unknown): IBestMove | null {
+  if (!isObject(raw) || typeof raw.target !== 'string' || raw.target === '') {
+    return null;
+  }
+  const uuids = stringList(raw.uuids);
+  const labels = stringList(raw.labels);
+  return uuids.length
+    ? { target: raw.target, uuids, labels: labels.length ? labels : uuids }
+    : null;
 }
 
 /** The kernel `kernelId` among this server's kernels, or null. */
@@ -555,12 +587,19 @@ export function moveActionFor(
     return null;
   }
   if (kernel.picked_uuids.includes(device.uuid)) {
+    // only where the server's one decision names a better GPU than the kernel's own: never a
+    // move away from the best GPU (and back again)
+    const best = kernel.best_move;
+    if (best === null) {
+      return null;
+    }
     return {
       kind: 'best',
-      target: 'best',
+      target: best.target,
       label: trans.__('Move to best GPU'),
       title: trans.__(
-        "Restart this notebook's kernel on the best other GPU (its variables are lost)"
+        "Restart this notebook's kernel on %1, the best GPU now (its variables are lost)",
+        best.labels.join(', ')
       )
     };
   }
@@ -720,6 +759,129 @@ export function recommendationText(
   return any
     ? trans.__('best device now: %1', labels)
     : trans.__('best device for %1: %2', wanted, labels);
+}
+
+/**
+ * The recommendation for the active notebook. A kernel started by the autogpu kernelspec that
+ * holds a GPU is told the server's own decision for it (`best_move`: its options, its own
+ * lease left out), so that the line, the "best" badge and "Move to best GPU" say one thing;
+ * any other notebook, the sidebar's `select`.
+ */
+export function kernelSelection(
+  selection: ISelection | null,
+  kernel: IKernelInfo | null,
+  devices: IDevice[]
+): ISelection | null {
+  if (kernel === null || !kernel.movable || kernel.picked_uuids.length === 0) {
+    return selection;
+  }
+  const named = (uuid: string, label: string | undefined) => {
+    const device = devices.find(d => d.uuid === uuid);
+    return {
+      uuid,
+      label: label ?? device?.label ?? uuid,
+      name: device?.name ?? ''
+    };
+  };
+  const best = kernel.best_move;
+  return {
+    chosen: best
+      ? best.uuids.map((u, i) => named(u, best.labels[i]))
+      : kernel.picked_uuids.map(u => named(u, undefined)),
+    constraints_text:
+      kernel.constraints_text ?? selection?.constraints_text ?? '',
+    message: null,
+    simulated: selection?.simulated ?? false
+  };
+}
+
+/** The button of the recommendation line: pick or move the active notebook there. */
+export interface IRecommendationAction {
+  kind: 'pick' | 'move';
+  /** The device(s) by label: `GPU 2`. */
+  where: string;
+  label: string;
+  title: string;
+  /** `move`: the endpoint's target (`best` or a UUID). */
+  target: string;
+  /** `pick`: the device, and the code the notebook's kernel runs (as the card's Pick). */
+  uuid: string;
+  code: string;
+}
+
+/**
+ * The action the recommendation line carries for the active notebook (issue 41: the first
+ * button a newcomer clicked was GPU 0's Pick, on a 98 %-busy card): "Move to GPU 2" for a
+ * kernel of the autogpu kernelspec where the server names a better GPU (`best_move`), "Pick
+ * GPU 2" for a notebook that holds no GPU yet and may pick the recommended one; else null
+ * (on the best GPU already, or nothing it could do).
+ */
+export function recommendationAction(
+  selection: ISelection | null,
+  kernel: IKernelInfo | null,
+  holders: IHolders | null,
+  kernelId: string | null,
+  devices: IDevice[],
+  trans: ITrans = noTranslation
+): IRecommendationAction | null {
+  if (kernelId === null) {
+    return null;
+  }
+  if (kernel !== null && kernel.movable) {
+    let target: string | null = null;
+    let labels: string[] = [];
+    if (kernel.best_move !== null) {
+      target = kernel.best_move.target;
+      labels = kernel.best_move.labels;
+    } else if (
+      kernel.picked_uuids.length === 0 &&
+      selection !== null &&
+      selection.chosen.length === 1
+    ) {
+      // an autogpu kernel without a GPU: a restart on the recommended one
+      target = selection.chosen[0].uuid;
+      labels = [selection.chosen[0].label];
+    }
+    if (target === null) {
+      return null;
+    }
+    const where = labels.join(', ');
+    return {
+      kind: 'move',
+      where,
+      label: trans.__('Move to %1', where),
+      title: trans.__(
+        "Restart this notebook's kernel on %1 (its variables are lost)",
+        where
+      ),
+      target,
+      uuid: '',
+      code: ''
+    };
+  }
+  if (selection === null || selection.chosen.length !== 1) {
+    return null;
+  }
+  const device = devices.find(d => d.uuid === selection.chosen[0].uuid);
+  const code =
+    device === undefined
+      ? null
+      : pickCodeFor(device, kernel, holders, kernelId);
+  if (device === undefined || code === null) {
+    return null;
+  }
+  return {
+    kind: 'pick',
+    where: device.label,
+    label: trans.__('Pick %1', device.label),
+    title: trans.__(
+      "Pick %1 for this notebook: %gpu pick in the notebook's own kernel, on this GPU only",
+      device.label
+    ),
+    target: '',
+    uuid: device.uuid,
+    code
+  };
 }
 
 /**
@@ -993,4 +1155,83 @@ export function parsePickOutcome(raw: unknown): IPickOutcome {
     summary: raw.summary,
     details: typeof raw.details === 'string' ? raw.details : ''
   };
+}
+
+/** What the status bar shows for the active notebook's GPU. */
+export interface IGPUStatus {
+  /** `GPU 2 · 35% · 20.0 GiB / 80.0 GiB`, one part per device. */
+  text: string;
+  /** The tooltip: the overload or cull warning when there is one, else what the item is. */
+  title: string;
+  overloaded: boolean;
+}
+
+/**
+ * The status-bar item of the active notebook (issue 41): the GPU(s) its kernel holds, their
+ * utilisation and memory from the server's `devices` and `holders` answers, and a warning mark
+ * when the server says other processes overload them. Null (no item) for a notebook whose
+ * kernel holds no GPU, or when nothing is known yet.
+ */
+export function gpuStatus(
+  holders: IHolders | null,
+  fleet: IFleet | null,
+  kernelId: string | null,
+  trans: ITrans = noTranslation
+): IGPUStatus | null {
+  if (holders === null || fleet === null || kernelId === null) {
+    return null;
+  }
+  const devices = notebookDevices(holders, kernelId)
+    .map(u => fleet.devices.find(d => d.uuid === u))
+    .filter((d): d is IDevice => d !== undefined);
+  if (devices.length === 0) {
+    return null;
+  }
+  const kernel = kernelInfoFor(holders, kernelId);
+  const overloaded = kernel !== null && kernel.overload !== null;
+  const parts = devices.map(d =>
+    d.available
+      ? trans.__(
+          '%1 · %2 · %3',
+          d.label,
+          formatPct(d.utilization_pct, trans),
+          formatMemory(d)
+        )
+      : trans.__('%1 · lost', d.label)
+  );
+  const labels = devices.map(d => d.label).join(', ');
+  const warning = kernel?.overload ?? kernel?.cull_warning ?? null;
+  return {
+    text: parts.join(' | '),
+    title:
+      warning ??
+      trans.__(
+        "This notebook's GPU: %1. Click to open the GPU sidebar.",
+        labels
+      ),
+    overloaded
+  };
+}
+
+/**
+ * The cull warning to show now for the active notebook's kernel, once per idle stretch: the
+ * server's words, the first time it gives them (`shown` remembers it per kernel until the
+ * warning ends, when the kernel was active again).
+ */
+export function cullWarningToNotify(
+  kernel: IKernelInfo | null,
+  shown: Set<string>
+): string | null {
+  if (kernel === null) {
+    return null;
+  }
+  if (kernel.cull_warning === null) {
+    shown.delete(kernel.kernel_id);
+    return null;
+  }
+  if (shown.has(kernel.kernel_id)) {
+    return null;
+  }
+  shown.add(kernel.kernel_id);
+  return kernel.cull_warning;
 }

@@ -42,6 +42,7 @@ import {
   formatUserTotal,
   holdersFor,
   kernelInfoFor,
+  kernelSelection,
   mergeHistory,
   moveActionFor,
   myDevices,
@@ -54,6 +55,7 @@ import {
   parseMoveResult,
   parseSelection,
   notebookDevices,
+  recommendationAction,
   recommendationText,
   selectPath,
   sparkScaleTop,
@@ -427,6 +429,9 @@ export class GPUPanel extends Widget {
     this._cards.querySelectorAll('button').forEach(button => {
       button.disabled = busy;
     });
+    this._recommendation.querySelectorAll('button').forEach(button => {
+      button.disabled = busy;
+    });
   }
 
   /**
@@ -584,9 +589,12 @@ export class GPUPanel extends Widget {
 
   private _renderRecommendation(active: IActiveNotebook | null): void {
     this._recommendation.replaceChildren();
-    const overload = overloadAdvice(
-      kernelInfoFor(this._holders, active?.kernelId ?? null)
-    );
+    const kernelId = active?.kernelId ?? null;
+    const kernel = kernelInfoFor(this._holders, kernelId);
+    const overload = overloadAdvice(kernel);
+    const devices = this._fleet?.devices ?? [];
+    // an autogpu kernel on a GPU is told the server's decision for it (its move plan's)
+    const selection = kernelSelection(this._selection, kernel, devices);
     if (
       overload === null &&
       this._selection === null &&
@@ -604,10 +612,10 @@ export class GPUPanel extends Widget {
     const text =
       overload !== null
         ? overload.text
-        : this._selection !== null
+        : selection !== null
           ? recommendationText(
-              this._selection,
-              notebookDevices(this._holders, active?.kernelId ?? null),
+              selection,
+              notebookDevices(this._holders, kernelId),
               this._trans
             )
           : this._trans.__('no recommendation: %1', this._selectionError);
@@ -616,17 +624,69 @@ export class GPUPanel extends Widget {
       overload !== null
     );
     this._recommendation.appendChild(el('div', 'jp-AutoGPU-advice', text));
+    if (kernel !== null && kernel.cull_warning !== null) {
+      // the server will soon shut this idle kernel down (its notification says the same)
+      this._recommendation.appendChild(
+        el('div', 'jp-AutoGPU-cullWarning', kernel.cull_warning)
+      );
+    }
+    // the line carries its action: the first button a newcomer sees is the right one
+    const action = recommendationAction(
+      selection,
+      kernel,
+      this._holders,
+      kernelId,
+      devices,
+      this._trans
+    );
+    if (action === null || active === null || kernelId === null) {
+      return;
+    }
+    const button = el(
+      'button',
+      `jp-AutoGPU-recommendAction jp-AutoGPU-recommend-${action.kind}`,
+      action.label
+    );
+    button.type = 'button';
+    button.title = action.title;
+    button.disabled = this._move?.busy === true;
+    if (action.kind === 'move' && kernel !== null) {
+      button.addEventListener('click', () => {
+        void this._onMove(
+          kernel,
+          {
+            kind: 'here',
+            target: action.target,
+            label: action.label,
+            title: action.title
+          },
+          active.restart
+        );
+      });
+    } else if (action.kind === 'pick' && active.execute) {
+      const execute = active.execute;
+      button.addEventListener('click', () => {
+        void this._onPick(kernelId, action.where, action.code, execute);
+      });
+    } else {
+      return;
+    }
+    this._recommendation.appendChild(button);
   }
 
-  /** The card that gets the "best" badge: the overload's better device, else the select's. */
+  /** The card that gets the "best" badge: the overload's better device, else the line's. */
   private _bestUuids(active: IActiveNotebook | null): string[] {
-    const overload = overloadAdvice(
-      kernelInfoFor(this._holders, active?.kernelId ?? null)
-    );
+    const kernel = kernelInfoFor(this._holders, active?.kernelId ?? null);
+    const overload = overloadAdvice(kernel);
     if (overload !== null) {
       return overload.uuid !== null ? [overload.uuid] : [];
     }
-    return this._selection?.chosen.map(c => c.uuid) ?? [];
+    const selection = kernelSelection(
+      this._selection,
+      kernel,
+      this._fleet?.devices ?? []
+    );
+    return selection?.chosen.map(c => c.uuid) ?? [];
   }
 
   private _renderCards(fleet: IFleet, active: IActiveNotebook | null): void {

@@ -96,6 +96,17 @@ export interface IBetterDevice {
   label: string;
 }
 
+/**
+ * Where "Move to best GPU" would take a movable kernel now (only when
+ * elsewhere): `target` as the move endpoint takes it, and the devices' UUIDs
+ * and labels.
+ */
+export interface IBestMoveJSON {
+  target: string;
+  uuids: string[];
+  labels: string[];
+}
+
 /** One of this server's kernels. */
 export interface IKernelJSON {
   kernel_id: string;
@@ -110,6 +121,8 @@ export interface IKernelJSON {
   overload: string | null;
   better: IBetterDevice | null;
   waiting: boolean;
+  best_move: IBestMoveJSON | null;
+  cull_warning: string | null;
 }
 
 /** `GET holders`: every holder of every device, and this server's kernels. */

@@ -226,8 +226,14 @@ def test_a_pick_from_the_sidebar_in_a_notebook_that_loaded_the_extension(
         # own two, GPU 1
         expect(page.locator(".jp-AutoGPU-advice")).to_have_text(
             "best device for 10.0 GiB: GPU\u00a01")
+        # the line carries its action: the first button is the recommended GPU's pick, not
+        # GPU 0's on a busier card (issue 41)
+        recommended = page.locator(".jp-AutoGPU-recommendation .jp-AutoGPU-recommendAction")
+        expect(recommended).to_have_text("Pick GPU 1")
+        first = page.locator("#jp-AutoGPU-panel button:visible").first
+        assert first.inner_text() == "Pick GPU 1", first.inner_text()
 
-        browser.card(page, "GPU 1").locator(".jp-AutoGPU-pick").click()
+        recommended.click()
         status = page.locator(".jp-AutoGPU-moveMessage")
         expect(status).to_have_text(
             "autogpu: GPU 1 cannot be picked: only 23.0 GiB free < 30.0 GiB wanted",
@@ -307,16 +313,21 @@ def test_a_move_restarts_the_kernel_and_the_notebook_follows(
         out = _run_cell(page, nb, 1)
         expect(out).to_contain_text(U2, timeout=30_000)  # the provisioner's pick: idle GPU 2
         gpu1, gpu2 = browser.card(page, "GPU 1"), browser.card(page, "GPU 2")
-        expect(gpu2.locator(".jp-AutoGPU-move")).to_have_text("Move to best GPU")
+        advice = page.locator(".jp-AutoGPU-advice")
+        action = page.locator(".jp-AutoGPU-recommendation .jp-AutoGPU-recommendAction")
+        # the recommendation leaves the notebook's own lease out: it is on the best GPU already,
+        # and nothing offers to move it away (issue 41: "Move to best GPU" on the best GPU's
+        # own card moved it to GPU 1, whence the sidebar offered the move back)
+        expect(advice).to_have_text("you are already on the best device for 10.0 GiB: GPU\u00a02")
         expect(gpu1.locator(".jp-AutoGPU-move")).to_have_text("Move here")
+        expect(gpu2.locator(".jp-AutoGPU-move")).to_have_count(0)
+        expect(action).to_have_count(0)
         assert browser.card(page, "GPU 3").locator(".jp-AutoGPU-move").count() == 0  # lost
-        # the recommendation leaves the notebook's own lease out: it is on the best GPU already
-        expect(page.locator(".jp-AutoGPU-advice")).to_have_text(
-            "you are already on the best device for 10.0 GiB: GPU\u00a02")
-        gpu2.locator(".jp-AutoGPU-move-best").click()
+        _both_themes(page, "move-on-best", page.locator("#jp-AutoGPU-panel"))
+        gpu1.locator(".jp-AutoGPU-move-here").click()
         dialog = page.locator(".jp-Dialog")
         expect(dialog.locator(".jp-AutoGPU-movePlan")).to_have_text(
-            "The kernel will restart on GPU 1 (NVIDIA L4, 23.0 GiB free), the best other device "
+            "The kernel will restart on GPU 1 (NVIDIA L4, 23.0 GiB free), the requested device "
             "now. Restarting loses the kernel's state (variables, imports, data in memory): save "
             "what you need first.", timeout=30_000)
         # the plan says once that the state is lost; the second line only what stays
@@ -337,8 +348,14 @@ def test_a_move_restarts_the_kernel_and_the_notebook_follows(
         expect(gpu1.locator(".jp-AutoGPU-holder-current .jp-AutoGPU-what")).to_have_text(
             "move.ipynb", timeout=30_000)
         expect(gpu2.locator(".jp-AutoGPU-holder-current")).to_have_count(0)
+        # off the best GPU now: one answer everywhere, GPU 2 (the line, its action, the badge,
+        # "Move to best GPU" on the kernel's own card)
+        expect(advice).to_have_text("best device for 10.0 GiB: GPU\u00a02", timeout=30_000)
+        expect(action).to_have_text("Move to GPU 2")
         expect(gpu1.locator(".jp-AutoGPU-move")).to_have_text("Move to best GPU")
         expect(gpu2.locator(".jp-AutoGPU-move")).to_have_text("Move here")
+        expect(page.locator(".jp-AutoGPU-card:has(.jp-AutoGPU-best) .jp-AutoGPU-label")
+               ).to_have_text(["GPU 2"])
         # the lease moved with the kernel, whose process sees the new GPU
         (lease,) = [r for r in Registry(str(lab.registry_dir)).list_leases()
                     if r.notebook_path == "move.ipynb"]
@@ -347,6 +364,25 @@ def test_a_move_restarts_the_kernel_and_the_notebook_follows(
         _both_themes(page, "move")
         out = _run_cell(page, nb, 1)
         expect(out).to_contain_text(U1, timeout=30_000)
+
+        # the line's action moves it to the best GPU; from there nothing moves it back
+        action.click()
+        expect(dialog.locator(".jp-AutoGPU-movePlan")).to_have_text(
+            "The kernel will restart on GPU 2 (NVIDIA H100 80GB HBM3, 80.0 GiB free), the best "
+            "device now. Restarting loses the kernel's state (variables, imports, data in "
+            "memory): save what you need first.", timeout=30_000)
+        dialog.get_by_role("button", name="Restart on GPU 2").click()
+        expect(page.locator(".jp-AutoGPU-moveMessage")).to_have_text(
+            "The kernel restarted on GPU 2; its state (variables) was lost.", timeout=60_000)
+        page.wait_for_selector('.jp-Notebook-ExecutionIndicator[data-status="idle"]',
+                               timeout=30_000)
+        expect(gpu2.locator(".jp-AutoGPU-holder-current .jp-AutoGPU-what")).to_have_text(
+            "move.ipynb", timeout=30_000)
+        expect(advice).to_have_text("you are already on the best device for 10.0 GiB: GPU\u00a02")
+        expect(gpu2.locator(".jp-AutoGPU-move")).to_have_count(0)
+        expect(action).to_have_count(0)
+        out = _run_cell(page, nb, 1)
+        expect(out).to_contain_text(U2, timeout=30_000)
 
 
 def _holder_words(text: str) -> list[str]:
@@ -368,7 +404,7 @@ def test_the_sidebar_gpu_status_the_panel_and_autogpu_list_show_the_same_holders
         header = listed[1]
         views: dict[str, dict[str, list[str]]] = {"sidebar": {}, "%gpu": {}, "panel": {},
                                                   "autogpu list": {}}
-        expected = {"GPU 0": ["pid 4242"], "GPU 1": ["move.ipynb", "two.ipynb"], "GPU 2": []}
+        expected = {"GPU 0": ["pid 4242"], "GPU 1": ["two.ipynb"], "GPU 2": ["move.ipynb"]}
         for label in ("GPU 0", "GPU 1", "GPU 2"):
             card = browser.card(page, label)
             # the cards are re-rendered at each refresh: read the sidebar once it shows them

@@ -125,6 +125,9 @@ async def test_move_restarts_the_kernel_on_the_target_with_the_lease_moved(
         assert info.pop("overload") is None  # three idle GPUs: nobody overloads GPU 0
         assert info.pop("better") is None
         assert info.pop("waiting") is False
+        # three identical idle GPUs: GPU 0 is as good as any, no move offered (issue 41)
+        assert info.pop("best_move") is None
+        assert info.pop("cull_warning") is None  # no culling here
         # the grant the kernel picked within (not its pick): every GPU of this server
         assert info.pop("allowed_uuids") == [uuid_of(i) for i in range(3)]
         assert info == {
@@ -132,15 +135,19 @@ async def test_move_restarts_the_kernel_on_the_target_with_the_lease_moved(
             "picked_uuids": [uuid_of(0)], "constraints_text": "min free 10.0 GiB", "note": None,
         }
 
+        # "best" from the best device: nowhere to go (it moved to GPU 1, then back: issue 41)
+        assert await move_error(jp_fetch, kid, {"target": "best", "dry_run": True}) == (
+            400, "the kernel is already on the best device: GPU 0 (NVIDIA A100-SXM4-80GB, "
+                 "80.0 GiB free); nothing to move")
         # A dry run (the sidebar's confirmation dialog) plans and changes nothing.
-        response = await post_move(jp_fetch, kid, {"target": "best", "dry_run": True})
-        plan_best = (
-            "The kernel will restart on GPU 1 (NVIDIA A100-SXM4-80GB, 80.0 GiB free), the best "
-            "other device now. Restarting loses the kernel's state (variables, imports, data in "
-            "memory): save what you need first."
+        response = await post_move(jp_fetch, kid, {"target": "1", "dry_run": True})
+        plan_1 = (
+            "The kernel will restart on GPU 1 (NVIDIA A100-SXM4-80GB, 80.0 GiB free), the "
+            "requested device now. Restarting loses the kernel's state (variables, imports, data "
+            "in memory): save what you need first."
         )
         assert json.loads(response.body) == {
-            "dry_run": True, "pending": False, "plan": plan_best, "message": plan_best,
+            "dry_run": True, "pending": False, "plan": plan_1, "message": plan_1,
             "target": [uuid_of(1)], "target_labels": ["GPU 1"], "picked": None, "note": None,
         }
         assert kernel_pid(jp_serverapp, kid) == old_pid
@@ -195,14 +202,18 @@ async def test_move_restarts_the_kernel_on_the_target_with_the_lease_moved(
             400, "expected a JSON object such as {\"target\": \"best\"} or {\"target\": \"2\"}, "
                  "got [1]")
         gpus.set(0, memory_used=75 * GiB)
+        # the kernel's own lease (10 GiB booked) is hidden: the one decision pipeline, as the
+        # sidebar's recommendation does
+        assert await move_error(jp_fetch, kid, {"target": "best"}) == (
+            400, "the kernel is already on the best device: GPU 2 (NVIDIA A100-SXM4-80GB, "
+                 "80.0 GiB free); nothing to move")
+        gpus.set(2, memory_used=75 * GiB)  # and then its own GPU is full too
         assert await move_error(jp_fetch, kid, {"target": "best"}) == (400, (
             "no better device to move to (min free 10.0 GiB; the current one excluded): "
             "GPU 0 (NVIDIA A100-SXM4-80GB): dropped: only 5.0 GiB free < 10.0 GiB wanted. "
             "GPU 1 (NVIDIA A100-SXM4-80GB): dropped: only 5.0 GiB free < 10.0 GiB wanted. "
             f"GPU 2 (NVIDIA A100-SXM4-80GB): dropped: excluded by --exclude {uuid_of(2)}; "
-            # the kernel's own lease (10 GiB booked) is hidden: the one decision pipeline, as
-            # the sidebar's recommendation does
-            "80.0 GiB free >= 10.0 GiB wanted"))
+            "only 5.0 GiB free < 10.0 GiB wanted"))
         assert kernel_pid(jp_serverapp, kid) == new_pid
         assert not (Path(os.environ["JUPYTER_RUNTIME_DIR"]) / f"autogpu-move-{kid}.json").exists()
     finally:
@@ -226,7 +237,7 @@ async def test_a_move_the_client_restarts_goes_where_the_plan_said(
         with pytest.raises(tornado.httpclient.HTTPClientError) as err:
             await jp_fetch("autogpu", "kernels", kid, "move")
         assert err.value.code == 404
-        response = await post_move(jp_fetch, kid, {"target": "best", "restart": False})
+        response = await post_move(jp_fetch, kid, {"target": "1", "restart": False})
         recorded = json.loads(response.body)
         assert recorded["pending"] is True and recorded["target"] == [uuid_of(1)]
         assert recorded["message"] == "The move to GPU 1 waits for the kernel's restart."
@@ -315,6 +326,8 @@ async def test_move_of_a_kernel_not_started_by_autogpu_is_400(
         assert info.pop("overload") is None
         assert info.pop("better") is None
         assert info.pop("waiting") is False
+        assert info.pop("best_move") is None  # it cannot move
+        assert info.pop("cull_warning") is None
         assert info.pop("allowed_uuids") == [uuid_of(i) for i in range(3)]
         assert info == {
             "kernel_id": kid, "notebook_path": "plain.ipynb", "movable": False,
@@ -423,6 +436,8 @@ def test_gpu_move_best_magic_then_restart(
         await km.start_kernel(env=dict(os.environ), cwd=str(tmp_path))
         try:
             assert kernel_environ(int(km.provisioner.pid))["CUDA_VISIBLE_DEVICES"] == uuid_of(0)
+            # other processes fill GPU 0: the kernel's 10G no longer fit there
+            gpus.set(0, memory_used=75 * GiB)
             kc = km.client()
             kc.start_channels()
             try:

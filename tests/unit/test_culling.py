@@ -233,3 +233,172 @@ def test_a_one_second_timeout_still_judges_the_kernel(
             assert judged(kernels, "k-cpu") == {"k-cpu": 1}
     finally:
         kernels.close()
+
+
+# ---- the warning before the cull (issue 41) --------------------------------------------------
+
+
+class IdleKernels(Kernels):
+    """:class:`Kernels` whose kernels report jupyter_server's activity: idle for ``idle_s``
+    seconds (``None``: busy), with ``connections`` open websockets each."""
+
+    def __init__(self, *names: str, cull_connected: bool = False) -> None:
+        super().__init__(*names)
+        self.idle_s: dict[str, float | None] = dict.fromkeys(names, 0.0)
+        self.cull_connected = cull_connected
+        self._kernel_connections: dict[str, int] = dict.fromkeys(names, 0)
+
+    def get_kernel(self, kid: str) -> Any:
+        import datetime
+
+        idle = self.idle_s[kid]
+        now = datetime.datetime.now(datetime.timezone.utc)
+        return SimpleNamespace(
+            provisioner=self.provisioners[kid],
+            execution_state="busy" if idle is None else "idle",
+            last_activity=now - datetime.timedelta(seconds=idle or 0.0),
+        )
+
+
+def warnings_of(state: Any, kernels: Kernels) -> dict[str, Any]:
+    from autogpu_jupyter.server import payloads
+
+    data = payloads.holders_payload(state.context(), kernels, {})
+    return {k["kernel_id"]: k["cull_warning"] for k in data["kernels"]}
+
+
+@pytest.fixture
+def idle_kernels() -> Iterator[IdleKernels]:
+    k = IdleKernels("k-gpu", "k-cpu")
+    yield k
+    k.close()
+
+
+def warned(idle_s: float, lead: str = "less than a minute", limit: str = "10 min",
+           gpu: str = "GPU 0") -> str:
+    return (f"{gpu}: this idle kernel will be shut down in {lead} (idle limit {limit}), "
+            "freeing the GPU. Run any cell to keep it.")
+
+
+def test_an_idle_gpu_kernel_is_warned_a_tenth_of_the_limit_before_its_cull(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idle_kernels: IdleKernels
+) -> None:
+    """600 s limit: the warning starts 60 s before (a tenth); the kernel without a GPU, idle
+    as long, is never warned (it is not culled by this limit)."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                      cull_idle_gpu_kernels_s=LIMIT_S) as state:
+        lease = take_lease(tmp_path / "registry", A, "k-gpu")
+        try:
+            idle_kernels.idle_s.update({"k-gpu": 530.0, "k-cpu": 590.0})
+            early = warnings_of(state, idle_kernels)
+            idle_kernels.idle_s.update({"k-gpu": 590.0})
+            late = warnings_of(state, idle_kernels)
+            idle_kernels.idle_s.update({"k-gpu": None})  # a cell runs: busy, not idle
+            busy = warnings_of(state, idle_kernels)
+        finally:
+            lease.release()
+    assert early == {"k-gpu": None, "k-cpu": None}
+    assert late == {"k-gpu": warned(590), "k-cpu": None}
+    assert len(warned(590)) <= 140  # what a JupyterLab notification keeps
+    assert busy == {"k-gpu": None, "k-cpu": None}
+
+
+@pytest.mark.parametrize(("lead_s", "idle_s", "expected"), [
+    (300.0, 400.0, "4 min"),  # 200 s left, rounded up
+    (300.0, 290.0, None),  # 310 s left: not yet
+    (0.0, 599.0, None),  # no warning at all
+    (1e9, 1.0, "10 min"),  # at most the whole limit
+])
+def test_the_warnings_lead_is_configurable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idle_kernels: IdleKernels,
+    lead_s: float, idle_s: float, expected: str | None,
+) -> None:
+    """The autogpu provisioner's pick is a GPU too (no lease needed)."""
+    idle_kernels.provisioners["k-gpu"] = SimpleNamespace(
+        pid=idle_kernels.pid("k-gpu"), autogpu_picked=(B,), autogpu_constraints=None,
+        autogpu_note=None, autogpu_lease_id=None, autogpu_move_file=None)
+    idle_kernels.idle_s["k-gpu"] = idle_s
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                      cull_idle_gpu_kernels_s=LIMIT_S, cull_warning_s=lead_s) as state:
+        got = warnings_of(state, idle_kernels)["k-gpu"]
+    assert got == (None if expected is None else warned(idle_s, expected, gpu="GPU 1"))
+
+
+def test_an_open_notebook_is_warned_only_where_the_culler_takes_connected_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """jupyter_server culls a kernel with open connections only with ``cull_connected``: the
+    warning says what will happen, not more."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    got = {}
+    for connected in (False, True):
+        k = IdleKernels("k-gpu", cull_connected=connected)
+        try:
+            k._kernel_connections["k-gpu"] = 1
+            k.idle_s["k-gpu"] = 590.0
+            with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                              cull_idle_gpu_kernels_s=LIMIT_S) as state:
+                lease = take_lease(tmp_path / "registry", A, "k-gpu")
+                try:
+                    got[connected] = warnings_of(state, k)["k-gpu"]
+                finally:
+                    lease.release()
+        finally:
+            k.close()
+    assert got == {False: None, True: warned(590)}
+
+
+def test_no_warning_without_culling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idle_kernels: IdleKernels
+) -> None:
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    idle_kernels.idle_s["k-gpu"] = 1e6
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                      cull_warning_s=300.0) as state:
+        lease = take_lease(tmp_path / "registry", A, "k-gpu")
+        try:
+            assert warnings_of(state, idle_kernels) == {"k-gpu": None, "k-cpu": None}
+        finally:
+            lease.release()
+
+
+@pytest.mark.parametrize("bad", [-5.0, float("nan"), float("inf")])
+def test_a_cull_warning_that_is_no_number_of_seconds_is_said_and_replaced(
+    bad: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    from autogpu_jupyter.server.state import AutoGPUServer
+
+    state = AutoGPUServer(registry_dir="", cull_idle_gpu_kernels_s=7200.0)
+    try:
+        with caplog.at_level("WARNING"):
+            state.cull_warning_s = bad
+        assert state.cull_warning_s is None
+        assert state.cull_warning_lead_s() == 300.0  # a tenth of 2 h is more: 5 min at most
+        assert [r.getMessage() for r in caplog.records] == [
+            f"autogpu: c.AutoGPUServer.cull_warning_s = {bad!r} is not None or a number of "
+            "seconds >= 0 (e.g. 300): the default (a tenth of cull_idle_gpu_kernels_s, at most "
+            "300 s) is used"]
+    finally:
+        state.stop()
+
+
+def test_the_warning_words_the_limit_as_a_length_and_the_rest_as_a_countdown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idle_kernels: IdleKernels
+) -> None:
+    """Caught in the browser (issue 41): a one-minute limit said "less than a minute"."""
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    idle_kernels.idle_s["k-gpu"] = 5.0
+    got = {}
+    for limit in (60.0, 45.0, 7500.0):
+        idle_kernels.idle_s["k-gpu"] = limit - 30
+        with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                          cull_idle_gpu_kernels_s=limit, cull_warning_s=limit) as state:
+            lease = take_lease(tmp_path / "registry", A, "k-gpu")
+            try:
+                got[limit] = warnings_of(state, idle_kernels)["k-gpu"]
+            finally:
+                lease.release()
+    assert got == {60.0: warned(30, limit="1 min"), 45.0: warned(15, limit="45 s"),
+                   7500.0: warned(7470, limit="2 h 5 min")}

@@ -111,7 +111,8 @@ def test_a_move_to_a_device_asks_for_that_device_and_best_or_dash_dash_best_for_
 ) -> None:
     """``%gpu move 3`` in a kernel the kernelspec started on GPU 1 plans the move onto GPU 3 (the
     device typed), ``%gpu move best`` and ``%gpu move --best`` onto the best one (GPU 0, the
-    idlest), and the pending move is recorded for the restart. Caught: every target taken for
+    idlest: "the best device", GPU 1 still fits), and the pending move is recorded for the
+    restart. Caught: every target taken for
     "best" (the move to GPU 3 planned onto GPU 0); "best" handed on in capitals (no such
     device); the target read from a second word that is not there (an IndexError)."""
     from autogpu_jupyter.core import moves
@@ -132,7 +133,7 @@ def test_a_move_to_a_device_asks_for_that_device_and_best_or_dash_dash_best_for_
         assert (r.success, err) == (True, "")
         assert out == (
             "The kernel will restart on GPU 0 (NVIDIA A100-SXM4-80GB, 77.5 GiB free), the best "
-            "other device now. " + MOVE_TAIL
+            "device now. " + MOVE_TAIL
         )
 
 

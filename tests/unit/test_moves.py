@@ -339,13 +339,15 @@ def test_a_kernel_without_pick_options_picks_plainly(monkeypatch: pytest.MonkeyP
 # ---- planning a move ------------------------------------------------------------------------
 
 
-def test_best_moves_to_the_best_other_device(backend: SimulatedBackend) -> None:
+def test_best_moves_to_the_device_the_one_decision_names(backend: SimulatedBackend) -> None:
+    """GPU 0 still fits (70 GiB free, 5 %), but the decision names the idle GPU 2: "the best
+    device", not "the best other device"."""
     before = time.time()
     plan = _plan(backend, " best ", kernel_id="k-7")
     after = time.time()
     assert plan.message == (
-        f"The kernel will restart on GPU 2 (NVIDIA L4, 24.0 GiB free), the best other device "
-        f"now. {LOSES}"
+        f"The kernel will restart on GPU 2 (NVIDIA L4, 24.0 GiB free), the best device now. "
+        f"{LOSES}"
     )
     assert [d.uuid for d in plan.target] == [U2]
     req = plan.request
@@ -356,19 +358,64 @@ def test_best_moves_to_the_best_other_device(backend: SimulatedBackend) -> None:
     assert before <= req.requested_s <= after
 
 
-def test_best_keeps_the_kernels_own_exclusions_and_leaves_out_gone_devices(
+def test_best_on_the_best_device_already_says_so_and_moves_nowhere(
     backend: SimulatedBackend,
 ) -> None:
+    """The ping-pong of issue 41: a kernel on the device the decision names was moved to "the
+    best other device", and from there back. It is told it is on the best device already."""
+    assert _usage(backend, "best", current=[U2]) == (
+        "the kernel is already on the best device: GPU 2 (NVIDIA L4, 24.0 GiB free); nothing to "
+        "move"
+    )
+    # the same for its own options: within min free 30G, GPU 0 is the best device
+    assert _usage(backend, "--best", current=[U0],
+                  constraints=Constraints(min_free=parse_size("30G"))) == (
+        f"the kernel is already on the best device: GPU 0 ({A100}, 70.0 GiB free); nothing to "
+        "move"
+    )
+    # and nothing was planned from the kernel either
+    assert moves.best_move_target(backend.snapshot(), [U2], Constraints(), environ={}) == ()
+    assert [d.uuid for d in moves.best_move_target(
+        backend.snapshot(), [U0], Constraints(), environ={})] == [U2]
+
+
+def test_best_among_identical_idle_gpus_stays_where_it_is(tmp_path: Path) -> None:
+    """Two identical idle GPUs rank apart only by their UUIDs: neither is better, so a kernel
+    on the second is on the best device (a move would only invite the next one)."""
+    gpu: dict[str, Any] = {"name": A100, "memory_total": "80GiB", "memory_used": 0,
+                           "utilization_pct": 0, "processes": []}
+    path = tmp_path / "twins.json"
+    path.write_text(json.dumps({"devices": [{**gpu, "uuid": U0}, {**gpu, "uuid": U1}]}))
+    twins = SimulatedBackend(str(path))
+    assert _usage(twins, "best", current=[U1]) == (
+        f"the kernel is already on the best device: GPU 1 ({A100}, 80.0 GiB free); nothing to "
+        "move"
+    )
+    assert moves.best_move_target(twins.snapshot(), [U1], Constraints(), environ={}) == ()
+
+
+def test_best_other_only_for_a_device_that_no_longer_fits(backend: SimulatedBackend) -> None:
+    """Excluded by the kernel's own options, too full for them, or gone: then "the best other
+    device" (the current one is left out)."""
     plan = _plan(backend, "--BEST", current=[U2, "GPU-gone"], constraints=Constraints(
-        exclude=("3:0", "3:1"), min_free=parse_size("5G")), source="server")
+        exclude=("3:0", "3:1", "2"), min_free=parse_size("5G")), source="server")
     assert plan.message == (
         f"The kernel will restart on GPU 0 (NVIDIA A100-SXM4-80GB, 70.0 GiB free), the best "
         f"other device now. {LOSES}"
     )
     assert plan.request.from_uuids == (U2, "GPU-gone")
     assert plan.request.source == "server"
+    # GPU 1 holds only 10 GiB free: too full for 20G
+    plan = _plan(backend, "best", current=[U1], constraints=Constraints(
+        min_free=parse_size("20G")))
+    assert plan.message == (
+        f"The kernel will restart on GPU 2 (NVIDIA L4, 24.0 GiB free), the best other device "
+        f"now. {LOSES}"
+    )
     # a kernel with no device (CPU only) may move to the best device, whatever it is
-    assert [d.uuid for d in _plan(backend, "best", current=[]).target] == [U2]
+    plan = _plan(backend, "best", current=[])
+    assert [d.uuid for d in plan.target] == [U2]
+    assert "the best device now" in plan.message
 
 
 def test_best_counts_other_holders_bookings_and_the_smoothed_load(
@@ -484,8 +531,8 @@ def test_without_a_backend_or_environment_the_process_own_are_used(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     backends._cache.pop(str(fleet_path), None)
     try:
-        plan = moves.plan_move("best", current_uuids=[U0], constraints=Constraints())
-        assert [d.uuid for d in plan.target] == [U1]
+        plan = moves.plan_move("best", current_uuids=[U1], constraints=Constraints())
+        assert [d.uuid for d in plan.target] == [U0]  # within the grant 0,1: GPU 2 is not
     finally:
         backends._cache.pop(str(fleet_path), None)
 
@@ -636,15 +683,16 @@ RESTART = " Restart the kernel now (Kernel > Restart Kernel) to move; until then
 def test_move_from_a_provisioned_kernel_within_the_servers_grant(
     backend: SimulatedBackend, runtime: Path
 ) -> None:
-    env = _kernel_env(runtime, AUTOGPU_PICK_OPTIONS='{"min_free": "5G"}', AUTOGPU_GRANT_CVD="0,1")
+    env = _kernel_env(runtime, AUTOGPU_PICK_OPTIONS='{"min_free": "5G"}', AUTOGPU_GRANT_CVD="0,1",
+                      AUTOGPU_PICKED=U1, CUDA_VISIBLE_DEVICES=U1)
     plan = moves.request_move_from_kernel("best", environ=env, backend=backend)
     assert plan.message == (
-        "The kernel will restart on GPU 1 (NVIDIA A100-SXM4-80GB, 10.0 GiB free), the best other "
+        "The kernel will restart on GPU 0 (NVIDIA A100-SXM4-80GB, 70.0 GiB free), the best "
         f"device now. {LOSES}{RESTART}"
     )
     req = plan.request
     assert (req.kernel_id, req.target_uuids, req.from_uuids, req.source) == (
-        "k-3", (U1,), (U0,), "magic"
+        "k-3", (U0,), (U1,), "magic"
     )
     assert moves.read_move(runtime / "autogpu-move-k-3.json") == req
 

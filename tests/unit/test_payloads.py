@@ -716,6 +716,7 @@ def test_a_move_to_best_counts_the_load_over_the_smoothing_window(
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     devices = fleet()
+    devices[0]["memory_used"] = 60 * GiB  # the kernel's GPU 0: 20 GiB free, GPU 2 has 40
     devices[1]["utilization_pct"] = 100
     devices.append({"uuid": C, "name": "NVIDIA A100", "memory_total": 80 * GiB,
                     "memory_used": 40 * GiB, "utilization_pct": 0})
@@ -746,6 +747,7 @@ def test_a_move_to_best_keeps_off_another_kernels_exclusive_lease(
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     devices = fleet()
+    devices[0]["memory_used"] = 60 * GiB  # the kernel's GPU 0: 20 GiB free, GPU 2 has 40
     devices.append({"uuid": C, "name": "NVIDIA A100", "memory_total": 80 * GiB,
                     "memory_used": 40 * GiB, "utilization_pct": 0})
     fleet_file = write_fleet(tmp_path / "fleet.json", devices)
@@ -1187,7 +1189,8 @@ def test_each_kernels_row_says_what_only_a_movable_kernel_has() -> None:
     even where its provisioner has them. Caught: the row's keys misspelt; the options or note
     never shown, or shown for a kernel that cannot move; the picked UUIDs of any kernel shown."""
     row = {"notebook_path": None, "execution_state": "busy", "idle_s": None,
-           "allowed_uuids": None, "overload": None, "better": None, "waiting": False}
+           "allowed_uuids": None, "overload": None, "better": None, "waiting": False,
+           "best_move": None, "cull_warning": None}
     assert payloads.kernel_infos(manager(), {"k-move": {"path": "a.ipynb"}}) == [
         {**row, "kernel_id": "k-move", "notebook_path": "a.ipynb", "movable": True,
          "picked_uuids": [A], "constraints_text": "min free 10.0 GiB", "note": "GPU 1 filled"},
@@ -1800,3 +1803,62 @@ def test_a_process_of_a_kernel_with_an_empty_id_keeps_that_id(
         kernels.close()
     (holder,) = data["holders"]
     assert (holder["kernel_id"], holder["this_server"]) == ("", True)
+
+
+# ---- holders: where "Move to best GPU" would go (issue 41) -----------------------------------
+
+
+def _movable(kernels: Kernels, kid: str, picked: tuple[str, ...], tmp_path: Path,
+             constraints: Constraints | None = None) -> None:
+    """Kernel ``kid`` as the autogpu provisioner started it, on ``picked``."""
+    from types import SimpleNamespace
+
+    kernels.provisioners[kid] = SimpleNamespace(
+        pid=kernels.pid(kid), autogpu_picked=picked,
+        autogpu_constraints=constraints or Constraints(), autogpu_note=None,
+        autogpu_lease_id=None, autogpu_move_file=str(tmp_path / f"autogpu-move-{kid}.json"))
+
+
+def best_move_of(data: dict[str, Any], kid: str) -> Any:
+    (info,) = [k for k in data["kernels"] if k["kernel_id"] == kid]
+    return info["best_move"]
+
+
+def test_a_move_to_the_best_gpu_is_offered_only_off_the_best_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """The ping-pong of issue 41: the sidebar offered "Move to best GPU" on the best GPU's own
+    card. The holders answer names, per movable kernel, where the move plan for "best" goes:
+    k-1 on the busier GPU 0 is offered the idle GPU 1; k-2, on GPU 1, nothing."""
+    _movable(kernels, "k-1", (A,), tmp_path)
+    _movable(kernels, "k-2", (B,), tmp_path)
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        data = payloads.holders_payload(state.context(), kernels, {})
+        from autogpu_jupyter.server.moving import MoveBody, plan_or_request
+
+        plan = plan_or_request(state.context(), kernels.provisioners["k-1"], "k-1",
+                               MoveBody("best", dry_run=True))
+        with pytest.raises(UsageErrorBase) as err:
+            plan_or_request(state.context(), kernels.provisioners["k-2"], "k-2",
+                            MoveBody("best", dry_run=True))
+    assert best_move_of(data, "k-1") == {"target": "best", "uuids": [B], "labels": ["GPU 1"]}
+    assert [d.uuid for d in plan.target] == [B]  # the plan goes where the offer said
+    assert best_move_of(data, "k-2") is None
+    assert str(err.value) == (
+        "the kernel is already on the best device: GPU 1 (NVIDIA A100, 80.0 GiB free); nothing "
+        "to move")
+
+
+def test_an_overloaded_kernel_is_offered_the_better_device_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """Overloaded, the offer is the overload's better device (the warning's and the
+    notification's), named: the sidebar's button moves there, whatever "best" ranks."""
+    _movable(kernels, "k-1", (A,), tmp_path)
+    fleet_file = write_fleet(tmp_path / "fleet.json", crowded(kernels, 8, 70))
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        data = payloads.holders_payload(state.context(), kernels, {})
+    assert overload_of(data)[1] == {"uuid": B, "label": "GPU 1"}
+    assert best_move_of(data, "k-1") == {"target": B, "uuids": [B], "labels": ["GPU 1"]}
+    assert best_move_of(data, "k-2") is None  # not an autogpu kernel: it cannot move

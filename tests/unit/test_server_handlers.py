@@ -67,6 +67,18 @@ PLAN_TO_A = (
 PLAN_REQUESTED = PLAN_TO_A.replace("the best other device now", "the requested device now")
 
 
+def fill_gpu1(host: Path, gpu0_used: int = 60) -> None:
+    """After a kernel of the ``agp`` kernelspec picked the idle GPU 1: other processes fill it
+    (75 of 80 GiB: no longer the kernel's 10G), so "best" moves it to GPU 0, the best *other*
+    device (20 GiB free with ``gpu0_used`` 60)."""
+    write_fleet(host, [
+        {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+         "memory_used": gpu0_used * GiB, "utilization_pct": 90},
+        {"uuid": B, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+         "memory_used": 75 * GiB, "utilization_pct": 0},
+    ])
+
+
 @pytest.fixture
 def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Two A100s: GPU 0 busy (60 of 80 GiB, 90 %), GPU 1 idle (10 of 80 GiB). The variables the
@@ -650,10 +662,30 @@ async def test_holders_join_a_kernels_lease_with_its_notebook(
 # -- move ----------------------------------------------------------------------------------------
 
 
-async def test_a_dry_run_move_plans_and_records_nothing(
+async def test_a_move_to_the_best_device_of_a_kernel_already_on_it_is_400_and_records_nothing(
     jp_fetch: Any, specs: Path, jp_serverapp: Any
 ) -> None:
+    """The ping-pong of issue 41: the kernel picked the idle GPU 1, the best device; "best"
+    moved it to GPU 0 ("the best other device"), whence "best" moved it back. The plan now
+    says it is already on the best device."""
     kid = await start_kernel(jp_fetch)
+    for dry_run in (True, False):
+        code, body = await refused(jp_fetch, *move(kid), method="POST",
+                                   body=json.dumps({"target": "best", "dry_run": dry_run}))
+        assert (code, body["message"]) == (400, (
+            "the kernel is already on the best device: GPU 1 (NVIDIA A100, 70.0 GiB free); "
+            "nothing to move"))
+    prov = kernel_provisioner(jp_serverapp, kid)
+    assert moves.read_move(prov.autogpu_move_file) is None
+    assert list(prov.autogpu_picked) == [B]
+    assert server_state(jp_serverapp).moving == set()
+
+
+async def test_a_dry_run_move_plans_and_records_nothing(
+    jp_fetch: Any, specs: Path, jp_serverapp: Any, host: Path
+) -> None:
+    kid = await start_kernel(jp_fetch)
+    fill_gpu1(host)
     data = await get_json(jp_fetch, *move(kid), method="POST",
                           body=json.dumps({"target": "best", "dry_run": True}))
     assert data == {"dry_run": True, "pending": False, "plan": PLAN_TO_A, "target": [A],
@@ -705,9 +737,10 @@ async def test_a_move_the_client_restarts_then_says_where_the_kernel_runs(
 
 
 async def test_a_move_restarts_the_kernel_on_the_target(
-    jp_fetch: Any, specs: Path, jp_serverapp: Any, tmp_path: Path
+    jp_fetch: Any, specs: Path, jp_serverapp: Any, tmp_path: Path, host: Path
 ) -> None:
     kid = await start_kernel(jp_fetch)
+    fill_gpu1(host)
     old_pid = kernel_provisioner(jp_serverapp, kid).pid
     data = await get_json(jp_fetch, *move(kid), method="POST",
                           body=json.dumps({"target": "--best"}))
@@ -724,8 +757,10 @@ async def test_a_move_restarts_the_kernel_on_the_target(
 
 async def test_a_restart_that_fails_is_500_and_drops_the_request(
     jp_fetch: Any, specs: Path, jp_serverapp: Any
+, host: Path
 ) -> None:
     kid = await start_kernel(jp_fetch)
+    fill_gpu1(host)
     specs.unlink()  # the kernel's program is gone: its restart cannot launch it
     code, body = await refused(jp_fetch, *move(kid), method="POST",
                                body=json.dumps({"target": "best"}))
@@ -739,13 +774,14 @@ async def test_a_restart_that_fails_is_500_and_drops_the_request(
 
 async def test_a_restart_that_raises_is_logged_and_its_request_dropped(
     server_log: ServerLog, jp_fetch: Any, specs: Path, jp_serverapp: Any,
-    monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch, host: Path
 ) -> None:
     """The kernel manager refuses the restart before the provisioner reads the request: the
     handler itself must drop it (a later restart would move the kernel by surprise) and log
     why. Caught (mutation run, issue 22): the request cancelled on no provisioner; the log
     line's text altered."""
     kid = await start_kernel(jp_fetch)
+    fill_gpu1(host)
 
     async def restart_kernel(kernel_id: str, **_kwargs: Any) -> None:
         raise RuntimeError("restarts are off today")
@@ -781,11 +817,13 @@ async def test_a_registry_failure_while_planning_a_move_is_503_with_its_reason(
 
 async def test_a_kernel_restarted_elsewhere_than_planned_is_told_by_label(
     jp_fetch: Any, specs: Path, jp_serverapp: Any, monkeypatch: pytest.MonkeyPatch
+, host: Path
 ) -> None:
     """The restart picked GPU 1, not the planned GPU 0 (the devices changed meanwhile): the
     answer names both by their labels from the server's sweep, and why. Caught (issue 22,
     seed 53): the sweep's labels not passed (GPU 1 named by its UUID)."""
     kid = await start_kernel(jp_fetch)
+    fill_gpu1(host)
     prov = kernel_provisioner(jp_serverapp, kid)
 
     async def restart_kernel(kernel_id: str, **_kwargs: Any) -> None:
@@ -802,9 +840,10 @@ async def test_a_kernel_restarted_elsewhere_than_planned_is_told_by_label(
         "Its state (variables) was lost.")
 
 async def test_recorded_moves_are_kept_per_live_kernel(
-    jp_fetch: Any, specs: Path, jp_serverapp: Any
+    jp_fetch: Any, specs: Path, jp_serverapp: Any, host: Path
 ) -> None:
     first, second, third = [await start_kernel(jp_fetch) for _ in range(3)]
+    fill_gpu1(host)
     for kid in (first, second):
         await get_json(jp_fetch, *move(kid), method="POST",
                        body=json.dumps({"target": "best", "restart": False}))
@@ -874,13 +913,14 @@ async def test_a_move_with_nowhere_to_go_is_400_in_one_paragraph(
          "memory_used": 10 * GiB, "utilization_pct": 0},
     ])
     kid = await start_kernel(jp_fetch)  # on GPU 1; GPU 0 has 5G free, the kernel asks 10G
+    fill_gpu1(host, gpu0_used=75)  # and then GPU 1 is full too
     code, answer = await refused(jp_fetch, *move(kid), method="POST",
                                  body=json.dumps({"target": "best", "dry_run": True}))
     # the explanation's lines (one per device) as one paragraph
     assert (code, answer["message"]) == (400, (
         "no better device to move to (min free 10.0 GiB; the current one excluded): "
         "GPU 0 (NVIDIA A100): dropped: only 5.0 GiB free < 10.0 GiB wanted. "
-        f"GPU 1 (NVIDIA A100): dropped: excluded by --exclude {B}; 70.0 GiB free >= 10.0 GiB "
+        f"GPU 1 (NVIDIA A100): dropped: excluded by --exclude {B}; only 5.0 GiB free < 10.0 GiB "
         "wanted"))
 
 
@@ -895,11 +935,15 @@ async def test_a_move_with_one_device_dropped_says_why_in_one_line(
          "memory_used": 10 * GiB, "utilization_pct": 90},
     ])
     kid = await start_kernel(jp_fetch)
+    write_fleet(host, [  # then other processes fill it: the kernel's 10G no longer fit
+        {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+         "memory_used": 75 * GiB, "utilization_pct": 90},
+    ])
     code, answer = await refused(jp_fetch, *move(kid), method="POST",
                                  body=json.dumps({"target": "best", "dry_run": True}))
     assert (code, answer["message"]) == (400, (
         "no better device to move to (min free 10.0 GiB; the current one excluded): "
-        f"GPU 0 (NVIDIA A100): dropped: excluded by --exclude {A}; 70.0 GiB free >= 10.0 GiB "
+        f"GPU 0 (NVIDIA A100): dropped: excluded by --exclude {A}; only 5.0 GiB free < 10.0 GiB "
         "wanted"))
 
 
@@ -1065,6 +1109,7 @@ def test_a_move_is_planned_by_the_server_over_the_servers_smoothing_window(
     """The plan (and the request recorded for the restart) says the server asked for it; the
     sampler's mean utilisation is taken over ``smoothing_window_s``, and a server whose sampler
     cannot run plans without it."""
+    fill_gpu1(host)  # the kernel's GPU 1 no longer fits: "best" plans GPU 0
     sampler = _Sampler() if with_sampler else None
     from autogpu_jupyter.server.state import ServerContext
 
@@ -1105,11 +1150,12 @@ MOVED = "moved at your request: the kernel's state was lost"
 @pytest.mark.parametrize("after", ["a new provisioner", "no provisioner attribute"])
 async def test_a_move_answers_where_the_restarted_kernel_runs(
     jp_fetch: Any, jp_serverapp: Any, kernel: dict[str, Any], tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch, after: str,
+    monkeypatch: pytest.MonkeyPatch, after: str, host: Path,
 ) -> None:
     """After the restart the answer reads the kernel's provisioner again (a kernel manager may
     make a new one per start); a kernel object without one leaves the provisioner the move
     started with (jupyter_client's, updated in place)."""
+    fill_gpu1(host)  # the kernel's GPU 1 no longer fits: "best" plans GPU 0
     old = _provisioner(tmp_path / "move.json")
     kernel["k-1"] = SimpleNamespace(provisioner=old)
 

@@ -315,7 +315,9 @@ describe('holders', () => {
         overload: null,
         better: null,
         waiting: false,
-        allowed_uuids: null
+        allowed_uuids: null,
+        best_move: null,
+        cull_warning: null
       }
     ];
     const views = holdersFor(holders, 'GPU-1', null, kernels);
@@ -465,7 +467,9 @@ describe('overloadToNotify', () => {
     overload: null as string | null,
     better: null,
     waiting: false,
-    allowed_uuids: null
+    allowed_uuids: null,
+    best_move: null,
+    cull_warning: null
   };
   const warning = (pct: number) =>
     `autogpu: GPU 1 (this kernel's GPU) is overloaded: memory ${pct}% full (over 95%), ` +
@@ -549,7 +553,9 @@ describe('pickCodeFor', () => {
     overload: null,
     better: null,
     waiting: false,
-    allowed_uuids: null
+    allowed_uuids: null,
+    best_move: null,
+    cull_warning: null
   };
   const none = parseHolders({
     user: 'me',

@@ -1,11 +1,15 @@
 import {
   IDevice,
   confirmLabel,
+  ISelection,
   kernelInfoFor,
+  kernelSelection,
   moveActionFor,
   parseDevice,
   parseHolders,
   parseMoveResult,
+  recommendationAction,
+  recommendationText,
   selectPath
 } from '../model';
 
@@ -38,7 +42,8 @@ const holdersJson = {
       movable: true,
       picked_uuids: ['GPU-0'],
       constraints_text: 'min free 10.0 GiB',
-      note: null
+      note: null,
+      best_move: { target: 'best', uuids: ['GPU-1'], labels: ['GPU 1'] }
     },
     {
       kernel_id: 'k-plain',
@@ -67,7 +72,9 @@ describe('kernelInfoFor', () => {
       overload: null,
       better: null,
       waiting: false,
-      allowed_uuids: null
+      allowed_uuids: null,
+      best_move: { target: 'best', uuids: ['GPU-1'], labels: ['GPU 1'] },
+      cull_warning: null
     });
     expect(kernelInfoFor(holders, 'k-other')).toBeNull();
     expect(kernelInfoFor(holders, null)).toBeNull();
@@ -98,8 +105,24 @@ describe('moveActionFor', () => {
       target: 'best',
       label: 'Move to best GPU',
       title:
-        "Restart this notebook's kernel on the best other GPU (its variables are lost)"
+        "Restart this notebook's kernel on GPU 1, the best GPU now (its variables are lost)"
     });
+  });
+
+  it('offers no move away from the best GPU (issue 41: the ping-pong)', () => {
+    // the server names no better GPU than the kernel's own: its card offers nothing
+    const onBest = { ...mine!, best_move: null };
+    expect(moveActionFor(device(0), onBest)).toBeNull();
+    // the other cards still offer a move there, by name
+    expect(moveActionFor(device(1), onBest)?.target).toBe('GPU-1');
+  });
+
+  it('moves an overloaded kernel to the better device by name', () => {
+    const overloaded = {
+      ...mine!,
+      best_move: { target: 'GPU-2', uuids: ['GPU-2'], labels: ['GPU 2'] }
+    };
+    expect(moveActionFor(device(0), overloaded)?.target).toBe('GPU-2');
   });
 
   it('offers "Move here" on the other cards, by UUID', () => {
@@ -121,6 +144,14 @@ describe('moveActionFor', () => {
     expect(
       moveActionFor(device(3, { available: false, error: 'GPU is lost' }), mine)
     ).toBeNull();
+  });
+
+  it('reads a server without best_move as no move to offer', () => {
+    const old = parseHolders({
+      ...holdersJson,
+      kernels: [{ ...holdersJson.kernels[0], best_move: 'GPU-1' }]
+    });
+    expect(old.kernels[0].best_move).toBeNull();
   });
 
   it('offers only "best" to a kernel on two GPUs', () => {
@@ -196,5 +227,105 @@ describe('selectPath', () => {
     expect(selectPath(' 25% ', null)).toBe('select?min_free=25%25');
     expect(selectPath('', 'k-1')).toBe('select?kernel_id=k-1');
     expect(selectPath('', null)).toBe('select');
+  });
+});
+
+describe('the recommendation line carries its action (issue 41)', () => {
+  const holders = parseHolders(holdersJson);
+  const mine = kernelInfoFor(holders, 'k-autogpu')!;
+  const devices = [0, 1, 2].map(i => device(i));
+  const select = (uuid: string, label: string): ISelection => ({
+    chosen: [{ uuid, label, name: 'NVIDIA L4' }],
+    constraints_text: 'min free 10.0 GiB',
+    message: null,
+    simulated: false
+  });
+
+  it('offers "Pick GPU 2" to a notebook without a GPU', () => {
+    const plain = kernelInfoFor(holders, 'k-plain');
+    const action = recommendationAction(
+      select('GPU-2', 'GPU 2'),
+      plain,
+      holders,
+      'k-plain',
+      devices
+    );
+    expect(action).toMatchObject({
+      kind: 'pick',
+      uuid: 'GPU-2',
+      label: 'Pick GPU 2'
+    });
+    expect(action?.code).toContain('sidebar_pick("GPU-2")');
+  });
+
+  it('offers nothing to a plain kernel that holds a GPU already', () => {
+    const holding = parseHolders({
+      ...holdersJson,
+      holders: [
+        {
+          kind: 'lease',
+          uuid: 'GPU-0',
+          kernel_id: 'k-plain',
+          this_server: true
+        }
+      ]
+    });
+    expect(
+      recommendationAction(
+        select('GPU-2', 'GPU 2'),
+        kernelInfoFor(holding, 'k-plain'),
+        holding,
+        'k-plain',
+        devices
+      )
+    ).toBeNull();
+  });
+
+  it('offers "Move to GPU 1" where the server names a better GPU for the kernel', () => {
+    expect(
+      recommendationAction(
+        select('GPU-2', 'GPU 2'),
+        mine,
+        holders,
+        'k-autogpu',
+        devices
+      )
+    ).toMatchObject({ kind: 'move', target: 'best', label: 'Move to GPU 1' });
+  });
+
+  it('offers nothing to a kernel on the best GPU, and says it is there', () => {
+    const onBest = { ...mine, best_move: null };
+    const kernels = { ...holders, kernels: [onBest] };
+    expect(
+      recommendationAction(
+        select('GPU-2', 'GPU 2'),
+        onBest,
+        kernels,
+        'k-autogpu',
+        devices
+      )
+    ).toBeNull();
+    // the line is the kernel's own decision, not the sidebar's select
+    const line = kernelSelection(select('GPU-2', 'GPU 2'), onBest, devices);
+    expect(line?.chosen.map(c => c.uuid)).toEqual(['GPU-0']);
+    expect(recommendationText(line!, ['GPU-0'])).toBe(
+      'you are already on the best device for 10.0 GiB: GPU\u00a00'
+    );
+    const better = kernelSelection(select('GPU-2', 'GPU 2'), mine, devices);
+    expect(recommendationText(better!, ['GPU-0'])).toBe(
+      'best device for 10.0 GiB: GPU\u00a01'
+    );
+  });
+
+  it('offers nothing without a notebook', () => {
+    expect(
+      recommendationAction(
+        select('GPU-2', 'GPU 2'),
+        null,
+        holders,
+        null,
+        devices
+      )
+    ).toBeNull();
   });
 });
