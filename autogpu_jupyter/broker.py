@@ -1400,7 +1400,9 @@ class Broker:
         self._forget_orphan(rec.lease_id)
 
 
-_PICK_KEYS = ("min_free", "max_util", "count", "exclude", "exclusive", "model", "prefer")
+_PICK_KEYS = (
+    "min_free", "max_util", "count", "exclude", "exclusive", "model", "prefer", "devices"
+)
 
 
 class _RecordReply(dict):  # type: ignore[type-arg]

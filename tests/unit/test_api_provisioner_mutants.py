@@ -853,7 +853,8 @@ def test_an_unknown_kernelspec_option_is_refused_with_every_accepted_name() -> N
     assert str(info.value) == (
         "autogpu: kernelspec 'gpu-big' has a bad option in metadata.kernel_provisioner.config: "
         "min_fre='10G': unknown option; accepted: min_free, max_util, count, exclusive, wait, "
-        "model, prefer, on_no_device. Fix it with `autogpu kernelspec install --name gpu-big "
+        "model, prefer, devices, on_no_device. Fix it with `autogpu kernelspec install "
+        "--name gpu-big "
         "[--min-free 10G] [--max-util 50] [--count 1] [--exclusive] [--wait 10m] "
         "[--on-no-device cpu|fail]`."
     )

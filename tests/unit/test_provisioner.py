@@ -693,3 +693,16 @@ def test_the_descriptors_the_caller_passes_to_the_kernel_are_kept_with_the_lease
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_a_kernelspec_may_name_its_devices_as_the_pick_does() -> None:
+    """``"devices": "2"`` in a kernelspec's config (issue 41): the same option as ``%gpu pick
+    2``, read the same way (the count follows the devices named); a bad one is named."""
+    from autogpu_jupyter.provisioner import validate_options
+
+    got = validate_options({"devices": "0,3"}).pick.constraints
+    assert (got.devices, got.count) == (("0", "3"), 2)
+    with pytest.raises(UsageErrorBase) as info:
+        validate_options({"devices": ""}, spec="gpu-two")
+    assert "devices='': invalid devices '': empty device id; expected device indices" in str(
+        info.value)
