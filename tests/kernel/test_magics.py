@@ -28,7 +28,8 @@ GiB = 1024**3
 U = [d["uuid"] for d in fleet_4x()["devices"]]
 OPTIONS = (
     "accepted options: --min-free SIZE, --max-util PCT, --count N, --exclude IDS, "
-    "--exclusive, --wait DURATION, --model NAMES, --prefer NAMES, --dry-run, --force (see %gpu?)"
+    "--exclusive, --wait DURATION, --model NAMES, --prefer NAMES, --devices IDS, --dry-run, "
+    "--force (see %gpu?)"
 )
 ENV0: dict[str, str | None] = {"CUDA_VISIBLE_DEVICES": None, "CUDA_DEVICE_ORDER": None}
 
@@ -92,6 +93,28 @@ def no_fit(r: Any) -> str:
     text = "\n".join(err["content"]["traceback"])
     assert "UsageError" not in text and "Traceback" not in text
     return text
+
+
+def test_pick_of_a_named_gpu_in_a_real_kernel(k: Kernel, host: dict[str, Any]) -> None:
+    """``%gpu pick 2`` (issue 41): GPU 2, not the least-loaded GPU 0, with a lease on it and
+    the summary of any pick; a named GPU that does not fit is one line naming it and why, and
+    the environment is left as it was."""
+    r = k.run("%gpu pick 2")
+    assert r.status == "ok", r
+    assert lines_without_lease(r.stdout) == [
+        "autogpu: picked GPU 2 · NVIDIA L4 · GPU-a1000004: 21.1 GiB free of 22.5 GiB, util 12%",
+        "  asked: device 2 · no runner-up (nothing else fits)",
+        f"  CUDA_VISIBLE_DEVICES={U[2]}",
+    ]
+    assert k.env() == env_of(U[2])
+    (lease,) = Registry(str(host["registry"])).list_leases()
+    assert lease.device_uuids == (U[2],)
+    k.run("%gpu release")
+    r = k.run("%gpu pick 0,3 --min-free 20G")
+    assert no_fit(r).splitlines()[0] == (
+        "autogpu: only 1 of GPU 0, GPU 3 fit(s), 2 wanted (devices 0,3, min free 20.0 GiB): "
+        "GPU 3: only 10.1 GiB free < 20.0 GiB wanted")
+    assert k.env() == ENV0
 
 
 def test_pick_sets_full_uuids_and_prints_summary(k: Kernel, host: dict[str, Any]) -> None:
