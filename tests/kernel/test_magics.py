@@ -475,3 +475,19 @@ def test_too_late_refused_then_forced(host: dict[str, Any]) -> None:
         )
     finally:
         kernel.close()
+
+
+def test_panel_text_plain_is_a_table_not_the_widgets_repr(k: Kernel) -> None:
+    """Issue 41: what a viewer without widgets shows for ``%gpu panel`` (a headless run, nbconvert
+    to text) is the GPUs with this kernel's marked, not ``Panel(children=(HTML(value='<div…``."""
+    assert k.run("%gpu pick 2").status == "ok"
+    r = k.run("%gpu panel")
+    assert r.status == "ok", r
+    (data,) = [o["content"]["data"] for o in r.outputs if o["msg_type"] == "display_data"]
+    assert "application/vnd.jupyter.widget-view+json" in data
+    text = data["text/plain"]
+    assert text.startswith("autogpu panel: 4 device(s)"), text
+    assert "Panel(" not in text
+    (mine,) = [line for line in text.splitlines() if line.startswith("▶")]
+    assert mine.split()[1:3] == ["GPU", "2"]
+    assert text.splitlines()[-1] == "this kernel: ▶ GPU 2"
