@@ -307,6 +307,7 @@ def _pick(args: argparse.Namespace, *, take_lease: bool) -> PickResult:
         requester=requester,
         dry_run=not take_lease,
         on_progress=progress,
+        visible_ids=settings.visible_ids,
     )
 
 
@@ -363,7 +364,9 @@ _IDS_WORD = re.compile(r"[0-9]+(?::[0-9]+)?(?:,[0-9]+(?::[0-9]+)?)*")
 
 def _cmd_pick(args: argparse.Namespace) -> int:
     result = _pick(args, take_lease=False)
-    env = visible_env([d.uuid for d in result.chosen], result.snapshot.devices)
+    env = visible_env(
+        [d.uuid for d in result.chosen], result.snapshot.devices, _settings().visible_ids
+    )
     if args.dry_run and not (args.export or args.json):
         print("\n".join(_ranking(result)))
         return EXIT_OK

@@ -31,7 +31,12 @@ from autogpu_jupyter.core.leasing.store import (
 from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.policy import Candidate, Constraints, matches_id, names_device
 from autogpu_jupyter.core.units import format_duration
-from autogpu_jupyter.core.visibility import Allocation, current_allocation, visible_env
+from autogpu_jupyter.core.visibility import (
+    Allocation,
+    check_visible_ids,
+    current_allocation,
+    visible_env,
+)
 from autogpu_jupyter.errors import (
     NoDeviceFitsError,
     NoDeviceGrantedError,
@@ -274,6 +279,7 @@ def pick(
     ) = None,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    visible_ids: str = "uuid",
 ) -> PickResult:
     """Choose device(s) for ``options`` and, unless ``dry_run``, take a lease on them.
 
@@ -303,6 +309,10 @@ def pick(
     sleep, clock
         How a waiting pick sleeps between tries and reads the time (``time.sleep`` and
         ``time.monotonic``; tests pass their own).
+    visible_ids
+        How ``env`` names the devices: ``"uuid"`` or ``"index"`` (``c.AutoGPU.visible_ids``,
+        :func:`~autogpu_jupyter.core.visibility.visible_env`); a choice ``"index"`` cannot name
+        (a MIG device) is refused before any lease is taken.
 
     Returns
     -------
@@ -327,6 +337,7 @@ def pick(
     """
     if backend is None:
         backend = get_backend()
+    visible_ids = check_visible_ids(visible_ids)
     requester = requester or Requester()
     constraints, wait_s = options.constraints, options.wait_s
     start = clock()
@@ -353,13 +364,14 @@ def pick(
                     dry_run,
                     promised,
                     smoothed_util,
+                    visible_ids,
                 )
             except RegistryUnreachableError as err:
                 _keep_place(err, ticket is not None, deadline, clock, sleep, on_progress)
                 continue
             if made.chosen:  # our ticket, if any, was released under the lock (again: a no-op)
                 waited_s = clock() - start if waited else 0.0
-                return _result(made, lease, lease_note, store, dry_run, waited_s)
+                return _result(made, lease, lease_note, store, dry_run, waited_s, visible_ids)
             now = clock()
             hopeless = can_never_fit(made.ranked, constraints.count)
             if now >= deadline or hopeless:  # no wait helps what the request itself rules out
@@ -418,6 +430,7 @@ def _attempt(
     dry_run: bool,
     promised: str | None,
     smoothed_util: Any,
+    visible_ids: str = "uuid",
 ) -> tuple[decision.Decision, HeldLease | None, str | None]:
     """One try, under the store's lock (a real pick): read, decide, and lease what was chosen.
 
@@ -449,6 +462,9 @@ def _attempt(
         )
         made = decision.decide(context, constraints)
         lease = None
+        if made.chosen and not dry_run:
+            # what cannot be written (a MIG device as an index) is refused before any lease
+            visible_env([c.device.uuid for c in made.chosen], snap.devices, visible_ids)
         if made.chosen and not dry_run and txn is not None:
             lease, lease_note = _create_lease(txn, list(made.chosen), constraints, requester)
             if lease is None and promised is not None:
@@ -492,6 +508,7 @@ def _result(
     store: LeaseStore | None,
     dry_run: bool,
     waited_s: float,
+    visible_ids: str = "uuid",
 ) -> PickResult:
     if store is not None and not dry_run and store.unusable_reason:
         lease_note = store.unusable_reason
@@ -500,7 +517,9 @@ def _result(
         chosen=tuple(chosen),
         candidates=made.ranked,
         constraints=made.constraints,
-        env={} if dry_run else visible_env([d.uuid for d in chosen], made.context.snapshot.devices),
+        env={}
+        if dry_run
+        else visible_env([d.uuid for d in chosen], made.context.snapshot.devices, visible_ids),
         allocation=made.context.allocation,
         snapshot=made.context.snapshot,
         lease=lease,

@@ -491,3 +491,33 @@ def test_panel_text_plain_is_a_table_not_the_widgets_repr(k: Kernel) -> None:
     (mine,) = [line for line in text.splitlines() if line.startswith("▶")]
     assert mine.split()[1:3] == ["GPU", "2"]
     assert text.splitlines()[-1] == "this kernel: ▶ GPU 2"
+
+
+def test_visible_ids_index_writes_nvml_indices_and_refuses_mig(
+    k: Kernel, host: dict[str, Any]
+) -> None:
+    """``%config AutoGPU.visible_ids = "index"`` (issue 41): ``%gpu pick 2`` writes ``2`` with
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, which the kernel reads back as GPU 2; a MIG device is
+    refused in one line, the environment and the registry untouched."""
+    try:
+        assert k.run('%config AutoGPU.visible_ids = "index"').status == "ok"
+        r = k.run("%gpu pick 2")
+        assert r.status == "ok", r
+        assert r.stdout.splitlines()[-1] == "  CUDA_VISIBLE_DEVICES=2"
+        assert k.env() == {"CUDA_VISIBLE_DEVICES": "2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+        r = k.run(
+            "from autogpu_jupyter.core.backends import get_backend as _gb\n"
+            "from autogpu_jupyter.core.visibility import parse_cuda_visible_devices as _p\n"
+            "print(_p(os.environ['CUDA_VISIBLE_DEVICES'], _gb().snapshot().devices)[0])")
+        assert r.stdout.strip() == repr((U[2],)), r
+        k.run("%gpu release")
+        host["fake"].write(fleet_mig())
+        r = k.run("%gpu pick --exclude 1")
+        assert r.status == "error" and r.error[0] == "UsageError", r
+        assert r.error[1] == (
+            "visible_ids = 'index' cannot select GPU 0 MIG 1: CUDA selects a MIG device by its "
+            "UUID only; set c.AutoGPU.visible_ids = 'uuid' (the default) for MIG devices"), r
+        assert k.env() == ENV0
+        assert Registry(str(host["registry"])).list_leases() == []
+    finally:
+        k.run('%config AutoGPU.visible_ids = "uuid"')

@@ -757,3 +757,25 @@ def test_a_named_device_that_is_not_there_names_the_value_and_the_forms(
     assert str(info.value) == (
         "no device 'GPU-99999999' on this host; name devices by index (0, 1) or by UUID or its "
         "first 6 or more characters (e.g. GPU-00000000)")
+
+
+def test_index_ids_refuse_a_mig_device_before_any_lease(
+    tmp_path: Path, registry: Registry
+) -> None:
+    """``c.AutoGPU.visible_ids = "index"`` (issue 41) on a MIG device: one line, and no lease
+    left behind (the refusal comes before the lease is written)."""
+    from tests.fakenvml import fleet_mig
+
+    backend = backend_for(tmp_path, fleet_mig())
+    mig = next(d for d in backend.snapshot().devices if d.is_mig)
+    with pytest.raises(UsageErrorBase) as info:
+        pick(PickOptions(Constraints(devices=(mig.uuid,))), backend=backend, environ={},
+             store=registry, visible_ids="index")
+    assert str(info.value).startswith(f"visible_ids = 'index' cannot select {mig.label}: ")
+    assert live(registry) == []
+    whole = next(d for d in backend.snapshot().devices if not d.is_mig and not d.mig_enabled)
+    result = pick(PickOptions(Constraints(devices=(whole.uuid,))), backend=backend, environ={},
+                  store=registry, visible_ids="index")
+    assert result.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                          "CUDA_VISIBLE_DEVICES": str(whole.index)}
+    assert live(registry) == [("lease", (whole.uuid,))]

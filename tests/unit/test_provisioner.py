@@ -706,3 +706,21 @@ def test_a_kernelspec_may_name_its_devices_as_the_pick_does() -> None:
         validate_options({"devices": ""}, spec="gpu-two")
     assert "devices='': invalid devices '': empty device id; expected device indices" in str(
         info.value)
+
+
+def test_a_kernelspec_with_named_devices_and_index_ids(host: Host) -> None:
+    """Issue 41: a kernelspec naming GPU 1 starts its kernel on B (A is the less loaded), and
+    the server's ``c.AutoGPU.visible_ids = "index"`` writes ``1`` with PCI_BUS_ID, and is
+    passed on so that the kernel's own picks write indices too."""
+    from traitlets.config import Config
+
+    host.install("one", devices="1")
+    km = AsyncKernelManager(kernel_name="one",
+                            config=Config({"AutoGPU": {"visible_ids": "index"}}))
+    host.managers.append(km)
+    _km, kwargs = host.pre_start("one", km=km)
+    env = kwargs["env"]
+    assert (env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"], env["AUTOGPU_PICKED"]) == (
+        "1", "PCI_BUS_ID", B)
+    assert env["AUTOGPU_VISIBLE_IDS"] == "index"
+    assert [r.device_uuids for r in host.registry.list_leases()] == [(B,)]
