@@ -392,6 +392,7 @@ class GPUMagics(Magics):
         %gpu pick --min-free 10G          # the best GPU with 10 GiB free
         %gpu pick --min-free 25% --max-util 50 --count 2
         %gpu pick --exclude 0,3           # avoid GPU 0 and 3
+        %gpu pick 2                       # GPU 2 (0,3: both; a UUID start or 0:1 works too)
         %gpu pick --min-free 40G --wait 10m   # wait in line (interrupt the kernel to cancel)
         %gpu pick --dry-run               # show the ranking and why; change nothing
         %gpu release                      # give the GPU back

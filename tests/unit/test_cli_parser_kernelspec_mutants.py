@@ -151,9 +151,9 @@ def test_list_shows_the_table_then_a_note_for_each_backend_error(
         "gpu    name         uuid          util  memory used / total      free   temp  power  "
         "procs  holders",
         "GPU 0  NVIDIA A100  GPU-0a0a0a0a    0%       0 B / 80.0 GiB  80.0 GiB  32 °C      ?  "
-        "    0  -",
+        "    0  nobody",
         "GPU 1  NVIDIA A100  GPU-1b1b1b1b   50%  40.0 GiB / 80.0 GiB  40.0 GiB  54 °C      ?  "
-        "    0  -",
+        "    0  nobody",
         "note: GPU 2 fell off the bus\\x1b[2J",
         "note: nvml: Unknown Error",
     ]
@@ -199,8 +199,8 @@ def test_list_wraps_the_holders_within_the_terminals_width(
         f"1 device(s) via simulated — {SIMULATED}",
         "gpu    name         util      free  holders",
         "GPU 0  NVIDIA A100    0%  80.0 GiB  svc-imagenet-resnet50-sw",
-        " " * 36 + "eep-worker-0017: pid",
-        " " * 36 + "61001 (1.0 GiB used)",
+        " " * 36 + "eep-worker-0017:",
+        " " * 36 + "pid 61001 (1.0 GiB used)",  # never "pid" / "61001" (issue 41)
     ]
 
 

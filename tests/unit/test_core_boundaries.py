@@ -202,7 +202,7 @@ def test_holders_match_a_lease_and_its_process_and_word_them_once() -> None:
         "lease", "carol: kernel 1a2b3c4d (4.0 GiB booked, exclusive)"
     )
     assert holders_text(by["GPU-1"]) == "carol: kernel 1a2b3c4d (4.0 GiB booked, exclusive)"
-    assert holders_text([]) == "none"
+    assert holders_text([]) == "nobody"
     assert Holder(uuid="x", user=None, pid=None).who() == "?"
     assert Holder(uuid="x", user=None, pid=7).who() == "pid 7"
 
