@@ -149,7 +149,7 @@ def _no_fit(err: NoDeviceFitsError, args: argparse.Namespace, where: str) -> NoD
     text = terminal_safe(str(err))
     lines = [f"autogpu: {line}" if i == 0 else line for i, line in enumerate(text.splitlines())]
     if not getattr(err, "waitable", True):
-        hint = "nothing changed (no wait would help: these options rule out every other device)"
+        hint = "nothing changed; no wait can help: these options themselves rule out every device"
     elif args.wait:
         hint = f"nothing changed; a longer --wait than {args.wait} waits longer in line"
     else:

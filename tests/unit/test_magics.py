@@ -1274,6 +1274,6 @@ def test_no_wait_is_suggested_where_the_options_rule_out_every_gpu(
     r, out, err = run(shell, "%gpu pick --exclude 0,1,2,3", capsys)
     assert not r.success and "CUDA_VISIBLE_DEVICES" not in os.environ
     text = out + err
-    assert "  nothing changed (no wait would help: these options rule out every other device)" \
+    assert "  nothing changed; no wait can help: these options themselves rule out every device" \
         in text
     assert "--wait" not in text
