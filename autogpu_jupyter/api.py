@@ -150,6 +150,7 @@ def pick_result(
         dry_run=dry_run,
         on_progress=on_progress,
         smoothed_util=_smoothed_util,
+        visible_ids=settings.visible_ids,
     )
     if not dry_run:
         if mine is not None and mine.uuids:
@@ -244,6 +245,7 @@ def pick(
     force: bool = False,
     model: object = None,
     prefer: object = None,
+    devices: object = None,
 ) -> list[DeviceSnapshot]:
     """Pick the best device(s) that fit, take a lease, set ``CUDA_VISIBLE_DEVICES``.
 
@@ -267,6 +269,9 @@ def pick(
         Only these models (name contains it): ``"A100"`` or ``"H100,A100"``.
     prefer
         Prefer these models, in order, before load: ``"L4,A100"``.
+    devices
+        Only these devices, as ``%gpu pick 2`` names them: ``2``, ``"0,3"``, ``["GPU-5a1b"]``,
+        ``"0:1"`` (a MIG device); ``count`` defaults to how many are named.
     dry_run
         Only rank; change nothing.
     force
@@ -287,6 +292,7 @@ def pick(
     opts = pick_options(default_settings(), {
         "min_free": min_free, "max_util": max_util, "count": count, "exclude": exclude,
         "exclusive": exclusive, "wait": wait, "model": model, "prefer": prefer,
+        "devices": devices,
     })
     result, warning = pick_result(opts, dry_run=dry_run, force=force)
     if warning:
@@ -351,7 +357,7 @@ def set_visible_devices(ids: Sequence[str | int] | str | int, force: bool = Fals
         chosen=tuple(chosen),
         candidates=(),
         constraints=Constraints(count=len(chosen)),
-        env=visible_env([d.uuid for d in chosen], snap.devices),
+        env=visible_env([d.uuid for d in chosen], snap.devices, default_settings().visible_ids),
         allocation=allocation,
         snapshot=snap,
     )

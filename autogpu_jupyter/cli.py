@@ -1,7 +1,7 @@
 """The ``autogpu`` command: the same engine as the magics, for shells and scripts.
 
 Exit codes (:data:`EXIT_CODES`, printed by ``--help`` and listed in docs/usage.md): 0 ok, 1 any
-other error, 2 usage error, 3 no device fits / no GPU granted, 4 no NVIDIA driver, 5 too late
+other error, 2 usage error, 3 no device fits / no GPU granted, 4 no GPU driver, 5 too late
 (CUDA initialised). ``autogpu run`` exits with the command's own code.
 """
 
@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import pwd
+import re
 import shlex
 import shutil
 import signal
@@ -67,14 +68,14 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NO_DEVICE, EXIT_NO_DRIVER = 0, 1, 2, 3, 4
 #: Every exit code, as ``--help`` prints it (docs/usage.md's table says the same).
 EXIT_CODES = (
     "exit codes: 0 ok (run: the command's own code), 1 other error, 2 usage error, "
-    "3 no device fits / no GPU granted, 4 no NVIDIA driver (try AUTOGPU_SIMULATE=demo-4x), "
+    "3 no device fits / no GPU granted, 4 no GPU driver (try AUTOGPU_SIMULATE=demo-4x), "
     "5 too late: CUDA already initialised"
 )
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_usage(sys.stderr)
+        # one line: what is wrong and where the usage is (no four-line usage dump)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
@@ -90,8 +91,9 @@ HOSTS_OPTIONS = ("min_free", "max_util", "count")
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="autogpu",
-        description="Pick the least-loaded NVIDIA GPU that fits, with leases so that simultaneous "
-        "jobs never pile onto one card. Set AUTOGPU_SIMULATE=demo-4x to try it without a GPU.",
+        description="Pick the least-loaded GPU that fits (NVIDIA, or AMD with ROCm), with leases "
+        "so that simultaneous jobs never pile onto one card. Set AUTOGPU_SIMULATE=demo-4x to try "
+        "it without a GPU.",
         epilog=EXIT_CODES,
     )
     parser.add_argument("--version", action="version", version=f"autogpu {__version__}")
@@ -107,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`autogpu run -- CMD` to hold one for CMD's lifetime. --export prints shell "
         'assignments for eval: eval "$(autogpu pick --min-free 10G --export)".',
     )
-    _add_pick_options(p_pick)
+    add_arguments(p_pick, positional=True)
     p_pick.add_argument(
         "--dry-run",
         action="store_true",
@@ -127,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run a command on the best device, holding a lease while it runs",
         description="Pick, take a lease, run CMD with CUDA_VISIBLE_DEVICES set; the lease lasts "
-        "exactly as long as CMD runs. Exits with CMD's exit code.",
+        "exactly as long as CMD runs. Exits with CMD's exit code. Name the devices with "
+        "--devices: autogpu run --devices 2 -- CMD.",
     )
     _add_pick_options(p_run)
     p_run.add_argument(
@@ -318,6 +321,7 @@ def _pick(args: argparse.Namespace, *, take_lease: bool) -> PickResult:
         requester=requester,
         dry_run=not take_lease,
         on_progress=progress,
+        visible_ids=settings.visible_ids,
     )
 
 
@@ -368,9 +372,15 @@ def _ranking(result: PickResult) -> list[str]:
     return out  # nothing fits: the pick raised (exit 3, each device's reason) before this
 
 
+#: What ``autogpu run 2 -- CMD`` puts before ``--``: device ids, not a command.
+_IDS_WORD = re.compile(r"[0-9]+(?::[0-9]+)?(?:,[0-9]+(?::[0-9]+)?)*")
+
+
 def _cmd_pick(args: argparse.Namespace) -> int:
     result = _pick(args, take_lease=False)
-    env = visible_env([d.uuid for d in result.chosen], result.snapshot.devices)
+    env = visible_env(
+        [d.uuid for d in result.chosen], result.snapshot.devices, _settings().visible_ids
+    )
     if args.dry_run and not (args.export or args.json):
         print("\n".join(_ranking(result)))
         return EXIT_OK
@@ -394,6 +404,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not cmd:
         print(
             "autogpu: error: run needs a command: autogpu run [options] -- CMD ARGS",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if "--" in cmd and _IDS_WORD.fullmatch(cmd[0]):
+        ids = cmd[0]
+        print(
+            f"autogpu: error: run takes its devices as --devices: autogpu run --devices {ids} "
+            "[options] -- CMD ARGS",
             file=sys.stderr,
         )
         return EXIT_USAGE
@@ -734,7 +752,11 @@ def _main(argv: list[str]) -> int:
         return int(handler(args))  # type: ignore[misc]
     except NoDeviceFitsError as err:
         print(f"autogpu: {err}", file=sys.stderr)
-        if args.command in ("pick", "run") and getattr(args, "wait", None) is None:
+        if (
+            args.command in ("pick", "run")
+            and getattr(args, "wait", None) is None
+            and getattr(err, "waitable", True)
+        ):
             print("nothing picked; to wait in line until a device fits, add --wait DURATION "
                   "(e.g. --wait 10m)", file=sys.stderr)
         return err.exit_code

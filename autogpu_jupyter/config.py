@@ -139,6 +139,15 @@ class AutoGPU(Configurable):
     overload_memory_pct = Float(
         95.0, help="The panel warns when this kernel's GPU memory is fuller than this percentage."
     ).tag(config=True)
+    visible_ids = Unicode(
+        "uuid",
+        help="How a pick names its GPUs in CUDA_VISIBLE_DEVICES: 'uuid' (default: GPU-... "
+        "UUIDs, unambiguous whatever the device order) or 'index' (NVML indices, with "
+        "CUDA_DEVICE_ORDER=PCI_BUS_ID), for stacks that cannot read UUIDs there: Ray 2.8-2.9 "
+        "(ray.get_gpu_ids), older dask-cuda, torch's NVML-based device_count() before its fix. "
+        "'index' refuses MIG devices, which CUDA selects by UUID only (env "
+        "AUTOGPU_VISIBLE_IDS).",
+    ).tag(config=True)
     prometheus_url = Unicode(
         help="Base URL of the Prometheus server that scrapes this cluster's autogpu and DCGM "
         "exporter series (e.g. http://prometheus.example.org:9090). Set, it gives the sidebar's "
@@ -184,6 +193,10 @@ class AutoGPU(Configurable):
     @default("prefer")
     def _default_prefer(self) -> str:
         return _env("PREFER")
+
+    @default("visible_ids")
+    def _default_visible_ids(self) -> str:
+        return _env("VISIBLE_IDS", "uuid")
 
     @default("registry_dir")
     def _default_registry_dir(self) -> str:
@@ -272,7 +285,7 @@ ENV_NAMES = tuple(
         "PROMETHEUS_URL", "MIN_FREE", "MAX_UTIL", "COUNT", "WAIT", "EXCLUSIVE", "PICK_ON_LOAD",
         "MODEL", "PREFER", "REGISTRY_DIR", "USE_LEASES", "MAX_DEVICES_PER_USER",
         "MAX_LEASES_PER_USER", "MAX_TICKETS_PER_USER", "REGISTRY_LOCK_TIMEOUT", "BROKER_SOCKET",
-        "BROKER_FALLBACK", "RECORD_COMMANDS", "SAMPLE_INTERVAL",
+        "BROKER_FALLBACK", "RECORD_COMMANDS", "SAMPLE_INTERVAL", "VISIBLE_IDS",
     )
 )
 # The env-seeded settings of this process outside IPython, with the values of ENV_NAMES they

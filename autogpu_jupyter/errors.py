@@ -47,13 +47,16 @@ class NoDeviceGrantedError(AutoGPUError):
 
 
 class NoDeviceFitsError(AutoGPUError):
-    """No device satisfies the constraints. ``candidates`` holds the ranking with reasons."""
+    """No device satisfies the constraints. ``candidates`` holds the ranking with reasons;
+    ``waitable`` is false when no wait could help (the request's own restrictions rule out
+    every device: named devices, --exclude, --model, the allocation)."""
 
     exit_code = 3
 
-    def __init__(self, message: str, candidates: object = ()) -> None:
+    def __init__(self, message: str, candidates: object = (), waitable: bool = True) -> None:
         super().__init__(message)
         self.candidates = candidates
+        self.waitable = waitable
 
 
 class TooLateError(AutoGPUError):

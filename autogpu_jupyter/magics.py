@@ -105,8 +105,9 @@ def _pick_options(line: str) -> None:
 
 _PICK_PARSER = construct_parser(_pick_options)
 _PICK_PARSER.prog = "%gpu pick"
-# The pick options themselves are declared once, for the CLI and the magics alike.
-_options.add_arguments(_PICK_PARSER)
+# The pick options themselves are declared once, for the CLI and the magics alike; the
+# devices may be named without a flag (%gpu pick 2, %gpu pick 0,3).
+_options.add_arguments(_PICK_PARSER, positional=True)
 
 
 def _parse_pick(argv: Sequence[str], where: str = "%gpu pick") -> argparse.Namespace:
@@ -160,7 +161,9 @@ def _no_fit(err: NoDeviceFitsError, args: argparse.Namespace, where: str) -> NoD
     """
     text = terminal_safe(str(err))
     lines = [f"autogpu: {line}" if i == 0 else line for i, line in enumerate(text.splitlines())]
-    if args.wait:
+    if not getattr(err, "waitable", True):
+        hint = "nothing changed; no wait can help: these options themselves rule out every device"
+    elif args.wait:
         hint = f"nothing changed; a longer --wait than {args.wait} waits longer in line"
     else:
         hint = (
@@ -402,6 +405,7 @@ class GPUMagics(Magics):
         %gpu pick --min-free 10G          # the best GPU with 10 GiB free
         %gpu pick --min-free 25% --max-util 50 --count 2
         %gpu pick --exclude 0,3           # avoid GPU 0 and 3
+        %gpu pick 2                       # GPU 2 (0,3: both; a UUID start or 0:1 works too)
         %gpu pick --min-free 40G --wait 10m   # wait in line (interrupt the kernel to cancel)
         %gpu pick --dry-run               # show the ranking and why; change nothing
         %gpu release                      # give the GPU back
@@ -751,9 +755,7 @@ def _pick_help() -> str:
     """The pick options as plain text for ``%gpu?`` (magic_arguments' own help repeats itself
     and speaks reStructuredText)."""
     fmt = argparse.HelpFormatter("%gpu pick", width=90, max_help_position=24)
-    actions = [
-        a for a in _PICK_PARSER._actions if a.option_strings and "-h" not in a.option_strings
-    ]
+    actions = [a for a in _PICK_PARSER._actions if "-h" not in a.option_strings]
     # the pick options first (--min-free ...), the magic's own --dry-run and --force last
     actions.sort(key=lambda a: a.dest in ("dry_run", "force"))
     fmt.add_usage(None, actions, [], prefix="usage: ")

@@ -210,6 +210,7 @@ class AutoGPUProvisioner(LocalProvisioner):
         previous = self.autogpu_picked
         moved_note = None
         backend = get_backend(environ.get(SIMULATE_ENV))
+        ids = settings.visible_ids  # c.AutoGPU.visible_ids of the server: uuid or index
 
         def progress(line: str) -> None:
             log.info("kernel %s: %s", self.kernel_id, line)
@@ -220,7 +221,7 @@ class AutoGPUProvisioner(LocalProvisioner):
                 moved, moved_note = moves.move_constraints(request, constraints, snap.devices)
                 try:
                     result = pick(PickOptions(moved), backend=backend, environ=environ,
-                                  store=store, requester=requester)
+                                  store=store, requester=requester, visible_ids=ids)
                     return result, f"{moved_note}: the kernel's state was lost"
                 except (NoDeviceFitsError, LeaseLimitError) as err:
                     moved_note = (f"the requested move could not be honoured ({_first_line(err)}); "
@@ -238,9 +239,9 @@ class AutoGPUProvisioner(LocalProvisioner):
                     same = dataclasses.replace(constraints, exclude=constraints.exclude + others)
                     with contextlib.suppress(NoDeviceFitsError, LeaseLimitError):
                         return pick(PickOptions(same), backend=backend, environ=environ,
-                                    store=store, requester=requester), None
+                                    store=store, requester=requester, visible_ids=ids), None
             result = pick(options.pick, backend=backend, environ=environ, store=store,
-                          requester=requester, on_progress=progress)
+                          requester=requester, on_progress=progress, visible_ids=ids)
             return result, moved_note
         except (NoDeviceFitsError, NoDeviceGrantedError, LeaseLimitError) as err:
             waited = f" (waited {format_duration(options.wait_s)})" if options.wait_s else ""
@@ -304,6 +305,9 @@ class AutoGPUProvisioner(LocalProvisioner):
         })
         if move_file:
             env[MOVE_FILE_ENV] = move_file
+        if self._settings().visible_ids.strip().lower() == "index":
+            # the kernel's own picks (%gpu pick, a move) write indices too
+            env.setdefault("AUTOGPU_VISIBLE_IDS", "index")
         if result is not None:
             env.update(result.env)
             env[PICKED_ENV] = ",".join(d.uuid for d in result.chosen)

@@ -47,7 +47,9 @@ from autogpu_jupyter.errors import AutoGPUError
 __all__ = ["OLDER", "OPS", "Op", "RecordReply", "before", "older_reply"]
 
 _STATUS_USERS = 256
-_PICK_KEYS = ("min_free", "max_util", "count", "exclude", "exclusive", "model", "prefer")
+_PICK_KEYS = (
+    "min_free", "max_util", "count", "exclude", "exclusive", "model", "prefer", "devices"
+)
 
 
 class Op:

@@ -87,9 +87,17 @@ class DeviceSnapshot:
 
     @property
     def short_uuid(self) -> str:
-        """``GPU-1a2b3c4d`` style short form for display (the full UUID stays the identity)."""
-        prefix, _, rest = self.uuid.partition("-")
-        return f"{prefix}-{rest[:8]}" if rest else self.uuid
+        """``GPU-1a2b3c4d`` style short form for display (the full UUID stays the identity).
+
+        Always a prefix of the id the runtime is given: on AMD, of ROCr's ``GPU-<16 hex>``
+        (what ``ROCR_VISIBLE_DEVICES`` names), not of the amdsmi UUID; a UUID without a
+        ``GPU-``/``MIG-`` word is cut after its first group, never inside one.
+        """
+        ident = self.runtime_uuid or self.uuid
+        prefix, _, rest = ident.partition("-")
+        if not rest:
+            return ident
+        return f"{prefix}-{rest[:8]}" if prefix.isalpha() else prefix
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "processes"}

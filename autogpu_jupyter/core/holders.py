@@ -19,7 +19,10 @@ if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import FleetSnapshot
     from autogpu_jupyter.core.leasing.records import LeaseRecord
 
-__all__ = ["Holder", "holders_by_device"]
+__all__ = ["NOBODY", "Holder", "holders_by_device"]
+
+#: The one word every table, the panel and the CLI show for a device nobody holds.
+NOBODY = "nobody"
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,5 +144,5 @@ def holders_by_device(
 
 
 def holders_text(holders: Sequence[Holder]) -> str:
-    """A device's holders on one line (``none`` when nobody holds it)."""
-    return ", ".join(h.text() for h in holders) if holders else "none"
+    """A device's holders on one line (:data:`NOBODY` when nobody holds it)."""
+    return ", ".join(h.text() for h in holders) if holders else NOBODY

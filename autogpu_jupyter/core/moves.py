@@ -558,11 +558,13 @@ def move_constraints(
 ) -> tuple[Constraints, str]:
     """The constraints a (re)start uses to honour ``request``, and a note for the user.
 
-    A named target: every other device excluded (so only the target can be chosen). Best: the
-    devices the kernel moved away from excluded.
+    A named target: every other device excluded (so only the target can be chosen), and the
+    devices the kernelspec named (``devices``) no longer bound it: the user named the target.
+    Best: the devices the kernel moved away from excluded.
     """
     present = {d.uuid for d in devices}
     if request.target_uuids:
+        base = replace(base, devices=())
         keep = set(request.target_uuids)
         exclude = tuple(
             d.uuid for d in devices

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.core.policy import DEVICE_IDS_FORMS, Constraints
 from autogpu_jupyter.core.units import (
     DURATION_FORMS,
     PERCENT_FORMS,
@@ -38,6 +38,7 @@ __all__ = [
     "VALUE_OPTIONS",
     "OptionError",
     "OptionSpec",
+    "POSITIONAL_IDS",
     "PickOptions",
     "add_arguments",
     "defaults_from",
@@ -121,6 +122,14 @@ PICK_OPTIONS: tuple[OptionSpec, ...] = (
         "Prefer these models, in this order, before load: L4,A100 "
         "(others after them). Default: AutoGPU.prefer (an admin's order).",
         _NAMES_FORMS,
+    ),
+    OptionSpec(
+        "devices",
+        "IDS",
+        "Only these devices, comma separated: 2, 0,3, a UUID or its start (GPU-5a1b), a MIG "
+        "device (3:1). Default --count: how many are named. %gpu pick 2 / autogpu pick 2 say "
+        "the same.",
+        DEVICE_IDS_FORMS,
     ),
 )
 _SPECS = {s.key: s for s in PICK_OPTIONS}
@@ -239,7 +248,7 @@ def parse(
         )
     given = {k: v for k, v in values.items() if k in _SPECS and v is not None}
     for k, v in given.items():
-        if k not in ("exclusive", "exclude"):
+        if k not in ("exclusive", "exclude", "devices"):
             reject_empty(v, _label(k, style), _SPECS[k].forms)
     merged = {**{k: v for k, v in (defaults or {}).items() if v not in (None, "")}, **given}
     if style == "key":
@@ -252,11 +261,27 @@ def parse(
             _attributed(
                 key, merged[key], lambda k=key: Constraints.parse(**{k: merged[k]}), style
             )
+    named = _attributed(
+        "devices", merged.get("devices"), lambda: Constraints.parse(devices=merged.get("devices")),
+        style,
+    ).devices
+    count = merged.get("count", 1)
+    if named and "count" not in given:
+        count = len(named)  # naming devices asks for them, unless --count says how many of them
+    elif named and _count(count, style) > len(named):
+        label = "--count" if style == "flag" else "count"
+        raise OptionError(
+            f"invalid {label} {_short(count)}: more than the {len(named)} device(s) named "
+            f"({','.join(named)}); expected at most {len(named)}",
+            "count",
+            count,
+        )
     exclusive = _switch(merged.get("exclusive", False), "exclusive", style)
     constraints = Constraints.parse(
         min_free=merged.get("min_free"),
         max_util=merged.get("max_util"),
-        count=merged.get("count", 1),
+        count=count,
+        devices=named or None,
         exclude=merged.get("exclude"),
         exclusive=exclusive,
         models=_names(merged.get("model"), "model", style),
@@ -316,16 +341,17 @@ def _check_json_types(merged: Mapping[str, Any]) -> None:
         raise OptionError(
             f"invalid count {_short(count)}: expected a whole number >= 1", "count", count
         )
-    exclude = merged.get("exclude")
-    if exclude is not None and not (
-        isinstance(exclude, str)
-        or (isinstance(exclude, list) and all(isinstance(x, (str, int)) for x in exclude))
-    ):
-        raise OptionError(
-            f'invalid exclude {_short(exclude)}: expected ids like "0,2" or a list',
-            "exclude",
-            exclude,
-        )
+    for key in ("exclude", "devices"):
+        ids = merged.get(key)
+        if ids is not None and not (
+            isinstance(ids, str)
+            or (isinstance(ids, list) and all(isinstance(x, (str, int)) for x in ids))
+            # {"devices": 2}: one device by index
+            or (key == "devices" and isinstance(ids, int) and not isinstance(ids, bool))
+        ):
+            raise OptionError(
+                f'invalid {key} {_short(ids)}: expected ids like "0,2" or a list', key, ids
+            )
 
 
 def defaults_from(settings: Any) -> dict[str, Any]:
@@ -341,9 +367,28 @@ def defaults_from(settings: Any) -> dict[str, Any]:
     }
 
 
-def add_arguments(parser: Any, *, escape_percent: bool = True, skip: Sequence[str] = ()) -> None:
+#: The positional form of ``--devices`` (``%gpu pick 2``, ``autogpu pick 0,3``).
+POSITIONAL_IDS = "ids"
+
+
+def add_arguments(
+    parser: Any,
+    *,
+    escape_percent: bool = True,
+    skip: Sequence[str] = (),
+    positional: bool = False,
+) -> None:
     """Declare every pick option on an argparse parser (the CLI's, the magics', the kernelspec
-    installer's), less the keys in ``skip``."""
+    installer's), less the keys in ``skip``; with ``positional``, the devices may also be named
+    without a flag (``pick 2``: where no command follows)."""
+    if positional:
+        parser.add_argument(
+            POSITIONAL_IDS,
+            nargs="?",
+            metavar="IDS",
+            default=None,
+            help="the devices to pick from, as --devices (e.g. 2 or 0,3)",
+        )
     for spec in PICK_OPTIONS:
         if spec.key in skip:
             continue
@@ -355,8 +400,26 @@ def add_arguments(parser: Any, *, escape_percent: bool = True, skip: Sequence[st
 
 
 def from_namespace(ns: Any) -> dict[str, Any]:
-    """The pick options an argparse namespace holds (``None``: not given)."""
-    return {spec.key: getattr(ns, spec.key, None) for spec in PICK_OPTIONS}
+    """The pick options an argparse namespace holds (``None``: not given); devices named
+    without a flag are ``devices`` too.
+
+    Raises
+    ------
+    OptionError
+        Devices named both ways (``pick 2 --devices 3``).
+    """
+    values = {spec.key: getattr(ns, spec.key, None) for spec in PICK_OPTIONS}
+    ids = getattr(ns, POSITIONAL_IDS, None)
+    if ids is not None:
+        if values.get("devices") is not None:
+            raise OptionError(
+                f"devices named twice ({ids!r} and --devices {values['devices']!r}): name them "
+                f"once, e.g. pick 0,3 or pick --devices 0,3",
+                "devices",
+                ids,
+            )
+        values["devices"] = ids
+    return values
 
 
 def join_negative_values(argv: Sequence[str], options: Sequence[str] = VALUE_OPTIONS) -> list[str]:

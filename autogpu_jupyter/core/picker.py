@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,9 +30,14 @@ from autogpu_jupyter.core.leasing.store import (
     StoreTransaction,
 )
 from autogpu_jupyter.core.options import PickOptions
-from autogpu_jupyter.core.policy import Candidate, Constraints, matches_id
+from autogpu_jupyter.core.policy import Candidate, Constraints, matches_id, names_device
 from autogpu_jupyter.core.units import format_duration
-from autogpu_jupyter.core.visibility import Allocation, current_allocation, visible_env
+from autogpu_jupyter.core.visibility import (
+    Allocation,
+    check_visible_ids,
+    current_allocation,
+    visible_env,
+)
 from autogpu_jupyter.errors import (
     NoDeviceFitsError,
     NoDeviceGrantedError,
@@ -45,7 +50,9 @@ from autogpu_jupyter.errors import (
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
 
-__all__ = ["PickResult", "Requester", "pick", "explain_drops", "POLL_INTERVAL_S"]
+__all__ = [
+    "PickResult", "Requester", "pick", "explain_drops", "can_never_fit", "POLL_INTERVAL_S"
+]
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +130,13 @@ def explain_drops(candidates: tuple[Candidate, ...] | list[Candidate]) -> str:
     return "\n".join(lines)
 
 
+def _known(devices: tuple[DeviceSnapshot, ...]) -> str:
+    return ", ".join(
+        d.label.replace("GPU ", "") if not d.is_mig else f"{d.index}:{d.mig_index}"
+        for d in devices
+    )
+
+
 def _check_ids(devices: tuple[DeviceSnapshot, ...], constraints: Constraints) -> None:
     for ident in constraints.exclude:
         if not ident.strip():
@@ -131,16 +145,55 @@ def _check_ids(devices: tuple[DeviceSnapshot, ...], constraints: Constraints) ->
                 "e.g. 0,2 or GPU-5a1"
             )
         if not any(matches_id(d, ident) for d in devices):
-            known = ", ".join(
-                d.label.replace("GPU ", "") if not d.is_mig else f"{d.index}:{d.mig_index}"
-                for d in devices
-            )
             raise UsageErrorBase(
-                f"unknown device id {ident!r} in --exclude; expected an NVML index ({known}) "
-                "or a UUID"
+                f"unknown device id {ident!r} in --exclude; expected an NVML index "
+                f"({_known(devices)}) or a UUID"
+            )
+    for ident in constraints.devices:
+        if not any(matches_id(d, ident) for d in devices):
+            example = devices[0].short_uuid if devices else "GPU-5a1b"
+            raise UsageErrorBase(
+                f"no device {ident!r} on this host; name devices by index ({_known(devices)}) "
+                f"or by UUID or its first 6 or more characters (e.g. {example})"
             )
     if constraints.count < 1:
         raise UsageErrorBase(f"invalid count {constraints.count!r}: expected a whole number >= 1")
+
+
+def can_never_fit(candidates: Sequence[Candidate], count: int) -> bool:
+    """Whether the request's own restrictions rule out so many devices that no wait could
+    give it ``count`` (see :attr:`Candidate.fixed`)."""
+    return sum(1 for c in candidates if c.eligible or not c.fixed) < count
+
+
+def _named_message(
+    candidates: Sequence[Candidate], constraints: Constraints, waited_s: float
+) -> str:
+    """Nothing fits among the devices the user named: one line naming each and why."""
+    devices = [c.device for c in candidates]
+    named = [
+        c for c in candidates
+        if any(names_device(c.device, i, devices) for i in constraints.devices)
+    ]
+    fit = [c for c in named if c.eligible]
+    # a GPU in MIG mode named for its MIG devices: its own "use a MIG device" is no news
+    dropped = [
+        c for c in named
+        if not c.eligible and not (len(named) > 1 and c.device.mig_enabled and not c.device.is_mig)
+    ] or [c for c in named if not c.eligible]
+    labels = ", ".join(c.device.label for c in named)
+    if fit:
+        head = f"only {len(fit)} of {labels} fit(s), {constraints.count} wanted"
+    else:
+        head = f"{labels} {'does' if len(named) == 1 else 'do'} not fit"
+    head += f" ({constraints.describe()})"
+    if waited_s > 0:
+        head += f" after waiting {format_duration(waited_s)}"
+    why = "; ".join(
+        (f"{c.device.label}: " if len(named) > 1 else "") + "; ".join(c.reasons)
+        for c in dropped
+    )
+    return f"{head}: {why}"
 
 
 def _no_fit_message(
@@ -148,6 +201,8 @@ def _no_fit_message(
     constraints: Constraints,
     waited_s: float,
 ) -> str:
+    if constraints.devices:
+        return _named_message(result_candidates, constraints, waited_s)
     eligible = sum(1 for c in result_candidates if c.eligible)
     head = (
         f"no device fits ({constraints.describe()})"
@@ -240,6 +295,7 @@ def pick(
     ) = None,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    visible_ids: str = "uuid",
 ) -> PickResult:
     """Choose device(s) for ``options`` and, unless ``dry_run``, take a lease on them.
 
@@ -269,6 +325,10 @@ def pick(
     sleep, clock
         How a waiting pick sleeps between tries and reads the time (``time.sleep`` and
         ``time.monotonic``; tests pass their own).
+    visible_ids
+        How ``env`` names the devices: ``"uuid"`` or ``"index"`` (``c.AutoGPU.visible_ids``,
+        :func:`~autogpu_jupyter.core.visibility.visible_env`); a choice ``"index"`` cannot name
+        (a MIG device) is refused before any lease is taken.
 
     Returns
     -------
@@ -293,6 +353,7 @@ def pick(
     """
     if backend is None:
         backend = get_backend()
+    visible_ids = check_visible_ids(visible_ids)
     requester = requester or Requester()
     constraints, wait_s = options.constraints, options.wait_s
     start = clock()
@@ -319,15 +380,17 @@ def pick(
                     dry_run,
                     promised,
                     smoothed_util,
+                    visible_ids,
                 )
             except RegistryUnreachableError as err:
                 _keep_place(err, ticket is not None, deadline, clock, sleep, on_progress)
                 continue
             if made.chosen:  # our ticket, if any, was released under the lock (again: a no-op)
                 waited_s = clock() - start if waited else 0.0
-                return _result(made, lease, lease_note, store, dry_run, waited_s)
+                return _result(made, lease, lease_note, store, dry_run, waited_s, visible_ids)
             now = clock()
-            if now >= deadline:
+            hopeless = can_never_fit(made.ranked, constraints.count)
+            if now >= deadline or hopeless:  # no wait helps what the request itself rules out
                 raise NoDeviceFitsError(
                     _no_fit_message(
                         list(made.ranked),
@@ -335,11 +398,12 @@ def pick(
                         now - start if wait_s > 0 else 0.0,
                     ),
                     candidates=made.ranked,
+                    waitable=not hopeless,
                 )
             if store is not None and ticket is None:
                 ticket = store.take_ticket(
                     constraints=decision.ticket_constraints(
-                        constraints, made.context.allocation.uuids
+                        constraints, _ticket_pool(made, constraints)
                     ),
                     exclusive=constraints.exclusive,
                     requester=requester,
@@ -382,6 +446,7 @@ def _attempt(
     dry_run: bool,
     promised: str | None,
     smoothed_util: Any,
+    visible_ids: str = "uuid",
 ) -> tuple[decision.Decision, HeldLease | None, str | None]:
     """One try, under the store's lock (a real pick): read, decide, and lease what was chosen.
 
@@ -413,6 +478,9 @@ def _attempt(
         )
         made = decision.decide(context, constraints)
         lease = None
+        if made.chosen and not dry_run:
+            # what cannot be written (a MIG device as an index) is refused before any lease
+            visible_env([c.device.uuid for c in made.chosen], snap.devices, visible_ids)
         if made.chosen and not dry_run and txn is not None:
             lease, lease_note = _create_lease(
                 txn, list(made.chosen), constraints, requester, mig_parents(snap.devices)
@@ -422,6 +490,21 @@ def _attempt(
         if made.chosen and ticket is not None:
             ticket.release()
     return made, lease, lease_note
+
+
+def _ticket_pool(made: decision.Decision, constraints: Constraints) -> list[str] | None:
+    """The devices a waiting ticket may be served from: the allocation's, and of those only
+    the named ones (a ticket stores them as UUIDs, as other pickers read them)."""
+    allowed = made.context.allocation.uuids
+    if not constraints.devices:
+        return None if allowed is None else list(allowed)
+    devices = made.context.snapshot.devices
+    return [
+        d.uuid
+        for d in devices
+        if any(names_device(d, i, devices) for i in constraints.devices)
+        and (allowed is None or d.uuid in allowed or d.parent_uuid in allowed)
+    ]
 
 
 def _check_granted(snap: FleetSnapshot, env: Mapping[str, str] | None) -> None:
@@ -443,6 +526,7 @@ def _result(
     store: LeaseStore | None,
     dry_run: bool,
     waited_s: float,
+    visible_ids: str = "uuid",
 ) -> PickResult:
     if store is not None and not dry_run and store.unusable_reason:
         lease_note = store.unusable_reason
@@ -451,7 +535,9 @@ def _result(
         chosen=tuple(chosen),
         candidates=made.ranked,
         constraints=made.constraints,
-        env={} if dry_run else visible_env([d.uuid for d in chosen], made.context.snapshot.devices),
+        env={}
+        if dry_run
+        else visible_env([d.uuid for d in chosen], made.context.snapshot.devices, visible_ids),
         allocation=made.context.allocation,
         snapshot=made.context.snapshot,
         lease=lease,

@@ -52,7 +52,16 @@ if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import DeviceSnapshot
     from autogpu_jupyter.core.visibility import Allocation
 
-__all__ = ["Booking", "Candidate", "Constraints", "rank", "select", "matches_id"]
+__all__ = [
+    "DEVICE_IDS_FORMS",
+    "Booking",
+    "Candidate",
+    "Constraints",
+    "matches_id",
+    "names_device",
+    "rank",
+    "select",
+]
 
 _GIB = 1024**3
 _UTIL_STEP = 5.0
@@ -73,6 +82,9 @@ class Constraints:
     models: tuple[str, ...] = ()
     #: Models preferred, in this order, before load (others after them).
     prefer: tuple[str, ...] = ()
+    #: Only these devices (ids as the user named them: ``2``, ``3:1``, ``GPU-5a1b``); () = any.
+    #: A GPU in MIG mode named stands for its MIG devices.
+    devices: tuple[str, ...] = ()
 
     @classmethod
     def parse(
@@ -85,6 +97,7 @@ class Constraints:
         exclusive: bool = False,
         models: Sequence[str] = (),
         prefer: Sequence[str] = (),
+        devices: object = None,
     ) -> Constraints:
         """Build constraints from user input (strings or numbers), validating each value.
 
@@ -103,15 +116,9 @@ class Constraints:
         # A float never parses: str() of it has a ".", "e", "inf" or "nan" (2.0 is refused too).
         if n < 1:
             raise UsageErrorBase(f"invalid --count {count!r}: expected a whole number >= 1, e.g. 2")
-        ids: tuple[str, ...] = ()
-        if exclude is not None:
-            parts = exclude.split(",") if isinstance(exclude, str) else [str(x) for x in exclude]  # type: ignore[attr-defined]
-            ids = tuple(p.strip() for p in parts)
-            if not ids or any(not p for p in ids):
-                raise UsageErrorBase(
-                    f"invalid --exclude {exclude!r}: empty device id; expected NVML indices or "
-                    "UUIDs separated by commas, e.g. 0,2 or GPU-5a1b"
-                )
+        ids = _id_list(exclude, "--exclude", "NVML indices or UUIDs separated by commas, e.g. 0,2 "
+                       "or GPU-5a1b")
+        named = _id_list(devices, "--devices", DEVICE_IDS_FORMS)
         return cls(
             min_free=size,
             max_util_pct=util,
@@ -120,16 +127,21 @@ class Constraints:
             exclusive=bool(exclusive),
             models=tuple(models),
             prefer=tuple(prefer),
+            devices=named,
         )
 
     def describe(self) -> str:
         """The parsed constraints in words, e.g. ``min free 10.0 GiB, max util 50%``."""
         parts = []
+        if self.devices:
+            word = "device" if len(self.devices) == 1 else "devices"
+            some = f"{self.count} of " if self.count < len(self.devices) else ""
+            parts.append(f"{some}{word} {','.join(self.devices)}")
         if self.min_free is not None:
             parts.append(f"min free {self.min_free.describe()}")
         if self.max_util_pct is not None:
             parts.append(f"max util {self.max_util_pct:g}%")
-        if self.count != 1:
+        if self.count != 1 and self.count != len(self.devices):
             parts.append(f"{self.count} devices")
         if self.exclude:
             parts.append(f"excluding {', '.join(self.exclude)}")
@@ -150,7 +162,28 @@ class Constraints:
             "exclusive": self.exclusive,
             "models": list(self.models),
             "prefer": list(self.prefer),
+            "devices": list(self.devices),
         }
+
+
+#: How devices may be named (``%gpu pick 2``, ``--devices``, ``devices`` in JSON).
+DEVICE_IDS_FORMS = (
+    "device indices, UUIDs (or their first 6 or more characters) or MIG ids such as 3:1, "
+    "separated by commas, e.g. 2 or 0,3 or GPU-5a1b"
+)
+
+
+def _id_list(value: object, flag: str, forms: str) -> tuple[str, ...]:
+    """Device ids as the user gave them (``"0,2"`` or a list); an empty id is refused."""
+    if value is None:
+        return ()
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # JSON's {"devices": 2}
+    parts = value.split(",") if isinstance(value, str) else [str(x) for x in value]  # type: ignore[attr-defined]
+    ids = tuple(p.strip() for p in parts)
+    if not ids or any(not p for p in ids):
+        raise UsageErrorBase(f"invalid {flag} {value!r}: empty device id; expected {forms}")
+    return ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +218,10 @@ class Candidate:
     key: tuple[float, float, float, float, str] = field(
         default=(0.0, 0.0, 0.0, 0.0, ""), compare=False
     )
+    #: Dropped for a reason no wait changes (the request's own restrictions: not named,
+    #: excluded, another model, outside the allocation, a MIG parent): waiting in line for it
+    #: cannot help.
+    fixed: bool = field(default=False, compare=False)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -203,7 +240,8 @@ class Candidate:
 
 def matches_id(device: DeviceSnapshot, ident: str) -> bool:
     """Whether a user-given id names ``device``: NVML index ``"3"``, ``"3:1"`` for MIG 1 of GPU 3,
-    a label (``GPU 3``), or a full UUID / unique-looking UUID prefix (``GPU-5a1``)."""
+    a label (``GPU 3``), or a full UUID / unique-looking UUID prefix (``GPU-5a1``), the
+    runtime's id on AMD (``GPU-4d0a3d00``) included."""
     ident = ident.strip()
     if not ident:
         return False
@@ -215,7 +253,13 @@ def matches_id(device: DeviceSnapshot, ident: str) -> bool:
         return device.is_mig and device.index == int(gpu) and device.mig_index == int(mig)
     if ident.upper() == device.label.upper():
         return True
-    return device.uuid == ident or (len(ident) >= 6 and device.uuid.startswith(ident))
+    # the id the runtime is given (ROCr's GPU-<hex> on AMD) names it too: the short id shown
+    # is a prefix of it
+    return any(
+        uid == ident or (len(ident) >= 6 and uid.startswith(ident))
+        for uid in (device.uuid, device.runtime_uuid)
+        if uid
+    )
 
 
 def rank(
@@ -296,6 +340,7 @@ def rank(
                 lease_count=booking.lease_count,
                 booked_bytes=booking.booked_bytes,
                 key=key,
+                fixed=v.fixed,
             )
         )
     eligible = sorted((c for c in out if c.eligible), key=lambda c: c.key)
@@ -315,9 +360,12 @@ class _Verdict:
 
     ok: bool = True
     reasons: list[str] = field(default_factory=list)
+    #: dropped for a reason that no wait changes (see :attr:`Candidate.fixed`)
+    fixed: bool = False
 
-    def drop(self, why: str) -> None:
+    def drop(self, why: str, fixed: bool = False) -> None:
         self.ok = False
+        self.fixed = self.fixed or fixed
         self.reasons.append(why)
 
     def note(self, why: str) -> None:
@@ -331,27 +379,29 @@ def _check_usable(
     constraints: Constraints,
     allocation: Allocation | None,
 ) -> None:
-    """Available, inside the allocation, not excluded by the user."""
+    """Available, inside the allocation, named (when devices were), not excluded by the user."""
     if not dev.available:
         v.drop(f"unavailable: {dev.error or 'unknown error'}")
     if allocation is not None and not allocation.allows(dev):
-        v.drop(f"outside this process's allocation ({allocation.describe()})")
-    hit = next(
-        (
-            ident
-            for ident in constraints.exclude
-            if matches_id(dev, ident) or (dev.parent_uuid and _parent_excluded(dev, ident, devices))
-        ),
-        None,
-    )
+        v.drop(f"outside this process's allocation ({allocation.describe()})", fixed=True)
+    if constraints.devices and not any(
+        names_device(dev, ident, devices) for ident in constraints.devices
+    ):
+        v.drop(f"not named (only {','.join(constraints.devices)} asked for)", fixed=True)
+    hit = next((ident for ident in constraints.exclude if names_device(dev, ident, devices)), None)
     if hit is not None:
-        v.drop(f"excluded by --exclude {hit}")
+        v.drop(f"excluded by --exclude {hit}", fixed=True)
+
+
+def names_device(dev: DeviceSnapshot, ident: str, devices: Sequence[DeviceSnapshot]) -> bool:
+    """Whether ``ident`` names ``dev``, or the GPU a MIG device ``dev`` is part of."""
+    return matches_id(dev, ident) or bool(dev.parent_uuid and _parent_excluded(dev, ident, devices))
 
 
 def _check_compute_mode(v: _Verdict, dev: DeviceSnapshot, mine: set[int]) -> None:
     """Not PROHIBITED; not EXCLUSIVE_PROCESS/THREAD while another process uses it."""
     if dev.compute_mode == "PROHIBITED":
-        v.drop("compute mode PROHIBITED: no CUDA context allowed")
+        v.drop("compute mode PROHIBITED: no CUDA context allowed", fixed=True)
     elif dev.compute_mode in ("EXCLUSIVE_PROCESS", "EXCLUSIVE_THREAD"):
         others = [p for p in (dev.processes or ()) if p.pid not in mine]
         if others:
@@ -364,13 +414,19 @@ def _check_mig_and_model(
     """A GPU in MIG mode is used through its MIG devices; one MIG device per process; the
     model asked for."""
     if not dev.is_mig and migs_by_parent.get(dev.uuid):
-        v.drop(f"MIG mode is on: use one of its {migs_by_parent[dev.uuid]} MIG devices instead")
+        v.drop(
+            f"MIG mode is on: use one of its {migs_by_parent[dev.uuid]} MIG devices instead",
+            fixed=True,
+        )
     elif not dev.is_mig and dev.mig_enabled:
-        v.drop("MIG mode is on but it has no MIG devices")
+        v.drop("MIG mode is on but it has no MIG devices", fixed=True)
     if dev.is_mig and constraints.count > 1:
-        v.drop(f"a process can use only one MIG device; {constraints.count} devices were asked for")
+        v.drop(
+            f"a process can use only one MIG device; {constraints.count} devices were asked for",
+            fixed=True,
+        )
     if constraints.models and not _model_matches(dev, constraints.models):
-        v.drop(f"model {dev.name} is not {' or '.join(constraints.models)}")
+        v.drop(f"model {dev.name} is not {' or '.join(constraints.models)}", fixed=True)
 
 
 def _check_memory(

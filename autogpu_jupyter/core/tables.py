@@ -22,18 +22,27 @@ from __future__ import annotations
 
 import html
 import re
-import textwrap
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autogpu_jupyter.core.text import terminal_safe
+from autogpu_jupyter.core.holders import NOBODY
+from autogpu_jupyter.core.text import cells, ljust, rjust, terminal_safe, wrap_words
 
 __all__ = ["Column", "visible", "to_text", "to_html", "status_table", "narrow"]
 
 # A unit ends where no word character follows (``\b`` would never end "%", which is no word
 # character itself, so "12 %" could split).
 _UNIT_GAP = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB|KB|MB|GB|TB|%|s|W|°C)(?!\w)")
+#: What stays on one line in a wrapping cell besides a number and its unit: a short aside in
+#: parentheses ("(15.6 GiB used)") and "pid 4100".
+_GROUPS = re.compile(r"\([^()]{1,30}\)|\bpid \d+")
+
+
+def _glued(text: str) -> str:
+    """``text`` with the spaces that must not break a line made no-break spaces."""
+    text = _UNIT_GAP.sub("\\1\u00a0\\2", text)
+    return _GROUPS.sub(lambda m: m.group().replace(" ", "\u00a0"), text)
 
 
 def visible(text: object) -> str:
@@ -78,7 +87,7 @@ def narrow(
 
     def widths_of(idx: list[int]) -> list[int]:
         return [
-            max([len(columns[i].title), *(len(visible(r[i])) for r in rows)]) for i in idx
+            max([cells(columns[i].title), *(cells(visible(r[i])) for r in rows)]) for i in idx
         ]
 
     for rank in sorted({c.drop for c in columns if c.drop > 0}):
@@ -104,15 +113,18 @@ def to_text(
     width: int = 100,
     indent: str = "",
 ) -> list[str]:
-    """The table as aligned lines of at most ``width`` characters where the wrap column allows.
+    """The table as aligned lines of at most ``width`` terminal cells where the wrap column
+    allows.
 
-    Cells are made :func:`visible`. The wrap column gets what the other columns leave (at least
-    24 characters); its continuation lines are indented to the column's start.
+    Cells are made :func:`visible`; widths are counted in terminal cells (a CJK character takes
+    two: :func:`core.text.cells`). The wrap column gets what the other columns leave (at least
+    24 cells), broken between words only (never inside "20.0 GiB", "(15.6 GiB used)" or
+    "pid 4100"); its continuation lines are indented to the column's start.
     """
     _check(columns, rows)
-    cells = [[visible(c) for c in row] for row in rows]
+    texts = [[visible(c) for c in row] for row in rows]
     titles = [c.title for c in columns]
-    widths = [max([len(t), *(len(r[i]) for r in cells)]) for i, t in enumerate(titles)]
+    widths = [max([cells(t), *(cells(r[i]) for r in texts)]) for i, t in enumerate(titles)]
     wrap_at = next((i for i, c in enumerate(columns) if c.wrap), None)
     if wrap_at is not None:
         fixed = sum(w for i, w in enumerate(widths) if i != wrap_at) + _GAP * (len(columns) - 1)
@@ -122,25 +134,24 @@ def to_text(
         parts: list[list[str]] = []
         for i, v in enumerate(values):
             if i == wrap_at:
-                # "20.0 GiB", "12 %" stay together: a no-break space is no split point for
-                # textwrap, and becomes a plain space again after wrapping.
-                glued = _UNIT_GAP.sub("\\1\u00a0\\2", v)
-                wrapped = textwrap.wrap(glued, widths[i], break_on_hyphens=False) or [""]
+                # "20.0 GiB", "(15.6 GiB used)" stay together: a no-break space is no split
+                # point, and becomes a plain space again after wrapping.
+                wrapped = wrap_words(_glued(v), widths[i])
                 parts.append([w.replace("\u00a0", " ") for w in wrapped])
             else:
                 parts.append([v])
         height = max(len(p) for p in parts)
         out = []
         for k in range(height):
-            texts = []
+            shown = []
             for i, col in enumerate(columns):
                 v = parts[i][k] if k < len(parts[i]) else ""
-                texts.append(v.rjust(widths[i]) if col.align == "right" else v.ljust(widths[i]))
-            out.append((indent + "  ".join(texts)).rstrip())
+                shown.append(rjust(v, widths[i]) if col.align == "right" else ljust(v, widths[i]))
+            out.append((indent + "  ".join(shown)).rstrip())
         return out
 
     lines = line(titles)
-    for r in cells:
+    for r in texts:
         lines.extend(line(r))
     return lines
 
@@ -260,7 +271,7 @@ def status_table(frame: Any) -> tuple[list[Column], list[tuple[str, ...]], set[i
                 num(r.get("temp °C"), " °C"),
                 num(r.get("power W"), " W"),
                 num(r.get("procs"), ""),
-                holders or "-",
+                holders or NOBODY,
             )
         )
     return columns, rows, highlight

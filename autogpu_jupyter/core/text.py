@@ -11,8 +11,9 @@ with :func:`html.escape` (or ``textContent`` in the sidebar); this module is for
 from __future__ import annotations
 
 import re
+import unicodedata
 
-__all__ = ["terminal_safe", "redact_command"]
+__all__ = ["cells", "ljust", "rjust", "terminal_safe", "redact_command", "wrap_words"]
 
 _UNSAFE = re.compile(
     "[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
@@ -41,3 +42,66 @@ def redact_command(
     if expose or (owner is not None and owner == me):
         return command
     return None
+
+
+def _cell(ch: str) -> int:
+    if unicodedata.combining(ch) or unicodedata.category(ch) in ("Mn", "Me", "Cf"):
+        return 0  # drawn on the character before it (accents), or not drawn (ZWJ, ZWSP)
+    return 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+
+
+def cells(text: str) -> int:
+    """How many terminal cells ``text`` takes: a CJK character or a full-width form takes two,
+    a combining mark none (as ``wcwidth`` counts, from the Unicode database alone)."""
+    if text.isascii():
+        return len(text)
+    return sum(_cell(ch) for ch in text)
+
+
+def ljust(text: str, width: int) -> str:
+    """``text`` padded with spaces to ``width`` terminal cells (:func:`cells`)."""
+    return text + " " * max(width - cells(text), 0)
+
+
+def rjust(text: str, width: int) -> str:
+    """``text`` right-aligned in ``width`` terminal cells (:func:`cells`)."""
+    return " " * max(width - cells(text), 0) + text
+
+
+def _split_cells(word: str, width: int) -> list[str]:
+    """A word too long for a line, cut into pieces of at most ``width`` cells."""
+    pieces, cur, used = [], "", 0
+    for ch in word:
+        w = _cell(ch)
+        if cur and used + w > width:
+            pieces.append(cur)
+            cur, used = "", 0
+        cur += ch
+        used += w
+    return [*pieces, cur] if cur else pieces
+
+
+def wrap_words(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width`` terminal cells, broken at spaces only (a no-break
+    space, U+00A0, holds two words together); a word longer than a line is cut."""
+    width = max(width, 1)
+    lines: list[str] = []
+    cur, used = "", 0
+    for word in text.split(" "):
+        if not word:
+            continue
+        w = cells(word)
+        if cur and used + 1 + w <= width:
+            cur, used = f"{cur} {word}", used + 1 + w
+            continue
+        if cur:
+            lines.append(cur)
+        if w <= width:
+            cur, used = word, w
+        else:
+            *full, cur = _split_cells(word, width)
+            lines.extend(full)
+            used = cells(cur)
+    if cur:
+        lines.append(cur)
+    return lines or [""]

@@ -79,6 +79,8 @@ __all__ = [
     "Allocation",
     "parse_cuda_visible_devices",
     "current_allocation",
+    "check_visible_ids",
+    "VISIBLE_IDS",
     "visible_env",
 ]
 
@@ -606,8 +608,67 @@ def current_allocation(
     )
 
 
+#: How ``CUDA_VISIBLE_DEVICES`` may name the devices of a pick (``c.AutoGPU.visible_ids``).
+VISIBLE_IDS = ("uuid", "index")
+
+
+def check_visible_ids(value: object) -> str:
+    """``c.AutoGPU.visible_ids`` / ``AUTOGPU_VISIBLE_IDS`` as ``"uuid"`` or ``"index"``.
+
+    Raises
+    ------
+    UsageErrorBase
+        Any other value, named with the accepted ones.
+    """
+    ids = value.strip().lower() if isinstance(value, str) else None
+    if ids not in VISIBLE_IDS:
+        raise UsageErrorBase(
+            f"invalid visible_ids {value!r} (c.AutoGPU.visible_ids or AUTOGPU_VISIBLE_IDS): "
+            "expected 'uuid' (the default) or 'index'"
+        )
+    return ids
+
+
+def _index_env(uuids: Sequence[str], devices: Sequence[DeviceSnapshot]) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` as NVML indices under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
+
+    NVML numbers the GPUs it lists in PCI bus order, as CUDA does under PCI_BUS_ID, so index
+    ``n`` is the same GPU to both where CUDA sees the GPUs NVML lists. The variable replaces
+    any inherited one, so the index counts every GPU this process can open (inside a container
+    or a scheduler's cgroup: only those, for NVML as for CUDA), not the positions of an
+    inherited list. A GPU NVML lists but cannot read (below one chosen) may be one CUDA cannot
+    open either: its count would differ, so that pick is refused (use ``uuid``). A MIG device
+    has no index in CUDA_VISIBLE_DEVICES (CUDA selects one by UUID only): refused too.
+    """
+    by_uuid = {d.uuid: d for d in devices}
+    chosen = [by_uuid.get(u) for u in uuids]
+    missing = [u for u, d in zip(uuids, chosen, strict=True) if d is None]
+    if missing:
+        raise UsageErrorBase(f"visible_ids = 'index': no device {missing[0]!r} on this host")
+    mig = next((d for d in chosen if d is not None and d.is_mig), None)
+    if mig is not None:
+        raise UsageErrorBase(
+            f"visible_ids = 'index' cannot select {mig.label}: CUDA selects a MIG device by its "
+            "UUID only; set c.AutoGPU.visible_ids = 'uuid' (the default) for MIG devices"
+        )
+    physical = _physical(devices)
+    for d in chosen:
+        assert d is not None
+        unreadable = next((p for p in physical if p.index < d.index and not p.available), None)
+        if unreadable is not None:
+            raise UsageErrorBase(
+                f"visible_ids = 'index' cannot name {d.label}: {unreadable.label} before it is "
+                "unreadable, so CUDA may number the GPUs otherwise; set c.AutoGPU.visible_ids "
+                "= 'uuid' (the default)"
+            )
+    return {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        CVD: ",".join(str(d.index) for d in chosen if d is not None),
+    }
+
+
 def visible_env(
-    uuids: Sequence[str], devices: Sequence[DeviceSnapshot] = ()
+    uuids: Sequence[str], devices: Sequence[DeviceSnapshot] = (), ids: str = "uuid"
 ) -> dict[str, str]:
     """The environment that makes CUDA (or, on AMD, ROCm) see exactly ``uuids``, in that order.
 
@@ -618,6 +679,10 @@ def visible_env(
     devices
         Every device of the snapshot the UUIDs come from. Where they are AMD devices, the ROCm
         variables are written (:func:`rocm_env`).
+    ids
+        ``"uuid"``, or ``"index"``: NVIDIA GPUs named by NVML index (``c.AutoGPU.visible_ids``;
+        see :func:`_index_env` for what an index means and when it is refused). AMD devices are
+        written as always (ROCr UUIDs and HIP ordinals).
 
     Returns
     -------
@@ -629,12 +694,16 @@ def visible_env(
     Raises
     ------
     UsageErrorBase
-        An entry is not a full UUID (an index would be ambiguous under FASTEST_FIRST).
+        An entry is not a full UUID (an index would be ambiguous under FASTEST_FIRST); with
+        ``ids="index"``: a MIG device, or an unreadable GPU before a chosen one; a bad ``ids``.
     """
+    ids = check_visible_ids(ids)
     by_uuid = {d.uuid: d for d in devices}
     if uuids and all(isinstance(u, str) and u in by_uuid and by_uuid[u].vendor == "amd"
                      for u in uuids):
         return rocm_env([by_uuid[u] for u in uuids], devices)
+    if ids == "index" and uuids:
+        return _index_env(uuids, devices)
     bad = [
         u
         for u in uuids

@@ -211,6 +211,8 @@ class ConstraintsJSON(TypedDict):
     exclusive: bool
     models: list[str]
     prefer: list[str]
+    #: the devices the pick was restricted to, as named (index, UUID, label, MIG id; issue 41)
+    devices: list[str]
 
 
 class ChosenDevice(TypedDict):

@@ -33,8 +33,12 @@ from autogpu_jupyter.core import (
     kernel_device_uuids,
     procfs,
     session,
+    status_table,
 )
+from autogpu_jupyter.core import cell_text as visible
 from autogpu_jupyter.core import detect_overload as detect
+from autogpu_jupyter.core import narrow_table as narrow
+from autogpu_jupyter.core import table_text as to_text
 from autogpu_jupyter.widgets import chart
 
 if TYPE_CHECKING:
@@ -298,6 +302,42 @@ class Panel(w.VBox):  # type: ignore[misc]
             f'<span style="color:{chart.FG2};font-size:11px;font-family:{chart.FONT}">'
             f"{chart._e(text)}</span>"
         )
+
+    def text(self, width: int = 100) -> str:
+        """The panel as plain text, what a viewer without widgets shows (a headless run, a
+        terminal, a notebook viewer): every GPU in a short table, this kernel's marked ``▶``,
+        from the sampler's latest sweep (no device is read for it)."""
+        snapshot = self._sampler.latest()
+        if snapshot is None:
+            errors = self._sampler.errors
+            why = errors[-1].message if errors else "no sample yet"
+            return f"autogpu panel: no GPU data ({visible(why)})"
+        kernel = kernel_device_uuids(snapshot.devices)
+        frame = api.status_frame(
+            snapshot, session.Choice(uuids=kernel) if kernel else None, self._leases
+        )
+        sim = " — SIMULATED fleet" if snapshot.simulated else ""
+        sampled = time.strftime("%H:%M:%S", time.localtime(snapshot.timestamp_s))
+        lines = [f"autogpu panel: {len(snapshot.devices)} device(s){sim}, sampled {sampled}"]
+        if len(frame):
+            columns, rows, _mine = status_table(frame)
+            lines.extend(to_text(*narrow(columns, rows, width), width=width))
+        labels = [d.label for d in snapshot.devices if d.uuid in kernel]
+        lines.append(
+            f"this kernel: ▶ {', '.join(labels)}" if labels else "this kernel: no GPU picked"
+        )
+        lines.extend(visible(o.message()) for o in self.warnings)
+        return "\n".join(lines)
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any] | None:
+        """The widget, and :meth:`text` as its ``text/plain`` (not the widget's repr)."""
+        data = super()._repr_mimebundle_(**kwargs)
+        if data is not None:
+            data["text/plain"] = self.text()
+        return data  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        return self.text()
 
     def close(self) -> None:
         """Stop updating and close the widgets."""

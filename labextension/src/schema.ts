@@ -157,6 +157,7 @@ export interface IConstraintsJSON {
   exclusive: boolean;
   models: string[];
   prefer: string[];
+  devices: string[];
 }
 
 /** A device a dry-run pick would choose. */

@@ -12,18 +12,13 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.devices import DeviceSnapshot
-from tests.fakeamdsmi import FakeAmdSmi, amd_rocr_uuid, amd_uuid, fleet_amd_8x
+from tests.fakeamdsmi import FakeAmdSmi, amd_rocr_uuid, fleet_amd_8x
 from tests.fakehip import INIT_SNIPPET, LOAD_SNIPPET, build_fake_hip
 from tests.kernelhelpers import Kernel, kernel_env
 
 VARS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
         "GPU_DEVICE_ORDINAL", "CUDA_DEVICE_ORDER")
 NONE: dict[str, str | None] = dict.fromkeys(VARS)
-
-
-def short(uuid: str) -> str:
-    return DeviceSnapshot(index=0, uuid=uuid, name="").short_uuid
 
 
 def picked(i: int) -> dict[str, str | None]:
@@ -74,7 +69,9 @@ def test_pick_sets_the_rocm_variables_and_release_restores_them(k: Kernel) -> No
     assert r.status == "ok", r
     lines = r.stdout.splitlines()
     # GPU 2 (the idle MI300X) is the least loaded; ROCr's UUID names it, HIP counts from 0
-    assert lines[0] == (f"autogpu: picked GPU 2 · AMD Instinct MI300X · {short(amd_uuid(2))}: "
+    # the short id shown is the start of what ROCR_VISIBLE_DEVICES is set to (issue 41)
+    shown = amd_rocr_uuid(2)[:12]
+    assert lines[0] == (f"autogpu: picked GPU 2 · AMD Instinct MI300X · {shown}: "
                         "192.0 GiB free of 192.0 GiB, util 0%")
     assert lines[-1] == f"  ROCR_VISIBLE_DEVICES={amd_rocr_uuid(2)} HIP_VISIBLE_DEVICES=0"
     assert env_in(k) == picked(2)

@@ -28,7 +28,8 @@ GiB = 1024**3
 U = [d["uuid"] for d in fleet_4x()["devices"]]
 OPTIONS = (
     "accepted options: --min-free SIZE, --max-util PCT, --count N, --exclude IDS, "
-    "--exclusive, --wait DURATION, --model NAMES, --prefer NAMES, --dry-run, --force (see %gpu?)"
+    "--exclusive, --wait DURATION, --model NAMES, --prefer NAMES, --devices IDS, --dry-run, "
+    "--force (see %gpu?)"
 )
 ENV0: dict[str, str | None] = {"CUDA_VISIBLE_DEVICES": None, "CUDA_DEVICE_ORDER": None}
 
@@ -92,6 +93,28 @@ def no_fit(r: Any) -> str:
     text = "\n".join(err["content"]["traceback"])
     assert "UsageError" not in text and "Traceback" not in text
     return text
+
+
+def test_pick_of_a_named_gpu_in_a_real_kernel(k: Kernel, host: dict[str, Any]) -> None:
+    """``%gpu pick 2`` (issue 41): GPU 2, not the least-loaded GPU 0, with a lease on it and
+    the summary of any pick; a named GPU that does not fit is one line naming it and why, and
+    the environment is left as it was."""
+    r = k.run("%gpu pick 2")
+    assert r.status == "ok", r
+    assert lines_without_lease(r.stdout) == [
+        "autogpu: picked GPU 2 · NVIDIA L4 · GPU-a1000004: 21.1 GiB free of 22.5 GiB, util 12%",
+        "  asked: device 2 · no runner-up (nothing else fits)",
+        f"  CUDA_VISIBLE_DEVICES={U[2]}",
+    ]
+    assert k.env() == env_of(U[2])
+    (lease,) = Registry(str(host["registry"])).list_leases()
+    assert lease.device_uuids == (U[2],)
+    k.run("%gpu release")
+    r = k.run("%gpu pick 0,3 --min-free 20G")
+    assert no_fit(r).splitlines()[0] == (
+        "autogpu: only 1 of GPU 0, GPU 3 fit(s), 2 wanted (devices 0,3, min free 20.0 GiB): "
+        "GPU 3: only 10.1 GiB free < 20.0 GiB wanted")
+    assert k.env() == ENV0
 
 
 def test_pick_sets_full_uuids_and_prints_summary(k: Kernel, host: dict[str, Any]) -> None:
@@ -452,3 +475,49 @@ def test_too_late_refused_then_forced(host: dict[str, Any]) -> None:
         )
     finally:
         kernel.close()
+
+
+def test_panel_text_plain_is_a_table_not_the_widgets_repr(k: Kernel) -> None:
+    """Issue 41: what a viewer without widgets shows for ``%gpu panel`` (a headless run, nbconvert
+    to text) is the GPUs with this kernel's marked, not ``Panel(children=(HTML(value='<div…``."""
+    assert k.run("%gpu pick 2").status == "ok"
+    r = k.run("%gpu panel")
+    assert r.status == "ok", r
+    (data,) = [o["content"]["data"] for o in r.outputs if o["msg_type"] == "display_data"]
+    assert "application/vnd.jupyter.widget-view+json" in data
+    text = data["text/plain"]
+    assert text.startswith("autogpu panel: 4 device(s)"), text
+    assert "Panel(" not in text
+    (mine,) = [line for line in text.splitlines() if line.startswith("▶")]
+    assert mine.split()[1:3] == ["GPU", "2"]
+    assert text.splitlines()[-1] == "this kernel: ▶ GPU 2"
+
+
+def test_visible_ids_index_writes_nvml_indices_and_refuses_mig(
+    k: Kernel, host: dict[str, Any]
+) -> None:
+    """``%config AutoGPU.visible_ids = "index"`` (issue 41): ``%gpu pick 2`` writes ``2`` with
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, which the kernel reads back as GPU 2; a MIG device is
+    refused in one line, the environment and the registry untouched."""
+    try:
+        assert k.run('%config AutoGPU.visible_ids = "index"').status == "ok"
+        r = k.run("%gpu pick 2")
+        assert r.status == "ok", r
+        assert r.stdout.splitlines()[-1] == "  CUDA_VISIBLE_DEVICES=2"
+        assert k.env() == {"CUDA_VISIBLE_DEVICES": "2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+        r = k.run(
+            "from autogpu_jupyter.core.backends import get_backend as _gb\n"
+            "from autogpu_jupyter.core.visibility import parse_cuda_visible_devices as _p\n"
+            "print(_p(os.environ['CUDA_VISIBLE_DEVICES'], _gb().snapshot().devices)[0])")
+        assert r.stdout.strip() == repr((U[2],)), r
+        k.run("%gpu release")
+        host["fake"].write(fleet_mig())
+        r = k.run("%gpu pick --exclude 1")
+        assert r.status == "error" and r.error[0] == "UsageError", r
+        assert r.error[1] == (
+            "visible_ids = 'index' cannot select GPU 0 MIG 1: CUDA selects a MIG device by its "
+            "UUID only; set c.AutoGPU.visible_ids = 'uuid' (the default) for MIG devices"), r
+        assert k.env() == ENV0
+        assert Registry(str(host["registry"])).list_leases() == []
+    finally:
+        k.run('%config AutoGPU.visible_ids = "uuid"')

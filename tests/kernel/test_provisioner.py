@@ -300,7 +300,7 @@ def test_wait_then_cpu_only_and_fail_give_the_reason(setup: Setup) -> None:
         ({"on_no_device": "gpu"}, "on_no_device='gpu': expected \"cpu\" (start without a GPU) or "
                                   "\"fail\""),
         ({"min_fre": "10G"}, "min_fre='10G': unknown option; accepted: min_free, max_util, count, "
-                             "exclusive, wait, model, prefer, on_no_device"),
+                             "exclusive, wait, model, prefer, devices, on_no_device"),
     ],
 )
 def test_bad_kernelspec_options_refuse_to_start_with_one_clear_line(

@@ -206,13 +206,11 @@ def test_pick_dry_run_shows_the_ranking(env: dict[str, str]) -> None:
                 and any(Path(env["AUTOGPU_REGISTRY_DIR"]).rglob("*.json")))
 
 
-def test_an_option_error_shows_the_subcommands_usage(env: dict[str, str]) -> None:
+def test_an_option_error_is_one_line_naming_the_subcommand(env: dict[str, str]) -> None:
+    """Issue 41: one line, no argparse usage dump before it."""
     out = run(env, "pick", "--dry-rnu")
     assert out.returncode == 2
-    lines = out.stderr.splitlines()
-    assert lines[0].startswith("usage: autogpu pick [-h] [--min-free SIZE]")
-    assert lines[-1] == "autogpu pick: error: unrecognized arguments: --dry-rnu"
-    assert "COMMAND" not in out.stderr
+    assert out.stderr == "autogpu pick: error: unrecognized arguments: --dry-rnu\n"
 
 
 def test_help_lists_the_same_exit_codes_as_the_docs(env: dict[str, str]) -> None:
@@ -238,3 +236,38 @@ def test_no_fit_suggests_waiting_in_line(env: dict[str, str]) -> None:
         "1     GPU 1   NVIDIA A100-SXM4-80GB  70.0 GiB   10%       0  would pick: 70.0 GiB",
         "                                                             free >= 30.0 GiB wanted",
     ]
+
+
+# ---- naming GPUs (issue 41) --------------------------------------------------------------------
+
+
+def test_pick_names_a_gpu_as_a_real_process(env: dict[str, str]) -> None:
+    """``autogpu pick 2``: GPU 2 although GPU 1 has more free memory, and the variables to set;
+    ``--export`` prints them for eval."""
+    out = run(env, "pick", "2")
+    assert (out.returncode, out.stderr) == (0, "")
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"GPU 2 NVIDIA A100-SXM4-80GB {UUIDS[2]}: 50.0 GiB free")
+    assert "asked: device 2" in lines
+    assert lines[-1] == f"set: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={UUIDS[2]}"
+    out = run(env, "pick", "GPU-33333333", "--export")
+    assert out.stdout == (
+        f"export CUDA_DEVICE_ORDER=PCI_BUS_ID; export CUDA_VISIBLE_DEVICES={UUIDS[3]};\n")
+
+
+def test_a_named_gpu_that_does_not_fit_is_one_line_and_a_usage_error_is_one_line(
+    env: dict[str, str],
+) -> None:
+    out = run(env, "pick", "3", "--min-free", "10G")
+    assert out.returncode == 3
+    assert out.stderr.splitlines()[0] == (
+        "autogpu: GPU 3 does not fit (device 3, min free 10.0 GiB): only 1.0 GiB free < 10.0 GiB "
+        "wanted")
+    out = run(env, "pick", "2", "--gpus", "3")
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == "autogpu pick: error: unrecognized arguments: --gpus 3\n"
+    out = run(env, "pick", "2,x")
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == (
+        "autogpu: no device 'x' on this host; name devices by index (0, 1, 2, 3) or by UUID or "
+        "its first 6 or more characters (e.g. GPU-00000000)\n")

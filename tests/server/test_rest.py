@@ -273,9 +273,18 @@ async def test_select_bad_input_is_400_with_message(jp_fetch: Any) -> None:
         await jp_fetch("autogpu", "select", params={"gpus": "2"})
     assert err.value.code == 400
     assert json.loads(err.value.response.body)["message"] == (
-        "unknown parameter 'gpus'; accepted: count, exclude, exclusive, kernel_id, max_util, "
-        "min_free, model, prefer"
+        "unknown parameter 'gpus'; accepted: count, devices, exclude, exclusive, kernel_id, "
+        "max_util, min_free, model, prefer"
     )
+    # devices named (issue 41): the same dry run among them; a name no device has is a 400
+    data = await get_json(jp_fetch, "select", params={"devices": "1"})
+    assert ([c["label"] for c in data["chosen"]], data["constraints_text"]) == (
+        ["GPU 1"], "device 1")
+    with pytest.raises(tornado.httpclient.HTTPClientError) as err:
+        await jp_fetch("autogpu", "select", params={"devices": "9"})
+    assert err.value.code == 400
+    assert json.loads(err.value.response.body)["message"].startswith(
+        "no device '9' on this host; name devices by index (0, 1")
 
 
 async def test_holders_joins_processes(jp_fetch: Any) -> None:

@@ -916,3 +916,14 @@ def test_status_frame_of_a_host_without_devices_still_names_every_column() -> No
         "", "gpu", "name", "uuid", "util %", "mem used", "mem total", "mem free", "temp °C",
         "power W", "procs", "holders", "state",
     ]
+
+
+def test_pick_names_devices_as_the_magic_does(host: Path) -> None:
+    """``ag.pick(devices=...)`` (issue 41): GPU 1 although it is the busiest, because it was
+    named; two named: both."""
+    assert [d.uuid for d in ag.pick(devices=1)] == [U[1]]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == U[1]
+    assert {d.uuid for d in ag.pick(devices="3,2")} == {U[2], U[3]}
+    with pytest.raises(UsageErrorBase) as err:
+        ag.pick(devices="9")
+    assert str(err.value).startswith("no device '9' on this host; name devices by index")

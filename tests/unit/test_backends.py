@@ -602,10 +602,19 @@ def test_get_backend_reports_a_bad_fleet_and_caches_nothing(
         ("GPU-abc", "GPU-abc"),
         ("GPU-", "GPU-"),
         ("nodash", "nodash"),
+        # an amdsmi UUID has no GPU- word: its first group, never cut inside the second
+        ("5aff74a3-0000-1000-8002-d3a0a3d00002", "5aff74a3"),
     ],
 )
 def test_short_uuid(uuid: str, short: str) -> None:
     assert DeviceSnapshot(index=0, uuid=uuid, name="x").short_uuid == short
+
+
+def test_the_short_id_of_an_amd_device_starts_what_rocr_visible_devices_names() -> None:
+    dev = DeviceSnapshot(index=2, uuid="5aff74a3-0000-1000-8002-d3a0a3d00002", name="x",
+                         vendor="amd", runtime_uuid="GPU-4d0a3d0000000002")
+    assert dev.short_uuid == "GPU-4d0a3d00"
+    assert dev.runtime_uuid is not None and dev.runtime_uuid.startswith(dev.short_uuid)
 
 
 def test_labels() -> None:

@@ -1434,8 +1434,8 @@ def test_a_pick_books_the_bytes_its_min_free_asks_on_each_device() -> None:
 @pytest.mark.parametrize(("given", "said"), [
     ({"count": "x"}, "invalid count 'x': expected a whole number >= 1, e.g. 2"),
     ({"exclude": 5}, 'invalid exclude 5: expected ids like "0,2" or a list'),
-    ({"wait": 5}, "unknown parameter 'wait'; accepted: count, exclude, exclusive, max_util, "
-                  "min_free, model, prefer"),
+    ({"wait": 5}, "unknown parameter 'wait'; accepted: count, devices, exclude, exclusive, "
+                  "max_util, min_free, model, prefer"),
 ])
 def test_a_pick_with_a_bad_option_is_a_usage_error_naming_it_as_a_key(
     given: dict[str, Any], said: str,

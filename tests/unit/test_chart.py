@@ -359,7 +359,7 @@ def test_a_panels_window_grows_the_shared_history_and_never_shrinks_it(
 
 
 def test_the_table_names_its_columns_and_tells_no_holders_from_unknown_holders() -> None:
-    """A device whose process list was read and is empty has no holders ("none"); one whose
+    """A device whose process list was read and is empty has no holders ("nobody"); one whose
     list could not be read (None) has unknown ones ("?"). Only the holders cell wraps. Caught
     (mutation run, issue 22): the two cases swapped, a column's name changed, the holders
     cell's wrapping style lost."""
@@ -375,7 +375,7 @@ def test_the_table_names_its_columns_and_tells_no_holders_from_unknown_holders()
     heads = re.findall(r"<th style=\"[^\"]*white-space:nowrap\">([^<]*)</th>", table)
     assert heads == ["GPU", "util", "memory used / total", "temp", "power", "holders"]
     holders = re.findall(r'white-space:normal;overflow-wrap:anywhere">([^<]*)</td></tr>', table)
-    assert holders == ["none", "?"]
+    assert holders == ["nobody", "?"]
 
 
 def test_the_panel_names_this_kernels_lease_in_its_header(
@@ -504,7 +504,7 @@ def test_a_table_row_is_one_cell_per_column_with_temperature_and_power_in_units(
     assert row("GPU 0", "97%", "60.0 GiB / 80.0 GiB", "60 °C", "300 W",
                "bob: pid 4242 (60.0 GiB used)") in table
     # GPU 1 has no temperature or power reading
-    assert row("GPU 1", "2%", "1.0 GiB / 80.0 GiB", "?", "?", "none") in table
+    assert row("GPU 1", "2%", "1.0 GiB / 80.0 GiB", "?", "?", "nobody") in table
 
 
 def _clocked_sampler(path: Path, now: list[float]) -> Any:

@@ -806,3 +806,98 @@ def test_main_without_arguments_reads_the_command_line(
         code = main()
     assert code == 0
     assert json.loads(out.getvalue()) == []
+
+
+# ---- naming GPUs (issue 41) --------------------------------------------------------------------
+
+
+def test_pick_names_a_device_by_index_and_the_pipeline_picks_it(host: Path) -> None:
+    """``autogpu pick 1``: the busier GPU 1, because it was named (the ranking would take GPU 0)."""
+    code, out, err = cli("pick", "1")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[0].startswith(f"GPU 1 NVIDIA A100 {B}: ")
+    assert "asked: device 1" in out
+    assert out.splitlines()[-1] == f"set: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={B}"
+    # by --devices and by UUID prefix: the same device
+    assert cli("pick", "--devices", "1")[1] == out
+    assert cli("pick", "GPU-1b1b1b")[1] == out.replace("device 1", "device GPU-1b1b1b")
+
+
+def test_pick_of_two_named_devices_takes_both_unless_count_says_fewer(host: Path) -> None:
+    code, out, _err = cli("pick", "0,1", "--json")
+    assert code == 0
+    assert [d["uuid"] for d in json.loads(out)["chosen"]] == [A, B]
+    code, out, _err = cli("pick", "1,0", "--count", "1", "--json")
+    assert [d["uuid"] for d in json.loads(out)["chosen"]] == [A]  # the better of the two
+    code, _out, err = cli("pick", "0,1", "--count", "3")
+    assert (code, err) == (
+        2, "autogpu: invalid --count '3': more than the 2 device(s) named (0,1); expected at most "
+        "2\n")
+
+
+def test_a_named_device_that_does_not_fit_is_one_line_naming_it_and_why(host: Path) -> None:
+    """The named GPU's own reason, in one line (the others are not named: no news), then the
+    hint to wait: its memory may free up."""
+    code, _out, err = cli("pick", "1", "--min-free", "50G")
+    assert code == 3
+    assert err.splitlines() == [
+        "autogpu: GPU 1 does not fit (device 1, min free 50.0 GiB): only 40.0 GiB free < 50.0 GiB "
+        "wanted",
+        "nothing picked; to wait in line until a device fits, add --wait DURATION "
+        "(e.g. --wait 10m)",
+    ]
+
+
+@pytest.mark.parametrize("ident", ["7", "GPU-ffffff", "0,9"])
+def test_a_named_device_that_does_not_exist_is_one_usage_line(host: Path, ident: str) -> None:
+    code, out, err = cli("pick", ident)
+    bad = ident.split(",")[-1]
+    assert (code, out) == (2, "")
+    assert err == (
+        f"autogpu: no device {bad!r} on this host; name devices by index (0, 1) or by UUID or "
+        "its first 6 or more characters (e.g. GPU-0a0a0a0a)\n")
+
+
+def test_devices_named_twice_and_run_with_positional_ids_are_usage_errors(host: Path) -> None:
+    code, _out, err = cli("pick", "0", "--devices", "1")
+    assert (code, err) == (
+        2, "autogpu: devices named twice ('0' and --devices '1'): name them once, e.g. pick 0,3 "
+        "or pick --devices 0,3\n")
+    # `run 1 -- CMD` would run a command named "1": refused, with the form that works
+    code, _out, err = cli("run", "1", "--", "true")
+    assert (code, err) == (
+        2, "autogpu: error: run takes its devices as --devices: autogpu run --devices 1 "
+        "[options] -- CMD ARGS\n")
+
+
+def test_run_on_a_named_device(host: Path) -> None:
+    out = tempfile.mktemp()
+    code, _o, _e = cli("run", "--devices", "1", "--", "sh", "-c",
+                       f'echo "$CUDA_VISIBLE_DEVICES" > {out}')
+    assert code == 0
+    assert Path(out).read_text().strip() == B
+    os.unlink(out)
+
+
+def test_a_usage_error_is_one_line_without_the_usage_dump(
+    host: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["pick", "--bogus", "1"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err == "autogpu pick: error: unrecognized arguments: --bogus\n"
+
+
+@pytest.mark.parametrize(
+    "args", [["--exclude", "0,1"], ["--model", "H100"], ["--devices", "0", "--exclude", "0"]]
+)
+def test_nothing_could_ever_fit_the_users_own_restrictions_so_no_wait_is_suggested(
+    host: Path, args: list[str]
+) -> None:
+    """Caught (issue 41): `autogpu pick --exclude 0,1,2,3` suggested --wait, which can never
+    help."""
+    code, _out, err = cli("pick", *args)
+    assert code == 3
+    assert err.startswith("autogpu: ")
+    assert "--wait" not in err
+    assert "nothing picked" not in err

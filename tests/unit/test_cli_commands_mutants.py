@@ -403,7 +403,7 @@ def test_hosts_json_gives_the_source_time_ask_best_hosts_and_errors(registry: Pa
     assert isinstance(data["timestamp_s"], float)
     assert data["constraints"] == {
         "min_free": {"bytes": 39 * GiB, "fraction": None, "text": "39G"}, "max_util_pct": None,
-        "count": 1, "exclude": [], "exclusive": False, "models": [], "prefer": []}
+        "count": 1, "exclude": [], "exclusive": False, "models": [], "prefer": [], "devices": []}
     assert [(h["hostname"], h["fits"]) for h in data["hosts"]] == [
         ("gpu-c", True), ("dgx-d", False), ("gpu-a", False), ("gpu-b", False)]
     assert data["errors"] == [

@@ -150,9 +150,9 @@ def test_list_shows_the_table_then_a_note_for_each_backend_error(
         "gpu    name         uuid          util  memory used / total      free   temp  power  "
         "procs  holders",
         "GPU 0  NVIDIA A100  GPU-0a0a0a0a    0%       0 B / 80.0 GiB  80.0 GiB  32 °C      ?  "
-        "    0  -",
+        "    0  nobody",
         "GPU 1  NVIDIA A100  GPU-1b1b1b1b   50%  40.0 GiB / 80.0 GiB  40.0 GiB  54 °C      ?  "
-        "    0  -",
+        "    0  nobody",
         "note: GPU 2 fell off the bus\\x1b[2J",
         "note: nvml: Unknown Error",
     ]
@@ -197,8 +197,8 @@ def test_list_wraps_the_holders_within_the_terminals_width(
         f"1 device(s) via simulated — {SIMULATED}",
         "gpu    name         util      free  holders",
         "GPU 0  NVIDIA A100    0%  80.0 GiB  svc-imagenet-resnet50-sw",
-        " " * 36 + "eep-worker-0017: pid",
-        " " * 36 + "61001 (1.0 GiB used)",
+        " " * 36 + "eep-worker-0017:",
+        " " * 36 + "pid 61001 (1.0 GiB used)",  # never "pid" / "61001" (issue 41)
     ]
 
 
@@ -389,18 +389,19 @@ def test_pick_dry_run_on_real_devices_wraps_each_verdict_in_the_terminal(
 #: the kernelspec installer's defaults name them.
 HELP = {
     '': (
-        'usage: autogpu [-h] [--version] COMMAND ... Pick the least-loaded NVIDIA GPU that '
-        'fits, with leases so that simultaneous jobs never pile onto one card. Set '
-        'AUTOGPU_SIMULATE=demo-4x to try it without a GPU. positional arguments: COMMAND list '
-        'every device, its load and holders pick print the best device(s) for the constraints '
-        'run run a command on the best device, holding a lease while it runs leases list the '
-        'live leases on this host broker the trusted lease broker (root): serve, or show its '
-        "status hosts rank the cluster's hosts for a pick, from Prometheus exporter serve "
-        "this host's autogpu_* Prometheus metrics (hosts without Jupyter) kernelspec install "
-        '/ list / remove the "Python 3 (autogpu)" kernelspec options: -h, --help show this '
-        "help message and exit --version show program's version number and exit exit codes: 0 "
-        "ok (run: the command's own code), 1 other error, 2 usage error, 3 no device fits / "
-        'no GPU granted, 4 no NVIDIA driver (try AUTOGPU_SIMULATE=demo-4x), 5 too late: CUDA '
+        'usage: autogpu [-h] [--version] COMMAND ... Pick the least-loaded GPU that fits '
+        '(NVIDIA, or AMD with ROCm), with leases so that simultaneous jobs never pile '
+        'onto one card. Set AUTOGPU_SIMULATE=demo-4x to try it without a GPU. positional '
+        'arguments: COMMAND list every device, its load and holders pick print the best '
+        'device(s) for the constraints run run a command on the best device, holding a '
+        'lease while it runs leases list the live leases on this host broker the trusted '
+        "lease broker (root): serve, or show its status hosts rank the cluster's hosts "
+        "for a pick, from Prometheus exporter serve this host's autogpu_* Prometheus "
+        'metrics (hosts without Jupyter) kernelspec install / list / remove the "Python 3 '
+        '(autogpu)" kernelspec options: -h, --help show this help message and exit '
+        "--version show program's version number and exit exit codes: 0 ok (run: the "
+        "command's own code), 1 other error, 2 usage error, 3 no device fits / no GPU "
+        'granted, 4 no GPU driver (try AUTOGPU_SIMULATE=demo-4x), 5 too late: CUDA '
         'already initialised'
     ),
     'list': (
@@ -408,42 +409,52 @@ HELP = {
         'exit --json machine-readable output'
     ),
     'pick': (
-        'usage: autogpu pick [-h] [--min-free SIZE] [--max-util PCT] [--count N] [--exclude '
-        'IDS] [--exclusive] [--wait DURATION] [--model NAMES] [--prefer NAMES] [--dry-run] '
-        '[--json | --export] Print the best device(s). No lease outlives this command: use '
-        "`autogpu run -- CMD` to hold one for CMD's lifetime. --export prints shell "
-        'assignments for eval: eval "$(autogpu pick --min-free 10G --export)". options: -h, '
-        '--help show this help message and exit --min-free SIZE Free memory wanted per '
-        'device: 10G / 10GiB (binary), 16GB (decimal) or 25% of the device. Default: '
-        'AutoGPU.min_free. --max-util PCT Drop devices busier than this utilisation, 0-100. '
-        'Default: AutoGPU.max_util. --count N How many devices (default 1; at most one MIG '
-        'device). --exclude IDS NVML indices or UUIDs to avoid, comma separated: 0,2 or '
-        'GPU-5a1b. --exclusive Take devices no other lease holds, and keep others off them. '
-        '--wait DURATION Wait in line up to this long for a device to fit: 30s, 10m, 1h. '
-        'Interrupt the kernel to cancel. --model NAMES Only devices whose model name contains '
-        'one of these: A100 or H100,A100. Default: AutoGPU.model. --prefer NAMES Prefer these '
-        'models, in this order, before load: L4,A100 (others after them). Default: '
-        "AutoGPU.prefer (an admin's order). --dry-run show the whole ranking with the reason "
-        'each device was kept or dropped (as %gpu pick --dry-run); changes nothing --json '
-        'machine-readable output --export print `export CUDA_DEVICE_ORDER=... '
-        'CUDA_VISIBLE_DEVICES=...` for eval (holds no lease)'
+        'usage: autogpu pick [-h] [--min-free SIZE] [--max-util PCT] [--count N] '
+        '[--exclude IDS] [--exclusive] [--wait DURATION] [--model NAMES] [--prefer NAMES] '
+        '[--devices IDS] [--dry-run] [--json | --export] [IDS] Print the best device(s). '
+        "No lease outlives this command: use `autogpu run -- CMD` to hold one for CMD's "
+        'lifetime. --export prints shell assignments for eval: eval "$(autogpu pick '
+        '--min-free 10G --export)". positional arguments: IDS the devices to pick from, '
+        'as --devices (e.g. 2 or 0,3) options: -h, --help show this help message and exit '
+        '--min-free SIZE Free memory wanted per device: 10G / 10GiB (binary), 16GB '
+        '(decimal) or 25% of the device. Default: AutoGPU.min_free. --max-util PCT Drop '
+        'devices busier than this utilisation, 0-100. Default: AutoGPU.max_util. --count '
+        'N How many devices (default 1; at most one MIG device). --exclude IDS NVML '
+        'indices or UUIDs to avoid, comma separated: 0,2 or GPU-5a1b. --exclusive Take '
+        'devices no other lease holds, and keep others off them. --wait DURATION Wait in '
+        'line up to this long for a device to fit: 30s, 10m, 1h. Interrupt the kernel to '
+        'cancel. --model NAMES Only devices whose model name contains one of these: A100 '
+        'or H100,A100. Default: AutoGPU.model. --prefer NAMES Prefer these models, in '
+        'this order, before load: L4,A100 (others after them). Default: AutoGPU.prefer '
+        "(an admin's order). --devices IDS Only these devices, comma separated: 2, 0,3, a "
+        'UUID or its start (GPU-5a1b), a MIG device (3:1). Default --count: how many are '
+        'named. %gpu pick 2 / autogpu pick 2 say the same. --dry-run show the whole '
+        'ranking with the reason each device was kept or dropped (as %gpu pick '
+        '--dry-run); changes nothing --json machine-readable output --export print '
+        '`export CUDA_DEVICE_ORDER=... CUDA_VISIBLE_DEVICES=...` for eval (holds no '
+        'lease)'
     ),
     'run': (
-        'usage: autogpu run [-h] [--min-free SIZE] [--max-util PCT] [--count N] [--exclude '
-        'IDS] [--exclusive] [--wait DURATION] [--model NAMES] [--prefer NAMES] ... Pick, take '
-        'a lease, run CMD with CUDA_VISIBLE_DEVICES set; the lease lasts exactly as long as '
-        "CMD runs. Exits with CMD's exit code. positional arguments: -- CMD ARGS the command "
-        'to run options: -h, --help show this help message and exit --min-free SIZE Free '
-        'memory wanted per device: 10G / 10GiB (binary), 16GB (decimal) or 25% of the device. '
-        'Default: AutoGPU.min_free. --max-util PCT Drop devices busier than this utilisation, '
-        '0-100. Default: AutoGPU.max_util. --count N How many devices (default 1; at most one '
-        'MIG device). --exclude IDS NVML indices or UUIDs to avoid, comma separated: 0,2 or '
-        'GPU-5a1b. --exclusive Take devices no other lease holds, and keep others off them. '
-        '--wait DURATION Wait in line up to this long for a device to fit: 30s, 10m, 1h. '
-        'Interrupt the kernel to cancel. --model NAMES Only devices whose model name contains '
-        'one of these: A100 or H100,A100. Default: AutoGPU.model. --prefer NAMES Prefer these '
-        'models, in this order, before load: L4,A100 (others after them). Default: '
-        "AutoGPU.prefer (an admin's order)."
+        'usage: autogpu run [-h] [--min-free SIZE] [--max-util PCT] [--count N] '
+        '[--exclude IDS] [--exclusive] [--wait DURATION] [--model NAMES] [--prefer NAMES] '
+        '[--devices IDS] ... Pick, take a lease, run CMD with CUDA_VISIBLE_DEVICES set; '
+        "the lease lasts exactly as long as CMD runs. Exits with CMD's exit code. Name "
+        'the devices with --devices: autogpu run --devices 2 -- CMD. positional '
+        'arguments: -- CMD ARGS the command to run options: -h, --help show this help '
+        'message and exit --min-free SIZE Free memory wanted per device: 10G / 10GiB '
+        '(binary), 16GB (decimal) or 25% of the device. Default: AutoGPU.min_free. '
+        '--max-util PCT Drop devices busier than this utilisation, 0-100. Default: '
+        'AutoGPU.max_util. --count N How many devices (default 1; at most one MIG '
+        'device). --exclude IDS NVML indices or UUIDs to avoid, comma separated: 0,2 or '
+        'GPU-5a1b. --exclusive Take devices no other lease holds, and keep others off '
+        'them. --wait DURATION Wait in line up to this long for a device to fit: 30s, '
+        '10m, 1h. Interrupt the kernel to cancel. --model NAMES Only devices whose model '
+        'name contains one of these: A100 or H100,A100. Default: AutoGPU.model. --prefer '
+        'NAMES Prefer these models, in this order, before load: L4,A100 (others after '
+        "them). Default: AutoGPU.prefer (an admin's order). --devices IDS Only these "
+        'devices, comma separated: 2, 0,3, a UUID or its start (GPU-5a1b), a MIG device '
+        '(3:1). Default --count: how many are named. %gpu pick 2 / autogpu pick 2 say the '
+        'same.'
     ),
     'leases': (
         'usage: autogpu leases [-h] [--json] [--prune] [--all] [--show-commands] options: -h, '
@@ -518,27 +529,31 @@ HELP = {
         '--help show this help message and exit'
     ),
     'kernelspec install': (
-        'usage: autogpu kernelspec install [-h] [--name NAME] [--display-name DISPLAY_NAME] '
-        '[--min-free SIZE] [--max-util PCT] [--count N] [--exclusive] [--wait DURATION] '
-        '[--model NAMES] [--prefer NAMES] [--on-no-device {cpu,fail}] [--user | --sys-prefix '
-        '| --prefix DIR] [--python EXE] [--no-extension] options: -h, --help show this help '
-        'message and exit --name NAME kernelspec name (default python3-autogpu) '
-        "--display-name DISPLAY_NAME name shown in the launcher (default 'Python 3 "
-        "(autogpu)') --min-free SIZE Free memory wanted per device: 10G / 10GiB (binary), "
-        '16GB (decimal) or 25% of the device. Default: AutoGPU.min_free. --max-util PCT Drop '
-        'devices busier than this utilisation, 0-100. Default: AutoGPU.max_util. --count N '
-        'How many devices (default 1; at most one MIG device). --exclusive Take devices no '
-        'other lease holds, and keep others off them. --wait DURATION Wait in line up to this '
-        'long for a device to fit: 30s, 10m, 1h. Interrupt the kernel to cancel. --model '
-        'NAMES Only devices whose model name contains one of these: A100 or H100,A100. '
-        'Default: AutoGPU.model. --prefer NAMES Prefer these models, in this order, before '
-        "load: L4,A100 (others after them). Default: AutoGPU.prefer (an admin's order). "
-        '--on-no-device {cpu,fail} nothing fits: start CPU-only with a note (cpu, default) or '
-        'refuse to start (fail) --user install for this user only --sys-prefix install into '
-        f"this Python's prefix ({sys.prefix}) --prefix DIR install into "
-        'DIR/share/jupyter/kernels --python EXE the Python that runs the kernel (default '
-        f'{sys.executable}) --no-extension do not load the autogpu IPython '
-        'extension (%gpu) in the kernel'
+        'usage: autogpu kernelspec install [-h] [--name NAME] [--display-name '
+        'DISPLAY_NAME] [--min-free SIZE] [--max-util PCT] [--count N] [--exclusive] '
+        '[--wait DURATION] [--model NAMES] [--prefer NAMES] [--devices IDS] '
+        '[--on-no-device {cpu,fail}] [--user | --sys-prefix | --prefix DIR] [--python '
+        'EXE] [--no-extension] options: -h, --help show this help message and exit --name '
+        'NAME kernelspec name (default python3-autogpu) --display-name DISPLAY_NAME name '
+        "shown in the launcher (default 'Python 3 (autogpu)') --min-free SIZE Free memory "
+        'wanted per device: 10G / 10GiB (binary), 16GB (decimal) or 25% of the device. '
+        'Default: AutoGPU.min_free. --max-util PCT Drop devices busier than this '
+        'utilisation, 0-100. Default: AutoGPU.max_util. --count N How many devices '
+        '(default 1; at most one MIG device). --exclusive Take devices no other lease '
+        'holds, and keep others off them. --wait DURATION Wait in line up to this long '
+        'for a device to fit: 30s, 10m, 1h. Interrupt the kernel to cancel. --model NAMES '
+        'Only devices whose model name contains one of these: A100 or H100,A100. Default: '
+        'AutoGPU.model. --prefer NAMES Prefer these models, in this order, before load: '
+        "L4,A100 (others after them). Default: AutoGPU.prefer (an admin's order). "
+        '--devices IDS Only these devices, comma separated: 2, 0,3, a UUID or its start '
+        '(GPU-5a1b), a MIG device (3:1). Default --count: how many are named. %gpu pick 2 '
+        '/ autogpu pick 2 say the same. --on-no-device {cpu,fail} nothing fits: start '
+        'CPU-only with a note (cpu, default) or refuse to start (fail) --user install for '
+        "this user only --sys-prefix install into this Python's prefix "
+        f"({sys.prefix}) --prefix DIR "
+        'install into DIR/share/jupyter/kernels --python EXE the Python that runs the '
+        f'kernel (default {sys.executable}) --no-extension do not load the autogpu '
+        'IPython extension (%gpu) in the kernel'
     ),
     'kernelspec list': (
         'usage: autogpu kernelspec list [-h] [--json] options: -h, --help show this help '
@@ -581,10 +596,11 @@ def test_version_names_the_program_and_its_version(capsys: pytest.CaptureFixture
 DEFAULTS: dict[str, dict[str, Any]] = {
     "list": {"json": False},
     "pick": {"min_free": None, "max_util": None, "count": None, "exclude": None,
-             "exclusive": None, "wait": None, "model": None, "prefer": None, "dry_run": False,
-             "json": False, "export": False},
+             "exclusive": None, "wait": None, "model": None, "prefer": None, "devices": None,
+             "ids": None, "dry_run": False, "json": False, "export": False},
     "run": {"min_free": None, "max_util": None, "count": None, "exclude": None,
-            "exclusive": None, "wait": None, "model": None, "prefer": None, "cmd": []},
+            "exclusive": None, "wait": None, "model": None, "prefer": None, "devices": None,
+            "cmd": []},
     "leases": {"json": False, "prune": False, "all": False, "show_commands": False},
     "broker": {"action": "serve", "lease_id": None, "socket": None, "foreground": False,
                "state_dir": "/var/lib/autogpu-broker", "max_devices_per_user": None,
@@ -659,20 +675,20 @@ def test_numeric_flags_are_read_as_numbers_and_switches_as_true() -> None:
 def test_an_unknown_option_is_named_with_the_commands_usage(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """Unknown options after a command: exit 2, that command's usage, then every unknown
-    option, space separated; before any command, the top-level usage. Caught: the options
-    joined otherwise; the top-level usage for a command's error."""
-    for argv, usage, prog in (
-        (["pick", "--bogus", "--worse"], "usage: autogpu pick ", "autogpu pick"),
-        (["--bogus", "--worse"], "usage: autogpu ", "autogpu"),
+    """Unknown options after a command: exit 2, one line naming that command and every
+    unknown option, space separated; before any command, the top-level program (issue 41: no
+    usage dump before it). Caught: the options joined otherwise; the top-level program for a
+    command's error."""
+    for argv, prog in (
+        (["pick", "--bogus", "--worse"], "autogpu pick"),
+        (["--bogus", "--worse"], "autogpu"),
     ):
         with pytest.raises(SystemExit) as done:
             cli_mod.main(argv)
         assert done.value.code == 2
         out, err = capsys.readouterr()
         assert out == ""
-        assert err.startswith(usage)
-        assert err.splitlines()[-1] == f"{prog}: error: unrecognized arguments: --bogus --worse"
+        assert err == f"{prog}: error: unrecognized arguments: --bogus --worse\n"
 
 
 def test_no_command_prints_the_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

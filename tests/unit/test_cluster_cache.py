@@ -198,7 +198,7 @@ def test_rankings_are_remembered_under_their_sorted_json_sixteen_at_most() -> No
     rankings = [cached.ranking(c) for c in wants[:16]]
     assert list(cached.rankings) == [json.dumps(c.to_json(), sort_keys=True) for c in wants[:16]]
     assert next(iter(cached.rankings)) == (
-        '{"count": 1, "exclude": [], "exclusive": false, "max_util_pct": null, '
+        '{"count": 1, "devices": [], "exclude": [], "exclusive": false, "max_util_pct": null, '
         '"min_free": null, "models": [], "prefer": []}')
     assert all(cached.ranking(c) is r for c, r in zip(wants, rankings, strict=False))
     assert rankings[0] == rank_hosts(cached.view, wants[0])

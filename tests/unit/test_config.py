@@ -111,3 +111,15 @@ def test_the_registry_defaults_to_var_tmp_autogpu(
         monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", value)
     assert config.default_registry_dir() == "/var/tmp/autogpu"
     assert AutoGPU().registry_dir == "/var/tmp/autogpu"
+
+
+def test_visible_ids_defaults_to_uuid_and_reads_its_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from autogpu_jupyter.config import AutoGPU
+
+    monkeypatch.delenv("AUTOGPU_VISIBLE_IDS", raising=False)
+    assert AutoGPU().visible_ids == "uuid"
+    monkeypatch.setenv("AUTOGPU_VISIBLE_IDS", "index")
+    assert AutoGPU().visible_ids == "index"
+    assert "Ray 2.8-2.9" in AutoGPU.class_traits()["visible_ids"].help

@@ -96,7 +96,7 @@ def test_given_values_win_over_defaults_and_empty_defaults_mean_none() -> None:
         ({"exclude": {"a": 1}}, "key", "invalid exclude {'a': 1}: expected ids like", "exclude"),
         ({"min_free": "10"}, "key", "invalid size '10': a bare number is ambiguous", "min_free"),
         ({"wait": "soon"}, "flag", "invalid duration 'soon': expected seconds", "wait"),
-        ({"gpus": "2"}, "key", "unknown parameter 'gpus'; accepted: count, exclude, exclusive,",
+        ({"gpus": "2"}, "key", "unknown parameter 'gpus'; accepted: count, devices, exclude,",
          "gpus"),
     ],
 )
@@ -131,7 +131,8 @@ def test_add_arguments_declares_every_option_once() -> None:
     ns = parser.parse_args(["--min-free", "5G", "--exclusive", "--prefer", "L4"])
     values = options.from_namespace(ns)
     assert values == {"min_free": "5G", "max_util": None, "count": None, "exclude": None,
-                      "exclusive": True, "wait": None, "model": None, "prefer": "L4"}
+                      "exclusive": True, "wait": None, "model": None, "prefer": "L4",
+                      "devices": None}
     with pytest.raises(SystemExit):
         parser.parse_args(["--exclude", "0"])  # skipped for this parser
     assert "25%%" not in parser.format_help() and "25%" in parser.format_help()
@@ -201,7 +202,7 @@ def test_holders_match_a_lease_and_its_process_and_word_them_once() -> None:
         "lease", "carol: kernel 1a2b3c4d (4.0 GiB booked, exclusive)"
     )
     assert holders_text(by["GPU-1"]) == "carol: kernel 1a2b3c4d (4.0 GiB booked, exclusive)"
-    assert holders_text([]) == "none"
+    assert holders_text([]) == "nobody"
     assert Holder(uuid="x", user=None, pid=None).who() == "?"
     assert Holder(uuid="x", user=None, pid=7).who() == "pid 7"
 

@@ -210,12 +210,16 @@ def test_a_ticket_keeps_the_whole_request_through_its_record() -> None:
     from autogpu_jupyter.core.leasing.records import encode, parse_record
 
     full = Constraints(min_free=Size(bytes=5), max_util_pct=30.0, count=2, exclude=("GPU-9",),
-                       exclusive=True, models=("A100", "H100"), prefer=("H100",))
+                       exclusive=True, models=("A100", "H100"), prefer=("H100",), devices=("1",))
     for f in dataclasses.fields(Constraints):
         assert getattr(full, f.name) != getattr(Constraints(), f.name), f.name
     rec = dataclasses.replace(ticket_rec(1, ticket_constraints(full, ["GPU-1"])), lease_id="a" * 32)
     back = parse_record(encode(rec), kind="ticket", path="", live=True)
-    assert decision._ticket_request(back.constraints or {}) == full
+    # Named devices (issue 41) travel as the UUIDs they named, the ticket's allowed devices:
+    # the record keeps the shape older readers know; every other field as it was asked.
+    assert decision._ticket_request(back.constraints or {}) == dataclasses.replace(
+        full, devices=())
+    assert (back.constraints or {})["allowed_uuids"] == ["GPU-1"]
     # Without a model or a preference the record has the shape older readers know.
     assert "models" not in ticket_constraints(Constraints(), None)
 

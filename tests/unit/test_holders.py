@@ -73,7 +73,7 @@ def test_every_holder_of_every_device_field_by_field() -> None:
     assert holders_text(by["GPU-0"]) == (
         "alice: a.ipynb (2.0 GiB booked, 3.0 GiB used), dave: d.ipynb (1.0 GiB used), this kernel"
     )
-    assert holders_text([]) == "none"
+    assert holders_text([]) == "nobody"
 
 
 def test_no_devices_no_holders_and_no_leases_only_processes() -> None:

@@ -294,7 +294,7 @@ DEFAULTS: dict[str, tuple[list[str], dict[str, Any]]] = {
         "handler": kernelspec._cmd_install, "name": "python3-autogpu",
         "display_name": "Python 3 (autogpu)", "min_free": None, "max_util": None,
         "count": None, "exclusive": None, "wait": None, "model": None, "prefer": None,
-        "on_no_device": None, "user": False, "sys_prefix": False, "prefix": None,
+        "devices": None, "on_no_device": None, "user": False, "sys_prefix": False, "prefix": None,
         "python": None, "no_extension": False}),
     "list": ([], {"handler": kernelspec._cmd_list, "json": False}),
     "remove": (["gpu-big"], {"handler": kernelspec._cmd_remove, "name": "gpu-big"}),

@@ -202,13 +202,14 @@ def test_the_pick_help_opens_with_the_whole_usage_of_gpu_pick() -> None:
     columns), then the options explained. Caught (issue 22, seed 54): the usage built with no
     list of option groups (a TypeError, so no help; the help is made once, at import)."""
     text = magics._pick_help()
-    assert text.splitlines()[:4] == [
+    assert text.splitlines()[:5] == [
         "usage: %gpu pick [--min-free SIZE] [--max-util PCT] [--count N] [--exclude IDS]",
         "                 [--exclusive] [--wait DURATION] [--model NAMES] [--prefer NAMES]",
-        "                 [--dry-run] [--force]",
+        "                 [--devices IDS] [--dry-run] [--force]",
+        "                 [IDS]",
         "",
     ]
-    assert text.splitlines()[4] == "pick options (also on top of a %%gpu cell):"
+    assert text.splitlines()[5] == "pick options (also on top of a %%gpu cell):"
     assert magics.GPUMagics.gpu.__doc__.endswith(text)
 
 
@@ -1231,3 +1232,48 @@ def test_an_overload_check_that_fails_is_logged_not_printed(
     assert [r.getMessage() for r in caplog.records if r.name == "autogpu_jupyter.magics"] == [
         "overload check failed: NVIDIA driver not loaded"
     ]
+
+
+# ---- naming GPUs (issue 41) --------------------------------------------------------------------
+
+
+def test_gpu_pick_names_a_gpu_without_a_flag(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``%gpu pick 2`` and ``%gpu pick 0,3``: the named GPUs, through the one pipeline (a
+    lease, the summary of a pick)."""
+    shell.run_cell("%load_ext autogpu")
+    r, out, err = run(shell, "%gpu pick 2", capsys)
+    assert r.success, err
+    assert out.startswith("autogpu: picked GPU 2 · ")
+    assert "  asked: device 2 · " in out
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == U[2]
+    r, out, err = run(shell, "%gpu pick 0,3", capsys)
+    assert r.success, err
+    assert os.environ["CUDA_VISIBLE_DEVICES"] in (f"{U[0]},{U[3]}", f"{U[3]},{U[0]}")
+
+
+def test_gpu_pick_of_a_gpu_that_is_not_there_is_one_line(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shell.run_cell("%load_ext autogpu")
+    r, out, err = run(shell, "%gpu pick 9", capsys)
+    assert not r.success and "CUDA_VISIBLE_DEVICES" not in os.environ
+    text = (out + err).strip()
+    assert text.endswith(
+        "no device '9' on this host; name devices by index (0, 1, 2, 3) or by UUID or its first "
+        "6 or more characters (e.g. GPU-a1000000)")
+    assert len(text.splitlines()) == 1
+
+
+def test_no_wait_is_suggested_where_the_options_rule_out_every_gpu(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caught (issue 41): ``--exclude 0,1,2,3`` answered "add --wait", which never helps."""
+    shell.run_cell("%load_ext autogpu")
+    r, out, err = run(shell, "%gpu pick --exclude 0,1,2,3", capsys)
+    assert not r.success and "CUDA_VISIBLE_DEVICES" not in os.environ
+    text = out + err
+    assert "  nothing changed; no wait can help: these options themselves rule out every device" \
+        in text
+    assert "--wait" not in text

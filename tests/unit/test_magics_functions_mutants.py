@@ -89,14 +89,16 @@ def test_the_pick_help_wraps_at_90_columns_with_its_help_column_at_24_and_no_h_o
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``%gpu?``'s option help is laid out at 90 columns with the explanations from column 24
-    (an option too long for that gets its own line), and lists only options, never ``-h`` nor
-    a positional. Exactly 90 columns: the first help line here would take one more word at 91.
-    Caught: a width of 91, the help column at 25, ``-h`` (or a positional) listed."""
+    (an option too long for that gets its own line), and never lists ``-h``; a positional
+    (the devices of ``%gpu pick 2``, issue 41) is in the usage and listed first. Exactly 90
+    columns: the first help line here would take one more word at 91. Caught: a width of 91,
+    the help column at 25, ``-h`` listed."""
     monkeypatch.setattr(magics, "_PICK_PARSER", _other_pick_parser())
     assert magics._pick_help().splitlines() == [
-        "usage: %gpu pick [--min-free SIZE] [--a-rather-long-option-name NAMES] [--dry-run]",
+        "usage: %gpu pick [--min-free SIZE] [--a-rather-long-option-name NAMES] [--dry-run] what",
         "",
         "pick options (also on top of a %%gpu cell):",
+        "  what",
         "  --min-free SIZE       Free memory wanted per device.",
         "  --a-rather-long-option-name NAMES",
         "                        Only the devices whose model name contains one of these names,",

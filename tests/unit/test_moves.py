@@ -758,6 +758,20 @@ def test_a_named_target_excludes_every_other_device(backend: SimulatedBackend) -
     assert note == "moved at your request"
 
 
+def test_a_named_target_is_not_bound_by_the_devices_the_kernelspec_named(
+    backend: SimulatedBackend,
+) -> None:
+    """A kernelspec with ``"devices": "0"`` (issue 41), moved by its user to GPU 1: the move
+    names its own target; moving to the best other device keeps the kernelspec's devices."""
+    devices = backend.snapshot().devices
+    req = moves.MoveRequest("k", (U1,), (U0,), 1.0, "server")
+    cons, _ = moves.move_constraints(req, Constraints(devices=("0",)), devices)
+    assert cons.devices == ()
+    best = moves.MoveRequest(None, (), (U0,), 1.0, "magic")
+    cons, _ = moves.move_constraints(best, Constraints(devices=("0", "1"), count=1), devices)
+    assert cons.devices == ("0", "1")
+
+
 def test_a_named_mig_device_keeps_its_parent_and_a_named_gpu_its_mig_devices(
     backend: SimulatedBackend,
 ) -> None:

@@ -16,8 +16,10 @@ from autogpu_jupyter.errors import UsageErrorBase
 GiB = 1024**3
 NAMES = "model names, comma separated, e.g. A100 or L4,A100 (matched within the name)"
 IDS = "NVML indices or UUIDs separated by commas, e.g. 0,2 or GPU-5a1b"
-ALL_FLAGS = "--count, --exclude, --exclusive, --max-util, --min-free, --model, --prefer, --wait"
-ALL_KEYS = "count, exclude, exclusive, max_util, min_free, model, prefer, wait"
+ALL_FLAGS = (
+    "--count, --devices, --exclude, --exclusive, --max-util, --min-free, --model, --prefer, --wait"
+)
+ALL_KEYS = "count, devices, exclude, exclusive, max_util, min_free, model, prefer, wait"
 
 
 def _error(values: dict[str, object], **kw: object) -> OptionError:
@@ -36,9 +38,11 @@ def test_every_option_has_its_flag_and_only_exclusive_is_a_switch() -> None:
         ("wait", "--wait", False),
         ("model", "--model", False),
         ("prefer", "--prefer", False),
+        ("devices", "--devices", False),
     ]
     assert options.VALUE_OPTIONS == (
-        "--min-free", "--max-util", "--count", "--exclude", "--wait", "--model", "--prefer"
+        "--min-free", "--max-util", "--count", "--exclude", "--wait", "--model", "--prefer",
+        "--devices",
     )
 
 
@@ -384,7 +388,7 @@ def test_from_namespace_reads_missing_options_as_not_given() -> None:
     ns = argparse.Namespace(min_free="1G", exclusive=True)
     assert options.from_namespace(ns) == {
         "min_free": "1G", "max_util": None, "count": None, "exclude": None,
-        "exclusive": True, "wait": None, "model": None, "prefer": None,
+        "exclusive": True, "wait": None, "model": None, "prefer": None, "devices": None,
     }
 
 
@@ -408,3 +412,65 @@ def test_join_negative_values_for_other_options() -> None:
     assert options.join_negative_values(["--gpus", "-1", "--count", "-1"], ["--gpus"]) == [
         "--gpus=-1", "--count", "-1"
     ]
+
+
+# ---- naming devices (issue 41) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "style", "devices", "count"),
+    [
+        ({"devices": "2"}, "flag", ("2",), 1),
+        ({"devices": "0,3"}, "flag", ("0", "3"), 2),  # naming two asks for both
+        ({"devices": "0,3", "count": "1"}, "flag", ("0", "3"), 1),  # or the best one of them
+        ({"devices": [0, "3:1"]}, "key", ("0", "3:1"), 2),
+        ({"devices": 2}, "key", ("2",), 1),  # JSON's number
+    ],
+)
+def test_named_devices_and_how_many_of_them(
+    values: dict[str, object], style: str, devices: tuple[str, ...], count: int
+) -> None:
+    got = parse(values, defaults={"count": 1}, style=style).constraints
+    assert (got.devices, got.count) == (devices, count)
+
+
+def test_more_devices_than_named_is_refused_in_the_callers_style() -> None:
+    err = _error({"devices": "0,3", "count": 3})
+    assert str(err) == (
+        "invalid --count 3: more than the 2 device(s) named (0,3); expected at most 2")
+    assert err.option == "count"
+    err = _error({"devices": [0, 3], "count": 3}, style="key")
+    assert str(err).startswith("invalid count 3: more than")
+
+
+@pytest.mark.parametrize(
+    ("values", "style", "message"),
+    [
+        ({"devices": ""}, "flag", "invalid --devices '': empty device id; expected device "
+                                  "indices, UUIDs (or their first 6 or more characters) or MIG "
+                                  "ids such as 3:1, separated by commas, e.g. 2 or 0,3 or "
+                                  "GPU-5a1b"),
+        ({"devices": "1,"}, "key", "invalid devices '1,': empty device id; expected device"),
+        ({"devices": {"a": 1}}, "key", "invalid devices {'a': 1}: expected ids like \"0,2\" or "
+                                       "a list"),
+    ],
+)
+def test_bad_named_devices_are_one_message_naming_the_value_and_the_forms(
+    values: dict[str, object], style: str, message: str
+) -> None:
+    err = _error(values, style=style)
+    assert str(err).startswith(message)
+    assert err.option == "devices"
+
+
+def test_devices_named_without_a_flag_read_as_devices_and_only_once() -> None:
+    parser = argparse.ArgumentParser()
+    options.add_arguments(parser, positional=True)
+    ns = parser.parse_args(["0,3", "--min-free", "1G"])
+    assert options.from_namespace(ns)["devices"] == "0,3"
+    assert options.from_namespace(parser.parse_args(["--devices", "2"]))["devices"] == "2"
+    with pytest.raises(OptionError) as err:
+        options.from_namespace(parser.parse_args(["2", "--devices", "3"]))
+    assert str(err.value) == (
+        "devices named twice ('2' and --devices '3'): name them once, e.g. pick 0,3 or pick "
+        "--devices 0,3")

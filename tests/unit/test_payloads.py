@@ -1356,7 +1356,7 @@ def candidate(uuid: str, label: str, free_gib: int, util: float | None, *,
 
 
 NO_CONSTRAINTS = {"count": 1, "exclude": [], "exclusive": False, "max_util_pct": None,
-                  "min_free": None, "models": [], "prefer": []}
+                  "min_free": None, "models": [], "prefer": [], "devices": []}
 
 
 def test_numbers_of_the_history_are_finite_or_none() -> None:
@@ -1437,8 +1437,8 @@ def test_select_takes_no_wait_and_names_its_parameters_as_json_keys(params: dict
     too); the names given as the magic's flags (``--min-free``)."""
     with pytest.raises(UsageErrorBase) as info:
         payloads.parse_constraints(params)
-    assert str(info.value) == ("unknown parameter 'wait'; accepted: count, exclude, exclusive, "
-                               "kernel_id, max_util, min_free, model, prefer")
+    assert str(info.value) == ("unknown parameter 'wait'; accepted: count, devices, exclude, "
+                               "exclusive, kernel_id, max_util, min_free, model, prefer")
 
 
 @pytest.mark.parametrize(("params", "message"), [
@@ -1862,3 +1862,21 @@ def test_an_overloaded_kernel_is_offered_the_better_device_by_name(
     assert overload_of(data)[1] == {"uuid": B, "label": "GPU 1"}
     assert best_move_of(data, "k-1") == {"target": B, "uuids": [B], "labels": ["GPU 1"]}
     assert best_move_of(data, "k-2") is None  # not an autogpu kernel: it cannot move
+
+
+def test_select_restricted_to_named_devices_answers_for_them_only() -> None:
+    """``select?devices=0`` (issue 41): the REST dry run names GPU 0, the busier one, because it
+    was named; a device that is not there is a usage error naming it."""
+    answer = payloads.select_answer(
+        SNAP, payloads.parse_constraints({"devices": "0"}), None, environ={})
+    assert answer["chosen"] == [{"uuid": A, "label": "GPU 0", "name": "NVIDIA A100"}]
+    assert answer["constraints_text"] == "device 0"
+    assert answer["candidates"][1]["reasons"] == ["not named (only 0 asked for)"]
+    answer = payloads.select_answer(
+        SNAP, payloads.parse_constraints({"devices": [0], "min_free": "60G"}), None, environ={})
+    assert answer["message"] == (
+        "GPU 0 does not fit (device 0, min free 60.0 GiB): only 50.0 GiB free < 60.0 GiB wanted")
+    with pytest.raises(UsageErrorBase) as info:
+        payloads.select_answer(SNAP, payloads.parse_constraints({"devices": "5"}), None,
+                               environ={})
+    assert str(info.value).startswith("no device '5' on this host; name devices by index (0, 1)")

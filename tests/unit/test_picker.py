@@ -683,3 +683,99 @@ def test_a_pick_on_an_amd_host_sets_the_rocm_variables(tmp_path: Path) -> None:
     assert [d.uuid for d in result.chosen] == [uuid_of(1)]
     assert result.env["ROCR_VISIBLE_DEVICES"] == "1"  # the device of the host, by its index
     assert result.env["HIP_VISIBLE_DEVICES"] == result.env["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+# ---- named devices, and what no wait can help (issue 41) ---------------------------------------
+
+
+def test_a_waiting_pick_of_a_named_device_is_served_only_from_it(
+    tmp_path: Path, registry: Registry
+) -> None:
+    """The ticket of `pick 1 --wait` lets other pickers see that only GPU 1 would serve it (its
+    allowed UUIDs), and the pick takes GPU 1 once it frees, never the idle GPU 0."""
+    spec = fleet(2)
+    backend = backend_for(tmp_path, spec)
+    held = pick(PickOptions(Constraints(devices=("1",), exclusive=True)), backend=backend,
+                environ={}, store=registry)
+    tickets: list[dict[str, Any] | None] = []
+
+    def sleep(_s: float) -> None:
+        tickets.extend(
+            r.constraints for r in registry.list_leases(include_tickets=True) if r.kind == "ticket"
+        )
+        assert held.lease is not None
+        held.lease.release()
+
+    result = pick(PickOptions(Constraints.parse(devices="1", exclusive=True), 30),
+                  backend=backend, environ={}, store=registry, sleep=sleep)
+    assert [d.uuid for d in result.chosen] == [uuid_of(1)]
+    assert tickets[0] is not None and tickets[0]["allowed_uuids"] == [uuid_of(1)]
+
+
+def test_a_pick_nothing_could_ever_fit_is_refused_at_once_without_a_ticket(
+    two: SimulatedBackend, registry: Registry
+) -> None:
+    """Every device ruled out by the request itself: no ticket, no sleep, the error says no wait
+    helps (the front ends then suggest no --wait)."""
+    slept: list[float] = []
+    with pytest.raises(NoDeviceFitsError) as info:
+        pick(PickOptions(Constraints.parse(exclude="0,1"), 600), backend=two, environ={},
+             store=registry, sleep=slept.append)
+    assert slept == []
+    assert live(registry) == []
+    assert info.value.waitable is False
+    with pytest.raises(NoDeviceFitsError) as info:
+        pick(PickOptions(Constraints.parse(min_free="90G")), backend=two, environ={})
+    assert info.value.waitable is True
+
+
+def test_named_devices_that_do_not_fit_are_one_line_each_named_with_why(tmp_path: Path) -> None:
+    spec = fleet(3)
+    spec["devices"][1]["memory_used"] = "75G"
+    spec["devices"][2]["utilization_pct"] = 95
+    backend = backend_for(tmp_path, spec)
+    with pytest.raises(NoDeviceFitsError) as info:
+        pick(PickOptions(Constraints.parse(devices="1,2", count=2, min_free="10G", max_util="50")),
+             backend=backend, environ={})
+    assert str(info.value) == (
+        "GPU 1, GPU 2 do not fit (devices 1,2, min free 10.0 GiB, max util 50%): GPU 1: only "
+        "5.0 GiB free < 10.0 GiB wanted; GPU 2: 80.0 GiB free >= 10.0 GiB wanted; utilisation 95% "
+        "> max 50%")
+    with pytest.raises(NoDeviceFitsError) as info:
+        pick(PickOptions(Constraints.parse(devices="0,1", count=2, min_free="10G")),
+             backend=backend, environ={})
+    assert str(info.value) == (
+        "only 1 of GPU 0, GPU 1 fit(s), 2 wanted (devices 0,1, min free 10.0 GiB): GPU 1: only "
+        "5.0 GiB free < 10.0 GiB wanted")
+
+
+def test_a_named_device_that_is_not_there_names_the_value_and_the_forms(
+    two: SimulatedBackend,
+) -> None:
+    with pytest.raises(UsageErrorBase) as info:
+        pick(PickOptions(Constraints.parse(devices="0,GPU-99999999")), backend=two, environ={})
+    assert str(info.value) == (
+        "no device 'GPU-99999999' on this host; name devices by index (0, 1) or by UUID or its "
+        "first 6 or more characters (e.g. GPU-00000000)")
+
+
+def test_index_ids_refuse_a_mig_device_before_any_lease(
+    tmp_path: Path, registry: Registry
+) -> None:
+    """``c.AutoGPU.visible_ids = "index"`` (issue 41) on a MIG device: one line, and no lease
+    left behind (the refusal comes before the lease is written)."""
+    from tests.fakenvml import fleet_mig
+
+    backend = backend_for(tmp_path, fleet_mig())
+    mig = next(d for d in backend.snapshot().devices if d.is_mig)
+    with pytest.raises(UsageErrorBase) as info:
+        pick(PickOptions(Constraints(devices=(mig.uuid,))), backend=backend, environ={},
+             store=registry, visible_ids="index")
+    assert str(info.value).startswith(f"visible_ids = 'index' cannot select {mig.label}: ")
+    assert live(registry) == []
+    whole = next(d for d in backend.snapshot().devices if not d.is_mig and not d.mig_enabled)
+    result = pick(PickOptions(Constraints(devices=(whole.uuid,))), backend=backend, environ={},
+                  store=registry, visible_ids="index")
+    assert result.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                          "CUDA_VISIBLE_DEVICES": str(whole.index)}
+    assert live(registry) == [("lease", (whole.uuid,))]

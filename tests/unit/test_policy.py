@@ -348,3 +348,60 @@ def test_the_fleet_names_the_physical_gpu_when_only_a_part_is_ranked() -> None:
     ranked = rank([mig_a], Constraints(), bookings=on_parent, fleet=[parent, mig_a, mig_b])
     assert reasons_of(ranked, "MIG-aaaa")[1][-1] == (
         "its parent GPU 0 is held exclusively by another lease")
+
+
+# ---- named devices (issue 41) ------------------------------------------------------------------
+
+
+def test_named_devices_are_the_only_candidates_by_index_uuid_prefix_label_and_mig_id() -> None:
+    parent = dev(0, 80, None, uuid="GPU-parent", mig_enabled=True)
+    mig_a = dev(0, 10, None, uuid="MIG-aaaaaaaa", total_gib=10, is_mig=True,
+                parent_uuid="GPU-parent", mig_index=0, mig_enabled=True)
+    mig_b = dev(0, 20, None, uuid="MIG-bbbbbbbb", total_gib=20, is_mig=True,
+                parent_uuid="GPU-parent", mig_index=1, mig_enabled=True)
+    idle, busy = dev(1, 80, 0, uuid="GPU-11111111"), dev(2, 8, 90, uuid="GPU-22222222")
+    fleet = [parent, mig_a, mig_b, idle, busy]
+    # the busy GPU 2, because it was named: the ranking never looks at the others
+    assert labels(rank(fleet, Constraints(devices=("2",)))) == ["GPU 2"]
+    assert labels(rank(fleet, Constraints(devices=("GPU-222222",)))) == ["GPU 2"]
+    assert labels(rank(fleet, Constraints(devices=("gpu 2", "1")))) == ["GPU 1", "GPU 2"]
+    # a MIG id names one MIG device; a GPU in MIG mode named stands for its MIG devices
+    assert labels(rank(fleet, Constraints(devices=("0:0",)))) == ["GPU 0 MIG 0"]
+    assert labels(rank(fleet, Constraints(devices=("0",)))) == ["GPU 0 MIG 1", "GPU 0 MIG 0"]
+    other = next(c for c in rank(fleet, Constraints(devices=("2",))) if c.device.index == 1)
+    assert other.reasons == ("not named (only 2 asked for)",)
+    assert other.fixed
+
+
+def test_a_drop_that_no_wait_changes_is_marked_fixed_and_a_busy_device_is_not() -> None:
+    """What `--wait` can never help (issue 41): the request's own restrictions."""
+    devices = [dev(0, 80, uuid="GPU-11111111"), dev(1, 2, 0, uuid="GPU-22222222")]
+    fixed = {
+        c.device.label: c.fixed
+        for c in rank(devices, Constraints.parse(exclude="0", min_free="10G"))
+    }
+    assert fixed == {"GPU 0": True, "GPU 1": False}  # GPU 1 may free its memory
+    assert all(c.fixed for c in rank(devices, Constraints(models=("H100",))))
+    assert not any(c.fixed for c in rank(devices, Constraints()))
+
+
+@pytest.mark.parametrize(
+    ("devices", "message"),
+    [
+        ("0,", "invalid --devices '0,': empty device id; expected device indices, UUIDs (or their "
+               "first 6 or more characters) or MIG ids such as 3:1, separated by commas, e.g. 2 "
+               "or 0,3 or GPU-5a1b"),
+        ([], "invalid --devices []: empty device id"),
+    ],
+)
+def test_named_devices_parse_refuses_an_empty_id(devices: object, message: str) -> None:
+    with pytest.raises(UsageErrorBase) as err:
+        Constraints.parse(devices=devices)
+    assert str(err.value).startswith(message)
+
+
+def test_describe_names_the_devices_and_how_many_of_them() -> None:
+    assert Constraints.parse(devices="2").describe() == "device 2"
+    assert Constraints.parse(devices="0,3", count=2).describe() == "devices 0,3"
+    assert Constraints.parse(devices="0,3", count=1).describe() == "1 of devices 0,3"
+    assert Constraints.parse(devices=[2]).devices == ("2",)

@@ -133,11 +133,13 @@ def test_to_json_is_every_field() -> None:
         "exclusive": True,
         "models": ["A100"],
         "prefer": ["H100", "A100"],
+        "devices": [],
     }
     assert Constraints().to_json() == {
         "min_free": None, "max_util_pct": None, "count": 1, "exclude": [], "exclusive": False,
-        "models": [], "prefer": [],
+        "models": [], "prefer": [], "devices": [],
     }
+    assert Constraints(devices=("0", "3:1")).to_json()["devices"] == ["0", "3:1"]
 
 
 def test_candidate_to_dict() -> None:

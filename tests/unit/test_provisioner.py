@@ -1119,7 +1119,8 @@ def test_an_unknown_kernelspec_option_is_refused_with_every_accepted_name() -> N
     assert str(info.value) == (
         "autogpu: kernelspec 'gpu-big' has a bad option in metadata.kernel_provisioner.config: "
         "min_fre='10G': unknown option; accepted: min_free, max_util, count, exclusive, wait, "
-        "model, prefer, on_no_device. Fix it with `autogpu kernelspec install --name gpu-big "
+        "model, prefer, devices, on_no_device. Fix it with `autogpu kernelspec install "
+        "--name gpu-big "
         "[--min-free 10G] [--max-util 50] [--count 1] [--exclusive] [--wait 10m] "
         "[--on-no-device cpu|fail]`."
     )
@@ -1135,3 +1136,34 @@ def test_an_on_no_device_that_is_no_string_is_refused() -> None:
     assert str(info.value).startswith(
         "autogpu: the kernelspec has a bad option in metadata.kernel_provisioner.config: "
         'on_no_device=1: expected "cpu" (start without a GPU) or "fail". Fix it with')
+
+
+def test_a_kernelspec_may_name_its_devices_as_the_pick_does() -> None:
+    """``"devices": "2"`` in a kernelspec's config (issue 41): the same option as ``%gpu pick
+    2``, read the same way (the count follows the devices named); a bad one is named."""
+    from autogpu_jupyter.provisioner import validate_options
+
+    got = validate_options({"devices": "0,3"}).pick.constraints
+    assert (got.devices, got.count) == (("0", "3"), 2)
+    with pytest.raises(UsageErrorBase) as info:
+        validate_options({"devices": ""}, spec="gpu-two")
+    assert "devices='': invalid devices '': empty device id; expected device indices" in str(
+        info.value)
+
+
+def test_a_kernelspec_with_named_devices_and_index_ids(host: Host) -> None:
+    """Issue 41: a kernelspec naming GPU 1 starts its kernel on B (A is the less loaded), and
+    the server's ``c.AutoGPU.visible_ids = "index"`` writes ``1`` with PCI_BUS_ID, and is
+    passed on so that the kernel's own picks write indices too."""
+    from traitlets.config import Config
+
+    host.install("one", devices="1")
+    km = AsyncKernelManager(kernel_name="one",
+                            config=Config({"AutoGPU": {"visible_ids": "index"}}))
+    host.managers.append(km)
+    _km, kwargs = host.pre_start("one", km=km)
+    env = kwargs["env"]
+    assert (env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"], env["AUTOGPU_PICKED"]) == (
+        "1", "PCI_BUS_ID", B)
+    assert env["AUTOGPU_VISIBLE_IDS"] == "index"
+    assert [r.device_uuids for r in host.registry.list_leases()] == [(B,)]

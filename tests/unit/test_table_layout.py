@@ -228,3 +228,58 @@ def test_a_narrow_width_leaves_out_the_columns_it_can_do_without_lowest_rank_fir
     assert cells == [("GPU 0", "alice: train.ipynb")]
     # columns without a rank always stay, however narrow
     assert [c.title for c in narrow([Column("gpu")], [("GPU 0",)], 1)[0]] == ["gpu"]
+
+
+# ---- word boundaries and display cells (issue 41) ----------------------------------------------
+
+
+def test_a_holder_wraps_between_holders_never_inside_its_memory_in_parentheses() -> None:
+    """Caught (issue 41): at 80 columns "(15.6 GiB used)" broke after "GiB"."""
+    lines = to_text(GPU_AND_HOLDERS, [("GPU 0", "alice: pid 41000 (15.6 GiB used), bob: pid "
+                                                "41001 (184.4 GiB used)")], width=40)
+    assert lines == [
+        "gpu    holders",
+        "GPU 0  alice: pid 41000 (15.6 GiB used),",
+        "       bob: pid 41001 (184.4 GiB used)",
+    ]
+    # where "(184.4 GiB" would still fit on the line: the whole aside goes to the next one
+    lines = to_text(GPU_AND_HOLDERS, [("GPU 1", "bob: pid 41001 (184.4 GiB used)")], width=34)
+    assert lines[1:] == ["GPU 1  bob: pid 41001", "       (184.4 GiB used)"]
+    lines = to_text(GPU_AND_HOLDERS, [("GPU 0", "alice: pid 41000 (15.6 GiB used)")], width=31)
+    assert lines[1:] == ["GPU 0  alice: pid 41000", "       (15.6 GiB used)"]
+
+
+def test_widths_count_display_cells_so_a_cjk_name_does_not_shift_the_next_column() -> None:
+    """Caught (issue 41): a CJK notebook name (each character two cells wide) shifted the next
+    column by as many cells as it has characters."""
+    lines = to_text([Column("notebook"), Column("gpu")],
+                    [("データ解析.ipynb", "GPU 0"), ("a.ipynb", "GPU 1")])
+    assert lines == [
+        "notebook          gpu",
+        "データ解析.ipynb  GPU 0",
+        "a.ipynb           GPU 1",
+    ]
+    # the column after it starts at the same terminal cell on every line
+    from autogpu_jupyter.core.text import cells
+
+    starts = {cells(line[: line.index("GPU")]) for line in lines[1:]}
+    assert starts == {18}
+
+
+def test_a_wrapped_cjk_cell_keeps_to_its_width_in_cells() -> None:
+    from autogpu_jupyter.core.text import cells
+
+    lines = to_text(GPU_AND_HOLDERS, [("GPU 0", "アリス: 研究室の長いノートブックの名前.ipynb")],
+                    width=31)
+    assert all(cells(line) <= 31 for line in lines), lines
+    assert lines[1] == "GPU 0  アリス:"
+
+
+@pytest.mark.parametrize(
+    ("text", "width"),
+    [("abc", 3), ("データ", 6), ("e\u0301", 1), ("ＡＢ", 4), ("", 0), ("a\u200bb", 2)],
+)
+def test_display_cells(text: str, width: int) -> None:
+    from autogpu_jupyter.core.text import cells
+
+    assert cells(text) == width

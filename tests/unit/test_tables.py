@@ -77,7 +77,7 @@ def test_the_status_table_marks_the_callers_rows_and_writes_each_unit() -> None:
     ]
     # a frame without the state and holders columns: every device ok, nobody holding it
     bare = frame.drop(columns=["state", "holders"]).head(1)
-    assert status_table(bare)[1][0][-1] == "-"
+    assert status_table(bare)[1][0][-1] == "nobody"
     assert [(c.title, c.align, c.wrap, c.drop) for c in columns] == [
         ("", "left", False, 0), ("gpu", "left", False, 0), ("name", "left", False, 0),
         ("uuid", "left", False, 1), ("util", "right", False, 0),

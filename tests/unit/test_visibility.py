@@ -612,3 +612,51 @@ def test_nvidia_visible_devices_forms_applied_by_the_runtime(fleet: list[DeviceS
             "runtime: every GPU NVML shows is granted",
         ),
     )
+
+
+# ---------------------------------------------------------------- visible_ids = "index" (issue 41)
+
+
+def test_index_ids_write_nvml_indices_in_pci_order_which_read_back_as_the_same_gpus(
+    fleet: list[DeviceSnapshot],
+) -> None:
+    """For Ray 2.8-2.9, older dask-cuda and NVML-based device_count(): indices, not UUIDs. What
+    is written reads back (as CUDA reads it) as the devices chosen, in their order."""
+    env = visible_env([U3, U1], fleet, "index")
+    assert env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "3,1"}
+    assert parse_cuda_visible_devices(env["CUDA_VISIBLE_DEVICES"], fleet)[0] == (U3, U1)
+    # the default: UUIDs
+    assert visible_env([U3], fleet)["CUDA_VISIBLE_DEVICES"] == U3
+    assert visible_env([U3], fleet, " UUID ")["CUDA_VISIBLE_DEVICES"] == U3
+
+
+def test_index_ids_refuse_a_mig_device_in_one_line(mig_fleet: list[DeviceSnapshot]) -> None:
+    with pytest.raises(UsageErrorBase) as err:
+        visible_env([MIG_B], mig_fleet, "index")
+    assert str(err.value) == (
+        "visible_ids = 'index' cannot select GPU 0 MIG 1: CUDA selects a MIG device by its UUID "
+        "only; set c.AutoGPU.visible_ids = 'uuid' (the default) for MIG devices")
+    assert visible_env([U1], mig_fleet, "index")["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_index_ids_refuse_a_gpu_after_an_unreadable_one(fleet: list[DeviceSnapshot]) -> None:
+    """An unreadable GPU before the chosen one may be one CUDA cannot open: its numbering could
+    differ from NVML's, so no index is guessed."""
+    fleet[1] = gpu(1, U1, available=False, error="GPU is lost")
+    with pytest.raises(UsageErrorBase) as err:
+        visible_env([U2], fleet, "index")
+    assert str(err.value) == (
+        "visible_ids = 'index' cannot name GPU 2: GPU 1 before it is unreadable, so CUDA may "
+        "number the GPUs otherwise; set c.AutoGPU.visible_ids = 'uuid' (the default)")
+    assert visible_env([U0], fleet, "index")["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+@pytest.mark.parametrize("ids", ["idx", "", "UUIDs", None])
+def test_a_bad_visible_ids_is_named_with_the_accepted_values(
+    fleet: list[DeviceSnapshot], ids: object
+) -> None:
+    with pytest.raises(UsageErrorBase) as err:
+        visible_env([U0], fleet, ids)  # type: ignore[arg-type]
+    assert str(err.value) == (
+        f"invalid visible_ids {ids!r} (c.AutoGPU.visible_ids or AUTOGPU_VISIBLE_IDS): expected "
+        "'uuid' (the default) or 'index'")
