@@ -146,3 +146,56 @@ def test_the_booking_view_and_the_live_records_follow_every_change() -> None:
             pids = sorted(row[1] for d in got["devices"] for row in d["rows"])
             assert pids == sorted(r.pid for k, r in everything if k != who.key
                                   for _ in r.device_uuids)
+
+
+def _bookings_one_device_at_a_time(devices: Any, leases: Any) -> dict[str, Any]:
+    """What :func:`core.decision.bookings_for` gave before it read each lease once: every
+    lease asked of every device (the reference it must still agree with)."""
+    from autogpu_jupyter.core.policy import Booking
+
+    out = {}
+    for dev in devices:
+        count, booked, excl, holders = 0, 0, [], []
+        using = {p.pid for p in (dev.processes or ()) if p.used_memory_bytes is not None}
+        for rec in leases:
+            if not rec.live or rec.kind != "lease" or dev.uuid not in rec.device_uuids:
+                continue
+            count += 1
+            if rec.exclusive:
+                excl.append(admission.exclusive_phrase(rec))
+            holders.append(rec.holder_text())
+            req = rec.requested_on(dev.uuid)
+            if req and rec.pid not in using:
+                booked += req
+        out[dev.uuid] = Booking(uuid=dev.uuid, lease_count=count, booked_bytes=booked,
+                                exclusive=bool(excl), holders=tuple(holders),
+                                exclusive_by=tuple(dict.fromkeys(excl)))
+    return out
+
+
+def test_the_bookings_read_each_lease_once_and_count_as_every_lease_asked_of_every_device(
+) -> None:
+    """Random leases (on one or two devices, a device named twice, exclusive, not live,
+    tickets, a record given several times as the broker's folded leases are, pids NVML lists):
+    the same bookings, holders in the same order. Caught: a repeated record counted once, a
+    device named twice in one lease counted twice, a lease whose pid NVML lists still booked."""
+    from autogpu_jupyter.core.decision import bookings_for
+    from autogpu_jupyter.core.devices import DeviceSnapshot, ProcessSnapshot
+    from autogpu_jupyter.core.leasing.records import LeaseRecord
+
+    rng = random.Random(7)
+    listed = (ProcessSnapshot(pid=5, used_memory_bytes=1),)
+    devices = [DeviceSnapshot(index=i, uuid=u, name="x", processes=listed if i else None)
+               for i, u in enumerate(GPUS)]
+    for _ in range(30):
+        leases: list[LeaseRecord] = []
+        for n in range(rng.randrange(12)):
+            uuids = tuple(rng.choice(GPUS) for _ in range(rng.choice((1, 2))))
+            rec = LeaseRecord(
+                lease_id=f"L{n}", kind=rng.choice(("lease", "lease", "ticket")),
+                device_uuids=uuids, device_requested_bytes=tuple(
+                    rng.choice((None, 0, 1 << 30)) for _ in uuids),
+                exclusive=rng.random() < 0.2, user=f"u{n}", uid=n, host="h",
+                pid=rng.choice((5, 6)), created_s=0.0, live=rng.random() < 0.9)
+            leases += [rec] * rng.choice((1, 1, 3))
+        assert bookings_for(devices, leases) == _bookings_one_device_at_a_time(devices, leases)
