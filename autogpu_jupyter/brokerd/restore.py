@@ -101,11 +101,11 @@ class Restorer:
     # -- reading ----------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Replay the journal: every entry whose socket still exists (one ``sock_diag``
-        request, in the namespace it lives in), or, without a socket, whose recorded holders
-        still run, becomes an orphan. Nothing here reads a process's descriptors: the holders
-        of a socket whose recorded ones are gone are found later, off the event loop
-        (:meth:`settle`)."""
+        """Replay the journal: every entry whose socket still exists (one ``sock_diag`` dump
+        for the broker's own namespace, a request in another's), or, without a socket, whose
+        recorded holders still run, becomes an orphan. Nothing here reads a process's
+        descriptors: the holders of a socket whose recorded ones are gone are found later, off
+        the event loop (:meth:`settle`)."""
         journal = self.journal
         assert journal is not None
         try:
