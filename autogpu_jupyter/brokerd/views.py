@@ -76,11 +76,13 @@ def view(ctx: Any, conn: Any) -> dict[str, Any]:
 
 
 class RowCache:
-    """The rows of a device's leases, by the ids of those leases (a pick on another device
-    does not change them): bounded, cleared when full."""
+    """The rows of a device's leases, kept until one of them changes (a pick on another
+    device does not change them): bounded, cleared when full."""
+
+    #: How many (device, person left out) rows it keeps before it starts afresh.
+    SIZE = 1024
 
     def __init__(self) -> None:
-        self.rows: dict[tuple[str, ...], dict[str, Any]] = {}
         #: (device, the person left out or ``None``) -> (the device's stamp, its rows).
         self.current: dict[tuple[str, int | None], tuple[int, dict[str, Any]]] = {}
 
@@ -92,20 +94,9 @@ class RowCache:
         if got is not None and got[0] == stamp:
             return got[1]
         rows = device_rows(uuid, [r for k, r in book.index.leases_on(uuid) if k != left_out])
-        if len(self.current) >= 1024:
+        if len(self.current) >= self.SIZE:
             self.current.clear()
         self.current[(uuid, left_out)] = (stamp, rows)
-        return rows
-
-    def rows_of(self, uuid: str, recs: list[LeaseRecord]) -> dict[str, Any]:
-        """:func:`device_rows`, kept for the same leases of the same device."""
-        # a record changes only by set_pid (its pid); a lease id names the rest
-        key = (uuid, *(f"{r.lease_id}:{r.pid}" for r in recs))
-        rows = self.rows.get(key)
-        if rows is None:
-            if len(self.rows) >= 256:
-                self.rows.clear()
-            rows = self.rows[key] = device_rows(uuid, recs)
         return rows
 
 
