@@ -22,7 +22,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from autogpu_jupyter.brokerd.liveindex import LiveIndex
 from autogpu_jupyter.core import decision
+from autogpu_jupyter.core.devices import physical_gpu
 from autogpu_jupyter.core.leasing import admission
 from autogpu_jupyter.core.leasing.records import MAX_ID_LIST, LeaseRecord, encode
 from autogpu_jupyter.errors import AutoGPUError
@@ -93,6 +95,8 @@ class LeaseBook:
         #: Bumped by every change of the live records (see :meth:`live`).
         self.version = 0
         self._live: tuple[int, list[tuple[int, LeaseRecord]]] = (-1, [])
+        #: The live records, indexed as each one changes (:class:`LiveIndex`).
+        self.index = LiveIndex()
         self.lapsed = 0  # tickets that lost their place, in all
         self.servable_since: dict[str, float] = {}  # ticket id -> when it could first be served
         #: Tickets that joined the line while a device was free for them: they reserve nothing
@@ -125,11 +129,17 @@ class LeaseBook:
         """Every live lease and ticket as (person, record), oldest first (computed once per
         change of the state: a pick reads it several times)."""
         if self._live[0] != self.version:
-            out = [(h.key, rec) for h, rec in self.held.items()]
-            out += [(o.key, o.record) for o in self.orphans.values()]
-            out.sort(key=lambda p: (p[1].created_s, p[1].lease_id))
-            self._live = (self.version, out)
+            self._live = (self.version, self.index.ordered())
         return list(self._live[1])
+
+    def _hold(self, holder: Any, rec: LeaseRecord | None) -> None:
+        """``holder``'s live record is ``rec`` now (``None``: none)."""
+        old = self.held.pop(holder, None) if rec is None else self.held.get(holder)
+        if old is not None:
+            self.index.remove(old, self.version)
+        if rec is not None:
+            self.held[holder] = rec
+            self.index.add(holder.key, rec, self.version, holder)
 
     def encoded(self, rec: LeaseRecord) -> bytes:
         """``encode(rec)``, kept for the last record (records are immutable): a grant's
@@ -145,17 +155,14 @@ class LeaseBook:
 
     def holder_of(self, lease_id: Any) -> Any:
         """The holder of the live record ``lease_id`` (``None``: none, or an orphan's)."""
-        return next((h for h, r in self.held.items() if r.lease_id == lease_id), None)
+        return self.index.holders.get(lease_id) if isinstance(lease_id, str) else None
 
     def record_changed(self, holder: Any, old: LeaseRecord | None,
                        new: LeaseRecord | None) -> None:
         """``holder``'s record was set: the live state's version moves on, a ticket's line
         state follows, and :attr:`on_change` gets the change."""
         self.version += 1
-        if new is None:
-            self.held.pop(holder, None)
-        else:
-            self.held[holder] = new
+        self._hold(holder, new)
         ended = old is not None and (new is None or new.lease_id != old.lease_id)
         began = new is not None and (old is None or new.lease_id != old.lease_id)
         if ended:
@@ -174,24 +181,27 @@ class LeaseBook:
                 self.on_change(holder, old, new)
             except BrokerRefusal:  # the journal could not record it: not granted (nor changed)
                 undone = None if ended else old
-                if undone is None:
-                    self.held.pop(holder, None)
-                else:
-                    self.held[holder] = undone
                 self.version += 1
+                self._hold(holder, undone)
                 if new is not None:
                     self.dormant.discard(new.lease_id)
                 raise
 
     def adopt(self, orphan: Orphan) -> None:
         """Hold ``orphan`` (taken back from the journal) in the book."""
-        self.orphans[orphan.record.lease_id] = orphan
-        self.seq = max(self.seq, orphan.record.seq or 0)
         self.version += 1
+        old = self.orphans.get(orphan.record.lease_id)
+        if old is not None:
+            self.index.remove(old.record, self.version)
+        self.orphans[orphan.record.lease_id] = orphan
+        self.index.add(orphan.key, orphan.record, self.version)
+        self.seq = max(self.seq, orphan.record.seq or 0)
 
     def forget_orphan(self, lease_id: str) -> None:
-        if self.orphans.pop(lease_id, None) is not None:
+        gone = self.orphans.pop(lease_id, None)
+        if gone is not None:
             self.version += 1
+            self.index.remove(gone.record, self.version)
             self.servable_since.pop(lease_id, None)
             self.dormant.discard(lease_id)
             if self.on_forget is not None:
@@ -253,20 +263,16 @@ class LeaseBook:
         kernel = msg.get("ignore_kernel") if isinstance(msg.get("ignore_kernel"), str) else None
         return {
             r.lease_id
-            for u, r in self.live()
-            if u == conn.key
-            and r.kind == "lease"
-            and (r.lease_id in ids or bool(kernel and r.kernel_id == kernel))
+            for r in self.index.own.get(conn.key, {}).values()
+            if r.lease_id in ids or bool(kernel and r.kernel_id == kernel)
         }
 
     def end_replaced(self, replaced: set[str]) -> None:
         if not replaced:
             return
-        for other, rec in list(self.held.items()):
-            if rec.lease_id in replaced:
-                other.record = None
-                self._notify(other, {"event": "replaced",
-                                     "message": "lease replaced by a re-pick"})
+        for other in [self.index.holders[i] for i in replaced if i in self.index.holders]:
+            other.record = None
+            self._notify(other, {"event": "replaced", "message": "lease replaced by a re-pick"})
         for lease_id in replaced:
             self.forget_orphan(lease_id)
 
@@ -278,9 +284,28 @@ class LeaseBook:
         leases = [r for r in live if r.kind == "lease" and r.lease_id not in replaced]
         return leases, [r for r in live if r.kind == "ticket"]
 
+    def counted_for(self, conn: Holder, devices: Any, replaced: set[str]) -> list[LeaseRecord]:
+        """The live leases the admission of a lease on ``devices`` reads, as :meth:`live_split`
+        gives them (less ``replaced``, marked with their person, oldest first): those on any
+        device of the physical GPUs of ``devices`` (its exclusivity and MIG-kin checks read only
+        those) and the person's own (its quotas read only those). Every other lease is passed
+        over by each of :func:`admission.admit_lease`'s checks, so its verdict and its words are
+        the ones it gives over every live lease; this costs what those leases hold, not what
+        the whole book holds."""
+        parents = self.parents
+        gpus = {physical_gpu(u, parents) for u in devices}
+        picked = {i: (conn.key, r) for i, r in self.index.own.get(conn.key, {}).items()}
+        for uuid, on in self.index.on_device.items():
+            if physical_gpu(uuid, parents) in gpus:
+                picked.update(on)
+        ordered = sorted((p for i, p in picked.items() if i not in replaced),
+                         key=lambda p: (p[1].created_s, p[1].lease_id))
+        return [r if r.uid == key else replace(r, uid=key) for key, r in ordered]
+
     def check_lease(self, conn: Holder, rec: LeaseRecord, replaced: set[str]) -> None:
-        """The one admission's verdict on ``rec`` (:func:`admission.admit_lease`)."""
-        leases, _ = self.live_split(replaced)
+        """The one admission's verdict on ``rec`` (:func:`admission.admit_lease`), over the
+        leases it reads (:meth:`counted_for`)."""
+        leases = self.counted_for(conn, rec.device_uuids, replaced)
         try:
             admission.admit_lease(
                 leases,
@@ -296,8 +321,11 @@ class LeaseBook:
 
     def check_ticket(self, conn: Holder, rec: LeaseRecord, replaced: set[str]) -> LeaseRecord:
         """The one admission's verdict on a ticket (:func:`admission.admit_ticket`): ``rec``
-        with the constraints it admitted."""
-        leases, tickets = self.live_split(replaced)
+        with the constraints it admitted. Of the leases it reads only the person's own (its
+        device quota), so only those are given; the tickets all."""
+        leases = [r for r in self.index.own_leases(conn.key) if r.lease_id not in replaced]
+        leases = [r if r.uid == conn.key else replace(r, uid=conn.key) for r in leases]
+        tickets = [r if r.uid == key else replace(r, uid=key) for key, r in self.index.tickets()]
         try:
             admitted = admission.admit_ticket(
                 leases,
@@ -319,8 +347,7 @@ class LeaseBook:
         return rec.kind == "ticket" and rec.lease_id not in self.dormant
 
     def line(self) -> list[LeaseRecord]:
-        tickets = [r for _, r in self.live() if r.kind == "ticket"]
-        return admission.in_line(tickets)
+        return admission.in_line([r for _, r in self.index.tickets()])
 
     def waiters(
         self, snap: Any, tickets: list[LeaseRecord], settled_only: bool = False
@@ -414,7 +441,7 @@ class LeaseBook:
     def lapse(self, rec: LeaseRecord) -> None:
         self.lapsed += 1
         self.servable_since.pop(rec.lease_id, None)
-        key = next((k for k, r in self.live() if r.lease_id == rec.lease_id), None)
+        key = self.index.person_of(rec.lease_id)
         if key is not None:
             self.bar_from_line(key, rec)
         log.info("ticket %d of %s lapsed: it could be served for %.0f s but was not taken",

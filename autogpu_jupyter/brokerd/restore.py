@@ -101,11 +101,11 @@ class Restorer:
     # -- reading ----------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Replay the journal: every entry whose socket still exists (one ``sock_diag``
-        request, in the namespace it lives in), or, without a socket, whose recorded holders
-        still run, becomes an orphan. Nothing here reads a process's descriptors: the holders
-        of a socket whose recorded ones are gone are found later, off the event loop
-        (:meth:`settle`)."""
+        """Replay the journal: every entry whose socket still exists (one ``sock_diag`` dump
+        for the broker's own namespace, a request in another's), or, without a socket, whose
+        recorded holders still run, becomes an orphan. Nothing here reads a process's
+        descriptors: the holders of a socket whose recorded ones are gone are found later, off
+        the event loop (:meth:`settle`)."""
         journal = self.journal
         assert journal is not None
         try:
@@ -117,20 +117,27 @@ class Restorer:
         book = self.book
         book.seq = journal.seq
         namespaces: dict[int, int] | None = None
+        here = _own_sockets() if any(e.peer for e in entries.values()) else set()
+        starts: dict[int, int | None] = {}  # pid -> its start time (read once per pid)
         kept = 0
         for e in entries.values():
             try:
                 kind = json.loads(e.record)["kind"]
-                rec = parse_record(e.record.encode(), kind=kind, path="", live=True)
+                rec = parse_record(e.record.encode(), kind=kind, path=f"broker:{e.lease_id}",
+                                   live=True)
             except (Invalid, KeyError, TypeError, ValueError) as err:
                 log.warning("journal entry skipped: %s", err)
                 journal.remove(e.lease_id)
                 continue
             netns = None
             if e.peer:
-                pids = [(p, t) for p, t in e.pids if peers.start_time(p) == t]
+                for p, _ in e.pids:
+                    if p not in starts:
+                        starts[p] = peers.start_time(p)
+                pids = [(p, t) for p, t in e.pids if starts[p] == t]
                 try:
-                    netns = peers.find_socket(e.peer, [p for p, _ in pids])
+                    netns = (peers.OWN_NS if e.peer in here
+                             else peers.find_socket(e.peer, [p for p, _ in pids]))
                     if netns is None:  # not where its holders are: anywhere on the host?
                         if namespaces is None:
                             namespaces = peers.host_namespaces()
@@ -144,10 +151,12 @@ class Restorer:
             if not alive:
                 journal.remove(e.lease_id)
                 continue
-            rec = replace(rec, path=f"broker:{rec.lease_id}")
+            if rec.path != f"broker:{rec.lease_id}":
+                rec = replace(rec, path=f"broker:{rec.lease_id}")
             key = self.broker.accounts.account(e.uid).key
             book.adopt(Orphan(e.uid, rec, pids, key, e.peer, netns))
-            journal.set_pids(rec.lease_id, pids)
+            if pids != e.pids:  # a line only for holders that changed
+                journal.set_pids(rec.lease_id, pids)
             kept += 1
         if journal.dropped:
             log.warning("restart: the journal was of an earlier boot (%s): its %d lease(s)/"
@@ -296,7 +305,8 @@ class Restorer:
     async def reap(self, loop: asyncio.AbstractEventLoop) -> None:
         """One round: :meth:`settle`, then at most :data:`POLLS_PER_ROUND` orphans, in turn,
         asked whether their socket still exists (a holder may close it and live on): one
-        ``sock_diag`` request each, nothing per descriptor."""
+        ``sock_diag`` dump for those of the broker's namespace, one request for each other;
+        nothing per descriptor."""
         await self.settle(loop)
         orphans = [o for o in self.book.orphans.values() if o.peer]
         if not orphans:
@@ -304,7 +314,23 @@ class Restorer:
         start = self._cursor % len(orphans)
         turn = (orphans[start:] + orphans[:start])[:POLLS_PER_ROUND]
         self._cursor = start + len(turn)
+        # one dump off the loop for the sockets of the broker's namespace (each asked on its
+        # own costs the kernel a walk of every socket); empty: it failed, each is asked
+        here = await loop.run_in_executor(None, _own_sockets)
         for o in turn:
-            if self._located(o) is False:
+            if here and o.netns == peers.OWN_NS:
+                gone = o.peer not in here
+            else:
+                gone = self._located(o) is False
+            if gone and o.record.lease_id in self.book.orphans:
                 self.book.forget_orphan(o.record.lease_id)
 
+
+def _own_sockets() -> set[int]:
+    """The Unix sockets of the broker's namespace (:func:`peers.unix_inodes`); none where the
+    kernel cannot tell (each entry is then asked for on its own, as before)."""
+    try:
+        return peers.unix_inodes()
+    except OSError as err:
+        log.debug("no sock_diag dump: %s", err)
+        return set()

@@ -44,17 +44,21 @@ def view(ctx: Any, conn: Any) -> dict[str, Any]:
       those groups), which the client ranks out as the admission words them.
     """
     book = ctx.book
-    live = book.live()
-    own = [shown(rec, conn.uid) for key, rec in live if key == conn.key and rec.kind == "lease"]
-    per_dev: dict[str, list[LeaseRecord]] = {}
-    for key, rec in live:
-        if rec.kind == "lease" and key != conn.key:
-            for uuid in rec.device_uuids:
-                per_dev.setdefault(uuid, []).append(rec)
-    devices = [ctx.ops_cache.rows_of(uuid, recs) for uuid, recs in sorted(per_dev.items())]
+    index = book.index
+    mine = index.own_leases(conn.key)
+    own = [shown(rec, conn.uid) for rec in mine]
+    cache = ctx.ops_cache
+    devices = []
+    mine_on = {uuid for rec in mine for uuid in rec.device_uuids}
+    for uuid in index.leased_devices():  # each device's rows kept until its leases change
+        if uuid in mine_on:
+            if index.persons_on(uuid) - {conn.key}:
+                devices.append(cache.rows_now(book, uuid, conn.key))
+        else:
+            devices.append(cache.rows_now(book, uuid, None))
     tickets: list[dict[str, Any]] = []
     size = 0
-    waiting = [rec for _, rec in live if book.reserving(rec)]
+    waiting = [rec for _, rec in index.tickets() if book.reserving(rec)]
     waiting.sort(key=admission.line_key)
     for rec in waiting:
         payload = shown(replace(rec, command=None), conn.uid)
@@ -72,21 +76,27 @@ def view(ctx: Any, conn: Any) -> dict[str, Any]:
 
 
 class RowCache:
-    """The rows of a device's leases, by the ids of those leases (a pick on another device
-    does not change them): bounded, cleared when full."""
+    """The rows of a device's leases, kept until one of them changes (a pick on another
+    device does not change them): bounded, cleared when full."""
+
+    #: How many (device, person left out) rows it keeps before it starts afresh.
+    SIZE = 1024
 
     def __init__(self) -> None:
-        self.rows: dict[tuple[str, ...], dict[str, Any]] = {}
+        #: (device, the person left out or ``None``) -> (the device's stamp, its rows).
+        self.current: dict[tuple[str, int | None], tuple[int, dict[str, Any]]] = {}
 
-    def rows_of(self, uuid: str, recs: list[LeaseRecord]) -> dict[str, Any]:
-        """:func:`device_rows`, kept for the same leases of the same device."""
-        # a record changes only by set_pid (its pid); a lease id names the rest
-        key = (uuid, *(f"{r.lease_id}:{r.pid}" for r in recs))
-        rows = self.rows.get(key)
-        if rows is None:
-            if len(self.rows) >= 256:
-                self.rows.clear()
-            rows = self.rows[key] = device_rows(uuid, recs)
+    def rows_now(self, book: Any, uuid: str, left_out: int | None) -> dict[str, Any]:
+        """:func:`device_rows` of the live leases on ``uuid`` but person ``left_out``'s, kept
+        while the book's stamp of that device stays (any change of its leases moves it)."""
+        stamp = book.index.device_stamp.get(uuid, -1)
+        got = self.current.get((uuid, left_out))
+        if got is not None and got[0] == stamp:
+            return got[1]
+        rows = device_rows(uuid, [r for k, r in book.index.leases_on(uuid) if k != left_out])
+        if len(self.current) >= self.SIZE:
+            self.current.clear()
+        self.current[(uuid, left_out)] = (stamp, rows)
         return rows
 
 

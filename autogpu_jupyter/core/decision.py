@@ -159,6 +159,16 @@ def bookings_for(
     dict
         UUID -> Booking, for every device in ``devices`` (unleased ones with zero counts).
     """
+    on: dict[str, list[LeaseRecord]] = {}  # each device's leases, in their order (one pass)
+    last: LeaseRecord | None = None
+    uuids: Sequence[str] = ()
+    for rec in leases:
+        if rec is not last:  # a record repeated (a broker's folded leases) is read once
+            last = rec
+            counted = rec.live and rec.kind == "lease"
+            uuids = tuple(dict.fromkeys(rec.device_uuids)) if counted else ()
+        for uuid in uuids:
+            on.setdefault(uuid, []).append(rec)
     out: dict[str, Booking] = {}
     for dev in devices:
         count = 0
@@ -166,15 +176,23 @@ def bookings_for(
         exclusive_by: list[str] = []
         holders: list[str] = []
         pids_using = {p.pid for p in (dev.processes or ()) if p.used_memory_bytes is not None}
-        for rec in leases:
-            if not rec.live or rec.kind != "lease" or dev.uuid not in rec.device_uuids:
-                continue
+        last = None
+        phrase: str | None = None
+        text = ""
+        req: int | None = None
+        for rec in on.get(dev.uuid, ()):
+            if rec is not last:
+                last = rec
+                phrase = admission.exclusive_phrase(rec) if rec.exclusive else None
+                text = rec.holder_text()
+                req = rec.requested_on(dev.uuid)
+                if not req or rec.pid in pids_using:
+                    req = None
             count += 1
-            if rec.exclusive:
-                exclusive_by.append(admission.exclusive_phrase(rec))
-            holders.append(rec.holder_text())
-            req = rec.requested_on(dev.uuid)
-            if req and rec.pid not in pids_using:
+            if phrase is not None:
+                exclusive_by.append(phrase)
+            holders.append(text)
+            if req:
                 booked += req
         out[dev.uuid] = Booking(
             uuid=dev.uuid,

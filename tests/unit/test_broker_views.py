@@ -20,7 +20,7 @@ from autogpu_jupyter.broker import Broker, BrokerRefusal, Conn
 from autogpu_jupyter.brokerd import connections as conn_mod
 from autogpu_jupyter.brokerd import ops as ops_mod
 from autogpu_jupyter.brokerd import views as views_mod
-from tests.unit.test_broker_rules import broker, lease_record, person, run
+from tests.unit.test_broker_rules import broker, person, run
 
 GIB = 1 << 30
 
@@ -154,15 +154,18 @@ def test_the_rows_of_a_device_are_kept_while_its_leases_stay_the_same() -> None:
     assert view(b, me)["devices"][0] is first
 
 
-def test_the_rows_cache_holds_256_devices_and_is_cleared_for_the_257th() -> None:
-    """Caught: the cache cleared only past 257 entries (``>`` or 257: it grew one too many)."""
+def test_the_rows_cache_holds_its_size_and_is_cleared_past_it() -> None:
+    """Caught: the cache cleared only past one more entry (``>``: it grew one too many), or
+    never (it grows with every person and device)."""
     b = broker()
-    rec = lease_record(b, person(b, 1002), "GPU-a")
-    b.ops_cache.rows = {("GPU-old", str(i)): {} for i in range(255)}
-    b.ops_cache.rows_of("GPU-a", [rec])
-    assert len(b.ops_cache.rows) == 256
-    b.ops_cache.rows_of("GPU-b", [rec])
-    assert list(b.ops_cache.rows) == [("GPU-b", f"{rec.lease_id}:{rec.pid}")]
+    held(b, person(b, 1002), "lease", created_s=1.0, devices=(("GPU-a", GIB),))
+    size = b.ops_cache.SIZE
+    b.ops_cache.current = {(f"GPU-old{i}", None): (0, {}) for i in range(size - 1)}
+    view(b, person(b, 1001))
+    assert len(b.ops_cache.current) == size
+    held(b, person(b, 1003), "lease", created_s=2.0, devices=(("GPU-b", GIB),))
+    view(b, person(b, 1001))
+    assert set(b.ops_cache.current) == {("GPU-b", None)}
 
 
 def test_a_devices_rows_put_a_booked_lease_before_an_unbooked_one_and_fold_none_as_zero(

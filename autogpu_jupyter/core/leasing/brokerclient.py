@@ -363,11 +363,13 @@ def _view_records(devices: Iterable[Any], path: str) -> list[LeaseRecord]:
                                         None if booked is None else int(booked),
                                         str(user), str(where) or None, path))
             more = dev.get("more") or {}
-            for i in range(min(int(more.get("leases", 0)), MAX_LIST_RECORDS)):
-                first = i == 0
-                out.append(_view_record(uuid, len(out), first and bool(more.get("exclusive")), 0,
-                                        int(more.get("booked") or 0) if first else None,
-                                        "others", None, path))
+            folded = min(int(more.get("leases", 0)), MAX_LIST_RECORDS)
+            if folded > 0:
+                out.append(_view_record(uuid, len(out), bool(more.get("exclusive")), 0,
+                                        int(more.get("booked") or 0), "others", None, path))
+            if folded > 1:  # the others book nothing and are alike: one record, counted each
+                rest = _view_record(uuid, len(out), False, 0, None, "others", None, path)
+                out += [rest] * (folded - 1)
     except (KeyError, TypeError, ValueError) as err:
         raise RegistryError(f"lease broker at {path} sent a bad booking view: {err}") from None
     return out
