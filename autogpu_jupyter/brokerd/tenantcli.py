@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 from collections.abc import Mapping
 
@@ -25,6 +26,7 @@ from autogpu_jupyter.brokerd.tenants import (
     tenant_socket,
     validate_name,
 )
+from autogpu_jupyter.core.leasing.brokerclient import DEFAULT_SOCKET, PROTOCOL
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_SOCKET_ROOT}, root's, mode 0700)")
     common.add_argument("--rules", default=DEFAULT_RULES, metavar="FILE",
                         help=f"the broker's rules file (default {DEFAULT_RULES})")
+    common.add_argument("--socket", default=DEFAULT_SOCKET, metavar="PATH",
+                        help="the running broker's main socket, told to serve the change "
+                        f"(default {DEFAULT_SOCKET})")
     sub = p.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
     add = sub.add_parser("add", parents=[common], help="add a tenant, or update its options")
     add.add_argument("name", metavar="NAME")
@@ -88,10 +93,12 @@ def main(argv: list[str]) -> int:
             print(f"tenant {tenant.name} {what} ({tenant.describe()}); its socket directory "
                   f"{tenant_dir(args.socket_root, tenant.name)} is mounted at "
                   f"{CONTAINER_SOCKET_DIR} in its container")
+            print(_tell_broker(args.socket))
         elif args.action == "remove":
             left = remove_tenant(args.name, state_dir=args.state_dir,
                                  socket_root=args.socket_root, rules=rules)
             print(f"tenant {args.name} removed" + (f"; {left}" if left else ""))
+            print(_tell_broker(args.socket))
         else:
             table = {**load_table(args.state_dir), **rules}
             _print_list(table, args.socket_root, args.json)
@@ -114,3 +121,25 @@ def _print_list(table: Mapping[str, Tenant], socket_root: str, as_json: bool) ->
     print(f"tenants: {len(rows)}")
     for t in rows:
         print(f"  {t.name}  {t.describe()}  ({t.source})  {tenant_socket(socket_root, t.name)}")
+
+
+def _tell_broker(path: str) -> str:
+    """Ask the running broker at ``path`` to read its tenants again; one line saying so."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10.0)
+            sock.connect(path)
+            sock.sendall(json.dumps({"op": "reload", "proto": PROTOCOL}).encode() + b"\n")
+            data = b""
+            while not data.endswith(b"\n") and len(data) < 65536:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        reply = json.loads(data)
+    except (OSError, ValueError):
+        return (f"the broker is not running at {path}: it serves the tenants when it starts")
+    if not isinstance(reply, dict) or reply.get("ok") is not True:
+        why = reply.get("error") if isinstance(reply, dict) else None
+        return f"the broker at {path} did not reload: {str(why)[:200]}"
+    return f"the broker at {path} serves the change"

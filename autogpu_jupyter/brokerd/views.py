@@ -23,10 +23,11 @@ __all__ = ["RowCache", "StateView", "device_rows", "shown", "view"]
 _VIEW_TEXT = 128
 
 
-def shown(rec: LeaseRecord, viewer_uid: int) -> dict[str, Any]:
-    """A record's payload for a client of ``viewer_uid``: other users' command lines are
-    left out (root sees them)."""
-    out = rec if viewer_uid in (0, rec.uid) else replace(rec, command=None)
+def shown(rec: LeaseRecord, see_all: bool) -> dict[str, Any]:
+    """A record's payload for a viewer: its command line only when ``see_all`` (the viewer's
+    own person's record, or root on the main socket); other people's and other tenants' are
+    left out, whatever uid they run as."""
+    out = rec if see_all else replace(rec, command=None)
     return out._payload()
 
 
@@ -45,7 +46,7 @@ def view(ctx: Any, conn: Any) -> dict[str, Any]:
     """
     book = ctx.book
     live = book.live()
-    own = [shown(rec, conn.uid) for key, rec in live if key == conn.key and rec.kind == "lease"]
+    own = [shown(rec, True) for key, rec in live if key == conn.key and rec.kind == "lease"]
     per_dev: dict[str, list[LeaseRecord]] = {}
     for key, rec in live:
         if rec.kind == "lease" and key != conn.key:
@@ -57,7 +58,7 @@ def view(ctx: Any, conn: Any) -> dict[str, Any]:
     waiting = [rec for _, rec in live if book.reserving(rec)]
     waiting.sort(key=admission.line_key)
     for rec in waiting:
-        payload = shown(replace(rec, command=None), conn.uid)
+        payload = shown(rec, False)
         size += len(json.dumps(payload))
         if len(tickets) >= VIEW_TICKETS or size > VIEW_TICKET_BYTES:
             break
