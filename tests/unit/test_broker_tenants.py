@@ -15,6 +15,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -467,3 +468,32 @@ def test_the_tenant_cli_says_in_one_line_when_no_broker_runs(tmp_path: Path) -> 
     assert out.stdout.splitlines()[-1] == (
         f"the broker is not running at {tmp_path / 'no.sock'}: it serves the tenants when it "
         "starts")
+
+
+def test_a_tenants_set_pid_names_a_pid_of_its_own_pid_namespace() -> None:
+    """A kernel in a container sends its container pid: the broker finds that process in the
+    pid namespace of the connecting process, never reads the number as a host pid. Caught with
+    the number read as a host pid: a host process of the same uid, which the container cannot
+    see, was accepted."""
+    inner = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "sleep", "60"])
+    try:
+        host = 0
+        for _ in range(100):  # the forked sleep: pid 1 of the new namespace
+            children = Path(f"/proc/{inner.pid}/task/{inner.pid}/children").read_text().split()
+            if children and "sleep" in Path(f"/proc/{children[0]}/cmdline").read_text():
+                host = int(children[0])
+                break
+            time.sleep(0.05)
+        assert host
+        b = _broker()
+        conn = _on_socket_of(b, Tenant.make("alice"), uid=0)
+        conn.pid = host  # as SO_PEERCRED names the container's process
+        _lease(b, conn, "GPU-t1")
+        got = asyncio.run(b.run_op("set_pid", conn, {"op": "set_pid", "pid": 1}))
+        assert got["record"]["pid"] == 1
+        outside = os.getpid()  # a host process the container's namespace does not hold
+        with pytest.raises(BrokerRefusal, match=f"pid {outside} is not a process of yours"):
+            asyncio.run(b.run_op("set_pid", conn, {"op": "set_pid", "pid": outside}))
+    finally:
+        inner.kill()
+        inner.wait()
