@@ -93,12 +93,12 @@ def main(argv: list[str]) -> int:
             print(f"tenant {tenant.name} {what} ({tenant.describe()}); its socket directory "
                   f"{tenant_dir(args.socket_root, tenant.name)} is mounted at "
                   f"{CONTAINER_SOCKET_DIR} in its container")
-            print(_tell_broker(args.socket))
+            print(tell_broker(args.socket))
         elif args.action == "remove":
             left = remove_tenant(args.name, state_dir=args.state_dir,
                                  socket_root=args.socket_root, rules=rules)
             print(f"tenant {args.name} removed" + (f"; {left}" if left else ""))
-            print(_tell_broker(args.socket))
+            print(tell_broker(args.socket))
         else:
             table = {**load_table(args.state_dir), **rules}
             _print_list(table, args.socket_root, args.json)
@@ -123,8 +123,9 @@ def _print_list(table: Mapping[str, Tenant], socket_root: str, as_json: bool) ->
         print(f"  {t.name}  {t.describe()}  ({t.source})  {tenant_socket(socket_root, t.name)}")
 
 
-def _tell_broker(path: str) -> str:
-    """Ask the running broker at ``path`` to read its tenants again; one line saying so."""
+def tell_broker(path: str = DEFAULT_SOCKET) -> str:
+    """Ask the running broker at ``path`` (its main socket; root's ``reload``) to read its
+    tenants again; one line saying what happened."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(10.0)

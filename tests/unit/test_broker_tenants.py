@@ -497,3 +497,25 @@ def test_a_tenants_set_pid_names_a_pid_of_its_own_pid_namespace() -> None:
     finally:
         inner.kill()
         inner.wait()
+
+
+def test_a_tenant_the_hub_hook_adds_is_served_at_once(
+    tenant_broker: tuple[BrokerProc, Path, Path],
+) -> None:
+    """``autogpu_jupyter.hub``'s hook adds the hub user's tenant and tells the running broker:
+    the container it mounts the directory into finds a socket there."""
+    from autogpu_jupyter import hub
+
+    broker, sockets, _root_dir = tenant_broker
+
+    class Spawner:
+        def __init__(self) -> None:
+            self.user = type("User", (), {"name": "dave", "groups": []})()
+            self.volumes: dict[str, Any] = {}
+            self.environment: dict[str, str] = {}
+
+    hub.pre_spawn_hook(state_dir=str(broker.state), socket_root=str(sockets),
+                       broker_socket=str(broker.socket))(Spawner())
+    holder, got = _pick(sockets / "dave" / "broker.sock")
+    assert got["ok"] is True and got["record"]["user"] == "dave", got
+    holder.close()
