@@ -519,3 +519,24 @@ def test_a_tenant_the_hub_hook_adds_is_served_at_once(
     holder, got = _pick(sockets / "dave" / "broker.sock")
     assert got["ok"] is True and got["record"]["user"] == "dave", got
     holder.close()
+
+
+def test_sighup_serves_the_rules_files_tenants_as_they_are_now(
+    tenant_broker: tuple[BrokerProc, Path, Path], tmp_path: Path,
+) -> None:
+    """The rules file edited (erin added, bob removed) and the broker sent SIGHUP: erin's
+    socket is served, bob's holder is told in one line and bob's socket is gone."""
+    import signal
+
+    broker, sockets, _root_dir = tenant_broker
+    held, got = _pick(sockets / "bob" / "broker.sock")
+    assert got["record"]["user"] == "bob"
+    (tmp_path / "rules.json").write_text(json.dumps({"tenants": {"alice": {}, "erin": {}}}))
+    assert broker.proc is not None
+    broker.proc.send_signal(signal.SIGHUP)
+    notice = held.read()
+    assert notice["message"] == tenants.removed_refusal("bob")
+    assert not (sockets / "bob").exists()
+    erin, mine = _pick(sockets / "erin" / "broker.sock")
+    assert mine["record"]["user"] == "erin"
+    erin.close()
