@@ -37,7 +37,6 @@ from typing import Any
 
 from autogpu_jupyter.brokerd import tenants
 from autogpu_jupyter.brokerd.tenantcli import tell_broker
-from autogpu_jupyter.core.leasing.brokerclient import DEFAULT_SOCKET
 
 __all__ = ["VOLUME_NAME", "container_environment", "pre_spawn_hook", "tenant_name"]
 
@@ -93,7 +92,7 @@ def pre_spawn_hook(
     state_dir: str = tenants.DEFAULT_STATE_DIR,
     socket_root: str = tenants.DEFAULT_SOCKET_ROOT,
     socket_dir: str | Callable[[str], str] | None = None,
-    broker_socket: str = DEFAULT_SOCKET,
+    broker_socket: str = tenants.MAIN_SOCKET,
 ) -> Callable[[Any], None]:
     """A ``c.Spawner.pre_spawn_hook`` for DockerSpawner and KubeSpawner (module docstring).
 

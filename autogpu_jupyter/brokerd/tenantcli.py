@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from collections.abc import Mapping
 
@@ -15,6 +14,7 @@ from autogpu_jupyter.brokerd.tenants import (
     DEFAULT_RULES,
     DEFAULT_SOCKET_ROOT,
     DEFAULT_STATE_DIR,
+    MAIN_SOCKET,
     NAME_FORM,
     Tenant,
     TenantError,
@@ -26,7 +26,8 @@ from autogpu_jupyter.brokerd.tenants import (
     tenant_socket,
     validate_name,
 )
-from autogpu_jupyter.core.leasing.brokerclient import DEFAULT_SOCKET, PROTOCOL
+from autogpu_jupyter.core.leasing import admin
+from autogpu_jupyter.errors import AutoGPUError, RegistryUnreachableError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,9 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_SOCKET_ROOT}, root's, mode 0700)")
     common.add_argument("--rules", default=DEFAULT_RULES, metavar="FILE",
                         help=f"the broker's rules file (default {DEFAULT_RULES})")
-    common.add_argument("--socket", default=DEFAULT_SOCKET, metavar="PATH",
+    common.add_argument("--socket", default=MAIN_SOCKET, metavar="PATH",
                         help="the running broker's main socket, told to serve the change "
-                        f"(default {DEFAULT_SOCKET})")
+                        f"(default {MAIN_SOCKET})")
     sub = p.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
     add = sub.add_parser("add", parents=[common], help="add a tenant, or update its options")
     add.add_argument("name", metavar="NAME")
@@ -123,24 +124,14 @@ def _print_list(table: Mapping[str, Tenant], socket_root: str, as_json: bool) ->
         print(f"  {t.name}  {t.describe()}  ({t.source})  {tenant_socket(socket_root, t.name)}")
 
 
-def tell_broker(path: str = DEFAULT_SOCKET) -> str:
+def tell_broker(path: str = MAIN_SOCKET) -> str:
     """Ask the running broker at ``path`` (its main socket; root's ``reload``) to read its
     tenants again; one line saying what happened."""
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(10.0)
-            sock.connect(path)
-            sock.sendall(json.dumps({"op": "reload", "proto": PROTOCOL}).encode() + b"\n")
-            data = b""
-            while not data.endswith(b"\n") and len(data) < 65536:
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-        reply = json.loads(data)
-    except (OSError, ValueError):
-        return (f"the broker is not running at {path}: it serves the tenants when it starts")
-    if not isinstance(reply, dict) or reply.get("ok") is not True:
-        why = reply.get("error") if isinstance(reply, dict) else None
-        return f"the broker at {path} did not reload: {str(why)[:200]}"
+        admin.broker_at(path).reload_tenants()
+    except RegistryUnreachableError:
+        return f"the broker is not running at {path}: it serves the tenants when it starts"
+    except AutoGPUError as err:
+        why = (str(err).splitlines() or ["?"])[0]
+        return f"the broker at {path} did not reload: {why[:200]}"
     return f"the broker at {path} serves the change"

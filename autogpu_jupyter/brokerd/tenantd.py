@@ -16,16 +16,14 @@ their leases and tickets ended; its orphans (taken back after a restart) end too
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import socket
 from typing import Any
 
 from autogpu_jupyter.brokerd import net
 from autogpu_jupyter.brokerd import tenants as tenancy
+from autogpu_jupyter.brokerd.connections import peer_credentials
 from autogpu_jupyter.brokerd.identity import tenant_key
-from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
 
 __all__ = ["TenantSockets"]
 
@@ -83,7 +81,7 @@ class TenantSockets:
         def accepted(sock: socket.socket) -> None:
             tenant = self.tenants.get(name)
             if tenant is None:
-                _refuse(sock, tenancy.removed_refusal(name))
+                self._refuse(sock, tenancy.removed_refusal(name))
                 return
             self.broker.connections.accepted(sock, tenant=tenant)
         return accepted
@@ -94,7 +92,7 @@ class TenantSockets:
         listener = self.listeners.pop(name, None)
         line = tenancy.removed_refusal(name)
         if listener is not None:
-            _drain(listener.sock, line)  # connections waiting in the backlog: told too
+            self._drain(listener.sock, line)  # connections waiting in the backlog: told too
             listener.close()
         left = tenancy.remove_tenant_dir(self.config.tenant_socket_root, name)
         if left:
@@ -111,25 +109,23 @@ class TenantSockets:
         for lease_id in [i for i, o in book.orphans.items() if o.key == key]:
             book.forget_orphan(lease_id)
 
+    def _refuse(self, sock: socket.socket, why: str) -> None:
+        try:
+            uid = peer_credentials(sock)[1]
+        except OSError:
+            uid = -1
+        self.broker.connections.refuse(sock, uid, why)
+
+    def _drain(self, sock: socket.socket, why: str) -> None:
+        """Accept what waits in ``sock``'s backlog and tell each ``why``."""
+        for _ in range(4096):
+            try:
+                conn, _addr = sock.accept()
+            except OSError:
+                return
+            self._refuse(conn, why)
+
     def close(self) -> None:
         for listener in self.listeners.values():
             listener.close()
         self.listeners.clear()
-
-
-def _refuse(sock: socket.socket, why: str) -> None:
-    with contextlib.suppress(OSError):
-        sock.setblocking(False)
-        sock.send(json.dumps({"ok": False, "type": "RegistryError", "error": why,
-                              "proto": PROTOCOL}).encode() + b"\n")
-    sock.close()
-
-
-def _drain(sock: socket.socket, why: str) -> None:
-    """Accept what waits in ``sock``'s backlog and tell each ``why``."""
-    for _ in range(4096):
-        try:
-            conn, _addr = sock.accept()
-        except OSError:
-            return
-        _refuse(conn, why)
