@@ -13,6 +13,8 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from jupyter_client.manager import KernelManager
+
 from tests.kernelhelpers import Kernel
 
 PICK = (
@@ -21,11 +23,29 @@ PICK = (
 )
 
 
+class _IpcKernel(Kernel):
+    """A kernel on Unix sockets (``transport="ipc"``), in both modes: on the host, drivers side
+    by side picking TCP ports at the same moment collide (a container has a network namespace
+    of its own)."""
+
+    def __init__(self, cwd: str, n: int) -> None:
+        self.km = KernelManager(kernel_name="python3", transport="ipc",
+                                ip=os.path.join(cwd, f"k{os.getpid()}-{n}"))
+        self.km.start_kernel(env=dict(os.environ), cwd=cwd)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+
+def _started(cwd: str, n: int) -> Kernel:
+    return _IpcKernel(cwd, n)
+
+
 def main() -> int:
     k = int(sys.argv[1])
     cwd = os.environ.get("HERD_CWD", "/tmp")
     with ThreadPoolExecutor(k) as pool:
-        kernels = list(pool.map(lambda _i: Kernel(os.environ, cwd=cwd), range(k)))
+        kernels = [_started(cwd, n) for n in range(k)]
         try:
             for kern in kernels:
                 r = kern.run("%load_ext autogpu", timeout=120)
