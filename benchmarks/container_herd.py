@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -186,6 +187,7 @@ def main() -> int:
                 broker.wait_for(lambda s: s["leases_total"] == 0, timeout=120)
         finally:
             broker.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
     c, h = out["containers"], out["host"]
     if c["p50_s"] and h["p50_s"]:
         out["ratio_p50"] = c["p50_s"] / h["p50_s"]
