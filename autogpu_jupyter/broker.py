@@ -35,6 +35,7 @@ Operations (``{"op": ..., "proto": 2}``)::
                ended); other users' command lines are never sent
     status     counts: leases, tickets, per-user rows, connections (no records)
     revoke     root only: end a lease or ticket; its holder's connection is told, then closed
+    reload     root only (main socket): read the tenants again (brokerd/tenantd.py)
 
 **Bounded.** Nothing one user sends makes another user's reply or the broker's memory grow
 without a limit: record fields are capped in encoded bytes
@@ -106,6 +107,7 @@ from autogpu_jupyter.brokerd.picklock import (  # noqa: F401
     PickLock,
 )
 from autogpu_jupyter.brokerd.restore import Restorer
+from autogpu_jupyter.brokerd.tenantd import TenantSockets
 from autogpu_jupyter.brokerd.views import RowCache
 from autogpu_jupyter.brokerd.views import StateView as _StateView  # noqa: F401
 from autogpu_jupyter.core.leasing import admission
@@ -152,8 +154,12 @@ class BrokerConfig:
     #: A client that does not read a reply within this many seconds is dropped.
     send_timeout_s: float = 10.0
     subuid_path: str = "/etc/subuid"
-    #: The rules file's tenants (issue 40; brokerd/tenants.py): served from phase B on.
+    #: The rules file's tenants (issue 40; brokerd/tenants.py), beside the state directory's
+    #: table: each served on its own socket under ``tenant_socket_root`` (brokerd/tenantd.py).
     tenants: dict[str, tenancy.Tenant] = field(default_factory=dict)
+    tenant_socket_root: str = tenancy.DEFAULT_SOCKET_ROOT
+    #: The rules file read (``--rules``): its tenants are read again on a reload.
+    rules_path: str | None = None
 
     def load_rules(self, path: str) -> None:
         """Read the admin's rules file (JSON; see docs/admin-broker.md). Raises ``SystemExit``
@@ -179,6 +185,7 @@ class BrokerConfig:
             self.group_limits = {str(k): _count(v) for k, v in _obj(doc, "groups").items()}
             self.reserved = {str(k): _groups(k, v) for k, v in _obj(doc, "reserved").items()}
             self.tenants = tenancy.parse_rules(doc.get("tenants", {}))
+            self.rules_path = path
             bucket = _obj(doc, "unknown_uids")
             extra = set(bucket) - {"max_devices", "max_connections"}
             if extra:
@@ -256,8 +263,13 @@ class Broker:
             startup.check_state_dir(config.state_dir)
             journal = jrnl.Journal(config.state_dir)
         self.restorer = Restorer(self, journal)
+        self.tenant_sockets = TenantSockets(self)
         if journal is not None:
             self.restorer.load()
+
+    def reload(self) -> dict[str, list[str]]:
+        """Read the tenants again (SIGHUP, root's ``reload``): see brokerd/tenantd.py."""
+        return self.tenant_sockets.reload()
 
     async def run_op(self, op: str, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
         """Run one protocol op for ``conn`` (validate, then execute), as the serve loop does."""
@@ -300,6 +312,10 @@ async def serve(config: BrokerConfig, ready: Any = None) -> None:
     _initial_fleet(broker)
     sock = _inherited_socket() or net.listen(config.socket_path)
     listener = net.Listener(sock, broker.accepted)
+    try:
+        broker.reload()
+    except tenancy.TenantError as err:
+        raise SystemExit(f"autogpu broker: {err}") from None
     reaper = asyncio.create_task(broker.restorer.reap_orphans())
     if ready is not None:
         ready()
@@ -307,12 +323,21 @@ async def serve(config: BrokerConfig, ready: Any = None) -> None:
     stop = loop.create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: None if stop.done() else stop.set_result(None))
+    loop.add_signal_handler(signal.SIGHUP, _reload, broker)
     try:
         await stop
     finally:
         reaper.cancel()
         broker.stopping = True
         listener.close()
+        broker.tenant_sockets.close()
+
+
+def _reload(broker: Broker) -> None:
+    try:
+        broker.reload()
+    except (tenancy.TenantError, OSError) as err:
+        log.warning("reload refused, the tenants served are unchanged: %s", err)
 
 
 def main(config: BrokerConfig) -> int:

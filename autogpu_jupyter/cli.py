@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_broker.add_argument("--max-messages-per-s-per-user", type=float, default=500.0,
                           metavar="N", help="messages per second one non-root uid may send "
                           "(default 500; past it that user's messages wait)")
+    p_broker.add_argument("--tenant-socket-root", metavar="DIR",
+                          default="/run/autogpu-tenants",
+                          help="where the tenants' sockets are made, one directory each "
+                          "(root's, mode 0700; default /run/autogpu-tenants)")
     p_broker.add_argument("--rules", metavar="FILE", default=None,
                           help="the admin's rules (JSON: max_devices_per_user, per-user and "
                           "per-group limits, devices reserved for groups); a file named here "
@@ -628,6 +632,7 @@ def _cmd_broker(args: argparse.Namespace) -> int:
             subuid_path=args.subuid_file,
             messages_per_s_per_user=args.max_messages_per_s_per_user,
             record_commands=settings.record_commands,
+            tenant_socket_root=args.tenant_socket_root,
         )
         from autogpu_jupyter.brokerd import startup  # noqa: PLC0415
 

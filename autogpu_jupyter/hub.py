@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from autogpu_jupyter.brokerd import tenants
+from autogpu_jupyter.brokerd.tenantcli import tell_broker
 
 __all__ = ["VOLUME_NAME", "container_environment", "pre_spawn_hook", "tenant_name"]
 
@@ -91,6 +92,7 @@ def pre_spawn_hook(
     state_dir: str = tenants.DEFAULT_STATE_DIR,
     socket_root: str = tenants.DEFAULT_SOCKET_ROOT,
     socket_dir: str | Callable[[str], str] | None = None,
+    broker_socket: str = tenants.MAIN_SOCKET,
 ) -> Callable[[Any], None]:
     """A ``c.Spawner.pre_spawn_hook`` for DockerSpawner and KubeSpawner (module docstring).
 
@@ -112,6 +114,9 @@ def pre_spawn_hook(
     socket_dir
         The host directory mounted at the default socket's directory (a path, or a function of
         the tenant name); default: the tenant's directory under ``socket_root``.
+    broker_socket
+        The running broker's main socket: with ``add=True``, a tenant added or changed is
+        served at once (``autogpu broker tenant add`` tells it the same way).
 
     The hook raises (JupyterHub then shows the spawn as failed, with the message) when the
     tenant cannot be added: a container without its socket would fail every pick anyway.
@@ -126,7 +131,7 @@ def pre_spawn_hook(
         else:
             wanted = list(groups) if groups is not None else _hub_groups(spawner)
         checked = tenants.Tenant.make(tenant, wanted, max_devices)
-        _add(checked, add, state_dir, socket_root)
+        told = _add(checked, add, state_dir, socket_root, broker_socket)
         if socket_dir is None:
             host_dir = tenants.tenant_dir(socket_root, checked.name)
         else:
@@ -135,22 +140,25 @@ def pre_spawn_hook(
         spawner.environment = {**(getattr(spawner, "environment", None) or {}),
                                **container_environment()}
         logger = getattr(spawner, "log", log)
-        logger.info("autogpu: %s is tenant %s; %s mounted at %s", spawner.user.name,
-                    checked.name, host_dir, tenants.CONTAINER_SOCKET_DIR)
+        logger.info("autogpu: %s is tenant %s; %s mounted at %s%s", spawner.user.name,
+                    checked.name, host_dir, tenants.CONTAINER_SOCKET_DIR,
+                    f"; {told}" if told else "")
 
     return hook
 
 
-def _add(tenant: tenants.Tenant, add: Any, state_dir: str, socket_root: str) -> None:
+def _add(tenant: tenants.Tenant, add: Any, state_dir: str, socket_root: str,
+         broker_socket: str) -> str:
+    """Add ``tenant``; what the broker said, when this process told it (else ``""``)."""
     if add is False:
-        return
+        return ""
     if add is True:
-        tenants.add_tenant(tenant.name, tenant.groups, tenant.max_devices,
-                           state_dir=state_dir, socket_root=socket_root)
-        return
+        _, what = tenants.add_tenant(tenant.name, tenant.groups, tenant.max_devices,
+                                     state_dir=state_dir, socket_root=socket_root)
+        return "" if what == "unchanged" else tell_broker(broker_socket)
     if callable(add):
         add(tenant.name, list(tenant.groups), tenant.max_devices)
-        return
+        return ""
     cmd = [*add, "add", tenant.name, "--state-dir", state_dir, "--socket-root", socket_root]
     for group in tenant.groups:
         cmd += ["--group", group]
@@ -160,6 +168,7 @@ def _add(tenant: tenants.Tenant, add: Any, state_dir: str, socket_root: str) -> 
     if done.returncode != 0:
         why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
         raise RuntimeError(f"autogpu: adding tenant {tenant.name} failed: {why}")
+    return ""
 
 
 def _mount(spawner: Any, host_dir: str, tenant: str) -> None:

@@ -122,6 +122,8 @@ class LeaseBook:
         #: close)``.
         self.notify: Callable[[Any, dict[str, Any], bool], None] | None = None
         self._last_encoded: tuple[LeaseRecord | None, bytes] = (None, b"")
+        #: The tenants served now, by name (their own device limits); set by the broker.
+        self.tenants: Mapping[str, Any] = {}
 
     # -- the live state ---------------------------------------------------------------------
 
@@ -212,7 +214,8 @@ class LeaseBook:
     def applicant(self, conn: Holder) -> admission.Applicant:
         """Who asks, for the admission: the quota and the lines count the *person*
         (``conn.key``: a subordinate uid is its owner), the root check is the uid itself."""
-        return admission.Applicant(conn.uid, conn.user, frozenset(conn.groups), key=conn.key)
+        uid = conn.key if conn.account.tenant else conn.uid  # a tenant is never root
+        return admission.Applicant(uid, conn.user, frozenset(conn.groups), key=conn.key)
 
     def quota(self, conn: Holder) -> admission.Quota:
         limit, why = self.limit_for(conn)
@@ -230,6 +233,9 @@ class LeaseBook:
         user = conn.user
         if conn.account.unknown:
             return cfg.unknown_max_devices, " for uids without a passwd entry"
+        tenant = self.tenants.get(user) if conn.account.tenant else None
+        if tenant is not None and tenant.max_devices is not None:
+            return tenant.max_devices, f" for tenant {user}"
         if user in cfg.user_limits:
             return cfg.user_limits[user], f" for {user}"
         mine = {g: cfg.group_limits[g] for g in conn.groups if g in cfg.group_limits}
@@ -379,7 +385,7 @@ class LeaseBook:
         """A person joins the waiting line at most :data:`TICKETS_PER_S` times a second (a
         burst of :data:`TICKET_BURST`): a waiting pick takes one ticket; each costs the broker
         a decision."""
-        if conn.uid == 0:
+        if conn.uid == 0 and not conn.account.tenant:
             return
         now = time.monotonic()
         barred = self.line_barred.get(conn.key, 0.0)

@@ -24,9 +24,9 @@ from collections import Counter
 from typing import Any
 
 from autogpu_jupyter._version import __version__
-from autogpu_jupyter.brokerd import net
+from autogpu_jupyter.brokerd import net, peers
 from autogpu_jupyter.brokerd.book import BrokerRefusal
-from autogpu_jupyter.brokerd.identity import Account
+from autogpu_jupyter.brokerd.identity import Account, tenant_key
 from autogpu_jupyter.brokerd.ops import OLDER, OPS, RecordReply, before, older_reply
 from autogpu_jupyter.core.leasing.brokerclient import (
     MAX_REPLY_BYTES,
@@ -71,6 +71,14 @@ class Conn:
         self.greeted = False  # the first message's protocol was checked
         self.proto = PROTOCOL  # the protocol the client speaks (its first message's)
         self.granted_at = 0.0  # when it was last given the pick lock (monotonic)
+        #: The pid its records show: the connecting process's pid in its own pid namespace
+        #: (a tenant's container sees its own pids; ``pid`` stays the host's).
+        self.shown_pid = pid
+
+    @property
+    def root(self) -> bool:
+        """Root's exemptions: uid 0 on the main socket only (a tenant is never root)."""
+        return self.uid == 0 and not self.account.tenant
 
     @property
     def record(self) -> LeaseRecord | None:
@@ -120,20 +128,27 @@ class Connections:
         self.refused = 0  # connections refused since the last log line
         self._refused_logged = -math.inf  # the first refusal is logged, whatever the clock
 
-    def accepted(self, sock: socket.socket) -> None:
+    def accepted(self, sock: socket.socket, tenant: Any = None) -> None:
         """A new connection (from :class:`net.Listener`): admitted, or refused with one line
-        when the caps are reached (per person; in all, the last ones kept for root)."""
+        when the caps are reached (per person; in all, the last ones kept for root). On a
+        tenant's socket (``tenant``: a :class:`~autogpu_jupyter.brokerd.tenants.Tenant`) the
+        caller *is* that tenant, whatever its uid (issue 40)."""
         try:
             pid, uid, gid = peer_credentials(sock)
         except OSError:
             sock.close()
             return
-        account = self.broker.accounts.account(uid)
+        if tenant is not None:
+            account = tenant.account(tenant_key(tenant.name))
+        else:
+            account = self.broker.accounts.account(uid)
         why = self.refusal(uid, account)
         if why is not None:
             self.refuse(sock, uid, why)
             return
         conn = Conn(self.broker, uid, gid, pid, account)
+        if tenant is not None:
+            conn.shown_pid = peers.ns_pid(pid) or pid
         self.conns.add(conn)
         self.per_key[conn.key] += 1
         task = asyncio.get_running_loop().create_task(self.run(conn))
@@ -144,7 +159,7 @@ class Connections:
 
     def refusal(self, uid: int, account: Account) -> str | None:
         total = len(self.conns)
-        if uid == 0:
+        if uid == 0 and not account.tenant:
             if total >= self.conn_cap:
                 return f"the broker holds its most connections ({self.conn_cap}); try again"
             return None
@@ -277,7 +292,7 @@ class Connections:
         """A token bucket per person: a flood from one user (and their subordinate uids)
         delays that user's own messages."""
         rate = self.config.messages_per_s_per_user
-        if conn.uid == 0 or rate <= 0:
+        if conn.root or rate <= 0:
             return
         now = time.monotonic()
         bucket = self.buckets.setdefault(conn.key, [rate, now])

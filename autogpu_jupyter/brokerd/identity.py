@@ -35,7 +35,7 @@ import pwd
 import time
 from dataclasses import dataclass
 
-__all__ = ["UNKNOWN_KEY", "Account", "Accounts"]
+__all__ = ["UNKNOWN_KEY", "Account", "Accounts", "tenant_key"]
 
 log = logging.getLogger("autogpu.broker")
 
@@ -65,6 +65,19 @@ class Account:
     @property
     def unknown(self) -> bool:
         return self.key == UNKNOWN_KEY
+
+    @property
+    def tenant(self) -> bool:
+        """A tenant's account (issue 40): a connection on that tenant's socket, whatever its
+        uid; never root, whatever uid it runs as."""
+        return self.key < UNKNOWN_KEY
+
+
+def tenant_key(name: str) -> int:
+    """The account key of tenant ``name``: below :data:`UNKNOWN_KEY`, where no uid lies (uids
+    are >= 0), one per name (the name's bytes as a number) and the same after a restart, so
+    that the journal's leases of a tenant are taken back by that tenant."""
+    return UNKNOWN_KEY - 1 - int.from_bytes(name.encode(), "big")
 
 
 class Accounts:

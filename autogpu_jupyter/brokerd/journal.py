@@ -140,10 +140,12 @@ class Entry:
     record: str  # the record's exact encoded bytes, as text
     peer: int | None = None  # inode of the client's end of the connection
     pids: Pids = field(default_factory=list)  # holder processes seen: (pid, start time)
+    tenant: str | None = None  # the tenant whose socket it came through (issue 40)
 
     def line(self) -> dict[str, Any]:
-        return {"add": self.lease_id, "uid": self.uid, "record": self.record,
-                "peer": self.peer, "pids": [list(p) for p in self.pids]}
+        out = {"add": self.lease_id, "uid": self.uid, "record": self.record,
+               "peer": self.peer, "pids": [list(p) for p in self.pids]}
+        return out if self.tenant is None else {**out, "tenant": self.tenant}
 
     def encoded(self, seq: int | None = None) -> bytes:
         """:meth:`line` (plus ``seq`` when given) as its journal line: exactly the bytes
@@ -151,6 +153,8 @@ class Entry:
         one; ``json.dumps`` of a dict costs several times more than the strings it quotes)."""
         peer = "null" if self.peer is None else str(int(self.peer))
         tail = "" if seq is None else f',"seq":{int(seq)}'
+        if self.tenant is not None:
+            tail += f',"tenant":{_quote(self.tenant)}'
         return (
             f'{{"add":{_quote(self.lease_id)},"uid":{int(self.uid)},'
             f'"record":{_quote(self.record)},"peer":{peer},"pids":{_pids_text(self.pids)}'
@@ -271,6 +275,7 @@ class Journal:
                 record=str(doc["record"]),
                 peer=None if doc.get("peer") is None else _int(doc["peer"]),
                 pids=_pids(doc.get("pids", [])),
+                tenant=doc["tenant"] if isinstance(doc.get("tenant"), str) else None,
             )
             self.entries[e.lease_id] = e
             if isinstance(doc.get("seq"), int):

@@ -114,7 +114,7 @@ def holder_fields(ctx: Any, conn: Any, msg: Mapping[str, Any]) -> dict[str, Any]
             "UsageErrorBase",
         )
     return {
-        "pid": conn.pid,
+        "pid": conn.shown_pid,
         "kernel_id": _capped(holder, "kernel_id"),
         "notebook_path": _capped(holder, "notebook_path"),
         "command": _capped(holder, "command") if ctx.config.record_commands else None,
@@ -264,13 +264,16 @@ class SetPid(Op):
             raise BrokerRefusal("set_pid: this connection holds no lease")
         if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
             raise BrokerRefusal(f"set_pid: invalid pid {str(pid)[:40]!r}", "UsageErrorBase")
-        if conn.uid != 0 and conn.uid not in peers.pid_uids(pid):
+        # A tenant's pid is its container's: the host's process is found in the pid
+        # namespace of the connecting process, never read as a host pid.
+        host = peers.host_pid(pid, conn.pid) if conn.account.tenant else pid
+        if not conn.root and (host is None or conn.uid not in peers.pid_uids(host)):
             raise BrokerRefusal(f"set_pid: pid {pid} is not a process of yours")
-        return pid
+        return pid, host
 
     async def execute(self, ctx: Any, conn: Any, args: Any) -> dict[str, Any]:
-        pid = args
-        conn.holder_pids = peers.proc_ids(pid) or conn.holder_pids
+        pid, host = args
+        conn.holder_pids = peers.proc_ids(host) or conn.holder_pids
         conn.record = replace(conn.record, pid=pid)  # journaled with its new holders
         return {"ok": True, "record": conn.record._payload()}
 
@@ -314,14 +317,14 @@ class Leases(Op):
 
     async def execute(self, ctx: Any, conn: Any, args: Any) -> dict[str, Any]:
         kinds, cursor = args
-        records = [rec for _, rec in ctx.book.live() if rec.kind in kinds]
+        records = [(key, rec) for key, rec in ctx.book.live() if rec.kind in kinds]
         out: list[dict[str, Any]] = []
         size = 0
         nxt = None
-        for rec in records:
+        for key, rec in records:
             if cursor is not None and (rec.created_s, rec.lease_id) <= cursor:
                 continue
-            payload = shown(rec, conn.uid)
+            payload = shown(rec, conn.root or key == conn.key)
             size += len(json.dumps(payload))
             if out and (len(out) >= PAGE_RECORDS or size > PAGE_BYTES):
                 last = out[-1]
@@ -384,7 +387,7 @@ class Revoke(Op):
     name = "revoke"
 
     def validate(self, ctx: Any, conn: Any, msg: dict[str, Any]) -> Any:
-        if conn.uid != 0:
+        if not conn.root:
             raise BrokerRefusal("revoke needs root")
         return msg.get("lease_id")
 
@@ -395,6 +398,24 @@ class Revoke(Op):
                 f"revoke: no live lease or ticket {str(args)[:64]!r}", "UsageErrorBase"
             )
         return {"ok": True, "revoked": rec.holder_text(), "kind": rec.kind}
+
+
+class Reload(Op):
+    """Root only, on the main socket: read the tenants again (``autogpu broker tenant add``
+    and ``remove`` send it); what changed, by name."""
+
+    name = "reload"
+
+    def validate(self, ctx: Any, conn: Any, msg: dict[str, Any]) -> Any:
+        if not conn.root:
+            raise BrokerRefusal("reload needs root")
+        return msg
+
+    async def execute(self, ctx: Any, conn: Any, args: Any) -> dict[str, Any]:
+        try:
+            return {"ok": True, **ctx.reload()}
+        except (ValueError, OSError) as err:  # TenantError is a ValueError
+            raise BrokerRefusal(f"reload: {err}") from None
 
 
 async def before(ctx: Any, conn: Any, op: str) -> None:
@@ -410,7 +431,7 @@ async def before(ctx: Any, conn: Any, op: str) -> None:
 OPS: dict[str, Op] = {
     op.name: op
     for op in (Begin(), End(), Lease(), Pick(), Ticket(), SetPid(), Release(), Leases(),
-               Status(), Revoke())
+               Status(), Revoke(), Reload())
 }
 
 

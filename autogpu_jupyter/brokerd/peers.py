@@ -37,6 +37,8 @@ __all__ = [
     "proc_ids",
     "scan_socket_holders",
     "socket_exists",
+    "host_pid",
+    "ns_pid",
     "start_time",
 ]
 
@@ -57,6 +59,48 @@ def proc_ids(pid: int) -> Pids:
     """``[(pid, start time)]``, or ``[]`` when ``pid`` is gone."""
     start = start_time(pid)
     return [] if start is None else [(pid, start)]
+
+
+def _nspids(pid: int | str) -> list[int]:
+    """``pid``'s pids from the host's pid namespace down to its own (``NSpid``)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return [int(x) for x in line.split()[1:]]
+    except (OSError, ValueError):
+        pass
+    return []
+
+
+def ns_pid(pid: int) -> int | None:
+    """Host pid ``pid`` as its own pid namespace numbers it (a container's view)."""
+    ids = _nspids(pid)
+    return ids[-1] if ids else None
+
+
+def host_pid(pid: int, like: int) -> int | None:
+    """The host pid of the process that host pid ``like``'s pid namespace calls ``pid`` (a
+    pid a container sent in a message); ``None`` when there is none there."""
+    try:
+        ns = os.readlink(f"/proc/{like}/ns/pid")
+        if ns == os.readlink("/proc/self/ns/pid"):
+            return pid
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{name}/ns/pid") != ns:
+                continue
+        except OSError:
+            continue
+        ids = _nspids(name)
+        if ids and ids[-1] == pid:
+            return ids[0]
+    return None
 
 
 def pid_uids(pid: int) -> set[int]:

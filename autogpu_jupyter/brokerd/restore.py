@@ -22,6 +22,7 @@ from typing import Any
 from autogpu_jupyter.brokerd import journal as jrnl
 from autogpu_jupyter.brokerd import peers
 from autogpu_jupyter.brokerd.book import BrokerRefusal, LeaseBook, Orphan
+from autogpu_jupyter.brokerd.identity import tenant_key
 from autogpu_jupyter.core.leasing.records import Invalid, LeaseRecord, parse_record
 
 __all__ = ["Restorer"]
@@ -67,16 +68,17 @@ class Restorer:
         if new is None:
             return
         encoded = self.book.encoded(new).decode()
+        tenant = conn.user if conn.account.tenant else None
         try:
             if began:
                 peer = self.holder_ids(conn)[0]
                 journal.add(jrnl.Entry(new.lease_id, conn.uid, encoded, peer,
-                                       list(conn.holder_pids)), seq=new.seq)
+                                       list(conn.holder_pids), tenant), seq=new.seq)
             else:  # the same lease, changed (set_pid): the new record and its holders
                 known = journal.entries.get(new.lease_id)
                 peer = None if known is None else known.peer
                 journal.add(jrnl.Entry(new.lease_id, conn.uid, encoded, peer,
-                                       list(conn.holder_pids)))
+                                       list(conn.holder_pids), tenant))
         except jrnl.NotRecorded as err:  # not in the journal: the book undoes the change
             raise BrokerRefusal(err.refusal(new.kind, began), "RegistryUntrustedError") from None
 
@@ -153,7 +155,8 @@ class Restorer:
                 continue
             if rec.path != f"broker:{rec.lease_id}":
                 rec = replace(rec, path=f"broker:{rec.lease_id}")
-            key = self.broker.accounts.account(e.uid).key
+            key = (tenant_key(e.tenant) if e.tenant is not None
+                   else self.broker.accounts.account(e.uid).key)
             book.adopt(Orphan(e.uid, rec, pids, key, e.peer, netns))
             if pids != e.pids:  # a line only for holders that changed
                 journal.set_pids(rec.lease_id, pids)

@@ -14,6 +14,7 @@ from autogpu_jupyter.brokerd.tenants import (
     DEFAULT_RULES,
     DEFAULT_SOCKET_ROOT,
     DEFAULT_STATE_DIR,
+    MAIN_SOCKET,
     NAME_FORM,
     Tenant,
     TenantError,
@@ -25,6 +26,8 @@ from autogpu_jupyter.brokerd.tenants import (
     tenant_socket,
     validate_name,
 )
+from autogpu_jupyter.core.leasing import admin
+from autogpu_jupyter.errors import AutoGPUError, RegistryUnreachableError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_SOCKET_ROOT}, root's, mode 0700)")
     common.add_argument("--rules", default=DEFAULT_RULES, metavar="FILE",
                         help=f"the broker's rules file (default {DEFAULT_RULES})")
+    common.add_argument("--socket", default=MAIN_SOCKET, metavar="PATH",
+                        help="the running broker's main socket, told to serve the change "
+                        f"(default {MAIN_SOCKET})")
     sub = p.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
     add = sub.add_parser("add", parents=[common], help="add a tenant, or update its options")
     add.add_argument("name", metavar="NAME")
@@ -88,10 +94,12 @@ def main(argv: list[str]) -> int:
             print(f"tenant {tenant.name} {what} ({tenant.describe()}); its socket directory "
                   f"{tenant_dir(args.socket_root, tenant.name)} is mounted at "
                   f"{CONTAINER_SOCKET_DIR} in its container")
+            print(tell_broker(args.socket))
         elif args.action == "remove":
             left = remove_tenant(args.name, state_dir=args.state_dir,
                                  socket_root=args.socket_root, rules=rules)
             print(f"tenant {args.name} removed" + (f"; {left}" if left else ""))
+            print(tell_broker(args.socket))
         else:
             table = {**load_table(args.state_dir), **rules}
             _print_list(table, args.socket_root, args.json)
@@ -114,3 +122,16 @@ def _print_list(table: Mapping[str, Tenant], socket_root: str, as_json: bool) ->
     print(f"tenants: {len(rows)}")
     for t in rows:
         print(f"  {t.name}  {t.describe()}  ({t.source})  {tenant_socket(socket_root, t.name)}")
+
+
+def tell_broker(path: str = MAIN_SOCKET) -> str:
+    """Ask the running broker at ``path`` (its main socket; root's ``reload``) to read its
+    tenants again; one line saying what happened."""
+    try:
+        admin.broker_at(path).reload_tenants()
+    except RegistryUnreachableError:
+        return f"the broker is not running at {path}: it serves the tenants when it starts"
+    except AutoGPUError as err:
+        why = (str(err).splitlines() or ["?"])[0]
+        return f"the broker at {path} did not reload: {why[:200]}"
+    return f"the broker at {path} serves the change"

@@ -52,6 +52,7 @@ __all__ = [
     "DEFAULT_SOCKET_ROOT",
     "DEFAULT_STATE_DIR",
     "MAX_GROUPS",
+    "MAIN_SOCKET",
     "MAX_TENANTS",
     "NAME_FORM",
     "SOCKET_NAME",
@@ -96,6 +97,8 @@ SOCKET_NAME = os.path.basename(DEFAULT_SOCKET)
 CONTAINER_SOCKET_DIR = os.path.dirname(DEFAULT_SOCKET)
 #: The socket's path inside a tenant's container: the default socket, where every client looks.
 CONTAINER_SOCKET = DEFAULT_SOCKET
+#: The broker's main socket on the host (the default one), told of changes to the tenants.
+MAIN_SOCKET = DEFAULT_SOCKET
 
 
 class TenantError(ValueError):

@@ -23,10 +23,11 @@ __all__ = ["RowCache", "StateView", "device_rows", "shown", "view"]
 _VIEW_TEXT = 128
 
 
-def shown(rec: LeaseRecord, viewer_uid: int) -> dict[str, Any]:
-    """A record's payload for a client of ``viewer_uid``: other users' command lines are
-    left out (root sees them)."""
-    out = rec if viewer_uid in (0, rec.uid) else replace(rec, command=None)
+def shown(rec: LeaseRecord, see_all: bool) -> dict[str, Any]:
+    """A record's payload for a viewer: its command line only when ``see_all`` (the viewer's
+    own person's record, or root on the main socket); other people's and other tenants' are
+    left out, whatever uid they run as."""
+    out = rec if see_all else replace(rec, command=None)
     return out._payload()
 
 
@@ -46,7 +47,7 @@ def view(ctx: Any, conn: Any) -> dict[str, Any]:
     book = ctx.book
     index = book.index
     mine = index.own_leases(conn.key)
-    own = [shown(rec, conn.uid) for rec in mine]
+    own = [shown(rec, True) for rec in mine]
     cache = ctx.ops_cache
     devices = []
     mine_on = {uuid for rec in mine for uuid in rec.device_uuids}
@@ -61,7 +62,7 @@ def view(ctx: Any, conn: Any) -> dict[str, Any]:
     waiting = [rec for _, rec in index.tickets() if book.reserving(rec)]
     waiting.sort(key=admission.line_key)
     for rec in waiting:
-        payload = shown(replace(rec, command=None), conn.uid)
+        payload = shown(rec, False)
         size += len(json.dumps(payload))
         if len(tickets) >= VIEW_TICKETS or size > VIEW_TICKET_BYTES:
             break

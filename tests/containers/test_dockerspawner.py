@@ -1,5 +1,5 @@
 """JupyterHub with DockerSpawner and autogpu's pre_spawn_hook, against podman's Docker API
-(issue 40, phase A).
+(issue 40).
 
 A real ``jupyterhub`` (root) with the real ``configurable-http-proxy`` drives DockerSpawner,
 which talks to ``podman system service`` (rootful, runc, the settings of
@@ -7,11 +7,11 @@ tests/containerhelpers.py) on a Unix socket of the test's. The image is made fro
 files (``podman import`` of the harness's root filesystem: no registry is reachable); the
 server runs as uid 1000 on podman's bridge network, with ``/usr``, the venv's ``site-packages``
 and the checkout mounted read-only. ``c.Spawner.pre_spawn_hook`` is
-``autogpu_jupyter.hub.pre_spawn_hook``, given the host broker's main socket directory
-(``socket_dir``: the broker does not serve tenants' sockets yet): the hook adds the tenant to the
-table, mounts the directory at ``/run/autogpu`` and sets the environment; then ``autogpu run``
-in the user's container (a terminal's command, ``podman exec``) and a kernel the server starts
-both go through the host's broker.
+``autogpu_jupyter.hub.pre_spawn_hook``: the hook adds the tenant to the table, tells the running
+broker (which then listens on the tenant's socket), mounts the tenant's directory at
+``/run/autogpu`` and sets the environment; then ``autogpu run`` in the user's container (a
+terminal's command, ``podman exec``) holds a lease named by the tenant, and a kernel the server
+starts has the same environment.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import shutil
 import signal
 import subprocess
@@ -68,7 +67,8 @@ c.DockerSpawner.environment = {{
     "PYTHONPATH": "{repo}:{site}", "AUTOGPU_SIMULATE": {fleet!r},
 }}
 c.Spawner.pre_spawn_hook = pre_spawn_hook(
-    state_dir={state!r}, socket_root={socket_root!r}, socket_dir={socket_dir!r}, max_devices=1,
+    state_dir={state!r}, socket_root={socket_root!r}, broker_socket={broker_socket!r},
+    max_devices=1,
 )
 c.Spawner.start_timeout = 90
 c.Spawner.http_timeout = 90
@@ -120,7 +120,8 @@ def test_dockerspawner_with_the_hook_on_podman(tmp_path: Path) -> None:
         docker_host = stack.enter_context(podman_service(work))
         root = stack.enter_context(broker_area(4))
         area = Area(root, 4)
-        broker = BrokerProc(root, env={"AUTOGPU_SIMULATE": str(area.fleet)})
+        broker = BrokerProc(root, "--tenant-socket-root", str(work / "tenants"),
+                            env={"AUTOGPU_SIMULATE": str(area.fleet)})
         stack.callback(broker.stop)
         hubdir = tmp_path / "hub"
         hubdir.mkdir()
@@ -133,8 +134,8 @@ def test_dockerspawner_with_the_hook_on_podman(tmp_path: Path) -> None:
                      "CONTAINERS_CONF": podman_env(work)["CONTAINERS_CONF"]},
             fields={"hub_api_port": free_port(), "gateway": bridge_gateway(work),
                     "image": IMAGE, "site": SITE, "repo": str(REPO), "shared": str(root),
-                    "fleet": str(area.fleet), "state": str(work / "state"),
-                    "socket_root": str(work / "tenants"), "socket_dir": str(area.socket.parent)},
+                    "fleet": str(area.fleet), "state": str(broker.state),
+                    "socket_root": str(work / "tenants"), "broker_socket": str(area.socket)},
         )
         stack.callback(hub.stop)
         hub.wait_up()
@@ -142,7 +143,7 @@ def test_dockerspawner_with_the_hook_on_podman(tmp_path: Path) -> None:
 
         # The hook ran: alice is a tenant, with her directory; the container has the socket
         # directory at /run/autogpu and the environment that sends every pick to the broker.
-        assert tenants.load_table(str(work / "state"))["alice"] == tenants.Tenant(
+        assert tenants.load_table(str(broker.state))["alice"] == tenants.Tenant(
             "alice", (), 1)
         assert os.path.isdir(work / "tenants" / "alice")
         env = podman(work, "exec", "jupyter-alice", "/usr/bin/env").stdout.splitlines()
@@ -160,11 +161,7 @@ def test_dockerspawner_with_the_hook_on_podman(tmp_path: Path) -> None:
         )
         stack.callback(_end, held)
         st = broker.wait_for(lambda s: len(s["leases"]) == 1, timeout=60)
-        try:
-            owner = pwd.getpwuid(1000).pw_name
-        except KeyError:
-            owner = "unknown uids"
-        assert [(r["user"], r["uid"]) for r in st["leases"]] == [(owner, 1000)]
+        assert [(r["user"], r["uid"]) for r in st["leases"]] == [("alice", 1000)]
 
         # A kernel the single-user server starts inherits the same environment.
         code, kernel = hub.user_api("alice", "POST", "/kernels", {})

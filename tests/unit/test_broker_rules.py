@@ -1174,10 +1174,10 @@ def test_a_client_of_the_older_protocol_is_served_in_the_shapes_it_reads(
         (b"{not json\n", "malformed message (not JSON): connection closed"),
         (b'{"op": "frobnicate"}\n',
          'unknown message (op "frobnicate"; expected one of begin, end, lease, pick, ticket, '
-         "set_pid, release, leases, status, revoke): connection closed"),
+         "set_pid, release, leases, status, revoke, reload): connection closed"),
         (b'[1]\n',
          "unknown message (op null; expected one of begin, end, lease, pick, ticket, "
-         "set_pid, release, leases, status, revoke): connection closed"),
+         "set_pid, release, leases, status, revoke, reload): connection closed"),
     ],
 )
 def test_a_message_the_broker_cannot_take_is_answered_in_one_line_naming_why_then_closed(

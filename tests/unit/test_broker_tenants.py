@@ -7,18 +7,27 @@ mode), the directories and sockets on disk and their modes, one-line refusals.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing
 import os
 import socket
 import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from autogpu_jupyter.broker import BrokerConfig
+from autogpu_jupyter.broker import Broker, BrokerConfig, BrokerRefusal, Conn, Orphan
+from autogpu_jupyter.brokerd import ops as ops_mod
 from autogpu_jupyter.brokerd import tenants
+from autogpu_jupyter.brokerd.identity import UNKNOWN_KEY, Account, tenant_key
 from autogpu_jupyter.brokerd.tenants import NAME_FORM, Tenant, TenantError
+from tests.brokerhelpers import REPO, Area, BrokerProc, RawConn, broker_area
 
 
 @pytest.fixture
@@ -249,3 +258,289 @@ def test_the_refusal_of_a_removed_tenants_socket_is_one_line() -> None:
     line = tenants.removed_refusal("alice")
     assert "\n" not in line
     assert line.startswith("tenant alice was removed by the admin")
+
+
+# -- phase B: a connection on a tenant's socket is that tenant ---------------------------------
+#
+# In-process first (a ``Broker`` with connections made as its accept makes them), then a real
+# broker process with its tenant sockets.
+
+
+def _broker(**config: Any) -> Broker:
+    return Broker(BrokerConfig(socket_path="/nonexistent/b.sock", **config))
+
+
+def _on_socket_of(b: Broker, tenant: Tenant, uid: int = 1000) -> Conn:
+    """A connection of ``uid`` accepted on ``tenant``'s socket (a socketpair through the
+    broker's own accept)."""
+    async def accept() -> Conn:
+        ours, theirs = socket.socketpair()
+        _KEEP.append(theirs)
+        before = set(b.connections.conns)
+        b.connections.accepted(ours, tenant=tenant)
+        (conn,) = set(b.connections.conns) - before
+        conn.uid = uid  # a socketpair's peer is this (root) process: as a container's uid
+        return conn
+    return asyncio.run(accept())
+
+
+_KEEP: list[socket.socket] = []
+
+
+def _lease(b: Broker, conn: Conn, device: str, command: str | None = None) -> None:
+    conn.record = ops_mod.make_record(b, conn, "lease", {
+        "device_uuids": [device], "device_requested_bytes": [None], "exclusive": False,
+        "pid": conn.pid, "kernel_id": None, "notebook_path": None, "command": command,
+        "holder_kind": "process",
+    })
+
+
+def _root(b: Broker) -> Conn:
+    return Conn(b, 0, 0, os.getpid(), Account(0, "root", frozenset()))
+
+
+def test_two_tenants_of_one_uid_are_two_people() -> None:
+    """alice and bob, both uid 1000: each lease is named by its tenant, each sees only its own
+    command line (root on the main socket sees both), neither may release the other's
+    orphan. Caught before phase B: the viewer compared by uid (bob saw alice's command)."""
+    b = _broker(record_commands=True)
+    alice = _on_socket_of(b, Tenant.make("alice"))
+    bob = _on_socket_of(b, Tenant.make("bob"))
+    _lease(b, alice, "GPU-t1", command="python train.py --token=s3cret")
+    _lease(b, bob, "GPU-t2", command="python eval.py")
+
+    def commands(viewer: Conn) -> dict[str, str | None]:
+        got = asyncio.run(b.run_op("leases", viewer, {"op": "leases"}))
+        return {r["user"]: r["command"] for r in got["records"]}
+
+    assert commands(alice) == {"alice": "python train.py --token=s3cret", "bob": None}
+    assert commands(bob) == {"alice": None, "bob": "python eval.py"}
+    assert commands(_root(b)) == {"alice": "python train.py --token=s3cret",
+                                  "bob": "python eval.py"}
+    rec = alice.record
+    assert rec is not None
+    alice.record = None
+    b.book.adopt(Orphan(1000, rec, [], key=tenant_key("alice")))
+    with pytest.raises(BrokerRefusal, match="of yours is orphaned"):
+        asyncio.run(b.run_op("release", bob, {"op": "release", "lease_id": rec.lease_id}))
+    assert asyncio.run(b.run_op("release", alice, {"op": "release",
+                                                   "lease_id": rec.lease_id})) == {"ok": True}
+
+
+def test_uid_0_on_a_tenant_socket_is_the_tenant_not_root() -> None:
+    """A container running as root is still only its tenant: no revoke, no reload, no other
+    tenant's command line."""
+    b = _broker(record_commands=True)
+    bob = _on_socket_of(b, Tenant.make("bob"))
+    _lease(b, bob, "GPU-t2", command="python eval.py")
+    mallory = _on_socket_of(b, Tenant.make("alice"), uid=0)
+    assert bob.record is not None
+    with pytest.raises(BrokerRefusal, match=r"^revoke needs root$"):
+        asyncio.run(b.run_op("revoke", mallory, {"op": "revoke",
+                                                 "lease_id": bob.record.lease_id}))
+    with pytest.raises(BrokerRefusal, match=r"^reload needs root$"):
+        asyncio.run(b.run_op("reload", mallory, {"op": "reload"}))
+    got = asyncio.run(b.run_op("leases", mallory, {"op": "leases"}))
+    assert [r["command"] for r in got["records"]] == [None]
+
+
+@pytest.mark.parametrize(("tenant", "rules", "limit"), [
+    (Tenant.make("alice", ["students"], 3), {"users": {"alice": 2}, "groups": {"students": 1}},
+     3),
+    (Tenant.make("alice", ["students"]), {"users": {"alice": 2}, "groups": {"students": 1}}, 2),
+    (Tenant.make("alice", ["students"]), {"groups": {"students": 1}}, 1),
+    (Tenant.make("alice", ["students"]), {}, 4),
+])
+def test_a_tenants_limit_is_its_own_then_its_names_then_its_groups_then_the_default(
+    tenant: Tenant, rules: dict[str, Any], limit: int,
+) -> None:
+    b = _broker(max_devices_per_user=4, user_limits=rules.get("users", {}),
+                group_limits=rules.get("groups", {}))
+    b.book.tenants = {"alice": tenant}
+    conn = _on_socket_of(b, tenant)
+
+    async def begin() -> dict[str, Any]:
+        reply = await b.run_op("begin", conn, {"op": "begin"})
+        await b.run_op("end", conn, {"op": "end"})
+        return reply
+
+    assert asyncio.run(begin())["max_devices_per_user"] == limit
+
+
+def test_tenant_keys_are_stable_distinct_and_never_a_uid() -> None:
+    names = ["a", "b", "alice", "bob", "_", "a" * 32, "z" * 32]
+    keys = [tenant_key(n) for n in names]
+    assert len(set(keys)) == len(keys)
+    assert all(k < UNKNOWN_KEY for k in keys)
+    assert tenant_key("alice") == tenant_key("alice")
+
+
+@pytest.fixture
+def tenant_broker(tmp_path: Path) -> Iterator[tuple[BrokerProc, Path, Path]]:
+    """A real broker serving the rules file's alice (1 device) and bob, on 4 simulated GPUs."""
+    sockets = tmp_path / "tenant-sockets"
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps({"tenants": {"alice": {"max_devices": 1}, "bob": {}}}))
+    with broker_area(4) as root:
+        area = Area(root, 4)
+        broker = BrokerProc(root, "--tenant-socket-root", str(sockets), "--rules", str(rules),
+                            env={"AUTOGPU_SIMULATE": str(area.fleet)})
+        try:
+            yield broker, sockets, root
+        finally:
+            broker.stop()
+
+
+def _pick(path: Path) -> tuple[RawConn, Any]:
+    conn = RawConn(path)
+    return conn, conn.call({"op": "pick", "options": {}})
+
+
+def test_the_broker_serves_each_tenant_on_its_socket_and_keeps_it_over_a_restart(
+    tenant_broker: tuple[BrokerProc, Path, Path],
+) -> None:
+    broker, sockets, _root_dir = tenant_broker
+    assert stat.S_IMODE(os.stat(sockets).st_mode) == 0o700
+    held, got = _pick(sockets / "alice" / "broker.sock")
+    assert got["ok"] is True and got["record"]["user"] == "alice", got
+    second, refused = _pick(sockets / "alice" / "broker.sock")
+    assert refused["ok"] is False and "\n" not in refused["error"]
+    assert "for tenant alice" in refused["error"], refused
+    second.close()
+    bob, got_b = _pick(sockets / "bob" / "broker.sock")
+    assert got_b["record"]["user"] == "bob"
+    assert got_b["record"]["device_uuids"] != got["record"]["device_uuids"]
+    st = broker.status()
+    assert {u: r["leases"] for u, r in st["per_user"].items()} == {"alice": 1, "bob": 1}
+
+    broker.restart()  # kill -9, start: the holders' sockets are still open
+    st = broker.wait_for(lambda s: s["orphans"] == 2)
+    assert {u: r["leases"] for u, r in st["per_user"].items()} == {"alice": 1, "bob": 1}
+    # the orphan is alice's: bob may not release it, alice (a new connection) may
+    with RawConn(sockets / "bob" / "broker.sock") as other:
+        no = other.call({"op": "release", "lease_id": got["record"]["lease_id"]})
+        assert no["ok"] is False and "of yours" in no["error"]
+    with RawConn(sockets / "alice" / "broker.sock") as again:
+        assert again.call({"op": "release", "lease_id": got["record"]["lease_id"]})["ok"]
+    held.close()
+    bob.close()
+    broker.wait_for(lambda s: s["leases_total"] == 0)
+
+
+def test_adding_and_removing_a_tenant_is_served_without_a_restart(
+    tenant_broker: tuple[BrokerProc, Path, Path], tmp_path: Path,
+) -> None:
+    broker, sockets, _root_dir = tenant_broker
+    state = broker.state
+
+    def tenant_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "autogpu_jupyter.cli", "broker", "tenant", *args,
+             "--state-dir", str(state), "--socket-root", str(sockets),
+             "--rules", str(tmp_path / "rules.json"), "--socket", str(broker.socket)],
+            capture_output=True, text=True, cwd=str(REPO),
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+
+    added = tenant_cli("add", "carol", "--max-devices", "2")
+    assert added.returncode == 0, added.stderr
+    assert added.stdout.splitlines()[-1] == f"the broker at {broker.socket} serves the change"
+    holder, got = _pick(sockets / "carol" / "broker.sock")
+    assert got["record"]["user"] == "carol"
+    removed = tenant_cli("remove", "carol")
+    assert removed.returncode == 0, removed.stderr
+    notice = holder.read()
+    assert notice["event"] == "revoked"
+    assert notice["message"] == tenants.removed_refusal("carol")
+    assert holder.read() is None  # then closed
+    assert not (sockets / "carol").exists()
+    broker.wait_for(lambda s: s["leases_total"] == 0)
+
+
+def test_the_tenant_cli_says_in_one_line_when_no_broker_runs(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "autogpu_jupyter.cli", "broker", "tenant", "add", "dave",
+         "--state-dir", str(tmp_path / "state"), "--socket-root", str(tmp_path / "socks"),
+         "--rules", str(tmp_path / "none.json"), "--socket", str(tmp_path / "no.sock")],
+        capture_output=True, text=True, cwd=str(REPO), env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == (
+        f"the broker is not running at {tmp_path / 'no.sock'}: it serves the tenants when it "
+        "starts")
+
+
+def test_a_tenants_set_pid_names_a_pid_of_its_own_pid_namespace() -> None:
+    """A kernel in a container sends its container pid: the broker finds that process in the
+    pid namespace of the connecting process, never reads the number as a host pid. Caught with
+    the number read as a host pid: a host process of the same uid, which the container cannot
+    see, was accepted."""
+    inner = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "sleep", "60"])
+    try:
+        host = 0
+        for _ in range(100):  # the forked sleep: pid 1 of the new namespace
+            children = Path(f"/proc/{inner.pid}/task/{inner.pid}/children").read_text().split()
+            if children and "sleep" in Path(f"/proc/{children[0]}/cmdline").read_text():
+                host = int(children[0])
+                break
+            time.sleep(0.05)
+        assert host
+        b = _broker()
+        conn = _on_socket_of(b, Tenant.make("alice"), uid=0)
+        conn.pid = host  # as SO_PEERCRED names the container's process
+        _lease(b, conn, "GPU-t1")
+        got = asyncio.run(b.run_op("set_pid", conn, {"op": "set_pid", "pid": 1}))
+        assert got["record"]["pid"] == 1
+        outside = os.getpid()  # a host process the container's namespace does not hold
+        with pytest.raises(BrokerRefusal, match=f"pid {outside} is not a process of yours"):
+            asyncio.run(b.run_op("set_pid", conn, {"op": "set_pid", "pid": outside}))
+    finally:
+        inner.kill()
+        inner.wait()
+
+
+def test_a_tenant_the_hub_hook_adds_is_served_at_once(
+    tenant_broker: tuple[BrokerProc, Path, Path],
+) -> None:
+    """``autogpu_jupyter.hub``'s hook adds the hub user's tenant and tells the running broker:
+    the container it mounts the directory into finds a socket there."""
+    from autogpu_jupyter import hub
+
+    broker, sockets, _root_dir = tenant_broker
+
+    class Spawner:
+        def __init__(self) -> None:
+            self.user = type("User", (), {"name": "dave", "groups": []})()
+            self.volumes: dict[str, Any] = {}
+            self.environment: dict[str, str] = {}
+
+    hub.pre_spawn_hook(state_dir=str(broker.state), socket_root=str(sockets),
+                       broker_socket=str(broker.socket))(Spawner())
+    holder, got = _pick(sockets / "dave" / "broker.sock")
+    assert got["ok"] is True and got["record"]["user"] == "dave", got
+    holder.close()
+
+
+def test_sighup_serves_the_rules_files_tenants_as_they_are_now(
+    tenant_broker: tuple[BrokerProc, Path, Path], tmp_path: Path,
+) -> None:
+    """The rules file edited (erin added, bob removed) and the broker sent SIGHUP: erin's
+    socket is served, bob's holder is told in one line and bob's socket is gone."""
+    import signal
+
+    broker, sockets, _root_dir = tenant_broker
+    held, got = _pick(sockets / "bob" / "broker.sock")
+    assert got["record"]["user"] == "bob"
+    (tmp_path / "rules.json").write_text(json.dumps({"tenants": {"alice": {}, "erin": {}}}))
+    assert broker.proc is not None
+    broker.proc.send_signal(signal.SIGHUP)
+    notice = held.read()
+    assert notice["message"] == tenants.removed_refusal("bob")
+    for _ in range(200):  # the same reload then listens for erin
+        if (sockets / "erin" / "broker.sock").exists():
+            break
+        time.sleep(0.05)
+    assert not (sockets / "bob").exists()
+    erin, mine = _pick(sockets / "erin" / "broker.sock")
+    assert mine["record"]["user"] == "erin"
+    erin.close()

@@ -467,7 +467,8 @@ HELP = {
         '[--max-devices-per-user N] [--max-leases-per-user N] [--max-tickets-per-user N] '
         '[--max-connections-per-user N] [--max-connections N] [--ticket-grace SECONDS] '
         '[--send-timeout SECONDS] [--subuid-file FILE] [--max-messages-per-s-per-user N] '
-        '[--rules FILE] [--json] [{serve,status,tickets,revoke}] [lease_id] `autogpu broker` '
+        '[--tenant-socket-root DIR] [--rules FILE] [--json] [{serve,status,tickets,revoke}] '
+        '[lease_id] `autogpu broker` '
         'runs the lease broker in the foreground (systemd runs it through socket activation: '
         'see docs/admin-broker.md). `autogpu broker status` shows its leases, waiters and '
         'per-user counts; `autogpu broker tickets` lists the waiting line; `autogpu broker '
@@ -490,7 +491,9 @@ HELP = {
         'SECONDS a client that does not read a reply within this many seconds is dropped '
         '(default 10) --subuid-file FILE subordinate uid ranges: such a uid counts as its '
         'owner (default /etc/subuid) --max-messages-per-s-per-user N messages per second one '
-        "non-root uid may send (default 500; past it that user's messages wait) --rules FILE "
+        "non-root uid may send (default 500; past it that user's messages wait) "
+        "--tenant-socket-root DIR where the tenants' sockets are made, one directory each "
+        "(root's, mode 0700; default /run/autogpu-tenants) --rules FILE "
         "the admin's rules (JSON: max_devices_per_user, per-user and per-group limits, "
         "devices reserved for groups); a file named here must exist ('' for none); default "
         '/etc/autogpu/broker.json, read when it exists '
@@ -608,7 +611,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                "max_connections_per_user": 256, "max_connections": 0, "ticket_grace": 5.0,
                "send_timeout": 10.0, "subuid_file": "/etc/subuid",
                "max_messages_per_s_per_user": 500.0, "rules": None,
-               "json": False},
+               "tenant_socket_root": "/run/autogpu-tenants", "json": False},
     "hosts": {"prometheus": None, "min_free": None, "max_util": None, "count": None,
               "json": False, "best": False},
     "exporter": {"host": "127.0.0.1", "port": 9445, "interval": None, "hostname": "",
@@ -643,14 +646,15 @@ def test_numeric_flags_are_read_as_numbers_and_switches_as_true() -> None:
         "--max-tickets-per-user", "0", "--max-connections-per-user", "9",
         "--max-connections", "99", "--ticket-grace", "2.5", "--send-timeout", "0.5",
         "--subuid-file", "/u", "--max-messages-per-s-per-user", "7.5", "--rules", "/r",
-        "--json"]))
+        "--tenant-socket-root", "/t", "--json"]))
     del broker["_subparsers"]
     assert broker == {
         "command": "broker", "action": "revoke", "lease_id": "abc", "socket": "/s",
         "foreground": True, "state_dir": "", "max_devices_per_user": 3,
         "max_leases_per_user": 4, "max_tickets_per_user": 0, "max_connections_per_user": 9,
         "max_connections": 99, "ticket_grace": 2.5, "send_timeout": 0.5, "subuid_file": "/u",
-        "max_messages_per_s_per_user": 7.5, "rules": "/r", "json": True,
+        "max_messages_per_s_per_user": 7.5, "rules": "/r", "tenant_socket_root": "/t",
+        "json": True,
         "handler": cli_mod._cmd_broker}
     assert [type(broker[k]) for k in ("max_devices_per_user", "max_connections_per_user",
                                        "max_connections", "ticket_grace", "send_timeout",

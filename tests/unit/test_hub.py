@@ -66,7 +66,8 @@ class KubeSpawner:
 
 @pytest.fixture
 def where(tmp_path: Path) -> dict[str, str]:
-    return {"state_dir": str(tmp_path / "state"), "socket_root": str(tmp_path / "sockets")}
+    return {"state_dir": str(tmp_path / "state"), "socket_root": str(tmp_path / "sockets"),
+            "broker_socket": str(tmp_path / "no-broker.sock")}
 
 
 def test_docker_the_tenant_is_added_and_its_directory_mounted_read_only(
@@ -87,7 +88,8 @@ def test_docker_the_tenant_is_added_and_its_directory_mounted_read_only(
         "AUTOGPU_BROKER_FALLBACK": "",
     }
     assert spawner.log.lines[-1] == (
-        f"autogpu: alice is tenant alice; {alice} mounted at /run/autogpu")
+        f"autogpu: alice is tenant alice; {alice} mounted at /run/autogpu; the broker is not "
+        f"running at {where['broker_socket']}: it serves the tenants when it starts")
 
 
 def test_a_second_spawn_reuses_the_tenant_and_never_keeps_another_tenants_mount(

@@ -714,6 +714,16 @@ class BrokerRegistry(LeaseStore):
             conn.close()
         return str(reply.get("kind", "lease")), str(reply.get("revoked", ""))
 
+    def reload_tenants(self) -> dict[str, Any]:
+        """Have the broker read its tenants again (root only; ``autogpu broker tenant``):
+        what changed, by name (``added``, ``removed``, ``updated``)."""
+        conn = self._conn()
+        try:
+            reply: dict[str, Any] = conn.call({"op": "reload"})
+        finally:
+            conn.close()
+        return reply
+
     def list_tickets(self) -> list[LeaseRecord]:
         """The waiting line, oldest first (``autogpu broker tickets``)."""
         conn = self._conn()
