@@ -1072,7 +1072,7 @@ def test_a_revoke_on_the_inherited_lease_connection_is_said_once(
     import socket
 
     monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
-    monkeypatch.setattr(magics, "_ended_lease_fds", set())
+    monkeypatch.setattr(magics.hooks, "_ended_lease_fds", set())
     ours, theirs = socket.socketpair()
     with ours, theirs:
         monkeypatch.setenv("AUTOGPU_LEASE_FD", str(ours.fileno()))
@@ -1224,7 +1224,7 @@ def test_an_overload_check_that_fails_is_logged_not_printed(
         raise NVMLUnavailableError("NVIDIA driver not loaded")
 
     monkeypatch.setattr(overload, "pending_warning", unreadable)
-    monkeypatch.setattr(magics, "_skip_hook_once", False)
+    monkeypatch.setattr(magics.hooks, "_skip_hook_once", False)
     monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
     caplog.set_level(logging.DEBUG, logger="autogpu_jupyter.magics")
     magics._overload_hook()

@@ -542,7 +542,7 @@ def test_the_provisioners_note_is_printed_once_under_the_first_cell(
     with "autogpu: " before it, and never again. Caught: the note dropped (None, or "" for any
     note), printed only once already shown, printed again (not marked as shown), printed as
     "None"."""
-    monkeypatch.setattr(magics, "_note_shown", False)
+    monkeypatch.setattr(magics.hooks, "_note_shown", False)
     monkeypatch.setenv("AUTOGPU_PICK_NOTE", "started CPU-only because no GPU fits")
     magics._pick_note_once()
     magics._pick_note_once()
@@ -577,7 +577,7 @@ def test_a_revoke_on_this_kernels_own_lease_is_said_once_and_only_its_first_even
     from autogpu_jupyter.core import session as session_mod
 
     monkeypatch.delenv("AUTOGPU_LEASE_FD", raising=False)
-    monkeypatch.setattr(magics, "_ended_lease_fds", set())
+    monkeypatch.setattr(magics.hooks, "_ended_lease_fds", set())
     ours, theirs = socket.socketpair()
     with ours, theirs:
         choice = argparse.Namespace(lease=_Lease(ours.fileno(), held=True))
@@ -599,7 +599,7 @@ def test_a_lease_no_longer_held_is_not_read(
     from autogpu_jupyter.core import session as session_mod
 
     monkeypatch.delenv("AUTOGPU_LEASE_FD", raising=False)
-    monkeypatch.setattr(magics, "_ended_lease_fds", set())
+    monkeypatch.setattr(magics.hooks, "_ended_lease_fds", set())
     ours, theirs = socket.socketpair()
     with ours, theirs:
         choice = argparse.Namespace(lease=_Lease(ours.fileno(), held=False))
@@ -622,7 +622,7 @@ def test_an_ended_lease_connection_does_not_hide_the_inherited_ones_revoke(
     own, own_peer = socket.socketpair()
     inherited, inherited_peer = socket.socketpair()
     with own, own_peer, inherited, inherited_peer:
-        monkeypatch.setattr(magics, "_ended_lease_fds", {own.fileno()})
+        monkeypatch.setattr(magics.hooks, "_ended_lease_fds", {own.fileno()})
         choice = argparse.Namespace(lease=_Lease(own.fileno(), held=True))
         monkeypatch.setattr(session_mod, "current", lambda: choice)
         monkeypatch.setenv("AUTOGPU_LEASE_FD", str(inherited.fileno()))
