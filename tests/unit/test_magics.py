@@ -9,7 +9,6 @@ real-kernel behaviour (os.environ inside a kernel, interrupts, too late) is in
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -1307,38 +1306,6 @@ GiB = 1024**3
 NOT_OURS = 2**22 + 7
 
 
-# ---- one-line errors, the pending move ---------------------------------------------------------
-
-
-def test_an_error_without_words_is_named_by_its_type() -> None:
-    """An exception whose text is empty or blank is shown as its class name, never as an empty
-    line. Caught: the name of ``NoneType`` shown instead of the exception's own."""
-    assert magics._one_line(ValueError("  \n")) == "ValueError"
-    assert magics._one_line(KeyError()) == "KeyError"
-
-
-def test_an_unreadable_pending_move_is_no_move_and_a_debug_record_saying_why(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """``%gpu status`` asks for a pending move; a move file that cannot be read is no move
-    (``None``) and one debug record with the error's text. Caught: the record's text changed
-    (in words, in capitals, or gone), the error left out of it, or the record's text replaced
-    by the error (or by None)."""
-    from autogpu_jupyter.core import moves
-    from autogpu_jupyter.errors import AutoGPUError
-
-    def unreadable() -> None:
-        raise AutoGPUError("move file /tmp/k/move.json: not valid JSON")
-
-    monkeypatch.setattr(moves, "pending_move_text", unreadable)
-    caplog.set_level(logging.DEBUG, logger="autogpu_jupyter.magics")
-    assert magics._pending_move_text() is None
-    assert [(r.levelno, r.getMessage()) for r in caplog.records
-            if r.name == "autogpu_jupyter.magics"] == [
-        (logging.DEBUG, "pending move not readable: move file /tmp/k/move.json: not valid JSON")
-    ]
-
-
 # ---- the %gpu? help ----------------------------------------------------------------------------
 
 
@@ -1390,75 +1357,6 @@ def test_the_pick_help_says_usage_in_english_like_the_rest_of_it(
     assert magics._pick_help().splitlines()[0] == (
         "usage: %gpu pick [--min-free SIZE] [--max-util PCT] [--count N] [--exclude IDS]"
     )
-
-
-# ---- the --dry-run ranking ---------------------------------------------------------------------
-
-
-def _ranking_of(tmp_path: Path, data: dict[str, Any], **asked: Any) -> Any:
-    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-    from autogpu_jupyter.core.options import PickOptions
-    from autogpu_jupyter.core.picker import pick
-    from autogpu_jupyter.core.policy import Constraints
-
-    path = tmp_path / "fleet.json"
-    path.write_text(json.dumps(data))
-    return pick(PickOptions(Constraints.parse(**asked)), backend=SimulatedBackend(str(path)),
-                environ={}, dry_run=True)
-
-
-def test_a_ranking_shows_unknown_utilisation_as_a_question_mark_and_every_reason(
-    tmp_path: Path,
-) -> None:
-    """GPU 0 does not report its utilisation ("?"), GPU 1 is dropped for two reasons (both
-    shown, joined by "; "), and with nothing else fitting the last line names no runner-up.
-    Caught: the unknown utilisation formatted as a number (a TypeError) or shown as another
-    mark, the reasons joined by something else, and "over" text made up for no runner-up."""
-    from tests.leasehelpers import fleet
-
-    data = fleet(2)
-    data["devices"][0]["utilization_pct"] = None
-    data["devices"][1].update(memory_used=75 * GiB, utilization_pct=90)
-    result = _ranking_of(tmp_path, data, min_free="10G", max_util="50")
-    under = " " * 71
-    assert magics.format_ranking(result).splitlines() == [
-        "autogpu [SIMULATED] dry run (min free 10.0 GiB, max util 50%): nothing changed",
-        "  rank  device  name                       free  util  load    leases  verdict",
-        "  1     GPU 0   NVIDIA A100-SXM4-80GB  80.0 GiB     ?  0% mem       0  would pick: "
-        "80.0 GiB free >= 10.0 GiB wanted;",
-        f"{under}utilisation unknown (not supported here): not",
-        f"{under}filtered on it",
-        "  -     GPU 1   NVIDIA A100-SXM4-80GB   5.0 GiB   90%  -            0  dropped: only "
-        "5.0 GiB free < 10.0 GiB wanted;",
-        f"{under}utilisation 90% > max 50%",
-        "  why GPU 0: the only device that fits",
-    ]
-
-
-def test_a_ranking_is_120_columns_wide_unless_told(tmp_path: Path) -> None:
-    """``%gpu pick --dry-run`` calls the ranking without a width: it fits 120 columns, so a
-    verdict that would end at column 121 wraps under itself. Caught: a default width of 121."""
-    from tests.leasehelpers import fleet
-
-    data = fleet(2)
-    for device in data["devices"]:
-        device["name"] = "NVIDIA H100 PCIe 80GB HBM2"  # 26 characters: the lines reach 121
-    data["devices"][1]["memory_used"] = 75 * GiB
-    result = _ranking_of(tmp_path, data, min_free="10G")
-    under = " " * 77
-    lines = magics.format_ranking(result).splitlines()
-    assert lines == [
-        "autogpu [SIMULATED] dry run (min free 10.0 GiB): nothing changed",
-        "  rank  device  name                            free  util  load     leases  verdict",
-        "  1     GPU 0   NVIDIA H100 PCIe 80GB HBM2  80.0 GiB    0%  0% util       0  would pick: "
-        "80.0 GiB free >= 10.0 GiB",
-        f"{under}wanted",
-        "  -     GPU 1   NVIDIA H100 PCIe 80GB HBM2   5.0 GiB    0%  -             0  dropped: "
-        "only 5.0 GiB free < 10.0 GiB",
-        f"{under}wanted",
-        "  why GPU 0: the only device that fits",
-    ]
-    assert magics.format_ranking(result, width=121).splitlines()[2] == lines[2] + " wanted"
 
 
 # ---- the sidebar's pick, the words of a source -------------------------------------------------
@@ -1635,126 +1533,6 @@ def test_a_waiting_line_in_a_kernel_ends_with_no_newline_of_its_own(
     progress.shown = True  # as after its first display
     progress.__exit__(None, None, None)
     assert capsys.readouterr().out == ""
-
-
-# ---- the summary's small parts -----------------------------------------------------------------
-
-
-def test_the_utilisation_words_of_a_summary() -> None:
-    """Caught: the unknown utilisation's words changed (in words or in capitals)."""
-    assert magics._pct(None) == "util unknown"
-    assert magics._pct(42.4) == "util 42%"
-
-
-def test_the_variables_line_of_an_amd_pick_names_rocr_then_hip_as_set() -> None:
-    """On an AMD host the summary shows ROCr's variable, then HIP's where it is set (not
-    CUDA's); elsewhere CUDA's. Caught: either ROCm name misspelt (in words or small letters,
-    so a variable left out or CUDA's shown), the set ones left out (or a missing one read:
-    a KeyError), the line not indented by two spaces, the names joined by something else
-    than a space, nothing joined (a TypeError), the indent subtracted (a TypeError)."""
-    both = {"ROCR_VISIBLE_DEVICES": "GPU-ab12", "HIP_VISIBLE_DEVICES": "0",
-            "CUDA_VISIBLE_DEVICES": "0"}
-    assert magics._env_line(both) == "  ROCR_VISIBLE_DEVICES=GPU-ab12 HIP_VISIBLE_DEVICES=0"
-    assert magics._env_line({"ROCR_VISIBLE_DEVICES": "GPU-ab12"}) == (
-        "  ROCR_VISIBLE_DEVICES=GPU-ab12")
-    assert magics._env_line({"CUDA_VISIBLE_DEVICES": "GPU-1"}) == "  CUDA_VISIBLE_DEVICES=GPU-1"
-
-
-def test_nothing_fitting_is_shown_as_its_reasons_under_one_autogpu_line_and_how_to_wait() -> None:
-    """When no device fits, the notebook shows the error's own lines, the first one prefixed
-    "autogpu: ", the per-device reasons as they are, then what to do. Caught: the error's text
-    replaced by "None", the prefix on no line, on every line, or on the second one only."""
-    from autogpu_jupyter.errors import NoDeviceFitsError
-
-    err = NoDeviceFitsError("no device fits (min free 500.0 GiB):\n  GPU 0: only 80.0 GiB free\n"
-                            "  GPU 1: only 79.0 GiB free")
-    shown = magics._no_fit(err, argparse.Namespace(wait=None), "%gpu pick")
-    assert shown._render_traceback_() == [  # type: ignore[attr-defined]
-        "autogpu: no device fits (min free 500.0 GiB):",
-        "  GPU 0: only 80.0 GiB free",
-        "  GPU 1: only 79.0 GiB free",
-        "  nothing changed; to wait in line until a device fits, add --wait: %gpu pick ... "
-        "--wait 10m (interrupt the kernel to cancel)",
-    ]
-
-
-def _picked(tmp_path: Path, n: int, count: int = 1) -> Any:
-    """A dry-run pick of ``count`` of ``n`` idle simulated GPUs, ranked by the smoothed loads
-    GPU 0: 30 %, GPU 1: 20 %, GPU 2: 25 % (what the sampler would have given)."""
-    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-    from autogpu_jupyter.core.options import PickOptions
-    from autogpu_jupyter.core.picker import pick
-    from autogpu_jupyter.core.policy import Constraints
-    from tests.leasehelpers import fleet, uuid_of
-
-    path = tmp_path / "fleet.json"
-    path.write_text(json.dumps(fleet(n)))
-    loads = {uuid_of(0): 30.0, uuid_of(1): 20.0, uuid_of(2): 25.0}
-    return pick(PickOptions(Constraints.parse(count=str(count))),
-                backend=SimulatedBackend(str(path)), environ={}, dry_run=True,
-                smoothed_util={u: v for u, v in loads.items() if int(u[-1]) < n})
-
-
-def test_a_two_device_summary_gives_each_device_as_it_was_ranked(tmp_path: Path) -> None:
-    """Two devices picked: each line gives the smoothed load the pick ranked the device by (not
-    its raw 0 % reading), and a re-pick names the devices it has now, comma separated.
-    Caught: the devices summed up from their raw readings (no candidate, or the candidate of
-    no UUID), the devices joined by something else."""
-    result = _picked(tmp_path, 3, count=2)
-    lines = magics.format_pick(dataclasses.replace(result, previous="GPU 1")).splitlines()
-    assert lines[:3] == [
-        "autogpu [SIMULATED]: picked 2 devices:",
-        "  GPU 1 · NVIDIA A100-SXM4-80GB · GPU-00000001: 80.0 GiB free of 80.0 GiB, util 20%",
-        "  GPU 2 · NVIDIA A100-SXM4-80GB · GPU-00000002: 80.0 GiB free of 80.0 GiB, util 25%",
-    ]
-    assert lines[4] == "  you had GPU 1; now GPU 1, GPU 2 (one lease: the old one was released)"
-
-
-def test_a_kept_device_is_summed_up_as_ranked_and_a_kept_pick_without_one_says_its_device(
-    tmp_path: Path,
-) -> None:
-    """A kept pick (the kernelspec's lease) shows its device as the pick ranked it (smoothed
-    load 30 %, not the raw 0 %); one whose result names no device says "its device". Caught:
-    the kept device's candidate not looked up (or looked up by no UUID), the first device read
-    from an empty result (an IndexError), a missing device read (an AttributeError), "its
-    device" in other words or capitals."""
-    result = _picked(tmp_path, 1)
-    kept = dataclasses.replace(result, kept=True)
-    assert magics.format_pick(kept).splitlines()[0] == (
-        "autogpu [SIMULATED]: kept GPU 0 · NVIDIA A100-SXM4-80GB · GPU-00000000: 80.0 GiB free "
-        "of 80.0 GiB, util 30%"
-    )
-    bare = dataclasses.replace(result, kept=True, chosen=())
-    assert magics.format_pick(bare).splitlines()[0] == "autogpu [SIMULATED]: kept its device"
-
-
-@pytest.mark.parametrize(("waited_s", "line"), [
-    (0.99, None),
-    (1.0, "  waited 1s in line"),
-    (1.04, "  waited 1s in line"),
-    (1.5, "  waited 1.5s in line"),
-])
-def test_a_summary_says_how_long_the_pick_waited_from_one_second_on(
-    tmp_path: Path, waited_s: float, line: str | None
-) -> None:
-    """A wait of a second or more is said, rounded to the tenth (1.04 s is "1s"); a shorter one
-    is not. Caught: a wait of exactly 1 s (or 1.5 s) left out, the line made None (a
-    TypeError), the duration read from None, rounded to whole seconds, to the hundredth, or
-    replaced by 1."""
-    result = dataclasses.replace(_picked(tmp_path, 1), waited_s=waited_s)
-    waited = [ln for ln in magics.format_pick(result).splitlines() if ln.startswith("  waited")]
-    assert waited == ([] if line is None else [line])
-
-
-def test_a_summary_without_a_lease_says_why(tmp_path: Path) -> None:
-    """No lease taken (the store refused, read-only): the summary says so with the reason,
-    before the variables. Caught: the line made None (a TypeError)."""
-    result = dataclasses.replace(_picked(tmp_path, 1), lease=None,
-                                 lease_note="the lease registry is read-only")
-    assert magics.format_pick(result).splitlines()[-2:] == [
-        "  no lease: the lease registry is read-only",
-        "  CUDA_VISIBLE_DEVICES=",
-    ]
 
 
 # ---- the sampler's start, the provisioner's note, the lease events -----------------------------
