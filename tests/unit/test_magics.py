@@ -8,10 +8,14 @@ real-kernel behaviour (os.environ inside a kernel, interrupts, too late) is in
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import os
+import pwd
 import re
 import threading
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,9 @@ from traitlets.config import Config
 
 from autogpu_jupyter import magics
 from autogpu_jupyter.core import session
+from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
 from autogpu_jupyter.core.sampler import THREAD_NAME, stop_sampler
+from autogpu_jupyter.errors import NoDeviceFitsError, RegistryError
 from tests.fakenvml import FakeNvml, fleet_4x
 
 U = [d["uuid"] for d in fleet_4x()["devices"]]
@@ -1072,7 +1078,7 @@ def test_a_revoke_on_the_inherited_lease_connection_is_said_once(
     import socket
 
     monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
-    monkeypatch.setattr(magics, "_ended_lease_fds", set())
+    monkeypatch.setattr(magics.hooks, "_ended_lease_fds", set())
     ours, theirs = socket.socketpair()
     with ours, theirs:
         monkeypatch.setenv("AUTOGPU_LEASE_FD", str(ours.fileno()))
@@ -1224,7 +1230,7 @@ def test_an_overload_check_that_fails_is_logged_not_printed(
         raise NVMLUnavailableError("NVIDIA driver not loaded")
 
     monkeypatch.setattr(overload, "pending_warning", unreadable)
-    monkeypatch.setattr(magics, "_skip_hook_once", False)
+    monkeypatch.setattr(magics.hooks, "_skip_hook_once", False)
     monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
     caplog.set_level(logging.DEBUG, logger="autogpu_jupyter.magics")
     magics._overload_hook()
@@ -1277,3 +1283,1340 @@ def test_no_wait_is_suggested_where_the_options_rule_out_every_gpu(
     assert "  nothing changed; no wait can help: these options themselves rule out every device" \
         in text
     assert "--wait" not in text
+
+
+# ==== folded from test_magics_functions_mutants.py (issue 42) ====================================
+# The module-level helpers and small classes of ``magics.py``, each pinned to its exact output
+# (issue 22's mutation run of the magics): the one-line error text, the debug records of an
+# unreadable pending move and of a sampler that cannot start, the ``%gpu?`` option help, the
+# summary of a pick (several devices, a kept device, the wait, no lease, the variables of an AMD
+# host, nothing fitting) and the ``--dry-run`` ranking (unknown utilisation, several reasons, no
+# runner-up, its default width), the sidebar's answer, the words of a choice's source, the
+# ``%%gpu`` cell's sampling and report, the waiting line, the provisioner's note, the lease
+# broker's events, and what loading and unloading the extension register and take back.
+#
+# Everything runs in this process: hand-made snapshots and stand-ins for the sampler and the
+# lease, socket pairs for the broker's events, a simulated fleet file for the pick and the
+# ranking, and the in-process ``InteractiveShell`` over the fake NVML host of this file
+# (its ``shell`` fixture) for the sidebar and for loading and unloading.
+
+
+GiB = 1024**3
+#: A PID no process can have (above Linux's largest pid_max, 2**22): never this process's.
+NOT_OURS = 2**22 + 7
+
+
+# ---- the %gpu? help ----------------------------------------------------------------------------
+
+
+def _other_pick_parser() -> argparse.ArgumentParser:
+    """A pick parser as a later version could have it: argparse's own ``-h``, a positional, and
+    an option too long for the help column."""
+    p = argparse.ArgumentParser(prog="x")  # add_help: a -h option
+    p.add_argument("what")
+    p.add_argument("--min-free", metavar="SIZE", help="Free memory wanted per device.")
+    p.add_argument(
+        "--a-rather-long-option-name", metavar="NAMES",
+        help="Only the devices whose model name contains one of these names, like A100 or "
+        "H100,A100.",
+    )
+    p.add_argument("--dry-run", action="store_true", help="Only show the ranking.")
+    return p
+
+
+def test_the_pick_help_wraps_at_90_columns_with_its_help_column_at_24_and_no_h_option(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``%gpu?``'s option help is laid out at 90 columns with the explanations from column 24
+    (an option too long for that gets its own line), and never lists ``-h``; a positional
+    (the devices of ``%gpu pick 2``, issue 41) is in the usage and listed first. Exactly 90
+    columns: the first help line here would take one more word at 91. Caught: a width of 91,
+    the help column at 25, ``-h`` listed."""
+    monkeypatch.setattr(magics, "_PICK_PARSER", _other_pick_parser())
+    assert magics._pick_help().splitlines() == [
+        "usage: %gpu pick [--min-free SIZE] [--a-rather-long-option-name NAMES] [--dry-run] what",
+        "",
+        "pick options (also on top of a %%gpu cell):",
+        "  what",
+        "  --min-free SIZE       Free memory wanted per device.",
+        "  --a-rather-long-option-name NAMES",
+        "                        Only the devices whose model name contains one of these names,",
+        "                        like A100 or H100,A100.",
+        "  --dry-run             Only show the ranking.",
+    ]
+
+
+def test_the_pick_help_says_usage_in_english_like_the_rest_of_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The help is English throughout: its "usage: " is its own, not argparse's word, which a
+    translation catalogue for argparse would change. Caught: the prefix left to argparse (given
+    as None, or not given)."""
+    translations = {"usage: ": "utilisation : "}
+    monkeypatch.setattr(argparse, "_", lambda text: translations.get(text, text))
+    assert magics._pick_help().splitlines()[0] == (
+        "usage: %gpu pick [--min-free SIZE] [--max-util PCT] [--count N] [--exclude IDS]"
+    )
+
+
+# ---- the sidebar's pick, the words of a source -------------------------------------------------
+
+
+def test_the_sidebar_pick_answers_its_details_and_the_summary_as_plain_text(
+    shell: InteractiveShell,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sidebar's answer is one display of two forms: the sidebar's own (ok, summary,
+    details) and the summary as plain text, under the exact MIME type "text/plain". In a
+    notebook that loaded the extension, the sidebar's pick does not load it again (the
+    extension manager is not asked). Caught: the plain-text key changed (in words or in
+    capitals); the extension loaded again on every sidebar pick."""
+    shell.run_cell("%load_ext autogpu")
+    asked: list[str] = []
+    monkeypatch.setattr(shell.extension_manager, "load_extension", asked.append)
+    (answer,) = _sidebar_pick(shell, U[1])
+    pick = answer[magics.SIDEBAR_PICK_MIME]
+    assert answer == {magics.SIDEBAR_PICK_MIME: pick, "text/plain": pick["summary"]}
+    assert pick["ok"] is True and pick["summary"].startswith("autogpu: picked GPU 1 · ")
+    assert asked == []
+
+
+def test_a_source_without_words_of_its_own_is_shown_as_it_is() -> None:
+    """``%gpu status`` words a choice's source as the user made it; a source it has no words
+    for is shown as given, never as nothing. Caught: None returned for such a source."""
+    assert magics.source_words("sidebar") == "picked from the sidebar"
+    assert magics.source_words("set_visible_devices") == "set_visible_devices"
+
+
+# ---- the %%gpu cell's numbers and report -------------------------------------------------------
+
+
+class _Sampler:
+    """The two questions ``_CellStats.add`` asks a sampler: its latest sweep, and the PIDs of
+    this kernel it found in that sweep."""
+
+    def __init__(self, latest: FleetSnapshot | None, own: set[int]) -> None:
+        self._latest = latest
+        self._own = own
+
+    def latest(self) -> FleetSnapshot | None:
+        return self._latest
+
+    def latest_own_pids(self) -> set[int]:
+        return self._own
+
+
+def _sweep(ts: float, util0: float | None = None,
+           procs0: tuple[ProcessSnapshot, ...] = (),
+           procs1: tuple[ProcessSnapshot, ...] = ()) -> FleetSnapshot:
+    return FleetSnapshot(
+        devices=(
+            DeviceSnapshot(index=0, uuid=U[0], name="Fake", utilization_pct=util0,
+                           processes=procs0),
+            DeviceSnapshot(index=1, uuid=U[1], name="Fake", utilization_pct=10.0,
+                           processes=procs1),
+        ),
+        timestamp_s=ts,
+        backend="test",
+    )
+
+
+def _peak(stats: Any) -> str:
+    """What the cell's report says of this kernel's peak GPU memory (what the user reads)."""
+    return str(stats.report(1.0, "GPU 0", simulated=False).split(" · ")[1])
+
+
+def test_a_cell_takes_the_samplers_own_pids_for_its_latest_sweep() -> None:
+    """For the sampler's latest sweep, this kernel's processes are the ones the sampler found
+    (it walked /proc for that sweep), not found again; their memory is summed over every
+    device, a process that reports no memory counting 0 bytes (figures in bytes, so that the
+    report shows one byte more). Caught: the sampler's answer ignored (or asked only for
+    another sweep), the sum started at 1 byte, a process without a memory figure counted as 1
+    byte."""
+    snap = _sweep(
+        1000.0,
+        procs0=(ProcessSnapshot(pid=NOT_OURS, used_memory_bytes=300),
+                ProcessSnapshot(pid=os.getpid(), used_memory_bytes=100)),
+        procs1=(ProcessSnapshot(pid=NOT_OURS, used_memory_bytes=None),),
+    )
+    stats = magics._CellStats(uuids=(U[0],), start_s=999.0)
+    stats.add(_Sampler(snap, {NOT_OURS}), snap)  # type: ignore[arg-type]
+    assert _peak(stats) == "peak GPU memory of this kernel 300 B"
+
+
+def test_a_cell_finds_its_own_pids_for_a_sweep_that_is_not_the_samplers_latest() -> None:
+    """A sweep that is no longer the sampler's latest: the sampler's PIDs belong to another
+    sweep, so this kernel's processes are found in this one's (this process and its
+    descendants, on every device). Caught: the latest sweep's PIDs used for it, no PIDs
+    looked for (a TypeError, or nothing found), the PIDs of no device looked at."""
+    snap = _sweep(
+        1000.0,
+        procs0=(ProcessSnapshot(pid=NOT_OURS, used_memory_bytes=2 * GiB),
+                ProcessSnapshot(pid=os.getpid(), used_memory_bytes=1 * GiB)),
+    )
+    newer = _sweep(1001.0)
+    stats = magics._CellStats(uuids=(U[0],), start_s=999.0)
+    stats.add(_Sampler(newer, {NOT_OURS}), snap)  # type: ignore[arg-type]
+    assert _peak(stats) == "peak GPU memory of this kernel 1.0 GiB"
+
+
+def test_a_cell_whose_kernel_has_no_gpu_process_peaks_at_zero_bytes() -> None:
+    """No process of this kernel on any device: the peak is 0 B (known, and nothing), not 1 B.
+    Caught: the running peak started at 1 byte."""
+    snap = _sweep(1000.0, procs0=(ProcessSnapshot(pid=NOT_OURS, used_memory_bytes=GiB),))
+    stats = magics._CellStats(uuids=(U[0],), start_s=999.0)
+    stats.add(_Sampler(snap, set()), snap)  # type: ignore[arg-type]
+    assert _peak(stats) == "peak GPU memory of this kernel 0 B"
+
+
+def test_a_cell_counts_each_sweep_from_its_start_once_and_averages_their_utilisation() -> None:
+    """The cell counts the sweeps taken from its start on (one taken at its very start
+    included), each once however often it is handed in, skips none-readings and older sweeps,
+    and reports the mean utilisation of its device over them. Caught: a missing reading read
+    (an AttributeError) or an older sweep counted, a sweep at the start skipped, a sweep
+    counted twice, the sample count or the utilisation kept as the last sweep's only instead
+    of summed, the mean computed as a product."""
+    stats = magics._CellStats(uuids=(U[0],), start_s=1000.0)
+    first, second = _sweep(1000.0, util0=40.0), _sweep(1001.0, util0=80.0)
+    sampler = _Sampler(second, set())
+    stats.add(sampler, None)  # type: ignore[arg-type]
+    stats.add(sampler, _sweep(999.9, util0=100.0))  # type: ignore[arg-type]
+    stats.add(sampler, first)  # type: ignore[arg-type]
+    stats.add(sampler, first)  # type: ignore[arg-type]
+    stats.add(sampler, second)  # type: ignore[arg-type]
+    assert stats.report(3.0, "GPU 0", simulated=False) == (
+        "autogpu %%gpu on GPU 0: wall 3s · peak GPU memory of this kernel 0 B · mean "
+        "utilisation 60% (2 samples)"
+    )
+
+
+def test_a_cell_report_says_simulated_and_its_wall_time_to_the_hundredth() -> None:
+    """On a simulated fleet the cell's report says [SIMULATED]; its wall time is rounded to the
+    hundredth of a second before being written (so 2.004 s is "2s" and 2.5 s is "2.5s").
+    Caught: the mark never shown, shown in other words or in small letters; the wall time
+    rounded to whole seconds, to the thousandth, or replaced by 2."""
+    stats = magics._CellStats(uuids=(U[0],), start_s=0.0)
+    assert stats.report(2.004, "GPU 0", simulated=True) == (
+        "autogpu [SIMULATED] %%gpu on GPU 0: wall 2s · peak GPU memory of this kernel unknown · "
+        "mean utilisation unknown (not reported for this device) (0 samples)"
+    )
+    assert stats.report(2.5, "GPU 0", simulated=True).split(" · ")[0] == (
+        "autogpu [SIMULATED] %%gpu on GPU 0: wall 2.5s"
+    )
+    assert stats.report(5.0, "GPU 0", simulated=False).split(" · ")[0] == (
+        "autogpu %%gpu on GPU 0: wall 5s"
+    )
+
+
+# ---- the waiting line in a terminal ------------------------------------------------------------
+
+
+def test_the_waiting_line_in_a_terminal_rewrites_itself_and_ends_with_a_newline(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Outside a kernel the waiting line is rewritten in place (a carriage return before each
+    text) and, once shown, ended with a newline when the wait ends. Caught: other characters
+    written before the text; the line not marked as shown (no newline at the end)."""
+    with magics._Progress(in_kernel=False) as progress:
+        progress.update("waiting for a device (1s)")
+        progress.update("waiting for a device (2s)")
+    assert capsys.readouterr().out == "\rwaiting for a device (1s)\rwaiting for a device (2s)\n"
+
+
+def test_a_waiting_line_in_a_kernel_ends_with_no_newline_of_its_own(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """In a kernel the waiting line is a display, not text on stdout: ending the wait writes no
+    newline there, shown or not. Caught: the newline written in a kernel instead of in a
+    terminal."""
+    progress = magics._Progress(in_kernel=True)
+    progress.shown = True  # as after its first display
+    progress.__exit__(None, None, None)
+    assert capsys.readouterr().out == ""
+
+
+# ---- the sampler's start, the provisioner's note, the lease events -----------------------------
+
+
+class _Watched:
+    """A sampler with or without a first reading, counting the readings asked for."""
+
+    def __init__(self, latest: object) -> None:
+        self._latest = latest
+        self.asked = 0
+
+    def latest(self) -> object:
+        return self._latest
+
+    def sample_now(self) -> None:
+        self.asked += 1
+
+
+@pytest.mark.parametrize(("latest", "asked"), [(None, 1), (object(), 0)])
+def test_watching_takes_a_first_reading_only_when_the_sampler_has_none(
+    monkeypatch: pytest.MonkeyPatch, latest: object, asked: int
+) -> None:
+    """After a pick the sampler reads the devices at once, unless it has a reading already.
+    Caught: the reading taken only when there already was one."""
+    from autogpu_jupyter.core import sampler as sampler_mod
+
+    watched = _Watched(latest)
+    monkeypatch.setattr(sampler_mod, "get_sampler", lambda: watched)
+    magics._watch()
+    assert watched.asked == asked
+
+
+def test_no_sampler_to_watch_with_is_a_debug_record_saying_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No driver: nothing is watched, and one debug record says why. Caught: the record's
+    text changed (in words, in capitals, or gone), the error left out of it, or the text
+    replaced by the error (or by None)."""
+    from autogpu_jupyter.core import sampler as sampler_mod
+    from autogpu_jupyter.errors import NVMLUnavailableError
+
+    def no_driver() -> None:
+        raise NVMLUnavailableError("NVIDIA driver not loaded")
+
+    monkeypatch.setattr(sampler_mod, "get_sampler", no_driver)
+    caplog.set_level(logging.DEBUG, logger="autogpu_jupyter.magics")
+    magics._watch()
+    assert [(r.levelno, r.getMessage()) for r in caplog.records
+            if r.name == "autogpu_jupyter.magics"] == [
+        (logging.DEBUG, "sampler not started: NVIDIA driver not loaded")
+    ]
+
+
+def test_the_provisioners_note_is_printed_once_under_the_first_cell(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The kernelspec's note ("started CPU-only because ...") is printed after the first cell,
+    with "autogpu: " before it, and never again. Caught: the note dropped (None, or "" for any
+    note), printed only once already shown, printed again (not marked as shown), printed as
+    "None"."""
+    monkeypatch.setattr(magics.hooks, "_note_shown", False)
+    monkeypatch.setenv("AUTOGPU_PICK_NOTE", "started CPU-only because no GPU fits")
+    magics._pick_note_once()
+    magics._pick_note_once()
+    assert capsys.readouterr().out == "autogpu: started CPU-only because no GPU fits\n"
+
+
+class _Lease:
+    """This kernel's lease as ``_lease_events`` sees it: whether it is held, and its socket."""
+
+    def __init__(self, fd: int, held: bool) -> None:
+        self.held = held
+        self._fd = fd
+
+    def fileno(self) -> int:
+        return self._fd
+
+
+REVOKED = b'{"event": "revoked", "lease_id": "abc"}\n'
+SAID = ("autogpu: your GPU lease abc was revoked by the admin: this kernel no longer holds it; "
+        "others may now be given its GPU\n")
+
+
+def test_a_revoke_on_this_kernels_own_lease_is_said_once_and_only_its_first_event(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The lease the kernel took itself (``%gpu pick``) is read after a cell: a revoke there is
+    told, its first event only, and once. Caught: the kernel's choice or its lease not read
+    (by another name, or of nothing), the held check asked of nothing, by another name, or
+    turned around; two events told."""
+    import socket
+
+    from autogpu_jupyter.core import session as session_mod
+
+    monkeypatch.delenv("AUTOGPU_LEASE_FD", raising=False)
+    monkeypatch.setattr(magics.hooks, "_ended_lease_fds", set())
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        choice = argparse.Namespace(lease=_Lease(ours.fileno(), held=True))
+        monkeypatch.setattr(session_mod, "current", lambda: choice)
+        theirs.sendall(REVOKED + REVOKED.replace(b"abc", b"def"))
+        magics._lease_events()
+        theirs.sendall(REVOKED)
+        magics._lease_events()
+    assert capsys.readouterr().out == SAID
+
+
+def test_a_lease_no_longer_held_is_not_read(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A lease the kernel no longer holds (released, its connection another's by now) is not
+    read for events. Caught: any lease read, held or not."""
+    import socket
+
+    from autogpu_jupyter.core import session as session_mod
+
+    monkeypatch.delenv("AUTOGPU_LEASE_FD", raising=False)
+    monkeypatch.setattr(magics.hooks, "_ended_lease_fds", set())
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        choice = argparse.Namespace(lease=_Lease(ours.fileno(), held=False))
+        monkeypatch.setattr(session_mod, "current", lambda: choice)
+        theirs.sendall(REVOKED)
+        magics._lease_events()
+    assert capsys.readouterr().out == ""
+
+
+def test_an_ended_lease_connection_does_not_hide_the_inherited_ones_revoke(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The kernel's own lease connection already ended (said before); the descriptor it
+    inherited from the kernelspec still is read, and its revoke told. Caught: the loop stopped
+    at the first ended connection."""
+    import socket
+
+    from autogpu_jupyter.core import session as session_mod
+
+    own, own_peer = socket.socketpair()
+    inherited, inherited_peer = socket.socketpair()
+    with own, own_peer, inherited, inherited_peer:
+        monkeypatch.setattr(magics.hooks, "_ended_lease_fds", {own.fileno()})
+        choice = argparse.Namespace(lease=_Lease(own.fileno(), held=True))
+        monkeypatch.setattr(session_mod, "current", lambda: choice)
+        monkeypatch.setenv("AUTOGPU_LEASE_FD", str(inherited.fileno()))
+        inherited_peer.sendall(REVOKED)
+        magics._lease_events()
+    assert capsys.readouterr().out == SAID
+
+
+# ---- load and unload ---------------------------------------------------------------------------
+
+
+def test_a_kernel_the_kernelspec_started_is_told_how_to_move_in_its_overload_notice(
+    shell: InteractiveShell,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a kernel of the autogpu kernelspec, loading the extension sets the overload notice's
+    hint to the move that works there. Caught: the hint None, in other words or capitals."""
+    from autogpu_jupyter.core import overload
+
+    hints: list[Any] = []
+    monkeypatch.setattr(overload, "set_move_hint", hints.append)
+    monkeypatch.setenv("AUTOGPU_PROVISIONED", "1")
+    shell.run_cell("%load_ext autogpu")
+    assert hints == ["run %gpu move --best, then restart the kernel (its state is lost)"]
+
+
+def test_unload_removes_the_hook_the_config_and_the_magics_class_it_registered(
+    shell: InteractiveShell,
+) -> None:
+    """Unloading takes back all that loading registered: the post-run hook, the AutoGPU
+    configurable and the magics class in the magics manager's registry. Caught: the hook not
+    remembered (or another one unregistered: the hook stayed), the configurable not removed,
+    the registry entry looked up by another name."""
+    from autogpu_jupyter.config import AutoGPU
+
+    shell.run_cell("%load_ext autogpu")
+    assert "GPUMagics" in shell.magics_manager.registry
+    shell.run_cell("%unload_ext autogpu")
+    assert shell.events.callbacks["post_run_cell"].count(magics._overload_hook) == 0
+    assert [c for c in shell.configurables if isinstance(c, AutoGPU)] == []
+    assert "GPUMagics" not in shell.magics_manager.registry
+
+
+def test_unload_after_someone_took_the_hook_config_and_registry_entry_away_still_unloads(
+    shell: InteractiveShell,
+) -> None:
+    """Another extension (or the user) removed the hook, the configurable and the registry
+    entry first: unloading still succeeds and removes the magics. Caught: a missing registry
+    entry, hook or configurable raising out of the unload."""
+    from autogpu_jupyter.config import AutoGPU
+
+    shell.run_cell("%load_ext autogpu")
+    shell.events.unregister("post_run_cell", magics._overload_hook)
+    (settings,) = [c for c in shell.configurables if isinstance(c, AutoGPU)]
+    shell.configurables.remove(settings)
+    del shell.magics_manager.registry["GPUMagics"]
+    assert shell.run_cell("%unload_ext autogpu").success
+    assert shell.find_line_magic("gpu") is None and shell.find_cell_magic("gpu") is None
+
+
+def test_a_pick_on_load_after_cuda_started_prints_its_warning_under_the_summary(
+    shell: InteractiveShell,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``c.AutoGPU.pick_on_load`` in a kernel where CUDA already started (and
+    ``refuse_when_initialized`` off): the pick made at load prints its summary with the
+    warning that it came too late. Caught: the summary printed without its warning."""
+    from autogpu_jupyter.core import session as session_mod
+    from autogpu_jupyter.core.cudastate import CudaState
+
+    monkeypatch.setattr(session_mod, "cuda_state",
+                        lambda: CudaState(True, "cuInit has run (test)", None))
+    shell.config.AutoGPU.pick_on_load = True
+    shell.config.AutoGPU.refuse_when_initialized = False
+    shell.run_cell("%load_ext autogpu")
+    (warning,) = [ln for ln in capsys.readouterr().out.splitlines() if "WARNING" in ln]
+    assert warning.startswith(
+        "  WARNING --force: CUDA is already initialised in this kernel (cuInit has run (test)).")
+
+
+# ==== folded from test_magics_gpumagics_mutants.py (issue 42) ====================================
+# ``GPUMagics`` (``%gpu`` / ``%%gpu``) in an in-process IPython shell: what the surviving mutants
+# of issue 22's full mutation run of ``magics.py`` showed untested.
+#
+# ``%gpu move`` (the target it hands on, its refusals), the sidebar's pick (``_pick_one``: its
+# settings, its words, its details), ``%gpu release`` (AMD's variable, a restored value, two
+# devices), ``%gpu status`` (a pending move, devices the host does not list, the notebook's HTML
+# and the widths it is laid out for, a simulated fleet), the ``%%gpu`` cell (its options' words,
+# its report's labels and wall time, how its error is passed on, its history) and the check of a
+# kernel's device against a cell's options (``_violations``). The devices come from the fake NVML
+# of this file's ``shell`` fixture, or from a simulated fleet file.
+
+
+PICK = magics.SIDEBAR_PICK_MIME
+MOVE_TAIL = (
+    "Restarting loses the kernel's state (variables, imports, data in memory): save what you "
+    "need first. Restart the kernel now (Kernel > Restart Kernel) to move; until then nothing "
+    "changes.\n"
+)
+
+
+def _provisioned(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, on: str) -> Path:
+    """Make this process a kernel the autogpu kernelspec started on ``on``; its move file."""
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    move_file = runtime / "autogpu-move-k-3.json"
+    for name, value in (("AUTOGPU_PROVISIONED", "1"), ("AUTOGPU_MOVE_FILE", str(move_file)),
+                        ("AUTOGPU_PICKED", on), ("CUDA_VISIBLE_DEVICES", on)):
+        monkeypatch.setenv(name, value)
+    return move_file
+
+
+def _simulated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **extra: Any) -> Iterator[Path]:
+    """Point ``AUTOGPU_SIMULATE`` at a file holding the 4-GPU fleet (with ``extra`` keys)."""
+    from autogpu_jupyter.core import backends
+
+    fleet = fleet_4x()
+    fleet.update(extra)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(fleet))
+    monkeypatch.setenv("AUTOGPU_SIMULATE", str(path))
+    backends._cache.clear()
+    yield path
+    backends._cache.clear()
+
+
+@pytest.fixture
+def simulated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    yield from _simulated(monkeypatch, tmp_path)
+
+
+@pytest.fixture
+def simulated_amd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    for name in ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    yield from _simulated(monkeypatch, tmp_path, vendor="amd")
+
+
+def _other_holders_lease(registry: Path, uuid: str, notebook: str) -> Any:
+    """A lease on ``uuid`` held by another live process of this user (our parent), for
+    ``notebook``: what another user's notebook looks like in the status table."""
+    from autogpu_jupyter.core.leasing import Registry, Requester
+
+    with Registry(str(registry)).locked() as txn:
+        assert txn is not None
+        return txn.create(devices=[uuid],
+                          requester=Requester(pid=os.getppid(), notebook_path=notebook))
+
+
+def _displays(shell: InteractiveShell, code: str) -> list[dict[str, Any]]:
+    """Run ``code`` as in a notebook's kernel; the displays it published (mimetype -> data)."""
+    with pytest.MonkeyPatch.context() as mp:
+        shown = _capture_displays(shell, mp)
+        with patch.object(magics.GPUMagics, "_in_kernel", return_value=True):
+            assert shell.run_cell(code).success
+    return [data for data, _update in shown]
+
+
+def _me() -> str:
+    return pwd.getpwuid(os.geteuid()).pw_name
+
+
+# ---- %gpu move ---------------------------------------------------------------------------------
+
+
+def test_a_move_to_a_device_asks_for_that_device_and_best_or_dash_dash_best_for_the_best(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """``%gpu move 3`` in a kernel the kernelspec started on GPU 1 plans the move onto GPU 3 (the
+    device typed), ``%gpu move best`` and ``%gpu move --best`` onto the best one (GPU 0, the
+    idlest: "the best device", GPU 1 still fits), and the pending move is recorded for the
+    restart. Caught: every target taken for
+    "best" (the move to GPU 3 planned onto GPU 0); "best" handed on in capitals (no such
+    device); the target read from a second word that is not there (an IndexError)."""
+    from autogpu_jupyter.core import moves
+
+    move_file = _provisioned(monkeypatch, tmp_path, on=U[1])
+    shell.run_cell("%load_ext autogpu")
+    capsys.readouterr()
+    r, out, err = run(shell, "%gpu move 3", capsys)
+    assert (r.success, err) == (True, "")
+    assert out == (
+        "The kernel will restart on GPU 3 (NVIDIA L4, 10.1 GiB free), the requested device now. "
+        + MOVE_TAIL
+    )
+    request = moves.read_move(move_file)
+    assert request is not None and request.target_uuids == (U[3],)
+    for line in ("%gpu move best", "%gpu move --best"):
+        r, out, err = run(shell, line, capsys)
+        assert (r.success, err) == (True, "")
+        assert out == (
+            "The kernel will restart on GPU 0 (NVIDIA A100-SXM4-80GB, 77.5 GiB free), the best "
+            "device now. " + MOVE_TAIL
+        )
+
+
+def test_a_move_with_an_unknown_option_or_two_targets_is_one_usage_line(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``%gpu move --fast`` is refused as an unknown option (not handed on as a device name),
+    ``%gpu move 1 2`` quotes the two words it got; both in one line. Caught: options never
+    recognised (the word handed on to the move), the refusal without its words, the words of
+    the line joined with something else than a space."""
+    shell.run_cell("%load_ext autogpu")
+    r, out, err = run(shell, "%gpu move --fast", capsys)
+    assert (r.success, out) == (False, "")
+    assert err == "UsageError: %gpu move: unknown option '--fast'; expected a device or --best\n"
+    r, out, err = run(shell, "%gpu move 1 2", capsys)
+    assert (r.success, out) == (False, "")
+    assert err == (
+        "UsageError: %gpu move takes one target, got '1 2'; expected a device (an NVML index like "
+        "2, or a UUID) or --best, e.g. %gpu move --best\n"
+    )
+
+
+def test_a_move_outside_a_kernelspec_kernel_says_in_one_line_what_it_needs(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A kernel not started by the autogpu kernelspec cannot be moved: the reason, whole, as one
+    usage line. Caught: the reason replaced by "None" (the error's text not passed on)."""
+    shell.run_cell("%load_ext autogpu")
+    r, out, err = run(shell, "%gpu move --best", capsys)
+    assert (r.success, out) == (False, "")
+    assert err == (
+        "UsageError: %gpu move needs a kernel started with the autogpu kernelspec (its "
+        "provisioner picks at each restart). Install one with `autogpu kernelspec install` and "
+        "choose \"Python 3 (autogpu)\" as this notebook's kernel; here, `%gpu pick` in a fresh "
+        "kernel does the same.\n"
+    )
+
+
+# ---- the sidebar's pick (_pick_one) -------------------------------------------------------------
+
+
+def test_the_sidebar_pick_takes_its_lease_in_the_registry_of_the_magics_own_settings(
+    shell: InteractiveShell, tmp_path: Path
+) -> None:
+    """A ``GPUMagics`` made with settings of its own (a registry of their own) picks under
+    those settings, not the process's defaults: the lease is in that registry. Caught: the pick
+    made with no settings (the process's defaults: the lease in the environment's registry)."""
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.core.leasing import Registry
+
+    own = tmp_path / "own-registry"
+    gm = magics.GPUMagics(shell, AutoGPU(registry_dir=str(own)))
+    ok, summary, _details = gm._pick_one(U[1])
+    assert (ok, summary.split(" · ")[0]) == (True, "autogpu: picked GPU 1")
+    assert [lease.device_uuids for lease in Registry(str(own)).list_leases()] == [(U[1],)]
+    assert Registry(str(tmp_path / "registry")).list_leases() == []
+
+
+def test_the_sidebar_pick_never_waits_in_line_even_where_the_notebook_says_wait(
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A click is not a queue: the sidebar's pick asks with no wait, whatever ``%config
+    AutoGPU.wait`` says. Caught: the pick asked to wait a second."""
+    from autogpu_jupyter import api
+
+    asked: list[float] = []
+    real = api.pick_result
+
+    def recording(opts: Any, **kw: Any) -> Any:
+        asked.append(opts.wait_s)
+        return real(opts, **kw)
+
+    monkeypatch.setattr(api, "pick_result", recording)
+    shell.run_cell('%load_ext autogpu\n%config AutoGPU.wait = "10m"')
+    (answer,) = _sidebar_pick(shell, U[1])
+    assert answer[PICK]["ok"] is True
+    assert asked == [0.0]
+
+
+def test_a_sidebar_pick_on_unreadable_gpus_answers_the_first_line_and_details_all_the_rest(
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The devices cannot be read, with a message of three lines: the answer is the first line,
+    the details the two others. Caught: the message split at its last line break (two lines as
+    the one-line answer)."""
+    from autogpu_jupyter import api
+    from autogpu_jupyter.errors import NVMLUnavailableError
+
+    def unreadable() -> None:
+        raise NVMLUnavailableError("NVIDIA driver not loaded\nis the module loaded?\n"
+                                   "or use a simulated fleet")
+
+    monkeypatch.setattr(api, "read_snapshot", unreadable)
+    shell.run_cell("%load_ext autogpu")
+    (answer,) = _sidebar_pick(shell, U[1])
+    assert answer[PICK] == {
+        "ok": False, "summary": "autogpu: NVIDIA driver not loaded",
+        "details": "is the module loaded?\nor use a simulated fleet",
+    }
+
+
+def test_a_sidebar_pick_that_fits_in_no_way_the_ranking_tells_says_it_does_not_fit(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The notebook's defaults ask for two devices and the sidebar's pick has only the one
+    clicked: the device itself has no reason against it, so the answer says it does not fit;
+    and so does a no-fit error that carries no ranking at all. Caught: those words changed
+    (marked, in capitals); a ranking that is no tuple read anyway (a TypeError)."""
+    from autogpu_jupyter import api
+    from autogpu_jupyter.errors import NoDeviceFitsError
+
+    shell.run_cell("%load_ext autogpu\n%config AutoGPU.count = 2")
+    (answer,) = _sidebar_pick(shell, U[1])
+    assert answer[PICK] == {
+        "ok": False, "summary": "autogpu: GPU 1 cannot be picked: it does not fit",
+        "details": "asked: 2 devices (this notebook's defaults, %config AutoGPU)\n"
+                   "nothing changed: no variable set, no lease taken",
+    }
+
+    def no_ranking(*_args: Any, **_kw: Any) -> None:
+        raise NoDeviceFitsError("no device fits", candidates=None)
+
+    monkeypatch.setattr(api, "pick_result", no_ranking)
+    (answer,) = _sidebar_pick(shell, U[2])
+    assert answer[PICK]["summary"] == "autogpu: GPU 2 cannot be picked: it does not fit"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ and session.current() is None
+
+
+def test_a_sidebar_pick_refused_for_two_reasons_names_both_separated_by_a_semicolon(
+    shell: InteractiveShell,
+) -> None:
+    """GPU 1 has too little free memory and too much load for the notebook's defaults: the
+    answer names both reasons. Caught: the reasons joined with something else than "; "."""
+    shell.run_cell('%load_ext autogpu\n%config AutoGPU.min_free = "79G"\n'
+                   '%config AutoGPU.max_util = "5"')
+    (answer,) = _sidebar_pick(shell, U[1])
+    assert answer[PICK]["summary"] == (
+        "autogpu: GPU 1 cannot be picked: only 39.5 GiB free < 79.0 GiB wanted; utilisation 97% "
+        "> max 5%"
+    )
+
+
+def test_the_sidebar_picks_details_are_its_lease_and_variable_one_a_line(
+    shell: InteractiveShell,
+) -> None:
+    """The details of a sidebar pick: the lease line and the variable, one a line, without the
+    "asked:" line. Caught: the lines joined with something else than a line break."""
+    shell.run_cell("%load_ext autogpu")
+    (answer,) = _sidebar_pick(shell, U[1])
+    choice = session.current()
+    assert choice is not None and choice.lease_id is not None
+    assert answer[PICK]["details"] == (
+        f"lease {choice.lease_id} held until this kernel exits or %gpu release\n"
+        f"CUDA_VISIBLE_DEVICES={U[1]}"
+    )
+
+
+def test_a_sidebar_pick_after_cuda_started_carries_the_warning_in_its_details(
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the notebook lets a pick go on after CUDA started (``refuse_when_initialized =
+    False``), the sidebar's details end with the warning that it has no effect until a restart.
+    Caught: the pick's warning dropped from the details."""
+    from autogpu_jupyter.core.cudastate import CudaState
+
+    monkeypatch.setattr(session, "cuda_state",
+                        lambda: CudaState(True, "cuInit has run (test)", None))
+    shell.run_cell("%load_ext autogpu\n%config AutoGPU.refuse_when_initialized = False")
+    (answer,) = _sidebar_pick(shell, U[1])
+    assert answer[PICK]["ok"] is True
+    warning = answer[PICK]["details"].splitlines()[-1]
+    assert warning.startswith(
+        "WARNING --force: CUDA is already initialised in this kernel (cuInit has run (test)).")
+
+
+def test_a_sidebar_pick_of_the_kernelspecs_own_device_keeps_it_and_says_why(
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """In a kernel the kernelspec started on GPU 1, clicking GPU 1 keeps it: the answer's first
+    line says "kept", its details why (the kernelspec's lease) and the variable. Caught: the
+    details losing their first line (the reason)."""
+    _provisioned(monkeypatch, tmp_path, on=U[1])
+    shell.run_cell("%load_ext autogpu")
+    (answer,) = _sidebar_pick(shell, U[1])
+    assert answer[PICK]["summary"].split(" · ")[0] == "autogpu: kept GPU 1"
+    assert answer[PICK]["details"] == (
+        "this kernel was started on it by the autogpu kernelspec and already holds its lease; it "
+        f"meets excluding {U[0]}, {U[2]}, {U[3]}, so nothing changed (no second lease)\n"
+        f"CUDA_VISIBLE_DEVICES={U[1]}"
+    )
+
+
+# ---- %gpu release ------------------------------------------------------------------------------
+
+
+def test_release_of_two_devices_names_both(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caught: the released devices' labels joined with something else than ", "."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick --count 2")
+    capsys.readouterr()
+    _, out, _ = run(shell, "%gpu release", capsys)
+    assert out == (
+        "autogpu: released GPU 0, GPU 2 and its lease; CUDA_VISIBLE_DEVICES is unset again\n"
+    )
+
+
+def test_release_on_an_amd_host_names_the_rocm_variable(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], simulated_amd: Path
+) -> None:
+    """An AMD device was picked (ROCm's variables set): the release says ROCR_VISIBLE_DEVICES
+    is unset again. Caught: CUDA_VISIBLE_DEVICES named instead (the vendor never "amd"; the
+    vendor compared in capitals or another word), the variable's name changed."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    capsys.readouterr()
+    _, out, _ = run(shell, "%gpu release", capsys)
+    assert out == "autogpu: released GPU 0 and its lease; ROCR_VISIBLE_DEVICES is unset again\n"
+    assert "ROCR_VISIBLE_DEVICES" not in os.environ
+
+
+def test_release_restores_the_visible_devices_the_kernel_had_and_says_which(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel started with ``CUDA_VISIBLE_DEVICES=0,1``: the release puts it back and says
+    the value. Caught: the variable always said to be unset again."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    capsys.readouterr()
+    _, out, _ = run(shell, "%gpu release", capsys)
+    assert out == "autogpu: released GPU 0 and its lease; CUDA_VISIBLE_DEVICES restored to '0,1'\n"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+# ---- %gpu status -------------------------------------------------------------------------------
+
+
+def test_status_names_a_pending_move_by_the_devices_label(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """After ``%gpu move 3`` in a kernel of the kernelspec, ``%gpu status`` ends with this
+    kernel's device and the move waiting for the restart, its target named "GPU 3" (not its
+    short UUID). Caught: the pending move not read, or replacing the kernel's own words, or
+    its short UUID left (or replaced by "None", or by nothing); the table's columns confused
+    (a KeyError, a TypeError)."""
+    monkeypatch.setenv("COLUMNS", "160")
+    _provisioned(monkeypatch, tmp_path, on=U[1])
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu move 3")
+    capsys.readouterr()
+    r, out, err = run(shell, "%gpu status", capsys)
+    assert (r.success, err) == (True, "")
+    assert out.splitlines()[-1] == (
+        "this kernel: ▶ GPU 1 (picked by the autogpu kernelspec) · move to GPU 3 pending: restart "
+        "the kernel (Kernel > Restart Kernel) to move"
+    )
+
+
+def test_status_names_a_kernelspec_pick_the_host_does_not_list_by_its_uuids(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernelspec gave this kernel two devices the host no longer lists: no row is marked,
+    so the last line names them by UUID. Caught: the UUIDs not joined (a TypeError), or joined
+    with something else than ", "."""
+    monkeypatch.setenv("AUTOGPU_PICKED", "GPU-gone,GPU-lost")
+    shell.run_cell("%load_ext autogpu")
+    capsys.readouterr()
+    _, out, _ = run(shell, "%gpu status", capsys)
+    assert out.splitlines()[-1] == (
+        "this kernel: ▶ GPU-gone, GPU-lost (picked by the autogpu kernelspec)"
+    )
+
+
+def test_status_on_unreadable_gpus_is_the_reason_in_one_usage_line(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caught: the reason replaced by "None" (the error's text not passed on)."""
+    from autogpu_jupyter import api
+    from autogpu_jupyter.errors import NVMLUnavailableError
+
+    def unreadable() -> None:
+        raise NVMLUnavailableError("NVIDIA driver not loaded")
+
+    monkeypatch.setattr(api, "read_snapshot", unreadable)
+    shell.run_cell("%load_ext autogpu")
+    r, out, err = run(shell, "%gpu status", capsys)
+    assert (r.success, out, err) == (False, "", "UsageError: NVIDIA driver not loaded\n")
+
+
+def test_status_reads_the_leases_of_the_magics_own_settings(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """A ``GPUMagics`` made with a registry of its own shows that registry's leases (another
+    notebook's lease on GPU 1), not those of the process's default registry (empty). Caught:
+    the status read with no settings (the process's defaults: the lease not shown)."""
+    from autogpu_jupyter.config import AutoGPU
+
+    monkeypatch.setenv("COLUMNS", "200")
+    own = tmp_path / "own-registry"
+    held = _other_holders_lease(own, U[1], "/home/ana/train.ipynb")
+    try:
+        magics.GPUMagics(shell, AutoGPU(registry_dir=str(own)))._status()
+    finally:
+        held.release()
+    out = capsys.readouterr().out
+    (row,) = [ln for ln in out.splitlines() if ln.startswith("  GPU 1 ")]
+    assert row.split("  ")[-1] == (
+        f"{_me()}: /home/ana/train.ipynb, pid 1000001 (40.0 GiB used)"
+    )
+
+
+def test_status_of_a_simulated_fleet_says_so_after_the_variable_went(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    simulated: Path,
+) -> None:
+    """The kernel's sampler reads a simulated fleet, then ``AUTOGPU_SIMULATE`` is unset: the
+    status (from the sampler's reading) still says SIMULATED, with the variable now empty.
+    Caught: the empty value shown as "None" (or as another word)."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    monkeypatch.delenv("AUTOGPU_SIMULATE")
+    capsys.readouterr()
+    _, out, _ = run(shell, "%gpu status", capsys)
+    assert out.splitlines()[0] == "GPUs on this host — SIMULATED fleet (AUTOGPU_SIMULATE=)"
+
+
+def test_status_in_a_notebook_captions_its_table_and_marks_this_kernels_row(
+    shell: InteractiveShell,
+) -> None:
+    """The notebook's table has the title and this kernel's line as its caption, and the row of
+    this kernel's device (only that one) marked. Caught: the caption left out or empty; the
+    row not marked."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick --min-free 10G")
+    (data,) = _displays(shell, "%gpu status")
+    html = data["text/html"]
+    assert re.findall(r"<caption[^>]*>(.*?)</caption>", html) == [
+        "GPUs on this host · this kernel: ▶ GPU 0 (%gpu pick, min free 10.0 GiB)"
+    ]
+    marked = re.findall(r'<tr data-mine="1"[^>]*>(.*?)</tr>', html)
+    assert [re.findall(r"<td[^>]*>(.*?)</td>", row)[:2] for row in marked] == [["▶", "GPU 0"]]
+
+
+def test_status_in_a_notebook_is_laid_out_for_120_columns(
+    shell: InteractiveShell, fake_nvml: FakeNvml, tmp_path: Path
+) -> None:
+    """The notebook's plain-text table is laid out for 120 columns: with a model name 28
+    characters long, the power column is left out (it fits only from 121 on) and another
+    notebook's long path is cut at exactly column 120. Caught: the columns chosen for 121
+    (one line 121 long) or the lines laid out for 121."""
+    fleet = fleet_4x()
+    fleet["devices"][0]["name"] = "N" * 28  # a model name 28 characters long
+    fake_nvml.write(fleet)
+    held = _other_holders_lease(tmp_path / "registry", U[0], "/" + "n" * 200 + ".ipynb")
+    try:
+        shell.run_cell("%load_ext autogpu")
+        (data,) = _displays(shell, "%gpu status")
+    finally:
+        held.release()
+    lines = data["text/plain"].splitlines()
+    assert lines[1].split() == ["gpu", "name", "util", "memory", "used", "/", "total", "free",
+                                "temp", "procs", "holders"]
+    assert max(len(ln) for ln in lines) == 120
+
+
+def test_status_in_a_terminal_of_unknown_size_is_laid_out_for_100_columns(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    fake_nvml: FakeNvml, tmp_path: Path,
+) -> None:
+    """No COLUMNS and no terminal to ask: the table is laid out for 100 columns (with a model
+    name 22 characters long, the procs column is left out: it fits only from 101 on; another
+    notebook's long path is cut at exactly column 100). Caught: 101 columns assumed."""
+
+    def no_terminal(*_args: Any) -> os.terminal_size:
+        raise OSError("not a terminal")
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(os, "get_terminal_size", no_terminal)
+    fleet = fleet_4x()
+    fleet["devices"][0]["name"] = "N" * 22  # a model name 22 characters long
+    fake_nvml.write(fleet)
+    held = _other_holders_lease(tmp_path / "registry", U[0], "/" + "n" * 200 + ".ipynb")
+    try:
+        shell.run_cell("%load_ext autogpu")
+        _, out, _ = run(shell, "%gpu status", capsys)
+    finally:
+        held.release()
+    lines = out.splitlines()
+    assert lines[1].split() == ["gpu", "name", "util", "memory", "used", "/", "total", "free",
+                                "holders"]
+    assert max(len(ln) for ln in lines) == 100
+
+
+# ---- %%gpu ---------------------------------------------------------------------------------
+
+
+def test_a_cells_bad_option_is_refused_in_the_cells_own_name(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caught: the refusal named "%gpu pick" (or "None", or another word) instead of
+    "%%gpu"."""
+    shell.run_cell("%load_ext autogpu")
+    r, out, err = run(shell, "%%gpu --bogus\nnever_set = 1", capsys)
+    assert (r.success, out) == (False, "")
+    assert err == (
+        f"UsageError: %%gpu: unrecognized arguments: --bogus; accepted options: "
+        f"{magics.PICK_OPTIONS} (see %gpu?)\n"
+    )
+    assert "never_set" not in shell.user_ns
+
+
+def test_a_cell_that_finds_no_device_tells_how_to_wait_on_a_cell(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No device fits a ``%%gpu`` cell's options: the hint shows the ``--wait`` on a cell.
+    Caught: the hint written for ``%gpu pick`` (or for "None", or another word)."""
+    shell.run_cell("%load_ext autogpu")
+    r, out, err = run(shell, "%%gpu --min-free 500G\nnever_set = 1", capsys)
+    assert not r.success and "never_set" not in shell.user_ns
+    assert (out + err).splitlines()[-1] == (
+        "  nothing changed; to wait in line until a device fits, add --wait: %%gpu ... --wait 10m "
+        "(interrupt the kernel to cancel)"
+    )
+
+
+def test_a_cell_on_two_devices_names_both_in_its_report(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caught: the devices' labels joined with something else than ", "."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick --count 2")
+    capsys.readouterr()
+    r, out, _ = run(shell, "%%gpu\nx = 1", capsys)
+    assert r.success
+    assert out.splitlines()[-1].startswith("autogpu %%gpu on GPU 0, GPU 2: wall ")
+
+
+def test_a_cell_whose_sampler_has_no_reading_names_both_its_devices_by_uuid(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caught: the UUIDs joined with something else than ", "."""
+    from autogpu_jupyter.core import sampler as sampler_mod
+
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick --count 2")
+    capsys.readouterr()
+    monkeypatch.setattr(sampler_mod, "get_sampler", lambda *_a, **_k: _BlindSampler())
+    r, out, _ = run(shell, "%%gpu\nx = 3", capsys)
+    assert r.success
+    assert out.splitlines()[-1].startswith(f"autogpu %%gpu on {U[0]}, {U[2]}: wall ")
+
+
+def test_a_cell_on_a_simulated_fleet_says_so_in_its_report(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], simulated: Path
+) -> None:
+    """Caught: the report never marked SIMULATED (the flag dropped where it is found or where
+    it is passed to the report)."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    capsys.readouterr()
+    r, out, _ = run(shell, "%%gpu\nx = 1", capsys)
+    assert r.success
+    assert out.splitlines()[-1].startswith("autogpu [SIMULATED] %%gpu on GPU 0: wall ")
+
+
+def test_a_cell_without_a_sampler_logs_why(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Where no sampler can start, a debug record says why. Caught: the record's text changed,
+    or made without the reason (or with "None" for it), or of the reason alone."""
+    from autogpu_jupyter.core import sampler as sampler_mod
+    from autogpu_jupyter.errors import AutoGPUError
+
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+
+    def no_sampler(*_args: Any, **_kwargs: Any) -> Any:
+        raise AutoGPUError("no sampler (test)")
+
+    monkeypatch.setattr(sampler_mod, "get_sampler", no_sampler)
+    caplog.set_level(logging.DEBUG, logger="autogpu_jupyter.magics")
+    r, _, _ = run(shell, "%%gpu\nx = 2", capsys)
+    assert r.success
+    assert [rec.getMessage() for rec in caplog.records if rec.name == "autogpu_jupyter.magics"] == [
+        "no sampler for %%gpu: no sampler (test)"
+    ]
+
+
+def test_a_cells_wall_time_is_the_time_between_its_start_and_its_end(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The clock reads 100.0 s when the cell starts and 102.5 s when it ends: the report says
+    2.5 s. Caught: the two readings added instead of subtracted."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    capsys.readouterr()
+    import time
+
+    readings = iter([100.0, 102.5])
+    fake_time = types.SimpleNamespace(perf_counter=lambda: next(readings), time=time.time)
+    monkeypatch.setattr(magics, "time", fake_time)
+    r, out, _ = run(shell, "%%gpu\nx = 1", capsys)
+    assert r.success
+    assert out.splitlines()[-1].startswith("autogpu %%gpu on GPU 0: wall 2.5s · ")
+
+
+def test_a_cells_body_is_not_stored_in_the_history(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The body of a ``%%gpu`` cell runs as a cell IPython does not store: its pre-run event
+    says store_history False, as for the cell that holds it. Caught: the body stored in the
+    history (True), or store_history passed as None."""
+    shell.run_cell("%load_ext autogpu")
+    seen: list[object] = []
+
+    def pre(info: Any) -> None:
+        seen.append(info.store_history)
+
+    shell.events.register("pre_run_cell", pre)
+    try:
+        r, _, _ = run(shell, "%%gpu\nx = 1", capsys)
+    finally:
+        shell.events.unregister("pre_run_cell", pre)
+    assert r.success
+    assert seen == [False, False]
+
+
+def test_a_cell_raising_an_exception_that_takes_no_attributes_fails_with_that_exception(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A frozen dataclass exception refuses the one-line traceback the cell adds to what it
+    raises: the ``%%gpu`` cell still fails with that very exception. Caught: the refusal (an
+    AttributeError) no longer suppressed (a TypeError instead)."""
+    shell.run_cell("%load_ext autogpu")
+    code = (
+        "%%gpu\nimport dataclasses\n"
+        "@dataclasses.dataclass(frozen=True)\nclass Frozen(Exception):\n    code: int\n"
+        "raise Frozen(3)"
+    )
+    r, out, _ = run(shell, code, capsys)
+    assert type(r.error_in_exec) is shell.user_ns["Frozen"]
+    assert "autogpu %%gpu on GPU 0: wall " in out
+
+
+def test_a_forced_line_pick_after_cuda_started_prints_the_warning_last(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``%gpu pick --force`` once CUDA has started picks and says, last, that the pick came too
+    late. Caught: the summary printed without the warning."""
+    from autogpu_jupyter.core.cudastate import CudaState
+
+    monkeypatch.setattr(session, "cuda_state",
+                        lambda: CudaState(True, "cuInit has run (test)", None))
+    shell.run_cell("%load_ext autogpu")
+    r, out, _ = run(shell, "%gpu pick --force", capsys)
+    assert r.success
+    assert out.splitlines()[-1].startswith(
+        "  WARNING --force: CUDA is already initialised in this kernel (cuInit has run (test)).")
+
+
+# ---- a kernel's device against a cell's options (_violations) ------------------------------------
+
+
+def test_a_cell_on_this_kernels_exclusive_lease_does_not_count_that_lease_against_it(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After ``%gpu pick --exclusive --min-free 70G``, a ``%%gpu`` cell with the same options
+    finds the kernel's own device fine: its own lease (exclusive, 70 GiB booked) is not held
+    against it. Caught: the device checked as a bare choice without its lease (the kernel's
+    own lease then counted against it)."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick --exclusive --min-free 70G")
+    capsys.readouterr()
+    r, out, _ = run(shell, "%%gpu --exclusive --min-free 70G\nx = 1", capsys)
+    assert r.success
+    assert len(out.splitlines()) == 1
+    assert out.startswith("autogpu %%gpu on GPU 0: wall ")
+
+
+def test_a_cell_whose_options_cannot_be_read_on_a_kernel_with_a_device_is_one_usage_line(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caught: the reason replaced by "None" (the error's text not passed on)."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    capsys.readouterr()
+    r, out, err = run(shell, "%%gpu --min-free lots\nnever_set = 1", capsys)
+    assert (r.success, out) == (False, "")
+    assert err == (
+        "UsageError: invalid size 'lots': not understood; expected a number with a unit, e.g. "
+        "10G, 10GiB, 512M, 0.5T, 16GB (decimal), or a share of the device like 25%\n"
+    )
+    assert "never_set" not in shell.user_ns
+
+
+def test_a_cell_whose_device_fails_two_ways_lists_each_on_its_own_line(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caught: the reasons joined with something else than a line break."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    capsys.readouterr()
+    r, out, _ = run(shell, "%%gpu --count 2 --min-free 79G\nx = 1", capsys)
+    assert r.success
+    assert out.splitlines()[:3] == [
+        "autogpu: this kernel already has a GPU that does not meet min free 79.0 GiB, 2 devices "
+        "(kept; to change: %gpu release, restart the kernel, %gpu pick):",
+        "  it has 1 device(s), 2 asked for",
+        "  GPU 0: only 77.5 GiB free < 79.0 GiB wanted",
+    ]
+
+
+# ---- %gpu pick (_pick, _run_pick) ---------------------------------------------------------------
+
+
+def _waits_then(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
+    """Make every pick wait in line once (one progress line), then end with ``error``."""
+    from autogpu_jupyter import api
+
+    def waits(*_args: Any, on_progress: Any, **_kw: Any) -> None:
+        on_progress("waiting for a device (1s)")
+        raise error
+
+    monkeypatch.setattr(api, "pick_result", waits)
+
+
+@pytest.mark.parametrize(
+    ("error", "word", "message"),
+    [
+        (KeyboardInterrupt(), "cancelled",
+         "UsageError: pick cancelled (interrupted): no device picked, no lease kept, environment "
+         "unchanged\n"),
+        (RegistryError("lease registry unreadable (test)"), "gave up",
+         "UsageError: lease registry unreadable (test)\n"),
+    ],
+)
+def test_a_pick_waiting_in_a_notebook_shows_one_line_and_marks_how_it_ended(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    error: BaseException, word: str, message: str,
+) -> None:
+    """In a kernel, a pick that waits shows its waiting line as a display, then marks it
+    "cancelled" (an interrupt) or "gave up" (an error), and the error is one usage line.
+    Caught: the progress not given to the pick (a TypeError), or given as if in a terminal
+    (lines written to stdout); the mark's word changed or "None"; the interrupt's message
+    changed or "None"."""
+    _waits_then(monkeypatch, error)
+    monkeypatch.setattr(magics.GPUMagics, "_in_kernel", lambda self: True)
+    shell.run_cell("%load_ext autogpu")
+    shown = _capture_displays(shell, monkeypatch)
+    capsys.readouterr()
+    r, out, err = run(shell, "%gpu pick", capsys)
+    assert (r.success, out, err) == (False, "", message)
+    assert shown == [
+        ({"text/plain": "waiting for a device (1s)"}, False),
+        ({"text/plain": f"waiting for a device: {word}"}, True),
+    ]
+
+
+def test_a_pick_that_waited_in_a_notebook_and_found_nothing_marks_its_line_gave_up(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caught: the waiting line of a pick that found no device marked with another word, or
+    "None"."""
+    _waits_then(monkeypatch, NoDeviceFitsError("no device fits (min free 500.0 GiB):"))
+    monkeypatch.setattr(magics.GPUMagics, "_in_kernel", lambda self: True)
+    shell.run_cell("%load_ext autogpu")
+    shown = _capture_displays(shell, monkeypatch)
+    r, _, _ = run(shell, "%gpu pick --min-free 500G --wait 1s", capsys)
+    assert not r.success
+    assert shown == [
+        ({"text/plain": "waiting for a device (1s)"}, False),
+        ({"text/plain": "waiting for a device: gave up"}, True),
+    ]
+
+
+def test_a_dry_run_changes_nothing(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``%gpu pick --dry-run`` shows the ranking and sets no variable, takes no lease, makes no
+    choice. Caught: the dry run not passed on to the pick (a real pick made, then its ranking
+    shown)."""
+    shell.run_cell("%load_ext autogpu")
+    r, out, _ = run(shell, "%gpu pick --dry-run", capsys)
+    assert r.success
+    assert out.splitlines()[0] == "autogpu dry run (any device): nothing changed"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ and session.current() is None
+
+
+def test_a_line_pick_takes_its_lease_in_the_registry_of_the_magics_own_settings(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A ``GPUMagics`` made with a registry of its own picks under those settings: the lease is
+    in that registry. Caught: the pick made with no settings (the process's defaults)."""
+    from autogpu_jupyter.config import AutoGPU
+    from autogpu_jupyter.core.leasing import Registry
+
+    own = tmp_path / "own-registry"
+    magics.GPUMagics(shell, AutoGPU(registry_dir=str(own)))._pick(magics._parse_pick([]))
+    assert capsys.readouterr().out.startswith("autogpu: picked GPU 0 · ")
+    assert [lease.device_uuids for lease in Registry(str(own)).list_leases()] == [(U[0],)]
+    assert Registry(str(tmp_path / "registry")).list_leases() == []
+
+
+def test_a_repeated_pick_on_the_same_device_prints_its_summary_alone(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second ``%gpu pick`` that lands on the kernel's device again prints its summary, ending
+    with the variable, and no "already on the best device" line (that is the dry run's).
+    Caught: that line added to every pick that lands where the kernel already is."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick")
+    capsys.readouterr()
+    r, out, _ = run(shell, "%gpu pick", capsys)
+    assert r.success
+    assert out.splitlines()[-1] == f"  CUDA_VISIBLE_DEVICES={U[0]}"
+
+
+def test_a_dry_run_after_a_two_device_pick_names_both_devices_it_is_already_on(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caught: the two labels joined with something else than ", "."""
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("%gpu pick --count 2")
+    capsys.readouterr()
+    _, out, _ = run(shell, "%gpu pick --count 2 --dry-run", capsys)
+    assert out.splitlines()[-1] == (
+        "  you are already on the best device (GPU 0, GPU 2): nothing to change"
+    )
+
+
+def test_a_move_to_a_word_that_only_contains_best_is_no_move_to_the_best(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """Only "best" and "--best" (any case) mean the best device; another word is a device id,
+    refused when no device has it. Caught: a word merely containing "best" taken for best."""
+    _provisioned(monkeypatch, tmp_path, on=U[1])
+    shell.run_cell("%load_ext autogpu")
+    capsys.readouterr()
+    r, out, err = run(shell, "%gpu move XXbestXX", capsys)
+    assert (r.success, out) == (False, "")
+    assert err == (
+        "UsageError: unknown device 'XXbestXX' for a move: expected an NVML index (0, 1, 2, 3), a "
+        "(unique) UUID, or --best\n"
+    )

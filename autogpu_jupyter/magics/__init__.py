@@ -16,15 +16,15 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from IPython import get_ipython
 from IPython.core import magic_arguments as _magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.display import DisplayHandle, display
+from IPython.display import display
 
 # IPython re-exports arg_split per platform without listing it (hence the ignore).
 from IPython.utils.process import arg_split  # type: ignore[attr-defined]
@@ -35,30 +35,44 @@ from autogpu_jupyter.core import (
     SIMULATE_ENV,
     KernelContract,
     cuda_state,
-    format_bytes,
-    format_duration,
     hip_state,
     session,
     status_table,
     terminal_safe,
 )
-from autogpu_jupyter.core import TableColumn as Column
 from autogpu_jupyter.core import cell_text as visible
 from autogpu_jupyter.core import narrow_table as narrow
 from autogpu_jupyter.core import options as _options
 from autogpu_jupyter.core import table_html as to_html
 from autogpu_jupyter.core import table_text as to_text
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError
+from autogpu_jupyter.magics import hooks as _hooks
+
+# What the magic class calls, by job; every name stays importable from here (F401: some only for
+# the callers and tests that import them from autogpu_jupyter.magics).
+from autogpu_jupyter.magics.hooks import (  # noqa: F401
+    _lease_events,
+    _overload_hook,
+    _pick_note_once,
+    _watch,
+)
+from autogpu_jupyter.magics.progress import _CellStats, _Progress
+from autogpu_jupyter.magics.words import (  # noqa: F401
+    _asked,
+    _device_line,
+    _env_line,
+    _free,
+    _no_fit,
+    _one_line,
+    _pct,
+    _pending_move_text,
+    format_pick,
+    format_ranking,
+    source_words,
+)
 
 if TYPE_CHECKING:
-    from autogpu_jupyter.core import (
-        Candidate,
-        Constraints,
-        DeviceSnapshot,
-        FleetSnapshot,
-        PickResult,
-        Sampler,
-    )
+    from autogpu_jupyter.core import Constraints, PickResult, Sampler
 
 __all__ = ["GPUMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -146,247 +160,6 @@ def _split_words(line: str) -> tuple[str, ...]:
     the same few)."""
     # posix=True: quotes are removed, so --exclude "" is an empty value (rejected by name).
     return tuple(arg_split(line, posix=True, strict=True))
-
-
-def _one_line(err: BaseException) -> str:
-    return terminal_safe(str(err).strip() or type(err).__name__)
-
-
-def _no_fit(err: NoDeviceFitsError, args: argparse.Namespace, where: str) -> NoDeviceFitsError:
-    """The error a notebook shows when nothing fits: not a usage error (the options were fine),
-    so no "UsageError:" prefix; the per-device reasons, that nothing changed, and how to wait.
-
-    The cell still fails (so "Run All" stops before code that needs the GPU), through the
-    exception's ``_render_traceback_``, which IPython shows instead of a traceback.
-    """
-    text = terminal_safe(str(err))
-    lines = [f"autogpu: {line}" if i == 0 else line for i, line in enumerate(text.splitlines())]
-    if not getattr(err, "waitable", True):
-        hint = "nothing changed; no wait can help: these options themselves rule out every device"
-    elif args.wait:
-        hint = f"nothing changed; a longer --wait than {args.wait} waits longer in line"
-    else:
-        hint = (
-            f"nothing changed; to wait in line until a device fits, add --wait: "
-            f"{where} ... --wait 10m (interrupt the kernel to cancel)"
-        )
-    lines.append(f"  {hint}")
-    err._render_traceback_ = lambda: lines  # type: ignore[attr-defined]
-    return err
-
-
-# --------------------------------------------------------------------------- formatting
-
-
-def _pct(value: float | None) -> str:
-    return "util unknown" if value is None else f"util {value:.0f}%"
-
-
-def _free(c: Candidate) -> str:
-    return f"{format_bytes(c.effective_free_bytes)} free"
-
-
-def _device_line(d: DeviceSnapshot, c: Candidate | None) -> str:
-    free = c.effective_free_bytes if c is not None else d.memory_free_bytes
-    util = c.smoothed_util_pct if c is not None else d.utilization_pct
-    booked = (
-        f" after {format_bytes(c.booked_bytes)} booked" if c is not None and c.booked_bytes else ""
-    )
-    return (
-        f"{d.label} · {d.name} · {d.short_uuid}: {format_bytes(free)} free of "
-        f"{format_bytes(d.memory_total_bytes)}{booked}, {_pct(util)}"
-    )
-
-
-def format_pick(result: PickResult, warning: str | None = None) -> str:
-    """The short, friendly summary of a pick (what ``%gpu pick`` prints)."""
-    sim = " [SIMULATED]" if result.snapshot.simulated else ""
-    lines = []
-    head = "picked" if len(result.chosen) == 1 else f"picked {len(result.chosen)} devices:"
-    if len(result.chosen) == 1:
-        d = result.chosen[0]
-        lines.append(f"autogpu{sim}: {head} {_device_line(d, result.candidate(d.uuid))}")
-    else:
-        lines.append(f"autogpu{sim}: {head}")
-        lines.extend(f"  {_device_line(d, result.candidate(d.uuid))}" for d in result.chosen)
-    ru = result.runner_up
-    runner = (
-        f"runner-up {ru.device.label} ({_free(ru)}, {_pct(ru.smoothed_util_pct)})"
-        if ru is not None
-        else "no runner-up (nothing else fits)"
-    )
-    if result.kept:
-        kept = result.chosen[0] if result.chosen else None
-        where = (
-            _device_line(kept, result.candidate(kept.uuid)) if kept is not None else "its device"
-        )
-        return "\n".join(
-            [
-                f"autogpu{sim}: kept {where}",
-                f"  this kernel was started on it by the autogpu kernelspec and already holds its "
-                f"lease; it meets {result.constraints.describe()}, so nothing changed (no second "
-                "lease)",
-                _env_line(result.env),
-            ]
-        )
-    lines.append(f"  asked: {_asked(result.constraints)} · {runner}")
-    if result.previous is not None:
-        now = ", ".join(d.label for d in result.chosen)
-        lines.append(
-            f"  you had {result.previous}; now {now} (one lease: the old one was released)"
-            if result.previous != now
-            else f"  you had {now} already: kept it, with a new lease for these options"
-        )
-    if result.waited_s >= 1.0:
-        lines.append(f"  waited {format_duration(round(result.waited_s, 1))} in line")
-    if result.lease is not None:
-        lines.append(
-            f"  lease {result.lease.record.lease_id} held until this kernel exits or %gpu release"
-        )
-    elif result.lease_note:
-        lines.append(f"  no lease: {result.lease_note}")
-    lines.append(_env_line(result.env))
-    if warning:
-        lines.append(f"  WARNING {warning}")
-    return "\n".join(lines)
-
-
-def _env_line(env: Mapping[str, str]) -> str:
-    """The variable(s) a pick set, as the summary shows them (ROCm's on an AMD host)."""
-    if "ROCR_VISIBLE_DEVICES" in env:
-        return "  " + " ".join(
-            f"{k}={env[k]}" for k in ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES") if k in env
-        )
-    return f"  CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '')}"
-
-
-def format_ranking(result: PickResult, width: int = 120) -> str:
-    """The ranking table of ``--dry-run``: every device, its rank or why it was dropped, the
-    load figure it was ranked by, and what decided between the best and the runner-up.
-
-    Aligned columns; the verdict column wraps under itself (never back to column 0) so the
-    table fits ``width`` characters; control characters in any cell are made visible.
-    """
-    # The decision pipeline comes with the first pick.
-    from autogpu_jupyter.core import deciding_term, describe_load  # noqa: PLC0415
-
-    sim = " [SIMULATED]" if result.snapshot.simulated else ""
-    chosen = {d.uuid for d in result.chosen}
-    columns = [
-        Column("rank"),
-        Column("device"),
-        Column("name"),
-        Column("free", align="right"),
-        Column("util", align="right"),
-        Column("load"),
-        Column("leases", align="right"),
-        Column("verdict", wrap=True),
-    ]
-    rows = []
-    n = 0
-    for c in result.candidates:
-        if c.eligible:
-            n += 1
-            verdict = "would pick" if c.device.uuid in chosen else "fits"
-        else:
-            verdict = "dropped"
-        rows.append(
-            (
-                str(n) if c.eligible else "-",
-                c.device.label,
-                c.device.name,
-                format_bytes(c.effective_free_bytes),
-                "?" if c.smoothed_util_pct is None else f"{c.smoothed_util_pct:.0f}%",
-                describe_load(c, short=True) if c.eligible else "-",
-                str(c.lease_count),
-                f"{verdict}: {'; '.join(c.reasons) or 'ok'}",
-            )
-        )
-    out = [f"autogpu{sim} dry run ({_asked(result.constraints)}): nothing changed"]
-    out.extend(to_text(columns, rows, width=width, indent="  "))
-    if not result.chosen:
-        out.append("  no device fits: a real pick would fail now (--wait DURATION waits in line)")
-    else:
-        best = result.candidate(result.chosen[0].uuid)
-        if best is not None:
-            ru = result.runner_up
-            vs = f" over {ru.device.label}" if ru is not None else ""
-            out.append(f"  why {best.device.label}{vs}: {deciding_term(best, ru)}")
-    return "\n".join(out)
-
-
-def _asked(constraints: Constraints) -> str:
-    """What was asked, for people: "min free 10.0 GiB", or "any device" when nothing was."""
-    text = constraints.describe()
-    return "any device" if text == "no constraints" else text
-
-
-def _pending_move_text() -> str | None:
-    """A move this kernel asked for (``%gpu move``) that waits for the kernel's restart."""
-    # The pick machinery comes with the first pick, not with %load_ext.
-    from autogpu_jupyter.core import moves  # noqa: PLC0415
-
-    try:
-        return moves.pending_move_text()
-    except AutoGPUError as err:
-        log.debug("pending move not readable: %s", err)
-        return None
-
-
-# --------------------------------------------------------------------------- the cell report
-
-
-@dataclass
-class _CellStats:
-    """What the sampler saw while a ``%%gpu`` cell ran (filled from the sampler thread)."""
-
-    uuids: tuple[str, ...]
-    start_s: float
-    util_sum: float = 0.0
-    util_n: int = 0
-    peak_own_bytes: int | None = None
-    samples: int = 0
-    seen: set[float] = field(default_factory=set)
-
-    def add(self, sampler: Sampler, snap: FleetSnapshot | None) -> None:
-        # Runs in the sampler thread: only updates numbers (never prints or displays).
-        if snap is None or snap.timestamp_s < self.start_s or snap.timestamp_s in self.seen:
-            return
-        self.seen.add(snap.timestamp_s)
-        self.samples += 1
-        ours = sampler.latest_own_pids() if sampler.latest() is snap else None
-        if ours is None:
-            # Numpy: only with a sampler.
-            from autogpu_jupyter.core import own_pids  # noqa: PLC0415
-
-            ours = own_pids(p.pid for d in snap.devices for p in (d.processes or ()))
-        own: int | None = 0
-        for d in snap.devices:
-            if d.uuid in self.uuids and d.utilization_pct is not None:
-                self.util_sum += d.utilization_pct
-                self.util_n += 1
-            if d.processes is None:
-                if d.uuid in self.uuids:
-                    own = None
-                continue
-            if own is not None:
-                own += sum(p.used_memory_bytes or 0 for p in d.processes if p.pid in ours)
-        if own is not None:
-            self.peak_own_bytes = max(self.peak_own_bytes or 0, own)
-
-    def report(self, wall_s: float, labels: str, simulated: bool) -> str:
-        util = (
-            "unknown (not reported for this device)"
-            if self.util_n == 0
-            else f"{self.util_sum / self.util_n:.0f}%"
-        )
-        peak = "unknown" if self.peak_own_bytes is None else format_bytes(self.peak_own_bytes)
-        sim = " [SIMULATED]" if simulated else ""
-        return (
-            f"autogpu{sim} %%gpu on {labels}: wall {format_duration(round(wall_s, 2))} · "
-            f"peak GPU memory of this kernel {peak} · mean utilisation {util} "
-            f"({self.samples} sample{'s' if self.samples != 1 else ''})"
-        )
 
 
 # --------------------------------------------------------------------------- the magics
@@ -771,63 +544,11 @@ GPUMagics.gpu.__doc__ = (
 )
 
 
-class _Progress:
-    """One updating line while a pick waits (main thread only: the wait loop runs there)."""
-
-    def __init__(self, in_kernel: bool) -> None:
-        self.in_kernel = in_kernel
-        self.handle: Any = None
-        self.shown = False
-
-    def __enter__(self) -> _Progress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.shown and not self.in_kernel:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-
-    def update(self, text: str) -> None:
-        if self.in_kernel:
-            data = {"text/plain": text}
-            if self.handle is None:
-                # The handle exists before its first display, so an interrupt arriving during
-                # that display still finds it and can mark the line "cancelled".
-                make_handle: Callable[[], Any] = DisplayHandle  # untyped in IPython
-                self.handle = make_handle()
-                self.handle.display(data, raw=True)
-            else:
-                self.handle.update(data, raw=True)
-        else:
-            sys.stdout.write("\r" + text)
-            sys.stdout.flush()
-        self.shown = True
-
-    def done(self, word: str) -> None:
-        # Not `self.shown`: an interrupt during the first display leaves it False although the
-        # line may already be on the page; an update of a display the page never got is ignored.
-        if self.in_kernel and self.handle is not None:
-            self.handle.update({"text/plain": f"waiting for a device: {word}"}, raw=True)
-
-
 # --------------------------------------------------------------------------- the sidebar's pick
 
 #: The MIME type of the sidebar pick's answer: the sidebar reads it from the kernel's reply to
 #: its own request; no notebook shows it.
 SIDEBAR_PICK_MIME = "application/vnd.autogpu.pick+json"
-
-_SOURCE_WORDS = {
-    "magic": "%gpu pick",
-    "api": "autogpu_jupyter.pick",
-    "provisioner": "picked by the autogpu kernelspec",
-    "sidebar": "picked from the sidebar",
-}
-
-
-def source_words(source: str) -> str:
-    """How a choice was made, as the user did it: ``picked from the sidebar``, ``%gpu pick``."""
-    return _SOURCE_WORDS.get(source, source)
-
 
 def sidebar_pick(uuid: str) -> None:
     """The sidebar's "Pick for this notebook": ``%gpu pick`` in this kernel, on one device.
@@ -839,7 +560,6 @@ def sidebar_pick(uuid: str) -> None:
     :data:`SIDEBAR_PICK_MIME` that only the sidebar reads). The overload warning that the next
     cell prints stays for the notebook.
     """
-    global _skip_hook_once
     ip = get_ipython()
     if ip is None:  # not in IPython: nothing to pick for
         return
@@ -851,16 +571,13 @@ def sidebar_pick(uuid: str) -> None:
     ok, summary, details = magics._pick_one(str(uuid))
     # this request is the sidebar's: what the hook prints would reach the sidebar, not the
     # notebook, and a warning shown there would never be printed under a cell
-    _skip_hook_once = True
+    _hooks.skip_hook_once()
     show: Callable[..., None] = display  # IPython's display() carries no annotations
     show(
         {SIDEBAR_PICK_MIME: {"ok": ok, "summary": summary, "details": details},
          "text/plain": summary},
         raw=True,
     )
-
-
-_skip_hook_once = False
 
 
 # --------------------------------------------------------------------------- load / unload
@@ -874,87 +591,6 @@ class _Loaded:
 
 
 _loaded: dict[int, _Loaded] = {}
-
-
-_note_shown = False
-
-
-def _watch() -> None:
-    """Start the kernel's one sampler once it has a device, so that the overload warning
-    reaches users without the panel too (the cell hook reads it; it never starts a thread)."""
-    # Numpy: only once a sampler runs.
-    from autogpu_jupyter.core import get_sampler  # noqa: PLC0415
-
-    try:
-        sampler = get_sampler()
-    except AutoGPUError as err:  # no driver: nothing to watch
-        log.debug("sampler not started: %s", err)
-        return
-    if sampler.latest() is None:
-        # the first reading now, not whenever the thread gets to it: the next cell's hook then
-        # sees what the GPU looks like right after the pick
-        sampler.sample_now()
-
-
-def _pick_note_once() -> None:
-    """Show the kernel provisioner's note (e.g. "started CPU-only because ...") once: what a
-    kernel prints while it starts never reaches the notebook, so the first cell carries it."""
-    global _note_shown
-
-    note = KernelContract.read().note or ""
-    if note and not _note_shown:
-        _note_shown = True
-        print(f"autogpu: {note}")
-
-
-def _lease_events() -> None:
-    """Tell the notebook what the lease broker said on this kernel's lease connection (a
-    revoke), once, after the cell that was running."""
-    fds = []
-    choice = session.current()
-    lease = getattr(choice, "lease", None)
-    if lease is not None and getattr(lease, "held", False):
-        fds.append(lease.fileno())
-    inherited = KernelContract.read().lease_fd
-    if inherited is not None:
-        fds.append(inherited)
-    if not fds:
-        return
-    # The lease stores come with a lease: never for a kernel that holds none.
-    from autogpu_jupyter.core.leasing import lease_events  # noqa: PLC0415
-
-    for fd in fds:
-        if fd in _ended_lease_fds:
-            continue
-        lines = lease_events(fd)
-        if lines:
-            _ended_lease_fds.add(fd)  # said once: the connection is over
-        for line in lines[:1]:
-            print(f"autogpu: {line}")
-
-
-_ended_lease_fds: set[int] = set()
-
-
-def _overload_hook(*_args: Any) -> None:
-    """``post_run_cell``: print the provisioner's note once and a pending overload warning (main
-    thread; never from a thread). Not after the sidebar's own request: its output goes to the
-    sidebar, and the notebook's next cell prints what is pending."""
-    global _skip_hook_once
-    if _skip_hook_once:
-        _skip_hook_once = False
-        return
-    _pick_note_once()
-    _lease_events()
-    from autogpu_jupyter.core import pending_warning  # noqa: PLC0415 (numpy: a cell ran)
-
-    try:
-        text = pending_warning()
-    except AutoGPUError as err:
-        log.debug("overload check failed: %s", err)
-        return
-    if text:
-        print(text)
 
 
 def load_ipython_extension(ipython: Any) -> None:
