@@ -684,6 +684,14 @@ export function parseSelection(raw: unknown): ISelection {
 }
 
 /**
+ * The one word every view shows for a device nobody holds (`core/holders.py`'s `NOBODY`:
+ * `%gpu status`, `autogpu list` and the panel say it too).
+ */
+export function nobodyText(trans: ITrans = noTranslation): string {
+  return trans.__('nobody');
+}
+
+/**
  * The holders of device `uuid`, as the card lists them: the server's joined holders
  * (`core/holders.py`), one line each, in words. The holder whose kernel is `currentKernelId`
  * (the active notebook's) is marked `current` and comes first.

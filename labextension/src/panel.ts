@@ -41,6 +41,7 @@ import {
   formatThermals,
   formatUserTotal,
   holdersFor,
+  nobodyText,
   kernelInfoFor,
   kernelSelection,
   mergeHistory,
@@ -810,7 +811,7 @@ export class GPUPanel extends Widget {
       }
       if (views.length === 0) {
         list.appendChild(
-          el('li', 'jp-AutoGPU-holder jp-AutoGPU-free', trans.__('free'))
+          el('li', 'jp-AutoGPU-holder jp-AutoGPU-free', nobodyText(trans))
         );
       }
       card.appendChild(list);

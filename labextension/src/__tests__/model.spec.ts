@@ -12,6 +12,7 @@ import {
   ITrans,
   myDevices,
   noTranslation,
+  nobodyText,
   overloadAdvice,
   overloadToNotify,
   parsePickOutcome,
@@ -299,6 +300,20 @@ describe('holders', () => {
         exclusive: false
       }
     ]);
+  });
+
+  it('says "nobody" for a device nobody holds, as every other view does', () => {
+    expect(nobodyText()).toBe('nobody');
+    const seen: string[] = [];
+    const trans: ITrans = {
+      __: (msg: string) => {
+        seen.push(msg);
+        return 'personne';
+      },
+      _n: (msg: string) => msg
+    };
+    expect(nobodyText(trans)).toBe('personne');
+    expect(seen).toEqual(['nobody']);
   });
 
   it('says how long a kernel holding the GPU has been idle', () => {
