@@ -362,7 +362,8 @@ def test_pick_dry_run_ranks_every_device_and_changes_nothing(
     host: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``autogpu pick --dry-run``: one line saying nothing changed, then every device with its
-    rank (or "-" when dropped), free memory, load, leases and verdict; no lease taken. Caught
+    rank (or "-" when dropped), free memory, util, the load it was ranked by, leases and verdict,
+    then why the best won (as ``%gpu pick --dry-run`` says it); no lease taken. Caught
     by nothing in-process before (the ranking's text was only seen by the slow CLI tests)."""
     from autogpu_jupyter.core.leasing import Registry
 
@@ -372,11 +373,12 @@ def test_pick_dry_run_ranks_every_device_and_changes_nothing(
     lines = out.splitlines()
     assert lines[0] == "autogpu [SIMULATED] dry run (min free 50.0 GiB): nothing changed"
     assert [ln.split() for ln in lines[1:]] == [
-        ["rank", "device", "name", "free", "util", "leases", "verdict"],
-        ["1", "GPU", "0", "NVIDIA", "A100", "80.0", "GiB", "0%", "0", "would", "pick:", "80.0",
-         "GiB", "free", ">=", "50.0", "GiB", "wanted"],
-        ["-", "GPU", "1", "NVIDIA", "A100", "40.0", "GiB", "50%", "0", "dropped:", "only", "40.0",
-         "GiB", "free", "<", "50.0", "GiB", "wanted"],
+        ["rank", "device", "name", "free", "util", "load", "leases", "verdict"],
+        ["1", "GPU", "0", "NVIDIA", "A100", "80.0", "GiB", "0%", "0%", "util", "0", "would",
+         "pick:", "80.0", "GiB", "free", ">=", "50.0", "GiB", "wanted"],
+        ["-", "GPU", "1", "NVIDIA", "A100", "40.0", "GiB", "50%", "-", "0", "dropped:", "only",
+         "40.0", "GiB", "free", "<", "50.0", "GiB", "wanted"],
+        ["why", "GPU", "0:", "the", "only", "device", "that", "fits"],
     ]
     assert Registry(str(host)).list_leases() == []
     # nothing fits: exit 3, as the pick would, with each device's reason
@@ -608,7 +610,8 @@ def test_pick_says_the_device_and_the_variables_it_would_set(host: Path) -> None
 
 def test_leases_lists_each_lease_with_its_booking_and_holder(host: Path) -> None:
     """``autogpu leases``: one line per lease, user, pid, devices, what it books ("-": nothing),
-    "exclusive", then its kernel or notebook; no trailing blank when it has neither. Caught: the
+    "exclusive", then its kernel (its id's first 8 characters, as every view words a holder,
+    core/words.py) or notebook; no trailing blank when it has neither. Caught: the
     booking shown as "?" (the bytes not handed to format_bytes); the line's end stripped on the
     wrong side (a trailing space)."""
     from autogpu_jupyter.core.leasing import Registry, Requester
@@ -618,7 +621,7 @@ def test_leases_lists_each_lease_with_its_booking_and_holder(host: Path) -> None
     with reg.locked() as txn:
         assert txn is not None
         booked = txn.create(devices=[A], requested_bytes=GiB,
-                            requester=Requester(kernel_id="k-1"))
+                            requester=Requester(kernel_id="1a2b3c4d-5e6f-7081"))
         bare = txn.create(devices=[B], exclusive=True, requester=Requester())
     try:
         code, out, err = cli("leases")
@@ -627,7 +630,7 @@ def test_leases_lists_each_lease_with_its_booking_and_holder(host: Path) -> None
         bare.release()
     assert (code, err) == (0, "")
     assert sorted(out.splitlines()) == sorted([
-        f"{me:<12} pid {pid:<8} {A} booked 1.0 GiB kernel k-1",
+        f"{me:<12} pid {pid:<8} {A} booked 1.0 GiB kernel 1a2b3c4d",
         f"{me:<12} pid {pid:<8} {B} booked - exclusive",
     ])
 

@@ -333,22 +333,24 @@ def test_pick_dry_run_ranks_what_fits_in_order_with_aligned_numbers(
     """``autogpu pick --dry-run`` with no option, not on a terminal: "any device"; each device
     that fits ranked 1, 2, 3, the best "would pick", the others "fits", a verdict without a
     reason "ok"; an unknown load "?"; free memory, load and leases right-aligned; the verdict
-    wrapping at 100 columns (the second row is 101 characters whole, with a 7-character model
-    name). Caught: every rank 1; every device "would pick"; "fits" or "ok" altered; the unknown
-    load formatted as a number (a TypeError) or spelt otherwise; a number column left-aligned
-    (align None, left out or altered: a ValueError); "any device" never used, altered, or
-    compared with an altered "no constraints"; the fallback width 101."""
+    wrapping at 100 columns; the load it was ranked by and why the best won, as ``%gpu pick
+    --dry-run`` says them (one ranking table, ``core.tables.ranking_lines``). Caught: every
+    rank 1; every device "would pick"; "fits" or "ok" altered; the unknown load formatted as a
+    number (a TypeError) or spelt otherwise; a number column left-aligned (align None, left out
+    or altered: a ValueError); "any device" never used, altered, or compared with an altered
+    "no constraints"; the fallback width 101."""
     fleet([_gpu(A, 0, 0, "T4 16GB"), _gpu(B, 40, None, "T4 16GB"), _gpu(C, 75, 90, "T4 16GB")])
     code, out, err = cli("pick", "--dry-run")
     assert (code, err) == (0, "")
     assert out.splitlines() == [
         "autogpu [SIMULATED] dry run (any device): nothing changed",
-        "rank  device  name         free  util  leases  verdict",
-        "1     GPU 0   T4 16GB  80.0 GiB    0%       0  would pick: ok",
-        "2     GPU 1   T4 16GB  40.0 GiB     ?       0  fits: utilisation unknown: ranked by "
-        "memory and",
-        " " * 47 + "leases",
-        "3     GPU 2   T4 16GB   5.0 GiB   90%       0  fits: ok",
+        "  rank  device  name         free  util  load     leases  verdict",
+        "  1     GPU 0   T4 16GB  80.0 GiB    0%  0% util       0  would pick: ok",
+        "  2     GPU 1   T4 16GB  40.0 GiB     ?  50% mem       0  fits: utilisation unknown: "
+        "ranked by",
+        " " * 58 + "memory and leases",
+        "  3     GPU 2   T4 16GB   5.0 GiB   90%  94% mem       0  fits: ok",
+        "  why GPU 0 over GPU 1: lower load (0% util vs 50% mem)",
     ]
 
 
@@ -366,19 +368,22 @@ def test_pick_dry_run_on_real_devices_wraps_each_verdict_in_the_terminal(
     monkeypatch.setenv("COLUMNS", "80")
     code, out, err = cli("pick", "--dry-run", "--min-free", "10G", "--max-util", "50")
     assert (code, err) == (0, "")
-    under = " " * 51
+    under = " " * 62
     assert out.splitlines() == [
         "autogpu dry run (min free 10.0 GiB, max util 50%): nothing changed",
-        "rank  device  name             free  util  leases  verdict",
-        "1     GPU 0   NVIDIA A100  80.0 GiB    0%       0  would pick: 80.0 GiB free >=",
-        f"{under}10.0 GiB wanted",
-        "2     GPU 1   NVIDIA A100  40.0 GiB     ?       0  fits: 40.0 GiB free >=",
-        f"{under}10.0 GiB wanted; utilisation",
-        f"{under}unknown (not supported here):",
+        "  rank  device  name             free  util  load     leases  verdict",
+        "  1     GPU 0   NVIDIA A100  80.0 GiB    0%  0% util       0  would pick: 80.0 GiB",
+        f"{under}free >= 10.0 GiB wanted",
+        "  2     GPU 1   NVIDIA A100  40.0 GiB     ?  50% mem       0  fits: 40.0 GiB free >=",
+        f"{under}10.0 GiB wanted;",
+        f"{under}utilisation unknown",
+        f"{under}(not supported here):",
         f"{under}not filtered on it",
-        "-     GPU 2   NVIDIA A100   5.0 GiB   90%       0  dropped: only 5.0 GiB free <",
-        f"{under}10.0 GiB wanted; utilisation",
-        f"{under}90% > max 50%",
+        "  -     GPU 2   NVIDIA A100   5.0 GiB   90%  -             0  dropped: only 5.0 GiB",
+        f"{under}free < 10.0 GiB wanted;",
+        f"{under}utilisation 90% > max",
+        f"{under}50%",
+        "  why GPU 0 over GPU 1: lower load (0% util vs 50% mem)",
     ]
 
 
