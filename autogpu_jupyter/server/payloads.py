@@ -21,6 +21,8 @@ from autogpu_jupyter.core import (
     ProvisionerState,
     fetch_history,
     grant_environ,
+    holder_memory,
+    holder_where,
     holders_by_device,
     options,
     pick,
@@ -294,6 +296,8 @@ def holders_payload(
                 command = rec.command if rec is not None else None
                 if command is None and process is not None:
                     command = process.command
+                kernel_id = ours or h.kernel_id
+                notebook = (paths.get(ours) if ours else None) or h.notebook_path
                 holders.append(
                     {
                         "kind": h.kind,
@@ -301,14 +305,18 @@ def holders_payload(
                         "label": dev.label,
                         "user": h.user,
                         "pid": h.pid,
-                        "kernel_id": ours or h.kernel_id,
+                        "kernel_id": kernel_id,
                         "this_server": ours is not None,
-                        "notebook_path": (paths.get(ours) if ours else None) or h.notebook_path,
+                        "notebook_path": notebook,
                         "booked_bytes": h.booked_bytes,
                         "used_memory_bytes": h.used_memory_bytes,
                         "exclusive": h.exclusive,
                         "created_s": rec.created_s if rec is not None else None,
                         "command": redact(h.user, command, ctx.user, ctx.expose_commands),
+                        "where": holder_where(notebook, kernel_id, h.pid) or "?",
+                        "memory_text": holder_memory(
+                            h.booked_bytes, h.used_memory_bytes, h.exclusive
+                        ),
                     }
                 )
     # each kernel's environment as it started: its allocation, the grant it would move within
