@@ -34,16 +34,17 @@ from autogpu_jupyter.core import (
     fetch_cluster,
     format_bytes,
     get_backend,
+    holder_where,
     join_negative_values,
     parse_options,
     pick,
     rank_hosts,
+    ranking_lines,
     redact_command,
     status_table,
     terminal_safe,
     visible_env,
 )
-from autogpu_jupyter.core import TableColumn as Column
 from autogpu_jupyter.core import add_pick_arguments as add_arguments
 from autogpu_jupyter.core import cell_text as visible
 from autogpu_jupyter.core import current_session as current
@@ -347,33 +348,9 @@ def _summary(result: PickResult) -> str:
 
 
 def _ranking(result: PickResult) -> list[str]:
-    """``pick --dry-run``: every device, its rank or why it was dropped (plain text)."""
-    chosen = {d.uuid for d in result.chosen}
-    rows = []
-    n = 0
-    for c in result.candidates:
-        verdict = "dropped"
-        if c.eligible:
-            n += 1
-            verdict = "would pick" if c.device.uuid in chosen else "fits"
-        rows.append((
-            str(n) if c.eligible else "-",
-            c.device.label,
-            c.device.name,
-            format_bytes(c.effective_free_bytes),
-            "?" if c.smoothed_util_pct is None else f"{c.smoothed_util_pct:.0f}%",
-            str(c.lease_count),
-            f"{verdict}: {'; '.join(c.reasons) or 'ok'}",
-        ))
-    columns = [Column("rank"), Column("device"), Column("name"), Column("free", align="right"),
-               Column("util", align="right"), Column("leases", align="right"),
-               Column("verdict", wrap=True)]
-    asked = result.constraints.describe()
-    sim = " [SIMULATED]" if result.snapshot.simulated else ""
-    out = [f"autogpu{sim} dry run ({'any device' if asked == 'no constraints' else asked}): "
-           "nothing changed"]
-    out.extend(to_text(columns, rows, width=shutil.get_terminal_size((100, 24)).columns))
-    return out  # nothing fits: the pick raised (exit 3, each device's reason) before this
+    """``pick --dry-run``: every device, its rank or why it was dropped (as ``%gpu pick
+    --dry-run`` says it)."""
+    return ranking_lines(result, width=shutil.get_terminal_size((100, 24)).columns)
 
 
 #: What ``autogpu run 2 -- CMD`` puts before ``--``: device ids, not a command.
@@ -492,7 +469,7 @@ def _cmd_leases(args: argparse.Namespace) -> int:
         return EXIT_OK
     for lease in leases:
         d = lease.to_dict(redact_command=not show_cmd)
-        where = d.get("notebook_path") or (f"kernel {d['kernel_id']}" if d.get("kernel_id") else "")
+        where = holder_where(d.get("notebook_path"), d.get("kernel_id"), None)
         booked = format_bytes(d["requested_bytes"]) if d.get("requested_bytes") else "-"
         print(
             f"{d['user']:<12} pid {d['pid']:<8} {','.join(d['device_uuids'])} booked {booked}"

@@ -102,7 +102,9 @@ if TYPE_CHECKING:
     from autogpu_jupyter.core.sampler import stop_sampler as stop_sampler
     from autogpu_jupyter.core.session import current as current_session
     from autogpu_jupyter.core.tables import Column as TableColumn
+    from autogpu_jupyter.core.tables import asked_text as asked_text
     from autogpu_jupyter.core.tables import narrow as narrow_table
+    from autogpu_jupyter.core.tables import ranking_lines as ranking_lines
     from autogpu_jupyter.core.tables import status_table as status_table
     from autogpu_jupyter.core.tables import to_html as table_html
     from autogpu_jupyter.core.tables import to_text as table_text
@@ -113,6 +115,10 @@ if TYPE_CHECKING:
     from autogpu_jupyter.core.units import format_duration as format_duration
     from autogpu_jupyter.core.visibility import current_allocation as current_allocation
     from autogpu_jupyter.core.visibility import visible_env as visible_env
+    from autogpu_jupyter.core.words import NOBODY as NOBODY
+    from autogpu_jupyter.core.words import holder_memory as holder_memory
+    from autogpu_jupyter.core.words import holder_where as holder_where
+    from autogpu_jupyter.core.words import holder_who as holder_who
 
 __all__ = [
     # The pick: one pipeline answers which GPU
@@ -193,6 +199,12 @@ __all__ = [
     # Words and tables for text front ends
     "holders_by_device",
     "holders_text",
+    "NOBODY",
+    "holder_where",
+    "holder_who",
+    "holder_memory",
+    "asked_text",
+    "ranking_lines",
     "TableColumn",
     "narrow_table",
     "status_table",
@@ -294,6 +306,12 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     # Words and tables for text front ends
     "holders_by_device": ("holders", "holders_by_device"),
     "holders_text": ("holders", "holders_text"),
+    "NOBODY": ("words", "NOBODY"),
+    "holder_where": ("words", "holder_where"),
+    "holder_who": ("words", "holder_who"),
+    "holder_memory": ("words", "holder_memory"),
+    "asked_text": ("tables", "asked_text"),
+    "ranking_lines": ("tables", "ranking_lines"),
     "TableColumn": ("tables", "Column"),
     "narrow_table": ("tables", "narrow"),
     "status_table": ("tables", "status_table"),

@@ -4,7 +4,7 @@ A holder is a lease, a process, or both matched (the lease's pid is the process 
 that device): user, pid, kernel and notebook where known, memory booked (the lease) and used
 (the process). ``%gpu status``, ``autogpu list``, the panel's table and the server's
 ``/autogpu/holders`` (the sidebar) all build their holder lists here and word them with
-:func:`Holder.text`.
+:func:`Holder.text` (the words themselves are :mod:`autogpu_jupyter.core.words`').
 """
 
 from __future__ import annotations
@@ -13,17 +13,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from autogpu_jupyter.core.units import format_bytes
+from autogpu_jupyter.core.words import NOBODY, holder_memory, holder_where, holder_who
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import FleetSnapshot
     from autogpu_jupyter.core.leasing.records import LeaseRecord
 
 __all__ = ["NOBODY", "Holder", "holders_by_device"]
-
-#: The one word every table, the panel and the CLI show for a device nobody holds.
-NOBODY = "nobody"
-
 
 @dataclass(frozen=True, slots=True)
 class Holder:
@@ -50,25 +46,14 @@ class Holder:
     def who(self) -> str:
         """``alice: train.ipynb``, ``bob: kernel 1a2b3c4d``, ``carol: pid 4242``, ``pid 4242``."""
         if self.mine:
-            name = "this kernel"
-        elif self.notebook_path:
-            name = self.notebook_path
-        elif self.kernel_id:
-            name = f"kernel {self.kernel_id[:8]}"
-        else:
-            name = f"pid {self.pid}" if self.pid is not None else "?"
-        return name if self.mine or not self.user else f"{self.user}: {name}"
+            return "this kernel"
+        return holder_who(
+            self.user, holder_where(self.notebook_path, self.kernel_id, self.pid) or "?"
+        )
 
     def memory(self) -> str:
         """``10.0 GiB booked, 3.2 GiB used`` (what is known)."""
-        parts = []
-        if self.booked_bytes:
-            parts.append(f"{format_bytes(self.booked_bytes)} booked")
-        if self.used_memory_bytes is not None:
-            parts.append(f"{format_bytes(self.used_memory_bytes)} used")
-        if self.exclusive:
-            parts.append("exclusive")
-        return ", ".join(parts)
+        return holder_memory(self.booked_bytes, self.used_memory_bytes, self.exclusive)
 
     def text(self) -> str:
         """The holder in words, as every view shows it: ``alice: train.ipynb (10.0 GiB

@@ -24,12 +24,26 @@ import html
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from autogpu_jupyter.core.holders import NOBODY
 from autogpu_jupyter.core.text import cells, ljust, rjust, terminal_safe, wrap_words
+from autogpu_jupyter.core.units import format_bytes
+from autogpu_jupyter.core.words import NOBODY
 
-__all__ = ["Column", "visible", "to_text", "to_html", "status_table", "narrow"]
+if TYPE_CHECKING:
+    from autogpu_jupyter.core.picker import PickResult
+    from autogpu_jupyter.core.policy import Constraints
+
+__all__ = [
+    "Column",
+    "visible",
+    "to_text",
+    "to_html",
+    "status_table",
+    "narrow",
+    "asked_text",
+    "ranking_lines",
+]
 
 # A unit ends where no word character follows (``\b`` would never end "%", which is no word
 # character itself, so "12 %" could split).
@@ -275,3 +289,67 @@ def status_table(frame: Any) -> tuple[list[Column], list[tuple[str, ...]], set[i
             )
         )
     return columns, rows, highlight
+
+
+def asked_text(constraints: Constraints) -> str:
+    """What was asked, for people: ``min free 10.0 GiB``, or ``any device`` when nothing was."""
+    text = constraints.describe()
+    return "any device" if text == "no constraints" else text
+
+
+def ranking_lines(result: PickResult, width: int = 120, indent: str = "  ") -> list[str]:
+    """The ranking table of a dry run (``%gpu pick --dry-run``, ``autogpu pick --dry-run``):
+    every device, its rank or why it was dropped, the load figure it was ranked by, and what
+    decided between the best and the runner-up.
+
+    Aligned columns; the verdict column wraps under itself (never back to column 0) so the table
+    fits ``width`` characters; control characters in any cell are made visible.
+    """
+    # The decision pipeline comes with the first pick.
+    from autogpu_jupyter.core.decision import deciding_term, describe_load  # noqa: PLC0415
+
+    sim = " [SIMULATED]" if result.snapshot.simulated else ""
+    chosen = {d.uuid for d in result.chosen}
+    columns = [
+        Column("rank"),
+        Column("device"),
+        Column("name"),
+        Column("free", align="right"),
+        Column("util", align="right"),
+        Column("load"),
+        Column("leases", align="right"),
+        Column("verdict", wrap=True),
+    ]
+    rows = []
+    n = 0
+    for c in result.candidates:
+        if c.eligible:
+            n += 1
+            verdict = "would pick" if c.device.uuid in chosen else "fits"
+        else:
+            verdict = "dropped"
+        rows.append(
+            (
+                str(n) if c.eligible else "-",
+                c.device.label,
+                c.device.name,
+                format_bytes(c.effective_free_bytes),
+                "?" if c.smoothed_util_pct is None else f"{c.smoothed_util_pct:.0f}%",
+                describe_load(c, short=True) if c.eligible else "-",
+                str(c.lease_count),
+                f"{verdict}: {'; '.join(c.reasons) or 'ok'}",
+            )
+        )
+    out = [f"autogpu{sim} dry run ({asked_text(result.constraints)}): nothing changed"]
+    out.extend(to_text(columns, rows, width=width, indent=indent))
+    if not result.chosen:
+        out.append(
+            f"{indent}no device fits: a real pick would fail now (--wait DURATION waits in line)"
+        )
+    else:
+        best = result.candidate(result.chosen[0].uuid)
+        if best is not None:
+            ru = result.runner_up
+            vs = f" over {ru.device.label}" if ru is not None else ""
+            out.append(f"{indent}why {best.device.label}{vs}: {deciding_term(best, ru)}")
+    return out

@@ -10,9 +10,13 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from autogpu_jupyter.core import TableColumn as Column
-from autogpu_jupyter.core import format_bytes, format_duration, terminal_safe
-from autogpu_jupyter.core import table_text as to_text
+from autogpu_jupyter.core import (
+    asked_text,
+    format_bytes,
+    format_duration,
+    ranking_lines,
+    terminal_safe,
+)
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError
 
 if TYPE_CHECKING:
@@ -139,58 +143,12 @@ def format_ranking(result: PickResult, width: int = 120) -> str:
     Aligned columns; the verdict column wraps under itself (never back to column 0) so the
     table fits ``width`` characters; control characters in any cell are made visible.
     """
-    # The decision pipeline comes with the first pick.
-    from autogpu_jupyter.core import deciding_term, describe_load  # noqa: PLC0415
-
-    sim = " [SIMULATED]" if result.snapshot.simulated else ""
-    chosen = {d.uuid for d in result.chosen}
-    columns = [
-        Column("rank"),
-        Column("device"),
-        Column("name"),
-        Column("free", align="right"),
-        Column("util", align="right"),
-        Column("load"),
-        Column("leases", align="right"),
-        Column("verdict", wrap=True),
-    ]
-    rows = []
-    n = 0
-    for c in result.candidates:
-        if c.eligible:
-            n += 1
-            verdict = "would pick" if c.device.uuid in chosen else "fits"
-        else:
-            verdict = "dropped"
-        rows.append(
-            (
-                str(n) if c.eligible else "-",
-                c.device.label,
-                c.device.name,
-                format_bytes(c.effective_free_bytes),
-                "?" if c.smoothed_util_pct is None else f"{c.smoothed_util_pct:.0f}%",
-                describe_load(c, short=True) if c.eligible else "-",
-                str(c.lease_count),
-                f"{verdict}: {'; '.join(c.reasons) or 'ok'}",
-            )
-        )
-    out = [f"autogpu{sim} dry run ({_asked(result.constraints)}): nothing changed"]
-    out.extend(to_text(columns, rows, width=width, indent="  "))
-    if not result.chosen:
-        out.append("  no device fits: a real pick would fail now (--wait DURATION waits in line)")
-    else:
-        best = result.candidate(result.chosen[0].uuid)
-        if best is not None:
-            ru = result.runner_up
-            vs = f" over {ru.device.label}" if ru is not None else ""
-            out.append(f"  why {best.device.label}{vs}: {deciding_term(best, ru)}")
-    return "\n".join(out)
+    return "\n".join(ranking_lines(result, width))
 
 
 def _asked(constraints: Constraints) -> str:
     """What was asked, for people: "min free 10.0 GiB", or "any device" when nothing was."""
-    text = constraints.describe()
-    return "any device" if text == "no constraints" else text
+    return asked_text(constraints)
 
 
 def _pending_move_text() -> str | None:

@@ -140,6 +140,11 @@ class HolderJSON(TypedDict):
     exclusive: bool
     created_s: float | None
     command: str | None
+    #: The holder in words, as every view says it (``core/words.py``): ``train.ipynb``,
+    #: ``kernel 1a2b3c4d`` or ``pid 4242``; the sidebar shows it as is.
+    where: str
+    #: ``10.0 GiB booked, 3.2 GiB used, exclusive`` (what is known; ``""`` when nothing).
+    memory_text: str
 
 
 class BetterDevice(TypedDict):

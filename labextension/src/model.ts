@@ -111,6 +111,10 @@ export interface IHolder {
   exclusive: boolean;
   created_s: number | null;
   command: string | null;
+  /** The holder in words, as every view says it (`core/words.py`): `train.ipynb`, `kernel 1a2b3c4d`, `pid 4242`. */
+  where: string;
+  /** `10.0 GiB booked, 3.2 GiB used, exclusive` (what is known; '' when nothing). */
+  memory_text: string;
 }
 
 /** One of this server's kernels: can it be moved (autogpu kernelspec), and where is it. */
@@ -205,10 +209,12 @@ export interface ISelection {
   simulated: boolean;
 }
 
-/** A holder as the card shows it. */
+/** A holder as the card shows it: the server's words (`where`, `memory_text`). */
 export interface IHolderView {
   who: string;
   what: string;
+  /** The holder's command where the server sends it (the line's tooltip), else ''. */
+  command: string;
   memory: string;
   /** `idle 12 min` for a kernel of this server idle for a minute or more, else ''. */
   idle: string;
@@ -507,7 +513,9 @@ export function parseHolders(raw: unknown): IHolders {
       used_memory_bytes: numOrNull(h.used_memory_bytes),
       exclusive: h.exclusive === true,
       created_s: numOrNull(h.created_s),
-      command: strOrNull(h.command)
+      command: strOrNull(h.command),
+      where: typeof h.where === 'string' ? h.where : '?',
+      memory_text: typeof h.memory_text === 'string' ? h.memory_text : ''
     };
   });
   const kernels = Array.isArray(raw.kernels)
@@ -684,8 +692,17 @@ export function parseSelection(raw: unknown): ISelection {
 }
 
 /**
+ * The one word every view shows for a device nobody holds (`core/holders.py`'s `NOBODY`:
+ * `%gpu status`, `autogpu list` and the panel say it too).
+ */
+export function nobodyText(trans: ITrans = noTranslation): string {
+  return trans.__('nobody');
+}
+
+/**
  * The holders of device `uuid`, as the card lists them: the server's joined holders
- * (`core/holders.py`), one line each, in words. The holder whose kernel is `currentKernelId`
+ * (`core/holders.py`), one line each, in the server's words (`core/words.py`: every view
+ * words a holder alike). The holder whose kernel is `currentKernelId`
  * (the active notebook's) is marked `current` and comes first.
  */
 export function holdersFor(
@@ -699,22 +716,11 @@ export function holdersFor(
   const views = holders
     .filter(h => h.uuid === uuid)
     .map(h => {
-      const what =
-        h.notebook_path ??
-        (h.kernel_id ? trans.__('kernel %1', h.kernel_id.slice(0, 8)) : null) ??
-        h.command ??
-        (h.pid !== null ? trans.__('pid %1', h.pid) : trans.__('unknown'));
-      const memParts: string[] = [];
-      if (h.booked_bytes) {
-        memParts.push(trans.__('%1 booked', formatBytes(h.booked_bytes)));
-      }
-      if (h.used_memory_bytes !== null) {
-        memParts.push(trans.__('%1 used', formatBytes(h.used_memory_bytes)));
-      }
       return {
         who: h.user ?? trans.__('unknown user'),
-        what,
-        memory: memParts.join(', '),
+        what: h.where,
+        command: h.command ?? '',
+        memory: h.memory_text,
         idle: formatIdle(
           h.kernel_id !== null ? (idleOf.get(h.kernel_id) ?? null) : null,
           trans

@@ -41,6 +41,7 @@ import {
   formatThermals,
   formatUserTotal,
   holdersFor,
+  nobodyText,
   kernelInfoFor,
   kernelSelection,
   mergeHistory,
@@ -787,10 +788,11 @@ export class GPUPanel extends Widget {
             ? 'jp-AutoGPU-holder jp-AutoGPU-holder-current'
             : 'jp-AutoGPU-holder'
         );
-        item.append(
-          el('span', 'jp-AutoGPU-who', view.who),
-          el('span', 'jp-AutoGPU-what', view.what)
-        );
+        const what = el('span', 'jp-AutoGPU-what', view.what);
+        if (view.command) {
+          what.title = view.command;
+        }
+        item.append(el('span', 'jp-AutoGPU-who', view.who), what);
         if (view.memory) {
           item.appendChild(el('span', 'jp-AutoGPU-holderMem', view.memory));
         }
@@ -798,19 +800,14 @@ export class GPUPanel extends Widget {
           item.appendChild(el('span', 'jp-AutoGPU-idle', view.idle));
         }
         if (view.exclusive) {
-          item.appendChild(
-            el(
-              'span',
-              'jp-AutoGPU-badge jp-AutoGPU-exclusive',
-              trans.__('exclusive')
-            )
-          );
+          // the words say "exclusive" (the server's memory_text); the line is marked too
+          item.classList.add('jp-AutoGPU-holder-exclusive');
         }
         list.appendChild(item);
       }
       if (views.length === 0) {
         list.appendChild(
-          el('li', 'jp-AutoGPU-holder jp-AutoGPU-free', trans.__('free'))
+          el('li', 'jp-AutoGPU-holder jp-AutoGPU-free', nobodyText(trans))
         );
       }
       card.appendChild(list);

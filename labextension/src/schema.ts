@@ -88,6 +88,8 @@ export interface IHolderJSON {
   exclusive: boolean;
   created_s: number | null;
   command: string | null;
+  where: string;
+  memory_text: string;
 }
 
 /** The device an overload warning names as better. */

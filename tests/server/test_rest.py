@@ -299,8 +299,9 @@ async def test_holders_joins_processes(jp_fetch: Any) -> None:
               "exclusive": False, "created_s": None}
     assert data["holders"] == [
         {**common, "user": getpass.getuser(), "pid": os.getpid(), "used_memory_bytes": 12 * GiB,
-         "command": my_command()},
-        {**common, "user": None, "pid": GONE_PID, "used_memory_bytes": 8 * GiB, "command": None},
+         "command": my_command(), "where": f"pid {os.getpid()}", "memory_text": "12.0 GiB used"},
+        {**common, "user": None, "pid": GONE_PID, "used_memory_bytes": 8 * GiB, "command": None,
+         "where": f"pid {GONE_PID}", "memory_text": "8.0 GiB used"},
     ]
 
 
@@ -495,6 +496,7 @@ async def test_holders_join_leases_and_processes_with_kernels(
             "notebook_path": "work/train.ipynb", "booked_bytes": 10 * GiB,
             "used_memory_bytes": 3 * GiB, "exclusive": False,
             "created_s": lease.record.created_s, "command": joined["command"],
+            "where": "work/train.ipynb", "memory_text": "10.0 GiB booked, 3.0 GiB used",
         }
         assert "ipykernel_launcher" in joined["command"]
         # the released lease is gone from the next answer

@@ -378,7 +378,8 @@ def test_pick_dry_run_ranks_every_device_and_changes_nothing(
     host: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``autogpu pick --dry-run``: one line saying nothing changed, then every device with its
-    rank (or "-" when dropped), free memory, load, leases and verdict; no lease taken. Caught
+    rank (or "-" when dropped), free memory, util, the load it was ranked by, leases and verdict,
+    then why the best won (as ``%gpu pick --dry-run`` says it); no lease taken. Caught
     by nothing in-process before (the ranking's text was only seen by the slow CLI tests)."""
     from autogpu_jupyter.core.leasing import Registry
 
@@ -388,11 +389,12 @@ def test_pick_dry_run_ranks_every_device_and_changes_nothing(
     lines = out.splitlines()
     assert lines[0] == "autogpu [SIMULATED] dry run (min free 50.0 GiB): nothing changed"
     assert [ln.split() for ln in lines[1:]] == [
-        ["rank", "device", "name", "free", "util", "leases", "verdict"],
-        ["1", "GPU", "0", "NVIDIA", "A100", "80.0", "GiB", "0%", "0", "would", "pick:", "80.0",
-         "GiB", "free", ">=", "50.0", "GiB", "wanted"],
-        ["-", "GPU", "1", "NVIDIA", "A100", "40.0", "GiB", "50%", "0", "dropped:", "only", "40.0",
-         "GiB", "free", "<", "50.0", "GiB", "wanted"],
+        ["rank", "device", "name", "free", "util", "load", "leases", "verdict"],
+        ["1", "GPU", "0", "NVIDIA", "A100", "80.0", "GiB", "0%", "0%", "util", "0", "would",
+         "pick:", "80.0", "GiB", "free", ">=", "50.0", "GiB", "wanted"],
+        ["-", "GPU", "1", "NVIDIA", "A100", "40.0", "GiB", "50%", "-", "0", "dropped:", "only",
+         "40.0", "GiB", "free", "<", "50.0", "GiB", "wanted"],
+        ["why", "GPU", "0:", "the", "only", "device", "that", "fits"],
     ]
     assert Registry(str(host)).list_leases() == []
     # nothing fits: exit 3, as the pick would, with each device's reason
@@ -624,7 +626,8 @@ def test_pick_says_the_device_and_the_variables_it_would_set(host: Path) -> None
 
 def test_leases_lists_each_lease_with_its_booking_and_holder(host: Path) -> None:
     """``autogpu leases``: one line per lease, user, pid, devices, what it books ("-": nothing),
-    "exclusive", then its kernel or notebook; no trailing blank when it has neither. Caught: the
+    "exclusive", then its kernel (its id's first 8 characters, as every view words a holder,
+    core/words.py) or notebook; no trailing blank when it has neither. Caught: the
     booking shown as "?" (the bytes not handed to format_bytes); the line's end stripped on the
     wrong side (a trailing space)."""
     from autogpu_jupyter.core.leasing import Registry, Requester
@@ -634,7 +637,7 @@ def test_leases_lists_each_lease_with_its_booking_and_holder(host: Path) -> None
     with reg.locked() as txn:
         assert txn is not None
         booked = txn.create(devices=[A], requested_bytes=GiB,
-                            requester=Requester(kernel_id="k-1"))
+                            requester=Requester(kernel_id="1a2b3c4d-5e6f-7081"))
         bare = txn.create(devices=[B], exclusive=True, requester=Requester())
     try:
         code, out, err = cli("leases")
@@ -643,7 +646,7 @@ def test_leases_lists_each_lease_with_its_booking_and_holder(host: Path) -> None
         bare.release()
     assert (code, err) == (0, "")
     assert sorted(out.splitlines()) == sorted([
-        f"{me:<12} pid {pid:<8} {A} booked 1.0 GiB kernel k-1",
+        f"{me:<12} pid {pid:<8} {A} booked 1.0 GiB kernel 1a2b3c4d",
         f"{me:<12} pid {pid:<8} {B} booked - exclusive",
     ])
 
@@ -2112,22 +2115,24 @@ def test_pick_dry_run_ranks_what_fits_in_order_with_aligned_numbers(
     """``autogpu pick --dry-run`` with no option, not on a terminal: "any device"; each device
     that fits ranked 1, 2, 3, the best "would pick", the others "fits", a verdict without a
     reason "ok"; an unknown load "?"; free memory, load and leases right-aligned; the verdict
-    wrapping at 100 columns (the second row is 101 characters whole, with a 7-character model
-    name). Caught: every rank 1; every device "would pick"; "fits" or "ok" altered; the unknown
-    load formatted as a number (a TypeError) or spelt otherwise; a number column left-aligned
-    (align None, left out or altered: a ValueError); "any device" never used, altered, or
-    compared with an altered "no constraints"; the fallback width 101."""
+    wrapping at 100 columns; the load it was ranked by and why the best won, as ``%gpu pick
+    --dry-run`` says them (one ranking table, ``core.tables.ranking_lines``). Caught: every
+    rank 1; every device "would pick"; "fits" or "ok" altered; the unknown load formatted as a
+    number (a TypeError) or spelt otherwise; a number column left-aligned (align None, left out
+    or altered: a ValueError); "any device" never used, altered, or compared with an altered
+    "no constraints"; the fallback width 101."""
     fleet([_gpu(A, 0, 0, "T4 16GB"), _gpu(B, 40, None, "T4 16GB"), _gpu(C, 75, 90, "T4 16GB")])
     code, out, err = cli("pick", "--dry-run")
     assert (code, err) == (0, "")
     assert out.splitlines() == [
         "autogpu [SIMULATED] dry run (any device): nothing changed",
-        "rank  device  name         free  util  leases  verdict",
-        "1     GPU 0   T4 16GB  80.0 GiB    0%       0  would pick: ok",
-        "2     GPU 1   T4 16GB  40.0 GiB     ?       0  fits: utilisation unknown: ranked by "
-        "memory and",
-        " " * 47 + "leases",
-        "3     GPU 2   T4 16GB   5.0 GiB   90%       0  fits: ok",
+        "  rank  device  name         free  util  load     leases  verdict",
+        "  1     GPU 0   T4 16GB  80.0 GiB    0%  0% util       0  would pick: ok",
+        "  2     GPU 1   T4 16GB  40.0 GiB     ?  50% mem       0  fits: utilisation unknown: "
+        "ranked by",
+        " " * 58 + "memory and leases",
+        "  3     GPU 2   T4 16GB   5.0 GiB   90%  94% mem       0  fits: ok",
+        "  why GPU 0 over GPU 1: lower load (0% util vs 50% mem)",
     ]
 
 
@@ -2145,19 +2150,22 @@ def test_pick_dry_run_on_real_devices_wraps_each_verdict_in_the_terminal(
     monkeypatch.setenv("COLUMNS", "80")
     code, out, err = cli("pick", "--dry-run", "--min-free", "10G", "--max-util", "50")
     assert (code, err) == (0, "")
-    under = " " * 51
+    under = " " * 62
     assert out.splitlines() == [
         "autogpu dry run (min free 10.0 GiB, max util 50%): nothing changed",
-        "rank  device  name             free  util  leases  verdict",
-        "1     GPU 0   NVIDIA A100  80.0 GiB    0%       0  would pick: 80.0 GiB free >=",
-        f"{under}10.0 GiB wanted",
-        "2     GPU 1   NVIDIA A100  40.0 GiB     ?       0  fits: 40.0 GiB free >=",
-        f"{under}10.0 GiB wanted; utilisation",
-        f"{under}unknown (not supported here):",
+        "  rank  device  name             free  util  load     leases  verdict",
+        "  1     GPU 0   NVIDIA A100  80.0 GiB    0%  0% util       0  would pick: 80.0 GiB",
+        f"{under}free >= 10.0 GiB wanted",
+        "  2     GPU 1   NVIDIA A100  40.0 GiB     ?  50% mem       0  fits: 40.0 GiB free >=",
+        f"{under}10.0 GiB wanted;",
+        f"{under}utilisation unknown",
+        f"{under}(not supported here):",
         f"{under}not filtered on it",
-        "-     GPU 2   NVIDIA A100   5.0 GiB   90%       0  dropped: only 5.0 GiB free <",
-        f"{under}10.0 GiB wanted; utilisation",
-        f"{under}90% > max 50%",
+        "  -     GPU 2   NVIDIA A100   5.0 GiB   90%  -             0  dropped: only 5.0 GiB",
+        f"{under}free < 10.0 GiB wanted;",
+        f"{under}utilisation 90% > max",
+        f"{under}50%",
+        "  why GPU 0 over GPU 1: lower load (0% util vs 50% mem)",
     ]
 
 

@@ -103,3 +103,30 @@ def test_a_kernel_reads_its_contract_from_its_own_environment(
         provisioned=True, picked=("GPU-7",), lease_id="lid", note=None, options={"count": 1},
         grant_cvd=None, move_file=None,
     )
+
+
+@pytest.mark.parametrize(
+    ("over", "who"),
+    [
+        ({"notebook_path": "work/train.ipynb", "kernel_id": "1a2b3c4d5e6f"},
+         "alice: work/train.ipynb"),
+        ({"kernel_id": "1a2b3c4d5e6f"}, "alice: kernel 1a2b3c4d"),
+        ({}, "alice: pid 77"),
+    ],
+)
+def test_a_lease_holder_is_worded_alike_by_the_holder_and_the_lease_record(
+    over: dict[str, Any], who: str
+) -> None:
+    """Issue 42, "words once": ``%gpu status``/``autogpu list`` (``Holder``) and the lease
+    store's refusals and the broker (``LeaseRecord.holder_text``) word one holder the same."""
+    rec = lease("L1", ("GPU-0",), 77, **over)
+    snap = FleetSnapshot(
+        timestamp_s=1.0, backend="simulated",
+        devices=(DeviceSnapshot(index=0, uuid="GPU-0", name="L4"),),
+    )
+    (holder,) = holders_by_device(snap, [rec])["GPU-0"]
+    assert holder.who() == rec.holder_text() == who
+    assert holder.text() == f"{who} (2.0 GiB booked)"
+    exclusive = lease("L2", ("GPU-0",), 77, exclusive=True, **over)
+    (holder,) = holders_by_device(snap, [exclusive])["GPU-0"]
+    assert holder.memory() == "2.0 GiB booked, exclusive"

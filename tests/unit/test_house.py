@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core.procfs, core.devices, core.units", (
         "autogpu_jupyter.core.procfs", "autogpu_jupyter.core.devices",
         "autogpu_jupyter.core.units", "autogpu_jupyter.core.text",
+        "autogpu_jupyter.core.words",
     )),
     ("core.leasing (the lease store port)", ("autogpu_jupyter.core.leasing",)),
     ("core", ("autogpu_jupyter.core",)),

@@ -1714,7 +1714,8 @@ def test_holders_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     without a kernel id. Caught: ``exclusive`` or ``created_s`` misspelt, ``created_s`` never
     given; the admin's ``expose_commands`` dropped; a lease counted as a wait (the ticket test
     loosened); a lease claiming a pid joined to the kernel that runs it on another device; a
-    notebook looked up for a holder that is not ours."""
+    notebook looked up for a holder that is not ours. Each holder comes with its words as
+    every view says them (``where``, ``memory_text``: core/words.py), the sidebar's text."""
     from autogpu_jupyter.core.leasing import Registry, Requester
 
     fleet_file = write_fleet(tmp_path / "fleet.json", holders_fleet(kernels))
@@ -1740,21 +1741,25 @@ def test_holders_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         (A, k1, "process"): {
             **base, "kind": "process", "uuid": A, "label": "GPU 0", "pid": k1,
             "kernel_id": "k-1", "this_server": True, "notebook_path": None,
-            "used_memory_bytes": 8 * GiB, "command": "python -m ipykernel_launcher"},
+            "used_memory_bytes": 8 * GiB, "command": "python -m ipykernel_launcher",
+            "where": "kernel k-1", "memory_text": "8.0 GiB used"},
         (A, 51002, "process"): {
             **base, "kind": "process", "uuid": A, "label": "GPU 0", "user": "bob", "pid": 51002,
             "kernel_id": None, "this_server": False, "notebook_path": None,
-            "used_memory_bytes": 10 * GiB, "command": "python bob.py --key=b"},
+            "used_memory_bytes": 10 * GiB, "command": "python bob.py --key=b",
+            "where": "pid 51002", "memory_text": "10.0 GiB used"},
         (A, ours.record.pid, "lease"): {
             **base, "kind": "lease", "uuid": A, "label": "GPU 0", "pid": ours.record.pid,
             "kernel_id": "k-2", "this_server": True, "notebook_path": "two.ipynb",
             "booked_bytes": 4 * GiB, "used_memory_bytes": None, "exclusive": True,
-            "created_s": ours.record.created_s, "command": "python two.py"},
+            "created_s": ours.record.created_s, "command": "python two.py",
+            "where": "two.ipynb", "memory_text": "4.0 GiB booked, exclusive"},
         (B, k1, "lease"): {
             **base, "kind": "lease", "uuid": B, "label": "GPU 1", "pid": k1,
             "kernel_id": "k-9", "this_server": False, "notebook_path": None,
             "booked_bytes": GiB, "used_memory_bytes": None,
-            "created_s": claim.record.created_s, "command": None},
+            "created_s": claim.record.created_s, "command": None,
+            "where": "kernel k-9", "memory_text": "1.0 GiB booked"},
     }
     assert {k["kernel_id"]: k["waiting"] for k in data["kernels"]} == {"k-1": False,
                                                                       "k-2": False}

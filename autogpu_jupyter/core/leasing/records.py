@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from autogpu_jupyter.core.words import holder_where
+
 __all__ = [
     "FIELD_CAPS",
     "LEASE_SUFFIX",
@@ -114,10 +116,7 @@ class LeaseRecord:
 
     def holder_text(self) -> str:
         """Who holds it, in words: ``alice: analysis.ipynb`` or ``bob: kernel 1a2b3c4d``."""
-        where = self.notebook_path or (
-            f"kernel {self.kernel_id[:8]}" if self.kernel_id else f"pid {self.pid}"
-        )
-        return f"{self.user}: {where}"
+        return f"{self.user}: {holder_where(self.notebook_path, self.kernel_id, self.pid)}"
 
     def to_dict(self, redact_command: bool = True) -> dict[str, Any]:
         """JSON-ready dict. ``redact_command`` hides the command line (other users' by default)."""

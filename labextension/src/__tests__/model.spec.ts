@@ -12,6 +12,7 @@ import {
   ITrans,
   myDevices,
   noTranslation,
+  nobodyText,
   overloadAdvice,
   overloadToNotify,
   parsePickOutcome,
@@ -249,7 +250,9 @@ describe('holders', () => {
     used_memory_bytes: 3 * GiB,
     exclusive: false,
     created_s: 1,
-    command: null
+    command: null,
+    where: 'work/train.ipynb',
+    memory_text: '10.0 GiB booked, 3.0 GiB used'
   };
   // as the server joins them (core/holders.py): the lease and its process are one holder
   const holders: IHolder[] = parseHolders({
@@ -268,7 +271,10 @@ describe('holders', () => {
         this_server: false,
         notebook_path: null,
         booked_bytes: null,
-        used_memory_bytes: 2 * GiB
+        used_memory_bytes: 2 * GiB,
+        command: 'python train.py',
+        where: 'pid 7',
+        memory_text: '2.0 GiB used'
       },
       base,
       { ...base, kind: 'lease', uuid: 'GPU-9', used_memory_bytes: null }
@@ -285,6 +291,7 @@ describe('holders', () => {
       {
         who: 'alice',
         what: 'pid 7',
+        command: 'python train.py',
         memory: '2.0 GiB used',
         idle: '',
         current: false,
@@ -293,12 +300,59 @@ describe('holders', () => {
       {
         who: 'me',
         what: 'work/train.ipynb',
+        command: '',
         memory: '10.0 GiB booked, 3.0 GiB used',
         idle: '',
         current: false,
         exclusive: false
       }
     ]);
+  });
+
+  it("shows the server's words for a holder as they are (core/words.py)", () => {
+    // the server words every holder as %gpu status and autogpu list do: no rule of its own
+    // here (a command is no longer the line's words: it is its tooltip)
+    const [h] = parseHolders({
+      timestamp_s: 1,
+      simulated: false,
+      user: 'me',
+      holders: [
+        {
+          ...base,
+          notebook_path: null,
+          kernel_id: null,
+          command: 'python <b>x</b>.py',
+          exclusive: true,
+          where: 'pid 100',
+          memory_text: '10.0 GiB booked, exclusive'
+        }
+      ]
+    }).holders;
+    expect(holdersFor([h], 'GPU-1', null)).toEqual([
+      {
+        who: 'me',
+        what: 'pid 100',
+        command: 'python <b>x</b>.py',
+        memory: '10.0 GiB booked, exclusive',
+        idle: '',
+        current: false,
+        exclusive: true
+      }
+    ]);
+  });
+
+  it('says "nobody" for a device nobody holds, as every other view does', () => {
+    expect(nobodyText()).toBe('nobody');
+    const seen: string[] = [];
+    const trans: ITrans = {
+      __: (msg: string) => {
+        seen.push(msg);
+        return 'personne';
+      },
+      _n: (msg: string) => msg
+    };
+    expect(nobodyText(trans)).toBe('personne');
+    expect(seen).toEqual(['nobody']);
   });
 
   it('says how long a kernel holding the GPU has been idle', () => {
@@ -369,10 +423,8 @@ describe('holders', () => {
     ]);
   });
 
-  it('names a kernel without a notebook by its short id', () => {
-    const views = holdersFor([{ ...base, notebook_path: null }], 'GPU-1', null);
-    expect(views[0].what).toBe('kernel abcdef01');
-  });
+  // a kernel without a notebook is worded "kernel abcdef01" by the server (core/words.py;
+  // tests/unit/test_holders.py and test_payloads.py::test_holders_whole pin it)
 });
 
 describe('recommendationText', () => {
@@ -426,7 +478,9 @@ describe('recommendationText', () => {
       used_memory_bytes: null,
       exclusive: false,
       created_s: 1,
-      command: null
+      command: null,
+      where: 'a.ipynb',
+      memory_text: '1 B booked'
     };
     const holders = parseHolders({
       timestamp_s: 1,
