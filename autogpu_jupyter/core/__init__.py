@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from autogpu_jupyter.core.contract import PROVISIONED_ENV as PROVISIONED_ENV
     from autogpu_jupyter.core.contract import PROVISIONER_NAME as PROVISIONER_NAME
     from autogpu_jupyter.core.contract import ROCM_GRANT_VARS as ROCM_GRANT_VARS
+    from autogpu_jupyter.core.contract import SERVER_CULL_ENV as SERVER_CULL_ENV
+    from autogpu_jupyter.core.contract import SERVER_CULL_WARNING_ENV as SERVER_CULL_WARNING_ENV
     from autogpu_jupyter.core.contract import SERVER_ROOT_ENV as SERVER_ROOT_ENV
     from autogpu_jupyter.core.contract import KernelContract as KernelContract
     from autogpu_jupyter.core.contract import ProvisionerState as ProvisionerState
@@ -167,6 +169,8 @@ __all__ = [
     "PROVISIONER_NAME",
     "ROCM_GRANT_VARS",
     "SERVER_ROOT_ENV",
+    "SERVER_CULL_ENV",
+    "SERVER_CULL_WARNING_ENV",
     # Moves and overload
     "grant_environ",
     "best_move_target",
@@ -274,6 +278,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "PROVISIONER_NAME": ("contract", "PROVISIONER_NAME"),
     "ROCM_GRANT_VARS": ("contract", "ROCM_GRANT_VARS"),
     "SERVER_ROOT_ENV": ("contract", "SERVER_ROOT_ENV"),
+    "SERVER_CULL_ENV": ("contract", "SERVER_CULL_ENV"),
+    "SERVER_CULL_WARNING_ENV": ("contract", "SERVER_CULL_WARNING_ENV"),
     # Moves and overload
     "grant_environ": ("moves", "grant_environ"),
     "best_move_target": ("moves", "best_move_target"),

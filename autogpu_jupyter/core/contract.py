@@ -32,6 +32,8 @@ __all__ = [
     "PROVISIONED_ENV",
     "PROVISIONER_NAME",
     "SERVER_ROOT_ENV",
+    "SERVER_CULL_ENV",
+    "SERVER_CULL_WARNING_ENV",
     "SESSION_NAME_ENV",
     "KernelContract",
     "notebook_path",
@@ -67,6 +69,11 @@ NOTE_ENV = "AUTOGPU_PICK_NOTE"
 #: The Jupyter server's root directory, set by the server extension for the kernels (and
 #: terminals) it starts: notebook paths are written relative to it, as JupyterLab shows them.
 SERVER_ROOT_ENV = "AUTOGPU_SERVER_ROOT"
+#: Set by the server extension for the kernels it starts when it culls idle GPU kernels
+#: (``c.AutoGPUServer.cull_idle_gpu_kernels_s``): the idle limit in seconds, and how long before
+#: it the sidebar and the status bar warn (``cull_warning_s``; 0: no warning).
+SERVER_CULL_ENV = "AUTOGPU_SERVER_CULL_IDLE_S"
+SERVER_CULL_WARNING_ENV = "AUTOGPU_SERVER_CULL_WARNING_S"
 #: jupyter_server's own variable: the notebook a kernel was started for (an absolute path).
 SESSION_NAME_ENV = "JPY_SESSION_NAME"
 

@@ -84,6 +84,47 @@ def _lease_events() -> None:
 
 _ended_lease_fds: set[int] = set()
 
+_cull_said = False
+
+
+def cull_notice(environ: Any = None) -> str | None:
+    """What the notebook is told, once, under the first cell that ran with a GPU when its
+    server shuts idle GPU kernels down (the server extension sets :data:`SERVER_CULL_ENV` for
+    the kernels it starts): the limit, where the warning before it appears, and how to keep
+    the kernel. ``None``: no culling, no GPU, or a limit that is not a number."""
+    import os  # noqa: PLC0415
+
+    from autogpu_jupyter.core import (  # noqa: PLC0415
+        SERVER_CULL_ENV,
+        SERVER_CULL_WARNING_ENV,
+        format_duration,
+    )
+
+    env = os.environ if environ is None else environ
+    try:
+        limit = float(env.get(SERVER_CULL_ENV, "0") or 0)
+        lead = float(env.get(SERVER_CULL_WARNING_ENV, "0") or 0)
+    except ValueError:
+        return None
+    choice = session.current()
+    if not (limit > 0) or limit == float("inf") or choice is None or not choice.uuids:
+        return None
+    gpus = ", ".join(d.label for d in choice.devices) if choice.devices else "its GPU"
+    warned = (f"; the sidebar and the status bar warn {format_duration(lead)} before"
+              if lead > 0 and lead != float("inf") else "")
+    return (f"autogpu: this server shuts down a kernel that holds a GPU after "
+            f"{format_duration(limit)} idle, freeing {gpus}{warned}. Running any cell keeps it.")
+
+
+def _cull_notice_once() -> None:
+    global _cull_said
+    if _cull_said:
+        return
+    text = cull_notice()
+    if text:
+        _cull_said = True
+        print(text)
+
 
 def _overload_hook(*_args: Any) -> None:
     """``post_run_cell``: print the provisioner's note once and a pending overload warning (main
@@ -95,6 +136,7 @@ def _overload_hook(*_args: Any) -> None:
         return
     _pick_note_once()
     _lease_events()
+    _cull_notice_once()
     from autogpu_jupyter.core import pending_warning  # noqa: PLC0415 (numpy: a cell ran)
 
     try:

@@ -87,6 +87,8 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
     """Create the shared state (one sampler per server process) and register the handlers."""
     # Imported here so that listing the extension point stays cheap (no tornado, no pynvml).
     from autogpu_jupyter.core import (  # noqa: PLC0415
+        SERVER_CULL_ENV,
+        SERVER_CULL_WARNING_ENV,
         SERVER_ROOT_ENV,
         SIMULATE_ENV,
         resolve_fleet_source,
@@ -115,6 +117,10 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
     setup_handlers(server_app.web_app, state)
     if state.cull_idle_gpu_kernels_s > 0:
         from autogpu_jupyter.server import culling  # noqa: PLC0415 (only when culling is on)
+
+        # The kernels it starts say so under the first cell that runs on a GPU (magics.hooks).
+        os.environ[SERVER_CULL_ENV] = f"{float(state.cull_idle_gpu_kernels_s):g}"
+        os.environ[SERVER_CULL_WARNING_ENV] = f"{state.cull_warning_lead_s():g}"
 
         culling.install(state, server_app.kernel_manager)
     if state.metrics:

@@ -2620,3 +2620,58 @@ def test_a_move_to_a_word_that_only_contains_best_is_no_move_to_the_best(
         "UsageError: unknown device 'XXbestXX' for a move: expected an NVML index (0, 1, 2, 3), a "
         "(unique) UUID, or --best\n"
     )
+
+
+# ---- the cull notice under the next cell (issue 41) ----------------------------------------------
+
+
+def test_a_server_that_culls_idle_gpu_kernels_is_said_once_under_the_first_gpu_cell(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server extension tells its kernels that it culls idle GPU kernels
+    (``AUTOGPU_SERVER_CULL_IDLE_S``, ``AUTOGPU_SERVER_CULL_WARNING_S``): the first cell that
+    ends with a GPU says so once, naming the GPU, the limit, when the warning comes and how to
+    keep the kernel; before a pick, and after the first time, nothing."""
+    from autogpu_jupyter.magics import hooks
+
+    monkeypatch.setattr(hooks, "_cull_said", False)
+    monkeypatch.setenv("AUTOGPU_SERVER_CULL_IDLE_S", "3600")
+    monkeypatch.setenv("AUTOGPU_SERVER_CULL_WARNING_S", "360")
+    shell.run_cell("%load_ext autogpu")
+    _, out, _ = run(shell, "x = 1", capsys)
+    assert "shuts down" not in out  # no GPU yet: nothing to cull
+    _, out, _ = run(shell, "%gpu pick", capsys)
+    notice = ("autogpu: this server shuts down a kernel that holds a GPU after 1h idle, freeing "
+              "GPU 0; the sidebar and the status bar warn 6m before. Running any cell keeps it.")
+    assert out.splitlines()[-1] == notice
+    _, out, _ = run(shell, "x = 2", capsys)
+    assert "shuts down" not in out  # said once
+
+
+@pytest.mark.parametrize(("limit", "lead"), [("0", "60"), ("", ""), ("soon", "60"), ("inf", "")])
+def test_no_cull_notice_without_a_limit_that_is_a_number(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    limit: str, lead: str,
+) -> None:
+    from autogpu_jupyter.magics import hooks
+
+    monkeypatch.setattr(hooks, "_cull_said", False)
+    monkeypatch.setenv("AUTOGPU_SERVER_CULL_IDLE_S", limit)
+    monkeypatch.setenv("AUTOGPU_SERVER_CULL_WARNING_S", lead)
+    shell.run_cell("%load_ext autogpu")
+    _, out, _ = run(shell, "%gpu pick", capsys)
+    assert "shuts down" not in out
+    assert hooks.cull_notice() is None
+
+
+def test_the_cull_notice_without_a_warning_says_only_the_limit(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from autogpu_jupyter.magics import hooks
+
+    shell.run_cell("%load_ext autogpu")
+    run(shell, "%gpu pick", capsys)
+    assert hooks.cull_notice({"AUTOGPU_SERVER_CULL_IDLE_S": "90",
+                              "AUTOGPU_SERVER_CULL_WARNING_S": "0"}) == (
+        "autogpu: this server shuts down a kernel that holds a GPU after 1m30s idle, freeing "
+        "GPU 0. Running any cell keeps it.")

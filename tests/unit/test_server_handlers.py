@@ -94,8 +94,9 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv(SERVER_ROOT_ENV, "unset by the test")
     for var in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "AUTOGPU_PICKED",
                 "AUTOGPU_LEASE_ID", "AUTOGPU_MIN_FREE", "AUTOGPU_WAIT", "AUTOGPU_BROKER_SOCKET",
-                "NVIDIA_VISIBLE_DEVICES", "AUTOGPU_PROMETHEUS_URL"):
-        monkeypatch.delenv(var, raising=False)
+                "NVIDIA_VISIBLE_DEVICES", "AUTOGPU_PROMETHEUS_URL", "AUTOGPU_SERVER_CULL_IDLE_S",
+                "AUTOGPU_SERVER_CULL_WARNING_S"):
+        monkeypatch.delenv(var, raising=False)  # restored after the test, as the server sets
     sampler_mod.stop_sampler()
     backends._cache.clear()
     metrics.uninstall()
@@ -286,6 +287,8 @@ def test_no_gpu_culling_unless_configured(jp_serverapp: Any) -> None:
     assert km.cull_idle_timeout == 0
     # jupyter_server's own culler method, not ours
     assert km.cull_kernel_if_idle.__func__ is type(km).cull_kernel_if_idle
+    # its kernels are told nothing of culling (magics.hooks.cull_notice)
+    assert "AUTOGPU_SERVER_CULL_IDLE_S" not in os.environ
 
 
 @pytest.mark.parametrize("traits", [{"cull_idle_gpu_kernels_s": 0.5}])
@@ -296,6 +299,10 @@ def test_gpu_culling_below_a_second_starts_the_culler(
     # the manager's culler only runs for a positive (integer) timeout
     assert km.cull_idle_timeout == 1
     assert getattr(km.cull_kernel_if_idle, "__func__", None) is not type(km).cull_kernel_if_idle
+    # the kernels it starts inherit the limit and the warning's lead, for the notice under
+    # their first GPU cell (magics.hooks.cull_notice): a tenth of the limit by default
+    assert (os.environ["AUTOGPU_SERVER_CULL_IDLE_S"],
+            os.environ["AUTOGPU_SERVER_CULL_WARNING_S"]) == ("0.5", "0.05")
 
 
 def _series(text: str, name: str) -> list[str]:
