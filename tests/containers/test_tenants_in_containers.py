@@ -157,3 +157,49 @@ def test_two_tenants_of_uid_1000_share_the_hosts_gpus(tmp_path: Path) -> None:
                 k.close()
             broker.stop()
             stack.close()
+
+
+def test_a_container_given_some_gpus_picks_only_inside_them(tmp_path: Path) -> None:
+    """A container granted GPUs by UUID (``NVIDIA_VISIBLE_DEVICES``, as ``--gpus`` or a device
+    plugin grants them) picks only inside its grant, and the host's broker books exactly the
+    UUIDs the container chose, whatever the container's own numbering: on 4 idle GPUs, whose
+    tie would go to GPU 0, carol's kernel granted GPU 3 lands on GPU 3, and dave's granted GPUs
+    1 and 2 gets both with ``--count 2``."""
+    from tests.leasehelpers import uuid_of
+
+    sockets = tmp_path / "tenant-sockets"
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps({"tenants": {"carol": {}, "dave": {}}}))
+    with broker_area(4) as root:
+        area = Area(root, 4)
+        broker = BrokerProc(root, "--tenant-socket-root", str(sockets), "--rules", str(rules),
+                            env={"AUTOGPU_SIMULATE": str(area.fleet)})
+        kernels: list[KernelInContainer] = []
+        try:
+            with contextlib.ExitStack() as stack:
+                base = {**hub.container_environment(), "AUTOGPU_SIMULATE": str(area.fleet)}
+                carol = stack.enter_context(Container(
+                    tmp_path, socket_dir=sockets / "carol",
+                    env={**base, "NVIDIA_VISIBLE_DEVICES": uuid_of(3)},
+                    mounts={str(area.fleet): str(area.fleet)}))
+                dave = stack.enter_context(Container(
+                    tmp_path, socket_dir=sockets / "dave",
+                    env={**base, "NVIDIA_VISIBLE_DEVICES": f"{uuid_of(1)},{uuid_of(2)}"},
+                    mounts={str(area.fleet): str(area.fleet)}))
+                kernels.append(carol.kernel(PICK))
+                assert _device(kernels[-1]) == uuid_of(3)
+                kernels.append(dave.kernel(["%load_ext autogpu", "%gpu pick --count 2",
+                                            PICK[-1]]))
+                assert [r["status"] for r in kernels[-1].results] == ["ok"] * 3
+                got = str(kernels[-1].results[-1]["stdout"]).strip()
+                assert sorted(got.split(",")) == [uuid_of(1), uuid_of(2)]
+                rows = _host_leases(area)
+                assert sorted((r["user"], tuple(sorted(r["device_uuids"]))) for r in rows) == [
+                    ("carol", (uuid_of(3),)), ("dave", (uuid_of(1), uuid_of(2)))]
+                for k in kernels:
+                    k.close()
+                kernels.clear()
+        finally:
+            for k in kernels:
+                k.close()
+            broker.stop()
