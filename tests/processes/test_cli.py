@@ -192,15 +192,16 @@ def test_pick_dry_run_shows_the_ranking(env: dict[str, str]) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         "autogpu [SIMULATED] dry run (min free 30.0 GiB): nothing changed",
-        "rank  device  name                       free  util  leases  verdict",
-        "1     GPU 1   NVIDIA A100-SXM4-80GB  70.0 GiB   10%       0  would pick: "
+        "  rank  device  name                       free  util  load     leases  verdict",
+        "  1     GPU 1   NVIDIA A100-SXM4-80GB  70.0 GiB   10%  12% mem       0  would pick: "
         "70.0 GiB free >= 30.0 GiB wanted",
-        "2     GPU 2   NVIDIA A100-SXM4-80GB  50.0 GiB   20%       0  fits: "
+        "  2     GPU 2   NVIDIA A100-SXM4-80GB  50.0 GiB   20%  38% mem       0  fits: "
         "50.0 GiB free >= 30.0 GiB wanted",
-        "-     GPU 0   NVIDIA A100-SXM4-80GB  20.0 GiB    0%       0  dropped: "
+        "  -     GPU 0   NVIDIA A100-SXM4-80GB  20.0 GiB    0%  -             0  dropped: "
         "only 20.0 GiB free < 30.0 GiB wanted",
-        "-     GPU 3   NVIDIA A100-SXM4-80GB   1.0 GiB   30%       0  dropped: "
+        "  -     GPU 3   NVIDIA A100-SXM4-80GB   1.0 GiB   30%  -             0  dropped: "
         "only 1.0 GiB free < 30.0 GiB wanted",
+        "  why GPU 1 over GPU 2: lower load (12% mem vs 38% mem)",
     ]
     assert not (Path(env["AUTOGPU_REGISTRY_DIR"]).exists()
                 and any(Path(env["AUTOGPU_REGISTRY_DIR"]).rglob("*.json")))
@@ -233,8 +234,9 @@ def test_no_fit_suggests_waiting_in_line(env: dict[str, str]) -> None:
     env["COLUMNS"] = "80"  # a narrow terminal: verdicts continue under their column
     narrow = run(env, "pick", "--dry-run", "--min-free", "30G").stdout.splitlines()
     assert narrow[2:4] == [
-        "1     GPU 1   NVIDIA A100-SXM4-80GB  70.0 GiB   10%       0  would pick: 70.0 GiB",
-        "                                                             free >= 30.0 GiB wanted",
+        "  1     GPU 1   NVIDIA A100-SXM4-80GB  70.0 GiB   10%  12% mem       0  "
+        "would pick: 70.0 GiB",
+        " " * 72 + "free >= 30.0 GiB wanted",
     ]
 
 
