@@ -87,6 +87,18 @@ def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-
 
 
 @pytest.fixture(autouse=True)
+def _no_server_cull_settings_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A Jupyter server started in this process with GPU culling on tells the kernels it starts
+    through this process's environment (``AUTOGPU_SERVER_CULL_*``, for the notice under their
+    first GPU cell); a later test that starts kernels with ``os.environ`` must not inherit it.
+    Each test starts without them, and whatever a server set is undone after it."""
+    for name in ("AUTOGPU_SERVER_CULL_IDLE_S", "AUTOGPU_SERVER_CULL_WARNING_S"):
+        monkeypatch.setenv(name, "")  # recorded as absent: undone to absent after the test
+        monkeypatch.delenv(name)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _package_logging_as_found() -> Iterator[None]:
     """A Jupyter server started in this process (pytest-jupyter) routes the ``autogpu_jupyter``
     loggers to its log at its level (``server.route_logs_to``); undo that after each test, so
