@@ -5,7 +5,8 @@ the benchmark drops, so the kernel wakes them all at once) each run
 :func:`autogpu_jupyter.core.picker.pick` on the same simulated fleet of G GPUs, then hold their
 lease until every picker is done. Two modes, alternating in one run:
 
-* ``registry`` -- the shared-directory registry (``core.leasing.directory.Registry``) in a temp dir;
+* ``registry`` -- the shared-directory registry (``core.leasing.directory.Registry``) in a
+  temp dir;
 * ``broker``   -- ``autogpu broker`` as a real process on a Unix socket, the picks through
   ``core.leasing.brokerclient.BrokerRegistry`` (the same picker code).
 

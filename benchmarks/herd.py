@@ -30,8 +30,8 @@ from the instant the gate opened to the pick's return (``CLOCK_MONOTONIC`` is on
 process), so it also counts the wait for a CPU: 128 processes woken on 2 cores do not all run at
 once. For autogpu the benchmark also times the critical section alone (``service``: from holding
 the registry lock to the end of the transaction: snapshot, scan of the live leases, rank, lease
-write), through a :class:`Registry` subclass that only records two timestamps; it checks that no
-two critical sections overlap. The pick is serialised by that lock (that is what makes it
+write), through a :class:`Registry` subclass that only records two timestamps; it checks that
+no two critical sections overlap. The pick is serialised by that lock (that is what makes it
 herd-safe), so the last of N simultaneous pickers waits for about N service times: ``serial`` is
 their sum.
 

@@ -96,7 +96,8 @@ def test_a_tab_in_the_notebook_name_still_gives_a_readable_exclusive_lease(
     r = k.run("%gpu pick --exclusive")
     assert r.status == "ok", r
     try:
-        leases = [x for x in Registry(host["registry"]).list_leases() if x.uid == os.geteuid()]
+        leases = [x for x in Registry(host["registry"]).list_leases()
+                  if x.uid == os.geteuid()]
         assert [(x.notebook_path, x.exclusive) for x in leases] == [("notes/run?1.ipynb", True)]
         mine = leases[0].device_uuids
         # Another exclusive pick (a second kernel) must go elsewhere or be refused.

@@ -1,7 +1,8 @@
 """The lease store contract: the same cases, the same answers, from every holder of lease state.
 
-Every test runs three times: against the shared directory (``core.leasing.directory.Registry``),
-against the client of a real ``autogpu broker`` process (``core.leasing.brokerclient``), and
+Every test runs three times: against the shared directory
+(``core.leasing.directory.Registry``), against the client of a real ``autogpu broker``
+process (``core.leasing.brokerclient``), and
 against the broker's lease book in memory behind the same transaction interface
 (``brokerd.bookstore.BookStore``: the broker's own ops, no socket), all configured with the same
 rules (2 devices, 3 leases and 2 tickets per user). What the broker's own

@@ -76,7 +76,8 @@ def autogpu_spec(jp_data_dir: Path) -> str:
 
 
 def leases(registry_dir: Path) -> list[tuple[int, tuple[str, ...], str | None]]:
-    return [(r.pid, r.device_uuids, r.kernel_id) for r in Registry(str(registry_dir)).list_leases()]
+    return [(r.pid, r.device_uuids, r.kernel_id)
+            for r in Registry(str(registry_dir)).list_leases()]
 
 
 async def open_notebook(jp_fetch: Any, kernel: str, path: str = "work/train.ipynb") -> Any:

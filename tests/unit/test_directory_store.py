@@ -501,7 +501,8 @@ def test_a_two_device_lease_lists_both_in_its_repr(reg: Registry) -> None:
     lease.release()
 
 
-def test_a_dropped_lease_object_closes_its_descriptor_and_the_lease_ends(reg: Registry) -> None:
+def test_a_dropped_lease_object_closes_its_descriptor_and_the_lease_ends(
+        reg: Registry) -> None:
     before = _open_fds()
     lease = _lease(reg)
     path = lease.path
@@ -612,7 +613,8 @@ def test_set_pid_when_the_registry_became_unusable_keeps_the_old_record(
     lease.release()
 
 
-def test_set_pid_continues_a_short_write(reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_set_pid_continues_a_short_write(
+        reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
     lease = _lease(reg, requester=Requester(pid=5))
     real = os.pwrite
     calls: list[int] = []
@@ -720,7 +722,8 @@ def test_exclusive_leases_refuse_with_who_holds_the_device(reg: Registry) -> Non
         lease.release()
 
 
-def test_exclusivity_follows_the_physical_gpu_with_the_fleets_mig_layout(reg: Registry) -> None:
+def test_exclusivity_follows_the_physical_gpu_with_the_fleets_mig_layout(
+        reg: Registry) -> None:
     """Issue 39: the directory's admission judges a MIG device with its parent and siblings,
     by the MIG layout the pick passes (``parents``) or, where the devices are snapshots, by
     theirs; without either, each id is a GPU of its own."""
@@ -844,7 +847,8 @@ def test_a_transaction_reads_the_registry_once(reg: Registry) -> None:
     assert [r.path for r in reg.scan().dead] == [str(late)]
 
 
-def test_a_ticket_past_the_admission_rules_is_refused_and_nothing_written(reg: Registry) -> None:
+def test_a_ticket_past_the_admission_rules_is_refused_and_nothing_written(
+        reg: Registry) -> None:
     reg.max_devices_per_user = 2
     first = reg.take_ticket(constraints={**CONSTRAINTS, "count": 1})
     second = reg.take_ticket(constraints={**CONSTRAINTS, "count": 1})
@@ -1640,7 +1644,8 @@ def test_a_lease_file_that_cannot_be_opened_or_read_is_reported(
 # ---- the negative cache ---------------------------------------------------------------------
 
 
-def test_unheld_junk_is_remembered_by_inode_and_a_new_file_is_read_again(reg: Registry) -> None:
+def test_unheld_junk_is_remembered_by_inode_and_a_new_file_is_read_again(
+        reg: Registry) -> None:
     path = _plant(reg, "a" * 32 + ".lease", "{not json")
     why = "malformed: not valid JSON (JSONDecodeError)"
     assert reg.scan().ignored == [(str(path), why)]

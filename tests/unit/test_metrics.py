@@ -49,7 +49,8 @@ LMIG = labels(MIG, "1:0", "NVIDIA A100 MIG 3g.40gb")
 LLOST = labels(LOST, "2", "NVIDIA L4")
 
 
-def scrape(fleet_file: Path, registry: Registry | None, details: bool = False) -> dict[Any, float]:
+def scrape(fleet_file: Path, registry: Registry | None,
+           details: bool = False) -> dict[Any, float]:
     """``(name, sorted labels) -> value`` of every ``autogpu_*`` sample one scrape exposes."""
     snap = SimulatedBackend(str(fleet_file)).snapshot()
     prom = CollectorRegistry(auto_describe=False)

@@ -34,9 +34,9 @@ by root or by the caller; each user's directory must be owned by the uid it is n
 files are created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` relative to a directory fd and checked with
 ``fstat``; another user's file is untrusted input (size cap, strict JSON schema, owner uid ==
 directory uid == the uid in the record, else ignored as forged) and is never put in a shell.
-A registry that cannot be used safely makes :meth:`Registry.locked` yield ``None`` with
-:attr:`Registry.unusable_reason` set: a plain pick goes on without a lease and says why; one that
-promised exclusivity, a wait or a quota fails closed (see :mod:`autogpu_jupyter.core.picker`).
+A registry that cannot be used safely makes :meth:`Registry.locked` yield ``None``
+with :attr:`Registry.unusable_reason` set: a plain pick goes on without a lease and says why; one
+that promised exclusivity, a wait or a quota fails closed (see :mod:`autogpu_jupyter.core.picker`).
 
 The hardened filesystem calls themselves (``openat`` with ``O_NOFOLLOW``, the owner and mode
 checks on descriptors, the ``flock`` tests and waits, the inode-checked removals, the negative
@@ -521,7 +521,8 @@ class Registry(LeaseStore):
                 live=True,
             )
         except Invalid as err:
-            raise RegistryError(f"lease record refused: readers would reject it ({err})") from None
+            raise RegistryError(
+                f"lease record refused: readers would reject it ({err})") from None
         return data
 
     def _unlink_own(self, name: str, fd: int) -> None:
@@ -545,7 +546,8 @@ class Registry(LeaseStore):
         try:
             names = os.listdir(top_fd)
         except OSError as err:
-            raise RegistryError(f"cannot list lease registry {self.path}: {err.strerror}") from None
+            raise RegistryError(
+                f"cannot list lease registry {self.path}: {err.strerror}") from None
         for uname in sorted(names) if keep_ignored else names:
             # isdecimal() alone is true for '¹' or '٣' (int() then fails or differs): ASCII only.
             if not (uname.isascii() and uname.isdecimal()) or len(uname) > 10:
@@ -663,14 +665,16 @@ class Registry(LeaseStore):
             os.close(top)
 
     def check(self) -> None:
-        """Raise :class:`RegistryError` if the registry cannot be used (creating it if missing)."""
+        """Raise :class:`RegistryError` if the registry cannot be used (creating it if
+        missing)."""
         top = self._open_top(create=True)
         try:
             fcntl.flock(top, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             pass
         except OSError as err:
-            raise RegistryError(f"cannot lock lease registry {self.path}: {err.strerror}") from None
+            raise RegistryError(
+                f"cannot lock lease registry {self.path}: {err.strerror}") from None
         finally:
             os.close(top)
 
