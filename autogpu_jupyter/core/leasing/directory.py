@@ -36,7 +36,8 @@ files are created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` relative to a directory fd 
 directory uid == the uid in the record, else ignored as forged) and is never put in a shell.
 A registry that cannot be used safely makes :meth:`Registry.locked` yield ``None``
 with :attr:`Registry.unusable_reason` set: a plain pick goes on without a lease and says
-why; one that promised exclusivity, a wait or a quota fails closed (see :mod:`autogpu_jupyter.core.picker`).
+why; one that promised exclusivity, a wait or a quota fails closed (see
+:mod:`autogpu_jupyter.core.picker`).
 
 The hardened filesystem calls themselves (``openat`` with ``O_NOFOLLOW``, the owner and mode
 checks on descriptors, the ``flock`` tests and waits, the inode-checked removals, the negative
