@@ -15,7 +15,9 @@ Layout: every column but one keeps its cells on one line (``GPU 0``, ``NVIDIA A1
 never break); the one ``wrap`` column (holders, reasons) takes the rest of the width, and in text
 its continuation lines start under the column, never back at column 0. Where the width is too
 small for every column (an 80-column terminal), the columns with a ``drop`` rank are left out,
-lowest rank first, until the table fits: text is left-aligned, numbers right-aligned.
+lowest rank first, until the table fits: text is left-aligned, numbers right-aligned. The dry
+run's ranking (:func:`ranking_lines`) puts its wrap column, the verdict, under each row instead
+where the other columns leave it less than its least width.
 """
 
 from __future__ import annotations
@@ -297,27 +299,44 @@ def asked_text(constraints: Constraints) -> str:
     return "any device" if text == "no constraints" else text
 
 
+def _wrapped(text: str, width: int, first: str, rest: str, glue: Collection[str]) -> list[str]:
+    """``text`` in lines of at most ``width`` cells: the first starting with ``first``, the
+    others with ``rest``; broken between words only, never inside a number and its unit, an
+    aside in parentheses or one of the names in ``glue`` (a device's label: ``GPU 0 MIG 1``)."""
+    text = _glued(visible(text))
+    for name in sorted(glue, key=len, reverse=True):
+        text = text.replace(name, name.replace(" ", "\u00a0"))
+    room = max(width - max(len(first), len(rest)), _MIN_WRAP)
+    parts = [w.replace("\u00a0", " ") for w in wrap_words(text, room)]
+    return [(first if k == 0 else rest) + w for k, w in enumerate(parts)]
+
+
 def ranking_lines(result: PickResult, width: int = 120, indent: str = "  ") -> list[str]:
     """The ranking table of a dry run (``%gpu pick --dry-run``, ``autogpu pick --dry-run``):
     every device, its rank or why it was dropped, the load figure it was ranked by, and what
     decided between the best and the runner-up.
 
-    Aligned columns; the verdict column wraps under itself (never back to column 0) so the table
-    fits ``width`` characters; control characters in any cell are made visible.
+    Aligned columns, the whole table within ``width`` terminal cells: where the columns leave
+    the verdict its least width (24), the verdict is the last column and wraps under itself;
+    where they do not (an 80-column terminal, a long device name), each verdict goes on the
+    lines under its device's row instead. A device's label and name are never cut or broken;
+    the verdicts and the closing line break between words only. Control characters in any
+    cell are made visible.
     """
     # The decision pipeline comes with the first pick.
     from autogpu_jupyter.core.decision import deciding_term, describe_load  # noqa: PLC0415
 
     sim = " [SIMULATED]" if result.snapshot.simulated else ""
     chosen = {d.uuid for d in result.chosen}
+    labels = {c.device.label for c in result.candidates}
     columns = [
         Column("rank"),
         Column("device"),
         Column("name"),
         Column("free", align="right"),
-        Column("util", align="right"),
+        Column("util", align="right", drop=1),
         Column("load"),
-        Column("leases", align="right"),
+        Column("leases", align="right", drop=2),
         Column("verdict", wrap=True),
     ]
     rows = []
@@ -340,16 +359,33 @@ def ranking_lines(result: PickResult, width: int = 120, indent: str = "  ") -> l
                 f"{verdict}: {'; '.join(c.reasons) or 'ok'}",
             )
         )
-    out = [f"autogpu{sim} dry run ({asked_text(result.constraints)}): nothing changed"]
-    out.extend(to_text(columns, rows, width=width, indent=indent))
+    title = f"autogpu{sim} dry run ({asked_text(result.constraints)}): nothing changed"
+    out = _wrapped(title, width, "", indent, labels)
+    widths = [
+        max([cells(col.title), *(cells(visible(r[i])) for r in rows)])
+        for i, col in enumerate(columns)
+    ]
+    if _fits(widths, len(columns) - 1, width, indent):
+        out.extend(to_text(columns, rows, width=width, indent=indent))
+    else:
+        # The verdicts under their rows, from the device column on; in a terminal narrower
+        # still, the columns it can do without (util: the load names the figure ranked by;
+        # then leases) are left out until the rest fits.
+        kept, cut = narrow(columns[:-1], [r[:-1] for r in rows], width, indent=indent)
+        table = to_text(kept, cut, width=width, indent=indent)
+        under = indent + " " * (widths[0] + _GAP)
+        out.append(table[0])
+        for line, row in zip(table[1:], rows, strict=True):
+            out.append(line)
+            out.extend(_wrapped(row[-1], width, under, under, labels))
     if not result.chosen:
-        out.append(
-            f"{indent}no device fits: a real pick would fail now (--wait DURATION waits in line)"
-        )
+        fail = "no device fits: a real pick would fail now (--wait DURATION waits in line)"
+        out.extend(_wrapped(fail, width, indent, indent + "  ", labels))
     else:
         best = result.candidate(result.chosen[0].uuid)
         if best is not None:
             ru = result.runner_up
             vs = f" over {ru.device.label}" if ru is not None else ""
-            out.append(f"{indent}why {best.device.label}{vs}: {deciding_term(best, ru)}")
+            why = f"why {best.device.label}{vs}: {deciding_term(best, ru)}"
+            out.extend(_wrapped(why, width, indent, indent + "  ", labels))
     return out

@@ -257,7 +257,12 @@ class GPUMagics(Magics):
     def _pick(self, args: argparse.Namespace) -> None:
         result, warning = self._run_pick(args)
 
-        text = format_ranking(result) if args.dry_run else format_pick(result, warning)
+        if args.dry_run:
+            # a notebook's output area, or the terminal IPython runs in
+            width = 120 if self._in_kernel() else shutil.get_terminal_size((100, 24)).columns
+            text = format_ranking(result, width)
+        else:
+            text = format_pick(result, warning)
         if args.dry_run and result.chosen:
             mine = session.current()
             if mine is not None and set(mine.uuids) == {d.uuid for d in result.chosen}:

@@ -140,8 +140,9 @@ def format_ranking(result: PickResult, width: int = 120) -> str:
     """The ranking table of ``--dry-run``: every device, its rank or why it was dropped, the
     load figure it was ranked by, and what decided between the best and the runner-up.
 
-    Aligned columns; the verdict column wraps under itself (never back to column 0) so the
-    table fits ``width`` characters; control characters in any cell are made visible.
+    The table fits ``width`` characters (:func:`autogpu_jupyter.core.tables.ranking_lines`: the
+    verdict beside its row, or under it where the columns leave it too little room); control
+    characters in any cell are made visible.
     """
     return "\n".join(ranking_lines(result, width))
 

@@ -5,48 +5,52 @@
  * the server's (the local pick's policy), never redone here.
  */
 import { ITrans, formatBytes, formatPct, noTranslation } from './model';
+import type * as wire from './schema';
 
-/** One GPU of a host, as `GET cluster` sends it. */
-export interface IClusterDevice {
-  uuid: string;
-  label: string;
-  name: string;
-  available: boolean;
-  source: string;
-  utilization_pct: number | null;
-  memory_used_bytes: number | null;
-  memory_total_bytes: number | null;
-  memory_booked_bytes: number;
-  lease_count: number;
-  holders: string[];
-}
+/*
+ * The answers' shapes come from the wire's, generated from the server's schema
+ * (autogpu_jupyter/server/schema.py -> `./schema`): the section keeps the fields it reads
+ * (`Pick`: a field the server stops sending, or renames, no longer compiles) and reshapes two
+ * (the ranking names devices by label; the history keys hosts by name).
+ */
+
+/** One GPU of a host, as `GET cluster` sends it (the fields the section reads). */
+export type IClusterDevice = Pick<
+  wire.IClusterDeviceJSON,
+  | 'uuid'
+  | 'label'
+  | 'name'
+  | 'available'
+  | 'source'
+  | 'utilization_pct'
+  | 'memory_used_bytes'
+  | 'memory_total_bytes'
+  | 'memory_booked_bytes'
+  | 'lease_count'
+  | 'holders'
+>;
 
 /** One host: `state` is `ok`, `stale` or `down`. */
-export interface IClusterHost {
-  hostname: string;
-  state: string;
-  as_of_s: number | null;
-  note: string | null;
-  devices: IClusterDevice[];
-}
+export type IClusterHost = Pick<
+  wire.IClusterHostJSON,
+  'hostname' | 'state' | 'as_of_s' | 'note'
+> & { devices: IClusterDevice[] };
 
-export interface IClusterRank {
-  hostname: string;
-  fits: boolean;
+/** A host in ranking order; `chosen`: the labels of the devices it would choose. */
+export type IClusterRank = Omit<wire.IHostRank, 'chosen'> & {
   chosen: string[];
-}
+};
 
 /** `GET cluster`. */
-export interface ICluster {
-  configured: boolean;
-  prometheus_url: string | null;
-  timestamp_s: number;
-  constraints_text: string;
-  hosts: IClusterHost[];
-  ranking: IClusterRank[];
-  best: string | null;
-  errors: string[];
-}
+export type ICluster = Pick<
+  wire.IClusterAnswer,
+  | 'configured'
+  | 'prometheus_url'
+  | 'timestamp_s'
+  | 'constraints_text'
+  | 'best'
+  | 'errors'
+> & { hosts: IClusterHost[]; ranking: IClusterRank[] };
 
 /** One GPU line of a host. */
 export interface IClusterGpuView {
@@ -60,17 +64,15 @@ export interface IClusterGpuView {
 }
 
 /** A host's mean GPU load over time (`GET cluster/history`), oldest first, null = no data. */
-export interface IHostHistory {
-  hostname: string;
-  utilization_pct: (number | null)[];
-  memory_used_pct: (number | null)[];
-}
+export type IHostHistory = Pick<
+  wire.IHostHistoryJSON,
+  'hostname' | 'utilization_pct' | 'memory_used_pct'
+>;
 
 /** `GET cluster/history`: `hosts` by hostname. */
-export interface IClusterHistory {
-  seconds: number;
+export type IClusterHistory = Pick<wire.IClusterHistoryAnswer, 'seconds'> & {
   hosts: Map<string, IHostHistory>;
-}
+};
 
 /** The history line of a host: a sparkline of the mean utilisation and its summary. */
 export interface IHostHistoryView {

@@ -9,6 +9,7 @@
  * Every word shown to people goes through a translation bundle (`ITrans`: JupyterLab's
  * `TranslationBundle`, or `noTranslation` in tests); text from the server is shown as sent.
  */
+import type * as wire from './schema';
 
 /** The part of JupyterLab's `TranslationBundle` the sidebar uses. */
 export interface ITrans {
@@ -31,159 +32,66 @@ export const noTranslation: ITrans = {
     fill(n === 1 ? msgid : msgidPlural, args)
 };
 
+/*
+ * The answers' shapes are the wire's, generated from the server's schema
+ * (autogpu_jupyter/server/schema.py -> `./schema`, by scripts/wire_schema.py): never written
+ * here again. A field added there reaches this file through the generated interface, and the
+ * validators below, typed against it, stop compiling until they check it. The sidebar's names
+ * for them stay (the rest of the sidebar imports them from here).
+ */
+export type {
+  IBestMoveJSON,
+  IBetterDevice,
+  IChosenDevice,
+  IDeviceJSON,
+  IDevicesAnswer,
+  IHistoryAnswer,
+  IHistorySeries,
+  IHolderJSON,
+  IHoldersAnswer,
+  IKernelJSON,
+  IMoveAnswer,
+  IProcessJSON,
+  ISelectAnswer
+} from './schema';
+
 /** A compute process on a device (`command` is null unless the admin exposes it). */
-export interface IProcess {
-  pid: number;
-  used_memory_bytes: number | null;
-  user: string | null;
-  command: string | null;
-}
+export type IProcess = wire.IProcessJSON;
 
 /** One device at one moment (`DeviceSnapshot.to_dict()`). */
-export interface IDevice {
-  index: number;
-  uuid: string;
-  name: string;
-  label: string;
-  pci_bus_id: string | null;
-  memory_total_bytes: number | null;
-  memory_used_bytes: number | null;
-  memory_free_bytes: number | null;
-  utilization_pct: number | null;
-  temperature_c: number | null;
-  power_w: number | null;
-  power_limit_w: number | null;
-  compute_mode: string | null;
-  is_mig: boolean;
-  mig_enabled: boolean | null;
-  processes: IProcess[] | null;
-  available: boolean;
-  error: string | null;
-  timestamp_s: number;
-}
+export type IDevice = wire.IDeviceJSON;
 
 /** `GET /autogpu/devices`. */
-export interface IFleet {
-  timestamp_s: number;
-  backend: string | null;
-  simulated: boolean;
-  driver_version: string | null;
-  errors: string[];
-  devices: IDevice[];
-  interval_s: number;
-}
+export type IFleet = wire.IDevicesAnswer;
 
 /** One device's series in `GET /autogpu/history` (oldest first). */
-export interface ISeries {
-  uuid: string;
-  timestamp_s: number[];
-  utilization_pct: (number | null)[];
-  memory_used_bytes: (number | null)[];
-  memory_total_bytes: number | null;
-}
+export type ISeries = wire.IHistorySeries;
 
 /** `GET /autogpu/history?since=<ts>`. */
-export interface IHistory {
-  interval_s: number;
-  history_s: number;
-  since_s: number | null;
-  until_s: number | null;
-  series: ISeries[];
-  errors: string[];
-}
+export type IHistory = wire.IHistoryAnswer;
 
 /**
  * Who holds (part of) a device, joined by the server (`core/holders.py`): a lease, a GPU
- * process, or both matched by pid, with this server's kernel and notebook where it knows them
- * (`GET /autogpu/holders`).
+ * process, or both matched by pid, with this server's kernel and notebook where it knows them.
+ * `where` and `memory_text` are the holder in words, as every view says it (`core/words.py`).
  */
-export interface IHolder {
-  kind: 'lease' | 'process' | 'lease+process';
-  uuid: string;
-  label: string | null;
-  user: string | null;
-  pid: number | null;
-  kernel_id: string | null;
-  this_server: boolean;
-  notebook_path: string | null;
-  booked_bytes: number | null;
-  used_memory_bytes: number | null;
-  exclusive: boolean;
-  created_s: number | null;
-  command: string | null;
-  /** The holder in words, as every view says it (`core/words.py`): `train.ipynb`, `kernel 1a2b3c4d`, `pid 4242`. */
-  where: string;
-  /** `10.0 GiB booked, 3.2 GiB used, exclusive` (what is known; '' when nothing). */
-  memory_text: string;
-}
+export type IHolder = wire.IHolderJSON;
 
-/** One of this server's kernels: can it be moved (autogpu kernelspec), and where is it. */
-export interface IKernelInfo {
-  kernel_id: string;
-  notebook_path: string | null;
-  /** jupyter_server's `execution_state` (`idle`, `busy`, ...), null when unknown. */
-  execution_state: string | null;
-  /** Seconds since the kernel's last activity, while it is idle (null: busy or unknown). */
-  idle_s: number | null;
-  movable: boolean;
-  /** The provisioner's pick at the last (re)start; empty: CPU-only or not an autogpu kernel. */
-  picked_uuids: string[];
-  constraints_text: string | null;
-  note: string | null;
-  /** The overload warning for the GPU this kernel holds (other processes overload it). */
-  overload: string | null;
-  /** The better device for this kernel while it is overloaded (the warning's and the
-   * notification's), null otherwise. */
-  better: { uuid: string; label: string } | null;
-  /** The kernel waits in line for a GPU (`%gpu pick --wait`). */
-  waiting: boolean;
-  /** The devices the kernel's process may use (its allocation); null: unknown (any). */
-  allowed_uuids: string[] | null;
-  /**
-   * Where "Move to best GPU" takes this kernel, by the server's one decision (its move plan
-   * for `best`, or the overload's better device by UUID); null: it is on the best GPU
-   * already, or cannot move.
-   */
-  best_move: IBestMove | null;
-  /**
-   * The server's warning that this idle kernel's GPU will be freed soon (it culls idle GPU
-   * kernels: `cull_idle_gpu_kernels_s`), in words, with how to keep it; null otherwise.
-   */
-  cull_warning: string | null;
-}
+/**
+ * One of this server's kernels: can it be moved (autogpu kernelspec), where is it, and where
+ * "Move to best GPU" takes it (`best_move`: the server's one decision; null on the best GPU
+ * already, or when it cannot move).
+ */
+export type IKernelInfo = wire.IKernelJSON;
 
 /** A movable kernel's better place, as the server names it (`best_move`). */
-export interface IBestMove {
-  /** The move endpoint's `target`: `best`, or a UUID. */
-  target: string;
-  uuids: string[];
-  labels: string[];
-}
+export type IBestMove = wire.IBestMoveJSON;
 
 /** `GET /autogpu/holders`. */
-export interface IHolders {
-  timestamp_s: number;
-  simulated: boolean;
-  user: string;
-  holders: IHolder[];
-  kernels: IKernelInfo[];
-  errors: string[];
-}
+export type IHolders = wire.IHoldersAnswer;
 
 /** `POST /autogpu/kernels/<id>/move` (also its dry run, for the confirmation dialog). */
-export interface IMoveResult {
-  dry_run: boolean;
-  /** What the move will do / did, in words, for the panel or the dialog. */
-  message: string;
-  plan: string;
-  target: string[];
-  target_labels: string[];
-  /** Where the restarted kernel runs (null for a dry run, or while the move is pending). */
-  picked: string[] | null;
-  note: string | null;
-  /** The move is recorded and waits for the kernel's restart. */
-  pending: boolean;
-}
+export type IMoveResult = wire.IMoveAnswer;
 
 /** A move button on a card: `best` on the kernel's own device, `here` on the others. */
 export interface IMoveAction {
@@ -195,19 +103,16 @@ export interface IMoveAction {
 }
 
 /** A chosen device in a dry-run answer. */
-export interface IChosen {
-  uuid: string;
-  label: string;
-  name: string;
-}
+export type IChosen = wire.IChosenDevice;
 
-/** `GET|POST /autogpu/select` (dry run). */
-export interface ISelection {
-  chosen: IChosen[];
-  constraints_text: string;
-  message: string | null;
-  simulated: boolean;
-}
+/**
+ * The part of `GET|POST /autogpu/select` (dry run) the recommendation reads; also what
+ * `kernelSelection` makes of a kernel's own `best_move`.
+ */
+export type ISelection = Pick<
+  wire.ISelectAnswer,
+  'chosen' | 'constraints_text' | 'message' | 'simulated'
+>;
 
 /** A holder as the card shows it: the server's words (`where`, `memory_text`). */
 export interface IHolderView {
@@ -284,15 +189,20 @@ export function parseDevice(raw: unknown): IDevice {
     memory_used_bytes: numOrNull(raw.memory_used_bytes),
     memory_free_bytes: numOrNull(raw.memory_free_bytes),
     utilization_pct: numOrNull(raw.utilization_pct),
+    memory_utilization_pct: numOrNull(raw.memory_utilization_pct),
     temperature_c: numOrNull(raw.temperature_c),
     power_w: numOrNull(raw.power_w),
     power_limit_w: numOrNull(raw.power_limit_w),
     compute_mode: strOrNull(raw.compute_mode),
     is_mig: raw.is_mig === true,
     mig_enabled: typeof raw.mig_enabled === 'boolean' ? raw.mig_enabled : null,
+    parent_uuid: strOrNull(raw.parent_uuid),
+    mig_index: numOrNull(raw.mig_index),
     processes: procs,
     available: raw.available !== false,
     error: strOrNull(raw.error),
+    vendor: typeof raw.vendor === 'string' ? raw.vendor : 'nvidia',
+    runtime_uuid: strOrNull(raw.runtime_uuid),
     timestamp_s: numOrNull(raw.timestamp_s) ?? 0
   };
 }
@@ -503,7 +413,7 @@ export function parseHolders(raw: unknown): IHolders {
       kind:
         h.kind === 'lease' || h.kind === 'lease+process' ? h.kind : 'process',
       uuid: h.uuid,
-      label: strOrNull(h.label),
+      label: typeof h.label === 'string' ? h.label : h.uuid,
       user: strOrNull(h.user),
       pid: numOrNull(h.pid),
       kernel_id: strOrNull(h.kernel_id),
@@ -1083,7 +993,7 @@ export function waitsEnded(
         h =>
           h.kind !== 'process' && h.this_server && h.kernel_id === k.kernel_id
       )
-      .map(h => h.label ?? h.uuid);
+      .map(h => h.label);
     if (labels.length > 0) {
       const who =
         k.notebook_path ?? trans.__('kernel %1', k.kernel_id.slice(0, 8));

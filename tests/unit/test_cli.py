@@ -2136,36 +2136,52 @@ def test_pick_dry_run_ranks_what_fits_in_order_with_aligned_numbers(
     ]
 
 
-def test_pick_dry_run_on_real_devices_wraps_each_verdict_in_the_terminal(
+def test_pick_dry_run_on_real_devices_fits_an_80_column_terminal(
     fleet: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``autogpu pick --dry-run --min-free 10G --max-util 50`` in an 80-column terminal on
     devices that are not simulated: no "[SIMULATED]"; a dropped device unranked ("-"); several
-    reasons joined by "; "; the verdict wrapping under its own column within 80 columns.
-    Caught: "[SIMULATED]" always shown, or the empty stand-in altered; the reasons' separator
-    altered; the verdict not wrapping (wrap left out or False); the table written at the
-    default 100 columns."""
+    reasons joined by "; "; no line wider than 80: the columns leave the verdict too little
+    room, so each verdict goes on the line under its device's row, whole. Caught: "[SIMULATED]"
+    always shown, or the empty stand-in altered; the reasons' separator altered; the table
+    written at the default 100 columns; (issue 42) lines 86 wide, the verdict kept beside the
+    row at its least width."""
     fleet([_gpu(A, 0, 0), _gpu(B, 40, None), _gpu(C, 75, 90)])
     _edited_backend(monkeypatch, simulated=False)
     monkeypatch.setenv("COLUMNS", "80")
     code, out, err = cli("pick", "--dry-run", "--min-free", "10G", "--max-util", "50")
     assert (code, err) == (0, "")
-    under = " " * 62
     assert out.splitlines() == [
         "autogpu dry run (min free 10.0 GiB, max util 50%): nothing changed",
-        "  rank  device  name             free  util  load     leases  verdict",
-        "  1     GPU 0   NVIDIA A100  80.0 GiB    0%  0% util       0  would pick: 80.0 GiB",
-        f"{under}free >= 10.0 GiB wanted",
-        "  2     GPU 1   NVIDIA A100  40.0 GiB     ?  50% mem       0  fits: 40.0 GiB free >=",
-        f"{under}10.0 GiB wanted;",
-        f"{under}utilisation unknown",
-        f"{under}(not supported here):",
-        f"{under}not filtered on it",
-        "  -     GPU 2   NVIDIA A100   5.0 GiB   90%  -             0  dropped: only 5.0 GiB",
-        f"{under}free < 10.0 GiB wanted;",
-        f"{under}utilisation 90% > max",
-        f"{under}50%",
+        "  rank  device  name             free  util  load     leases",
+        "  1     GPU 0   NVIDIA A100  80.0 GiB    0%  0% util       0",
+        "        would pick: 80.0 GiB free >= 10.0 GiB wanted",
+        "  2     GPU 1   NVIDIA A100  40.0 GiB     ?  50% mem       0",
+        "        fits: 40.0 GiB free >= 10.0 GiB wanted; utilisation unknown",
+        "        (not supported here): not filtered on it",
+        "  -     GPU 2   NVIDIA A100   5.0 GiB   90%  -             0",
+        "        dropped: only 5.0 GiB free < 10.0 GiB wanted; utilisation 90% > max 50%",
         "  why GPU 0 over GPU 1: lower load (0% util vs 50% mem)",
+    ]
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_pick_dry_run_in_a_wide_terminal_cuts_nothing(
+    fleet: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 200 columns: one line per device with its verdict whole beside it, the long name
+    whole. Caught: a width read otherwise than from COLUMNS; a verdict wrapped or cut with
+    room to spare."""
+    fleet([_gpu(A, 0, 0, "NVIDIA A100-SXM4-80GB"), _gpu(B, 40, None, "NVIDIA A100-SXM4-80GB")])
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, err = cli("pick", "--dry-run", "--min-free", "10G", "--max-util", "50")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[1:4] == [
+        "  rank  device  name                       free  util  load     leases  verdict",
+        "  1     GPU 0   NVIDIA A100-SXM4-80GB  80.0 GiB    0%  0% util       0  would pick: "
+        "80.0 GiB free >= 10.0 GiB wanted",
+        "  2     GPU 1   NVIDIA A100-SXM4-80GB  40.0 GiB     ?  50% mem       0  fits: 40.0 GiB "
+        "free >= 10.0 GiB wanted; utilisation unknown (not supported here): not filtered on it",
     ]
 
 

@@ -78,3 +78,50 @@ def test_the_readme_is_a_users_page_whose_links_lead_somewhere() -> None:
             if "://" in target:
                 continue
             assert (page.parent / target).exists(), f"{page.name}: broken link {target}"
+
+
+#: A file path as the docs cite one: at least one folder, then a file with a known suffix or a
+#: folder ending in "/" (``core/leasing/safefs.py``, ``labextension/src/schema.ts``,
+#: ``tests/multiuser/``); not inside a URL, an absolute path or an endpoint's ``<id>``.
+_CITED = re.compile(
+    r"(?<![\w./<>:~-])((?:[\w.-]+/)+(?:[\w.-]*\.(?:py|md|ts|toml|json|js|mjs|c|sh|txt|cfg|ya?ml"
+    r"|ipynb|service|css)|[\w.-]+/))(?![\w/-])"
+)
+#: Where a cited path may be read from: the repository, the package, the sidebar's folder.
+_BASES = ("", "autogpu_jupyter", "labextension")
+#: Paths the docs cite that are not files of this repository, each with whose they are.
+_NOT_OURS = {
+    "torch/cuda/__init__.py": "PyTorch's source (docs/internals.md, ROCm visibility)",
+    "libhsakmt/src/openclose.c": "ROCm's source (docs/internals.md, HIP's too-late check)",
+    "jupyterlab_nvdashboard/apps/gpu.py": "jupyterlab-nvdashboard's source (docs/benchmarks.md)",
+    "jupyterlab_nvdashboard/apps/utils.py": "jupyterlab-nvdashboard's source (docs/benchmarks.md)",
+    "share/jupyter/kernels/python3-autogpu/kernel.json": "under an install prefix",
+}
+
+
+def _made_by_commands() -> tuple[str, ...]:
+    """The folders .gitignore names (what make, jlpm, mutmut and the benchmarks write)."""
+    lines = (ROOT / ".gitignore").read_text().splitlines()
+    return tuple(ln.strip("/") + "/" for ln in lines if ln.endswith("/") and "*" not in ln)
+
+
+def _missing_paths(text: str) -> list[str]:
+    made = _made_by_commands()
+    return [
+        path for path in _CITED.findall(text)
+        if path not in _NOT_OURS and not path.startswith(made)
+        and not any((ROOT / base / path).exists() for base in _BASES)
+    ]
+
+
+def test_every_file_path_the_docs_cite_exists() -> None:
+    """A path in README.md, CONTRIBUTING.md or docs/*.md names a file or folder of the
+    repository (read from its root, the package or labextension/), something a command here
+    makes (a folder .gitignore names), or another project's file named as such. Caught (issue
+    42): pages that still cite a module after it moved into a package."""
+    assert _missing_paths("see `core/cluster.py` and `core/leasing/safefs.py`") == [
+        "core/cluster.py"
+    ]
+    assert _missing_paths("`mutants/sample.txt`, `tests/multiuser/`, `src/model.ts`") == []
+    for page in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").glob("*.md")]:
+        assert _missing_paths(page.read_text()) == [], page.name

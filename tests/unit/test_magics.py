@@ -2563,6 +2563,27 @@ def test_a_dry_run_changes_nothing(
     assert "CUDA_VISIBLE_DEVICES" not in os.environ and session.current() is None
 
 
+@pytest.mark.parametrize("columns", [80, 200])
+def test_a_dry_run_in_a_terminal_fits_its_width(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, columns: int,
+) -> None:
+    """``%gpu pick --dry-run`` in a terminal IPython writes the ranking in the terminal's width
+    (a notebook's output area: 120): at 80 columns no line wider than 80, at 200 each verdict
+    whole beside its row. Caught (issue 42): the ranking always 120 wide, past an 80-column
+    terminal."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    shell.run_cell("%load_ext autogpu")
+    _, out, _ = run(shell, "%gpu pick --dry-run --min-free 10G", capsys)
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= columns
+    verdict = "would pick: 77.5 GiB free >= 10.0 GiB wanted"
+    assert next(ln for ln in lines if ln.strip().startswith("1 ")).endswith(
+        verdict if columns == 200 else "0"
+    )
+    assert any(ln.strip() == verdict for ln in lines) == (columns == 80)
+
+
 def test_a_line_pick_takes_its_lease_in_the_registry_of_the_magics_own_settings(
     shell: InteractiveShell, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

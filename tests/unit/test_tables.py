@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from autogpu_jupyter.core.tables import Column, narrow, to_html, to_text, visible
+from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+from autogpu_jupyter.core.options import PickOptions
+from autogpu_jupyter.core.picker import PickResult, pick
+from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.core.tables import Column, narrow, ranking_lines, to_html, to_text, visible
+from tests.leasehelpers import fleet
 
 COLUMNS = [Column("gpu"), Column("free", align="right"), Column("holders", wrap=True)]
 
@@ -141,3 +149,87 @@ def test_narrow_counts_the_wrap_column_at_24() -> None:
     rows = [("abcd", "w" * 40, "12345")]
     assert narrow(cols, rows, 4 + 24 + 5 + 4)[0] == cols
     assert narrow(cols, rows, 4 + 24 + 5 + 3)[0] == cols[:2]
+
+
+# ---- core.tables.ranking_lines: the dry run's table in the terminal's width -------------------
+
+
+@pytest.fixture
+def ranked(tmp_path: Path) -> PickResult:
+    """Three A100-SXM4-80GB (the longest name of a common GPU): one picked, one that fits, one
+    dropped for two reasons."""
+    data = fleet(3)
+    data["devices"][1].update(memory_used=75 * 1024**3, utilization_pct=90)
+    data["devices"][2].update(memory_used=50 * 1024**3, utilization_pct=40)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(data))
+    return pick(PickOptions(Constraints.parse(min_free="10G", max_util="50")),
+                backend=SimulatedBackend(str(path)), environ={}, dry_run=True)
+
+
+@pytest.mark.parametrize("width", [80, 72, 64])
+def test_a_ranking_fits_the_terminal_and_never_cuts_a_device(
+    ranked: PickResult, width: int
+) -> None:
+    """In an 80-column terminal (and narrower) no line is wider than the terminal: the verdict
+    goes under its device's row when the columns leave it too little room, and each device's
+    label and name stay whole on its row. Caught (issue 42): the table 96 columns wide at 80
+    (the verdict column kept at 24 beside the others)."""
+    lines = ranking_lines(ranked, width)
+    assert max(len(ln) for ln in lines) <= width
+    for label in ("GPU 0", "GPU 1", "GPU 2"):
+        (row,) = [ln for ln in lines if ln.startswith(("  1 ", "  2 ", "  - ")) and label in ln]
+        assert "NVIDIA A100-SXM4-80GB" in row
+    text = " ".join(ln.strip() for ln in lines)
+    for words in ("would pick: 80.0 GiB free >= 10.0 GiB wanted",
+                  "fits: 30.0 GiB free >= 10.0 GiB wanted",
+                  "dropped: only 5.0 GiB free < 10.0 GiB wanted; utilisation 90% > max 50%",
+                  "why GPU 0 over GPU 2: lower load (0% util vs 62% mem)"):
+        assert words in text
+
+
+def test_a_ranking_at_80_columns_puts_each_verdict_under_its_row(ranked: PickResult) -> None:
+    """The columns need 70 of the 80, leaving the verdict less than its 24: each verdict on
+    the line under its row, from the device column on; nothing broken."""
+    assert ranking_lines(ranked, 80) == [
+        "autogpu [SIMULATED] dry run (min free 10.0 GiB, max util 50%): nothing changed",
+        "  rank  device  name                       free  util  load     leases",
+        "  1     GPU 0   NVIDIA A100-SXM4-80GB  80.0 GiB    0%  0% util       0",
+        "        would pick: 80.0 GiB free >= 10.0 GiB wanted",
+        "  2     GPU 2   NVIDIA A100-SXM4-80GB  30.0 GiB   40%  62% mem       0",
+        "        fits: 30.0 GiB free >= 10.0 GiB wanted",
+        "  -     GPU 1   NVIDIA A100-SXM4-80GB   5.0 GiB   90%  -             0",
+        "        dropped: only 5.0 GiB free < 10.0 GiB wanted; utilisation 90% > max 50%",
+        "  why GPU 0 over GPU 2: lower load (0% util vs 62% mem)",
+    ]
+
+
+def test_a_ranking_at_200_columns_cuts_nothing(ranked: PickResult) -> None:
+    """A wide terminal: one line per device, every column there, each verdict whole beside it.
+    """
+    assert ranking_lines(ranked, 200) == [
+        "autogpu [SIMULATED] dry run (min free 10.0 GiB, max util 50%): nothing changed",
+        "  rank  device  name                       free  util  load     leases  verdict",
+        "  1     GPU 0   NVIDIA A100-SXM4-80GB  80.0 GiB    0%  0% util       0  would pick: "
+        "80.0 GiB free >= 10.0 GiB wanted",
+        "  2     GPU 2   NVIDIA A100-SXM4-80GB  30.0 GiB   40%  62% mem       0  fits: "
+        "30.0 GiB free >= 10.0 GiB wanted",
+        "  -     GPU 1   NVIDIA A100-SXM4-80GB   5.0 GiB   90%  -             0  dropped: only "
+        "5.0 GiB free < 10.0 GiB wanted; utilisation 90% > max 50%",
+        "  why GPU 0 over GPU 2: lower load (0% util vs 62% mem)",
+    ]
+
+
+def test_a_ranking_in_a_very_narrow_terminal_leaves_out_util_then_leases(
+    ranked: PickResult,
+) -> None:
+    """Narrower than the table itself: the smoothed util goes first (the load column names
+    the figure each device was ranked by), then the leases; the label and name stay."""
+    def header(width: int) -> str:
+        (line,) = [ln for ln in ranking_lines(ranked, width) if ln.startswith("  rank")]
+        return line
+
+    names = "  rank  device  name                       free"
+    assert header(70) == f"{names}  util  load     leases"  # 70 wide: all of it
+    assert header(69) == f"{names}  load     leases"
+    assert header(63) == f"{names}  load"

@@ -121,15 +121,20 @@ describe('defaults and present fields', () => {
       memory_used_bytes: null,
       memory_free_bytes: null,
       utilization_pct: null,
+      memory_utilization_pct: null,
       temperature_c: null,
       power_w: null,
       power_limit_w: null,
       compute_mode: null,
       is_mig: false,
       mig_enabled: null,
+      parent_uuid: null,
+      mig_index: null,
       processes: null,
       available: true,
       error: null,
+      vendor: 'nvidia',
+      runtime_uuid: null,
       timestamp_s: 0
     });
     const d = parseDevice({

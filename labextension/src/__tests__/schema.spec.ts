@@ -1,107 +1,305 @@
 /**
- * The sidebar's hand-written answer types against the wire's, generated from the server's
- * schema (`../schema`, from autogpu_jupyter/server/schema.py by scripts/wire_schema.py). The
- * checks are types: this file does not compile (ts-jest fails the suite) when the server stops
- * sending a field the sidebar reads, or sends it with a type the sidebar does not expect.
- *
- * `Sends<Wire, Sidebar>`: what the server sends is assignable to what the sidebar declares
- * (every field it reads is there, of a type it accepts). `Same<A, B>`: both ways, for the
- * types that copy the wire as it is. A parsed view that reshapes a field (the cluster's
- * ranking names its devices by label, its history is a Map) is compared less that field.
+ * The sidebar reads the wire as the server's schema states it. The answer types are the
+ * generated ones (`../schema`, from autogpu_jupyter/server/schema.py by
+ * scripts/wire_schema.py), re-exported by `../model`; these tests pin that the validators keep
+ * every field the server sends, as sent. Each answer below is typed as the generated interface,
+ * so a field added to the schema does not compile here until the answer (and the validator,
+ * typed against the same interface) carries it. Values differ from the validators' defaults,
+ * so a field a validator dropped or renamed shows as a difference.
  */
-import * as cluster from '../clustermodel';
-import * as model from '../model';
-import * as wire from '../schema';
+import {
+  parseCluster,
+  parseClusterHistory,
+  type ICluster,
+  type IClusterHistory
+} from '../clustermodel';
+import {
+  parseDevice,
+  parseFleet,
+  parseHistory,
+  parseHolders,
+  parseMoveResult,
+  parseSelection,
+  type ISelection
+} from '../model';
+import type * as wire from '../schema';
 
-type Sends<Wire, Sidebar> = [Wire] extends [Sidebar] ? true : false;
-type Same<A, B> = [A] extends [B] ? ([B] extends [A] ? true : false) : false;
+const GiB = 1024 ** 3;
 
-/** Compiles only for `true`: a check above that fails is a type error here. */
-function holds<T extends true>(): T | true {
-  return true;
-}
+const device: wire.IDeviceJSON = {
+  index: 1,
+  uuid: 'GPU-1',
+  name: 'AMD Instinct MI300X',
+  pci_bus_id: '0000:41:00.0',
+  memory_total_bytes: 80 * GiB,
+  memory_used_bytes: 20 * GiB,
+  memory_free_bytes: 60 * GiB,
+  utilization_pct: 35,
+  memory_utilization_pct: 12,
+  temperature_c: 51,
+  power_w: 210,
+  power_limit_w: 400,
+  compute_mode: 'Default',
+  mig_enabled: true,
+  is_mig: true,
+  parent_uuid: 'GPU-0',
+  mig_index: 2,
+  processes: [
+    { pid: 4242, used_memory_bytes: GiB, user: 'alice', command: 'python' }
+  ],
+  available: false,
+  error: 'lost',
+  vendor: 'amd',
+  runtime_uuid: 'GPU-abcdef',
+  timestamp_s: 12.5,
+  label: 'GPU 1 MIG 2'
+};
 
-describe('the sidebar reads the answers the server sends (type-level)', () => {
+const holder: wire.IHolderJSON = {
+  kind: 'lease+process',
+  uuid: 'GPU-1',
+  label: 'GPU 1',
+  user: 'me',
+  pid: 100,
+  kernel_id: 'abcdef0123456789',
+  this_server: true,
+  notebook_path: 'work/train.ipynb',
+  booked_bytes: 10 * GiB,
+  used_memory_bytes: 3 * GiB,
+  exclusive: true,
+  created_s: 1,
+  command: 'python -m ipykernel',
+  where: 'work/train.ipynb',
+  memory_text: '10.0 GiB booked, 3.0 GiB used, exclusive'
+};
+
+const kernel: wire.IKernelJSON = {
+  kernel_id: 'abcdef0123456789',
+  notebook_path: 'work/train.ipynb',
+  execution_state: 'idle',
+  idle_s: 700,
+  movable: true,
+  picked_uuids: ['GPU-1'],
+  constraints_text: 'min free 10 GiB',
+  note: 'a note',
+  allowed_uuids: ['GPU-1', 'GPU-2'],
+  overload: 'autogpu: GPU 1 (this kernel) is overloaded',
+  better: { uuid: 'GPU-2', label: 'GPU 2' },
+  waiting: true,
+  best_move: { target: 'best', uuids: ['GPU-2'], labels: ['GPU 2'] },
+  cull_warning: 'freed in 5 min'
+};
+
+describe('the validators keep every field of the wire, as sent', () => {
   it('devices', () => {
-    expect(holds<Same<wire.IProcessJSON, model.IProcess>>()).toBe(true);
-    expect(holds<Sends<wire.IDeviceJSON, model.IDevice>>()).toBe(true);
-    expect(
-      holds<Same<Pick<wire.IDeviceJSON, keyof model.IDevice>, model.IDevice>>()
-    ).toBe(true);
-    expect(holds<Sends<wire.IDevicesAnswer, model.IFleet>>()).toBe(true);
+    expect(parseDevice(device)).toEqual(device);
+    const fleet: wire.IDevicesAnswer = {
+      timestamp_s: 9,
+      backend: 'rocm',
+      simulated: true,
+      driver_version: '6.1',
+      errors: ['e'],
+      devices: [device],
+      interval_s: 2
+    };
+    expect(parseFleet(fleet)).toEqual(fleet);
   });
 
   it('history', () => {
-    expect(holds<Same<wire.IHistorySeries, model.ISeries>>()).toBe(true);
-    expect(holds<Same<wire.IHistoryAnswer, model.IHistory>>()).toBe(true);
+    const history: wire.IHistoryAnswer = {
+      interval_s: 3,
+      history_s: 600,
+      since_s: 10,
+      until_s: 13,
+      series: [
+        {
+          uuid: 'GPU-1',
+          timestamp_s: [11, 12],
+          utilization_pct: [5, null],
+          memory_used_bytes: [null, GiB],
+          memory_total_bytes: 80 * GiB
+        }
+      ],
+      errors: ['e']
+    };
+    expect(parseHistory(history)).toEqual(history);
   });
 
   it('holders and kernels', () => {
-    // model.IHolder's label is `string | null`; the server always sends a string
-    expect(holds<Sends<wire.IHolderJSON, model.IHolder>>()).toBe(true);
-    expect(
-      holds<
-        Same<Omit<wire.IHolderJSON, 'label'>, Omit<model.IHolder, 'label'>>
-      >()
-    ).toBe(true);
-    expect(holds<Same<wire.IKernelJSON, model.IKernelInfo>>()).toBe(true);
-    expect(holds<Sends<wire.IHoldersAnswer, model.IHolders>>()).toBe(true);
+    const answer: wire.IHoldersAnswer = {
+      timestamp_s: 9,
+      simulated: true,
+      user: 'me',
+      holders: [holder],
+      kernels: [kernel],
+      errors: ['e']
+    };
+    expect(parseHolders(answer)).toEqual(answer);
   });
 
-  it('select and move', () => {
-    expect(holds<Same<wire.IChosenDevice, model.IChosen>>()).toBe(true);
-    expect(holds<Sends<wire.ISelectAnswer, model.ISelection>>()).toBe(true);
-    expect(
-      holds<
-        Same<Pick<wire.ISelectAnswer, keyof model.ISelection>, model.ISelection>
-      >()
-    ).toBe(true);
-    expect(holds<Same<wire.IMoveAnswer, model.IMoveResult>>()).toBe(true);
+  it('select: the fields the recommendation reads', () => {
+    const answer: wire.ISelectAnswer = {
+      constraints: {
+        min_free: { bytes: GiB, fraction: null, text: '1 GiB' },
+        max_util_pct: null,
+        count: 1,
+        exclude: [],
+        exclusive: false,
+        models: [],
+        prefer: [],
+        devices: []
+      },
+      constraints_text: 'min free 1 GiB',
+      simulated: true,
+      timestamp_s: 9,
+      notes: [],
+      chosen: [{ uuid: 'GPU-2', label: 'GPU 2', name: 'NVIDIA L4' }],
+      candidates: [],
+      message: 'why',
+      allocation: 'CUDA_VISIBLE_DEVICES=GPU-2'
+    };
+    const read: ISelection = {
+      chosen: answer.chosen,
+      constraints_text: answer.constraints_text,
+      message: answer.message,
+      simulated: answer.simulated
+    };
+    expect(parseSelection(answer)).toEqual(read);
   });
 
-  it('cluster', () => {
-    expect(
-      holds<Sends<wire.IClusterDeviceJSON, cluster.IClusterDevice>>()
-    ).toBe(true);
-    expect(
-      holds<
-        Same<
-          Pick<wire.IClusterDeviceJSON, keyof cluster.IClusterDevice>,
-          cluster.IClusterDevice
-        >
-      >()
-    ).toBe(true);
-    expect(holds<Sends<wire.IClusterHostJSON, cluster.IClusterHost>>()).toBe(
-      true
-    );
-    // the parsed ranking names a host's chosen devices by label; the wire sends the devices
-    expect(
-      holds<
-        Same<
-          Omit<wire.IHostRank, 'chosen'>,
-          Omit<cluster.IClusterRank, 'chosen'>
-        >
-      >()
-    ).toBe(true);
-    expect(
-      holds<
-        Sends<
-          Omit<wire.IClusterAnswer, 'ranking'>,
-          Omit<cluster.ICluster, 'ranking'>
-        >
-      >()
-    ).toBe(true);
-    expect(holds<Sends<wire.IHostHistoryJSON, cluster.IHostHistory>>()).toBe(
-      true
-    );
-    // the parsed history keys the hosts by name (a Map)
-    expect(
-      holds<
-        Sends<
-          Omit<wire.IClusterHistoryAnswer, 'hosts'>,
-          Omit<cluster.IClusterHistory, 'hosts'>
-        >
-      >()
-    ).toBe(true);
+  it('move', () => {
+    const answer: wire.IMoveAnswer = {
+      dry_run: true,
+      pending: true,
+      plan: 'restart on GPU 2',
+      target: ['GPU-2'],
+      target_labels: ['GPU 2'],
+      message: 'the kernel restarts on GPU 2',
+      picked: ['GPU-2'],
+      note: 'a note'
+    };
+    expect(parseMoveResult(answer)).toEqual(answer);
+  });
+
+  it('cluster: the fields the section reads, the ranking by label', () => {
+    const gpu: wire.IClusterDeviceJSON = {
+      uuid: 'GPU-9',
+      index: 0,
+      mig_index: null,
+      label: 'GPU 0',
+      name: 'NVIDIA H100',
+      available: false,
+      source: 'dcgm',
+      utilization_pct: 70,
+      memory_used_bytes: GiB,
+      memory_total_bytes: 80 * GiB,
+      memory_free_bytes: 79 * GiB,
+      memory_booked_bytes: 2 * GiB,
+      temperature_c: 40,
+      power_w: 100,
+      lease_count: 3,
+      waiters: 1,
+      holders: ['alice']
+    };
+    const answer: wire.IClusterAnswer = {
+      configured: true,
+      prometheus_url: 'http://prom:9090',
+      timestamp_s: 9,
+      constraints: {
+        min_free: null,
+        max_util_pct: null,
+        count: 1,
+        exclude: [],
+        exclusive: false,
+        models: [],
+        prefer: [],
+        devices: []
+      },
+      constraints_text: 'no constraints',
+      hosts: [
+        {
+          hostname: 'node1',
+          instances: ['node1:9400'],
+          state: 'stale',
+          as_of_s: 8,
+          scrape_interval_s: 15,
+          note: 'a note',
+          devices: [gpu]
+        }
+      ],
+      ranking: [
+        {
+          hostname: 'node1',
+          fits: true,
+          chosen: [{ uuid: 'GPU-9', label: 'GPU 0', effective_free_bytes: GiB }]
+        }
+      ],
+      best: 'node1',
+      errors: ['e']
+    };
+    const read: ICluster = {
+      configured: true,
+      prometheus_url: 'http://prom:9090',
+      timestamp_s: 9,
+      constraints_text: 'no constraints',
+      hosts: [
+        {
+          hostname: 'node1',
+          state: 'stale',
+          as_of_s: 8,
+          note: 'a note',
+          devices: [
+            {
+              uuid: 'GPU-9',
+              label: 'GPU 0',
+              name: 'NVIDIA H100',
+              available: false,
+              source: 'dcgm',
+              utilization_pct: 70,
+              memory_used_bytes: GiB,
+              memory_total_bytes: 80 * GiB,
+              memory_booked_bytes: 2 * GiB,
+              lease_count: 3,
+              holders: ['alice']
+            }
+          ]
+        }
+      ],
+      ranking: [{ hostname: 'node1', fits: true, chosen: ['GPU 0'] }],
+      best: 'node1',
+      errors: ['e']
+    };
+    expect(parseCluster(answer)).toEqual(read);
+
+    const history: wire.IClusterHistoryAnswer = {
+      configured: true,
+      prometheus_url: 'http://prom:9090',
+      seconds: 86400,
+      step_s: 60,
+      hosts: [
+        {
+          hostname: 'node1',
+          source: 'dcgm',
+          timestamps_s: [1, 2],
+          utilization_pct: [10, null],
+          memory_used_pct: [null, 50]
+        }
+      ],
+      errors: []
+    };
+    const readHistory: IClusterHistory = {
+      seconds: 86400,
+      hosts: new Map([
+        [
+          'node1',
+          {
+            hostname: 'node1',
+            utilization_pct: [10, null],
+            memory_used_pct: [null, 50]
+          }
+        ]
+      ])
+    };
+    expect(parseClusterHistory(history)).toEqual(readHistory);
   });
 });
