@@ -26,13 +26,6 @@ from autogpu_jupyter.brokerd.book import BrokerRefusal
 from autogpu_jupyter.brokerd.views import StateView, shown, view
 from autogpu_jupyter.core import decision, options
 from autogpu_jupyter.core.leasing import admission
-from autogpu_jupyter.core.leasing.brokerclient import (
-    HOLDER_KINDS,
-    PAGE_BYTES,
-    PAGE_RECORDS,
-    PROTOCOL,
-    _view_records,
-)
 from autogpu_jupyter.core.leasing.records import (
     MAX_ID_LIST,
     MAX_SEQ,
@@ -40,6 +33,13 @@ from autogpu_jupyter.core.leasing.records import (
     LeaseRecord,
     capped_text,
     record_from_fields,
+)
+from autogpu_jupyter.core.leasing.wire import (
+    HOLDER_KINDS,
+    PAGE_BYTES,
+    PAGE_RECORDS,
+    PROTOCOL,
+    view_records,
 )
 from autogpu_jupyter.core.picker import explain_drops
 from autogpu_jupyter.errors import AutoGPUError
@@ -452,7 +452,7 @@ async def older_reply(ctx: Any, conn: Any, op: str, reply: dict[str, Any]) -> di
     if op == "begin":
         devices = [{**d, "more": {**d["more"], "leases": min(1, d["more"]["leases"])}}
                    for d in reply["devices"]]
-        others = [r._payload() for r in _view_records(devices, "broker")]
+        others = [r._payload() for r in view_records(devices, "broker")]
         away = [r._payload() for r in ctx.book.reserved_away(conn)]
         return {**reply, "leases": reply["own"] + others + away}
     if op == "status":

@@ -8,13 +8,13 @@ from dataclasses import replace
 from typing import Any
 
 from autogpu_jupyter.core.leasing import admission
-from autogpu_jupyter.core.leasing.brokerclient import (
+from autogpu_jupyter.core.leasing.records import LeaseRecord, cut_encoded
+from autogpu_jupyter.core.leasing.store import StoreTransaction
+from autogpu_jupyter.core.leasing.wire import (
     VIEW_ROWS_PER_DEVICE,
     VIEW_TICKET_BYTES,
     VIEW_TICKETS,
 )
-from autogpu_jupyter.core.leasing.records import LeaseRecord, cut_encoded
-from autogpu_jupyter.core.leasing.store import StoreTransaction
 
 __all__ = ["RowCache", "StateView", "device_rows", "shown", "view"]
 

@@ -28,7 +28,7 @@ import pytest
 from autogpu_jupyter.broker import Broker, BrokerConfig
 from autogpu_jupyter.brokerd import net
 from autogpu_jupyter.core.devices import DeviceSnapshot
-from autogpu_jupyter.core.leasing import Requester, brokerclient
+from autogpu_jupyter.core.leasing import Requester, brokerclient, wire
 from autogpu_jupyter.core.leasing.brokerclient import (
     MAX_REPLY_BYTES,
     PROTOCOL,
@@ -1280,7 +1280,7 @@ def test_the_booking_view_gives_the_decision_what_the_records_would() -> None:
          "more": {"leases": 3, "exclusive": False, "booked": 2 * GiB}},
         {"uuid": "GPU-b", "rows": [], "more": {"leases": 1, "exclusive": True, "booked": 0}},
     ]
-    recs = brokerclient._view_records(devices, "/s")
+    recs = wire.view_records(devices, "/s")
     assert [(r.device_uuids, r.exclusive, r.pid, r.device_requested_bytes, r.user,
              r.notebook_path) for r in recs] == [
         (("GPU-a",), True, 7, (5 * GiB,), "bob", "train.ipynb"),
@@ -1301,7 +1301,7 @@ def test_the_booking_view_gives_the_decision_what_the_records_would() -> None:
         5, 7 * GiB, True)
     assert (got["GPU-b"].lease_count, got["GPU-b"].exclusive) == (1, True)
     with pytest.raises(RegistryError, match="sent a bad booking view"):
-        brokerclient._view_records([{"uuid": "GPU-a", "rows": [[True]]}], "/s")
+        wire.view_records([{"uuid": "GPU-a", "rows": [[True]]}], "/s")
     # made up for the view: no host, no age, each named by the broker it came from
     assert {(r.host, r.created_s) for r in recs} == {("", 0.0)}
     assert [r.path for r in recs] == [f"/s#{r.lease_id}" for r in recs]
@@ -1568,16 +1568,16 @@ def test_the_booking_views_reservations_are_the_admissions_pseudo_leases() -> No
     admin"), not as "held exclusively by another lease" (a plain row would say that)."""
     from autogpu_jupyter.core.leasing import admission
 
-    got = brokerclient._reservations({"GPU-r1": ["ml", "staff"]}, "/b.sock")
+    got = wire.reservations({"GPU-r1": ["ml", "staff"]}, "/b.sock")
     assert [(r.device_uuids, r.exclusive, admission.is_reservation(r)) for r in got] == [
         (("GPU-r1",), True, True)]
     assert admission.exclusive_phrase(got[0]) == "reserved for group(s) ml, staff by the admin"
-    assert brokerclient._reservations(None, "/b.sock") == []
-    many = brokerclient._reservations({"GPU-r2": ["g"] * 70}, "/b.sock")
+    assert wire.reservations(None, "/b.sock") == []
+    many = wire.reservations({"GPU-r2": ["g"] * 70}, "/b.sock")
     assert many[0].user == "reserved for " + ",".join(["g"] * 64)  # at most 64 groups named
     assert many[0].host == ""
     with pytest.raises(RegistryError, match="sent a bad booking view"):
-        brokerclient._reservations(["GPU-r1"], "/b.sock")
+        wire.reservations(["GPU-r1"], "/b.sock")
 
 
 # ---- the broker's own checks, in this process (the tests here run as root) ----------------
