@@ -39,6 +39,7 @@ from autogpu_jupyter.core.leasing.wire import (
     PAGE_BYTES,
     PAGE_RECORDS,
     PROTOCOL,
+    VIEW_SHAPES,
     view_records,
 )
 from autogpu_jupyter.core.picker import explain_drops
@@ -87,11 +88,17 @@ class Begin(Op):
 
     def validate(self, ctx: Any, conn: Any, msg: dict[str, Any]) -> Any:
         _no_record(conn)
-        return msg
+        shape = msg.get("view", "rows")
+        if shape not in VIEW_SHAPES:
+            raise BrokerRefusal(
+                f"view {str(shape)[:40]!r} is not one of {', '.join(VIEW_SHAPES)}",
+                "UsageErrorBase",
+            )
+        return shape
 
     async def execute(self, ctx: Any, conn: Any, args: Any) -> dict[str, Any]:
         await ctx.lock.acquire(conn)
-        return {"ok": True, **view(ctx, conn),
+        return {"ok": True, **view(ctx, conn, args),
                 "max_devices_per_user": ctx.book.limit_for(conn)[0]}
 
 

@@ -53,6 +53,8 @@ from autogpu_jupyter.errors import (
 
 GiB = 1024**3
 ROOT = os.geteuid() == 0
+#: What a pick sends first: the pick lock, with the booking view by process.
+BEGIN = {"op": "begin", "view": "pids"}
 HOST = socket.gethostname()
 
 
@@ -1099,8 +1101,8 @@ def test_a_pick_lock_lost_once_is_asked_again_on_a_fresh_connection(peer_path: s
     lease.detach()
     peer.close()
     assert peer.requests == [
-        {"op": "begin"},
-        {"op": "begin"},
+        BEGIN,
+        BEGIN,
         {"op": "lease", "devices": ["GPU-p"], "requested_bytes": [None], "exclusive": False,
          "holder": {"kernel_id": "k", "notebook_path": "n", "command": "c", "kind": "process"},
          "ignore_ids": [], "ignore_kernel": None},
@@ -1133,8 +1135,8 @@ def test_a_pick_lock_whose_request_could_not_be_sent_is_asked_on_a_fresh_connect
         with pytest.raises(RegistryUnreachableError, match=r"\(Broken pipe\)"), reg.locked():
             pass
     peer.close()
-    assert sent == [{"op": "begin"}] * 2
-    assert peer.requests == ([{"op": "begin"}] if lost == 1 else [])
+    assert sent == [BEGIN] * 2
+    assert peer.requests == ([BEGIN] if lost == 1 else [])
     assert peer.client_closed == ([True] if lost == 1 else [])
 
 
@@ -1151,7 +1153,7 @@ def test_a_pick_lock_lost_twice_fails_closed(peer_path: str) -> None:
         f"{fix(peer_path)}"
     )
     peer.close()
-    assert peer.requests == [{"op": "begin"}, {"op": "begin"}]
+    assert peer.requests == [BEGIN, BEGIN]
 
 
 @pytest.mark.parametrize("part", ["devices", "reserved"])
@@ -1173,7 +1175,7 @@ def test_a_refused_pick_lock_is_not_asked_again(peer_path: str) -> None:
     ).locked() as txn:
         txn.ready()
     peer.close()
-    assert peer.requests == [{"op": "begin"}]
+    assert peer.requests == [BEGIN]
 
 
 def test_the_lease_request_names_what_a_repick_replaces(peer_path: str) -> None:

@@ -46,6 +46,7 @@ from autogpu_jupyter.core.leasing.wire import (
     PAGE_BYTES,
     PAGE_RECORDS,
     PROTOCOL,
+    VIEW_BY_PID,
     VIEW_ROWS_PER_DEVICE,
     VIEW_TICKET_BYTES,
     VIEW_TICKETS,
@@ -91,6 +92,8 @@ __all__ = [
 DEFAULT_SOCKET = "/run/autogpu/broker.sock"
 
 _MAX_LINE = MAX_REPLY_BYTES
+#: A pick's ``begin``: the booking view by process (an older broker sends its rows instead).
+_BEGIN = {"op": "begin", "view": VIEW_BY_PID}
 #: ``struct ucred`` (pid, uid, gid) of ``SO_PEERCRED``, unsigned: a uid may be >= 2**31.
 _UCRED = struct.Struct("3I")
 
@@ -379,7 +382,7 @@ class BrokerTransaction(StoreTransaction):
             conn.close()
             self._conn = conn = registry._conn()
             try:
-                conn.send({"op": "begin"}, registry.lock_timeout_s)
+                conn.send(_BEGIN, registry.lock_timeout_s)
                 reply = registry._granted(conn)
             except BaseException:
                 conn.close()
@@ -519,12 +522,12 @@ class BrokerRegistry(LeaseStore):
         restarted) is tried once more on a fresh one."""
         conn = self._conn()
         try:
-            conn.send({"op": "begin"}, self.lock_timeout_s)
+            conn.send(_BEGIN, self.lock_timeout_s)
         except RegistryUnreachableError:
             conn.close()
             conn = self._conn()
             try:
-                conn.send({"op": "begin"}, self.lock_timeout_s)
+                conn.send(_BEGIN, self.lock_timeout_s)
             except BaseException:
                 conn.close()
                 raise

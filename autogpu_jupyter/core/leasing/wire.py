@@ -38,7 +38,9 @@ __all__ = [
     "PAGE_BYTES",
     "PAGE_RECORDS",
     "PROTOCOL",
+    "VIEW_BY_PID",
     "VIEW_ROWS_PER_DEVICE",
+    "VIEW_SHAPES",
     "VIEW_TICKETS",
     "VIEW_TICKET_BYTES",
     "from_wire",
@@ -69,6 +71,10 @@ MAX_LIST_RECORDS = 16384
 #: The booking view of ``begin``: rows per device (the rest folded into one), waiting tickets.
 VIEW_ROWS_PER_DEVICE = 16
 VIEW_TICKETS = 64
+#: What a client asks ``begin`` for (``"view"``) to get each device's leases by process
+#: (``pids``: fewer, shorter rows, no names) instead of the ``rows`` an older client reads.
+VIEW_BY_PID = "pids"
+VIEW_SHAPES = ("rows", VIEW_BY_PID)
 VIEW_TICKET_BYTES = 256 * 1024
 #: Who may hold a lease (``holder.kind``), as the picker's requester says.
 HOLDER_KINDS = ("process", "kernel", "cli", "provisioner", "api")
@@ -138,27 +144,47 @@ def from_wire(d: Mapping[str, Any], path: str) -> LeaseRecord:
 
 def view_records(devices: Iterable[Any], path: str) -> list[LeaseRecord]:
     """Other users' leases as the booking view of ``begin`` gives them (see the broker's
-    ``_view``): one record per row, and one per lease folded into ``more`` (the first of them
-    carries what they book together). :func:`core.decision.bookings_for` then counts, books and
-    excludes exactly as it would from the full records; only the bookings folded into ``more``
-    are always counted (their pids are not sent): a pick may see a device fuller than it is,
-    never emptier."""
+    ``brokerd/views.py``), records :func:`core.decision.bookings_for` counts, books and excludes
+    by exactly as it would the full records:
+
+    * a device's ``rows`` (the view a client gets unless it asks for :data:`VIEW_BY_PID`): one
+      record per row, its lease as it is;
+    * its ``pids`` (``[pid, leases, booked, exclusive]``): a process's leases on the device
+      together, as one record of that pid booking them all and one alike record (booking
+      nothing) per lease past the first. A lease's booking stops counting when NVML lists its
+      pid on the device, so the leases of one pid book together or not at all: the same sum;
+    * ``more``: as many records as leases folded there, the first booking all of theirs. Their
+      pids are not sent, so those bookings are always counted: a pick may see a device fuller
+      than it is, never emptier.
+
+    The records given once per lease are one record, given again in a row (a pick with 10,000
+    leases makes no 10,000 records; ``bookings_for`` reads a run once)."""
     out: list[LeaseRecord] = []
     try:
         for dev in devices:
             uuid = str(dev["uuid"])
-            for exclusive, pid, booked, user, where in dev["rows"]:
+            left = MAX_LIST_RECORDS  # what one device may make us count
+            for exclusive, pid, booked, user, where in dev.get("rows") or ():
                 out.append(_view_record(uuid, len(out), bool(exclusive), int(pid),
                                         None if booked is None else int(booked),
                                         str(user), str(where) or None, path))
+                left -= 1
+            groups = [(int(pid), int(n), int(booked or 0), bool(exclusive))
+                      for pid, n, booked, exclusive in dev.get("pids") or ()]
             more = dev.get("more") or {}
-            folded = min(int(more.get("leases", 0)), MAX_LIST_RECORDS)
-            if folded > 0:
-                out.append(_view_record(uuid, len(out), bool(more.get("exclusive")), 0,
-                                        int(more.get("booked") or 0), "others", None, path))
-            if folded > 1:  # the others book nothing and are alike: one record, counted each
+            folded = int(more.get("leases", 0))
+            groups.append((0, folded, int(more.get("booked") or 0), bool(more.get("exclusive"))))
+            alike = 0
+            for pid, leases, booked, exclusive in groups:
+                n = min(leases, left)
+                if n > 0:
+                    left -= n
+                    alike += n - 1
+                    out.append(_view_record(uuid, len(out), exclusive, pid, booked, "others",
+                                            None, path))
+            if alike:  # the others book nothing and are alike: one record, counted each
                 rest = _view_record(uuid, len(out), False, 0, None, "others", None, path)
-                out += [rest] * (folded - 1)
+                out += [rest] * alike
     except (KeyError, TypeError, ValueError) as err:
         raise RegistryError(f"lease broker at {path} sent a bad booking view: {err}") from None
     return out
