@@ -28,12 +28,12 @@ from autogpu_jupyter.brokerd import net, peers
 from autogpu_jupyter.brokerd.book import BrokerRefusal
 from autogpu_jupyter.brokerd.identity import Account, tenant_key
 from autogpu_jupyter.brokerd.ops import OLDER, OPS, RecordReply, before, older_reply
-from autogpu_jupyter.core.leasing.brokerclient import (
+from autogpu_jupyter.core.leasing.records import LeaseRecord
+from autogpu_jupyter.core.leasing.wire import (
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
     PROTOCOL,
 )
-from autogpu_jupyter.core.leasing.records import LeaseRecord
 
 __all__ = ["Conn", "Connections", "OUT_BUFFER_BYTES", "peer_credentials"]
 

@@ -26,13 +26,6 @@ from autogpu_jupyter.brokerd.book import BrokerRefusal
 from autogpu_jupyter.brokerd.views import StateView, shown, view
 from autogpu_jupyter.core import decision, options
 from autogpu_jupyter.core.leasing import admission
-from autogpu_jupyter.core.leasing.brokerclient import (
-    HOLDER_KINDS,
-    PAGE_BYTES,
-    PAGE_RECORDS,
-    PROTOCOL,
-    _view_records,
-)
 from autogpu_jupyter.core.leasing.records import (
     MAX_ID_LIST,
     MAX_SEQ,
@@ -40,6 +33,14 @@ from autogpu_jupyter.core.leasing.records import (
     LeaseRecord,
     capped_text,
     record_from_fields,
+)
+from autogpu_jupyter.core.leasing.wire import (
+    HOLDER_KINDS,
+    PAGE_BYTES,
+    PAGE_RECORDS,
+    PROTOCOL,
+    VIEW_SHAPES,
+    view_records,
 )
 from autogpu_jupyter.core.picker import explain_drops
 from autogpu_jupyter.errors import AutoGPUError
@@ -87,11 +88,17 @@ class Begin(Op):
 
     def validate(self, ctx: Any, conn: Any, msg: dict[str, Any]) -> Any:
         _no_record(conn)
-        return msg
+        shape = msg.get("view", "rows")
+        if shape not in VIEW_SHAPES:
+            raise BrokerRefusal(
+                f"view {str(shape)[:40]!r} is not one of {', '.join(VIEW_SHAPES)}",
+                "UsageErrorBase",
+            )
+        return shape
 
     async def execute(self, ctx: Any, conn: Any, args: Any) -> dict[str, Any]:
         await ctx.lock.acquire(conn)
-        return {"ok": True, **view(ctx, conn),
+        return {"ok": True, **view(ctx, conn, args),
                 "max_devices_per_user": ctx.book.limit_for(conn)[0]}
 
 
@@ -452,7 +459,7 @@ async def older_reply(ctx: Any, conn: Any, op: str, reply: dict[str, Any]) -> di
     if op == "begin":
         devices = [{**d, "more": {**d["more"], "leases": min(1, d["more"]["leases"])}}
                    for d in reply["devices"]]
-        others = [r._payload() for r in _view_records(devices, "broker")]
+        others = [r._payload() for r in view_records(devices, "broker")]
         away = [r._payload() for r in ctx.book.reserved_away(conn)]
         return {**reply, "leases": reply["own"] + others + away}
     if op == "status":

@@ -8,15 +8,16 @@ from dataclasses import replace
 from typing import Any
 
 from autogpu_jupyter.core.leasing import admission
-from autogpu_jupyter.core.leasing.brokerclient import (
+from autogpu_jupyter.core.leasing.records import LeaseRecord, cut_encoded
+from autogpu_jupyter.core.leasing.store import StoreTransaction
+from autogpu_jupyter.core.leasing.wire import (
+    VIEW_BY_PID,
     VIEW_ROWS_PER_DEVICE,
     VIEW_TICKET_BYTES,
     VIEW_TICKETS,
 )
-from autogpu_jupyter.core.leasing.records import LeaseRecord, cut_encoded
-from autogpu_jupyter.core.leasing.store import StoreTransaction
 
-__all__ = ["RowCache", "StateView", "device_rows", "shown", "view"]
+__all__ = ["RowCache", "StateView", "device_pids", "device_rows", "shown", "view"]
 
 #: How much of a holder's name and place (``alice``, ``analysis.ipynb``) the booking view
 #: carries, in encoded bytes.
@@ -31,14 +32,17 @@ def shown(rec: LeaseRecord, see_all: bool) -> dict[str, Any]:
     return out._payload()
 
 
-def view(ctx: Any, conn: Any) -> dict[str, Any]:
+def view(ctx: Any, conn: Any, shape: str = "rows") -> dict[str, Any]:
     """The compact booking view of a pick: what it needs from every live record, in a size
     that does not grow with other users' records.
 
     * ``own``: the caller's own leases (its person's), in full: a re-pick hides them;
     * ``devices``: per device, up to :data:`VIEW_ROWS_PER_DEVICE` rows of other leases
       (exclusive ones first, then the largest bookings) as ``[exclusive, pid, bytes, user,
-      where]``, and the rest folded into one ``more`` row (count, exclusive, bytes);
+      where]``, and the rest folded into one ``more`` row (count, exclusive, bytes); with
+      ``shape`` :data:`VIEW_BY_PID` (what a client of this version asks for), the leases of
+      each process together instead (:func:`device_pids`): what a decision reads, in rows
+      that do not grow with each process's leases;
     * ``tickets``: the oldest waiters, at most :data:`VIEW_TICKETS` and
       :data:`VIEW_TICKET_BYTES` (a pick only yields to waiters ahead of it);
     * ``reserved``: the devices the admin reserved for groups the caller is not in (UUID ->
@@ -54,9 +58,9 @@ def view(ctx: Any, conn: Any) -> dict[str, Any]:
     for uuid in index.leased_devices():  # each device's rows kept until its leases change
         if uuid in mine_on:
             if index.persons_on(uuid) - {conn.key}:
-                devices.append(cache.rows_now(book, uuid, conn.key))
+                devices.append(cache.rows_now(book, uuid, conn.key, shape))
         else:
-            devices.append(cache.rows_now(book, uuid, None))
+            devices.append(cache.rows_now(book, uuid, None, shape))
     tickets: list[dict[str, Any]] = []
     size = 0
     waiting = [rec for _, rec in index.tickets() if book.reserving(rec)]
@@ -84,20 +88,25 @@ class RowCache:
     SIZE = 1024
 
     def __init__(self) -> None:
-        #: (device, the person left out or ``None``) -> (the device's stamp, its rows).
-        self.current: dict[tuple[str, int | None], tuple[int, dict[str, Any]]] = {}
+        #: (device, the person left out or ``None``, the view's shape) -> (the device's stamp,
+        #: its rows).
+        self.current: dict[tuple[str, int | None, str], tuple[int, dict[str, Any]]] = {}
 
-    def rows_now(self, book: Any, uuid: str, left_out: int | None) -> dict[str, Any]:
-        """:func:`device_rows` of the live leases on ``uuid`` but person ``left_out``'s, kept
-        while the book's stamp of that device stays (any change of its leases moves it)."""
+    def rows_now(self, book: Any, uuid: str, left_out: int | None,
+                 shape: str = "rows") -> dict[str, Any]:
+        """:func:`device_rows` (or :func:`device_pids`, by ``shape``) of the live leases on
+        ``uuid`` but person ``left_out``'s, kept while the book's stamp of that device stays
+        (any change of its leases moves it)."""
         stamp = book.index.device_stamp.get(uuid, -1)
-        got = self.current.get((uuid, left_out))
+        key = (uuid, left_out, shape)
+        got = self.current.get(key)
         if got is not None and got[0] == stamp:
             return got[1]
-        rows = device_rows(uuid, [r for k, r in book.index.leases_on(uuid) if k != left_out])
+        recs = [r for k, r in book.index.leases_on(uuid) if k != left_out]
+        rows = device_pids(uuid, recs) if shape == VIEW_BY_PID else device_rows(uuid, recs)
         if len(self.current) >= self.SIZE:
             self.current.clear()
-        self.current[(uuid, left_out)] = (stamp, rows)
+        self.current[key] = (stamp, rows)
         return rows
 
 
@@ -117,6 +126,33 @@ def device_rows(uuid: str, recs: list[LeaseRecord]) -> dict[str, Any]:
         "booked": sum(r.requested_on(uuid) or 0 for r in rest),
     }
     return {"uuid": uuid, "rows": rows, "more": more}
+
+
+def device_pids(uuid: str, recs: list[LeaseRecord]) -> dict[str, Any]:
+    """One device of the booking view by process: the leases of each pid together as ``[pid,
+    leases, bytes booked, exclusive]``, the first :data:`VIEW_ROWS_PER_DEVICE` processes
+    (those with an exclusive lease first, then the largest bookings) as rows, the rest folded
+    into ``more``. A decision needs no more (core.decision.bookings_for: counts, bookings,
+    exclusivity; a booking stops counting when NVML lists its pid on the device, so one pid's
+    leases count together); the names are the admission's to word, in the broker."""
+    by_pid: dict[int, list[Any]] = {}
+    for rec in recs:
+        booked = rec.requested_on(uuid) or 0
+        row = by_pid.get(rec.pid)
+        if row is None:
+            by_pid[rec.pid] = [rec.pid, 1, booked, rec.exclusive]
+        else:
+            row[1] += 1
+            row[2] += booked
+            row[3] = row[3] or rec.exclusive
+    ranked = sorted(by_pid.values(), key=lambda row: (not row[3], -row[2]))
+    rest = ranked[VIEW_ROWS_PER_DEVICE:]
+    more = {
+        "leases": sum(row[1] for row in rest),
+        "exclusive": any(row[3] for row in rest),
+        "booked": sum(row[2] for row in rest),
+    }
+    return {"uuid": uuid, "pids": ranked[:VIEW_ROWS_PER_DEVICE], "more": more}
 
 
 class StateView:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from itertools import groupby
 from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.core.leasing import admission
@@ -159,16 +160,15 @@ def bookings_for(
     dict
         UUID -> Booking, for every device in ``devices`` (unleased ones with zero counts).
     """
-    on: dict[str, list[LeaseRecord]] = {}  # each device's leases, in their order (one pass)
-    last: LeaseRecord | None = None
-    uuids: Sequence[str] = ()
-    for rec in leases:
-        if rec is not last:  # a record repeated (a broker's folded leases) is read once
-            last = rec
-            counted = rec.live and rec.kind == "lease"
-            uuids = tuple(dict.fromkeys(rec.device_uuids)) if counted else ()
-        for uuid in uuids:
-            on.setdefault(uuid, []).append(rec)
+    # Each device's leases in their order, a record given n times in a row (a broker's folded
+    # leases) as one run of n: read once, counted n times (issue 39: 10,000 leases per pick).
+    on: dict[str, list[tuple[LeaseRecord, int]]] = {}
+    for _, group in groupby(leases, key=id):
+        run = list(group)
+        rec = run[0]
+        if rec.live and rec.kind == "lease":
+            for uuid in dict.fromkeys(rec.device_uuids):
+                on.setdefault(uuid, []).append((rec, len(run)))
     out: dict[str, Booking] = {}
     for dev in devices:
         count = 0
@@ -176,24 +176,14 @@ def bookings_for(
         exclusive_by: list[str] = []
         holders: list[str] = []
         pids_using = {p.pid for p in (dev.processes or ()) if p.used_memory_bytes is not None}
-        last = None
-        phrase: str | None = None
-        text = ""
-        req: int | None = None
-        for rec in on.get(dev.uuid, ()):
-            if rec is not last:
-                last = rec
-                phrase = admission.exclusive_phrase(rec) if rec.exclusive else None
-                text = rec.holder_text()
-                req = rec.requested_on(dev.uuid)
-                if not req or rec.pid in pids_using:
-                    req = None
-            count += 1
-            if phrase is not None:
-                exclusive_by.append(phrase)
-            holders.append(text)
-            if req:
-                booked += req
+        for rec, n in on.get(dev.uuid, ()):
+            count += n
+            if rec.exclusive:
+                exclusive_by.append(admission.exclusive_phrase(rec))
+            holders += [rec.holder_text()] * n
+            req = rec.requested_on(dev.uuid)
+            if req and rec.pid not in pids_using:
+                booked += req * n
         out[dev.uuid] = Booking(
             uuid=dev.uuid,
             lease_count=count,

@@ -78,6 +78,7 @@ REQUIRED_MODULES = [
     "autogpu_jupyter/core/cluster/cache.py",
     "autogpu_jupyter/core/cluster/history.py",
     "autogpu_jupyter/core/leasing/brokerclient.py",
+    "autogpu_jupyter/core/leasing/wire.py",
     "autogpu_jupyter/core/leasing/factory.py",
     "autogpu_jupyter/broker.py",
     "autogpu_jupyter/brokerd/__init__.py",

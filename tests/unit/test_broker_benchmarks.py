@@ -151,3 +151,22 @@ def test_orphans_table_and_results() -> None:
         "broker_orphans.restart_vs_empty_start": 28.0,
         "broker_orphans.pick_p99_after_vs_before_restart": 4500.0,
     })
+
+
+@pytest.mark.parametrize("shape", ["pids", "rows"])
+def test_the_view_profile_picks_through_the_client_and_says_the_views_size(shape: str) -> None:
+    """benchmarks/broker_view_profile.py on a small book (300 leases on 8 GPUs): every pick
+    takes a lease through the real client, and it reports the view it decoded -- its bytes and
+    as many records as leases (a process's leases, or the rows and the folded ones). Caught:
+    the profile run against a view the client does not read (no lease counted)."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, str(_BENCH / "broker_view_profile.py"), "--leases", "300", "--gpus",
+         "8", "--repeat", "3", "--view", shape],
+        capture_output=True, text=True, timeout=120, check=True,
+        cwd=str(_BENCH.parent),
+    ).stdout
+    assert out.splitlines()[0].startswith(f"300 leases on 8 GPUs, view {shape!r}: ")
+    assert ", 300 records (" in out.splitlines()[0]
+    assert "pick (client side): median " in out and "bookings_for " in out

@@ -165,7 +165,7 @@ def test_the_rows_cache_holds_its_size_and_is_cleared_past_it() -> None:
     assert len(b.ops_cache.current) == size
     held(b, person(b, 1003), "lease", created_s=2.0, devices=(("GPU-b", GIB),))
     view(b, person(b, 1001))
-    assert set(b.ops_cache.current) == {("GPU-b", None)}
+    assert set(b.ops_cache.current) == {("GPU-b", None, "rows")}
 
 
 def test_a_devices_rows_put_a_booked_lease_before_an_unbooked_one_and_fold_none_as_zero(

@@ -28,7 +28,7 @@ import pytest
 from autogpu_jupyter.broker import Broker, BrokerConfig
 from autogpu_jupyter.brokerd import net
 from autogpu_jupyter.core.devices import DeviceSnapshot
-from autogpu_jupyter.core.leasing import Requester, brokerclient
+from autogpu_jupyter.core.leasing import Requester, brokerclient, wire
 from autogpu_jupyter.core.leasing.brokerclient import (
     MAX_REPLY_BYTES,
     PROTOCOL,
@@ -53,6 +53,8 @@ from autogpu_jupyter.errors import (
 
 GiB = 1024**3
 ROOT = os.geteuid() == 0
+#: What a pick sends first: the pick lock, with the booking view by process.
+BEGIN = {"op": "begin", "view": "pids"}
 HOST = socket.gethostname()
 
 
@@ -1099,8 +1101,8 @@ def test_a_pick_lock_lost_once_is_asked_again_on_a_fresh_connection(peer_path: s
     lease.detach()
     peer.close()
     assert peer.requests == [
-        {"op": "begin"},
-        {"op": "begin"},
+        BEGIN,
+        BEGIN,
         {"op": "lease", "devices": ["GPU-p"], "requested_bytes": [None], "exclusive": False,
          "holder": {"kernel_id": "k", "notebook_path": "n", "command": "c", "kind": "process"},
          "ignore_ids": [], "ignore_kernel": None},
@@ -1133,8 +1135,8 @@ def test_a_pick_lock_whose_request_could_not_be_sent_is_asked_on_a_fresh_connect
         with pytest.raises(RegistryUnreachableError, match=r"\(Broken pipe\)"), reg.locked():
             pass
     peer.close()
-    assert sent == [{"op": "begin"}] * 2
-    assert peer.requests == ([{"op": "begin"}] if lost == 1 else [])
+    assert sent == [BEGIN] * 2
+    assert peer.requests == ([BEGIN] if lost == 1 else [])
     assert peer.client_closed == ([True] if lost == 1 else [])
 
 
@@ -1151,7 +1153,7 @@ def test_a_pick_lock_lost_twice_fails_closed(peer_path: str) -> None:
         f"{fix(peer_path)}"
     )
     peer.close()
-    assert peer.requests == [{"op": "begin"}, {"op": "begin"}]
+    assert peer.requests == [BEGIN, BEGIN]
 
 
 @pytest.mark.parametrize("part", ["devices", "reserved"])
@@ -1173,7 +1175,7 @@ def test_a_refused_pick_lock_is_not_asked_again(peer_path: str) -> None:
     ).locked() as txn:
         txn.ready()
     peer.close()
-    assert peer.requests == [{"op": "begin"}]
+    assert peer.requests == [BEGIN]
 
 
 def test_the_lease_request_names_what_a_repick_replaces(peer_path: str) -> None:
@@ -1280,7 +1282,7 @@ def test_the_booking_view_gives_the_decision_what_the_records_would() -> None:
          "more": {"leases": 3, "exclusive": False, "booked": 2 * GiB}},
         {"uuid": "GPU-b", "rows": [], "more": {"leases": 1, "exclusive": True, "booked": 0}},
     ]
-    recs = brokerclient._view_records(devices, "/s")
+    recs = wire.view_records(devices, "/s")
     assert [(r.device_uuids, r.exclusive, r.pid, r.device_requested_bytes, r.user,
              r.notebook_path) for r in recs] == [
         (("GPU-a",), True, 7, (5 * GiB,), "bob", "train.ipynb"),
@@ -1301,7 +1303,7 @@ def test_the_booking_view_gives_the_decision_what_the_records_would() -> None:
         5, 7 * GiB, True)
     assert (got["GPU-b"].lease_count, got["GPU-b"].exclusive) == (1, True)
     with pytest.raises(RegistryError, match="sent a bad booking view"):
-        brokerclient._view_records([{"uuid": "GPU-a", "rows": [[True]]}], "/s")
+        wire.view_records([{"uuid": "GPU-a", "rows": [[True]]}], "/s")
     # made up for the view: no host, no age, each named by the broker it came from
     assert {(r.host, r.created_s) for r in recs} == {("", 0.0)}
     assert [r.path for r in recs] == [f"/s#{r.lease_id}" for r in recs]
@@ -1568,16 +1570,16 @@ def test_the_booking_views_reservations_are_the_admissions_pseudo_leases() -> No
     admin"), not as "held exclusively by another lease" (a plain row would say that)."""
     from autogpu_jupyter.core.leasing import admission
 
-    got = brokerclient._reservations({"GPU-r1": ["ml", "staff"]}, "/b.sock")
+    got = wire.reservations({"GPU-r1": ["ml", "staff"]}, "/b.sock")
     assert [(r.device_uuids, r.exclusive, admission.is_reservation(r)) for r in got] == [
         (("GPU-r1",), True, True)]
     assert admission.exclusive_phrase(got[0]) == "reserved for group(s) ml, staff by the admin"
-    assert brokerclient._reservations(None, "/b.sock") == []
-    many = brokerclient._reservations({"GPU-r2": ["g"] * 70}, "/b.sock")
+    assert wire.reservations(None, "/b.sock") == []
+    many = wire.reservations({"GPU-r2": ["g"] * 70}, "/b.sock")
     assert many[0].user == "reserved for " + ",".join(["g"] * 64)  # at most 64 groups named
     assert many[0].host == ""
     with pytest.raises(RegistryError, match="sent a bad booking view"):
-        brokerclient._reservations(["GPU-r1"], "/b.sock")
+        wire.reservations(["GPU-r1"], "/b.sock")
 
 
 # ---- the broker's own checks, in this process (the tests here run as root) ----------------

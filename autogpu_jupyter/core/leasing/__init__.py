@@ -7,6 +7,7 @@
 * :mod:`.records` -- the record format (writer and readers);
 * :mod:`.directory` -- the shared-directory store (:class:`Registry`);
 * :mod:`.brokerclient` -- the trusted broker's client (:class:`BrokerRegistry`);
+* :mod:`.wire` -- the broker's protocol (version, caps) and the shapes it carries, for both sides;
 * :mod:`.factory` -- :func:`store_for`, which store the settings select;
 * :mod:`.admin` -- what only the broker can do (its status, waiting line, revokes and the events
   on a lease connection): :func:`broker_socket`, :func:`broker_at`, :func:`status_records`,

@@ -21,15 +21,14 @@ import contextlib
 import json
 import os
 import pwd
-import select
 import socket
 import stat
 import struct
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from autogpu_jupyter.core.leasing.admission import in_line, reservation
+from autogpu_jupyter.core.leasing.admission import in_line
 from autogpu_jupyter.core.leasing.records import LeaseRecord
 from autogpu_jupyter.core.leasing.store import (
     HeldLease,
@@ -38,67 +37,65 @@ from autogpu_jupyter.core.leasing.store import (
     ScanResult,
     StoreTransaction,
 )
+from autogpu_jupyter.core.leasing.wire import (
+    ERRORS,
+    HOLDER_KINDS,
+    MAX_LIST_RECORDS,
+    MAX_REPLY_BYTES,
+    MAX_REQUEST_BYTES,
+    PAGE_BYTES,
+    PAGE_RECORDS,
+    PROTOCOL,
+    VIEW_BY_PID,
+    VIEW_ROWS_PER_DEVICE,
+    VIEW_TICKET_BYTES,
+    VIEW_TICKETS,
+    from_wire,
+    holder_msg,
+    lease_events,
+    reservations,
+    version_mismatch,
+    view_records,
+    wire_records,
+)
 from autogpu_jupyter.errors import (
     AutoGPUError,
-    LeaseLimitError,
-    NoDeviceFitsError,
     RegistryError,
     RegistryUnreachableError,
     RegistryUntrustedError,
-    UsageErrorBase,
 )
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import DeviceSnapshot
 
+#: The wire's names (:mod:`~autogpu_jupyter.core.leasing.wire`) stay importable from here.
 __all__ = [
     "DEFAULT_SOCKET",
     "HOLDER_KINDS",
+    "MAX_LIST_RECORDS",
     "MAX_REPLY_BYTES",
     "MAX_REQUEST_BYTES",
+    "PAGE_BYTES",
+    "PAGE_RECORDS",
     "PROTOCOL",
+    "VIEW_ROWS_PER_DEVICE",
+    "VIEW_TICKETS",
+    "VIEW_TICKET_BYTES",
     "BrokerLease",
     "BrokerRegistry",
     "BrokerTransaction",
     "broker_fix",
+    "from_wire",
+    "lease_events",
 ]
 
 DEFAULT_SOCKET = "/run/autogpu/broker.sock"
 
-# -- the protocol, as both sides speak it (the broker imports these: the caps agree) ----------
-
-#: The version of the protocol, in every request and reply (``"proto"``): a broker and a
-#: client of different versions refuse each other with one line naming both.
-PROTOCOL = 2
-#: The longest request line the broker reads (a longer one closes that connection).
-MAX_REQUEST_BYTES = 64 * 1024
-#: The longest reply line the broker sends and a client reads. Replies are bounded by
-#: construction (a compact booking view, pages of records, counts), never by other users'
-#: records: a reply past this is a bug, reported as such.
-MAX_REPLY_BYTES = 1024 * 1024
-#: One page of ``leases``: at most this many records, and this many bytes of them.
-PAGE_RECORDS = 256
-PAGE_BYTES = 256 * 1024
-#: What a client reads of ``leases`` in all (pages of the broker): a list of every lease on
-#: the host is for people, and no host has this many.
-MAX_LIST_RECORDS = 16384
-#: The booking view of ``begin``: rows per device (the rest folded into one), waiting tickets.
-VIEW_ROWS_PER_DEVICE = 16
-VIEW_TICKETS = 64
-VIEW_TICKET_BYTES = 256 * 1024
-#: Who may hold a lease (``holder.kind``), as the picker's requester says.
-HOLDER_KINDS = ("process", "kernel", "cli", "provisioner", "api")
-
 _MAX_LINE = MAX_REPLY_BYTES
+#: A pick's ``begin``: the booking view by process (an older broker sends its rows instead).
+_BEGIN = {"op": "begin", "view": VIEW_BY_PID}
 #: ``struct ucred`` (pid, uid, gid) of ``SO_PEERCRED``, unsigned: a uid may be >= 2**31.
 _UCRED = struct.Struct("3I")
-_ERRORS: dict[str, type[AutoGPUError]] = {
-    "LeaseLimitError": LeaseLimitError,
-    "NoDeviceFitsError": NoDeviceFitsError,
-    "UsageErrorBase": UsageErrorBase,
-    # a lease the broker cannot record (its disk full): the pick fails closed, even a plain one
-    "RegistryUntrustedError": RegistryUntrustedError,
-}
 
 
 def broker_fix(path: str) -> str:
@@ -205,10 +202,10 @@ class _Conn:
     def _checked(self, reply: dict[str, Any]) -> dict[str, Any]:
         if reply.get("proto") != PROTOCOL and not self._greeted:
             self.close()
-            raise RegistryUntrustedError(_version_mismatch(self.path, reply))
+            raise RegistryUntrustedError(version_mismatch(self.path, reply))
         self._greeted = True
         if not reply.get("ok"):
-            cls = _ERRORS.get(str(reply.get("type")), RegistryError)
+            cls = ERRORS.get(str(reply.get("type")), RegistryError)
             raise cls(f"lease broker: {reply.get('error', 'refused')}")
         return reply
 
@@ -233,18 +230,6 @@ class _Conn:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
-
-
-def _version_mismatch(path: str, reply: Mapping[str, Any]) -> str:
-    theirs = reply.get("proto")
-    if reply.get("ok") is False and reply.get("type") == "RegistryUntrustedError":
-        return f"lease broker at {path}: {reply.get('error')}"  # it refused us: its words
-    spoken = "an older protocol (no version)" if theirs is None else f"protocol {theirs!r:.20}"
-    return (
-        f"the lease broker at {path} speaks {spoken}, this autogpu speaks protocol {PROTOCOL}: "
-        "the broker and this environment come from different autogpu versions; nothing was "
-        "picked; ask the admin to run the same autogpu version for both"
-    )
 
 
 def _why(err: BaseException) -> str:
@@ -307,112 +292,6 @@ def _host_root_seen_from_a_user_namespace(uid: int, path: str) -> bool:
             and not stat.S_IMODE(where.st_mode) & 0o022)
 
 
-def _records(items: Iterable[Any], path: str) -> list[LeaseRecord]:
-    """Records from the broker's payloads (the record format's fields). The broker built and
-    checked them with the readers' schema; here they are only typed, not re-validated (a pick
-    reads every live record under the pick lock: 128 strict parses would cost ~10 ms)."""
-    out = []
-    for item in items:
-        try:
-            out.append(from_wire(item, path))
-        except (KeyError, TypeError, ValueError) as err:
-            raise RegistryError(f"lease broker at {path} sent a bad record: {err}") from None
-    return out
-
-
-def from_wire(d: Mapping[str, Any], path: str) -> LeaseRecord:
-    """One record from its payload dict (see :meth:`LeaseRecord._payload`)."""
-    lease_id = str(d["lease_id"])
-    constraints = d.get("constraints")
-    return LeaseRecord(
-        lease_id=lease_id,
-        kind=str(d["kind"]),
-        device_uuids=tuple(str(u) for u in d["device_uuids"]),
-        device_requested_bytes=tuple(
-            None if b is None else int(b) for b in d["device_requested_bytes"]
-        ),
-        exclusive=bool(d["exclusive"]),
-        user=str(d["user"]),
-        uid=int(d["uid"]),
-        host=str(d["host"]),
-        pid=int(d["pid"]),
-        created_s=float(d["created_s"]),
-        kernel_id=_opt(d.get("kernel_id")),
-        notebook_path=_opt(d.get("notebook_path")),
-        command=_opt(d.get("command")),
-        holder_kind=str(d.get("holder_kind") or "process"),
-        seq=None if d.get("seq") is None else int(d["seq"]),
-        constraints=dict(constraints) if isinstance(constraints, Mapping) else None,
-        path=f"{path}#{lease_id}",
-    )
-
-
-def _view_records(devices: Iterable[Any], path: str) -> list[LeaseRecord]:
-    """Other users' leases as the booking view of ``begin`` gives them (see the broker's
-    ``_view``): one record per row, and one per lease folded into ``more`` (the first of them
-    carries what they book together). :func:`core.decision.bookings_for` then counts, books and
-    excludes exactly as it would from the full records; only the bookings folded into ``more``
-    are always counted (their pids are not sent): a pick may see a device fuller than it is,
-    never emptier."""
-    out: list[LeaseRecord] = []
-    try:
-        for dev in devices:
-            uuid = str(dev["uuid"])
-            for exclusive, pid, booked, user, where in dev["rows"]:
-                out.append(_view_record(uuid, len(out), bool(exclusive), int(pid),
-                                        None if booked is None else int(booked),
-                                        str(user), str(where) or None, path))
-            more = dev.get("more") or {}
-            folded = min(int(more.get("leases", 0)), MAX_LIST_RECORDS)
-            if folded > 0:
-                out.append(_view_record(uuid, len(out), bool(more.get("exclusive")), 0,
-                                        int(more.get("booked") or 0), "others", None, path))
-            if folded > 1:  # the others book nothing and are alike: one record, counted each
-                rest = _view_record(uuid, len(out), False, 0, None, "others", None, path)
-                out += [rest] * (folded - 1)
-    except (KeyError, TypeError, ValueError) as err:
-        raise RegistryError(f"lease broker at {path} sent a bad booking view: {err}") from None
-    return out
-
-
-def _reservations(reserved: Any, path: str) -> list[LeaseRecord]:
-    """The devices the admin reserved away from us, as the broker's view names them (UUID ->
-    groups): the admission's pseudo-leases, so a ranking words them as the directory would
-    ("reserved for group(s) ml by the admin"), not as another lease."""
-    if reserved is None:
-        return []
-    try:
-        items = list(reserved.items())[:MAX_LIST_RECORDS]
-        return [reservation(str(uuid), [str(g) for g in groups][:64], "")
-                for uuid, groups in items]
-    except (AttributeError, TypeError) as err:
-        raise RegistryError(f"lease broker at {path} sent a bad booking view: {err}") from None
-
-
-def _view_record(uuid: str, n: int, exclusive: bool, pid: int, booked: int | None, user: str,
-                 where: str | None, path: str) -> LeaseRecord:
-    lease_id = f"view{n:028x}"
-    return LeaseRecord(
-        lease_id=lease_id, kind="lease", device_uuids=(uuid,), device_requested_bytes=(booked,),
-        exclusive=exclusive, user=user, uid=-1, host="", pid=pid, created_s=0.0,
-        notebook_path=where, path=f"{path}#{lease_id}",
-    )
-
-
-def _opt(v: Any) -> str | None:
-    return None if v is None else str(v)
-
-
-def _holder_msg(requester: Requester | None) -> dict[str, Any]:
-    if requester is None:
-        return {"kind": "process"}
-    return {
-        "kernel_id": requester.kernel_id,
-        "notebook_path": requester.notebook_path,
-        "command": requester.command,
-        "kind": requester.kind,
-    }
-
 
 class BrokerLease(HeldLease):
     """A lease (or ticket) the broker granted to this connection; it lives as long as the socket.
@@ -459,7 +338,7 @@ class BrokerLease(HeldLease):
         if self._conn is None:
             raise ValueError(f"lease {self.record.lease_id} was released")
         reply = self._conn.call({"op": "set_pid", "pid": int(pid)}, timeout_s=10.0)
-        recs = _records([reply["record"]], self._registry.path)
+        recs = wire_records([reply["record"]], self._registry.path)
         self.record = recs[0]
 
     def __del__(self) -> None:
@@ -503,7 +382,7 @@ class BrokerTransaction(StoreTransaction):
             conn.close()
             self._conn = conn = registry._conn()
             try:
-                conn.send({"op": "begin"}, registry.lock_timeout_s)
+                conn.send(_BEGIN, registry.lock_timeout_s)
                 reply = registry._granted(conn)
             except BaseException:
                 conn.close()
@@ -514,11 +393,11 @@ class BrokerTransaction(StoreTransaction):
             self._conn = None
             raise
         self._leases = (
-            _records(reply.get("own", ()), registry.path)
-            + _view_records(reply.get("devices", ()), registry.path)
-            + _reservations(reply.get("reserved"), registry.path)
+            wire_records(reply.get("own", ()), registry.path)
+            + view_records(reply.get("devices", ()), registry.path)
+            + reservations(reply.get("reserved"), registry.path)
         )
-        self._tickets = _records(reply.get("tickets", ()), registry.path)
+        self._tickets = wire_records(reply.get("tickets", ()), registry.path)
         return time.monotonic() - start
 
     def live_leases(self) -> list[LeaseRecord]:
@@ -559,11 +438,11 @@ class BrokerTransaction(StoreTransaction):
                 "devices": uuids,
                 "requested_bytes": booked,
                 "exclusive": bool(exclusive),
-                "holder": _holder_msg(requester),
+                "holder": holder_msg(requester),
                 **self.store._ignored(),
             }
         )
-        rec = _records([reply["record"]], self.store.path)[0]
+        rec = wire_records([reply["record"]], self.store.path)[0]
         conn, self._conn = self._conn, None
         assert self._leases is not None
         self._leases.append(rec)
@@ -643,12 +522,12 @@ class BrokerRegistry(LeaseStore):
         restarted) is tried once more on a fresh one."""
         conn = self._conn()
         try:
-            conn.send({"op": "begin"}, self.lock_timeout_s)
+            conn.send(_BEGIN, self.lock_timeout_s)
         except RegistryUnreachableError:
             conn.close()
             conn = self._conn()
             try:
-                conn.send({"op": "begin"}, self.lock_timeout_s)
+                conn.send(_BEGIN, self.lock_timeout_s)
             except BaseException:
                 conn.close()
                 raise
@@ -672,8 +551,9 @@ class BrokerRegistry(LeaseStore):
         except AutoGPUError:
             return []
         return sorted(
-            self._visible(_records(payloads, self.path)), key=lambda r: (r.created_s, r.lease_id)
-        ) + _reservations(first.get("reserved"), self.path)
+            self._visible(wire_records(payloads, self.path)),
+            key=lambda r: (r.created_s, r.lease_id),
+        ) + reservations(first.get("reserved"), self.path)
 
     def list_leases(self, *, include_tickets: bool = False) -> list[LeaseRecord]:
         """Live leases of every user, oldest first (other users' command lines never sent)."""
@@ -683,7 +563,7 @@ class BrokerRegistry(LeaseStore):
         finally:
             conn.close()
         return sorted(
-            self._visible(_records(payloads, self.path)),
+            self._visible(wire_records(payloads, self.path)),
             key=lambda r: (r.created_s, r.lease_id),
         )
 
@@ -731,7 +611,7 @@ class BrokerRegistry(LeaseStore):
             payloads = _pages(conn, {"op": "leases", "kind": "ticket"})
         finally:
             conn.close()
-        return in_line(_records(payloads, self.path))
+        return in_line(wire_records(payloads, self.path))
 
     def take_ticket(
         self,
@@ -749,11 +629,11 @@ class BrokerRegistry(LeaseStore):
                     "op": "ticket",
                     "constraints": dict(constraints),
                     "exclusive": bool(exclusive),
-                    "holder": _holder_msg(requester),
+                    "holder": holder_msg(requester),
                     **self._ignored(),
                 }
             )
-            rec = _records([reply["record"]], self.path)[0]
+            rec = wire_records([reply["record"]], self.path)[0]
         except BaseException:
             conn.close()
             raise
@@ -795,49 +675,3 @@ def _pages(
         after = reply.get("next")
         if after is None or len(out) >= MAX_LIST_RECORDS:
             return out[:MAX_LIST_RECORDS]
-
-
-def lease_events(fd: int) -> list[str]:
-    """Messages the broker sent, unasked, on a lease connection this process holds (``fd``):
-    ``lease ... revoked by the admin``, a place in the waiting line that lapsed; also when the
-    broker closed it. Never blocks; an fd
-    that is not a socket (a lease file of the shared-directory registry) has none.
-
-    Returns
-    -------
-    list of str
-        One line per event, for the notebook user; empty when nothing happened.
-    """
-    try:
-        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-            return []
-        readable, _, _ = select.select([fd], [], [], 0)
-        if not readable:
-            return []
-        data = os.read(fd, 65536)
-    except OSError:
-        return []
-    if not data:
-        return ["the lease broker closed this kernel's lease connection: a broker that "
-                "restarted keeps the lease while this kernel runs (`autogpu leases` shows it); "
-                "else the lease has ended"]
-    out = []
-    for line in data.splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(event, dict):
-            continue
-        if event.get("event") == "revoked":
-            out.append(
-                f"your GPU lease {str(event.get('lease_id', ''))[:32]} was revoked by the admin: "
-                "this kernel no longer holds it; others may now be given its GPU"
-            )
-        elif event.get("event") == "ticket_lapsed":
-            out.append(
-                f"your place in the GPU waiting line (ticket "
-                f"{str(event.get('lease_id', ''))[:32]}) lapsed: a device was free for it but "
-                "no lease was taken; pick again to wait again"
-            )
-    return out
