@@ -334,8 +334,18 @@ async def serve(config: BrokerConfig, ready: Any = None) -> None:
 
 
 def _reload(broker: Broker) -> None:
+    """SIGHUP: read the tenants again, the files read off the loop."""
+    task = asyncio.get_running_loop().create_task(_reload_off_loop(broker))
+    _RELOADS.add(task)  # kept until done (the loop holds tasks weakly)
+    task.add_done_callback(_RELOADS.discard)
+
+
+_RELOADS: set[asyncio.Task[None]] = set()
+
+
+async def _reload_off_loop(broker: Broker) -> None:
     try:
-        broker.reload()
+        await broker.tenant_sockets.reload_off_loop()
     except (tenancy.TenantError, OSError) as err:
         log.warning("reload refused, the tenants served are unchanged: %s", err)
 
