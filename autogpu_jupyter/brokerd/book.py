@@ -152,9 +152,6 @@ class LeaseBook:
             self._last_encoded = (rec, data)
         return data
 
-    def record_of(self, holder: Any) -> LeaseRecord | None:
-        return self.held.get(holder)
-
     def holder_of(self, lease_id: Any) -> Any:
         """The holder of the live record ``lease_id`` (``None``: none, or an orphan's)."""
         return self.index.holders.get(lease_id) if isinstance(lease_id, str) else None
@@ -491,6 +488,10 @@ class LeaseBook:
         """The tickets the lapse checks found servable, with when each first was (monotonic
         clock; a copy): each lapses ``ticket_grace_s`` after it unless it stops being so."""
         return dict(self.servable_since)
+
+    def dormant_tickets(self) -> set[str]:
+        """The live tickets that reserve nothing yet (a copy; :meth:`reserving` asks of one)."""
+        return set(self.dormant)
 
     def bars(self) -> dict[int, float]:
         """The people barred from the waiting line, with until when (monotonic clock; a copy),
