@@ -329,6 +329,12 @@ class Channel:
         """Bytes written but not yet taken by the socket."""
         return len(self._out)
 
+    @property
+    def buffered(self) -> int:
+        """Bytes read from the socket but not yet taken by :meth:`readline` (what a client
+        that sends without reading replies makes the broker hold)."""
+        return len(self._in)
+
     def write(self, data: bytes) -> None:
         """Send ``data`` now if the socket takes it, else keep the rest for when it is
         writable; past ``cap`` kept bytes the connection is dropped. A closed channel drops

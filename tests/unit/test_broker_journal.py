@@ -98,10 +98,10 @@ def test_the_live_size_counts_each_entry_once_as_it_changes(tmp_path: Path) -> N
     j.add(first)
     j.add(entry(2))
     j.add(again)
-    assert j._live == len(again.encoded()) + len(entry(2).encoded())
+    assert j.live_bytes == len(again.encoded()) + len(entry(2).encoded())
     j.remove(first.lease_id)
     j.remove(entry(2).lease_id)
-    assert j._live == 0
+    assert j.live_bytes == 0
 
 
 def test_the_holders_and_end_lines_are_the_ones_json_dumps_writes(tmp_path: Path) -> None:
@@ -249,11 +249,13 @@ def test_a_journal_on_descriptor_0_keeps_it(tmp_path: Path) -> None:
         os.close(0)
         j = Journal(str(tmp_path))
         j.load()
-        assert j._fd == 0
+        log_path = str(tmp_path / jrnl.LOG_NAME)
+        assert os.readlink("/proc/self/fd/0") == log_path  # as /proc shows the broker's fds
         open_fds = len(os.listdir("/proc/self/fd"))
         for n in range(20):
             j.add(entry(n))
-        assert j._fd == 0 and len(os.listdir("/proc/self/fd")) == open_fds
+        assert os.readlink("/proc/self/fd/0") == log_path
+        assert len(os.listdir("/proc/self/fd")) == open_fds
         j.close()
         with pytest.raises(OSError):  # closed with the journal, not left open
             os.fstat(0)

@@ -487,7 +487,7 @@ def test_the_lookup_cache_is_emptied_when_it_reaches_its_bound(
     sizes = []
     for uid in range(FREE, FREE + 4):
         accounts.account(uid)
-        sizes.append(len(accounts._cache))
+        sizes.append(accounts.cached)
     assert sizes == [1, 2, 3, 1]
 
 
