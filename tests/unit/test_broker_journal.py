@@ -378,14 +378,34 @@ def fresh_diag(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     peers._close_diag()
 
 
+def diag_sockets() -> set[int]:
+    """The inodes of this process's sock_diag (netlink family 4) sockets, as /proc shows
+    them to any reader."""
+    with open("/proc/self/net/netlink", encoding="ascii") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    diag = {int(cols[9]) for cols in rows if cols[1] == "4"}
+    mine = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the descriptor of the listing itself, gone already
+            continue
+        if link.startswith("socket:["):
+            mine.add(int(link[len("socket:["):-1]))
+    return mine & diag
+
+
 def test_the_kept_sock_diag_socket_answers_each_socket_in_turn(fresh_diag: None) -> None:
+    """One sock_diag socket is opened at the first question and kept for every other one.
+    Caught: a socket opened per question (another descriptor each time, or another socket)."""
     pairs = [socket.socketpair(socket.AF_UNIX) for _ in range(4)]
     try:
+        assert diag_sockets() == set()
         peers.peer_inode(pairs[0][0])
-        kept = peers._diag
+        kept = diag_sockets()
         for a, b in pairs + pairs[::-1]:
             assert peers.peer_inode(a) == os.fstat(b.fileno()).st_ino
-        assert kept is not None and peers._diag is kept  # one socket, kept
+        assert len(kept) == 1 and diag_sockets() == kept  # one socket, kept
     finally:
         for a, b in pairs:
             a.close()
@@ -427,10 +447,10 @@ def test_a_kernel_without_sock_diag_is_said_once_and_not_asked_again(
     a, b = socket.socketpair(socket.AF_UNIX)
     with a, b, caplog.at_level(logging.WARNING, logger=peers.log.name):
         assert peers.peer_inode(a) is None
-        assert peers._diag is None and peers._diag_broken is True
+        assert diag_sockets() == set()
         monkeypatch.setattr(peers, "_NETLINK_SOCK_DIAG", 4)  # would work now: not tried again
         assert peers.peer_inode(a) is None
-        assert peers._diag is None
+        assert diag_sockets() == set()
     assert [r.getMessage() for r in caplog.records] == [
         "the kernel does not tell the peers of Unix sockets (sock_diag: [Errno 93] Protocol "
         "not supported): after a restart, leases are kept by the pids that took them"
