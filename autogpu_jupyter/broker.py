@@ -268,7 +268,8 @@ class Broker:
             self.restorer.load()
 
     def reload(self) -> dict[str, list[str]]:
-        """Read the tenants again (SIGHUP, root's ``reload``): see brokerd/tenantd.py."""
+        """Read the tenants (at start; SIGHUP and root's ``reload`` read them again off the
+        loop, :meth:`TenantSockets.reload_off_loop`): see brokerd/tenantd.py."""
         return self.tenant_sockets.reload()
 
     async def run_op(self, op: str, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
