@@ -268,7 +268,8 @@ class Broker:
             self.restorer.load()
 
     def reload(self) -> dict[str, list[str]]:
-        """Read the tenants again (SIGHUP, root's ``reload``): see brokerd/tenantd.py."""
+        """Read the tenants (at start; SIGHUP and root's ``reload`` read them again off the
+        loop, :meth:`TenantSockets.reload_off_loop`): see brokerd/tenantd.py."""
         return self.tenant_sockets.reload()
 
     async def run_op(self, op: str, conn: Conn, msg: dict[str, Any]) -> dict[str, Any]:
@@ -334,8 +335,18 @@ async def serve(config: BrokerConfig, ready: Any = None) -> None:
 
 
 def _reload(broker: Broker) -> None:
+    """SIGHUP: read the tenants again, the files read off the loop."""
+    task = asyncio.get_running_loop().create_task(_reload_off_loop(broker))
+    _RELOADS.add(task)  # kept until done (the loop holds tasks weakly)
+    task.add_done_callback(_RELOADS.discard)
+
+
+_RELOADS: set[asyncio.Task[None]] = set()
+
+
+async def _reload_off_loop(broker: Broker) -> None:
     try:
-        broker.reload()
+        await broker.tenant_sockets.reload_off_loop()
     except (tenancy.TenantError, OSError) as err:
         log.warning("reload refused, the tenants served are unchanged: %s", err)
 

@@ -152,9 +152,6 @@ class LeaseBook:
             self._last_encoded = (rec, data)
         return data
 
-    def record_of(self, holder: Any) -> LeaseRecord | None:
-        return self.held.get(holder)
-
     def holder_of(self, lease_id: Any) -> Any:
         """The holder of the live record ``lease_id`` (``None``: none, or an orphan's)."""
         return self.index.holders.get(lease_id) if isinstance(lease_id, str) else None
@@ -274,11 +271,9 @@ class LeaseBook:
         }
 
     def end_replaced(self, replaced: set[str]) -> None:
-        if not replaced:
-            return
         for other in [self.index.holders[i] for i in replaced if i in self.index.holders]:
             other.record = None
-            self._notify(other, {"event": "replaced", "message": "lease replaced by a re-pick"})
+            self.tell(other, {"event": "replaced", "message": "lease replaced by a re-pick"})
         for lease_id in replaced:
             self.forget_orphan(lease_id)
 
@@ -457,7 +452,7 @@ class LeaseBook:
             self.forget_orphan(rec.lease_id)
             return
         holder.record = None
-        self._notify(holder, {
+        self.tell(holder, {
             "event": "ticket_lapsed", "lease_id": rec.lease_id,
             "message": f"your place in the waiting line (ticket {rec.seq}) lapsed: a "
             f"device was free for it for {self.config.ticket_grace_s:.0f} s but no "
@@ -471,7 +466,7 @@ class LeaseBook:
         if holder is not None:
             rec = self.held[holder]
             holder.record = None
-            self._notify(holder, {
+            self.tell(holder, {
                 "event": "revoked",
                 "lease_id": rec.lease_id,
                 "kind": rec.kind,
@@ -484,6 +479,21 @@ class LeaseBook:
             return rec
         return None
 
-    def _notify(self, holder: Any, event: dict[str, Any], close: bool = False) -> None:
+    def tell(self, holder: Any, event: dict[str, Any], close: bool = False) -> None:
+        """Send ``holder`` the unsolicited line ``event`` (:attr:`notify`), then ``close`` it."""
         if self.notify is not None:
             self.notify(holder, event, close)
+
+    def servable_times(self) -> dict[str, float]:
+        """The tickets the lapse checks found servable, with when each first was (monotonic
+        clock; a copy): each lapses ``ticket_grace_s`` after it unless it stops being so."""
+        return dict(self.servable_since)
+
+    def dormant_tickets(self) -> set[str]:
+        """The live tickets that reserve nothing yet (a copy; :meth:`reserving` asks of one)."""
+        return set(self.dormant)
+
+    def bars(self) -> dict[int, float]:
+        """The people barred from the waiting line, with until when (monotonic clock; a copy),
+        as :meth:`may_join` refuses them; ended bars stay listed until the next pruning."""
+        return dict(self.line_barred)

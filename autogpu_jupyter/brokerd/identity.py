@@ -96,6 +96,11 @@ class Accounts:
         self._checked = 0.0
         self._cache: dict[int, tuple[float, Account]] = {}
 
+    @property
+    def cached(self) -> int:
+        """How many uids' accounts are kept (at most ``_CACHE_MAX``: one lookup each)."""
+        return len(self._cache)
+
     def account(self, uid: int) -> Account:
         """The account of a caller with ``uid`` (from ``SO_PEERCRED``; the caller's gid is not
         asked for: see the module docstring)."""

@@ -445,6 +445,12 @@ class Journal:
     def size_bytes(self) -> int:
         return self._bytes
 
+    @property
+    def live_bytes(self) -> int:
+        """The bytes of the live entries' lines: what a compaction leaves, and what decides it
+        (the log is compacted once past four times this)."""
+        return self._live
+
 
 def _pids_text(pids: Iterable[Sequence[int]]) -> str:
     """``[[pid,start],...]`` as ``json.dumps`` writes it compactly."""

@@ -169,6 +169,12 @@ class Listener:
         sock.setblocking(False)
         self.loop.add_reader(sock.fileno(), self._on_readable)
 
+    @property
+    def resumes_at(self) -> float | None:
+        """The loop time at which a listener paused by a failed accept watches its socket
+        again (``None``: it watches it now)."""
+        return None if self._paused is None else self._paused.when()
+
     def _on_readable(self) -> None:
         for _ in range(128):  # a bounded batch: others get the loop between batches
             try:
@@ -328,6 +334,18 @@ class Channel:
     def pending(self) -> int:
         """Bytes written but not yet taken by the socket."""
         return len(self._out)
+
+    @property
+    def drops_at(self) -> float | None:
+        """The loop time at which a channel closed with replies still unsent is dropped
+        (``None``: not closing, or closed)."""
+        return None if self._closing is None else self._closing.when()
+
+    @property
+    def buffered(self) -> int:
+        """Bytes read from the socket but not yet taken by :meth:`readline` (what a client
+        that sends without reading replies makes the broker hold)."""
+        return len(self._in)
 
     def write(self, data: bytes) -> None:
         """Send ``data`` now if the socket takes it, else keep the rest for when it is

@@ -420,7 +420,7 @@ class Reload(Op):
 
     async def execute(self, ctx: Any, conn: Any, args: Any) -> dict[str, Any]:
         try:
-            return {"ok": True, **ctx.reload()}
+            return {"ok": True, **await ctx.tenant_sockets.reload_off_loop()}
         except (ValueError, OSError) as err:  # TenantError is a ValueError
             raise BrokerRefusal(f"reload: {err}") from None
 

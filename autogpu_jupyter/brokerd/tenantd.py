@@ -16,6 +16,7 @@ their leases and tickets ended; its orphans (taken back after a restart) end too
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from typing import Any
@@ -29,6 +30,9 @@ __all__ = ["TenantSockets"]
 
 log = logging.getLogger("autogpu.broker")
 
+#: What :meth:`TenantSockets.read` found: the table's tenants, the rules file's (``None``: none).
+Read = tuple[dict[str, tenancy.Tenant], dict[str, tenancy.Tenant] | None]
+
 
 class TenantSockets:
     """The listeners of the broker's tenants (see the module docstring)."""
@@ -38,21 +42,24 @@ class TenantSockets:
         self.config = broker.config
         self.tenants: dict[str, tenancy.Tenant] = {}
         self.listeners: dict[str, net.Listener] = {}
+        self._reloading = asyncio.Lock()
 
-    def wanted(self) -> dict[str, tenancy.Tenant]:
-        """The tenants that exist now: the table's, then the rules file's (which win)."""
+    def read(self) -> Read:
+        """The table's tenants and the rules file's (``None``: no rules file), as the files
+        say now. It only reads (a state directory or rules file on a slow disk can take
+        long): :meth:`reload_off_loop` runs it in a thread."""
         table = tenancy.load_table(self.config.state_dir) if self.config.state_dir else {}
-        rules = self.config.tenants
-        if self.config.rules_path:
-            rules = tenancy.rules_tenants(self.config.rules_path)
-            self.config.tenants = rules
-        return {**table, **rules}
+        rules = tenancy.rules_tenants(self.config.rules_path) if self.config.rules_path else None
+        return table, rules
 
-    def reload(self) -> dict[str, list[str]]:
-        """Serve the tenants that exist now; what changed (``added``, ``removed``,
-        ``updated``), by name. A table or rules file that cannot be read changes nothing
-        (:class:`~tenants.TenantError`, one line)."""
-        wanted = self.wanted()
+    def reload(self, read: Read | None = None) -> dict[str, list[str]]:
+        """Serve the tenants that exist now (as :meth:`read` finds them, or ``read``); what
+        changed (``added``, ``removed``, ``updated``), by name. A table or rules file that
+        cannot be read changes nothing (:class:`~tenants.TenantError`, one line)."""
+        table, rules = self.read() if read is None else read
+        if rules is not None:
+            self.config.tenants = rules
+        wanted = {**table, **self.config.tenants}  # the rules file's win
         root = self.config.tenant_socket_root
         changed: dict[str, list[str]] = {"added": [], "removed": [], "updated": []}
         for name in sorted(set(self.tenants) - set(wanted)):
@@ -76,6 +83,12 @@ class TenantSockets:
             log.info("tenants: %s", "; ".join(f"{k} {', '.join(v)}" for k, v in changed.items()
                                               if v))
         return changed
+
+    async def reload_off_loop(self) -> dict[str, list[str]]:
+        """:meth:`reload` with the files read in a thread: the broker goes on answering while
+        they are read (SIGHUP, root's ``reload`` op); one reload at a time, in order."""
+        async with self._reloading:
+            return self.reload(await asyncio.to_thread(self.read))
 
     def _acceptor(self, name: str) -> Any:
         def accepted(sock: socket.socket) -> None:
@@ -103,9 +116,9 @@ class TenantSockets:
             rec = conn.record
             if rec is not None:
                 conn.record = None
-            book._notify(conn, {"event": "revoked", "lease_id": getattr(rec, "lease_id", ""),
-                                "kind": getattr(rec, "kind", "lease"), "message": line},
-                         close=True)
+            book.tell(conn, {"event": "revoked", "lease_id": getattr(rec, "lease_id", ""),
+                             "kind": getattr(rec, "kind", "lease"), "message": line},
+                      close=True)
         for lease_id in [i for i, o in book.orphans.items() if o.key == key]:
             book.forget_orphan(lease_id)
 

@@ -156,7 +156,7 @@ def test_lookups_are_cached_briefly_and_the_cache_is_bounded(
     assert calls == [0, 0]
     for uid in range(FREE, FREE + 5):
         accounts.account(uid)
-    assert len(accounts._cache) <= 3
+    assert accounts.cached <= 3
 
 
 def test_an_owner_name_without_passwd_entry_is_named_by_its_first_32_characters(

@@ -22,6 +22,19 @@ from autogpu_jupyter.brokerd import peers
 from autogpu_jupyter.brokerd.journal import Entry, Journal
 from tests.unit.test_broker_journal import entry, lines
 
+
+def fds_on(path: Path) -> list[int]:
+    """This process's descriptors open on ``path``, as /proc shows them to any reader."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == str(path):
+                found.append(int(name))
+        except OSError:  # the descriptor of the listing itself, gone already
+            continue
+    return found
+
+
 #: A character Python's repr writes as ten (``\U000e0001``): 20 of them make an error message
 #: of more than 200 characters out of ``_int``'s 20-character excerpt.
 TAG = "\U000e0001"
@@ -55,10 +68,10 @@ def test_a_journal_changed_before_any_load_starts_from_nothing_and_makes_its_log
         os.umask(old)
     path = tmp_path / "journal.log"
     assert oct(path.stat().st_mode & 0o777) == "0o600"
-    assert (j._live, j.size_bytes) == (len(first.encoded()), len(first.encoded()))
+    assert (j.live_bytes, j.size_bytes) == (len(first.encoded()), len(first.encoded()))
     j.add(entry(2))
     j.remove(first.lease_id)
-    assert j._live == len(entry(2).encoded())
+    assert j.live_bytes == len(entry(2).encoded())
     assert j.size_bytes == path.stat().st_size
     j.close()
     assert Journal(str(tmp_path)).load() == {entry(2).lease_id: entry(2)}
@@ -85,7 +98,8 @@ def test_closing_a_journal_whose_descriptor_is_already_gone_is_quiet(tmp_path: P
     opens its log again at the next change. Caught: the OSError no longer suppressed."""
     j = Journal(str(tmp_path), boot="boot-a")
     j.load()
-    os.close(j._fd)
+    (fd,) = fds_on(tmp_path / "journal.log")
+    os.close(fd)
     j.close()
     j.add(entry(1))
     assert lines(tmp_path / "journal.log")[-1] == entry(1).line()
@@ -108,7 +122,7 @@ def test_a_log_owned_by_another_user_is_refused_by_its_path_and_not_kept_open(
     with pytest.raises(OSError) as err:
         j.add(entry(1))
     assert str(err.value) == f"{path} is not a file of ours"
-    assert (j._fd < 0, sorted(os.listdir("/proc/self/fd"))) == (True, open_fds)
+    assert (fds_on(path), sorted(os.listdir("/proc/self/fd"))) == ([], open_fds)
     assert path.read_text() == ""
 
 

@@ -97,14 +97,13 @@ def test_a_ticket_that_lapses_is_counted_bars_only_its_person_and_says_so_once(
     carol.record = replace(ticket_record(b, carol), seq=None if seq is None else seq + 1)
     bobs, carols = bob.record.lease_id, carol.record.lease_id
     caplog.set_level(logging.INFO, logger="autogpu.broker")
-    b.book.servable_since = {bobs: 990.0, carols: 990.0}
     b.book.waiters = lambda snap, tickets, settled_only=False: {  # type: ignore[method-assign]
         t.lease_id: ("GPU-s1",) for t in tickets}
     check_line(b)
     assert counted(b, "tickets_lapsed") == 2
     assert (bob.record, carol.record) == (None, None)
-    assert b.book.line_barred == {1002: 1060.0, 1003: 1060.0}
-    assert b.book.servable_since == {}
+    assert b.book.bars() == {1002: 1060.0, 1003: 1060.0}
+    assert b.book.servable_times() == {}
     n_bob, n_carol = (0, 0) if seq is None else (seq, seq + 1)
     assert messages(caplog) == [
         f"user1002 left ticket {n_bob} that could be served: barred from the line for 60 s",
@@ -137,40 +136,43 @@ def test_a_servable_ticket_lapses_only_when_the_whole_grace_has_passed(
     alice.writer = Written()  # type: ignore[assignment]
     alice.record = exclusive_ticket(b, alice, 1)  # no snapshot yet: it reserves
     lease_id = alice.record.lease_id
-    assert lease_id not in b.book.dormant
+    assert b.book.reserving(alice.record)
     check_line(b)
-    assert b.book.servable_since == {lease_id: 1000.0} and alice.record is not None
+    assert b.book.servable_times() == {lease_id: 1000.0} and alice.record is not None
     clock.now = 1004.9
     check_line(b)
-    assert b.book.servable_since == {lease_id: 1000.0} and alice.record is not None
+    assert b.book.servable_times() == {lease_id: 1000.0} and alice.record is not None
     clock.now = 1005.0
     check_line(b)
     assert alice.record is None and counted(b, "tickets_lapsed") == 1
-    assert b.book.servable_since == {}
+    assert b.book.servable_times() == {}
 
 
 def test_a_dormant_ticket_starts_to_reserve_once_a_settled_lease_takes_its_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A ticket taken while the one device was free is dormant; once an exclusive lease held
-    for ten seconds takes the device, the next check makes it reserve (it waits now) and
-    forgets when it last could be served. Caught: the dormant ticket never woken (either
-    test of the wake-up inverted, or no id let go), and the time it could be served dropped
-    under no id (kept for it, it would lapse at once the next time it could be served)."""
-    clock = Clock(monkeypatch, 1000.0)
+    """A ticket taken while the one device was free is dormant (it reserves nothing) and,
+    at a check, timed as servable; once an exclusive lease held for ten seconds takes the
+    device, the next check makes it reserve (it waits now) and forgets when it last could be
+    served. Caught: the dormant ticket never woken (either test of the wake-up inverted, or
+    no id let go), and the time it could be served dropped under no id (kept for it, it
+    would lapse at once the next time it could be served)."""
+    clock = Clock(monkeypatch, 990.0)
     b = broker(ticket_grace_s=100.0)
     b.fleet.backend = Fleet()
     b.book.snap, b.book.snap_at = one_free_device(), clock.now
     alice, carol = person(b, 1001), person(b, 1003)
     alice.record = exclusive_ticket(b, alice, 1)
     lease_id = alice.record.lease_id
-    assert b.book.dormant == {lease_id}
+    assert not b.book.reserving(alice.record)
+    check_line(b)
+    assert b.book.servable_times() == {lease_id: 990.0} and not b.book.reserving(alice.record)
+    clock.now = 1000.0
     carol.record = replace(lease_record(b, carol, "GPU-s1"), exclusive=True,
                            created_s=time.time() - 10)
-    b.book.servable_since[lease_id] = 990.0
     check_line(b)
-    assert b.book.dormant == set() and b.book.reserving(alice.record)
-    assert b.book.servable_since == {}
+    assert b.book.reserving(alice.record)
+    assert b.book.servable_times() == {}
     assert alice.record.lease_id == lease_id
 
 
@@ -188,10 +190,10 @@ def test_a_dormant_ticket_whose_device_is_still_free_stays_dormant_and_is_timed(
     alice = person(b, 1001)
     alice.record = exclusive_ticket(b, alice, 1)
     lease_id = alice.record.lease_id
-    assert b.book.dormant == {lease_id}
+    assert not b.book.reserving(alice.record)
     check_line(b)
-    assert b.book.dormant == {lease_id}
-    assert b.book.servable_since == {lease_id: 1000.0}
+    assert not b.book.reserving(alice.record)
+    assert b.book.servable_times() == {lease_id: 1000.0}
 
 
 def test_a_dormant_ticket_whose_device_was_just_leased_stays_dormant_and_does_not_lapse(
@@ -210,12 +212,12 @@ def test_a_dormant_ticket_whose_device_was_just_leased_stays_dormant_and_does_no
     alice.writer = Written()  # type: ignore[assignment]
     alice.record = exclusive_ticket(b, alice, 1)
     rec = alice.record
-    assert b.book.dormant == {rec.lease_id}
+    assert not b.book.reserving(rec)
     carol.record = replace(lease_record(b, carol, "GPU-s1"), exclusive=True,
                            created_s=time.time() - 1)
     check_line(b)
     assert alice.record is rec and counted(b, "tickets_lapsed") == 0
-    assert (b.book.dormant, b.book.servable_since) == ({rec.lease_id}, {})
+    assert (b.book.reserving(rec), b.book.servable_times()) == (False, {})
     assert alice.writer.lines == []  # type: ignore[attr-defined]
 
 
@@ -237,32 +239,35 @@ def test_a_lease_of_a_moment_ago_keeps_a_waiting_ticket_from_lapsing(
     rec = alice.record
     check_line(b)
     assert alice.record is rec and counted(b, "tickets_lapsed") == 0
-    assert b.book.servable_since == {}
+    assert b.book.servable_times() == {}
     assert alice.writer.lines == []  # type: ignore[attr-defined]
 
 
 def test_a_ticket_check_without_a_snapshot_is_logged_and_lapses_nothing(
     monkeypatch: pytest.MonkeyPatch, caplog: Any,
 ) -> None:
-    """A backend that fails: no ticket is judged, and one debug line says why. Caught: the
-    line's words changed, its format or its error left out."""
-    Clock(monkeypatch, 1000.0)
-    b = broker(ticket_grace_s=0.0)
+    """A backend that fails: no ticket is judged (one found servable before keeps its time
+    and its place), and one debug line says why. Caught: the line's words changed, its
+    format or its error left out."""
+    clock = Clock(monkeypatch, 1000.0)
+    b = broker(ticket_grace_s=100.0)
+    b.fleet.backend = Fleet()
 
     class NoFleet:
         def snapshot(self) -> Any:
             raise RuntimeError("NVML is not loaded")
 
-    b.fleet.backend = NoFleet()
     alice = person(b, 1001)
     alice.record = ticket_record(b, alice)
     rec = alice.record
-    b.book.servable_since[rec.lease_id] = 1.0
+    check_line(b)  # the one device is free: servable from now on
+    b.fleet.backend = NoFleet()
+    clock.now = 1101.0  # past the grace: judged, it would lapse
     caplog.set_level(logging.DEBUG, logger="autogpu.broker")
     check_line(b)
     assert messages(caplog, logging.DEBUG) == [
         "no snapshot for the ticket check: NVML is not loaded"]
-    assert alice.record is rec and b.book.servable_since == {rec.lease_id: 1.0}
+    assert alice.record is rec and b.book.servable_times() == {rec.lease_id: 1000.0}
 
 
 def test_an_orphaned_ticket_that_lapses_is_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -279,7 +284,7 @@ def test_an_orphaned_ticket_that_lapses_is_forgotten(monkeypatch: pytest.MonkeyP
     check_line(b)
     assert b.book.live() == [] and counted(b, "tickets_lapsed") == 1
     assert counted(b, "orphans") == 0
-    assert b.book.line_barred == {1003: 1060.0}
+    assert b.book.bars() == {1003: 1060.0}
 
 
 class Failing(Written):
@@ -325,15 +330,19 @@ def test_a_ticket_whose_connection_is_lost_on_the_way_lapses_all_the_same(
 
 
 def test_exactly_4096_bars_are_all_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bars are pruned only past 4096: with 4095 ended ones and the new one, all 4096
-    stay. Caught: the pruning started at 4096 itself."""
-    Clock(monkeypatch, 1000.0)
+    """The bars are pruned only past 4096: with 4095 ended ones (4095 people barred two
+    minutes ago) and the new one, all 4096 stay. Caught: the pruning started at 4096
+    itself."""
+    clock = Clock(monkeypatch, 880.0)
     b = broker()
     conn = person(b, 1001)
-    ended = {10_000 + i: 0.0 for i in range(4095)}
-    b.book.line_barred = dict(ended)
-    b.book.bar_from_line(1001, ticket_record(b, conn))
-    assert b.book.line_barred == {**ended, 1001: 1060.0}
+    rec = ticket_record(b, conn)
+    for i in range(4095):
+        b.book.bar_from_line(10_000 + i, rec)
+    clock.now = 1000.0
+    b.book.bar_from_line(1001, rec)
+    ended = {10_000 + i: 940.0 for i in range(4095)}
+    assert b.book.bars() == {**ended, 1001: 1060.0}
 
 
 # ---- a ticket's admission --------------------------------------------------------------------

@@ -21,6 +21,16 @@ import pytest
 
 from autogpu_jupyter.brokerd import net
 
+
+async def until(cond: Any, what: str) -> None:
+    """Let the loop run (it calls a listener when its socket is readable, a back-off's end when
+    due) until ``cond()`` holds; a bound, not a measure: at most 5 s."""
+    for _ in range(500):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"the loop never got there: {what}")
+
 ROOT = os.geteuid() == 0
 
 
@@ -266,25 +276,31 @@ def test_without_a_soft_limit_the_cap_counts_65536_descriptors(
 
 
 def test_the_listener_accepts_at_most_128_connections_per_turn() -> None:
-    """A bounded batch: 130 waiting connections take two turns, 128 then 2. Caught: a batch
-    of 129."""
+    """A bounded batch: 130 waiting connections take two turns of the loop, 128 then 2 (what
+    each accept asks the loop to run next runs once the turn is over: it counts the accepted
+    connections then). Caught: a batch of 129."""
     where = tempfile.mkdtemp(prefix="agn-", dir="/tmp")  # a socket path has at most 107 bytes
     path = os.path.join(where, "b.sock")
     accepted: list[socket.socket] = []
     clients = []
 
     async def main() -> list[int]:
-        listener = net.Listener(net.listen(path, backlog=256), accepted.append)
+        loop = asyncio.get_running_loop()
+        seen: list[int] = []
+
+        def on_accept(conn: socket.socket) -> None:
+            accepted.append(conn)
+            loop.call_soon(lambda: seen.append(len(accepted)))  # runs after this turn
+
         for _ in range(130):
             c = socket.socket(socket.AF_UNIX)
             clients.append(c)
+        listener = net.Listener(net.listen(path, backlog=256), on_accept)
+        for c in clients:
             c.connect(path)
-        counts = []
-        for _ in range(2):
-            listener._on_readable()  # as the loop calls it when the socket is readable
-            counts.append(len(accepted))
+        await until(lambda: len(seen) == 130, "130 accepted")
         listener.close()
-        return counts
+        return sorted(set(seen))
 
     try:
         assert asyncio.run(main()) == [128, 130]
@@ -315,18 +331,17 @@ def test_a_failing_accept_pauses_and_is_logged_once_per_ten_seconds(
     async def main() -> list[float]:
         loop = asyncio.get_running_loop()
         listener = net.Listener(OutOfDescriptors(socket.AF_UNIX), lambda s: None)
-        delays = []
-        for now in (1000.0, 1009.99, 1010.0):
+        delays: list[float] = []
+        last = None
+        for now in (1000.0, 1009.99, 1010.0):  # each failure after the last back-off ended
             clock[0] = now
             before = loop.time()
-            listener._on_readable()
+            await until(lambda: listener.resumes_at not in (None, last), "a failed accept")
             after = loop.time()
-            assert listener._paused is not None  # resumed after the back-off:
-            assert before + listener.backoff_s <= listener._paused.when()
-            assert listener._paused.when() <= after + listener.backoff_s
+            last = listener.resumes_at
+            assert last is not None  # resumed after the back-off:
+            assert before + listener.backoff_s <= last <= after + listener.backoff_s
             delays.append(listener.backoff_s)
-            listener._paused.cancel()
-            listener._resume()
         listener.close()
         return delays
 
@@ -362,7 +377,7 @@ def test_a_connection_whose_handling_fails_is_closed_logged_and_the_next_accepte
         clients = [socket.socket(socket.AF_UNIX) for _ in range(2)]
         for c in clients:
             c.connect(path)
-        listener._on_readable()  # as the loop calls it when the socket is readable
+        await until(lambda: len(handed) == 2, "both handed on")
         listener.close()
         for c in clients:
             c.close()
@@ -448,23 +463,26 @@ def test_an_accept_that_succeeds_ends_the_back_off(monkeypatch: pytest.MonkeyPat
     outcomes: list[Any] = [OSError(errno.EMFILE, "EMFILE"), (a, None),
                            BlockingIOError(), OSError(errno.EMFILE, "EMFILE")]
 
-    class Flaky(socket.socket):
+    class Flaky(socket.socket):  # readable to the loop (a socket never connected)
         def accept(self) -> Any:
-            got = outcomes.pop(0)
+            got = outcomes.pop(0) if outcomes else BlockingIOError()
             if isinstance(got, BaseException):
                 raise got
             return got
 
     async def main() -> tuple[list[float], list[Any]]:
         accepted: list[Any] = []
-        listener = net.Listener(Flaky(socket.AF_UNIX), accepted.append)
-        backoffs = []
-        for _ in range(3):
-            listener._on_readable()
-            backoffs.append(listener.backoff_s)
-            if listener._paused is not None:
-                listener._paused.cancel()
-                listener._resume()
+        backoffs: list[float] = []
+
+        def on_accept(conn: Any) -> None:
+            accepted.append(conn)
+            backoffs.append(listener.backoff_s)  # as the accept that worked left it
+
+        listener = net.Listener(Flaky(socket.AF_UNIX), on_accept)
+        await until(lambda: listener.resumes_at is not None, "the first failure")
+        backoffs.insert(0, listener.backoff_s)
+        await until(lambda: accepted and listener.resumes_at is not None, "the next failure")
+        backoffs.append(listener.backoff_s)
         listener.close()
         return backoffs, accepted
 

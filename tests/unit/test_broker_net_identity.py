@@ -30,7 +30,7 @@ from autogpu_jupyter.brokerd.net import Channel
 from tests.unit.test_broker_channel import _fill
 from tests.unit.test_broker_channel import run as run_channel
 from tests.unit.test_broker_identity import FREE  # a uid no passwd entry names
-from tests.unit.test_broker_net import FakeLimits
+from tests.unit.test_broker_net import FakeLimits, until
 
 # ---- the connection cap ------------------------------------------------------------------
 
@@ -210,12 +210,13 @@ def test_a_missing_directory_is_made_0755_even_where_a_default_acl_lets_all_writ
 
 class Scripted(socket.socket):
     """A socket whose ``accept`` gives, in turn, what ``outcomes`` holds (raising the
-    exceptions)."""
+    exceptions), then nothing (``BlockingIOError``). Never connected, it is readable to the
+    loop: the loop calls its listener at each turn."""
 
     outcomes: list[Any]
 
     def accept(self) -> Any:
-        got = self.outcomes.pop(0)
+        got = self.outcomes.pop(0) if self.outcomes else BlockingIOError()
         if isinstance(got, BaseException):
             raise got
         return got
@@ -223,24 +224,32 @@ class Scripted(socket.socket):
 
 def test_an_aborted_or_broken_connection_does_not_end_the_listeners_turn() -> None:
     """A connection gone before its accept (ECONNABORTED, EPROTO) is passed over: the ones
-    behind it are accepted in the same turn, with no pause. Caught: ``continue`` made
-    ``break`` (the turn ended at the first aborted connection)."""
+    behind it are accepted in the same turn of the loop (what each accept asks the loop to
+    run next sees both), with no pause. Caught: ``continue`` made ``break`` (the turn ended
+    at the first aborted connection)."""
     a, b = socket.socketpair()
     c, d = socket.socketpair()
 
-    async def main() -> tuple[list[Any], float, bool]:
+    async def main() -> tuple[list[Any], list[int], float, bool]:
+        loop = asyncio.get_running_loop()
         accepted: list[Any] = []
+        seen: list[int] = []
+
+        def on_accept(conn: Any) -> None:
+            accepted.append(conn)
+            loop.call_soon(lambda: seen.append(len(accepted)))  # runs after this turn
+
         sock = Scripted(socket.AF_UNIX)
         sock.outcomes = [OSError(errno.ECONNABORTED, "aborted"), (a, None),
                          OSError(errno.EPROTO, "protocol"), (c, None), BlockingIOError()]
-        listener = net.Listener(sock, accepted.append)
-        listener._on_readable()
-        paused = listener._paused is not None
+        listener = net.Listener(sock, on_accept)
+        await until(lambda: len(seen) == 2, "both accepted")
+        paused = listener.resumes_at is not None
         listener.close()
-        return accepted, listener.backoff_s, paused
+        return accepted, seen, listener.backoff_s, paused
 
     try:
-        assert asyncio.run(main()) == ([a, c], 0.0, False)
+        assert asyncio.run(main()) == ([a, c], [2, 2], 0.0, False)
     finally:
         for s in (a, b, c, d):
             s.close()
@@ -260,12 +269,11 @@ def test_an_accept_failure_not_about_resources_is_logged_without_the_cap_hint(
         sock = Scripted(socket.AF_UNIX)
         sock.outcomes = [OSError(errno.EPERM, "denied"), OSError("no errno here")]
         listener = net.Listener(sock, lambda s: None)
-        for now in (1000.0, 1010.0):
+        last = None
+        for now in (1000.0, 1010.0):  # each failure after the last back-off ended
             clock[0] = now
-            listener._on_readable()
-            assert listener._paused is not None
-            listener._paused.cancel()
-            listener._resume()
+            await until(lambda: listener.resumes_at not in (None, last), "a failed accept")
+            last = listener.resumes_at
         listener.close()
 
     with caplog.at_level(logging.WARNING, logger="autogpu.broker"):
@@ -290,7 +298,7 @@ def test_the_first_accept_failure_is_logged_whatever_the_clock_reads(
         sock = Scripted(socket.AF_UNIX)
         sock.outcomes = [OSError(errno.EMFILE, os.strerror(errno.EMFILE))]
         listener = net.Listener(sock, lambda s: None)
-        listener._on_readable()
+        await until(lambda: listener.resumes_at is not None, "a failed accept")
         listener.close()
 
     with caplog.at_level(logging.WARNING, logger="autogpu.broker"):
@@ -328,15 +336,12 @@ def test_after_the_back_off_the_listener_accepts_again(short_dir: str) -> None:
         listener = net.Listener(sock, accepted.append)
         client = socket.socket(socket.AF_UNIX)
         client.connect(path)
-        for _ in range(5):  # the loop sees the socket readable: the accept fails
-            await asyncio.sleep(0)
-        timer = listener._paused
-        assert timer is not None and not accepted
+        # the loop sees the socket readable: the accept fails
+        await until(lambda: listener.resumes_at is not None, "a failed accept")
+        assert not accepted
         watched_while_paused = sock.fileno() in loop._selector.get_map()  # type: ignore[attr-defined]
-        timer._run()  # the back-off's end, as the loop runs it when it is due
-        timer.cancel()
-        for _ in range(5):  # watched again: the waiting connection is accepted
-            await asyncio.sleep(0)
+        # the back-off's end, when the loop runs it: watched again, the connection accepted
+        await until(lambda: accepted, "the waiting connection accepted")
         count = len(accepted)
         listener.close()
         for s in [client, *accepted]:
@@ -429,11 +434,11 @@ def test_close_gives_ten_seconds_by_default_and_a_second_close_keeps_the_first_d
         before = loop.time()
         chan.close()
         after = loop.time()
-        first = chan._closing
+        first = chan.drops_at
         assert first is not None
-        assert before + 10.0 <= first.when() <= after + 10.0
+        assert before + 10.0 <= first <= after + 10.0
         chan.close(timeout_s=0.05)
-        assert chan._closing is first and not first.cancelled()
+        assert chan.drops_at == first  # the first deadline kept, no second one
         assert (chan.closed, ended) == (False, [])
 
     run_channel(body, cap=1 << 22)
@@ -487,7 +492,7 @@ def test_the_lookup_cache_is_emptied_when_it_reaches_its_bound(
     sizes = []
     for uid in range(FREE, FREE + 4):
         accounts.account(uid)
-        sizes.append(len(accounts._cache))
+        sizes.append(accounts.cached)
     assert sizes == [1, 2, 3, 1]
 
 

@@ -34,6 +34,7 @@ from tests.unit.test_broker_rules import (
     lease_record,
     live_ids,
     person,
+    replayed,
     run,
     ticket_record,
 )
@@ -97,23 +98,34 @@ def test_set_pid_refuses_a_pid_that_is_not_a_whole_number_naming_its_first_40_ch
 
 def test_a_forgotten_orphan_leaves_nothing_of_it_in_the_ticket_checks() -> None:
     """An orphaned ticket released by its person is gone from the orphans and from the ticket
-    checks (when it became servable, whether it is dormant); another ticket's place there is
-    kept. Caught: its servable time or its dormant mark looked up under no id (the broker kept
-    both for good)."""
-    b = broker()
-    alice = person(b, 1001)
+    checks (when it became servable); another ticket's place there (its time, its dormancy)
+    is kept. Caught: its servable time looked up under no id (the broker kept it for good).
+    (An orphan is never dormant: a ticket taken back waits.)"""
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+
+    b = broker(ticket_grace_s=100.0)
+    b.fleet.backend = SimulatedBackend("demo-4x")  # four free devices
+    alice, bob = person(b, 1001), person(b, 1002)
     alice.record = ticket_record(b, alice)
     rec = alice.record
     assert rec is not None
     alice.record = None  # its connection ended with the old broker; the journal kept it
     b.book.adopt(Orphan(1001, rec, [], key=1001))
-    b.book.servable_since.update({rec.lease_id: 1.0, "other": 2.0})
-    b.book.dormant.update({rec.lease_id, "other"})
+    b.fleet.snapshot()
+    bob.record = ticket_record(b, bob)  # a device is free for it behind the orphan: dormant
+    assert bob.record is not None
+
+    async def check() -> None:  # one round of the reaper's ticket check: both are servable
+        await b.restorer.lapse_round(asyncio.get_running_loop())
+
+    run(check())
+    times = b.book.servable_times()
+    assert set(times) == {rec.lease_id, bob.record.lease_id}
     version = b.book.version
     released = run(b.run_op("release", alice, {"op": "release", "lease_id": rec.lease_id}))
     assert released == {"ok": True}
-    assert (b.book.orphans, b.book.servable_since, b.book.dormant) == (
-        {}, {"other": 2.0}, {"other"})
+    assert (b.book.orphans, b.book.servable_times(), b.book.dormant_tickets()) == (
+        {}, {bob.record.lease_id: times[bob.record.lease_id]}, {bob.record.lease_id})
     assert b.book.version == version + 1
 
 
@@ -285,7 +297,7 @@ def test_the_holders_the_reaper_finds_by_an_orphans_socket_are_journaled(tmp_pat
         ours.close()
         theirs.close()
     assert b.book.orphans[rec.lease_id].holder_pids == me()
-    assert {i: (e.peer, e.pids) for i, e in b.restorer.journal.entries.items()} == {
+    assert {i: (e.peer, e.pids) for i, e in replayed(state)[0].items()} == {
         rec.lease_id: (inode, me())}
     last = (state / jrnl.LOG_NAME).read_bytes().splitlines()[-1]
     assert json.loads(last) == {"holders": rec.lease_id, "pids": [list(p) for p in me()]}

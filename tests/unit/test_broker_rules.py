@@ -79,6 +79,37 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
+def replayed(state: Any) -> tuple[dict[str, Any], int]:
+    """The journal file in the state directory ``state`` as a broker restarted now reads it:
+    a copy of the file (the live broker goes on appending to its own) replayed by a fresh
+    journal. Its live entries by lease id, and the ticket counter."""
+    import shutil
+    import tempfile
+
+    from autogpu_jupyter.brokerd import journal as jrnl
+
+    with tempfile.TemporaryDirectory() as copy:
+        shutil.copy2(os.path.join(str(state), jrnl.LOG_NAME), copy)
+        j = jrnl.Journal(copy)
+        try:
+            return j.load(), j.seq
+        finally:
+            j.close()
+
+
+def found_servable(b: Broker) -> None:
+    """One round of the reaper's ticket check over one free device (``one_free_device``):
+    the tickets a device is free for are found servable from now on."""
+    import types
+
+    b.fleet.backend = types.SimpleNamespace(snapshot=one_free_device)
+
+    async def go() -> None:
+        await b.restorer.lapse_round(asyncio.get_running_loop())
+
+    run(go())
+
+
 def test_the_leases_answer_shows_a_command_line_only_to_its_owner_and_root() -> None:
     """Caught: the viewer taken from the record (every user saw every command line)."""
     b = broker(record_commands=True)
@@ -365,9 +396,10 @@ def test_leaving_a_servable_ticket_bars_a_person_who_never_leased() -> None:
         "holder_kind": "process",
     })
     assert conn.record is not None
-    b.book.servable_since[conn.record.lease_id] = 1.0  # it could be served from then on
+    found_servable(b)  # it could be served from then on
+    assert list(b.book.servable_times()) == [conn.record.lease_id]
     conn.record = None  # given up
-    assert 1001 in b.book.line_barred
+    assert 1001 in b.book.bars()
 
 
 def test_a_waiter_that_ends_leaves_the_line_and_the_lock_goes_on() -> None:
@@ -828,14 +860,14 @@ def test_every_accepted_connection_counts_against_its_persons_limit(
 
 
 def test_a_ticket_given_up_before_it_could_be_served_bars_nobody() -> None:
-    """A ticket that never could be served (no time in ``servable_since``) ends without a
+    """A ticket that never could be served (no check found it servable) ends without a
     bar from the line. Caught: ``and`` made ``or`` (the comparison with no time raised, and
     the ticket's connection could not end)."""
     b = broker()
     conn = person(b, 1001)
     conn.record = ticket_record(b, conn)
     conn.record = None
-    assert b.book.line_barred == {} and b.book.servable_since == {}
+    assert b.book.bars() == {} and b.book.servable_times() == {}
 
 
 def test_a_ticket_the_decision_cannot_judge_is_logged_by_its_id(caplog: Any) -> None:
@@ -855,7 +887,7 @@ def test_a_ticket_the_decision_cannot_judge_is_logged_by_its_id(caplog: Any) -> 
     caplog.set_level(logging.DEBUG, logger="autogpu.broker")
     conn.record = ticket_record(b, conn)
     assert conn.record is not None
-    assert conn.record.lease_id not in b.book.dormant
+    assert b.book.reserving(conn.record)
     assert [r.getMessage() for r in caplog.records if "not judged" in r.getMessage()] == [
         f"ticket {conn.record.lease_id} not judged: a constraint it cannot read"]
 
@@ -1200,12 +1232,12 @@ def test_the_protocol_is_checked_on_the_first_message_and_the_line_bar_on_ticket
     Caught: the protocol asked of every message, the bar checked on every op but tickets (or
     on none), and the refusal's ``ok`` key misspelled."""
     import json
-    import time
 
     from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL
 
     b = broker()
-    b.book.line_barred[1001] = time.monotonic() + 3600
+    other = broker()  # alice's ticket there lapsed: barred for a minute
+    b.book.bar_from_line(1001, ticket_record(other, person(other, 1001)))
     replies = exchange(
         b, monkeypatch,
         json.dumps({"op": "leases", "proto": PROTOCOL}).encode() + b"\n",
@@ -1216,7 +1248,7 @@ def test_the_protocol_is_checked_on_the_first_message_and_the_line_bar_on_ticket
     assert replies[2] == {
         "ok": False, "type": "LeaseLimitError", "proto": PROTOCOL,
         "error": "alice left a place in the waiting line that could be served, without taking "
-                 "a lease: alice may wait in line again in 3600 s (a pick that does not wait "
+                 "a lease: alice may wait in line again in 60 s (a pick that does not wait "
                  "works now)"}
 
 
@@ -1384,10 +1416,14 @@ def test_past_4096_bars_the_ended_ones_are_dropped_and_the_new_one_kept(
     b = broker()
     conn = person(b, 1001)
     rec = ticket_record(b, conn)
-    b.book.line_barred = {10_000 + i: until for i in range(4096)}
-    monkeypatch.setattr(broker_mod.time, "monotonic", lambda: 1000.0)
+    now = [until - broker_mod.LINE_BAR_S]  # 4096 people barred then: their bars end at until
+    monkeypatch.setattr(broker_mod.time, "monotonic", lambda: now[0])
+    for i in range(4096):
+        b.book.bar_from_line(10_000 + i, rec)
+    assert len(b.book.bars()) == 4096
+    now[0] = 1000.0
     b.book.bar_from_line(1001, rec)
-    assert b.book.line_barred == {1001: 1000.0 + broker_mod.LINE_BAR_S}
+    assert b.book.bars() == {1001: 1000.0 + broker_mod.LINE_BAR_S}
 
 
 def test_a_users_own_limit_is_the_one_applied_before_any_groups() -> None:
@@ -1538,8 +1574,8 @@ def test_a_pick_or_a_begin_on_a_connection_that_holds_a_lease_is_refused_in_thos
 
 def test_a_set_pid_keeps_the_journals_peer_of_the_lease(tmp_path: Any) -> None:
     """A lease changed in place (a new holder pid) is journaled again with the peer inode the
-    journal already had for it. Caught: the known peer dropped (after a restart the orphan
-    could no longer be found by its socket)."""
+    journal already had for it (as the journal file reads after a restart). Caught: the known
+    peer dropped (after a restart the orphan could no longer be found by its socket)."""
     import dataclasses
 
     from autogpu_jupyter.brokerd.journal import Entry
@@ -1552,10 +1588,11 @@ def test_a_set_pid_keeps_the_journals_peer_of_the_lease(tmp_path: Any) -> None:
     lease(b, conn, "GPU-j0")
     rec = conn.record
     assert rec is not None
-    known = b.restorer.journal.entries[rec.lease_id]
+    known = replayed(state)[0][rec.lease_id]
     b.restorer.journal.add(Entry(rec.lease_id, known.uid, known.record, 4242, []))
     conn.record = dataclasses.replace(rec, pid=os.getpid() + 1)
-    assert b.restorer.journal.entries[rec.lease_id].peer == 4242
+    after = replayed(state)[0][rec.lease_id]
+    assert (after.peer, json.loads(after.record)["pid"]) == (4242, os.getpid() + 1)
 
 
 def test_a_new_state_directory_is_made_private_not_opened_then_closed(
@@ -1885,16 +1922,20 @@ def test_the_status_counts_every_device_of_a_persons_leases() -> None:
 
 
 def test_the_state_a_pick_decides_on_has_the_tickets_that_reserve_in_line_order() -> None:
-    """The pick's state lists live tickets that reserve devices (dormant ones do not).
-    Caught: the reserving check asked of no ticket (any live ticket broke the pick)."""
-    from autogpu_jupyter.broker import _StateView
+    """The pick's state lists live tickets that reserve devices (dormant ones do not: one
+    taken while a device is free for it). Caught: the reserving check asked of no ticket (any
+    live ticket broke the pick)."""
+    from autogpu_jupyter.brokerd.views import StateView
+    from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 
     b = broker()
     picker, waiter, sleeper = person(b, 1001), person(b, 1002), person(b, 1003)
-    waiter.record = ticket_record(b, waiter)
-    sleeper.record = ticket_record(b, sleeper)
-    b.book.dormant.add(sleeper.record.lease_id)
-    leases, tickets = _StateView(b.book, picker).live_records()
+    waiter.record = ticket_record(b, waiter)  # no snapshot yet: it reserves
+    b.fleet.backend = SimulatedBackend("demo-4x")
+    b.fleet.snapshot()
+    sleeper.record = ticket_record(b, sleeper)  # three devices free behind the waiter
+    assert b.book.dormant_tickets() == {sleeper.record.lease_id}
+    leases, tickets = StateView(b.book, picker).live_records()
     assert leases == [] and [t.lease_id for t in tickets] == [waiter.record.lease_id]
 
 
@@ -2068,7 +2109,7 @@ def test_a_connection_that_ends_ends_its_lease_and_gives_its_person_one_place_ba
         lease(b, first, "GPU-e1")
         assert first.record is not None
         lease_id = first.record.lease_id
-        assert list(b.restorer.journal.entries) == [lease_id]  # type: ignore[union-attr]
+        assert list(replayed(state)[0]) == [lease_id]
         pairs[0][1].close()
         for _ in range(200):
             if len(b.connections.conns) == 1:
@@ -2076,7 +2117,7 @@ def test_a_connection_that_ends_ends_its_lease_and_gives_its_person_one_place_ba
             await asyncio.sleep(0.01)
         assert dict(b.connections.per_key) == {1001: 1}
         assert b.connections.refusal(1001, acct) is None  # one more
-        assert (first.record, b.book.live(), b.restorer.journal.entries) == (None, [], {})  # type: ignore[union-attr]
+        assert (first.record, b.book.live(), replayed(state)[0]) == (None, [], {})
         b.connections.per_key[1001] += 1
         assert b.connections.refusal(1001, acct) is not None  # not two
         b.connections.per_key[1001] -= 1
@@ -2145,7 +2186,7 @@ def test_a_restarted_broker_takes_back_what_is_still_held_and_drops_the_rest(
             by_pid.lease_id: (uid, key, None, me, by_pid),
             by_socket.lease_id: (uid, key, inode, [], by_socket),
         }
-        assert {i: e.pids for i, e in second.restorer.journal.entries.items()} == {
+        assert {i: e.pids for i, e in replayed(state)[0].items()} == {
             by_pid.lease_id: me, by_socket.lease_id: []}
 
         async def settle() -> None:
@@ -2156,7 +2197,7 @@ def test_a_restarted_broker_takes_back_what_is_still_held_and_drops_the_rest(
             by_pid.lease_id: me, by_socket.lease_id: me}
         assert all(o.record.live and o.record.path == f"broker:{i}"
                    for i, o in second.book.orphans.items())
-        assert {i: e.pids for i, e in second.restorer.journal.entries.items()} == {
+        assert {i: e.pids for i, e in replayed(state)[0].items()} == {
             by_pid.lease_id: me, by_socket.lease_id: me}
     finally:
         ours.close()
@@ -2167,29 +2208,36 @@ def test_a_restarted_broker_takes_back_what_is_still_held_and_drops_the_rest(
 
     run(reap())
     assert live_ids(second) == {by_pid.lease_id}
-    assert list(second.restorer.journal.entries) == [by_pid.lease_id]
+    assert list(replayed(state)[0]) == [by_pid.lease_id]
 
 
 @pytest.mark.parametrize("leased", ["after", "at"])
-def test_leaving_a_servable_ticket_after_taking_a_lease_since_bars_nobody(leased: str) -> None:
+def test_leaving_a_servable_ticket_after_taking_a_lease_since_bars_nobody(
+    monkeypatch: pytest.MonkeyPatch, leased: str,
+) -> None:
     """A person whose ticket could be served took a lease since (on another connection, at
     the moment it could or after): leaving the ticket then is no place left, no bar. Caught:
     the lease's time looked up under no person, compared with ``<=``, or never kept (for a
     record of no kind, of a misspelled kind, or kept as none)."""
     import time
+    import types
 
-    b = broker()
+    from autogpu_jupyter.brokerd import book as book_mod
+
+    now = [1000.0]  # the book's clock, moved by hand
+    monkeypatch.setattr(book_mod, "time", types.SimpleNamespace(
+        monotonic=lambda: now[0], time=time.time))
+    b = broker(ticket_grace_s=100.0)
     waiter, picker = person(b, 1001), person(b, 1001)
     waiter.record = ticket_record(b, waiter)
     assert waiter.record is not None
-    since = time.monotonic()
-    b.book.servable_since[waiter.record.lease_id] = since  # it could be served from then on
+    found_servable(b)  # it could be served from 1000 on
+    assert b.book.servable_times() == {waiter.record.lease_id: 1000.0}
+    if leased == "after":
+        now[0] = 1001.0
     lease(b, picker, "GPU-lb1")  # the person took a lease
-    assert b.book.last_lease_at[1001] >= since
-    if leased == "at":
-        b.book.servable_since[waiter.record.lease_id] = b.book.last_lease_at[1001]
     waiter.record = None  # then left the ticket
-    assert b.book.line_barred == {} and b.book.servable_since == {}
+    assert b.book.bars() == {} and b.book.servable_times() == {}
 
 
 def test_a_ticket_taken_while_a_device_is_free_reserves_nothing_and_is_forgotten_when_it_ends(
@@ -2198,7 +2246,7 @@ def test_a_ticket_taken_while_a_device_is_free_reserves_nothing_and_is_forgotten
     pick does not see it reserve anything; when it ends, the broker keeps nothing of it.
     Caught: the dormant ticket's id not kept (it reserved a device at once), or not let go
     when it ended (the broker held every such id for good)."""
-    from autogpu_jupyter.broker import _StateView
+    from autogpu_jupyter.brokerd.views import StateView
     from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 
     b = broker()
@@ -2206,9 +2254,10 @@ def test_a_ticket_taken_while_a_device_is_free_reserves_nothing_and_is_forgotten
     b.fleet.snapshot()
     waiter, picker = person(b, 1001), person(b, 1002)
     waiter.record = ticket_record(b, waiter)
-    assert _StateView(b.book, picker).live_records() == ([], [])
+    assert StateView(b.book, picker).live_records() == ([], [])
+    assert b.book.dormant_tickets() == {waiter.record.lease_id}
     waiter.record = None
-    assert (b.book.dormant, b.book.servable_since) == (set(), {})
+    assert (b.book.dormant_tickets(), b.book.servable_times()) == (set(), {})
 
 
 def test_a_grant_journals_its_socket_its_holder_and_its_ticket_number_and_set_pid_its_new_holder(
@@ -2243,14 +2292,14 @@ def test_a_grant_journals_its_socket_its_holder_and_its_ticket_number_and_set_pi
             "min_free_bytes": None, "min_free_fraction": None, "max_util_pct": None, "count": 1,
             "exclude": [], "exclusive": False, "allowed_uuids": None}})
         assert holder.record is not None and waiter.record is not None
+        entries, seq = replayed(state)
         for conn, (_, theirs) in zip((holder, waiter), pairs):
-            e = b.restorer.journal.entries[conn.record.lease_id]  # type: ignore[union-attr]
+            e = entries[conn.record.lease_id]  # type: ignore[union-attr]
             assert (e.peer, e.pids) == (os.fstat(theirs.fileno()).st_ino, me)
         assert waiter.record.seq == 1
-        assert b.restorer.journal.seq == 1  # type: ignore[union-attr]
+        assert seq == 1
         await b.run_op("set_pid", holder, {"op": "set_pid", "pid": child})
-        assert b.restorer.journal.entries[holder.record.lease_id].pids == (  # type: ignore[union-attr]
-            jrnl.proc_ids(child))
+        assert replayed(state)[0][holder.record.lease_id].pids == jrnl.proc_ids(child)
         for conn in (holder, waiter):
             conn.writer.shut()
 

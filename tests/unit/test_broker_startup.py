@@ -330,7 +330,7 @@ def test_a_client_that_does_not_read_is_kept_up_to_one_reply_and_the_notices_buf
             b.accepted(ours)
             (conn,) = b.connections.conns
             conn.writer.write(b"x" * MAX_REPLY_BYTES)  # more than the socket's buffer takes
-            kept = len(conn.writer._out)
+            kept = conn.writer.pending
             assert 0 < kept < cap
             conn.writer.write(b"y" * (cap - kept))
             at_cap = conn.writer.closed

@@ -15,6 +15,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -544,3 +545,47 @@ def test_sighup_serves_the_rules_files_tenants_as_they_are_now(
     erin, mine = _pick(sockets / "erin" / "broker.sock")
     assert mine["record"]["user"] == "erin"
     erin.close()
+
+
+def test_the_broker_answers_while_a_reload_waits_for_its_rules_file(tmp_path: Path) -> None:
+    """A reload (root's ``reload`` op, as SIGHUP) reads the tenants table and the rules file
+    off the event loop: while that read waits (the rules file is a FIFO nobody has written
+    yet, as a file on a hung network disk), root's ``status`` is answered; once the file
+    comes, the reload answers what it added. Caught (issue 39): the files read on the loop
+    (no other op was answered until the read ended: the writer below never got its turn)."""
+    fifo = str(tmp_path / "broker.json")
+    os.mkfifo(fifo, 0o600)
+    b = _broker(rules_path=fifo, tenant_socket_root=str(tmp_path / "sockets"))
+    root = _root(b)
+
+    def unblock() -> None:  # if the loop is stuck in the read: end it, so the test fails
+        with open(fifo, "w", encoding="utf-8") as f:
+            f.write("{}")
+
+    guard = threading.Timer(5.0, unblock)
+
+    async def main() -> tuple[bool, Any, Any]:
+        reload = asyncio.create_task(b.run_op("reload", root, {"op": "reload"}))
+        guard.start()
+        for _ in range(1000):  # a writer can open the FIFO once the reload's read has it open
+            try:
+                wfd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:
+                await asyncio.sleep(0.01)
+        else:
+            pytest.fail("the reload's read never waited on the rules file while the loop ran")
+        guard.cancel()
+        status = await b.run_op("status", root, {"op": "status"})
+        reading = not reload.done()
+        os.write(wfd, json.dumps({"tenants": {"alice": {}}}).encode())
+        os.close(wfd)
+        return reading, status["connections"], await reload
+
+    try:
+        reading, connections, got = asyncio.run(main())
+    finally:
+        guard.cancel()
+        b.tenant_sockets.close()
+    assert (reading, connections) == (True, 0)
+    assert got == {"ok": True, "added": ["alice"], "removed": [], "updated": []}

@@ -1592,20 +1592,30 @@ def _person(broker: Broker, uid: int) -> Any:
     return Conn(broker, uid, uid, os.getpid(), Account(uid, f"user{uid}", frozenset()))
 
 
-def test_a_barred_person_waits_out_the_bar_and_others_join_the_line() -> None:
+def test_a_barred_person_waits_out_the_bar_and_others_join_the_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Caught: the bar's comparison inverted (every person never barred was refused a place in
     the line, the barred one let in): only the real-users tests saw it, root being exempt."""
-    from autogpu_jupyter.broker import LINE_BAR_S, BrokerRefusal
+    import types
 
+    from autogpu_jupyter.broker import LINE_BAR_S, BrokerRefusal
+    from autogpu_jupyter.brokerd import book as book_mod
+    from tests.unit.test_broker_rules import ticket_record
+
+    now = [1000.0]  # the book's clock, moved by hand
+    monkeypatch.setattr(book_mod, "time", types.SimpleNamespace(
+        monotonic=lambda: now[0], time=time.time))
     b = Broker(BrokerConfig(socket_path="/nonexistent/b.sock"))
     alice, bob = _person(b, 1001), _person(b, 1002)
     b.book.may_join(alice)  # nobody barred: both join
     b.book.may_join(bob)
-    b.book.line_barred[alice.key] = time.monotonic() + LINE_BAR_S
+    b.book.bar_from_line(alice.key, ticket_record(b, alice))  # as a lapse of alice's ticket
+    now[0] += LINE_BAR_S - 1.0
     with pytest.raises(BrokerRefusal, match=r"^user1001 left a place in the waiting line"):
         b.book.may_join(alice)
     b.book.may_join(bob)  # one person's bar is nobody else's
-    b.book.line_barred[alice.key] = time.monotonic() - 1.0  # the bar is over
+    now[0] += 1.0  # the bar is over
     b.book.may_join(alice)
 
 
