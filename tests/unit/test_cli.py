@@ -37,7 +37,7 @@ from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.leasing import BrokerRegistry, Registry, Requester, brokerclient
 from autogpu_jupyter.errors import AutoGPUError
-from tests.leasehelpers import AsUser
+from tests.leasehelpers import AsUser, forget_backends
 from tests.payloadhelpers import GiB, recorded_prometheus, shared_registry, write_fleet
 
 A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
@@ -48,8 +48,6 @@ SECRET = "python train.py --token=hunter2"
 @pytest.fixture
 def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Two simulated GPUs and a private registry; returns the registry."""
-    from autogpu_jupyter.core import backends
-
     fleet = write_fleet(tmp_path / "fleet.json", [
         {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0,
          "utilization_pct": 0,
@@ -62,9 +60,9 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     for name in ("CUDA_VISIBLE_DEVICES", "AUTOGPU_PICKED", "AUTOGPU_LEASE_ID",
                  "AUTOGPU_PROMETHEUS_URL", "AUTOGPU_BROKER_SOCKET"):
         monkeypatch.delenv(name, raising=False)
-    backends._cache.clear()
+    forget_backends()
     yield tmp_path / "registry"
-    backends._cache.clear()
+    forget_backends()
 
 
 def cli(*args: str, stderr: io.StringIO | None = None) -> tuple[int, str, str]:
@@ -1532,13 +1530,12 @@ def test_pick_export_on_amd_devices_writes_the_rocm_variables(
     """On AMD devices ``pick --export`` sets ROCR_VISIBLE_DEVICES to the host's device and the
     runtimes' own variables counting from 0 (the snapshot's devices say the vendor). Caught: the
     snapshot's devices not handed to visible_env (CUDA's variables, with a UUID ROCm ignores)."""
-    from autogpu_jupyter.core import backends
     from tests.leasehelpers import fleet
 
     amd = tmp_path / "amd.json"
     amd.write_text(json.dumps({"vendor": "amd", **fleet(2)}))
     monkeypatch.setenv("AUTOGPU_SIMULATE", str(amd))
-    backends._cache.clear()
+    forget_backends()
     assert cli("pick", "--export", "--exclude", "0") == (
         0, "export ROCR_VISIBLE_DEVICES=1; export HIP_VISIBLE_DEVICES=0; "
         "export CUDA_VISIBLE_DEVICES=0; export GPU_DEVICE_ORDINAL=0;\n", "")
@@ -1833,12 +1830,10 @@ def _gpu(uuid: str, used_gib: int, util: float | None, name: str = "NVIDIA A100"
 def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Path]]:
     """``fleet(devices)``: these simulated devices and a private registry; returns the registry.
     No terminal: the width is the CLI's fallback unless a test sets COLUMNS."""
-    from autogpu_jupyter.core import backends
-
     def use(devices: list[dict[str, Any]]) -> Path:
         path = write_fleet(tmp_path / "fleet.json", devices)
         monkeypatch.setenv("AUTOGPU_SIMULATE", str(path))
-        backends._cache.clear()
+        forget_backends()
         return tmp_path / "registry"
 
     monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(tmp_path / "registry"))
@@ -1851,7 +1846,7 @@ def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[
 
     monkeypatch.setattr(os, "get_terminal_size", no_terminal)
     yield use
-    backends._cache.clear()
+    forget_backends()
 
 
 def _edited_backend(monkeypatch: pytest.MonkeyPatch, **changes: Any) -> None:

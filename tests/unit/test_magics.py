@@ -32,6 +32,7 @@ from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessS
 from autogpu_jupyter.core.sampler import THREAD_NAME, stop_sampler
 from autogpu_jupyter.errors import NoDeviceFitsError, RegistryError
 from tests.fakenvml import FakeNvml, fleet_4x
+from tests.leasehelpers import forget_backends
 
 U = [d["uuid"] for d in fleet_4x()["devices"]]
 
@@ -276,18 +277,17 @@ def test_status_says_simulated(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from autogpu_jupyter.core import backends
 
     fleet = tmp_path / "fleet.json"
     fleet.write_text(json.dumps(fleet_4x()))
     monkeypatch.setenv("AUTOGPU_SIMULATE", str(fleet))
-    backends._cache.clear()
+    forget_backends()
     shell.run_cell("%load_ext autogpu")
     _, out, _ = run(shell, "%gpu", capsys)
     assert out.splitlines()[0] == f"GPUs on this host — SIMULATED fleet (AUTOGPU_SIMULATE={fleet})"
     _, out, _ = run(shell, "%gpu pick", capsys)
     assert out.startswith("autogpu [SIMULATED]: picked GPU 0 · NVIDIA A100-SXM4-80GB")
-    backends._cache.clear()
+    forget_backends()
 
 
 @pytest.mark.parametrize(
@@ -1790,16 +1790,14 @@ def _provisioned(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, on: str) -> Pa
 
 def _simulated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **extra: Any) -> Iterator[Path]:
     """Point ``AUTOGPU_SIMULATE`` at a file holding the 4-GPU fleet (with ``extra`` keys)."""
-    from autogpu_jupyter.core import backends
-
     fleet = fleet_4x()
     fleet.update(extra)
     path = tmp_path / "fleet.json"
     path.write_text(json.dumps(fleet))
     monkeypatch.setenv("AUTOGPU_SIMULATE", str(path))
-    backends._cache.clear()
+    forget_backends()
     yield path
-    backends._cache.clear()
+    forget_backends()
 
 
 @pytest.fixture

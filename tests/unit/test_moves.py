@@ -16,14 +16,14 @@ from unittest.mock import ANY
 
 import pytest
 
-from autogpu_jupyter.core import backends, moves, session
+from autogpu_jupyter.core import moves, session
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.devices import DeviceSnapshot
 from autogpu_jupyter.core.leasing.directory import Registry
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.units import parse_size
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBase
-from tests.leasehelpers import uuid_of
+from tests.leasehelpers import forget_backends, uuid_of
 
 GiB = 1024**3
 U0, U1, U2, U3, U4 = (uuid_of(i) for i in range(5))
@@ -529,12 +529,12 @@ def test_without_a_backend_or_environment_the_process_own_are_used(
 ) -> None:
     monkeypatch.setenv("AUTOGPU_SIMULATE", str(fleet_path))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    backends._cache.pop(str(fleet_path), None)
+    forget_backends()
     try:
         plan = moves.plan_move("best", current_uuids=[U1], constraints=Constraints())
         assert [d.uuid for d in plan.target] == [U0]  # within the grant 0,1: GPU 2 is not
     finally:
-        backends._cache.pop(str(fleet_path), None)
+        forget_backends()
 
 
 # ---- recording a move -----------------------------------------------------------------------

@@ -22,6 +22,7 @@ from autogpu_jupyter import kernelspec
 from autogpu_jupyter.core.leasing import Registry, Requester
 from autogpu_jupyter.errors import NoDeviceFitsError, UsageErrorBase
 from tests.jupyterpaths import keep_kernelspecs_in
+from tests.leasehelpers import forget_backends
 from tests.payloadhelpers import GiB, write_fleet
 
 A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
@@ -39,7 +40,6 @@ def fleet_file(path: Path, used_a: int = 10, used_b: int = 40) -> Path:
 
 class Host:
     def __init__(self, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        from autogpu_jupyter.core import backends
 
         self.tmp = tmp
         self.prefix = tmp / "prefix"
@@ -56,7 +56,7 @@ class Host:
                     "AUTOGPU_LEASE_ID", "AUTOGPU_MIN_FREE", "AUTOGPU_WAIT",
                     "AUTOGPU_BROKER_SOCKET"):
             monkeypatch.delenv(var, raising=False)
-        backends._cache.clear()
+        forget_backends()
         self.managers: list[AsyncKernelManager] = []
 
     def install(self, name: str, **options: Any) -> None:
@@ -72,12 +72,11 @@ class Host:
         return km, kwargs
 
     def close(self) -> None:
-        from autogpu_jupyter.core import backends
 
         for km in self.managers:
             if km.provisioner is not None:
                 asyncio.run(km.provisioner.cleanup(restart=False))
-        backends._cache.clear()
+        forget_backends()
 
 
 @pytest.fixture

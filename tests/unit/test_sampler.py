@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from autogpu_jupyter.core import backends, sampler
+from autogpu_jupyter.core import sampler
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
@@ -34,6 +34,7 @@ from autogpu_jupyter.core.sampler import (
     series_from_frame,
 )
 from autogpu_jupyter.errors import UsageErrorBase
+from tests.leasehelpers import forget_backends
 
 GiB = 1024**3
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
@@ -199,11 +200,11 @@ def test_a_sampler_without_a_backend_reads_the_configured_one(
 ) -> None:
 
     monkeypatch.setenv("AUTOGPU_SIMULATE", _fleet_file(tmp_path, ONE_GPU))
-    backends._cache.clear()
+    forget_backends()
     try:
         snap = Sampler().sample_now()
     finally:
-        backends._cache.clear()
+        forget_backends()
     assert snap is not None and [d.uuid for d in snap.devices] == [A]
 
 
@@ -584,7 +585,7 @@ def test_the_process_sampler_takes_its_defaults_from_the_settings(
 
     monkeypatch.setenv("AUTOGPU_SIMULATE", _fleet_file(tmp_path, ONE_GPU))
     monkeypatch.setenv("AUTOGPU_SAMPLE_INTERVAL", "0.25")
-    backends._cache.clear()
+    forget_backends()
     sampler_mod.stop_sampler()
     try:
         s = sampler_mod.get_sampler()
@@ -604,7 +605,7 @@ def test_the_process_sampler_takes_its_defaults_from_the_settings(
         assert (fresh.interval_s, fresh.history_s, fresh.capacity) == (2.0, 4.0, 3)
     finally:
         sampler_mod.stop_sampler()
-        backends._cache.clear()
+        forget_backends()
     sampler_mod.stop_sampler()  # none runs: harmless
     assert sampler_mod.current_sampler() is None
 
@@ -617,7 +618,7 @@ def test_the_first_process_sampler_registers_one_exit_handler(
 
 
     monkeypatch.setenv("AUTOGPU_SIMULATE", _fleet_file(tmp_path, ONE_GPU))
-    backends._cache.clear()
+    forget_backends()
     sampler_mod.stop_sampler()
     registered: list[object] = []
     monkeypatch.setattr(sampler_mod, "_atexit_registered", False)
@@ -628,7 +629,7 @@ def test_the_first_process_sampler_registers_one_exit_handler(
         sampler_mod.get_sampler(interval_s=60)
     finally:
         sampler_mod.stop_sampler()
-        backends._cache.clear()
+        forget_backends()
     assert registered == [sampler_mod.stop_sampler]
 
 

@@ -32,7 +32,7 @@ from traitlets.config import Config, LoggingConfigurable
 
 import autogpu_jupyter.server as server_pkg
 from autogpu_jupyter import __version__, kernelspec, metrics
-from autogpu_jupyter.core import backends, moves
+from autogpu_jupyter.core import moves
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.contract import SERVER_ROOT_ENV
 from autogpu_jupyter.core.leasing import Registry
@@ -47,6 +47,7 @@ from autogpu_jupyter.server import (
     payloads,
 )
 from autogpu_jupyter.server import _load_jupyter_server_extension as load_extension
+from tests.leasehelpers import forget_backends
 from tests.payloadhelpers import GiB, write_fleet
 
 A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
@@ -98,12 +99,12 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
                 "AUTOGPU_SERVER_CULL_WARNING_S"):
         monkeypatch.delenv(var, raising=False)  # restored after the test, as the server sets
     sampler_mod.stop_sampler()
-    backends._cache.clear()
+    forget_backends()
     metrics.uninstall()
     yield fleet
     metrics.uninstall()
     sampler_mod.stop_sampler()
-    backends._cache.clear()
+    forget_backends()
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.leasing.directory import Registry
 from autogpu_jupyter.server import state
 from autogpu_jupyter.server.state import AutoGPUServer, kernel_pid_map, owning_kernel
+from tests.leasehelpers import forget_backends
 from tests.payloadhelpers import GiB, write_fleet
 
 A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
@@ -143,7 +144,6 @@ def test_the_sidebar_sees_the_leases_even_where_the_server_takes_none(
 
 @pytest.fixture
 def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    from autogpu_jupyter.core import backends
 
     path = write_fleet(tmp_path / "fleet.json", [
         {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0},
@@ -152,10 +152,10 @@ def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("AUTOGPU_SIMULATE", str(path))
     monkeypatch.delenv("AUTOGPU_SAMPLE_INTERVAL", raising=False)
     sampler_mod.stop_sampler()
-    backends._cache.clear()
+    forget_backends()
     yield path
     sampler_mod.stop_sampler()
-    backends._cache.clear()
+    forget_backends()
 
 
 def test_the_servers_sampler_runs_at_the_servers_interval_and_history(fleet: Path) -> None:
