@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from autogpu_jupyter import cli as cli_mod
 from autogpu_jupyter._version import __version__
-from autogpu_jupyter.cli import _print_broker_status, main
+from autogpu_jupyter.cli import main
 from autogpu_jupyter.core import decision
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
@@ -710,25 +710,20 @@ def test_broker_status_json_gives_the_counts_then_the_leases_then_the_tickets(
 
 
 def test_broker_status_of_a_broker_that_leaves_counts_out_says_zero(
-    capsys: pytest.CaptureFixture[str],
+    broker_client: _Broker,
 ) -> None:
     """A status reply without "connections", "orphans" or a limit (another version's broker)
     reads as 0 connections, no limit, 0 kept. Caught: the missing connection count shown as
     "None"."""
-    from autogpu_jupyter.cli import _print_broker_status
-
-    assert _print_broker_status({"ok": True, "pid": 7}, "/run/b.sock", as_json=False) == 0
-    assert capsys.readouterr().out == (
+    broker_client.status_reply = {"ok": True, "pid": 7}
+    assert cli("broker", "status", "--socket", "/run/b.sock") == (0, (
         "broker /run/b.sock (pid 7): 0 connection(s), max_devices_per_user none, 0 lease(s) kept "
-        "from a restart\nleases: 0\nwaiters: 0\nper user:\n")
+        "from a restart\nleases: 0\nwaiters: 0\nper user:\n"), "")
 
 
-def test_broker_tickets_without_constraints_read_as_one_gpu(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_broker_tickets_without_constraints_read_as_one_gpu(broker_client: _Broker) -> None:
     """A ticket record that came without its constraints (``from_wire`` makes them None) is
     shown asking for 1 GPU, the picker's default count. Caught: the default count "None"."""
-    from autogpu_jupyter.cli import _print_broker_tickets
     from autogpu_jupyter.core.leasing.brokerclient import from_wire
 
     ticket = from_wire({
@@ -738,19 +733,16 @@ def test_broker_tickets_without_constraints_read_as_one_gpu(
         "seq": 3,
     }, "/run/b.sock")
     assert ticket.constraints is None
-    assert _print_broker_tickets([ticket], as_json=False) == 0
+    broker_client.tickets = [ticket]
     since = time.strftime("%H:%M:%S", time.localtime(1.0e9))
-    assert capsys.readouterr().out == (
+    assert cli("broker", "tickets", "--socket", "/run/b.sock") == (0, (
         "waiting tickets: 1\n"
-        f"  ticket 3  {'t' * 32}  1 GPU(s), since {since}  bob: t.ipynb\n")
+        f"  ticket 3  {'t' * 32}  1 GPU(s), since {since}  bob: t.ipynb\n"), "")
 
 
-def test_broker_tickets_show_how_many_gpus_each_ticket_asks_for(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_broker_tickets_show_how_many_gpus_each_ticket_asks_for(broker_client: _Broker) -> None:
     """A ticket waiting for 2 GPUs says so. Caught (seed 54): the count looked up under another
     key (every ticket shown asking for 1)."""
-    from autogpu_jupyter.cli import _print_broker_tickets
     from autogpu_jupyter.core.leasing.brokerclient import from_wire
 
     ticket = from_wire({
@@ -759,11 +751,11 @@ def test_broker_tickets_show_how_many_gpus_each_ticket_asks_for(
         "host": "node-7", "pid": 4242, "created_s": 1.0e9, "notebook_path": "t.ipynb",
         "seq": 4, "constraints": {"count": 2, "min_free_bytes": GiB},
     }, "/run/b.sock")
-    assert _print_broker_tickets([ticket], as_json=False) == 0
+    broker_client.tickets = [ticket]
     since = time.strftime("%H:%M:%S", time.localtime(1.0e9))
-    assert capsys.readouterr().out == (
+    assert cli("broker", "tickets", "--socket", "/run/b.sock") == (0, (
         "waiting tickets: 1\n"
-        f"  ticket 4  {'t' * 32}  2 GPU(s) exclusive, since {since}  bob: t.ipynb\n")
+        f"  ticket 4  {'t' * 32}  2 GPU(s) exclusive, since {since}  bob: t.ipynb\n"), "")
 
 
 @ROOT_ONLY
@@ -1119,7 +1111,7 @@ def test_broker_revoke_without_an_id_is_a_usage_error_that_says_what_to_give(
 
 
 def _wire(kind: str, lease_id: str, **extra: Any) -> dict[str, Any]:
-    """A record as the broker sends it (see ``LeaseRecord._payload``)."""
+    """A record as the broker sends it (the lease record's wire form)."""
     return {"lease_id": lease_id, "kind": kind, "device_uuids": [A] if kind == "lease" else [],
             "device_requested_bytes": [GiB] if kind == "lease" else [], "exclusive": True,
             "user": "bob", "uid": 1001, "host": "node-7", "pid": 4242, "created_s": 1.0e9,
@@ -1159,7 +1151,7 @@ def test_broker_tickets_json_gives_each_ticket_with_its_constraints(
 
 
 def test_broker_status_json_puts_the_brokers_fields_first_then_the_leases_then_the_tickets(
-    capsys: pytest.CaptureFixture[str],
+    broker_client: _Broker,
 ) -> None:
     """Whatever order the broker's reply has, ``--json`` gives its own fields (less "ok") first,
     then "leases" (the leases only), then "tickets" (the tickets only), each record with its
@@ -1168,29 +1160,30 @@ def test_broker_status_json_puts_the_brokers_fields_first_then_the_leases_then_t
     leases, or an empty list); the records read without the socket path ("None#...")."""
     st = {"leases": [_wire("lease", "a" * 32)], "ok": True, "pid": 7, "connections": 2,
           "tickets": [_wire("ticket", "t" * 32, seq=1)]}
-    assert _print_broker_status(st, "/run/b.sock", as_json=True) == 0
+    broker_client.status_reply = st
     want = {"pid": 7, "connections": 2,
             "leases": [_as_json("lease", "a" * 32, "/run/b.sock", None)],
             "tickets": [_as_json("ticket", "t" * 32, "/run/b.sock", 1)]}
-    assert capsys.readouterr().out == json.dumps(want, indent=2) + "\n"
+    assert cli("broker", "status", "--json", "--socket", "/run/b.sock") == (
+        0, json.dumps(want, indent=2) + "\n", "")
 
 
 def test_broker_status_says_how_many_leases_were_kept_and_which_are_exclusive(
-    capsys: pytest.CaptureFixture[str],
+    broker_client: _Broker,
 ) -> None:
     """The head line counts the leases kept from a restart ("orphans"); an exclusive lease says
     " exclusive" after its devices. Caught: the orphans read under another key (always 0); the
     exclusive mark never shown, or spelt otherwise."""
     st = {"ok": True, "pid": 7, "connections": 1, "max_devices_per_user": 2, "orphans": 3,
           "leases": [_wire("lease", "a" * 32)], "tickets": []}
-    assert _print_broker_status(st, "/run/b.sock", as_json=False) == 0
-    assert capsys.readouterr().out == (
+    broker_client.status_reply = st
+    assert cli("broker", "status", "--socket", "/run/b.sock") == (0, (
         "broker /run/b.sock (pid 7): 1 connection(s), max_devices_per_user 2, 3 lease(s) kept "
         "from a restart\n"
         "leases: 1\n"
         f"  {'a' * 12}  {A} exclusive  bob: kernel k-1\n"
         "waiters: 0\n"
-        "per user:\n")
+        "per user:\n"), "")
 
 
 # ---- autogpu exporter: a stand-in server, sampler, signals and wait -----------------------------
