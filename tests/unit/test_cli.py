@@ -1401,17 +1401,9 @@ def test_leases_when_leases_are_off_says_so_and_how(
         0, "leases are off (AutoGPU.use_leases = False or no registry_dir)\n", "")
 
 
-def test_prune_as_a_user_removes_their_dead_files_and_lists_each(
-    registry: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``leases --prune`` (no --all) needs no root: it removes the user's dead lease and ticket
-    files, one line each (the devices, or "ticket" for a ticket that has none; the holder; the
-    path), keeps the live one, and a second prune says there is nothing left. Caught: the root
-    check made ``--all or not root`` (every user refused); the removed list dropped or its test
-    inverted (the "no dead lease files" line); the header or a file's line replaced by
-    ``None``; a lease's devices replaced by its kind or joined by another separator; the
-    broker's "nothing to prune" said for a registry."""
-    monkeypatch.setattr(cli_mod, "_is_root", lambda: False)
+def _prune_own_dead_files(registry: Path) -> tuple[Any, ...]:
+    """As the calling user: a live lease, a dead two-device lease and a dead ticket, then
+    ``autogpu leases --prune`` twice; what each said, the dead files, what stayed, the pid."""
     reg = Registry(str(registry))
     with reg.locked() as txn:
         assert txn is not None
@@ -1419,22 +1411,44 @@ def test_prune_as_a_user_removes_their_dead_files_and_lists_each(
         two = txn.create(devices=[A, B], requester=Requester(kernel_id="0123456789abcdef"))
         ticket = txn.create_ticket(constraints=decision.ticket_constraints(None, None),
                                    requester=Requester(notebook_path="work/wait.ipynb"))
-    pid = os.getpid()
     two_path, ticket_path = _dead(two), _dead(ticket)
     try:
-        code, out, err = cli("leases", "--prune")
-        assert (code, err) == (0, "")
-        lines = out.splitlines()
-        assert lines[0] == "removed 2 dead lease file(s):"
-        assert sorted(lines[1:]) == sorted([
-            f"  {A},{B}  {ME}: kernel 01234567  ({two_path})",
-            f"  ticket  {ME}: work/wait.ipynb  ({ticket_path})",
-        ])
-        assert [r.lease_id for r in reg.list_leases()] == [live.record.lease_id]
-        assert live.record.pid == pid
-        assert cli("leases", "--prune") == (0, f"no dead lease files in {registry}\n", "")
+        first = cli("leases", "--prune")
+        left = [r.lease_id for r in reg.list_leases()] == [live.record.lease_id]
+        return first, cli("leases", "--prune"), two_path, ticket_path, left, live.record.pid
     finally:
         live.release()
+
+
+@ROOT_ONLY
+def test_prune_as_a_user_removes_their_dead_files_and_lists_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``leases --prune`` (no --all) needs no root: it removes the user's dead lease and ticket
+    files, one line each (the devices, or "ticket" for a ticket that has none; the holder; the
+    path), keeps the live one, and a second prune says there is nothing left. Run as user
+    nobody (a forked child) in a shared registry. Caught: the root check made ``--all or not
+    root`` (every user refused); the removed list dropped or its test inverted (the "no dead
+    lease files" line); the header or a file's line replaced by ``None``; a lease's devices
+    replaced by its kind or joined by another separator; the broker's "nothing to prune" said
+    for a registry."""
+    nobody = pwd.getpwnam("nobody")
+    with shared_registry() as registry:
+        monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(registry))
+        child = AsUser(nobody.pw_uid, nobody.pw_gid, _prune_own_dead_files, registry)
+        got = child.result()
+        assert child.stop() == 0
+    assert isinstance(got, tuple), got
+    (code, out, err), second, two_path, ticket_path, only_live_left, pid = got
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == "removed 2 dead lease file(s):"
+    assert sorted(lines[1:]) == sorted([
+        f"  {A},{B}  nobody: kernel 01234567  ({two_path})",
+        f"  ticket  nobody: work/wait.ipynb  ({ticket_path})",
+    ])
+    assert only_live_left and pid == child.pid
+    assert second == (0, f"no dead lease files in {registry}\n", "")
 
 
 @ROOT_ONLY
