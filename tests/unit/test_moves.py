@@ -187,18 +187,23 @@ def test_a_well_formed_request_file_is_read(
         ({"kernel_id": "k1"}, "bad time"),
         ({**GOOD, "source": 3}, "bad source"),
         ({**GOOD, "source": "s" * 33}, "bad source"),
-        (b"{not json", "Expecting property name enclosed in double quotes: line 1 column 2 "
-         "(char 1)"),
-        (b"\xff\xfe", "'utf-8' codec can't decode byte 0xff in position 0: invalid start byte"),
+        # the reason is Python's own (json's, the codec's): only that one is given is pinned
+        (b"{not json", None),
+        (b"\xff\xfe", None),
     ],
 )
 def test_a_malformed_request_file_is_ignored_and_logged(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, payload: Any, why: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, payload: Any, why: str | None
 ) -> None:
     path = _write(tmp_path / "m.json", payload)
     with caplog.at_level(logging.WARNING, logger="autogpu_jupyter.core.moves"):
         assert moves.read_move(path) is None
-    assert caplog.messages == [f"ignoring malformed move request {path}: {why}"]
+    if why is not None:
+        assert caplog.messages == [f"ignoring malformed move request {path}: {why}"]
+    else:
+        (said,) = caplog.messages
+        head = f"ignoring malformed move request {path}: "
+        assert said.startswith(head) and said[len(head):].strip()
 
 
 def test_a_request_of_exactly_the_size_limit_is_read_and_a_larger_one_ignored(

@@ -180,13 +180,13 @@ def test_a_runtime_file_without_a_url_gives_no_history() -> None:
 def test_an_answer_that_is_not_json_is_logged_with_its_reason(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Caught (mutation run, issue 22): the log line lost its words (only the error's text)."""
+    """Caught (mutation run, issue 22): the log line lost its words (only the error's text).
+    The reason after them is json's own wording: only that one is given is pinned."""
     caplog.set_level(logging.DEBUG, logger=panel_mod.log.name)
     with _serving(b"<html>not json</html>") as url:
         assert panel_mod.server_history(60, info={"url": url, "token": "t0k"}) == {}
-    assert [r.getMessage() for r in caplog.records if r.name == panel_mod.log.name] == [
-        "no server history: Expecting value: line 1 column 1 (char 0)"
-    ]
+    (said,) = [r.getMessage() for r in caplog.records if r.name == panel_mod.log.name]
+    assert said.startswith("no server history: ") and said[len("no server history: "):].strip()
 
 
 def test_an_answer_without_series_gives_no_history() -> None:

@@ -180,7 +180,7 @@ def test_an_unexpected_backend_failure_is_recorded_with_its_type_and_logged(
     assert [e.message for e in s.errors] == ["KeyError: 'uuid'"]
     assert [r.getMessage() for r in caplog.records] == ["sampler: reading the devices failed"]
     exc_info = caplog.records[0].exc_info  # with the traceback (False or None: without)
-    assert exc_info and repr(exc_info[1]) == "KeyError('uuid')"
+    assert exc_info and isinstance(exc_info[1], KeyError)  # the log's traceback is the error's
 
 
 def test_the_fifty_most_recent_errors_are_kept_oldest_first(tmp_path: Path) -> None:
@@ -482,9 +482,14 @@ def test_a_broken_listener_is_logged_and_the_others_still_run(
     with caplog.at_level(logging.WARNING, logger="autogpu_jupyter.core.sampler"):
         s.add(_snap(1.0, _dev(A, 0)), own=())
     assert seen == ["first", "last"]
-    assert [r.getMessage() for r in caplog.records] == [f"sampler listener {broken!r} failed"]
+    # the server's log names the listener (how a function is written out is Python's) and
+    # carries the listener's error with its traceback
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith("sampler listener ") and said.endswith(" failed")
+    assert broken.__qualname__ in said
     exc_info = caplog.records[0].exc_info  # with the traceback (False or None: without)
-    assert exc_info and repr(exc_info[1]) == "RuntimeError('listener bug')"
+    assert exc_info and isinstance(exc_info[1], RuntimeError)
+    assert str(exc_info[1]) == "listener bug"
     assert s.listener_count == 3
 
 
