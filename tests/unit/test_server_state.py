@@ -179,16 +179,22 @@ class _Sampler:
         return self.snap
 
 
-def test_labels_come_from_the_samplers_latest_sweep(fleet: Path) -> None:
+def test_labels_come_from_the_samplers_latest_sweep(
+    fleet: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """UUID -> label from the latest sweep; none before the first sweep, none without a sampler.
     Caught: the sampler never read (always no labels); a sampler without a sweep yet read as
     one (AttributeError on None)."""
+    from autogpu_jupyter.core import sampler as sampler_mod
+
+    process_sampler = _Sampler(None)  # the process's sampler, its sweeps the test's
+    monkeypatch.setattr(sampler_mod, "get_sampler", lambda **_kw: process_sampler)
     state = AutoGPUServer(registry_dir="", log=logging.getLogger("autogpu-test-server"))
     try:
-        assert state.labels() == {}
-        state._sampler = _Sampler(None)
-        assert state.labels() == {}
-        state._sampler = _Sampler(SimulatedBackend(str(fleet)).snapshot())
+        assert state.labels() == {}  # no sampler started yet
+        assert state.sampler() is process_sampler
+        assert state.labels() == {}  # no sweep yet
+        process_sampler.snap = SimulatedBackend(str(fleet)).snapshot()
         assert state.labels() == {A: "GPU 0", B: "GPU 1"}
     finally:
         state.stop()
@@ -209,7 +215,10 @@ def test_a_stale_cluster_view_is_refreshed_on_the_servers_own_executor() -> None
     """Past half a scrape interval every sidebar gets the kept view at once while one of the
     server's threads asks Prometheus again (a fake fetch and clock). Caught (issue 22, seed
     54): the server's cache made without the executor (each sidebar then waited on Prometheus
-    in turn)."""
+    in turn).
+
+    A reasoned private seam: the server makes its cache itself, with its executor; the test
+    gives that cache a pretend clock and Prometheus (no public input sets them)."""
     from tests.unit.test_cluster_cache import URL, Clock, Fetches
 
     state = AutoGPUServer(registry_dir="", log=logging.getLogger("autogpu-test-server"))
@@ -221,7 +230,7 @@ def test_a_stale_cluster_view_is_refreshed_on_the_servers_own_executor() -> None
         threads.append(threading.current_thread().name)
         return fetch(url, timeout_s)
 
-    cache._clock, cache._fetch = clock, fetching
+    cache._clock, cache._fetch = clock, fetching  # reasoned: the server makes its own cache
     try:
         first = cache.get(URL, 5.0)
         clock.now += 6.0
