@@ -496,10 +496,10 @@ def test_a_broken_listener_is_logged_and_the_others_still_run(
 def test_the_thread_samples_until_stopped_and_can_stop_itself(tmp_path: Path) -> None:
     s = Sampler(SimulatedBackend(_fleet_file(tmp_path, ONE_GPU)), interval_s=0.1)
     two = threading.Event()
-    threads: list[str] = []
+    threads: list[threading.Thread] = []  # the thread each sweep ran on
 
     def cb(sampler: Sampler, snap: Any) -> None:
-        threads.append(threading.current_thread().name)
+        threads.append(threading.current_thread())
         if sampler.sample_count >= 2:
             two.set()
             sampler.stop()  # from the sampler thread itself: no join on itself
@@ -508,15 +508,15 @@ def test_the_thread_samples_until_stopped_and_can_stop_itself(tmp_path: Path) ->
     s.start()
     try:
         assert two.wait(10)
-        first = s._thread
-        assert first is not None and first.daemon
+        first = threads[0]
+        assert first.daemon and threads[1] is first
         first.join(10)
         assert not s.running
-        assert threads[:2] == ["autogpu-sampler", "autogpu-sampler"]
+        assert [t.name for t in threads[:2]] == ["autogpu-sampler", "autogpu-sampler"]
         two.clear()
         s.start()  # a fresh thread after a stop, which samples again
         assert two.wait(10)
-        assert s._thread is not first
+        assert threads[-1] is not first and threads[-1].name == "autogpu-sampler"
     finally:
         s.stop()
     assert not s.running
@@ -618,7 +618,10 @@ def test_the_process_sampler_takes_its_defaults_from_the_settings(
 def test_the_first_process_sampler_registers_one_exit_handler(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """In this process, as in a fresh one (the subprocess test below runs the real exit)."""
+    """In this process, as in a fresh one (the subprocess test below runs the real exit).
+
+    A reasoned private seam: "registered once per process" is reset to a fresh process's state
+    (``_atexit_registered``); no public call unsets it."""
     import atexit
 
 
@@ -703,6 +706,8 @@ def test_seed_keeps_to_the_room_left_and_needs_a_first_sample() -> None:
 
 # ---- stop's wait (found by the mutation run of issue 22) ----
 def test_stop_waits_five_seconds_for_the_thread_by_default() -> None:
+    """A reasoned private seam: the bound on stop's wait shows otherwise only as time spent on
+    a stuck thread, and timed assertions are not allowed; a stand-in takes the thread's place."""
     joined: list[float | None] = []
 
     class Thread:
@@ -710,8 +715,6 @@ def test_stop_waits_five_seconds_for_the_thread_by_default() -> None:
             joined.append(timeout)
 
     sampler = Sampler()
-    # a stand-in for the private thread: the bound on stop's wait shows otherwise only as time
-    # spent on a stuck thread, and timed assertions are not allowed
     sampler._thread = Thread()  # type: ignore[assignment]
     sampler.stop()
     assert joined == [5.0]
