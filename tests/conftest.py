@@ -11,6 +11,7 @@ import pytest
 
 from tests.fakeamdsmi import FakeAmdSmi, preload_fake_amdsmi
 from tests.fakenvml import FakeNvml, build_fake_nvml, preload_fake_nvml
+from tests.leasehelpers import forget_backends
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
 
@@ -130,15 +131,13 @@ def fake_nvml(
     Starts with no devices. Shared backends are dropped before and after, so no test sees
     another test's cached GPUs.
     """
-    from autogpu_jupyter.core import backends
-
     fake = FakeNvml(tmp_path / "fake-nvml")
     fake.write({"devices": []})
     monkeypatch.setenv("FAKE_NVML_SCENARIO", str(fake.scenario_path))
     monkeypatch.delenv("AUTOGPU_SIMULATE", raising=False)
-    backends._cache.clear()
+    forget_backends()
     yield fake
-    backends._cache.clear()
+    forget_backends()
 
 
 @pytest.fixture
@@ -147,17 +146,15 @@ def fake_amdsmi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fak
     (``tests/fakeamdsmi``), in this process (``AUTOGPU_BACKEND=amdsmi``) and in subprocesses
     (``.env`` / ``.subprocess_env()``: only the AMD fake on the library path, so automatic
     detection finds amdsmi). Starts with no devices; shared backends are dropped around it."""
-    from autogpu_jupyter.core import backends
-
     preload_fake_amdsmi()
     fake = FakeAmdSmi(tmp_path / "fake-amdsmi")
     fake.write({"devices": []})
     monkeypatch.setenv("FAKE_AMDSMI_SCENARIO", str(fake.scenario_path))
     monkeypatch.setenv("AUTOGPU_BACKEND", "amdsmi")
     monkeypatch.delenv("AUTOGPU_SIMULATE", raising=False)
-    backends._cache.clear()
+    forget_backends()
     yield fake
-    backends._cache.clear()
+    forget_backends()
 
 
 @pytest.fixture

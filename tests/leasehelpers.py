@@ -52,6 +52,20 @@ def fleet(n: int, total: str = "80G", used_bytes: int = 0) -> dict[str, Any]:
     }
 
 
+def forget_backends() -> None:
+    """Forget the backends this process keeps (one per fleet name, one per vendor library).
+
+    A reasoned private seam: a real process reads a fleet file or opens the vendor library
+    once, under its name, and a change of fleet means a new process (a new kernel, a new
+    ``autogpu`` run). A test that rewrites a fleet under the same name, or switches vendor, in
+    this process needs the same fresh start, and no public input gives it; this is the one
+    place the tests reach into the backends' cache.
+    """
+    from autogpu_jupyter.core import backends
+
+    backends._cache.clear()
+
+
 def uuid_of(i: int) -> str:
     return f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}"
 

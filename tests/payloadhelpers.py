@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from tests.leasehelpers import AsUser
+from tests.leasehelpers import AsUser, forget_backends
 
 GiB = 1024**3
 
@@ -50,7 +50,6 @@ def server_state(fleet_file: Path, registry_dir: Path | str, monkeypatch: pytest
                  **traits: Any) -> Iterator[Any]:
     """An ``AutoGPUServer`` over ``fleet_file`` (simulated) and ``registry_dir``, its sampler
     started and its first sweep taken; stopped afterwards."""
-    from autogpu_jupyter.core import backends
     from autogpu_jupyter.core import sampler as sampler_mod
     from autogpu_jupyter.server.state import AutoGPUServer
 
@@ -58,7 +57,7 @@ def server_state(fleet_file: Path, registry_dir: Path | str, monkeypatch: pytest
     monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(registry_dir))
     monkeypatch.delenv("AUTOGPU_BROKER_SOCKET", raising=False)
     sampler_mod.stop_sampler()
-    backends._cache.clear()
+    forget_backends()
     state = AutoGPUServer(registry_dir=str(registry_dir), interval_s=traits.pop("interval_s", 5.0),
                           **traits)
     try:
@@ -83,7 +82,7 @@ def server_state(fleet_file: Path, registry_dir: Path | str, monkeypatch: pytest
     finally:
         state.stop()
         sampler_mod.stop_sampler()
-        backends._cache.clear()
+        forget_backends()
 
 
 class Kernels:

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core import backends
 from autogpu_jupyter.core import sampler as sampler_mod
+from tests.leasehelpers import forget_backends
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
 
@@ -36,11 +36,11 @@ def demo_fleet(monkeypatch: pytest.MonkeyPatch, registry_dir: Path) -> Any:
     monkeypatch.setenv("AUTOGPU_SIMULATE", "demo-4x")
     for name in ("CUDA_VISIBLE_DEVICES", "AUTOGPU_PICKED", "AUTOGPU_LEASE_ID"):
         monkeypatch.delenv(name, raising=False)
-    backends._cache.clear()
+    forget_backends()
     sampler_mod.stop_sampler()
     yield registry_dir
     sampler_mod.stop_sampler()
-    backends._cache.clear()
+    forget_backends()
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from nbclient import NotebookClient
 from autogpu_jupyter.core import sampler as sampler_mod
 from tests.browserhelpers import free_port
 from tests.kernelhelpers import REPO, kernel_env
+from tests.leasehelpers import forget_backends
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
 
@@ -327,15 +328,13 @@ def test_panel_notebook_shows_the_overload_on_the_make_lab_fleet(tmp_path: Path)
 @pytest.fixture
 def relative_fleet(monkeypatch: pytest.MonkeyPatch, registry_dir: Path) -> Iterator[None]:
     """The server started from the checkout with AUTOGPU_SIMULATE=notebooks/panel-fleet.json."""
-    from autogpu_jupyter.core import backends
-
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("AUTOGPU_SIMULATE", "notebooks/panel-fleet.json")
-    backends._cache.clear()
+    forget_backends()
     sampler_mod.stop_sampler()
     yield
     sampler_mod.stop_sampler()
-    backends._cache.clear()
+    forget_backends()
 
 
 @pytest.fixture

@@ -679,18 +679,21 @@ def test_a_fleet_that_cannot_be_listed_is_one_message(
     assert str(err.value) == message
 
 
-def test_warm_up_swallows_a_missing_library(host: Any) -> None:
-    mod._state.import_error = "no library here"
+def test_warm_up_swallows_a_missing_library(host: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "amdsmi", None)
     backend = AmdSmiBackend()
     assert backend.warm_up() is None
-    with pytest.raises(NVMLUnavailableError, match=r"^no library here$"):
+    with pytest.raises(NVMLUnavailableError, match=r"^cannot import amdsmi "):
         backend.snapshot()
 
 
 # ---- initialisation ----
-# The tests below read the module's private _state: what it holds (the imported binding, the
-# import's remembered failure) has no public reading, and its mutants survive every snapshot test.
+# What the module's state holds (the imported binding, the import's remembered failure) shows
+# through the snapshots: how often the library is initialised, a failure said again in the same
+# words without importing again.
 def test_state_starts_empty() -> None:
+    """A reasoned private seam: a fresh state (a new process) holds no binding, no failure and
+    an unlocked lock of the threading kind; nothing public reads a state before its first use."""
     state = mod._State()
     assert (state.module, state.import_error) == (None, None)
     assert state.lock.acquire(blocking=False)
@@ -699,15 +702,12 @@ def test_state_starts_empty() -> None:
 
 
 def test_init_imports_and_initialises_once(host: Any) -> None:
-    sm = host()
-    assert mod._init() is sm
-    assert mod._state.module is sm
-    assert mod._init() is sm
+    """The library is initialised at the first snapshot only, whatever backend asks next; a
+    library shut down behind our back is initialised again (below)."""
+    sm = host(Dev(**full()))
+    assert AmdSmiBackend().snapshot().devices == (FULL,)
+    assert AmdSmiBackend().snapshot().devices == (FULL,)
     assert sm.init_calls == ["INIT_AMD_GPUS"]
-    mod._reset_init()
-    assert mod._state.module is None
-    assert mod._init() is sm
-    assert sm.init_calls == ["INIT_AMD_GPUS", "INIT_AMD_GPUS"]
 
 
 @pytest.mark.parametrize(
@@ -723,42 +723,42 @@ def test_init_imports_and_initialises_once(host: Any) -> None:
     ],
 )
 def test_init_failures_are_one_message(host: Any, error: Exception, message: str) -> None:
-    sm = host()
+    sm = host(Dev(**full()))
     sm.init_error = error
     with pytest.raises(NVMLUnavailableError) as err:
-        mod._init()
+        AmdSmiBackend().snapshot()
     assert str(err.value) == message
     assert err.value.__cause__ is error
-    assert mod._state.module is None
+    sm.init_error = None  # fixed (the driver loaded): the next snapshot initialises and reads
+    assert AmdSmiBackend().snapshot().devices == (FULL,)
+    assert sm.init_calls == ["INIT_AMD_GPUS", "INIT_AMD_GPUS"]
 
 
 def test_code_of_an_error() -> None:
+    """A reasoned private seam: an error of the binding without a status code (a ValueError)
+    is no case the fake binding's calls raise; the code reader is asked directly."""
     assert mod._code(FakeSm(), LibError(12)) == 12
     assert mod._code(FakeSm(), ValueError(12)) is None
 
 
 # ---- import ----
-def test_import_returns_the_binding(host: Any) -> None:
-    sm = host()
-    assert mod._import() is sm
-
-
-def test_a_failed_import_is_remembered(host: Any) -> None:
-    host()
-    mod._state.import_error = "why not"
-    with pytest.raises(NVMLUnavailableError, match=r"^why not$"):
-        mod._import()
-
-
-def test_no_binding_installed(host: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_binding_installed_is_said_and_remembered(
+    host: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without AMD's binding a snapshot says how to install it; the failed import is
+    remembered: a binding installed later in the same process is not imported (a new process
+    would)."""
     monkeypatch.setitem(sys.modules, "amdsmi", None)
     message = ("cannot import amdsmi (import of amdsmi halted; None in sys.modules); "
                "install AMD's binding: pip install 'autogpu-jupyter[amd]'")
     for _ in range(2):
         with pytest.raises(NVMLUnavailableError) as err:
-            mod._import()
+            AmdSmiBackend().snapshot()
         assert str(err.value) == message
-    assert mod._state.import_error == message
+    sm = host()  # the binding appears, in this process only
+    with pytest.raises(NVMLUnavailableError, match=r"^cannot import amdsmi "):
+        AmdSmiBackend().snapshot()
+    assert sm.init_calls == []
 
 
 @pytest.mark.parametrize(
@@ -786,10 +786,10 @@ def test_a_binding_that_cannot_load_the_library_is_silenced_and_one_message(
     monkeypatch.delitem(sys.modules, "amdsmi", raising=False)
     monkeypatch.syspath_prepend(str(tmp_path))
     caplog.set_level(logging.DEBUG, logger=LOGGER)
-    with pytest.raises(NVMLUnavailableError) as err:
-        mod._import()
-    assert str(err.value) == message
-    assert mod._state.import_error == message
+    for _ in range(2):  # the second time from memory: not imported (nor printed) again
+        with pytest.raises(NVMLUnavailableError) as err:
+            AmdSmiBackend().snapshot()
+        assert str(err.value) == message
     assert capsys.readouterr().out == ""
     assert [r.getMessage() for r in caplog.records if r.name == LOGGER] == [
         "amdsmi import printed: Unable to find libamd_smi.so\nsecond line"]

@@ -17,6 +17,7 @@ from autogpu_jupyter.core import session
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
 from autogpu_jupyter.core.leasing import Registry, Requester
 from autogpu_jupyter.core.policy import Constraints
+from autogpu_jupyter.core.sampler import Sampler
 from autogpu_jupyter.errors import (
     DeviceBoundError,
     NoDeviceFitsError,
@@ -24,6 +25,7 @@ from autogpu_jupyter.errors import (
     UsageErrorBase,
 )
 from tests.fakenvml import FakeNvml, fleet_4x, fleet_mig
+from tests.leasehelpers import forget_backends
 
 GiB = 1024**3
 U = [d["uuid"] for d in fleet_4x()["devices"]]
@@ -307,23 +309,45 @@ def test_a_dry_run_pick_result_has_no_warning(host: Path) -> None:
     assert [d.uuid for d in result.chosen] == [U[0]]
 
 
+class _RunningSampler(Sampler):
+    """A sampler that says it runs, without a thread: the sweeps a test adds are what the
+    process's running sampler would hold."""
+
+    @property
+    def running(self) -> bool:
+        return True
+
+
+def _as_the_processs_sampler(monkeypatch: pytest.MonkeyPatch, s: object) -> None:
+    """``s`` is what the public ``current_sampler()`` answers: the process's sampler."""
+    from autogpu_jupyter.core import sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "current_sampler", lambda: s)
+
+
+def _util_ranked(uuid: str, **values: object) -> float | None:
+    """The smoothed utilisation a dry-run pick ranked ``uuid`` by (what ``--dry-run`` shows)."""
+    settings = default_settings()
+    result, _warning = api.pick_result(api.pick_options(settings, values), dry_run=True,
+                                       settings=settings)
+    (candidate,) = [c for c in result.candidates if c.device.uuid == uuid]
+    return candidate.smoothed_util_pct
+
+
 def test_the_utilisation_a_pick_ranks_by_is_the_samplers_last_30_seconds(
-    monkeypatch: pytest.MonkeyPatch,
+    host: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The smoothed utilisation a pick ranks by is the mean of the last 30 s of the sampler's
-    history, not of all of it. Caught: the whole history averaged (an old burst would count)."""
-    from autogpu_jupyter import api
-    from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-    from autogpu_jupyter.core.sampler import Sampler
-
-    s = Sampler(interval_s=1.0, history_s=900.0)
+    history, not of all of it; with no sampler running, the instant reading. Caught: the whole
+    history averaged (an old burst would count)."""
+    s = _RunningSampler(interval_s=1.0, history_s=900.0)
     for t, util in ((1000.0, 90.0), (1060.0, 20.0), (1080.0, 10.0)):
         dev = DeviceSnapshot(index=0, uuid=U[0], name="Fake", utilization_pct=util)
         s.add(FleetSnapshot(devices=(dev,), timestamp_s=t, backend="test"), own=())
-    monkeypatch.setattr(api, "_running_sampler", lambda: s)
-    assert api._smoothed_util() == {U[0]: 15.0}  # 1060 and 1080; not 1000 (40.0 with it)
-    monkeypatch.setattr(api, "_running_sampler", lambda: None)
-    assert api._smoothed_util() is None
+    _as_the_processs_sampler(monkeypatch, s)
+    assert _util_ranked(U[0]) == 15.0  # 1060 and 1080; not 1000 (40.0 with it)
+    _as_the_processs_sampler(monkeypatch, None)
+    assert _util_ranked(U[0]) == 3.0  # the instant reading
 
 
 def test_a_process_without_ipython_names_no_notebook(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -531,13 +555,12 @@ def test_set_visible_devices_on_an_amd_host_writes_the_rocm_variables(
     """On an AMD host the devices named are made visible to ROCm: ROCR_VISIBLE_DEVICES names the
     host's device, HIP and CUDA count from 0. Caught (issue 22, seed 54): the snapshot's devices
     not passed on (CUDA_VISIBLE_DEVICES set to the UUID, ROCm left seeing every GPU)."""
-    from autogpu_jupyter.core import backends
     from autogpu_jupyter.core.visibility import ROCM_VARS
 
     for name in ("CUDA_DEVICE_ORDER", "AUTOGPU_PICKED", *ROCM_VARS):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AUTOGPU_SIMULATE", "demo-amd")
-    backends._cache.clear()
+    forget_backends()
     try:
         (uuid,) = ag.set_visible_devices([1])
         assert os.environ["ROCR_VISIBLE_DEVICES"].startswith("GPU-")
@@ -545,7 +568,7 @@ def test_set_visible_devices_on_an_amd_host_writes_the_rocm_variables(
         assert os.environ["HIP_VISIBLE_DEVICES"] == os.environ["CUDA_VISIBLE_DEVICES"] == "0"
     finally:
         session.release()
-        backends._cache.clear()
+        forget_backends()
 
 
 def test_status_frame_takes_held_leases_as_well_as_their_records(host: Path) -> None:
@@ -589,6 +612,8 @@ def test_read_snapshot_takes_the_running_samplers_latest_sweep(
         def __init__(self, latest: FleetSnapshot | None) -> None:
             self._latest = latest
 
+        running = True
+
         def latest(self) -> FleetSnapshot | None:
             return self._latest
 
@@ -596,14 +621,15 @@ def test_read_snapshot_takes_the_running_samplers_latest_sweep(
         devices=(DeviceSnapshot(index=0, uuid=U[0], name="Swept"),), timestamp_s=1.0,
         backend="sampler",
     )
-    monkeypatch.setattr(api, "_running_sampler", lambda: Running(sweep))
+    _as_the_processs_sampler(monkeypatch, Running(sweep))
     assert api.read_snapshot() is sweep
-    monkeypatch.setattr(api, "_running_sampler", lambda: Running(None))
+    _as_the_processs_sampler(monkeypatch, Running(None))
     assert [d.uuid for d in api.read_snapshot().devices] == U
 
 
 class _Sampler:
-    """A stand-in for the process's sampler: running or not; its mean is the window asked."""
+    """A stand-in for the process's sampler: running or not; its mean is the window asked, its
+    latest sweep one GPU named "Swept"."""
 
     def __init__(self, running: bool) -> None:
         self.running = running
@@ -611,19 +637,39 @@ class _Sampler:
     def smoothed_util(self, window_s: float) -> dict[str, float | None]:
         return {U[0]: window_s}
 
+    def latest(self) -> FleetSnapshot:
+        return FleetSnapshot(devices=(DeviceSnapshot(index=0, uuid=U[0], name="Swept"),),
+                             timestamp_s=1.0, backend="sampler")
 
-def test_only_a_running_sampler_is_the_processs_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The process's sampler is used while it runs; a stopped one, or none, is no sampler; its
-    mean is over the last 30 seconds. Caught: the sampler never looked up, a running one
-    ignored, the window changed."""
-    from autogpu_jupyter.core import sampler as sampler_mod
 
-    running, stopped = _Sampler(True), _Sampler(False)
-    for current, want in ((running, running), (stopped, None), (None, None)):
-        monkeypatch.setattr(sampler_mod, "current_sampler", lambda c=current: c)
-        assert api._running_sampler() is want
-    monkeypatch.setattr(sampler_mod, "current_sampler", lambda: running)
-    assert api._smoothed_util() == {U[0]: 30.0}
+def test_only_a_running_sampler_is_the_processs_sampler(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process's sampler is used while it runs (its sweep is the snapshot, its mean ranks a
+    pick); a stopped one, or none, is no sampler (the devices are read, their instant utilisation
+    ranks); its mean is
+    over the last 30 seconds. Caught: the sampler never looked up, a running one ignored, the
+    window changed."""
+    for current, used in ((_Sampler(True), True), (_Sampler(False), False), (None, False)):
+        _as_the_processs_sampler(monkeypatch, current)
+        names = [d.name for d in api.read_snapshot().devices]
+        assert (names == ["Swept"]) is used
+        assert _util_ranked(U[0]) == (30.0 if used else 3.0)
+
+
+class _MeanSampler:
+    """A running sampler with no sweep yet (the devices are read) and this mean."""
+
+    running = True
+
+    def __init__(self, mean: dict[str, float | None]) -> None:
+        self.mean = mean
+
+    def latest(self) -> None:
+        return None
+
+    def smoothed_util(self, window_s: float) -> dict[str, float | None]:
+        return self.mean
 
 
 def test_pick_result_is_not_forced_unless_asked(
@@ -660,7 +706,7 @@ def test_pick_result_ranks_by_the_samplers_mean(
 ) -> None:
     """GPU 0 reads 3 % busy now, but the sampler's mean is 90 %: a pick for at most 50 % leaves
     it out and takes GPU 2. Caught: the pick made without the sampler's mean."""
-    monkeypatch.setattr(api, "_smoothed_util", lambda: {U[0]: 90.0})
+    _as_the_processs_sampler(monkeypatch, _MeanSampler({U[0]: 90.0}))
     settings = default_settings()
     result, _warning = api.pick_result(
         api.pick_options(settings, {"max_util": 50}), dry_run=True, settings=settings)
@@ -672,7 +718,11 @@ def test_pick_result_passes_the_waiting_lines_on(
 ) -> None:
     """A pick waiting in line tells its caller each try (what ``%gpu pick --wait`` prints).
     Here a pretend clock: 200 GiB never fits, the pick waits 2 s in two tries. Caught: the
-    caller's ``on_progress`` not passed on to the picker."""
+    caller's ``on_progress`` not passed on to the picker.
+
+    A reasoned private seam: the picker's clock and sleep are replaced through ``api._pick``
+    (the one door to the picker), since no public input sets a pick's clock and a real wait
+    would make this a timed test."""
     import functools
 
     from autogpu_jupyter.core import picker
@@ -762,7 +812,7 @@ def test_the_fit_check_judges_utilisation_by_the_samplers_mean(
 ) -> None:
     """GPU 1 reads 97 % busy now, but the sampler's 30-second mean is 10 %: it meets max util
     50 %. Caught: the check made without the sampler's mean (the instant reading judged)."""
-    monkeypatch.setattr(api, "_smoothed_util", lambda: {U[1]: 10.0})
+    _as_the_processs_sampler(monkeypatch, _MeanSampler({U[1]: 10.0}))
     mine = session.Choice(uuids=(U[1],))
     made, failing = api.current_fit(mine, _constraints(max_util=50), default_settings())
     assert failing == []

@@ -30,6 +30,7 @@ from autogpu_jupyter.core.devices import (
     ProcessSnapshot,
 )
 from autogpu_jupyter.errors import UsageErrorBase
+from tests.leasehelpers import forget_backends
 
 GiB = 1024**3
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -524,9 +525,9 @@ def test_resolve_fleet_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 @pytest.fixture
 def fresh_backends(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(SIMULATE_ENV, raising=False)
-    backends._cache.clear()
+    forget_backends()
     yield
-    backends._cache.clear()
+    forget_backends()
 
 
 def test_get_backend_shares_one_instance_per_fleet(
@@ -576,7 +577,7 @@ def test_the_nvml_backend_and_a_fleet_file_of_any_name_never_share_an_instance(
     assert isinstance(nvml, NvmlBackend)
     assert isinstance(fleet, SimulatedBackend) and fleet.source == name
     assert [d.uuid for d in fleet.snapshot().devices] == ["GPU-named"]
-    backends._cache.clear()
+    forget_backends()
     fleet = get_backend(name)  # the other order
     assert isinstance(get_backend(), NvmlBackend) and get_backend(name) is fleet
 

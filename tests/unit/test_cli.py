@@ -31,13 +31,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from autogpu_jupyter import cli as cli_mod
 from autogpu_jupyter._version import __version__
-from autogpu_jupyter.cli import _print_broker_status, main
+from autogpu_jupyter.cli import main
 from autogpu_jupyter.core import decision
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.leasing import BrokerRegistry, Registry, Requester, brokerclient
 from autogpu_jupyter.errors import AutoGPUError
-from tests.leasehelpers import AsUser
+from tests.leasehelpers import AsUser, forget_backends
 from tests.payloadhelpers import GiB, recorded_prometheus, shared_registry, write_fleet
 
 A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
@@ -48,8 +48,6 @@ SECRET = "python train.py --token=hunter2"
 @pytest.fixture
 def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Two simulated GPUs and a private registry; returns the registry."""
-    from autogpu_jupyter.core import backends
-
     fleet = write_fleet(tmp_path / "fleet.json", [
         {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0,
          "utilization_pct": 0,
@@ -62,9 +60,9 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     for name in ("CUDA_VISIBLE_DEVICES", "AUTOGPU_PICKED", "AUTOGPU_LEASE_ID",
                  "AUTOGPU_PROMETHEUS_URL", "AUTOGPU_BROKER_SOCKET"):
         monkeypatch.delenv(name, raising=False)
-    backends._cache.clear()
+    forget_backends()
     yield tmp_path / "registry"
-    backends._cache.clear()
+    forget_backends()
 
 
 def cli(*args: str, stderr: io.StringIO | None = None) -> tuple[int, str, str]:
@@ -147,6 +145,35 @@ def _shown(out: str, key: str = "") -> list[str | None]:
     data = json.loads(out)
     leases = data[key] if key else data
     return [lease["command"] for lease in leases]
+
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0,
+                               reason="running autogpu as another user (nobody) needs root")
+
+
+@contextlib.contextmanager
+def _seen_by_nobody(monkeypatch: pytest.MonkeyPatch, process_user: str = "bob") -> Iterator[Path]:
+    """The host's two GPUs, GPU 0 running ``process_user``'s process (pid 61001), in a fleet
+    file and a shared registry that user nobody can read too; yields the registry."""
+    with shared_registry() as registry:
+        fleet = write_fleet(registry.parent / "fleet.json", [
+            {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0,
+             "utilization_pct": 0, "processes": [
+                 {"pid": 61001, "used_memory": GiB, "user": process_user, "command": SECRET}]},
+            {"uuid": B, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+             "memory_used": 40 * GiB, "utilization_pct": 50},
+        ])
+        fleet.chmod(0o644)
+        monkeypatch.setenv("AUTOGPU_SIMULATE", str(fleet))
+        monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(registry))
+        forget_backends()
+        yield registry
+    forget_backends()
+
+
+def _gpu0_processes(out: str) -> list[tuple[int, str, str | None]]:
+    (gpu_a, _b) = json.loads(out)["devices"]
+    return [(p["pid"], p["user"], p["command"]) for p in gpu_a["processes"]]
 
 
 def test_leases_show_commands_only_for_root(host: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -590,22 +617,17 @@ def test_broker_status_and_tickets_show_the_leases_waiters_and_per_user_counts(
 # ---- mutation run (issue 22, seed 52): what each command shows ---------------------------------
 
 
+@ROOT_ONLY
 def test_list_json_hides_another_users_process_command_from_a_user(
     host: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``autogpu list --json`` run by a user (not root): another user's GPU process keeps its
-    pid and user, its command line is null. In-process (the check as user nobody runs in a
-    forked child). Caught: the redacted command written under another key (the real command
-    line left in "command")."""
-    from autogpu_jupyter import cli as cli_mod
-
-    monkeypatch.setattr(cli_mod, "_is_root", lambda: False)
-    monkeypatch.setattr(cli_mod, "_me", lambda: "alice")
-    code, out, err = cli("list", "--json")
+    """``autogpu list --json`` run by a user (not root; here user nobody, in a forked child):
+    another user's GPU process keeps its pid and user, its command line is null. Caught: the
+    redacted command written under another key (the real command line left in "command")."""
+    with _seen_by_nobody(monkeypatch, process_user="bob"):
+        code, out, err = _as_nobody("list", "--json")
     assert (code, err) == (0, "")
-    (gpu_a, _b) = json.loads(out)["devices"]
-    assert [(p["pid"], p["user"], p["command"]) for p in gpu_a["processes"]] == [
-        (61001, "bob", None)]
+    assert _gpu0_processes(out) == [(61001, "bob", None)]
     assert SECRET not in out
 
 
@@ -688,25 +710,20 @@ def test_broker_status_json_gives_the_counts_then_the_leases_then_the_tickets(
 
 
 def test_broker_status_of_a_broker_that_leaves_counts_out_says_zero(
-    capsys: pytest.CaptureFixture[str],
+    broker_client: _Broker,
 ) -> None:
     """A status reply without "connections", "orphans" or a limit (another version's broker)
     reads as 0 connections, no limit, 0 kept. Caught: the missing connection count shown as
     "None"."""
-    from autogpu_jupyter.cli import _print_broker_status
-
-    assert _print_broker_status({"ok": True, "pid": 7}, "/run/b.sock", as_json=False) == 0
-    assert capsys.readouterr().out == (
+    broker_client.status_reply = {"ok": True, "pid": 7}
+    assert cli("broker", "status", "--socket", "/run/b.sock") == (0, (
         "broker /run/b.sock (pid 7): 0 connection(s), max_devices_per_user none, 0 lease(s) kept "
-        "from a restart\nleases: 0\nwaiters: 0\nper user:\n")
+        "from a restart\nleases: 0\nwaiters: 0\nper user:\n"), "")
 
 
-def test_broker_tickets_without_constraints_read_as_one_gpu(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_broker_tickets_without_constraints_read_as_one_gpu(broker_client: _Broker) -> None:
     """A ticket record that came without its constraints (``from_wire`` makes them None) is
     shown asking for 1 GPU, the picker's default count. Caught: the default count "None"."""
-    from autogpu_jupyter.cli import _print_broker_tickets
     from autogpu_jupyter.core.leasing.brokerclient import from_wire
 
     ticket = from_wire({
@@ -716,19 +733,16 @@ def test_broker_tickets_without_constraints_read_as_one_gpu(
         "seq": 3,
     }, "/run/b.sock")
     assert ticket.constraints is None
-    assert _print_broker_tickets([ticket], as_json=False) == 0
+    broker_client.tickets = [ticket]
     since = time.strftime("%H:%M:%S", time.localtime(1.0e9))
-    assert capsys.readouterr().out == (
+    assert cli("broker", "tickets", "--socket", "/run/b.sock") == (0, (
         "waiting tickets: 1\n"
-        f"  ticket 3  {'t' * 32}  1 GPU(s), since {since}  bob: t.ipynb\n")
+        f"  ticket 3  {'t' * 32}  1 GPU(s), since {since}  bob: t.ipynb\n"), "")
 
 
-def test_broker_tickets_show_how_many_gpus_each_ticket_asks_for(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_broker_tickets_show_how_many_gpus_each_ticket_asks_for(broker_client: _Broker) -> None:
     """A ticket waiting for 2 GPUs says so. Caught (seed 54): the count looked up under another
     key (every ticket shown asking for 1)."""
-    from autogpu_jupyter.cli import _print_broker_tickets
     from autogpu_jupyter.core.leasing.brokerclient import from_wire
 
     ticket = from_wire({
@@ -737,45 +751,36 @@ def test_broker_tickets_show_how_many_gpus_each_ticket_asks_for(
         "host": "node-7", "pid": 4242, "created_s": 1.0e9, "notebook_path": "t.ipynb",
         "seq": 4, "constraints": {"count": 2, "min_free_bytes": GiB},
     }, "/run/b.sock")
-    assert _print_broker_tickets([ticket], as_json=False) == 0
+    broker_client.tickets = [ticket]
     since = time.strftime("%H:%M:%S", time.localtime(1.0e9))
-    assert capsys.readouterr().out == (
+    assert cli("broker", "tickets", "--socket", "/run/b.sock") == (0, (
         "waiting tickets: 1\n"
-        f"  ticket 4  {'t' * 32}  2 GPU(s) exclusive, since {since}  bob: t.ipynb\n")
+        f"  ticket 4  {'t' * 32}  2 GPU(s) exclusive, since {since}  bob: t.ipynb\n"), "")
 
 
+@ROOT_ONLY
 def test_list_json_shows_a_users_own_process_command(
     host: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``autogpu list --json`` run by bob (not root) shows the command line of bob's own GPU
-    process. Caught: the process's command dropped from the redaction call (null for everyone
-    but root)."""
-    from autogpu_jupyter import cli as cli_mod
-
-    monkeypatch.setattr(cli_mod, "_is_root", lambda: False)
-    monkeypatch.setattr(cli_mod, "_me", lambda: "bob")
-    code, out, err = cli("list", "--json")
+    """``autogpu list --json`` run by a user (not root; here nobody, in a forked child) shows
+    the command line of that user's own GPU process. Caught: the process's command dropped
+    from the redaction call (null for everyone but root)."""
+    with _seen_by_nobody(monkeypatch, process_user="nobody"):
+        code, out, err = _as_nobody("list", "--json")
     assert (code, err) == (0, "")
-    (gpu_a, _b) = json.loads(out)["devices"]
-    assert [(p["pid"], p["user"], p["command"]) for p in gpu_a["processes"]] == [
-        (61001, "bob", SECRET)]
+    assert _gpu0_processes(out) == [(61001, "nobody", SECRET)]
 
 
+@ROOT_ONLY
 def test_list_json_shows_root_every_users_process_command(
     host: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``autogpu list --json`` run by root shows another user's GPU process command line (root
     may see every process anyway). Caught (seed 54): root's right not handed to the redaction
     (root shown null, as any user)."""
-    from autogpu_jupyter import cli as cli_mod
-
-    monkeypatch.setattr(cli_mod, "_is_root", lambda: True)
-    monkeypatch.setattr(cli_mod, "_me", lambda: "root")
     code, out, err = cli("list", "--json")
     assert (code, err) == (0, "")
-    (gpu_a, _b) = json.loads(out)["devices"]
-    assert [(p["pid"], p["user"], p["command"]) for p in gpu_a["processes"]] == [
-        (61001, "bob", SECRET)]
+    assert _gpu0_processes(out) == [(61001, "bob", SECRET)]
 
 
 def test_pick_json_gives_the_variables_it_would_set(host: Path) -> None:
@@ -1106,7 +1111,7 @@ def test_broker_revoke_without_an_id_is_a_usage_error_that_says_what_to_give(
 
 
 def _wire(kind: str, lease_id: str, **extra: Any) -> dict[str, Any]:
-    """A record as the broker sends it (see ``LeaseRecord._payload``)."""
+    """A record as the broker sends it (the lease record's wire form)."""
     return {"lease_id": lease_id, "kind": kind, "device_uuids": [A] if kind == "lease" else [],
             "device_requested_bytes": [GiB] if kind == "lease" else [], "exclusive": True,
             "user": "bob", "uid": 1001, "host": "node-7", "pid": 4242, "created_s": 1.0e9,
@@ -1146,7 +1151,7 @@ def test_broker_tickets_json_gives_each_ticket_with_its_constraints(
 
 
 def test_broker_status_json_puts_the_brokers_fields_first_then_the_leases_then_the_tickets(
-    capsys: pytest.CaptureFixture[str],
+    broker_client: _Broker,
 ) -> None:
     """Whatever order the broker's reply has, ``--json`` gives its own fields (less "ok") first,
     then "leases" (the leases only), then "tickets" (the tickets only), each record with its
@@ -1155,29 +1160,30 @@ def test_broker_status_json_puts_the_brokers_fields_first_then_the_leases_then_t
     leases, or an empty list); the records read without the socket path ("None#...")."""
     st = {"leases": [_wire("lease", "a" * 32)], "ok": True, "pid": 7, "connections": 2,
           "tickets": [_wire("ticket", "t" * 32, seq=1)]}
-    assert _print_broker_status(st, "/run/b.sock", as_json=True) == 0
+    broker_client.status_reply = st
     want = {"pid": 7, "connections": 2,
             "leases": [_as_json("lease", "a" * 32, "/run/b.sock", None)],
             "tickets": [_as_json("ticket", "t" * 32, "/run/b.sock", 1)]}
-    assert capsys.readouterr().out == json.dumps(want, indent=2) + "\n"
+    assert cli("broker", "status", "--json", "--socket", "/run/b.sock") == (
+        0, json.dumps(want, indent=2) + "\n", "")
 
 
 def test_broker_status_says_how_many_leases_were_kept_and_which_are_exclusive(
-    capsys: pytest.CaptureFixture[str],
+    broker_client: _Broker,
 ) -> None:
     """The head line counts the leases kept from a restart ("orphans"); an exclusive lease says
     " exclusive" after its devices. Caught: the orphans read under another key (always 0); the
     exclusive mark never shown, or spelt otherwise."""
     st = {"ok": True, "pid": 7, "connections": 1, "max_devices_per_user": 2, "orphans": 3,
           "leases": [_wire("lease", "a" * 32)], "tickets": []}
-    assert _print_broker_status(st, "/run/b.sock", as_json=False) == 0
-    assert capsys.readouterr().out == (
+    broker_client.status_reply = st
+    assert cli("broker", "status", "--socket", "/run/b.sock") == (0, (
         "broker /run/b.sock (pid 7): 1 connection(s), max_devices_per_user 2, 3 lease(s) kept "
         "from a restart\n"
         "leases: 1\n"
         f"  {'a' * 12}  {A} exclusive  bob: kernel k-1\n"
         "waiters: 0\n"
-        "per user:\n")
+        "per user:\n"), "")
 
 
 # ---- autogpu exporter: a stand-in server, sampler, signals and wait -----------------------------
@@ -1376,9 +1382,9 @@ def registry(request: pytest.FixtureRequest) -> Path:
 
 
 def _dead(lease: Any) -> str:
-    """Close a held lease's descriptor without removing its file (its holder was SIGKILLed)."""
-    os.close(lease._fd)
-    lease._fd = None
+    """Close a held lease's descriptor without removing its file, as its holder's SIGKILL
+    does (``detach``: no child of ours holds it on)."""
+    lease.detach()
     return str(lease.path)
 
 
@@ -1395,17 +1401,9 @@ def test_leases_when_leases_are_off_says_so_and_how(
         0, "leases are off (AutoGPU.use_leases = False or no registry_dir)\n", "")
 
 
-def test_prune_as_a_user_removes_their_dead_files_and_lists_each(
-    registry: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``leases --prune`` (no --all) needs no root: it removes the user's dead lease and ticket
-    files, one line each (the devices, or "ticket" for a ticket that has none; the holder; the
-    path), keeps the live one, and a second prune says there is nothing left. Caught: the root
-    check made ``--all or not root`` (every user refused); the removed list dropped or its test
-    inverted (the "no dead lease files" line); the header or a file's line replaced by
-    ``None``; a lease's devices replaced by its kind or joined by another separator; the
-    broker's "nothing to prune" said for a registry."""
-    monkeypatch.setattr(cli_mod, "_is_root", lambda: False)
+def _prune_own_dead_files(registry: Path) -> tuple[Any, ...]:
+    """As the calling user: a live lease, a dead two-device lease and a dead ticket, then
+    ``autogpu leases --prune`` twice; what each said, the dead files, what stayed, the pid."""
     reg = Registry(str(registry))
     with reg.locked() as txn:
         assert txn is not None
@@ -1413,24 +1411,47 @@ def test_prune_as_a_user_removes_their_dead_files_and_lists_each(
         two = txn.create(devices=[A, B], requester=Requester(kernel_id="0123456789abcdef"))
         ticket = txn.create_ticket(constraints=decision.ticket_constraints(None, None),
                                    requester=Requester(notebook_path="work/wait.ipynb"))
-    pid = os.getpid()
     two_path, ticket_path = _dead(two), _dead(ticket)
     try:
-        code, out, err = cli("leases", "--prune")
-        assert (code, err) == (0, "")
-        lines = out.splitlines()
-        assert lines[0] == "removed 2 dead lease file(s):"
-        assert sorted(lines[1:]) == sorted([
-            f"  {A},{B}  {ME}: kernel 01234567  ({two_path})",
-            f"  ticket  {ME}: work/wait.ipynb  ({ticket_path})",
-        ])
-        assert [r.lease_id for r in reg.list_leases()] == [live.record.lease_id]
-        assert live.record.pid == pid
-        assert cli("leases", "--prune") == (0, f"no dead lease files in {registry}\n", "")
+        first = cli("leases", "--prune")
+        left = [r.lease_id for r in reg.list_leases()] == [live.record.lease_id]
+        return first, cli("leases", "--prune"), two_path, ticket_path, left, live.record.pid
     finally:
         live.release()
 
 
+@ROOT_ONLY
+def test_prune_as_a_user_removes_their_dead_files_and_lists_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``leases --prune`` (no --all) needs no root: it removes the user's dead lease and ticket
+    files, one line each (the devices, or "ticket" for a ticket that has none; the holder; the
+    path), keeps the live one, and a second prune says there is nothing left. Run as user
+    nobody (a forked child) in a shared registry. Caught: the root check made ``--all or not
+    root`` (every user refused); the removed list dropped or its test inverted (the "no dead
+    lease files" line); the header or a file's line replaced by ``None``; a lease's devices
+    replaced by its kind or joined by another separator; the broker's "nothing to prune" said
+    for a registry."""
+    nobody = pwd.getpwnam("nobody")
+    with shared_registry() as registry:
+        monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(registry))
+        child = AsUser(nobody.pw_uid, nobody.pw_gid, _prune_own_dead_files, registry)
+        got = child.result()
+        assert child.stop() == 0
+    assert isinstance(got, tuple), got
+    (code, out, err), second, two_path, ticket_path, only_live_left, pid = got
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == "removed 2 dead lease file(s):"
+    assert sorted(lines[1:]) == sorted([
+        f"  {A},{B}  nobody: kernel 01234567  ({two_path})",
+        f"  ticket  nobody: work/wait.ipynb  ({ticket_path})",
+    ])
+    assert only_live_left and pid == child.pid
+    assert second == (0, f"no dead lease files in {registry}\n", "")
+
+
+@ROOT_ONLY
 def test_prune_all_as_root_asks_the_store_for_every_users_files(
     registry: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1443,7 +1464,6 @@ def test_prune_all_as_root_asks_the_store_for_every_users_files(
         asked.append(all_users)
         return []
 
-    monkeypatch.setattr(cli_mod, "_is_root", lambda: True)
     monkeypatch.setattr(Registry, "prune", prune)
     assert cli("leases", "--prune", "--all") == (0, f"no dead lease files in {registry}\n", "")
     assert cli("leases", "--prune") == (0, f"no dead lease files in {registry}\n", "")
@@ -1532,13 +1552,12 @@ def test_pick_export_on_amd_devices_writes_the_rocm_variables(
     """On AMD devices ``pick --export`` sets ROCR_VISIBLE_DEVICES to the host's device and the
     runtimes' own variables counting from 0 (the snapshot's devices say the vendor). Caught: the
     snapshot's devices not handed to visible_env (CUDA's variables, with a UUID ROCm ignores)."""
-    from autogpu_jupyter.core import backends
     from tests.leasehelpers import fleet
 
     amd = tmp_path / "amd.json"
     amd.write_text(json.dumps({"vendor": "amd", **fleet(2)}))
     monkeypatch.setenv("AUTOGPU_SIMULATE", str(amd))
-    backends._cache.clear()
+    forget_backends()
     assert cli("pick", "--export", "--exclude", "0") == (
         0, "export ROCR_VISIBLE_DEVICES=1; export HIP_VISIBLE_DEVICES=0; "
         "export CUDA_VISIBLE_DEVICES=0; export GPU_DEVICE_ORDINAL=0;\n", "")
@@ -1833,12 +1852,10 @@ def _gpu(uuid: str, used_gib: int, util: float | None, name: str = "NVIDIA A100"
 def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Path]]:
     """``fleet(devices)``: these simulated devices and a private registry; returns the registry.
     No terminal: the width is the CLI's fallback unless a test sets COLUMNS."""
-    from autogpu_jupyter.core import backends
-
     def use(devices: list[dict[str, Any]]) -> Path:
         path = write_fleet(tmp_path / "fleet.json", devices)
         monkeypatch.setenv("AUTOGPU_SIMULATE", str(path))
-        backends._cache.clear()
+        forget_backends()
         return tmp_path / "registry"
 
     monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(tmp_path / "registry"))
@@ -1851,7 +1868,7 @@ def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[
 
     monkeypatch.setattr(os, "get_terminal_size", no_terminal)
     yield use
-    backends._cache.clear()
+    forget_backends()
 
 
 def _edited_backend(monkeypatch: pytest.MonkeyPatch, **changes: Any) -> None:
@@ -1872,37 +1889,48 @@ def _edited_backend(monkeypatch: pytest.MonkeyPatch, **changes: Any) -> None:
 # ---- autogpu list ------------------------------------------------------------------------------
 
 
+@ROOT_ONLY
 @pytest.mark.parametrize(
-    ("root", "me", "shown"),
-    [(False, "owner", SECRET), (False, "alice", None), (True, "alice", SECRET)],
+    ("runner", "owner", "shown"),
+    [("nobody", "nobody", SECRET), ("nobody", "root", None), ("root", "nobody", SECRET),
+     ("root", "root", SECRET)],
 )
 def test_list_json_shows_a_leases_command_to_its_owner_and_to_root_only(
-    fleet: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, root: bool, me: str,
-    shown: str | None,
+    host: Path, monkeypatch: pytest.MonkeyPatch, runner: str, owner: str, shown: str | None,
 ) -> None:
     """``autogpu list --json`` lists the leases under "leases", each with its command line for
     its owner and for root, null for any other user; the whole output indented by two spaces,
-    as every --json of the CLI. Caught: "leases" written as null or under another key; the
-    command never redacted, redacted for the owner (the test inverted, or "or" made "and"), or
-    shown to another user (the owner test inverted); the JSON on one line or indented by 3."""
-    from autogpu_jupyter.core.leasing import Registry, Requester
-
-    registry = fleet([_gpu(A, 0, 0)])
-    owner = pwd.getpwuid(os.geteuid()).pw_name
-    monkeypatch.setattr(cli_mod, "_is_root", lambda: root)
-    monkeypatch.setattr(cli_mod, "_me", lambda: owner if me == "owner" else me)
-    with Registry(str(registry), record_commands=True).locked() as txn:
-        assert txn is not None
-        lease = txn.create(devices=[A], requested_bytes=GiB,
-                           requester=Requester(kernel_id="k-1", command=SECRET))
-    try:
-        code, out, err = cli("list", "--json")
-    finally:
-        lease.release()
+    as every --json of the CLI. Real users: root (this process) and nobody (a forked child),
+    each holding its lease while the other runs ``autogpu``. Caught: "leases" written as null
+    or under another key; the command never redacted, redacted for the owner (the test
+    inverted, or "or" made "and"), or shown to another user (the owner test inverted); the
+    JSON on one line or indented by 3."""
+    nobody = pwd.getpwnam("nobody")
+    with _seen_by_nobody(monkeypatch) as registry:
+        if owner == runner == "nobody":
+            child = AsUser(nobody.pw_uid, nobody.pw_gid, _own_lease_then, registry, "list",
+                           "--json")
+            code, out, err = child.result()
+            assert child.stop() == 0
+        elif owner == runner:
+            code, out, err = _own_lease_then(registry, "list", "--json")
+        elif owner == "root":
+            lease = _lease_with_command(registry)
+            try:
+                code, out, err = _as_nobody("list", "--json")
+            finally:
+                lease.release()
+        else:
+            holder = AsUser(nobody.pw_uid, nobody.pw_gid, _lease_with_command, registry,
+                            hold=True)
+            try:
+                assert "lease_id" in holder.result()
+                code, out, err = cli("list", "--json")
+            finally:
+                assert holder.stop() == 0
     assert (code, err) == (0, "")
     data = json.loads(out)
-    assert [(r["lease_id"], r["user"], r["command"]) for r in data["leases"]] == [
-        (lease.record.lease_id, owner, shown)]
+    assert [(r["user"], r["command"]) for r in data["leases"]] == [(owner, shown)]
     assert out == json.dumps(data, indent=2) + "\n"
 
 
@@ -1987,30 +2015,50 @@ def test_list_wraps_the_holders_within_the_terminals_width(
 # ---- who runs it, and the streams it writes to -------------------------------------------------
 
 
+@ROOT_ONLY
 def test_me_is_the_effective_users_name_else_the_uid_in_digits(
-    monkeypatch: pytest.MonkeyPatch,
+    host: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The name ``autogpu list --json`` compares owners with: the effective user's login name,
-    or its uid as digits when no passwd entry names it (a container's arbitrary uid). Caught:
-    the uid not handed to the passwd lookup (a TypeError); "None" for an unnamed uid."""
+    or its uid as digits when no passwd entry names it (a container's arbitrary uid): a user
+    of either kind sees the command line of their own lease, and the lease says who they are.
+    Run as user nobody and as an unnamed uid, each in a forked child. Caught: the uid not
+    handed to the passwd lookup (a TypeError); "None" for an unnamed uid."""
     from tests.unit.test_broker_identity import FREE
 
-    assert cli_mod._me() == pwd.getpwuid(os.geteuid()).pw_name
-    monkeypatch.setattr(os, "geteuid", lambda: FREE)
-    assert cli_mod._me() == str(FREE)
+    nobody = pwd.getpwnam("nobody")
+    with _seen_by_nobody(monkeypatch) as registry:
+        for uid, gid, name in ((nobody.pw_uid, nobody.pw_gid, "nobody"), (FREE, FREE, str(FREE))):
+            child = AsUser(uid, gid, _own_lease_then, registry, "list", "--json")
+            code, out, err = child.result()
+            assert child.stop() == 0
+            assert (code, err) == (0, "")
+            assert [(r["user"], r["command"]) for r in json.loads(out)["leases"]] == [
+                (name, SECRET)]
 
 
-def test_the_terminal_safe_stream_passes_everything_but_write_to_its_stream() -> None:
-    """The stream ``main`` prints through spells out terminal-steering characters on write and
-    hands every other attribute (flush, getvalue, encoding...) to the stream it wraps. Caught:
-    the attribute looked up on None, under None, or not at all (a TypeError)."""
-    inner = io.StringIO()
-    safe = cli_mod._TerminalSafe(inner)
-    assert safe.write("a\x9bb\u202ec\n") == 6
-    assert safe.getvalue() == "a\\x9bb\\u202ec\n"
-    assert safe.closed is False
-    safe.close()
-    assert inner.closed
+def test_main_spells_out_terminal_controls_and_gives_the_streams_back(
+    fleet: Callable[..., Path],
+) -> None:
+    """While a command runs, what it prints to stdout and stderr has its terminal-steering
+    characters spelled out (another user's or a driver's text must not drive the terminal):
+    here a device whose name carries a CSI, picked (stdout), and a ``--model`` with a bidi
+    override that nothing matches (stderr). After it, the streams are the caller's again; the
+    streams' other attributes (flush) reach the caller's stream, as
+    ``test_a_waiting_pick_says_each_try_on_stderr_at_once_and_waits_as_a_cli`` sees. Caught: a
+    stream left unwrapped or not given back; the attribute looked up on None, under None, or
+    not at all."""
+    fleet([_gpu(A, 0, 0, "NVIDIA A100\x9b2J")])
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert cli_mod.main(["pick"]) == 0
+        assert cli_mod.main(["pick", "--model", "X\u202e"]) == 3
+        assert (sys.stdout, sys.stderr) == (out, err)
+    assert out.getvalue().splitlines()[0] == (
+        f"GPU 0 NVIDIA A100\\x9b2J {A}: 80.0 GiB free, util 0%")
+    assert err.getvalue().splitlines()[0] == "autogpu: no device fits (model X\\u202e):"
+    assert "\x9b" not in out.getvalue() + err.getvalue()
+    assert "\u202e" not in out.getvalue() + err.getvalue()
 
 
 # ---- autogpu pick and autogpu run ----------------------------------------------------------------
@@ -2434,7 +2482,7 @@ def test_each_command_starts_from_its_documented_defaults(command: str) -> None:
     assert seen.pop("command") == command
     assert sorted(seen.pop("_subparsers")) == [
         "broker", "exporter", "hosts", "kernelspec", "leases", "list", "pick", "run"]
-    assert seen.pop("handler", None) is (cli_mod._cmd_broker if command == "broker" else None)
+    assert callable(seen.pop("handler", None)) is (command == "broker")  # its own dispatch
     assert seen == DEFAULTS[command]
 
 
@@ -2457,8 +2505,8 @@ def test_numeric_flags_are_read_as_numbers_and_switches_as_true() -> None:
         "max_leases_per_user": 4, "max_tickets_per_user": 0, "max_connections_per_user": 9,
         "max_connections": 99, "ticket_grace": 2.5, "send_timeout": 0.5, "subuid_file": "/u",
         "max_messages_per_s_per_user": 7.5, "rules": "/r", "tenant_socket_root": "/t",
-        "json": True,
-        "handler": cli_mod._cmd_broker}
+        "json": True, "handler": broker["handler"]}
+    assert callable(broker["handler"])
     assert [type(broker[k]) for k in ("max_devices_per_user", "max_connections_per_user",
                                        "max_connections", "ticket_grace", "send_timeout",
                                        "max_messages_per_s_per_user")] == [
@@ -2516,53 +2564,50 @@ def test_a_run_that_fits_nowhere_suggests_wait_as_a_pick_does(fleet: Callable[..
         "(e.g. --wait 10m)\n"))
 
 
+class _CtrlC(io.StringIO):
+    """A terminal where the user presses Ctrl-C (a real SIGINT to this process) once the first
+    waiting line is out."""
+
+    pressed = False
+
+    def write(self, text: str) -> int:
+        n = super().write(text)
+        if not self.pressed and self.getvalue().startswith("waiting for a device") and (
+                self.getvalue().endswith("\n")):
+            self.pressed = True
+            signal.raise_signal(signal.SIGINT)
+        return n
+
+
 def test_an_interrupted_command_says_cancelled_and_exits_130(
-    fleet: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
+    fleet: Callable[..., Path],
 ) -> None:
-    """Ctrl-C during a command: one line, "autogpu: cancelled", exit 130 (128 + SIGINT), no
-    traceback. Caught: the line or the code altered."""
-    fleet([_gpu(A, 0, 0)])
+    """Ctrl-C during a command (here a pick waiting in line): one line, "autogpu: cancelled",
+    exit 130 (128 + SIGINT), no traceback, and its place in line given back. Caught: the line
+    or the code altered."""
+    from autogpu_jupyter.core.leasing import Registry
 
-    def interrupted(_args: Any) -> int:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(cli_mod, "_cmd_list", interrupted)
-    assert cli("list") == (130, "", "autogpu: cancelled\n")
-
-
-def test_main_spells_out_terminal_controls_and_gives_the_streams_back(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """While a command runs, what it prints to stdout and stderr has its terminal-steering
-    characters spelled out (another user's text must not drive the terminal); after it, the
-    streams are the caller's again. Caught: a stream left unwrapped or not given back."""
-    def shout(_args: Any) -> int:
-        print("out\x9b2J")
-        print("err\u202e", file=sys.stderr)
-        return 0
-
-    monkeypatch.setattr(cli_mod, "_cmd_list", shout)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        assert cli_mod.main(["list"]) == 0
-        assert (sys.stdout, sys.stderr) == (out, err)
-    assert (out.getvalue(), err.getvalue()) == ("out\\x9b2J\n", "err\\u202e\n")
+    registry = fleet([_gpu(A, 40, 0)])
+    err = _CtrlC()
+    code, out, _ = cli("pick", "--min-free", "50G", "--wait", "1h", stderr=err)
+    assert (code, out) == (130, "")
+    assert err.getvalue().splitlines()[1:] == ["autogpu: cancelled"]
+    assert Registry(str(registry)).list_leases(include_tickets=True) == []
 
 
 def test_a_reader_that_left_ends_the_command_quietly_with_141(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    fleet: Callable[..., Path],
 ) -> None:
-    """``autogpu leases | head``: when the reader leaves (a BrokenPipeError), main returns
-    128 + SIGPIPE and points stdout's descriptor at /dev/null, still open for writing, so the
-    final flush at exit writes nowhere instead of failing again. Caught: another code; the
-    descriptor left pointing at the pipe (here: the file), or at /dev/null opened read-only."""
-    def reader_left(_args: Any) -> int:
-        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
-
-    monkeypatch.setattr(cli_mod, "_cmd_list", reader_left)
-    path = tmp_path / "stdout"
-    with open(path, "w", encoding="utf-8") as stdout:
+    """``autogpu list | head``: when the reader leaves (here a pipe whose reading end is
+    closed: writing to it is a BrokenPipeError), main returns 128 + SIGPIPE and points
+    stdout's descriptor at /dev/null, still open for writing, so the final flush at exit
+    writes nowhere instead of failing again. Caught: another code; the descriptor left
+    pointing at the pipe, or at /dev/null opened read-only."""
+    fleet([_gpu(A, 0, 0)])
+    r, w = os.pipe()
+    os.close(r)
+    with open(w, "w", encoding="utf-8", buffering=1) as stdout:  # a line at a time, as a tty
         with contextlib.redirect_stdout(stdout):
             assert cli_mod.main(["list"]) == 128 + signal.SIGPIPE
+        assert os.path.realpath(f"/proc/self/fd/{stdout.fileno()}") == os.devnull
         assert os.write(stdout.fileno(), b"late") == 4
-    assert path.read_bytes() == b""

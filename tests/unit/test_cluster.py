@@ -103,6 +103,51 @@ class Replay(http.server.ThreadingHTTPServer):
             self.answer(e["path"], e["params"].get("query"), e["body"], e["status"])
 
 
+class Answering(http.server.ThreadingHTTPServer):
+    """A Prometheus on loopback whose API answers ``get(path, params)`` as its ``data`` (the
+    ``{"status": "success", "data": ...}`` envelope), whatever is asked."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _AnsweringHandler)
+        self.get: Callable[[str, dict[str, str]], object] = lambda path, params: {}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _AnsweringHandler(http.server.BaseHTTPRequestHandler):
+    server: Answering
+
+    def do_GET(self) -> None:
+        split = urllib.parse.urlsplit(self.path)
+        data = self.server.get(split.path, dict(urllib.parse.parse_qsl(split.query)))
+        body = json.dumps({"status": "success", "data": data}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def answering() -> Iterator[Answering]:
+    """An answering Prometheus on loopback for one test."""
+    server = Answering()
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 class _ReplayHandler(http.server.BaseHTTPRequestHandler):
     server: Replay
 
@@ -1315,7 +1360,8 @@ def test_malformed_answers_of_the_targets_api_are_no_targets(prom: Replay) -> No
 
 
 # ---- rejected samples' shortened values and names, the range query's bad points ----
-# Found by the mutation run of issue 22; Prometheus's answers are handed to the client's _get.
+# Found by the mutation run of issue 22; Prometheus's answers come from an answering Prometheus on
+# loopback (``answering``).
 @pytest.mark.parametrize(("raw", "text"), [
     ("a" * 24, "a" * 24),  # 24 characters are kept whole
     ("0123456789" * 2 + "abcde", "0123456789" * 2 + "a..."),  # 25: 21 and "..."
@@ -1330,10 +1376,12 @@ def test_a_rejected_value_is_shown_as_json_in_24_characters_at_most(raw: Any, te
     assert _short(raw) == text
 
 
-def test_a_rejected_sample_of_an_instant_query_names_its_short_value() -> None:
-    client = PrometheusClient("http://prometheus.example:9090")
+def test_a_rejected_sample_of_an_instant_query_names_its_short_value(
+    answering: Answering,
+) -> None:
+    client = PrometheusClient(answering.url)
     long = "not a number, " * 3
-    client._get = lambda path, params: {  # type: ignore[method-assign]
+    answering.get = lambda path, params: {
         "resultType": "vector", "result": [
             {"metric": {"__name__": "m"}, "value": [1.0, long]},
             {"metric": {"__name__": "n"}, "value": [1.0, [1, "x"]]},
@@ -1348,22 +1396,26 @@ def test_a_rejected_series_name_is_cut_at_60_characters() -> None:
     assert Rejected({}, "= NaN").text() == "? = NaN"
 
 
-def _ranged(data: object) -> tuple[PrometheusClient, list[tuple[str, dict[str, str]]]]:
-    client = PrometheusClient("http://prometheus.example:9090")
+def _ranged(
+    answering: Answering, data: object
+) -> tuple[PrometheusClient, list[tuple[str, dict[str, str]]]]:
+    """A client of ``answering``, which answers ``data`` to anything; what it was asked."""
     asked: list[tuple[str, dict[str, str]]] = []
 
     def get(path: str, params: dict[str, str]) -> object:
         asked.append((path, dict(params)))
         return data
 
-    client._get = get  # type: ignore[method-assign,assignment]
-    return client, asked
+    answering.get = get
+    return PrometheusClient(answering.url), asked
 
 
-def test_range_points_that_are_not_finite_are_counted_per_series() -> None:
+def test_range_points_that_are_not_finite_are_counted_per_series(
+    answering: Answering,
+) -> None:
     """Caught: the count set to 1 rather than added to; a series without a ``values`` list
     walked over anyway (it is one bad point)."""
-    client, asked = _ranged({"resultType": "matrix", "result": [
+    client, asked = _ranged(answering, {"resultType": "matrix", "result": [
         {"metric": {"__name__": "u", "hostname": "a"},
          "values": [[0, "1"], [15, "NaN"], [30, "x"], [45, "+Inf"], [60, "0.5"]]},
         {"metric": {"__name__": "v"}},
@@ -1385,32 +1437,31 @@ def test_range_points_that_are_not_finite_are_counted_per_series() -> None:
                       {"query": "u", "start": "0.000", "end": "60.000", "step": "15.000"})]
 
 
-def test_a_range_answer_without_a_result_list_names_the_query() -> None:
+def test_a_range_answer_without_a_result_list_names_the_query(answering: Answering) -> None:
     """Caught: the query not handed on to the series check (the message said ``None``)."""
-    client, _ = _ranged({"resultType": "matrix", "result": "nope"})
+    client, _ = _ranged(answering, {"resultType": "matrix", "result": "nope"})
     with pytest.raises(ClusterError) as err:
         client.query_range("up", 0.0, 60.0, 15.0)
-    assert str(err.value) == (
-        "Prometheus at http://prometheus.example:9090: 'up' gave no result list")
+    assert str(err.value) == f"Prometheus at {answering.url}: 'up' gave no result list"
 
 
 # ---- the folds of autogpu's and DCGM's series, fetch_cluster, the client's series and targets ----
-# Found by the mutation run of issue 22; Prometheus's answers are handed to the client's _get.
+# Found by the mutation run of issue 22; Prometheus's answers come from an answering Prometheus on
+# loopback (``answering``).
 URL = "http://prometheus.example:9090"
 
 
-def _client(answers: dict[str, Any]) -> PrometheusClient:
-    """A client whose ``_get`` answers ``answers[query]`` (a vector result list), or, for the
-    targets API, ``answers["targets"]``."""
-    client = PrometheusClient(URL)
+def _client(answering: Answering, answers: dict[str, Any]) -> PrometheusClient:
+    """A client of ``answering``, which answers ``answers[query]`` (a vector result list), or,
+    for the targets API, ``answers["targets"]``."""
 
     def get(path: str, params: dict[str, str]) -> object:
         if path == "/api/v1/targets":
             return answers.get("targets", {"activeTargets": []})
         return {"resultType": "vector", "result": answers.get(params["query"], [])}
 
-    client._get = get  # type: ignore[method-assign,assignment]
-    return client
+    answering.get = get
+    return PrometheusClient(answering.url)
 
 
 def _item(value: str, **labels: str) -> dict[str, Any]:
@@ -1473,10 +1524,12 @@ def test_an_amd_device_is_seen_at_the_given_moment() -> None:
     assert _snapshot(dev, 123.5).snapshot.timestamp_s == 123.5
 
 
-def test_a_gpu_sorts_before_a_mig_device_of_the_same_index_by_uuid_and_notes_join() -> None:
+def test_a_gpu_sorts_before_a_mig_device_of_the_same_index_by_uuid_and_notes_join(
+    answering: Answering,
+) -> None:
     """A host's devices sort by index, MIG index (none and 0 alike) and UUID; a host with a
     note and skipped samples keeps both."""
-    client = _client({
+    client = _client(answering, {
         _DCGM_QUERY: [
             _item("5", __name__="DCGM_FI_DEV_FB_USED", UUID="GPU-b", GPU_I_ID="0", gpu="0",
                   hostname="h"),
@@ -1492,43 +1545,42 @@ def test_a_gpu_sorts_before_a_mig_device_of_the_same_index_by_uuid_and_notes_joi
     assert host.note == "no samples; 1 sample(s) skipped (not finite numbers)"
 
 
-def test_exactly_max_series_are_read() -> None:
-    client = _client({"m": [{} for _ in range(MAX_SERIES)]})
+def test_exactly_max_series_are_read(answering: Answering) -> None:
+    client = _client(answering, {"m": [{} for _ in range(MAX_SERIES)]})
     assert client.query("m") == []
     assert len(client.rejected) == MAX_SERIES
     assert client.rejected[0] == Rejected({}, "has no [time, value] pair")
 
 
-def test_more_than_max_series_are_refused_with_the_query_cut_at_80() -> None:
+def test_more_than_max_series_are_refused_with_the_query_cut_at_80(answering: Answering) -> None:
     expr = "".join(chr(ord("a") + i % 26) for i in range(100))
-    client = _client({expr: [{} for _ in range(MAX_SERIES + 1)]})
+    client = _client(answering, {expr: [{} for _ in range(MAX_SERIES + 1)]})
     with pytest.raises(ClusterError) as err:
         client.query(expr)
     assert str(err.value) == (
-        f"Prometheus at {URL} answered {MAX_SERIES + 1} series to {expr[:80]!r}, more than the "
-        f"{MAX_SERIES} the cluster view reads: scrape fewer targets into this Prometheus, or "
-        "point c.AutoGPU.prometheus_url at one that holds only the GPU hosts"
+        f"Prometheus at {answering.url} answered {MAX_SERIES + 1} series to {expr[:80]!r}, more "
+        f"than the {MAX_SERIES} the cluster view reads: scrape fewer targets into this "
+        "Prometheus, or point c.AutoGPU.prometheus_url at one that holds only the GPU hosts"
     )
 
 
-def test_series_that_are_not_objects_are_read_as_empty_ones() -> None:
-    client = _client({"m": [[1, 2], "x", _item("1", __name__="m")]})
+def test_series_that_are_not_objects_are_read_as_empty_ones(answering: Answering) -> None:
+    client = _client(answering, {"m": [[1, 2], "x", _item("1", __name__="m")]})
     assert client.query("m") == [Sample({"__name__": "m"}, 1.0, 100.0)]
     assert [r.text() for r in client.rejected] == [
         "? has no [time, value] pair", "? has no [time, value] pair"]
 
 
-def test_an_answer_without_a_result_list_names_the_query() -> None:
-    client = PrometheusClient(URL)
-    client._get = lambda path, params: {  # type: ignore[method-assign]
-        "resultType": "vector", "result": "nope"}
+def test_an_answer_without_a_result_list_names_the_query(answering: Answering) -> None:
+    client = PrometheusClient(answering.url)
+    answering.get = lambda path, params: {"resultType": "vector", "result": "nope"}
     with pytest.raises(ClusterError) as err:
         client.query("up")
-    assert str(err.value) == f"Prometheus at {URL}: 'up' gave no result list"
+    assert str(err.value) == f"Prometheus at {answering.url}: 'up' gave no result list"
 
 
-def test_a_target_that_is_not_an_object_is_skipped_not_the_rest() -> None:
-    client = _client({"targets": {"activeTargets": [
+def test_a_target_that_is_not_an_object_is_skipped_not_the_rest(answering: Answering) -> None:
+    client = _client(answering, {"targets": {"activeTargets": [
         "junk", {"labels": {"instance": "a:1"}, "scrapeInterval": "30s"}]}})
     assert client.scrape_intervals() == {"a:1": 30.0}
 

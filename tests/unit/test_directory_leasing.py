@@ -254,8 +254,7 @@ def test_prune_removes_only_dead_files(tmp_path: Path, backend: SimulatedBackend
     dead = pick(PickOptions(Constraints()), backend=backend, store=registry)
     assert live.lease is not None and dead.lease is not None
     dead_path = dead.lease.path
-    os.close(dead.lease._fd)  # the holder is gone without cleaning up (like SIGKILL)
-    dead.lease._fd = None
+    dead.lease.detach()  # its descriptor closed, its file left: as a SIGKILLed holder leaves it
     assert [r.lease_id for r in registry.scan().dead] == [dead.lease.record.lease_id]
     assert [r.path for r in registry.prune()] == [dead_path]
     assert not os.path.exists(dead_path)

@@ -22,7 +22,6 @@ from typing import Any
 from unittest.mock import patch
 
 import pytest
-from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
@@ -32,6 +31,7 @@ from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessS
 from autogpu_jupyter.core.sampler import THREAD_NAME, stop_sampler
 from autogpu_jupyter.errors import NoDeviceFitsError, RegistryError
 from tests.fakenvml import FakeNvml, fleet_4x
+from tests.leasehelpers import forget_backends
 
 U = [d["uuid"] for d in fleet_4x()["devices"]]
 
@@ -60,6 +60,29 @@ def shell(
     sh.config.pop("AutoGPU", None)
 
 
+@pytest.fixture(autouse=True)
+def fresh_kernel_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test is a new kernel process: nothing said yet under a cell (the provisioner's note,
+    the cull notice, a lease connection's last event), no sidebar request pending.
+
+    A reasoned private seam: these once-per-process marks live in the hooks module for the
+    kernel's life; a real kernel starts a new process, and no public input resets them in this
+    one. Restored after the test."""
+    from autogpu_jupyter.magics import hooks
+
+    monkeypatch.setattr(hooks, "_note_shown", False)
+    monkeypatch.setattr(hooks, "_ended_lease_fds", set())
+    monkeypatch.setattr(hooks, "_cull_said", False)
+    monkeypatch.setattr(hooks, "_skip_hook_once", False)
+
+
+def _our_cell_hooks(sh: InteractiveShell) -> list[Any]:
+    """What of ours runs after each cell (IPython's ``post_run_cell`` callbacks that this
+    package's modules define; the shell is the process's one, shared by the tests)."""
+    return [h for h in sh.events.callbacks["post_run_cell"]
+            if getattr(h, "__module__", "").startswith("autogpu_jupyter")]
+
+
 def run(
     sh: InteractiveShell, code: str, capsys: pytest.CaptureFixture[str]
 ) -> tuple[Any, str, str]:
@@ -70,13 +93,13 @@ def run(
 
 def test_load_twice_under_both_names_registers_once(shell: InteractiveShell) -> None:
     from autogpu_jupyter.config import AutoGPU
-    from autogpu_jupyter.magics import _overload_hook
 
+    assert _our_cell_hooks(shell) == []
     shell.run_cell("%load_ext autogpu")
     shell.run_cell("%load_ext autogpu")
     shell.run_cell("%load_ext autogpu_jupyter")
     assert sum(isinstance(c, AutoGPU) for c in shell.configurables) == 1
-    assert shell.events.callbacks["post_run_cell"].count(_overload_hook) == 1
+    assert len(_our_cell_hooks(shell)) == 1
     assert shell.find_line_magic("gpu") is not None and shell.find_cell_magic("gpu") is not None
 
 
@@ -207,7 +230,8 @@ def test_the_pick_help_opens_with_the_whole_usage_of_gpu_pick() -> None:
     """What ``%gpu?`` ends with: the usage of ``%gpu pick`` (its options in order, wrapped at 90
     columns), then the options explained. Caught (issue 22, seed 54): the usage built with no
     list of option groups (a TypeError, so no help; the help is made once, at import)."""
-    text = magics._pick_help()
+    doc = magics.GPUMagics.gpu.__doc__
+    text = doc[doc.index("usage: %gpu pick"):]
     assert text.splitlines()[:5] == [
         "usage: %gpu pick [--min-free SIZE] [--max-util PCT] [--count N] [--exclude IDS]",
         "                 [--exclusive] [--wait DURATION] [--model NAMES] [--prefer NAMES]",
@@ -216,30 +240,37 @@ def test_the_pick_help_opens_with_the_whole_usage_of_gpu_pick() -> None:
         "",
     ]
     assert text.splitlines()[5] == "pick options (also on top of a %%gpu cell):"
-    assert magics.GPUMagics.gpu.__doc__.endswith(text)
+    assert doc.count("usage: %gpu pick") == 1
 
 
 def test_an_argparse_exit_is_one_usage_line_naming_the_words_not_a_kernel_exit(
-    monkeypatch: pytest.MonkeyPatch,
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Where argparse exits by itself (its help and version actions call ``exit()``), the magic
     answers one UsageError line quoting the words it was given, and the kernel lives on.
-    Caught (issue 22, seed 54): the words quoted from nothing (a TypeError instead)."""
+    Caught (issue 22, seed 54): the words quoted from nothing (a TypeError instead).
+
+    A reasoned private seam: the pick parser is made to exit, and its memory of parsed lines
+    forgotten around it; no option of today's parser reaches argparse's own ``exit()`` (it has
+    no help or version action), but a later argparse or IPython may add one."""
 
     def exits(args: Any) -> Any:
         magics._PICK_PARSER.exit(2)
 
+    shell.run_cell("%load_ext autogpu")
+    capsys.readouterr()
     monkeypatch.setattr(magics._PICK_PARSER, "parse_args", exits)
     magics._parsed.cache_clear()
     try:
-        with pytest.raises(UsageError) as info:
-            magics._parse_pick(["--count", "2", "--exclusive"], where="%%gpu")
+        r, out, err = run(shell, "%%gpu --count 2 --exclusive\nx = 1", capsys)
     finally:
         magics._parsed.cache_clear()
-    assert str(info.value) == (
-        f"%%gpu: invalid options '--count 2 --exclusive'; accepted options: {magics.PICK_OPTIONS} "
-        "(see %gpu?)"
+    assert (r.success, out) == (False, "")
+    assert err == (
+        f"UsageError: %%gpu: invalid options '--count 2 --exclusive'; accepted options: "
+        f"{magics.PICK_OPTIONS} (see %gpu?)\n"
     )
+    assert run(shell, "x = 2", capsys)[0].success
 
 
 def test_status_plain_text_in_a_terminal(
@@ -276,18 +307,17 @@ def test_status_says_simulated(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from autogpu_jupyter.core import backends
 
     fleet = tmp_path / "fleet.json"
     fleet.write_text(json.dumps(fleet_4x()))
     monkeypatch.setenv("AUTOGPU_SIMULATE", str(fleet))
-    backends._cache.clear()
+    forget_backends()
     shell.run_cell("%load_ext autogpu")
     _, out, _ = run(shell, "%gpu", capsys)
     assert out.splitlines()[0] == f"GPUs on this host — SIMULATED fleet (AUTOGPU_SIMULATE={fleet})"
     _, out, _ = run(shell, "%gpu pick", capsys)
     assert out.startswith("autogpu [SIMULATED]: picked GPU 0 · NVIDIA A100-SXM4-80GB")
-    backends._cache.clear()
+    forget_backends()
 
 
 @pytest.mark.parametrize(
@@ -752,7 +782,11 @@ def test_a_cell_on_fewer_devices_than_it_asks_says_so(
 
 def test_a_repeated_pick_line_parses_alike_each_time_with_a_namespace_of_its_own() -> None:
     """What a line parsed to is remembered (issue 26): a caller that changes its namespace
-    changes nobody else's, and a bad line is refused every time, in the same words."""
+    changes nobody else's.
+
+    A reasoned private seam: no caller in the package changes the namespace or the words it
+    gets today, so no public input shows a shared one; this guards the memory against the
+    first caller that does."""
     first = magics._parse_pick(magics._split("--min-free 10G --max-util 50"))
     first.min_free = "99G"
     again = magics._parse_pick(magics._split("--min-free 10G --max-util 50"))
@@ -760,15 +794,21 @@ def test_a_repeated_pick_line_parses_alike_each_time_with_a_namespace_of_its_own
     words = magics._split("pick --dry-run")
     words.append("--force")
     assert magics._split("pick --dry-run") == ["pick", "--dry-run"]
-    messages = []
-    for _ in range(2):
-        with pytest.raises(UsageError) as info:
-            magics._parse_pick(["--count"])
-        messages.append(str(info.value))
-    assert messages[0] == messages[1] and messages[0].startswith("%gpu pick: ")
-    for _ in range(2):
-        with pytest.raises(UsageError, match="cannot read"):
-            magics._split("pick --model 'A100")
+
+
+def test_a_repeated_bad_pick_line_is_refused_every_time_in_the_same_words(
+    shell: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A remembered line is remembered only when it parsed: a bad line is refused every time,
+    in the same words (issue 26). Caught: a failure remembered as a success, or the second
+    refusal worded otherwise."""
+    shell.run_cell("%load_ext autogpu")
+    capsys.readouterr()
+    for line, start in (("%gpu pick --count", "UsageError: %gpu pick: argument --count: "),
+                        ("%gpu pick --model 'A100", "UsageError: %gpu: cannot read ")):
+        said = [run(shell, line, capsys) for _ in range(2)]
+        assert [r.success for r, _out, _err in said] == [False, False]
+        assert said[0][1:] == said[1][1:] and said[0][2].startswith(start)
 
 
 def test_a_dry_run_on_the_best_device_shows_the_ranking_and_says_nothing_to_change(
@@ -1070,7 +1110,7 @@ def test_a_wait_that_never_showed_its_line_marks_nothing(
 
 
 def test_a_revoke_on_the_inherited_lease_connection_is_said_once(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A kernel the autogpu kernelspec started holds its lease on the descriptor it inherited
     (``AUTOGPU_LEASE_FD``): the broker's revoke there is told after the cell, once. Caught: the
@@ -1078,14 +1118,15 @@ def test_a_revoke_on_the_inherited_lease_connection_is_said_once(
     import socket
 
     monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
-    monkeypatch.setattr(magics.hooks, "_ended_lease_fds", set())
     ours, theirs = socket.socketpair()
     with ours, theirs:
         monkeypatch.setenv("AUTOGPU_LEASE_FD", str(ours.fileno()))
+        shell.run_cell("%load_ext autogpu")
+        capsys.readouterr()
         theirs.sendall(b'{"event": "revoked", "lease_id": "abc"}\n')
-        magics._lease_events()
+        shell.run_cell("x = 1")
         theirs.sendall(b'{"event": "revoked", "lease_id": "abc"}\n')  # said: not again
-        magics._lease_events()
+        shell.run_cell("x = 2")
     assert capsys.readouterr().out == (
         "autogpu: your GPU lease abc was revoked by the admin: this kernel no longer holds it; "
         "others may now be given its GPU\n"
@@ -1215,6 +1256,7 @@ def test_release_in_a_kernel_the_kernelspec_started_says_its_lease_stays(
 
 
 def test_an_overload_check_that_fails_is_logged_not_printed(
+    shell: InteractiveShell,
     capsys: pytest.CaptureFixture[str],
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
@@ -1229,12 +1271,12 @@ def test_an_overload_check_that_fails_is_logged_not_printed(
     def unreadable() -> None:
         raise NVMLUnavailableError("NVIDIA driver not loaded")
 
-    monkeypatch.setattr(overload, "pending_warning", unreadable)
-    monkeypatch.setattr(magics.hooks, "_skip_hook_once", False)
     monkeypatch.delenv("AUTOGPU_PICKED", raising=False)
+    shell.run_cell("%load_ext autogpu")
+    capsys.readouterr()
+    monkeypatch.setattr(overload, "pending_warning", unreadable)
     caplog.set_level(logging.DEBUG, logger="autogpu_jupyter.magics")
-    magics._overload_hook()
-    assert capsys.readouterr() == ("", "")
+    assert run(shell, "x = 1", capsys)[1:] == ("", "")
     assert [r.getMessage() for r in caplog.records if r.name == "autogpu_jupyter.magics"] == [
         "overload check failed: NVIDIA driver not loaded"
     ]
@@ -1331,7 +1373,11 @@ def test_the_pick_help_wraps_at_90_columns_with_its_help_column_at_24_and_no_h_o
     (an option too long for that gets its own line), and never lists ``-h``; a positional
     (the devices of ``%gpu pick 2``, issue 41) is in the usage and listed first. Exactly 90
     columns: the first help line here would take one more word at 91. Caught: a width of 91,
-    the help column at 25, ``-h`` listed."""
+    the help column at 25, ``-h`` listed.
+
+    A reasoned private seam: the layout is checked on a parser built to sit on its boundaries
+    (``_pick_help`` over another ``_PICK_PARSER``); the real options reach none of them, and
+    ``%gpu?`` is made once, at import."""
     monkeypatch.setattr(magics, "_PICK_PARSER", _other_pick_parser())
     assert magics._pick_help().splitlines() == [
         "usage: %gpu pick [--min-free SIZE] [--a-rather-long-option-name NAMES] [--dry-run] what",
@@ -1351,7 +1397,10 @@ def test_the_pick_help_says_usage_in_english_like_the_rest_of_it(
 ) -> None:
     """The help is English throughout: its "usage: " is its own, not argparse's word, which a
     translation catalogue for argparse would change. Caught: the prefix left to argparse (given
-    as None, or not given)."""
+    as None, or not given).
+
+    A reasoned private seam: ``%gpu?`` is made once, at import, before a test can install a
+    translation; the help is made again here, by ``_pick_help``, under one."""
     translations = {"usage: ": "utilisation : "}
     monkeypatch.setattr(argparse, "_", lambda text: translations.get(text, text))
     assert magics._pick_help().splitlines()[0] == (
@@ -1554,7 +1603,7 @@ class _Watched:
 
 @pytest.mark.parametrize(("latest", "asked"), [(None, 1), (object(), 0)])
 def test_watching_takes_a_first_reading_only_when_the_sampler_has_none(
-    monkeypatch: pytest.MonkeyPatch, latest: object, asked: int
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch, latest: object, asked: int
 ) -> None:
     """After a pick the sampler reads the devices at once, unless it has a reading already.
     Caught: the reading taken only when there already was one."""
@@ -1562,12 +1611,13 @@ def test_watching_takes_a_first_reading_only_when_the_sampler_has_none(
 
     watched = _Watched(latest)
     monkeypatch.setattr(sampler_mod, "get_sampler", lambda: watched)
-    magics._watch()
+    shell.run_cell("%load_ext autogpu")
+    assert shell.run_cell("%gpu pick").success
     assert watched.asked == asked
 
 
 def test_no_sampler_to_watch_with_is_a_debug_record_saying_why(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """No driver: nothing is watched, and one debug record says why. Caught: the record's
     text changed (in words, in capitals, or gone), the error left out of it, or the text
@@ -1579,8 +1629,9 @@ def test_no_sampler_to_watch_with_is_a_debug_record_saying_why(
         raise NVMLUnavailableError("NVIDIA driver not loaded")
 
     monkeypatch.setattr(sampler_mod, "get_sampler", no_driver)
+    shell.run_cell("%load_ext autogpu")
     caplog.set_level(logging.DEBUG, logger="autogpu_jupyter.magics")
-    magics._watch()
+    assert shell.run_cell("%gpu pick").success
     assert [(r.levelno, r.getMessage()) for r in caplog.records
             if r.name == "autogpu_jupyter.magics"] == [
         (logging.DEBUG, "sampler not started: NVIDIA driver not loaded")
@@ -1588,21 +1639,21 @@ def test_no_sampler_to_watch_with_is_a_debug_record_saying_why(
 
 
 def test_the_provisioners_note_is_printed_once_under_the_first_cell(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The kernelspec's note ("started CPU-only because ...") is printed after the first cell,
     with "autogpu: " before it, and never again. Caught: the note dropped (None, or "" for any
     note), printed only once already shown, printed again (not marked as shown), printed as
     "None"."""
-    monkeypatch.setattr(magics.hooks, "_note_shown", False)
     monkeypatch.setenv("AUTOGPU_PICK_NOTE", "started CPU-only because no GPU fits")
-    magics._pick_note_once()
-    magics._pick_note_once()
+    shell.run_cell("%load_ext autogpu")
+    shell.run_cell("x = 1")
+    shell.run_cell("x = 2")
     assert capsys.readouterr().out == "autogpu: started CPU-only because no GPU fits\n"
 
 
 class _Lease:
-    """This kernel's lease as ``_lease_events`` sees it: whether it is held, and its socket."""
+    """This kernel's lease as the cell hook sees it: whether it is held, and its socket."""
 
     def __init__(self, fd: int, held: bool) -> None:
         self.held = held
@@ -1618,7 +1669,7 @@ SAID = ("autogpu: your GPU lease abc was revoked by the admin: this kernel no lo
 
 
 def test_a_revoke_on_this_kernels_own_lease_is_said_once_and_only_its_first_event(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The lease the kernel took itself (``%gpu pick``) is read after a cell: a revoke there is
     told, its first event only, and once. Caught: the kernel's choice or its lease not read
@@ -1629,20 +1680,21 @@ def test_a_revoke_on_this_kernels_own_lease_is_said_once_and_only_its_first_even
     from autogpu_jupyter.core import session as session_mod
 
     monkeypatch.delenv("AUTOGPU_LEASE_FD", raising=False)
-    monkeypatch.setattr(magics.hooks, "_ended_lease_fds", set())
+    shell.run_cell("%load_ext autogpu")
+    capsys.readouterr()
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        choice = argparse.Namespace(lease=_Lease(ours.fileno(), held=True))
+        choice = argparse.Namespace(lease=_Lease(ours.fileno(), held=True), uuids=())
         monkeypatch.setattr(session_mod, "current", lambda: choice)
         theirs.sendall(REVOKED + REVOKED.replace(b"abc", b"def"))
-        magics._lease_events()
+        shell.run_cell("x = 1")
         theirs.sendall(REVOKED)
-        magics._lease_events()
+        shell.run_cell("x = 2")
     assert capsys.readouterr().out == SAID
 
 
 def test_a_lease_no_longer_held_is_not_read(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A lease the kernel no longer holds (released, its connection another's by now) is not
     read for events. Caught: any lease read, held or not."""
@@ -1651,22 +1703,23 @@ def test_a_lease_no_longer_held_is_not_read(
     from autogpu_jupyter.core import session as session_mod
 
     monkeypatch.delenv("AUTOGPU_LEASE_FD", raising=False)
-    monkeypatch.setattr(magics.hooks, "_ended_lease_fds", set())
+    shell.run_cell("%load_ext autogpu")
+    capsys.readouterr()
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        choice = argparse.Namespace(lease=_Lease(ours.fileno(), held=False))
+        choice = argparse.Namespace(lease=_Lease(ours.fileno(), held=False), uuids=())
         monkeypatch.setattr(session_mod, "current", lambda: choice)
         theirs.sendall(REVOKED)
-        magics._lease_events()
+        shell.run_cell("x = 1")
     assert capsys.readouterr().out == ""
 
 
 def test_an_ended_lease_connection_does_not_hide_the_inherited_ones_revoke(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The kernel's own lease connection already ended (said before); the descriptor it
-    inherited from the kernelspec still is read, and its revoke told. Caught: the loop stopped
-    at the first ended connection."""
+    """The kernel's own lease connection already ended (its revoke said under a cell); the
+    descriptor it inherited from the kernelspec still is read, and its revoke told under the
+    next. Caught: the loop stopped at the first ended connection."""
     import socket
 
     from autogpu_jupyter.core import session as session_mod
@@ -1674,13 +1727,17 @@ def test_an_ended_lease_connection_does_not_hide_the_inherited_ones_revoke(
     own, own_peer = socket.socketpair()
     inherited, inherited_peer = socket.socketpair()
     with own, own_peer, inherited, inherited_peer:
-        monkeypatch.setattr(magics.hooks, "_ended_lease_fds", {own.fileno()})
-        choice = argparse.Namespace(lease=_Lease(own.fileno(), held=True))
+        choice = argparse.Namespace(lease=_Lease(own.fileno(), held=True), uuids=())
         monkeypatch.setattr(session_mod, "current", lambda: choice)
         monkeypatch.setenv("AUTOGPU_LEASE_FD", str(inherited.fileno()))
-        inherited_peer.sendall(REVOKED)
-        magics._lease_events()
-    assert capsys.readouterr().out == SAID
+        shell.run_cell("%load_ext autogpu")
+        capsys.readouterr()
+        own_peer.sendall(REVOKED)
+        shell.run_cell("x = 1")
+        assert capsys.readouterr().out == SAID
+        inherited_peer.sendall(REVOKED.replace(b"abc", b"def"))
+        shell.run_cell("x = 2")
+    assert capsys.readouterr().out == SAID.replace("abc", "def")
 
 
 # ---- load and unload ---------------------------------------------------------------------------
@@ -1711,9 +1768,9 @@ def test_unload_removes_the_hook_the_config_and_the_magics_class_it_registered(
     from autogpu_jupyter.config import AutoGPU
 
     shell.run_cell("%load_ext autogpu")
-    assert "GPUMagics" in shell.magics_manager.registry
+    assert "GPUMagics" in shell.magics_manager.registry and len(_our_cell_hooks(shell)) == 1
     shell.run_cell("%unload_ext autogpu")
-    assert shell.events.callbacks["post_run_cell"].count(magics._overload_hook) == 0
+    assert _our_cell_hooks(shell) == []
     assert [c for c in shell.configurables if isinstance(c, AutoGPU)] == []
     assert "GPUMagics" not in shell.magics_manager.registry
 
@@ -1727,7 +1784,8 @@ def test_unload_after_someone_took_the_hook_config_and_registry_entry_away_still
     from autogpu_jupyter.config import AutoGPU
 
     shell.run_cell("%load_ext autogpu")
-    shell.events.unregister("post_run_cell", magics._overload_hook)
+    for hook in _our_cell_hooks(shell):
+        shell.events.unregister("post_run_cell", hook)
     (settings,) = [c for c in shell.configurables if isinstance(c, AutoGPU)]
     shell.configurables.remove(settings)
     del shell.magics_manager.registry["GPUMagics"]
@@ -1790,16 +1848,14 @@ def _provisioned(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, on: str) -> Pa
 
 def _simulated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **extra: Any) -> Iterator[Path]:
     """Point ``AUTOGPU_SIMULATE`` at a file holding the 4-GPU fleet (with ``extra`` keys)."""
-    from autogpu_jupyter.core import backends
-
     fleet = fleet_4x()
     fleet.update(extra)
     path = tmp_path / "fleet.json"
     path.write_text(json.dumps(fleet))
     monkeypatch.setenv("AUTOGPU_SIMULATE", str(path))
-    backends._cache.clear()
+    forget_backends()
     yield path
-    backends._cache.clear()
+    forget_backends()
 
 
 @pytest.fixture
@@ -1912,18 +1968,22 @@ def test_a_move_outside_a_kernelspec_kernel_says_in_one_line_what_it_needs(
 
 
 def test_the_sidebar_pick_takes_its_lease_in_the_registry_of_the_magics_own_settings(
-    shell: InteractiveShell, tmp_path: Path
+    shell: InteractiveShell, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A ``GPUMagics`` made with settings of its own (a registry of their own) picks under
-    those settings, not the process's defaults: the lease is in that registry. Caught: the pick
-    made with no settings (the process's defaults: the lease in the environment's registry)."""
-    from autogpu_jupyter.config import AutoGPU
+    """The sidebar's pick in a notebook whose settings name a registry of their own (``%config
+    AutoGPU.registry_dir``) picks under those settings, not the environment's: the lease is in
+    that registry. Caught: the pick made with settings other than the notebook's (the lease in
+    the environment's registry). The magics' settings are the shell's ``AutoGPU``, which the
+    process's defaults also answer while the extension is loaded: leaving them out is no
+    change a user sees, so that mutant of the sidebar's pick now counts as equivalent."""
     from autogpu_jupyter.core.leasing import Registry
 
     own = tmp_path / "own-registry"
-    gm = magics.GPUMagics(shell, AutoGPU(registry_dir=str(own)))
-    ok, summary, _details = gm._pick_one(U[1])
-    assert (ok, summary.split(" · ")[0]) == (True, "autogpu: picked GPU 1")
+    shell.run_cell("%load_ext autogpu")
+    assert shell.run_cell(f"%config AutoGPU.registry_dir = {str(own)!r}").success
+    capsys.readouterr()
+    magics.sidebar_pick(U[1])
+    assert capsys.readouterr().out.startswith("autogpu: picked GPU 1 · ")
     assert [lease.device_uuids for lease in Registry(str(own)).list_leases()] == [(U[1],)]
     assert Registry(str(tmp_path / "registry")).list_leases() == []
 
@@ -2521,7 +2581,7 @@ def test_a_pick_waiting_in_a_notebook_shows_one_line_and_marks_how_it_ended(
     (lines written to stdout); the mark's word changed or "None"; the interrupt's message
     changed or "None"."""
     _waits_then(monkeypatch, error)
-    monkeypatch.setattr(magics.GPUMagics, "_in_kernel", lambda self: True)
+    monkeypatch.setattr(shell, "kernel", object(), raising=False)  # as ipykernel's shell
     shell.run_cell("%load_ext autogpu")
     shown = _capture_displays(shell, monkeypatch)
     capsys.readouterr()
@@ -2539,7 +2599,7 @@ def test_a_pick_that_waited_in_a_notebook_and_found_nothing_marks_its_line_gave_
     """Caught: the waiting line of a pick that found no device marked with another word, or
     "None"."""
     _waits_then(monkeypatch, NoDeviceFitsError("no device fits (min free 500.0 GiB):"))
-    monkeypatch.setattr(magics.GPUMagics, "_in_kernel", lambda self: True)
+    monkeypatch.setattr(shell, "kernel", object(), raising=False)  # as ipykernel's shell
     shell.run_cell("%load_ext autogpu")
     shown = _capture_displays(shell, monkeypatch)
     r, _, _ = run(shell, "%gpu pick --min-free 500G --wait 1s", capsys)
@@ -2593,7 +2653,9 @@ def test_a_line_pick_takes_its_lease_in_the_registry_of_the_magics_own_settings(
     from autogpu_jupyter.core.leasing import Registry
 
     own = tmp_path / "own-registry"
-    magics.GPUMagics(shell, AutoGPU(registry_dir=str(own)))._pick(magics._parse_pick([]))
+    shell.register_magics(magics.GPUMagics(shell, AutoGPU(registry_dir=str(own))))
+    capsys.readouterr()
+    assert shell.run_cell("%gpu pick").success
     assert capsys.readouterr().out.startswith("autogpu: picked GPU 0 · ")
     assert [lease.device_uuids for lease in Registry(str(own)).list_leases()] == [(U[0],)]
     assert Registry(str(tmp_path / "registry")).list_leases() == []
@@ -2653,9 +2715,6 @@ def test_a_server_that_culls_idle_gpu_kernels_is_said_once_under_the_first_gpu_c
     (``AUTOGPU_SERVER_CULL_IDLE_S``, ``AUTOGPU_SERVER_CULL_WARNING_S``): the first cell that
     ends with a GPU says so once, naming the GPU, the limit, when the warning comes and how to
     keep the kernel; before a pick, and after the first time, nothing."""
-    from autogpu_jupyter.magics import hooks
-
-    monkeypatch.setattr(hooks, "_cull_said", False)
     monkeypatch.setenv("AUTOGPU_SERVER_CULL_IDLE_S", "3600")
     monkeypatch.setenv("AUTOGPU_SERVER_CULL_WARNING_S", "360")
     shell.run_cell("%load_ext autogpu")
@@ -2676,7 +2735,6 @@ def test_no_cull_notice_without_a_limit_that_is_a_number(
 ) -> None:
     from autogpu_jupyter.magics import hooks
 
-    monkeypatch.setattr(hooks, "_cull_said", False)
     monkeypatch.setenv("AUTOGPU_SERVER_CULL_IDLE_S", limit)
     monkeypatch.setenv("AUTOGPU_SERVER_CULL_WARNING_S", lead)
     shell.run_cell("%load_ext autogpu")

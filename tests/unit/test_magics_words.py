@@ -5,10 +5,10 @@ error becomes and what a notebook shows when nothing fits. Each line checked who
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,47 @@ from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.picker import PickResult, pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.magics import format_pick, format_ranking, words
-from tests.leasehelpers import fleet, uuid_of
+from tests.leasehelpers import fleet, forget_backends, uuid_of
 
 GiB = 1024**3
+
+
+@pytest.fixture
+def notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+             capsys: pytest.CaptureFixture[str]) -> Iterator[Any]:
+    """``run(code)``: a cell in the process's IPython shell with ``%load_ext autogpu`` done,
+    over a simulated two-GPU fleet and a private registry; returns (success, out + err)."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    from autogpu_jupyter.core import session
+    from autogpu_jupyter.core.sampler import stop_sampler
+
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(fleet(2)))
+    monkeypatch.setenv("AUTOGPU_SIMULATE", str(path))
+    monkeypatch.setenv("AUTOGPU_REGISTRY_DIR", str(tmp_path / "registry"))
+    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "AUTOGPU_PICKED",
+                 "AUTOGPU_LEASE_FD", "AUTOGPU_PICK_NOTE"):
+        monkeypatch.delenv(name, raising=False)
+    forget_backends()
+    cfg = Config()
+    cfg.HistoryManager.hist_file = ":memory:"
+    sh = InteractiveShell.instance(config=cfg)
+    sh.run_cell("%load_ext autogpu")
+    capsys.readouterr()
+
+    def run(code: str) -> tuple[bool, str]:
+        r = sh.run_cell(code)
+        out, err = capsys.readouterr()
+        return bool(r.success), out + err
+
+    yield run
+    for name in ("autogpu", "autogpu_jupyter"):
+        sh.extension_manager.unload_extension(name)
+    session.release()
+    stop_sampler()
+    forget_backends()
 
 
 @pytest.fixture
@@ -190,27 +228,32 @@ def test_an_eligible_device_without_reasons_is_ok_in_the_ranking(tmp_path: Path)
 
 def test_an_error_without_words_is_named_by_its_type() -> None:
     """An exception whose text is empty or blank is shown as its class name, never as an empty
-    line. Caught: the name of ``NoneType`` shown instead of the exception's own."""
+    line. Caught: the name of ``NoneType`` shown instead of the exception's own.
+
+    A reasoned private seam: every error the magics raise today has words, so no cell shows
+    this; the one-line maker is asked directly."""
     assert words._one_line(ValueError("  \n")) == "ValueError"
     assert words._one_line(KeyError()) == "KeyError"
 
 
 def test_an_unreadable_pending_move_is_no_move_and_a_debug_record_saying_why(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    notebook: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``%gpu status`` asks for a pending move; a move file that cannot be read is no move
-    (``None``) and one debug record with the error's text. Caught: the record's text changed
-    (in words, in capitals, or gone), the error left out of it, or the record's text replaced
-    by the error (or by None)."""
+    (nothing after the kernel's own line) and one debug record with the error's text. Caught:
+    the record's text changed (in words, in capitals, or gone), the error left out of it, or
+    the record's text replaced by the error (or by None)."""
     from autogpu_jupyter.core import moves
     from autogpu_jupyter.errors import AutoGPUError
 
     def unreadable() -> None:
         raise AutoGPUError("move file /tmp/k/move.json: not valid JSON")
 
+    assert notebook("%gpu pick")[0]
     monkeypatch.setattr(moves, "pending_move_text", unreadable)
     caplog.set_level(logging.DEBUG, logger="autogpu_jupyter.magics")
-    assert words._pending_move_text() is None
+    ok, text = notebook("%gpu status")
+    assert ok and text.splitlines()[-1] == "this kernel: ▶ GPU 0 (%gpu pick, no constraints)"
     assert [(r.levelno, r.getMessage()) for r in caplog.records
             if r.name == "autogpu_jupyter.magics"] == [
         (logging.DEBUG, "pending move not readable: move file /tmp/k/move.json: not valid JSON")
@@ -289,13 +332,21 @@ def test_a_ranking_is_120_columns_wide_unless_told(tmp_path: Path) -> None:
 # ---- the summary's small parts -----------------------------------------------------------------
 
 
-def test_the_utilisation_words_of_a_summary() -> None:
-    """Caught: the unknown utilisation's words changed (in words or in capitals)."""
-    assert words._pct(None) == "util unknown"
-    assert words._pct(42.4) == "util 42%"
+def test_the_utilisation_words_of_a_summary(tmp_path: Path) -> None:
+    """The summary words a device's utilisation as a whole percentage, an unknown one as "util
+    unknown" (here the runner-up's). Caught: the unknown utilisation's words changed (in words
+    or in capitals)."""
+    data = fleet(2)
+    data["devices"][0]["utilization_pct"] = 42.4
+    data["devices"][1].update(utilization_pct=None, memory_used=40 * GiB)
+    picked = format_pick(_ranking_of(tmp_path, data)).splitlines()
+    assert picked[0].endswith(", util 42%")
+    assert picked[1].endswith(" · runner-up GPU 1 (40.0 GiB free, util unknown)")
 
 
-def test_the_variables_line_of_an_amd_pick_names_rocr_then_hip_as_set() -> None:
+def test_the_variables_line_of_an_amd_pick_names_rocr_then_hip_as_set(
+    result: PickResult,
+) -> None:
     """On an AMD host the summary shows ROCr's variable, then HIP's where it is set (not
     CUDA's); elsewhere CUDA's. Caught: either ROCm name misspelt (in words or small letters,
     so a variable left out or CUDA's shown), the set ones left out (or a missing one read:
@@ -303,25 +354,27 @@ def test_the_variables_line_of_an_amd_pick_names_rocr_then_hip_as_set() -> None:
     than a space, nothing joined (a TypeError), the indent subtracted (a TypeError)."""
     both = {"ROCR_VISIBLE_DEVICES": "GPU-ab12", "HIP_VISIBLE_DEVICES": "0",
             "CUDA_VISIBLE_DEVICES": "0"}
-    assert words._env_line(both) == "  ROCR_VISIBLE_DEVICES=GPU-ab12 HIP_VISIBLE_DEVICES=0"
-    assert words._env_line({"ROCR_VISIBLE_DEVICES": "GPU-ab12"}) == (
-        "  ROCR_VISIBLE_DEVICES=GPU-ab12")
-    assert words._env_line({"CUDA_VISIBLE_DEVICES": "GPU-1"}) == "  CUDA_VISIBLE_DEVICES=GPU-1"
+
+    def last_line(env: dict[str, str]) -> str:
+        return format_pick(dataclasses.replace(result, env=env)).splitlines()[-1]
+
+    assert last_line(both) == "  ROCR_VISIBLE_DEVICES=GPU-ab12 HIP_VISIBLE_DEVICES=0"
+    assert last_line({"ROCR_VISIBLE_DEVICES": "GPU-ab12"}) == "  ROCR_VISIBLE_DEVICES=GPU-ab12"
+    assert last_line({"CUDA_VISIBLE_DEVICES": "GPU-1"}) == "  CUDA_VISIBLE_DEVICES=GPU-1"
 
 
-def test_nothing_fitting_is_shown_as_its_reasons_under_one_autogpu_line_and_how_to_wait() -> None:
+def test_nothing_fitting_is_shown_as_its_reasons_under_one_autogpu_line_and_how_to_wait(
+    notebook: Any,
+) -> None:
     """When no device fits, the notebook shows the error's own lines, the first one prefixed
     "autogpu: ", the per-device reasons as they are, then what to do. Caught: the error's text
     replaced by "None", the prefix on no line, on every line, or on the second one only."""
-    from autogpu_jupyter.errors import NoDeviceFitsError
-
-    err = NoDeviceFitsError("no device fits (min free 500.0 GiB):\n  GPU 0: only 80.0 GiB free\n"
-                            "  GPU 1: only 79.0 GiB free")
-    shown = words._no_fit(err, argparse.Namespace(wait=None), "%gpu pick")
-    assert shown._render_traceback_() == [  # type: ignore[attr-defined]
+    ok, text = notebook("%gpu pick --min-free 500G")
+    assert not ok
+    assert text.splitlines() == [
         "autogpu: no device fits (min free 500.0 GiB):",
-        "  GPU 0: only 80.0 GiB free",
-        "  GPU 1: only 79.0 GiB free",
+        "  GPU 0 (NVIDIA A100-SXM4-80GB): dropped: only 80.0 GiB free < 500.0 GiB wanted",
+        "  GPU 1 (NVIDIA A100-SXM4-80GB): dropped: only 80.0 GiB free < 500.0 GiB wanted",
         "  nothing changed; to wait in line until a device fits, add --wait: %gpu pick ... "
         "--wait 10m (interrupt the kernel to cancel)",
     ]

@@ -16,14 +16,14 @@ from unittest.mock import ANY
 
 import pytest
 
-from autogpu_jupyter.core import backends, moves, session
+from autogpu_jupyter.core import moves, session
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.devices import DeviceSnapshot
 from autogpu_jupyter.core.leasing.directory import Registry
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.units import parse_size
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBase
-from tests.leasehelpers import uuid_of
+from tests.leasehelpers import forget_backends, uuid_of
 
 GiB = 1024**3
 U0, U1, U2, U3, U4 = (uuid_of(i) for i in range(5))
@@ -187,18 +187,23 @@ def test_a_well_formed_request_file_is_read(
         ({"kernel_id": "k1"}, "bad time"),
         ({**GOOD, "source": 3}, "bad source"),
         ({**GOOD, "source": "s" * 33}, "bad source"),
-        (b"{not json", "Expecting property name enclosed in double quotes: line 1 column 2 "
-         "(char 1)"),
-        (b"\xff\xfe", "'utf-8' codec can't decode byte 0xff in position 0: invalid start byte"),
+        # the reason is Python's own (json's, the codec's): only that one is given is pinned
+        (b"{not json", None),
+        (b"\xff\xfe", None),
     ],
 )
 def test_a_malformed_request_file_is_ignored_and_logged(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, payload: Any, why: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, payload: Any, why: str | None
 ) -> None:
     path = _write(tmp_path / "m.json", payload)
     with caplog.at_level(logging.WARNING, logger="autogpu_jupyter.core.moves"):
         assert moves.read_move(path) is None
-    assert caplog.messages == [f"ignoring malformed move request {path}: {why}"]
+    if why is not None:
+        assert caplog.messages == [f"ignoring malformed move request {path}: {why}"]
+    else:
+        (said,) = caplog.messages
+        head = f"ignoring malformed move request {path}: "
+        assert said.startswith(head) and said[len(head):].strip()
 
 
 def test_a_request_of_exactly_the_size_limit_is_read_and_a_larger_one_ignored(
@@ -529,12 +534,12 @@ def test_without_a_backend_or_environment_the_process_own_are_used(
 ) -> None:
     monkeypatch.setenv("AUTOGPU_SIMULATE", str(fleet_path))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    backends._cache.pop(str(fleet_path), None)
+    forget_backends()
     try:
         plan = moves.plan_move("best", current_uuids=[U1], constraints=Constraints())
         assert [d.uuid for d in plan.target] == [U0]  # within the grant 0,1: GPU 2 is not
     finally:
-        backends._cache.pop(str(fleet_path), None)
+        forget_backends()
 
 
 # ---- recording a move -----------------------------------------------------------------------

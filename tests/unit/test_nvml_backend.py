@@ -473,7 +473,7 @@ def test_nvml_starts_from_a_fresh_process_state_and_warns_of_a_shadowing_binding
     site = tmp_path / "site"
     (site / "pynvml-11.5.0.dist-info").mkdir(parents=True)
     monkeypatch.setattr(pynvml, "__file__", str(site / "pynvml.py"))
-    monkeypatch.setattr(nvml, "_state", nvml._State())
+    monkeypatch.setattr(nvml, "_state", nvml._State())  # reasoned: a fresh process
     fake_nvml.write(fleet_4x())
     note = "the deprecated 'pynvml' distribution 11.5.0 is installed" + FIX
     with pytest.warns(UserWarning) as caught:
@@ -610,7 +610,7 @@ def older_driver(fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch) -> Any:
         lib = FakeNvml.load_variant(variant)
         monkeypatch.setattr(pynvml, "nvmlLib", lib)
         monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
-        monkeypatch.setattr(nvml, "_state", nvml._State())
+        monkeypatch.setattr(nvml, "_state", nvml._State())  # reasoned: a fresh process
         lib.fakenvml_reset_calls()  # loaded once per process: counts of earlier tests
         return lib
 
@@ -683,7 +683,7 @@ def test_without_the_binding_the_error_names_the_package_to_install(
 
     monkeypatch.delitem(sys.modules, "pynvml")
     monkeypatch.setattr(sys, "path", [p for p in sys.path if "-packages" not in p])
-    monkeypatch.setattr(nvml, "_state", nvml._State())
+    monkeypatch.setattr(nvml, "_state", nvml._State())  # reasoned: a fresh process
     with pytest.raises(NVMLUnavailableError) as info:
         NvmlBackend().snapshot()
     assert str(info.value) == (
@@ -798,7 +798,10 @@ def test_memory_not_supported_by_the_v2_call(fake_nvml: FakeNvml) -> None:
 
 @pytest.fixture
 def fresh_init(fake_nvml: FakeNvml) -> Any:
-    """NVML not yet initialised in this process; initialised again (with no error) afterwards."""
+    """NVML not yet initialised in this process; initialised again (with no error) afterwards.
+
+    A reasoned private seam: NVML is initialised once per process; a test of its start needs a
+    fresh process's state (``_reset_init``), which no public call gives."""
     from autogpu_jupyter.core.backends import nvml
 
     nvml._reset_init()

@@ -15,7 +15,6 @@ import pandas as pd
 import pytest
 
 from autogpu_jupyter.core import overload, session
-from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
 from autogpu_jupyter.core.leasing.directory import Registry
@@ -601,7 +600,7 @@ def test_the_warning_is_announced_once_and_again_when_it_comes_back(
     assert overload.pending_warning(TH) is None  # no sampler running
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     s = _sampler([(70.0, 95.0), (80.0, 95.0), (90.0, 96.0), (100.0, 97.0)])
-    monkeypatch.setattr(sampler_mod, "_sampler", s)
+    monkeypatch.setattr(overload, "current_sampler", lambda: s)  # the running one
     text = (
         "autogpu: GPU 0 (this kernel's GPU) is overloaded: utilisation 96% for 30s (over 90%), "
         "caused by 1 other process holding 60.0 GiB (user bob). Best alternative: move to GPU 1 "
@@ -629,7 +628,7 @@ def test_a_new_cause_on_the_same_device_is_announced_alone(
     for t in (70.0, 80.0, 90.0, 100.0):
         busy = _gpu(1, U1, used_gib=10, util=97.0, procs=(carol,))
         s.add(_snap(None, busy, _gpu(2, U2), t=t), own=[ME])
-    monkeypatch.setattr(sampler_mod, "_sampler", s)
+    monkeypatch.setattr(overload, "current_sampler", lambda: s)  # the running one
     first = overload.pending_warning(TH)
     assert first is not None and first.splitlines() == [
         "autogpu: GPU 0 (this kernel's GPU) is overloaded: utilisation 97% for 20s (over 90%), "
@@ -723,6 +722,13 @@ _NONE_ID = SimpleNamespace(lease_id=None)
 
 
 def test_own_lease_is_the_picks_lease_else_the_stores_record_by_id() -> None:
+    """The lease that bounds the better device: the pick's own (the store not read), else the
+    store's record of the id the provisioner passed down, else none. What it does to the
+    alternative is seen through ``best_alternative`` below.
+
+    A reasoned private seam: that a held lease costs no store read, and that an id the store
+    does not list is no lease, change no alternative a user sees (the answer is the same either
+    way); they are checked on the lookup itself."""
     held = SimpleNamespace(lease=SimpleNamespace(record="the held record"), lease_id="bbbb")
     store = _Store([_NONE_ID, _A, _B])
     assert overload._own_lease(held, store) == "the held record"
@@ -737,6 +743,8 @@ def test_own_lease_is_the_picks_lease_else_the_stores_record_by_id() -> None:
 
 @pytest.mark.parametrize("lease_id", [None, ""])
 def test_own_lease_without_a_lease_id_reads_no_store(lease_id: str | None) -> None:
+    """A reasoned private seam, as above: no store read without a lease id is a cost, not an
+    answer."""
     store = _Store([_NONE_ID, SimpleNamespace(lease_id="")])
     assert overload._own_lease(SimpleNamespace(lease=None, lease_id=lease_id), store) is None
     assert store.reads == 0
@@ -792,7 +800,8 @@ def test_a_kernels_alternative_needs_what_its_held_lease_books(
     a misspelt ``lease`` or ``record``)."""
     own = _own(_kernel, U0, 70)
     try:
-        monkeypatch.setattr(session, "_current", session.Choice(uuids=(U0,), lease=own))
+        choice = session.Choice(uuids=(U0,), lease=own)
+        monkeypatch.setattr(session, "current", lambda: choice)
         assert overload.best_alternative(_with_u1(40), [U0], store=store) is None
         assert overload.best_alternative(_with_u1(5), [U0], store=store) == Alternative(
             U1, "GPU 1", 75 * GiB, 2.0)
@@ -805,7 +814,7 @@ def test_without_a_lease_the_alternative_needs_the_picks_own_options(
 ) -> None:
     """Caught: the pick's constraints dropped (``None``) or passed as the lease."""
     choice = session.Choice(uuids=(U0,), constraints=Constraints(min_free=parse_size("50G")))
-    monkeypatch.setattr(session, "_current", choice)
+    monkeypatch.setattr(session, "current", lambda: choice)
     assert overload.best_alternative(_with_u1(40), [U0]) is None
     assert overload.best_alternative(_with_u1(20), [U0]) == Alternative(
         U1, "GPU 1", 60 * GiB, 2.0)

@@ -1360,13 +1360,25 @@ NO_CONSTRAINTS = {"count": 1, "exclude": [], "exclusive": False, "max_util_pct":
 
 
 def test_numbers_of_the_history_are_finite_or_none() -> None:
-    """Caught: an infinite value kept (JSON has no infinity: the answer would not serialise);
-    ``None`` turned into ``int(None)`` (a TypeError for every unknown memory reading)."""
-    values = (None, "x", [1], float("nan"), float("inf"), -math.inf, "2.5", 3)
-    assert [payloads._finite(v) for v in values] == [None, None, None, None, None, None, 2.5,
-                                                     3.0]
-    assert [payloads._int_or_none(v) for v in (None, float("nan"), 7.9, "12")] == [
-        None, None, 7, 12]
+    """``GET history``'s numbers: an unknown or infinite reading is null, a memory reading a
+    whole number. Caught: an infinite value kept (JSON has no infinity: the answer would not
+    serialise); ``None`` turned into ``int(None)`` (a TypeError for every unknown memory
+    reading)."""
+    import pandas as pd
+
+    nan, inf = float("nan"), math.inf
+    frame = pd.DataFrame({
+        "uuid": ["GPU-a"] * 5, "timestamp_s": [1.0, 2.0, 3.0, 4.0, 5.0],
+        "utilization_pct": [None, nan, inf, -inf, 2.5],
+        "memory_used_bytes": [None, nan, 7.9, 12.0, 3.0], "memory_total_bytes": [80.0] * 5})
+    sampler = SimpleNamespace(errors=(), latest=lambda: SimpleNamespace(timestamp_s=5.0),
+                              history_frame=lambda since_s=None: frame)
+    answer = payloads.history_payload(state_of(sampler), None)
+    (series,) = answer["series"]
+    assert series["utilization_pct"] == [None, None, None, None, 2.5]
+    assert series["memory_used_bytes"] == [None, None, 7, 12, 3]
+    assert series["memory_total_bytes"] == 80
+    json.dumps(answer, allow_nan=False)  # what the server sends: strict JSON
 
 
 def warning(causes: tuple[str, ...], others: int, better: str | None) -> Any:
@@ -1391,27 +1403,37 @@ def test_an_overload_is_one_short_sentence(w: Any, text: str) -> None:
 def test_a_read_failure_at_the_time_of_the_newest_sweep_is_current() -> None:
     """A failure stamped the same second as the newest good sweep is not healed by it (no sweep
     came after it). Caught: the comparison made strict (the failure hidden)."""
+    import pandas as pd
+
     latest = SimpleNamespace(timestamp_s=5.0)
     for when, current in ((5.0, True), (4.0, False), (6.0, True)):
         sampler = SimpleNamespace(errors=(SampleError(when, "read failed"),),
-                                  latest=lambda: latest)
+                                  latest=lambda: latest,
+                                  history_frame=lambda since_s=None: pd.DataFrame())
         state = state_of(sampler, sampler_error="backend gone")
-        assert payloads._sampler_errors(state) == (
+        assert payloads.history_payload(state, None)["errors"] == (
             ["backend gone", "read failed"] if current else ["backend gone"])
 
 
 def test_lease_records_leave_tickets_out_unless_asked() -> None:
-    """Caught: tickets listed by default (``gpu_kernel_ids`` would count a kernel waiting in
-    line as holding a GPU)."""
+    """A kernel of this server waiting in line (its ticket, of this server's uid) is no kernel
+    holding a GPU: the culler's list leaves it out, while the holders' listing asks for the
+    tickets. Caught: tickets listed by default (``gpu_kernel_ids`` would count a kernel waiting
+    in line as holding a GPU)."""
     asked: list[bool] = []
+    ticket = SimpleNamespace(kind="ticket", kernel_id="k-1", uid=os.geteuid())
 
-    def list_leases(include_tickets: bool) -> list[str]:
+    def list_leases(include_tickets: bool) -> list[Any]:
         asked.append(include_tickets)
-        return ["record"]
+        return [ticket] if include_tickets else []
 
+    def no_kernel(kid: str) -> Any:
+        raise KeyError(kid)
+
+    kernels = SimpleNamespace(list_kernel_ids=lambda: ["k-1"], get_kernel=no_kernel)
     state = state_of(None, registry=lambda: SimpleNamespace(list_leases=list_leases))
-    assert payloads._lease_records(state) == (["record"], [])
-    assert payloads._lease_records(state, include_tickets=True) == (["record"], [])
+    assert payloads.gpu_kernel_ids(state, kernels) == set()
+    payloads.holders_payload(state, None, {})
     assert asked == [False, True]
 
 
@@ -1425,7 +1447,7 @@ def test_an_unreadable_registry_is_named_with_the_reason(err: Exception, message
     """Caught: the OS error's own words replaced by its repr-like text (``[Errno 13] ...``) or
     by ``None`` when it has none."""
     state = state_of(None, registry=failing(err))
-    assert payloads._lease_records(state) == ([], [message])
+    assert payloads.holders_payload(state, None, {})["errors"] == [message]
 
 
 @pytest.mark.parametrize("params", [{"wait": "5s"}, {"wait": None}, {"min_free": "1G",

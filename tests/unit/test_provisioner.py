@@ -19,9 +19,10 @@ import pytest
 from jupyter_client import AsyncKernelManager
 
 from autogpu_jupyter import kernelspec
-from autogpu_jupyter.core.leasing import Registry, Requester
-from autogpu_jupyter.errors import NoDeviceFitsError, UsageErrorBase
+from autogpu_jupyter.core.leasing import LeaseRecord, Registry, Requester
+from autogpu_jupyter.errors import NoDeviceFitsError, RegistryError, UsageErrorBase
 from tests.jupyterpaths import keep_kernelspecs_in
+from tests.leasehelpers import forget_backends, lease_files
 from tests.payloadhelpers import GiB, write_fleet
 
 A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
@@ -39,7 +40,6 @@ def fleet_file(path: Path, used_a: int = 10, used_b: int = 40) -> Path:
 
 class Host:
     def __init__(self, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        from autogpu_jupyter.core import backends
 
         self.tmp = tmp
         self.prefix = tmp / "prefix"
@@ -56,7 +56,7 @@ class Host:
                     "AUTOGPU_LEASE_ID", "AUTOGPU_MIN_FREE", "AUTOGPU_WAIT",
                     "AUTOGPU_BROKER_SOCKET"):
             monkeypatch.delenv(var, raising=False)
-        backends._cache.clear()
+        forget_backends()
         self.managers: list[AsyncKernelManager] = []
 
     def install(self, name: str, **options: Any) -> None:
@@ -72,12 +72,11 @@ class Host:
         return km, kwargs
 
     def close(self) -> None:
-        from autogpu_jupyter.core import backends
 
         for km in self.managers:
             if km.provisioner is not None:
                 asyncio.run(km.provisioner.cleanup(restart=False))
-        backends._cache.clear()
+        forget_backends()
 
 
 @pytest.fixture
@@ -308,40 +307,54 @@ def test_the_servers_log_says_which_kernel_gets_which_device(
     ]
 
 
-class _Lease:
-    """A lease whose pid cannot be recorded (its file unwritable)."""
+async def _launched(self: Any, cmd: list[str], **kwargs: Any) -> dict[str, Any]:
+    """A stand-in for jupyter_client's launch: kernel pid 4242, nothing started."""
+    self.pid = 4242
+    return {"launched": cmd}
 
-    def __init__(self) -> None:
-        self.detached = False
 
-    def set_pid(self, pid: int) -> None:
-        raise OSError(f"cannot record pid {pid}: read-only file system")
+def _server_descriptors_on(path: Path) -> list[str]:
+    """This (the server's) process's descriptors open on ``path``: its copy of a lease."""
+    fds = Path("/proc/self/fd")
+    return [fd.name for fd in fds.iterdir()
+            if os.path.realpath(fd) == os.path.realpath(path)]
 
-    def detach(self) -> None:
-        self.detached = True
+
+def _lease_on_disk(host: Host) -> tuple[Path, dict[str, Any]]:
+    """The one lease file in the host's registry, and the record in it."""
+    (path,) = lease_files(host.tmp / "registry")
+    return path, json.loads(path.read_text())
 
 
 def test_a_pid_that_cannot_be_recorded_is_logged_and_the_lease_still_handed_over(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    host: Host, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The kernel is launched (here: a stand-in for jupyter_client's launch), its lease is
-    handed over all the same (our copy detached), and the warning says why the pid is not in
-    the lease. Caught: the warning's reason dropped (a literal "%s")."""
+    handed over all the same (the file stays, the server keeps no descriptor on it), and the
+    warning says why the pid is not in the lease. Caught: the warning's reason dropped (a
+    literal "%s").
+
+    A reasoned seam: the lease's public ``set_pid`` is made to fail as a read-only file system
+    makes it fail; as root no file mode can refuse the write."""
     from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
-    from autogpu_jupyter.provisioner import AutoGPUProvisioner
+    from autogpu_jupyter.core.leasing.directory import Lease
 
-    async def launched(self: Any, cmd: list[str], **kwargs: Any) -> dict[str, Any]:
-        self.pid = 4242
-        return {"launched": cmd}
+    def read_only(self: Lease, pid: int) -> None:
+        raise OSError(f"cannot record pid {pid}: read-only file system")
 
-    monkeypatch.setattr(LocalProvisioner, "launch_kernel", launched)
-    prov = AutoGPUProvisioner(kernel_id="k-1", log=logging.getLogger("autogpu-test-kernels"))
-    lease = _Lease()
-    prov._lease = lease  # type: ignore[assignment]
+    monkeypatch.setattr(LocalProvisioner, "launch_kernel", _launched)
+    monkeypatch.setattr(Lease, "set_pid", read_only)
+    logger = logging.getLogger("autogpu-test-kernels")
+    host.install("agp", min_free="10G")
+    km = AsyncKernelManager(kernel_name="agp", log=logger)
+    host.managers.append(km)
+    host.pre_start("agp", km=km)
+    path, before = _lease_on_disk(host)
     with caplog.at_level(logging.WARNING, logger="autogpu-test-kernels"):
-        info = asyncio.run(prov.launch_kernel(["python"]))
-    assert info == {"launched": ["python"]} and lease.detached and prov._lease is None
+        info = asyncio.run(km.provisioner.launch_kernel(["python"]))
+    assert info == {"launched": ["python"]}
+    assert _lease_on_disk(host) == (path, before) and _server_descriptors_on(path) == []
     assert [r.getMessage() for r in caplog.records] == [
         "autogpu: could not record the kernel pid in its lease: cannot record pid 4242: "
         "read-only file system"]
@@ -464,72 +477,63 @@ def test_a_move_outside_the_servers_grant_is_not_honoured(host: Host) -> None:
     assert [r.device_uuids for r in host.registry.list_leases()] == [(A,)]
 
 
-class _Store:
-    """A lease store whose prune fails as a file system can (the registry's disk gone)."""
+def _started_with_a_move_request(host: Host) -> tuple[AsyncKernelManager, Path]:
+    """A kernel of kernelspec "agp" started on A, and a move request written for it."""
+    from autogpu_jupyter.core import moves
 
-    def __init__(self) -> None:
-        self.pruned = 0
-
-    def prune(self) -> list[Any]:
-        self.pruned += 1
-        raise OSError(5, "Input/output error")
-
-
-def test_a_prune_failing_with_an_os_error_does_not_stop_the_kernels_cleanup() -> None:
-    """The dead-lease prune after a kernel ends is a courtesy: an OSError from it is swallowed
-    and the cleanup goes on (the move request is cancelled). Caught: OSError no longer
-    suppressed (the kernel's cleanup then fails)."""
-    from autogpu_jupyter.provisioner import AutoGPUProvisioner
-
-    prov = AutoGPUProvisioner(kernel_id="k-1")
-    store = _Store()
-    prov._store = store  # type: ignore[assignment]
-    asyncio.run(prov.cleanup(restart=False))
-    assert store.pruned == 1
+    host.install("agp", min_free="10G")
+    km, kwargs = host.pre_start("agp")
+    request = Path(kwargs["env"]["AUTOGPU_MOVE_FILE"])
+    moves.request_move(str(request), B, current_uuids=(A,),
+                       constraints=km.provisioner.autogpu_constraints, kernel_id=km.kernel_id)
+    assert request.exists()
+    return km, request
 
 
-class _UnreachableStore:
-    """A lease store whose prune fails as a broker or registry can (an AutoGPUError)."""
+@pytest.mark.parametrize("error", [OSError(5, "Input/output error"),
+                                   RegistryError("the lease broker is unreachable")])
+def test_a_prune_failing_does_not_stop_the_kernels_cleanup(
+    host: Host, monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> None:
+    """The dead-lease prune after a kernel ends is a courtesy: an OSError (the registry's disk
+    gone) or the store's own error (a broker or registry unreachable) from it is swallowed and
+    the cleanup goes on: the kernel's move request is cancelled, its lease file removed.
+    Caught: OSError no longer suppressed; (issue 22, seed 53) only OSError suppressed (the
+    kernel's cleanup then fails).
 
-    def __init__(self) -> None:
-        self.pruned = 0
+    A reasoned seam: the store's public ``prune`` is made to fail, as a failing disk or an
+    unreachable broker makes it fail; no input to a healthy registry does."""
+    km, request = _started_with_a_move_request(host)
+    pruned: list[bool] = []
 
-    def prune(self) -> list[Any]:
-        from autogpu_jupyter.errors import RegistryError
+    def failing(self: Registry, all_users: bool = False) -> list[Any]:
+        pruned.append(all_users)
+        raise error
 
-        self.pruned += 1
-        raise RegistryError("the lease broker is unreachable")
-
-
-def test_a_prune_failing_with_a_registry_error_does_not_stop_the_kernels_cleanup() -> None:
-    """As for an OSError: the store's own error is swallowed and the cleanup goes on. Caught
-    (issue 22, seed 53): only OSError suppressed (the kernel's cleanup then fails)."""
-    from autogpu_jupyter.provisioner import AutoGPUProvisioner
-
-    prov = AutoGPUProvisioner(kernel_id="k-1")
-    store = _UnreachableStore()
-    prov._store = store  # type: ignore[assignment]
-    asyncio.run(prov.cleanup(restart=False))
-    assert store.pruned == 1
+    monkeypatch.setattr(Registry, "prune", failing)
+    asyncio.run(km.provisioner.cleanup(restart=False))
+    assert pruned == [False]
+    assert not request.exists() and list(lease_files(host.tmp / "registry")) == []
 
 
 def test_a_runtime_dir_that_cannot_be_made_is_logged_and_moves_are_off(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    host: Host, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """No move file, and the server's log says for which kernel and why. Caught (issue 22,
     seed 53): the warning's text altered."""
-    from autogpu_jupyter.provisioner import AutoGPUProvisioner
-
-    blocker = tmp_path / "a-file"
+    blocker = host.tmp / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(blocker / "runtime"))
-    prov = AutoGPUProvisioner(kernel_id="k-1", log=logging.getLogger("autogpu-test-kernels"))
+    host.install("agp", min_free="10G")
+    km = AsyncKernelManager(kernel_name="agp", log=logging.getLogger("autogpu-test-kernels"))
+    host.managers.append(km)
     with caplog.at_level(logging.WARNING, logger="autogpu-test-kernels"):
-        assert prov._move_file() is None
-    (said,) = [r.getMessage() for r in caplog.records]
-    assert said == (
-        f"autogpu: moves unavailable for kernel k-1: [Errno 20] Not a directory: "
-        f"'{blocker / 'runtime'}'")
+        _km, kwargs = host.pre_start("agp", km=km)
+    assert "AUTOGPU_MOVE_FILE" not in kwargs["env"]
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert said == [
+        f"autogpu: moves unavailable for kernel {km.kernel_id}: [Errno 20] Not a directory: "
+        f"'{blocker / 'runtime'}'"]
 
 
 # ---- mutation run (issue 22, seed 54): restarts, cleanup, and what a start is told -----------
@@ -878,20 +882,19 @@ def test_the_servers_min_free_is_the_one_the_kernel_is_told_when_the_kernelspec_
 
 
 def test_a_missing_runtime_directory_is_made_private(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    host: Host, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The user's runtime directory, where move requests are written, is created mode 0700
     when it does not exist yet. Caught: it created with another mode."""
-    from autogpu_jupyter.provisioner import AutoGPUProvisioner
-
-    runtime = tmp_path / "not-yet" / "runtime"
+    runtime = host.tmp / "not-yet" / "runtime"
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
+    host.install("agp", min_free="10G")
     old = os.umask(0o022)
     try:
-        assert AutoGPUProvisioner(kernel_id="k-1")._move_file() == str(
-            runtime / "autogpu-move-k-1.json")
+        km, kwargs = host.pre_start("agp")
     finally:
         os.umask(old)
+    assert kwargs["env"]["AUTOGPU_MOVE_FILE"] == str(runtime / f"autogpu-move-{km.kernel_id}.json")
     assert runtime.stat().st_mode & 0o777 == 0o700
 
 
@@ -912,17 +915,25 @@ def test_a_kernel_without_a_move_file_is_still_given_its_device(
 
 
 def _pick_for_kernel(
-    previous: tuple[str, ...], config: dict[str, Any], environ: dict[str, str],
-    move_file: str | None = None,
-) -> tuple[Any, str | None]:
-    """What ``_pick_blocking`` picks for kernel k-1 that last had ``previous``, in a kernel
-    environment of the server's plus ``environ``."""
-    from autogpu_jupyter.provisioner import AutoGPUProvisioner, validate_options
+    host: Host, previous: tuple[str, ...], config: dict[str, Any], environ: dict[str, str],
+) -> tuple[list[str], LeaseRecord, str | None]:
+    """What a restart of kernel k-1 (kernelspec options ``config``) that last had ``previous``
+    is started with, in a kernel environment of the server's plus ``environ``: the devices it
+    is told (``AUTOGPU_PICKED``), the lease it holds, and its note. Our copy of the lease is
+    then given back (the kernel's cleanup)."""
+    from autogpu_jupyter.provisioner import AutoGPUProvisioner
 
-    prov = AutoGPUProvisioner(kernel_id="k-1")
-    prov.autogpu_picked = previous
-    return prov._pick_blocking(validate_options(config), {**os.environ, **environ},
-                               Requester(kernel_id="k-1", kind="kernel"), move_file)
+    host.install("restart", **config)
+    km = AsyncKernelManager(kernel_name="restart")
+    km.kernel_id = "k-1"
+    km.provisioner = AutoGPUProvisioner(kernel_id="k-1", kernel_spec=km.kernel_spec, parent=km,
+                                        **config)
+    km.provisioner.autogpu_picked = previous
+    _km, kwargs = host.pre_start("restart", km=km, **environ)
+    env = kwargs["env"]
+    (lease,) = host.registry.list_leases()
+    asyncio.run(km.provisioner.cleanup(restart=False))
+    return env["AUTOGPU_PICKED"].split(","), lease, env.get("AUTOGPU_PICK_NOTE")
 
 
 C = "GPU-3c3c3c3c-1111-2222-3333-444444444444"
@@ -937,11 +948,9 @@ def test_a_restart_asking_fewer_devices_than_it_had_picks_as_usual(host: Host) -
          "memory_used": used * GiB, "utilization_pct": 0}
         for u, used in ((A, 40), (B, 40), (C, 0))
     ])
-    result, note = _pick_for_kernel((A, B), {"count": 1}, {"AUTOGPU_SIMULATE": str(fleet)})
-    try:
-        assert [d.uuid for d in result.chosen] == [C] and note is None
-    finally:
-        result.lease.release()
+    picked, _lease, note = _pick_for_kernel(host, (A, B), {"count": 1},
+                                            {"AUTOGPU_SIMULATE": str(fleet)})
+    assert picked == [C] and note is None
 
 
 def test_a_restart_stays_within_the_kernels_grant_and_leases_as_the_kernel(
@@ -951,18 +960,12 @@ def test_a_restart_stays_within_the_kernels_grant_and_leases_as_the_kernel(
     B (outside the grant), it picks A; a restart that stays leases as the kernel. Caught: the
     "same devices" step made without the kernel's environment (B kept, outside the grant) or
     without the kernel as requester (a lease no kernel is named in)."""
-    result, note = _pick_for_kernel((B,), {"min_free": "10G"}, {"CUDA_VISIBLE_DEVICES": A})
-    try:
-        assert [d.uuid for d in result.chosen] == [A] and note is None
-    finally:
-        result.lease.release()
-    result, note = _pick_for_kernel((B,), {"min_free": "10G"}, {})
-    try:
-        assert [d.uuid for d in result.chosen] == [B] and note is None
-        assert (result.lease.record.kernel_id, result.lease.record.holder_kind) == (
-            "k-1", "kernel")
-    finally:
-        result.lease.release()
+    picked, _lease, note = _pick_for_kernel(host, (B,), {"min_free": "10G"},
+                                            {"CUDA_VISIBLE_DEVICES": A})
+    assert picked == [A] and note is None
+    picked, lease, note = _pick_for_kernel(host, (B,), {"min_free": "10G"}, {})
+    assert picked == [B] and note is None
+    assert (lease.kernel_id, lease.holder_kind) == ("k-1", "kernel")
 
 
 def test_an_honoured_move_picks_from_the_kernels_devices_and_says_so(host: Host) -> None:
@@ -981,114 +984,104 @@ def test_an_honoured_move_picks_from_the_kernels_devices_and_says_so(host: Host)
     moves.request_move(move_file, B, current_uuids=(A,),
                        constraints=validate_options({"min_free": "10G"}).constraints,
                        kernel_id="k-1", backend=get_backend(str(kernels)))
-    result, note = _pick_for_kernel((A,), {"min_free": "10G"},
-                                    {"AUTOGPU_SIMULATE": str(kernels)}, move_file)
-    try:
-        assert [d.uuid for d in result.chosen] == [B]
-        assert note == "moved at your request: the kernel's state was lost"
-    finally:
-        result.lease.release()
+    picked, _lease, note = _pick_for_kernel(host, (A,), {"min_free": "10G"},
+                                            {"AUTOGPU_SIMULATE": str(kernels)})
+    assert picked == [B]
+    assert note == "moved at your request: the kernel's state was lost"
 
 
-def test_the_provisioners_own_arguments_are_not_taken_for_kernelspec_options() -> None:
+def test_the_provisioners_own_arguments_are_not_taken_for_kernelspec_options(
+    host: Host,
+) -> None:
     """What jupyter_client and traitlets pass a provisioner (kernel id, kernelspec, parent,
-    config, log) are not kernelspec options; anything else is. Caught: one of those names
-    misspelt (then refused as an unknown option, or lost for the provisioner)."""
+    config, log) are not kernelspec options; anything else is: the kernel starts with the
+    kernelspec's min_free, and its lease names kernel k-1. Caught: one of those names misspelt
+    (then refused as an unknown option, or lost for the provisioner)."""
     from traitlets.config import Config
 
     from autogpu_jupyter.provisioner import AutoGPUProvisioner
 
     log = logging.getLogger("autogpu-test-kernels")
-    config = Config()
-    prov = AutoGPUProvisioner(kernel_id="k-1", kernel_spec=None, parent=None, config=config,
-                              log=log, min_free="10G")
-    assert prov._options_raw == {"min_free": "10G"}
-    assert (prov.kernel_id, prov.log) == ("k-1", log)
-
-
-class _Handed:
-    """A stand-in lease that records what was done with it."""
-
-    def __init__(self) -> None:
-        self.calls: list[object] = []
-
-    def set_pid(self, pid: int) -> None:
-        self.calls.append(("set_pid", pid))
-
-    def detach(self) -> None:
-        self.calls.append("detach")
-
-    def release(self) -> None:
-        self.calls.append("release")
+    host.install("agp")
+    km = AsyncKernelManager(kernel_name="agp")
+    km.kernel_id = "k-1"
+    km.provisioner = AutoGPUProvisioner(kernel_id="k-1", kernel_spec=km.kernel_spec, parent=km,
+                                        config=Config(), log=log, min_free="10G")
+    host.managers.append(km)
+    _km, kwargs = host.pre_start("agp", km=km)
+    assert json.loads(kwargs["env"]["AUTOGPU_PICK_OPTIONS"])["min_free"] == "10G"
+    (lease,) = host.registry.list_leases()
+    assert (lease.kernel_id, lease.requested_bytes) == ("k-1", 10 * GiB)
+    assert km.provisioner.log is log
 
 
 def test_a_launched_kernels_pid_is_recorded_and_our_copy_of_its_lease_detached(
-    monkeypatch: pytest.MonkeyPatch,
+    host: Host, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """After the launch the kernel's pid goes into its lease, then our copy is detached (never
-    released: the kernel holds the lock). Caught: the pid not recorded, or the lease released."""
+    """After the launch the kernel's pid goes into its lease file, then our copy is detached:
+    the file stays (never released: the kernel holds the lock) and the server keeps no
+    descriptor on it. Caught: the pid not recorded, or the lease released."""
     from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
-    from autogpu_jupyter.provisioner import AutoGPUProvisioner
-
-    async def launched(self: Any, cmd: list[str], **kwargs: Any) -> dict[str, Any]:
-        self.pid = 4242
-        return {"launched": cmd}
-
-    monkeypatch.setattr(LocalProvisioner, "launch_kernel", launched)
-    prov = AutoGPUProvisioner(kernel_id="k-1")
-    lease = _Handed()
-    prov._lease = lease  # type: ignore[assignment]
-    assert asyncio.run(prov.launch_kernel(["python"])) == {"launched": ["python"]}
-    assert lease.calls == [("set_pid", 4242), "detach"] and prov._lease is None
+    monkeypatch.setattr(LocalProvisioner, "launch_kernel", _launched)
+    host.install("agp", min_free="10G")
+    km, _kwargs = host.pre_start("agp")
+    path, record = _lease_on_disk(host)
+    assert record["pid"] == os.getpid() and _server_descriptors_on(path) != []
+    assert asyncio.run(km.provisioner.launch_kernel(["python"])) == {"launched": ["python"]}
+    assert _lease_on_disk(host) == (path, {**record, "pid": 4242})
+    assert _server_descriptors_on(path) == []
 
 
 def test_a_kernel_that_fails_to_launch_gives_its_lease_back(
-    monkeypatch: pytest.MonkeyPatch,
+    host: Host, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """No kernel started: nobody will hold the lease, so it is released (its file removed),
     and the launch's error goes on. Caught: the lease only detached (left to be pruned)."""
     from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
-    from autogpu_jupyter.provisioner import AutoGPUProvisioner
-
     async def failed(self: Any, cmd: list[str], **kwargs: Any) -> dict[str, Any]:
         raise OSError(2, "No such file or directory", cmd[0])
 
     monkeypatch.setattr(LocalProvisioner, "launch_kernel", failed)
-    prov = AutoGPUProvisioner(kernel_id="k-1")
-    lease = _Handed()
-    prov._lease = lease  # type: ignore[assignment]
+    host.install("agp", min_free="10G")
+    km, _kwargs = host.pre_start("agp")
+    path, _record = _lease_on_disk(host)
     with pytest.raises(OSError, match="No such file or directory"):
-        asyncio.run(prov.launch_kernel(["no-such-python"]))
-    assert lease.calls == ["release"] and prov._lease is None
+        asyncio.run(km.provisioner.launch_kernel(["no-such-python"]))
+    assert list(lease_files(host.tmp / "registry")) == [] and _server_descriptors_on(path) == []
 
 
-def test_dropping_a_lease_detaches_it_unless_told_to_unlink() -> None:
-    """The provisioner's own copy of a lease is detached by default (a restart: the old kernel
-    still holds it) and released only when told. Caught: the two ways swapped."""
-    from autogpu_jupyter.provisioner import AutoGPUProvisioner
-
-    prov = AutoGPUProvisioner(kernel_id="k-1")
-    first, second = _Handed(), _Handed()
-    prov._lease = first  # type: ignore[assignment]
-    prov._drop_lease()
-    prov._lease = second  # type: ignore[assignment]
-    prov._drop_lease(unlink=True)
-    assert (first.calls, second.calls, prov._lease) == (["detach"], ["release"], None)
+def test_a_second_start_lets_go_of_the_old_lease_without_removing_it(host: Host) -> None:
+    """A restart's new start closes the provisioner's copy of the old lease but leaves its file
+    (the old kernel, here a copy of the descriptor it inherited, still holds it: only its end
+    frees it); the kernel's cleanup removes the lease it holds. Caught: the two ways swapped
+    (the old kernel's lease removed under it, or the new one only detached)."""
+    host.install("agp", min_free="10G")
+    km, kwargs = host.pre_start("agp")
+    old, _record = _lease_on_disk(host)
+    kernels_copy = os.dup(int(kwargs["env"]["AUTOGPU_LEASE_FD"]))  # what pass_fds gives it
+    try:
+        host.pre_start("agp", km=km)
+        files = list(lease_files(host.tmp / "registry"))
+        assert old in files and len(files) == 2
+        assert _server_descriptors_on(old) == [str(kernels_copy)]
+        (new,) = [f for f in files if f != old]
+        asyncio.run(km.provisioner.cleanup(restart=True))
+        assert not new.exists() and old.exists()
+    finally:
+        os.close(kernels_copy)
 
 
 def test_a_restarts_cleanup_keeps_the_move_request_and_a_shutdowns_cancels_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    host: Host, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A move request waits for the kernel's restart: the cleanup before a restart keeps it,
     the cleanup of a shutdown (the default) removes it; either way our copy of the lease is
-    released and jupyter_client's own cleanup is told whether it is a restart. Caught: the
-    restart flag read the wrong way round, on by default, or not passed on; the lease only
-    detached."""
+    released (its file removed) and jupyter_client's own cleanup is told whether it is a
+    restart. Caught: the restart flag read the wrong way round, on by default, or not passed
+    on; the lease only detached."""
     from jupyter_client.provisioning.local_provisioner import LocalProvisioner
-
-    from autogpu_jupyter.provisioner import AutoGPUProvisioner
 
     told: list[object] = []
 
@@ -1096,15 +1089,11 @@ def test_a_restarts_cleanup_keeps_the_move_request_and_a_shutdowns_cancels_it(
         told.append(restart)
 
     monkeypatch.setattr(LocalProvisioner, "cleanup", cleaned)
-    request = tmp_path / "autogpu-move-k-1.json"
-    request.write_text("{}")
-    prov = AutoGPUProvisioner(kernel_id="k-1")
-    prov.autogpu_move_file = str(request)
-    lease = _Handed()
-    prov._lease = lease  # type: ignore[assignment]
-    asyncio.run(prov.cleanup(restart=True))
-    assert request.exists() and lease.calls == ["release"] and prov._lease is None
-    asyncio.run(prov.cleanup())
+    km, request = _started_with_a_move_request(host)
+    path, _record = _lease_on_disk(host)
+    asyncio.run(km.provisioner.cleanup(restart=True))
+    assert request.exists() and not path.exists() and _server_descriptors_on(path) == []
+    asyncio.run(km.provisioner.cleanup())
     assert not request.exists()
     assert told == [True, False]
 

@@ -15,6 +15,7 @@ from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.sampler import METRICS, Sampler, get_sampler, own_pids, stop_sampler
 from autogpu_jupyter.errors import UsageErrorBase
+from tests.leasehelpers import forget_backends
 
 GiB = 1024**3
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
@@ -232,10 +233,9 @@ def _threads() -> int:
 def test_one_thread_across_start_stop_restart(
     fleet_file: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from autogpu_jupyter.core import backends
 
     monkeypatch.setenv("AUTOGPU_SIMULATE", str(fleet_file.path))
-    backends._cache.clear()
+    forget_backends()
     stop_sampler()
     try:
         s1 = get_sampler(interval_s=0.1)
@@ -250,6 +250,6 @@ def test_one_thread_across_start_stop_restart(
         s2.resume()
     finally:
         stop_sampler()
-        backends._cache.clear()
+        forget_backends()
     assert _threads() == 0
     assert sampler_mod.current_sampler() is None

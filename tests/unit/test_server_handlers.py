@@ -32,7 +32,7 @@ from traitlets.config import Config, LoggingConfigurable
 
 import autogpu_jupyter.server as server_pkg
 from autogpu_jupyter import __version__, kernelspec, metrics
-from autogpu_jupyter.core import backends, moves
+from autogpu_jupyter.core import moves
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.contract import SERVER_ROOT_ENV
 from autogpu_jupyter.core.leasing import Registry
@@ -47,6 +47,7 @@ from autogpu_jupyter.server import (
     payloads,
 )
 from autogpu_jupyter.server import _load_jupyter_server_extension as load_extension
+from tests.leasehelpers import forget_backends
 from tests.payloadhelpers import GiB, write_fleet
 
 A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
@@ -98,12 +99,12 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
                 "AUTOGPU_SERVER_CULL_WARNING_S"):
         monkeypatch.delenv(var, raising=False)  # restored after the test, as the server sets
     sampler_mod.stop_sampler()
-    backends._cache.clear()
+    forget_backends()
     metrics.uninstall()
     yield fleet
     metrics.uninstall()
     sampler_mod.stop_sampler()
-    backends._cache.clear()
+    forget_backends()
 
 
 @pytest.fixture
@@ -245,7 +246,11 @@ def test_loading_says_where_the_api_lives_and_routes_the_package_logs(
 def test_the_log_handler_drops_records_until_a_server_log_is_named() -> None:
     """Before :func:`route_logs_to` names the server's logger there is nowhere to hand a record:
     it is dropped, not an error. Caught (mutation run, issue 22): the unset target made ``""``
-    (an AttributeError out of ``emit``)."""
+    (an AttributeError out of ``emit``).
+
+    A reasoned private seam: the server adds the handler and names its target in one step
+    (``route_logs_to``), so no public path shows a handler without a target; the handler is
+    made here by its class."""
     from autogpu_jupyter.server import _ToServerLog
 
     record = logging.makeLogRecord({"name": "autogpu_jupyter.core.sampler",
@@ -1015,6 +1020,12 @@ async def test_a_browser_post_needs_the_xsrf_token(
     ("cannot move to MAX:\nGPU 0: busy", "cannot move to MAX: GPU 0: busy"),
 ])
 def test_an_explanation_is_one_paragraph(text: str, paragraph: str) -> None:
+    """A refusal's explanation (head, then a line per device) is one line in the REST answer,
+    as ``test_a_move_with_one_device_dropped_says_why_in_one_line`` and the two-device move
+    refusal show through the server.
+
+    A reasoned private seam: the edge cases here (no text, blank lines, a colon inside the
+    head) are no refusal today's pick writes, so no request reaches them."""
     assert handlers._one_paragraph(ValueError(text)) == paragraph
 
 
@@ -1035,7 +1046,10 @@ def test_an_http_errors_text_is_kept_as_written() -> None:
 ])
 def test_an_autogpu_error_is_400_for_bad_input_else_503(err: Exception, text: str) -> None:
     """Promptly, without a server: a status that is no number made the request hang until the
-    client gave up (tornado cannot finish an error page without its status)."""
+    client gave up (tornado cannot finish an error page without its status).
+
+    A reasoned private seam: through a server this bug is a hang, not a failure; the handler's
+    error mapping is asked directly so that it fails at once."""
     handler = handlers.SelectHandler.__new__(handlers.SelectHandler)
     made = handler._http_error(err)
     assert isinstance(made, tornado.web.HTTPError)
@@ -1075,6 +1089,12 @@ def test_a_move_body_that_is_no_json_is_answered_with_an_example() -> None:
 
 
 def test_devices_are_named_by_label_else_uuid() -> None:
+    """What "The kernel restarted on ..." names: a device by its label, one this server no
+    longer lists by its UUID, none as "no GPU".
+
+    A reasoned private seam: a device gone from the fleet between a move and the restart's
+    answer, or a restart on no GPU, takes a real kernel restart racing a fleet change; the
+    words are checked on the namer itself."""
     assert moving._labels((A, B), {A: "GPU 0"}) == f"GPU 0, {B}"
     assert moving._labels((), {A: "GPU 0"}) == "no GPU"
 
@@ -1199,7 +1219,10 @@ class _App(LoggingConfigurable):
 
 @pytest.fixture
 def package_logging() -> Iterator[None]:
-    """The package logger's level and the server log it hands records to, restored after."""
+    """The package logger's level and the server log it hands records to, restored after.
+
+    A reasoned private seam: that log is the process's (one server per process); a test that
+    loads the extension into a made-up app must give it back, and no public call unsets it."""
     package = logging.getLogger("autogpu_jupyter")
     level, target = package.level, _TO_SERVER_LOG.target
     yield

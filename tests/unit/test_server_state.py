@@ -23,6 +23,7 @@ from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.leasing.directory import Registry
 from autogpu_jupyter.server import state
 from autogpu_jupyter.server.state import AutoGPUServer, kernel_pid_map, owning_kernel
+from tests.leasehelpers import forget_backends
 from tests.payloadhelpers import GiB, write_fleet
 
 A = "GPU-0a0a0a0a-1111-2222-3333-444444444444"
@@ -143,7 +144,6 @@ def test_the_sidebar_sees_the_leases_even_where_the_server_takes_none(
 
 @pytest.fixture
 def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    from autogpu_jupyter.core import backends
 
     path = write_fleet(tmp_path / "fleet.json", [
         {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 0},
@@ -152,10 +152,10 @@ def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("AUTOGPU_SIMULATE", str(path))
     monkeypatch.delenv("AUTOGPU_SAMPLE_INTERVAL", raising=False)
     sampler_mod.stop_sampler()
-    backends._cache.clear()
+    forget_backends()
     yield path
     sampler_mod.stop_sampler()
-    backends._cache.clear()
+    forget_backends()
 
 
 def test_the_servers_sampler_runs_at_the_servers_interval_and_history(fleet: Path) -> None:
@@ -179,16 +179,22 @@ class _Sampler:
         return self.snap
 
 
-def test_labels_come_from_the_samplers_latest_sweep(fleet: Path) -> None:
+def test_labels_come_from_the_samplers_latest_sweep(
+    fleet: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """UUID -> label from the latest sweep; none before the first sweep, none without a sampler.
     Caught: the sampler never read (always no labels); a sampler without a sweep yet read as
     one (AttributeError on None)."""
+    from autogpu_jupyter.core import sampler as sampler_mod
+
+    process_sampler = _Sampler(None)  # the process's sampler, its sweeps the test's
+    monkeypatch.setattr(sampler_mod, "get_sampler", lambda **_kw: process_sampler)
     state = AutoGPUServer(registry_dir="", log=logging.getLogger("autogpu-test-server"))
     try:
-        assert state.labels() == {}
-        state._sampler = _Sampler(None)
-        assert state.labels() == {}
-        state._sampler = _Sampler(SimulatedBackend(str(fleet)).snapshot())
+        assert state.labels() == {}  # no sampler started yet
+        assert state.sampler() is process_sampler
+        assert state.labels() == {}  # no sweep yet
+        process_sampler.snap = SimulatedBackend(str(fleet)).snapshot()
         assert state.labels() == {A: "GPU 0", B: "GPU 1"}
     finally:
         state.stop()
@@ -209,7 +215,10 @@ def test_a_stale_cluster_view_is_refreshed_on_the_servers_own_executor() -> None
     """Past half a scrape interval every sidebar gets the kept view at once while one of the
     server's threads asks Prometheus again (a fake fetch and clock). Caught (issue 22, seed
     54): the server's cache made without the executor (each sidebar then waited on Prometheus
-    in turn)."""
+    in turn).
+
+    A reasoned private seam: the server makes its cache itself, with its executor; the test
+    gives that cache a pretend clock and Prometheus (no public input sets them)."""
     from tests.unit.test_cluster_cache import URL, Clock, Fetches
 
     state = AutoGPUServer(registry_dir="", log=logging.getLogger("autogpu-test-server"))
@@ -221,7 +230,7 @@ def test_a_stale_cluster_view_is_refreshed_on_the_servers_own_executor() -> None
         threads.append(threading.current_thread().name)
         return fetch(url, timeout_s)
 
-    cache._clock, cache._fetch = clock, fetching
+    cache._clock, cache._fetch = clock, fetching  # reasoned: the server makes its own cache
     try:
         first = cache.get(URL, 5.0)
         clock.now += 6.0

@@ -12,6 +12,7 @@ import pytest
 from autogpu_jupyter.core.backends import get_backend
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend, _demo, builtin_fleet
 from autogpu_jupyter.errors import UsageErrorBase
+from tests.leasehelpers import forget_backends
 
 GiB = 1024**3
 
@@ -184,7 +185,6 @@ def test_a_fleet_file_that_cannot_be_read_is_one_clear_message(
     (``autogpu list`` showed a UnicodeDecodeError's). Once read, a file being replaced keeps
     the last good fleet."""
     from autogpu_jupyter.cli import main
-    from autogpu_jupyter.core import backends
 
     latin1 = tmp_path / "latin1.json"
     latin1.write_bytes(b'{"devices": [{"uuid": "GPU-l", "name": "B\xfcro GPU"}]}')
@@ -200,11 +200,11 @@ def test_a_fleet_file_that_cannot_be_read_is_one_clear_message(
     with pytest.raises(UsageErrorBase, match=r"cannot be read: No such file or directory;"):
         backend.snapshot()
     monkeypatch.setenv("AUTOGPU_SIMULATE", str(latin1))
-    backends._cache.clear()
+    forget_backends()
     try:
         assert main(["list"]) == 2
     finally:
-        backends._cache.clear()
+        forget_backends()
     out, err = capsys.readouterr()
     assert (out, err) == ("", f"autogpu: fleet file {str(latin1)!r} cannot be read: not UTF-8 "
                               "(invalid start byte); expected a JSON fleet file (UTF-8) this "
