@@ -110,7 +110,7 @@ def wire_records(items: Iterable[Any], path: str) -> list[LeaseRecord]:
     for item in items:
         try:
             out.append(from_wire(item, path))
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, OverflowError) as err:  # Infinity: Overflow
             raise RegistryError(f"lease broker at {path} sent a bad record: {err}") from None
     return out
 
@@ -172,6 +172,8 @@ def view_records(devices: Iterable[Any], path: str) -> list[LeaseRecord]:
             groups = [(int(pid), int(n), int(booked or 0), bool(exclusive))
                       for pid, n, booked, exclusive in dev.get("pids") or ()]
             more = dev.get("more") or {}
+            if not isinstance(more, Mapping):
+                raise TypeError(f"folded leases of {type(more).__name__} (not an object)")
             folded = int(more.get("leases", 0))
             groups.append((0, folded, int(more.get("booked") or 0), bool(more.get("exclusive"))))
             alike = 0
@@ -185,7 +187,7 @@ def view_records(devices: Iterable[Any], path: str) -> list[LeaseRecord]:
             if alike:  # the others book nothing and are alike: one record, counted each
                 rest = _view_record(uuid, len(out), False, 0, None, "others", None, path)
                 out += [rest] * alike
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, OverflowError) as err:  # JSON's Infinity: Overflow
         raise RegistryError(f"lease broker at {path} sent a bad booking view: {err}") from None
     return out
 
