@@ -209,3 +209,60 @@ def test_the_view_by_process_is_smaller_than_the_rows_at_host_scale() -> None:
     made = {id(r) for r in wire.view_records(by_pid, "/s")}
     assert len(made) < len({id(r) for r in wire.view_records(rows, "/s")})
     assert len(wire.view_records(by_pid, "/s")) == 3000
+
+
+def _view_by_init(devices: list[dict[str, Any]], path: str) -> list[LeaseRecord]:
+    """What the view's records are, each made by ``LeaseRecord``'s own ``__init__`` (the
+    reading of the view before issue 39 set its records slot by slot): one per row, one per
+    process, one per device's folded leases, and one alike record for every further lease."""
+    out: list[LeaseRecord] = []
+
+    def made(uuid: str, exclusive: bool, pid: int, booked: int | None, user: str,
+             where: str | None) -> LeaseRecord:
+        lease_id = f"view{len(out):028x}"
+        return LeaseRecord(
+            lease_id=lease_id, kind="lease", device_uuids=(uuid,),
+            device_requested_bytes=(booked,), exclusive=exclusive, user=user, uid=-1, host="",
+            pid=pid, created_s=0.0, notebook_path=where, path=f"{path}#{lease_id}")
+
+    for dev in devices:
+        for exclusive, pid, booked, user, where in dev.get("rows") or ():
+            out.append(made(dev["uuid"], exclusive, pid, booked, user, where or None))
+        more = dev.get("more") or {}
+        groups = [*(dev.get("pids") or ()),
+                  [0, more.get("leases", 0), more.get("booked") or 0, bool(more.get("exclusive"))]]
+        alike = 0
+        for pid, leases, booked, exclusive in groups:
+            if leases > 0:
+                alike += leases - 1
+                out.append(made(dev["uuid"], exclusive, pid, booked or 0, "others", None))
+        if alike:
+            rest = made(dev["uuid"], False, 0, None, "others", None)
+            out += [rest] * alike
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_views_records_are_those_the_records_own_init_makes(seed: int) -> None:
+    """The records a pick makes of a booking view (set slot by slot, without the dataclass's
+    ``__init__``: a third of a pick's time at host scale) equal, field for field and hash for
+    hash, those ``LeaseRecord(...)`` makes, over random books read both ways (by process and
+    as named rows), with the same runs of one record."""
+    b, _, viewer = random_book(100 + seed, (3, 12, 30)[seed % 3])
+    for view in wire.VIEW_SHAPES:
+        devices = begin(b, viewer, view=view)["devices"]
+        got = wire.view_records(devices, "/run/b.sock")
+        want = _view_by_init(devices, "/run/b.sock")
+        assert got == want and [hash(r) for r in got] == [hash(r) for r in want]
+        assert [type(r) for r in got] == [LeaseRecord] * len(want)
+        assert [id(r) == id(got[i - 1]) for i, r in enumerate(got) if i] == [
+            id(r) == id(want[i - 1]) for i, r in enumerate(want) if i]
+        assert [r.to_dict() for r in got] == [r.to_dict() for r in want]
+    assert len(got) > 100
+
+
+def test_a_view_record_is_frozen_as_any_record() -> None:
+    rec = wire.view_records([{"uuid": "GPU-a", "pids": [[7, 2, GIB, False]]}], "/s")[0]
+    with pytest.raises(AttributeError):
+        rec.pid = 8  # type: ignore[misc]
+    assert (rec.pid, rec.requested_on("GPU-a"), rec.holder_text()) == (7, GIB, "others: pid 7")
