@@ -162,13 +162,19 @@ def bookings_for(
     """
     # Each device's leases in their order, a record given n times in a row (a broker's folded
     # leases) as one run of n: read once, counted n times (issue 39: 10,000 leases per pick).
-    on: dict[str, list[tuple[LeaseRecord, int]]] = {}
+    # With each, what it books there (LeaseRecord.requested_on), read once.
+    on: dict[str, list[tuple[LeaseRecord, int, int | None]]] = {}
     for _, group in groupby(leases, key=id):
         run = list(group)
         rec = run[0]
         if rec.live and rec.kind == "lease":
-            for uuid in dict.fromkeys(rec.device_uuids):
-                on.setdefault(uuid, []).append((rec, len(run)))
+            uuids = rec.device_uuids
+            if len(uuids) == 1:  # most leases (every one of a broker's view): one device
+                asked = rec.device_requested_bytes
+                on.setdefault(uuids[0], []).append((rec, len(run), asked[0] if asked else None))
+                continue
+            for uuid in dict.fromkeys(uuids):
+                on.setdefault(uuid, []).append((rec, len(run), rec.requested_on(uuid)))
     out: dict[str, Booking] = {}
     for dev in devices:
         count = 0
@@ -176,12 +182,11 @@ def bookings_for(
         exclusive_by: list[str] = []
         holders: list[str] = []
         pids_using = {p.pid for p in (dev.processes or ()) if p.used_memory_bytes is not None}
-        for rec, n in on.get(dev.uuid, ()):
+        for rec, n, req in on.get(dev.uuid, ()):
             count += n
             if rec.exclusive:
                 exclusive_by.append(admission.exclusive_phrase(rec))
             holders += [rec.holder_text()] * n
-            req = rec.requested_on(dev.uuid)
             if req and rec.pid not in pids_using:
                 booked += req * n
         out[dev.uuid] = Booking(
