@@ -11,6 +11,7 @@ test_broker_rules.py; the books are seeded random walks over 64 GPUs.
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -266,3 +267,31 @@ def test_a_view_record_is_frozen_as_any_record() -> None:
     with pytest.raises(AttributeError):
         rec.pid = 8  # type: ignore[misc]
     assert (rec.pid, rec.requested_on("GPU-a"), rec.holder_text()) == (7, GIB, "others: pid 7")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_begin_line_carries_each_devices_kept_json_and_says_what_the_book_holds_now(
+    seed: int,
+) -> None:
+    """The ``begin`` reply goes out with each device's JSON as the row cache keeps it (not
+    encoded again per pick): the same JSON as the reply encoded whole, in both views, and
+    after a lease on a device the line says so (no stale bytes)."""
+    b, pids, viewer = random_book(200 + seed, 12)
+    for view in wire.VIEW_SHAPES:
+        reply = {"ok": True, **begin(b, viewer, view=view), "proto": wire.PROTOCOL}
+        line = views_mod.encoded_line(reply)
+        assert line is not None and line.endswith(b"}\n") and line.count(b"\n") == 1
+        assert json.loads(line) == json.loads(json.dumps(reply))
+    before = json.loads(views_mod.encoded_line({"ok": True, **begin(b, viewer, view="pids")}))
+    conn = person(b, 2001, pid=pids[0])
+    conn.record = ops_mod.make_record(b, conn, "lease", {
+        "device_uuids": [GPUS[63]], "device_requested_bytes": [7 * GIB], "exclusive": True,
+        "pid": conn.pid, "kernel_id": None, "notebook_path": None, "command": None,
+        "holder_kind": "kernel"})
+    reply = {"ok": True, **begin(b, viewer, view="pids")}
+    after = json.loads(views_mod.encoded_line(reply) or b"")
+    assert after == json.loads(json.dumps(reply)) != before
+    assert [pids[0], 1, 7 * GIB, True] in next(
+        d for d in after["devices"] if d["uuid"] == GPUS[63])["pids"]
+    assert views_mod.encoded_line({"ok": True}) is None
+    assert views_mod.encoded_line({"ok": True, "devices": [{"uuid": "GPU-x"}]}) is None
