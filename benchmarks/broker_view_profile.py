@@ -41,6 +41,7 @@ from broker_herd import make_fleet  # noqa: E402
 from autogpu_jupyter.broker import Broker, BrokerConfig, Conn  # noqa: E402
 from autogpu_jupyter.brokerd import ops as ops_mod  # noqa: E402
 from autogpu_jupyter.brokerd.identity import Account  # noqa: E402
+from autogpu_jupyter.brokerd.views import encoded_line  # noqa: E402
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend  # noqa: E402
 from autogpu_jupyter.core.decision import bookings_for  # noqa: E402
 from autogpu_jupyter.core.leasing import wire  # noqa: E402
@@ -122,7 +123,8 @@ def main() -> int:
     def begin() -> bytes:
         reply = asyncio.run(b.run_op("begin", viewer, {"op": "begin", "view": a.view}))
         b.lock.release(viewer)
-        return json.dumps({**reply, "proto": PROTOCOL}).encode()
+        msg = {**reply, "proto": PROTOCOL}  # encoded as the broker sends it
+        return encoded_line(msg) or json.dumps(msg).encode() + b"\n"
 
     data = begin()
     registry = BrokerRegistry("/nonexistent/b.sock")

@@ -28,6 +28,7 @@ from autogpu_jupyter.brokerd import net, peers
 from autogpu_jupyter.brokerd.book import BrokerRefusal
 from autogpu_jupyter.brokerd.identity import Account, tenant_key
 from autogpu_jupyter.brokerd.ops import OLDER, OPS, RecordReply, before, older_reply
+from autogpu_jupyter.brokerd.views import encoded_line
 from autogpu_jupyter.core.leasing.records import LeaseRecord
 from autogpu_jupyter.core.leasing.wire import (
     MAX_REPLY_BYTES,
@@ -271,8 +272,8 @@ class Connections:
             data = b'{"ok":true,"proto":%d,"record":%s}\n' % (PROTOCOL, msg.encoded)
         elif msg == _OK:
             data = _OK_LINE
-        else:
-            data = json.dumps(msg).encode() + b"\n"
+        else:  # a pick's booking view: each device's JSON as kept, not encoded per pick
+            data = encoded_line(msg) or json.dumps(msg).encode() + b"\n"
         if len(data) > MAX_REPLY_BYTES:  # replies are bounded by construction: a bug
             log.error("reply of %d bytes to uid %d not sent (cap %d)", len(data), conn.uid,
                       MAX_REPLY_BYTES)

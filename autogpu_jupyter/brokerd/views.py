@@ -17,7 +17,16 @@ from autogpu_jupyter.core.leasing.wire import (
     VIEW_TICKETS,
 )
 
-__all__ = ["RowCache", "StateView", "device_pids", "device_rows", "shown", "view"]
+__all__ = [
+    "EncodedDevice",
+    "RowCache",
+    "StateView",
+    "device_pids",
+    "device_rows",
+    "encoded_line",
+    "shown",
+    "view",
+]
 
 #: How much of a holder's name and place (``alice``, ``analysis.ipynb``) the booking view
 #: carries, in encoded bytes.
@@ -80,6 +89,28 @@ def view(ctx: Any, conn: Any, shape: str = "rows") -> dict[str, Any]:
     }
 
 
+class EncodedDevice(dict):  # type: ignore[type-arg]
+    """One device of the booking view (:func:`device_rows`, :func:`device_pids`) with its JSON
+    text, made once while :class:`RowCache` keeps it: a ``begin`` reply carries these bytes
+    (:func:`encoded_line`) instead of encoding every device's rows again for each pick."""
+
+    def __init__(self, rows: dict[str, Any]) -> None:
+        super().__init__(rows)
+        self.encoded = json.dumps(rows).encode()
+
+
+def encoded_line(msg: dict[str, Any]) -> bytes | None:
+    """``msg`` as its JSON line where its ``devices`` are the view's :class:`EncodedDevice`
+    (their kept bytes spliced in, ``devices`` last); ``None`` for any other reply. The same
+    JSON as ``json.dumps(msg)`` but for the order of the keys."""
+    devices = msg.get("devices")
+    if type(devices) is not list or not all(type(d) is EncodedDevice for d in devices):
+        return None
+    head = json.dumps({k: v for k, v in msg.items() if k != "devices"}).encode()
+    rows = b", ".join(d.encoded for d in devices)
+    return head[:-1] + (b", " if len(head) > 2 else b"") + b'"devices": [' + rows + b"]}\n"
+
+
 class RowCache:
     """The rows of a device's leases, kept until one of them changes (a pick on another
     device does not change them): bounded, cleared when full."""
@@ -90,10 +121,10 @@ class RowCache:
     def __init__(self) -> None:
         #: (device, the person left out or ``None``, the view's shape) -> (the device's stamp,
         #: its rows).
-        self.current: dict[tuple[str, int | None, str], tuple[int, dict[str, Any]]] = {}
+        self.current: dict[tuple[str, int | None, str], tuple[int, EncodedDevice]] = {}
 
     def rows_now(self, book: Any, uuid: str, left_out: int | None,
-                 shape: str = "rows") -> dict[str, Any]:
+                 shape: str = "rows") -> EncodedDevice:
         """:func:`device_rows` (or :func:`device_pids`, by ``shape``) of the live leases on
         ``uuid`` but person ``left_out``'s, kept while the book's stamp of that device stays
         (any change of its leases moves it)."""
@@ -103,7 +134,8 @@ class RowCache:
         if got is not None and got[0] == stamp:
             return got[1]
         recs = [r for k, r in book.index.leases_on(uuid) if k != left_out]
-        rows = device_pids(uuid, recs) if shape == VIEW_BY_PID else device_rows(uuid, recs)
+        rows = EncodedDevice(
+            device_pids(uuid, recs) if shape == VIEW_BY_PID else device_rows(uuid, recs))
         if len(self.current) >= self.SIZE:
             self.current.clear()
         self.current[key] = (stamp, rows)

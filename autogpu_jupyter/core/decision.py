@@ -18,10 +18,12 @@ policy, worded by the same admission module (a device a waiting ticket takes say
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from itertools import groupby
+from itertools import compress, islice
+from operator import is_not
 from typing import TYPE_CHECKING, Any
 
 from autogpu_jupyter.core.leasing import admission
@@ -162,13 +164,22 @@ def bookings_for(
     """
     # Each device's leases in their order, a record given n times in a row (a broker's folded
     # leases) as one run of n: read once, counted n times (issue 39: 10,000 leases per pick).
-    on: dict[str, list[tuple[LeaseRecord, int]]] = {}
-    for _, group in groupby(leases, key=id):
-        run = list(group)
-        rec = run[0]
-        if rec.live and rec.kind == "lease":
-            for uuid in dict.fromkeys(rec.device_uuids):
-                on.setdefault(uuid, []).append((rec, len(run)))
+    # With each, what it books there (LeaseRecord.requested_on), read once.
+    # The runs start where a record is not the one before it (found in C, not one Python step
+    # per lease).
+    on: dict[str, list[tuple[LeaseRecord, int, int | None]]] = {}
+    starts = list(compress(itertools.count(1), map(is_not, islice(leases, 1, None), leases)))
+    for start, end in zip([0, *starts], [*starts, len(leases)], strict=True):
+        rec = leases[start] if end > start else None  # None: no leases at all
+        if rec is not None and rec.live and rec.kind == "lease":
+            uuids = rec.device_uuids
+            if len(uuids) == 1:  # most leases (every one of a broker's view): one device
+                asked = rec.device_requested_bytes
+                on.setdefault(uuids[0], []).append((rec, end - start,
+                                                    asked[0] if asked else None))
+                continue
+            for uuid in dict.fromkeys(uuids):
+                on.setdefault(uuid, []).append((rec, end - start, rec.requested_on(uuid)))
     out: dict[str, Booking] = {}
     for dev in devices:
         count = 0
@@ -176,12 +187,11 @@ def bookings_for(
         exclusive_by: list[str] = []
         holders: list[str] = []
         pids_using = {p.pid for p in (dev.processes or ()) if p.used_memory_bytes is not None}
-        for rec, n in on.get(dev.uuid, ()):
+        for rec, n, req in on.get(dev.uuid, ()):
             count += n
             if rec.exclusive:
                 exclusive_by.append(admission.exclusive_phrase(rec))
             holders += [rec.holder_text()] * n
-            req = rec.requested_on(dev.uuid)
             if req and rec.pid not in pids_using:
                 booked += req * n
         out[dev.uuid] = Booking(

@@ -11,6 +11,7 @@ test_broker_rules.py; the books are seeded random walks over 64 GPUs.
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -209,3 +210,88 @@ def test_the_view_by_process_is_smaller_than_the_rows_at_host_scale() -> None:
     made = {id(r) for r in wire.view_records(by_pid, "/s")}
     assert len(made) < len({id(r) for r in wire.view_records(rows, "/s")})
     assert len(wire.view_records(by_pid, "/s")) == 3000
+
+
+def _view_by_init(devices: list[dict[str, Any]], path: str) -> list[LeaseRecord]:
+    """What the view's records are, each made by ``LeaseRecord``'s own ``__init__`` (the
+    reading of the view before issue 39 set its records slot by slot): one per row, one per
+    process, one per device's folded leases, and one alike record for every further lease."""
+    out: list[LeaseRecord] = []
+
+    def made(uuid: str, exclusive: bool, pid: int, booked: int | None, user: str,
+             where: str | None) -> LeaseRecord:
+        lease_id = f"view{len(out):028x}"
+        return LeaseRecord(
+            lease_id=lease_id, kind="lease", device_uuids=(uuid,),
+            device_requested_bytes=(booked,), exclusive=exclusive, user=user, uid=-1, host="",
+            pid=pid, created_s=0.0, notebook_path=where, path=f"{path}#{lease_id}")
+
+    for dev in devices:
+        for exclusive, pid, booked, user, where in dev.get("rows") or ():
+            out.append(made(dev["uuid"], exclusive, pid, booked, user, where or None))
+        more = dev.get("more") or {}
+        groups = [*(dev.get("pids") or ()),
+                  [0, more.get("leases", 0), more.get("booked") or 0, bool(more.get("exclusive"))]]
+        alike = 0
+        for pid, leases, booked, exclusive in groups:
+            if leases > 0:
+                alike += leases - 1
+                out.append(made(dev["uuid"], exclusive, pid, booked or 0, "others", None))
+        if alike:
+            rest = made(dev["uuid"], False, 0, None, "others", None)
+            out += [rest] * alike
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_views_records_are_those_the_records_own_init_makes(seed: int) -> None:
+    """The records a pick makes of a booking view (set slot by slot, without the dataclass's
+    ``__init__``: a third of a pick's time at host scale) equal, field for field and hash for
+    hash, those ``LeaseRecord(...)`` makes, over random books read both ways (by process and
+    as named rows), with the same runs of one record."""
+    b, _, viewer = random_book(100 + seed, (3, 12, 30)[seed % 3])
+    for view in wire.VIEW_SHAPES:
+        devices = begin(b, viewer, view=view)["devices"]
+        got = wire.view_records(devices, "/run/b.sock")
+        want = _view_by_init(devices, "/run/b.sock")
+        assert got == want and [hash(r) for r in got] == [hash(r) for r in want]
+        assert [type(r) for r in got] == [LeaseRecord] * len(want)
+        assert [id(r) == id(got[i - 1]) for i, r in enumerate(got) if i] == [
+            id(r) == id(want[i - 1]) for i, r in enumerate(want) if i]
+        assert [r.to_dict() for r in got] == [r.to_dict() for r in want]
+    assert len(got) > 100
+
+
+def test_a_view_record_is_frozen_as_any_record() -> None:
+    rec = wire.view_records([{"uuid": "GPU-a", "pids": [[7, 2, GIB, False]]}], "/s")[0]
+    with pytest.raises(AttributeError):
+        rec.pid = 8  # type: ignore[misc]
+    assert (rec.pid, rec.requested_on("GPU-a"), rec.holder_text()) == (7, GIB, "others: pid 7")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_begin_line_carries_each_devices_kept_json_and_says_what_the_book_holds_now(
+    seed: int,
+) -> None:
+    """The ``begin`` reply goes out with each device's JSON as the row cache keeps it (not
+    encoded again per pick): the same JSON as the reply encoded whole, in both views, and
+    after a lease on a device the line says so (no stale bytes)."""
+    b, pids, viewer = random_book(200 + seed, 12)
+    for view in wire.VIEW_SHAPES:
+        reply = {"ok": True, **begin(b, viewer, view=view), "proto": wire.PROTOCOL}
+        line = views_mod.encoded_line(reply)
+        assert line is not None and line.endswith(b"}\n") and line.count(b"\n") == 1
+        assert json.loads(line) == json.loads(json.dumps(reply))
+    before = json.loads(views_mod.encoded_line({"ok": True, **begin(b, viewer, view="pids")}))
+    conn = person(b, 2001, pid=pids[0])
+    conn.record = ops_mod.make_record(b, conn, "lease", {
+        "device_uuids": [GPUS[63]], "device_requested_bytes": [7 * GIB], "exclusive": True,
+        "pid": conn.pid, "kernel_id": None, "notebook_path": None, "command": None,
+        "holder_kind": "kernel"})
+    reply = {"ok": True, **begin(b, viewer, view="pids")}
+    after = json.loads(views_mod.encoded_line(reply) or b"")
+    assert after == json.loads(json.dumps(reply)) != before
+    assert [pids[0], 1, 7 * GIB, True] in next(
+        d for d in after["devices"] if d["uuid"] == GPUS[63])["pids"]
+    assert views_mod.encoded_line({"ok": True}) is None
+    assert views_mod.encoded_line({"ok": True, "devices": [{"uuid": "GPU-x"}]}) is None

@@ -1168,6 +1168,38 @@ def test_a_bad_booking_view_in_the_pick_locks_answer_names_the_broker(
     peer.close()
 
 
+@pytest.mark.parametrize("device", [
+    {"uuid": "GPU-a", "more": ["leases", 3]},  # folded leases that are not an object
+    {"uuid": "GPU-a", "pids": [[7, 1, float("inf"), False]]},  # JSON's Infinity for bytes
+    {"uuid": "GPU-a", "rows": [[False, float("-inf"), None, "bob", ""]]},
+    {"uuid": "GPU-a", "more": {"leases": 1, "booked": float("inf")}},
+])
+def test_a_booking_view_of_the_wrong_shape_or_an_infinite_number_is_one_line(
+    peer_path: str, device: dict[str, Any]
+) -> None:
+    """A broker is trusted, but what it sends is only JSON: a view whose folded leases are not
+    an object, or whose numbers are JSON's ``Infinity``, is refused in one line naming the
+    broker (never a traceback in the user's kernel; issue 39)."""
+    begin = {"ok": True, "own": [], "devices": [device], "tickets": []}
+    peer = Peer(peer_path, [[begin]])
+    with pytest.raises(RegistryError) as err, BrokerRegistry(peer_path).locked() as txn:
+        txn.ready()
+    assert str(err.value).startswith(f"lease broker at {peer_path} sent a bad booking view: ")
+    assert "\n" not in str(err.value)
+    peer.close()
+
+
+def test_a_record_with_an_infinite_number_is_one_line(peer_path: str) -> None:
+    rec = payload("B1")
+    rec["uid"] = float("inf")
+    peer = Peer(peer_path, [[{"ok": True, "records": [rec]}]])
+    with pytest.raises(RegistryError) as err:
+        BrokerRegistry(peer_path).list_leases()
+    assert str(err.value) == (
+        f"lease broker at {peer_path} sent a bad record: cannot convert float infinity to integer")
+    peer.close()
+
+
 def test_a_refused_pick_lock_is_not_asked_again(peer_path: str) -> None:
     peer = Peer(peer_path, [[{"ok": False, "error": "no", "type": "UsageErrorBase"}]])
     with pytest.raises(UsageErrorBase, match=r"^lease broker: no$"), BrokerRegistry(
