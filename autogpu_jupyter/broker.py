@@ -108,7 +108,7 @@ from autogpu_jupyter.brokerd.picklock import (  # noqa: F401
 )
 from autogpu_jupyter.brokerd.restore import Restorer
 from autogpu_jupyter.brokerd.tenantd import TenantSockets
-from autogpu_jupyter.brokerd.views import RowCache
+from autogpu_jupyter.brokerd.views import RowCache, ViewWarmer
 from autogpu_jupyter.brokerd.views import StateView as _StateView  # noqa: F401
 from autogpu_jupyter.core.leasing import admission
 from autogpu_jupyter.core.leasing.brokerclient import DEFAULT_SOCKET, MAX_REQUEST_BYTES
@@ -256,6 +256,8 @@ class Broker:
         self.lock = PickLock(config)
         self.fleet = Fleet(self.book)
         self.ops_cache = RowCache()
+        self.views = ViewWarmer(self.book, self.ops_cache)  # rows built again off a pick's path
+        self.book.index.on_change = self.views.changed
         self.connections = Connections(self)
         self.book.active = self.connections.per_key
         journal = None
@@ -318,6 +320,7 @@ async def serve(config: BrokerConfig, ready: Any = None) -> None:
     except tenancy.TenantError as err:
         raise SystemExit(f"autogpu broker: {err}") from None
     reaper = asyncio.create_task(broker.restorer.reap_orphans())
+    broker.views.changed()  # the restored leases' rows, before the first pick
     if ready is not None:
         ready()
     loop = asyncio.get_running_loop()

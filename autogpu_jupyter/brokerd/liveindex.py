@@ -10,6 +10,7 @@ person's own records hold, not what the whole book holds (issue 39: 10,000 live 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from typing import Any
 
 from autogpu_jupyter.core.leasing.records import LeaseRecord
@@ -34,6 +35,8 @@ class LiveIndex:
         #: Per device, the book's version when its leases last changed (a pick's booking view
         #: keeps a device's rows until then).
         self.device_stamp: dict[str, int] = {}
+        #: Called when some device's stamp moved (the broker's shell keeps the view warm).
+        self.on_change: Callable[[], None] | None = None
 
     def add(self, key: int, rec: LeaseRecord, version: int, holder: Any = None) -> None:
         """``rec`` (of person ``key``, held by ``holder``; ``None``: an orphan) is live, as of
@@ -50,6 +53,8 @@ class LiveIndex:
         for uuid in rec.device_uuids:
             self.on_device.setdefault(uuid, {})[lid] = (key, rec)
             self.device_stamp[uuid] = version
+        if self.on_change is not None and rec.device_uuids:
+            self.on_change()
 
     def remove(self, rec: LeaseRecord, version: int) -> None:
         """``rec`` is no longer live, as of the book's ``version``."""
@@ -73,6 +78,8 @@ class LiveIndex:
                 self.device_stamp[uuid] = version
                 if not on:
                     del self.on_device[uuid]
+        if self.on_change is not None and rec.device_uuids:
+            self.on_change()
 
     def ordered(self) -> list[tuple[int, LeaseRecord]]:
         """Every live record as (person, record), oldest first."""

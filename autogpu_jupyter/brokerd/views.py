@@ -3,6 +3,7 @@ one viewer may see it, and the book as :func:`core.decision.gather` reads a stor
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import replace
 from typing import Any
@@ -13,6 +14,7 @@ from autogpu_jupyter.core.leasing.store import StoreTransaction
 from autogpu_jupyter.core.leasing.wire import (
     VIEW_BY_PID,
     VIEW_ROWS_PER_DEVICE,
+    VIEW_SHAPES,
     VIEW_TICKET_BYTES,
     VIEW_TICKETS,
 )
@@ -21,6 +23,7 @@ __all__ = [
     "EncodedDevice",
     "RowCache",
     "StateView",
+    "ViewWarmer",
     "device_pids",
     "device_rows",
     "encoded_line",
@@ -113,7 +116,8 @@ def encoded_line(msg: dict[str, Any]) -> bytes | None:
 
 class RowCache:
     """The rows of a device's leases, kept until one of them changes (a pick on another
-    device does not change them): bounded, cleared when full."""
+    device does not change them): bounded, cleared when full. :class:`ViewWarmer` builds
+    them again off a pick's path after the leases change."""
 
     #: How many (device, person left out) rows it keeps before it starts afresh.
     SIZE = 1024
@@ -122,6 +126,12 @@ class RowCache:
         #: (device, the person left out or ``None``, the view's shape) -> (the device's stamp,
         #: its rows).
         self.current: dict[tuple[str, int | None, str], tuple[int, EncodedDevice]] = {}
+        #: How many device rows a pick's view had to build (:meth:`rows_now` found none kept),
+        #: and how many were built off its path (:meth:`warm`).
+        self.built = 0
+        self.warmed = 0
+        #: The shapes of the view that picks asked for, kept warm for any viewer.
+        self.shapes: set[str] = {VIEW_BY_PID}
 
     def rows_now(self, book: Any, uuid: str, left_out: int | None,
                  shape: str = "rows") -> EncodedDevice:
@@ -129,17 +139,96 @@ class RowCache:
         ``uuid`` but person ``left_out``'s, kept while the book's stamp of that device stays
         (any change of its leases moves it)."""
         stamp = book.index.device_stamp.get(uuid, -1)
-        key = (uuid, left_out, shape)
-        got = self.current.get(key)
+        got = self.current.get((uuid, left_out, shape))
         if got is not None and got[0] == stamp:
             return got[1]
+        self.built += 1
+        if left_out is None and shape in VIEW_SHAPES:
+            self.shapes.add(shape)
+        return self._build(book, uuid, left_out, shape, stamp)
+
+    def _build(self, book: Any, uuid: str, left_out: int | None, shape: str,
+               stamp: int) -> EncodedDevice:
         recs = [r for k, r in book.index.leases_on(uuid) if k != left_out]
         rows = EncodedDevice(
             device_pids(uuid, recs) if shape == VIEW_BY_PID else device_rows(uuid, recs))
         if len(self.current) >= self.SIZE:
             self.current.clear()
-        self.current[key] = (stamp, rows)
+        self.current[(uuid, left_out, shape)] = (stamp, rows)
         return rows
+
+    def stale(self, book: Any) -> list[tuple[str, str]]:
+        """The (device, shape) whose rows for any viewer are not kept as the book holds them
+        now: those a pick would build."""
+        stamps = book.index.device_stamp
+        current = self.current
+        out = []
+        for uuid in book.index.leased_devices():
+            stamp = stamps.get(uuid, -1)
+            for shape in sorted(self.shapes):
+                got = current.get((uuid, None, shape))
+                if got is None or got[0] != stamp:
+                    out.append((uuid, shape))
+        return out
+
+    def warm(self, book: Any, todo: list[tuple[str, str]]) -> None:
+        """Build the rows of ``todo`` (from :meth:`stale`) that are still not kept."""
+        stamps = book.index.device_stamp
+        for uuid, shape in todo:
+            stamp = stamps.get(uuid, -1)
+            got = self.current.get((uuid, None, shape))
+            if got is None or got[0] != stamp:
+                self.warmed += 1
+                self._build(book, uuid, None, shape, stamp)
+
+
+class ViewWarmer:
+    """Keeps the booking view warm: once the book's leases change (:meth:`changed`, called by
+    its index), the rows of the devices whose leases moved are built again on the event loop,
+    a little later (the changes of a burst come together) and a few per turn (answers go out
+    between them), so that the next pick finds them kept instead of building every device's
+    rows on its own path."""
+
+    #: Seconds from a change of the book to the first rebuild: the changes within it coalesce.
+    DELAY_S = 0.05
+    #: Device rows built per turn of the loop (about 0.15 ms each at 10,000 leases on 64 GPUs).
+    PER_TURN = 8
+
+    def __init__(self, book: Any, cache: RowCache) -> None:
+        self._book = book
+        self._cache = cache
+        self._loop: asyncio.AbstractEventLoop | None = None  # while a rebuild is due on it
+        self._todo: list[tuple[str, str]] = []
+
+    def changed(self) -> None:
+        """Some device's leases changed: rebuild their rows soon (once per burst)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a book loaded before serving): the next pick builds
+            return
+        if self._loop is not loop:
+            self._loop = loop
+            loop.call_later(self.DELAY_S, self._turn)
+
+    def _turn(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        if not self._todo:
+            self._todo = self._cache.stale(self._book)
+        now, self._todo = self._todo[:self.PER_TURN], self._todo[self.PER_TURN:]
+        self._cache.warm(self._book, now)
+        if self._todo:
+            loop.call_soon(self._turn)
+        elif self._cache.stale(self._book):  # changed meanwhile: again, after the delay
+            loop.call_later(self.DELAY_S, self._turn)
+        else:
+            self._loop = None
+
+    async def settled(self) -> None:
+        """Return once no rebuild is due on this loop."""
+        while self._loop is asyncio.get_running_loop():
+            await asyncio.sleep(self.DELAY_S)
 
 
 def device_rows(uuid: str, recs: list[LeaseRecord]) -> dict[str, Any]:

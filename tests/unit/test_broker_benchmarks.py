@@ -62,7 +62,8 @@ def _scale_run(restart_s: float = 0.5) -> dict[str, Any]:
 
 def test_the_defaults_are_the_issues_scale() -> None:
     a = scale.parse_args([])
-    assert (a.leases, a.idle, a.gpus, a.results) == (10_000, 1_000, 64, None)
+    assert (a.leases, a.idle, a.gpus, a.quiet_picks, a.picks, a.results) == (
+        10_000, 1_000, 64, 1_000, 100, None)
     b = orphans.parse_args(["--results", "r.json"])
     assert (b.holders, b.fds, b.seconds, b.socket_at, b.results) == (
         120, 20_000, 30.0, "last", "r.json")
@@ -73,6 +74,7 @@ def test_the_defaults_are_the_issues_scale() -> None:
     [
         ("scale", ["--gpus", "0"], "--gpus 1-192"),
         ("scale", ["--picks", "3"], "--picks >= 10"),
+        ("scale", ["--quiet-picks", "9"], "--quiet-picks >= 10"),
         ("scale", ["--loaders", "9"], "invalid choice: 9"),
         ("orphans", ["--holders", "0"], "--holders 1-240"),
         ("orphans", ["--seconds", "0.5"], "--seconds 1-300"),

@@ -295,3 +295,48 @@ def test_the_begin_line_carries_each_devices_kept_json_and_says_what_the_book_ho
         d for d in after["devices"] if d["uuid"] == GPUS[63])["pids"]
     assert views_mod.encoded_line({"ok": True}) is None
     assert views_mod.encoded_line({"ok": True, "devices": [{"uuid": "GPU-x"}]}) is None
+
+
+
+def test_after_a_burst_of_leases_and_a_turn_of_the_loop_a_pick_builds_no_devices_rows() -> None:
+    """The broker keeps the booking view warm (issue 39: the first pick after 10,000 grants
+    built all 64 devices' rows on its own path): once the loop has turned after a burst of
+    leases, a pick's ``begin`` builds no device's rows, and its line is the very line of a
+    broker that kept nothing. Caught: rows built only when a pick asks (what ``built`` counts),
+    a rebuild that keeps stale rows (the line differs), a shape asked for not kept warm."""
+
+    def lease(bk: Broker, uid: int, pid: int, devices: list[str], exclusive: bool) -> None:
+        conn = person(bk, uid, pid=pid)
+        conn.record = ops_mod.make_record(bk, conn, "lease", {
+            "device_uuids": devices, "device_requested_bytes": [GIB for _ in devices],
+            "exclusive": exclusive, "pid": pid, "kernel_id": None,
+            "notebook_path": "nb.ipynb", "command": None, "holder_kind": "kernel"})
+
+    async def line(bk: Broker, viewer: Conn, view: str) -> bytes | None:
+        got = await bk.run_op("begin", viewer, {"op": "begin", "view": view})
+        bk.lock.release(viewer)
+        return views_mod.encoded_line(got)
+
+    async def go() -> None:
+        b, fresh = broker(), broker()
+        for bk in (b, fresh):  # the same burst, made while the loop runs
+            rng = random.Random(7)
+            for _ in range(300):
+                lease(bk, 2000 + rng.randrange(6), 4000 + rng.randrange(40),
+                      rng.sample(GPUS, rng.choice((1, 1, 2))), False)
+        viewer, other = person(b, 1001, pid=1), person(fresh, 1001, pid=1)
+        await b.views.settled()
+        built = []
+        for n, view in enumerate(("pids", "rows", "pids", "rows")):
+            before = b.ops_cache.built
+            got = await line(b, viewer, view)
+            built.append(b.ops_cache.built - before)
+            fresh.ops_cache = views_mod.RowCache()  # keeps nothing
+            assert got == await line(fresh, other, view)
+            for bk in (b, fresh):  # one more lease: its device goes stale
+                lease(bk, 2001, 4001, [GPUS[5 + n]], True)
+            await b.views.settled()
+        # the rows by lease were built once, by the first pick that asked for them
+        assert built == [0, len(b.book.index.leased_devices()), 0, 0]
+
+    run(go())
