@@ -544,7 +544,7 @@ def _cmd_exporter(args: argparse.Namespace) -> int:
     interval = settings.sample_interval_s if args.interval is None else args.interval
     sampler = sampler_mod.get_sampler(interval_s=interval)
     registry = store_for(settings)
-    source = MetricsSource(latest=sampler.latest, registry=lambda: registry,
+    source = MetricsSource(latest=sampler.latest, store=lambda: registry,
                            hostname=args.hostname, lease_details=args.lease_details)
     prom = CollectorRegistry(auto_describe=False)
     prom.register(AutoGPUCollector(source))

@@ -14,10 +14,10 @@ __all__ = [
     "NoDeviceGrantedError",
     "NoDeviceFitsError",
     "TooLateError",
-    "RegistryError",
+    "LeaseStoreError",
     "LeaseLimitError",
-    "RegistryUntrustedError",
-    "RegistryUnreachableError",
+    "LeaseStoreUntrustedError",
+    "LeaseStoreUnreachableError",
     "DeviceBoundError",
 ]
 
@@ -65,7 +65,7 @@ class TooLateError(AutoGPUError):
     exit_code = 5
 
 
-class RegistryError(AutoGPUError):
+class LeaseStoreError(AutoGPUError):
     """The lease registry cannot be used safely (permissions, ownership, no flock)."""
 
 
@@ -75,14 +75,14 @@ class LeaseLimitError(AutoGPUError):
     exit_code = 3
 
 
-class RegistryUntrustedError(RegistryError):
+class LeaseStoreUntrustedError(LeaseStoreError):
     """A pick that promised exclusivity, a wait in line or a quota, while the lease registry
     cannot be used or trusted: it fails closed instead of going on without a lease."""
 
     exit_code = 3
 
 
-class RegistryUnreachableError(RegistryUntrustedError):
+class LeaseStoreUnreachableError(LeaseStoreUntrustedError):
     """The lease broker could not be reached, was lost mid-request or did not answer in time
     (it may be restarting): nothing was picked. A pick already waiting in line keeps its place
     and tries again until its wait ends; any other pick fails closed at once."""

@@ -66,7 +66,7 @@ class MetricsSource:
     ----------
     latest
         The sampler's latest sweep (``Sampler.latest``), ``None`` before the first one.
-    registry
+    store
         The lease store (read without lock), or ``None`` when leases are off.
     hostname
         The ``hostname`` label (default: this host's short name, as DCGM exporter's ``Hostname``).
@@ -76,7 +76,7 @@ class MetricsSource:
     """
 
     latest: Callable[[], FleetSnapshot | None]
-    registry: Callable[[], LeaseStore | None]
+    store: Callable[[], LeaseStore | None]
     hostname: str = ""
     lease_details: bool = False
 
@@ -121,7 +121,7 @@ class AutoGPUCollector(Collector):
                 return self._cache
             leases: list[LeaseRecord] = []
             tickets: list[LeaseRecord] = []
-            registry = self.source.registry()
+            registry = self.source.store()
             if registry is not None:
                 try:
                     leases, tickets = registry.live_records()

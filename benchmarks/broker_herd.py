@@ -5,10 +5,10 @@ the benchmark drops, so the kernel wakes them all at once) each run
 :func:`autogpu_jupyter.core.picker.pick` on the same simulated fleet of G GPUs, then hold their
 lease until every picker is done. Two modes, alternating in one run:
 
-* ``registry`` -- the shared-directory registry (``core.leasing.directory.Registry``) in a
+* ``registry`` -- the shared-directory registry (``core.leasing.directory.DirectoryStore``) in a
   temp dir;
 * ``broker``   -- ``autogpu broker`` as a real process on a Unix socket, the picks through
-  ``core.leasing.brokerclient.BrokerRegistry`` (the same picker code).
+  ``core.leasing.brokerclient.BrokerStore`` (the same picker code).
 
 Reported per mode: spread (leases per GPU, max - min), pick latency (median / p95 of the pick
 call in each process, and from the gate's opening, which counts the wait for a CPU), and for the
@@ -70,13 +70,13 @@ def _worker(mode: str, where: str, fleet_file: str, gate: str, out_fd: int, hold
 
     registry: Any
     if mode == "broker":
-        from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
+        from autogpu_jupyter.core.leasing.brokerclient import BrokerStore
 
-        registry = BrokerRegistry(where, lock_timeout_s=120.0)
+        registry = BrokerStore(where, lock_timeout_s=120.0)
     else:
-        from autogpu_jupyter.core.leasing.directory import Registry
+        from autogpu_jupyter.core.leasing.directory import DirectoryStore
 
-        registry = Registry(where, lock_timeout_s=120.0)
+        registry = DirectoryStore(where, lock_timeout_s=120.0)
     backend = SimulatedBackend(fleet_file)
     backend.snapshot()  # warm, as a kernel whose sampler runs
     fd = os.open(gate, os.O_RDONLY)

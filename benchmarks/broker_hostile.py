@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend  # noqa: E402
-from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL, BrokerRegistry  # noqa: E402
+from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL, BrokerStore  # noqa: E402
 from autogpu_jupyter.core.options import PickOptions  # noqa: E402
 from autogpu_jupyter.core.picker import pick  # noqa: E402
 from autogpu_jupyter.core.policy import Constraints  # noqa: E402
@@ -202,7 +202,7 @@ def looping(fn: Any, *args: Any) -> str:
 
 
 def victim_picks(path: str, fleet_file: str, n: int) -> dict[str, Any]:
-    reg = BrokerRegistry(path, lock_timeout_s=30.0)
+    reg = BrokerStore(path, lock_timeout_s=30.0)
     backend = SimulatedBackend(fleet_file)
     backend.snapshot()
     times = []
@@ -221,7 +221,7 @@ def victim_picks(path: str, fleet_file: str, n: int) -> dict[str, Any]:
 
 
 def victim_cycles(path: str, device: str, n: int) -> float:
-    reg = BrokerRegistry(path)
+    reg = BrokerStore(path)
     start = time.perf_counter()
     for _ in range(n):
         with reg.locked() as txn:

@@ -12,7 +12,7 @@ descriptors (a handful of open files, ``dup``-ed up to that count: the system-wi
 first`` makes it its lowest). Then:
 
 * before: another user (``daemon``) picks through the real client (``core.picker.pick`` with
-  ``BrokerRegistry`` and its defaults, each lease released), one pick started every
+  ``BrokerStore`` and its defaults, each lease released), one pick started every
   ``--interval`` seconds whether or not the earlier ones returned, for 5 s: the broker with the
   same leases live;
 * restart: ``kill -9``, start again on the same state directory, until it answers ``status``
@@ -91,13 +91,13 @@ def descriptors_and_lease(path: str, device: str, n: int, socket_last: bool, i: 
 
 def paced_picks(fleet_file: str, path: str, seconds: float, interval: float) -> dict[str, Any]:
     """A pick started every ``interval`` seconds for ``seconds``, each in its own thread with
-    the client's defaults (``BrokerRegistry(path)``: a 10 s wait for the pick lock), whether or
+    the client's defaults (``BrokerStore(path)``: a 10 s wait for the pick lock), whether or
     not the ones before have returned: a broker that stalls for 20 s stalls every pick started
     meanwhile, as it does for the users of a host (one pick after another would count one)."""
     import threading
 
     from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-    from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
+    from autogpu_jupyter.core.leasing.brokerclient import BrokerStore
     from autogpu_jupyter.core.options import PickOptions
     from autogpu_jupyter.core.picker import pick
     from autogpu_jupyter.core.policy import Constraints
@@ -113,7 +113,7 @@ def paced_picks(fleet_file: str, path: str, seconds: float, interval: float) -> 
     def one() -> None:
         t0 = time.perf_counter()
         try:
-            result = pick(opts, backend=backend, store=BrokerRegistry(path), environ={})
+            result = pick(opts, backend=backend, store=BrokerStore(path), environ={})
         except Exception as err:  # counted and reported, the run goes on
             with guard:
                 failed.append(f"{type(err).__name__}: {err}"[:300])

@@ -7,8 +7,8 @@
 ``autogpu broker`` runs as a real process on a Unix socket (as ``benchmarks/broker_herd.py``
 starts it); this process picks through :func:`autogpu_jupyter.core.picker.pick` on a simulated
 8-GPU fleet (warm, as a kernel whose sampler runs), once with the broker's client
-(``BrokerRegistry``: connect, ``begin`` under the pick lock, ``lease``) and once with the shared
-directory (``Registry`` in a temp dir: lock, scan, write the lease file), releasing the lease
+(``BrokerStore``: connect, ``begin`` under the pick lock, ``lease``) and once with the shared
+directory (``DirectoryStore`` in a temp dir: lock, scan, write the lease file), releasing the lease
 after each pick, outside the timing. The two alternate in 10 blocks so that load on the shared
 machine hits both alike; medians and p90 of ``--repeat`` picks each. ``--profile`` prints the
 top of a cProfile of the broker picks (this process's side only).
@@ -112,8 +112,8 @@ def main() -> int:
     a = ap.parse_args()
 
     from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-    from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
-    from autogpu_jupyter.core.leasing.directory import Registry
+    from autogpu_jupyter.core.leasing.brokerclient import BrokerStore
+    from autogpu_jupyter.core.leasing.directory import DirectoryStore
     from autogpu_jupyter.core.options import PickOptions
     from autogpu_jupyter.core.picker import pick
     from autogpu_jupyter.core.policy import Constraints
@@ -137,8 +137,8 @@ def main() -> int:
                 backend.warm_up()
             backend.snapshot()
             stores = {
-                "broker": BrokerRegistry(sock, lock_timeout_s=30.0),
-                "directory": Registry(str(tmp / "registry"), lock_timeout_s=30.0),
+                "broker": BrokerStore(sock, lock_timeout_s=30.0),
+                "directory": DirectoryStore(str(tmp / "registry"), lock_timeout_s=30.0),
             }
             opts = PickOptions(Constraints())
 

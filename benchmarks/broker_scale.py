@@ -8,7 +8,7 @@ simulated 64-GPU host, beside the shared directory with the same 10,000 leases.
 Everything goes through what a user or an admin can reach: ``autogpu broker`` as a real
 process (flags only: ``--max-connections``, ``--max-connections-per-user``, an empty rules
 file of the benchmark's own), its Unix socket in raw JSON lines (the holders) and through the
-real client (``BrokerRegistry`` under ``core.picker.pick``: the measured picks), ``kill -9``.
+real client (``BrokerStore`` under ``core.picker.pick``: the measured picks), ``kill -9``.
 
 **A lease is a connection** (``autogpu_jupyter/broker.py``): the 10,000 leases are 10,000
 connections, each with one shared lease on one of the 64 GPUs (256 MiB booked), held by 10
@@ -20,7 +20,7 @@ another user every process is that user (and the printed note says so).
 Measured, in this order:
 
 * the pick of one more user (``nobody``): ``core.picker.pick`` through the broker and through
-  the shared directory (``Registry`` in ``/var/tmp``, the same 10,000 leases as lease files of
+  the shared directory (``DirectoryStore`` in ``/var/tmp``, the same 10,000 leases as lease files of
   the same users, held with ``flock`` by one process), released after each pick; *quiet*: the
   two alternate in 10 blocks, ``--quiet-picks`` through the broker (1,000: its p99 is then the
   11th slowest pick, not the 2nd) and ``--picks`` through the directory (100: it takes about
@@ -75,8 +75,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from broker_herd import make_fleet  # noqa: E402
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend  # noqa: E402
-from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL, BrokerRegistry  # noqa: E402
-from autogpu_jupyter.core.leasing.directory import Registry  # noqa: E402
+from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL, BrokerStore  # noqa: E402
+from autogpu_jupyter.core.leasing.directory import DirectoryStore  # noqa: E402
 from autogpu_jupyter.core.options import PickOptions  # noqa: E402
 from autogpu_jupyter.core.picker import pick  # noqa: E402
 from autogpu_jupyter.core.policy import Constraints  # noqa: E402
@@ -385,8 +385,8 @@ def _name(uid: int) -> str:
 
 def _store(kind: str, where: str) -> Any:
     if kind == "broker":
-        return BrokerRegistry(where, lock_timeout_s=30.0)
-    return Registry(where, lock_timeout_s=30.0)
+        return BrokerStore(where, lock_timeout_s=30.0)
+    return DirectoryStore(where, lock_timeout_s=30.0)
 
 
 def picks(fleet_file: str, plan: list[tuple[str, str, int]], wall_s: float) -> dict[str, Any]:
@@ -486,7 +486,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     rules = area / "rules.json"  # no limits; the host's own rules file is not read
     rules.write_text(json.dumps({"max_devices_per_user": 0, "max_leases_per_user": 0}))
     reg = str(area / "registry")
-    Registry(reg).check()  # the shared directory (mode 1777)
+    DirectoryStore(reg).check()  # the shared directory (mode 1777)
     broker = Broker(area, fleet_file, [
         "--rules", str(rules), "--max-connections", str(a.leases + a.idle + 1024),
         "--max-connections-per-user", str(max(per_holder, a.idle) + 64)

@@ -9,7 +9,7 @@ tests/unit/test_broker_rules.py does), holding ``--leases`` shared leases of 256
 user and process, round robin over ``--gpus`` simulated GPUs (as benchmarks/broker_scale.py
 grants them). One more user's ``begin`` is answered by the broker (``--view``: by process, as a
 pick of this version asks, or the named rows an older client gets) and encoded as on the wire;
-then ``core.picker.pick`` runs through the real client (``BrokerRegistry``) whose connection
+then ``core.picker.pick`` runs through the real client (``BrokerStore``) whose connection
 hands it that answer and grants the lease the broker would: what is timed is the client's
 decoding, the one decision and its bookkeeping, not a socket. Prints the view's size, the pick's
 median and best of ``--repeat``, the decoding and the bookings alone (best of 50), and with
@@ -45,7 +45,7 @@ from autogpu_jupyter.brokerd.views import encoded_line  # noqa: E402
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend  # noqa: E402
 from autogpu_jupyter.core.decision import bookings_for  # noqa: E402
 from autogpu_jupyter.core.leasing import wire  # noqa: E402
-from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL, BrokerRegistry  # noqa: E402
+from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL, BrokerStore  # noqa: E402
 from autogpu_jupyter.core.options import PickOptions  # noqa: E402
 from autogpu_jupyter.core.picker import pick  # noqa: E402
 from autogpu_jupyter.core.policy import Constraints  # noqa: E402
@@ -127,7 +127,7 @@ def main() -> int:
         return encoded_line(msg) or json.dumps(msg).encode() + b"\n"
 
     data = begin()
-    registry = BrokerRegistry("/nonexistent/b.sock")
+    registry = BrokerStore("/nonexistent/b.sock")
     registry._conn = lambda: Answered(b, viewer, data)  # type: ignore[method-assign,assignment,return-value]
     backend = SimulatedBackend(str(fleet_file))
     opts = PickOptions(Constraints())

@@ -134,7 +134,7 @@ def live_text(h: int) -> bytes:
             power_w=v["power_watts"], timestamp_s=now))
     snap = FleetSnapshot(devices=tuple(devices), timestamp_s=now, backend="nvml")
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(AutoGPUCollector(MetricsSource(latest=lambda: snap, registry=lambda: None,
+    reg.register(AutoGPUCollector(MetricsSource(latest=lambda: snap, store=lambda: None,
                                                 hostname=host_name(h))))
     return generate_latest(reg)
 

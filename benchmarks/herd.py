@@ -30,7 +30,7 @@ from the instant the gate opened to the pick's return (``CLOCK_MONOTONIC`` is on
 process), so it also counts the wait for a CPU: 128 processes woken on 2 cores do not all run at
 once. For autogpu the benchmark also times the critical section alone (``service``: from holding
 the registry lock to the end of the transaction: snapshot, scan of the live leases, rank, lease
-write), through a :class:`Registry` subclass that only records two timestamps; it checks that
+write), through a :class:`DirectoryStore` subclass that only records two timestamps; it checks that
 no two critical sections overlap. The pick is serialised by that lock (that is what makes it
 herd-safe), so the last of N simultaneous pickers waits for about N service times: ``serial`` is
 their sum.
@@ -90,10 +90,10 @@ LOCK_TIMES: dict[str, float] = {}
 
 
 def _timed_registry(path: str) -> Any:
-    """A :class:`Registry` that records when it holds the lock; nothing else differs."""
-    from autogpu_jupyter.core.leasing import Registry
+    """A :class:`DirectoryStore` that records when it holds the lock; nothing else differs."""
+    from autogpu_jupyter.core.leasing import DirectoryStore
 
-    class TimedRegistry(Registry):
+    class TimedRegistry(DirectoryStore):
         def _acquire(self, top_fd: int) -> None:
             super()._acquire(top_fd)
             LOCK_TIMES["acquired"] = time.perf_counter()

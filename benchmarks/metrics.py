@@ -55,7 +55,7 @@ def main() -> None:
 
     from autogpu_jupyter.core.backends import get_backend
     from autogpu_jupyter.core.leasing import Requester
-    from autogpu_jupyter.core.leasing.directory import Registry
+    from autogpu_jupyter.core.leasing.directory import DirectoryStore
     from autogpu_jupyter.core.sampler import Sampler
     from autogpu_jupyter.metrics import AutoGPUCollector, MetricsSource
 
@@ -66,14 +66,14 @@ def main() -> None:
         time.sleep(0.01)
     snap = sampler.latest()
     assert snap is not None
-    registry = Registry(tempfile.mkdtemp(prefix="bench-registry-"))
+    registry = DirectoryStore(tempfile.mkdtemp(prefix="bench-registry-"))
     leases = []
     for i in range(4):
         with registry.locked() as txn:
             assert txn is not None
             leases.append(txn.create(devices=[snap.devices[i].uuid], requested_bytes=4 << 30,
                                      requester=Requester(notebook_path=f"user{i}/train.ipynb")))
-    source = MetricsSource(latest=sampler.latest, registry=lambda: registry, hostname="bench")
+    source = MetricsSource(latest=sampler.latest, store=lambda: registry, hostname="bench")
     prom = CollectorRegistry(auto_describe=False)
     prom.register(AutoGPUCollector(source))
     port = free_port()

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend  # noqa: E402
-from autogpu_jupyter.core.leasing import Registry  # noqa: E402
+from autogpu_jupyter.core.leasing import DirectoryStore  # noqa: E402
 from autogpu_jupyter.core.options import PickOptions  # noqa: E402
 from autogpu_jupyter.core.picker import pick  # noqa: E402
 from autogpu_jupyter.core.policy import Constraints  # noqa: E402
@@ -63,7 +63,7 @@ def _add_live(reg: Path, held: list[int], total: int = 4096) -> None:
         os.chmod(d, 0o755)
         if os.geteuid() == 0:
             os.chown(d, uid, uid)
-    name = Registry(reg).user
+    name = DirectoryStore(reg).user
     for i in range(total):
         uid = users[i % len(users)]
         lease_id = secrets.token_hex(16)
@@ -105,7 +105,7 @@ def _add_junk(reg: Path) -> int:
 
 
 def _time(reg: Path, fleet: Path, repeat: int) -> dict[str, float]:
-    registry = Registry(reg)
+    registry = DirectoryStore(reg)
     backend = SimulatedBackend(str(fleet))
     ms = []
     for _ in range(repeat + 2):
@@ -133,7 +133,7 @@ def main() -> int:
         fleet = base / "fleet.json"
         _fleet(fleet)
         reg = base / "registry"
-        Registry(reg).check()
+        DirectoryStore(reg).check()
         out["clean"] = _time(reg, fleet, args.repeat)
         _add_live(reg, held)
         out["live"] = _time(reg, fleet, args.repeat)

@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from autogpu_jupyter.core import picker
-    from autogpu_jupyter.core.leasing import Registry
+    from autogpu_jupyter.core.leasing import DirectoryStore
     from autogpu_jupyter.core.options import PickOptions
     from autogpu_jupyter.core.policy import Constraints
     from autogpu_jupyter.errors import AutoGPUError
@@ -193,11 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = sys.stdout
     registry: Any
     if a.broker:
-        from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
+        from autogpu_jupyter.core.leasing.brokerclient import BrokerStore
 
-        registry = BrokerRegistry(a.broker, lock_timeout_s=60.0)
+        registry = BrokerStore(a.broker, lock_timeout_s=60.0)
     else:
-        registry = Registry(a.registry, max_tickets_per_user=a.max_tickets)
+        registry = DirectoryStore(a.registry, max_tickets_per_user=a.max_tickets)
     constraints = Constraints.parse(min_free=a.min_free, exclusive=a.exclusive)
     _emit(out, event="ready", pid=os.getpid())
     if a.gate:

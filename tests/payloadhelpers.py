@@ -138,9 +138,9 @@ def shared_registry() -> Iterator[Path]:
 
 
 def _take_lease(registry: str, uuid: str, kernel_id: str, command: str) -> Any:
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
-    with Registry(registry, record_commands=True).locked() as txn:
+    with DirectoryStore(registry, record_commands=True).locked() as txn:
         assert txn is not None
         return txn.create(devices=[uuid], requested_bytes=GiB,
                           requester=Requester(kernel_id=kernel_id, command=command))

@@ -46,7 +46,7 @@ SETTLED_S = 2.0
 class BrokerRefusal(Exception):
     """A request the broker refuses; the message goes back to the client (one line)."""
 
-    def __init__(self, message: str, kind: str = "RegistryError") -> None:
+    def __init__(self, message: str, kind: str = "LeaseStoreError") -> None:
         super().__init__(message)
         self.kind = kind
 

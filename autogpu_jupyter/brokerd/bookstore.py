@@ -34,8 +34,8 @@ from autogpu_jupyter.core.leasing.store import (
 from autogpu_jupyter.errors import (
     AutoGPUError,
     LeaseLimitError,
+    LeaseStoreError,
     NoDeviceFitsError,
-    RegistryError,
     UsageErrorBase,
 )
 
@@ -148,7 +148,7 @@ class BookStore(LeaseStore):
         try:
             return asyncio.run(serve())
         except BrokerRefusal as err:
-            raise _ERRORS.get(err.kind, RegistryError)(str(err)) from None
+            raise _ERRORS.get(err.kind, LeaseStoreError)(str(err)) from None
 
     def _grant(self, op: str, msg: dict[str, Any], requester: Requester | None) -> BookLease:
         pid = requester.pid if requester is not None else os.getpid()

@@ -182,7 +182,7 @@ class Connections:
         return None
 
     def refuse(self, sock: socket.socket, uid: int, why: str) -> None:
-        line = json.dumps({"ok": False, "type": "RegistryError", "error": why,
+        line = json.dumps({"ok": False, "type": "LeaseStoreError", "error": why,
                            "proto": PROTOCOL}).encode() + b"\n"
         with contextlib.suppress(OSError):
             sock.setblocking(False)
@@ -245,7 +245,7 @@ class Connections:
             if not conn.greeted:
                 mismatch = _protocol_mismatch(msg.get("proto"))
                 if mismatch:
-                    await self.send(conn, {"ok": False, "type": "RegistryUntrustedError",
+                    await self.send(conn, {"ok": False, "type": "LeaseStoreUntrustedError",
                                             "error": mismatch})
                     return
                 conn.greeted = True
@@ -328,7 +328,7 @@ def _short(v: Any) -> str:
 
 
 def _error(message: str) -> dict[str, Any]:
-    return {"ok": False, "error": message, "type": "RegistryError"}
+    return {"ok": False, "error": message, "type": "LeaseStoreError"}
 
 
 def _protocol_mismatch(theirs: Any) -> str | None:

@@ -80,7 +80,7 @@ class Restorer:
                 journal.add(jrnl.Entry(new.lease_id, conn.uid, encoded, peer,
                                        list(conn.holder_pids), tenant))
         except jrnl.NotRecorded as err:  # not in the journal: the book undoes the change
-            raise BrokerRefusal(err.refusal(new.kind, began), "RegistryUntrustedError") from None
+            raise BrokerRefusal(err.refusal(new.kind, began), "LeaseStoreUntrustedError") from None
 
     def _forgotten(self, lease_id: str) -> None:
         self._unwatch(lease_id)

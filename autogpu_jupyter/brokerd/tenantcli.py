@@ -27,7 +27,7 @@ from autogpu_jupyter.brokerd.tenants import (
     validate_name,
 )
 from autogpu_jupyter.core.leasing import admin
-from autogpu_jupyter.errors import AutoGPUError, RegistryUnreachableError
+from autogpu_jupyter.errors import AutoGPUError, LeaseStoreUnreachableError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -129,7 +129,7 @@ def tell_broker(path: str = MAIN_SOCKET) -> str:
     tenants again; one line saying what happened."""
     try:
         admin.broker_at(path).reload_tenants()
-    except RegistryUnreachableError:
+    except LeaseStoreUnreachableError:
         return f"the broker is not running at {path}: it serves the tenants when it starts"
     except AutoGPUError as err:
         why = (str(err).splitlines() or ["?"])[0]

@@ -39,11 +39,11 @@ from autogpu_jupyter.core.visibility import (
     visible_env,
 )
 from autogpu_jupyter.errors import (
+    LeaseStoreError,
+    LeaseStoreUnreachableError,
+    LeaseStoreUntrustedError,
     NoDeviceFitsError,
     NoDeviceGrantedError,
-    RegistryError,
-    RegistryUnreachableError,
-    RegistryUntrustedError,
     UsageErrorBase,
 )
 
@@ -222,7 +222,7 @@ def _create_lease(
     parents: Mapping[str, str],
 ) -> tuple[HeldLease | None, str | None]:
     """Write the lease; a store that refuses the write means no lease, said once (a note). A
-    broker that answers it cannot record the lease (:class:`RegistryUntrustedError`: its disk is
+    broker that answers it cannot record the lease (:class:`LeaseStoreUntrustedError`: its disk is
     full) fails the pick closed: a lease it did not grant is no lease to go on without.
     ``parents``: the host's MIG layout, for the admission's physical-GPU rules."""
     try:
@@ -238,14 +238,14 @@ def _create_lease(
             requester=requester,
             parents=parents,
         )
-    except RegistryUntrustedError as err:
-        if not isinstance(err, RegistryUnreachableError):
-            raise RegistryUntrustedError(
+    except LeaseStoreUntrustedError as err:
+        if not isinstance(err, LeaseStoreUnreachableError):
+            raise LeaseStoreUntrustedError(
                 f"{err}. Nothing was picked and the environment is unchanged"
             ) from None
         log.info("no lease: %s", err)
         return None, str(err)
-    except RegistryError as err:
+    except LeaseStoreError as err:
         log.info("no lease: %s", err)
         return None, str(err)
     return lease, None
@@ -268,8 +268,8 @@ def _promises(options: PickOptions, store: LeaseStore | None) -> str | None:
     return None
 
 
-def _fail_closed(what: str, cause: str | None) -> RegistryUntrustedError:
-    return RegistryUntrustedError(
+def _fail_closed(what: str, cause: str | None) -> LeaseStoreUntrustedError:
+    return LeaseStoreUntrustedError(
         f"refused {what} without a lease: {cause or 'the lease registry cannot be used'}. "
         "Nothing was picked and the environment is unchanged; a plain pick (without --exclusive "
         "or --wait) still works, without a lease"
@@ -342,9 +342,9 @@ def pick(
         Nothing fits (after waiting ``options.wait_s``), or admission refused a device.
     LeaseLimitError
         Past the admin's quota of devices, leases or tickets.
-    RegistryUntrustedError
+    LeaseStoreUntrustedError
         A promise (exclusivity, a wait, a quota) needs the store and it cannot be used. A
-        broker lost while this pick waits in line (:class:`RegistryUnreachableError`: it may be
+        broker lost while this pick waits in line (:class:`LeaseStoreUnreachableError`: it may be
         restarting) is tried again, the place kept, until the wait ends.
     UsageErrorBase
         An unknown device id in ``exclude``, a bad count.
@@ -382,7 +382,7 @@ def pick(
                     smoothed_util,
                     visible_ids,
                 )
-            except RegistryUnreachableError as err:
+            except LeaseStoreUnreachableError as err:
                 _keep_place(err, ticket is not None, deadline, clock, sleep, on_progress)
                 continue
             if made.chosen:  # our ticket, if any, was released under the lock (again: a no-op)
@@ -418,7 +418,7 @@ def pick(
 
 
 def _keep_place(
-    err: RegistryUnreachableError,
+    err: LeaseStoreUnreachableError,
     in_line: bool,
     deadline: float,
     clock: Callable[[], float],

@@ -126,7 +126,7 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
     if state.metrics:
         from autogpu_jupyter.metrics import MetricsSource, install  # noqa: PLC0415 (when on)
 
-        install(MetricsSource(latest=state.latest, registry=state.registry,
+        install(MetricsSource(latest=state.latest, store=state.store,
                               hostname=state.metrics_hostname,
                               lease_details=state.metrics_lease_details))
     server_app.log.info(

@@ -238,7 +238,7 @@ class AutoGPUServer(LoggingConfigurable):
             max_history_points=self.max_history_points,
             smoothing_window_s=self.smoothing_window_s,
             registry_dir=self.registry_dir,
-            store=self.registry,
+            store=self.store,
             settings=lambda: AutoGPU(parent=self.parent),
             cluster_cache=self.cluster_cache,
             cull_idle_gpu_kernels_s=float(self.cull_idle_gpu_kernels_s or 0.0),
@@ -268,7 +268,7 @@ class AutoGPUServer(LoggingConfigurable):
     def sampler_error(self) -> str | None:
         return self._sampler_error
 
-    def registry(self) -> LeaseStore | None:
+    def store(self) -> LeaseStore | None:
         """The lease store (read-only use here), or ``None`` when leases are disabled.
 
         The one factory's answer (:func:`~autogpu_jupyter.core.leasing.store_for`) for the

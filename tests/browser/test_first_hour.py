@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter import kernelspec
-from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.core.leasing import DirectoryStore
 from tests import browserhelpers as browser
 from tests.fakenvml import FakeNvml
 from tests.kernelhelpers import kernel_environ
@@ -357,7 +357,7 @@ def test_a_move_restarts_the_kernel_and_the_notebook_follows(
         expect(page.locator(".jp-AutoGPU-card:has(.jp-AutoGPU-best) .jp-AutoGPU-label")
                ).to_have_text(["GPU 2"])
         # the lease moved with the kernel, whose process sees the new GPU
-        (lease,) = [r for r in Registry(str(lab.registry_dir)).list_leases()
+        (lease,) = [r for r in DirectoryStore(str(lab.registry_dir)).list_leases()
                     if r.notebook_path == "move.ipynb"]
         assert lease.device_uuids == (U1,)
         assert kernel_environ(lease.pid)["CUDA_VISIBLE_DEVICES"] == U1

@@ -296,7 +296,7 @@ def test_batchspawner_server_is_a_slurm_job_whose_kernel_picks_inside_the_grant(
     the kernel's lease."""
     import pwd
 
-    from autogpu_jupyter.core.leasing import Registry
+    from autogpu_jupyter.core.leasing import DirectoryStore
     from tests.kernelhelpers import kernel_environ
     from tests.leasehelpers import SYSTEM_PYTHON, shared_area
     from tests.serverhelpers import Hub, chp, shared_host
@@ -336,7 +336,7 @@ def test_batchspawner_server_is_a_slurm_job_whose_kernel_picks_inside_the_grant(
             code, model = hub.user_api(batch_user, "POST", "/kernels", {})
             assert code == 201, (code, model, hub.log())
             assert model["name"] == SPEC
-            leases = Registry(str(registry)).list_leases()
+            leases = DirectoryStore(str(registry)).list_leases()
             assert [r.kernel_id for r in leases] == [model["id"]]
             lease = leases[0]
             assert lease.user == batch_user
@@ -357,7 +357,7 @@ def test_batchspawner_server_is_a_slurm_job_whose_kernel_picks_inside_the_grant(
                 assert time.monotonic() < deadline, "the server's job never ended"
                 time.sleep(0.3)
             deadline = time.monotonic() + 30
-            while Registry(str(registry)).list_leases():
+            while DirectoryStore(str(registry)).list_leases():
                 assert time.monotonic() < deadline, "the kernel's lease outlived the job"
                 time.sleep(0.3)
         finally:

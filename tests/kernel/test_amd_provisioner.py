@@ -14,7 +14,7 @@ import pytest
 from jupyter_client.manager import AsyncKernelManager
 
 from autogpu_jupyter import kernelspec
-from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.core.leasing import DirectoryStore
 from tests.fakeamdsmi import FakeAmdSmi, amd_rocr_uuid, amd_uuid, fleet_amd_8x
 from tests.kernelhelpers import kernel_environ
 
@@ -63,7 +63,7 @@ def test_the_autogpu_kernel_starts_on_its_amd_gpu(fake_amdsmi: FakeAmdSmi, prefi
         km = AsyncKernelManager(kernel_name="agp")
         await km.start_kernel(env=kernel_env(fake_amdsmi), cwd=str(REPO))
         try:
-            (lease,) = Registry(os.environ["AUTOGPU_REGISTRY_DIR"]).list_leases()
+            (lease,) = DirectoryStore(os.environ["AUTOGPU_REGISTRY_DIR"]).list_leases()
             seen.append(lease.device_uuids)
             return kernel_environ(int(km.provisioner.pid))
         finally:

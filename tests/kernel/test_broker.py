@@ -18,7 +18,7 @@ import pytest
 from jupyter_client import AsyncKernelManager
 
 from autogpu_jupyter import kernelspec
-from autogpu_jupyter.errors import RegistryUntrustedError
+from autogpu_jupyter.errors import LeaseStoreUntrustedError
 from tests.brokerhelpers import BrokerProc
 from tests.kernelhelpers import kernel_environ
 from tests.leasehelpers import fleet, uuid_of
@@ -117,7 +117,7 @@ def test_kernels_lease_through_the_broker_and_the_lease_dies_with_the_kernel(
 def test_a_kernel_does_not_start_when_the_broker_is_down(setup: Setup) -> None:
     async def main() -> None:
         km = AsyncKernelManager(kernel_name="agp")
-        with pytest.raises(RegistryUntrustedError, match="cannot be reached"):
+        with pytest.raises(LeaseStoreUntrustedError, match="cannot be reached"):
             await km.start_kernel(env=setup.kernel_env(), cwd=str(setup.tmp))
 
     asyncio.run(main())

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter.core.cudastate import CudaState, too_late_message
-from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.core.leasing import DirectoryStore
 from tests.fakecuda import INIT_SNIPPET, STATE_SNIPPET, build_fake_cuda
 from tests.fakenvml import FakeNvml, fleet_4x, fleet_edge_cases, fleet_mig
 from tests.kernelhelpers import Kernel, kernel_env
@@ -107,7 +107,7 @@ def test_pick_of_a_named_gpu_in_a_real_kernel(k: Kernel, host: dict[str, Any]) -
         f"  CUDA_VISIBLE_DEVICES={U[2]}",
     ]
     assert k.env() == env_of(U[2])
-    (lease,) = Registry(str(host["registry"])).list_leases()
+    (lease,) = DirectoryStore(str(host["registry"])).list_leases()
     assert lease.device_uuids == (U[2],)
     k.run("%gpu release")
     r = k.run("%gpu pick 0,3 --min-free 20G")
@@ -128,7 +128,7 @@ def test_pick_sets_full_uuids_and_prints_summary(k: Kernel, host: dict[str, Any]
     ]
     assert k.env() == env_of(U[0])
     # the lease is really in the registry, for this kernel, booking what was asked
-    (lease,) = Registry(str(host["registry"])).list_leases()
+    (lease,) = DirectoryStore(str(host["registry"])).list_leases()
     assert lease.device_uuids == (U[0],)
     assert lease.requested_bytes == 10 * GiB
     assert f"  lease {lease.lease_id} held until this kernel exits or %gpu release" in r.stdout
@@ -137,7 +137,7 @@ def test_pick_sets_full_uuids_and_prints_summary(k: Kernel, host: dict[str, Any]
         "autogpu: released GPU 0 and its lease; CUDA_VISIBLE_DEVICES is unset again\n"
     )
     assert k.env() == ENV0
-    assert Registry(str(host["registry"])).list_leases() == []
+    assert DirectoryStore(str(host["registry"])).list_leases() == []
 
 
 BAD_INPUTS = [
@@ -233,7 +233,7 @@ def test_options_count_exclude_max_util_exclusive(k: Kernel, host: dict[str, Any
         "no runner-up (nothing else fits)"
     )
     assert k.env() == env_of(U[2])
-    (lease,) = Registry(str(host["registry"])).list_leases()
+    (lease,) = DirectoryStore(str(host["registry"])).list_leases()
     assert lease.exclusive and lease.device_uuids == (U[2],)
     # --force with CUDA not initialised just picks
     r = k.run("%gpu pick --force --min-free 25%")
@@ -380,7 +380,7 @@ def test_wait_cancelled_by_kernel_interrupt(k: Kernel, host: dict[str, Any]) -> 
     )
     assert progress[-1] == "waiting for a device: cancelled"
     assert k.env() == ENV0
-    assert Registry(str(host["registry"])).list_leases(include_tickets=True) == []
+    assert DirectoryStore(str(host["registry"])).list_leases(include_tickets=True) == []
     # the kernel still works
     assert k.run("%gpu pick").status == "ok"
 
@@ -518,6 +518,6 @@ def test_visible_ids_index_writes_nvml_indices_and_refuses_mig(
             "visible_ids = 'index' cannot select GPU 0 MIG 1: CUDA selects a MIG device by its "
             "UUID only; set c.AutoGPU.visible_ids = 'uuid' (the default) for MIG devices"), r
         assert k.env() == ENV0
-        assert Registry(str(host["registry"])).list_leases() == []
+        assert DirectoryStore(str(host["registry"])).list_leases() == []
     finally:
         k.run('%config AutoGPU.visible_ids = "uuid"')

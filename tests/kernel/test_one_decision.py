@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from jupyter_client import AsyncKernelManager
 
 from autogpu_jupyter import kernelspec
-from autogpu_jupyter.core.leasing.directory import Registry
+from autogpu_jupyter.core.leasing.directory import DirectoryStore
 from tests.leasehelpers import fleet, uuid_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,7 +149,7 @@ def test_a_plain_kernel_repick_says_what_it_had_and_keeps_one_lease(host: dict[s
         assert "  you had GPU 1; now GPU 2 (one lease: the old one was released)" in (
             second.stdout.splitlines()
         )
-        leases = Registry(host["registry"]).list_leases()
+        leases = DirectoryStore(host["registry"]).list_leases()
         assert [r.device_uuids for r in leases] == [(uuid_of(2),)]
     finally:
         k.close()
@@ -199,7 +199,7 @@ def test_every_view_names_the_same_best_device(
     base = tmp_path_factory.mktemp("views")
     (base / "fleet.json").write_text(json.dumps(_spec(loads)))
     backend = SimulatedBackend(str(base / "fleet.json"))
-    registry = Registry(base / "registry")
+    registry = DirectoryStore(base / "registry")
     n = len(loads)
     env = {} if grant is None else {
         "CUDA_VISIBLE_DEVICES": ",".join(uuid_of(i) for i in range(min(grant, n)))
@@ -255,7 +255,7 @@ def test_every_view_names_the_same_best_device(
                 x.release()
 
 
-def _select(backend: Any, registry: Registry, cons: Any, env: dict[str, str]) -> str | None:
+def _select(backend: Any, registry: DirectoryStore, cons: Any, env: dict[str, str]) -> str | None:
     """What ``GET /autogpu/select`` answers, by its own payload function over the snapshot."""
     from autogpu_jupyter.server.payloads import select_answer
 

@@ -21,7 +21,7 @@ from jupyter_client import AsyncKernelManager
 
 from autogpu_jupyter import kernelspec
 from autogpu_jupyter.core import moves
-from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.core.leasing import DirectoryStore
 from autogpu_jupyter.errors import NoDeviceFitsError, UsageErrorBase
 from tests.kernelhelpers import kernel_environ
 from tests.leasehelpers import fleet, uuid_of
@@ -61,8 +61,8 @@ class Setup:
         env.update(extra)
         return env
 
-    def registry(self) -> Registry:
-        return Registry(str(self.registry_dir))
+    def registry(self) -> DirectoryStore:
+        return DirectoryStore(str(self.registry_dir))
 
     def live(self) -> list[Any]:
         return self.registry().list_leases()

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL, BrokerRegistry
+from autogpu_jupyter.core.leasing.brokerclient import PROTOCOL, BrokerStore
 from tests.brokerhelpers import Area, BrokerProc, raw_call, wire
 from tests.leasehelpers import AsUser, as_user, ensure_user, shared_area, uuid_of
 
@@ -109,7 +109,7 @@ def test_sigkill_of_the_holder_frees_its_lease_and_commands_stay_private(
         st = broker.wait_for(lambda s: len(_leases(s)) == 1)
         assert st["per_user"] == {USER_A: {"leases": 1, "devices": 1, "tickets": 0}}
         # Root sees A's command line; B's `autogpu leases --json` shows A's lease without it.
-        mine = BrokerRegistry(str(area.socket)).list_leases()
+        mine = BrokerStore(str(area.socket)).list_leases()
         assert mine[0].user == USER_A and "sleep 60" in (mine[0].command or "")
         seen = area.cli(USER_B, "leases", "--json")
         _no_traceback(seen)
@@ -242,7 +242,7 @@ def test_oversized_or_malformed_messages_close_only_that_connection(
         assert any("longer than 65536 bytes" in r.get("error", "") for r in big[:-1]), big
         junk = as_user(uid, gid, _raw, path, b"not json\n", {"op": "status"})
         assert junk == [{"ok": False, "error": "malformed message (not JSON): connection closed",
-                         "type": "RegistryError", "proto": PROTOCOL}, "closed"]
+                         "type": "LeaseStoreError", "proto": PROTOCOL}, "closed"]
         deep = as_user(uid, gid, _raw, path, b"[" * 60_000 + b"\n")
         assert deep[-1] == "closed" and "malformed" in deep[0]["error"]
         unknown = as_user(uid, gid, _raw, path, {"op": "become_root"})
@@ -341,9 +341,9 @@ def test_root_revokes_a_lease_and_other_users_cannot(
 
 
 def _hold_and_listen(path: str) -> Any:
-    from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
+    from autogpu_jupyter.core.leasing.brokerclient import BrokerStore
 
-    reg = BrokerRegistry(path)
+    reg = BrokerStore(path)
     with reg.locked() as txn:
         lease = txn.create(devices=[uuid_of(0)])
     _HELD.append(lease)

@@ -37,7 +37,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
+from autogpu_jupyter.core.leasing.brokerclient import BrokerStore
 from tests.brokerhelpers import BrokerProc, broker_area, wire
 from tests.leasehelpers import uuid_of
 
@@ -178,7 +178,7 @@ class BrokerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.broker: BrokerProc = self.world["broker"]
-        self.reg = BrokerRegistry(str(self.broker.socket), connect_timeout_s=20)
+        self.reg = BrokerStore(str(self.broker.socket), connect_timeout_s=20)
         self.agents = {name: Agent(name, uid, gid, str(self.broker.socket))
                        for name, (uid, gid) in _uids().items()}
         self.held: dict[str, tuple[str, int, str]] = {}  # lease id -> (agent, conn, kind)
@@ -276,7 +276,7 @@ def _expected_refusal(got: dict[str, Any]) -> bool:
     waiting line's rate, the unknown uids' few connections)."""
     if got.get("refused") in ("NoDeviceFitsError", "LeaseLimitError"):
         return True
-    return got.get("refused") == "RegistryError" and "too many connections" in got["error"]
+    return got.get("refused") == "LeaseStoreError" and "too many connections" in got["error"]
 
 
 def test_random_sequences_from_several_uids_keep_the_rules(world: dict[str, Any]) -> None:

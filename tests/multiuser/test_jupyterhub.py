@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.core.leasing import DirectoryStore
 from tests.kernelhelpers import kernel_environ
 from tests.leasehelpers import (
     cli_as,
@@ -130,10 +130,10 @@ def test_jupyterhub_spawns_two_users_whose_kernels_share_the_registry(
 
     def live() -> list[Any]:
         if broker is None:
-            return Registry(str(registry)).list_leases()
-        from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
+            return DirectoryStore(str(registry)).list_leases()
+        from autogpu_jupyter.core.leasing.brokerclient import BrokerStore
 
-        return BrokerRegistry(str(broker.socket)).list_leases()
+        return BrokerStore(str(broker.socket)).list_leases()
 
     hub = Hub(area, users=set(USERS), environment=environment, chp=proxy,
               spawner_config=SPAWNER_CONFIG)

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-from autogpu_jupyter.core.leasing import Registry, Requester
+from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 from autogpu_jupyter.core.leasing.records import MAX_RECORD_BYTES
 from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.picker import pick
@@ -69,7 +69,7 @@ def _pick(area: Path, exclusive: bool = False) -> Any:
     result = pick(
         PickOptions(Constraints(exclusive=exclusive)),
         backend=backend,
-        store=Registry(area / "registry"),
+        store=DirectoryStore(area / "registry"),
         requester=Requester(command="python secret.py"),
     )
     return result
@@ -146,7 +146,7 @@ def _plant_hostile(reg: str, a_uid: int) -> dict[str, Any]:
 
 
 def _scan_as(reg: str) -> dict[str, Any]:
-    scan = Registry(reg).scan()
+    scan = DirectoryStore(reg).scan()
     return {
         "live": [(r.user, r.lease_id, r.to_dict(redact_command=True)) for r in scan.live],
         "ignored": [(os.path.basename(p), why) for p, why in scan.ignored],
@@ -183,19 +183,19 @@ def test_user_b_cannot_remove_replace_rename_or_forge_a_lease(
             "chmod_a_dir": "EPERM",
         }
         # A's lease is intact and live, and B's exclusive pick avoids A's device.
-        (rec,) = Registry(reg).list_leases()
+        (rec,) = DirectoryStore(reg).list_leases()
         assert (rec.lease_id, rec.user, rec.uid) == (lease["lease_id"], USER_A, a_uid)
         assert rec.live
         bobs = as_user(b_uid, b_gid, _pick, area, True)
         assert bobs["uuid"] == uuid_of(1) and bobs["lease_note"] is None
         assert bobs["uuid"] != lease["uuid"]
         # B's child ended, so B's lease ended with it; A's is the only live one.
-        assert [r.user for r in Registry(reg).list_leases()] == [USER_A]
+        assert [r.user for r in DirectoryStore(reg).list_leases()] == [USER_A]
         assert json.loads(path.read_text())["uid"] == a_uid
     finally:
         assert alice.stop() == 0
     # A's process ended: its lease went with it, and only A's own code removed the file.
-    assert Registry(reg).list_leases() == []
+    assert DirectoryStore(reg).list_leases() == []
 
 
 def test_symlink_planted_by_b_where_a_would_write_is_refused(

@@ -27,7 +27,7 @@ import pytest
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.decision import ticket_constraints
-from autogpu_jupyter.core.leasing import Registry, Requester
+from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 from autogpu_jupyter.core.leasing.records import MAX_SEQ
 from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.picker import pick
@@ -111,7 +111,7 @@ def _hold_flock(path: str) -> int:
 
 def _plant_record(reg: str, kind: str, fields: dict[str, Any], raw: str | None = None) -> str:
     """Write a record under B's own directory, held like a live one; returns its path."""
-    registry = Registry(reg)
+    registry = DirectoryStore(reg)
     registry.check()
     uid = os.geteuid()
     d = os.path.join(reg, str(uid))
@@ -155,7 +155,7 @@ def planted_lease(
         fleet_path.write_text(json.dumps(fleet(n_gpus)))
         os.chmod(fleet_path, 0o644)
         registry = root / "registry"
-        Registry(registry).check()
+        DirectoryStore(registry).check()
         planted = AsUser(b_uid, b_gid, _plant_record, str(registry), "lease",
                          {"notebook_path": notebook_path, "device_uuids": [uuid_of(device)],
                           "device_requested_bytes": [1024**3]}, hold=True)
@@ -171,7 +171,7 @@ def _pick_and_die(reg: str, fleet_path: str) -> str:
     result = pick(
         PickOptions(Constraints(exclusive=True)),
         backend=SimulatedBackend(fleet_path),
-        store=Registry(reg),
+        store=DirectoryStore(reg),
     )
     assert result.lease is not None
     os.kill(os.getpid(), signal.SIGKILL)
@@ -203,7 +203,7 @@ def test_a_planted_superscript_directory_crashes_nobody(area: Area, users: Any) 
     ):
         assert proc.returncode == 0, proc.stderr
         _no_traceback(proc)
-    scan = Registry(area.registry).scan()
+    scan = DirectoryStore(area.registry).scan()
     ignored = {os.path.basename(p): why for p, why in scan.ignored}
     assert ignored["¹"] == "not a user directory (name is not a uid)"
     assert ignored["٣"] == "not a user directory (name is not a uid)"
@@ -341,7 +341,7 @@ def test_records_readers_reject_never_count_and_never_crash_status(area: Area, u
         for h in held:
             assert str(h.result()).startswith(reg)
         # Two of A's tickets after B's: readable, in arrival order, B's MAX_SEQ one first.
-        registry = Registry(reg)
+        registry = DirectoryStore(reg)
         first = registry.take_ticket(constraints=ticket_constraints(None, None))
         second = registry.take_ticket(constraints=ticket_constraints(None, None))
         assert first is not None and second is not None
@@ -386,7 +386,7 @@ def test_prune_frees_a_dead_lease_that_another_user_keeps_locked(
     dying = AsUser(a_uid, a_gid, _pick_and_die, str(area.registry), str(area.fleet))
     _, status = os.waitpid(dying.pid, 0)
     assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL
-    (rec,) = Registry(area.registry).scan().dead
+    (rec,) = DirectoryStore(area.registry).scan().dead
     dead = rec.path
     keeper = AsUser(b_uid, b_gid, _hold_flock, dead, hold=True)
     try:
@@ -428,7 +428,7 @@ def test_a_live_lease_of_its_owner_survives_prune(area: Area, users: Any) -> Non
 
 def _pick_lease(reg: str, fleet_path: str) -> Any:
     return pick(
-        PickOptions(Constraints()), backend=SimulatedBackend(fleet_path), store=Registry(reg)
+        PickOptions(Constraints()), backend=SimulatedBackend(fleet_path), store=DirectoryStore(reg)
     )
 
 
@@ -477,7 +477,7 @@ def _pick_with_command(reg: str, fleet_path: str, record: bool) -> Any:
     return pick(
         PickOptions(Constraints()),
         backend=SimulatedBackend(fleet_path),
-        store=Registry(reg, record_commands=record),
+        store=DirectoryStore(reg, record_commands=record),
         requester=Requester(command="python secret.py", notebook_path="n.ipynb"),
     )
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.core.leasing import DirectoryStore
 from tests.kernelhelpers import Kernel, kernel_env
 from tests.leasehelpers import fleet
 from tests.multiuser.test_safety import planted_lease
@@ -96,7 +96,7 @@ def test_a_tab_in_the_notebook_name_still_gives_a_readable_exclusive_lease(
     r = k.run("%gpu pick --exclusive")
     assert r.status == "ok", r
     try:
-        leases = [x for x in Registry(host["registry"]).list_leases()
+        leases = [x for x in DirectoryStore(host["registry"]).list_leases()
                   if x.uid == os.geteuid()]
         assert [(x.notebook_path, x.exclusive) for x in leases] == [("notes/run?1.ipynb", True)]
         mine = leases[0].device_uuids
@@ -109,7 +109,7 @@ def test_a_tab_in_the_notebook_name_still_gives_a_readable_exclusive_lease(
         other = pick(
             PickOptions(Constraints(exclusive=True)),
             backend=SimulatedBackend(str(host["fleet"])),
-            store=Registry(host["registry"]),
+            store=DirectoryStore(host["registry"]),
         )
         assert other.lease is not None
         assert other.lease.record.device_uuids != mine

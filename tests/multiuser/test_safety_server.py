@@ -86,9 +86,9 @@ async def test_planted_names_do_not_break_the_endpoints(
     jp_fetch: Any, registry_dir: Path, bob: tuple[int, int]
 ) -> None:
     """Item 2 through the server: holders, select and move answered 500 after ``mkdir ¹``."""
-    from autogpu_jupyter.core.leasing import Registry
+    from autogpu_jupyter.core.leasing import DirectoryStore
 
-    Registry(registry_dir).check()
+    DirectoryStore(registry_dir).check()
     as_user(*bob, _mkdir, str(registry_dir / "¹"))
     holders = await get_json(jp_fetch, "holders")
     assert holders["errors"] == []
@@ -108,9 +108,9 @@ async def test_a_forged_lease_with_our_kernel_id_is_not_this_servers(
     jp_fetch: Any, registry_dir: Path, bob: tuple[int, int]
 ) -> None:
     """Item 11: another user's lease that names one of this server's kernels."""
-    from autogpu_jupyter.core.leasing import Registry
+    from autogpu_jupyter.core.leasing import DirectoryStore
 
-    Registry(registry_dir).check()
+    DirectoryStore(registry_dir).check()
     response = await jp_fetch(
         "api",
         "sessions",

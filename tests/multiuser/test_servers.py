@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
-from autogpu_jupyter.core.leasing.directory import Registry
+from autogpu_jupyter.core.leasing.brokerclient import BrokerStore
+from autogpu_jupyter.core.leasing.directory import DirectoryStore
 from tests.brokerhelpers import BrokerProc
 from tests.kernelhelpers import kernel_environ
 from tests.leasehelpers import cli_as, ensure_user, fleet, shared_area, uuid_of
@@ -70,11 +70,11 @@ def test_two_users_two_servers_share_four_gpus_without_double_booking(
     env = shared_host(area, fake_nvml_library, fleet(4), spec=SPEC,
                       options={"exclusive": True, "min_free": "10G"})
     broker = None
-    live: Any = Registry(env["AUTOGPU_REGISTRY_DIR"])
+    live: Any = DirectoryStore(env["AUTOGPU_REGISTRY_DIR"])
     if store == "broker":
         broker = BrokerProc(area, env={"AUTOGPU_RECORD_COMMANDS": "1"})
         env["AUTOGPU_BROKER_SOCKET"] = str(broker.socket)
-        live = BrokerRegistry(str(broker.socket))  # root's view: every record
+        live = BrokerStore(str(broker.socket))  # root's view: every record
     servers = {u: UserServer(u, area, env) for u in USERS}
     try:
         for s in servers.values():

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.core.leasing import DirectoryStore
 from tests.brokerhelpers import BrokerProc
 from tests.fakeamdsmi import FakeAmdSmi, amd_rocr_uuid, amd_uuid, fleet_amd_8x
 from tests.fakehip import INIT_SNIPPET, LOAD_SNIPPET, STATE_SNIPPET, build_fake_hip
@@ -113,10 +113,10 @@ def test_32_simultaneous_pickers_on_4_amd_gpus_get_8_each(
         assert collections.Counter(r["uuid"] for r in results) == {
             amd_uuid(i): 8 for i in range(4)}
         assert all(r["lease_note"] is None for r in results)
-        assert len(Registry(registry).list_leases()) == 32
+        assert len(DirectoryStore(registry).list_leases()) == 32
     finally:
         finish_all(pickers)
-    assert Registry(registry).list_leases() == []
+    assert DirectoryStore(registry).list_leases() == []
 
 
 @pytest.mark.slow

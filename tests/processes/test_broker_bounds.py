@@ -33,12 +33,12 @@ import pytest
 from autogpu_jupyter.core.leasing.brokerclient import (
     MAX_REPLY_BYTES,
     PROTOCOL,
-    BrokerRegistry,
+    BrokerStore,
 )
 from autogpu_jupyter.errors import (
     LeaseLimitError,
-    RegistryError,
-    RegistryUntrustedError,
+    LeaseStoreError,
+    LeaseStoreUntrustedError,
 )
 from tests.brokerhelpers import BrokerProc, RawConn, broker_area, wire
 from tests.leasehelpers import AsUser, as_user, uuid_of
@@ -150,8 +150,8 @@ def test_the_client_refuses_an_old_broker_and_words_long_replies_and_timeouts(
 ) -> None:
     old = _FakeBroker(tmp_path / "old.sock", b'{"ok": true, "leases": [], "tickets": []}\n')
     try:
-        with pytest.raises(RegistryUntrustedError) as err:
-            with BrokerRegistry(str(tmp_path / "old.sock")).locked() as txn:
+        with pytest.raises(LeaseStoreUntrustedError) as err:
+            with BrokerStore(str(tmp_path / "old.sock")).locked() as txn:
                 txn.ready()  # the lock's answer is read when the pick needs it
         assert str(err.value) == (
             f"the lease broker at {tmp_path / 'old.sock'} speaks an older protocol (no "
@@ -163,9 +163,9 @@ def test_the_client_refuses_an_old_broker_and_words_long_replies_and_timeouts(
         old.close()
     huge = _FakeBroker(tmp_path / "huge.sock", b"[" + b" " * (MAX_REPLY_BYTES + 10))
     try:
-        with pytest.raises(RegistryError) as err2:
-            BrokerRegistry(str(tmp_path / "huge.sock")).status()
-        assert not isinstance(err2.value, RegistryUntrustedError)
+        with pytest.raises(LeaseStoreError) as err2:
+            BrokerStore(str(tmp_path / "huge.sock")).status()
+        assert not isinstance(err2.value, LeaseStoreUntrustedError)
         assert f"sent a reply to 'status' longer than {MAX_REPLY_BYTES} bytes" in str(err2.value)
         assert "it is not down" in str(err2.value)
     finally:
@@ -173,8 +173,8 @@ def test_the_client_refuses_an_old_broker_and_words_long_replies_and_timeouts(
     # The pick lock held by another connection: a late lock is a busy broker, not a dead one.
     with RawConn(broker.socket) as holder:
         assert holder.call({"op": "begin"})["ok"] is True
-        reg = BrokerRegistry(str(broker.socket), lock_timeout_s=0.5)
-        with pytest.raises(RegistryUntrustedError) as err3:
+        reg = BrokerStore(str(broker.socket), lock_timeout_s=0.5)
+        with pytest.raises(LeaseStoreUntrustedError) as err3:
             with reg.locked() as txn:
                 txn.live_leases()
         assert str(err3.value).startswith(
@@ -296,7 +296,7 @@ def test_a_pick_reads_a_bounded_view_not_every_fat_record(broker: BrokerProc) ->
         assert len(dev["rows"]) == 16 and dev["more"] == {
             "leases": 84, "exclusive": False, "booked": 84 * 1024**3}
         # The decision still sees 100 leases on GPU 0: a pick spreads to GPU 1.
-        reg = BrokerRegistry(str(broker.socket))
+        reg = BrokerStore(str(broker.socket))
         from autogpu_jupyter.core import picker
         from autogpu_jupyter.core.backends.simulated import SimulatedBackend
         from autogpu_jupyter.core.options import PickOptions
@@ -638,7 +638,7 @@ def test_root_lists_and_revokes_tickets(broker: BrokerProc) -> None:
 def test_the_client_leases_lists_and_releases_over_the_new_protocol(area: Path) -> None:
     proc = _broker(area, "--max-devices-per-user", "1")
     try:
-        reg = BrokerRegistry(str(proc.socket))
+        reg = BrokerStore(str(proc.socket))
         with reg.locked() as txn:
             lease = txn.create(devices=[uuid_of(0)])
         try:

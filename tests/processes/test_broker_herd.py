@@ -145,7 +145,7 @@ def test_socket_activation_the_broker_serves_the_inherited_socket(
     import subprocess
     import sys
 
-    from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
+    from autogpu_jupyter.core.leasing.brokerclient import BrokerStore
     from tests.brokerhelpers import REPO
 
     fleet_source.write(fleet(2))
@@ -167,7 +167,7 @@ def test_socket_activation_the_broker_serves_the_inherited_socket(
     )
     try:
         listener.close()
-        reg = BrokerRegistry(str(path), connect_timeout_s=10)
+        reg = BrokerStore(str(path), connect_timeout_s=10)
         with reg.locked() as txn:
             lease = txn.create(devices=[uuid_of(0)])
         assert [r.lease_id for r in reg.list_leases()] == [lease.record.lease_id]

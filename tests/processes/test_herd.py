@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.core.leasing import DirectoryStore
 from tests.fakenvml import FakeNvml
 from tests.leasehelpers import (
     FleetEnv,
@@ -66,11 +66,11 @@ def test_32_simultaneous_pickers_on_4_gpus_get_8_each(
         assert counts == {uuid_of(i): 8 for i in range(4)}
         assert all(r["lease_note"] is None for r in results)
         assert fleet_source.kind == "fake-nvml"
-        assert len(Registry(registry_dir).list_leases()) == 32
+        assert len(DirectoryStore(registry_dir).list_leases()) == 32
     finally:
         finish_all(pickers)
     # Every picker released its lease on exit.
-    assert Registry(registry_dir).list_leases() == []
+    assert DirectoryStore(registry_dir).list_leases() == []
     assert list(lease_files(registry_dir)) == []
 
 
@@ -142,7 +142,7 @@ def test_sigkilled_picker_frees_its_gpu_with_no_cleanup(
     assert victim.finish() == -signal.SIGKILL
     # No cleanup ran: the file is still there, but nobody holds its flock any more.
     assert [p.name for p in lease_files(registry_dir)] == [f"{got['lease_id']}.lease"]
-    registry = Registry(registry_dir)
+    registry = DirectoryStore(registry_dir)
     scan = registry.scan()
     assert [r.lease_id for r in scan.dead] == [got["lease_id"]]
     assert scan.live == []
@@ -178,7 +178,7 @@ def test_fifo_three_waiters_get_the_freed_gpu_in_arrival_order(
         w.expect("ready")
         w.expect("waiting")  # its ticket exists before the next one starts
         waiters.append(w)
-    tickets = Registry(registry_dir).list_leases(include_tickets=True)
+    tickets = DirectoryStore(registry_dir).list_leases(include_tickets=True)
     assert [(t.kind, t.kernel_id, t.seq) for t in tickets if t.kind == "ticket"] == [
         ("ticket", "k0", 1), ("ticket", "k1", 2), ("ticket", "k2", 3)
     ]

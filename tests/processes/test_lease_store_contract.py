@@ -1,7 +1,7 @@
 """The lease store contract: the same cases, the same answers, from every holder of lease state.
 
 Every test runs three times: against the shared directory
-(``core.leasing.directory.Registry``), against the client of a real ``autogpu broker``
+(``core.leasing.directory.DirectoryStore``), against the client of a real ``autogpu broker``
 process (``core.leasing.brokerclient``), and
 against the broker's lease book in memory behind the same transaction interface
 (``brokerd.bookstore.BookStore``: the broker's own ops, no socket), all configured with the same
@@ -31,10 +31,10 @@ from autogpu_jupyter.brokerd.bookstore import BookLease, BookStore
 from autogpu_jupyter.core import decision
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.leasing import (
-    BrokerRegistry,
+    BrokerStore,
+    DirectoryStore,
     HeldLease,
     LeaseStore,
-    Registry,
     Requester,
 )
 from autogpu_jupyter.core.leasing.admission import ticket_text
@@ -114,7 +114,7 @@ def contract(
     request: pytest.FixtureRequest, tmp_path: Path, area: Path
 ) -> Iterator[Contract]:
     if request.param == "directory":
-        store: LeaseStore = Registry(tmp_path / "registry", max_devices_per_user=2,
+        store: LeaseStore = DirectoryStore(tmp_path / "registry", max_devices_per_user=2,
                                      max_leases_per_user=3, max_tickets_per_user=2)
     elif request.param == "book":
         broker = Broker(BrokerConfig(socket_path=str(tmp_path / "none.sock"),
@@ -124,7 +124,7 @@ def contract(
         store = BookStore(broker)
     else:
         proc: BrokerProc = request.getfixturevalue("broker_proc")
-        store = BrokerRegistry(str(proc.socket), connect_timeout_s=5.0)
+        store = BrokerStore(str(proc.socket), connect_timeout_s=5.0)
     c = Contract(request.param, store, area / "fleet.json")
     before = c.live_ids()
     yield c
@@ -307,8 +307,8 @@ def test_set_pid_names_the_process_that_uses_the_device(contract: Contract) -> N
 
 _HOLD = """
 import sys, time
-from autogpu_jupyter.core.leasing import BrokerRegistry, Registry
-store = BrokerRegistry(sys.argv[2]) if sys.argv[1] == "broker" else Registry(sys.argv[2])
+from autogpu_jupyter.core.leasing import BrokerStore, DirectoryStore
+store = BrokerStore(sys.argv[2]) if sys.argv[1] == "broker" else DirectoryStore(sys.argv[2])
 with store.locked() as txn:
     lease = txn.create(devices=[sys.argv[3]])
 print(lease.record.lease_id, flush=True)
@@ -360,7 +360,7 @@ def _raw_pick(path: str, options: dict[str, Any]) -> tuple[socket.socket, dict[s
 
 def test_the_brokers_view_serves_the_same_line_and_admission(broker_proc: BrokerProc) -> None:
     path = str(broker_proc.socket)
-    c = Contract("broker", BrokerRegistry(path, connect_timeout_s=5.0), Path())
+    c = Contract("broker", BrokerStore(path, connect_timeout_s=5.0), Path())
     before = c.live_ids()
     held: list[socket.socket] = []
     # A ticket that a device could serve at once reserves nothing at the broker (it is dormant:

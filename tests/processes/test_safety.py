@@ -27,11 +27,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-from autogpu_jupyter.core.leasing import Registry, Requester
+from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
-from autogpu_jupyter.errors import RegistryError, RegistryUntrustedError
+from autogpu_jupyter.errors import LeaseStoreError, LeaseStoreUntrustedError
 from tests.leasehelpers import fleet, uuid_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def _in_child(fn: Any, *args: Any) -> Any:
 
 def _pick_on_a_full_disk(reg: str, fleet_path: str, exclusive: bool) -> dict[str, Any]:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
-    registry = Registry(reg)
+    registry = DirectoryStore(reg)
     registry.check()
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
     holder = Requester(notebook_path="n" * 4000 + ".ipynb")  # a record of about 4.3 KB
@@ -82,7 +82,7 @@ def _pick_on_a_full_disk(reg: str, fleet_path: str, exclusive: bool) -> dict[str
             store=registry,
             requester=holder,
         )
-    except RegistryUntrustedError as err:
+    except LeaseStoreUntrustedError as err:
         return {"error": str(err)}
     return {"lease": result.lease is not None, "note": result.lease_note}
 
@@ -100,7 +100,7 @@ def test_a_short_write_is_no_lease(tmp_path: Path, fleet_path: str) -> None:
     assert exclusive["error"].startswith(
         "refused an exclusive pick (--exclusive) without a lease: cannot write lease "
     )
-    scan = Registry(reg).scan()
+    scan = DirectoryStore(reg).scan()
     assert (scan.live, scan.dead, scan.ignored) == ([], [], [])
     assert os.listdir(reg / str(os.geteuid())) == []  # no partial record, no temp file
 
@@ -112,7 +112,7 @@ def test_a_stuck_registry_lock_leaks_no_thread_and_no_fd(
     import fcntl
 
     reg = tmp_path / "registry"
-    registry = Registry(reg, lock_timeout_s=0.05)
+    registry = DirectoryStore(reg, lock_timeout_s=0.05)
     registry.check()
     blocker = os.open(reg, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(blocker, fcntl.LOCK_EX)
@@ -122,7 +122,7 @@ def test_a_stuck_registry_lock_leaks_no_thread_and_no_fd(
         for _ in range(20):
             result = pick(PickOptions(Constraints()), backend=backend, store=registry)
             assert result.lease is None and "stayed locked" in (result.lease_note or "")
-            with pytest.raises(RegistryUntrustedError):
+            with pytest.raises(LeaseStoreUntrustedError):
                 pick(PickOptions(Constraints(exclusive=True)), backend=backend, store=registry)
         assert threading.active_count() == threads
         assert len(os.listdir("/proc/self/fd")) == fds
@@ -174,7 +174,7 @@ def test_bad_values_name_themselves(cli_env: dict[str, str], args: list[str], me
 
 def test_leases_into_a_closed_pipe_ends_quietly(cli_env: dict[str, str], tmp_path: Path) -> None:
     """Item 12: ``autogpu leases | head -1`` ended with a BrokenPipeError traceback."""
-    registry = Registry(tmp_path / "registry")
+    registry = DirectoryStore(tmp_path / "registry")
     held = []
     for i in range(400):
         with registry.locked() as txn:
@@ -259,7 +259,7 @@ def test_registry_reader_and_writer_agree_whatever_the_registry_holds(
     kernel: str | None,
 ) -> None:
     reg = tmp_path_factory.mktemp("fuzz") / "registry"
-    registry = Registry(reg)
+    registry = DirectoryStore(reg)
     registry.check()
     top = os.fsencode(reg)
     mine = top + b"/" + str(os.geteuid()).encode()
@@ -278,7 +278,7 @@ def test_registry_reader_and_writer_agree_whatever_the_registry_holds(
         with registry.locked() as txn:
             assert txn is not None
             lease = txn.create(devices=[uuid_of(0)], requested_bytes=1024, requester=holder)
-    except RegistryError as err:  # refused at the writer: never reported held
+    except LeaseStoreError as err:  # refused at the writer: never reported held
         assert "readers would reject it" in str(err) or "too large" in str(err)
         lease = None
     scan = registry.scan()  # never raises, whatever the names and contents
@@ -300,7 +300,7 @@ def test_a_rejected_file_fixed_in_place_is_read_again(tmp_path: Path) -> None:
     import secrets
     import time as _time
 
-    registry = Registry(tmp_path / "registry")
+    registry = DirectoryStore(tmp_path / "registry")
     registry.check()
     d = tmp_path / "registry" / str(os.geteuid())
     d.mkdir(mode=0o755)

@@ -159,9 +159,9 @@ async def test_lease_booking_and_odd_notebook_path_round_trip(jp_fetch: Any,
     """A lease booking 30 GiB on GPU 0 for a notebook whose path has quotes, a backslash and a
     newline:
     booked bytes, the ratio, the lease count, and the path read back exactly by a parser."""
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
-    registry = Registry(str(registry_dir))
+    registry = DirectoryStore(str(registry_dir))
     with registry.locked() as txn:
         assert txn is not None
         lease = txn.create(devices=[UUID0], requested_bytes=30 * GiB,
@@ -222,9 +222,9 @@ class TestMetricsOff:
     async def test_admin_can_open_metrics_and_hide_lease_details(
         self, jp_fetch: Any, registry_dir: Path
     ) -> None:
-        from autogpu_jupyter.core.leasing import Registry, Requester
+        from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
-        registry = Registry(str(registry_dir))
+        registry = DirectoryStore(str(registry_dir))
         with registry.locked() as txn:
             assert txn is not None
             lease = txn.create(devices=[UUID1], requester=Requester(notebook_path="secret.ipynb"))

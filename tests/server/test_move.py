@@ -22,7 +22,7 @@ from jupyter_client import AsyncKernelManager
 from autogpu_jupyter import kernelspec
 from autogpu_jupyter.core import moves
 from autogpu_jupyter.core import sampler as sampler_mod
-from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.core.leasing import DirectoryStore
 from tests.kernelhelpers import kernel_environ
 from tests.leasehelpers import fleet, uuid_of
 
@@ -77,7 +77,7 @@ def autogpu_spec(jp_data_dir: Path) -> str:
 
 def leases(registry_dir: Path) -> list[tuple[int, tuple[str, ...], str | None]]:
     return [(r.pid, r.device_uuids, r.kernel_id)
-            for r in Registry(str(registry_dir)).list_leases()]
+            for r in DirectoryStore(str(registry_dir)).list_leases()]
 
 
 async def open_notebook(jp_fetch: Any, kernel: str, path: str = "work/train.ipynb") -> Any:

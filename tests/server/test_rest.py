@@ -458,7 +458,7 @@ async def test_holders_join_leases_and_processes_with_kernels(
 ) -> None:
     """A notebook's kernel holds a lease on GPU 1 and runs a process on it: both show as that
     notebook's, with the booked and the used memory."""
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
     response = await jp_fetch(
         "api", "sessions", method="POST",
@@ -478,7 +478,7 @@ async def test_holders_join_leases_and_processes_with_kernels(
         assert sampler is not None
         sampler.pause()
         sampler.sample_now()
-        registry = Registry(os.environ["AUTOGPU_REGISTRY_DIR"])
+        registry = DirectoryStore(os.environ["AUTOGPU_REGISTRY_DIR"])
         with registry.locked() as txn:
             assert txn is not None
             lease = txn.create(devices=[UUID1], requested_bytes=10 * GiB,

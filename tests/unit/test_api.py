@@ -15,7 +15,7 @@ from autogpu_jupyter import api
 from autogpu_jupyter.config import AutoGPU, default_settings
 from autogpu_jupyter.core import session
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
-from autogpu_jupyter.core.leasing import Registry, Requester
+from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.sampler import Sampler
 from autogpu_jupyter.errors import (
@@ -52,7 +52,7 @@ def test_pick_returns_devices_and_sets_env(host: Path) -> None:
     assert os.environ["CUDA_VISIBLE_DEVICES"] == f"{U[0]},{U[2]}"
     assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert ag.current().uuids == (U[0], U[2])  # type: ignore[union-attr]
-    (lease,) = Registry(str(host)).list_leases()
+    (lease,) = DirectoryStore(str(host)).list_leases()
     assert lease.device_uuids == (U[0], U[2]) and lease.pid == os.getpid()
 
 
@@ -60,7 +60,7 @@ def test_repick_replaces_own_lease_and_does_not_count_it(host: Path) -> None:
     ag.pick(min_free="70G")
     # 77.5 GiB free on GPU 0; our own 70 GiB booking must not make it look like 7.5 GiB
     assert [d.uuid for d in ag.pick(min_free="70G", exclusive=True)] == [U[0]]
-    (lease,) = Registry(str(host)).list_leases()
+    (lease,) = DirectoryStore(str(host)).list_leases()
     assert lease.exclusive and lease.device_uuids == (U[0],)
 
 
@@ -70,7 +70,7 @@ def test_failed_pick_keeps_previous_choice_and_env(host: Path) -> None:
         ag.pick(min_free="200G")
     assert str(info.value).splitlines()[0] == "no device fits (min free 200.0 GiB):"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == U[2]
-    assert len(Registry(str(host)).list_leases()) == 1
+    assert len(DirectoryStore(str(host)).list_leases()) == 1
 
 
 def test_a_provisioned_kernel_whose_device_is_gone_is_told_so(
@@ -92,7 +92,7 @@ def test_dry_run_changes_nothing(host: Path) -> None:
     assert [d.uuid for d in ag.pick(dry_run=True)] == [U[0]]
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
     assert ag.current() is None
-    assert Registry(str(host)).list_leases() == []
+    assert DirectoryStore(str(host)).list_leases() == []
 
 
 def test_set_visible_devices_validates_and_writes_uuids(host: Path) -> None:
@@ -162,7 +162,7 @@ def test_release_restores_env(host: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert old is not None and old.uuids == (U[2],)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert "CUDA_DEVICE_ORDER" not in os.environ
-    assert Registry(str(host)).list_leases() == []
+    assert DirectoryStore(str(host)).list_leases() == []
     assert ag.release() is None
 
 
@@ -177,7 +177,7 @@ def test_a_mig_devices_own_lease_keeps_a_pick_off_it(
 
     fake_nvml.write(fleet_mig())
     mig0, mig1 = (m["uuid"] for m in fleet_mig()["devices"][0]["mig_devices"])
-    with Registry(str(host)).locked() as txn:
+    with DirectoryStore(str(host)).locked() as txn:
         assert txn is not None
         held = txn.create(devices=[mig1], requested_bytes=5 * 1024**3,
                           requester=Requester(kernel_id="another"))
@@ -188,7 +188,7 @@ def test_a_mig_devices_own_lease_keeps_a_pick_off_it(
         assert os.environ["CUDA_VISIBLE_DEVICES"] == mig0
     finally:
         held.release()
-    with Registry(str(host)).locked() as txn:
+    with DirectoryStore(str(host)).locked() as txn:
         assert txn is not None
         held = txn.create(devices=[mig1], exclusive=True, requester=Requester(kernel_id="another"))
     try:
@@ -294,7 +294,7 @@ def test_a_provisioned_kernel_whose_device_fits_keeps_it_with_the_whole_ranking(
     assert [d.uuid for d in result.chosen] == [U[0]]
     assert [c.device.uuid for c in result.candidates] == [U[0], U[2], U[3], U[1]]
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
-    assert Registry(str(host)).list_leases() == []
+    assert DirectoryStore(str(host)).list_leases() == []
 
 
 def test_a_dry_run_pick_result_has_no_warning(host: Path) -> None:
@@ -420,7 +420,7 @@ def test_a_provisioned_kernel_whose_device_does_not_fit_is_told_why_and_where_to
         "with %gpu move 0 (restarts the kernel; its variables are lost). No second lease was "
         "taken."
     )
-    assert Registry(str(host)).list_leases() == []
+    assert DirectoryStore(str(host)).list_leases() == []
 
 
 def test_set_visible_devices_is_recorded_as_the_apis_choice(host: Path) -> None:
@@ -476,7 +476,7 @@ def test_a_dry_run_pick_result_takes_no_lease_and_sets_nothing(host: Path) -> No
     settings = default_settings()
     result, _warning = pick_result(pick_options(settings, {}), dry_run=True, settings=settings)
     assert result.dry_run and result.lease is None and result.env == {}
-    assert Registry(str(host)).list_leases() == []
+    assert DirectoryStore(str(host)).list_leases() == []
 
 
 def test_a_magics_lease_is_a_kernels(host: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -488,11 +488,11 @@ def test_a_magics_lease_is_a_kernels(host: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr("sys.argv", ["ipython"])
     settings = default_settings()
     pick_result(pick_options(settings, {}), settings=settings, source="magic")
-    (lease,) = Registry(str(host)).list_leases()
+    (lease,) = DirectoryStore(str(host)).list_leases()
     assert lease.holder_kind == "kernel"
     session.release()
     pick_result(pick_options(settings, {}), settings=settings)
-    (lease,) = Registry(str(host)).list_leases()
+    (lease,) = DirectoryStore(str(host)).list_leases()
     assert lease.holder_kind == "api"
 
 
@@ -578,7 +578,7 @@ def test_status_frame_takes_held_leases_as_well_as_their_records(host: Path) -> 
     from autogpu_jupyter.api import read_snapshot, status_frame
     from autogpu_jupyter.core.leasing import Requester
 
-    with Registry(str(host)).locked() as txn:
+    with DirectoryStore(str(host)).locked() as txn:
         assert txn is not None
         held = txn.create(devices=[U[3]], requester=Requester(kernel_id="k-held", kind="kernel"))
     try:
@@ -782,7 +782,7 @@ def test_the_fit_check_counts_another_holders_exclusive_lease(host: Path) -> Non
     """Another kernel holds GPU 0 exclusively; this process's GPU 0 then does not fit an
     exclusive pick, and the check says why. Caught: the check made without the lease store
     (no other lease seen)."""
-    with Registry(str(host)).locked() as txn:
+    with DirectoryStore(str(host)).locked() as txn:
         assert txn is not None
         held = txn.create(devices=[U[0]], exclusive=True,
                           requester=Requester(kernel_id="another", kind="kernel"))
@@ -904,7 +904,7 @@ def test_status_reads_the_leases_of_the_settings_it_is_given(
     default one. Caught: the settings given not passed on (the default registry read)."""
     fake_nvml.set(3, processes=[])
     other = tmp_path / "other-registry"
-    with Registry(str(other)).locked() as txn:
+    with DirectoryStore(str(other)).locked() as txn:
         assert txn is not None
         held = txn.create(devices=[U[3]], requester=Requester(kernel_id="k-other", kind="kernel"))
     try:

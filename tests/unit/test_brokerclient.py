@@ -32,7 +32,7 @@ from autogpu_jupyter.core.leasing import Requester, brokerclient, wire
 from autogpu_jupyter.core.leasing.brokerclient import (
     MAX_REPLY_BYTES,
     PROTOCOL,
-    BrokerRegistry,
+    BrokerStore,
     broker_fix,
     from_wire,
     lease_events,
@@ -44,10 +44,10 @@ from autogpu_jupyter.core.units import parse_size
 from autogpu_jupyter.errors import (
     AutoGPUError,
     LeaseLimitError,
+    LeaseStoreError,
+    LeaseStoreUnreachableError,
+    LeaseStoreUntrustedError,
     NoDeviceFitsError,
-    RegistryError,
-    RegistryUnreachableError,
-    RegistryUntrustedError,
     UsageErrorBase,
 )
 
@@ -139,8 +139,8 @@ def broker(short_dir: Path) -> Iterator[ThreadBroker]:
 
 
 @pytest.fixture
-def reg(broker: ThreadBroker) -> BrokerRegistry:
-    return BrokerRegistry(broker.path, connect_timeout_s=2.0)
+def reg(broker: ThreadBroker) -> BrokerStore:
+    return BrokerStore(broker.path, connect_timeout_s=2.0)
 
 
 def wait_until(pred: Any) -> None:
@@ -263,7 +263,7 @@ def payload(lease_id: str, **over: Any) -> dict[str, Any]:
 
 
 def test_a_lease_through_the_broker_carries_the_holder_and_ends_on_release(
-    reg: BrokerRegistry, broker: ThreadBroker
+    reg: BrokerStore, broker: ThreadBroker
 ) -> None:
     holder = Requester(pid=1, kernel_id="k-1234567890", notebook_path="nb/train.ipynb",
                     command="python train.py", kind="kernel")
@@ -309,7 +309,7 @@ def test_a_lease_through_the_broker_carries_the_holder_and_ends_on_release(
     ],
 )
 def test_requested_bytes_are_booked_per_device(
-    reg: BrokerRegistry, requested: Any, booked: tuple[int | None, ...]
+    reg: BrokerStore, requested: Any, booked: tuple[int | None, ...]
 ) -> None:
     dev = DeviceSnapshot(index=0, uuid="GPU-b1", name="L4")
     with reg.locked() as txn, txn.create(
@@ -323,19 +323,19 @@ def test_requested_bytes_are_booked_per_device(
     assert "GPU-b1" not in {u for r in reg.list_leases() for u in r.device_uuids}
 
 
-def test_a_transaction_makes_one_lease_and_needs_a_device(reg: BrokerRegistry) -> None:
+def test_a_transaction_makes_one_lease_and_needs_a_device(reg: BrokerStore) -> None:
     with reg.locked() as txn:
         with pytest.raises(ValueError, match=r"^a lease needs at least one device$"):
             txn.create(devices=[])
         with txn.create(devices=["GPU-c1"]):
             with pytest.raises(
-                RegistryError, match=r"^this broker transaction already made its lease$"
+                LeaseStoreError, match=r"^this broker transaction already made its lease$"
             ):
                 txn.create(devices=["GPU-c2"])
 
 
 def test_an_exclusive_lease_and_the_quota_are_refused_with_the_brokers_words(
-    reg: BrokerRegistry,
+    reg: BrokerStore,
 ) -> None:
     with reg.locked() as txn:
         first = txn.create(devices=["GPU-d1"], exclusive=True,
@@ -361,7 +361,7 @@ def test_an_exclusive_lease_and_the_quota_are_refused_with_the_brokers_words(
         first.release()
 
 
-def test_a_repick_replaces_only_the_hidden_lease(reg: BrokerRegistry) -> None:
+def test_a_repick_replaces_only_the_hidden_lease(reg: BrokerStore) -> None:
     with reg.locked() as txn:
         old = txn.create(
             devices=["GPU-e1"], exclusive=True, requester=Requester(kernel_id="kern-e")
@@ -395,7 +395,7 @@ def test_a_repick_replaces_only_the_hidden_lease(reg: BrokerRegistry) -> None:
         other.release()
 
 
-def test_set_pid_names_the_process_that_uses_the_lease(reg: BrokerRegistry) -> None:
+def test_set_pid_names_the_process_that_uses_the_lease(reg: BrokerStore) -> None:
     with reg.locked() as txn, txn.create(devices=["GPU-f1"]) as lease:
         lease.set_pid(os.getppid())
         assert lease.record.pid == os.getppid()
@@ -415,7 +415,7 @@ def constraints(**over: Any) -> dict[str, Any]:
     return c
 
 
-def test_tickets_join_the_line_in_order(reg: BrokerRegistry, broker: ThreadBroker) -> None:
+def test_tickets_join_the_line_in_order(reg: BrokerStore, broker: ThreadBroker) -> None:
     t1 = reg.take_ticket(
         constraints=constraints(min_free_bytes=GiB), requester=Requester(kernel_id="kt")
     )
@@ -449,7 +449,7 @@ def test_tickets_join_the_line_in_order(reg: BrokerRegistry, broker: ThreadBroke
     assert t1.record.lease_id not in ids(reg.list_leases(include_tickets=True))
 
 
-def test_a_ticket_the_broker_refuses_raises_its_error(reg: BrokerRegistry) -> None:
+def test_a_ticket_the_broker_refuses_raises_its_error(reg: BrokerStore) -> None:
     with pytest.raises(UsageErrorBase) as err:
         reg.take_ticket(constraints=constraints(count=0))
     assert str(err.value) == (
@@ -458,7 +458,7 @@ def test_a_ticket_the_broker_refuses_raises_its_error(reg: BrokerRegistry) -> No
 
 
 def test_a_ticket_whose_constraint_holds_a_lone_surrogate_is_refused(
-    reg: BrokerRegistry,
+    reg: BrokerStore,
 ) -> None:
     # "\udc80" travels as the JSON escape; the broker's reader decodes it to a lone surrogate,
     # which no journal line or reply could carry: the record's schema refuses it.
@@ -470,7 +470,7 @@ def test_a_ticket_whose_constraint_holds_a_lone_surrogate_is_refused(
     assert reg.list_tickets() == []
 
 
-def test_status_and_revoke_as_root(reg: BrokerRegistry) -> None:
+def test_status_and_revoke_as_root(reg: BrokerStore) -> None:
     if not ROOT:
         pytest.skip("revoking needs root")
     with reg.locked() as txn:
@@ -492,7 +492,7 @@ def test_status_and_revoke_as_root(reg: BrokerRegistry) -> None:
     assert lease.record.lease_id not in ids(reg.list_leases())
 
 
-def test_a_copy_of_the_lease_socket_keeps_the_lease_after_detach(reg: BrokerRegistry) -> None:
+def test_a_copy_of_the_lease_socket_keeps_the_lease_after_detach(reg: BrokerStore) -> None:
     with reg.locked() as txn:
         lease = txn.create(devices=["GPU-h1"])
     lease_id = lease.record.lease_id
@@ -506,7 +506,7 @@ def test_a_copy_of_the_lease_socket_keeps_the_lease_after_detach(reg: BrokerRegi
 
 
 def test_a_lease_whose_socket_was_closed_behind_its_back_releases_quietly(
-    reg: BrokerRegistry,
+    reg: BrokerStore,
 ) -> None:
     with reg.locked() as txn:
         lease = txn.create(devices=["GPU-m1"])
@@ -517,7 +517,7 @@ def test_a_lease_whose_socket_was_closed_behind_its_back_releases_quietly(
 
 
 def test_a_lease_whose_socket_was_closed_behind_its_back_detaches_quietly(
-    reg: BrokerRegistry,
+    reg: BrokerStore,
 ) -> None:
     with reg.locked() as txn:
         lease = txn.create(devices=["GPU-m2"])
@@ -530,7 +530,7 @@ def test_a_lease_whose_socket_was_closed_behind_its_back_detaches_quietly(
     wait_until(lambda: lease.record.lease_id not in ids(reg.list_leases()))
 
 
-def test_a_release_in_a_forked_child_leaves_the_parents_lease(reg: BrokerRegistry) -> None:
+def test_a_release_in_a_forked_child_leaves_the_parents_lease(reg: BrokerStore) -> None:
     with reg.locked() as txn:
         lease = txn.create(devices=["GPU-i1"])
     try:
@@ -552,7 +552,7 @@ def test_a_release_in_a_forked_child_leaves_the_parents_lease(reg: BrokerRegistr
     assert lease.record.lease_id not in ids(reg.list_leases())
 
 
-def test_a_lease_dropped_without_release_closes_its_socket_and_ends(reg: BrokerRegistry) -> None:
+def test_a_lease_dropped_without_release_closes_its_socket_and_ends(reg: BrokerStore) -> None:
     with reg.locked() as txn:
         lease = txn.create(devices=["GPU-j1"])
     lease_id = lease.record.lease_id
@@ -565,7 +565,7 @@ def test_a_lease_dropped_without_release_closes_its_socket_and_ends(reg: BrokerR
 
 
 def test_the_pick_lock_is_asked_for_at_once_and_waited_for_when_the_view_is_needed(
-    reg: BrokerRegistry, broker: ThreadBroker
+    reg: BrokerStore, broker: ThreadBroker
 ) -> None:
     """``locked()`` sends ``begin`` and returns (the pick reads its devices meanwhile); the
     wait for the lock is the view's, and ``ready`` says how long it was. Caught: a transaction
@@ -575,7 +575,7 @@ def test_the_pick_lock_is_asked_for_at_once_and_waited_for_when_the_view_is_need
     first = first_cm.__enter__()
     assert first.ready() >= 0.0
     assert first.ready() == 0.0  # held: nothing more to wait for
-    other = BrokerRegistry(broker.path, lock_timeout_s=10.0)
+    other = BrokerStore(broker.path, lock_timeout_s=10.0)
     second_cm = other.locked()
     start = time.monotonic()
     second = second_cm.__enter__()  # the lock is held by `first`, yet this returns at once
@@ -593,20 +593,20 @@ def test_the_pick_lock_is_asked_for_at_once_and_waited_for_when_the_view_is_need
 
 
 def test_a_transaction_without_a_lease_gives_the_pick_lock_back(
-    reg: BrokerRegistry, broker: ThreadBroker
+    reg: BrokerStore, broker: ThreadBroker
 ) -> None:
-    impatient = BrokerRegistry(broker.path, lock_timeout_s=0.05)
+    impatient = BrokerStore(broker.path, lock_timeout_s=0.05)
     with pytest.raises(RuntimeError, match=r"^boom$"), reg.locked():
         raise RuntimeError("boom")
     with reg.locked() as held:
         held.ready()  # the lock is asked for at locked() and waited for here
-        with pytest.raises(RegistryUntrustedError) as err, impatient.locked() as txn:
+        with pytest.raises(LeaseStoreUntrustedError) as err, impatient.locked() as txn:
             txn.live_leases()  # the view needs the lock: its wait times out
         assert str(err.value) == (
             f"the lease broker at {broker.path} did not give its pick lock within 0.05 s (it "
             "is busy, or other picks hold it): nothing was picked; try again"
         )
-    with BrokerRegistry(broker.path, lock_timeout_s=1.0).locked() as txn:
+    with BrokerStore(broker.path, lock_timeout_s=1.0).locked() as txn:
         assert isinstance(txn.live_leases(), list)
 
 
@@ -614,7 +614,7 @@ def test_a_broker_restart_keeps_the_lease_and_release_frees_it_by_id(short_dir: 
     path = str(short_dir / "r.sock")
     state = short_dir / "r-state"
     first = ThreadBroker(path, state_dir=str(state))
-    reg = BrokerRegistry(path)
+    reg = BrokerStore(path)
     with reg.locked() as txn:
         lease = txn.create(devices=["GPU-k1"])
     # journaled before the reply: in the file the moment the client holds the lease
@@ -641,7 +641,7 @@ def test_a_broker_started_in_another_boot_drops_the_journal_it_finds(
     path = str(short_dir / "boot.sock")
     state = short_dir / "boot-state"
     first = ThreadBroker(path, state_dir=str(state))
-    reg = BrokerRegistry(path)
+    reg = BrokerStore(path)
     with reg.locked() as txn:
         lease = txn.create(devices=["GPU-k1"])
     first.crash()
@@ -666,8 +666,8 @@ def test_a_broker_started_in_another_boot_drops_the_journal_it_finds(
 def test_a_registry_names_its_socket_and_its_user(tmp_path: Path) -> None:
     import pwd
 
-    reg = BrokerRegistry("/nowhere/b.sock")
-    assert repr(reg) == "BrokerRegistry('/nowhere/b.sock')"
+    reg = BrokerStore("/nowhere/b.sock")
+    assert repr(reg) == "BrokerStore('/nowhere/b.sock')"
     assert reg.path == "/nowhere/b.sock"
     assert reg.lock_timeout_s == 10.0
     assert reg.connect_timeout_s == 5.0
@@ -678,7 +678,7 @@ def test_a_registry_names_its_socket_and_its_user(tmp_path: Path) -> None:
     assert reg.unusable_reason is None
     assert reg.prune() == []
     assert reg.prune(all_users=True) == []
-    other = BrokerRegistry("/x", lock_timeout_s=3.0, connect_timeout_s=0.5)
+    other = BrokerStore("/x", lock_timeout_s=3.0, connect_timeout_s=0.5)
     assert (other.lock_timeout_s, other.connect_timeout_s) == (3.0, 0.5)
 
 
@@ -690,7 +690,7 @@ def test_a_uid_without_a_name_is_the_user_by_number() -> None:
     uid = next(u for u in range(54321, 60000) if not _has_name(u, pwd))
     os.seteuid(uid)
     try:
-        reg = BrokerRegistry("/x")
+        reg = BrokerStore("/x")
     finally:
         os.seteuid(0)
     assert (reg.uid, reg.user) == (uid, str(uid))
@@ -730,17 +730,17 @@ def test_broker_fix_names_the_socket() -> None:
 
 
 def test_a_missing_socket_fails_closed_with_the_admins_fix(peer_path: str) -> None:
-    reg = BrokerRegistry(peer_path, connect_timeout_s=0)
+    reg = BrokerStore(peer_path, connect_timeout_s=0)
     want = (
         f"the lease broker at {peer_path} cannot be reached (No such file or directory): "
         f"nothing was picked; {fix(peer_path)}"
     )
     for attempt in (reg.check, reg.list_leases, reg.status, lambda: reg.revoke("x"),
                     lambda: reg.take_ticket(constraints={})):
-        with pytest.raises(RegistryUntrustedError) as err:
+        with pytest.raises(LeaseStoreUntrustedError) as err:
             attempt()
         assert str(err.value) == want
-    with pytest.raises(RegistryUntrustedError) as err, reg.locked():
+    with pytest.raises(LeaseStoreUntrustedError) as err, reg.locked():
         pass
     assert str(err.value) == want
     assert reg.live_records() == ([], [])
@@ -750,8 +750,8 @@ def test_a_socket_nobody_serves_is_refused(peer_path: str) -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(peer_path)
     s.close()
-    with pytest.raises(RegistryUntrustedError) as err:
-        BrokerRegistry(peer_path, connect_timeout_s=-3).check()
+    with pytest.raises(LeaseStoreUntrustedError) as err:
+        BrokerStore(peer_path, connect_timeout_s=-3).check()
     assert str(err.value) == (
         f"the lease broker at {peer_path} cannot be reached (Connection refused): nothing was "
         f"picked; {fix(peer_path)}"
@@ -791,8 +791,8 @@ def test_connecting_retries_with_backoff_until_the_timeout(
 ) -> None:
     clock = FakeClock()
     monkeypatch.setattr(brokerclient, "time", clock)
-    with pytest.raises(RegistryUntrustedError, match="cannot be reached"):
-        BrokerRegistry(peer_path, connect_timeout_s=timeout).check()
+    with pytest.raises(LeaseStoreUntrustedError, match="cannot be reached"):
+        BrokerStore(peer_path, connect_timeout_s=timeout).check()
     assert clock.sleeps == pytest.approx(sleeps)
 
 
@@ -802,7 +802,7 @@ def test_a_broker_that_comes_back_while_retrying_is_reached(
     peers: list[Peer] = []
     clock = FakeClock(lambda: peers or peers.append(Peer(peer_path, [[]])))
     monkeypatch.setattr(brokerclient, "time", clock)
-    BrokerRegistry(peer_path, connect_timeout_s=1.0).check()
+    BrokerStore(peer_path, connect_timeout_s=1.0).check()
     assert clock.sleeps == [0.05]
     peers[0].close()
     assert peers[0].client_closed == [True]  # check() closed its connection
@@ -813,8 +813,8 @@ def test_a_broker_served_by_another_user_is_refused(peer_path: str, uid: int) ->
     if not ROOT:
         pytest.skip("needs root to listen as another uid")
     peer = Peer(peer_path, [[]], listen_as=uid)
-    with pytest.raises(RegistryUntrustedError) as err:
-        BrokerRegistry(peer_path, connect_timeout_s=5).check()
+    with pytest.raises(LeaseStoreUntrustedError) as err:
+        BrokerStore(peer_path, connect_timeout_s=5).check()
     assert str(err.value) == (
         f"the lease broker at {peer_path} runs as uid {uid}, not root: refused (another user "
         f"could hand out fake leases); {fix(peer_path)}"
@@ -837,8 +837,8 @@ def test_a_broker_served_by_another_user_is_refused(peer_path: str, uid: int) ->
 )
 def test_a_lost_or_garbled_reply_fails_closed(peer_path: str, reply: Any, why: str) -> None:
     peer = Peer(peer_path, [reply])
-    with pytest.raises(RegistryUntrustedError) as err:
-        BrokerRegistry(peer_path).status()
+    with pytest.raises(LeaseStoreUntrustedError) as err:
+        BrokerStore(peer_path).status()
     assert str(err.value) == f"lost the lease broker at {peer_path} ({why}); {fix(peer_path)}"
     peer.close()
     assert peer.requests == [{"op": "status"}]
@@ -852,11 +852,11 @@ def test_a_reply_just_under_the_limit_is_read_and_one_over_it_is_refused_as_such
     line = json.dumps({"ok": True, "proto": PROTOCOL, "revoked": big}).encode() + b"\n"
     assert len(line) == MAX_REPLY_BYTES
     peer = Peer(peer_path, [[line], [b"x" + line, CLOSE]])
-    reg = BrokerRegistry(peer_path)
+    reg = BrokerStore(peer_path)
     assert reg.revoke("a") == big
-    with pytest.raises(RegistryError) as err:
+    with pytest.raises(LeaseStoreError) as err:
         reg.revoke("b")
-    assert type(err.value) is RegistryError  # not "lost the broker": it is there
+    assert type(err.value) is LeaseStoreError  # not "lost the broker": it is there
     assert str(err.value) == (
         f"the lease broker at {peer_path} sent a reply to 'revoke' longer than "
         f"{MAX_REPLY_BYTES} bytes: refused (the broker and this autogpu disagree on the "
@@ -872,7 +872,7 @@ def test_a_reply_just_under_the_limit_is_read_and_one_over_it_is_refused_as_such
         (b'{"ok": true, "proto": 1, "revoked": "x"}\n', "protocol 1"),
         (b'{"ok": true, "proto": "2", "revoked": "x"}\n', "protocol '2'"),
         # an older broker's refusal (of anything) is still an older broker, not its words
-        (b'{"ok": false, "type": "RegistryError", "error": "no"}\n',
+        (b'{"ok": false, "type": "LeaseStoreError", "error": "no"}\n',
          "an older protocol (no version)"),
     ],
 )
@@ -880,8 +880,8 @@ def test_a_broker_of_another_protocol_is_refused_with_one_line(
     peer_path: str, reply: bytes, theirs: str
 ) -> None:
     peer = Peer(peer_path, [[reply]])
-    with pytest.raises(RegistryUntrustedError) as err:
-        BrokerRegistry(peer_path).revoke("a")
+    with pytest.raises(LeaseStoreUntrustedError) as err:
+        BrokerStore(peer_path).revoke("a")
     assert str(err.value) == (
         f"the lease broker at {peer_path} speaks {theirs}, this autogpu speaks protocol "
         f"{PROTOCOL}: the broker and this environment come from different autogpu versions; "
@@ -892,11 +892,11 @@ def test_a_broker_of_another_protocol_is_refused_with_one_line(
 
 
 def test_a_broker_that_refuses_our_protocol_is_quoted(peer_path: str) -> None:
-    refusal = {"ok": False, "type": "RegistryUntrustedError", "proto": PROTOCOL + 1,
+    refusal = {"ok": False, "type": "LeaseStoreUntrustedError", "proto": PROTOCOL + 1,
                "error": "this autogpu speaks protocol 2, the lease broker speaks protocol 3"}
     peer = Peer(peer_path, [[json.dumps(refusal).encode() + b"\n"]])
-    with pytest.raises(RegistryUntrustedError) as err:
-        BrokerRegistry(peer_path).revoke("a")
+    with pytest.raises(LeaseStoreUntrustedError) as err:
+        BrokerStore(peer_path).revoke("a")
     assert str(err.value) == (
         f"lease broker at {peer_path}: this autogpu speaks protocol 2, the lease broker speaks "
         "protocol 3"
@@ -913,9 +913,9 @@ def test_a_broker_that_refuses_our_protocol_is_quoted(peer_path: str) -> None:
          "lease broker: busy"),
         ({"ok": False, "type": "UsageErrorBase", "error": "bad"}, UsageErrorBase,
          "lease broker: bad"),
-        ({"ok": False, "type": "KeyError", "error": "odd"}, RegistryError, "lease broker: odd"),
-        ({"ok": False}, RegistryError, "lease broker: refused"),
-        ({"error": "no ok"}, RegistryError, "lease broker: no ok"),
+        ({"ok": False, "type": "KeyError", "error": "odd"}, LeaseStoreError, "lease broker: odd"),
+        ({"ok": False}, LeaseStoreError, "lease broker: refused"),
+        ({"error": "no ok"}, LeaseStoreError, "lease broker: no ok"),
     ],
 )
 def test_a_refusal_raises_the_error_the_broker_names(
@@ -923,7 +923,7 @@ def test_a_refusal_raises_the_error_the_broker_names(
 ) -> None:
     peer = Peer(peer_path, [[reply]])
     with pytest.raises(AutoGPUError) as err:
-        BrokerRegistry(peer_path).revoke("L1")
+        BrokerStore(peer_path).revoke("L1")
     assert type(err.value) is cls
     assert str(err.value) == message
     peer.close()
@@ -963,7 +963,7 @@ def test_a_connection_refused_before_the_request_is_sent_says_the_brokers_words(
     monkeypatch.setattr(brokerclient, "_connect", connect_then_wait)
     try:
         with pytest.raises(AutoGPUError) as err:
-            BrokerRegistry(peer_path).status()
+            BrokerStore(peer_path).status()
     finally:
         thread.join(10)
         listener.close()
@@ -971,7 +971,7 @@ def test_a_connection_refused_before_the_request_is_sent_says_the_brokers_words(
         assert type(err.value) is LeaseLimitError
         assert str(err.value) == f"lease broker: {words}"
     else:  # nothing left behind: the lost broker, said as before
-        assert type(err.value) is RegistryUnreachableError
+        assert type(err.value) is LeaseStoreUnreachableError
         assert str(err.value) == (
             f"lost the lease broker at {peer_path} (Broken pipe); {fix(peer_path)}")
 
@@ -980,14 +980,14 @@ def test_unasked_events_are_kept_and_the_reply_read(peer_path: str) -> None:
     events = b'{"event": "replaced", "message": "m"}\n{"event": "other"}\n'
     reply = json.dumps({"ok": True, "revoked": "bob: nb", "proto": PROTOCOL}).encode()
     peer = Peer(peer_path, [[events + reply + b"\n"]])
-    assert BrokerRegistry(peer_path).revoke("z") == "bob: nb"
+    assert BrokerStore(peer_path).revoke("z") == "bob: nb"
     peer.close()
     assert peer.requests == [{"op": "revoke", "lease_id": "z"}]
 
 
 def test_revoke_answers_the_holders_text_or_nothing(peer_path: str) -> None:
     peer = Peer(peer_path, [[{"ok": True, "revoked": 42}], [{"ok": True}]])
-    reg = BrokerRegistry(peer_path)
+    reg = BrokerStore(peer_path)
     assert reg.revoke("a") == "42"
     assert reg.revoke("b") == ""
     peer.close()
@@ -996,7 +996,7 @@ def test_revoke_answers_the_holders_text_or_nothing(peer_path: str) -> None:
 def test_revoke_record_says_whether_a_lease_or_a_ticket_was_revoked(peer_path: str) -> None:
     peer = Peer(peer_path, [[{"ok": True, "kind": "ticket", "revoked": "bob: a.ipynb"}],
                             [{"ok": True}]])
-    reg = BrokerRegistry(peer_path)
+    reg = BrokerStore(peer_path)
     assert reg.revoke_record("T1") == ("ticket", "bob: a.ipynb")
     assert reg.revoke_record("L1") == ("lease", "")  # an older broker says no kind: a lease
     peer.close()
@@ -1010,7 +1010,7 @@ def test_status_reads_every_page_and_splits_leases_from_tickets(peer_path: str) 
         {"ok": True, "records": [payload("L1")], "next": "L1"},
         {"ok": True, "records": [payload("T1", kind="ticket")], "proto": None},
     ]])
-    st = BrokerRegistry(peer_path).status()
+    st = BrokerStore(peer_path).status()
     assert (st["per_user"], [r["lease_id"] for r in st["leases"]],
             [r["lease_id"] for r in st["tickets"]]) == ({"bob": {"leases": 1}}, ["L1"], ["T1"])
     peer.close()
@@ -1027,22 +1027,22 @@ def test_a_list_stops_at_its_cap_of_records(
     monkeypatch.setattr(brokerclient, "MAX_LIST_RECORDS", 2)
     pages = [{"ok": True, "records": [payload(f"L{i}")], "next": f"L{i}"} for i in range(3)]
     peer = Peer(peer_path, [pages])
-    assert ids(BrokerRegistry(peer_path).list_leases()) == ["L0", "L1"]
+    assert ids(BrokerStore(peer_path).list_leases()) == ["L0", "L1"]
     peer.close()
     assert [r["after"] for r in peer.requests] == [None, "L0"]  # no third page asked for
 
 
 def test_the_waiting_line_names_the_broker_it_came_from(peer_path: str) -> None:
     peer = Peer(peer_path, [[{"ok": True, "records": [payload("T1", kind="ticket")]}]])
-    assert [t.path for t in BrokerRegistry(peer_path).list_tickets()] == [f"{peer_path}#T1"]
+    assert [t.path for t in BrokerStore(peer_path).list_tickets()] == [f"{peer_path}#T1"]
     peer.close()
 
 
 def test_a_pick_locks_answer_over_the_cap_is_refused_naming_begin(peer_path: str) -> None:
     peer = Peer(peer_path, [[b"x" * (MAX_REPLY_BYTES + 1) + b"\n"]])
-    with pytest.raises(RegistryError) as err, BrokerRegistry(peer_path).locked() as txn:
+    with pytest.raises(LeaseStoreError) as err, BrokerStore(peer_path).locked() as txn:
         txn.ready()
-    assert type(err.value) is RegistryError
+    assert type(err.value) is LeaseStoreError
     assert str(err.value).startswith(f"the lease broker at {peer_path} sent a reply to 'begin' ")
     peer.close()
 
@@ -1060,7 +1060,7 @@ def test_a_broker_that_does_not_answer_or_read_in_time_is_named_with_the_request
     mute.listen(1)
     conn = brokerclient._Conn(path, 1.0)
     try:
-        with pytest.raises(RegistryUnreachableError) as err:
+        with pytest.raises(LeaseStoreUnreachableError) as err:
             if how == "call":
                 conn.call({"op": "status"}, timeout_s=0.05)
             elif how == "receive":
@@ -1084,7 +1084,7 @@ def test_a_pick_lock_lost_once_is_asked_again_on_a_fresh_connection(peer_path: s
              "devices": [{"uuid": "GPU-q", "rows": [[True, 7, None, "bob", "b.ipynb"]]}],
              "reserved": {"GPU-r": ["ml"]}}
     peer = Peer(peer_path, [[DROP], [begin, {"ok": True, "record": payload("L2")}]])
-    reg = BrokerRegistry(peer_path)
+    reg = BrokerStore(peer_path)
     with reg.locked() as txn:
         assert 0.0 <= txn.ready() < reg.lock_timeout_s  # the seconds it waited, both tries
         view = txn.live_leases()
@@ -1127,12 +1127,12 @@ def test_a_pick_lock_whose_request_could_not_be_sent_is_asked_on_a_fresh_connect
         real(self, msg)
 
     monkeypatch.setattr(brokerclient._Conn, "_send_line", send_line)
-    reg = BrokerRegistry(peer_path, connect_timeout_s=2.0)
+    reg = BrokerStore(peer_path, connect_timeout_s=2.0)
     if lost == 1:
         with reg.locked() as txn:
             assert txn.live_leases() == []
     else:
-        with pytest.raises(RegistryUnreachableError, match=r"\(Broken pipe\)"), reg.locked():
+        with pytest.raises(LeaseStoreUnreachableError, match=r"\(Broken pipe\)"), reg.locked():
             pass
     peer.close()
     assert sent == [BEGIN] * 2
@@ -1142,11 +1142,11 @@ def test_a_pick_lock_whose_request_could_not_be_sent_is_asked_on_a_fresh_connect
 
 def test_a_pick_lock_lost_twice_fails_closed(peer_path: str) -> None:
     peer = Peer(peer_path, [[DROP], [DROP]])
-    with pytest.raises(RegistryUnreachableError) as err, BrokerRegistry(peer_path).locked() as txn:
+    with pytest.raises(LeaseStoreUnreachableError) as err, BrokerStore(peer_path).locked() as txn:
         try:
             txn.ready()  # the lock is asked for at locked(), its answer read here
         finally:  # nothing is asked again on a transaction that lost its broker
-            with pytest.raises(RegistryError, match=r"^this broker transaction is closed$"):
+            with pytest.raises(LeaseStoreError, match=r"^this broker transaction is closed$"):
                 txn.live_leases()
     assert str(err.value) == (
         f"lost the lease broker at {peer_path} (the broker closed the connection); "
@@ -1162,7 +1162,7 @@ def test_a_bad_booking_view_in_the_pick_locks_answer_names_the_broker(
 ) -> None:
     begin = {"ok": True, "own": [], "devices": [], "tickets": [], part: ["GPU-r"]}
     peer = Peer(peer_path, [[begin]])
-    with pytest.raises(RegistryError) as err, BrokerRegistry(peer_path).locked() as txn:
+    with pytest.raises(LeaseStoreError) as err, BrokerStore(peer_path).locked() as txn:
         txn.ready()
     assert str(err.value).startswith(f"lease broker at {peer_path} sent a bad booking view: ")
     peer.close()
@@ -1182,7 +1182,7 @@ def test_a_booking_view_of_the_wrong_shape_or_an_infinite_number_is_one_line(
     broker (never a traceback in the user's kernel; issue 39)."""
     begin = {"ok": True, "own": [], "devices": [device], "tickets": []}
     peer = Peer(peer_path, [[begin]])
-    with pytest.raises(RegistryError) as err, BrokerRegistry(peer_path).locked() as txn:
+    with pytest.raises(LeaseStoreError) as err, BrokerStore(peer_path).locked() as txn:
         txn.ready()
     assert str(err.value).startswith(f"lease broker at {peer_path} sent a bad booking view: ")
     assert "\n" not in str(err.value)
@@ -1193,8 +1193,8 @@ def test_a_record_with_an_infinite_number_is_one_line(peer_path: str) -> None:
     rec = payload("B1")
     rec["uid"] = float("inf")
     peer = Peer(peer_path, [[{"ok": True, "records": [rec]}]])
-    with pytest.raises(RegistryError) as err:
-        BrokerRegistry(peer_path).list_leases()
+    with pytest.raises(LeaseStoreError) as err:
+        BrokerStore(peer_path).list_leases()
     assert str(err.value) == (
         f"lease broker at {peer_path} sent a bad record: cannot convert float infinity to integer")
     peer.close()
@@ -1202,7 +1202,7 @@ def test_a_record_with_an_infinite_number_is_one_line(peer_path: str) -> None:
 
 def test_a_refused_pick_lock_is_not_asked_again(peer_path: str) -> None:
     peer = Peer(peer_path, [[{"ok": False, "error": "no", "type": "UsageErrorBase"}]])
-    with pytest.raises(UsageErrorBase, match=r"^lease broker: no$"), BrokerRegistry(
+    with pytest.raises(UsageErrorBase, match=r"^lease broker: no$"), BrokerStore(
         peer_path
     ).locked() as txn:
         txn.ready()
@@ -1212,7 +1212,7 @@ def test_a_refused_pick_lock_is_not_asked_again(peer_path: str) -> None:
 
 def test_the_lease_request_names_what_a_repick_replaces(peer_path: str) -> None:
     peer = Peer(peer_path, [[{"ok": True}, {"ok": True, "record": payload("N1")}]])
-    view = BrokerRegistry(peer_path).hiding(lease_ids=["b", "c", "a"], kernel_id="kk")
+    view = BrokerStore(peer_path).hiding(lease_ids=["b", "c", "a"], kernel_id="kk")
     with view.locked() as txn:
         assert txn.live_leases() == [] and txn.live_tickets() == []
         txn.create(devices=["GPU-1", "GPU-2"], requested_bytes=[1, None], exclusive=True).detach()
@@ -1232,7 +1232,7 @@ def test_the_ticket_and_list_requests(peer_path: str) -> None:
         [{"ok": True, "records": []}],
         [{"ok": True, "records": []}],
     ])
-    reg = BrokerRegistry(peer_path)
+    reg = BrokerStore(peer_path)
     t = reg.take_ticket(constraints={"count": 1}, requester=Requester(kind="api", kernel_id="q"))
     assert (t.record.kind, t.record.seq, t.record.constraints) == ("ticket", 3, {"count": 1})
     t.detach()
@@ -1252,8 +1252,8 @@ def test_the_ticket_and_list_requests(peer_path: str) -> None:
 
 def test_a_bad_ticket_reply_closes_its_connection(peer_path: str) -> None:
     peer = Peer(peer_path, [[{"ok": True, "record": {"kind": "ticket"}}]])
-    with pytest.raises(RegistryError) as err:
-        BrokerRegistry(peer_path).take_ticket(constraints={})
+    with pytest.raises(LeaseStoreError) as err:
+        BrokerStore(peer_path).take_ticket(constraints={})
     assert str(err.value) == f"lease broker at {peer_path} sent a bad record: 'lease_id'"
     peer.close()
     assert peer.client_closed == [True]  # at once, while the error is still held
@@ -1285,7 +1285,7 @@ def test_records_are_sorted_and_our_hidden_ones_left_out(peer_path: str) -> None
         [begin],
         [begin],
     ])
-    reg = BrokerRegistry(peer_path)
+    reg = BrokerStore(peer_path)
     assert ids(reg.list_leases()) == ["L2", "L4", "L1", "L3", "L0"]
     view = reg.hiding(lease_ids=["L3", "L0"], kernel_id="kk")
     assert ids(view.list_leases()) == ["L2", "L4", "L0"]  # never another user's
@@ -1334,7 +1334,7 @@ def test_the_booking_view_gives_the_decision_what_the_records_would() -> None:
     assert (got["GPU-a"].lease_count, got["GPU-a"].booked_bytes, got["GPU-a"].exclusive) == (
         5, 7 * GiB, True)
     assert (got["GPU-b"].lease_count, got["GPU-b"].exclusive) == (1, True)
-    with pytest.raises(RegistryError, match="sent a bad booking view"):
+    with pytest.raises(LeaseStoreError, match="sent a bad booking view"):
         wire.view_records([{"uuid": "GPU-a", "rows": [[True]]}], "/s")
     # made up for the view: no host, no age, each named by the broker it came from
     assert {(r.host, r.created_s) for r in recs} == {("", 0.0)}
@@ -1348,7 +1348,7 @@ def test_set_pid_takes_the_record_the_broker_sends_back(peer_path: str) -> None:
         {"ok": True, "record": payload("S1", pid=4242)},
         {"ok": True},
     ]])
-    with BrokerRegistry(peer_path).locked() as txn:
+    with BrokerStore(peer_path).locked() as txn:
         lease = txn.create(devices=["GPU-p"])
     lease.set_pid(4242)
     assert lease.record.pid == 4242
@@ -1363,7 +1363,7 @@ def test_a_release_the_broker_lost_is_sent_again_by_id(peer_path: str) -> None:
         [{"ok": True}, {"ok": True, "record": payload("O1")}, DROP],
         [{"ok": False, "error": "no lease 'O1' of yours is orphaned"}],
     ])
-    with BrokerRegistry(peer_path).locked() as txn:
+    with BrokerStore(peer_path).locked() as txn:
         lease = txn.create(devices=["GPU-p"])
     lease.release()  # the refusal of the second try is not raised
     assert not lease.held
@@ -1374,7 +1374,7 @@ def test_a_release_the_broker_lost_is_sent_again_by_id(peer_path: str) -> None:
 def test_a_ticket_whose_release_was_lost_is_released_by_id(peer_path: str) -> None:
     ticket = payload("T9", kind="ticket", seq=1, constraints={})
     peer = Peer(peer_path, [[{"ok": True, "record": ticket}, DROP], [{"ok": True}]])
-    t = BrokerRegistry(peer_path).take_ticket(constraints={})
+    t = BrokerStore(peer_path).take_ticket(constraints={})
     t.release()
     peer.close()
     assert peer.requests[1:] == [{"op": "release"}, {"op": "release", "lease_id": "T9"}]
@@ -1382,7 +1382,7 @@ def test_a_ticket_whose_release_was_lost_is_released_by_id(peer_path: str) -> No
 
 def test_a_reply_without_records_lists_none(peer_path: str) -> None:
     peer = Peer(peer_path, [[{"ok": True}]])
-    assert BrokerRegistry(peer_path).list_leases() == []
+    assert BrokerStore(peer_path).list_leases() == []
     peer.close()
 
 
@@ -1412,7 +1412,7 @@ def test_how_long_each_request_waits_for_the_broker(
         [{"ok": True, "records": []}],
     ])
     spy = TimeoutSpy(monkeypatch)
-    reg = BrokerRegistry(peer_path, lock_timeout_s=7.5)
+    reg = BrokerStore(peer_path, lock_timeout_s=7.5)
     with reg.locked() as txn:
         lease = txn.create(devices=["GPU-p"])
     lease.set_pid(9)
@@ -1445,7 +1445,7 @@ def test_lease_events_never_waits(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_release_with_no_broker_left_is_quiet(peer_path: str) -> None:
     peer = Peer(peer_path, [[{"ok": True}, {"ok": True, "record": payload("O2")}, CLOSE]])
-    reg = BrokerRegistry(peer_path, connect_timeout_s=0)
+    reg = BrokerStore(peer_path, connect_timeout_s=0)
     with reg.locked() as txn:
         lease = txn.create(devices=["GPU-p"])
     peer.close()
@@ -1523,8 +1523,8 @@ def test_a_bad_record_from_the_broker_is_an_error(
         else:
             rec[key] = value
     peer = Peer(peer_path, [[{"ok": True, "records": [payload("B0"), rec]}]])
-    with pytest.raises(RegistryError) as err:
-        BrokerRegistry(peer_path).list_leases()
+    with pytest.raises(LeaseStoreError) as err:
+        BrokerStore(peer_path).list_leases()
     assert str(err.value) == f"lease broker at {peer_path} sent a bad record: {why}"
     peer.close()
 
@@ -1610,7 +1610,7 @@ def test_the_booking_views_reservations_are_the_admissions_pseudo_leases() -> No
     many = wire.reservations({"GPU-r2": ["g"] * 70}, "/b.sock")
     assert many[0].user == "reserved for " + ",".join(["g"] * 64)  # at most 64 groups named
     assert many[0].host == ""
-    with pytest.raises(RegistryError, match="sent a bad booking view"):
+    with pytest.raises(LeaseStoreError, match="sent a bad booking view"):
         wire.reservations(["GPU-r1"], "/b.sock")
 
 
@@ -1651,7 +1651,7 @@ def test_a_barred_person_waits_out_the_bar_and_others_join_the_line(
     b.book.may_join(alice)
 
 
-def test_root_may_name_any_users_process_as_a_leases_holder(reg: BrokerRegistry) -> None:
+def test_root_may_name_any_users_process_as_a_leases_holder(reg: BrokerStore) -> None:
     """``set_pid``: a user may name only a process of theirs; root (the provisioner of a root
     server) any process. Caught: the root exemption inverted (root refused another user's
     kernel process, the check skipped for everyone else)."""
@@ -1697,7 +1697,7 @@ def test_a_ticket_the_broker_could_serve_but_that_is_not_taken_lapses(
     caplog.set_level(logging.INFO, logger="autogpu")
     tb = ThreadBroker(str(short_dir / f"lapse-{used_gib}.sock"), ticket_grace_s=0.0)
     tb.broker.fleet.backend = SimulatedBackend(str(fleet))
-    reg = BrokerRegistry(tb.path, connect_timeout_s=2.0)
+    reg = BrokerStore(tb.path, connect_timeout_s=2.0)
     try:
         wanted = Constraints(min_free=parse_size("10G"))
         ticket = reg.take_ticket(constraints=decision.ticket_constraints(wanted, [GPU_L]))
@@ -1755,7 +1755,7 @@ def test_a_pick_through_the_broker_ranks_on_the_view_given_under_its_lock(tmp_pa
         os.seteuid(nobody.pw_uid)  # the broker reads the caller from its socket: nobody
         try:
             result = pick(PickOptions(Constraints()), backend=Fixed(), environ={},  # type: ignore[arg-type]
-                          store=BrokerRegistry(b.path, connect_timeout_s=2.0))
+                          store=BrokerStore(b.path, connect_timeout_s=2.0))
         finally:
             os.seteuid(0)
         assert [d.uuid for d in result.chosen] == [uuid_of(1)]

@@ -35,7 +35,7 @@ from autogpu_jupyter.cli import main
 from autogpu_jupyter.core import decision
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-from autogpu_jupyter.core.leasing import BrokerRegistry, Registry, Requester, brokerclient
+from autogpu_jupyter.core.leasing import BrokerStore, DirectoryStore, Requester, brokerclient
 from autogpu_jupyter.errors import AutoGPUError
 from tests.leasehelpers import AsUser, forget_backends
 from tests.payloadhelpers import GiB, recorded_prometheus, shared_registry, write_fleet
@@ -87,13 +87,13 @@ def test_run_exits_with_the_commands_code_and_128_plus_a_signal(
 ) -> None:
     """A command killed by signal N exits 128 + N, as a shell reports it. Caught: 128 - N (a
     negative return code subtracted twice)."""
-    from autogpu_jupyter.core.leasing import Registry
+    from autogpu_jupyter.core.leasing import DirectoryStore
 
     hangups(signal.SIG_DFL)  # as in a terminal (the runner may be under nohup)
     got, _out, err = cli("run", "--", "sh", "-c", script)
     assert got == code, err
     assert err.startswith(f"GPU 0 NVIDIA A100 {A}: 80.0 GiB free, util 0%\n")
-    assert Registry(str(host)).list_leases() == []  # the lease ended with the command
+    assert DirectoryStore(str(host)).list_leases() == []  # the lease ended with the command
 
 
 @pytest.fixture
@@ -123,9 +123,9 @@ def test_run_without_a_command_is_a_usage_error(host: Path) -> None:
 
 
 def _lease_with_command(registry: Path) -> Any:
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
-    with Registry(str(registry), record_commands=True).locked() as txn:
+    with DirectoryStore(str(registry), record_commands=True).locked() as txn:
         assert txn is not None
         return txn.create(devices=[A], requested_bytes=GiB,
                           requester=Requester(kernel_id="k-1", command=SECRET))
@@ -408,7 +408,7 @@ def test_pick_dry_run_ranks_every_device_and_changes_nothing(
     rank (or "-" when dropped), free memory, util, the load it was ranked by, leases and verdict,
     then why the best won (as ``%gpu pick --dry-run`` says it); no lease taken. Caught
     by nothing in-process before (the ranking's text was only seen by the slow CLI tests)."""
-    from autogpu_jupyter.core.leasing import Registry
+    from autogpu_jupyter.core.leasing import DirectoryStore
 
     monkeypatch.setenv("COLUMNS", "120")
     code, out, err = cli("pick", "--dry-run", "--min-free", "50G")
@@ -423,7 +423,7 @@ def test_pick_dry_run_ranks_every_device_and_changes_nothing(
          "40.0", "GiB", "free", "<", "50.0", "GiB", "wanted"],
         ["why", "GPU", "0:", "the", "only", "device", "that", "fits"],
     ]
-    assert Registry(str(host)).list_leases() == []
+    assert DirectoryStore(str(host)).list_leases() == []
     # nothing fits: exit 3, as the pick would, with each device's reason
     code, out, err = cli("pick", "--dry-run", "--min-free", "90G")
     assert (code, out) == (3, "")
@@ -578,7 +578,7 @@ def test_broker_status_and_tickets_show_the_leases_waiters_and_per_user_counts(
     the status or the ticket list not handed to the printer (a crash), a per-user count read
     under the wrong key."""
     from autogpu_jupyter.core.leasing import Requester
-    from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
+    from autogpu_jupyter.core.leasing.brokerclient import BrokerStore
     from tests.unit.test_brokerclient import constraints
 
     path = thread_broker.path
@@ -588,7 +588,7 @@ def test_broker_status_and_tickets_show_the_leases_waiters_and_per_user_counts(
         f"broker {path} (pid {pid}): 1 connection(s), max_devices_per_user 3, 0 lease(s) kept "
         "from a restart\nleases: 0\nwaiters: 0\nper user:\n"), "")
     assert cli("broker", "tickets", "--socket", path) == (0, "waiting tickets: 0\n", "")
-    reg = BrokerRegistry(path, connect_timeout_s=2.0)
+    reg = BrokerStore(path, connect_timeout_s=2.0)
     with reg.locked() as txn:
         lease = txn.create(devices=["GPU-a1", "GPU-a2"], requested_bytes=GiB,
                            requester=Requester(kernel_id="k-1"))
@@ -652,10 +652,10 @@ def test_leases_lists_each_lease_with_its_booking_and_holder(host: Path) -> None
     core/words.py) or notebook; no trailing blank when it has neither. Caught: the
     booking shown as "?" (the bytes not handed to format_bytes); the line's end stripped on the
     wrong side (a trailing space)."""
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
     me, pid = pwd.getpwuid(os.geteuid()).pw_name, os.getpid()
-    reg = Registry(str(host))
+    reg = DirectoryStore(str(host))
     with reg.locked() as txn:
         assert txn is not None
         booked = txn.create(devices=[A], requested_bytes=GiB,
@@ -1055,7 +1055,7 @@ def test_a_broker_limit_flag_quotes_at_most_40_characters_of_a_bad_value(
 
 
 class _Broker:
-    """Stands in for BrokerRegistry: records how it was made and what it was asked."""
+    """Stands in for BrokerStore: records how it was made and what it was asked."""
 
     def __init__(self) -> None:
         self.made: list[tuple[str, dict[str, Any]]] = []
@@ -1081,7 +1081,7 @@ class _Broker:
 @pytest.fixture
 def broker_client(env: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Broker]:
     fake = _Broker()
-    monkeypatch.setattr(brokerclient, "BrokerRegistry", fake)
+    monkeypatch.setattr(brokerclient, "BrokerStore", fake)
     yield fake
 
 
@@ -1291,7 +1291,7 @@ def test_the_exporter_serves_the_host_and_lease_series_until_a_signal_then_stops
     another hostname, no kernel label); --interval ignored; the banner dropped, sent to stdout
     or not flushed; a signal handler not registered, registered for no signal, or not ending
     the wait."""
-    with Registry(str(env / "registry")).locked() as txn:
+    with DirectoryStore(str(env / "registry")).locked() as txn:
         assert txn is not None
         lease = txn.create(devices=[A], requester=Requester(kernel_id="k-1"))
     try:
@@ -1404,7 +1404,7 @@ def test_leases_when_leases_are_off_says_so_and_how(
 def _prune_own_dead_files(registry: Path) -> tuple[Any, ...]:
     """As the calling user: a live lease, a dead two-device lease and a dead ticket, then
     ``autogpu leases --prune`` twice; what each said, the dead files, what stayed, the pid."""
-    reg = Registry(str(registry))
+    reg = DirectoryStore(str(registry))
     with reg.locked() as txn:
         assert txn is not None
         live = txn.create(devices=[A], requester=Requester())
@@ -1460,11 +1460,11 @@ def test_prune_all_as_root_asks_the_store_for_every_users_files(
     removing only root's own files)."""
     asked: list[Any] = []
 
-    def prune(self: Registry, all_users: bool = False) -> list[Any]:
+    def prune(self: DirectoryStore, all_users: bool = False) -> list[Any]:
         asked.append(all_users)
         return []
 
-    monkeypatch.setattr(Registry, "prune", prune)
+    monkeypatch.setattr(DirectoryStore, "prune", prune)
     assert cli("leases", "--prune", "--all") == (0, f"no dead lease files in {registry}\n", "")
     assert cli("leases", "--prune") == (0, f"no dead lease files in {registry}\n", "")
     assert asked == [True, False]
@@ -1478,7 +1478,7 @@ def test_prune_with_a_broker_says_the_broker_frees_leases_itself(
     SOCKET" instead); the line replaced by ``None``; its end wrapped in other text or
     upper-cased."""
     sock = str(tmp_path / "broker.sock")
-    monkeypatch.setattr(cli_mod, "store_for", lambda _settings: BrokerRegistry(sock))
+    monkeypatch.setattr(cli_mod, "store_for", lambda _settings: BrokerStore(sock))
     assert cli("leases", "--prune") == (
         0, f"nothing to prune: the lease broker at {sock} frees a lease the moment its "
         "holder's connection closes\n", "")
@@ -1487,7 +1487,7 @@ def test_prune_with_a_broker_says_the_broker_frees_leases_itself(
 def test_leases_json_is_indented_by_two(registry: Path) -> None:
     """``leases --json`` is a list of the leases, indented by two spaces as every ``--json`` of
     autogpu is. Caught: the indent dropped (one line) or made 3."""
-    reg = Registry(str(registry))
+    reg = DirectoryStore(str(registry))
     with reg.locked() as txn:
         assert txn is not None
         lease = txn.create(devices=[A], requested_bytes=GiB, requester=Requester(kernel_id="k-1"))
@@ -1506,7 +1506,7 @@ def test_leases_lists_a_lease_on_two_devices_with_its_notebook(registry: Path) -
     """A lease on two devices shows both, joined by a comma, and ends with the holder's
     notebook (which wins over its kernel). Caught: the notebook key misspelt (the kernel shown
     instead); the devices joined by another separator."""
-    reg = Registry(str(registry))
+    reg = DirectoryStore(str(registry))
     with reg.locked() as txn:
         assert txn is not None
         lease = txn.create(devices=[A, B], requester=Requester(
@@ -1586,7 +1586,7 @@ class _Child:
     def wait(self) -> int:
         self.open_files = [os.readlink(f"/proc/self/fd/{fd}") for fd in self.pass_fds]
         with contextlib.suppress(AutoGPUError):  # a refused registry: no leases to see
-            self.leases = Registry(os.environ["AUTOGPU_REGISTRY_DIR"]).list_leases()
+            self.leases = DirectoryStore(os.environ["AUTOGPU_REGISTRY_DIR"]).list_leases()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.getsignal(sig)(sig, None)  # type: ignore[operator]
         return self.code
@@ -2085,14 +2085,14 @@ def test_a_waiting_pick_says_each_try_on_stderr_at_once_and_waits_as_a_cli(
     test's (two tries, no real wait). Caught: the progress printed as "None", empty, to stdout,
     or not flushed; no progress handed to the pick; the ticket's holder kind None or altered."""
     from autogpu_jupyter.core import picker
-    from autogpu_jupyter.core.leasing import Registry
+    from autogpu_jupyter.core.leasing import DirectoryStore
 
     registry = fleet([_gpu(A, 40, 0)])
     now = [0.0]
     in_line: list[list[tuple[str, str | None]]] = []
 
     def sleep(seconds: float) -> None:
-        records = Registry(str(registry)).list_leases(include_tickets=True)
+        records = DirectoryStore(str(registry)).list_leases(include_tickets=True)
         in_line.append([(r.kind, r.holder_kind) for r in records])
         now[0] += seconds
 
@@ -2585,14 +2585,14 @@ def test_an_interrupted_command_says_cancelled_and_exits_130(
     """Ctrl-C during a command (here a pick waiting in line): one line, "autogpu: cancelled",
     exit 130 (128 + SIGINT), no traceback, and its place in line given back. Caught: the line
     or the code altered."""
-    from autogpu_jupyter.core.leasing import Registry
+    from autogpu_jupyter.core.leasing import DirectoryStore
 
     registry = fleet([_gpu(A, 40, 0)])
     err = _CtrlC()
     code, out, _ = cli("pick", "--min-free", "50G", "--wait", "1h", stderr=err)
     assert (code, out) == (130, "")
     assert err.getvalue().splitlines()[1:] == ["autogpu: cancelled"]
-    assert Registry(str(registry)).list_leases(include_tickets=True) == []
+    assert DirectoryStore(str(registry)).list_leases(include_tickets=True) == []
 
 
 def test_a_reader_that_left_ends_the_command_quietly_with_141(

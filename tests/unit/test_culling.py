@@ -62,9 +62,9 @@ def judged(kernels: Kernels, *kids: str) -> dict[str, float | None]:
 
 
 def take_lease(registry: Path, uuid: str, kernel_id: str) -> Any:
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
-    with Registry(str(registry)).locked() as txn:
+    with DirectoryStore(str(registry)).locked() as txn:
         assert txn is not None
         return txn.create(devices=[uuid], requester=Requester(kernel_id=kernel_id))
 
@@ -159,9 +159,9 @@ def test_another_users_lease_naming_our_kernel_does_not_make_it_cullable(
     with shared_registry() as registry, server_state(
         fleet_file, registry, monkeypatch, cull_idle_gpu_kernels_s=LIMIT_S
     ) as state, other_users_lease(registry, A, "k-cpu"):
-        from autogpu_jupyter.core.leasing import Registry
+        from autogpu_jupyter.core.leasing import DirectoryStore
 
-        (theirs,) = Registry(str(registry)).list_leases()
+        (theirs,) = DirectoryStore(str(registry)).list_leases()
         assert theirs.kernel_id == "k-cpu" and theirs.uid != os.geteuid()
         culling.install(state, kernels)
         assert judged(kernels, "k-gpu", "k-cpu") == {"k-gpu": None, "k-cpu": None}

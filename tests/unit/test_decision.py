@@ -25,7 +25,7 @@ from autogpu_jupyter.core.decision import (
 )
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
 from autogpu_jupyter.core.leasing.admission import ticket_text
-from autogpu_jupyter.core.leasing.directory import Registry
+from autogpu_jupyter.core.leasing.directory import DirectoryStore
 from autogpu_jupyter.core.leasing.records import LeaseRecord
 from autogpu_jupyter.core.policy import Booking, Candidate, Constraints, rank
 from autogpu_jupyter.core.units import Size
@@ -361,7 +361,7 @@ def test_the_input_bookings_are_not_changed() -> None:
 
 
 def test_only_waiters_older_than_our_ticket_are_served_first(tmp_path: Path) -> None:
-    registry = Registry(tmp_path / "registry", max_tickets_per_user=3)
+    registry = DirectoryStore(tmp_path / "registry", max_tickets_per_user=3)
     first = registry.take_ticket(constraints=ticket_constraints(None, None))
     mine = registry.take_ticket(constraints=ticket_constraints(None, None))
     later = registry.take_ticket(constraints=ticket_constraints(None, None))
@@ -437,7 +437,7 @@ def test_gather_uses_this_process_environment_by_default(monkeypatch: pytest.Mon
 
 
 def test_gather_reads_live_leases_from_the_registry(tmp_path: Path) -> None:
-    registry = Registry(tmp_path / "registry")
+    registry = DirectoryStore(tmp_path / "registry")
     t = registry.take_ticket(constraints=ticket_constraints(Constraints(exclusive=True), None))
     assert t is not None
     try:
@@ -578,7 +578,7 @@ def test_a_waiter_is_given_the_device_the_smoothed_utilisation_favours() -> None
 
 
 def test_gather_passes_the_smoothed_utilisation_to_the_waiting_line(tmp_path: Path) -> None:
-    registry = Registry(tmp_path / "registry")
+    registry = DirectoryStore(tmp_path / "registry")
     t = registry.take_ticket(constraints=ticket_constraints(None, None))
     assert t is not None
     try:
@@ -597,7 +597,7 @@ def test_a_locked_gather_reads_the_directory_its_transaction_locked(tmp_path: Pa
     """Under the lock the bookings are the transaction's, read through the directory it holds
     locked: renamed meanwhile, that directory still shows the waiter, where a fresh read of the
     registry's path finds nothing."""
-    registry = Registry(tmp_path / "registry")
+    registry = DirectoryStore(tmp_path / "registry")
     t = registry.take_ticket(constraints=ticket_constraints(None, None))
     assert t is not None
     try:

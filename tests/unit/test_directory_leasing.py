@@ -20,11 +20,11 @@ import pytest
 from autogpu_jupyter.core import decision
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.decision import bookings_for
-from autogpu_jupyter.core.leasing import Registry, Requester
+from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
-from autogpu_jupyter.errors import LeaseLimitError, NoDeviceFitsError, RegistryError
+from autogpu_jupyter.errors import LeaseLimitError, LeaseStoreError, NoDeviceFitsError
 from tests.leasehelpers import GiB, fleet, uuid_of
 
 
@@ -43,7 +43,7 @@ def test_pick_creates_registry_1777_user_dir_0755_and_a_held_lease_0644(
     tmp_path: Path, backend: SimulatedBackend
 ) -> None:
     reg_dir = tmp_path / "registry"
-    registry = Registry(reg_dir, record_commands=True)  # the admin opted in (off by default)
+    registry = DirectoryStore(reg_dir, record_commands=True)  # the admin opted in (off by default)
     holder = Requester(kernel_id="5f1c2d3e-aaaa", notebook_path="work/train.ipynb",
                     command="python -m x", kind="kernel")
     result = pick(PickOptions(Constraints.parse(min_free="10G")), backend=backend, store=registry,
@@ -84,7 +84,7 @@ def test_bookings_hold_requested_memory_until_nvml_shows_the_holder(tmp_path: Pa
     spec = fleet(2)
     path.write_text(json.dumps(spec))
     backend = SimulatedBackend(str(path))
-    registry = Registry(tmp_path / "registry")
+    registry = DirectoryStore(tmp_path / "registry")
     first = pick(PickOptions(Constraints.parse(min_free="30G")), backend=backend, store=registry)
     second = pick(PickOptions(Constraints.parse(min_free="30G", exclusive=False)), backend=backend,
                   store=registry)
@@ -112,7 +112,7 @@ def test_bookings_hold_requested_memory_until_nvml_shows_the_holder(tmp_path: Pa
 
 
 def test_exclusive_lease_keeps_everyone_off(tmp_path: Path, backend: SimulatedBackend) -> None:
-    registry = Registry(tmp_path / "registry")
+    registry = DirectoryStore(tmp_path / "registry")
     exclusive = pick(
         PickOptions(Constraints(exclusive=True, exclude=("1", "2", "3"))),
         backend=backend,
@@ -139,7 +139,7 @@ def test_exclusive_lease_keeps_everyone_off(tmp_path: Path, backend: SimulatedBa
 def test_max_devices_per_user_refuses_past_the_limit(
     tmp_path: Path, backend: SimulatedBackend
 ) -> None:
-    registry = Registry(tmp_path / "registry", max_devices_per_user=2)
+    registry = DirectoryStore(tmp_path / "registry", max_devices_per_user=2)
     a = pick(PickOptions(Constraints()), backend=backend, store=registry)
     b = pick(PickOptions(Constraints()), backend=backend, store=registry)
     with pytest.raises(LeaseLimitError) as err:
@@ -165,7 +165,7 @@ def test_world_writable_registry_without_sticky_bit_is_refused_and_pick_goes_on(
     reg_dir = tmp_path / "registry"
     reg_dir.mkdir()
     os.chmod(reg_dir, 0o777)
-    registry = Registry(reg_dir)
+    registry = DirectoryStore(reg_dir)
     result = pick(PickOptions(Constraints()), backend=backend, store=registry)
     assert result.lease is None
     assert [d.uuid for d in result.chosen] == [uuid_of(0)]
@@ -175,7 +175,7 @@ def test_world_writable_registry_without_sticky_bit_is_refused_and_pick_goes_on(
         f"Fix: chmod 1777 {reg_dir}: picked without a lease"
     )
     assert list(reg_dir.iterdir()) == []  # nothing written into the unsafe directory
-    with pytest.raises(RegistryError):
+    with pytest.raises(LeaseStoreError):
         registry.list_leases()
 
 
@@ -186,7 +186,7 @@ def test_symlinked_or_foreign_registry_is_refused(
     target.mkdir(mode=0o1777)
     link = tmp_path / "registry"
     link.symlink_to(target)
-    result = pick(PickOptions(Constraints()), backend=backend, store=Registry(link))
+    result = pick(PickOptions(Constraints()), backend=backend, store=DirectoryStore(link))
     assert result.lease is None
     assert result.lease_note == (
         f"lease registry {link} is a symlink: refused (another user could redirect leases "
@@ -202,8 +202,8 @@ def test_a_registry_owned_by_another_user_is_refused(tmp_path: Path) -> None:
     foreign.mkdir()
     os.chmod(foreign, 0o1777)
     os.chown(foreign, 65534, 65534)
-    with pytest.raises(RegistryError) as err:
-        Registry(foreign).check()
+    with pytest.raises(LeaseStoreError) as err:
+        DirectoryStore(foreign).check()
     assert str(err.value).startswith(
         f"lease registry {foreign} is owned by nobody (uid 65534), not by root or you"
     )
@@ -214,7 +214,7 @@ def test_unusable_registry_pick_works_without_a_lease(
 ) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    registry = Registry(blocker / "registry")
+    registry = DirectoryStore(blocker / "registry")
     result = pick(PickOptions(Constraints()), backend=backend, store=registry)
     assert result.lease is None
     assert result.chosen[0].uuid == uuid_of(0)
@@ -229,7 +229,7 @@ def test_registry_lock_held_too_long_means_no_lease(
     tmp_path: Path, backend: SimulatedBackend
 ) -> None:
     reg_dir = tmp_path / "registry"
-    registry = Registry(reg_dir, lock_timeout_s=0.2)
+    registry = DirectoryStore(reg_dir, lock_timeout_s=0.2)
     registry.check()
     fd = os.open(reg_dir, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_EX)  # a stuck (or hostile) process holding the registry lock
@@ -249,7 +249,7 @@ def test_registry_lock_held_too_long_means_no_lease(
 
 
 def test_prune_removes_only_dead_files(tmp_path: Path, backend: SimulatedBackend) -> None:
-    registry = Registry(tmp_path / "registry")
+    registry = DirectoryStore(tmp_path / "registry")
     live = pick(PickOptions(Constraints()), backend=backend, store=registry)
     dead = pick(PickOptions(Constraints()), backend=backend, store=registry)
     assert live.lease is not None and dead.lease is not None
@@ -265,7 +265,7 @@ def test_prune_removes_only_dead_files(tmp_path: Path, backend: SimulatedBackend
 
 
 def test_a_lease_held_by_this_process_is_live_to_its_own_scans(tmp_path: Path) -> None:
-    registry = Registry(tmp_path / "registry")
+    registry = DirectoryStore(tmp_path / "registry")
     with registry.locked() as txn:
         assert txn is not None
         lease = txn.create(devices=[uuid_of(3)], requested_bytes=[5 * GiB], exclusive=True)
@@ -286,7 +286,7 @@ def test_a_lease_held_by_this_process_is_live_to_its_own_scans(tmp_path: Path) -
 
 
 def test_set_pid_rewrites_the_holder_in_place_and_keeps_the_lock(tmp_path: Path) -> None:
-    registry = Registry(tmp_path / "registry")
+    registry = DirectoryStore(tmp_path / "registry")
     with registry.locked() as txn:
         assert txn is not None
         lease = txn.create(devices=[uuid_of(0)], requested_bytes=GiB)
@@ -307,7 +307,7 @@ def test_set_pid_rewrites_the_holder_in_place_and_keeps_the_lock(tmp_path: Path)
 def test_a_hiding_view_leaves_out_only_the_callers_own_leases(
     tmp_path: Path, backend: SimulatedBackend
 ) -> None:
-    registry = Registry(tmp_path / "registry")
+    registry = DirectoryStore(tmp_path / "registry")
     first = pick(PickOptions(Constraints.parse(min_free="30G", exclusive=True)), backend=backend,
                  store=registry, requester=Requester(kernel_id="k-one"))
     second = pick(PickOptions(Constraints.parse(min_free="30G")), backend=backend, store=registry)
@@ -338,7 +338,7 @@ def test_a_hiding_view_leaves_out_only_the_callers_own_leases(
 @pytest.mark.skipif(os.geteuid() != 0, reason="writing a file owned by another uid needs root")
 def test_a_record_not_owned_by_the_user_it_names_is_ignored(tmp_path: Path) -> None:
     # Root-owned, in nobody's directory, claiming to be nobody's, and held: still not a lease.
-    registry = Registry(tmp_path / "registry")
+    registry = DirectoryStore(tmp_path / "registry")
     with registry.locked() as txn:
         assert txn is not None
         own = txn.create(devices=[uuid_of(0)], requested_bytes=GiB)
@@ -363,7 +363,7 @@ def test_a_lease_whose_lock_cannot_be_tested_stays_live(
 ) -> None:
     # ENOLCK (lock table full, some network filesystems) says nothing about the holder: a lease
     # that cannot be tested is kept, never dropped or pruned as dead.
-    registry = Registry(tmp_path / "registry")
+    registry = DirectoryStore(tmp_path / "registry")
     with registry.locked() as txn:
         assert txn is not None
         lease = txn.create(devices=[uuid_of(1)], requested_bytes=GiB)

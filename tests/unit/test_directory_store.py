@@ -37,13 +37,13 @@ from autogpu_jupyter.core.leasing import Requester, records, safefs
 from autogpu_jupyter.core.leasing import directory as regmod
 from autogpu_jupyter.core.leasing.directory import (
     MAX_FILES_PER_USER,
+    DirectoryStore,
     Lease,
-    Registry,
     ScanResult,
     Ticket,
 )
 from autogpu_jupyter.core.leasing.records import MAX_RECORD_BYTES, MAX_SEQ, LeaseRecord
-from autogpu_jupyter.errors import LeaseLimitError, NoDeviceFitsError, RegistryError
+from autogpu_jupyter.errors import LeaseLimitError, LeaseStoreError, NoDeviceFitsError
 from tests.leasehelpers import GiB, uuid_of
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another uid needs root")
@@ -74,8 +74,8 @@ def _fresh_caches() -> Iterator[None]:
 
 
 @pytest.fixture
-def reg(tmp_path: Path) -> Registry:
-    registry = Registry(tmp_path / "registry")
+def reg(tmp_path: Path) -> DirectoryStore:
+    registry = DirectoryStore(tmp_path / "registry")
     registry.check()
     return registry
 
@@ -96,7 +96,7 @@ def _payload(lease_id: str, *, uid: int = ME, user: str = ME_NAME, kind: str = "
     return d
 
 
-def _user_dir(reg: Registry, uid: int = ME, mode: int = 0o755) -> Path:
+def _user_dir(reg: DirectoryStore, uid: int = ME, mode: int = 0o755) -> Path:
     d = Path(reg.path) / str(uid)
     d.mkdir(exist_ok=True)
     os.chmod(d, mode)
@@ -105,7 +105,7 @@ def _user_dir(reg: Registry, uid: int = ME, mode: int = 0o755) -> Path:
     return d
 
 
-def _plant(reg: Registry, name: str, data: bytes | str, *, uid: int = ME,
+def _plant(reg: DirectoryStore, name: str, data: bytes | str, *, uid: int = ME,
            owner: int | None = None) -> Path:
     """A file ``name`` in uid's directory, as that user (or ``owner``) would write it."""
     d = _user_dir(reg, uid)
@@ -118,7 +118,7 @@ def _plant(reg: Registry, name: str, data: bytes | str, *, uid: int = ME,
     return path
 
 
-def _plant_record(reg: Registry, *, uid: int = ME, user: str = ME_NAME, kind: str = "lease",
+def _plant_record(reg: DirectoryStore, *, uid: int = ME, user: str = ME_NAME, kind: str = "lease",
                   lease_id: str | None = None, **kw: Any) -> tuple[Path, str]:
     lease_id = lease_id or secrets.token_hex(16)
     suffix = ".ticket" if kind == "ticket" else ".lease"
@@ -137,7 +137,7 @@ class _Held:
         os.close(self.fd)
 
 
-def _lease(reg: Registry, uuid: str = uuid_of(0), **kw: Any) -> Lease:
+def _lease(reg: DirectoryStore, uuid: str = uuid_of(0), **kw: Any) -> Lease:
     with reg.locked() as txn:
         assert txn is not None
         return txn.create(devices=[uuid], **kw)
@@ -150,7 +150,7 @@ def _open_fds() -> set[str]:
 # ---- what a scan reports ------------------------------------------------------------------
 
 
-def test_a_scan_reports_each_kind_of_junk_with_why_in_name_order(reg: Registry) -> None:
+def test_a_scan_reports_each_kind_of_junk_with_why_in_name_order(reg: DirectoryStore) -> None:
     top = Path(reg.path)
     (top / "notes").mkdir()
     (top / "12345678901").mkdir()  # 11 digits: longer than any uid
@@ -190,7 +190,7 @@ def test_a_scan_reports_each_kind_of_junk_with_why_in_name_order(reg: Registry) 
 @pytest.mark.multiuser
 @ROOT_ONLY
 def test_a_user_directory_not_owned_by_its_uid_or_writable_by_others_is_not_read(
-    reg: Registry,
+    reg: DirectoryStore,
 ) -> None:
     forged = Path(reg.path) / "1003"  # root's, named for uid 1003
     forged.mkdir(mode=0o755)
@@ -215,7 +215,7 @@ def test_a_user_directory_not_owned_by_its_uid_or_writable_by_others_is_not_read
 
 @pytest.mark.multiuser
 @ROOT_ONLY
-def test_a_lease_file_owned_by_another_uid_is_ignored_as_forged(reg: Registry) -> None:
+def test_a_lease_file_owned_by_another_uid_is_ignored_as_forged(reg: DirectoryStore) -> None:
     path, _ = _plant_record(reg)
     os.chown(path, NOBODY, -1)
     assert reg.scan().ignored == [
@@ -235,7 +235,7 @@ def test_a_lease_file_owned_by_another_uid_is_ignored_as_forged(reg: Registry) -
     ],
 )
 def test_a_record_that_lies_about_its_owner_or_fails_the_schema_is_ignored(
-    reg: Registry, change: dict[str, Any], why: str
+    reg: DirectoryStore, change: dict[str, Any], why: str
 ) -> None:
     lease_id = secrets.token_hex(16)
     record = _payload(lease_id)
@@ -250,7 +250,7 @@ def test_a_record_that_lies_about_its_owner_or_fails_the_schema_is_ignored(
 
 
 def test_a_record_of_exactly_the_size_cap_is_read_and_one_byte_more_is_not(
-    reg: Registry,
+    reg: DirectoryStore,
 ) -> None:
     path, lease_id = _plant_record(reg)
     body = path.read_bytes()
@@ -263,7 +263,7 @@ def test_a_record_of_exactly_the_size_cap_is_read_and_one_byte_more_is_not(
     assert reg.scan().ignored == [(str(path), f"larger than {MAX_RECORD_BYTES} bytes")]
 
 
-def test_live_and_dead_records_and_every_field_read_back(reg: Registry) -> None:
+def test_live_and_dead_records_and_every_field_read_back(reg: DirectoryStore) -> None:
     live_path, live_id = _plant_record(
         reg, kernel_id="k-1", notebook_path="a.ipynb", command="python\tx", holder_kind="kernel",
         exclusive=True, created_s=7,
@@ -290,7 +290,7 @@ def test_live_and_dead_records_and_every_field_read_back(reg: Registry) -> None:
 
 
 def test_a_scan_looks_each_users_name_up_once(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for _ in range(3):
         _plant_record(reg)
@@ -307,7 +307,7 @@ def test_a_scan_looks_each_users_name_up_once(
 
 
 def test_a_lock_that_cannot_be_tested_counts_as_held_and_says_why(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _, lease_id = _plant_record(reg)  # nobody holds it: dead, if that could be told
     real_flock = fcntl.flock
@@ -325,7 +325,7 @@ def test_a_lock_that_cannot_be_tested_counts_as_held_and_says_why(
     ]
 
 
-def test_an_entry_with_an_undecodable_name_is_reported_printable(reg: Registry) -> None:
+def test_an_entry_with_an_undecodable_name_is_reported_printable(reg: DirectoryStore) -> None:
     mine = os.fsencode(_user_dir(reg))
     with open(mine + b"/x\xff.lease", "wb") as f:
         f.write(b"{}")
@@ -342,7 +342,7 @@ def test_an_entry_with_an_undecodable_name_is_reported_printable(reg: Registry) 
     ])
 
 
-def test_only_lease_and_ticket_suffixes_name_records(reg: Registry) -> None:
+def test_only_lease_and_ticket_suffixes_name_records(reg: DirectoryStore) -> None:
     for name in ("a.leases", "a.lease.bak", "lease", "a.tickets", "a.ticket~"):
         _plant(reg, name, "{}")
     assert sorted(why for _, why in reg.scan().ignored) == ["not a lease or ticket file"] * 5
@@ -359,7 +359,7 @@ def test_only_lease_and_ticket_suffixes_name_records(reg: Registry) -> None:
 
 
 def test_a_flood_of_files_in_one_directory_is_cut_at_the_cap(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The cap is scaled down (4097 files take seconds to create on a busy host); the message
     # names the real cap, which the admin sees.
@@ -384,7 +384,7 @@ def test_a_lease_records_its_holder_and_a_command_only_when_the_admin_opted_in(
 ) -> None:
     holder = Requester(pid=31337, kernel_id="k\t1", notebook_path="n.ipynb", command="python y",
                     kind="kernel")
-    quiet = Registry(tmp_path / "registry")
+    quiet = DirectoryStore(tmp_path / "registry")
     lease = _lease(quiet, requested_bytes=None, requester=holder)
     rec = lease.record
     assert (rec.pid, rec.kernel_id, rec.notebook_path, rec.command, rec.holder_kind) == (
@@ -402,7 +402,7 @@ def test_a_lease_records_its_holder_and_a_command_only_when_the_admin_opted_in(
     assert stat.S_IMODE(os.stat(rec.path).st_mode) == 0o644
     assert os.listdir(Path(quiet.path) / str(ME)) == [f"{rec.lease_id}.lease"]  # no .tmp left
     lease.release()
-    told = Registry(tmp_path / "registry", record_commands=1)  # type: ignore[arg-type]
+    told = DirectoryStore(tmp_path / "registry", record_commands=1)  # type: ignore[arg-type]
     assert told.record_commands is True
     lease = _lease(told, requested_bytes=[5], requester=holder)
     assert lease.record.command == "python y"
@@ -418,7 +418,7 @@ def test_a_lease_caps_the_holder_kind_and_names_an_unnamed_host_and_kind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(socket, "gethostname", lambda: "")
-    reg = Registry(tmp_path / "registry")
+    reg = DirectoryStore(tmp_path / "registry")
     lease = _lease(reg, requester=Requester(kind="k" * 40))
     assert (lease.record.host, lease.record.holder_kind) == ("?", "k" * 32)
     lease.release()
@@ -431,26 +431,26 @@ _FIXED_ID = "ab" * 16
 
 
 def test_a_lease_never_writes_through_a_temporary_name_planted_before_it(
-    reg: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    reg: DirectoryStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(secrets, "token_hex", lambda n: _FIXED_ID)  # as if the ids collided
     mine = _user_dir(reg)
     target = tmp_path / "elsewhere"
     target.write_text("keep")
     (mine / f".{_FIXED_ID}.tmp").symlink_to(target)
-    with pytest.raises(RegistryError) as err:
+    with pytest.raises(LeaseStoreError) as err:
         _lease(reg)
     assert str(err.value) == f"cannot write a lease in {mine}: File exists"
     assert target.read_text() == "keep"
     (mine / f".{_FIXED_ID}.tmp").unlink()
     (mine / f".{_FIXED_ID}.tmp").write_text("")
-    with pytest.raises(RegistryError, match="File exists"):
+    with pytest.raises(LeaseStoreError, match="File exists"):
         _lease(reg)
 
 
 @pytest.mark.parametrize("change", ["linked", "given away"])
 def test_a_new_lease_file_changed_before_it_is_written_is_refused(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch, change: str
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch, change: str
 ) -> None:
     if change == "given away" and os.geteuid() != 0:
         pytest.skip("giving a file to another uid needs root")
@@ -470,14 +470,14 @@ def test_a_new_lease_file_changed_before_it_is_written_is_refused(
     with reg.locked() as txn:
         assert txn is not None
         monkeypatch.setattr(os, "fstat", fstat)
-        with pytest.raises(RegistryError) as err:
+        with pytest.raises(LeaseStoreError) as err:
             txn.create(devices=[uuid_of(0)])
         monkeypatch.undo()
     assert str(err.value) == f"lease file {mine}/{_FIXED_ID}.lease is not ours after creation"
     assert os.listdir(mine) == (["extra"] if change == "linked" else [])
 
 
-def test_a_lease_object_says_whether_it_is_held_and_ends_cleanly(reg: Registry) -> None:
+def test_a_lease_object_says_whether_it_is_held_and_ends_cleanly(reg: DirectoryStore) -> None:
     before = _open_fds()
     lease = _lease(reg, requested_bytes=GiB)
     assert lease.held and lease.path == lease.record.path
@@ -499,7 +499,7 @@ def test_a_lease_object_says_whether_it_is_held_and_ends_cleanly(reg: Registry) 
     two.release()
 
 
-def test_a_two_device_lease_lists_both_in_its_repr(reg: Registry) -> None:
+def test_a_two_device_lease_lists_both_in_its_repr(reg: DirectoryStore) -> None:
     with reg.locked() as txn:
         assert txn is not None
         lease = txn.create(devices=[uuid_of(0), uuid_of(1)], requested_bytes=[1, None])
@@ -509,7 +509,7 @@ def test_a_two_device_lease_lists_both_in_its_repr(reg: Registry) -> None:
 
 
 def test_a_dropped_lease_object_closes_its_descriptor_and_the_lease_ends(
-        reg: Registry) -> None:
+        reg: DirectoryStore) -> None:
     before = _open_fds()
     lease = _lease(reg)
     path = lease.path
@@ -519,7 +519,7 @@ def test_a_dropped_lease_object_closes_its_descriptor_and_the_lease_ends(
     assert [r.path for r in reg.scan().dead] == [path]  # left for the next prune
 
 
-def test_a_released_lease_whose_file_was_replaced_leaves_the_new_file(reg: Registry) -> None:
+def test_a_released_lease_whose_file_was_replaced_leaves_the_new_file(reg: DirectoryStore) -> None:
     lease = _lease(reg)
     path = Path(lease.path)
     path.unlink()
@@ -537,7 +537,7 @@ def test_a_released_lease_whose_file_was_replaced_leaves_the_new_file(reg: Regis
     assert not (Path(reg.path) / str(ME)).exists()  # not created again to remove nothing
 
 
-def test_a_released_lease_whose_name_now_links_to_it_leaves_the_link(reg: Registry) -> None:
+def test_a_released_lease_whose_name_now_links_to_it_leaves_the_link(reg: DirectoryStore) -> None:
     lease = _lease(reg)
     path = Path(lease.path)
     path.rename(path.with_suffix(".old"))
@@ -547,7 +547,7 @@ def test_a_released_lease_whose_name_now_links_to_it_leaves_the_link(reg: Regist
 
 
 def test_a_released_lease_whose_directory_became_a_link_says_why_it_stays(
-    reg: Registry, caplog: pytest.LogCaptureFixture
+    reg: DirectoryStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     lease = _lease(reg)
     mine = Path(reg.path) / str(ME)
@@ -564,7 +564,7 @@ def test_a_released_lease_whose_directory_became_a_link_says_why_it_stays(
 
 
 def test_a_dropped_lease_whose_descriptor_was_closed_elsewhere_is_quiet(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     unraisable: list[Any] = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
@@ -578,7 +578,7 @@ def test_a_dropped_lease_whose_descriptor_was_closed_elsewhere_is_quiet(
 def test_a_released_lease_in_a_vanished_registry_is_just_closed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    reg = Registry(tmp_path / "registry")
+    reg = DirectoryStore(tmp_path / "registry")
     lease = _lease(reg)
     os.rename(tmp_path / "registry", tmp_path / "gone")
     before = _open_fds()
@@ -593,7 +593,7 @@ def test_a_released_lease_in_a_vanished_registry_is_just_closed(
     assert os.listdir(tmp_path / "gone" / str(ME)) == [Path(lease.path).name]
 
 
-def test_set_pid_rewrites_a_longer_or_shorter_pid_in_place(reg: Registry) -> None:
+def test_set_pid_rewrites_a_longer_or_shorter_pid_in_place(reg: DirectoryStore) -> None:
     lease = _lease(reg, requester=Requester(pid=123456789))
     inode = os.stat(lease.path).st_ino
     lease.set_pid(7)
@@ -609,7 +609,7 @@ def test_set_pid_rewrites_a_longer_or_shorter_pid_in_place(reg: Registry) -> Non
 def test_set_pid_when_the_registry_became_unusable_keeps_the_old_record(
     tmp_path: Path,
 ) -> None:
-    reg = Registry(tmp_path / "registry")
+    reg = DirectoryStore(tmp_path / "registry")
     lease = _lease(reg, requester=Requester(pid=55))
     os.chmod(tmp_path / "registry", 0o777)  # no sticky bit: refused
     lease.set_pid(66)
@@ -621,7 +621,7 @@ def test_set_pid_when_the_registry_became_unusable_keeps_the_old_record(
 
 
 def test_set_pid_continues_a_short_write(
-        reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+        reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch) -> None:
     lease = _lease(reg, requester=Requester(pid=5))
     real = os.pwrite
     calls: list[int] = []
@@ -640,7 +640,7 @@ def test_set_pid_continues_a_short_write(
 
 
 def test_set_pid_on_a_full_disk_fails_as_no_space_and_keeps_the_record(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lease = _lease(reg, requester=Requester(pid=5))
     before = Path(lease.path).read_bytes()
@@ -656,10 +656,10 @@ def test_set_pid_on_a_full_disk_fails_as_no_space_and_keeps_the_record(
 
 
 def test_a_write_that_makes_no_progress_fails_as_no_space(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(os, "write", lambda fd, data: 0)
-    with pytest.raises(RegistryError) as err, reg.locked() as txn:
+    with pytest.raises(LeaseStoreError) as err, reg.locked() as txn:
         assert txn is not None
         txn.create(devices=[uuid_of(0)])
     monkeypatch.undo()
@@ -689,7 +689,7 @@ def test_write_all_continues_short_writes_at_the_right_offsets(
 # ---- a transaction: what a pick may write -------------------------------------------------
 
 
-def test_a_lease_needs_devices_and_one_booking_per_device(reg: Registry) -> None:
+def test_a_lease_needs_devices_and_one_booking_per_device(reg: DirectoryStore) -> None:
     with reg.locked() as txn:
         assert txn is not None
         with pytest.raises(ValueError) as err:
@@ -704,7 +704,7 @@ def test_a_lease_needs_devices_and_one_booking_per_device(reg: Registry) -> None
     lease.release()
 
 
-def test_exclusive_leases_refuse_with_who_holds_the_device(reg: Registry) -> None:
+def test_exclusive_leases_refuse_with_who_holds_the_device(reg: DirectoryStore) -> None:
     shared = _lease(reg, requester=Requester(pid=11, notebook_path="a.ipynb"))
     other = _lease(reg, uuid=uuid_of(1), exclusive=True,
                    requester=Requester(pid=12, kernel_id="abcdefgh12"))
@@ -730,7 +730,7 @@ def test_exclusive_leases_refuse_with_who_holds_the_device(reg: Registry) -> Non
 
 
 def test_exclusivity_follows_the_physical_gpu_with_the_fleets_mig_layout(
-        reg: Registry) -> None:
+        reg: DirectoryStore) -> None:
     """Issue 39: the directory's admission judges a MIG device with its parent and siblings,
     by the MIG layout the pick passes (``parents``) or, where the devices are snapshots, by
     theirs; without either, each id is a GPU of its own."""
@@ -769,7 +769,7 @@ def test_exclusivity_follows_the_physical_gpu_with_the_fleets_mig_layout(
         on_parent.release()
 
 
-def test_every_exclusive_holder_of_a_device_is_named(reg: Registry) -> None:
+def test_every_exclusive_holder_of_a_device_is_named(reg: DirectoryStore) -> None:
     helds = []
     for lease_id, path in (("a" * 32, "a.ipynb"), ("b" * 32, "b.ipynb")):
         planted, _ = _plant_record(reg, lease_id=lease_id, exclusive=True, notebook_path=path,
@@ -787,7 +787,7 @@ def test_every_exclusive_holder_of_a_device_is_named(reg: Registry) -> None:
     assert sorted(named.split(", ")) == [f"{ME_NAME}: a.ipynb", f"{ME_NAME}: b.ipynb"]
 
 
-def test_two_holders_of_one_device_are_both_named(reg: Registry) -> None:
+def test_two_holders_of_one_device_are_both_named(reg: DirectoryStore) -> None:
     a = _lease(reg, requester=Requester(pid=21))
     b = _lease(reg, requester=Requester(pid=22))
     with reg.locked() as txn:
@@ -803,7 +803,7 @@ def test_two_holders_of_one_device_are_both_named(reg: Registry) -> None:
 
 
 def test_the_device_limit_counts_distinct_devices_of_this_user(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "registry", max_devices_per_user=2)
+    reg = DirectoryStore(tmp_path / "registry", max_devices_per_user=2)
     a = _lease(reg)
     b = _lease(reg)  # the same device again: still one
     with reg.locked() as txn:
@@ -818,21 +818,21 @@ def test_the_device_limit_counts_distinct_devices_of_this_user(tmp_path: Path) -
     )
     for lease in (a, b, c):
         lease.release()
-    one = Registry(tmp_path / "registry", max_devices_per_user=1)
+    one = DirectoryStore(tmp_path / "registry", max_devices_per_user=1)
     with one.locked() as txn:
         assert txn is not None
         with pytest.raises(LeaseLimitError) as err:
             txn.create(devices=[uuid_of(0), uuid_of(1)])
     assert str(err.value).startswith(f"{ME_NAME} already holds leases on 0 device(s) (none); "
                                      "taking 2 more would exceed max_devices_per_user = 1")
-    assert Registry(tmp_path / "registry", max_devices_per_user=-3).max_devices_per_user == 0
-    assert Registry(tmp_path / "registry", max_devices_per_user="2").max_devices_per_user == 2  # type: ignore[arg-type]
+    assert DirectoryStore(tmp_path / "registry", max_devices_per_user=-3).max_devices_per_user == 0
+    assert DirectoryStore(tmp_path / "registry", max_devices_per_user="2").max_devices_per_user == 2  # type: ignore[arg-type]
 
 
 @pytest.mark.multiuser
 @ROOT_ONLY
 def test_the_device_limit_ignores_other_users_leases(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "registry", max_devices_per_user=1)
+    reg = DirectoryStore(tmp_path / "registry", max_devices_per_user=1)
     reg.check()
     path, _ = _plant_record(reg, uid=NOBODY, user=pwd.getpwuid(NOBODY).pw_name)
     held = _Held(path)
@@ -844,7 +844,7 @@ def test_the_device_limit_ignores_other_users_leases(tmp_path: Path) -> None:
     lease.release()
 
 
-def test_a_transaction_reads_the_registry_once(reg: Registry) -> None:
+def test_a_transaction_reads_the_registry_once(reg: DirectoryStore) -> None:
     with reg.locked() as txn:
         assert txn is not None
         first = txn.scan()
@@ -855,7 +855,7 @@ def test_a_transaction_reads_the_registry_once(reg: Registry) -> None:
 
 
 def test_a_ticket_past_the_admission_rules_is_refused_and_nothing_written(
-        reg: Registry) -> None:
+        reg: DirectoryStore) -> None:
     reg.max_devices_per_user = 2
     first = reg.take_ticket(constraints={**CONSTRAINTS, "count": 1})
     second = reg.take_ticket(constraints={**CONSTRAINTS, "count": 1})
@@ -876,7 +876,7 @@ def test_a_ticket_past_the_admission_rules_is_refused_and_nothing_written(
         first.release()
 
 
-def test_tickets_line_up_by_arrival_and_a_new_one_goes_last(reg: Registry) -> None:
+def test_tickets_line_up_by_arrival_and_a_new_one_goes_last(reg: DirectoryStore) -> None:
     reg.max_tickets_per_user = 5  # the four planted tickets are ours too
     ids = {}
     helds = []
@@ -912,7 +912,7 @@ def test_tickets_line_up_by_arrival_and_a_new_one_goes_last(reg: Registry) -> No
     ticket.release()
 
 
-def test_the_first_ticket_is_number_one_and_none_passes_the_largest(reg: Registry) -> None:
+def test_the_first_ticket_is_number_one_and_none_passes_the_largest(reg: DirectoryStore) -> None:
     first = reg.take_ticket(constraints=CONSTRAINTS)
     assert first is not None and first.record.seq == 1
     assert (first.record.exclusive, first.record.holder_kind) == (False, "process")
@@ -928,7 +928,7 @@ def test_the_first_ticket_is_number_one_and_none_passes_the_largest(reg: Registr
 
 
 def test_a_ticket_after_one_numbered_zero_is_number_one_and_not_exclusive_unless_asked(
-    reg: Registry,
+    reg: DirectoryStore,
 ) -> None:
     path, _ = _plant_record(reg, kind="ticket", seq=0)  # readers accept 0; our writer starts at 1
     held = _Held(path)
@@ -950,8 +950,8 @@ def test_a_ticket_after_one_numbered_zero_is_number_one_and_not_exclusive_unless
             h.close()
 
 
-def test_a_ticket_readers_would_reject_is_refused_at_the_writer(reg: Registry) -> None:
-    with pytest.raises(RegistryError) as err:
+def test_a_ticket_readers_would_reject_is_refused_at_the_writer(reg: DirectoryStore) -> None:
+    with pytest.raises(LeaseStoreError) as err:
         reg.take_ticket(constraints={"count": 1})
     assert str(err.value) == (
         "lease record refused: readers would reject it (constraints: expected the keys "
@@ -961,7 +961,7 @@ def test_a_ticket_readers_would_reject_is_refused_at_the_writer(reg: Registry) -
 
 
 def test_a_record_of_exactly_the_size_cap_is_written(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(time, "time", lambda: 1_700_000_000.5)  # a fixed-width created_s
     kernel = "\U0001f600" * 4096  # 12 bytes each once escaped in JSON; 4096: the field's cap
@@ -973,13 +973,13 @@ def test_a_record_of_exactly_the_size_cap_is_written(
     lease = _lease(reg, requester=Requester(pid=5, kernel_id=kernel, notebook_path=fits))
     assert os.path.getsize(lease.path) == MAX_RECORD_BYTES
     lease.release()
-    with pytest.raises(RegistryError, match="too large"):
+    with pytest.raises(LeaseStoreError, match="too large"):
         _lease(reg, requester=Requester(pid=5, kernel_id=kernel, notebook_path=fits + "x"))
 
 
-def test_a_record_too_large_for_readers_is_refused_at_the_writer(reg: Registry) -> None:
+def test_a_record_too_large_for_readers_is_refused_at_the_writer(reg: DirectoryStore) -> None:
     huge = "\U0001f600" * 4096  # 12 bytes each once escaped in JSON
-    with pytest.raises(RegistryError, match=r"^lease record too large \(a very long command or "
+    with pytest.raises(LeaseStoreError, match=r"^lease record too large \(a very long command or "
                        r"path\?\)$"):
         _lease(reg, requester=Requester(kernel_id=huge, notebook_path=huge))
     assert os.listdir(Path(reg.path) / str(ME)) == []
@@ -987,7 +987,7 @@ def test_a_record_too_large_for_readers_is_refused_at_the_writer(reg: Registry) 
 
 def test_take_ticket_on_an_unusable_registry_is_none(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
-    reg = Registry(tmp_path / "file" / "registry")
+    reg = DirectoryStore(tmp_path / "file" / "registry")
     assert reg.take_ticket(constraints=CONSTRAINTS) is None
     assert reg.unusable_reason == (
         f"cannot use lease registry {reg.path}: Not a directory; ask the admin to create it "
@@ -997,7 +997,7 @@ def test_take_ticket_on_an_unusable_registry_is_none(tmp_path: Path) -> None:
 
 
 def test_a_lease_that_cannot_be_created_says_where(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real_open = os.open
 
@@ -1007,14 +1007,14 @@ def test_a_lease_that_cannot_be_created_says_where(
         return real_open(path, flags, *a, **kw)
 
     monkeypatch.setattr(os, "open", failing_open)
-    with pytest.raises(RegistryError) as err:
+    with pytest.raises(LeaseStoreError) as err:
         _lease(reg)
     monkeypatch.undo()
     assert str(err.value) == f"cannot write a lease in {reg.path}/{ME}: Input/output error"
 
 
 def test_a_lease_whose_rename_fails_leaves_nothing_behind(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     before = _open_fds()
 
@@ -1022,7 +1022,7 @@ def test_a_lease_whose_rename_fails_leaves_nothing_behind(
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     monkeypatch.setattr(os, "rename", no_rename)
-    with pytest.raises(RegistryError) as err:
+    with pytest.raises(LeaseStoreError) as err:
         _lease(reg)
     assert str(err.value).startswith(f"cannot write lease {reg.path}/{ME}/")
     assert str(err.value).endswith(".lease: Input/output error")
@@ -1045,7 +1045,7 @@ def test_a_lease_whose_rename_fails_leaves_nothing_behind(
     with pytest.raises(KeyboardInterrupt):
         _lease(reg)
     monkeypatch.setattr(os, "rename", no_rename)
-    with pytest.raises(RegistryError) as err:
+    with pytest.raises(LeaseStoreError) as err:
         _lease(reg)
     assert str(err.value).endswith(".lease: Input/output error")  # the cause, not the cleanup's
     monkeypatch.undo()
@@ -1057,11 +1057,11 @@ def test_a_lease_whose_rename_fails_leaves_nothing_behind(
 
 
 def test_a_new_registry_is_created_1777_and_a_missing_one_is_not_read(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "registry")
-    assert repr(reg) == f"Registry({str(tmp_path / 'registry')!r})"
+    reg = DirectoryStore(tmp_path / "registry")
+    assert repr(reg) == f"DirectoryStore({str(tmp_path / 'registry')!r})"
     assert reg.list_leases() == []
     assert reg.live_records() == ([], [])
-    with pytest.raises(RegistryError) as err:
+    with pytest.raises(LeaseStoreError) as err:
         reg.scan()
     assert str(err.value) == f"lease registry {tmp_path}/registry does not exist"
     assert not (tmp_path / "registry").exists()
@@ -1069,7 +1069,7 @@ def test_a_new_registry_is_created_1777_and_a_missing_one_is_not_read(tmp_path: 
     assert stat.S_IMODE(os.stat(tmp_path / "registry").st_mode) == 0o1777
     assert os.listdir(tmp_path / "registry") == []
     assert reg.scan() == ScanResult()
-    relative = Registry(os.path.relpath(tmp_path / "registry"))
+    relative = DirectoryStore(os.path.relpath(tmp_path / "registry"))
     assert relative.path == str(tmp_path / "registry")
 
 
@@ -1079,7 +1079,7 @@ def test_a_new_registry_is_logged_and_made_1777_whatever_the_umask(
     old = os.umask(0o277)  # mkdir(0700) gives 0500
     try:
         with caplog.at_level(logging.INFO, logger="autogpu_jupyter.core.leasing.directory"):
-            Registry(tmp_path / "registry").check()
+            DirectoryStore(tmp_path / "registry").check()
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "registry").st_mode) == 0o1777
@@ -1096,7 +1096,7 @@ def test_a_registry_owned_by_root_serves_every_user(tmp_path: Path) -> None:
         os.chmod(d / "registry", 0o1777)
         os.seteuid(NOBODY)  # in this process; the saved uid stays root
         try:
-            reg = Registry(d / "registry")
+            reg = DirectoryStore(d / "registry")
             reg.check()
             lease = _lease(reg)
             assert Path(lease.path).parent == d / "registry" / str(NOBODY)
@@ -1110,15 +1110,15 @@ def test_a_registry_owned_by_root_serves_every_user(tmp_path: Path) -> None:
 def test_an_existing_private_registry_is_used_as_it_is(tmp_path: Path) -> None:
     d = tmp_path / "registry"
     d.mkdir(mode=0o700)
-    reg = Registry(d)
+    reg = DirectoryStore(d)
     lease = _lease(reg)
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700  # an admin's choice: left alone
     lease.release()
 
 
 def test_a_registry_whose_parent_is_missing_cannot_be_created(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "no" / "registry")
-    with pytest.raises(RegistryError) as err:
+    reg = DirectoryStore(tmp_path / "no" / "registry")
+    with pytest.raises(LeaseStoreError) as err:
         reg.check()
     assert str(err.value) == (
         f"cannot create lease registry {reg.path}: No such file or directory; ask the admin to "
@@ -1145,13 +1145,13 @@ def test_a_registry_path_that_is_not_a_real_directory_is_refused(
         path.write_text("")
     else:
         path.symlink_to(tmp_path / ("f" if make == "link-to-file" else "d"))
-    reg = Registry(path)
+    reg = DirectoryStore(path)
     expected = (
         f"lease registry {path} is {what}: refused (another user could redirect leases "
         "elsewhere); the admin should make it a real directory, mode 1777"
     )
     for call in (reg.check, reg.scan, reg.list_leases, lambda: reg.prune()):
-        with pytest.raises(RegistryError) as err:
+        with pytest.raises(LeaseStoreError) as err:
             call()
         assert str(err.value) == expected
     assert reg.live_records() == ([], [])
@@ -1168,9 +1168,9 @@ def test_a_registry_writable_by_others_needs_the_sticky_bit(
     d = tmp_path / "registry"
     d.mkdir()
     os.chmod(d, mode)
-    reg = Registry(d)
+    reg = DirectoryStore(d)
     if refused:
-        with pytest.raises(RegistryError) as err:
+        with pytest.raises(LeaseStoreError) as err:
             reg.check()
         assert str(err.value) == (
             f"lease registry {d} is writable by others without the sticky bit (mode {mode:04o}): "
@@ -1188,7 +1188,7 @@ def test_a_registry_owned_by_another_user_is_refused_with_the_fix(tmp_path: Path
     d = tmp_path / "registry"
     d.mkdir(mode=0o1777)
     os.chown(d, NOBODY, -1)
-    reg = Registry(d)
+    reg = DirectoryStore(d)
     with reg.locked() as txn:
         assert txn is None
     name = pwd.getpwuid(NOBODY).pw_name
@@ -1203,7 +1203,7 @@ def test_a_registry_owned_by_another_user_is_refused_with_the_fix(tmp_path: Path
     assert safefs.describe_owner(0) == "root (uid 0)"
 
 
-def test_our_user_directory_is_made_0755_and_its_mode_repaired(reg: Registry) -> None:
+def test_our_user_directory_is_made_0755_and_its_mode_repaired(reg: DirectoryStore) -> None:
     before = _open_fds()
     with reg.locked() as txn:
         assert txn is not None
@@ -1218,7 +1218,7 @@ def test_our_user_directory_is_made_0755_and_its_mode_repaired(reg: Registry) ->
 
 @pytest.mark.parametrize("planted", ["symlink", "file"])
 def test_a_user_directory_planted_as_a_symlink_or_file_means_no_lease(
-    reg: Registry, planted: str, tmp_path: Path
+    reg: DirectoryStore, planted: str, tmp_path: Path
 ) -> None:
     mine = Path(reg.path) / str(ME)
     (tmp_path / "elsewhere").mkdir()
@@ -1239,7 +1239,7 @@ def test_a_user_directory_planted_as_a_symlink_or_file_means_no_lease(
 
 @pytest.mark.multiuser
 @ROOT_ONLY
-def test_a_user_directory_precreated_by_another_uid_is_refused(reg: Registry) -> None:
+def test_a_user_directory_precreated_by_another_uid_is_refused(reg: DirectoryStore) -> None:
     mine = Path(reg.path) / str(ME)
     mine.mkdir(mode=0o755)
     os.chown(mine, NOBODY, -1)
@@ -1254,7 +1254,7 @@ def test_a_user_directory_precreated_by_another_uid_is_refused(reg: Registry) ->
 
 @pytest.mark.parametrize("step", ["mkdir", "open-new", "open-existing"])
 def test_a_user_directory_that_fails_to_open_or_create_says_so(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch, step: str
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch, step: str
 ) -> None:
     mine = Path(reg.path) / str(ME)
     if step == "open-existing":
@@ -1288,7 +1288,7 @@ def test_a_user_directory_that_fails_to_open_or_create_says_so(
 
 
 def test_a_user_directory_created_meanwhile_by_us_is_used(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real_mkdir = os.mkdir
 
@@ -1317,7 +1317,7 @@ def test_a_registry_created_meanwhile_by_another_process_is_used(
         real_mkdir(path, *a, **kw)
 
     monkeypatch.setattr(os, "mkdir", racing_mkdir)
-    Registry(d).check()
+    DirectoryStore(d).check()
     monkeypatch.undo()
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o1777
 
@@ -1333,8 +1333,8 @@ def test_a_registry_that_vanishes_while_created_is_refused(
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST))
 
     monkeypatch.setattr(os, "mkdir", racing_mkdir)
-    with pytest.raises(RegistryError) as err:
-        Registry(d).check()
+    with pytest.raises(LeaseStoreError) as err:
+        DirectoryStore(d).check()
     monkeypatch.undo()
     assert str(err.value).startswith(f"lease registry {d} is a symlink: refused")
 
@@ -1345,7 +1345,7 @@ def test_a_failed_pick_transaction_reports_why_and_a_working_one_clears_it(
     d = tmp_path / "registry"
     d.mkdir()
     os.chmod(d, 0o777)
-    reg = Registry(d)
+    reg = DirectoryStore(d)
     before = _open_fds()
     with reg.locked() as txn:
         assert txn is None
@@ -1390,7 +1390,7 @@ def test_a_busy_registry_lock_is_polled_doubling_to_20ms_until_the_timeout(
     tmp_path: Path, clock: _FakeClock
 ) -> None:
     d = tmp_path / "registry"
-    reg = Registry(d, lock_timeout_s=0.125)
+    reg = DirectoryStore(d, lock_timeout_s=0.125)
     reg.check()
     holder = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(holder, fcntl.LOCK_EX)
@@ -1414,7 +1414,7 @@ def test_the_registry_lock_is_waited_for_ten_seconds_by_default(
     tmp_path: Path, clock: _FakeClock
 ) -> None:
     d = tmp_path / "registry"
-    reg = Registry(d)
+    reg = DirectoryStore(d)
     reg.check()
     holder = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(holder, fcntl.LOCK_EX)
@@ -1430,7 +1430,7 @@ def test_the_registry_lock_is_waited_for_ten_seconds_by_default(
 
 def test_a_registry_lock_freed_while_polling_is_taken(tmp_path: Path, clock: _FakeClock) -> None:
     d = tmp_path / "registry"
-    reg = Registry(d, lock_timeout_s=5)
+    reg = DirectoryStore(d, lock_timeout_s=5)
     reg.check()
     holder = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(holder, fcntl.LOCK_EX)
@@ -1442,7 +1442,7 @@ def test_a_registry_lock_freed_while_polling_is_taken(tmp_path: Path, clock: _Fa
 
 def test_a_zero_or_negative_timeout_tries_the_lock_once(tmp_path: Path, clock: _FakeClock) -> None:
     d = tmp_path / "registry"
-    Registry(d).check()
+    DirectoryStore(d).check()
     holder = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(holder, fcntl.LOCK_EX)
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
@@ -1461,7 +1461,7 @@ def test_a_registry_lock_that_cannot_be_taken_blames_the_filesystem(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: _FakeClock, when: str
 ) -> None:
     d = tmp_path / "registry"
-    reg = Registry(d)
+    reg = DirectoryStore(d)
     reg.check()
     real = fcntl.flock
     calls = []
@@ -1490,7 +1490,7 @@ def test_check_takes_no_lock_and_reports_a_filesystem_without_locks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     d = tmp_path / "registry"
-    reg = Registry(d)
+    reg = DirectoryStore(d)
     reg.check()
     before = _open_fds()
     holder = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
@@ -1508,7 +1508,7 @@ def test_check_takes_no_lock_and_reports_a_filesystem_without_locks(
         real(fd, op)
 
     monkeypatch.setattr(fcntl, "flock", flock)
-    with pytest.raises(RegistryError) as err:
+    with pytest.raises(LeaseStoreError) as err:
         reg.check()
     assert str(err.value) == f"cannot lock lease registry {d}: No locks available"
     monkeypatch.undo()
@@ -1521,7 +1521,7 @@ def test_check_takes_no_lock_and_reports_a_filesystem_without_locks(
 # ---- listing for status surfaces and ranking ------------------------------------------------
 
 
-def test_list_leases_is_oldest_first_then_by_id(reg: Registry) -> None:
+def test_list_leases_is_oldest_first_then_by_id(reg: DirectoryStore) -> None:
     helds = []
     for lease_id, created in (("c" * 32, 5.0), ("b" * 32, 2.0), ("a" * 32, 5.0)):
         path, _ = _plant_record(reg, lease_id=lease_id, created_s=created)
@@ -1539,7 +1539,7 @@ def test_list_leases_is_oldest_first_then_by_id(reg: Registry) -> None:
     assert reg.list_leases() == []
 
 
-def test_a_hiding_view_is_a_copy_and_hides_by_kernel_only_when_asked(reg: Registry) -> None:
+def test_a_hiding_view_is_a_copy_and_hides_by_kernel_only_when_asked(reg: DirectoryStore) -> None:
     a = _lease(reg, requester=Requester(kernel_id="k-a"))
     b = _lease(reg, requester=Requester(kernel_id=None))
     by_kernel = reg.hiding(kernel_id="k-a")
@@ -1562,15 +1562,15 @@ def test_live_records_of_an_unsafe_registry_are_empty(tmp_path: Path) -> None:
     d = tmp_path / "registry"
     d.mkdir(mode=0o1777)
     os.chown(d, NOBODY, -1)
-    assert Registry(d).live_records() == ([], [])
-    with pytest.raises(RegistryError, match="is owned by"):
-        Registry(d).list_leases()
+    assert DirectoryStore(d).live_records() == ([], [])
+    with pytest.raises(LeaseStoreError, match="is owned by"):
+        DirectoryStore(d).list_leases()
 
 
 def test_a_missing_registry_reads_as_empty_for_ranking_and_says_why(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    reg = Registry(tmp_path / "registry")
+    reg = DirectoryStore(tmp_path / "registry")
     with caplog.at_level(logging.DEBUG, logger="autogpu_jupyter.core.leasing.directory"):
         assert reg.live_records() == ([], [])
     assert caplog.messages == [
@@ -1580,7 +1580,7 @@ def test_a_missing_registry_reads_as_empty_for_ranking_and_says_why(
 
 
 def test_a_registry_that_cannot_be_listed_reads_as_empty_for_ranking(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _plant_record(reg)
 
@@ -1594,7 +1594,7 @@ def test_a_registry_that_cannot_be_listed_reads_as_empty_for_ranking(
         f"ranking without the registry: cannot list lease registry {reg.path}: "
         "Input/output error"
     ]
-    with pytest.raises(RegistryError) as err:
+    with pytest.raises(LeaseStoreError) as err:
         reg.scan()
     assert str(err.value) == f"cannot list lease registry {reg.path}: Input/output error"
 
@@ -1602,7 +1602,7 @@ def test_a_registry_that_cannot_be_listed_reads_as_empty_for_ranking(
 @pytest.mark.multiuser
 @ROOT_ONLY
 def test_a_user_directory_that_cannot_be_listed_or_opened_is_reported(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _plant_record(reg)
     (Path(reg.path) / "1005").mkdir(mode=0o755)
@@ -1626,7 +1626,7 @@ def test_a_user_directory_that_cannot_be_listed_or_opened_is_reported(
 
 
 def test_a_lease_file_that_cannot_be_opened_or_read_is_reported(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, _ = _plant_record(reg)
     real_open = os.open
@@ -1653,7 +1653,7 @@ def test_a_lease_file_that_cannot_be_opened_or_read_is_reported(
 
 
 def test_unheld_junk_is_remembered_by_inode_and_a_new_file_is_read_again(
-        reg: Registry) -> None:
+        reg: DirectoryStore) -> None:
     path = _plant(reg, "a" * 32 + ".lease", "{not json")
     why = "malformed: not valid JSON (JSONDecodeError)"
     assert reg.scan().ignored == [(str(path), why)]
@@ -1668,7 +1668,7 @@ def test_unheld_junk_is_remembered_by_inode_and_a_new_file_is_read_again(
     assert [r.lease_id for r in reg.scan().dead] == ["a" * 32]
 
 
-def test_a_held_file_that_fails_is_never_remembered(reg: Registry) -> None:
+def test_a_held_file_that_fails_is_never_remembered(reg: DirectoryStore) -> None:
     path = _plant(reg, "a" * 32 + ".lease", "{not json")
     held = _Held(path)
     try:
@@ -1682,7 +1682,7 @@ def test_a_held_file_that_fails_is_never_remembered(reg: Registry) -> None:
 
 @pytest.mark.multiuser
 @ROOT_ONLY
-def test_forged_and_oversized_files_are_remembered_too(reg: Registry) -> None:
+def test_forged_and_oversized_files_are_remembered_too(reg: DirectoryStore) -> None:
     forged, _ = _plant_record(reg)
     os.chown(forged, NOBODY, -1)
     big = _plant(reg, "b" * 32 + ".lease", b" " * (MAX_RECORD_BYTES + 1))
@@ -1696,7 +1696,7 @@ def test_forged_and_oversized_files_are_remembered_too(reg: Registry) -> None:
     assert {k[2] for k in safefs.REJECTED} == {os.stat(forged).st_ino, os.stat(big).st_ino}
 
 
-def test_the_negative_cache_is_bounded(reg: Registry) -> None:
+def test_the_negative_cache_is_bounded(reg: DirectoryStore) -> None:
     for i in range(safefs.REJECTED_MAX - 1):
         safefs.REJECTED[(999, str(i), i)] = "x"
     _plant(reg, "a" * 32 + ".lease", "[]")
@@ -1712,7 +1712,7 @@ def test_the_negative_cache_is_bounded(reg: Registry) -> None:
 
 
 def test_an_entry_replaced_between_listing_and_reading_is_not_remembered(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = _plant(reg, "a" * 32 + ".lease", "[]")
     real_scandir = os.scandir
@@ -1742,7 +1742,7 @@ def test_an_entry_replaced_between_listing_and_reading_is_not_remembered(
 # ---- pruning --------------------------------------------------------------------------------
 
 
-def test_prune_removes_our_dead_files_and_old_temporaries_only(reg: Registry) -> None:
+def test_prune_removes_our_dead_files_and_old_temporaries_only(reg: DirectoryStore) -> None:
     live = _lease(reg)
     dead_path, dead_id = _plant_record(reg)
     _, ticket_id = _plant_record(reg, kind="ticket")
@@ -1775,7 +1775,7 @@ def test_prune_removes_our_dead_files_and_old_temporaries_only(reg: Registry) ->
 
 
 def test_prune_never_opens_a_fifo_or_a_link_and_says_why_it_keeps_a_held_file(
-    reg: Registry, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    reg: DirectoryStore, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     mine = Path(reg.path) / str(ME)
     _lease(reg).release()  # our directory exists
@@ -1814,7 +1814,7 @@ def test_prune_never_opens_a_fifo_or_a_link_and_says_why_it_keeps_a_held_file(
 
 @pytest.mark.parametrize(("age", "kept"), [(60.0, True), (60.25, False)])
 def test_a_temporary_file_is_pruned_once_older_than_a_minute(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch, age: float, kept: bool
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch, age: float, kept: bool
 ) -> None:
     mine = Path(reg.path) / str(ME)
     _lease(reg).release()
@@ -1827,7 +1827,7 @@ def test_a_temporary_file_is_pruned_once_older_than_a_minute(
     assert tmp.exists() is kept
 
 
-def test_a_pick_removes_our_own_dead_files_but_not_others(reg: Registry) -> None:
+def test_a_pick_removes_our_own_dead_files_but_not_others(reg: DirectoryStore) -> None:
     dead_path, _ = _plant_record(reg)
     with reg.locked() as txn:
         assert txn is not None
@@ -1838,15 +1838,15 @@ def test_a_pick_removes_our_own_dead_files_but_not_others(reg: Registry) -> None
 
 
 def test_prune_of_a_missing_registry_says_so_and_creates_nothing(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "registry")
-    with pytest.raises(RegistryError) as err:
+    reg = DirectoryStore(tmp_path / "registry")
+    with pytest.raises(LeaseStoreError) as err:
         reg.prune()
     assert str(err.value) == f"lease registry {reg.path} does not exist"
     assert os.listdir(tmp_path) == []
 
 
 def test_prune_reports_only_the_files_it_could_remove(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     live = _lease(reg)
     stuck, _ = _plant_record(reg)
@@ -1869,14 +1869,14 @@ def test_pruning_every_users_files_is_refused_to_a_user_other_than_root(tmp_path
     """In this process: as root, the effective uid is ``nobody``'s for the call (the saved uid
     stays root, so it comes back)."""
     path = tmp_path / "registry"
-    Registry(path).check()
-    dead, _ = _plant_record(Registry(path))
+    DirectoryStore(path).check()
+    dead, _ = _plant_record(DirectoryStore(path))
     as_root = os.geteuid() == 0
     if as_root:
         os.seteuid(NOBODY)
     try:
-        with pytest.raises(RegistryError) as err:
-            Registry(path).prune(all_users=True)
+        with pytest.raises(LeaseStoreError) as err:
+            DirectoryStore(path).prune(all_users=True)
     finally:
         if as_root:
             os.seteuid(0)
@@ -1887,7 +1887,7 @@ def test_pruning_every_users_files_is_refused_to_a_user_other_than_root(tmp_path
 @pytest.mark.multiuser
 @ROOT_ONLY
 def test_prune_all_removes_every_users_dead_files(tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "registry")
+    reg = DirectoryStore(tmp_path / "registry")
     reg.check()
     nobody = pwd.getpwuid(NOBODY).pw_name
     theirs, their_id = _plant_record(reg, uid=NOBODY, user=nobody)
@@ -1910,13 +1910,13 @@ def test_prune_all_needs_root(tmp_path: Path) -> None:
     from tests.leasehelpers import as_user
 
     d = tmp_path / "registry"
-    Registry(d).check()
+    DirectoryStore(d).check()
     os.chmod(tmp_path, 0o755)
 
     def prune_all(path: str) -> Any:
         try:
-            return Registry(path).prune(all_users=True)
-        except RegistryError as err:
+            return DirectoryStore(path).prune(all_users=True)
+        except LeaseStoreError as err:
             return str(err)
 
     assert as_user(NOBODY, NOBODY, prune_all, str(d)) == (
@@ -1927,7 +1927,7 @@ def test_prune_all_needs_root(tmp_path: Path) -> None:
 @pytest.mark.multiuser
 @ROOT_ONLY
 def test_a_lease_kept_alive_only_by_another_users_lock_is_pruned(
-    reg: Registry, caplog: pytest.LogCaptureFixture
+    reg: DirectoryStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     nobody = pwd.getpwuid(NOBODY).pw_name
     theirs, their_id = _plant_record(reg, uid=NOBODY, user=nobody)
@@ -1949,7 +1949,7 @@ def test_a_lease_kept_alive_only_by_another_users_lock_is_pruned(
 
 @pytest.mark.multiuser
 @ROOT_ONLY
-def test_a_lease_held_by_a_process_whose_real_uid_is_its_owner_is_kept(reg: Registry) -> None:
+def test_a_lease_held_by_a_process_whose_real_uid_is_its_owner_is_kept(reg: DirectoryStore) -> None:
     """The owner's process counts by any of its uids: real ``nobody``, effective root (as a
     setuid helper the owner ran)."""
     nobody = pwd.getpwuid(NOBODY).pw_name
@@ -1979,7 +1979,7 @@ def test_a_lease_held_by_a_process_whose_real_uid_is_its_owner_is_kept(reg: Regi
 @pytest.mark.multiuser
 @ROOT_ONLY
 def test_a_held_lease_swapped_for_a_fifo_or_a_link_is_neither_waited_on_nor_followed(
-    reg: Registry, caplog: pytest.LogCaptureFixture
+    reg: DirectoryStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A prune's removal of another user's held lease, whose file that user swapped for a FIFO or
     a link after the scan, neither blocks on the FIFO nor follows the link.
@@ -2031,7 +2031,7 @@ def test_a_held_lease_swapped_for_a_fifo_or_a_link_is_neither_waited_on_nor_foll
 @pytest.mark.multiuser
 @ROOT_ONLY
 def test_a_held_lease_swapped_between_its_check_and_its_removal_is_left_alone(
-    reg: Registry, monkeypatch: pytest.MonkeyPatch
+    reg: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A held lease whose file is swapped for a link right after the removal step opened it is
     left alone.
@@ -2067,7 +2067,7 @@ def test_a_held_lease_swapped_between_its_check_and_its_removal_is_left_alone(
 
 @pytest.mark.multiuser
 @ROOT_ONLY
-def test_a_held_lease_replaced_or_gone_before_its_check_is_left_alone(reg: Registry) -> None:
+def test_a_held_lease_replaced_or_gone_before_its_check_is_left_alone(reg: DirectoryStore) -> None:
     """A held record replaced by a new file, removed, or naming a user who is gone, between the
     prune's scan and its removal, is left alone; a ticket is removed by its own name.
 
@@ -2145,11 +2145,11 @@ def test_a_uid_without_a_name_is_shown_as_its_number() -> None:
 # ---- the ticket bound (found by the mutation run of issue 22) ----
 @pytest.mark.parametrize(("given", "kept"), [(0, 0), (-3, 0), (2, 2)])
 def test_the_ticket_bound_is_kept_at_zero_or_more(tmp_path: Path, given: int, kept: int) -> None:
-    assert Registry(tmp_path, max_tickets_per_user=given).max_tickets_per_user == kept
+    assert DirectoryStore(tmp_path, max_tickets_per_user=given).max_tickets_per_user == kept
 
 
 # ---- the transaction's default wait (found by the mutation run of issue 22) ----
 def test_a_directory_transaction_has_no_lock_to_wait_for(tmp_path: Path) -> None:
-    with Registry(tmp_path / "registry").locked() as txn:
+    with DirectoryStore(tmp_path / "registry").locked() as txn:
         assert txn is not None
         assert txn.ready() == 0.0

@@ -29,7 +29,7 @@ from autogpu_jupyter import magics
 from autogpu_jupyter.core import session
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
 from autogpu_jupyter.core.sampler import THREAD_NAME, stop_sampler
-from autogpu_jupyter.errors import NoDeviceFitsError, RegistryError
+from autogpu_jupyter.errors import LeaseStoreError, NoDeviceFitsError
 from tests.fakenvml import FakeNvml, fleet_4x
 from tests.leasehelpers import forget_backends
 
@@ -382,7 +382,7 @@ def test_a_move_counts_the_other_holders_leases(
     is written. Caught (issue 22, seed 54): the move planned without the lease store (onto the
     device another kernel holds exclusively)."""
     from autogpu_jupyter.core import moves
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
     shell.run_cell("%load_ext autogpu")
     runtime = tmp_path / "runtime"
@@ -391,7 +391,7 @@ def test_a_move_counts_the_other_holders_leases(
     for name, value in (("AUTOGPU_PROVISIONED", "1"), ("AUTOGPU_MOVE_FILE", str(move_file)),
                         ("AUTOGPU_PICKED", U[1]), ("CUDA_VISIBLE_DEVICES", U[1])):
         monkeypatch.setenv(name, value)
-    with Registry(str(tmp_path / "registry")).locked() as txn:
+    with DirectoryStore(str(tmp_path / "registry")).locked() as txn:
         assert txn is not None
         held = txn.create(devices=[U[0]], exclusive=True, requester=Requester(kernel_id="other"))
     try:
@@ -665,11 +665,11 @@ def test_a_sidebar_pick_that_fails_in_several_lines_answers_the_first_and_detail
     Caught (issue 22, seed 54): the pick's error split at no line (the whole text as the
     one-line answer, no details)."""
     from autogpu_jupyter import api
-    from autogpu_jupyter.errors import RegistryError
+    from autogpu_jupyter.errors import LeaseStoreError
     from autogpu_jupyter.magics import SIDEBAR_PICK_MIME
 
     def refused(*_args: Any, **_kw: Any) -> None:
-        raise RegistryError("lease registry refused the lease\n  the admin must fix its mode")
+        raise LeaseStoreError("lease registry refused the lease\n  the admin must fix its mode")
 
     monkeypatch.setattr(api, "pick_result", refused)
     shell.run_cell("%load_ext autogpu")
@@ -887,13 +887,13 @@ def test_a_sidebar_pick_past_the_admins_quota_answers_the_refusals_first_line(
     import pwd
     import subprocess
 
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
     from autogpu_jupyter.magics import SIDEBAR_PICK_MIME
 
     holder = subprocess.Popen(["sleep", "60"])  # another process of this user holds GPU 0
     other = None
     try:
-        with Registry(str(tmp_path / "registry")).locked() as txn:
+        with DirectoryStore(str(tmp_path / "registry")).locked() as txn:
             assert txn is not None
             other = txn.create(devices=[U[0]], requester=Requester(pid=holder.pid))
         shell.run_cell("%load_ext autogpu\n%config AutoGPU.max_devices_per_user = 1")
@@ -1018,13 +1018,13 @@ def test_a_vscode_kernels_lease_names_its_notebook(
 ) -> None:
     """VS Code gives its kernels no JPY_SESSION_NAME but ``__vsc_ipynb_file__`` in the user
     namespace: the lease names that notebook. Caught: the IPython shell never asked."""
-    from autogpu_jupyter.core.leasing import Registry
+    from autogpu_jupyter.core.leasing import DirectoryStore
 
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
     monkeypatch.setitem(shell.user_ns, "__vsc_ipynb_file__", "/home/ana/train.ipynb")
     shell.run_cell("%load_ext autogpu")
     shell.run_cell("%gpu pick")
-    (lease,) = Registry(str(tmp_path / "registry")).list_leases()
+    (lease,) = DirectoryStore(str(tmp_path / "registry")).list_leases()
     assert lease.notebook_path == "/home/ana/train.ipynb"
 
 
@@ -1873,9 +1873,9 @@ def simulated_amd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[P
 def _other_holders_lease(registry: Path, uuid: str, notebook: str) -> Any:
     """A lease on ``uuid`` held by another live process of this user (our parent), for
     ``notebook``: what another user's notebook looks like in the status table."""
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
-    with Registry(str(registry)).locked() as txn:
+    with DirectoryStore(str(registry)).locked() as txn:
         assert txn is not None
         return txn.create(devices=[uuid],
                           requester=Requester(pid=os.getppid(), notebook_path=notebook))
@@ -1976,7 +1976,7 @@ def test_the_sidebar_pick_takes_its_lease_in_the_registry_of_the_magics_own_sett
     the environment's registry). The magics' settings are the shell's ``AutoGPU``, which the
     process's defaults also answer while the extension is loaded: leaving them out is no
     change a user sees, so that mutant of the sidebar's pick now counts as equivalent."""
-    from autogpu_jupyter.core.leasing import Registry
+    from autogpu_jupyter.core.leasing import DirectoryStore
 
     own = tmp_path / "own-registry"
     shell.run_cell("%load_ext autogpu")
@@ -1984,8 +1984,8 @@ def test_the_sidebar_pick_takes_its_lease_in_the_registry_of_the_magics_own_sett
     capsys.readouterr()
     magics.sidebar_pick(U[1])
     assert capsys.readouterr().out.startswith("autogpu: picked GPU 1 · ")
-    assert [lease.device_uuids for lease in Registry(str(own)).list_leases()] == [(U[1],)]
-    assert Registry(str(tmp_path / "registry")).list_leases() == []
+    assert [lease.device_uuids for lease in DirectoryStore(str(own)).list_leases()] == [(U[1],)]
+    assert DirectoryStore(str(tmp_path / "registry")).list_leases() == []
 
 
 def test_the_sidebar_pick_never_waits_in_line_even_where_the_notebook_says_wait(
@@ -2567,7 +2567,7 @@ def _waits_then(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
         (KeyboardInterrupt(), "cancelled",
          "UsageError: pick cancelled (interrupted): no device picked, no lease kept, environment "
          "unchanged\n"),
-        (RegistryError("lease registry unreadable (test)"), "gave up",
+        (LeaseStoreError("lease registry unreadable (test)"), "gave up",
          "UsageError: lease registry unreadable (test)\n"),
     ],
 )
@@ -2650,15 +2650,15 @@ def test_a_line_pick_takes_its_lease_in_the_registry_of_the_magics_own_settings(
     """A ``GPUMagics`` made with a registry of its own picks under those settings: the lease is
     in that registry. Caught: the pick made with no settings (the process's defaults)."""
     from autogpu_jupyter.config import AutoGPU
-    from autogpu_jupyter.core.leasing import Registry
+    from autogpu_jupyter.core.leasing import DirectoryStore
 
     own = tmp_path / "own-registry"
     shell.register_magics(magics.GPUMagics(shell, AutoGPU(registry_dir=str(own))))
     capsys.readouterr()
     assert shell.run_cell("%gpu pick").success
     assert capsys.readouterr().out.startswith("autogpu: picked GPU 0 · ")
-    assert [lease.device_uuids for lease in Registry(str(own)).list_leases()] == [(U[0],)]
-    assert Registry(str(tmp_path / "registry")).list_leases() == []
+    assert [lease.device_uuids for lease in DirectoryStore(str(own)).list_leases()] == [(U[0],)]
+    assert DirectoryStore(str(tmp_path / "registry")).list_leases() == []
 
 
 def test_a_repeated_pick_on_the_same_device_prints_its_summary_alone(

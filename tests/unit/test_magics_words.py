@@ -184,11 +184,11 @@ def test_a_picked_device_is_summed_up_as_it_was_ranked(tmp_path: Path) -> None:
     """One device picked: its line gives the free memory after other holders' bookings and the
     smoothed load the pick ranked it by, not the device's raw reading. Caught (issue 22, seed
     54): the picked device summed up from its raw reading (the booking and the load lost)."""
-    from autogpu_jupyter.core.leasing import Registry
+    from autogpu_jupyter.core.leasing import DirectoryStore
 
     path = tmp_path / "fleet.json"
     path.write_text(json.dumps(fleet(1)))
-    registry = Registry(str(tmp_path / "registry"))
+    registry = DirectoryStore(str(tmp_path / "registry"))
     with registry.locked() as txn:
         assert txn is not None
         other = txn.create(devices=[uuid_of(0)], requested_bytes=20 * 1024**3)

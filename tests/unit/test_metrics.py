@@ -20,7 +20,7 @@ from autogpu_jupyter._version import __version__
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.decision import ticket_constraints
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot
-from autogpu_jupyter.core.leasing import Registry, Requester
+from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 from autogpu_jupyter.metrics import AutoGPUCollector, MetricsSource
 from tests.payloadhelpers import GiB, write_fleet
 
@@ -49,13 +49,13 @@ LMIG = labels(MIG, "1:0", "NVIDIA A100 MIG 3g.40gb")
 LLOST = labels(LOST, "2", "NVIDIA L4")
 
 
-def scrape(fleet_file: Path, registry: Registry | None,
+def scrape(fleet_file: Path, registry: DirectoryStore | None,
            details: bool = False) -> dict[Any, float]:
     """``(name, sorted labels) -> value`` of every ``autogpu_*`` sample one scrape exposes."""
     snap = SimulatedBackend(str(fleet_file)).snapshot()
     prom = CollectorRegistry(auto_describe=False)
     prom.register(AutoGPUCollector(MetricsSource(
-        latest=lambda: snap, registry=lambda: registry, hostname=HOST, lease_details=details)))
+        latest=lambda: snap, store=lambda: registry, hostname=HOST, lease_details=details)))
     out = {}
     for fam in text_string_to_metric_families(generate_latest(prom).decode()):
         for s in fam.samples:
@@ -94,7 +94,7 @@ def test_unknown_values_have_no_sample_and_a_lost_gpu_only_its_availability(
 def test_bookings_count_in_the_used_ratio_capped_at_one(fleet_file: Path, tmp_path: Path) -> None:
     """A lease booking 70 GiB on A (20 GiB in use): taken is (20 + 70) / 80, shown as 1 (full),
     never more. Caught: the booking left out of the ratio; the cap dropped."""
-    registry = Registry(str(tmp_path / "registry"))
+    registry = DirectoryStore(str(tmp_path / "registry"))
     with registry.locked() as txn:
         assert txn is not None
         lease = txn.create(devices=[A], requested_bytes=70 * GiB,
@@ -116,7 +116,7 @@ def test_waiters_count_on_every_device_their_ticket_allows(
 ) -> None:
     """One waiter may take any device; one only GPU B's, which a MIG device of B is part of.
     Caught: a MIG device not counted for a ticket that allows its parent."""
-    registry = Registry(str(tmp_path / "registry"))
+    registry = DirectoryStore(str(tmp_path / "registry"))
     anywhere = registry.take_ticket(constraints=ticket_constraints(None, None))
     on_b = registry.take_ticket(constraints=ticket_constraints(None, [B]))
     assert anywhere is not None and on_b is not None
@@ -133,7 +133,7 @@ def test_lease_info_names_notebooks_only_when_the_admin_asks(
     fleet_file: Path, tmp_path: Path, details: bool
 ) -> None:
     """Caught: kernel and notebook labels exposed without ``lease_details``."""
-    registry = Registry(str(tmp_path / "registry"))
+    registry = DirectoryStore(str(tmp_path / "registry"))
     with registry.locked() as txn:
         assert txn is not None
         leases = [txn.create(devices=[A], requester=Requester(kernel_id=f"k-{i}",
@@ -165,7 +165,7 @@ def test_a_host_without_devices_is_labelled_by_its_backends_vendor(
     snap = FleetSnapshot(devices=(), timestamp_s=1.0, backend=backend)
     prom = CollectorRegistry(auto_describe=False)
     prom.register(AutoGPUCollector(MetricsSource(
-        latest=lambda: snap, registry=lambda: None, hostname=HOST)))
+        latest=lambda: snap, store=lambda: None, hostname=HOST)))
     [info] = [s for fam in text_string_to_metric_families(generate_latest(prom).decode())
               for s in fam.samples if s.name == "autogpu_host_info"]
     assert (info.labels["backend"], info.labels["vendor"]) == (backend, vendor)
@@ -177,7 +177,7 @@ def test_every_family_says_what_it_measures_in_its_help_text(fleet_file: Path) -
     snap = SimulatedBackend(str(fleet_file)).snapshot()
     prom = CollectorRegistry(auto_describe=False)
     prom.register(AutoGPUCollector(MetricsSource(
-        latest=lambda: snap, registry=lambda: None, hostname=HOST)))
+        latest=lambda: snap, store=lambda: None, hostname=HOST)))
     helps = {fam.name: fam.documentation
              for fam in text_string_to_metric_families(generate_latest(prom).decode())}
     assert helps == {
@@ -249,7 +249,7 @@ def test_uninstall_takes_the_collector_off_the_registry_it_was_installed_on(
     from autogpu_jupyter import metrics
 
     snap = SimulatedBackend(str(fleet_file)).snapshot()
-    source = MetricsSource(latest=lambda: snap, registry=lambda: None, hostname=HOST)
+    source = MetricsSource(latest=lambda: snap, store=lambda: None, hostname=HOST)
     prom = CollectorRegistry(auto_describe=False)
     metrics.uninstall()
     try:
@@ -271,8 +271,8 @@ def test_a_second_install_reads_the_new_source_afresh(fleet_file: Path) -> None:
     from autogpu_jupyter import metrics
 
     snap = SimulatedBackend(str(fleet_file)).snapshot()
-    first = MetricsSource(latest=lambda: snap, registry=lambda: None, hostname="node-1")
-    second = MetricsSource(latest=lambda: snap, registry=lambda: None, hostname="node-2")
+    first = MetricsSource(latest=lambda: snap, store=lambda: None, hostname="node-1")
+    second = MetricsSource(latest=lambda: snap, store=lambda: None, hostname="node-2")
     prom = CollectorRegistry(auto_describe=False)
     metrics.uninstall()
     try:
@@ -291,7 +291,7 @@ def test_a_lease_on_a_device_the_sweep_lacks_is_still_listed(
     empty index and model. Caught (issue 22, seed 53): the index asked of the missing device
     (the scrape fails with AttributeError)."""
     gone = "GPU-9d9d9d9d-1111-2222-3333-444444444444"
-    registry = Registry(str(tmp_path / "registry"))
+    registry = DirectoryStore(str(tmp_path / "registry"))
     with registry.locked() as txn:
         assert txn is not None
         lease = txn.create(devices=[gone], requester=Requester(kernel_id="k"))
@@ -309,7 +309,7 @@ def test_a_lease_without_a_kernel_has_an_empty_kernel_label(
 ) -> None:
     """With ``lease_details``, a lease taken outside a kernel (a script) has kernel="" and
     notebook="". Caught (issue 22, seed 53): a made-up kernel name for it."""
-    registry = Registry(str(tmp_path / "registry"))
+    registry = DirectoryStore(str(tmp_path / "registry"))
     with registry.locked() as txn:
         assert txn is not None
         lease = txn.create(devices=[A], requester=Requester())
@@ -332,7 +332,7 @@ def _samples(snap: FleetSnapshot, hostname: str = HOST) -> dict[tuple[str, tuple
     """``(name, sorted labels) -> value`` of every sample one scrape exposes."""
     prom = CollectorRegistry(auto_describe=False)
     prom.register(AutoGPUCollector(MetricsSource(
-        latest=lambda: snap, registry=lambda: None, hostname=hostname)))
+        latest=lambda: snap, store=lambda: None, hostname=hostname)))
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(generate_latest(prom).decode())
             for s in fam.samples}
@@ -398,6 +398,6 @@ def test_the_default_hostname_label_is_the_short_host_name(
     """As DCGM exporter's ``Hostname``: the host name up to its first dot. Caught: the whole
     name kept (split on whitespace, or on a junk separator)."""
     monkeypatch.setattr(metrics.socket, "gethostname", lambda: name)
-    assert MetricsSource(latest=lambda: None, registry=lambda: None).hostname == short
-    assert MetricsSource(latest=lambda: None, registry=lambda: None,
+    assert MetricsSource(latest=lambda: None, store=lambda: None).hostname == short
+    assert MetricsSource(latest=lambda: None, store=lambda: None,
                          hostname="given").hostname == "given"

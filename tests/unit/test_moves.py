@@ -19,7 +19,7 @@ import pytest
 from autogpu_jupyter.core import moves, session
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.devices import DeviceSnapshot
-from autogpu_jupyter.core.leasing.directory import Registry
+from autogpu_jupyter.core.leasing.directory import DirectoryStore
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.units import parse_size
 from autogpu_jupyter.errors import AutoGPUError, NoDeviceFitsError, UsageErrorBase
@@ -426,7 +426,7 @@ def test_best_other_only_for_a_device_that_no_longer_fits(backend: SimulatedBack
 def test_best_counts_other_holders_bookings_and_the_smoothed_load(
     backend: SimulatedBackend, registry_dir: Path
 ) -> None:
-    registry = Registry(registry_dir)
+    registry = DirectoryStore(registry_dir)
     with registry.locked() as txn:
         assert txn is not None
         lease = txn.create(devices=[U2], requested_bytes=20 * GiB)
@@ -568,7 +568,7 @@ def test_request_move_counts_other_holders_bookings_and_the_smoothed_load(
 ) -> None:
     path = moves.move_file_for(runtime, "k-9")
     twenty = Constraints(min_free=parse_size("20G"))
-    registry = Registry(registry_dir)
+    registry = DirectoryStore(registry_dir)
     with registry.locked() as txn:
         assert txn is not None
         lease = txn.create(devices=[U2], requested_bytes=20 * GiB)
@@ -593,7 +593,7 @@ def test_move_from_a_kernel_without_a_device_counts_other_holders_bookings(
     plan = moves.request_move_from_kernel("best", environ=env, backend=backend)
     assert plan.request == moves.MoveRequest("k-3", (U2,), (), ANY, "magic")
     assert [d.uuid for d in plan.target] == [U2]
-    registry = Registry(registry_dir)
+    registry = DirectoryStore(registry_dir)
     with registry.locked() as txn:
         assert txn is not None
         lease = txn.create(devices=[U2], requested_bytes=20 * GiB)

@@ -17,7 +17,7 @@ import pytest
 from autogpu_jupyter.core import overload, session
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.devices import DeviceSnapshot, FleetSnapshot, ProcessSnapshot
-from autogpu_jupyter.core.leasing.directory import Registry
+from autogpu_jupyter.core.leasing.directory import DirectoryStore
 from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.overload import Alternative, Overload, Thresholds
 from autogpu_jupyter.core.picker import pick
@@ -407,7 +407,7 @@ def test_the_alternative_is_ranked_on_the_smoothed_load() -> None:
 
 def test_the_alternative_counts_other_holders_bookings(registry_dir: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    registry = Registry(registry_dir)
+    registry = DirectoryStore(registry_dir)
     with registry.locked() as txn:
         assert txn is not None
         lease = txn.create(devices=[U1], requested_bytes=70 * GiB)
@@ -436,7 +436,7 @@ def test_the_alternative_counts_other_holders_bookings(registry_dir: Path,
 def test_only_the_kernels_own_lease_is_hidden_from_the_alternative(
     registry_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    registry = Registry(registry_dir)
+    registry = DirectoryStore(registry_dir)
     with registry.locked() as txn:
         assert txn is not None
         own = txn.create(devices=[U1], requested_bytes=50 * GiB)
@@ -751,15 +751,15 @@ def test_own_lease_without_a_lease_id_reads_no_store(lease_id: str | None) -> No
 
 
 @pytest.fixture
-def _kernel(registry_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Registry]:
+def _kernel(registry_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[DirectoryStore]:
     for var in ENV_VARS:
         monkeypatch.delenv(var, raising=False)
     session.release()
-    yield Registry(registry_dir)
+    yield DirectoryStore(registry_dir)
     session.release()
 
 
-def _own(registry: Registry, device: str, gib: int) -> Any:
+def _own(registry: DirectoryStore, device: str, gib: int) -> Any:
     with registry.locked() as txn:
         assert txn is not None
         return txn.create(devices=[device], requested_bytes=gib * GiB)
@@ -770,7 +770,7 @@ def _with_u1(used_gib: int) -> FleetSnapshot:
 
 
 def test_a_provisioned_kernels_alternative_needs_what_its_lease_books(
-    _kernel: Registry, monkeypatch: pytest.MonkeyPatch
+    _kernel: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The lease the provisioner took (70 GiB on GPU 0), read from the configured store by the
     id passed down: GPU 1 with 40 GiB free is no alternative, with 75 GiB it is. Caught: the
@@ -793,7 +793,7 @@ def test_a_provisioned_kernels_alternative_needs_what_its_lease_books(
 
 @pytest.mark.parametrize("store", ["config", None])
 def test_a_kernels_alternative_needs_what_its_held_lease_books(
-    _kernel: Registry, monkeypatch: pytest.MonkeyPatch, store: str | None
+    _kernel: DirectoryStore, monkeypatch: pytest.MonkeyPatch, store: str | None
 ) -> None:
     """A pick made in the kernel holds its lease (70 GiB): its record bounds the alternative,
     with the configured store or none. Caught: the held lease's record not looked up (``None``,
@@ -810,7 +810,7 @@ def test_a_kernels_alternative_needs_what_its_held_lease_books(
 
 
 def test_without_a_lease_the_alternative_needs_the_picks_own_options(
-    _kernel: Registry, monkeypatch: pytest.MonkeyPatch
+    _kernel: DirectoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Caught: the pick's constraints dropped (``None``) or passed as the lease."""
     choice = session.Choice(uuids=(U0,), constraints=Constraints(min_free=parse_size("50G")))

@@ -28,9 +28,9 @@ from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.sampler import SampleError, Sampler
 from autogpu_jupyter.errors import (
     AutoGPUError,
+    LeaseStoreError,
     NoDeviceFitsError,
     NVMLUnavailableError,
-    RegistryError,
     UsageErrorBase,
 )
 from autogpu_jupyter.server import payloads
@@ -118,13 +118,13 @@ def test_another_users_lease_is_never_one_of_our_kernels(
     """nobody's lease names our kernel k-2 (kernel ids are no secret): it is shown as theirs,
     not joined with our kernel or its notebook, and its command line stays hidden; our own lease
     naming k-1 is ours."""
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
     fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
     sessions = {"k-1": {"path": "mine.ipynb"}, "k-2": {"path": "private/plans.ipynb"}}
     with shared_registry() as registry, server_state(fleet_file, registry, monkeypatch) as state, \
             other_users_lease(registry, B, "k-2", command="python x.py --password=swordfish"):
-        with Registry(str(registry), record_commands=True).locked() as txn:
+        with DirectoryStore(str(registry), record_commands=True).locked() as txn:
             assert txn is not None
             mine = txn.create(devices=[A], requested_bytes=4 * GiB,
                               requester=Requester(kernel_id="k-1", command="python mine.py"))
@@ -200,11 +200,11 @@ def test_select_hides_the_kernels_own_lease_only(
 ) -> None:
     """Kernel k-1 holds GPU B with a 60 GiB booking: its recommendation must not count that
     booking against B (B stays best for it), and nobody else's lease is hidden."""
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
     fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-        with Registry(str(tmp_path / "registry")).locked() as txn:
+        with DirectoryStore(str(tmp_path / "registry")).locked() as txn:
             assert txn is not None
             lease = txn.create(devices=[B], requested_bytes=60 * GiB,
                                requester=Requester(kernel_id="k-1"))
@@ -232,13 +232,13 @@ def test_select_is_a_dry_run_that_takes_no_lease(
     """The recommendation leases nothing: a user at the admin's lease quota still gets one, and
     the registry holds only the leases it held before. Caught (issue 22, seed 54): the pick made
     for real (past the quota an error; else a lease file left behind at each request)."""
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
     monkeypatch.setenv("AUTOGPU_MAX_LEASES_PER_USER", "1")
     fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
     registry = tmp_path / "registry"
     with server_state(fleet_file, registry, monkeypatch) as state:
-        with Registry(str(registry)).locked() as txn:
+        with DirectoryStore(str(registry)).locked() as txn:
             assert txn is not None
             lease = txn.create(devices=[A], requested_bytes=GiB,
                                requester=Requester(kernel_id="k-1"))
@@ -440,13 +440,13 @@ def test_a_kernel_whose_gpu_others_fill_is_told_where_to_go(
     """Caught (mutation run, issue 22): no snapshot passed to the detection (never a warning);
     the cause replaced by "busy"; the registry left out of the better device's question (a GPU
     another kernel's lease books named as free)."""
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
     fleet_file = write_fleet(tmp_path / "fleet.json", crowded(kernels, 8, 70))
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
         free = payloads.holders_payload(state.context(), kernels, {})
         # another kernel books 70 of GPU 1's 80 GiB: GPU 2's 40 GiB free is the better device
-        with Registry(str(tmp_path / "registry")).locked() as txn:
+        with DirectoryStore(str(tmp_path / "registry")).locked() as txn:
             assert txn is not None
             lease = txn.create(devices=[B], requested_bytes=70 * GiB,
                                requester=Requester(kernel_id="k-9"))
@@ -530,11 +530,11 @@ def test_holders_are_dated_by_their_sweep_and_say_which_kernel_waits(
     sweep meanwhile: one of the sweeps taken). Caught (mutation run, issue 22): ``waiting`` or
     ``errors`` written under another key; the answer dated now instead of by its sweep."""
     from autogpu_jupyter.core.decision import ticket_constraints
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
     fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
     with server_state(fleet_file, tmp_path / "registry", monkeypatch, interval_s=600.0) as state:
-        with Registry(str(tmp_path / "registry")).locked() as txn:
+        with DirectoryStore(str(tmp_path / "registry")).locked() as txn:
             assert txn is not None
             ticket = txn.create_ticket(constraints=ticket_constraints(Constraints(), None),
                                        requester=Requester(kernel_id="k-1"))
@@ -742,7 +742,7 @@ def test_a_move_to_best_keeps_off_another_kernels_exclusive_lease(
     planned)."""
     from types import SimpleNamespace
 
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
     from autogpu_jupyter.server.moving import MoveBody, plan_or_request
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -755,7 +755,7 @@ def test_a_move_to_best_keeps_off_another_kernels_exclusive_lease(
                            autogpu_note=None, autogpu_lease_id=None,
                            autogpu_move_file=str(tmp_path / "move-k-1.json"))
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-        with Registry(str(tmp_path / "registry")).locked() as txn:
+        with DirectoryStore(str(tmp_path / "registry")).locked() as txn:
             assert txn is not None
             theirs = txn.create(devices=[B], exclusive=True,
                                 requester=Requester(kernel_id="k-2"))
@@ -1105,18 +1105,18 @@ def test_the_better_device_counts_other_leases_and_hides_the_kernels_own(
     """k-1 (``--min-free 30G``) has its own lease on GPU 2 (30 of its 40 free GiB), another
     kernel books 70 GiB of GPU 1: GPU 2 is the better device. Caught: the kernel's own lease not
     hidden (nothing fits); the server's registry not passed (the config's, empty: GPU 1)."""
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
     monkeypatch.delenv("AUTOGPU_BROKER_SOCKET", raising=False)
     leases = tmp_path / "leases"
-    with Registry(str(leases)).locked() as txn:
+    with DirectoryStore(str(leases)).locked() as txn:
         assert txn is not None
         theirs = txn.create(devices=[B], requested_bytes=70 * GiB,
                             requester=Requester(kernel_id="k-9"))
         own = txn.create(devices=[C], requested_bytes=30 * GiB,
                          requester=Requester(kernel_id="k-1"))
     try:
-        got = overloads(_overload_state(_Sampler(), registry=lambda: Registry(str(leases))),
+        got = overloads(_overload_state(_Sampler(), registry=lambda: DirectoryStore(str(leases))),
                         options={"k-1": Constraints.parse(min_free="30G")})
     finally:
         theirs.release()
@@ -1441,7 +1441,7 @@ def test_lease_records_leave_tickets_out_unless_asked() -> None:
     (PermissionError(13, "Permission denied", "/srv/autogpu/registry"),
      "lease registry '/srv/autogpu/registry': Permission denied"),
     (OSError("disk gone"), "lease registry '/srv/autogpu/registry': disk gone"),
-    (RegistryError("registry is world-writable"), "lease registry: registry is world-writable"),
+    (LeaseStoreError("registry is world-writable"), "lease registry: registry is world-writable"),
 ])
 def test_an_unreadable_registry_is_named_with_the_reason(err: Exception, message: str) -> None:
     """Caught: the OS error's own words replaced by its repr-like text (``[Errno 13] ...``) or
@@ -1598,7 +1598,7 @@ def test_select_with_a_sampler_that_does_not_smooth() -> None:
 def test_select_with_an_unusable_registry_answers_with_a_note() -> None:
     """Caught: the note lost, written as ``null``, or no list to write it to; the failed
     registry passed on as a store (an AttributeError, the select answered 500)."""
-    state = state_of(sampler_of(SNAP), registry=failing(RegistryError("no flock on /nfs")))
+    state = state_of(sampler_of(SNAP), registry=failing(LeaseStoreError("no flock on /nfs")))
     answer = payloads.select_payload(state, Constraints(), ignore_kernel_id="k-1", environ={})
     assert answer["notes"] == ["lease registry unusable, bookings not counted: no flock on /nfs"]
     assert answer["chosen"] == [{"uuid": B, "label": "GPU 1", "name": "NVIDIA A100"}]
@@ -1738,14 +1738,14 @@ def test_holders_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     loosened); a lease claiming a pid joined to the kernel that runs it on another device; a
     notebook looked up for a holder that is not ours. Each holder comes with its words as
     every view says them (``where``, ``memory_text``: core/words.py), the sidebar's text."""
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
     fleet_file = write_fleet(tmp_path / "fleet.json", holders_fleet(kernels))
     sessions: dict[Any, dict[str, Any]] = {
         "k-2": {"path": "two.ipynb"}, None: {"path": "stray.ipynb"}}
     with server_state(fleet_file, tmp_path / "registry", monkeypatch,
                       expose_commands=True) as state:
-        with Registry(str(tmp_path / "registry"), record_commands=True).locked() as txn:
+        with DirectoryStore(str(tmp_path / "registry"), record_commands=True).locked() as txn:
             assert txn is not None
             ours = txn.create(devices=[A], requested_bytes=4 * GiB, exclusive=True,
                               requester=Requester(kernel_id="k-2", command="python two.py"))
@@ -1791,14 +1791,14 @@ def test_a_kernel_known_only_by_id_owns_its_lease(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel whose process the kernel manager does not show (no pid yet): our lease naming it
     is still this server's. Caught: only kernels with a known pid counted as ours."""
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
     kernels = Kernels("k-1")
     kernels.provisioners["k-1"] = SimpleNamespace(pid=None)
     try:
         fleet_file = write_fleet(tmp_path / "fleet.json", holders_fleet(kernels)[1:])
         with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-            with Registry(str(tmp_path / "registry")).locked() as txn:
+            with DirectoryStore(str(tmp_path / "registry")).locked() as txn:
                 assert txn is not None
                 lease = txn.create(devices=[B], requester=Requester(kernel_id="k-1"))
             try:

@@ -16,15 +16,15 @@ import pytest
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
 from autogpu_jupyter.core.devices import FleetSnapshot
-from autogpu_jupyter.core.leasing import Registry, Requester
+from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.picker import explain_drops, pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.units import parse_size
 from autogpu_jupyter.errors import (
+    LeaseStoreUntrustedError,
     NoDeviceFitsError,
     NoDeviceGrantedError,
-    RegistryUntrustedError,
     UsageErrorBase,
 )
 from tests.leasehelpers import fleet, uuid_of
@@ -45,17 +45,17 @@ def two(tmp_path: Path) -> SimulatedBackend:
 
 
 @pytest.fixture
-def registry(registry_dir: Path) -> Registry:
-    return Registry(registry_dir)
+def registry(registry_dir: Path) -> DirectoryStore:
+    return DirectoryStore(registry_dir)
 
 
 @pytest.fixture
-def broken_registry(tmp_path: Path) -> Registry:
+def broken_registry(tmp_path: Path) -> DirectoryStore:
     """A registry that cannot be used: its parent directory does not exist."""
-    return Registry(tmp_path / "missing" / "registry")
+    return DirectoryStore(tmp_path / "missing" / "registry")
 
 
-def live(registry: Registry) -> list[tuple[str, tuple[str, ...]]]:
+def live(registry: DirectoryStore) -> list[tuple[str, tuple[str, ...]]]:
     return [(r.kind, r.device_uuids) for r in registry.list_leases(include_tickets=True)]
 
 
@@ -65,7 +65,7 @@ def live(registry: Registry) -> list[tuple[str, tuple[str, ...]]]:
 def test_a_pick_returns_the_choice_the_ranking_the_env_and_its_lease(
     two: SimulatedBackend, registry_dir: Path
 ) -> None:
-    registry = Registry(registry_dir, record_commands=True)
+    registry = DirectoryStore(registry_dir, record_commands=True)
     holder = Requester(
         pid=os.getpid(), kernel_id="k-1", notebook_path="a.ipynb", command="python x", kind="kernel"
     )
@@ -112,7 +112,7 @@ def test_a_pick_returns_the_choice_the_ranking_the_env_and_its_lease(
     result.lease.release()
 
 
-def test_a_default_holder_is_this_process(two: SimulatedBackend, registry: Registry) -> None:
+def test_a_default_holder_is_this_process(two: SimulatedBackend, registry: DirectoryStore) -> None:
     result = pick(PickOptions(Constraints()), backend=two, environ={}, store=registry)
     assert result.lease is not None
     rec = result.lease.record
@@ -125,7 +125,7 @@ def test_a_default_holder_is_this_process(two: SimulatedBackend, registry: Regis
 
 
 def test_two_devices_book_each_its_own_share_and_an_exclusive_lease_says_so(
-    tmp_path: Path, registry: Registry
+    tmp_path: Path, registry: DirectoryStore
 ) -> None:
     spec = fleet(2)
     spec["devices"][1]["memory_total"] = "40G"
@@ -354,7 +354,7 @@ def test_an_exclusive_gpu_the_holder_already_uses_is_no_obstacle(tmp_path: Path)
 
 
 def test_a_plain_pick_goes_on_without_a_lease_and_says_why(
-    two: SimulatedBackend, broken_registry: Registry
+    two: SimulatedBackend, broken_registry: DirectoryStore
 ) -> None:
     result = pick(PickOptions(Constraints()), backend=two, environ={}, store=broken_registry)
     assert [d.uuid for d in result.chosen] == [uuid_of(0)]
@@ -368,7 +368,7 @@ def test_a_plain_pick_goes_on_without_a_lease_and_says_why(
 
 
 def test_a_dry_run_never_touches_the_registry_nor_fails_closed(
-    two: SimulatedBackend, broken_registry: Registry
+    two: SimulatedBackend, broken_registry: DirectoryStore
 ) -> None:
     result = pick(PickOptions(Constraints(exclusive=True), 5), backend=two, environ={},
                   store=broken_registry,
@@ -392,9 +392,9 @@ def test_a_dry_run_never_touches_the_registry_nor_fails_closed(
 def test_a_promise_only_the_registry_keeps_fails_closed_when_it_is_unusable(
     two: SimulatedBackend, tmp_path: Path, kwargs: dict[str, Any], max_per_user: int, what: str
 ) -> None:
-    broken = Registry(tmp_path / "missing" / "registry", max_devices_per_user=max_per_user)
+    broken = DirectoryStore(tmp_path / "missing" / "registry", max_devices_per_user=max_per_user)
     slept: list[float] = []
-    with pytest.raises(RegistryUntrustedError) as info:
+    with pytest.raises(LeaseStoreUntrustedError) as info:
         pick(backend=two, environ={}, store=broken, sleep=slept.append, **kwargs)
     assert str(info.value) == (
         f"refused {what} without a lease: {broken.unusable_reason}. Nothing was picked and the "
@@ -405,7 +405,7 @@ def test_a_promise_only_the_registry_keeps_fails_closed_when_it_is_unusable(
 
 
 def test_a_refused_lease_write_fails_an_exclusive_pick_but_not_a_plain_one(
-    tmp_path: Path, registry: Registry, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, registry: DirectoryStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="autogpu_jupyter.core.picker")
     # A device UUID that readers of the registry would reject: the lease is refused.
@@ -420,7 +420,7 @@ def test_a_refused_lease_write_fails_an_exclusive_pick_but_not_a_plain_one(
     assert [d.uuid for d in plain.chosen] == ["GPU-has space"]
     assert [(r.levelname, r.getMessage()) for r in caplog.records
             if r.name == "autogpu_jupyter.core.picker"] == [("INFO", f"no lease: {refused}")]
-    with pytest.raises(RegistryUntrustedError) as info:
+    with pytest.raises(LeaseStoreUntrustedError) as info:
         pick(PickOptions(Constraints(exclusive=True)), backend=backend, environ={}, store=registry)
     assert str(info.value) == (
         f"refused an exclusive pick (--exclusive) without a lease: {refused}. Nothing was picked "
@@ -451,7 +451,7 @@ class WarmingBackend(SimulatedBackend):
 
 
 def test_a_backend_is_warmed_up_before_the_registry_lock_and_only_for_a_real_pick(
-    tmp_path: Path, registry: Registry
+    tmp_path: Path, registry: DirectoryStore
 ) -> None:
     os.makedirs(registry.path, exist_ok=True)
     path = tmp_path / "fleet.json"
@@ -470,7 +470,7 @@ def test_a_backend_is_warmed_up_before_the_registry_lock_and_only_for_a_real_pic
 
 
 def test_a_waiting_pick_holds_one_ticket_while_it_waits_and_none_after(
-    tmp_path: Path, registry: Registry
+    tmp_path: Path, registry: DirectoryStore
 ) -> None:
     backend = backend_for(tmp_path, fleet(1))
     want = Constraints(min_free=parse_size("50G"))
@@ -514,7 +514,7 @@ def test_a_waiting_pick_holds_one_ticket_while_it_waits_and_none_after(
 
 
 def test_an_exclusive_waiter_s_ticket_says_who_waits_and_for_what(
-    tmp_path: Path, registry: Registry
+    tmp_path: Path, registry: DirectoryStore
 ) -> None:
     backend = backend_for(tmp_path, fleet(1))
     held = pick(PickOptions(Constraints()), backend=backend, environ={}, store=registry)
@@ -609,7 +609,7 @@ def test_the_waiting_line_names_the_best_device_and_why_it_does_not_fit(tmp_path
 
 
 def test_a_slow_pick_that_never_waited_in_line_says_it_did_not_wait(
-    two: SimulatedBackend, registry: Registry
+    two: SimulatedBackend, registry: DirectoryStore
 ) -> None:
     """``waited_s`` is the time spent in line, not the pick's duration: a pick that fits at its
     first try waited 0 s however slow the machine (a loaded host printed "waited 1.1s in line"
@@ -656,7 +656,7 @@ class CountingBackend(SimulatedBackend):
 
 @pytest.mark.parametrize(("waited", "snapshots"), [(0.0, 1), (0.05, 1), (0.051, 2), (3.0, 2)])
 def test_a_pick_reads_the_devices_again_only_after_a_long_wait_for_the_lock(
-    tmp_path: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, registry: DirectoryStore, monkeypatch: pytest.MonkeyPatch,
     waited: float, snapshots: int,
 ) -> None:
     """The devices are read while the pick lock is on its way (the broker's round trip);
@@ -689,7 +689,7 @@ def test_a_pick_on_an_amd_host_sets_the_rocm_variables(tmp_path: Path) -> None:
 
 
 def test_a_waiting_pick_of_a_named_device_is_served_only_from_it(
-    tmp_path: Path, registry: Registry
+    tmp_path: Path, registry: DirectoryStore
 ) -> None:
     """The ticket of `pick 1 --wait` lets other pickers see that only GPU 1 would serve it (its
     allowed UUIDs), and the pick takes GPU 1 once it frees, never the idle GPU 0."""
@@ -713,7 +713,7 @@ def test_a_waiting_pick_of_a_named_device_is_served_only_from_it(
 
 
 def test_a_pick_nothing_could_ever_fit_is_refused_at_once_without_a_ticket(
-    two: SimulatedBackend, registry: Registry
+    two: SimulatedBackend, registry: DirectoryStore
 ) -> None:
     """Every device ruled out by the request itself: no ticket, no sleep, the error says no wait
     helps (the front ends then suggest no --wait)."""
@@ -760,7 +760,7 @@ def test_a_named_device_that_is_not_there_names_the_value_and_the_forms(
 
 
 def test_index_ids_refuse_a_mig_device_before_any_lease(
-    tmp_path: Path, registry: Registry
+    tmp_path: Path, registry: DirectoryStore
 ) -> None:
     """``c.AutoGPU.visible_ids = "index"`` (issue 41) on a MIG device: one line, and no lease
     left behind (the refusal comes before the lease is written)."""

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.core.leasing import DirectoryStore
 from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.core.units import parse_size
-from autogpu_jupyter.errors import NoDeviceFitsError, RegistryUnreachableError
+from autogpu_jupyter.errors import LeaseStoreUnreachableError, NoDeviceFitsError
 from tests.leasehelpers import fleet, uuid_of
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
@@ -79,7 +79,7 @@ def one_gpu(tmp_path: Path) -> SimulatedBackend:
 def test_a_dry_run_gives_nothing_to_apply_and_takes_no_lease(
     two_gpus: SimulatedBackend, registry_dir: Path
 ) -> None:
-    registry = Registry(registry_dir)
+    registry = DirectoryStore(registry_dir)
     result = pick(
         PickOptions(Constraints()), backend=two_gpus, environ={}, store=registry, dry_run=True
     )
@@ -91,7 +91,7 @@ def test_a_dry_run_gives_nothing_to_apply_and_takes_no_lease(
 def test_memory_booked_by_a_lease_sends_the_next_pick_elsewhere(
     two_gpus: SimulatedBackend, registry_dir: Path
 ) -> None:
-    registry = Registry(registry_dir)
+    registry = DirectoryStore(registry_dir)
     want = Constraints.parse(min_free="50G")
     first = pick(PickOptions(want), backend=two_gpus, environ={}, store=registry)
     second = pick(PickOptions(want), backend=two_gpus, environ={}, store=registry)
@@ -111,7 +111,7 @@ def test_memory_booked_by_a_lease_sends_the_next_pick_elsewhere(
 def test_a_wait_that_times_out_leaves_no_ticket_in_line(
     one_gpu: SimulatedBackend, registry_dir: Path
 ) -> None:
-    registry = Registry(registry_dir)
+    registry = DirectoryStore(registry_dir)
     want = Constraints.parse(min_free="50G")
     held = pick(PickOptions(want), backend=one_gpu, environ={}, store=registry)
     assert held.lease is not None
@@ -144,7 +144,7 @@ def test_a_waiter_for_one_model_leaves_the_other_models_to_others(
          "utilization_pct": 0},
     ]}))
     backend = SimulatedBackend(str(path))
-    registry = Registry(registry_dir)
+    registry = DirectoryStore(registry_dir)
     a100 = Constraints(exclusive=True, models=("A100",))
     holder = pick(PickOptions(a100), backend=backend, environ={}, store=registry)
     assert holder.lease is not None
@@ -168,9 +168,9 @@ def test_a_waiter_for_one_model_leaves_the_other_models_to_others(
 
 class _LostOnTries:
     """The directory registry, its lock lost (as a restarting broker's is) on the tries named:
-    what :class:`~autogpu_jupyter.core.leasing.brokerclient.BrokerRegistry` raises then."""
+    what :class:`~autogpu_jupyter.core.leasing.brokerclient.BrokerStore` raises then."""
 
-    def __init__(self, inner: Registry, lost_on: set[int]) -> None:
+    def __init__(self, inner: DirectoryStore, lost_on: set[int]) -> None:
         self.inner = inner
         self.lost_on = lost_on
         self.tries = 0
@@ -181,14 +181,14 @@ class _LostOnTries:
     def locked(self) -> object:
         self.tries += 1
         if self.tries in self.lost_on:
-            raise RegistryUnreachableError("lost the lease broker at /run/b.sock (refused)")
+            raise LeaseStoreUnreachableError("lost the lease broker at /run/b.sock (refused)")
         return self.inner.locked()
 
 
 def test_a_broker_lost_while_waiting_in_line_keeps_the_place_and_tries_again(
     one_gpu: SimulatedBackend, registry_dir: Path
 ) -> None:
-    registry = Registry(registry_dir)
+    registry = DirectoryStore(registry_dir)
     want = Constraints.parse(min_free="50G")
     held = pick(PickOptions(want), backend=one_gpu, environ={}, store=registry)
     assert held.lease is not None
@@ -222,7 +222,7 @@ def test_a_broker_lost_while_waiting_in_line_keeps_the_place_and_tries_again(
 def test_a_broker_lost_before_the_line_or_to_the_end_of_the_wait_fails_closed(
     one_gpu: SimulatedBackend, registry_dir: Path, lost_on: set[int]
 ) -> None:
-    registry = Registry(registry_dir)
+    registry = DirectoryStore(registry_dir)
     want = Constraints.parse(min_free="50G")
     held = pick(PickOptions(want), backend=one_gpu, environ={}, store=registry)
     assert held.lease is not None
@@ -234,7 +234,7 @@ def test_a_broker_lost_before_the_line_or_to_the_end_of_the_wait_fails_closed(
         slept.append(s)
         now[0] += s
 
-    with pytest.raises(RegistryUnreachableError, match="lost the lease broker"):
+    with pytest.raises(LeaseStoreUnreachableError, match="lost the lease broker"):
         pick(PickOptions(want, 2.5), backend=one_gpu, environ={}, store=store,  # type: ignore[arg-type]
              sleep=sleep, clock=lambda: now[0])
     assert store.tries == max(lost_on)  # once at once; else each second until the wait ended

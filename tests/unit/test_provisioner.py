@@ -19,8 +19,8 @@ import pytest
 from jupyter_client import AsyncKernelManager
 
 from autogpu_jupyter import kernelspec
-from autogpu_jupyter.core.leasing import LeaseRecord, Registry, Requester
-from autogpu_jupyter.errors import NoDeviceFitsError, RegistryError, UsageErrorBase
+from autogpu_jupyter.core.leasing import DirectoryStore, LeaseRecord, Requester
+from autogpu_jupyter.errors import LeaseStoreError, NoDeviceFitsError, UsageErrorBase
 from tests.jupyterpaths import keep_kernelspecs_in
 from tests.leasehelpers import forget_backends, lease_files
 from tests.payloadhelpers import GiB, write_fleet
@@ -44,7 +44,7 @@ class Host:
         self.tmp = tmp
         self.prefix = tmp / "prefix"
         self.fleet = fleet_file(tmp / "fleet.json")
-        self.registry = Registry(str(tmp / "registry"))
+        self.registry = DirectoryStore(str(tmp / "registry"))
         runtime = tmp / "runtime"
         runtime.mkdir(mode=0o700)
         monkeypatch.setenv("JUPYTER_PATH", str(self.prefix / "share" / "jupyter"))
@@ -491,7 +491,7 @@ def _started_with_a_move_request(host: Host) -> tuple[AsyncKernelManager, Path]:
 
 
 @pytest.mark.parametrize("error", [OSError(5, "Input/output error"),
-                                   RegistryError("the lease broker is unreachable")])
+                                   LeaseStoreError("the lease broker is unreachable")])
 def test_a_prune_failing_does_not_stop_the_kernels_cleanup(
     host: Host, monkeypatch: pytest.MonkeyPatch, error: Exception
 ) -> None:
@@ -506,11 +506,11 @@ def test_a_prune_failing_does_not_stop_the_kernels_cleanup(
     km, request = _started_with_a_move_request(host)
     pruned: list[bool] = []
 
-    def failing(self: Registry, all_users: bool = False) -> list[Any]:
+    def failing(self: DirectoryStore, all_users: bool = False) -> list[Any]:
         pruned.append(all_users)
         raise error
 
-    monkeypatch.setattr(Registry, "prune", failing)
+    monkeypatch.setattr(DirectoryStore, "prune", failing)
     asyncio.run(km.provisioner.cleanup(restart=False))
     assert pruned == [False]
     assert not request.exists() and list(lease_files(host.tmp / "registry")) == []

@@ -35,7 +35,7 @@ from autogpu_jupyter import __version__, kernelspec, metrics
 from autogpu_jupyter.core import moves
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.contract import SERVER_ROOT_ENV
-from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.core.leasing import DirectoryStore
 from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.errors import NVMLUnavailableError, UsageErrorBase
 from autogpu_jupyter.server import (
@@ -762,7 +762,7 @@ async def test_a_move_restarts_the_kernel_on_the_target(
                     "picked": [A], "note": "moved at your request: the kernel's state was lost"}
     prov = kernel_provisioner(jp_serverapp, kid)
     assert prov.pid != old_pid
-    leases = Registry(str(tmp_path / "registry")).list_leases()
+    leases = DirectoryStore(str(tmp_path / "registry")).list_leases()
     assert [(r.device_uuids, r.kernel_id, r.pid) for r in leases] == [((A,), kid, prov.pid)]
     assert server_state(jp_serverapp).moving == set()
 
@@ -813,13 +813,13 @@ async def test_a_registry_failure_while_planning_a_move_is_503_with_its_reason(
 ) -> None:
     """The host cannot answer (not the client's fault): 503 with the store's own words.
     Caught (issue 22, seed 53): the error's text lost (the message "None")."""
-    from autogpu_jupyter.errors import RegistryError
+    from autogpu_jupyter.errors import LeaseStoreError
     from autogpu_jupyter.server import moving
 
     kid = await start_kernel(jp_fetch)
 
     def plan_or_request(*_args: Any) -> Any:
-        raise RegistryError("the lease registry cannot be read")
+        raise LeaseStoreError("the lease registry cannot be read")
 
     monkeypatch.setattr(moving, "plan_or_request", plan_or_request)
     code, body = await refused(jp_fetch, *move(kid), method="POST",

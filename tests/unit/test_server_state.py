@@ -20,7 +20,7 @@ from traitlets.config import Config, Configurable
 
 from autogpu_jupyter.core import sampler as sampler_mod
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
-from autogpu_jupyter.core.leasing.directory import Registry
+from autogpu_jupyter.core.leasing.directory import DirectoryStore
 from autogpu_jupyter.server import state
 from autogpu_jupyter.server.state import AutoGPUServer, kernel_pid_map, owning_kernel
 from tests.leasehelpers import forget_backends
@@ -136,10 +136,10 @@ def test_the_sidebar_sees_the_leases_even_where_the_server_takes_none(
     state = AutoGPUServer(parent=Configurable(config=config), registry_dir=str(tmp_path / "reg"),
                           log=logging.getLogger("autogpu-test-server"))
     try:
-        store = state.registry()
+        store = state.store()
     finally:
         state.stop()
-    assert isinstance(store, Registry)
+    assert isinstance(store, DirectoryStore)
     assert store.path == str(tmp_path / "reg")
 
 @pytest.fixture
@@ -261,10 +261,10 @@ def test_the_servers_autogpu_config_shapes_the_sidebars_lease_store(
     state = AutoGPUServer(parent=Configurable(config=config), registry_dir=str(tmp_path / "reg"),
                           log=logging.getLogger("autogpu-test-server"))
     try:
-        store = state.registry()
+        store = state.store()
     finally:
         state.stop()
-    assert isinstance(store, Registry)
+    assert isinstance(store, DirectoryStore)
     assert (store.path, store.max_devices_per_user) == (str(tmp_path / "reg"), quota)
 
 

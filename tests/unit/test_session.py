@@ -18,7 +18,7 @@ from autogpu_jupyter.core.cudastate import (
     CudaState,
     hip_too_late_message,
 )
-from autogpu_jupyter.core.leasing import Registry
+from autogpu_jupyter.core.leasing import DirectoryStore
 from autogpu_jupyter.core.options import PickOptions
 from autogpu_jupyter.core.picker import pick
 from autogpu_jupyter.core.policy import Constraints
@@ -45,7 +45,7 @@ def no_choice(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     session.release(environ={})
 
 
-def held(registry: Registry) -> list[tuple[str, ...]]:
+def held(registry: DirectoryStore) -> list[tuple[str, ...]]:
     return [r.device_uuids for r in registry.list_leases()]
 
 
@@ -63,7 +63,7 @@ def test_a_choice_has_defaults_for_what_a_pick_did_not_say() -> None:
 def test_apply_makes_the_pick_this_process_s_choice(
     backend: SimulatedBackend, registry_dir: Path
 ) -> None:
-    registry = Registry(registry_dir)
+    registry = DirectoryStore(registry_dir)
     result = pick(PickOptions(Constraints.parse(min_free="10G")), backend=backend, environ={},
                   store=registry)
     assert result.lease is not None
@@ -91,7 +91,7 @@ def test_apply_makes_the_pick_this_process_s_choice(
 def test_apply_defaults_to_a_magic_s_unforced_choice_and_notes_a_lease_not_taken(
     backend: SimulatedBackend, tmp_path: Path
 ) -> None:
-    broken = Registry(tmp_path / "missing" / "registry")
+    broken = DirectoryStore(tmp_path / "missing" / "registry")
     result = pick(PickOptions(Constraints()), backend=backend, environ={}, store=broken)
     env: dict[str, str] = {}
     choice = session.apply(result, environ=env)
@@ -107,7 +107,7 @@ def test_apply_defaults_to_a_magic_s_unforced_choice_and_notes_a_lease_not_taken
 def test_a_re_pick_drops_the_old_lease_and_keeps_the_first_saved_variables(
     backend: SimulatedBackend, registry_dir: Path
 ) -> None:
-    registry = Registry(registry_dir)
+    registry = DirectoryStore(registry_dir)
     env = {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}
     first = pick(PickOptions(Constraints()), backend=backend, environ={}, store=registry)
     session.apply(first, environ=env)

@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from autogpu_jupyter.config import AutoGPU
-from autogpu_jupyter.core.leasing import BrokerRegistry, Registry, brokerclient, factory, store_for
+from autogpu_jupyter.core.leasing import (
+    BrokerStore,
+    DirectoryStore,
+    brokerclient,
+    factory,
+    store_for,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -26,23 +32,23 @@ def test_settings_select_no_store_the_directory_or_a_broker(tmp_path: Path) -> N
     reg = store_for(AutoGPU(registry_dir=d, broker_socket="", max_devices_per_user=3,
                             max_leases_per_user=5, max_tickets_per_user=1,
                             record_commands=True, registry_lock_timeout_s=2.5))
-    assert isinstance(reg, Registry)
+    assert isinstance(reg, DirectoryStore)
     assert (reg.path, reg.quota.max_devices, reg.quota.max_leases, reg.quota.max_tickets,
             reg.record_commands, reg.lock_timeout_s) == (d, 3, 5, 1, True, 2.5)
     for off in ("off", " OFF ", "none", "0", "false", "False"):
-        assert isinstance(store_for(AutoGPU(registry_dir=d, broker_socket=off)), Registry)
+        assert isinstance(store_for(AutoGPU(registry_dir=d, broker_socket=off)), DirectoryStore)
         assert factory.configured_socket(AutoGPU(broker_socket=off)) is None
     sock = str(tmp_path / "broker.sock")
     broker = store_for(AutoGPU(registry_dir=d, broker_socket=f" {sock} ",
                                registry_lock_timeout_s=0.2))
-    assert isinstance(broker, BrokerRegistry)
+    assert isinstance(broker, BrokerStore)
     assert (broker.path, broker.lock_timeout_s) == (sock, 1.0)  # at least a second
     broker = store_for(AutoGPU(broker_socket=sock, registry_lock_timeout_s=30))
-    assert isinstance(broker, BrokerRegistry) and broker.lock_timeout_s == 30.0
+    assert isinstance(broker, BrokerStore) and broker.lock_timeout_s == 30.0
     # The default socket counts only when it exists.
     Path(brokerclient.DEFAULT_SOCKET).touch()
     broker = store_for(AutoGPU(registry_dir=d, broker_socket=""))
-    assert isinstance(broker, BrokerRegistry)
+    assert isinstance(broker, BrokerStore)
     assert broker.path == brokerclient.DEFAULT_SOCKET
 
 
@@ -64,9 +70,9 @@ def test_a_view_shows_the_hosts_leases_even_where_this_process_takes_none(
     off = AutoGPU(use_leases=False, registry_dir=d, broker_socket="")
     assert store_for(off) is None
     view = store_for(off, view=True)
-    assert isinstance(view, Registry) and view.path == d
+    assert isinstance(view, DirectoryStore) and view.path == d
     other = store_for(off, registry_dir=str(tmp_path / "other"), view=True)
-    assert isinstance(other, Registry) and other.path == str(tmp_path / "other")
+    assert isinstance(other, DirectoryStore) and other.path == str(tmp_path / "other")
     assert store_for(off, registry_dir="", view=True) is None
 
 
@@ -74,13 +80,13 @@ def test_a_store_is_made_once_per_settings_and_each_caller_gets_its_own_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     made: list[str] = []
-    real = Registry.__init__
+    real = DirectoryStore.__init__
 
-    def counting(self: Registry, *args: object, **kw: object) -> None:
+    def counting(self: DirectoryStore, *args: object, **kw: object) -> None:
         made.append(str(args[0]))
         real(self, *args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Registry, "__init__", counting)
+    monkeypatch.setattr(DirectoryStore, "__init__", counting)
     monkeypatch.setattr(factory, "_resolved", {})
     settings = AutoGPU(registry_dir=str(tmp_path / "a"), broker_socket="")
     first = store_for(settings)
@@ -91,7 +97,7 @@ def test_a_store_is_made_once_per_settings_and_each_caller_gets_its_own_copy(
     assert second.unusable_reason is None  # never leaks into another caller's copy
     settings.max_devices_per_user = 2  # a setting it depends on changed: a new store
     third = store_for(settings)
-    assert isinstance(third, Registry) and third.max_devices_per_user == 2
+    assert isinstance(third, DirectoryStore) and third.max_devices_per_user == 2
     assert made == [str(tmp_path / "a")] * 2
     monkeypatch.setattr(factory, "_MAX_RESOLVED", 2)
     store_for(AutoGPU(registry_dir=str(tmp_path / "b"), broker_socket=""))  # bounded: cleared
@@ -104,7 +110,7 @@ def test_an_unreachable_broker_falls_back_only_when_the_admin_allows(
     sock = str(tmp_path / "broker.sock")
     d = str(tmp_path / "registry")
     strict = store_for(AutoGPU(registry_dir=d, broker_socket=sock, broker_fallback=""))
-    assert isinstance(strict, BrokerRegistry)  # fails closed at its first use
+    assert isinstance(strict, BrokerStore)  # fails closed at its first use
     # The client retries its connection for seconds: a clock that moves only when slept.
     now = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
@@ -113,7 +119,7 @@ def test_an_unreachable_broker_falls_back_only_when_the_admin_allows(
         fallback = store_for(
             AutoGPU(registry_dir=d, broker_socket=sock, broker_fallback=" Registry ")
         )
-    assert isinstance(fallback, Registry) and fallback.path == d
+    assert isinstance(fallback, DirectoryStore) and fallback.path == d
     assert caplog.messages[-1] == (
         f"the lease broker at {sock} cannot be reached (No such file or directory): nothing was "
         f"picked; ask the admin to start it (systemctl enable --now autogpu-broker.socket, or "
@@ -132,7 +138,7 @@ def test_a_reachable_broker_is_used_even_with_the_fallback_set(tmp_path: Path) -
                                    broker_socket=sock, broker_fallback="registry"))
     finally:
         server.close()
-    assert isinstance(broker, BrokerRegistry) and broker.path == sock
+    assert isinstance(broker, BrokerStore) and broker.path == sock
 
 
 def test_the_package_names_its_stores_and_factory_and_nothing_else() -> None:
@@ -141,8 +147,8 @@ def test_the_package_names_its_stores_and_factory_and_nothing_else() -> None:
     from autogpu_jupyter.core import leasing
     from autogpu_jupyter.core.leasing import brokerclient, directory, factory
 
-    assert leasing.Registry is directory.Registry
-    assert leasing.BrokerRegistry is brokerclient.BrokerRegistry
+    assert leasing.DirectoryStore is directory.DirectoryStore
+    assert leasing.BrokerStore is brokerclient.BrokerStore
     assert leasing.store_for is factory.store_for
     with pytest.raises(AttributeError) as err:
         leasing.Brokerregistry

@@ -87,7 +87,7 @@ def test_every_local_answer_is_what_its_schema_type_says(
 ) -> None:
     """devices, history, holders (a lease, a process, an overloaded kernel with a better
     device), select (a pick and nothing fits), cluster (Prometheus unset)."""
-    from autogpu_jupyter.core.leasing import Registry, Requester
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
 
     fleet_file = write_fleet(tmp_path / "fleet.json", [
         {"uuid": A, "name": "NVIDIA A100", "memory_total": 80 * GiB, "memory_used": 78 * GiB,
@@ -99,7 +99,7 @@ def test_every_local_answer_is_what_its_schema_type_says(
          "utilization_pct": 0},
     ])
     with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
-        with Registry(str(tmp_path / "registry")).locked() as txn:
+        with DirectoryStore(str(tmp_path / "registry")).locked() as txn:
             assert txn is not None
             lease = txn.create(devices=[B], requested_bytes=10 * GiB,
                                requester=Requester(kernel_id="k-2"))

@@ -5,8 +5,8 @@
 * :mod:`.admission` -- the one set of rules (exclusivity, quotas, reserved groups, tickets, the
   waiting-line order) and their messages, for every store and the broker;
 * :mod:`.records` -- the record format (writer and readers);
-* :mod:`.directory` -- the shared-directory store (:class:`Registry`);
-* :mod:`.brokerclient` -- the trusted broker's client (:class:`BrokerRegistry`);
+* :mod:`.directory` -- the shared-directory store (:class:`DirectoryStore`);
+* :mod:`.brokerclient` -- the trusted broker's client (:class:`BrokerStore`);
 * :mod:`.wire` -- the broker's protocol (version, caps) and the shapes it carries, for both sides;
 * :mod:`.factory` -- :func:`store_for`, which store the settings select;
 * :mod:`.admin` -- what only the broker can do (its status, waiting line, revokes and the events
@@ -43,17 +43,17 @@ if TYPE_CHECKING:
         lease_events,
         status_records,
     )
-    from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry
-    from autogpu_jupyter.core.leasing.directory import Registry
+    from autogpu_jupyter.core.leasing.brokerclient import BrokerStore
+    from autogpu_jupyter.core.leasing.directory import DirectoryStore
     from autogpu_jupyter.core.leasing.factory import store_for
 
 __all__ = [
-    "BrokerRegistry",
+    "BrokerStore",
     "HeldLease",
     "LeaseRecord",
     "LeaseStore",
     "RecordView",
-    "Registry",
+    "DirectoryStore",
     "Requester",
     "ScanResult",
     "StoreTransaction",
@@ -70,14 +70,14 @@ _ADMIN = frozenset({"broker_at", "broker_socket", "lease_events", "status_record
 
 def __getattr__(name: str) -> Any:
     # The stores and the factory load when first named (see the module docstring).
-    if name == "Registry":
-        from autogpu_jupyter.core.leasing.directory import Registry  # noqa: PLC0415
+    if name == "DirectoryStore":
+        from autogpu_jupyter.core.leasing.directory import DirectoryStore  # noqa: PLC0415
 
-        return Registry
-    if name == "BrokerRegistry":
-        from autogpu_jupyter.core.leasing.brokerclient import BrokerRegistry  # noqa: PLC0415
+        return DirectoryStore
+    if name == "BrokerStore":
+        from autogpu_jupyter.core.leasing.brokerclient import BrokerStore  # noqa: PLC0415
 
-        return BrokerRegistry
+        return BrokerStore
     if name == "store_for":
         from autogpu_jupyter.core.leasing.factory import store_for  # noqa: PLC0415
 

@@ -25,7 +25,7 @@ from autogpu_jupyter.core.leasing.records import LeaseRecord
 __all__ = ["BrokerAdmin", "broker_at", "broker_socket", "lease_events", "status_records"]
 
 #: The broker, as its administrator's commands see it (the broker client's store).
-BrokerAdmin = brokerclient.BrokerRegistry
+BrokerAdmin = brokerclient.BrokerStore
 
 
 def broker_socket(settings: StoreSettings, given: str | None = None) -> str:
@@ -36,7 +36,7 @@ def broker_socket(settings: StoreSettings, given: str | None = None) -> str:
 
 def broker_at(path: str, connect_timeout_s: float = 1.0) -> BrokerAdmin:
     """The broker at socket ``path``; nothing is asked until a method is called."""
-    return brokerclient.BrokerRegistry(path, connect_timeout_s=connect_timeout_s)
+    return brokerclient.BrokerStore(path, connect_timeout_s=connect_timeout_s)
 
 
 def status_records(status: Mapping[str, Any], path: str) -> list[LeaseRecord]:

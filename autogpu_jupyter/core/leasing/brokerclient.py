@@ -1,6 +1,6 @@
 """The client of the trusted lease broker (``autogpu broker``, issue 11): a lease store.
 
-:class:`BrokerRegistry` is the second implementation of the lease store port
+:class:`BrokerStore` is the second implementation of the lease store port
 (:class:`~autogpu_jupyter.core.leasing.store.LeaseStore`, beside the shared directory), so every
 surface -- magics, API, CLI, provisioner, server -- goes through the broker unchanged when
 :func:`autogpu_jupyter.core.leasing.factory.store_for` selects it. Admission (exclusivity,
@@ -60,9 +60,9 @@ from autogpu_jupyter.core.leasing.wire import (
 )
 from autogpu_jupyter.errors import (
     AutoGPUError,
-    RegistryError,
-    RegistryUnreachableError,
-    RegistryUntrustedError,
+    LeaseStoreError,
+    LeaseStoreUnreachableError,
+    LeaseStoreUntrustedError,
 )
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ __all__ = [
     "VIEW_TICKETS",
     "VIEW_TICKET_BYTES",
     "BrokerLease",
-    "BrokerRegistry",
+    "BrokerStore",
     "BrokerTransaction",
     "broker_fix",
     "from_wire",
@@ -149,16 +149,16 @@ class _Conn:
             yield
         except TimeoutError:
             what = waiting_for or f"an answer to {op!r}"
-            raise RegistryUnreachableError(
+            raise LeaseStoreUnreachableError(
                 f"the lease broker at {self.path} did not give {what} within {timeout_s:g} s "
                 "(it is busy, or other picks hold it): nothing was picked; try again"
             ) from None
         except OSError as err:
-            raise RegistryUnreachableError(
+            raise LeaseStoreUnreachableError(
                 f"lost the lease broker at {self.path} ({_why(err)}); {broker_fix(self.path)}"
             ) from None
         except ValueError as err:  # a reply that is not JSON: not a broker we can trust
-            raise RegistryUntrustedError(
+            raise LeaseStoreUntrustedError(
                 f"lost the lease broker at {self.path} ({_why(err)}); {broker_fix(self.path)}"
             ) from None
         finally:
@@ -202,10 +202,10 @@ class _Conn:
     def _checked(self, reply: dict[str, Any]) -> dict[str, Any]:
         if reply.get("proto") != PROTOCOL and not self._greeted:
             self.close()
-            raise RegistryUntrustedError(version_mismatch(self.path, reply))
+            raise LeaseStoreUntrustedError(version_mismatch(self.path, reply))
         self._greeted = True
         if not reply.get("ok"):
-            cls = ERRORS.get(str(reply.get("type")), RegistryError)
+            cls = ERRORS.get(str(reply.get("type")), LeaseStoreError)
             raise cls(f"lease broker: {reply.get('error', 'refused')}")
         return reply
 
@@ -216,7 +216,7 @@ class _Conn:
                 raise ConnectionError("the broker closed the connection")
             self._buf += chunk
             if len(self._buf) > _MAX_LINE:
-                raise RegistryError(
+                raise LeaseStoreError(
                     f"the lease broker at {self.path} sent a reply to {op!r} longer than "
                     f"{_MAX_LINE} bytes: refused (the broker and this autogpu disagree on the "
                     "protocol's caps, or the broker has a bug; it is not down)"
@@ -249,7 +249,7 @@ def _connect(path: str, timeout_s: float) -> socket.socket:
         except OSError as err:
             sock.close()
             if time.monotonic() + delay > deadline:
-                raise RegistryUnreachableError(
+                raise LeaseStoreUnreachableError(
                     f"the lease broker at {path} cannot be reached ({_why(err)}): nothing was "
                     f"picked; {broker_fix(path)}"
                 ) from None
@@ -270,7 +270,7 @@ def _check_broker_owner(sock: socket.socket, path: str) -> None:
     _pid, uid, _gid = _UCRED.unpack(data)
     if uid not in (0, os.geteuid()) and not _host_root_seen_from_a_user_namespace(uid, path):
         sock.close()
-        raise RegistryUntrustedError(
+        raise LeaseStoreUntrustedError(
             f"the lease broker at {path} runs as uid {uid}, not root: refused (another user "
             f"could hand out fake leases); {broker_fix(path)}"
         )
@@ -297,7 +297,7 @@ class BrokerLease(HeldLease):
     """A lease (or ticket) the broker granted to this connection; it lives as long as the socket.
     """
 
-    def __init__(self, record: LeaseRecord, conn: _Conn, registry: BrokerRegistry) -> None:
+    def __init__(self, record: LeaseRecord, conn: _Conn, registry: BrokerStore) -> None:
         self.record = record
         self._conn: _Conn | None = conn
         self._registry = registry
@@ -348,11 +348,11 @@ class BrokerLease(HeldLease):
 
 
 class BrokerTransaction(StoreTransaction):
-    """One pick under the broker's pick lock (see :meth:`BrokerRegistry.locked`)."""
+    """One pick under the broker's pick lock (see :meth:`BrokerStore.locked`)."""
 
-    store: BrokerRegistry
+    store: BrokerStore
 
-    def __init__(self, registry: BrokerRegistry, conn: _Conn) -> None:
+    def __init__(self, registry: BrokerStore, conn: _Conn) -> None:
         """``conn`` has sent ``begin``; its answer (the pick lock and the booking view) is
         read when the view is first needed (:meth:`ready`)."""
         self.store = registry
@@ -365,7 +365,7 @@ class BrokerTransaction(StoreTransaction):
 
         Raises
         ------
-        RegistryUntrustedError
+        LeaseStoreUntrustedError
             The broker was lost twice on the way, or did not grant the lock in time (fail
             closed; nothing is leased).
         """
@@ -374,11 +374,11 @@ class BrokerTransaction(StoreTransaction):
         start = time.monotonic()
         conn = self._conn
         if conn is None:
-            raise RegistryError("this broker transaction is closed")
+            raise LeaseStoreError("this broker transaction is closed")
         registry = self.store
         try:
             reply = registry._granted(conn)
-        except RegistryUnreachableError:  # lost (the broker restarted): once more, afresh
+        except LeaseStoreUnreachableError:  # lost (the broker restarted): once more, afresh
             conn.close()
             self._conn = conn = registry._conn()
             try:
@@ -419,7 +419,7 @@ class BrokerTransaction(StoreTransaction):
         parents: Mapping[str, str] | None = None,
     ) -> BrokerLease:
         """Ask the broker for a lease on ``devices``; it admits it by the one admission's rules
-        (see :meth:`StoreTransaction.create`; ``RegistryError``: refused or lost). ``parents``
+        (see :meth:`StoreTransaction.create`; ``LeaseStoreError``: refused or lost). ``parents``
         is not sent: the broker reads the host's MIG layout from its own snapshot."""
         uuids = [d if isinstance(d, str) else d.uuid for d in devices]
         if not uuids:
@@ -429,7 +429,7 @@ class BrokerTransaction(StoreTransaction):
         else:
             booked = list(requested_bytes)
         if self._conn is None:
-            raise RegistryError("this broker transaction already made its lease")
+            raise LeaseStoreError("this broker transaction already made its lease")
         self.ready()
         assert self._conn is not None
         reply = self._conn.call(
@@ -455,7 +455,7 @@ class BrokerTransaction(StoreTransaction):
         exclusive: bool = False,
         requester: Requester | None = None,
     ) -> BrokerLease:
-        """A ticket is held by a connection of its own (see :meth:`BrokerRegistry.take_ticket`):
+        """A ticket is held by a connection of its own (see :meth:`BrokerStore.take_ticket`):
         this one's is the pick lock's."""
         return self.store.take_ticket(
             constraints=constraints, exclusive=exclusive, requester=requester
@@ -467,7 +467,7 @@ class BrokerTransaction(StoreTransaction):
             conn.close()  # closing gives the pick lock back
 
 
-class BrokerRegistry(LeaseStore):
+class BrokerStore(LeaseStore):
     """The broker at ``socket_path`` seen as a lease store (see the module docstring)."""
 
     leaves_dead_entries = False  # a lease ends the moment its holder's connection closes
@@ -489,7 +489,7 @@ class BrokerRegistry(LeaseStore):
         self.unusable_reason: str | None = None
 
     def __repr__(self) -> str:
-        return f"BrokerRegistry({self.path!r})"
+        return f"BrokerStore({self.path!r})"
 
     def _conn(self) -> _Conn:
         return _Conn(self.path, self.connect_timeout_s)
@@ -506,7 +506,7 @@ class BrokerRegistry(LeaseStore):
 
         Raises
         ------
-        RegistryUntrustedError
+        LeaseStoreUntrustedError
             The broker cannot be reached, or did not grant the lock in time (fail closed).
         """
         txn = self._begin()
@@ -523,7 +523,7 @@ class BrokerRegistry(LeaseStore):
         conn = self._conn()
         try:
             conn.send(_BEGIN, self.lock_timeout_s)
-        except RegistryUnreachableError:
+        except LeaseStoreUnreachableError:
             conn.close()
             conn = self._conn()
             try:
@@ -652,7 +652,7 @@ class BrokerRegistry(LeaseStore):
         return []
 
     def check(self) -> None:
-        """Raise :class:`RegistryUntrustedError` when the broker cannot be reached."""
+        """Raise :class:`LeaseStoreUntrustedError` when the broker cannot be reached."""
         self._conn().close()
 
     def scan(self) -> ScanResult:

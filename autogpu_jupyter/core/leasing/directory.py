@@ -27,15 +27,15 @@ Liveness is the ``flock`` itself: the holder keeps the lease file open with ``LO
 whole life (the descriptor is not inherited across ``exec``); a reader tries ``LOCK_SH|LOCK_NB``:
 refused means live, granted means the holder is gone (a SIGKILLed kernel frees its lease with no
 cleanup step, and PIDs never have to be trusted). Dead files are ignored and removed by their
-owner's next pick or by :meth:`Registry.prune`.
+owner's next pick or by :meth:`DirectoryStore.prune`.
 
 Security on a shared host: the top directory must be sticky when others can write it and owned
 by root or by the caller; each user's directory must be owned by the uid it is named after;
 files are created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` relative to a directory fd and checked with
 ``fstat``; another user's file is untrusted input (size cap, strict JSON schema, owner uid ==
 directory uid == the uid in the record, else ignored as forged) and is never put in a shell.
-A registry that cannot be used safely makes :meth:`Registry.locked` yield ``None``
-with :attr:`Registry.unusable_reason` set: a plain pick goes on without a lease and says
+A registry that cannot be used safely makes :meth:`DirectoryStore.locked` yield ``None``
+with :attr:`DirectoryStore.unusable_reason` set: a plain pick goes on without a lease and says
 why; one that promised exclusivity, a wait or a quota fails closed (see
 :mod:`autogpu_jupyter.core.picker`).
 
@@ -80,7 +80,7 @@ from autogpu_jupyter.core.leasing.store import (
     ScanResult,
     StoreTransaction,
 )
-from autogpu_jupyter.errors import RegistryError
+from autogpu_jupyter.errors import LeaseStoreError
 
 if TYPE_CHECKING:
     from autogpu_jupyter.core.devices import DeviceSnapshot
@@ -91,7 +91,7 @@ __all__ = [
     "TICKET_SUFFIX",
     "Lease",
     "LeaseRecord",
-    "Registry",
+    "DirectoryStore",
     "ScanResult",
     "Ticket",
     "Transaction",
@@ -116,7 +116,7 @@ class Lease(HeldLease):
 
     suffix = LEASE_SUFFIX
 
-    def __init__(self, record: LeaseRecord, fd: int, registry: Registry, name: str) -> None:
+    def __init__(self, record: LeaseRecord, fd: int, registry: DirectoryStore, name: str) -> None:
         self.record = record
         self._fd: int | None = fd
         self._registry = registry
@@ -203,11 +203,11 @@ def _kind_of(name: str) -> str | None:
 
 
 class Transaction(StoreTransaction):
-    """What a pick may do while it holds the registry lock (see :meth:`Registry.locked`)."""
+    """What a pick may do while it holds the registry lock (see :meth:`DirectoryStore.locked`)."""
 
-    store: Registry
+    store: DirectoryStore
 
-    def __init__(self, registry: Registry, top_fd: int, user_fd: int) -> None:
+    def __init__(self, registry: DirectoryStore, top_fd: int, user_fd: int) -> None:
         self.store = registry
         self._top_fd = top_fd
         self._user_fd = user_fd  # our own user directory, opened and checked by locked()
@@ -237,7 +237,7 @@ class Transaction(StoreTransaction):
         parents: Mapping[str, str] | None = None,
     ) -> Lease:
         """Write and hold a lease on ``devices``, if :func:`admission.admit_lease` allows it
-        (see :meth:`StoreTransaction.create` for the parameters and errors; ``RegistryError``:
+        (see :meth:`StoreTransaction.create` for the parameters and errors; ``LeaseStoreError``:
         the file cannot be written)."""
         if parents is None:
             parents = mig_parents(d for d in devices if not isinstance(d, str))
@@ -312,7 +312,7 @@ class Transaction(StoreTransaction):
         return ticket
 
 
-class Registry(LeaseStore):
+class DirectoryStore(LeaseStore):
     """The lease registry in directory ``path`` (shared by every user of the host).
 
     Parameters
@@ -371,7 +371,7 @@ class Registry(LeaseStore):
         )
 
     def __repr__(self) -> str:
-        return f"Registry({self.path!r})"
+        return f"DirectoryStore({self.path!r})"
 
     # -- opening, with the safety checks ------------------------------------------------------
 
@@ -391,7 +391,7 @@ class Registry(LeaseStore):
 
         When it yields ``None``, :attr:`unusable_reason` says why (a plain pick goes on without a
         lease and reports it; a promising one fails closed). Errors raised inside the block
-        propagate unchanged (a :class:`RegistryError` from :meth:`Transaction.create` means "no
+        propagate unchanged (a :class:`LeaseStoreError` from :meth:`Transaction.create` means "no
         lease" to the picker).
         """
         top_fd: int | None = None
@@ -402,14 +402,14 @@ class Registry(LeaseStore):
             # Our own directory must be usable before a pick relies on a lease there; it stays
             # open for the transaction (the lease is written there).
             ufd = self._open_user_dir(top_fd, create=True)
-        except RegistryError as err:
+        except LeaseStoreError as err:
             if top_fd is not None:
                 os.close(top_fd)  # also drops the flock, if we had it
             self.unusable_reason = str(err)
             log.info("lease registry unusable: %s", err)
             yield None
             return
-        assert ufd is not None  # create=True: our directory, or a RegistryError
+        assert ufd is not None  # create=True: our directory, or a LeaseStoreError
         try:
             self.unusable_reason = None
             yield Transaction(self, top_fd, ufd)
@@ -477,7 +477,7 @@ class Registry(LeaseStore):
                 dir_fd=user_fd,
             )
         except OSError as err:
-            raise RegistryError(
+            raise LeaseStoreError(
                 f"cannot write a lease in {os.path.join(self.path, str(self.uid))}: "
                 f"{err.strerror}"
             ) from None
@@ -485,7 +485,7 @@ class Registry(LeaseStore):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             st = os.fstat(fd)
             if st.st_uid != self.uid or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                raise RegistryError(f"lease file {record.path} is not ours after creation")
+                raise LeaseStoreError(f"lease file {record.path} is not ours after creation")
             os.fchmod(fd, 0o644)
             safefs.write_all(fd, data)
             # Rename keeps the inode and its flock: readers see whole records only.
@@ -494,7 +494,7 @@ class Registry(LeaseStore):
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=user_fd)
             os.close(fd)
-            raise RegistryError(f"cannot write lease {record.path}: {err.strerror}") from None
+            raise LeaseStoreError(f"cannot write lease {record.path}: {err.strerror}") from None
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=user_fd)
@@ -505,12 +505,12 @@ class Registry(LeaseStore):
     def _checked_bytes(self, record: LeaseRecord, name: str) -> bytes:
         """The exact bytes of ``record``, after the readers' own parse accepted them.
 
-        Raises :class:`RegistryError` when a reader would reject the record: the lease is then
+        Raises :class:`LeaseStoreError` when a reader would reject the record: the lease is then
         refused here, never reported held while every reader ignores it.
         """
         data = encode(record)
         if len(data) > MAX_RECORD_BYTES:
-            raise RegistryError("lease record too large (a very long command or path?)")
+            raise LeaseStoreError("lease record too large (a very long command or path?)")
         try:
             parse_checked(
                 data,
@@ -522,7 +522,7 @@ class Registry(LeaseStore):
                 live=True,
             )
         except Invalid as err:
-            raise RegistryError(
+            raise LeaseStoreError(
                 f"lease record refused: readers would reject it ({err})") from None
         return data
 
@@ -547,7 +547,7 @@ class Registry(LeaseStore):
         try:
             names = os.listdir(top_fd)
         except OSError as err:
-            raise RegistryError(
+            raise LeaseStoreError(
                 f"cannot list lease registry {self.path}: {err.strerror}") from None
         for uname in sorted(names) if keep_ignored else names:
             # isdecimal() alone is true for '¹' or '٣' (int() then fails or differs): ASCII only.
@@ -656,7 +656,7 @@ class Registry(LeaseStore):
 
         Raises
         ------
-        RegistryError
+        LeaseStoreError
             The registry is missing or unsafe.
         """
         top = self._open_top(create=False)
@@ -666,7 +666,7 @@ class Registry(LeaseStore):
             os.close(top)
 
     def check(self) -> None:
-        """Raise :class:`RegistryError` if the registry cannot be used (creating it if
+        """Raise :class:`LeaseStoreError` if the registry cannot be used (creating it if
         missing)."""
         top = self._open_top(create=True)
         try:
@@ -674,7 +674,7 @@ class Registry(LeaseStore):
         except BlockingIOError:
             pass
         except OSError as err:
-            raise RegistryError(
+            raise LeaseStoreError(
                 f"cannot lock lease registry {self.path}: {err.strerror}") from None
         finally:
             os.close(top)
@@ -682,11 +682,11 @@ class Registry(LeaseStore):
     def list_leases(self, *, include_tickets: bool = False) -> list[LeaseRecord]:
         """Live leases of every user, oldest first (no lock taken; for status surfaces).
 
-        A missing registry lists nothing. Raises :class:`RegistryError` when it is unsafe.
+        A missing registry lists nothing. Raises :class:`LeaseStoreError` when it is unsafe.
         """
         try:
             top = self._open_top(create=False)
-        except RegistryError:
+        except LeaseStoreError:
             if not os.path.lexists(self.path):
                 return []
             raise
@@ -703,12 +703,12 @@ class Registry(LeaseStore):
         says it has no lease)."""
         try:
             top = self._open_top(create=False)
-        except RegistryError as err:
+        except LeaseStoreError as err:
             log.debug("ranking without the registry: %s", err)
             return []
         try:
             return self._scan_fd(top, keep_ignored=False).live
-        except RegistryError as err:
+        except LeaseStoreError as err:
             log.debug("ranking without the registry: %s", err)
             return []
         finally:
@@ -730,11 +730,11 @@ class Registry(LeaseStore):
 
         Raises
         ------
-        RegistryError
+        LeaseStoreError
             Unsafe or missing registry, or ``all_users`` without root.
         """
         if all_users and self.uid != 0:
-            raise RegistryError("pruning every user's dead leases needs root (--all)")
+            raise LeaseStoreError("pruning every user's dead leases needs root (--all)")
         top = self._open_top(create=False)
         try:
             self._acquire(top)

@@ -28,9 +28,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from autogpu_jupyter.core.leasing import brokerclient
-from autogpu_jupyter.core.leasing.directory import Registry
+from autogpu_jupyter.core.leasing.directory import DirectoryStore
 from autogpu_jupyter.core.leasing.store import LeaseStore
-from autogpu_jupyter.errors import RegistryError
+from autogpu_jupyter.errors import LeaseStoreError
 
 __all__ = ["OFF", "StoreSettings", "configured_socket", "store_for"]
 
@@ -92,15 +92,15 @@ def store_for(
         if socket or os.path.exists(path):
             timeout = max(float(settings.registry_lock_timeout_s), 1.0)
             broker = _resolve(
-                (brokerclient.BrokerRegistry, path, timeout),
-                lambda: brokerclient.BrokerRegistry(path, lock_timeout_s=timeout),
+                (brokerclient.BrokerStore, path, timeout),
+                lambda: brokerclient.BrokerStore(path, lock_timeout_s=timeout),
             )
             if str(settings.broker_fallback).strip().lower() != "registry":
                 return broker
             try:
                 broker.check()
                 return broker
-            except RegistryError as err:
+            except LeaseStoreError as err:
                 log.warning("%s; using the shared-directory registry (broker_fallback)", err)
     if not directory:
         return None
@@ -112,9 +112,9 @@ def store_for(
         float(settings.registry_lock_timeout_s),
     )
 
-    def make() -> Registry:
+    def make() -> DirectoryStore:
         devices, leases, tickets, commands, timeout = rules
-        return Registry(
+        return DirectoryStore(
             directory,
             max_devices_per_user=devices,
             max_leases_per_user=leases,
@@ -124,8 +124,8 @@ def store_for(
         )
 
     # The absolute path is the key: a relative directory follows the working directory, as a
-    # Registry made at this moment would.
-    return _resolve((Registry, os.path.abspath(directory), *rules), make)
+    # DirectoryStore made at this moment would.
+    return _resolve((DirectoryStore, os.path.abspath(directory), *rules), make)
 
 
 def _resolve(key: tuple[object, ...], make: Callable[[], LeaseStore]) -> LeaseStore:

@@ -18,7 +18,7 @@ reached by a path that another user could redirect.
   rejected, by (directory uid, name, inode), so planted junk costs a dictionary look-up per scan.
 
 The error texts name the lease registry, its setting and the admin's fix: they are what a user
-reads when the directory cannot be used (:class:`~autogpu_jupyter.errors.RegistryError`). The
+reads when the directory cannot be used (:class:`~autogpu_jupyter.errors.LeaseStoreError`). The
 store's own rules -- which files are leases and tickets, the record format, admission, what a scan
 reports -- are :mod:`~autogpu_jupyter.core.leasing.directory`'s.
 """
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 
 from autogpu_jupyter.core import procfs
-from autogpu_jupyter.errors import RegistryError
+from autogpu_jupyter.errors import LeaseStoreError
 
 __all__ = [
     "O_DIR",
@@ -134,7 +134,7 @@ def acquire(top_fd: int, path: str, timeout_s: float) -> None:
     """Take the registry-wide ``flock`` on ``top_fd``, waiting at most ``timeout_s``.
 
     The uncontended case is one non-blocking ``flock``; otherwise :func:`flock_wait` polls.
-    Raises :class:`RegistryError` naming ``path`` when it stays locked or cannot be locked.
+    Raises :class:`LeaseStoreError` naming ``path`` when it stays locked or cannot be locked.
     """
     try:
         fcntl.flock(top_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -148,15 +148,15 @@ def acquire(top_fd: int, path: str, timeout_s: float) -> None:
     except OSError as err:
         raise _lock_error(path, err) from None
     if not acquired:
-        raise RegistryError(
+        raise LeaseStoreError(
             f"lease registry {path} stayed locked by another process for more than "
             f"{timeout_s:g} s (the admin can find the holder with "
             f"`lslocks | grep {path}` and stop it)"
         )
 
 
-def _lock_error(path: str, err: OSError) -> RegistryError:
-    return RegistryError(
+def _lock_error(path: str, err: OSError) -> LeaseStoreError:
+    return LeaseStoreError(
         f"cannot lock lease registry {path}: {err.strerror} (a filesystem "
         "without flock, e.g. some NFS mounts? Use a local AUTOGPU_REGISTRY_DIR)"
     )
@@ -237,7 +237,7 @@ def open_top(path: str, uid: int, create: bool) -> int:
         fd = os.open(path, O_DIR)
     except FileNotFoundError:
         if not create:
-            raise RegistryError(f"lease registry {path} does not exist") from None
+            raise LeaseStoreError(f"lease registry {path} does not exist") from None
         try:
             os.mkdir(path, 0o700)  # tightened before anyone else can use it
             fd = os.open(path, O_DIR)
@@ -247,7 +247,7 @@ def open_top(path: str, uid: int, create: bool) -> int:
         except FileExistsError:
             fd = _open_existing_top(path)
         except OSError as err:
-            raise RegistryError(
+            raise LeaseStoreError(
                 f"cannot create lease registry {path}: {err.strerror}; ask the admin to "
                 f"create it (install -d -m 1777 -o root {path}) or set "
                 "AUTOGPU_REGISTRY_DIR / c.AutoGPU.registry_dir"
@@ -269,15 +269,15 @@ def _open_existing_top(path: str) -> int:
         raise _open_error(path, err) from None
 
 
-def _open_error(path: str, err: OSError) -> RegistryError:
+def _open_error(path: str, err: OSError) -> LeaseStoreError:
     final_is_odd = os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path))
     if err.errno in (errno.ELOOP, errno.ENOTDIR) and final_is_odd:
         what = "a symlink" if os.path.islink(path) else "not a directory"
-        return RegistryError(
+        return LeaseStoreError(
             f"lease registry {path} is {what}: refused (another user could redirect "
             "leases elsewhere); the admin should make it a real directory, mode 1777"
         )
-    return RegistryError(
+    return LeaseStoreError(
         f"cannot use lease registry {path}: {err.strerror}; ask the admin to create it "
         f"(install -d -m 1777 -o root {path}) or set AUTOGPU_REGISTRY_DIR / "
         "c.AutoGPU.registry_dir"
@@ -288,14 +288,14 @@ def _check_top(path: str, uid: int, fd: int) -> None:
     st = os.fstat(fd)
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid not in (0, uid):
-        raise RegistryError(
+        raise LeaseStoreError(
             f"lease registry {path} is owned by {describe_owner(st.st_uid)}, not by root "
             f"or you: its owner could hide or replace other users' leases, so it is refused. "
             f"Ask the admin to create it as root (install -d -m 1777 -o root {path}), "
             "or set AUTOGPU_REGISTRY_DIR to another directory"
         )
     if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
-        raise RegistryError(
+        raise LeaseStoreError(
             f"lease registry {path} is writable by others without the sticky bit "
             f"(mode {mode:04o}): any user could delete or replace other users' leases, so it "
             f"is refused. Fix: chmod 1777 {path}"
@@ -317,7 +317,7 @@ def open_user_dir(path: str, top_fd: int, uid: int, create: bool) -> int | None:
         except FileExistsError:
             pass
         except OSError as err:
-            raise RegistryError(
+            raise LeaseStoreError(
                 f"cannot create {where} in the lease registry: {err.strerror}"
             ) from None
         try:
@@ -329,7 +329,7 @@ def open_user_dir(path: str, top_fd: int, uid: int, create: bool) -> int | None:
     try:
         st = os.fstat(fd)
         if st.st_uid != uid:
-            raise RegistryError(
+            raise LeaseStoreError(
                 f"{where} is owned by {describe_owner(st.st_uid)}, not by you: someone "
                 "created your lease directory before you did, so it is refused. Ask the admin "
                 f"to remove it (rm -r {where})"
@@ -342,13 +342,13 @@ def open_user_dir(path: str, top_fd: int, uid: int, create: bool) -> int | None:
     return fd
 
 
-def _user_dir_error(where: str, err: OSError) -> RegistryError:
+def _user_dir_error(where: str, err: OSError) -> LeaseStoreError:
     if err.errno in (errno.ELOOP, errno.ENOTDIR):
-        return RegistryError(
+        return LeaseStoreError(
             f"{where} is a symlink or not a directory (planted by another user?): refused; "
             "nothing was written. Ask the admin to remove it"
         )
-    return RegistryError(f"cannot open {where}: {err.strerror}")
+    return LeaseStoreError(f"cannot open {where}: {err.strerror}")
 
 
 def open_peer_dir(top_fd: int, name: str, dir_uid: int) -> int | str:
@@ -465,7 +465,7 @@ def unlink_own(path: str, uid: int, name: str, fd: int) -> None:
             unlink_if_same(ufd, name, fd)
         finally:
             os.close(ufd)
-    except (OSError, RegistryError) as err:
+    except (OSError, LeaseStoreError) as err:
         log.debug("cannot remove lease %s: %s", name, err)
     finally:
         os.close(top)

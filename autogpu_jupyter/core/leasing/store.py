@@ -176,7 +176,7 @@ class StoreTransaction(abc.ABC):
         NoDeviceFitsError
             A device is held exclusively, held at all when ``exclusive`` is wanted, or
             reserved for others.
-        RegistryError
+        LeaseStoreError
             The store cannot write it (the pick goes on without a lease and says so).
         """
 
@@ -293,7 +293,7 @@ class LeaseStore(abc.ABC):
         """Live leases (and tickets) of every user, oldest first, for status surfaces; other
         users' command lines are not shown.
 
-        Raises :class:`RegistryError` when the store cannot be read."""
+        Raises :class:`LeaseStoreError` when the store cannot be read."""
 
     @abc.abstractmethod
     def scan(self) -> ScanResult:
@@ -301,7 +301,7 @@ class LeaseStore(abc.ABC):
 
     @abc.abstractmethod
     def check(self) -> None:
-        """Raise :class:`RegistryError` when the store cannot be used."""
+        """Raise :class:`LeaseStoreError` when the store cannot be used."""
 
     @abc.abstractmethod
     def prune(self, all_users: bool = False) -> list[LeaseRecord]:

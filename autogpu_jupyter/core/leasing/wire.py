@@ -23,9 +23,9 @@ from autogpu_jupyter.core.leasing.store import Requester
 from autogpu_jupyter.errors import (
     AutoGPUError,
     LeaseLimitError,
+    LeaseStoreError,
+    LeaseStoreUntrustedError,
     NoDeviceFitsError,
-    RegistryError,
-    RegistryUntrustedError,
     UsageErrorBase,
 )
 
@@ -79,20 +79,20 @@ VIEW_TICKET_BYTES = 256 * 1024
 #: Who may hold a lease (``holder.kind``), as the picker's requester says.
 HOLDER_KINDS = ("process", "kernel", "cli", "provisioner", "api")
 #: The refusals a client raises as their own errors (by the reply's ``type``); any other is a
-#: :class:`~autogpu_jupyter.errors.RegistryError`.
+#: :class:`~autogpu_jupyter.errors.LeaseStoreError`.
 ERRORS: dict[str, type[AutoGPUError]] = {
     "LeaseLimitError": LeaseLimitError,
     "NoDeviceFitsError": NoDeviceFitsError,
     "UsageErrorBase": UsageErrorBase,
     # a lease the broker cannot record (its disk full): the pick fails closed, even a plain one
-    "RegistryUntrustedError": RegistryUntrustedError,
+    "LeaseStoreUntrustedError": LeaseStoreUntrustedError,
 }
 
 
 def version_mismatch(path: str, reply: Mapping[str, Any]) -> str:
     """The line for a first reply (from the broker at ``path``) of another protocol version."""
     theirs = reply.get("proto")
-    if reply.get("ok") is False and reply.get("type") == "RegistryUntrustedError":
+    if reply.get("ok") is False and reply.get("type") == "LeaseStoreUntrustedError":
         return f"lease broker at {path}: {reply.get('error')}"  # it refused us: its words
     spoken = "an older protocol (no version)" if theirs is None else f"protocol {theirs!r:.20}"
     return (
@@ -111,7 +111,7 @@ def wire_records(items: Iterable[Any], path: str) -> list[LeaseRecord]:
         try:
             out.append(from_wire(item, path))
         except (KeyError, TypeError, ValueError, OverflowError) as err:  # Infinity: Overflow
-            raise RegistryError(f"lease broker at {path} sent a bad record: {err}") from None
+            raise LeaseStoreError(f"lease broker at {path} sent a bad record: {err}") from None
     return out
 
 
@@ -189,7 +189,7 @@ def view_records(devices: Iterable[Any], path: str) -> list[LeaseRecord]:
                 rest = _view_record(at, len(out), uuid, False, 0, None, "others", None)
                 out += [rest] * alike
     except (KeyError, TypeError, ValueError, OverflowError) as err:  # JSON's Infinity: Overflow
-        raise RegistryError(f"lease broker at {path} sent a bad booking view: {err}") from None
+        raise LeaseStoreError(f"lease broker at {path} sent a bad booking view: {err}") from None
     return out
 
 
@@ -204,7 +204,7 @@ def reservations(reserved: Any, path: str) -> list[LeaseRecord]:
         return [reservation(str(uuid), [str(g) for g in groups][:64], "")
                 for uuid, groups in items]
     except (AttributeError, TypeError) as err:
-        raise RegistryError(f"lease broker at {path} sent a bad booking view: {err}") from None
+        raise LeaseStoreError(f"lease broker at {path} sent a bad booking view: {err}") from None
 
 
 #: The fields of a record in the order :class:`LeaseRecord` declares them (a record of the
