@@ -27,6 +27,7 @@ from autogpu_jupyter.core import decision
 from autogpu_jupyter.core.devices import physical_gpu
 from autogpu_jupyter.core.leasing import admission
 from autogpu_jupyter.core.leasing.records import MAX_ID_LIST, LeaseRecord, encode
+from autogpu_jupyter.core.leasing.wire import WIRE_STORE_ERROR, wire_kind
 from autogpu_jupyter.errors import AutoGPUError
 
 __all__ = ["BrokerRefusal", "Holder", "LeaseBook", "Orphan", "LINE_BAR_S", "SETTLED_S",
@@ -46,7 +47,7 @@ SETTLED_S = 2.0
 class BrokerRefusal(Exception):
     """A request the broker refuses; the message goes back to the client (one line)."""
 
-    def __init__(self, message: str, kind: str = "LeaseStoreError") -> None:
+    def __init__(self, message: str, kind: str = WIRE_STORE_ERROR) -> None:
         super().__init__(message)
         self.kind = kind
 
@@ -318,7 +319,7 @@ class LeaseBook:
                 parents=self.parents,
             )
         except AutoGPUError as err:
-            raise BrokerRefusal(str(err), type(err).__name__) from None
+            raise BrokerRefusal(str(err), wire_kind(err)) from None
 
     def check_ticket(self, conn: Holder, rec: LeaseRecord, replaced: set[str]) -> LeaseRecord:
         """The one admission's verdict on a ticket (:func:`admission.admit_ticket`): ``rec``
@@ -338,7 +339,7 @@ class LeaseBook:
                 parents=self.parents,
             )
         except AutoGPUError as err:
-            raise BrokerRefusal(str(err), type(err).__name__) from None
+            raise BrokerRefusal(str(err), wire_kind(err)) from None
         return rec if admitted == rec.constraints else replace(rec, constraints=admitted)
 
     # -- the waiting line -------------------------------------------------------------------

@@ -34,6 +34,8 @@ from autogpu_jupyter.core.leasing.wire import (
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
     PROTOCOL,
+    WIRE_STORE_ERROR,
+    WIRE_UNTRUSTED,
 )
 
 __all__ = ["Conn", "Connections", "OUT_BUFFER_BYTES", "peer_credentials"]
@@ -182,7 +184,7 @@ class Connections:
         return None
 
     def refuse(self, sock: socket.socket, uid: int, why: str) -> None:
-        line = json.dumps({"ok": False, "type": "LeaseStoreError", "error": why,
+        line = json.dumps({"ok": False, "type": WIRE_STORE_ERROR, "error": why,
                            "proto": PROTOCOL}).encode() + b"\n"
         with contextlib.suppress(OSError):
             sock.setblocking(False)
@@ -245,7 +247,7 @@ class Connections:
             if not conn.greeted:
                 mismatch = _protocol_mismatch(msg.get("proto"))
                 if mismatch:
-                    await self.send(conn, {"ok": False, "type": "LeaseStoreUntrustedError",
+                    await self.send(conn, {"ok": False, "type": WIRE_UNTRUSTED,
                                             "error": mismatch})
                     return
                 conn.greeted = True
@@ -328,7 +330,7 @@ def _short(v: Any) -> str:
 
 
 def _error(message: str) -> dict[str, Any]:
-    return {"ok": False, "error": message, "type": "LeaseStoreError"}
+    return {"ok": False, "error": message, "type": WIRE_STORE_ERROR}
 
 
 def _protocol_mismatch(theirs: Any) -> str | None:

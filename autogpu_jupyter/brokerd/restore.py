@@ -24,6 +24,7 @@ from autogpu_jupyter.brokerd import peers
 from autogpu_jupyter.brokerd.book import BrokerRefusal, LeaseBook, Orphan
 from autogpu_jupyter.brokerd.identity import tenant_key
 from autogpu_jupyter.core.leasing.records import Invalid, LeaseRecord, parse_record
+from autogpu_jupyter.core.leasing.wire import WIRE_UNTRUSTED
 
 __all__ = ["Restorer"]
 
@@ -80,7 +81,7 @@ class Restorer:
                 journal.add(jrnl.Entry(new.lease_id, conn.uid, encoded, peer,
                                        list(conn.holder_pids), tenant))
         except jrnl.NotRecorded as err:  # not in the journal: the book undoes the change
-            raise BrokerRefusal(err.refusal(new.kind, began), "LeaseStoreUntrustedError") from None
+            raise BrokerRefusal(err.refusal(new.kind, began), WIRE_UNTRUSTED) from None
 
     def _forgotten(self, lease_id: str) -> None:
         self._unwatch(lease_id)

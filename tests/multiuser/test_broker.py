@@ -242,7 +242,7 @@ def test_oversized_or_malformed_messages_close_only_that_connection(
         assert any("longer than 65536 bytes" in r.get("error", "") for r in big[:-1]), big
         junk = as_user(uid, gid, _raw, path, b"not json\n", {"op": "status"})
         assert junk == [{"ok": False, "error": "malformed message (not JSON): connection closed",
-                         "type": "LeaseStoreError", "proto": PROTOCOL}, "closed"]
+                         "type": "RegistryError", "proto": PROTOCOL}, "closed"]
         deep = as_user(uid, gid, _raw, path, b"[" * 60_000 + b"\n")
         assert deep[-1] == "closed" and "malformed" in deep[0]["error"]
         unknown = as_user(uid, gid, _raw, path, {"op": "become_root"})

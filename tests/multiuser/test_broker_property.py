@@ -276,7 +276,7 @@ def _expected_refusal(got: dict[str, Any]) -> bool:
     waiting line's rate, the unknown uids' few connections)."""
     if got.get("refused") in ("NoDeviceFitsError", "LeaseLimitError"):
         return True
-    return got.get("refused") == "LeaseStoreError" and "too many connections" in got["error"]
+    return got.get("refused") == "RegistryError" and "too many connections" in got["error"]
 
 
 def test_random_sequences_from_several_uids_keep_the_rules(world: dict[str, Any]) -> None:

@@ -110,7 +110,7 @@ def test_a_full_state_disk_refuses_grants_in_one_line_and_a_restart_loses_no_lea
             granted.append(reply["record"]["lease_id"])
         assert refused is not None, "the broker granted 20 leases on a full disk"
         conn, reply = refused
-        assert reply["type"] == "LeaseStoreUntrustedError", reply
+        assert reply["type"] == "RegistryUntrustedError", reply
         assert reply["error"] == (
             f"cannot record the lease: no space left on device in {small_state} (the broker's "
             "state directory); the lease was not granted"), reply
@@ -145,12 +145,12 @@ def test_a_full_state_disk_refuses_grants_in_one_line_and_a_restart_loses_no_lea
         assert sorted(r["lease_id"] for r in broker.status()["leases"]) == sorted(granted)
         conn = RawConn(broker.socket, timeout=REPLY_TIMEOUT_S)
         held.append(conn)
-        assert lease(conn, uuid_of(1))["type"] == "LeaseStoreUntrustedError"
+        assert lease(conn, uuid_of(1))["type"] == "RegistryUntrustedError"
         # A re-pick refused so keeps the lease it would have replaced.
         with RawConn(broker.socket, timeout=REPLY_TIMEOUT_S) as repick:
             reply = repick.call({"op": "lease", "devices": [uuid_of(2)], "ignore_ids": [mine_id],
                                  "holder": {"kind": "cli"}})
-        assert reply["type"] == "LeaseStoreUntrustedError", reply
+        assert reply["type"] == "RegistryUntrustedError", reply
         assert sorted(r["lease_id"] for r in broker.status()["leases"]) == sorted(granted)
 
         # Room again: the same connection is granted, and an exclusive lease too.

@@ -66,7 +66,7 @@ def test_set_pid_on_a_connection_that_holds_no_lease_is_refused_in_those_words()
     with pytest.raises(BrokerRefusal) as err:
         run(b.run_op("set_pid", conn, {"op": "set_pid", "pid": os.getpid()}))
     assert (str(err.value), err.value.kind) == (
-        "set_pid: this connection holds no lease", "LeaseStoreError")
+        "set_pid: this connection holds no lease", "RegistryError")
     assert conn.record is None
 
 

@@ -568,7 +568,7 @@ def test_a_reply_past_its_cap_is_an_error_that_says_so_and_is_logged(caplog: Any
     caplog.set_level(logging.ERROR, logger="autogpu.broker")
     line = run(main(cap + 1))
     assert json.loads(line) == {
-        "ok": False, "type": "LeaseStoreError", "proto": PROTOCOL,
+        "ok": False, "type": "RegistryError", "proto": PROTOCOL,
         "error": f"reply too long ({cap + 1} bytes, cap {cap}): a bug of the broker, please "
                  "report it"}
     assert [r.getMessage() for r in caplog.records] == [
@@ -758,7 +758,7 @@ def test_revoke_by_a_user_other_than_root_is_refused_in_those_words() -> None:
     assert bob.record is not None
     with pytest.raises(BrokerRefusal) as err:
         run(b.run_op("revoke", alice, {"op": "revoke", "lease_id": bob.record.lease_id}))
-    assert (str(err.value), err.value.kind) == ("revoke needs root", "LeaseStoreError")
+    assert (str(err.value), err.value.kind) == ("revoke needs root", "RegistryError")
     assert bob.record is not None  # still bob's
 
 
@@ -1013,7 +1013,7 @@ def test_a_second_lease_on_one_connection_is_refused_in_those_words() -> None:
     with pytest.raises(BrokerRefusal) as err:
         run(b.run_op("lease", conn, {"op": "lease", "devices": ["GPU-ol2"]}))
     assert (str(err.value), err.value.kind) == (
-        "this connection already holds a lease or ticket", "LeaseStoreError")
+        "this connection already holds a lease or ticket", "RegistryError")
     assert conn.record is held
 
 
@@ -1056,7 +1056,7 @@ def test_a_refused_connection_gets_one_line_with_the_protocol_and_is_logged(
     finally:
         theirs.close()
     assert line.endswith(b"\n") and json.loads(line) == {
-        "ok": False, "type": "LeaseStoreError", "error": "too many connections for alice",
+        "ok": False, "type": "RegistryError", "error": "too many connections for alice",
         "proto": PROTOCOL}
     assert ours.fileno() == -1  # closed
     assert [r.getMessage() for r in caplog.records] == [
@@ -1131,7 +1131,7 @@ def test_a_client_of_another_protocol_gets_an_untrusted_error_and_is_closed(
 
     got = b"".join(run(go()))
     assert json.loads(got) == {
-        "ok": False, "type": "LeaseStoreUntrustedError", "proto": PROTOCOL,
+        "ok": False, "type": "RegistryUntrustedError", "proto": PROTOCOL,
         "error": broker_mod._protocol_mismatch(PROTOCOL + 1)}
     assert got.count(b"\n") == 1
 
@@ -1221,7 +1221,7 @@ def test_a_message_the_broker_cannot_take_is_answered_in_one_line_naming_why_the
 
     b = broker()
     assert exchange(b, monkeypatch, sent, b'{"op": "leases"}\n') == [
-        {"ok": False, "type": "LeaseStoreError", "error": error, "proto": PROTOCOL}]
+        {"ok": False, "type": "RegistryError", "error": error, "proto": PROTOCOL}]
 
 
 def test_the_protocol_is_checked_on_the_first_message_and_the_line_bar_on_tickets_only(

@@ -872,7 +872,7 @@ def test_a_reply_just_under_the_limit_is_read_and_one_over_it_is_refused_as_such
         (b'{"ok": true, "proto": 1, "revoked": "x"}\n', "protocol 1"),
         (b'{"ok": true, "proto": "2", "revoked": "x"}\n', "protocol '2'"),
         # an older broker's refusal (of anything) is still an older broker, not its words
-        (b'{"ok": false, "type": "LeaseStoreError", "error": "no"}\n',
+        (b'{"ok": false, "type": "RegistryError", "error": "no"}\n',
          "an older protocol (no version)"),
     ],
 )
@@ -892,7 +892,7 @@ def test_a_broker_of_another_protocol_is_refused_with_one_line(
 
 
 def test_a_broker_that_refuses_our_protocol_is_quoted(peer_path: str) -> None:
-    refusal = {"ok": False, "type": "LeaseStoreUntrustedError", "proto": PROTOCOL + 1,
+    refusal = {"ok": False, "type": "RegistryUntrustedError", "proto": PROTOCOL + 1,
                "error": "this autogpu speaks protocol 2, the lease broker speaks protocol 3"}
     peer = Peer(peer_path, [[json.dumps(refusal).encode() + b"\n"]])
     with pytest.raises(LeaseStoreUntrustedError) as err:
@@ -1830,3 +1830,24 @@ def test_the_refusal_left_behind_is_one_whole_first_line(
     out), ``< _MAX_LINE``, 65537 bytes a read, a chunk replacing the buffer, a line without its
     end parsed, the last line taken (``rpartition``) or no line split at all."""
     assert _left(*chunks) == (got, reads)
+
+
+def test_the_wire_spells_the_store_errors_as_the_previous_release_did() -> None:
+    """Issue 42 renamed the error classes (``LeaseStoreError`` ...), not the wire: a refusal's
+    ``type`` is still ``RegistryError`` / ``RegistryUntrustedError``, so a client of the previous
+    release still fails closed on a broker that cannot record its lease, and a client of this one
+    reads a previous broker's refusals as its own errors."""
+    from autogpu_jupyter.core.leasing import wire
+    from autogpu_jupyter.errors import (
+        LeaseLimitError,
+        LeaseStoreError,
+        LeaseStoreUnreachableError,
+        LeaseStoreUntrustedError,
+    )
+
+    assert wire.wire_kind(LeaseStoreError("x")) == "RegistryError"
+    assert wire.wire_kind(LeaseStoreUntrustedError("x")) == "RegistryUntrustedError"
+    assert wire.wire_kind(LeaseStoreUnreachableError("x")) == "RegistryUnreachableError"
+    assert wire.wire_kind(LeaseLimitError("x")) == "LeaseLimitError"
+    assert wire.ERRORS["RegistryUntrustedError"] is LeaseStoreUntrustedError
+    assert "LeaseStoreUntrustedError" not in wire.ERRORS

@@ -43,6 +43,9 @@ __all__ = [
     "VIEW_SHAPES",
     "VIEW_TICKETS",
     "VIEW_TICKET_BYTES",
+    "WIRE_STORE_ERROR",
+    "WIRE_UNTRUSTED",
+    "wire_kind",
     "from_wire",
     "holder_msg",
     "lease_events",
@@ -78,6 +81,24 @@ VIEW_SHAPES = ("rows", VIEW_BY_PID)
 VIEW_TICKET_BYTES = 256 * 1024
 #: Who may hold a lease (``holder.kind``), as the picker's requester says.
 HOLDER_KINDS = ("process", "kernel", "cli", "provisioner", "api")
+#: The wire spells the store's errors as every earlier release did: the Python classes were
+#: renamed (``LeaseStoreError``, ``LeaseStoreUntrustedError``, ``LeaseStoreUnreachableError``),
+#: the reply's ``type`` was not, so a broker and clients one release apart read each other.
+WIRE_STORE_ERROR = "RegistryError"
+WIRE_UNTRUSTED = "RegistryUntrustedError"
+_WIRE_KIND = {
+    "LeaseStoreError": WIRE_STORE_ERROR,
+    "LeaseStoreUntrustedError": WIRE_UNTRUSTED,
+    "LeaseStoreUnreachableError": "RegistryUnreachableError",
+}
+
+
+def wire_kind(err: BaseException) -> str:
+    """The reply's ``type`` for a refusal raised as ``err`` (its class's name on the wire)."""
+    name = type(err).__name__
+    return _WIRE_KIND.get(name, name)
+
+
 #: The refusals a client raises as their own errors (by the reply's ``type``); any other is a
 #: :class:`~autogpu_jupyter.errors.LeaseStoreError`.
 ERRORS: dict[str, type[AutoGPUError]] = {
@@ -85,14 +106,14 @@ ERRORS: dict[str, type[AutoGPUError]] = {
     "NoDeviceFitsError": NoDeviceFitsError,
     "UsageErrorBase": UsageErrorBase,
     # a lease the broker cannot record (its disk full): the pick fails closed, even a plain one
-    "LeaseStoreUntrustedError": LeaseStoreUntrustedError,
+    WIRE_UNTRUSTED: LeaseStoreUntrustedError,
 }
 
 
 def version_mismatch(path: str, reply: Mapping[str, Any]) -> str:
     """The line for a first reply (from the broker at ``path``) of another protocol version."""
     theirs = reply.get("proto")
-    if reply.get("ok") is False and reply.get("type") == "LeaseStoreUntrustedError":
+    if reply.get("ok") is False and reply.get("type") == WIRE_UNTRUSTED:
         return f"lease broker at {path}: {reply.get('error')}"  # it refused us: its words
     spoken = "an older protocol (no version)" if theirs is None else f"protocol {theirs!r:.20}"
     return (
