@@ -7,6 +7,8 @@ HTTP error with a JSON ``message``, the CLI into a message and an exit code (``e
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "AutoGPUError",
     "UsageErrorBase",
@@ -94,3 +96,10 @@ class DeviceBoundError(AutoGPUError):
     request. Waiting does not help; moving (a restart elsewhere) does."""
 
     exit_code = 3
+
+
+def __getattr__(name: str) -> Any:
+    # The names before the lease-store renames, deprecated for one release.
+    from autogpu_jupyter._renamed import old_name  # noqa: PLC0415
+
+    return old_name(__name__, name)

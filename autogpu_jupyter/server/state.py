@@ -280,6 +280,14 @@ class AutoGPUServer(LoggingConfigurable):
             return None
         return store_for(self._autogpu(), registry_dir=self.registry_dir, view=True)
 
+    def registry(self, /) -> LeaseStore | None:
+        """Deprecated for one release: the old name of :meth:`store`."""
+        import warnings  # noqa: PLC0415
+
+        warnings.warn("AutoGPUServer.registry() is deprecated and will be removed in the next "
+                      "release; use AutoGPUServer.store()", DeprecationWarning, stacklevel=2)
+        return self.store()
+
     def _autogpu(self) -> AutoGPU:
         """The server's ``c.AutoGPU`` settings (made once: the config does not change)."""
         with self._lock:

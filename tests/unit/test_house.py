@@ -25,7 +25,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "autogpu_jupyter"
 
 #: The layers, lowest first; a module may import its own layer and the ones below.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("autogpu_jupyter._version", "autogpu_jupyter.errors", "autogpu_jupyter.config")),
+    ("base", ("autogpu_jupyter._version", "autogpu_jupyter._renamed", "autogpu_jupyter.errors",
+              "autogpu_jupyter.config")),
     ("core.procfs, core.devices, core.units", (
         "autogpu_jupyter.core.procfs", "autogpu_jupyter.core.devices",
         "autogpu_jupyter.core.units", "autogpu_jupyter.core.text",

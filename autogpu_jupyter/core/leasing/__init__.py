@@ -86,4 +86,6 @@ def __getattr__(name: str) -> Any:
         from autogpu_jupyter.core.leasing import admin  # noqa: PLC0415
 
         return getattr(admin, name)
-    raise AttributeError(f"module 'autogpu_jupyter.core.leasing' has no attribute {name!r}")
+    from autogpu_jupyter._renamed import old_name  # noqa: PLC0415
+
+    return old_name(__name__, name)  # the names before the renames, or AttributeError

@@ -675,3 +675,10 @@ def _pages(
         after = reply.get("next")
         if after is None or len(out) >= MAX_LIST_RECORDS:
             return out[:MAX_LIST_RECORDS]
+
+
+def __getattr__(name: str) -> Any:
+    # The names before the lease-store renames, deprecated for one release.
+    from autogpu_jupyter._renamed import old_name  # noqa: PLC0415
+
+    return old_name(__name__, name)

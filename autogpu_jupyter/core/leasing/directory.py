@@ -753,3 +753,10 @@ class DirectoryStore(LeaseStore):
         """Unlink ``rec``'s file if only other users' processes hold its ``flock``."""
         name = rec.lease_id + (TICKET_SUFFIX if rec.kind == "ticket" else LEASE_SUFFIX)
         return safefs.remove_if_held_by_others(top_fd, rec.uid, name, rec.path)
+
+
+def __getattr__(name: str) -> Any:
+    # The names before the lease-store renames, deprecated for one release.
+    from autogpu_jupyter._renamed import old_name  # noqa: PLC0415
+
+    return old_name(__name__, name)
