@@ -373,3 +373,23 @@ def test_an_orphan_ends_as_soon_as_its_holder_does_without_waiting_for_a_round()
     finally:
         child.kill()
         child.wait(10)
+
+
+# --- Mutation run of 2026-12-07 after the house's cut (issue 42, seed 71) -------------------------
+
+
+def test_a_lease_the_journal_cannot_record_is_refused_and_not_held(tmp_path: Path) -> None:
+    """Mutation run of 2026-12-07 found the book's undoing of a change the journal refused
+    unpinned (lease book, ``record_changed``): on a full disk a new lease is a refusal (the
+    client's reply), and the book does not hold it."""
+    from tests.unit.test_broker_journal import file_size_limit
+
+    state = state_dir(tmp_path)
+    b = broker(state_dir=str(state))
+    alice = person(b, os.getuid())
+    lease(b, alice, "GPU-j1")
+    size = (state / "journal.log").stat().st_size
+    new = lease_record(b, alice, "GPU-j2")
+    with file_size_limit(size), pytest.raises(BrokerRefusal):
+        alice.record = new
+    assert new.lease_id not in live_ids(b)

@@ -544,3 +544,16 @@ def test_sighup_serves_the_rules_files_tenants_as_they_are_now(
     erin, mine = _pick(sockets / "erin" / "broker.sock")
     assert mine["record"]["user"] == "erin"
     erin.close()
+
+
+# --- Mutation run of 2026-12-07 after the house's cut (issue 42, seed 71) -------------------------
+
+
+def test_a_bad_tenant_name_is_told_the_form_in_words_too() -> None:
+    """Mutation run of 2026-12-07 found the plain-words half of the refusal unpinned (only the
+    value and the pattern were): the admin reads both."""
+    with pytest.raises(TenantError) as err:
+        tenants.validate_name("Alice")
+    assert str(err.value) == (
+        f"tenant name 'Alice' is not accepted: expected {NAME_FORM} (as a Unix user name: a "
+        "lower-case letter or _, then up to 31 of a-z 0-9 _ -)")
