@@ -393,3 +393,39 @@ def test_a_lease_the_journal_cannot_record_is_refused_and_not_held(tmp_path: Pat
     with file_size_limit(size), pytest.raises(BrokerRefusal):
         alice.record = new
     assert new.lease_id not in live_ids(b)
+
+
+def test_an_orphan_held_by_a_socket_ends_when_its_holder_ends_after_the_socket() -> None:
+    """Mutation run of 2026-12-07 found the end of an orphan with a socket unpinned at its
+    holder's exit (the restorer's ``_exited`` asked about no orphan): the socket closed, then
+    its last holder killed, the orphan ends with no reaper round."""
+    import subprocess
+    import sys
+
+    b = broker()
+    ours, theirs = socket.socketpair()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = jrnl.start_time(child.pid)
+        assert start is not None
+        held = _orphan_of(b, "GPU-ps1", [(child.pid, start)], os.fstat(theirs.fileno()).st_ino)
+
+        async def go() -> None:
+            loop = asyncio.get_running_loop()
+            await b.restorer.settle(loop)
+            assert live_ids(b) == {held}
+            ours.close()
+            theirs.close()
+            child.kill()
+            for _ in range(1000):
+                if held not in live_ids(b):
+                    return
+                await asyncio.sleep(0.01)
+
+        run(go())
+        assert held not in live_ids(b)
+    finally:
+        ours.close()
+        theirs.close()
+        child.kill()
+        child.wait(10)
