@@ -783,3 +783,18 @@ def test_a_restart_on_a_full_disk_says_which_log_it_appends_to(
         Journal(str(tmp_path), boot="boot-a").load()
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
         f"journal {log_path} not compacted at start"]
+
+
+def test_a_socket_is_found_in_the_brokers_own_namespace_and_a_closed_one_nowhere() -> None:
+    """Mutation run of 2026-12-07 found ``peers.find_socket`` unpinned in this process (only the
+    multi-user tests asked it, across namespaces): a live socket of this namespace is found
+    here; a closed one is in no namespace, the holders' own (the same as ours) asked once."""
+    ours, theirs = socket.socketpair()
+    try:
+        ino = os.fstat(theirs.fileno()).st_ino
+        assert peers.find_socket(ino) == peers.OWN_NS
+        assert peers.find_socket(ino, [os.getpid()]) == peers.OWN_NS
+    finally:
+        ours.close()
+        theirs.close()
+    assert peers.find_socket(ino, [os.getpid(), os.getpid()]) is None
