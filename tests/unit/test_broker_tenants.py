@@ -557,3 +557,41 @@ def test_a_bad_tenant_name_is_told_the_form_in_words_too() -> None:
     assert str(err.value) == (
         f"tenant name 'Alice' is not accepted: expected {NAME_FORM} (as a Unix user name: a "
         "lower-case letter or _, then up to 31 of a-z 0-9 _ -)")
+
+
+def test_a_reload_says_who_was_added_updated_and_removed_and_serves_them(
+    dirs: tuple[str, str],
+) -> None:
+    """Mutation run of 2026-12-07 found the broker's ``reload`` answer (brokerd/tenantd.py)
+    unpinned in this process (only a broker process, sent SIGHUP, was tested): root's reload
+    names each tenant added, updated and removed, under those keys, and a connection to an
+    added tenant's socket is that tenant's."""
+    state, root = dirs
+
+    async def go() -> list[dict[str, Any]]:
+        b = _broker(state_dir=state, tenant_socket_root=root,
+                    tenants={"alice": Tenant.make("alice"), "bob": Tenant.make("bob")})
+        admin = Conn(b, 0, 0, os.getpid(), Account(0, "root", frozenset()))
+        got = [await b.run_op("reload", admin, {"op": "reload"})]
+        b.config.tenants = {"alice": Tenant.make("alice", groups=["ml"]),
+                            "erin": Tenant.make("erin")}
+        got.append(await b.run_op("reload", admin, {"op": "reload"}))
+        before = set(b.connections.conns)
+        client = socket.socket(socket.AF_UNIX)
+        _KEEP.append(client)
+        client.connect(os.path.join(root, "erin", "broker.sock"))
+        for _ in range(200):
+            new = set(b.connections.conns) - before
+            if new:
+                (conn,) = new
+                got.append({"tenant": conn.account.tenant, "name": conn.account.name})
+                break
+            await asyncio.sleep(0.01)
+        for listener in b.tenant_sockets.listeners.values():
+            listener.close()
+        return got
+
+    first, second, accepted = asyncio.run(go())
+    assert first == {"ok": True, "added": ["alice", "bob"], "removed": [], "updated": []}
+    assert second == {"ok": True, "added": ["erin"], "removed": ["bob"], "updated": ["alice"]}
+    assert accepted == {"tenant": True, "name": "erin"}
