@@ -595,3 +595,24 @@ def test_a_reload_says_who_was_added_updated_and_removed_and_serves_them(
     assert first == {"ok": True, "added": ["alice", "bob"], "removed": [], "updated": []}
     assert second == {"ok": True, "added": ["erin"], "removed": ["bob"], "updated": ["alice"]}
     assert accepted == {"tenant": True, "name": "erin"}
+
+
+def test_a_tenant_waiting_on_one_socket_may_not_wait_on_another_past_its_ticket_cap() -> None:
+    """Mutation run of 2026-12-07 found the tenant's own tickets unpinned in the admission of a
+    ticket (their uid, the container's, not read as the tenant's): a tenant with a ticket may
+    not take a second past ``max_tickets_per_user = 1``, whatever uid its container runs as."""
+    from tests.unit.test_broker_views import CONSTRAINTS
+
+    b = _broker(max_tickets_per_user=1)
+    alice = Tenant.make("alice")
+    first = _on_socket_of(b, alice, uid=1000)
+    first.record = ops_mod.make_record(b, first, "ticket", {
+        "device_uuids": [], "device_requested_bytes": [], "exclusive": False,
+        "pid": first.pid, "kernel_id": None, "notebook_path": None, "command": None,
+        "holder_kind": "process", "seq": 1, "constraints": CONSTRAINTS})
+    second = _on_socket_of(b, alice, uid=1000)
+    with pytest.raises(BrokerRefusal) as err:
+        asyncio.run(b.run_op("ticket", second, {"op": "ticket", "constraints": CONSTRAINTS}))
+    assert err.value.kind == "LeaseLimitError"
+    assert str(err.value).startswith("alice already waits in line with 1 ticket(s)")
+    assert second.record is None
