@@ -616,3 +616,20 @@ def test_a_tenant_waiting_on_one_socket_may_not_wait_on_another_past_its_ticket_
     assert err.value.kind == "LeaseLimitError"
     assert str(err.value).startswith("alice already waits in line with 1 ticket(s)")
     assert second.record is None
+
+
+def test_a_table_that_cannot_be_written_leaves_the_old_one_and_no_piece(
+    dirs: tuple[str, str],
+) -> None:
+    """Mutation run of 2026-12-07 found the clean-up of a table write that fails unpinned (the
+    temporary file's removal): on a full disk the add fails with the disk's error, the table
+    read is the old one, and no partial file is left beside it."""
+    from tests.unit.test_broker_journal import file_size_limit
+
+    state, root = dirs
+    tenants.add_tenant("alice", state_dir=state, socket_root=root)
+    before = sorted(os.listdir(state))
+    with file_size_limit(10), pytest.raises(OSError):
+        tenants.add_tenant("bob", ["ml"], 2, state_dir=state, socket_root=root)
+    assert sorted(os.listdir(state)) == before
+    assert sorted(tenants.load_table(state)) == ["alice"]
