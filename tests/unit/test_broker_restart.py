@@ -429,3 +429,32 @@ def test_an_orphan_held_by_a_socket_ends_when_its_holder_ends_after_the_socket()
         theirs.close()
         child.kill()
         child.wait(10)
+
+
+def test_reaper_rounds_ask_the_orphans_sockets_in_turn_from_the_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Mutation run of 2026-12-07 found the turn of the reaper's socket checks unpinned at its
+    start: with one check per round, the first round asks the first orphan taken back, the next
+    round the next one (two orphans whose sockets are closed, their holder alive)."""
+    from autogpu_jupyter.brokerd import restore
+
+    monkeypatch.setattr(restore, "POLLS_PER_ROUND", 1)
+    b = broker()
+    pairs = [socket.socketpair() for _ in range(2)]
+    first, second = (_orphan_of(b, f"GPU-rr{i}", me(), os.fstat(p[1].fileno()).st_ino)
+                     for i, p in enumerate(pairs))
+    for p in pairs:
+        p[0].close()
+        p[1].close()
+    seen = []
+
+    async def rounds() -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(2):
+            await b.restorer.reap(loop)
+            seen.append(live_ids(b))
+
+    run(rounds())
+    assert seen == [{second}, set()]  # the first ended in the first round
+    assert first not in seen[0]
