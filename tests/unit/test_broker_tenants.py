@@ -633,3 +633,50 @@ def test_a_table_that_cannot_be_written_leaves_the_old_one_and_no_piece(
         tenants.add_tenant("bob", ["ml"], 2, state_dir=state, socket_root=root)
     assert sorted(os.listdir(state)) == before
     assert sorted(tenants.load_table(state)) == ["alice"]
+
+
+def test_a_tenant_removed_by_a_reload_tells_its_idle_and_its_waiting_connections(
+    dirs: tuple[str, str],
+) -> None:
+    """Mutation run of 2026-12-07 found a removal's words to the tenant's connections unpinned
+    in this process (brokerd/tenantd.py ``remove``): a connection that holds nothing is sent
+    the revocation (kind "lease", no lease id) and closed; one still waiting in the socket's
+    backlog is answered with the same line and closed."""
+    state, root = dirs
+    line = tenants.removed_refusal("bob")
+
+    async def read_all(sock: socket.socket) -> bytes:
+        loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        got = b""
+        while True:
+            chunk = await asyncio.wait_for(loop.sock_recv(sock, 65536), 10)
+            if not chunk:
+                return got
+            got += chunk
+
+    async def go() -> tuple[bytes, bytes]:
+        b = _broker(state_dir=state, tenant_socket_root=root,
+                    tenants={"bob": Tenant.make("bob")})
+        admin = Conn(b, 0, 0, os.getpid(), Account(0, "root", frozenset()))
+        await b.run_op("reload", admin, {"op": "reload"})
+        path = os.path.join(root, "bob", "broker.sock")
+        idle = socket.socket(socket.AF_UNIX)
+        _KEEP.append(idle)
+        idle.connect(path)
+        for _ in range(200):  # accepted by the broker's loop
+            if b.connections.conns:
+                break
+            await asyncio.sleep(0.01)
+        assert b.connections.conns
+        waiting = socket.socket(socket.AF_UNIX)
+        _KEEP.append(waiting)
+        waiting.connect(path)  # no await before the reload: still in the backlog
+        b.config.tenants = {}
+        assert (await b.run_op("reload", admin, {"op": "reload"}))["removed"] == ["bob"]
+        return await read_all(idle), await read_all(waiting)
+
+    told_idle, told_waiting = asyncio.run(go())
+    assert [json.loads(x) for x in told_idle.splitlines()] == [
+        {"event": "revoked", "lease_id": "", "kind": "lease", "message": line}]
+    assert json.loads(told_waiting)["error"] == line
