@@ -790,3 +790,52 @@ def test_a_compaction_that_cannot_be_written_leaves_the_log_whole_and_waits(
         j.remove(big.lease_id)
     assert list(Journal(str(tmp_path), boot="boot-a").load()) == [
         entry(n).lease_id for n in (1, 3, 4, 5, 6, 7)]
+
+
+# --- Mutation run of 2026-12-07 after the house's cut (issue 42, seed 71) -------------------------
+
+
+def test_a_tenants_lease_written_with_its_sequence_number_keeps_both_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """Mutation run of 2026-12-07 found the journal line of a lease that came through a tenant's
+    socket unpinned with a sequence number beside it: the tenant (its lease is taken back by
+    that tenant after a restart) and the number (tickets after a restart go on from it) must
+    both be read back."""
+    j = Journal(str(tmp_path), boot="boot-a")
+    j.load()
+    one = entry(1)
+    one.tenant = "lab-a"
+    j.add(one, seq=9)
+    again = Journal(str(tmp_path), boot="boot-a")
+    live = again.load()
+    assert live[one.lease_id].tenant == "lab-a"
+    assert again.seq == 9
+
+
+def test_a_restart_on_a_full_disk_says_which_log_it_appends_to(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Mutation run of 2026-12-07 found the warning of a restart that cannot compact unpinned:
+    the admin reading the broker's log is told which file is kept as it is."""
+    log_path = tmp_path / "journal.log"
+    log_path.write_bytes(b'{"seq":4}\n{"boot":"boot-a"}\n' + entry(1).encoded())
+    with caplog.at_level("WARNING"), file_size_limit(20):
+        Journal(str(tmp_path), boot="boot-a").load()
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        f"journal {log_path} not compacted at start"]
+
+
+def test_a_socket_is_found_in_the_brokers_own_namespace_and_a_closed_one_nowhere() -> None:
+    """Mutation run of 2026-12-07 found ``peers.find_socket`` unpinned in this process (only the
+    multi-user tests asked it, across namespaces): a live socket of this namespace is found
+    here; a closed one is in no namespace, the holders' own (the same as ours) asked once."""
+    ours, theirs = socket.socketpair()
+    try:
+        ino = os.fstat(theirs.fileno()).st_ino
+        assert peers.find_socket(ino) == peers.OWN_NS
+        assert peers.find_socket(ino, [os.getpid()]) == peers.OWN_NS
+    finally:
+        ours.close()
+        theirs.close()
+    assert peers.find_socket(ino, [os.getpid(), os.getpid()]) is None

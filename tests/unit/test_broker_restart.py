@@ -385,3 +385,88 @@ def test_an_orphan_ends_as_soon_as_its_holder_does_without_waiting_for_a_round()
     finally:
         child.kill()
         child.wait(10)
+
+
+# --- Mutation run of 2026-12-07 after the house's cut (issue 42, seed 71) -------------------------
+
+
+def test_a_lease_the_journal_cannot_record_is_refused_and_not_held(tmp_path: Path) -> None:
+    """Mutation run of 2026-12-07 found the book's undoing of a change the journal refused
+    unpinned (lease book, ``record_changed``): on a full disk a new lease is a refusal (the
+    client's reply), and the book does not hold it."""
+    from tests.unit.test_broker_journal import file_size_limit
+
+    state = state_dir(tmp_path)
+    b = broker(state_dir=str(state))
+    alice = person(b, os.getuid())
+    lease(b, alice, "GPU-j1")
+    size = (state / "journal.log").stat().st_size
+    new = lease_record(b, alice, "GPU-j2")
+    with file_size_limit(size), pytest.raises(BrokerRefusal):
+        alice.record = new
+    assert new.lease_id not in live_ids(b)
+
+
+def test_an_orphan_held_by_a_socket_ends_when_its_holder_ends_after_the_socket() -> None:
+    """Mutation run of 2026-12-07 found the end of an orphan with a socket unpinned at its
+    holder's exit (the restorer's ``_exited`` asked about no orphan): the socket closed, then
+    its last holder killed, the orphan ends with no reaper round."""
+    import subprocess
+    import sys
+
+    b = broker()
+    ours, theirs = socket.socketpair()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = jrnl.start_time(child.pid)
+        assert start is not None
+        held = _orphan_of(b, "GPU-ps1", [(child.pid, start)], os.fstat(theirs.fileno()).st_ino)
+
+        async def go() -> None:
+            loop = asyncio.get_running_loop()
+            await b.restorer.settle(loop)
+            assert live_ids(b) == {held}
+            ours.close()
+            theirs.close()
+            child.kill()
+            for _ in range(1000):
+                if held not in live_ids(b):
+                    return
+                await asyncio.sleep(0.01)
+
+        run(go())
+        assert held not in live_ids(b)
+    finally:
+        ours.close()
+        theirs.close()
+        child.kill()
+        child.wait(10)
+
+
+def test_reaper_rounds_ask_the_orphans_sockets_in_turn_from_the_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Mutation run of 2026-12-07 found the turn of the reaper's socket checks unpinned at its
+    start: with one check per round, the first round asks the first orphan taken back, the next
+    round the next one (two orphans whose sockets are closed, their holder alive)."""
+    from autogpu_jupyter.brokerd import restore
+
+    monkeypatch.setattr(restore, "POLLS_PER_ROUND", 1)
+    b = broker()
+    pairs = [socket.socketpair() for _ in range(2)]
+    first, second = (_orphan_of(b, f"GPU-rr{i}", me(), os.fstat(p[1].fileno()).st_ino)
+                     for i, p in enumerate(pairs))
+    for p in pairs:
+        p[0].close()
+        p[1].close()
+    seen = []
+
+    async def rounds() -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(2):
+            await b.restorer.reap(loop)
+            seen.append(live_ids(b))
+
+    run(rounds())
+    assert seen == [{second}, set()]  # the first ended in the first round
+    assert first not in seen[0]

@@ -4,6 +4,8 @@ what the multi-user tests (tests/multiuser/test_broker_startup.py) cannot make a
 from __future__ import annotations
 
 import os
+import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -74,3 +76,43 @@ def test_no_rules_named_reads_the_default_only_where_it_exists(
     default.unlink()
     default.symlink_to(tmp_path / "gone.json")  # a dangling default is named, and missing
     assert "does not exist: refused" in _refusal(startup.rules_to_read, None)
+
+
+# --- Mutation run of 2026-12-07 after the house's cut (issue 42, seed 71) -------------------------
+# The state directory's path checks, read where users meet them: the one refusal line.
+
+
+def test_a_state_directory_under_a_directory_others_may_write_is_refused(tmp_path: Path) -> None:
+    """Mutation run of 2026-12-07 found the group/other-writable test of a component unpinned
+    (``not mode & S_ISVTX`` read as ``not mode | S_ISVTX`` passed): a directory of root's that
+    anyone may write, not sticky, lets another user rename the state directory away."""
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    path = str(open_dir / "state")
+    assert _refusal(startup.check_state_dir, path) == (
+        f"autogpu broker: state directory {path}: {open_dir} is owned by uid {os.geteuid()} "
+        "with mode 0777: refused (another user could replace it and make root write the "
+        "journal elsewhere); use a path whose every directory only root can write, e.g. "
+        "/var/lib/autogpu-broker"
+    )
+    assert not (open_dir / "state").exists()
+
+
+def test_a_state_directory_below_a_socket_or_a_device_names_what_it_met(tmp_path: Path) -> None:
+    """Mutation run of 2026-12-07 found the kind named for a socket and a block device
+    unpinned (only a regular file's and a FIFO's were)."""
+    sock_path = tmp_path / "s"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(sock_path))
+        path = str(sock_path / "state")
+        assert _refusal(startup.check_state_dir, path) == (
+            f"autogpu broker: state directory {path}: {sock_path} is not a directory "
+            "(a socket): refused"
+        )
+    block = tmp_path / "b"  # the tests run as root (CONTRIBUTING.md): a block device node
+    os.mknod(block, stat.S_IFBLK | 0o600, os.makedev(7, 0))
+    path = str(block / "state")
+    assert _refusal(startup.check_state_dir, path) == (
+        f"autogpu broker: state directory {path}: {block} is not a directory (a device): refused"
+    )

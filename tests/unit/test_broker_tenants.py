@@ -589,3 +589,140 @@ def test_the_broker_answers_while_a_reload_waits_for_its_rules_file(tmp_path: Pa
         b.tenant_sockets.close()
     assert (reading, connections) == (True, 0)
     assert got == {"ok": True, "added": ["alice"], "removed": [], "updated": []}
+
+
+# --- Mutation run of 2026-12-07 after the house's cut (issue 42, seed 71) -------------------------
+
+
+def test_a_bad_tenant_name_is_told_the_form_in_words_too() -> None:
+    """Mutation run of 2026-12-07 found the plain-words half of the refusal unpinned (only the
+    value and the pattern were): the admin reads both."""
+    with pytest.raises(TenantError) as err:
+        tenants.validate_name("Alice")
+    assert str(err.value) == (
+        f"tenant name 'Alice' is not accepted: expected {NAME_FORM} (as a Unix user name: a "
+        "lower-case letter or _, then up to 31 of a-z 0-9 _ -)")
+
+
+def test_a_reload_says_who_was_added_updated_and_removed_and_serves_them(
+    dirs: tuple[str, str],
+) -> None:
+    """Mutation run of 2026-12-07 found the broker's ``reload`` answer (brokerd/tenantd.py)
+    unpinned in this process (only a broker process, sent SIGHUP, was tested): root's reload
+    names each tenant added, updated and removed, under those keys, and a connection to an
+    added tenant's socket is that tenant's."""
+    state, root = dirs
+
+    async def go() -> list[dict[str, Any]]:
+        b = _broker(state_dir=state, tenant_socket_root=root,
+                    tenants={"alice": Tenant.make("alice"), "bob": Tenant.make("bob")})
+        admin = Conn(b, 0, 0, os.getpid(), Account(0, "root", frozenset()))
+        got = [await b.run_op("reload", admin, {"op": "reload"})]
+        b.config.tenants = {"alice": Tenant.make("alice", groups=["ml"]),
+                            "erin": Tenant.make("erin")}
+        got.append(await b.run_op("reload", admin, {"op": "reload"}))
+        before = set(b.connections.conns)
+        client = socket.socket(socket.AF_UNIX)
+        _KEEP.append(client)
+        client.connect(os.path.join(root, "erin", "broker.sock"))
+        for _ in range(200):
+            new = set(b.connections.conns) - before
+            if new:
+                (conn,) = new
+                got.append({"tenant": conn.account.tenant, "name": conn.account.name})
+                break
+            await asyncio.sleep(0.01)
+        for listener in b.tenant_sockets.listeners.values():
+            listener.close()
+        return got
+
+    first, second, accepted = asyncio.run(go())
+    assert first == {"ok": True, "added": ["alice", "bob"], "removed": [], "updated": []}
+    assert second == {"ok": True, "added": ["erin"], "removed": ["bob"], "updated": ["alice"]}
+    assert accepted == {"tenant": True, "name": "erin"}
+
+
+def test_a_tenant_waiting_on_one_socket_may_not_wait_on_another_past_its_ticket_cap() -> None:
+    """Mutation run of 2026-12-07 found the tenant's own tickets unpinned in the admission of a
+    ticket (their uid, the container's, not read as the tenant's): a tenant with a ticket may
+    not take a second past ``max_tickets_per_user = 1``, whatever uid its container runs as."""
+    from tests.unit.test_broker_views import CONSTRAINTS
+
+    b = _broker(max_tickets_per_user=1)
+    alice = Tenant.make("alice")
+    first = _on_socket_of(b, alice, uid=1000)
+    first.record = ops_mod.make_record(b, first, "ticket", {
+        "device_uuids": [], "device_requested_bytes": [], "exclusive": False,
+        "pid": first.pid, "kernel_id": None, "notebook_path": None, "command": None,
+        "holder_kind": "process", "seq": 1, "constraints": CONSTRAINTS})
+    second = _on_socket_of(b, alice, uid=1000)
+    with pytest.raises(BrokerRefusal) as err:
+        asyncio.run(b.run_op("ticket", second, {"op": "ticket", "constraints": CONSTRAINTS}))
+    assert err.value.kind == "LeaseLimitError"
+    assert str(err.value).startswith("alice already waits in line with 1 ticket(s)")
+    assert second.record is None
+
+
+def test_a_table_that_cannot_be_written_leaves_the_old_one_and_no_piece(
+    dirs: tuple[str, str],
+) -> None:
+    """Mutation run of 2026-12-07 found the clean-up of a table write that fails unpinned (the
+    temporary file's removal): on a full disk the add fails with the disk's error, the table
+    read is the old one, and no partial file is left beside it."""
+    from tests.unit.test_broker_journal import file_size_limit
+
+    state, root = dirs
+    tenants.add_tenant("alice", state_dir=state, socket_root=root)
+    before = sorted(os.listdir(state))
+    with file_size_limit(10), pytest.raises(OSError):
+        tenants.add_tenant("bob", ["ml"], 2, state_dir=state, socket_root=root)
+    assert sorted(os.listdir(state)) == before
+    assert sorted(tenants.load_table(state)) == ["alice"]
+
+
+def test_a_tenant_removed_by_a_reload_tells_its_idle_and_its_waiting_connections(
+    dirs: tuple[str, str],
+) -> None:
+    """Mutation run of 2026-12-07 found a removal's words to the tenant's connections unpinned
+    in this process (brokerd/tenantd.py ``remove``): a connection that holds nothing is sent
+    the revocation (kind "lease", no lease id) and closed; one still waiting in the socket's
+    backlog is answered with the same line and closed."""
+    state, root = dirs
+    line = tenants.removed_refusal("bob")
+
+    async def read_all(sock: socket.socket) -> bytes:
+        loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        got = b""
+        while True:
+            chunk = await asyncio.wait_for(loop.sock_recv(sock, 65536), 10)
+            if not chunk:
+                return got
+            got += chunk
+
+    async def go() -> tuple[bytes, bytes]:
+        b = _broker(state_dir=state, tenant_socket_root=root,
+                    tenants={"bob": Tenant.make("bob")})
+        admin = Conn(b, 0, 0, os.getpid(), Account(0, "root", frozenset()))
+        await b.run_op("reload", admin, {"op": "reload"})
+        path = os.path.join(root, "bob", "broker.sock")
+        idle = socket.socket(socket.AF_UNIX)
+        _KEEP.append(idle)
+        idle.connect(path)
+        for _ in range(200):  # accepted by the broker's loop
+            if b.connections.conns:
+                break
+            await asyncio.sleep(0.01)
+        assert b.connections.conns
+        waiting = socket.socket(socket.AF_UNIX)
+        _KEEP.append(waiting)
+        waiting.connect(path)  # no await before the removal: still in the backlog
+        # the removal a reload makes once it has read the files (the reload reads them off the
+        # loop, which would accept the second connection meanwhile): made here at once
+        b.tenant_sockets.remove("bob")
+        return await read_all(idle), await read_all(waiting)
+
+    told_idle, told_waiting = asyncio.run(go())
+    assert [json.loads(x) for x in told_idle.splitlines()] == [
+        {"event": "revoked", "lease_id": "", "kind": "lease", "message": line}]
+    assert json.loads(told_waiting)["error"] == line

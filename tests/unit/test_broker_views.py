@@ -342,3 +342,52 @@ def test_a_value_named_in_a_message_is_cut_past_40_characters(value: Any, shown:
     """Caught: the cut made at 40 characters already or only past 41, at 38 characters, with
     another mark than "..." (or a TypeError), and never."""
     assert conn_mod._short(value) == shown
+
+
+# --- Mutation run of 2026-12-07 after the house's cut (issue 42, seed 71) -------------------------
+
+
+def test_a_devices_rows_change_when_a_lease_on_it_is_added() -> None:
+    """Mutation run of 2026-12-07 found the rows cache's freshness unpinned (its key read with
+    no stamp, or the stamp looked up under no device: the first rows were shown for ever): a
+    pick after another person's new lease on the same device shows that lease."""
+    b = broker()
+    held(b, person(b, 1002), "lease", created_s=1.0, devices=(("GPU-a", GIB),))
+    me = person(b, 1001)
+    assert [r[3] for r in view(b, me)["devices"][0]["rows"]] == ["user1002"]
+    held(b, person(b, 1003), "lease", created_s=2.0, devices=(("GPU-a", 2 * GIB),))
+    assert [r[3] for r in view(b, me)["devices"][0]["rows"]] == ["user1003", "user1002"]
+
+
+def test_a_waiter_that_gave_up_leaves_the_line_shown_to_others() -> None:
+    """Mutation run of 2026-12-07 found the book's index of tickets unpinned at a ticket's end
+    (the ended ticket was kept as a waiter): a pick after another person gave up waiting shows
+    no waiter."""
+    b = broker()
+    waiter = person(b, 1002)
+    held(b, waiter, "ticket", created_s=1.0, seq=1)
+    me = person(b, 1001)
+    assert len(view(b, me)["tickets"]) == 1
+    waiter.record = None  # given up
+    got = view(b, me)
+    assert (got["tickets"], got["tickets_not_shown"]) == ([], 0)
+
+
+def test_a_devices_rows_follow_each_lease_that_ends_on_it() -> None:
+    """Mutation run of 2026-12-07 found the device's stamp at a lease's end unpinned (set to
+    no version, the rows of the next end were taken for current): each end on the device
+    shows in the next pick's rows."""
+    b = broker()
+    me = person(b, 1001)
+    others = [person(b, 1002 + i) for i in range(3)]
+    for i, other in enumerate(others):
+        held(b, other, "lease", created_s=1.0 + i, devices=(("GPU-a", None),))
+
+    def users() -> list[str]:
+        return [r[3] for d in view(b, me)["devices"] for r in d["rows"]]
+
+    assert users() == ["user1002", "user1003", "user1004"]
+    others[2].record = None
+    assert users() == ["user1002", "user1003"]
+    others[1].record = None
+    assert users() == ["user1002"]

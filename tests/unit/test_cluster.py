@@ -1598,3 +1598,24 @@ def test_a_dcgm_mig_devices_parent_is_its_whole_uuid_label() -> None:
     snaps = [_snapshot(dev, 1.0).snapshot for dev in acc.values()]
     assert [(s.uuid, s.parent_uuid, s.mig_index) for s in snaps] == [
         ("GPU-a/b/1", "GPU-a/b", 1), ("GPU-c/2", "GPU-c", 2)]
+
+
+# --- Mutation run of 2026-12-07 after the house's cut (issue 42, seed 71) -------------------------
+
+
+def test_a_targets_answer_past_the_byte_cap_is_refused_in_one_line(
+    prom: Replay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mutation run of 2026-12-07 found the byte cap's words for a request without a query
+    (the scrape intervals' ``/api/v1/targets``) unpinned: the same one line, with nothing in the
+    parentheses, not an error of its own."""
+    prom.answer("/api/v1/targets", None, {"status": "success", "data": {"activeTargets": [
+        {"labels": {"instance": f"h:{i}"}, "scrapeInterval": "15s"} for i in range(100)]}})
+    monkeypatch.setattr(prometheus, "MAX_BODY_BYTES", 1000)
+    with pytest.raises(ClusterError) as err:
+        PrometheusClient(prom.url).scrape_intervals()
+    assert str(err.value) == (
+        f"Prometheus at {prom.url} answered /api/v1/targets () with more than 0 MiB: "
+        "the cluster view reads no more; scrape fewer targets into this Prometheus, or point "
+        "c.AutoGPU.prometheus_url at one that holds only the GPU hosts"
+    )

@@ -402,3 +402,23 @@ def test_the_warning_words_the_limit_as_a_length_and_the_rest_as_a_countdown(
                 lease.release()
     assert got == {60.0: warned(30, limit="1 min"), 45.0: warned(15, limit="45 s"),
                    7500.0: warned(7470, limit="2 h 5 min")}
+
+
+# --- Mutation run of 2026-12-07 after the house's cut (issue 42, seed 71) -------------------------
+
+
+def test_a_picked_gpu_the_sweep_no_longer_shows_is_warned_by_its_uuid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idle_kernels: IdleKernels
+) -> None:
+    """Mutation run of 2026-12-07 found the words for a provisioner's GPU that is not in the
+    latest sweep unpinned (server/kernels.py): the warning names it by its UUID."""
+    gone = "GPU-0000dead-0000-0000-0000-000000000000"
+    idle_kernels.provisioners["k-gpu"] = SimpleNamespace(
+        pid=idle_kernels.pid("k-gpu"), autogpu_picked=(gone,), autogpu_constraints=None,
+        autogpu_note=None, autogpu_lease_id=None, autogpu_move_file=None)
+    idle_kernels.idle_s["k-gpu"] = 590.0
+    fleet_file = write_fleet(tmp_path / "fleet.json", fleet())
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch,
+                      cull_idle_gpu_kernels_s=LIMIT_S) as state:
+        got = warnings_of(state, idle_kernels)["k-gpu"]
+    assert got == warned(590, gpu=gone)

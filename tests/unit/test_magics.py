@@ -2754,3 +2754,19 @@ def test_the_cull_notice_without_a_warning_says_only_the_limit(
                               "AUTOGPU_SERVER_CULL_WARNING_S": "0"}) == (
         "autogpu: this server shuts down a kernel that holds a GPU after 1m30s idle, freeing "
         "GPU 0. Running any cell keeps it.")
+
+
+# --- Mutation run of 2026-12-07 after the house's cut (issue 42, seed 71) -------------------------
+
+
+def test_the_cull_notice_of_a_kernel_the_kernelspec_placed_says_its_gpu(
+    shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """Mutation run of 2026-12-07 found the words for a GPU the kernel knows only by UUID
+    unpinned: a kernel the autogpu kernelspec started has no devices of its own to name."""
+    from autogpu_jupyter.magics import hooks
+
+    _provisioned(monkeypatch, tmp_path, on=U[1])
+    assert hooks.cull_notice({"AUTOGPU_SERVER_CULL_IDLE_S": "600"}) == (
+        "autogpu: this server shuts down a kernel that holds a GPU after 10m idle, freeing "
+        "its GPU. Running any cell keeps it.")

@@ -1907,3 +1907,34 @@ def test_select_restricted_to_named_devices_answers_for_them_only() -> None:
         payloads.select_answer(SNAP, payloads.parse_constraints({"devices": "5"}), None,
                                environ={})
     assert str(info.value).startswith("no device '5' on this host; name devices by index (0, 1)")
+
+
+# --- Mutation run of 2026-12-07 after the house's cut (issue 42, seed 71) -------------------------
+
+
+def test_the_best_gpu_offered_keeps_off_another_kernels_exclusive_lease(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: Kernels
+) -> None:
+    """Mutation run of 2026-12-07 found the lease store left out of the holders answer's "Move
+    to best GPU" offer unnoticed (server/kernels.py; only the move plan itself was pinned): GPU 1
+    is the emptiest but another kernel holds it exclusively, so the offer, like the plan, is
+    GPU 2."""
+    from autogpu_jupyter.core.leasing import DirectoryStore, Requester
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _movable(kernels, "k-1", (A,), tmp_path)
+    devices = fleet()
+    devices[0]["memory_used"] = 60 * GiB  # the kernel's GPU 0: 20 GiB free, GPU 2 has 40
+    devices.append({"uuid": C, "name": "NVIDIA A100", "memory_total": 80 * GiB,
+                    "memory_used": 40 * GiB, "utilization_pct": 0})
+    fleet_file = write_fleet(tmp_path / "fleet.json", devices)
+    with server_state(fleet_file, tmp_path / "registry", monkeypatch) as state:
+        with DirectoryStore(str(tmp_path / "registry")).locked() as txn:
+            assert txn is not None
+            theirs = txn.create(devices=[B], exclusive=True,
+                                requester=Requester(kernel_id="k-2"))
+        try:
+            data = payloads.holders_payload(state.context(), kernels, {})
+        finally:
+            theirs.release()
+    assert best_move_of(data, "k-1") == {"target": "best", "uuids": [C], "labels": ["GPU 2"]}
