@@ -26,8 +26,7 @@ from typing import Any
 import pytest
 
 from autogpu_jupyter.core.cluster import (
-    _AUTOGPU_QUERY,
-    _DCGM_QUERY,
+    DEFAULT_SCRAPE_INTERVAL_S,
     MAX_SERIES,
     ClusterError,
     ClusterView,
@@ -35,14 +34,6 @@ from autogpu_jupyter.core.cluster import (
     RangeSeries,
     Rejected,
     Sample,
-    _Acc,
-    _duration_s,
-    _finite,
-    _fold_autogpu,
-    _fold_dcgm,
-    _short,
-    _skipped_by_host,
-    _snapshot,
     check_history_s,
     check_url,
     fetch_cluster,
@@ -525,13 +516,20 @@ def test_a_scrape_time_is_its_targets_host_else_that_of_its_hostname_label(
     ("text", "seconds"),
     [
         ("15s", 15.0), ("1s", 1.0), ("500ms", 0.5), ("1m30s", 90.0), ("2m", 120.0),
-        ("1h", 3600.0), ("1d", 86400.0), ("1h1m1s", 3661.0), ("1.5s", 1.5), ("0s", 0.0),
-        ("10ms5s", 5.01), ("", None), ("s", None), ("15", None), ("1x", None),
-        ("15 s", None), ("1m30", None), ("ms", None),
+        ("1h", 3600.0), ("1d", 3600.0), ("1h1m1s", 3600.0), ("59m59s", 3599.0), ("1.5s", 1.5),
+        ("10ms5s", 5.01), ("0s", None), ("", None), ("s", None), ("15", None), ("1x", None),
+        ("15 s", None), ("1m30", None), ("ms", None), ("1.2.3s", None),
     ],
 )
-def test_prometheus_durations_in_seconds(text: str, seconds: float | None) -> None:
-    assert _duration_s(text) == seconds
+def test_a_targets_prometheus_duration_is_its_scrape_interval_in_seconds(
+    answering: Answering, text: str, seconds: float | None
+) -> None:
+    """What the targets API says as ``scrapeInterval`` (``1m30s``, ``500ms``), in seconds, at most
+    an hour; unreadable or zero: the default interval (``None`` here)."""
+    client = _client(answering, {"targets": {"activeTargets": [
+        {"labels": {"instance": "a:1"}, "scrapeInterval": text}]}})
+    want = DEFAULT_SCRAPE_INTERVAL_S if seconds is None else seconds
+    assert client.scrape_intervals() == {"a:1": want}
 
 
 def test_each_hosts_scrape_interval_is_its_slowest_targets(prom: Replay) -> None:
@@ -1365,15 +1363,22 @@ def test_malformed_answers_of_the_targets_api_are_no_targets(prom: Replay) -> No
 @pytest.mark.parametrize(("raw", "text"), [
     ("a" * 24, "a" * 24),  # 24 characters are kept whole
     ("0123456789" * 2 + "abcde", "0123456789" * 2 + "a..."),  # 25: 21 and "..."
-    ("0123456789" * 5, "0123456789" * 2 + "0..."),
+    ("x" + "0123456789" * 5, "x" + "0123456789" * 2 + "..."),
     ([1, "x"], '[1, "x"]'),  # not a string: its JSON
-    (complex(1, 2), '"(1+2j)"'),  # not JSON: its str, as a JSON string
+    (None, "null"),
+    (True, "true"),  # a JSON boolean is no number
     ({"v": list(range(20))}, '{"v": [0, 1, 2, 3, 4,...'),
 ])
-def test_a_rejected_value_is_shown_as_json_in_24_characters_at_most(raw: Any, text: str) -> None:
-    """Caught: the bound moved (< 24, <= 25), the cut at 22, "..." reworded or subtracted, the
-    JSON of None or of nothing, no ``default=str``, the raw value kept as is."""
-    assert _short(raw) == text
+def test_a_rejected_value_is_shown_as_json_in_24_characters_at_most(
+    answering: Answering, raw: Any, text: str
+) -> None:
+    """A sample whose value is no finite number is skipped and named with its value, shortened.
+    Caught: the bound moved (< 24, <= 25), the cut at 22, "..." reworded or subtracted, the
+    JSON of None or of nothing, the raw value kept as is. (A value that is not JSON, shown by
+    its ``str``, cannot come from Prometheus: its answer is JSON.)"""
+    client = _client(answering, {"m": [_item(raw, __name__="m")]})
+    assert client.query("m") == []
+    assert [r.text() for r in client.rejected] == [f"m = {text}"]
 
 
 def test_a_rejected_sample_of_an_instant_query_names_its_short_value(
@@ -1464,64 +1469,100 @@ def _client(answering: Answering, answers: dict[str, Any]) -> PrometheusClient:
     return PrometheusClient(answering.url)
 
 
-def _item(value: str, **labels: str) -> dict[str, Any]:
+def _item(value: Any, **labels: str) -> dict[str, Any]:
     return {"metric": labels, "value": [100.0, value]}
 
 
-@pytest.mark.parametrize("raw", [True, None, [1], {"a": 1}])
-def test_a_value_that_is_no_number_or_text_is_not_a_number(raw: Any) -> None:
-    with pytest.raises(TypeError) as err:
-        _finite(raw)
-    assert str(err.value) == "not a number"
+@pytest.mark.parametrize(("raw", "shown"), [
+    (True, "true"), (None, "null"), ([1], "[1]"), ({"a": 1}, '{"a": 1}'), ("NaN", "NaN"),
+    ("+Inf", "+Inf"), ("0" * 21 + "1e999", "0" * 21 + "..."), ("x", "x"),
+])
+def test_a_value_that_is_no_finite_number_is_skipped_and_named(
+    answering: Answering, raw: Any, shown: str
+) -> None:
+    """A JSON boolean, null, list or object, a non-finite number or text that is no number:
+    the sample is skipped, named with its value; the good one beside it is read."""
+    client = _client(answering, {"m": [_item(raw, __name__="m"), _item("1.5", __name__="g")]})
+    assert client.query("m") == [Sample({"__name__": "g"}, 1.5, 100.0)]
+    assert [r.text() for r in client.rejected] == [f"m = {shown}"]
 
 
-def test_a_non_finite_value_names_its_first_20_characters() -> None:
-    raw = "0" * 21 + "1e999"
-    with pytest.raises(ValueError) as err:
-        _finite(raw)
-    assert str(err.value) == f"non-finite value {'0' * 20}"
-    assert _finite("1.5") == 1.5
-    assert _finite(2) == 2.0
+def test_a_number_sent_as_a_json_number_is_read_too(answering: Answering) -> None:
+    client = _client(answering, {"m": [_item(2, __name__="m"), {"metric": {}, "value": [7, "3"]}]})
+    assert client.query("m") == [Sample({"__name__": "m"}, 2.0, 100.0), Sample({}, 3.0, 7.0)]
+    assert client.rejected == []
 
 
-def test_an_autogpu_series_without_name_or_index_is_folded_under_empty_ones() -> None:
-    acc: dict[str, _Acc] = {}
-    _fold_autogpu([Sample({"uuid": "GPU-a", "hostname": "h"}, 3.0, 1.0)], acc)
-    assert acc == {"GPU-a": _Acc("h", None, "GPU-a", "", "", "autogpu", {"": 3.0}, [])}
+def test_a_sample_with_a_time_that_is_no_finite_number_is_skipped(answering: Answering) -> None:
+    client = _client(answering, {"m": [{"metric": {"__name__": "m"}, "value": ["NaN", "3"]}]})
+    assert client.query("m") == []
+    assert [r.text() for r in client.rejected] == ["m = 3"]
 
 
-def test_a_dcgm_series_without_name_or_gpu_is_folded_under_empty_ones() -> None:
-    acc: dict[str, _Acc] = {}
-    _fold_dcgm([
-        Sample({"UUID": "GPU-a", "hostname": "h"}, 3.0, 1.0),
-        Sample({"UUID": "GPU-b", "hostname": "h", "gpu": "2",
-                "__name__": "DCGM_FI_DEV_FB_USED"}, 4.0, 1.0),
-    ], acc)
-    assert acc == {
-        "GPU-a": _Acc("h", None, "GPU-a", "", "", "dcgm", {"": 3.0}, []),
-        "GPU-b": _Acc("h", None, "GPU-b", "2", "", "dcgm", {"DCGM_FI_DEV_FB_USED": 4.0}, []),
-    }
+def _devices(view: ClusterView) -> list[dict[str, Any]]:
+    """Each device of the cluster payload as ``hostname``, ``uuid``, ``index``, ``mig_index``,
+    ``name``, ``source`` and ``memory_used_bytes``."""
+    keys = ("uuid", "index", "mig_index", "name", "source", "memory_used_bytes")
+    return [{"hostname": host["hostname"], **{k: d[k] for k in keys}}
+            for host in view.to_dict()["hosts"] for d in host["devices"]]
 
 
-def test_a_skipped_sample_is_named_by_its_targets_host_else_by_its_labels() -> None:
-    rejected = [
-        Rejected({"__name__": "a", "instance": "10.0.0.1:9400"}, "= NaN"),
-        Rejected({"__name__": "b", "instance": "10.0.0.2:9400"}, "= NaN"),
-        Rejected({"__name__": "c"}, "= NaN"),
-        Rejected({"__name__": "d", "hostname": "named"}, "= NaN"),
+def test_an_autogpu_series_without_name_or_index_is_a_device_without_either(
+    answering: Answering,
+) -> None:
+    """Caught: the series' ``__name__`` or ``index`` read as required (a forged series broke
+    the whole view)."""
+    client = _client(answering, {AUTOGPU_Q: [_item("3", uuid="GPU-a", hostname="h")]})
+    assert _devices(fetch_cluster(client, now_s=1000.0)) == [
+        {"hostname": "h", "uuid": "GPU-a", "index": -1, "mig_index": None, "name": "",
+         "source": "autogpu", "memory_used_bytes": None}]
+
+
+def test_a_dcgm_series_without_name_or_gpu_is_a_device_without_either(
+    answering: Answering,
+) -> None:
+    client = _client(answering, {DCGM_Q: [
+        _item("3", UUID="GPU-a", hostname="h"),
+        _item("4", UUID="GPU-b", hostname="h", gpu="2", __name__="DCGM_FI_DEV_FB_USED"),
+    ]})
+    assert _devices(fetch_cluster(client, now_s=1000.0)) == [
+        {"hostname": "h", "uuid": "GPU-a", "index": -1, "mig_index": None, "name": "",
+         "source": "dcgm", "memory_used_bytes": None},
+        {"hostname": "h", "uuid": "GPU-b", "index": 2, "mig_index": None, "name": "",
+         "source": "dcgm", "memory_used_bytes": 4 * MiB},
     ]
-    host_of = {"10.0.0.1:9400": "gpu-1", "": "no-instance"}
-    assert _skipped_by_host(rejected, host_of) == {
-        "gpu-1": ["a = NaN"],
-        "10.0.0.2": ["b = NaN"],
-        "no-instance": ["c = NaN", "d = NaN"],
-    }
-    assert _skipped_by_host(rejected[1:2], {}) == {"10.0.0.2": ["b = NaN"]}
 
 
-def test_an_amd_device_is_seen_at_the_given_moment() -> None:
-    dev = _Acc("h", None, "h/gpu-0", "0", "MI300X", "amd", {"gpu_used_vram": 1.0})
-    assert _snapshot(dev, 123.5).snapshot.timestamp_s == 123.5
+def test_a_skipped_sample_is_named_by_its_targets_host_else_by_its_labels(
+    answering: Answering,
+) -> None:
+    """A skipped sample counts for the host its target exports (the hostname of the sweep's
+    series), else for its own ``hostname`` label, else its instance's address, else
+    ``unknown``; the view's errors say so per host, in host order."""
+    client = _client(answering, {
+        SWEEP_Q: [_item("900", instance="10.0.0.1:9400", hostname="gpu-1")],
+        AUTOGPU_Q: [
+            _item("NaN", __name__="a", instance="10.0.0.1:9400"),
+            _item("NaN", __name__="b", instance="10.0.0.2:9400"),
+            _item("NaN", __name__="c"),
+            _item("+Inf", __name__="d", hostname="named"),
+            _item("NaN", __name__="e", hostname="named"),
+        ],
+    })
+    assert fetch_cluster(client, now_s=1000.0).errors == (
+        "10.0.0.2: 1 sample(s) skipped, not finite numbers (e.g. b = NaN)",
+        "gpu-1: 1 sample(s) skipped, not finite numbers (e.g. a = NaN)",
+        "named: 2 sample(s) skipped, not finite numbers (e.g. d = +Inf)",
+        "unknown: 1 sample(s) skipped, not finite numbers (e.g. c = NaN)",
+    )
+
+
+def test_an_amd_device_is_seen_at_the_views_moment(answering: Answering) -> None:
+    client = _client(answering, {DCGM_Q: [
+        _item("1", __name__="gpu_used_vram", hostname="h", gpu_id="0", card_series="MI300X")]})
+    (host,) = fetch_cluster(client, now_s=123.5).hosts
+    assert [(d.snapshot.uuid, d.snapshot.name, d.snapshot.timestamp_s) for d in host.devices] == [
+        ("h/gpu-0", "MI300X", 123.5)]
 
 
 def test_a_gpu_sorts_before_a_mig_device_of_the_same_index_by_uuid_and_notes_join(
@@ -1530,13 +1571,13 @@ def test_a_gpu_sorts_before_a_mig_device_of_the_same_index_by_uuid_and_notes_joi
     """A host's devices sort by index, MIG index (none and 0 alike) and UUID; a host with a
     note and skipped samples keeps both."""
     client = _client(answering, {
-        _DCGM_QUERY: [
+        DCGM_Q: [
             _item("5", __name__="DCGM_FI_DEV_FB_USED", UUID="GPU-b", GPU_I_ID="0", gpu="0",
                   hostname="h"),
             _item("6", __name__="DCGM_FI_DEV_FB_USED", UUID="GPU-a", gpu="0", hostname="h"),
             _item("NaN", __name__="DCGM_FI_DEV_FB_FREE", UUID="GPU-a", gpu="0", hostname="h"),
         ],
-        _AUTOGPU_QUERY: [],
+        AUTOGPU_Q: [],
     })
     view = fetch_cluster(client, now_s=1000.0)
     (host,) = view.hosts
@@ -1585,19 +1626,18 @@ def test_a_target_that_is_not_an_object_is_skipped_not_the_rest(answering: Answe
     assert client.scrape_intervals() == {"a:1": 30.0}
 
 
-def test_a_dcgm_mig_devices_parent_is_its_whole_uuid_label() -> None:
+def test_a_dcgm_mig_devices_parent_is_its_whole_uuid_label(answering: Answering) -> None:
     """The key is ``UUID/GPU_I_ID``: a UUID label with a ``/`` in it stays whole as the parent
     (it was cut at its first ``/``; found by the ``rpartition`` mutant)."""
-    acc: dict[str, _Acc] = {}
-    _fold_dcgm([
-        Sample({"__name__": "DCGM_FI_DEV_FB_USED", "UUID": "GPU-a/b", "GPU_I_ID": "1",
-                "gpu": "0", "hostname": "h"}, 1.0, 1.0),
-        Sample({"__name__": "DCGM_FI_DEV_FB_USED", "UUID": "GPU-c", "GPU_I_ID": "2",
-                "gpu": "1", "hostname": "h"}, 1.0, 1.0),
-    ], acc)
-    snaps = [_snapshot(dev, 1.0).snapshot for dev in acc.values()]
-    assert [(s.uuid, s.parent_uuid, s.mig_index) for s in snaps] == [
-        ("GPU-a/b/1", "GPU-a/b", 1), ("GPU-c/2", "GPU-c", 2)]
+    client = _client(answering, {DCGM_Q: [
+        _item("1", __name__="DCGM_FI_DEV_FB_USED", UUID="GPU-a/b", GPU_I_ID="1", gpu="0",
+              hostname="h"),
+        _item("1", __name__="DCGM_FI_DEV_FB_USED", UUID="GPU-c", GPU_I_ID="2", gpu="1",
+              hostname="h"),
+    ]})
+    (host,) = fetch_cluster(client, now_s=1.0).hosts
+    assert [(d.snapshot.uuid, d.snapshot.parent_uuid, d.snapshot.mig_index)
+            for d in host.devices] == [("GPU-a/b/1", "GPU-a/b", 1), ("GPU-c/2", "GPU-c", 2)]
 
 
 # --- Mutation run of 2026-12-07 after the house's cut (issue 42, seed 71) -------------------------
