@@ -225,6 +225,16 @@ def test_the_kernels_devices_are_its_autogpu_choice_first(monkeypatch: pytest.Mo
 # ---- how long a device has been busy --------------------------------------------------------
 
 
+#: No window to wait and no memory cause: any busy stretch is a warning that says its length.
+NO_WINDOW = Thresholds(util_pct=90, window_s=0, memory_pct=100)
+
+
+def _busy_causes(history: object) -> list[str]:
+    """The causes of the warnings on GPU 0 (bob's load) for ``history``, without a window."""
+    found = overload.detect(history, _snap(), [U0], [ME], NO_WINDOW)  # type: ignore[arg-type]
+    return [c for w in found for c in w.causes]
+
+
 @pytest.mark.parametrize(
     ("points", "want"),
     [
@@ -232,26 +242,32 @@ def test_the_kernels_devices_are_its_autogpu_choice_first(monkeypatch: pytest.Mo
         ([(80.0, 50.0), (90.0, 95.0), (100.0, 97.0)], (10.0, 96.0)),
         ([(80.0, 95.0), (90.0, float("nan")), (100.0, 97.0)], (0.0, 97.0)),
         ([(90.0, 90.0), (100.0, 95.0)], (0.0, 95.0)),
-        ([(90.0, 97.0), (100.0, 90.0)], (0.0, None)),
-        ([(100.0, float("nan"))], (0.0, None)),
-        ([], (0.0, None)),
+        ([(60.0, 40.0), (70.0, 91.0), (80.0, 50.0), (90.0, 92.0), (100.0, 98.0)], (10.0, 95.0)),
+        ([(90.0, 97.0), (100.0, 90.0)], None),
+        ([(100.0, float("nan"))], None),
+        ([], None),
     ],
 )
 def test_busy_for_is_the_last_stretch_above_the_threshold(
-    points: list[tuple[float, float]], want: tuple[float, float | None]
+    points: list[tuple[float, float]], want: tuple[float, float] | None
 ) -> None:
-    assert overload._busy_for_s({U0: _series(U0, points)}, U0, 90.0) == want
+    """The warning's "utilisation M% for Ts": T is the last unbroken stretch above the
+    threshold up to the newest sample (unknown breaks it), M its mean; none when the newest
+    sample is not above. Read from the sampler's arrays and from its long table alike."""
+    causes = [] if want is None else [f"utilisation {want[1]:.0f}% for {want[0]:.0f}s (over 90%)"]
+    assert _busy_causes({U0: _series(U0, points)}) == causes
     frame = pd.DataFrame(
         [{"timestamp_s": t, "uuid": U0, "utilization_pct": u} for t, u in points]
         + [{"timestamp_s": 100.0, "uuid": U1, "utilization_pct": 99.0}],
+        columns=["timestamp_s", "uuid", "utilization_pct"],
     )
-    assert overload._busy_for_s(frame, U0, 90.0) == want
+    assert _busy_causes(frame) == causes
 
 
 def test_busy_for_a_device_without_history_is_nothing() -> None:
-    assert overload._busy_for_s({U1: _series(U1, [(100.0, 99.0)])}, U0, 90.0) == (0.0, None)
+    assert _busy_causes({U1: _series(U1, [(100.0, 99.0)])}) == []
     frame = pd.DataFrame([{"timestamp_s": 100.0, "uuid": U1, "utilization_pct": 99.0}])
-    assert overload._busy_for_s(frame, U0, 90.0) == (0.0, None)
+    assert _busy_causes(frame) == []
 
 
 # ---- detection ------------------------------------------------------------------------------
