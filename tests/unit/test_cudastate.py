@@ -394,6 +394,9 @@ def test_a_driver_loaded_between_two_checks_is_seen_and_its_unloading_too(
 def test_this_process_s_map_is_read_again_only_after_a_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_framework: None
 ) -> None:
+    """The map is remembered while the linker's count of loads and unloads stands still: a load
+    and an unload each make the next check read it again (a counter that read only the loads,
+    lost its callback or answered other than plain numbers fails here)."""
     reads: list[str] = []
     real_open = open
 
@@ -428,56 +431,6 @@ def test_this_process_s_map_is_read_again_only_after_a_load(
     assert reads[2:] == [str(other)] * 2
 
 
-def test_without_the_linker_s_count_the_map_is_read_every_time(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    reads: list[str] = []
-    real_open = open
-
-    def counting_open(path: str, *args: object, **kwargs: object) -> object:
-        reads.append(path)
-        return real_open(path, *args, **kwargs)  # type: ignore[call-overload]
-
-    monkeypatch.setattr(cudastate, "open", counting_open, raising=False)
-    monkeypatch.setattr(cudastate, "_load_count", lambda: None)
-    mapped_libcuda()
-    mapped_libcuda()
-    mapped_rocm()
-    assert reads == ["/proc/self/maps"] * 3
-
-
-def test_the_linker_s_count_moves_with_every_load_and_unload(tmp_path: Path) -> None:
-    before = cudastate._load_count()
-    assert before is not None  # glibc reports dlpi_adds / dlpi_subs
-    src = tmp_path / "counted.c"
-    src.write_text("int autogpu_counted(void) { return 2; }\n")
-    lib = tmp_path / f"libcounted{next(_names)}.so"
-    subprocess.run([os.environ.get("CC", "gcc"), "-shared", "-fPIC", "-o", str(lib), str(src)],
-                   check=True, capture_output=True)
-    handle = ctypes.CDLL(str(lib))
-    loaded = cudastate._load_count()
-    assert loaded is not None and loaded[0] == before[0] + 1
-    _ctypes.dlclose(handle._handle)
-    unloaded = cudastate._load_count()
-    assert unloaded is not None and unloaded[1] > loaded[1]
-
-
-# ---- a load counter built afresh ----
-# Also where the C library lacks dl_iterate_phdr or the system is not Linux (found by the
-# mutation run of issue 22).
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="dl_iterate_phdr (Linux)")
-def test_a_new_load_counter_reads_the_linker_s_counts() -> None:
-    count = cudastate._LoadCount()
-    # checked before it is called: a counter without its callback would crash the process
-    assert isinstance(count._callback, cudastate._PHDR_CALLBACK)
-    assert count._iterate.restype is ctypes.c_int  # type: ignore[union-attr]
-    assert count._iterate.argtypes == [  # type: ignore[union-attr]
-        cudastate._PHDR_CALLBACK, ctypes.c_void_p]
-    adds_subs = count()
-    assert adds_subs is not None and adds_subs == cudastate._load_count()
-    assert all(type(n) is int for n in adds_subs) and adds_subs[0] > 0
-
-
 def no_libc(name: str | None) -> Any:
     raise OSError("no C library")
 
@@ -487,24 +440,42 @@ def no_libc(name: str | None) -> Any:
     pytest.param(no_libc, id="no-libc"),
     pytest.param(None, id="not-linux"),
 ])
-def test_without_dl_iterate_phdr_the_counter_says_it_cannot_tell(
+def test_without_the_linker_s_count_the_map_is_read_every_time(
     monkeypatch: pytest.MonkeyPatch, libc: Any
 ) -> None:
+    """Where the C library lacks ``dl_iterate_phdr`` (or the system is not Linux), every check
+    reads the map (found by the mutation run of issue 22). A reasoned private seam: the counter
+    is built once, at import, from this process's own C library, which no test can swap; so a
+    counter is built here under the swapped library and put in its place. That the real one
+    counts every load and unload is seen above (the map read again after each)."""
     if libc is None:
         monkeypatch.setattr(sys, "platform", "darwin")
     else:
         monkeypatch.setattr(sys, "platform", "linux")
         monkeypatch.setattr(ctypes, "CDLL", libc)
-    count = cudastate._LoadCount()
-    assert count._iterate is None
-    assert count() is None
+    counter = cudastate._LoadCount()
+    monkeypatch.undo()
+    reads: list[str] = []
+    real_open = open
+
+    def counting_open(path: str, *args: object, **kwargs: object) -> object:
+        reads.append(path)
+        return real_open(path, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(cudastate, "open", counting_open, raising=False)
+    monkeypatch.setattr(cudastate, "_load_count", counter)
+    mapped_libcuda()
+    mapped_libcuda()
+    mapped_rocm()
+    assert reads == ["/proc/self/maps"] * 3
 
 
 # ---- the load counter's reading of the linker's struct ----
 # Found by the mutation run of issue 22.
-# The counter's callback itself: the bound on the struct's size it trusts has no effect this
-# process's real linker can show (it always hands a whole struct).
 def test_a_linker_that_reports_no_counts_gives_none() -> None:
+    """A reasoned private seam, like the two below: this process's real linker always reports
+    its counts in a whole struct, so a linker that reports none, or a struct cut short, can
+    only be handed to the counter itself."""
     count = cudastate._LoadCount()
     count._iterate = lambda callback, data: 0  # type: ignore[assignment]
     assert count() is None
@@ -517,6 +488,7 @@ END = cudastate._DlPhdrInfo.dlpi_subs.offset + cudastate._DlPhdrInfo.dlpi_subs.s
 def test_the_counts_are_read_only_from_a_struct_that_reaches_them(
     size: int, seen: tuple[int, int] | None
 ) -> None:
+    """A reasoned private seam, as above: the struct is handed to the counter's callback."""
     count = cudastate._LoadCount()
     count._seen.count = None
     info = ctypes.pointer(cudastate._DlPhdrInfo(dlpi_adds=7, dlpi_subs=2))
