@@ -16,7 +16,6 @@ import pytest
 from autogpu_jupyter.core import cudastate
 from autogpu_jupyter.core.cudastate import (
     CudaState,
-    _ask_rocr,
     hip_state,
     hip_too_late_message,
     kfd_open,
@@ -183,11 +182,15 @@ class FakeRocr:
     ],
 )
 def test_rocr_is_reopened_without_loading_and_asked_for_its_major_version(
-    monkeypatch: pytest.MonkeyPatch, rc: int, expected: tuple[bool, str]
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, torch_hint: None, rc: int,
+    expected: tuple[bool, str]
 ) -> None:
+    """A mapped ROCr is asked, through the real check over a map that names it, and its answer
+    is the verdict (the framework's hint after it)."""
     fake = FakeRocr(rc)
     monkeypatch.setattr(ctypes, "CDLL", fake.cdll)
-    assert _ask_rocr(ROCR) == expected
+    assert hip_state(maps(tmp_path, ROCR), fds(tmp_path)) == CudaState(
+        expected[0], f"{expected[1]} ({HINT})", "torch")
     assert fake.opened == [(ROCR, os.RTLD_NOLOAD | os.RTLD_LAZY)]
     assert fake.calls == [(0, ("c_ushort", 0))]
     assert fake.restype is ctypes.c_int
