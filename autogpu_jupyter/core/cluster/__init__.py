@@ -44,14 +44,13 @@ The package's rooms, lowest first (each imports only those above it in this list
   process;
 * :mod:`~autogpu_jupyter.core.cluster.history`: :func:`fetch_history`, each host's load over time.
 
-Every name is importable from the package as before the cut.
+Every public name is importable from the package as before the cut.
 """
 
 from __future__ import annotations
 
 from autogpu_jupyter.core.cluster.cache import CachedView, ClusterCache
 from autogpu_jupyter.core.cluster.history import (
-    _HISTORY_QUERIES,
     MAX_HISTORY_S,
     HostHistory,
     check_history_s,
@@ -68,37 +67,15 @@ from autogpu_jupyter.core.cluster.prometheus import (
     RangeSeries,
     Rejected,
     Sample,
-    _clamp_interval,
-    _duration_s,
-    _finite,
-    _labels,
-    _short,
     check_url,
 )
 from autogpu_jupyter.core.cluster.ranking import HostChoice, rank_hosts
 from autogpu_jupyter.core.cluster.series import (
-    _AMD_FIELDS,
-    _AUTOGPU_QUERY,
-    _DCGM_FIELDS,
-    _DCGM_QUERY,
-    _NAMES_QUERIES,
-    _SCRAPED_QUERY,
     LOOKBACK,
     ClusterDevice,
     ClusterHost,
     ClusterView,
     MiB,
-    _Acc,
-    _amd_snapshot,
-    _fold_amd,
-    _fold_autogpu,
-    _fold_dcgm,
-    _host_state,
-    _hostname,
-    _instances_by_host,
-    _int_label,
-    _skipped_by_host,
-    _snapshot,
     fetch_cluster,
 )
 
@@ -129,11 +106,3 @@ __all__ = [
     "MIN_SCRAPE_INTERVAL_S",
     "MiB",
 ]
-
-# The private helpers stay importable from here (the tests and benchmarks/cluster.py name them).
-_PRIVATE = (
-    _AMD_FIELDS, _AUTOGPU_QUERY, _DCGM_FIELDS, _DCGM_QUERY, _HISTORY_QUERIES, _NAMES_QUERIES,
-    _SCRAPED_QUERY, _Acc, _amd_snapshot, _clamp_interval, _duration_s, _finite, _fold_amd,
-    _fold_autogpu, _fold_dcgm, _host_state, _hostname, _instances_by_host, _int_label, _labels,
-    _short, _skipped_by_host, _snapshot,
-)
