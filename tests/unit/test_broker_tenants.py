@@ -726,3 +726,31 @@ def test_a_tenant_removed_by_a_reload_tells_its_idle_and_its_waiting_connections
     assert [json.loads(x) for x in told_idle.splitlines()] == [
         {"event": "revoked", "lease_id": "", "kind": "lease", "message": line}]
     assert json.loads(told_waiting)["error"] == line
+
+
+def test_a_removed_tenants_directory_that_holds_other_files_is_left_and_the_admin_told(
+    dirs: tuple[str, str], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A tenant removed by a reload whose socket directory holds a file the broker did not make:
+    its socket is removed, the directory and that file are left, and the log says so, naming the
+    tenant and the directory. Mutation run of 2026-12-07 (seed 71) found that warning unpinned
+    (``brokerd/tenantd.py`` ``remove``: logged without the tenant's name, or with its name as
+    the format)."""
+    import logging
+
+    state, root = dirs
+
+    async def go() -> None:
+        b = _broker(state_dir=state, tenant_socket_root=root,
+                    tenants={"bob": Tenant.make("bob")})
+        admin = Conn(b, 0, 0, os.getpid(), Account(0, "root", frozenset()))
+        await b.run_op("reload", admin, {"op": "reload"})
+        Path(root, "bob", "notes.txt").write_text("the container's\n")
+        b.config.tenants = {}
+        with caplog.at_level(logging.WARNING, logger="autogpu_jupyter"):
+            assert (await b.run_op("reload", admin, {"op": "reload"}))["removed"] == ["bob"]
+
+    asyncio.run(go())
+    assert sorted(os.listdir(os.path.join(root, "bob"))) == ["notes.txt"]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"tenant bob removed: {root}/bob holds other files: left as it is"]
