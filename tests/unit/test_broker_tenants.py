@@ -754,3 +754,36 @@ def test_a_removed_tenants_directory_that_holds_other_files_is_left_and_the_admi
     assert sorted(os.listdir(os.path.join(root, "bob"))) == ["notes.txt"]
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
         f"tenant bob removed: {root}/bob holds other files: left as it is"]
+
+
+def test_a_tenant_whose_socket_cannot_be_made_is_skipped_and_said_the_others_served(
+    dirs: tuple[str, str], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At a reload, a tenant whose socket directory is not one the broker may use (here a
+    plain file in its place) gets no socket and one warning naming it and why; the tenants
+    after it are served all the same, and the reload's answer names only those. Mutation run
+    of 2026-12-07 (seed 71, brokerd/tenantd.py ``reload``) found that warning and the going on
+    past a tenant without a socket unpinned."""
+    import logging
+
+    state, root = dirs
+    tenants.ensure_socket_root(root)
+    Path(root, "alice").write_text("not a directory\n")
+
+    async def go() -> dict[str, Any]:
+        b = _broker(state_dir=state, tenant_socket_root=root,
+                    tenants={"alice": Tenant.make("alice"), "bob": Tenant.make("bob")})
+        admin = Conn(b, 0, 0, os.getpid(), Account(0, "root", frozenset()))
+        try:
+            with caplog.at_level(logging.WARNING, logger="autogpu_jupyter"):
+                return await b.run_op("reload", admin, {"op": "reload"})
+        finally:
+            b.tenant_sockets.close()
+
+    reply = asyncio.run(go())
+    assert (reply["added"], reply["removed"], reply["updated"]) == (["bob"], [], [])
+    assert os.path.exists(tenants.tenant_socket(root, "bob"))
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"tenant alice: no socket (tenant socket directory {root}/alice is not a directory of "
+        f"uid {os.geteuid()} that only it can write: refused (remove it and add the tenant "
+        "again))"]
