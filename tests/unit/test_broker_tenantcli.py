@@ -17,7 +17,7 @@ import pytest
 
 from autogpu_jupyter.brokerd import tenantcli
 from autogpu_jupyter.brokerd.tenants import DEFAULT_SOCKET_ROOT
-from tests.leasehelpers import AsUser
+from tests.leasehelpers import as_user
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the tenants table is root's")
 
@@ -142,8 +142,8 @@ def _as_nobody(argv: list[str]) -> tuple[int, str]:
 
 @root_only
 def test_another_user_is_refused_in_one_line_before_anything_is_written(tmp_path: Path) -> None:
-    got = AsUser(65534, 65534, _as_nobody, ["add", "mallory", "--state-dir",
-                                            str(tmp_path / "state")]).result()
+    got = as_user(65534, 65534, _as_nobody, ["add", "mallory", "--state-dir",
+                                             str(tmp_path / "state")])
     assert got == (1, f"autogpu: broker tenant add needs root: the tenants table in "
                       f"{tmp_path}/state and the socket directories are root's (run it with "
                       "sudo)\n")
