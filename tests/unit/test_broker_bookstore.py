@@ -20,7 +20,10 @@ import pytest
 
 from autogpu_jupyter.broker import Broker, BrokerConfig
 from autogpu_jupyter.brokerd.bookstore import BookStore
+from autogpu_jupyter.core import decision
 from autogpu_jupyter.core.backends.simulated import SimulatedBackend
+from autogpu_jupyter.core.leasing import Requester
+from autogpu_jupyter.core.policy import Constraints
 from autogpu_jupyter.errors import NoDeviceFitsError
 from tests.leasehelpers import fleet
 from tests.processes.test_lease_store_contract import (
@@ -95,3 +98,30 @@ def test_the_book_lists_each_holder_as_its_requester_named_it(tmp_path: Path) ->
         assert str(err.value) == (f"no device free: {G[0]} is held exclusively by "
                                   f"{store.user}: train.ipynb")
     assert store.list_leases() == [] and store.scan().live == []
+
+
+def test_a_lease_is_shared_unless_asked_and_a_ticket_keeps_its_wish_and_its_requester(
+    contract: Contract,
+) -> None:
+    """What a caller of the store's interface leaves out or asks is what the book records: a
+    lease made without ``exclusive`` is shared (a second one on its device is granted); a
+    ticket asked exclusive, for a kernel, is listed so, among the tickets only; the store
+    names itself ``book:``. Mutation run of 2026-12-07 (seed 71) found these unpinned."""
+    store = contract.store
+    assert store.path == "book:"
+    with store.locked() as txn:
+        assert txn is not None
+        first = txn.create(devices=[G[1]])
+    with first, contract.lease(G[1]) as second:
+        assert not first.record.exclusive and not second.record.exclusive
+        held = store.take_ticket(constraints=decision.ticket_constraints(Constraints(), None),
+                                 exclusive=True,
+                                 requester=Requester(kernel_id="k9", notebook_path="w.ipynb"))
+        assert held is not None
+        with held as waiting:
+            assert {r.lease_id for r in store.list_leases()} == {
+                first.record.lease_id, second.record.lease_id}
+            (ticket,) = [r for r in store.list_leases(include_tickets=True)
+                         if r.kind == "ticket"]
+            assert (ticket.lease_id, ticket.exclusive, ticket.kernel_id, ticket.notebook_path) \
+                == (waiting.record.lease_id, True, "k9", "w.ipynb")
