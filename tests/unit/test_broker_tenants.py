@@ -787,3 +787,45 @@ def test_a_tenant_whose_socket_cannot_be_made_is_skipped_and_said_the_others_ser
         f"tenant alice: no socket (tenant socket directory {root}/alice is not a directory of "
         f"uid {os.geteuid()} that only it can write: refused (remove it and add the tenant "
         "again))"]
+
+
+def test_a_removed_tenants_connection_that_holds_a_lease_is_told_its_lease_is_revoked(
+    dirs: tuple[str, str],
+) -> None:
+    """A tenant removed by a reload while one of its connections holds a lease: that
+    connection is told the revocation with its lease's id and kind, then closed, and the
+    lease ends. Mutation run of 2026-12-07 (seed 71) found the lease's id in that line
+    unpinned (only a connection that held nothing was checked)."""
+    state, root = dirs
+    line = tenants.removed_refusal("bob")
+
+    async def go() -> tuple[str, bytes, set[str]]:
+        b = _broker(state_dir=state, tenant_socket_root=root,
+                    tenants={"bob": Tenant.make("bob")})
+        admin = _root(b)
+        await b.run_op("reload", admin, {"op": "reload"})
+        ours, theirs = socket.socketpair()
+        _KEEP.append(theirs)
+        before = set(b.connections.conns)
+        b.connections.accepted(ours, tenant=Tenant.make("bob"))
+        (conn,) = set(b.connections.conns) - before
+        _lease(b, conn, "GPU-rv1")
+        assert conn.record is not None
+        lease_id = conn.record.lease_id
+        b.config.tenants = {}
+        assert (await b.run_op("reload", admin, {"op": "reload"}))["removed"] == ["bob"]
+        loop = asyncio.get_running_loop()
+        theirs.setblocking(False)
+        got = b""
+        while True:
+            chunk = await asyncio.wait_for(loop.sock_recv(theirs, 65536), 10)
+            if not chunk:
+                break
+            got += chunk
+        live = {r.lease_id for _, r in b.book.live()}
+        return lease_id, got, live
+
+    lease_id, told, live = asyncio.run(go())
+    assert [json.loads(x) for x in told.splitlines()] == [
+        {"event": "revoked", "lease_id": lease_id, "kind": "lease", "message": line}]
+    assert lease_id not in live
