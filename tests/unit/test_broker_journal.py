@@ -839,3 +839,46 @@ def test_a_socket_is_found_in_the_brokers_own_namespace_and_a_closed_one_nowhere
         ours.close()
         theirs.close()
     assert peers.find_socket(ino, [os.getpid(), os.getpid()]) is None
+
+
+_CONNECT_FROM_OWN_NETNS = """
+import os, socket, sys, time
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+print(os.fstat(s.fileno()).st_ino, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a network namespace")
+def test_the_peer_of_a_client_in_another_network_namespace_is_found_there(
+    tmp_path: Path,
+) -> None:
+    """A client in its own network namespace (``unshare --net``, as a container) connects
+    through the socket's path: ``peers.peer_inode`` of the accepted connection names the
+    client's socket, asked in the client's namespace, and asked again (its ``sock_diag``
+    socket kept) gives the same. Mutation run of 2026-12-07 (seed 71) found the other
+    namespace's question unreached by the fast tests."""
+    import shutil
+
+    unshare = shutil.which("unshare")
+    assert unshare is not None, "unshare (util-linux) is needed"
+    path = str(tmp_path / "b.sock")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(path)
+        listener.listen(1)
+        child = subprocess.Popen([unshare, "--net", sys.executable, "-c",
+                                  _CONNECT_FROM_OWN_NETNS, path],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None
+            theirs = int(child.stdout.readline())
+            assert os.stat(f"/proc/{child.pid}/ns/net").st_ino != os.stat(
+                "/proc/self/ns/net").st_ino
+            conn, _ = listener.accept()
+            with conn:
+                assert peers.peer_inode(conn) == theirs
+                assert peers.peer_inode(conn) == theirs
+        finally:
+            child.kill()
+            child.wait(10)

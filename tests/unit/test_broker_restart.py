@@ -470,3 +470,61 @@ def test_reaper_rounds_ask_the_orphans_sockets_in_turn_from_the_first(
     run(rounds())
     assert seen == [{second}, set()]  # the first ended in the first round
     assert first not in seen[0]
+
+
+_IN_OWN_NETNS = """
+import os, socket, sys, time
+ours, theirs = socket.socketpair()
+print(os.fstat(theirs.fileno()).st_ino, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a network namespace")
+def test_a_journaled_socket_in_another_network_namespace_keeps_its_lease_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """A lease's socket lives in another network namespace (a container's) and its recorded
+    holders are gone (the socket was handed on): the restarted broker finds the socket among
+    the host's namespaces and keeps the lease; the reaper finds the process that holds it; the
+    lease ends with that process. Mutation run of 2026-12-07 (seed 71) found the search of
+    the host's namespaces at a restart, and the reaper's question about a socket it found
+    there, unpinned: the lease was dropped at the restart or at the first reaper round."""
+    import shutil
+    import subprocess
+    import sys
+
+    unshare = shutil.which("unshare")
+    assert unshare is not None, "unshare (util-linux) is needed"
+    child = subprocess.Popen([unshare, "--net", sys.executable, "-c", _IN_OWN_NETNS],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        inode = int(child.stdout.readline())
+        assert os.stat(f"/proc/{child.pid}/ns/net").st_ino != os.stat(
+            "/proc/self/ns/net").st_ino
+        state = state_dir(tmp_path)
+        first = broker(state_dir=str(state))
+        assert first.restorer.journal is not None
+        rec = lease_record(first, person(first, os.getuid()), "GPU-ns1")
+        first.restorer.journal.add(
+            Entry(rec.lease_id, os.getuid(), encode(rec).decode(), inode, GONE))
+        second = broker(state_dir=str(state))
+        assert live_ids(second) == {rec.lease_id}
+
+        async def go() -> None:
+            loop = asyncio.get_running_loop()
+            await second.restorer.reap(loop)
+            assert live_ids(second) == {rec.lease_id}
+            assert [p for p, _ in second.book.orphans[rec.lease_id].holder_pids] == [child.pid]
+            child.kill()
+            for _ in range(1000):
+                if rec.lease_id not in live_ids(second):
+                    return
+                await asyncio.sleep(0.01)
+
+        run(go())
+        assert rec.lease_id not in live_ids(second)
+    finally:
+        child.kill()
+        child.wait(10)

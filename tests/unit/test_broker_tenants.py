@@ -726,3 +726,106 @@ def test_a_tenant_removed_by_a_reload_tells_its_idle_and_its_waiting_connections
     assert [json.loads(x) for x in told_idle.splitlines()] == [
         {"event": "revoked", "lease_id": "", "kind": "lease", "message": line}]
     assert json.loads(told_waiting)["error"] == line
+
+
+def test_a_removed_tenants_directory_that_holds_other_files_is_left_and_the_admin_told(
+    dirs: tuple[str, str], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A tenant removed by a reload whose socket directory holds a file the broker did not make:
+    its socket is removed, the directory and that file are left, and the log says so, naming the
+    tenant and the directory. Mutation run of 2026-12-07 (seed 71) found that warning unpinned
+    (``brokerd/tenantd.py`` ``remove``: logged without the tenant's name, or with its name as
+    the format)."""
+    import logging
+
+    state, root = dirs
+
+    async def go() -> None:
+        b = _broker(state_dir=state, tenant_socket_root=root,
+                    tenants={"bob": Tenant.make("bob")})
+        admin = Conn(b, 0, 0, os.getpid(), Account(0, "root", frozenset()))
+        await b.run_op("reload", admin, {"op": "reload"})
+        Path(root, "bob", "notes.txt").write_text("the container's\n")
+        b.config.tenants = {}
+        with caplog.at_level(logging.WARNING, logger="autogpu_jupyter"):
+            assert (await b.run_op("reload", admin, {"op": "reload"}))["removed"] == ["bob"]
+
+    asyncio.run(go())
+    assert sorted(os.listdir(os.path.join(root, "bob"))) == ["notes.txt"]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"tenant bob removed: {root}/bob holds other files: left as it is"]
+
+
+def test_a_tenant_whose_socket_cannot_be_made_is_skipped_and_said_the_others_served(
+    dirs: tuple[str, str], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At a reload, a tenant whose socket directory is not one the broker may use (here a
+    plain file in its place) gets no socket and one warning naming it and why; the tenants
+    after it are served all the same, and the reload's answer names only those. Mutation run
+    of 2026-12-07 (seed 71, brokerd/tenantd.py ``reload``) found that warning and the going on
+    past a tenant without a socket unpinned."""
+    import logging
+
+    state, root = dirs
+    tenants.ensure_socket_root(root)
+    Path(root, "alice").write_text("not a directory\n")
+
+    async def go() -> dict[str, Any]:
+        b = _broker(state_dir=state, tenant_socket_root=root,
+                    tenants={"alice": Tenant.make("alice"), "bob": Tenant.make("bob")})
+        admin = Conn(b, 0, 0, os.getpid(), Account(0, "root", frozenset()))
+        try:
+            with caplog.at_level(logging.WARNING, logger="autogpu_jupyter"):
+                return await b.run_op("reload", admin, {"op": "reload"})
+        finally:
+            b.tenant_sockets.close()
+
+    reply = asyncio.run(go())
+    assert (reply["added"], reply["removed"], reply["updated"]) == (["bob"], [], [])
+    assert os.path.exists(tenants.tenant_socket(root, "bob"))
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"tenant alice: no socket (tenant socket directory {root}/alice is not a directory of "
+        f"uid {os.geteuid()} that only it can write: refused (remove it and add the tenant "
+        "again))"]
+
+
+def test_a_removed_tenants_connection_that_holds_a_lease_is_told_its_lease_is_revoked(
+    dirs: tuple[str, str],
+) -> None:
+    """A tenant removed by a reload while one of its connections holds a lease: that
+    connection is told the revocation with its lease's id and kind, then closed, and the
+    lease ends. Mutation run of 2026-12-07 (seed 71) found the lease's id in that line
+    unpinned (only a connection that held nothing was checked)."""
+    state, root = dirs
+    line = tenants.removed_refusal("bob")
+
+    async def go() -> tuple[str, bytes, set[str]]:
+        b = _broker(state_dir=state, tenant_socket_root=root,
+                    tenants={"bob": Tenant.make("bob")})
+        admin = _root(b)
+        await b.run_op("reload", admin, {"op": "reload"})
+        ours, theirs = socket.socketpair()
+        _KEEP.append(theirs)
+        before = set(b.connections.conns)
+        b.connections.accepted(ours, tenant=Tenant.make("bob"))
+        (conn,) = set(b.connections.conns) - before
+        _lease(b, conn, "GPU-rv1")
+        assert conn.record is not None
+        lease_id = conn.record.lease_id
+        b.config.tenants = {}
+        assert (await b.run_op("reload", admin, {"op": "reload"}))["removed"] == ["bob"]
+        loop = asyncio.get_running_loop()
+        theirs.setblocking(False)
+        got = b""
+        while True:
+            chunk = await asyncio.wait_for(loop.sock_recv(theirs, 65536), 10)
+            if not chunk:
+                break
+            got += chunk
+        live = {r.lease_id for _, r in b.book.live()}
+        return lease_id, got, live
+
+    lease_id, told, live = asyncio.run(go())
+    assert [json.loads(x) for x in told.splitlines()] == [
+        {"event": "revoked", "lease_id": lease_id, "kind": "lease", "message": line}]
+    assert lease_id not in live
