@@ -22,7 +22,6 @@ import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from itertools import compress, islice
 from operator import is_not
 from typing import TYPE_CHECKING, Any
 
@@ -168,7 +167,8 @@ def bookings_for(
     # The runs start where a record is not the one before it (found in C, not one Python step
     # per lease).
     on: dict[str, list[tuple[LeaseRecord, int, int | None]]] = {}
-    starts = list(compress(itertools.count(1), map(is_not, islice(leases, 1, None), leases)))
+    starts = list(itertools.compress(itertools.count(1),
+                                     map(is_not, itertools.islice(leases, 1, None), leases)))
     for start, end in zip([0, *starts], [*starts, len(leases)], strict=True):
         rec = leases[start] if end > start else None  # None: no leases at all
         if rec is not None and rec.live and rec.kind == "lease":
